@@ -21,6 +21,11 @@ struct Qwen35Config {
   double rope_theta = 10000000.0;
   double partial_rotary_factor = 0.25;
   int64_t rotary_dim = 0;  // head_dim * partial_rotary_factor, even
+  // Multimodal RoPE split of the rotary_dim/2 frequencies over (t, h, w) position streams; empty
+  // if the config has none. For text-only input the three streams carry the same position, so
+  // M-RoPE equals plain RoPE over rotary_dim and these only matter for validation.
+  std::vector<int64_t> mrope_section;
+  bool mrope_interleaved = false;
   bool attention_bias = false;
   // Gated DeltaNet.
   int64_t linear_num_key_heads = 0;

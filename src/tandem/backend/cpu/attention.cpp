@@ -1,0 +1,66 @@
+// Attention over a paged KV cache: one query token at a time, its softmax over its own prefix
+// in position order, so decode, verify windows and prefill give the same numbers per token.
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "tandem/backend/ops.h"
+
+namespace tandem::ops {
+
+void kv_write(const KVLayerView& kv, const int32_t* block_table, int64_t start, int64_t n,
+              const float* k, const float* v) {
+  const int64_t row = kv.n_kv_heads * kv.head_dim;
+  for (int64_t t = 0; t < n; ++t) {
+    const int64_t p = start + t;
+    const int32_t block = block_table[p / kv.block_size];
+    const int64_t slot = p % kv.block_size;
+    std::memcpy(kv.key(block, slot), k + t * row, sizeof(float) * row);
+    std::memcpy(kv.value(block, slot), v + t * row, sizeof(float) * row);
+  }
+}
+
+void attention(const KVLayerView& kv, const int32_t* block_table, int64_t start, int64_t n,
+               const float* q, int64_t n_heads, float scale, float* out) {
+  const int64_t hd = kv.head_dim;
+  const int64_t group = n_heads / kv.n_kv_heads;
+  const int64_t work = n * n_heads;
+#pragma omp parallel num_threads(thread_count()) if (work * (start + n) > 4096)
+  {
+    std::vector<float> scores(static_cast<size_t>(start + n));
+#pragma omp for schedule(static)
+    for (int64_t w = 0; w < work; ++w) {
+      const int64_t t = w / n_heads;
+      const int64_t h = w % n_heads;
+      const int64_t kvh = h / group;
+      const int64_t len = start + t + 1;  // causal: positions 0..start+t
+      const float* qv = q + (t * n_heads + h) * hd;
+      float mx = -INFINITY;
+      for (int64_t p = 0; p < len; ++p) {
+        const float* kp = kv.key(block_table[p / kv.block_size], p % kv.block_size) + kvh * hd;
+        float dot = 0.0f;
+        for (int64_t i = 0; i < hd; ++i) dot += qv[i] * kp[i];
+        scores[p] = dot * scale;
+        mx = std::max(mx, scores[p]);
+      }
+      double sum = 0.0;
+      for (int64_t p = 0; p < len; ++p) {
+        scores[p] = std::exp(scores[p] - mx);
+        sum += scores[p];
+      }
+      const float inv = static_cast<float>(1.0 / sum);
+      float* o = out + (t * n_heads + h) * hd;
+      for (int64_t i = 0; i < hd; ++i) o[i] = 0.0f;
+      for (int64_t p = 0; p < len; ++p) {
+        const float* vp = kv.value(block_table[p / kv.block_size], p % kv.block_size) + kvh * hd;
+        const float wgt = scores[p] * inv;
+        for (int64_t i = 0; i < hd; ++i) o[i] += wgt * vp[i];
+      }
+    }
+  }
+}
+
+}  // namespace tandem::ops

@@ -1,0 +1,153 @@
+// Norms, activations, gates and small helpers: memory-bound loops over rows.
+#include <omp.h>
+
+#include <cmath>
+
+#include "tandem/backend/ops.h"
+#include "tandem/core/error.h"
+
+namespace tandem::ops {
+
+namespace {
+int g_threads = 0;
+
+inline float load_weight(const WeightRef& w, int64_t i) {
+  switch (w.dtype) {
+    case DType::F32: return static_cast<const float*>(w.data)[i];
+    case DType::BF16: return bf16_to_f32(static_cast<const uint16_t*>(w.data)[i]);
+    case DType::F16: return f16_to_f32(static_cast<const uint16_t*>(w.data)[i]);
+    default: return NAN;
+  }
+}
+
+inline float silu(float x) { return x / (1.0f + std::exp(-x)); }
+
+// Reciprocal RMS of one row, accumulated in double in index order (row-count independent).
+inline float inv_rms(const float* x, int64_t d, float eps) {
+  double ss = 0.0;
+  for (int64_t i = 0; i < d; ++i) ss += static_cast<double>(x[i]) * x[i];
+  return static_cast<float>(1.0 / std::sqrt(ss / static_cast<double>(d) + eps));
+}
+
+void check_float_weight(const WeightRef& w, const char* op) {
+  if (w.dtype != DType::F32 && w.dtype != DType::BF16 && w.dtype != DType::F16)
+    fail(op, ": unsupported weight dtype ", dtype_name(w.dtype));
+}
+}  // namespace
+
+void set_thread_count(int n) { g_threads = n; }
+
+int thread_count() { return g_threads > 0 ? g_threads : omp_get_max_threads(); }
+
+WeightRef weight_ref(const TensorView& t) {
+  WeightRef w;
+  w.dtype = t.dtype;
+  w.data = t.data;
+  if (t.shape.size() == 1) {
+    w.rows = 1;
+    w.cols = t.shape[0];
+  } else if (t.shape.size() == 2) {
+    w.rows = t.shape[0];
+    w.cols = t.shape[1];
+  } else {
+    // Higher-rank weights (conv1d [C, 1, K]) collapse to [shape[0], rest].
+    w.rows = t.shape.empty() ? 1 : t.shape[0];
+    w.cols = w.rows ? t.numel() / w.rows : 0;
+  }
+  return w;
+}
+
+void embed_rows(const WeightRef& table, const int32_t* ids, int64_t n, float* out) {
+  check_float_weight(table, "embed_rows");
+  const int64_t d = table.cols;
+  const size_t row_bytes = static_cast<size_t>(d) * dtype_size(table.dtype);
+  for (int64_t i = 0; i < n; ++i) {
+    WeightRef row = table;
+    row.data = static_cast<const uint8_t*>(table.data) + static_cast<size_t>(ids[i]) * row_bytes;
+    for (int64_t c = 0; c < d; ++c) out[i * d + c] = load_weight(row, c);
+  }
+}
+
+void rms_norm(const float* x, int64_t m, int64_t d, const WeightRef& w, bool zero_centred,
+              float eps, float* y) {
+  check_float_weight(w, "rms_norm");
+  TANDEM_CHECK(w.rows * w.cols == d, "rms_norm weight size");
+#pragma omp parallel for schedule(static) num_threads(thread_count()) if (m > 8)
+  for (int64_t r = 0; r < m; ++r) {
+    const float s = inv_rms(x + r * d, d, eps);
+    for (int64_t i = 0; i < d; ++i) {
+      const float wi = load_weight(w, i);
+      y[r * d + i] = (x[r * d + i] * s) * (zero_centred ? 1.0f + wi : wi);
+    }
+  }
+}
+
+void gated_rms_norm(const float* x, const float* z, int64_t m, int64_t d, const WeightRef& w,
+                    float eps, float* y) {
+  check_float_weight(w, "gated_rms_norm");
+  TANDEM_CHECK(w.rows * w.cols == d, "gated_rms_norm weight size");
+#pragma omp parallel for schedule(static) num_threads(thread_count()) if (m > 8)
+  for (int64_t r = 0; r < m; ++r) {
+    const float s = inv_rms(x + r * d, d, eps);
+    for (int64_t i = 0; i < d; ++i)
+      y[r * d + i] = load_weight(w, i) * (x[r * d + i] * s) * silu(z[r * d + i]);
+  }
+}
+
+void swiglu(const float* gate, const float* up, int64_t n, float* out) {
+#pragma omp parallel for schedule(static) num_threads(thread_count()) if (n > 65536)
+  for (int64_t i = 0; i < n; ++i) out[i] = silu(gate[i]) * up[i];
+}
+
+void sigmoid_gate(float* x, const float* gate, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) x[i] *= 1.0f / (1.0f + std::exp(-gate[i]));
+}
+
+void add_inplace(float* x, const float* y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) x[i] += y[i];
+}
+
+void rope(float* x, int64_t n_tokens, int64_t n_heads, int64_t head_dim, int64_t rotary_dim,
+          const int64_t* positions, const float* inv_freq) {
+  const int64_t half = rotary_dim / 2;
+  for (int64_t t = 0; t < n_tokens; ++t) {
+    const float pos = static_cast<float>(positions[t]);
+    for (int64_t i = 0; i < half; ++i) {
+      // Angles in fp32 as the reference computes them (inv_freq · position, then cos/sin).
+      const float angle = pos * inv_freq[i];
+      const float c = std::cos(angle);
+      const float s = std::sin(angle);
+      for (int64_t h = 0; h < n_heads; ++h) {
+        float* v = x + (t * n_heads + h) * head_dim;
+        const float a = v[i];
+        const float b = v[i + half];
+        v[i] = a * c - b * s;
+        v[i + half] = b * c + a * s;
+      }
+    }
+  }
+}
+
+void causal_conv_silu(const float* x, int64_t n, int64_t channels, int64_t kernel,
+                      const WeightRef& w, float* state, float* out) {
+  check_float_weight(w, "causal_conv_silu");
+  TANDEM_CHECK(w.rows == channels && w.cols == kernel, "conv weight shape");
+  const int64_t hist = kernel - 1;
+#pragma omp parallel for schedule(static) num_threads(thread_count()) if (channels >= 256)
+  for (int64_t c = 0; c < channels; ++c) {
+    float* st = state + c * hist;
+    float wc[16];
+    for (int64_t j = 0; j < kernel; ++j) wc[j] = load_weight(w, c * kernel + j);
+    for (int64_t t = 0; t < n; ++t) {
+      const float xt = x[t * channels + c];
+      float acc = 0.0f;
+      for (int64_t j = 0; j < hist; ++j) acc += wc[j] * st[j];
+      acc += wc[hist] * xt;
+      for (int64_t j = 0; j + 1 < hist; ++j) st[j] = st[j + 1];
+      if (hist > 0) st[hist - 1] = xt;
+      out[t * channels + c] = silu(acc);
+    }
+  }
+}
+
+}  // namespace tandem::ops

@@ -1,0 +1,69 @@
+#include "tandem/backend/cpu/memory_bandwidth.h"
+
+#include <immintrin.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+
+#include "tandem/backend/ops.h"
+
+namespace tandem::cpu {
+
+namespace {
+// Sums the buffer with wide loads; the sum is returned so the reads cannot be optimised away.
+float read_sum(const float* p, size_t n) {
+#if defined(__AVX512F__)
+  __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(),
+         a3 = _mm512_setzero_ps();
+  size_t i = 0;
+  for (; i + 64 <= n; i += 64) {
+    a0 = _mm512_add_ps(a0, _mm512_load_ps(p + i));
+    a1 = _mm512_add_ps(a1, _mm512_load_ps(p + i + 16));
+    a2 = _mm512_add_ps(a2, _mm512_load_ps(p + i + 32));
+    a3 = _mm512_add_ps(a3, _mm512_load_ps(p + i + 48));
+  }
+  float s = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+  for (; i < n; ++i) s += p[i];
+  return s;
+#else
+  float s = 0;
+  for (size_t i = 0; i < n; ++i) s += p[i];
+  return s;
+#endif
+}
+}  // namespace
+
+double measure_read_bandwidth(size_t bytes, int repeats, int threads) {
+  const int nt = threads > 0 ? threads : ops::thread_count();
+  const size_t n = bytes / sizeof(float);
+  std::unique_ptr<float, decltype(&std::free)> buf(
+      static_cast<float*>(std::aligned_alloc(64, n * sizeof(float))), &std::free);
+  float* p = buf.get();
+  // First touch from the threads that will read, so pages land near them.
+#pragma omp parallel for schedule(static) num_threads(nt)
+  for (size_t i = 0; i < n; ++i) p[i] = 1.0f;
+  double best = 0;
+  volatile float sink = 0;
+  for (int r = 0; r < repeats; ++r) {
+    const auto t0 = std::chrono::steady_clock::now();
+    float total = 0;
+#pragma omp parallel num_threads(nt) reduction(+ : total)
+    {
+      const size_t per = (n / static_cast<size_t>(omp_get_num_threads()) + 63) & ~size_t{63};
+      const size_t begin = per * static_cast<size_t>(omp_get_thread_num());
+      if (begin < n) total += read_sum(p + begin, std::min(per, n - begin));
+    }
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    sink = sink + total;
+    best = std::max(best, static_cast<double>(n * sizeof(float)) / s);
+  }
+  (void)sink;
+  return best;
+}
+
+}  // namespace tandem::cpu

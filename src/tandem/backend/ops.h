@@ -1,0 +1,114 @@
+// The op set models are written against. Each op is one coarse step (one fused kernel on a GPU):
+// a decode step is a fixed sequence of these calls, with no graph and no allocation.
+//
+// Conventions shared by every op:
+//  - Activations are fp32, row-major, contiguous: `x[m, k]` means m rows of k floats.
+//  - Weights are `WeightRef`s into stored (often memory-mapped) tensors: fp32, bf16 or f16,
+//    row-major [out_features, in_features] exactly as safetensors stores a Linear.
+//  - Compute and accumulation are fp32. Every op computes a row's result with a reduction order
+//    that does not depend on how many rows are in the call (batch invariance, DESIGN.md §1.2):
+//    a token's numbers are the same alone, in a verify window, or next to other requests.
+//  - Ops parallelise internally (OpenMP) over independent outputs, never over a reduction.
+#pragma once
+
+#include <cstdint>
+
+#include "tandem/core/dtype.h"
+#include "tandem/core/tensor.h"
+
+namespace tandem::ops {
+
+// A borrowed 1-D or 2-D weight: `rows` x `cols`, row-major, any float storage dtype.
+// `data` may be unaligned (safetensors does not align tensor data).
+struct WeightRef {
+  DType dtype = DType::F32;
+  const void* data = nullptr;
+  int64_t rows = 0;
+  int64_t cols = 0;
+};
+WeightRef weight_ref(const TensorView& t);  // 1-D tensors become rows = 1
+
+// Threads used by every op. 0 = all hardware threads.
+void set_thread_count(int n);
+int thread_count();
+
+// y[m, w.rows] = x[m, w.cols] · wᵀ
+void linear(const float* x, int64_t m, const WeightRef& w, float* y);
+
+// out[i, :] = table[ids[i], :] converted to fp32. ids must be in range (checked by caller).
+void embed_rows(const WeightRef& table, const int32_t* ids, int64_t n, float* out);
+
+// RMSNorm over the last axis of x[m, d]:
+//   y = x · rsqrt(mean(x²) + eps) · scale,  scale = (1 + w) if zero_centred else w.
+// In place is allowed (y == x).
+void rms_norm(const float* x, int64_t m, int64_t d, const WeightRef& w, bool zero_centred,
+              float eps, float* y);
+
+// Gated RMSNorm of the DeltaNet output, per head: y = rms_norm(x) · w · silu(z), x, z: [m, d].
+void gated_rms_norm(const float* x, const float* z, int64_t m, int64_t d, const WeightRef& w,
+                    float eps, float* y);
+
+// SwiGLU: out[i] = silu(gate[i]) · up[i] for n elements.
+void swiglu(const float* gate, const float* up, int64_t n, float* out);
+
+// x[i] *= sigmoid(gate[i]) for n elements.
+void sigmoid_gate(float* x, const float* gate, int64_t n);
+
+// x[i] += y[i]
+void add_inplace(float* x, const float* y, int64_t n);
+
+// Rotary embedding, rotate-half (NeoX) layout, applied to the first `rotary_dim` dims of every
+// head: x[n_tokens, n_heads, head_dim], positions[n_tokens]. inv_freq[rotary_dim / 2].
+void rope(float* x, int64_t n_tokens, int64_t n_heads, int64_t head_dim, int64_t rotary_dim,
+          const int64_t* positions, const float* inv_freq);
+
+// Paged KV for one full-attention layer. Keys and values of position p of a row live in block
+// `block_table[p / block_size]` at slot `p % block_size`; a block holds
+// [block_size, n_kv_heads, head_dim] keys followed by the same for values.
+struct KVLayerView {
+  float* pool = nullptr;  // [n_blocks, 2, block_size, n_kv_heads, head_dim]
+  int64_t block_size = 0;
+  int64_t n_kv_heads = 0;
+  int64_t head_dim = 0;
+  float* key(int32_t block, int64_t slot) const {
+    return pool + ((static_cast<int64_t>(block) * 2) * block_size + slot) * n_kv_heads * head_dim;
+  }
+  float* value(int32_t block, int64_t slot) const {
+    return pool + ((static_cast<int64_t>(block) * 2 + 1) * block_size + slot) * n_kv_heads *
+                      head_dim;
+  }
+};
+
+// Writes k, v [n, n_kv_heads, head_dim] of one row at positions start..start+n-1.
+void kv_write(const KVLayerView& kv, const int32_t* block_table, int64_t start, int64_t n,
+              const float* k, const float* v);
+
+// Causal attention of one row's n query tokens (at positions start..start+n-1) over its cached
+// keys/values 0..start+n-1. q: [n, n_heads, head_dim], out: [n, n_heads, head_dim].
+// Query head h reads kv head h / (n_heads / n_kv_heads). Each query's softmax runs over its own
+// prefix in position order, so the result does not depend on n.
+void attention(const KVLayerView& kv, const int32_t* block_table, int64_t start, int64_t n,
+               const float* q, int64_t n_heads, float scale, float* out);
+
+// Depthwise causal conv1d with state, then SiLU, for one row's n tokens.
+// x, out: [n, channels]; w: [channels, kernel] (HF Conv1d weight squeezed); state: [channels,
+// kernel-1] holds the previous kernel-1 inputs, oldest first, and is advanced by n tokens.
+void causal_conv_silu(const float* x, int64_t n, int64_t channels, int64_t kernel,
+                      const WeightRef& w, float* state, float* out);
+
+// Gated delta rule recurrence of one row, token by token (the same per-token step for prefill,
+// decode and verify, so a window's states equal decoding one token at a time).
+//  q, k: [n, n_k_heads, dk] (raw; L2-normalised inside, q also scaled by dk^-0.5)
+//  v:    [n, n_v_heads, dv]
+//  a, b: [n, n_v_heads] raw projections; decay g = -exp(A_log)·softplus(a + dt_bias), beta =
+//        sigmoid(b). Value head h uses key head h / (n_v_heads / n_k_heads).
+//  state: [n_v_heads, dk, dv] fp32, advanced in place.  out: [n, n_v_heads, dv].
+//  state_after (optional): [n, n_v_heads, dk, dv] receives the state after each token.
+struct DeltaHeads {
+  int64_t n_k_heads, n_v_heads, dk, dv;
+};
+void gated_delta_rule(const float* q, const float* k, const float* v, const float* a,
+                      const float* b, const WeightRef& A_log, const WeightRef& dt_bias, int64_t n,
+                      const DeltaHeads& h, float* state, float* out, float* state_after = nullptr);
+
+}  // namespace tandem::ops

@@ -1,0 +1,73 @@
+#include "tandem/cli/common.h"
+
+#include <charconv>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "tandem/backend/ops.h"
+#include "tandem/core/error.h"
+
+namespace tandem::cli {
+
+std::vector<int32_t> parse_token_ids(const std::string& s) {
+  std::vector<int32_t> ids;
+  size_t i = 0;
+  while (i <= s.size()) {
+    size_t j = s.find(',', i);
+    if (j == std::string::npos) j = s.size();
+    std::string part = s.substr(i, j - i);
+    const size_t a = part.find_first_not_of(" \t");
+    const size_t b = part.find_last_not_of(" \t");
+    part = a == std::string::npos ? "" : part.substr(a, b - a + 1);
+    int64_t v = 0;
+    auto [p, ec] = std::from_chars(part.data(), part.data() + part.size(), v);
+    if (part.empty() || ec != std::errc() || p != part.data() + part.size() || v < 0 ||
+        v > INT32_MAX)
+      fail("--token-ids: '", part, "' is not a token id (expected non-negative integers separated "
+           "by commas)");
+    ids.push_back(static_cast<int32_t>(v));
+    i = j + 1;
+  }
+  return ids;
+}
+
+std::string read_text_file(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f) fail("cannot read ", path);
+  std::ostringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+std::optional<Tokenizer> open_tokenizer(const std::string& model_dir) {
+  const auto path = std::filesystem::path(model_dir) / "tokenizer.json";
+  if (!std::filesystem::exists(path)) return std::nullopt;
+  return Tokenizer::load(path.string());
+}
+
+std::vector<int32_t> resolve_input(const std::string& what, const std::optional<std::string>& text,
+                                   const std::optional<std::string>& text_file,
+                                   const std::optional<std::string>& token_ids,
+                                   const std::optional<Tokenizer>& tok) {
+  const int given = text.has_value() + text_file.has_value() + token_ids.has_value();
+  if (given != 1) fail("give exactly one of --", what, ", --", what, "-file or --token-ids");
+  std::vector<int32_t> ids;
+  if (token_ids) {
+    if (token_ids->find_first_not_of(" \t") == std::string::npos)
+      fail("the ", what, " is empty (--token-ids lists no ids)");
+    ids = parse_token_ids(*token_ids);
+  } else {
+    if (!tok) fail("the model directory has no tokenizer.json; pass --token-ids instead");
+    ids = tok->encode(text ? *text : read_text_file(*text_file));
+  }
+  if (ids.empty()) fail("the ", what, " is empty (it encodes to no tokens)");
+  return ids;
+}
+
+void apply_threads(int threads) {
+  if (threads < 0) fail("--threads must be >= 0 (0 = all cores)");
+  ops::set_thread_count(threads);
+}
+
+}  // namespace tandem::cli

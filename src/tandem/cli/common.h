@@ -1,0 +1,30 @@
+// Pieces shared by the tandem subcommands: input parsing and model/tokenizer opening.
+#pragma once
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "tandem/io/tokenizer.h"
+#include "tandem/model/qwen3_5.h"
+
+namespace tandem::cli {
+
+// Parses "1,2,3" (spaces allowed). Throws Error naming the bad element.
+std::vector<int32_t> parse_token_ids(const std::string& s);
+std::string read_text_file(const std::string& path);
+
+// The tokenizer of a model directory, if it has tokenizer.json.
+std::optional<Tokenizer> open_tokenizer(const std::string& model_dir);
+
+// Exactly one of text / text file / token ids must be given; text needs a tokenizer.
+// Unset optionals are options not given on the command line.
+std::vector<int32_t> resolve_input(const std::string& what, const std::optional<std::string>& text,
+                                   const std::optional<std::string>& text_file,
+                                   const std::optional<std::string>& token_ids,
+                                   const std::optional<Tokenizer>& tok);
+
+void apply_threads(int threads);
+
+}  // namespace tandem::cli

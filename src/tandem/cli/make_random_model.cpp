@@ -1,0 +1,37 @@
+// tandem make-random-model: a random-weight checkpoint of a given config, for benchmarks.
+#include <cstdio>
+
+#include "tandem/cli/commands.h"
+#include "tandem/core/error.h"
+#include "tandem/model/qwen3_5_random.h"
+
+namespace tandem::cli {
+
+void add_make_random_model_command(CLI::App& app) {
+  struct Args {
+    std::string config, out, dtype = "bf16";
+    uint64_t seed = 0;
+  };
+  auto a = std::make_shared<Args>();
+  CLI::App* sub = app.add_subcommand(
+      "make-random-model", "Write a random-weight Qwen3.5 checkpoint for a config.json");
+  sub->add_option("--config", a->config, "config.json giving the shape")->required();
+  sub->add_option("--out", a->out, "Output directory")->required();
+  sub->add_option("--dtype", a->dtype, "f32, bf16 or f16")->capture_default_str();
+  sub->add_option("--seed", a->seed, "Random seed")->capture_default_str();
+  sub->callback([a] {
+    DType t;
+    if (a->dtype == "f32")
+      t = DType::F32;
+    else if (a->dtype == "bf16")
+      t = DType::BF16;
+    else if (a->dtype == "f16")
+      t = DType::F16;
+    else
+      fail("--dtype must be f32, bf16 or f16, got '", a->dtype, "'");
+    write_random_qwen35(a->config, a->out, t, a->seed);
+    std::fprintf(stderr, "wrote %s\n", a->out.c_str());
+  });
+}
+
+}  // namespace tandem::cli

@@ -1,0 +1,114 @@
+#include "tandem/engine/generator.h"
+
+#include <algorithm>
+#include <chrono>
+
+#include "tandem/core/error.h"
+
+namespace tandem {
+
+namespace {
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+}  // namespace
+
+const char* finish_reason_name(FinishReason r) {
+  return r == FinishReason::Stop ? "stop" : "length";
+}
+
+double GenerateStats::prefill_tokens_per_second() const {
+  return prefill_seconds > 0 ? static_cast<double>(prompt_tokens) / prefill_seconds : 0.0;
+}
+
+double GenerateStats::decode_tokens_per_second() const {
+  return decode_seconds > 0 ? static_cast<double>(decode_tokens) / decode_seconds : 0.0;
+}
+
+std::vector<GenerateResult> Generator::run(const std::vector<GenerateRequest>& requests,
+                                           const TokenCallback& on_token, GenerateStats* stats) {
+  const Qwen35Config& cfg = model_.config();
+  for (size_t i = 0; i < requests.size(); ++i) {
+    const GenerateRequest& r = requests[i];
+    if (r.prompt.empty()) fail("request ", i, ": the prompt is empty");
+    for (int32_t id : r.prompt)
+      if (id < 0 || id >= cfg.vocab_size)
+        fail("request ", i, ": token id ", id, " is out of range [0, ", cfg.vocab_size, ")");
+    if (r.max_tokens < 1) fail("request ", i, ": max_tokens must be at least 1");
+    r.sampling.validate();
+  }
+  const size_t B = requests.size();
+  std::vector<GenerateResult> results(B);
+  if (B == 0) return results;
+
+  Qwen35State state(cfg);
+  std::vector<int> slots(B);
+  for (size_t i = 0; i < B; ++i) slots[i] = state.open_row();
+
+  auto is_eos = [&](int32_t id) {
+    return std::find(cfg.eos_token_ids.begin(), cfg.eos_token_ids.end(), id) !=
+           cfg.eos_token_ids.end();
+  };
+  std::vector<bool> live(B, true);
+  // Emits the token sampled for request i; returns whether the request continues.
+  auto emit = [&](size_t i, int32_t tok) {
+    results[i].tokens.push_back(tok);
+    if (on_token) on_token(i, tok);
+    if (!requests[i].ignore_eos && is_eos(tok)) {
+      results[i].finish = FinishReason::Stop;
+      live[i] = false;
+    } else if (static_cast<int64_t>(results[i].tokens.size()) >= requests[i].max_tokens) {
+      results[i].finish = FinishReason::Length;
+      live[i] = false;
+    }
+  };
+
+  GenerateStats st;
+  ForwardOutput out;
+  std::vector<int32_t> tokens;
+  std::vector<RowInput> rows;
+  std::vector<size_t> row_req;
+
+  auto t0 = std::chrono::steady_clock::now();
+  for (size_t i = 0; i < B; ++i) {
+    tokens.insert(tokens.end(), requests[i].prompt.begin(), requests[i].prompt.end());
+    rows.push_back({slots[i], static_cast<int64_t>(requests[i].prompt.size())});
+    st.prompt_tokens += static_cast<int64_t>(requests[i].prompt.size());
+  }
+  model_.forward(state, {tokens, rows, false, false}, &out);
+  const int64_t V = cfg.vocab_size;
+  for (size_t i = 0; i < B; ++i) {
+    std::span<const float> logits(out.logits.data() + i * V, static_cast<size_t>(V));
+    emit(i, sample_token(logits, requests[i].sampling, 0));
+  }
+  st.prefill_seconds = seconds_since(t0);
+
+  t0 = std::chrono::steady_clock::now();
+  for (;;) {
+    tokens.clear();
+    rows.clear();
+    row_req.clear();
+    for (size_t i = 0; i < B; ++i) {
+      if (!live[i]) continue;
+      tokens.push_back(results[i].tokens.back());
+      rows.push_back({slots[i], 1});
+      row_req.push_back(i);
+    }
+    if (rows.empty()) break;
+    model_.forward(state, {tokens, rows, false, false}, &out);
+    for (size_t r = 0; r < row_req.size(); ++r) {
+      const size_t i = row_req[r];
+      std::span<const float> logits(out.logits.data() + r * V, static_cast<size_t>(V));
+      emit(i, sample_token(logits, requests[i].sampling,
+                           static_cast<uint64_t>(results[i].tokens.size())));
+    }
+    ++st.decode_steps;
+    st.decode_tokens += static_cast<int64_t>(row_req.size());
+  }
+  st.decode_seconds = seconds_since(t0);
+  for (const auto& r : results) st.generated_tokens += static_cast<int64_t>(r.tokens.size());
+  if (stats) *stats = st;
+  return results;
+}
+
+}  // namespace tandem

@@ -1,0 +1,55 @@
+// Non-speculative generation: prefill every request's prompt as rows of one forward, then decode
+// all live rows together, one token per row per step, until EOS / max tokens.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "tandem/engine/sampler.h"
+#include "tandem/model/qwen3_5.h"
+
+namespace tandem {
+
+struct GenerateRequest {
+  std::vector<int32_t> prompt;
+  SamplingParams sampling;
+  int64_t max_tokens = 128;
+  bool ignore_eos = false;
+};
+
+enum class FinishReason { Length, Stop };
+const char* finish_reason_name(FinishReason r);  // OpenAI names: "length", "stop"
+
+struct GenerateStats {
+  double prefill_seconds = 0, decode_seconds = 0;
+  int64_t prompt_tokens = 0, generated_tokens = 0;
+  int64_t decode_steps = 0;   // forwards after the prefill
+  int64_t decode_tokens = 0;  // tokens those forwards produced (all rows)
+  double prefill_tokens_per_second() const;
+  double decode_tokens_per_second() const;  // decode_tokens / decode_seconds
+};
+
+struct GenerateResult {
+  std::vector<int32_t> tokens;  // generated ids (EOS included when it ended the request)
+  FinishReason finish = FinishReason::Length;
+};
+
+// Called once per emitted token, in order per request: (request index, token id).
+using TokenCallback = std::function<void(size_t, int32_t)>;
+
+class Generator {
+ public:
+  explicit Generator(const Qwen35Model& model) : model_(model) {}
+  // Validates every request first (empty prompt, ids out of range, sampling parameters,
+  // max_tokens < 1 → Error), then runs them all as one batch.
+  std::vector<GenerateResult> run(const std::vector<GenerateRequest>& requests,
+                                  const TokenCallback& on_token = {},
+                                  GenerateStats* stats = nullptr);
+
+ private:
+  const Qwen35Model& model_;
+};
+
+}  // namespace tandem

@@ -1,0 +1,312 @@
+#include "tandem/model/qwen3_5.h"
+
+#include <cmath>
+#include <cstring>
+
+#include "tandem/core/error.h"
+
+namespace tandem {
+
+namespace {
+
+void grow(std::vector<float>& v, int64_t n) {
+  if (static_cast<int64_t>(v.size()) < n) v.resize(static_cast<size_t>(n));
+}
+
+bool is_float(DType t) { return t == DType::F32 || t == DType::BF16 || t == DType::F16; }
+
+// Looks up a tensor and checks its shape and dtype, naming both on mismatch.
+ops::WeightRef expect(const WeightStore& store, const std::string& name,
+                      const std::vector<int64_t>& shape) {
+  const TensorView& t = store.get(name);
+  if (t.shape != shape)
+    fail("tensor '", name, "' in ", store.dir(), ": expected shape ", shape_str(shape), ", got ",
+         shape_str(t.shape));
+  if (!is_float(t.dtype))
+    fail("tensor '", name, "' in ", store.dir(), ": dtype ", dtype_name(t.dtype),
+         " is not supported (expected F32, BF16 or F16)");
+  return ops::weight_ref(t);
+}
+
+}  // namespace
+
+std::unique_ptr<Qwen35Model> Qwen35Model::load(const std::string& dir, const LoadOptions& opts) {
+  std::unique_ptr<Qwen35Model> m(new Qwen35Model());
+  m->cfg_ = load_qwen35_config(dir);
+  if (m->cfg_.attention_bias)
+    fail(dir, "/config.json: attention_bias=true is not supported for qwen3_5");
+  if (m->cfg_.linear_conv_kernel_dim < 1 || m->cfg_.linear_conv_kernel_dim > 16)
+    fail(dir, "/config.json: linear_conv_kernel_dim must be in 1..16, got ",
+         m->cfg_.linear_conv_kernel_dim);
+  m->store_ = WeightStore::open(dir, opts.prefault);
+  m->bind_weights();
+  return m;
+}
+
+void Qwen35Model::bind_weights() {
+  const Qwen35Config& c = cfg_;
+  const WeightStore& s = store_;
+  if (s.find("model.language_model.embed_tokens.weight"))
+    prefix_ = "model.language_model.";
+  else if (s.find("model.embed_tokens.weight"))
+    prefix_ = "model.";
+  else
+    fail("no embedding tensor in ", s.dir(),
+         ": expected 'model.language_model.embed_tokens.weight' or 'model.embed_tokens.weight'");
+  const int64_t H = c.hidden_size;
+  embed_ = expect(s, prefix_ + "embed_tokens.weight", {c.vocab_size, H});
+  final_norm_ = expect(s, prefix_ + "norm.weight", {H});
+  if (c.tie_word_embeddings) {
+    lm_head_ = embed_;
+  } else {
+    if (!s.find("lm_head.weight"))
+      fail("tensor 'lm_head.weight' not found in ", s.dir(),
+           " (config says tie_word_embeddings=false)");
+    lm_head_ = expect(s, "lm_head.weight", {c.vocab_size, H});
+  }
+  const int64_t hd = c.head_dim;
+  const int64_t nv = c.linear_num_value_heads;
+  int n_attn = 0, n_lin = 0;
+  layers_.clear();
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+    const std::string p = prefix_ + "layers." + std::to_string(i) + ".";
+    Layer L;
+    L.kind = c.layer_types[static_cast<size_t>(i)];
+    L.input_norm = expect(s, p + "input_layernorm.weight", {H});
+    L.post_norm = expect(s, p + "post_attention_layernorm.weight", {H});
+    L.gate_proj = expect(s, p + "mlp.gate_proj.weight", {c.intermediate_size, H});
+    L.up_proj = expect(s, p + "mlp.up_proj.weight", {c.intermediate_size, H});
+    L.down_proj = expect(s, p + "mlp.down_proj.weight", {H, c.intermediate_size});
+    if (L.kind == LayerKind::FullAttention) {
+      L.index_in_kind = n_attn++;
+      const std::string a = p + "self_attn.";
+      L.attn.q_proj = expect(s, a + "q_proj.weight", {c.num_attention_heads * hd * 2, H});
+      L.attn.k_proj = expect(s, a + "k_proj.weight", {c.num_key_value_heads * hd, H});
+      L.attn.v_proj = expect(s, a + "v_proj.weight", {c.num_key_value_heads * hd, H});
+      L.attn.o_proj = expect(s, a + "o_proj.weight", {H, c.num_attention_heads * hd});
+      L.attn.q_norm = expect(s, a + "q_norm.weight", {hd});
+      L.attn.k_norm = expect(s, a + "k_norm.weight", {hd});
+    } else {
+      L.index_in_kind = n_lin++;
+      const std::string a = p + "linear_attn.";
+      L.delta.in_proj_qkv = expect(s, a + "in_proj_qkv.weight", {c.linear_conv_dim(), H});
+      L.delta.in_proj_z = expect(s, a + "in_proj_z.weight", {c.linear_value_dim(), H});
+      L.delta.in_proj_b = expect(s, a + "in_proj_b.weight", {nv, H});
+      L.delta.in_proj_a = expect(s, a + "in_proj_a.weight", {nv, H});
+      L.delta.conv1d =
+          expect(s, a + "conv1d.weight", {c.linear_conv_dim(), 1, c.linear_conv_kernel_dim});
+      L.delta.A_log = expect(s, a + "A_log", {nv});
+      L.delta.dt_bias = expect(s, a + "dt_bias", {nv});
+      L.delta.norm = expect(s, a + "norm.weight", {c.linear_value_head_dim});
+      L.delta.out_proj = expect(s, a + "out_proj.weight", {H, c.linear_value_dim()});
+    }
+    layers_.push_back(L);
+  }
+  // Rotary frequencies in fp32, as the reference computes them.
+  inv_freq_.resize(static_cast<size_t>(c.rotary_dim / 2));
+  const float theta = static_cast<float>(c.rope_theta);
+  for (int64_t i = 0; i < c.rotary_dim / 2; ++i)
+    inv_freq_[i] =
+        1.0f / std::pow(theta, static_cast<float>(2 * i) / static_cast<float>(c.rotary_dim));
+}
+
+uint64_t Qwen35Model::decode_weight_bytes() const {
+  auto bytes = [](const ops::WeightRef& w) {
+    return static_cast<uint64_t>(w.rows * w.cols) * dtype_size(w.dtype);
+  };
+  uint64_t n = bytes(final_norm_) + bytes(lm_head_);
+  for (const Layer& L : layers_) {
+    n += bytes(L.input_norm) + bytes(L.post_norm) + bytes(L.gate_proj) + bytes(L.up_proj) +
+         bytes(L.down_proj);
+    if (L.kind == LayerKind::FullAttention) {
+      n += bytes(L.attn.q_proj) + bytes(L.attn.k_proj) + bytes(L.attn.v_proj) +
+           bytes(L.attn.o_proj) + bytes(L.attn.q_norm) + bytes(L.attn.k_norm);
+    } else {
+      n += bytes(L.delta.in_proj_qkv) + bytes(L.delta.in_proj_z) + bytes(L.delta.in_proj_b) +
+           bytes(L.delta.in_proj_a) + bytes(L.delta.conv1d) + bytes(L.delta.A_log) +
+           bytes(L.delta.dt_bias) + bytes(L.delta.norm) + bytes(L.delta.out_proj);
+    }
+  }
+  return n;
+}
+
+uint64_t Qwen35Model::parameter_count() const {
+  uint64_t n = 0;
+  for (const std::string& name : store_.names()) {
+    if (name.rfind(prefix_, 0) == 0 || name == "lm_head.weight") n += store_.get(name).numel();
+  }
+  return n;
+}
+
+void Qwen35Model::forward(Qwen35State& st, const ForwardRequest& req, ForwardOutput* out) const {
+  const Qwen35Config& c = cfg_;
+  const int64_t H = c.hidden_size;
+  int64_t T = 0;
+  for (const RowInput& r : req.rows) {
+    if (!st.row_open(r.slot)) fail("forward: row slot ", r.slot, " is not open");
+    if (r.n_tokens <= 0) fail("forward: row slot ", r.slot, " has no tokens");
+    T += r.n_tokens;
+  }
+  if (T != static_cast<int64_t>(req.tokens.size()))
+    fail("forward: rows cover ", T, " tokens but ", req.tokens.size(), " were given");
+  for (size_t i = 0; i < req.tokens.size(); ++i)
+    if (req.tokens[i] < 0 || req.tokens[i] >= c.vocab_size)
+      fail("token id ", req.tokens[i], " at input position ", i, " is out of range [0, ",
+           c.vocab_size, ")");
+  for (const RowInput& r : req.rows) st.reserve(r.slot, st.length(r.slot) + r.n_tokens);
+
+  Workspace& w = ws_;
+  grow(w.x, T * H);
+  grow(w.h, T * H);
+  w.pos.resize(static_cast<size_t>(T));
+  {
+    int64_t t = 0;
+    for (const RowInput& r : req.rows)
+      for (int64_t j = 0; j < r.n_tokens; ++j) w.pos[t++] = st.length(r.slot) + j;
+  }
+  ops::embed_rows(embed_, req.tokens.data(), T, w.x.data());
+
+  for (const Layer& L : layers_) {
+    ops::rms_norm(w.x.data(), T, H, L.input_norm, true, static_cast<float>(c.rms_norm_eps),
+                  w.h.data());
+    if (L.kind == LayerKind::FullAttention)
+      attention_layer(L, st, req, T);
+    else
+      delta_layer(L, st, req, T);
+    ops::add_inplace(w.x.data(), w.h.data(), T * H);  // h holds the mixer output
+
+    ops::rms_norm(w.x.data(), T, H, L.post_norm, true, static_cast<float>(c.rms_norm_eps),
+                  w.h.data());
+    const int64_t I = c.intermediate_size;
+    grow(w.mlp_g, T * I);
+    grow(w.mlp_u, T * I);
+    ops::linear(w.h.data(), T, L.gate_proj, w.mlp_g.data());
+    ops::linear(w.h.data(), T, L.up_proj, w.mlp_u.data());
+    ops::swiglu(w.mlp_g.data(), w.mlp_u.data(), T * I, w.mlp_g.data());
+    ops::linear(w.mlp_g.data(), T, L.down_proj, w.h.data());
+    ops::add_inplace(w.x.data(), w.h.data(), T * H);
+  }
+  for (const RowInput& r : req.rows) st.set_length(r.slot, st.length(r.slot) + r.n_tokens);
+
+  // Final norm: every token when hidden states are wanted, else only the rows needing logits.
+  const float eps = static_cast<float>(c.rms_norm_eps);
+  if (req.want_hidden || req.all_logits) {
+    ops::rms_norm(w.x.data(), T, H, final_norm_, true, eps, w.h.data());
+    if (req.want_hidden) out->hidden.assign(w.h.begin(), w.h.begin() + T * H);
+    else out->hidden.clear();
+  } else {
+    out->hidden.clear();
+  }
+  if (req.all_logits) {
+    out->logits_rows = T;
+    out->logits.resize(static_cast<size_t>(T * c.vocab_size));
+    ops::linear(w.h.data(), T, lm_head_, out->logits.data());
+  } else {
+    const int64_t R = static_cast<int64_t>(req.rows.size());
+    // Gather each row's last token (normed) into a contiguous block, then one head GEMM.
+    std::vector<float> last(static_cast<size_t>(R * H));
+    int64_t t = 0;
+    for (int64_t r = 0; r < R; ++r) {
+      t += req.rows[r].n_tokens;
+      const float* src = (req.want_hidden ? w.h.data() : w.x.data()) + (t - 1) * H;
+      if (req.want_hidden)
+        std::memcpy(last.data() + r * H, src, sizeof(float) * H);
+      else
+        ops::rms_norm(src, 1, H, final_norm_, true, eps, last.data() + r * H);
+    }
+    out->logits_rows = R;
+    out->logits.resize(static_cast<size_t>(R * c.vocab_size));
+    ops::linear(last.data(), R, lm_head_, out->logits.data());
+  }
+}
+
+void Qwen35Model::attention_layer(const Layer& L, Qwen35State& st, const ForwardRequest& req,
+                                  int64_t T) const {
+  const Qwen35Config& c = cfg_;
+  Workspace& w = ws_;
+  const int64_t nh = c.num_attention_heads, nkv = c.num_key_value_heads, hd = c.head_dim;
+  const float eps = static_cast<float>(c.rms_norm_eps);
+  grow(w.a0, T * nh * hd * 2);
+  grow(w.a1, T * nh * hd);
+  grow(w.a2, T * nh * hd);
+  grow(w.a3, T * nkv * hd);
+  grow(w.a4, T * nkv * hd);
+  grow(w.a5, T * nh * hd);
+  float *qg = w.a0.data(), *q = w.a1.data(), *gate = w.a2.data(), *k = w.a3.data(),
+        *v = w.a4.data(), *o = w.a5.data();
+  ops::linear(w.h.data(), T, L.attn.q_proj, qg);
+  ops::linear(w.h.data(), T, L.attn.k_proj, k);
+  ops::linear(w.h.data(), T, L.attn.v_proj, v);
+  // q_proj emits, per head, [query (hd) | gate (hd)].
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t h = 0; h < nh; ++h) {
+      const float* src = qg + (t * nh + h) * 2 * hd;
+      std::memcpy(q + (t * nh + h) * hd, src, sizeof(float) * hd);
+      std::memcpy(gate + (t * nh + h) * hd, src + hd, sizeof(float) * hd);
+    }
+  ops::rms_norm(q, T * nh, hd, L.attn.q_norm, true, eps, q);
+  ops::rms_norm(k, T * nkv, hd, L.attn.k_norm, true, eps, k);
+  ops::rope(q, T, nh, hd, c.rotary_dim, w.pos.data(), inv_freq_.data());
+  ops::rope(k, T, nkv, hd, c.rotary_dim, w.pos.data(), inv_freq_.data());
+
+  const ops::KVLayerView kv = st.kv_layer(L.index_in_kind);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  int64_t t0 = 0;
+  for (const RowInput& r : req.rows) {
+    const int64_t start = st.length(r.slot);
+    const int32_t* table = st.block_table(r.slot).data();
+    ops::kv_write(kv, table, start, r.n_tokens, k + t0 * nkv * hd, v + t0 * nkv * hd);
+    ops::attention(kv, table, start, r.n_tokens, q + t0 * nh * hd, nh, scale,
+                   o + t0 * nh * hd);
+    t0 += r.n_tokens;
+  }
+  ops::sigmoid_gate(o, gate, T * nh * hd);
+  ops::linear(o, T, L.attn.o_proj, w.h.data());
+}
+
+void Qwen35Model::delta_layer(const Layer& L, Qwen35State& st, const ForwardRequest& req,
+                              int64_t T) const {
+  const Qwen35Config& c = cfg_;
+  Workspace& w = ws_;
+  const int64_t conv_dim = c.linear_conv_dim(), kd = c.linear_key_dim(),
+                vd = c.linear_value_dim(), nv = c.linear_num_value_heads;
+  grow(w.a0, T * conv_dim);
+  grow(w.a1, T * conv_dim);
+  grow(w.a2, T * vd);
+  grow(w.a3, T * nv * 2);
+  grow(w.a4, T * (2 * kd + vd));
+  grow(w.a5, T * vd);
+  float *qkv = w.a0.data(), *conv = w.a1.data(), *z = w.a2.data(), *b = w.a3.data(),
+        *a = w.a3.data() + T * nv, *core = w.a5.data();
+  float *q = w.a4.data(), *k = q + T * kd, *v = k + T * kd;
+  ops::linear(w.h.data(), T, L.delta.in_proj_qkv, qkv);
+  ops::linear(w.h.data(), T, L.delta.in_proj_z, z);
+  ops::linear(w.h.data(), T, L.delta.in_proj_b, b);
+  ops::linear(w.h.data(), T, L.delta.in_proj_a, a);
+
+  const ops::DeltaHeads heads{c.linear_num_key_heads, nv, c.linear_key_head_dim,
+                              c.linear_value_head_dim};
+  int64_t t0 = 0;
+  for (const RowInput& r : req.rows) {
+    const int64_t n = r.n_tokens;
+    ops::causal_conv_silu(qkv + t0 * conv_dim, n, conv_dim, c.linear_conv_kernel_dim,
+                          L.delta.conv1d, st.conv_state(r.slot, L.index_in_kind),
+                          conv + t0 * conv_dim);
+    // The conv output per token is [q (kd) | k (kd) | v (vd)]; the recurrence wants each packed.
+    for (int64_t t = t0; t < t0 + n; ++t) {
+      const float* src = conv + t * conv_dim;
+      std::memcpy(q + t * kd, src, sizeof(float) * kd);
+      std::memcpy(k + t * kd, src + kd, sizeof(float) * kd);
+      std::memcpy(v + t * vd, src + 2 * kd, sizeof(float) * vd);
+    }
+    ops::gated_delta_rule(q + t0 * kd, k + t0 * kd, v + t0 * vd, a + t0 * nv, b + t0 * nv,
+                          L.delta.A_log, L.delta.dt_bias, n, heads,
+                          st.recurrent_state(r.slot, L.index_in_kind), core + t0 * vd);
+    t0 += n;
+  }
+  ops::gated_rms_norm(core, z, T * nv, c.linear_value_head_dim, L.delta.norm,
+                      static_cast<float>(c.rms_norm_eps), core);
+  ops::linear(core, T, L.delta.out_proj, w.h.data());
+}
+
+}  // namespace tandem

@@ -1,0 +1,292 @@
+#include "tandem/model/qwen3_5_config.h"
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "tandem/core/error.h"
+
+namespace tandem {
+namespace {
+
+using json = nlohmann::json;
+
+// One JSON object of the config plus how to name its fields in errors ("text_config.x").
+// A field set to null counts as absent, as transformers treats it.
+class Fields {
+ public:
+  Fields(const json& obj, const std::string& file, std::string prefix)
+      : obj_(obj), file_(file), prefix_(std::move(prefix)) {}
+
+  const json* get(const char* key) const {
+    auto it = obj_.find(key);
+    return it == obj_.end() || it->is_null() ? nullptr : &*it;
+  }
+  bool has(const char* key) const { return get(key) != nullptr; }
+  std::string name(const char* key) const { return prefix_ + key; }
+
+  template <class... Parts>
+  [[noreturn]] void bad(const char* key, Parts&&... parts) const {
+    fail(file_, ": ", name(key), ": ", std::forward<Parts>(parts)...);
+  }
+
+  const json& require(const char* key) const {
+    const json* v = get(key);
+    if (v == nullptr) fail(file_, ": missing required field ", name(key));
+    return *v;
+  }
+
+  int64_t as_int(const char* key, const json& v) const {
+    if (v.is_number_unsigned()) {
+      if (v.get<uint64_t>() > static_cast<uint64_t>(INT64_MAX)) bad(key, "value out of range");
+      return static_cast<int64_t>(v.get<uint64_t>());
+    }
+    if (!v.is_number_integer()) bad(key, "expected an integer, got ", v.dump());
+    return v.get<int64_t>();
+  }
+  int64_t positive(const char* key, int64_t v) const {
+    if (v <= 0) bad(key, "must be positive, got ", v);
+    return v;
+  }
+  int64_t req_pos_int(const char* key) const { return positive(key, as_int(key, require(key))); }
+  int64_t opt_pos_int(const char* key, int64_t def) const {
+    const json* v = get(key);
+    return v ? positive(key, as_int(key, *v)) : def;
+  }
+  double opt_number(const char* key, double def) const {
+    const json* v = get(key);
+    if (v == nullptr) return def;
+    if (!v->is_number()) bad(key, "expected a number, got ", v->dump());
+    return v->get<double>();
+  }
+  bool opt_bool(const char* key, bool def) const {
+    const json* v = get(key);
+    if (v == nullptr) return def;
+    if (!v->is_boolean()) bad(key, "expected true or false, got ", v->dump());
+    return v->get<bool>();
+  }
+  std::string opt_string(const char* key, const std::string& def) const {
+    const json* v = get(key);
+    if (v == nullptr) return def;
+    if (!v->is_string()) bad(key, "expected a string, got ", v->dump());
+    return v->get<std::string>();
+  }
+  const json* opt_object(const char* key) const {
+    const json* v = get(key);
+    if (v != nullptr && !v->is_object()) bad(key, "expected an object, got ", v->dump());
+    return v;
+  }
+
+ private:
+  const json& obj_;
+  const std::string& file_;
+  std::string prefix_;
+};
+
+json parse_json(const std::string& text, const std::string& source_name) {
+  try {
+    return json::parse(text);
+  } catch (const json::exception& e) {
+    fail(source_name, ": not valid JSON: ", e.what());
+  }
+}
+
+std::string read_file(const std::filesystem::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  if (!in) fail("cannot read ", p.string());
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+// eos_token_id is an int, a list of ints, or null; appends new ids to `out` in order.
+void append_eos(const Fields& f, std::vector<int64_t>* out) {
+  const json* v = f.get("eos_token_id");
+  if (v == nullptr) return;
+  auto add = [&](const json& x) {
+    const int64_t id = f.as_int("eos_token_id", x);
+    if (id < 0) f.bad("eos_token_id", "token ids must be non-negative, got ", id);
+    if (std::find(out->begin(), out->end(), id) == out->end()) out->push_back(id);
+  };
+  if (v->is_array()) {
+    for (const json& x : *v) add(x);
+  } else {
+    add(*v);
+  }
+}
+
+}  // namespace
+
+Qwen35Config parse_qwen35_config(const std::string& json_text, const std::string& source_name) {
+  const json root = parse_json(json_text, source_name);
+  if (!root.is_object()) {
+    fail(source_name, ": expected a JSON object at the top level, got ", root.type_name());
+  }
+  Qwen35Config c;
+  const Fields outer(root, source_name, "");
+  c.model_type = outer.opt_string("model_type", "");
+  if (c.model_type.empty()) fail(source_name, ": missing required field model_type");
+  if (c.model_type != "qwen3_5" && c.model_type != "qwen3_5_text") {
+    fail("unsupported model_type '", c.model_type, "' in ", source_name,
+         " (expected qwen3_5 or qwen3_5_text)");
+  }
+  const json* text_obj = &root;
+  std::string prefix;
+  if (c.model_type == "qwen3_5") {
+    text_obj = outer.opt_object("text_config");
+    if (text_obj == nullptr) {
+      fail(source_name, ": model_type qwen3_5 needs a text_config object with the text model");
+    }
+    prefix = "text_config.";
+  }
+  const Fields t(*text_obj, source_name, prefix);
+  if (c.model_type == "qwen3_5") {
+    const std::string inner = t.opt_string("model_type", "qwen3_5_text");
+    if (inner != "qwen3_5_text") {
+      t.bad("model_type", "unsupported text model '", inner, "' (expected qwen3_5_text)");
+    }
+  }
+
+  c.vocab_size = t.req_pos_int("vocab_size");
+  c.hidden_size = t.req_pos_int("hidden_size");
+  c.intermediate_size = t.req_pos_int("intermediate_size");
+  c.num_hidden_layers = t.req_pos_int("num_hidden_layers");
+  c.max_position_embeddings = t.req_pos_int("max_position_embeddings");
+  c.num_attention_heads = t.req_pos_int("num_attention_heads");
+  c.num_key_value_heads = t.req_pos_int("num_key_value_heads");
+  if (c.num_attention_heads % c.num_key_value_heads != 0) {
+    t.bad("num_attention_heads", c.num_attention_heads,
+          " is not a multiple of num_key_value_heads (", c.num_key_value_heads, ")");
+  }
+  c.head_dim = t.opt_pos_int("head_dim", c.hidden_size / c.num_attention_heads);
+  if (c.head_dim <= 0) {
+    t.bad("head_dim", "absent, and hidden_size / num_attention_heads = 0 cannot stand in for it");
+  }
+  c.attention_bias = t.opt_bool("attention_bias", false);
+  // Qwen3.5 attention always gates its output; a config that turns the gate off describes a
+  // different graph than the one tandem implements.
+  if (!t.opt_bool("attn_output_gate", true)) {
+    t.bad("attn_output_gate", "false is not supported (Qwen3.5 attention is output-gated)");
+  }
+
+  c.hidden_act = t.opt_string("hidden_act", "silu");
+  if (c.hidden_act != "silu") t.bad("hidden_act", "only silu is supported, got '", c.hidden_act, "'");
+  c.rms_norm_eps = t.opt_number("rms_norm_eps", 1e-6);
+  if (!(c.rms_norm_eps > 0)) t.bad("rms_norm_eps", "must be positive, got ", c.rms_norm_eps);
+
+  // RoPE: current transformers nests it in rope_parameters; older exports use rope_scaling (with
+  // "type" for "rope_type") and keep rope_theta / partial_rotary_factor at the top level.
+  const char* rope_key = t.has("rope_parameters") ? "rope_parameters" : "rope_scaling";
+  const json* rope_obj = t.opt_object(rope_key);
+  const json empty = json::object();
+  const Fields r(rope_obj ? *rope_obj : empty, source_name, t.name(rope_key) + ".");
+  const char* type_key = r.has("rope_type") ? "rope_type" : "type";
+  const std::string rope_type = r.opt_string(type_key, "default");
+  if (rope_type != "default") {
+    r.bad(type_key, "unsupported rope type '", rope_type, "' (supported: default)");
+  }
+  c.rope_theta = r.has("rope_theta") ? r.opt_number("rope_theta", 0)
+                                     : t.opt_number("rope_theta", c.rope_theta);
+  if (!(c.rope_theta > 0)) fail(source_name, ": rope_theta must be positive, got ", c.rope_theta);
+  c.partial_rotary_factor = r.has("partial_rotary_factor")
+                                ? r.opt_number("partial_rotary_factor", 0)
+                                : t.opt_number("partial_rotary_factor", 0.25);
+  if (!(c.partial_rotary_factor > 0 && c.partial_rotary_factor <= 1)) {
+    fail(source_name, ": partial_rotary_factor must be in (0, 1], got ", c.partial_rotary_factor);
+  }
+  // Python's int(): truncation toward zero.
+  c.rotary_dim = static_cast<int64_t>(static_cast<double>(c.head_dim) * c.partial_rotary_factor);
+  if (c.rotary_dim <= 0 || c.rotary_dim % 2 != 0 || c.rotary_dim > c.head_dim) {
+    fail(source_name, ": rotary_dim = int(head_dim ", c.head_dim, " * partial_rotary_factor ",
+         c.partial_rotary_factor, ") = ", c.rotary_dim, " must be even, positive and <= head_dim");
+  }
+  if (const json* ms = r.get("mrope_section")) {
+    if (!ms->is_array()) r.bad("mrope_section", "expected a list of integers, got ", ms->dump());
+    int64_t sum = 0;
+    for (const json& x : *ms) {
+      const int64_t v = r.as_int("mrope_section", x);
+      if (v < 0) r.bad("mrope_section", "entries must be non-negative, got ", ms->dump());
+      c.mrope_section.push_back(v);
+      sum += v;
+    }
+    if (sum != c.rotary_dim / 2) {
+      r.bad("mrope_section", ms->dump(), " sums to ", sum, ", expected rotary_dim / 2 = ",
+            c.rotary_dim / 2);
+    }
+  }
+  c.mrope_interleaved = r.opt_bool("mrope_interleaved", false);
+
+  if (const json* lt = t.get("layer_types")) {
+    if (!lt->is_array()) t.bad("layer_types", "expected a list of strings, got ", lt->dump());
+    if (static_cast<int64_t>(lt->size()) != c.num_hidden_layers) {
+      t.bad("layer_types", "has ", lt->size(), " entries, but num_hidden_layers is ",
+            c.num_hidden_layers);
+    }
+    for (size_t i = 0; i < lt->size(); ++i) {
+      const json& e = (*lt)[i];
+      if (e == "linear_attention") {
+        c.layer_types.push_back(LayerKind::LinearAttention);
+      } else if (e == "full_attention") {
+        c.layer_types.push_back(LayerKind::FullAttention);
+      } else {
+        t.bad("layer_types", "entry ", i, " is ", e.dump(),
+              " (expected \"linear_attention\" or \"full_attention\")");
+      }
+    }
+  } else {
+    const int64_t interval = t.opt_pos_int("full_attention_interval", 4);
+    for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+      c.layer_types.push_back((i + 1) % interval == 0 ? LayerKind::FullAttention
+                                                      : LayerKind::LinearAttention);
+    }
+  }
+
+  // Gated DeltaNet sizes are required only when some layer uses them.
+  const bool any_linear = std::count(c.layer_types.begin(), c.layer_types.end(),
+                                     LayerKind::LinearAttention) > 0;
+  auto linear_dim = [&](const char* key) {
+    return any_linear ? t.req_pos_int(key) : t.opt_pos_int(key, 0);
+  };
+  c.linear_num_key_heads = linear_dim("linear_num_key_heads");
+  c.linear_num_value_heads = linear_dim("linear_num_value_heads");
+  c.linear_key_head_dim = linear_dim("linear_key_head_dim");
+  c.linear_value_head_dim = linear_dim("linear_value_head_dim");
+  c.linear_conv_kernel_dim = t.opt_pos_int("linear_conv_kernel_dim", 4);
+  if (c.linear_num_key_heads > 0 && c.linear_num_value_heads % c.linear_num_key_heads != 0) {
+    t.bad("linear_num_value_heads", c.linear_num_value_heads,
+          " is not a multiple of linear_num_key_heads (", c.linear_num_key_heads, ")");
+  }
+
+  const json* mtp = t.get("mtp_num_hidden_layers");
+  c.mtp_num_hidden_layers = mtp ? t.as_int("mtp_num_hidden_layers", *mtp) : 0;
+  if (c.mtp_num_hidden_layers < 0) {
+    t.bad("mtp_num_hidden_layers", "must be >= 0, got ", c.mtp_num_hidden_layers);
+  }
+
+  // The text config's value wins; the outer qwen3_5 config carries its own (default false).
+  c.tie_word_embeddings = t.has("tie_word_embeddings")
+                              ? t.opt_bool("tie_word_embeddings", false)
+                              : outer.opt_bool("tie_word_embeddings", false);
+  append_eos(t, &c.eos_token_ids);
+  if (text_obj != &root) append_eos(outer, &c.eos_token_ids);
+  return c;
+}
+
+Qwen35Config load_qwen35_config(const std::string& dir) {
+  const std::filesystem::path d(dir);
+  const std::string config_path = (d / "config.json").string();
+  Qwen35Config c = parse_qwen35_config(read_file(config_path), config_path);
+  const std::filesystem::path gen = d / "generation_config.json";
+  std::error_code ec;
+  if (std::filesystem::exists(gen, ec)) {
+    const std::string gen_path = gen.string();
+    const json g = parse_json(read_file(gen), gen_path);
+    if (!g.is_object()) fail(gen_path, ": expected a JSON object, got ", g.type_name());
+    append_eos(Fields(g, gen_path, ""), &c.eos_token_ids);
+  }
+  return c;
+}
+
+}  // namespace tandem

@@ -1,0 +1,105 @@
+#include "tandem/model/qwen3_5_random.h"
+
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <random>
+
+#include "tandem/core/error.h"
+#include "tandem/io/safetensors.h"
+#include "tandem/model/qwen3_5_config.h"
+
+namespace tandem {
+
+namespace {
+
+struct Builder {
+  DType dtype;
+  std::mt19937_64 rng;
+  std::vector<std::vector<std::byte>> storage;
+  std::vector<TensorToWrite> tensors;
+
+  void add(const std::string& name, std::vector<int64_t> shape, float lo, float hi,
+           bool force_f32 = false) {
+    int64_t n = 1;
+    for (int64_t d : shape) n *= d;
+    const DType t = force_f32 ? DType::F32 : dtype;
+    std::vector<std::byte> bytes(static_cast<size_t>(n) * dtype_size(t));
+    std::uniform_real_distribution<float> u(lo, hi);
+    for (int64_t i = 0; i < n; ++i) {
+      const float v = u(rng);
+      if (t == DType::F32) {
+        std::memcpy(bytes.data() + i * 4, &v, 4);
+      } else {
+        const uint16_t h = t == DType::BF16 ? f32_to_bf16(v) : f32_to_f16(v);
+        std::memcpy(bytes.data() + i * 2, &h, 2);
+      }
+    }
+    storage.push_back(std::move(bytes));
+    tensors.push_back({name, t, std::move(shape), storage.back()});
+  }
+  void linear(const std::string& name, int64_t out, int64_t in) {
+    const float a = 1.0f / std::sqrt(static_cast<float>(in));
+    add(name, {out, in}, -a, a);
+  }
+};
+
+}  // namespace
+
+void write_random_qwen35(const std::string& config_path, const std::string& out_dir, DType dtype,
+                         uint64_t seed) {
+  if (dtype != DType::F32 && dtype != DType::BF16 && dtype != DType::F16)
+    fail("random model: dtype must be f32, bf16 or f16");
+  std::ifstream in(config_path, std::ios::binary);
+  if (!in) fail("cannot read ", config_path);
+  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const Qwen35Config c = parse_qwen35_config(text, config_path);
+  namespace fs = std::filesystem;
+  fs::create_directories(out_dir);
+  const fs::path model_path = fs::path(out_dir) / "model.safetensors";
+  if (fs::exists(model_path)) fail(model_path.string(), " already exists; not overwriting");
+
+  const std::string p = c.model_type == "qwen3_5" ? "model.language_model." : "model.";
+  const int64_t H = c.hidden_size;
+  Builder b{dtype, std::mt19937_64(seed), {}, {}};
+  b.storage.reserve(static_cast<size_t>(16 * c.num_hidden_layers + 8));
+  b.add(p + "embed_tokens.weight", {c.vocab_size, H}, -1.0f, 1.0f);
+  b.add(p + "norm.weight", {H}, -0.1f, 0.1f);
+  if (!c.tie_word_embeddings) b.linear("lm_head.weight", c.vocab_size, H);
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+    const std::string l = p + "layers." + std::to_string(i) + ".";
+    b.add(l + "input_layernorm.weight", {H}, -0.1f, 0.1f);
+    b.add(l + "post_attention_layernorm.weight", {H}, -0.1f, 0.1f);
+    b.linear(l + "mlp.gate_proj.weight", c.intermediate_size, H);
+    b.linear(l + "mlp.up_proj.weight", c.intermediate_size, H);
+    b.linear(l + "mlp.down_proj.weight", H, c.intermediate_size);
+    if (c.layer_types[static_cast<size_t>(i)] == LayerKind::FullAttention) {
+      const std::string a = l + "self_attn.";
+      b.linear(a + "q_proj.weight", c.num_attention_heads * c.head_dim * 2, H);
+      b.linear(a + "k_proj.weight", c.num_key_value_heads * c.head_dim, H);
+      b.linear(a + "v_proj.weight", c.num_key_value_heads * c.head_dim, H);
+      b.linear(a + "o_proj.weight", H, c.num_attention_heads * c.head_dim);
+      b.add(a + "q_norm.weight", {c.head_dim}, -0.1f, 0.1f);
+      b.add(a + "k_norm.weight", {c.head_dim}, -0.1f, 0.1f);
+    } else {
+      const std::string a = l + "linear_attn.";
+      const int64_t nv = c.linear_num_value_heads;
+      b.linear(a + "in_proj_qkv.weight", c.linear_conv_dim(), H);
+      b.linear(a + "in_proj_z.weight", c.linear_value_dim(), H);
+      b.linear(a + "in_proj_b.weight", nv, H);
+      b.linear(a + "in_proj_a.weight", nv, H);
+      b.add(a + "conv1d.weight", {c.linear_conv_dim(), 1, c.linear_conv_kernel_dim}, -0.5f, 0.5f);
+      // Published checkpoints keep the decay parameters in fp32.
+      b.add(a + "A_log", {nv}, 0.0f, 2.7f, true);
+      b.add(a + "dt_bias", {nv}, 0.5f, 1.5f, true);
+      b.add(a + "norm.weight", {c.linear_value_head_dim}, 0.9f, 1.1f);
+      b.linear(a + "out_proj.weight", H, c.linear_value_dim());
+    }
+  }
+  fs::copy_file(config_path, fs::path(out_dir) / "config.json",
+                fs::copy_options::overwrite_existing);
+  write_safetensors(model_path.string(), b.tensors, {{"format", "pt"}});
+}
+
+}  // namespace tandem

@@ -1,0 +1,20 @@
+// Random-weight Qwen3.5 checkpoints in the published layout, for benchmarks at real sizes and
+// tests that need shapes no fixture has. Not a substitute for parity fixtures (those come from
+// transformers); the engine loads these through the same loader as downloaded models.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "tandem/core/dtype.h"
+
+namespace tandem {
+
+// Writes `out_dir/config.json` (a copy of `config_path`) and `out_dir/model.safetensors` with
+// every tensor a Qwen3.5 text model needs, random values of a realistic scale, in `dtype`
+// (F32, BF16 or F16). Prefix follows the config form: `model.language_model.` for qwen3_5,
+// `model.` for qwen3_5_text. Creates out_dir; refuses to overwrite an existing model file.
+void write_random_qwen35(const std::string& config_path, const std::string& out_dir, DType dtype,
+                         uint64_t seed);
+
+}  // namespace tandem

@@ -1,0 +1,96 @@
+#include "tandem/model/qwen3_5_state.h"
+
+#include <algorithm>
+
+#include "tandem/core/error.h"
+
+namespace tandem {
+
+Qwen35State::Qwen35State(const Qwen35Config& cfg) {
+  for (LayerKind k : cfg.layer_types) (k == LayerKind::FullAttention ? n_attn_ : n_linear_)++;
+  kv_heads_ = cfg.num_key_value_heads;
+  head_dim_ = cfg.head_dim;
+  conv_floats_ = cfg.linear_conv_dim() * (cfg.linear_conv_kernel_dim - 1);
+  rec_floats_ = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim;
+  kv_pools_.resize(static_cast<size_t>(n_attn_));
+}
+
+int Qwen35State::open_row() {
+  int slot = -1;
+  for (size_t i = 0; i < rows_.size(); ++i)
+    if (!rows_[i].open) {
+      slot = static_cast<int>(i);
+      break;
+    }
+  if (slot < 0) {
+    slot = static_cast<int>(rows_.size());
+    rows_.emplace_back();
+    linear_state_.emplace_back();
+  }
+  Row& r = rows_[slot];
+  r.open = true;
+  r.length = 0;
+  r.blocks.clear();
+  linear_state_[slot].assign(static_cast<size_t>(n_linear_ * (conv_floats_ + rec_floats_)), 0.0f);
+  return slot;
+}
+
+void Qwen35State::close_row(int slot) {
+  Row& r = rows_.at(slot);
+  TANDEM_CHECK(r.open, "close_row on a closed slot");
+  free_blocks_.insert(free_blocks_.end(), r.blocks.begin(), r.blocks.end());
+  r.blocks.clear();
+  r.open = false;
+  r.length = 0;
+}
+
+bool Qwen35State::row_open(int slot) const {
+  return slot >= 0 && slot < static_cast<int>(rows_.size()) && rows_[slot].open;
+}
+
+void Qwen35State::grow_pool(int64_t min_free) {
+  const int64_t add = std::max<int64_t>({min_free, n_blocks_, 16});
+  const int64_t floats_per_block = 2 * kBlockSize * kv_heads_ * head_dim_;
+  for (auto& pool : kv_pools_) pool.resize(static_cast<size_t>((n_blocks_ + add) * floats_per_block));
+  for (int64_t b = n_blocks_ + add - 1; b >= n_blocks_; --b) free_blocks_.push_back(static_cast<int32_t>(b));
+  n_blocks_ += add;
+}
+
+void Qwen35State::reserve(int slot, int64_t new_length) {
+  Row& r = rows_.at(slot);
+  TANDEM_CHECK(r.open, "reserve on a closed slot");
+  const int64_t need = (new_length + kBlockSize - 1) / kBlockSize;
+  const int64_t missing = need - static_cast<int64_t>(r.blocks.size());
+  if (missing <= 0 || n_attn_ == 0) return;
+  if (static_cast<int64_t>(free_blocks_.size()) < missing) grow_pool(missing);
+  for (int64_t i = 0; i < missing; ++i) {
+    r.blocks.push_back(free_blocks_.back());
+    free_blocks_.pop_back();
+  }
+}
+
+ops::KVLayerView Qwen35State::kv_layer(int attn_layer) {
+  ops::KVLayerView v;
+  v.pool = kv_pools_.at(attn_layer).data();
+  v.block_size = kBlockSize;
+  v.n_kv_heads = kv_heads_;
+  v.head_dim = head_dim_;
+  return v;
+}
+
+float* Qwen35State::conv_state(int slot, int linear_layer) {
+  return linear_state_.at(slot).data() + linear_layer * (conv_floats_ + rec_floats_);
+}
+
+float* Qwen35State::recurrent_state(int slot, int linear_layer) {
+  return conv_state(slot, linear_layer) + conv_floats_;
+}
+
+size_t Qwen35State::bytes() const {
+  size_t n = 0;
+  for (const auto& p : kv_pools_) n += p.size() * sizeof(float);
+  for (const auto& s : linear_state_) n += s.size() * sizeof(float);
+  return n;
+}
+
+}  // namespace tandem

@@ -1,0 +1,292 @@
+// CPU op tests: each op against a plain double-precision reference, and the batch-invariance
+// property the speculative path relies on (a row's result does not depend on the other rows).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "tandem/backend/ops.h"
+
+namespace tandem {
+namespace {
+
+struct StoredWeight {
+  DType dtype;
+  std::vector<uint16_t> half;
+  std::vector<float> f32;
+  std::vector<float> values;  // what the stored values decode to
+  ops::WeightRef ref;
+};
+
+StoredWeight make_weight(DType dtype, int64_t rows, int64_t cols, std::mt19937& rng,
+                         float scale = 1.0f) {
+  std::normal_distribution<float> nd(0.0f, scale);
+  StoredWeight w;
+  w.dtype = dtype;
+  const size_t n = static_cast<size_t>(rows * cols);
+  w.values.resize(n);
+  if (dtype == DType::F32) {
+    w.f32.resize(n);
+    for (size_t i = 0; i < n; ++i) w.values[i] = w.f32[i] = nd(rng);
+    w.ref = {dtype, w.f32.data(), rows, cols};
+  } else {
+    w.half.resize(n);
+    for (size_t i = 0; i < n; ++i) {
+      const float v = nd(rng);
+      w.half[i] = dtype == DType::BF16 ? f32_to_bf16(v) : f32_to_f16(v);
+      w.values[i] = dtype == DType::BF16 ? bf16_to_f32(w.half[i]) : f16_to_f32(w.half[i]);
+    }
+    w.ref = {dtype, w.half.data(), rows, cols};
+  }
+  return w;
+}
+
+std::vector<float> random_vec(size_t n, std::mt19937& rng, float scale = 1.0f) {
+  std::normal_distribution<float> nd(0.0f, scale);
+  std::vector<float> v(n);
+  for (auto& x : v) x = nd(rng);
+  return v;
+}
+
+class LinearTest : public ::testing::TestWithParam<std::tuple<DType, int64_t, int64_t>> {};
+
+TEST_P(LinearTest, MatchesDoubleReferenceAndIsBatchInvariant) {
+  const auto [dtype, n, k] = GetParam();
+  std::mt19937 rng(42);
+  StoredWeight w = make_weight(dtype, n, k, rng, 0.1f);
+  const int64_t m = 9;
+  const auto x = random_vec(static_cast<size_t>(m * k), rng);
+  std::vector<float> y(static_cast<size_t>(m * n));
+  ops::linear(x.data(), m, w.ref, y.data());
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t j = 0; j < n; ++j) {
+      double ref = 0, mag = 0;
+      for (int64_t c = 0; c < k; ++c) {
+        ref += static_cast<double>(x[i * k + c]) * w.values[j * k + c];
+        mag += std::fabs(static_cast<double>(x[i * k + c]) * w.values[j * k + c]);
+      }
+      ASSERT_NEAR(y[i * n + j], ref, 1e-5 * mag + 1e-6) << "row " << i << " col " << j;
+    }
+  // Each row alone, and rows 3..7 as a block, must give bit-identical results.
+  for (int64_t i = 0; i < m; ++i) {
+    std::vector<float> yi(static_cast<size_t>(n));
+    ops::linear(x.data() + i * k, 1, w.ref, yi.data());
+    ASSERT_EQ(0, std::memcmp(yi.data(), y.data() + i * n, sizeof(float) * n)) << "row " << i;
+  }
+  std::vector<float> yb(static_cast<size_t>(5 * n));
+  ops::linear(x.data() + 3 * k, 5, w.ref, yb.data());
+  ASSERT_EQ(0, std::memcmp(yb.data(), y.data() + 3 * n, sizeof(float) * 5 * n));
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, LinearTest,
+                         ::testing::Values(std::make_tuple(DType::F32, 7, 33),
+                                           std::make_tuple(DType::BF16, 13, 64),
+                                           std::make_tuple(DType::BF16, 5, 100),
+                                           std::make_tuple(DType::F16, 9, 48),
+                                           std::make_tuple(DType::F16, 4, 15)));
+
+TEST(Ops, RmsNormZeroCentredAndPlain) {
+  std::mt19937 rng(1);
+  const int64_t m = 3, d = 37;
+  StoredWeight w = make_weight(DType::BF16, 1, d, rng, 0.3f);
+  const auto x = random_vec(static_cast<size_t>(m * d), rng);
+  for (bool zc : {true, false}) {
+    std::vector<float> y(x.size());
+    ops::rms_norm(x.data(), m, d, w.ref, zc, 1e-6f, y.data());
+    for (int64_t r = 0; r < m; ++r) {
+      double ss = 0;
+      for (int64_t i = 0; i < d; ++i) ss += static_cast<double>(x[r * d + i]) * x[r * d + i];
+      const double inv = 1.0 / std::sqrt(ss / d + 1e-6);
+      for (int64_t i = 0; i < d; ++i) {
+        const double s = zc ? 1.0 + w.values[i] : w.values[i];
+        EXPECT_NEAR(y[r * d + i], x[r * d + i] * inv * s, 1e-5);
+      }
+    }
+  }
+}
+
+TEST(Ops, GatedRmsNormAndActivations) {
+  std::mt19937 rng(2);
+  const int64_t m = 4, d = 16;
+  StoredWeight w = make_weight(DType::F32, 1, d, rng);
+  const auto x = random_vec(static_cast<size_t>(m * d), rng);
+  const auto z = random_vec(static_cast<size_t>(m * d), rng);
+  std::vector<float> y(x.size());
+  ops::gated_rms_norm(x.data(), z.data(), m, d, w.ref, 1e-6f, y.data());
+  for (int64_t r = 0; r < m; ++r) {
+    double ss = 0;
+    for (int64_t i = 0; i < d; ++i) ss += static_cast<double>(x[r * d + i]) * x[r * d + i];
+    const double inv = 1.0 / std::sqrt(ss / d + 1e-6);
+    for (int64_t i = 0; i < d; ++i) {
+      const double zi = z[r * d + i];
+      EXPECT_NEAR(y[r * d + i], w.values[i] * x[r * d + i] * inv * zi / (1 + std::exp(-zi)), 1e-5);
+    }
+  }
+  std::vector<float> s(x.size());
+  ops::swiglu(x.data(), z.data(), m * d, s.data());
+  for (size_t i = 0; i < x.size(); ++i)
+    EXPECT_NEAR(s[i], x[i] / (1 + std::exp(-static_cast<double>(x[i]))) * z[i], 1e-5);
+}
+
+TEST(Ops, RopeRotatesOnlyTheRotaryDims) {
+  const int64_t T = 2, nh = 2, hd = 8, rd = 4;
+  std::mt19937 rng(3);
+  auto x = random_vec(static_cast<size_t>(T * nh * hd), rng);
+  const auto x0 = x;
+  const int64_t pos[T] = {0, 5};
+  const float inv_freq[2] = {1.0f, 0.01f};
+  ops::rope(x.data(), T, nh, hd, rd, pos, inv_freq);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t h = 0; h < nh; ++h) {
+      const float* a = x0.data() + (t * nh + h) * hd;
+      const float* b = x.data() + (t * nh + h) * hd;
+      for (int64_t i = 0; i < rd / 2; ++i) {
+        const double ang = static_cast<double>(pos[t]) * inv_freq[i];
+        EXPECT_NEAR(b[i], a[i] * std::cos(ang) - a[i + rd / 2] * std::sin(ang), 1e-5);
+        EXPECT_NEAR(b[i + rd / 2], a[i + rd / 2] * std::cos(ang) + a[i] * std::sin(ang), 1e-5);
+      }
+      for (int64_t i = rd; i < hd; ++i) EXPECT_EQ(b[i], a[i]);
+    }
+}
+
+TEST(Ops, PagedAttentionMatchesDenseCausalAttention) {
+  const int64_t bs = 4, nkv = 2, hd = 8, nh = 4, L = 11;
+  std::mt19937 rng(4);
+  std::vector<float> pool(static_cast<size_t>(8 * 2 * bs * nkv * hd));
+  ops::KVLayerView kv{pool.data(), bs, nkv, hd};
+  const std::vector<int32_t> table = {5, 1, 7};  // scattered blocks
+  const auto k = random_vec(static_cast<size_t>(L * nkv * hd), rng);
+  const auto v = random_vec(static_cast<size_t>(L * nkv * hd), rng);
+  const auto q = random_vec(static_cast<size_t>(L * nh * hd), rng);
+  ops::kv_write(kv, table.data(), 0, L, k.data(), v.data());
+  const float scale = 0.35f;
+  std::vector<float> out(q.size());
+  ops::attention(kv, table.data(), 0, L, q.data(), nh, scale, out.data());
+  for (int64_t t = 0; t < L; ++t)
+    for (int64_t h = 0; h < nh; ++h) {
+      const int64_t g = h / (nh / nkv);
+      std::vector<double> w(static_cast<size_t>(t + 1));
+      double mx = -1e30, sum = 0;
+      for (int64_t p = 0; p <= t; ++p) {
+        double d = 0;
+        for (int64_t i = 0; i < hd; ++i) d += q[(t * nh + h) * hd + i] * k[(p * nkv + g) * hd + i];
+        w[p] = d * scale;
+        mx = std::max(mx, w[p]);
+      }
+      for (auto& e : w) sum += (e = std::exp(e - mx));
+      for (int64_t i = 0; i < hd; ++i) {
+        double o = 0;
+        for (int64_t p = 0; p <= t; ++p) o += w[p] / sum * v[(p * nkv + g) * hd + i];
+        EXPECT_NEAR(out[(t * nh + h) * hd + i], o, 1e-5);
+      }
+    }
+  // The last 3 queries alone (a verify window over a cached prefix) give the same bits.
+  std::vector<float> tail(static_cast<size_t>(3 * nh * hd));
+  ops::attention(kv, table.data(), L - 3, 3, q.data() + (L - 3) * nh * hd, nh, scale, tail.data());
+  EXPECT_EQ(0, std::memcmp(tail.data(), out.data() + (L - 3) * nh * hd, tail.size() * 4));
+}
+
+TEST(Ops, CausalConvCarriesStateAcrossCalls) {
+  const int64_t C = 5, K = 4, n = 7;
+  std::mt19937 rng(5);
+  StoredWeight w = make_weight(DType::F32, C, K, rng);
+  const auto x = random_vec(static_cast<size_t>(n * C), rng);
+  std::vector<float> st1(static_cast<size_t>(C * (K - 1)), 0.0f), st2 = st1;
+  std::vector<float> all(x.size()), split(x.size());
+  ops::causal_conv_silu(x.data(), n, C, K, w.ref, st1.data(), all.data());
+  ops::causal_conv_silu(x.data(), 3, C, K, w.ref, st2.data(), split.data());
+  ops::causal_conv_silu(x.data() + 3 * C, n - 3, C, K, w.ref, st2.data(), split.data() + 3 * C);
+  EXPECT_EQ(all, split);
+  EXPECT_EQ(st1, st2);
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t c = 0; c < C; ++c) {
+      double acc = 0;
+      for (int64_t j = 0; j < K; ++j) {
+        const int64_t src = t - (K - 1) + j;
+        if (src >= 0) acc += w.values[c * K + j] * x[src * C + c];
+      }
+      EXPECT_NEAR(all[t * C + c], acc / (1 + std::exp(-acc)), 1e-5);
+    }
+}
+
+TEST(Ops, GatedDeltaRuleMatchesReferenceRecurrence) {
+  const ops::DeltaHeads h{2, 4, 8, 6};
+  const int64_t n = 5;
+  std::mt19937 rng(6);
+  const auto q = random_vec(static_cast<size_t>(n * h.n_k_heads * h.dk), rng);
+  const auto k = random_vec(static_cast<size_t>(n * h.n_k_heads * h.dk), rng);
+  const auto v = random_vec(static_cast<size_t>(n * h.n_v_heads * h.dv), rng);
+  const auto a = random_vec(static_cast<size_t>(n * h.n_v_heads), rng);
+  const auto b = random_vec(static_cast<size_t>(n * h.n_v_heads), rng);
+  StoredWeight A_log = make_weight(DType::F32, 1, h.n_v_heads, rng, 0.5f);
+  StoredWeight dt = make_weight(DType::F32, 1, h.n_v_heads, rng, 0.5f);
+  const size_t S = static_cast<size_t>(h.n_v_heads * h.dk * h.dv);
+  std::vector<float> state(S, 0.0f), out(static_cast<size_t>(n * h.n_v_heads * h.dv));
+  std::vector<float> after(S * n);
+  ops::gated_delta_rule(q.data(), k.data(), v.data(), a.data(), b.data(), A_log.ref, dt.ref, n, h,
+                        state.data(), out.data(), after.data());
+  std::vector<double> ref(S, 0.0);
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t vh = 0; vh < h.n_v_heads; ++vh) {
+      const int64_t kh = vh / (h.n_v_heads / h.n_k_heads);
+      std::vector<double> qn(h.dk), kn(h.dk);
+      double qs = 0, ks = 0;
+      for (int64_t i = 0; i < h.dk; ++i) {
+        qs += std::pow(q[(t * h.n_k_heads + kh) * h.dk + i], 2);
+        ks += std::pow(k[(t * h.n_k_heads + kh) * h.dk + i], 2);
+      }
+      for (int64_t i = 0; i < h.dk; ++i) {
+        qn[i] = q[(t * h.n_k_heads + kh) * h.dk + i] / std::sqrt(qs + 1e-6) / std::sqrt(h.dk);
+        kn[i] = k[(t * h.n_k_heads + kh) * h.dk + i] / std::sqrt(ks + 1e-6);
+      }
+      const double x = a[t * h.n_v_heads + vh] + dt.values[vh];
+      const double g = -std::exp(A_log.values[vh]) * std::log1p(std::exp(x));
+      const double beta = 1 / (1 + std::exp(-b[t * h.n_v_heads + vh]));
+      double* Sm = ref.data() + vh * h.dk * h.dv;
+      for (int64_t i = 0; i < h.dk * h.dv; ++i) Sm[i] *= std::exp(g);
+      for (int64_t j = 0; j < h.dv; ++j) {
+        double mem = 0;
+        for (int64_t i = 0; i < h.dk; ++i) mem += Sm[i * h.dv + j] * kn[i];
+        const double u = (v[(t * h.n_v_heads + vh) * h.dv + j] - mem) * beta;
+        for (int64_t i = 0; i < h.dk; ++i) Sm[i * h.dv + j] += kn[i] * u;
+      }
+      for (int64_t j = 0; j < h.dv; ++j) {
+        double o = 0;
+        for (int64_t i = 0; i < h.dk; ++i) o += Sm[i * h.dv + j] * qn[i];
+        EXPECT_NEAR(out[(t * h.n_v_heads + vh) * h.dv + j], o, 1e-5);
+      }
+      for (int64_t i = 0; i < h.dk * h.dv; ++i)
+        EXPECT_NEAR(after[t * S + vh * h.dk * h.dv + i], Sm[i], 1e-5);
+    }
+  // Token-by-token calls leave the same state bits as one call over the window.
+  std::vector<float> state2(S, 0.0f), out2(out.size());
+  for (int64_t t = 0; t < n; ++t)
+    ops::gated_delta_rule(q.data() + t * h.n_k_heads * h.dk, k.data() + t * h.n_k_heads * h.dk,
+                          v.data() + t * h.n_v_heads * h.dv, a.data() + t * h.n_v_heads,
+                          b.data() + t * h.n_v_heads, A_log.ref, dt.ref, 1, h, state2.data(),
+                          out2.data() + t * h.n_v_heads * h.dv);
+  EXPECT_EQ(state, state2);
+  EXPECT_EQ(out, out2);
+}
+
+TEST(Dtype, HalfConversionsRoundTrip) {
+  for (float f : {0.0f, -0.0f, 1.0f, -2.5f, 65504.0f, 6.1035156e-05f, 5.9604645e-08f, 1e-6f,
+                  3.14159f, 1e5f}) {
+    const float h = f16_to_f32(f32_to_f16(f));
+    if (std::fabs(f) <= 65504.0f) {
+      EXPECT_NEAR(h, f, std::fabs(f) * 1e-3 + 6e-8) << f;
+    }
+    EXPECT_NEAR(bf16_to_f32(f32_to_bf16(f)), f, std::fabs(f) * 8e-3) << f;
+  }
+  EXPECT_TRUE(std::isinf(f16_to_f32(f32_to_f16(1e6f))));
+  for (uint32_t u = 0; u < 65536; ++u) {  // every finite f16 value survives f16→f32→f16
+    const uint16_t h = static_cast<uint16_t>(u);
+    if ((h & 0x7c00u) == 0x7c00u) continue;
+    ASSERT_EQ(f32_to_f16(f16_to_f32(h)), h) << std::hex << u;
+  }
+}
+
+}  // namespace
+}  // namespace tandem
