@@ -1,7 +1,5 @@
 #include <gtest/gtest.h>
-#include <unistd.h>
 
-#include <atomic>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -9,6 +7,7 @@
 
 #include "tandem/core/error.h"
 #include "tandem/model/qwen3_5_config.h"
+#include "test_util.h"
 
 namespace tandem {
 namespace {
@@ -70,7 +69,9 @@ json flat_config() {
   return t;
 }
 
-Qwen35Config parse(const json& j) { return parse_qwen35_config(j.dump(), kSrc); }
+Qwen35Config parse(const json& j) {
+  return parse_qwen35_config(j.dump(), kSrc);
+}
 
 std::string parse_error(const json& j) {
   try {
@@ -134,10 +135,10 @@ TEST(Qwen35Config, FlatWithLegacyRope) {
 
 TEST(Qwen35Config, DefaultsAndDerivations) {
   json j = flat_config();
-  for (const char* k : {"head_dim", "layer_types", "full_attention_interval", "rms_norm_eps",
-                        "hidden_act", "attention_bias", "linear_conv_kernel_dim",
-                        "mtp_num_hidden_layers", "tie_word_embeddings", "eos_token_id",
-                        "rope_theta", "partial_rotary_factor"}) {
+  for (const char* k :
+       {"head_dim", "layer_types", "full_attention_interval", "rms_norm_eps", "hidden_act",
+        "attention_bias", "linear_conv_kernel_dim", "mtp_num_hidden_layers", "tie_word_embeddings",
+        "eos_token_id", "rope_theta", "partial_rotary_factor"}) {
     j.erase(k);
   }
   j["num_hidden_layers"] = 6;
@@ -190,8 +191,8 @@ TEST(Qwen35Config, RopeScalingLegacyObject) {
 }
 
 TEST(Qwen35Config, LoadWithGenerationConfig) {
-  const fs::path dir = fs::temp_directory_path() / ("tandem_cfg_" + std::to_string(::getpid()));
-  fs::create_directories(dir);
+  const testing::ScratchDir scratch("cfg");
+  const fs::path& dir = scratch.path();
   std::ofstream(dir / "config.json") << nested_config().dump(2);
   Qwen35Config c = load_qwen35_config(dir.string());
   EXPECT_EQ(c.eos_token_ids, std::vector<int64_t>{248044});
@@ -226,7 +227,6 @@ TEST(Qwen35Config, LoadWithGenerationConfig) {
   } catch (const Error& e) {
     EXPECT_HAS(e.what(), "cannot read " + (dir / "config.json").string());
   }
-  fs::remove_all(dir);
 }
 
 TEST(Qwen35Config, MalformedJson) {
@@ -284,7 +284,8 @@ TEST(Qwen35Config, ValidationErrors) {
        "text_config.layer_types: entry 0 is \"sliding_attention\" (expected \"linear_attention\""},
       {"layer_types", "full", "text_config.layer_types: expected a list of strings"},
       {"hidden_act", "gelu", "text_config.hidden_act: only silu is supported, got 'gelu'"},
-      {"head_dim", 12, "rotary_dim = int(head_dim 12 * partial_rotary_factor 0.25) = 3 must be even"},
+      {"head_dim", 12,
+       "rotary_dim = int(head_dim 12 * partial_rotary_factor 0.25) = 3 must be even"},
       {"rms_norm_eps", "1e-6", "text_config.rms_norm_eps: expected a number"},
       {"attention_bias", 0, "text_config.attention_bias: expected true or false, got 0"},
       {"attn_output_gate", false, "text_config.attn_output_gate: false is not supported"},
@@ -315,9 +316,10 @@ TEST(Qwen35Config, RopeErrors) {
       {"rope_type", "yarn",
        "text_config.rope_parameters.rope_type: unsupported rope type 'yarn' (supported: default)"},
       {"rope_theta", "big", "text_config.rope_parameters.rope_theta: expected a number"},
-      {"rope_theta", 0, "rope_theta must be positive"},
-      {"partial_rotary_factor", 1.5, "partial_rotary_factor must be in (0, 1], got 1.5"},
-      {"partial_rotary_factor", 0, "partial_rotary_factor must be in (0, 1], got 0"},
+      {"rope_theta", 0, "text_config.rope_parameters.rope_theta: must be positive, got 0"},
+      {"partial_rotary_factor", 1.5,
+       "rope_parameters.partial_rotary_factor: must be in (0, 1], got 1.5"},
+      {"partial_rotary_factor", 0, "partial_rotary_factor: must be in (0, 1], got 0"},
       {"mrope_section", json::array({11, 11, 11}),
        "text_config.rope_parameters.mrope_section: [11,11,11] sums to 33, expected rotary_dim / "
        "2 = 32"},

@@ -1,9 +1,5 @@
-#include "tandem/io/safetensors.h"
-
 #include <gtest/gtest.h>
-#include <unistd.h>
 
-#include <atomic>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -11,30 +7,14 @@
 #include <vector>
 
 #include "tandem/core/error.h"
+#include "tandem/io/safetensors.h"
+#include "test_util.h"
 
 namespace tandem {
 namespace {
 
 namespace fs = std::filesystem;
-
-// A fresh directory under the system temp dir, removed with everything in it at scope exit.
-class TempDir {
- public:
-  TempDir() {
-    static std::atomic<int> counter{0};
-    path_ = fs::temp_directory_path() /
-            ("tandem_st_" + std::to_string(::getpid()) + "_" + std::to_string(counter++));
-    fs::create_directories(path_);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  std::string file(const std::string& name) const { return (path_ / name).string(); }
-
- private:
-  fs::path path_;
-};
+using testing::ScratchDir;
 
 template <class T>
 std::span<const std::byte> as_bytes_of(const std::vector<T>& v) {
@@ -65,7 +45,7 @@ std::string open_error(const std::string& path) {
   EXPECT_NE(std::string(haystack).find(needle), std::string::npos) << "in: " << (haystack)
 
 TEST(Safetensors, RoundTripAllKinds) {
-  TempDir tmp;
+  ScratchDir tmp("st");
   const std::string path = tmp.file("model.safetensors");
   const std::vector<float> f32 = {1.5f, -2.0f, 3.25f, 0.0f, 1e-3f, -7.0f};
   const std::vector<uint8_t> u8 = {42};  // makes the next tensor start at an odd offset
@@ -140,7 +120,7 @@ TEST(Safetensors, RoundTripAllKinds) {
 }
 
 TEST(Safetensors, EmptyFileAndNoMetadata) {
-  TempDir tmp;
+  ScratchDir tmp("st");
   const std::string path = tmp.file("empty.safetensors");
   write_safetensors(path, {});
   auto f = SafetensorsFile::open(path);
@@ -149,7 +129,7 @@ TEST(Safetensors, EmptyFileAndNoMetadata) {
 }
 
 TEST(Safetensors, ViewsOutliveOnlyWithTheFile) {
-  TempDir tmp;
+  ScratchDir tmp("st");
   const std::string path = tmp.file("m.safetensors");
   const std::vector<float> v = {1, 2, 3, 4};
   const std::vector<TensorToWrite> t = {{"x", DType::F32, {4}, as_bytes_of(v)}};
@@ -165,7 +145,7 @@ TEST(Safetensors, ViewsOutliveOnlyWithTheFile) {
 }
 
 TEST(Safetensors, WriterRejectsBadInputAndLeavesNothing) {
-  TempDir tmp;
+  ScratchDir tmp("st");
   const std::string path = tmp.file("bad.safetensors");
   const std::vector<float> v = {1, 2, 3};
   {
@@ -196,7 +176,7 @@ TEST(Safetensors, WriterRejectsBadInputAndLeavesNothing) {
 }
 
 TEST(Safetensors, MissingAndShortFiles) {
-  TempDir tmp;
+  ScratchDir tmp("st");
   const std::string missing = tmp.file("nope.safetensors");
   std::string msg = open_error(missing);
   EXPECT_HAS(msg, missing);
@@ -213,7 +193,7 @@ TEST(Safetensors, MissingAndShortFiles) {
 }
 
 TEST(Safetensors, BadHeaderLength) {
-  TempDir tmp;
+  ScratchDir tmp("st");
   const std::string p = tmp.file("x.safetensors");
   write_raw(p, "{}", "", 1000);
   std::string msg = open_error(p);
@@ -226,7 +206,7 @@ TEST(Safetensors, BadHeaderLength) {
 }
 
 TEST(Safetensors, BadJson) {
-  TempDir tmp;
+  ScratchDir tmp("st");
   const std::string p = tmp.file("x.safetensors");
   write_raw(p, "{not json");
   std::string msg = open_error(p);
@@ -285,12 +265,12 @@ TEST(Safetensors, BadEntries) {
        "run past the end of the data section (8 bytes)"},
       {R"({"t": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}})", 8,
        "shape [3] x F32 needs 12 bytes, but data_offsets [0, 8) hold 8"},
-      {R"({"t": {"dtype": "BF16", "shape": [4611686018427387904, 8], "data_offsets": [0, 8]}})",
-       8, "overflows 64 bits"},
+      {R"({"t": {"dtype": "BF16", "shape": [4611686018427387904, 8], "data_offsets": [0, 8]}})", 8,
+       "overflows 64 bits"},
       {R"({"t": {"dtype": "F32", "shape": [9223372036854775808], "data_offsets": [0, 8]}})", 8,
        "is too large"},
   };
-  TempDir tmp;
+  ScratchDir tmp("st");
   const std::string p = tmp.file("bad.safetensors");
   for (const BadEntry& c : cases) {
     SCOPED_TRACE(c.header);
@@ -303,7 +283,7 @@ TEST(Safetensors, BadEntries) {
 }
 
 TEST(Safetensors, OverlappingTensors) {
-  TempDir tmp;
+  ScratchDir tmp("st");
   const std::string p = tmp.file("overlap.safetensors");
   write_raw(p, R"({"b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]},
                    "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
@@ -323,7 +303,7 @@ TEST(Safetensors, OverlappingTensors) {
 }
 
 TEST(Safetensors, TruncatedFile) {
-  TempDir tmp;
+  ScratchDir tmp("st");
   const std::string p = tmp.file("m.safetensors");
   const std::vector<float> a(16, 1.0f), b(16, 2.0f);
   const std::vector<TensorToWrite> t = {{"a", DType::F32, {16}, as_bytes_of(a)},

@@ -1,41 +1,20 @@
-#include "tandem/io/weight_store.h"
-
 #include <gtest/gtest.h>
-#include <unistd.h>
 
-#include <atomic>
 #include <filesystem>
 #include <fstream>
 #include <string>
 #include <vector>
 
 #include "tandem/core/error.h"
+#include "tandem/io/weight_store.h"
+#include "test_util.h"
 
 namespace tandem {
 namespace {
 
 namespace fs = std::filesystem;
-
-// A fresh directory under the system temp dir, removed with everything in it at scope exit.
-class TempDir {
- public:
-  TempDir() {
-    static std::atomic<int> counter{0};
-    path_ = fs::temp_directory_path() /
-            ("tandem_ws_" + std::to_string(::getpid()) + "_" + std::to_string(counter++));
-    fs::create_directories(path_);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  const fs::path& path() const { return path_; }
-  std::string str() const { return path_.string(); }
-  std::string file(const std::string& name) const { return (path_ / name).string(); }
-
- private:
-  fs::path path_;
-};
+using testing::ScratchDir;
+using testing::write_text;
 
 #define EXPECT_HAS(haystack, needle) \
   EXPECT_NE(std::string(haystack).find(needle), std::string::npos) << "in: " << (haystack)
@@ -51,10 +30,6 @@ void write_f32s(const std::string& path, const std::vector<std::string>& names, 
   write_safetensors(path, t);
 }
 
-void write_text(const std::string& path, const std::string& text) {
-  std::ofstream(path, std::ios::binary) << text;
-}
-
 std::string open_error(const std::string& dir) {
   try {
     WeightStore::open(dir);
@@ -66,7 +41,7 @@ std::string open_error(const std::string& dir) {
 }
 
 TEST(WeightStore, SingleFile) {
-  TempDir tmp;
+  ScratchDir tmp("ws");
   write_f32s(tmp.file("model.safetensors"),
              {"model.embed_tokens.weight", "model.layers.0.mlp.up_proj.weight",
               "model.layers.0.mlp.down_proj.weight", "model.layers.1.mlp.up_proj.weight",
@@ -86,7 +61,7 @@ TEST(WeightStore, SingleFile) {
 }
 
 TEST(WeightStore, NotFoundSuggestsNames) {
-  TempDir tmp;
+  ScratchDir tmp("ws");
   write_f32s(tmp.file("model.safetensors"),
              {"model.language_model.layers.0.mlp.up_proj.weight", "model.norm.weight"});
   WeightStore ws = WeightStore::open(tmp.str(), /*prefault=*/false);
@@ -106,7 +81,7 @@ TEST(WeightStore, NotFoundSuggestsNames) {
 }
 
 TEST(WeightStore, MovesAndCopiesKeepViewsValid) {
-  TempDir tmp;
+  ScratchDir tmp("ws");
   write_f32s(tmp.file("model.safetensors"), {"a", "b"});
   const TensorView* view = nullptr;
   WeightStore copy;
@@ -122,7 +97,7 @@ TEST(WeightStore, MovesAndCopiesKeepViewsValid) {
 }
 
 TEST(WeightStore, ShardedWithIndex) {
-  TempDir tmp;
+  ScratchDir tmp("ws");
   write_f32s(tmp.file("model-00001-of-00002.safetensors"), {"a", "b"});
   write_f32s(tmp.file("model-00002-of-00002.safetensors"), {"c"}, 8);
   write_text(tmp.file("model.safetensors.index.json"), R"({
@@ -138,7 +113,7 @@ TEST(WeightStore, ShardedWithIndex) {
 }
 
 TEST(WeightStore, IndexErrors) {
-  TempDir tmp;
+  ScratchDir tmp("ws");
   write_f32s(tmp.file("s1.safetensors"), {"a", "b"});
   const std::string idx = tmp.file("model.safetensors.index.json");
 
@@ -179,7 +154,7 @@ TEST(WeightStore, IndexErrors) {
 }
 
 TEST(WeightStore, DirectoryDiscovery) {
-  TempDir tmp;
+  ScratchDir tmp("ws");
   EXPECT_HAS(open_error(tmp.file("missing")), "does not exist");
 
   std::string msg = open_error(tmp.str());
@@ -206,11 +181,11 @@ TEST(WeightStore, DirectoryDiscovery) {
 TEST(WeightStore, PrefaultManyChunks) {
   // Larger than one prefault chunk (64 MB) so several threads share the work; stays quiet below
   // the 256 MB progress threshold.
-  TempDir tmp;
+  ScratchDir tmp("ws");
   write_f32s(tmp.file("model.safetensors"), {"big", "small"}, (40 << 20) / 4);
-  testing::internal::CaptureStderr();
+  ::testing::internal::CaptureStderr();
   WeightStore ws = WeightStore::open(tmp.str(), /*prefault=*/true);
-  EXPECT_EQ(testing::internal::GetCapturedStderr(), "");
+  EXPECT_EQ(::testing::internal::GetCapturedStderr(), "");
   EXPECT_EQ(ws.total_bytes(), 2u * (40 << 20));
 }
 

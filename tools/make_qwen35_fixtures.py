@@ -4,6 +4,7 @@
 Run once, from anywhere, on a machine with torch + transformers (no network needed):
 
     python3 tools/make_qwen35_fixtures.py            # writes tests/fixtures/qwen35_*/
+    python3 tools/make_qwen35_fixtures.py --copy-tokenizer-only   # add tests/fixtures/tokenizer/* later
 
 Three models are written, each in the published Hugging Face directory layout:
 
@@ -16,7 +17,8 @@ Three models are written, each in the published Hugging Face directory layout:
 
 References are computed in fp32 on CPU from the checkpoint as saved (bf16/f16 weights are reloaded
 with dtype=float32, so the reference sees exactly the rounded weights) and written next to each
-checkpoint as reference.safetensors + reference.json.
+checkpoint as reference.safetensors + reference.json. Seeds are tried in a fixed order until the
+greedy continuations are varied, EOS-free and free of near-ties (see --min-greedy-gap, --min-distinct).
 
 The script checks everything it can and fails loudly (SystemExit with a message) when something is
 not as expected: tensor names/prefixes on disk, that the reloaded model holds exactly the tensors on
@@ -1007,6 +1009,22 @@ def copy_tokenizer(out: Path, d: Path) -> list[str]:
     return copied
 
 
+def copy_tokenizer_into_existing(out: Path) -> None:
+    if not (out / TOKENIZER_DIR_NAME / "tokenizer.json").exists():
+        fail(f"{out / TOKENIZER_DIR_NAME / 'tokenizer.json'} does not exist")
+    for name in ("qwen35_tied", "qwen35_untied_sharded", "qwen35_gqa_f16"):
+        d = out / name
+        if not (d / "reference.json").exists():
+            print(f"skip {d}: no fixture there")
+            continue
+        print(f"{name}:")
+        copied = copy_tokenizer(out, d)
+        ref = load_json(d / "reference.json")
+        ref["tokenizer_copied"] = copied
+        ref["files"] = {p.name: p.stat().st_size for p in sorted(d.iterdir()) if p.is_file()}
+        dump_json(d / "reference.json", ref)
+
+
 # --------------------------------------------------------------------------------------------------
 # main
 # --------------------------------------------------------------------------------------------------
@@ -1061,7 +1079,14 @@ def main() -> None:
                     help="keep model.visual.* in qwen35_gqa_f16 (default: strip them)")
     ap.add_argument("--allow-fast-kernels", action="store_true",
                     help="do not block the fla / causal_conv1d packages")
+    ap.add_argument("--copy-tokenizer-only", action="store_true",
+                    help="only copy <out>/tokenizer/tokenizer.json (+ tokenizer_config.json) into the "
+                         "existing model directories and record it in reference.json (no torch needed)")
     args = ap.parse_args()
+
+    if args.copy_tokenizer_only:
+        copy_tokenizer_into_existing(args.out.resolve())
+        return
 
     fast = block_fast_kernel_packages(args.allow_fast_kernels)
 

@@ -35,8 +35,6 @@ std::string supported_dtypes() {
   return s;
 }
 
-const char* json_type(const ojson& j) { return j.type_name(); }
-
 // Number of bytes a tensor of `shape` and element size `elem` occupies; false on overflow.
 bool byte_size(const std::vector<int64_t>& shape, size_t elem, uint64_t* out) {
   uint64_t n = elem;
@@ -65,13 +63,13 @@ Entry parse_entry(const std::string& path, const std::string& name, const ojson&
   auto bad = [&](auto&&... parts) {
     fail(path, ": tensor '", name, "': ", std::forward<decltype(parts)>(parts)...);
   };
-  if (!e.is_object()) bad("header entry must be an object, got ", json_type(e));
+  if (!e.is_object()) bad("header entry must be an object, got ", e.type_name());
   Entry out;
   out.view.name = name;
 
   auto dt = e.find("dtype");
   if (dt == e.end()) bad("missing 'dtype'");
-  if (!dt->is_string()) bad("'dtype' must be a string, got ", json_type(*dt));
+  if (!dt->is_string()) bad("'dtype' must be a string, got ", dt->type_name());
   const auto& dts = dt->get_ref<const std::string&>();
   if (!dtype_from_safetensors(dts, &out.view.dtype)) {
     bad("unknown dtype '", dts, "' (supported: ", supported_dtypes(), ")");
@@ -79,10 +77,10 @@ Entry parse_entry(const std::string& path, const std::string& name, const ojson&
 
   auto sh = e.find("shape");
   if (sh == e.end()) bad("missing 'shape'");
-  if (!sh->is_array()) bad("'shape' must be an array, got ", json_type(*sh));
+  if (!sh->is_array()) bad("'shape' must be an array, got ", sh->type_name());
   for (size_t i = 0; i < sh->size(); ++i) {
     const ojson& d = (*sh)[i];
-    if (!d.is_number_integer()) bad("shape[", i, "] must be an integer, got ", json_type(d));
+    if (!d.is_number_integer()) bad("shape[", i, "] must be an integer, got ", d.type_name());
     if (d.is_number_unsigned()) {
       const uint64_t u = d.get<uint64_t>();
       if (u > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
@@ -184,19 +182,18 @@ std::shared_ptr<const SafetensorsFile> SafetensorsFile::open(const std::string& 
   std::set<std::string> seen;
   ojson header;
   try {
-    header = ojson::parse(hbegin, hbegin + header_len,
-                          [&](int depth, ojson::parse_event_t ev, ojson& parsed) {
-                            if (depth == 1 && ev == ojson::parse_event_t::key &&
-                                !seen.insert(parsed.get<std::string>()).second &&
-                                duplicate.empty()) {
-                              duplicate = parsed.get<std::string>();
-                            }
-                            return true;
-                          });
+    header = ojson::parse(
+        hbegin, hbegin + header_len, [&](int depth, ojson::parse_event_t ev, ojson& parsed) {
+          if (depth == 1 && ev == ojson::parse_event_t::key &&
+              !seen.insert(parsed.get<std::string>()).second && duplicate.empty()) {
+            duplicate = parsed.get<std::string>();
+          }
+          return true;
+        });
   } catch (const ojson::exception& e) {
     fail(path, ": header is not valid JSON: ", e.what());
   }
-  if (!header.is_object()) fail(path, ": header must be a JSON object, got ", json_type(header));
+  if (!header.is_object()) fail(path, ": header must be a JSON object, got ", header.type_name());
   if (!duplicate.empty()) fail(path, ": header names '", duplicate, "' more than once");
 
   std::vector<Entry> entries;
@@ -204,11 +201,11 @@ std::shared_ptr<const SafetensorsFile> SafetensorsFile::open(const std::string& 
   for (const auto& [key, value] : header.items()) {
     if (key == "__metadata__") {
       if (!value.is_object()) {
-        fail(path, ": '__metadata__' must be an object, got ", json_type(value));
+        fail(path, ": '__metadata__' must be an object, got ", value.type_name());
       }
       for (const auto& [mk, mv] : value.items()) {
         if (!mv.is_string()) {
-          fail(path, ": __metadata__['", mk, "'] must be a string, got ", json_type(mv));
+          fail(path, ": __metadata__['", mk, "'] must be a string, got ", mv.type_name());
         }
         f->metadata_.emplace(mk, mv.get<std::string>());
       }

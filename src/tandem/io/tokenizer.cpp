@@ -467,23 +467,22 @@ struct Tokenizer::Impl {
       symbols.push_back({id, index - 1, -1, len});
     };
     // Bytes without a token become unk (fused when fuse_unk) or, with no unk, are dropped.
-    std::optional<int32_t> pending_unk_len;
+    int32_t unk_len = 0;  // bytes covered by the unk not yet added, 0 if none
     for (char c : word) {
       const int32_t id = byte_token[static_cast<uint8_t>(c)];
       if (id >= 0) {
-        if (pending_unk_len) add_symbol(*unk_id, *pending_unk_len);
-        pending_unk_len.reset();
+        if (unk_len > 0) add_symbol(*unk_id, unk_len);
+        unk_len = 0;
         add_symbol(id, 1);
       } else if (unk_id) {
-        if (pending_unk_len && fuse_unk) {
-          ++*pending_unk_len;
-        } else {
-          if (pending_unk_len) add_symbol(*unk_id, *pending_unk_len);
-          pending_unk_len = 1;
+        if (unk_len > 0 && !fuse_unk) {
+          add_symbol(*unk_id, unk_len);
+          unk_len = 0;
         }
+        ++unk_len;
       }
     }
-    if (pending_unk_len) add_symbol(*unk_id, *pending_unk_len);
+    if (unk_len > 0) add_symbol(*unk_id, unk_len);
 
     auto& queue = scratch.queue;
     queue.clear();

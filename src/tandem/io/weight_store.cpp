@@ -221,9 +221,11 @@ WeightStore WeightStore::open(const std::string& dir, bool prefault) {
     for (const TensorView& t : file->tensors()) {
       auto [it, inserted] = ws.by_name_.emplace(t.name, &t);
       if (!inserted) {
-        const std::string& other = std::find_if(ws.files_.begin(), ws.files_.end(), [&](auto& f) {
-                                     return f->find(t.name) == it->second;
-                                   })->get()->path();
+        const std::string& other =
+            std::find_if(ws.files_.begin(), ws.files_.end(),
+                         [&](auto& f) { return f->find(t.name) == it->second; })
+                ->get()
+                ->path();
         fail("tensor '", t.name, "' appears in both ", other, " and ", file->path());
       }
       ws.total_bytes_ += t.nbytes;

@@ -24,7 +24,8 @@ class WeightStore {
   //   2. dir/model.safetensors.index.json, whose "weight_map" maps tensor name -> shard file name
   //      (relative to dir); every tensor it names must exist in that shard;
   //   3. the single *.safetensors file in dir (several without an index is an error).
-  // A tensor name found in two files is an error. With `prefault`, every page of every file is
+  // Tensors a shard holds beyond those its index names are loaded too; a tensor name found in two
+  // files is an error. With `prefault`, every page of every file is
   // faulted in (MADV_WILLNEED, then a read of one byte per page on a few threads) so that later
   // timing does not measure page faults; above 256 MB a progress line goes to stderr.
   static WeightStore open(const std::string& dir, bool prefault = true);
@@ -34,7 +35,7 @@ class WeightStore {
   const TensorView* find(std::string_view name) const;
   // Throws "tensor 'x' not found in <dir> (N tensors; did you mean 'a', 'b'?)".
   const TensorView& get(std::string_view name) const;
-  std::vector<std::string> names() const;  // sorted
+  std::vector<std::string> names() const;                                     // sorted
   std::vector<std::string> names_with_prefix(std::string_view prefix) const;  // sorted
   uint64_t total_bytes() const { return total_bytes_; }  // sum of tensor sizes, all files
   const std::string& dir() const { return dir_; }

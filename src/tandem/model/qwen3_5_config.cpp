@@ -172,7 +172,9 @@ Qwen35Config parse_qwen35_config(const std::string& json_text, const std::string
   }
 
   c.hidden_act = t.opt_string("hidden_act", "silu");
-  if (c.hidden_act != "silu") t.bad("hidden_act", "only silu is supported, got '", c.hidden_act, "'");
+  if (c.hidden_act != "silu") {
+    t.bad("hidden_act", "only silu is supported, got '", c.hidden_act, "'");
+  }
   c.rms_norm_eps = t.opt_number("rms_norm_eps", 1e-6);
   if (!(c.rms_norm_eps > 0)) t.bad("rms_norm_eps", "must be positive, got ", c.rms_norm_eps);
 
@@ -187,14 +189,13 @@ Qwen35Config parse_qwen35_config(const std::string& json_text, const std::string
   if (rope_type != "default") {
     r.bad(type_key, "unsupported rope type '", rope_type, "' (supported: default)");
   }
-  c.rope_theta = r.has("rope_theta") ? r.opt_number("rope_theta", 0)
-                                     : t.opt_number("rope_theta", c.rope_theta);
-  if (!(c.rope_theta > 0)) fail(source_name, ": rope_theta must be positive, got ", c.rope_theta);
-  c.partial_rotary_factor = r.has("partial_rotary_factor")
-                                ? r.opt_number("partial_rotary_factor", 0)
-                                : t.opt_number("partial_rotary_factor", 0.25);
+  const Fields& theta_src = r.has("rope_theta") ? r : t;
+  c.rope_theta = theta_src.opt_number("rope_theta", c.rope_theta);
+  if (!(c.rope_theta > 0)) theta_src.bad("rope_theta", "must be positive, got ", c.rope_theta);
+  const Fields& prf_src = r.has("partial_rotary_factor") ? r : t;
+  c.partial_rotary_factor = prf_src.opt_number("partial_rotary_factor", 0.25);
   if (!(c.partial_rotary_factor > 0 && c.partial_rotary_factor <= 1)) {
-    fail(source_name, ": partial_rotary_factor must be in (0, 1], got ", c.partial_rotary_factor);
+    prf_src.bad("partial_rotary_factor", "must be in (0, 1], got ", c.partial_rotary_factor);
   }
   // Python's int(): truncation toward zero.
   c.rotary_dim = static_cast<int64_t>(static_cast<double>(c.head_dim) * c.partial_rotary_factor);
@@ -212,8 +213,8 @@ Qwen35Config parse_qwen35_config(const std::string& json_text, const std::string
       sum += v;
     }
     if (sum != c.rotary_dim / 2) {
-      r.bad("mrope_section", ms->dump(), " sums to ", sum, ", expected rotary_dim / 2 = ",
-            c.rotary_dim / 2);
+      r.bad("mrope_section", ms->dump(), " sums to ", sum,
+            ", expected rotary_dim / 2 = ", c.rotary_dim / 2);
     }
   }
   c.mrope_interleaved = r.opt_bool("mrope_interleaved", false);
@@ -244,8 +245,8 @@ Qwen35Config parse_qwen35_config(const std::string& json_text, const std::string
   }
 
   // Gated DeltaNet sizes are required only when some layer uses them.
-  const bool any_linear = std::count(c.layer_types.begin(), c.layer_types.end(),
-                                     LayerKind::LinearAttention) > 0;
+  const bool any_linear =
+      std::count(c.layer_types.begin(), c.layer_types.end(), LayerKind::LinearAttention) > 0;
   auto linear_dim = [&](const char* key) {
     return any_linear ? t.req_pos_int(key) : t.opt_pos_int(key, 0);
   };
