@@ -58,8 +58,9 @@ std::vector<int32_t> resolve_input(const std::string& what, const std::optional<
       fail("the ", what, " is empty (--token-ids lists no ids)");
     ids = parse_token_ids(*token_ids);
   } else {
+    const std::string body = text ? *text : read_text_file(*text_file);
     if (!tok) fail("the model directory has no tokenizer.json; pass --token-ids instead");
-    ids = tok->encode(text ? *text : read_text_file(*text_file));
+    ids = tok->encode(body);
   }
   if (ids.empty()) fail("the ", what, " is empty (it encodes to no tokens)");
   return ids;

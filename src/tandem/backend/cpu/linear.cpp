@@ -5,18 +5,13 @@
 // the tile shape: so y[i, j] is bitwise the same for m = 1 (decode), m = k+1 (verify) or m = 512
 // (prefill). Weight conversion (bf16/f16 → f32) happens in registers; nothing is unpacked to
 // memory, so decode reads each weight byte once (the memory roofline).
-#include <immintrin.h>
 #include <omp.h>
 
 #include <algorithm>
 
+#include "tandem/backend/cpu/simd.h"
 #include "tandem/backend/ops.h"
 #include "tandem/core/error.h"
-
-// GCC 12 reports its own AVX-512 intrinsics (_mm512_undefined_* placeholders inside
-// _mm512_cvtepu16_epi32 / _mm512_reduce_add_ps) as uninitialized reads: a compiler false positive.
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 
 namespace tandem::ops {
 

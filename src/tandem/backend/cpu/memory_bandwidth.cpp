@@ -1,6 +1,5 @@
 #include "tandem/backend/cpu/memory_bandwidth.h"
 
-#include <immintrin.h>
 #include <omp.h>
 
 #include <algorithm>
@@ -10,6 +9,7 @@
 #include <cstring>
 #include <memory>
 
+#include "tandem/backend/cpu/simd.h"
 #include "tandem/backend/ops.h"
 
 namespace tandem::cpu {

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Installs missing packages, builds, and runs every CPU test; then rebuilds the suite under
+# AddressSanitizer + UndefinedBehaviorSanitizer (build-asan/) and runs it again.
+# Set TANDEM_SKIP_SANITIZERS=1 to run only the first pass.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+./scripts/install-deps.sh
+./scripts/build.sh
+jobs=$(nproc 2>/dev/null || echo 2)
+ctest --test-dir build --output-on-failure -j "$jobs" -L cpu
+if [ "${TANDEM_SKIP_SANITIZERS:-0}" != "1" ]; then
+  cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DTANDEM_SANITIZE=ON >/dev/null
+  cmake --build build-asan -j "$jobs"
+  # One OpenMP thread: libgomp's thread pool confuses LeakSanitizer's bookkeeping otherwise.
+  OMP_NUM_THREADS=1 ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
+    ctest --test-dir build-asan --output-on-failure -j "$jobs" -L cpu
+fi
