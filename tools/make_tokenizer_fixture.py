@@ -14,6 +14,7 @@ Run from anywhere: python3 tools/make_tokenizer_fixture.py
 
 import json
 import pathlib
+import random
 import sys
 import sysconfig
 
@@ -109,6 +110,39 @@ DECODE_SEQUENCES = [
     (["<think>", "</think>", "naïve", "<mask>"], False),
 ]
 
+# Random texts are drawn from these pools: every kind of Unicode whitespace (U+180E and U+200B
+# are not White_Space), combining marks, scripts, emoji parts, contraction fragments (with
+# U+017F, which case-folds to 's'), added-token text and fragments of it.
+RANDOM_POOLS = [
+    list("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ") * 3,
+    list("0123456789") * 2,
+    list("!\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~"),
+    [" ", " ", " ", "\t", "\n", "\r", "\x0b", "\x0c", "\r\n", "\u00a0", "\u1680", "\u180e",
+     "\u2000", "\u2003", "\u200a", "\u2028", "\u2029", "\u202f", "\u205f", "\u3000", "\u0085",
+     "\u200b", "\ufeff"],
+    ["\u0301", "\u0300", "\u0308", "\u0323", "\u0327", "\u030a", "\u0302", "\u20dd", "\u0e31",
+     "\u093f"],
+    list("你好世界中文测试日本語ひらがなカタカナ한국어텍스트") + ["\u1100", "\u1161", "\u11a8"],
+    ["😀", "👍", "🏽", "\u200d", "👩", "💻", "\ufe0f", "🇯", "🇵", "❤", "🎉", "🏳"],
+    list("éèêëàâäïîôöüûçñÅΩαβγδΑΒΓабвгдАБВعربيةहिन्दीſ"),
+    ["'s", "'S", "'t", "'re", "'VE", "'m", "'ll", "'LL", "'d", "'D", "'ſ", "'"],
+    ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<think>", "</think>", "<mask>", "foo",
+     "naïve", "nai\u0308ve", "<|im", "<th"],
+    ["def ", "return ", "    ", "\n\n", "  \n", " = ", "()", "{}", "123", "1.5"],
+]
+RANDOM_TEXTS = 250
+RANDOM_DECODES = 60
+RANDOM_SEED = 20261129
+
+
+def random_texts(rng: random.Random) -> list:
+    texts = []
+    for _ in range(RANDOM_TEXTS):
+        n = rng.randrange(0, 40)
+        text = "".join(rng.choice(rng.choice(RANDOM_POOLS)) for _ in range(n))
+        texts.append((text, rng.random() > 0.15))
+    return texts
+
 
 def bytes_to_unicode() -> dict:
     """GPT-2's byte -> character map (the ByteLevel alphabet)."""
@@ -200,6 +234,21 @@ def make_cases(tok: Tokenizer) -> list:
         ids = encode(tok, sample, True)
         cases.append({"text": sample, "ids": ids,
                       "decoded": tok.decode(ids, skip_special_tokens=False)})
+    rng = random.Random(RANDOM_SEED)
+    for text, parse_special in random_texts(rng):
+        ids = encode(tok, text, parse_special)
+        case = {"text": text, "ids": ids, "decoded": tok.decode(ids, skip_special_tokens=False)}
+        if not parse_special:
+            case["parse_special"] = False
+        cases.append(case)
+    vocab_size = tok.get_vocab_size(with_added_tokens=True)
+    for _ in range(RANDOM_DECODES):
+        ids = [rng.randrange(vocab_size) for _ in range(rng.randrange(1, 12))]
+        skip_special = rng.random() < 0.3
+        case = {"decode_ids": ids, "decoded": tok.decode(ids, skip_special_tokens=skip_special)}
+        if skip_special:
+            case["skip_special"] = True
+        cases.append(case)
     for pieces, skip_special in DECODE_SEQUENCES:
         ids = []
         for piece in pieces:
@@ -228,14 +277,16 @@ def main() -> None:
     original = make_cases(tok)
     if cases != original:
         raise SystemExit("reloaded tokenizer disagrees with the trained one")
-    for case in cases:
-        if "text" in case and case.get("parse_special", True):
+    for case in cases[:len(TEXTS)]:
+        if case.get("parse_special", True):
             expected = normalizers.NFC().normalize_str(case["text"])
             if case["decoded"] != expected:
                 print(f"note: decode(encode(x)) != NFC(x) for {case['text'][:40]!r}")
 
     cases_path = OUT_DIR / "cases.json"
-    cases_path.write_text(json.dumps(cases, ensure_ascii=False, indent=1) + "\n", encoding="utf-8")
+    # One case per line keeps the file small and its diffs readable.
+    lines = ",\n".join(json.dumps(c, ensure_ascii=False) for c in cases)
+    cases_path.write_text("[\n" + lines + "\n]\n", encoding="utf-8")
     sizes = {p.name: p.stat().st_size for p in (tokenizer_path, cases_path)}
     print(f"wrote {tokenizer_path} and {cases_path}: {len(cases)} cases, sizes {sizes}")
     if sum(sizes.values()) > 200_000:

@@ -18,7 +18,11 @@ namespace tandem::ops {
 namespace {
 
 constexpr int kMaxMR = 4;
-constexpr int kMaxNR = 4;
+// Decode-shaped calls (m <= 2) stream 8 weight rows at once: more loads in flight per core.
+// Larger m uses 4x4 tiles so that the accumulators fit in the 32 vector registers.
+constexpr int kMaxNR = 8;
+constexpr int kWideNR = 8;
+constexpr int kSquareNR = 4;
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 
@@ -108,6 +112,18 @@ void tile(const float* x, int64_t k, const void* const* wrows, float* y, int64_t
 template <DType WT, int MR>
 void tile_nr(int nr, const float* x, int64_t k, const void* const* wrows, float* y, int64_t ldy) {
   switch (nr) {
+    case 8:
+      if constexpr (MR <= 2) tile<WT, MR, 8>(x, k, wrows, y, ldy);
+      break;
+    case 7:
+      if constexpr (MR <= 2) tile<WT, MR, 7>(x, k, wrows, y, ldy);
+      break;
+    case 6:
+      if constexpr (MR <= 2) tile<WT, MR, 6>(x, k, wrows, y, ldy);
+      break;
+    case 5:
+      if constexpr (MR <= 2) tile<WT, MR, 5>(x, k, wrows, y, ldy);
+      break;
     case 4: tile<WT, MR, 4>(x, k, wrows, y, ldy); break;
     case 3: tile<WT, MR, 3>(x, k, wrows, y, ldy); break;
     case 2: tile<WT, MR, 2>(x, k, wrows, y, ldy); break;
@@ -132,15 +148,17 @@ void linear_typed(const float* x, int64_t m, const WeightRef& w, float* y) {
   const int64_t k = w.cols;
   const size_t row_bytes = static_cast<size_t>(k) * dtype_size(WT);
   const auto* base = static_cast<const uint8_t*>(w.data);
-  const int64_t n_tiles = (n + kMaxNR - 1) / kMaxNR;
+  const int64_t tile_n = m <= 2 ? kWideNR : kSquareNR;
+  const int64_t tile_m = m <= 2 ? 2 : kMaxMR;
+  const int64_t n_tiles = (n + tile_n - 1) / tile_n;
 #pragma omp parallel for schedule(static) num_threads(thread_count())
   for (int64_t t = 0; t < n_tiles; ++t) {
-    const int64_t r0 = t * kMaxNR;
-    const int nr = static_cast<int>(std::min<int64_t>(kMaxNR, n - r0));
+    const int64_t r0 = t * tile_n;
+    const int nr = static_cast<int>(std::min<int64_t>(tile_n, n - r0));
     const void* wrows[kMaxNR];
     for (int j = 0; j < nr; ++j) wrows[j] = base + static_cast<size_t>(r0 + j) * row_bytes;
-    for (int64_t i0 = 0; i0 < m; i0 += kMaxMR) {
-      const int mr = static_cast<int>(std::min<int64_t>(kMaxMR, m - i0));
+    for (int64_t i0 = 0; i0 < m; i0 += tile_m) {
+      const int mr = static_cast<int>(std::min<int64_t>(tile_m, m - i0));
       tile_any<WT>(mr, nr, x + i0 * k, k, wrows, y + i0 * n + r0, n);
     }
   }
