@@ -1,8 +1,6 @@
 // Tokenizer tests. Unit tests build tiny tokenizer.json documents here, with the byte alphabet
 // at ids 0..255 (id == byte value) so expected ids can be written by hand; the fixture test
 // compares against ids recorded from Hugging Face tokenizers (tools/make_tokenizer_fixture.py).
-#include "tandem/io/tokenizer.h"
-
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -16,6 +14,7 @@
 #include <thread>
 
 #include "tandem/core/error.h"
+#include "tandem/io/tokenizer.h"
 #include "tandem/io/unicode_nfc.h"
 
 namespace tandem {
@@ -25,9 +24,11 @@ using json = nlohmann::json;
 using Ids = std::vector<int32_t>;
 
 constexpr const char* kQwen2Pattern =
-    R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)";
+    R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|)"
+    R"(\s*[\r\n]+|\s+(?!\S)|\s+)";
 constexpr const char* kQwen35Pattern =
-    R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)";
+    R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}|)"
+    R"( ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)";
 
 // GPT-2 bytes_to_unicode, written out independently of the implementation under test.
 std::string byte_char(uint8_t b) {
@@ -70,8 +71,8 @@ json qwen_pre_tokenizer(const char* pattern = kQwen2Pattern) {
 
 json added_token(int id, const std::string& content, bool special, bool normalized = false,
                  bool lstrip = false, bool rstrip = false, bool single_word = false) {
-  return {{"id", id},           {"content", content}, {"single_word", single_word},
-          {"lstrip", lstrip},   {"rstrip", rstrip},   {"normalized", normalized},
+  return {{"id", id},          {"content", content}, {"single_word", single_word},
+          {"lstrip", lstrip},  {"rstrip", rstrip},   {"normalized", normalized},
           {"special", special}};
 }
 
@@ -177,14 +178,13 @@ std::string error_of(const std::function<void()>& f) {
 // A general-purpose spec: a few English merges, special and non-special added tokens.
 Spec chat_spec() {
   Spec s;
-  s.merges = {{"h", "e"}, {"l", "l"}, {"he", "ll"}, {"hell", "o"}, {" ", "w"}, {"o", "r"},
-              {" w", "or"}, {" wor", "ld"}, {"l", "d"}, {" ", " "}, {"\n", "\n"}, {"u", "s"},
-              {"us", "e"}, {"use", "r"}};
-  s.added_tokens = json::array({added_token(300, "<|endoftext|>", true),
-                                added_token(301, "<|im_start|>", true),
-                                added_token(302, "<|im_end|>", true),
-                                added_token(303, "<think>", false, /*normalized=*/true),
-                                added_token(304, "<|im", true)});
+  s.merges = {{"h", "e"},   {"l", "l"},   {"he", "ll"},   {"hell", "o"}, {" ", "w"},
+              {"o", "r"},   {" w", "or"}, {" wor", "ld"}, {"l", "d"},    {" ", " "},
+              {"\n", "\n"}, {"u", "s"},   {"us", "e"},    {"use", "r"}};
+  s.added_tokens = json::array(
+      {added_token(300, "<|endoftext|>", true), added_token(301, "<|im_start|>", true),
+       added_token(302, "<|im_end|>", true),
+       added_token(303, "<think>", false, /*normalized=*/true), added_token(304, "<|im", true)});
   return s;
 }
 
@@ -268,7 +268,7 @@ TEST(Tokenizer, RegexSplitKeepsMergesInsidePieces) {
   Tokenizer tok = s.build();
   EXPECT_EQ(tok.encode("a b"), ids_of(tok, {"a", " b"}));
   EXPECT_EQ(tok.encode("123"), ids_of(tok, {"1", "2", "3"}));  // \p{N} takes one digit
-  EXPECT_EQ(tok.encode("I'M"), ids_of(tok, {"I", "'M"}));     // (?i:'m)
+  EXPECT_EQ(tok.encode("I'M"), ids_of(tok, {"I", "'M"}));      // (?i:'m)
   // \s+(?!\S) leaves the last space to start the next word.
   EXPECT_EQ(tok.encode("a   b"), ids_of(tok, {"a", "  ", " b"}));
   EXPECT_EQ(tok.encode("a  "), ids_of(tok, {"a", "  "}));
@@ -284,6 +284,20 @@ TEST(Tokenizer, WhitespaceMeansUnicodeWhiteSpaceAsInOniguruma) {
   EXPECT_EQ(tok.encode(mvs + mvs + "x"), ids_of(tok, {mvs + mvs, "x"}));
   // U+3000 (ideographic space) is White_Space in both.
   EXPECT_EQ(tok.encode("\xE3\x80\x80x").size(), 4u);
+}
+
+TEST(Tokenizer, OnigurumaEscapesKeepTheirMeaning) {
+  // In Oniguruma \h is a hex digit (PCRE2: horizontal space), so "abg" splits as "ab", "g".
+  Spec s;
+  s.merges = {{"b", "g"}};
+  s.pre_tokenizer = qwen_pre_tokenizer(R"(\h+|\H+)");
+  Tokenizer tok = s.build();
+  EXPECT_EQ(tok.encode("abg"), ids_of(tok, {"a", "b", "g"}));
+  // A nested set is a union, as in BLOOM-style patterns: "." and "!" are both members.
+  s.merges = {{"a", "."}, {"!", "b"}};
+  s.pre_tokenizer = qwen_pre_tokenizer(R"([^\s[.!]]+|[.!])");
+  Tokenizer nested = s.build();
+  EXPECT_EQ(nested.encode("a.!b"), ids_of(nested, {"a", ".", "!", "b"}));
 }
 
 TEST(Tokenizer, Qwen35PatternKeepsMarksWithLetters) {
@@ -315,21 +329,26 @@ TEST(Tokenizer, NfcComposesBeforeBpe) {
   Tokenizer tok = s.build();
   EXPECT_EQ(tok.encode("e\xCC\x81"), ids_of(tok, {"\xC3\xA9"}));
   EXPECT_EQ(tok.encode("\xC3\xA9"), ids_of(tok, {"\xC3\xA9"}));
-  EXPECT_EQ(tok.decode(tok.encode("caf" "e\xCC\x81")), "caf\xC3\xA9");
+  EXPECT_EQ(tok.decode(tok.encode("caf"
+                                  "e\xCC\x81")),
+            "caf\xC3\xA9");
 }
 
 TEST(TokenizerNfc, MatchesUnicodeNormalizationForms) {
   EXPECT_EQ(nfc_normalize("plain ascii"), "plain ascii");
-  EXPECT_EQ(nfc_normalize("e\xCC\x81"), "\xC3\xA9");                    // e + acute
-  EXPECT_EQ(nfc_normalize("a\xCC\xA3\xCC\x82"), "\xE1\xBA\xAD");        // a + dot below + circ.
-  EXPECT_EQ(nfc_normalize("a\xCC\x82\xCC\xA3"), "\xE1\xBA\xAD");        // reordered first
-  EXPECT_EQ(nfc_normalize("a\xCC\x81\xCC\x81"), "\xC3\xA1\xCC\x81");    // second acute blocked
+  EXPECT_EQ(nfc_normalize("e\xCC\x81"), "\xC3\xA9");                  // e + acute
+  EXPECT_EQ(nfc_normalize("a\xCC\xA3\xCC\x82"), "\xE1\xBA\xAD");      // a + dot below + circ.
+  EXPECT_EQ(nfc_normalize("a\xCC\x82\xCC\xA3"), "\xE1\xBA\xAD");      // reordered first
+  EXPECT_EQ(nfc_normalize("a\xCC\x81\xCC\x81"), "\xC3\xA1\xCC\x81");  // second acute blocked
   EXPECT_EQ(nfc_normalize("\xE1\x84\x80\xE1\x85\xA1\xE1\x86\xA8"), "\xEA\xB0\x81");  // Hangul
-  EXPECT_EQ(nfc_normalize("\xE2\x84\xAB"), "\xC3\x85");                 // Angstrom sign
-  EXPECT_EQ(nfc_normalize("\xEF\xA4\x80"), "\xE8\xB1\x88");             // CJK compat. U+F900
+  EXPECT_EQ(nfc_normalize("\xE2\x84\xAB"), "\xC3\x85");                  // Angstrom sign
+  EXPECT_EQ(nfc_normalize("\xEF\xA4\x80"), "\xE8\xB1\x88");              // CJK compat. U+F900
   EXPECT_EQ(nfc_normalize("\xE0\xA5\x98"), "\xE0\xA4\x95\xE0\xA4\xBC");  // excluded U+0958
-  EXPECT_EQ(nfc_normalize("e\xFF\xCC\x81"), "e\xFF\xCC\x81");           // bad byte blocks
-  EXPECT_EQ(nfc_normalize("\xCC\x81" "e"), "\xCC\x81" "e");             // leading mark stays
+  EXPECT_EQ(nfc_normalize("e\xFF\xCC\x81"), "e\xFF\xCC\x81");            // bad byte blocks
+  EXPECT_EQ(nfc_normalize("\xCC\x81"
+                          "e"),
+            "\xCC\x81"
+            "e");  // leading mark stays
 }
 
 // ---- Added tokens -------------------------------------------------------------------------------
@@ -408,9 +427,10 @@ TEST(Tokenizer, ByteLevelRoundTripOfUtf8) {
     std::string text;
     const int n = static_cast<int>(rng() % 40);
     for (int i = 0; i < n; ++i) {
-      static const char* pieces[] = {"a", " ", "\n", "\t", "Z", "9", "'s", "\xC3\xA9",
-                                     "\xE4\xB8\x96", "\xF0\x9F\x98\x80", "<think>", "<|im_end|>",
-                                     "\xE2\x80\x83", "\xD9\x85"};
+      static const char* pieces[] = {
+          "a",       " ",          "\n",           "\t",           "Z",
+          "9",       "'s",         "\xC3\xA9",     "\xE4\xB8\x96", "\xF0\x9F\x98\x80",
+          "<think>", "<|im_end|>", "\xE2\x80\x83", "\xD9\x85"};
       text += pieces[rng() % (sizeof(pieces) / sizeof(pieces[0]))];
     }
     EXPECT_EQ(tok.decode(tok.encode(text)), text) << text;
@@ -421,9 +441,12 @@ TEST(Tokenizer, IllFormedBytesEncodeAsBytesAndDecodeLossy) {
   Tokenizer tok = chat_spec().build();
   const std::vector<std::pair<std::string, std::string>> cases = {
       {"\xFF", "\xEF\xBF\xBD"},
-      {"a\xF0\x9F\x98", "a\xEF\xBF\xBD"},               // truncated 4-byte sequence: one U+FFFD
-      {"\xF0\x9F\x98" "A", "\xEF\xBF\xBD" "A"},
-      {"\xC0\x80", "\xEF\xBF\xBD\xEF\xBF\xBD"},         // overlong: each byte replaced
+      {"a\xF0\x9F\x98", "a\xEF\xBF\xBD"},  // truncated 4-byte sequence: one U+FFFD
+      {"\xF0\x9F\x98"
+       "A",
+       "\xEF\xBF\xBD"
+       "A"},
+      {"\xC0\x80", "\xEF\xBF\xBD\xEF\xBF\xBD"},  // overlong: each byte replaced
       {"\xE0\x80", "\xEF\xBF\xBD\xEF\xBF\xBD"},
       {"\xED\xA0\x80", "\xEF\xBF\xBD\xEF\xBF\xBD\xEF\xBF\xBD"},  // surrogate
       {"\xF4\x90\x80\x80", "\xEF\xBF\xBD\xEF\xBF\xBD\xEF\xBF\xBD\xEF\xBF\xBD"},
@@ -568,6 +591,10 @@ TEST(Tokenizer, RejectsMalformedInput) {
   bad_regex["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"] = "(unclosed";
   expect_contains(load_error(bad_regex), {"bad.json", "cannot compile regex", "(unclosed"});
 
+  json posix = doc;
+  posix["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"] = "[[:punct:]]+";
+  expect_contains(load_error(posix), {"bad.json", "[:punct:]", "not supported"});
+
   json bad_id = doc;
   bad_id["added_tokens"][0]["id"] = "x";
   expect_contains(load_error(bad_id), {"bad.json", "added_tokens[0]", "integer"});
@@ -584,32 +611,33 @@ std::string mixed_text(size_t bytes) {
       "def encode(self, text):\n    return [self.vocab[t] for t in text]\n",
       "The quick brown fox jumps over the lazy dog. ",
       "\xE4\xBD\xA0\xE5\xA5\xBD\xE4\xB8\x96\xE7\x95\x8C\xEF\xBC\x81",
-      "    \n\n\t  ", "12345 + 67890 = 80235; ", "\xF0\x9F\x98\x80\xF0\x9F\x91\x8D ",
-      "caf\xC3\xA9 na\xC3\xAFve r\xC3\xA9sum\xC3\xA9 ", "<|im_start|>user\n", "<|im_end|>\n"};
+      "    \n\n\t  ",
+      "12345 + 67890 = 80235; ",
+      "\xF0\x9F\x98\x80\xF0\x9F\x91\x8D ",
+      "caf\xC3\xA9 na\xC3\xAFve r\xC3\xA9sum\xC3\xA9 ",
+      "<|im_start|>user\n",
+      "<|im_end|>\n"};
   std::string text;
   for (size_t i = 0; text.size() < bytes; ++i) text += pieces[(i * 7) % pieces.size()];
   return text;
 }
 
-TEST(Tokenizer, EncodesAMegabyteQuickly) {
+// Speed is measured by benchmarks, not here; this checks a large mixed input and degenerate runs
+// (one huge word, one huge whitespace run) round-trip.
+TEST(Tokenizer, RoundTripsAMegabyteAndDegenerateRuns) {
   Spec s = chat_spec();
-  s.merges = {{"h", "e"}, {"t", "he"}, {" ", "the"}, {" ", "t"}, {"e", "n"}, {"o", "d"},
-              {"c", "od"}, {"en", "cod"}, {"s", "e"}, {"l", "f"}, {"se", "lf"}, {" ", " "},
-              {"  ", "  "}, {"r", "e"}, {"re", "t"}, {"u", "r"}, {"ret", "ur"}, {"retur", "n"}};
+  s.merges = {{"h", "e"},   {"t", "he"},   {" ", "the"}, {" ", "t"}, {"e", "n"},    {"o", "d"},
+              {"c", "od"},  {"en", "cod"}, {"s", "e"},   {"l", "f"}, {"se", "lf"},  {" ", " "},
+              {"  ", "  "}, {"r", "e"},    {"re", "t"},  {"u", "r"}, {"ret", "ur"}, {"retur", "n"}};
   Tokenizer tok = s.build();
   const std::string text = mixed_text(1 << 20);
-  const auto t0 = std::chrono::steady_clock::now();
   const Ids ids = tok.encode(text);
-  const double seconds =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  std::printf("encode: %zu bytes -> %zu ids in %.3f s\n", text.size(), ids.size(), seconds);
+  EXPECT_LT(ids.size(), text.size());  // merges applied
   EXPECT_EQ(tok.decode(ids), text);
-  EXPECT_LT(seconds, 1.0);
 
   // Degenerate inputs: one huge word, one huge whitespace run.
   EXPECT_EQ(tok.decode(tok.encode(std::string(200000, 'a'))), std::string(200000, 'a'));
-  EXPECT_EQ(tok.decode(tok.encode(std::string(200000, ' ') + "x")),
-            std::string(200000, ' ') + "x");
+  EXPECT_EQ(tok.decode(tok.encode(std::string(200000, ' ') + "x")), std::string(200000, ' ') + "x");
 }
 
 TEST(Tokenizer, ConcurrentEncodesAgree) {
@@ -628,8 +656,8 @@ TEST(Tokenizer, ConcurrentEncodesAgree) {
 
 TEST(TokenizerFixture, MatchesHuggingFaceTokenizers) {
   const std::filesystem::path dir = std::filesystem::path(TANDEM_FIXTURES_DIR) / "tokenizer";
-  if (!std::filesystem::exists(dir))
-    GTEST_SKIP() << dir << " is missing: run tools/make_tokenizer_fixture.py (needs tokenizers)";
+  ASSERT_TRUE(std::filesystem::exists(dir))
+      << dir << " is missing: run tools/make_tokenizer_fixture.py (needs tokenizers)";
   Tokenizer tok = Tokenizer::load((dir / "tokenizer.json").string());
   std::ifstream in(dir / "cases.json");
   ASSERT_TRUE(in) << "cannot open " << (dir / "cases.json");

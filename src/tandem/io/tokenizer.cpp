@@ -4,8 +4,9 @@
 
 #include <algorithm>
 #include <array>
+#include <cctype>
 #include <fstream>
-#include <limits>
+#include <iterator>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <unordered_map>
@@ -27,16 +28,13 @@ bool is_white_space(uint32_t cp) {
          (cp >= 0x2000 && cp <= 0x200A) || cp == 0x2028 || cp == 0x2029 || cp == 0x202F ||
          cp == 0x205F || cp == 0x3000;
 }
-constexpr std::string_view kWhiteSpaceClassBody =
-    "\\t-\\r\\x{20}\\x{85}\\x{A0}\\x{1680}\\x{2000}-\\x{200A}\\x{2028}\\x{2029}\\x{202F}"
-    "\\x{205F}\\x{3000}";
 
 // ---- Byte-level alphabet (GPT-2 bytes_to_unicode) -------------------------------------------
 
 // Printable Latin-1 bytes stand for themselves; the other 68 bytes map to U+0100.. in order.
 struct ByteLevelAlphabet {
-  std::array<std::string, 256> byte_to_char;   // UTF-8 of the stand-in character
-  std::array<int16_t, 512> char_to_byte;       // stand-in code point -> byte, -1 if none
+  std::array<std::string, 256> byte_to_char;  // UTF-8 of the stand-in character
+  std::array<int16_t, 512> char_to_byte;      // stand-in code point -> byte, -1 if none
 
   ByteLevelAlphabet() {
     char_to_byte.fill(-1);
@@ -73,27 +71,55 @@ std::string byte_level_decode(std::string_view token) {
 
 // ---- Regex --------------------------------------------------------------------------------------
 
-// Rewrites \s and \S to Unicode White_Space classes so PCRE2 agrees with Oniguruma.
-std::string oniguruma_compatible(std::string_view pattern, const std::string& where) {
+// tokenizers compiles patterns with Oniguruma (default syntax, UTF-8, no options); tandem runs
+// them on PCRE2 (UTF + UCP). The two agree on \p{..} classes, \d, \R, \X, '.', lookaround and
+// case folding, but not on these, which are rewritten (each checked code point by code point
+// against Oniguruma 6.9.8):
+//   \s \S  Unicode White_Space (PCRE2 adds U+180E)
+//   \w \W  Alphabetic, marks, Nd, Pc (PCRE2: L, N, _); Oniguruma's own \w is inconsistent
+//          for U+00B2 U+00B3 U+00B9 U+00BC..U+00BE (word alone, not inside [...])
+//   \h \H  hex digits (PCRE2: horizontal space);  \v  U+000B only (PCRE2: vertical space)
+//   [:space:] [:alpha:]  as \s and Alphabetic;  a nested set [a[bc]] is the union [abc]
+//   ^ $    line anchors in Oniguruma;  (?m)  dot-all in Oniguruma, (?s) in PCRE2
+// Constructs whose meaning differs in ways not worth translating are refused.
+constexpr std::string_view kWhiteSpaceMembers =
+    R"(\t-\r\x{20}\x{85}\x{A0}\x{1680}\x{2000}-\x{200A}\x{2028}\x{2029}\x{202F}\x{205F}\x{3000})";
+struct ClassEscape {
+  char letter;
+  std::string_view members;  // to be put inside [...] or [^...]
+};
+constexpr ClassEscape kClassEscapes[] = {
+    {'s', kWhiteSpaceMembers},
+    {'w', R"(\p{Alphabetic}\p{M}\p{Nd}\p{Pc})"},
+    {'h', "0-9a-fA-F"},
+};
+
+std::string oniguruma_to_pcre2(std::string_view pattern, const std::string& where) {
+  const auto refuse = [&](std::string_view what) {
+    fail(where, ": regex \"", pattern, "\": ", what, " is not supported");
+  };
   std::string out;
   bool in_class = false;
+  int nested = 0;  // depth of nested sets inside the current class
   for (size_t i = 0; i < pattern.size(); ++i) {
     const char c = pattern[i];
     if (c == '\\' && i + 1 < pattern.size()) {
       const char e = pattern[++i];
-      if (e == 's') {
+      const char lower = static_cast<char>(std::tolower(static_cast<unsigned char>(e)));
+      const auto* escape = std::find_if(std::begin(kClassEscapes), std::end(kClassEscapes),
+                                        [&](const ClassEscape& ce) { return ce.letter == lower; });
+      if (escape != std::end(kClassEscapes)) {
+        const bool negated = e != lower;
+        if (in_class && negated) refuse(std::string("\\") + e + " inside a character class");
         if (in_class) {
-          out += kWhiteSpaceClassBody;
+          out += escape->members;
         } else {
-          out += '[';
-          out += kWhiteSpaceClassBody;
+          out += negated ? "[^" : "[";
+          out += escape->members;
           out += ']';
         }
-      } else if (e == 'S') {
-        if (in_class) fail(where, ": regex \\S inside a character class is not supported");
-        out += "[^";
-        out += kWhiteSpaceClassBody;
-        out += ']';
+      } else if (e == 'v') {
+        out += R"(\x{0B})";
       } else if (e == 'Q') {
         const size_t end = pattern.find("\\E", i + 1);
         const size_t stop = end == std::string_view::npos ? pattern.size() : end + 2;
@@ -106,16 +132,55 @@ std::string oniguruma_compatible(std::string_view pattern, const std::string& wh
       continue;
     }
     if (in_class) {
-      if (c == '[' && i + 1 < pattern.size() && pattern[i + 1] == ':') {
+      if (c == '[' && pattern.substr(i, 2) == "[:") {
         const size_t end = pattern.find(":]", i + 2);
-        if (end != std::string_view::npos) {
+        if (end == std::string_view::npos) refuse("an unterminated POSIX class");
+        const std::string_view name = pattern.substr(i + 2, end - i - 2);
+        if (name == "space") {
+          out += kWhiteSpaceMembers;
+        } else if (name == "alpha") {
+          out += R"(\p{Alphabetic})";
+        } else if (name == "digit" || name == "cntrl" || name == "xdigit") {
           out += pattern.substr(i, end + 2 - i);
-          i = end + 1;
+        } else {
+          refuse("POSIX class [:" + std::string(name) + ":]");
+        }
+        i = end + 1;
+        continue;
+      }
+      if (c == '[') {  // a nested set is a union: its members join the enclosing class
+        if (pattern.substr(i, 2) == "[^") refuse("a negated nested character class");
+        ++nested;
+        continue;
+      }
+      if (c == '&' && pattern.substr(i, 2) == "&&") refuse("character class intersection");
+      if (c == ']') {
+        if (nested > 0) {
+          --nested;
           continue;
         }
+        in_class = false;
       }
-      if (c == ']') in_class = false;
       out += c;
+      continue;
+    }
+    if (c == '^' || c == '$') {
+      out += c == '^' ? "(?m:^)" : "(?m:$)";
+      continue;
+    }
+    if (c == '(' && pattern.substr(i, 2) == "(?" && i + 2 < pattern.size() &&
+        (std::isalpha(static_cast<unsigned char>(pattern[i + 2])) || pattern[i + 2] == '-')) {
+      out += "(?";
+      for (i += 2; i < pattern.size() && pattern[i] != ':' && pattern[i] != ')'; ++i) {
+        const char flag = pattern[i];
+        if (flag == 'i' || flag == 'x' || flag == '-')
+          out += flag;
+        else if (flag == 'm')
+          out += 's';
+        else
+          refuse(std::string("option (?") + flag + ")");
+      }
+      if (i < pattern.size()) out += pattern[i];
       continue;
     }
     out += c;
@@ -142,7 +207,7 @@ class Regex {
  public:
   // literal: the pattern is a plain string (Split's String pattern).
   Regex(std::string_view pattern, bool literal, const std::string& where) {
-    const std::string source = literal ? std::string(pattern) : oniguruma_compatible(pattern, where);
+    const std::string source = literal ? std::string(pattern) : oniguruma_to_pcre2(pattern, where);
     int error = 0;
     PCRE2_SIZE offset = 0;
     uint32_t options = PCRE2_UTF | PCRE2_UCP | PCRE2_MATCH_INVALID_UTF;
@@ -152,8 +217,8 @@ class Regex {
     if (!code_) {
       std::array<PCRE2_UCHAR, 256> message{};
       pcre2_get_error_message(error, message.data(), message.size());
-      fail(where, ": cannot compile regex \"", pattern, "\": ",
-           reinterpret_cast<const char*>(message.data()), " at offset ", offset);
+      fail(where, ": cannot compile regex \"", pattern,
+           "\": ", reinterpret_cast<const char*>(message.data()), " at offset ", offset);
     }
     // Without JIT (not built in, or no executable memory) the interpreter gives the same matches.
     pcre2_jit_compile(code_.get(), PCRE2_JIT_COMPLETE);
@@ -169,8 +234,13 @@ class Regex {
   // with [start, end) set.
   bool find(std::string_view text, size_t from, pcre2_match_data* md, size_t& start, size_t& end,
             bool anchored = false) const {
-    const int rc = pcre2_match(code_.get(), reinterpret_cast<PCRE2_SPTR>(text.data()), text.size(),
-                               from, anchored ? PCRE2_ANCHORED : 0, md, nullptr);
+    const auto subject = reinterpret_cast<PCRE2_SPTR>(text.data());
+    const uint32_t options = anchored ? PCRE2_ANCHORED : 0;
+    int rc = pcre2_match(code_.get(), subject, text.size(), from, options, md, nullptr);
+    // The JIT's stack is small and fixed; the interpreter keeps its backtracking on the heap.
+    if (rc == PCRE2_ERROR_JIT_STACKLIMIT)
+      rc =
+          pcre2_match(code_.get(), subject, text.size(), from, options | PCRE2_NO_JIT, md, nullptr);
     if (rc == PCRE2_ERROR_NOMATCH) return false;
     if (rc < 0) {
       std::array<PCRE2_UCHAR, 256> message{};
@@ -242,11 +312,6 @@ class AddedTokenMatcher {
       return a->pattern.size() > b->pattern.size();
     });
   }
-  bool empty() const {
-    return std::all_of(by_first_byte_.begin(), by_first_byte_.end(),
-                       [](const auto& b) { return b.empty(); });
-  }
-
   // The leftmost match at or after `from`, longest among those; nullptr if none.
   const AddedToken* find(std::string_view text, size_t from, size_t& start) const {
     for (size_t i = from; i < text.size(); ++i) {
@@ -296,7 +361,7 @@ struct EncodeScratch {
   };
   std::vector<Symbol> symbols;
   std::vector<QueuedMerge> queue;  // a heap: lowest rank first, then leftmost
-  std::string text;                // scratch for byte-level forms and prefix spaces
+  std::string text;                // a word's byte-level form (ignore_merges lookups)
   MatchData match_data = Regex::make_match_data();
 };
 
@@ -327,7 +392,7 @@ std::string describe_type(const json& node) {
 // ---- Impl ---------------------------------------------------------------------------------------
 
 struct Tokenizer::Impl {
-  std::string source;  // file name, for messages
+  std::string context;  // "tokenizer <file>": how every message about this tokenizer starts
 
   // Model.
   Vocab vocab;
@@ -340,7 +405,7 @@ struct Tokenizer::Impl {
   // Pipeline.
   bool nfc = false;
   std::vector<PreTokenizerStep> pre_tokenizer;
-  std::vector<AddedToken> added;  // sorted by id
+  std::vector<AddedToken> added;         // sorted by id
   AddedTokenMatcher raw_matcher;         // added tokens with normalized = false
   AddedTokenMatcher normalized_matcher;  // added tokens with normalized = true
   std::shared_ptr<const Regex> word_char;
@@ -354,11 +419,9 @@ struct Tokenizer::Impl {
 
   void check_id(int32_t id) const {
     if (id < 0 || id >= static_cast<int32_t>(kind_by_id.size()))
-      fail("tokenizer ", source, ": token id ", id, " is out of range (vocab size ",
-           kind_by_id.size(), ")");
+      fail(context, ": token id ", id, " is out of range (vocab size ", kind_by_id.size(), ")");
     if (kind_by_id[static_cast<size_t>(id)] == kNone)
-      fail("tokenizer ", source, ": token id ", id, " has no token (vocab size ",
-           kind_by_id.size(), ")");
+      fail(context, ": token id ", id, " has no token (vocab size ", kind_by_id.size(), ")");
   }
 
   bool word_char_at(std::string_view s, size_t pos, EncodeScratch& scratch) const {
@@ -514,7 +577,7 @@ struct Tokenizer::Impl {
       left.len += right.len;
       left.next = right.next;
       if (right.next >= 0) symbols[static_cast<size_t>(right.next)].prev = top.pos;
-      const auto current = left;  // copy: push() may not invalidate it, but keep it simple
+      const auto& current = left;
       if (current.prev >= 0)
         push(current.prev, symbols[static_cast<size_t>(current.prev)].id, current.id);
       if (current.next >= 0)
@@ -529,8 +592,7 @@ struct Tokenizer::Impl {
     ids.reserve(text.size() / 3 + 4);
     EncodeScratch scratch;
     const auto model = [&](std::string_view normalized) {
-      pre_tokenize(normalized, 0, scratch,
-                   [&](std::string_view word) { bpe(word, scratch, ids); });
+      pre_tokenize(normalized, 0, scratch, [&](std::string_view word) { bpe(word, scratch, ids); });
     };
     // As tokenizers does: split on raw-text added tokens, normalize the rest, split that on
     // normalized added tokens, and run the pre-tokenizer and the model on what remains.
@@ -595,7 +657,7 @@ int32_t token_id_value(const json& v, const std::string& where, std::string_view
 }  // namespace
 
 void Tokenizer::Impl::load_model(const json& model) {
-  const std::string where = source + ": model";
+  const std::string where = context + ": model";
   if (!model.is_object()) fail(where, " must be an object");
   if (auto t = model.find("type"); t != model.end() && *t != "BPE")
     fail(where, " type ", describe_type(model), " is not supported (only BPE)");
@@ -622,7 +684,8 @@ void Tokenizer::Impl::load_model(const json& model) {
   if (auto it = model.find("unk_token"); it != model.end() && !it->is_null()) {
     if (!it->is_string()) fail(where, ": \"unk_token\" must be a string");
     auto v = vocab.find(it->get<std::string>());
-    if (v == vocab.end()) fail(where, ": unk_token \"", it->get<std::string>(), "\" is not in the vocab");
+    if (v == vocab.end())
+      fail(where, ": unk_token \"", it->get<std::string>(), "\" is not in the vocab");
     unk_id = v->second;
   }
 
@@ -668,7 +731,7 @@ void Tokenizer::Impl::load_model(const json& model) {
 }
 
 void Tokenizer::Impl::load_added_tokens(const json& tokens) {
-  const std::string where = source + ": added_tokens";
+  const std::string where = context + ": added_tokens";
   if (tokens.is_null()) return;
   if (!tokens.is_array()) fail(where, " must be an array");
   for (size_t i = 0; i < tokens.size(); ++i) {
@@ -701,20 +764,19 @@ void Tokenizer::Impl::load_normalizer(const json& node) {
                                : "";
   if (type == "NFC") {
     nfc = true;
-  } else if (type == "Sequence" && node.contains("normalizers") &&
-             node["normalizers"].is_array()) {
+  } else if (type == "Sequence" && node.contains("normalizers") && node["normalizers"].is_array()) {
     for (const json& n : node["normalizers"]) load_normalizer(n);
   } else {
-    fail(source, ": normalizer type ", describe_type(node), " is not supported (NFC only)");
+    fail(context, ": normalizer type ", describe_type(node), " is not supported (NFC only)");
   }
 }
 
 void Tokenizer::Impl::load_pre_tokenizer(const json& node, bool top_level) {
-  if (node.is_null() && top_level) fail(source, ": a ByteLevel pre_tokenizer is required");
+  if (node.is_null() && top_level) fail(context, ": a ByteLevel pre_tokenizer is required");
   const std::string type = node.is_object() && node.contains("type") && node["type"].is_string()
                                ? node["type"].get<std::string>()
                                : "";
-  const std::string where = source + ": pre_tokenizer " + type;
+  const std::string where = context + ": pre_tokenizer " + type;
   if (!pre_tokenizer.empty() && pre_tokenizer.back().kind == PreTokenizerKind::kByteLevel)
     fail(where, " after ByteLevel is not supported (ByteLevel must come last)");
   if (type == "Sequence") {
@@ -736,27 +798,28 @@ void Tokenizer::Impl::load_pre_tokenizer(const json& node, bool top_level) {
     auto pattern = node.find("pattern");
     if (pattern == node.end() || !pattern->is_object() || pattern->size() != 1)
       fail(where, ": \"pattern\" must be {\"Regex\": ...} or {\"String\": ...}");
-    const auto& [kind, value] = *pattern->items().begin();
+    const auto entry = pattern->begin();  // the only member
+    const std::string& kind = entry.key();
+    const json& value = entry.value();
     if ((kind != "Regex" && kind != "String") || !value.is_string())
       fail(where, ": \"pattern\" must be {\"Regex\": ...} or {\"String\": ...}");
-    pre_tokenizer.push_back({PreTokenizerKind::kSplit,
-                             std::make_shared<const Regex>(value.get<std::string>(),
-                                                           kind == "String", where),
-                             false});
+    pre_tokenizer.push_back(
+        {PreTokenizerKind::kSplit,
+         std::make_shared<const Regex>(value.get<std::string>(), kind == "String", where), false});
   } else {
-    fail(source, ": pre_tokenizer type ", describe_type(node),
+    fail(context, ": pre_tokenizer type ", describe_type(node),
          " is not supported (ByteLevel, Split, Sequence)");
   }
   if (top_level &&
       (pre_tokenizer.empty() || pre_tokenizer.back().kind != PreTokenizerKind::kByteLevel))
-    fail(source, ": a ByteLevel pre_tokenizer is required (as the last step)");
+    fail(context, ": a ByteLevel pre_tokenizer is required (as the last step)");
 }
 
 void Tokenizer::Impl::load_decoder(const json& node) {
   const bool byte_level_decoder =
       node.is_object() && node.contains("type") && node["type"] == "ByteLevel";
   if (!byte_level_decoder)
-    fail(source, ": decoder type ", describe_type(node), " is not supported (ByteLevel only)");
+    fail(context, ": decoder type ", describe_type(node), " is not supported (ByteLevel only)");
 }
 
 void Tokenizer::Impl::finish() {
@@ -783,7 +846,7 @@ void Tokenizer::Impl::finish() {
     added_by_content[t.content] = t.id;
   }
   for (const AddedToken& t : added) (t.normalized ? normalized_matcher : raw_matcher).add(&t);
-  word_char = std::make_shared<const Regex>(kWordCharPattern, false, source);
+  word_char = std::make_shared<const Regex>(kWordCharPattern, false, context);
 }
 
 // ---- Tokenizer ----------------------------------------------------------------------------------
@@ -801,17 +864,17 @@ Tokenizer Tokenizer::load(const std::string& path) {
 
 Tokenizer Tokenizer::from_json(const std::string& json_text, const std::string& source_name) {
   auto impl = std::make_shared<Impl>();
-  impl->source = source_name;
+  impl->context = "tokenizer " + source_name;
   json root;
   try {
     root = json::parse(json_text);
   } catch (const json::exception& e) {
-    fail("tokenizer ", source_name, ": invalid JSON: ", e.what());
+    fail(impl->context, ": invalid JSON: ", e.what());
   }
-  if (!root.is_object()) fail("tokenizer ", source_name, ": top level must be an object");
+  if (!root.is_object()) fail(impl->context, ": top level must be an object");
   try {
     auto model = root.find("model");
-    if (model == root.end()) fail(source_name, ": no \"model\"");
+    if (model == root.end()) fail(impl->context, ": no \"model\"");
     impl->load_model(*model);
     impl->load_normalizer(root.value("normalizer", json()));
     impl->load_pre_tokenizer(root.value("pre_tokenizer", json()), true);
@@ -819,7 +882,7 @@ Tokenizer Tokenizer::from_json(const std::string& json_text, const std::string& 
     impl->load_added_tokens(root.value("added_tokens", json()));
     impl->finish();
   } catch (const json::exception& e) {
-    fail("tokenizer ", source_name, ": unexpected JSON structure: ", e.what());
+    fail(impl->context, ": unexpected JSON structure: ", e.what());
   }
   return Tokenizer(std::move(impl));
 }
@@ -859,7 +922,9 @@ Tokenizer::StreamDecoder Tokenizer::stream_decoder(bool skip_special) const {
   return StreamDecoder(impl_, skip_special);
 }
 
-int32_t Tokenizer::vocab_size() const { return static_cast<int32_t>(impl_->kind_by_id.size()); }
+int32_t Tokenizer::vocab_size() const {
+  return static_cast<int32_t>(impl_->kind_by_id.size());
+}
 
 std::optional<int32_t> Tokenizer::token_id(std::string_view token) const {
   if (auto it = impl_->added_by_content.find(token); it != impl_->added_by_content.end())
@@ -874,7 +939,8 @@ std::string_view Tokenizer::token_text(int32_t id) const {
 }
 
 bool Tokenizer::is_special(int32_t id) const {
-  return id >= 0 && id < vocab_size() && impl_->kind_by_id[static_cast<size_t>(id)] == Impl::kSpecial;
+  return id >= 0 && id < vocab_size() &&
+         impl_->kind_by_id[static_cast<size_t>(id)] == Impl::kSpecial;
 }
 
 }  // namespace tandem

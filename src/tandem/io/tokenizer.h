@@ -11,8 +11,9 @@
 //   decoder        ByteLevel
 // post_processor, truncation and padding are ignored: encode() adds no special tokens.
 //
-// Regexes run on PCRE2 (UTF + UCP, JIT when available) with \s and \S narrowed to Unicode
-// White_Space so they mean what they mean in Oniguruma, the engine tokenizers uses.
+// Regexes run on PCRE2 (UTF + UCP, JIT when available). tokenizers uses Oniguruma, so patterns
+// are translated where the two differ (\s is White_Space without U+180E, \w, \h, \v, ^, $,
+// (?m), POSIX and nested classes); the rare constructs left are refused at load.
 #pragma once
 
 #include <cstdint>

@@ -15,7 +15,7 @@ namespace {
 struct Decomposition {
   uint32_t cp;
   uint32_t first;
-  uint32_t second;  // 0 for a singleton decomposition
+  uint32_t second;    // 0 for a singleton decomposition
   uint32_t composes;  // 1 when (first, second) recomposes to cp under NFC
 };
 
@@ -45,8 +45,9 @@ static_assert(kCombiningClasses[0].first >= kFirstCombining);
 uint32_t combining_class(uint32_t cp) {
   if (cp < kFirstCombining || cp >= kRawByte) return 0;
   const auto* end = std::end(kCombiningClasses);
-  const auto* it = std::upper_bound(std::begin(kCombiningClasses), end, cp,
-                                    [](uint32_t c, const CombiningClassRange& r) { return c < r.first; });
+  const auto* it =
+      std::upper_bound(std::begin(kCombiningClasses), end, cp,
+                       [](uint32_t c, const CombiningClassRange& r) { return c < r.first; });
   if (it == std::begin(kCombiningClasses)) return 0;
   --it;
   return cp <= it->last ? it->ccc : 0;
@@ -96,8 +97,7 @@ const std::vector<PairComposite>& composition_index() {
 
 // The primary composite of (first, second), or 0.
 uint32_t compose(uint32_t first, uint32_t second) {
-  if (first >= kLBase && first < kLBase + kLCount && second >= kVBase &&
-      second < kVBase + kVCount)
+  if (first >= kLBase && first < kLBase + kLCount && second >= kVBase && second < kVBase + kVCount)
     return kSBase + ((first - kLBase) * kVCount + (second - kVBase)) * kTCount;
   if (first >= kSBase && first < kSBase + kSCount && (first - kSBase) % kTCount == 0 &&
       second > kTBase && second < kTBase + kTCount)
