@@ -615,11 +615,14 @@ struct Tokenizer::Impl {
     return ids;
   }
 
-  // Bytes of one id for decoding; empty when skipped. Throws for an id with no token.
+  // Bytes of one id for decoding; empty when skipped. Ids with no token (past the tokenizer's
+  // vocabulary, as in a model's padded embedding rows, or holes) decode to nothing, exactly as
+  // `tokenizers` drops them: a sampled padding id must not end a stream.
   const std::string& decode_bytes(int32_t id, bool skip_special) const {
     static const std::string kEmpty;
-    check_id(id);
+    if (id < 0 || id >= static_cast<int32_t>(kind_by_id.size())) return kEmpty;
     const auto i = static_cast<size_t>(id);
+    if (kind_by_id[i] == kNone) return kEmpty;
     if (skip_special && kind_by_id[i] == kSpecial) return kEmpty;
     return bytes_by_id[i];
   }
