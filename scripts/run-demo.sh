@@ -1,9 +1,14 @@
 #!/usr/bin/env bash
-# Installs missing packages, builds, and runs the main job: generation on the CPU.
+# Installs missing packages, builds, and runs the main job: the bundled demo model (a 16M-parameter
+# Qwen3.5 with a native MTP layer, models/qwen35-demo) continues a Python function on the CPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/install-deps.sh
 ./scripts/build.sh
-model=tests/fixtures/qwen35_untied_sharded
-echo "== tandem generate on $model (tiny random-weight Qwen3.5 fixture)"
-./build/tandem generate --model "$model" --token-ids 11,22,33,44 --max-tokens 16 --json
+model=models/qwen35-demo
+prompt='def read_config(path):
+    """Read a JSON configuration file and return it as a dict."""
+'
+echo "== tandem generate --model $model (CPU)"
+printf '%s' "$prompt"
+./build/tandem generate --model "$model" --prompt "$prompt" --max-tokens 96 --temperature 0.6 --top-p 0.9 --seed 1

@@ -122,20 +122,20 @@ def split_of(rel: str) -> str:
     return "heldout" if r == 0 else "validation" if r == 1 else "train"
 
 
-def collect_corpus(keep_codec_tables: bool) -> dict:
-    root = Path(sysconfig.get_paths()["stdlib"]).resolve()
-    check(root.is_dir(), f"stdlib directory {root} does not exist")
-    print(f"stdlib: {root} (Python {platform.python_version()})")
-    files, skipped = [], {"too_big": [], "not_utf8": [], "empty": [], "codec_tables": []}
+def walk_python_files(root: Path, prefix: str, excluded: set[str], keep_codec_tables: bool,
+                      skipped: dict, budget: int | None) -> list[dict]:
+    """Every usable *.py under root, in sorted path order; stops once `budget` bytes are taken."""
+    files, taken = [], 0
     for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in EXCLUDED_DIRS)
-        for fn in filenames:
+        dirnames[:] = sorted(d for d in dirnames
+                             if d not in excluded and not d.endswith((".dist-info", ".egg-info")))
+        for fn in sorted(filenames):
             if not fn.endswith(".py"):
                 continue
             p = Path(dirpath) / fn
             if not p.is_file():
                 continue
-            rel = p.relative_to(root).as_posix()
+            rel = prefix + p.relative_to(root).as_posix()
             data = p.read_bytes()
             if len(data) > MAX_FILE_BYTES:
                 skipped["too_big"].append(rel)
@@ -153,7 +153,34 @@ def collect_corpus(keep_codec_tables: bool) -> dict:
             if not keep_codec_tables and rel.startswith("encodings/") and CODEC_TABLE_MARK in text:
                 skipped["codec_tables"].append(rel)
                 continue
+            if budget is not None and taken + len(data) > budget:
+                return files
+            taken += len(data)
             files.append({"rel": rel, "text": text, "bytes": len(data), "split": split_of(rel)})
+    return files
+
+
+def collect_corpus(keep_codec_tables: bool, site_packages: list[str], site_budget: int) -> dict:
+    root = Path(sysconfig.get_paths()["stdlib"]).resolve()
+    check(root.is_dir(), f"stdlib directory {root} does not exist")
+    print(f"stdlib: {root} (Python {platform.python_version()})")
+    skipped = {"too_big": [], "not_utf8": [], "empty": [], "codec_tables": []}
+    files = walk_python_files(root, "", EXCLUDED_DIRS, keep_codec_tables, skipped, None)
+    # Optional extra code: third-party packages installed on the training machine (their
+    # Python sources, tests excluded), taken in sorted path order up to a byte budget.
+    site_roots = []
+    for sp in site_packages:
+        sp_root = Path(sp).resolve()
+        check(sp_root.is_dir(), f"--site-packages {sp_root} is not a directory")
+        left = site_budget - sum(f["bytes"] for f in files if f["rel"].startswith("site-packages/"))
+        if left <= 0:
+            break
+        extra = walk_python_files(sp_root, "site-packages/", {"test", "tests", "testing", "__pycache__"},
+                                  True, skipped, left)
+        print(f"site-packages: {sp_root}: {len(extra)} files, {sum(f['bytes'] for f in extra):,} bytes")
+        site_roots.append({"root": str(sp_root),
+                           "packages": sorted({f["rel"].split("/")[1] for f in extra})})
+        files += extra
     files.sort(key=lambda f: f["rel"])
     splits = {name: [f for f in files if f["split"] == name] for name in ("train", "validation", "heldout")}
     for k, v in skipped.items():
@@ -166,7 +193,8 @@ def collect_corpus(keep_codec_tables: bool) -> dict:
           "is this a full stdlib?")
     check(len(splits["heldout"]) >= 3, f"only {len(splits['heldout'])} held-out files: the split needs a few")
     check(len(splits["validation"]) >= 2, f"only {len(splits['validation'])} validation files")
-    return {"root": str(root), **splits, "skipped": {k: sorted(v) for k, v in skipped.items()}}
+    return {"root": str(root), "site_packages": site_roots, **splits,
+            "skipped": {k: sorted(v) for k, v in skipped.items()}}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -945,10 +973,11 @@ def make_prompts(held: list[dict], want: int = 8) -> list[dict]:
         found.sort(key=lambda r: r["lineno"])
         if found:
             per_file.append(found)
-    out, rnd = [], 0
+    out, rnd, seen = [], 0, set()
     while len(out) < want and any(len(fs) > rnd for fs in per_file):
         for fs in per_file:
-            if len(fs) > rnd and len(out) < want:
+            if len(fs) > rnd and len(out) < want and fs[rnd]["prompt"] not in seen:
+                seen.add(fs[rnd]["prompt"])
                 out.append(fs[rnd])
         rnd += 1
     for i, r in enumerate(out):
@@ -998,6 +1027,10 @@ def main() -> None:
     ap.add_argument("--val-every", type=int, default=100, help="validation loss every N steps (0: off)")
     ap.add_argument("--no-keep-best", dest="keep_best", action="store_false",
                     help="ship the final weights instead of the best-validation checkpoint")
+    ap.add_argument("--site-packages", action="append", default=[],
+                    help="also train on the *.py files of this installed-packages directory")
+    ap.add_argument("--site-packages-bytes", type=int, default=60_000_000,
+                    help="byte budget for --site-packages sources (sorted path order)")
     ap.add_argument("--keep-codec-tables", action="store_true",
                     help="keep the gencodec.py-generated encodings/*.py charmap tables in the corpus")
     ap.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"])
@@ -1012,7 +1045,7 @@ def main() -> None:
     torch.manual_seed(args.seed)
 
     banner("1. corpus")
-    corpus = collect_corpus(args.keep_codec_tables)
+    corpus = collect_corpus(args.keep_codec_tables, args.site_packages, args.site_packages_bytes)
     train_files, val_files, held_files = corpus["train"], corpus["validation"], corpus["heldout"]
 
     banner("2. tokenizer")
@@ -1130,6 +1163,7 @@ def main() -> None:
             "source": f"CPython {platform.python_version()} standard library sources (*.py) as installed on the "
                       f"training machine at {corpus['root']} (license: PSF License Agreement)",
             "stdlib_root": corpus["root"],
+            "site_packages": corpus["site_packages"],
             "excluded_dirs": sorted(EXCLUDED_DIRS),
             "max_file_bytes": MAX_FILE_BYTES,
             "skipped": corpus["skipped"],
