@@ -160,3 +160,34 @@ TEST(ParityFixtures, CarryVisionAndMtpTensorsThatTheTextModelIgnoresOrKeeps) {
 
 }  // namespace
 }  // namespace tandem
+
+namespace tandem {
+namespace {
+
+// The bundled demo model (real trained bf16 weights) against PyTorch fp32 on the same weights
+// (tests/fixtures/demo_reference, made by tools/make_demo_reference.py).
+TEST(DemoModelParity, TargetLogitsAndHiddenMatchPyTorch) {
+  auto model = Qwen35Model::load(std::string(TANDEM_SOURCE_DIR) + "/models/qwen35-demo");
+  auto ref = SafetensorsFile::open(kFixtures + "/demo_reference/reference.safetensors");
+  for (int i = 0; i < 2; ++i) {
+    const TensorView* t = ref->find("tokens_" + std::to_string(i));
+    ASSERT_NE(t, nullptr);
+    const auto* p = static_cast<const int64_t*>(t->data);
+    const std::vector<int32_t> tokens(p, p + t->numel());
+    const auto want_logits = to_f32(*ref->find("logits_" + std::to_string(i)));
+    const auto want_hidden = to_f32(*ref->find("hidden_" + std::to_string(i)));
+    Qwen35State st(model->config());
+    const RowInput row{st.open_row(), static_cast<int64_t>(tokens.size())};
+    ForwardOutput out;
+    model->forward(st, {tokens, {&row, 1}, true, true}, &out);
+    ASSERT_EQ(out.logits.size(), want_logits.size());
+    const double ls = max_abs(want_logits), hs = max_abs(want_hidden);
+    for (size_t k = 0; k < want_logits.size(); ++k)
+      ASSERT_NEAR(out.logits[k], want_logits[k], 1e-4 * ls) << "sequence " << i << " index " << k;
+    for (size_t k = 0; k < want_hidden.size(); ++k)
+      ASSERT_NEAR(out.hidden[k], want_hidden[k], 1e-4 * hs) << "sequence " << i << " index " << k;
+  }
+}
+
+}  // namespace
+}  // namespace tandem
