@@ -6,8 +6,8 @@
 
 namespace tandem::cpu {
 
-// Best-of-`repeats` read bandwidth in bytes/second over a `bytes`-sized buffer (much larger than
+// Median-of-`repeats` read bandwidth in bytes/second over a `bytes`-sized buffer (much larger than
 // the last-level cache), using `threads` threads (0 = the op thread count).
-double measure_read_bandwidth(size_t bytes = size_t{1} << 30, int repeats = 5, int threads = 0);
+double measure_read_bandwidth(size_t bytes = size_t{1} << 30, int repeats = 7, int threads = 0);
 
 }  // namespace tandem::cpu
