@@ -66,8 +66,8 @@ TEST(Cli, GenerateJsonMatchesReferenceGreedyContinuation) {
   const auto prompt = ref_ids("qwen35_untied_sharded", "prompt_0");
   const auto greedy = ref_ids("qwen35_untied_sharded", "greedy_0");
   const CliRun r = run("generate --model " + model + " --token-ids " + join(prompt) +
-                        " --max-tokens 8 --ignore-eos --json",
-                    false);
+                           " --max-tokens 8 --ignore-eos --json",
+                       false);
   ASSERT_EQ(r.code, 0) << r.out;
   const auto j = nlohmann::json::parse(r.out);
   EXPECT_EQ(j["prompt_tokens"], prompt.size());
@@ -96,10 +96,10 @@ TEST(Cli, StopsAtEos) {
   const auto greedy = ref_ids("qwen35_untied_sharded", "greedy_0");
   write_text((dir.path() / "m/generation_config.json").string(),
              "{\"eos_token_id\": [" + std::to_string(greedy[2]) + "]}");
-  const CliRun r = run("generate --model " + dir.str() + "/m --token-ids " +
-                        join(ref_ids("qwen35_untied_sharded", "prompt_0")) +
-                        " --max-tokens 8 --json",
-                    false);
+  const CliRun r =
+      run("generate --model " + dir.str() + "/m --token-ids " +
+              join(ref_ids("qwen35_untied_sharded", "prompt_0")) + " --max-tokens 8 --json",
+          false);
   ASSERT_EQ(r.code, 0) << r.out;
   const auto j = nlohmann::json::parse(r.out);
   EXPECT_EQ(j["finish_reason"], "stop");
@@ -109,8 +109,8 @@ TEST(Cli, StopsAtEos) {
 TEST(Cli, ScoreReportsTopLogitsForEveryPosition) {
   const auto tokens = ref_ids("qwen35_gqa_f16", "tokens_0");
   const CliRun r = run("score --model " + kFixtures + "/qwen35_gqa_f16 --token-ids " +
-                        join(tokens) + " --top-k 3 --json",
-                    false);
+                           join(tokens) + " --top-k 3 --json",
+                       false);
   ASSERT_EQ(r.code, 0) << r.out;
   const auto j = nlohmann::json::parse(r.out);
   ASSERT_EQ(j["positions"].size(), tokens.size());

@@ -72,8 +72,7 @@ TEST_F(RandomModel, PrefillEqualsTokenByTokenDecodeBitwise) {
     const RowInput r{sb, n};
     model_->forward(b, {std::span(ids).subspan(t, static_cast<size_t>(n)), {&r, 1}, true, false},
                     &part);
-    ASSERT_EQ(0, std::memcmp(part.logits.data(), all.logits.data() + t * V,
-                             sizeof(float) * n * V))
+    ASSERT_EQ(0, std::memcmp(part.logits.data(), all.logits.data() + t * V, sizeof(float) * n * V))
         << "window starting at " << t;
     t += static_cast<size_t>(n);
   }

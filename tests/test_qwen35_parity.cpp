@@ -102,15 +102,15 @@ TEST_P(Parity, IncrementalDecodeMatchesTransformers) {
     const int slot = st.open_row();
     ForwardOutput out;
     const RowInput prompt_row{slot, plen};
-    model->forward(st, {std::span(tokens).first(static_cast<size_t>(plen)), {&prompt_row, 1},
-                        false, false},
-                   &out);
+    model->forward(
+        st, {std::span(tokens).first(static_cast<size_t>(plen)), {&prompt_row, 1}, false, false},
+        &out);
     for (int64_t p = plen - 1; p < static_cast<int64_t>(tokens.size()); ++p) {
       if (p >= plen) {
         const RowInput r{slot, 1};
-        model->forward(st, {std::span(tokens).subspan(static_cast<size_t>(p), 1), {&r, 1}, false,
-                            false},
-                       &out);
+        model->forward(
+            st, {std::span(tokens).subspan(static_cast<size_t>(p), 1), {&r, 1}, false, false},
+            &out);
       }
       for (int64_t v = 0; v < V; ++v)
         ASSERT_NEAR(out.logits[v], want[p * V + v], 1e-3 * scale)

@@ -74,8 +74,8 @@ struct KVLayerView {
     return pool + ((static_cast<int64_t>(block) * 2) * block_size + slot) * n_kv_heads * head_dim;
   }
   float* value(int32_t block, int64_t slot) const {
-    return pool + ((static_cast<int64_t>(block) * 2 + 1) * block_size + slot) * n_kv_heads *
-                      head_dim;
+    return pool +
+           ((static_cast<int64_t>(block) * 2 + 1) * block_size + slot) * n_kv_heads * head_dim;
   }
 };
 

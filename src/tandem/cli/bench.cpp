@@ -74,8 +74,8 @@ void run_bench(const BenchArgs& a) {
     if (r == 0) continue;
     prefill.push_back(st.prefill_tokens_per_second());
     decode.push_back(st.decode_tokens_per_second());
-    std::fprintf(stderr, "bench: run %d/%d: prefill %.1f tok/s, decode %.1f tok/s\n", r,
-                 a.repeats, prefill.back(), decode.back());
+    std::fprintf(stderr, "bench: run %d/%d: prefill %.1f tok/s, decode %.1f tok/s\n", r, a.repeats,
+                 prefill.back(), decode.back());
   }
   const Spread pf = spread(prefill), dc = spread(decode);
   // One decode step reads every weight once for the whole batch, plus each row's KV prefix.
@@ -110,9 +110,10 @@ void run_bench(const BenchArgs& a) {
   }
   std::printf("model            %s (%.1fM parameters)\n", a.model.c_str(),
               static_cast<double>(model->parameter_count()) / 1e6);
-  std::printf("setup            batch %d, prompt %lld tokens, %lld generated, %d threads, %d runs\n",
-              a.batch, static_cast<long long>(a.prompt_tokens),
-              static_cast<long long>(a.gen_tokens), ops::thread_count(), a.repeats);
+  std::printf(
+      "setup            batch %d, prompt %lld tokens, %lld generated, %d threads, %d runs\n",
+      a.batch, static_cast<long long>(a.prompt_tokens), static_cast<long long>(a.gen_tokens),
+      ops::thread_count(), a.repeats);
   std::printf("prefill          %.1f tok/s (min %.1f, max %.1f)\n", pf.median, pf.min, pf.max);
   std::printf("decode           %.1f tok/s (min %.1f, max %.1f)\n", dc.median, dc.min, dc.max);
   std::printf("memory read      %.2f GB/s measured\n", bw / 1e9);

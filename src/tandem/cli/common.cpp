@@ -24,7 +24,8 @@ std::vector<int32_t> parse_token_ids(const std::string& s) {
     auto [p, ec] = std::from_chars(part.data(), part.data() + part.size(), v);
     if (part.empty() || ec != std::errc() || p != part.data() + part.size() || v < 0 ||
         v > INT32_MAX)
-      fail("--token-ids: '", part, "' is not a token id (expected non-negative integers separated "
+      fail("--token-ids: '", part,
+           "' is not a token id (expected non-negative integers separated "
            "by commas)");
     ids.push_back(static_cast<int32_t>(v));
     i = j + 1;

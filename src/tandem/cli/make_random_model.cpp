@@ -13,8 +13,8 @@ void add_make_random_model_command(CLI::App& app) {
     uint64_t seed = 0;
   };
   auto a = std::make_shared<Args>();
-  CLI::App* sub = app.add_subcommand(
-      "make-random-model", "Write a random-weight Qwen3.5 checkpoint for a config.json");
+  CLI::App* sub = app.add_subcommand("make-random-model",
+                                     "Write a random-weight Qwen3.5 checkpoint for a config.json");
   sub->add_option("--config", a->config, "config.json giving the shape")->required();
   sub->add_option("--out", a->out, "Output directory")->required();
   sub->add_option("--dtype", a->dtype, "f32, bf16 or f16")->capture_default_str();

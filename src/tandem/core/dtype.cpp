@@ -25,17 +25,28 @@ size_t dtype_size(DType t) {
 
 std::string_view dtype_name(DType t) {
   switch (t) {
-    case DType::F32: return "F32";
-    case DType::F16: return "F16";
-    case DType::BF16: return "BF16";
-    case DType::I32: return "I32";
-    case DType::I64: return "I64";
-    case DType::U32: return "U32";
-    case DType::U8: return "U8";
-    case DType::BOOL: return "BOOL";
-    case DType::F64: return "F64";
-    case DType::I8: return "I8";
-    case DType::I16: return "I16";
+    case DType::F32:
+      return "F32";
+    case DType::F16:
+      return "F16";
+    case DType::BF16:
+      return "BF16";
+    case DType::I32:
+      return "I32";
+    case DType::I64:
+      return "I64";
+    case DType::U32:
+      return "U32";
+    case DType::U8:
+      return "U8";
+    case DType::BOOL:
+      return "BOOL";
+    case DType::F64:
+      return "F64";
+    case DType::I8:
+      return "I8";
+    case DType::I16:
+      return "I16";
   }
   return "?";
 }
@@ -44,8 +55,8 @@ bool dtype_from_safetensors(std::string_view s, DType* out) {
   static constexpr struct {
     std::string_view name;
     DType t;
-  } kTable[] = {{"F32", DType::F32}, {"F16", DType::F16}, {"BF16", DType::BF16},
-                {"I32", DType::I32}, {"I64", DType::I64}, {"U32", DType::U32},
+  } kTable[] = {{"F32", DType::F32}, {"F16", DType::F16},   {"BF16", DType::BF16},
+                {"I32", DType::I32}, {"I64", DType::I64},   {"U32", DType::U32},
                 {"U8", DType::U8},   {"BOOL", DType::BOOL}, {"F64", DType::F64},
                 {"I8", DType::I8},   {"I16", DType::I16}};
   for (const auto& e : kTable) {

@@ -24,10 +24,10 @@ template <class... Parts>
 }
 
 // Internal invariant (a bug in tandem, not bad input). Still an exception, so a server survives.
-#define TANDEM_CHECK(cond, ...)                                                       \
-  do {                                                                                \
-    if (!(cond)) ::tandem::fail(__FILE__, ":", __LINE__, ": check failed: " #cond " ", \
-                                ##__VA_ARGS__);                                        \
+#define TANDEM_CHECK(cond, ...)                                                             \
+  do {                                                                                      \
+    if (!(cond))                                                                            \
+      ::tandem::fail(__FILE__, ":", __LINE__, ": check failed: " #cond " ", ##__VA_ARGS__); \
   } while (0)
 
 }  // namespace tandem

@@ -13,7 +13,9 @@ void grow(std::vector<float>& v, int64_t n) {
   if (static_cast<int64_t>(v.size()) < n) v.resize(static_cast<size_t>(n));
 }
 
-bool is_float(DType t) { return t == DType::F32 || t == DType::BF16 || t == DType::F16; }
+bool is_float(DType t) {
+  return t == DType::F32 || t == DType::BF16 || t == DType::F16;
+}
 
 // Looks up a tensor and checks its shape and dtype, naming both on mismatch.
 ops::WeightRef expect(const WeightStore& store, const std::string& name,
@@ -192,8 +194,10 @@ void Qwen35Model::forward(Qwen35State& st, const ForwardRequest& req, ForwardOut
   const float eps = static_cast<float>(c.rms_norm_eps);
   if (req.want_hidden || req.all_logits) {
     ops::rms_norm(w.x.data(), T, H, final_norm_, true, eps, w.h.data());
-    if (req.want_hidden) out->hidden.assign(w.h.begin(), w.h.begin() + T * H);
-    else out->hidden.clear();
+    if (req.want_hidden)
+      out->hidden.assign(w.h.begin(), w.h.begin() + T * H);
+    else
+      out->hidden.clear();
   } else {
     out->hidden.clear();
   }
@@ -256,8 +260,7 @@ void Qwen35Model::attention_layer(const Layer& L, Qwen35State& st, const Forward
     const int64_t start = st.length(r.slot);
     const int32_t* table = st.block_table(r.slot).data();
     ops::kv_write(kv, table, start, r.n_tokens, k + t0 * nkv * hd, v + t0 * nkv * hd);
-    ops::attention(kv, table, start, r.n_tokens, q + t0 * nh * hd, nh, scale,
-                   o + t0 * nh * hd);
+    ops::attention(kv, table, start, r.n_tokens, q + t0 * nh * hd, nh, scale, o + t0 * nh * hd);
     t0 += r.n_tokens;
   }
   ops::sigmoid_gate(o, gate, T * nh * hd);
@@ -268,8 +271,8 @@ void Qwen35Model::delta_layer(const Layer& L, Qwen35State& st, const ForwardRequ
                               int64_t T) const {
   const Qwen35Config& c = cfg_;
   Workspace& w = ws_;
-  const int64_t conv_dim = c.linear_conv_dim(), kd = c.linear_key_dim(),
-                vd = c.linear_value_dim(), nv = c.linear_num_value_heads;
+  const int64_t conv_dim = c.linear_conv_dim(), kd = c.linear_key_dim(), vd = c.linear_value_dim(),
+                nv = c.linear_num_value_heads;
   grow(w.a0, T * conv_dim);
   grow(w.a1, T * conv_dim);
   grow(w.a2, T * vd);

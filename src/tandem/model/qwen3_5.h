@@ -88,8 +88,7 @@ class Qwen35Model {
 
   Qwen35Model() = default;
   void bind_weights();
-  void attention_layer(const Layer& L, Qwen35State& st, const ForwardRequest& req,
-                       int64_t T) const;
+  void attention_layer(const Layer& L, Qwen35State& st, const ForwardRequest& req, int64_t T) const;
   void delta_layer(const Layer& L, Qwen35State& st, const ForwardRequest& req, int64_t T) const;
 };
 

@@ -13,14 +13,20 @@ int g_threads = 0;
 
 inline float load_weight(const WeightRef& w, int64_t i) {
   switch (w.dtype) {
-    case DType::F32: return static_cast<const float*>(w.data)[i];
-    case DType::BF16: return bf16_to_f32(static_cast<const uint16_t*>(w.data)[i]);
-    case DType::F16: return f16_to_f32(static_cast<const uint16_t*>(w.data)[i]);
-    default: return NAN;
+    case DType::F32:
+      return static_cast<const float*>(w.data)[i];
+    case DType::BF16:
+      return bf16_to_f32(static_cast<const uint16_t*>(w.data)[i]);
+    case DType::F16:
+      return f16_to_f32(static_cast<const uint16_t*>(w.data)[i]);
+    default:
+      return NAN;
   }
 }
 
-inline float silu(float x) { return x / (1.0f + std::exp(-x)); }
+inline float silu(float x) {
+  return x / (1.0f + std::exp(-x));
+}
 
 // Reciprocal RMS of one row, accumulated in double in index order (row-count independent).
 inline float inv_rms(const float* x, int64_t d, float eps) {
@@ -35,9 +41,13 @@ void check_float_weight(const WeightRef& w, const char* op) {
 }
 }  // namespace
 
-void set_thread_count(int n) { g_threads = n; }
+void set_thread_count(int n) {
+  g_threads = n;
+}
 
-int thread_count() { return g_threads > 0 ? g_threads : omp_get_max_threads(); }
+int thread_count() {
+  return g_threads > 0 ? g_threads : omp_get_max_threads();
+}
 
 WeightRef weight_ref(const TensorView& t) {
   WeightRef w;

@@ -14,14 +14,20 @@ namespace tandem::ops {
 namespace {
 inline float weight_at(const WeightRef& w, int64_t i) {
   switch (w.dtype) {
-    case DType::F32: return static_cast<const float*>(w.data)[i];
-    case DType::BF16: return bf16_to_f32(static_cast<const uint16_t*>(w.data)[i]);
-    case DType::F16: return f16_to_f32(static_cast<const uint16_t*>(w.data)[i]);
-    default: return NAN;
+    case DType::F32:
+      return static_cast<const float*>(w.data)[i];
+    case DType::BF16:
+      return bf16_to_f32(static_cast<const uint16_t*>(w.data)[i]);
+    case DType::F16:
+      return f16_to_f32(static_cast<const uint16_t*>(w.data)[i]);
+    default:
+      return NAN;
   }
 }
 
-inline float softplus(float x) { return x > 20.0f ? x : std::log1p(std::exp(x)); }
+inline float softplus(float x) {
+  return x > 20.0f ? x : std::log1p(std::exp(x));
+}
 
 inline void l2_normalise(const float* x, int64_t d, float scale, float* y) {
   float ss = 0.0f;

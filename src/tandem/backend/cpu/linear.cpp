@@ -31,12 +31,12 @@ inline __m512 load_w16(const void* row, int64_t c) {
   if constexpr (WT == DType::F32) {
     return _mm512_loadu_ps(static_cast<const float*>(row) + c);
   } else if constexpr (WT == DType::BF16) {
-    const __m256i h = _mm256_loadu_si256(
-        reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(row) + c));
+    const __m256i h =
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(row) + c));
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
   } else {
-    const __m256i h = _mm256_loadu_si256(
-        reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(row) + c));
+    const __m256i h =
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(row) + c));
     return _mm512_cvtph_ps(h);
   }
 }
@@ -124,10 +124,18 @@ void tile_nr(int nr, const float* x, int64_t k, const void* const* wrows, float*
     case 5:
       if constexpr (MR <= 2) tile<WT, MR, 5>(x, k, wrows, y, ldy);
       break;
-    case 4: tile<WT, MR, 4>(x, k, wrows, y, ldy); break;
-    case 3: tile<WT, MR, 3>(x, k, wrows, y, ldy); break;
-    case 2: tile<WT, MR, 2>(x, k, wrows, y, ldy); break;
-    default: tile<WT, MR, 1>(x, k, wrows, y, ldy); break;
+    case 4:
+      tile<WT, MR, 4>(x, k, wrows, y, ldy);
+      break;
+    case 3:
+      tile<WT, MR, 3>(x, k, wrows, y, ldy);
+      break;
+    case 2:
+      tile<WT, MR, 2>(x, k, wrows, y, ldy);
+      break;
+    default:
+      tile<WT, MR, 1>(x, k, wrows, y, ldy);
+      break;
   }
 }
 
@@ -135,10 +143,18 @@ template <DType WT>
 void tile_any(int mr, int nr, const float* x, int64_t k, const void* const* wrows, float* y,
               int64_t ldy) {
   switch (mr) {
-    case 4: tile_nr<WT, 4>(nr, x, k, wrows, y, ldy); break;
-    case 3: tile_nr<WT, 3>(nr, x, k, wrows, y, ldy); break;
-    case 2: tile_nr<WT, 2>(nr, x, k, wrows, y, ldy); break;
-    default: tile_nr<WT, 1>(nr, x, k, wrows, y, ldy); break;
+    case 4:
+      tile_nr<WT, 4>(nr, x, k, wrows, y, ldy);
+      break;
+    case 3:
+      tile_nr<WT, 3>(nr, x, k, wrows, y, ldy);
+      break;
+    case 2:
+      tile_nr<WT, 2>(nr, x, k, wrows, y, ldy);
+      break;
+    default:
+      tile_nr<WT, 1>(nr, x, k, wrows, y, ldy);
+      break;
   }
 }
 
@@ -169,10 +185,17 @@ void linear_typed(const float* x, int64_t m, const WeightRef& w, float* y) {
 void linear(const float* x, int64_t m, const WeightRef& w, float* y) {
   if (m <= 0 || w.rows == 0) return;
   switch (w.dtype) {
-    case DType::F32: linear_typed<DType::F32>(x, m, w, y); break;
-    case DType::BF16: linear_typed<DType::BF16>(x, m, w, y); break;
-    case DType::F16: linear_typed<DType::F16>(x, m, w, y); break;
-    default: fail("linear: unsupported weight dtype ", dtype_name(w.dtype));
+    case DType::F32:
+      linear_typed<DType::F32>(x, m, w, y);
+      break;
+    case DType::BF16:
+      linear_typed<DType::BF16>(x, m, w, y);
+      break;
+    case DType::F16:
+      linear_typed<DType::F16>(x, m, w, y);
+      break;
+    default:
+      fail("linear: unsupported weight dtype ", dtype_name(w.dtype));
   }
 }
 
