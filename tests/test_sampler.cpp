@@ -1,4 +1,4 @@
-// Counter-based keys (core/rng.h) and the sampler chain (engine/sampler.h).
+// Counter-based keys (core/rng.h) and the sampler chain (core/sampler.h).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -11,7 +11,7 @@
 
 #include "tandem/core/error.h"
 #include "tandem/core/rng.h"
-#include "tandem/engine/sampler.h"
+#include "tandem/core/sampler.h"
 
 namespace tandem {
 namespace {

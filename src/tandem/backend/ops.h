@@ -93,8 +93,10 @@ void attention(const KVLayerView& kv, const int32_t* block_table, int64_t start,
 // Depthwise causal conv1d with state, then SiLU, for one row's n tokens.
 // x, out: [n, channels]; w: [channels, kernel] (HF Conv1d weight squeezed); state: [channels,
 // kernel-1] holds the previous kernel-1 inputs, oldest first, and is advanced by n tokens.
+// state_after (optional): [n, channels, kernel-1] receives the state after each token (what a
+// verify window keeps to cut the row back to any prefix).
 void causal_conv_silu(const float* x, int64_t n, int64_t channels, int64_t kernel,
-                      const WeightRef& w, float* state, float* out);
+                      const WeightRef& w, float* state, float* out, float* state_after = nullptr);
 
 // Gated delta rule recurrence of one row, token by token (the same per-token step for prefill,
 // decode and verify, so a window's states equal decoding one token at a time).
@@ -110,5 +112,27 @@ struct DeltaHeads {
 void gated_delta_rule(const float* q, const float* k, const float* v, const float* a,
                       const float* b, const WeightRef& A_log, const WeightRef& dt_bias, int64_t n,
                       const DeltaHeads& h, float* state, float* out, float* state_after = nullptr);
+
+// A Linear weight in MLX's affine quantized layout ([rows, cols] logical):
+//  - packed: uint32 [rows, cols * bits / 32]; each row is a little-endian bit stream in which
+//    element c occupies bits [c·bits, (c+1)·bits), first element in the lowest bits of the first
+//    word (MLX packs 3/5/6-bit values across word boundaries this same way);
+//  - scales, biases: [rows, cols / group_size], fp32/bf16/f16;
+//  - value(r, c) = scales[r, g] · q(r, c) + biases[r, g], g = c / group_size.
+// Supported: bits 2, 3, 4, 5, 6, 8; group_size a multiple of 32 dividing cols.
+struct QuantWeightRef {
+  const void* packed = nullptr;  // may be unaligned (safetensors does not align)
+  WeightRef scales, biases;
+  int64_t rows = 0;
+  int64_t cols = 0;
+  int64_t group_size = 0;
+  int bits = 0;
+};
+bool quant_bits_supported(int bits);
+
+// y[m, w.rows] = x[m, w.cols] · dequant(w)ᵀ. Each weight row is dequantized once per call into an
+// fp32 buffer and dotted with every input row in a fixed order (batch invariant; exact fp32 math
+// on the dequantized values).
+void linear_quantized(const float* x, int64_t m, const QuantWeightRef& w, float* y);
 
 }  // namespace tandem::ops

@@ -7,7 +7,7 @@
 #include "tandem/cli/commands.h"
 #include "tandem/cli/common.h"
 #include "tandem/core/error.h"
-#include "tandem/engine/sampler.h"
+#include "tandem/core/sampler.h"
 
 namespace tandem::cli {
 

@@ -14,6 +14,9 @@
 //                        with the target use this same stream at the same index.
 //   1  kRngStreamAccept  the rejection-sampling accept test of speculative decoding
 //                        (accept p_j with probability min(1, p/q)).
+//   2  kRngStreamResidual the draw from norm(max(0, p - q)) after a rejection. It must not reuse
+//                        stream 0: the proposal was drawn from stream 0 at the same index, and a
+//                        residual draw correlated with it would bias the emitted distribution.
 #pragma once
 
 #include <array>
@@ -23,6 +26,7 @@ namespace tandem {
 
 inline constexpr uint32_t kRngStreamToken = 0;
 inline constexpr uint32_t kRngStreamAccept = 1;
+inline constexpr uint32_t kRngStreamResidual = 2;
 
 // Raw Philox4x32-10 block: exposed so tests can check the cipher against Random123's published
 // known-answer vectors independently of the (seed, index, stream) mapping.

@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include "tandem/engine/sampler.h"
+#include "tandem/core/sampler.h"
 #include "tandem/model/qwen3_5.h"
 
 namespace tandem {

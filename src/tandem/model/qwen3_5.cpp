@@ -112,6 +112,17 @@ void Qwen35Model::bind_weights() {
         1.0f / std::pow(theta, static_cast<float>(2 * i) / static_cast<float>(c.rotary_dim));
 }
 
+void Qwen35Model::embed(std::span<const int32_t> ids, float* out) const {
+  for (int32_t id : ids)
+    if (id < 0 || id >= cfg_.vocab_size)
+      fail("embed: token id ", id, " is out of range [0, ", cfg_.vocab_size, ")");
+  ops::embed_rows(embed_, ids.data(), static_cast<int64_t>(ids.size()), out);
+}
+
+void Qwen35Model::head(const float* hidden, int64_t n, float* out) const {
+  ops::linear(hidden, n, lm_head_, out);
+}
+
 uint64_t Qwen35Model::decode_weight_bytes() const {
   auto bytes = [](const ops::WeightRef& w) {
     return static_cast<uint64_t>(w.rows * w.cols) * dtype_size(w.dtype);
@@ -144,9 +155,18 @@ void Qwen35Model::forward(Qwen35State& st, const ForwardRequest& req, ForwardOut
   const Qwen35Config& c = cfg_;
   const int64_t H = c.hidden_size;
   int64_t T = 0;
-  for (const RowInput& r : req.rows) {
+  for (size_t i = 0; i < req.rows.size(); ++i) {
+    const RowInput& r = req.rows[i];
     if (!st.row_open(r.slot)) fail("forward: row slot ", r.slot, " is not open");
     if (r.n_tokens <= 0) fail("forward: row slot ", r.slot, " has no tokens");
+    for (size_t j = 0; j < i; ++j)
+      if (req.rows[j].slot == r.slot) fail("forward: row slot ", r.slot, " is listed twice");
+    // The window's rollback records describe the state it started from; another forward would
+    // invalidate them, so the round must commit first (DESIGN.md §1.4: a round is a transaction).
+    if (st.window_open(r.slot))
+      fail("forward: row slot ", r.slot, " has an uncommitted speculative window (",
+           st.window_size(r.slot), " tokens from position ", st.window_start(r.slot),
+           "); call commit_windows before the next forward");
     T += r.n_tokens;
   }
   if (T != static_cast<int64_t>(req.tokens.size()))
@@ -156,6 +176,8 @@ void Qwen35Model::forward(Qwen35State& st, const ForwardRequest& req, ForwardOut
       fail("token id ", req.tokens[i], " at input position ", i, " is out of range [0, ",
            c.vocab_size, ")");
   for (const RowInput& r : req.rows) st.reserve(r.slot, st.length(r.slot) + r.n_tokens);
+  for (const RowInput& r : req.rows)
+    if (r.speculative) st.begin_window(r.slot, r.n_tokens);
 
   Workspace& w = ws_;
   grow(w.x, T * H);
@@ -190,6 +212,10 @@ void Qwen35Model::forward(Qwen35State& st, const ForwardRequest& req, ForwardOut
   }
   for (const RowInput& r : req.rows) st.set_length(r.slot, st.length(r.slot) + r.n_tokens);
 
+  if (req.want_prenorm_hidden)
+    out->prenorm_hidden.assign(w.x.begin(), w.x.begin() + T * H);
+  else
+    out->prenorm_hidden.clear();
   // Final norm: every token when hidden states are wanted, else only the rows needing logits.
   const float eps = static_cast<float>(c.rms_norm_eps);
   if (req.want_hidden || req.all_logits) {
@@ -287,29 +313,107 @@ void Qwen35Model::delta_layer(const Layer& L, Qwen35State& st, const ForwardRequ
   ops::linear(w.h.data(), T, L.delta.in_proj_b, b);
   ops::linear(w.h.data(), T, L.delta.in_proj_a, a);
 
-  const ops::DeltaHeads heads{c.linear_num_key_heads, nv, c.linear_key_head_dim,
-                              c.linear_value_head_dim};
   int64_t t0 = 0;
   for (const RowInput& r : req.rows) {
     const int64_t n = r.n_tokens;
-    ops::causal_conv_silu(qkv + t0 * conv_dim, n, conv_dim, c.linear_conv_kernel_dim,
-                          L.delta.conv1d, st.conv_state(r.slot, L.index_in_kind),
-                          conv + t0 * conv_dim);
-    // The conv output per token is [q (kd) | k (kd) | v (vd)]; the recurrence wants each packed.
-    for (int64_t t = t0; t < t0 + n; ++t) {
-      const float* src = conv + t * conv_dim;
-      std::memcpy(q + t * kd, src, sizeof(float) * kd);
-      std::memcpy(k + t * kd, src + kd, sizeof(float) * kd);
-      std::memcpy(v + t * vd, src + 2 * kd, sizeof(float) * vd);
+    const int li = L.index_in_kind;
+    DeltaRow io{qkv + t0 * conv_dim, a + t0 * nv, b + t0 * nv, conv + t0 * conv_dim,
+                q + t0 * kd,         k + t0 * kd, v + t0 * vd, core + t0 * vd};
+    if (r.speculative) {
+      if (st.rollback() == RecurrentRollback::PerPositionStates) {
+        io.conv_after = st.window_conv_after(r.slot, li);
+        io.rec_after = st.window_recurrent_after(r.slot, li);
+      } else {
+        // Keep the recurrence inputs (the state snapshot was taken by begin_window).
+        std::memcpy(st.window_conv_input(r.slot, li), io.qkv, sizeof(float) * n * conv_dim);
+        std::memcpy(st.window_a(r.slot, li), io.a, sizeof(float) * n * nv);
+        std::memcpy(st.window_b(r.slot, li), io.b, sizeof(float) * n * nv);
+      }
     }
-    ops::gated_delta_rule(q + t0 * kd, k + t0 * kd, v + t0 * vd, a + t0 * nv, b + t0 * nv,
-                          L.delta.A_log, L.delta.dt_bias, n, heads,
-                          st.recurrent_state(r.slot, L.index_in_kind), core + t0 * vd);
+    delta_recurrence(L, n, io, st.conv_state(r.slot, li), st.recurrent_state(r.slot, li));
     t0 += n;
   }
   ops::gated_rms_norm(core, z, T * nv, c.linear_value_head_dim, L.delta.norm,
                       static_cast<float>(c.rms_norm_eps), core);
   ops::linear(core, T, L.delta.out_proj, w.h.data());
+}
+
+void Qwen35Model::delta_recurrence(const Layer& L, int64_t n, const DeltaRow& io, float* conv_state,
+                                   float* rec_state) const {
+  const Qwen35Config& c = cfg_;
+  const int64_t conv_dim = c.linear_conv_dim(), kd = c.linear_key_dim(), vd = c.linear_value_dim();
+  ops::causal_conv_silu(io.qkv, n, conv_dim, c.linear_conv_kernel_dim, L.delta.conv1d, conv_state,
+                        io.conv_out, io.conv_after);
+  // The conv output per token is [q (kd) | k (kd) | v (vd)]; the recurrence wants each packed.
+  for (int64_t t = 0; t < n; ++t) {
+    const float* src = io.conv_out + t * conv_dim;
+    std::memcpy(io.q + t * kd, src, sizeof(float) * kd);
+    std::memcpy(io.k + t * kd, src + kd, sizeof(float) * kd);
+    std::memcpy(io.v + t * vd, src + 2 * kd, sizeof(float) * vd);
+  }
+  const ops::DeltaHeads heads{c.linear_num_key_heads, c.linear_num_value_heads,
+                              c.linear_key_head_dim, c.linear_value_head_dim};
+  ops::gated_delta_rule(io.q, io.k, io.v, io.a, io.b, L.delta.A_log, L.delta.dt_bias, n, heads,
+                        rec_state, io.core, io.rec_after);
+}
+
+void Qwen35Model::commit_windows(Qwen35State& st, std::span<const RowKeep> rows) const {
+  // Validate every row before touching any state: a commit is all-or-nothing.
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const RowKeep& r = rows[i];
+    if (!st.row_open(r.slot)) fail("commit_windows: row slot ", r.slot, " is not open");
+    if (!st.window_open(r.slot))
+      fail("commit_windows: row slot ", r.slot,
+           " has no speculative window to commit (forward it with RowInput::speculative first)");
+    const int64_t n = st.window_size(r.slot);
+    if (r.kept < 1 || r.kept > n)
+      fail("commit_windows: row slot ", r.slot, " keeps ", r.kept, " tokens of a ", n,
+           "-token window (must be 1..", n, ")");
+    for (size_t j = 0; j < i; ++j)
+      if (rows[j].slot == r.slot) fail("commit_windows: row slot ", r.slot, " is listed twice");
+  }
+
+  const Qwen35Config& c = cfg_;
+  const int64_t conv_dim = c.linear_conv_dim(), kd = c.linear_key_dim(), vd = c.linear_value_dim();
+  const int64_t conv_floats = st.conv_state_floats(), rec_floats = st.recurrent_state_floats();
+  Workspace& w = ws_;
+  for (const RowKeep& r : rows) {
+    const int64_t n = st.window_size(r.slot), kept = r.kept;
+    // Keeping the whole window: the live state already is the state after token n-1.
+    if (kept < n) {
+      if (st.rollback() == RecurrentRollback::SnapshotReplay) {
+        grow(w.a1, kept * conv_dim);
+        grow(w.a4, kept * (2 * kd + vd));
+        grow(w.a5, kept * vd);
+      }
+      for (const Layer& L : layers_) {
+        if (L.kind != LayerKind::LinearAttention) continue;
+        const int li = L.index_in_kind;
+        float* conv_state = st.conv_state(r.slot, li);
+        float* rec_state = st.recurrent_state(r.slot, li);
+        if (st.rollback() == RecurrentRollback::PerPositionStates) {
+          std::memcpy(conv_state, st.window_conv_after(r.slot, li) + (kept - 1) * conv_floats,
+                      sizeof(float) * conv_floats);
+          std::memcpy(rec_state, st.window_recurrent_after(r.slot, li) + (kept - 1) * rec_floats,
+                      sizeof(float) * rec_floats);
+        } else {
+          std::memcpy(conv_state, st.window_snapshot(r.slot, li),
+                      sizeof(float) * (conv_floats + rec_floats));  // [conv | recurrent]
+          float* q = w.a4.data();
+          const DeltaRow io{st.window_conv_input(r.slot, li),
+                            st.window_a(r.slot, li),
+                            st.window_b(r.slot, li),
+                            w.a1.data(),
+                            q,
+                            q + kept * kd,
+                            q + 2 * kept * kd,
+                            w.a5.data()};
+          delta_recurrence(L, kept, io, conv_state, rec_state);
+        }
+      }
+    }
+    st.end_window(r.slot, kept);
+  }
 }
 
 }  // namespace tandem

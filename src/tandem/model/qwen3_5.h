@@ -18,19 +18,30 @@ namespace tandem {
 struct RowInput {
   int slot = 0;
   int64_t n_tokens = 0;
+  // A verify window: the state keeps what it needs to cut the row back to any prefix of these
+  // tokens (Qwen35Model::commit_windows). Until that commit, the row covers all n_tokens.
+  bool speculative = false;
+};
+
+// After a speculative forward: keep the first `kept` (1..n_tokens) tokens of the row's window.
+struct RowKeep {
+  int slot = 0;
+  int64_t kept = 0;
 };
 
 struct ForwardRequest {
   std::span<const int32_t> tokens;  // Σ n_tokens ids, rows in order
   std::span<const RowInput> rows;
-  bool all_logits = false;   // false: only each row's last token gets logits
-  bool want_hidden = false;  // final-normed hidden of every token
+  bool all_logits = false;           // false: only each row's last token gets logits
+  bool want_hidden = false;          // final-normed hidden of every token
+  bool want_prenorm_hidden = false;  // the last layer's output before the final norm, every token
 };
 
 struct ForwardOutput {
   std::vector<float> logits;  // [logits_rows, vocab]
   int64_t logits_rows = 0;
-  std::vector<float> hidden;  // [Σ n_tokens, hidden] when requested
+  std::vector<float> hidden;          // [Σ n_tokens, hidden] when requested
+  std::vector<float> prenorm_hidden;  // [Σ n_tokens, hidden] when requested
 };
 
 class Qwen35Model {
@@ -51,6 +62,23 @@ class Qwen35Model {
   // Runs the rows' new tokens through the model, appending them to each row's state.
   // Token ids must be in [0, vocab) (throws Error otherwise, before any state changes).
   void forward(Qwen35State& state, const ForwardRequest& req, ForwardOutput* out) const;
+
+  // Cuts speculative rows back to the kept prefix of their last window: KV coverage shrinks and
+  // the DeltaNet conv/recurrent state becomes bit-identical to a run that never saw the rejected
+  // tokens. Every listed row must have had a speculative forward since its last commit.
+  // All-or-nothing: every row is checked (open, window open, 1 <= kept <= window, listed once)
+  // before any state changes; a violation throws Error naming the row. A row with an open window
+  // takes no forward (speculative or not) until it is committed; close_row discards the window.
+  // KV blocks past the new length stay with the row and are overwritten by its next window.
+  // Cost (Qwen35State's RecurrentRollback): kept == n is free; otherwise PerPositionStates copies
+  // one state per DeltaNet layer, SnapshotReplay restores the snapshot and re-runs `kept` tokens'
+  // conv + recurrence (no projections, no attention, no MLP).
+  void commit_windows(Qwen35State& state, std::span<const RowKeep> rows) const;
+
+  // out[n, H] = embedding rows of ids (must be in range). Drafters embed through the target.
+  void embed(std::span<const int32_t> ids, float* out) const;
+  // out[n, V] = the head applied to hidden[n, H] (no norm applied here).
+  void head(const float* hidden, int64_t n, float* out) const;
 
   // Bytes of weights one decode step reads (every layer + the head; the embedding row is noise).
   uint64_t decode_weight_bytes() const;
@@ -90,6 +118,20 @@ class Qwen35Model {
   void bind_weights();
   void attention_layer(const Layer& L, Qwen35State& st, const ForwardRequest& req, int64_t T) const;
   void delta_layer(const Layer& L, Qwen35State& st, const ForwardRequest& req, int64_t T) const;
+
+  // One row's slice of a DeltaNet layer's buffers for delta_recurrence.
+  struct DeltaRow {
+    const float *qkv, *a, *b;     // inputs: conv input rows [n, conv_dim]; a, b [n, n_v_heads]
+    float *conv_out, *q, *k, *v;  // scratch: conv output [n, conv_dim]; packed q, k, v
+    float* core;                  // recurrence output [n, value_dim]
+    float* conv_after = nullptr;  // PerPositionStates: states after each token (or null)
+    float* rec_after = nullptr;
+  };
+  // The recurrent part of a DeltaNet layer for one row's n tokens: causal conv + SiLU, the
+  // q/k/v de-interleave, the gated delta rule. Forward and the SnapshotReplay commit both run
+  // tokens through here, so a replayed prefix reaches bitwise the same state.
+  void delta_recurrence(const Layer& L, int64_t n, const DeltaRow& io, float* conv_state,
+                        float* rec_state) const;
 };
 
 }  // namespace tandem

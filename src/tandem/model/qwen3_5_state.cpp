@@ -6,12 +6,15 @@
 
 namespace tandem {
 
-Qwen35State::Qwen35State(const Qwen35Config& cfg) {
+Qwen35State::Qwen35State(const Qwen35Config& cfg, RecurrentRollback rollback)
+    : rollback_(rollback) {
   for (LayerKind k : cfg.layer_types) (k == LayerKind::FullAttention ? n_attn_ : n_linear_)++;
   kv_heads_ = cfg.num_key_value_heads;
   head_dim_ = cfg.head_dim;
   conv_floats_ = cfg.linear_conv_dim() * (cfg.linear_conv_kernel_dim - 1);
   rec_floats_ = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim;
+  conv_dim_ = cfg.linear_conv_dim();
+  n_v_heads_ = cfg.linear_num_value_heads;
   kv_pools_.resize(static_cast<size_t>(n_attn_));
 }
 
@@ -31,6 +34,7 @@ int Qwen35State::open_row() {
   r.open = true;
   r.length = 0;
   r.blocks.clear();
+  r.window_start = r.window_n = 0;
   linear_state_[slot].assign(static_cast<size_t>(n_linear_ * (conv_floats_ + rec_floats_)), 0.0f);
   return slot;
 }
@@ -42,6 +46,7 @@ void Qwen35State::close_row(int slot) {
   r.blocks.clear();
   r.open = false;
   r.length = 0;
+  r.window_start = r.window_n = 0;  // an uncommitted window dies with its row
 }
 
 bool Qwen35State::row_open(int slot) const {
@@ -88,10 +93,84 @@ float* Qwen35State::recurrent_state(int slot, int linear_layer) {
   return conv_state(slot, linear_layer) + conv_floats_;
 }
 
+const float* Qwen35State::conv_state(int slot, int linear_layer) const {
+  return linear_state_.at(slot).data() + linear_layer * (conv_floats_ + rec_floats_);
+}
+
+const float* Qwen35State::recurrent_state(int slot, int linear_layer) const {
+  return conv_state(slot, linear_layer) + conv_floats_;
+}
+
+int64_t Qwen35State::window_layer_floats(int64_t n) const {
+  if (rollback_ == RecurrentRollback::PerPositionStates) return n * (conv_floats_ + rec_floats_);
+  return conv_floats_ + rec_floats_ + n * (conv_dim_ + 2 * n_v_heads_);
+}
+
+void Qwen35State::begin_window(int slot, int64_t n) {
+  Row& r = rows_.at(slot);
+  TANDEM_CHECK(r.open, "begin_window on a closed slot");
+  if (r.window_n > 0)
+    fail("row slot ", slot, " already has an uncommitted speculative window (", r.window_n,
+         " tokens from position ", r.window_start, "); commit_windows must close it first");
+  if (n <= 0) fail("begin_window: row slot ", slot, " window of ", n, " tokens");
+  // Grown, never shrunk: after the largest window a slot sees, verify rounds allocate nothing.
+  const size_t need = static_cast<size_t>(n_linear_ * window_layer_floats(n));
+  if (r.window.size() < need) r.window.resize(need);
+  r.window_start = r.length;
+  r.window_n = n;
+  if (rollback_ == RecurrentRollback::SnapshotReplay)
+    for (int l = 0; l < n_linear_; ++l)
+      std::copy_n(conv_state(slot, l), conv_floats_ + rec_floats_, window_snapshot(slot, l));
+}
+
+void Qwen35State::end_window(int slot, int64_t kept) {
+  Row& r = rows_.at(slot);
+  TANDEM_CHECK(r.window_n > 0 && kept >= 1 && kept <= r.window_n, "end_window: bad window/kept");
+  r.length = r.window_start + kept;
+  r.window_start = r.window_n = 0;
+}
+
+float* Qwen35State::window_layer(int slot, int linear_layer) {
+  Row& r = rows_.at(slot);
+  TANDEM_CHECK(r.window_n > 0, "window buffer of a row without an open window");
+  return r.window.data() + linear_layer * window_layer_floats(r.window_n);
+}
+
+float* Qwen35State::window_conv_after(int slot, int linear_layer) {
+  if (rollback_ != RecurrentRollback::PerPositionStates) return nullptr;
+  return window_layer(slot, linear_layer);
+}
+
+float* Qwen35State::window_recurrent_after(int slot, int linear_layer) {
+  if (rollback_ != RecurrentRollback::PerPositionStates) return nullptr;
+  return window_layer(slot, linear_layer) + window_size(slot) * conv_floats_;
+}
+
+float* Qwen35State::window_snapshot(int slot, int linear_layer) {
+  if (rollback_ != RecurrentRollback::SnapshotReplay) return nullptr;
+  return window_layer(slot, linear_layer);
+}
+
+float* Qwen35State::window_conv_input(int slot, int linear_layer) {
+  if (rollback_ != RecurrentRollback::SnapshotReplay) return nullptr;
+  return window_layer(slot, linear_layer) + conv_floats_ + rec_floats_;
+}
+
+float* Qwen35State::window_a(int slot, int linear_layer) {
+  if (rollback_ != RecurrentRollback::SnapshotReplay) return nullptr;
+  return window_conv_input(slot, linear_layer) + window_size(slot) * conv_dim_;
+}
+
+float* Qwen35State::window_b(int slot, int linear_layer) {
+  if (rollback_ != RecurrentRollback::SnapshotReplay) return nullptr;
+  return window_a(slot, linear_layer) + window_size(slot) * n_v_heads_;
+}
+
 size_t Qwen35State::bytes() const {
   size_t n = 0;
   for (const auto& p : kv_pools_) n += p.size() * sizeof(float);
   for (const auto& s : linear_state_) n += s.size() * sizeof(float);
+  for (const Row& r : rows_) n += r.window.size() * sizeof(float);
   return n;
 }
 

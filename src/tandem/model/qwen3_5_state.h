@@ -10,13 +10,30 @@
 
 namespace tandem {
 
+// How a speculative (verify) window keeps what it needs to cut a row's Gated DeltaNet state back
+// to any prefix of the window (DESIGN.md §5.3). Both give bit-identical results; they trade
+// verify-time work against commit-time work:
+//  - PerPositionStates: the forward records the conv + recurrent state after every window token;
+//    a commit copies the state of the last kept token. Costs n state writes per layer per verify.
+//  - SnapshotReplay: the forward snapshots the state before the window and keeps the window's
+//    recurrence inputs (conv input rows, a, b); a commit that drops tokens restores the snapshot
+//    and replays the kept tokens through the same per-token kernels. Costs one state copy per
+//    verify plus `kept` recurrence steps when tokens are rejected.
+// A commit that keeps the whole window is free under both.
+enum class RecurrentRollback { PerPositionStates, SnapshotReplay };
+
 // Fixed-size KV blocks shared by all rows; a row owns a list of blocks (its block table).
 // Blocks are never moved, so a block id stays valid while the pool grows.
 class Qwen35State {
  public:
   static constexpr int64_t kBlockSize = 16;
 
-  explicit Qwen35State(const Qwen35Config& cfg);
+  // PerPositionStates is the default: cheaper per verify round once windows are rejected more
+  // than ~1 round in 5 (measured on CPU, bench/rollback_bench.cpp, BENCHMARKS.md), at the price
+  // of window-size x recurrent state of memory per row (SnapshotReplay: 1x).
+  explicit Qwen35State(const Qwen35Config& cfg,
+                       RecurrentRollback rollback = RecurrentRollback::PerPositionStates);
+  RecurrentRollback rollback() const { return rollback_; }
 
   // Rows are slots; a freed slot is reused. A new row covers no tokens.
   int open_row();
@@ -34,8 +51,39 @@ class Qwen35State {
   ops::KVLayerView kv_layer(int attn_layer);
   float* conv_state(int slot, int linear_layer);
   float* recurrent_state(int slot, int linear_layer);
+  const float* conv_state(int slot, int linear_layer) const;
+  const float* recurrent_state(int slot, int linear_layer) const;
   int64_t conv_state_floats() const { return conv_floats_; }
   int64_t recurrent_state_floats() const { return rec_floats_; }
+  int64_t attention_layers() const { return n_attn_; }
+  int64_t linear_layers() const { return n_linear_; }
+
+  // --- Speculative windows (driven by Qwen35Model::forward / commit_windows) ---
+  // A row has at most one open window: the n tokens appended at `window_start` by a speculative
+  // forward, not yet committed. While it is open the row takes no other forward. Buffers below
+  // are per slot, grown to the largest window seen and reused (no allocation in steady state).
+  //
+  // Opens a window of n tokens starting at the row's current length; under SnapshotReplay it also
+  // snapshots the row's conv + recurrent state. Throws if one is already open.
+  void begin_window(int slot, int64_t n);
+  // Closes the window: the row now covers window_start + kept tokens. KV blocks past the new
+  // length stay allocated to the row (the next window overwrites them; close_row frees them);
+  // attention only ever reads positions below the length its own forward just wrote.
+  void end_window(int slot, int64_t kept);
+  bool window_open(int slot) const { return rows_.at(slot).window_n > 0; }
+  int64_t window_start(int slot) const { return rows_.at(slot).window_start; }
+  int64_t window_size(int slot) const { return rows_.at(slot).window_n; }
+  // PerPositionStates: [n, conv_state_floats] and [n, recurrent_state_floats], the state after
+  // each window token. Null under SnapshotReplay.
+  float* window_conv_after(int slot, int linear_layer);
+  float* window_recurrent_after(int slot, int linear_layer);
+  // SnapshotReplay: the layer's [conv | recurrent] state before the window, and the window's
+  // recurrence inputs: conv input rows [n, conv_dim], a [n, n_v_heads], b [n, n_v_heads].
+  // Null under PerPositionStates.
+  float* window_snapshot(int slot, int linear_layer);
+  float* window_conv_input(int slot, int linear_layer);
+  float* window_a(int slot, int linear_layer);
+  float* window_b(int slot, int linear_layer);
 
   // Bytes held for KV + recurrent state (for reports).
   size_t bytes() const;
@@ -45,9 +93,12 @@ class Qwen35State {
     bool open = false;
     int64_t length = 0;
     std::vector<int32_t> blocks;
+    int64_t window_start = 0, window_n = 0;  // window_n == 0: no open window
+    std::vector<float> window;               // per-slot speculative buffer, layout per `rollback_`
   };
+  RecurrentRollback rollback_;
   int64_t n_attn_ = 0, n_linear_ = 0, kv_heads_ = 0, head_dim_ = 0;
-  int64_t conv_floats_ = 0, rec_floats_ = 0;
+  int64_t conv_floats_ = 0, rec_floats_ = 0, conv_dim_ = 0, n_v_heads_ = 0;
   std::vector<Row> rows_;
   std::vector<std::vector<float>> kv_pools_;  // per attention layer
   int64_t n_blocks_ = 0;
@@ -55,6 +106,9 @@ class Qwen35State {
   std::vector<std::vector<float>> linear_state_;  // per slot: [n_linear][conv | recurrent]
 
   void grow_pool(int64_t min_free);
+  // Floats one linear layer uses in a row's window buffer for an n-token window.
+  int64_t window_layer_floats(int64_t n) const;
+  float* window_layer(int slot, int linear_layer);
 };
 
 }  // namespace tandem

@@ -139,7 +139,7 @@ void rope(float* x, int64_t n_tokens, int64_t n_heads, int64_t head_dim, int64_t
 }
 
 void causal_conv_silu(const float* x, int64_t n, int64_t channels, int64_t kernel,
-                      const WeightRef& w, float* state, float* out) {
+                      const WeightRef& w, float* state, float* out, float* state_after) {
   check_float_weight(w, "causal_conv_silu");
   TANDEM_CHECK(w.rows == channels && w.cols == kernel, "conv weight shape");
   const int64_t hist = kernel - 1;
@@ -156,6 +156,8 @@ void causal_conv_silu(const float* x, int64_t n, int64_t channels, int64_t kerne
       for (int64_t j = 0; j + 1 < hist; ++j) st[j] = st[j + 1];
       if (hist > 0) st[hist - 1] = xt;
       out[t * channels + c] = silu(acc);
+      if (state_after)
+        for (int64_t j = 0; j < hist; ++j) state_after[(t * channels + c) * hist + j] = st[j];
     }
   }
 }

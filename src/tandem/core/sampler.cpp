@@ -1,4 +1,4 @@
-#include "tandem/engine/sampler.h"
+#include "tandem/core/sampler.h"
 
 #include <algorithm>
 #include <cmath>

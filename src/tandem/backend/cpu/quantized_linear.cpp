@@ -1,0 +1,139 @@
+// y = x · dequant(w)ᵀ for MLX affine-quantized weights (companion drafters ship them).
+//
+// Each thread dequantizes one weight row at a time into an fp32 buffer (a few KB: it stays in L1)
+// and dots it with every input row. A dot product walks k in 16 independent lanes and reduces
+// them with a fixed tree, so y[i, j] does not depend on m (batch invariance, DESIGN.md §1.2).
+#include <omp.h>
+
+#include <cstring>
+#include <vector>
+
+#include "tandem/backend/ops.h"
+#include "tandem/core/error.h"
+
+namespace tandem::ops {
+
+namespace {
+
+inline float load_scalar(const WeightRef& w, int64_t i) {
+  switch (w.dtype) {
+    case DType::F32: {
+      float f;
+      std::memcpy(&f, static_cast<const char*>(w.data) + i * 4, 4);
+      return f;
+    }
+    case DType::BF16: {
+      uint16_t h;
+      std::memcpy(&h, static_cast<const char*>(w.data) + i * 2, 2);
+      return bf16_to_f32(h);
+    }
+    default: {  // F16 (checked on entry)
+      uint16_t h;
+      std::memcpy(&h, static_cast<const char*>(w.data) + i * 2, 2);
+      return f16_to_f32(h);
+    }
+  }
+}
+
+// Element c of a row's little-endian bit stream of `bits`-wide unsigned values.
+template <int Bits>
+inline uint32_t extract(const uint8_t* row, int64_t c) {
+  if constexpr (Bits == 8) {
+    return row[c];
+  } else if constexpr (Bits == 4) {
+    return (row[c >> 1] >> ((c & 1) * 4)) & 0xfu;
+  } else if constexpr (Bits == 2) {
+    return (row[c >> 2] >> ((c & 3) * 2)) & 0x3u;
+  } else {
+    const int64_t bit = c * Bits;
+    const int64_t byte = bit >> 3;
+    const int sh = static_cast<int>(bit & 7);
+    uint32_t v = static_cast<uint32_t>(row[byte]) >> sh;
+    // Read the next byte only when the value straddles it (never past the row's last byte).
+    if (sh + Bits > 8) v |= static_cast<uint32_t>(row[byte + 1]) << (8 - sh);
+    return v & ((1u << Bits) - 1u);
+  }
+}
+
+template <int Bits>
+void dequant_row(const QuantWeightRef& w, int64_t r, float* out) {
+  const int64_t row_bytes = w.cols * Bits / 8;
+  const auto* row = static_cast<const uint8_t*>(w.packed) + r * row_bytes;
+  const int64_t groups = w.cols / w.group_size;
+  for (int64_t g = 0; g < groups; ++g) {
+    const float s = load_scalar(w.scales, r * groups + g);
+    const float b = load_scalar(w.biases, r * groups + g);
+    const int64_t c0 = g * w.group_size;
+    for (int64_t c = c0; c < c0 + w.group_size; ++c)
+      out[c] = s * static_cast<float>(extract<Bits>(row, c)) + b;
+  }
+}
+
+inline float dot16(const float* a, const float* b, int64_t k) {
+  float acc[16] = {};
+  int64_t c = 0;
+  for (; c + 16 <= k; c += 16)
+    for (int l = 0; l < 16; ++l) acc[l] += a[c + l] * b[c + l];
+  for (int l = 0; c < k; ++c, ++l) acc[l] += a[c] * b[c];
+  for (int width = 8; width >= 1; width /= 2)
+    for (int l = 0; l < width; ++l) acc[l] += acc[l + width];
+  return acc[0];
+}
+
+template <int Bits>
+void linear_bits(const float* x, int64_t m, const QuantWeightRef& w, float* y) {
+  const int64_t n = w.rows, k = w.cols;
+#pragma omp parallel num_threads(thread_count())
+  {
+    std::vector<float> buf(static_cast<size_t>(k));
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < n; ++r) {
+      dequant_row<Bits>(w, r, buf.data());
+      for (int64_t i = 0; i < m; ++i) y[i * n + r] = dot16(x + i * k, buf.data(), k);
+    }
+  }
+}
+
+bool is_float(DType t) {
+  return t == DType::F32 || t == DType::BF16 || t == DType::F16;
+}
+
+}  // namespace
+
+bool quant_bits_supported(int bits) {
+  return bits == 2 || bits == 3 || bits == 4 || bits == 5 || bits == 6 || bits == 8;
+}
+
+void linear_quantized(const float* x, int64_t m, const QuantWeightRef& w, float* y) {
+  if (!quant_bits_supported(w.bits))
+    fail("linear_quantized: ", w.bits, "-bit weights are not supported (2, 3, 4, 5, 6 or 8)");
+  if (w.group_size <= 0 || w.group_size % 32 != 0 || w.cols % w.group_size != 0)
+    fail("linear_quantized: group_size ", w.group_size, " must be a positive multiple of 32 ",
+         "dividing the input width ", w.cols);
+  const int64_t groups = w.cols / w.group_size;
+  for (const WeightRef* s : {&w.scales, &w.biases}) {
+    if (!is_float(s->dtype))
+      fail("linear_quantized: scales/biases dtype ", dtype_name(s->dtype),
+           " is not supported (F32, BF16 or F16)");
+    if (s->rows * s->cols != w.rows * groups)
+      fail("linear_quantized: scales/biases hold ", s->rows * s->cols, " values, expected ",
+           w.rows * groups, " (", w.rows, " rows x ", groups, " groups)");
+  }
+  if (m <= 0 || w.rows == 0) return;
+  switch (w.bits) {
+    case 2:
+      return linear_bits<2>(x, m, w, y);
+    case 3:
+      return linear_bits<3>(x, m, w, y);
+    case 4:
+      return linear_bits<4>(x, m, w, y);
+    case 5:
+      return linear_bits<5>(x, m, w, y);
+    case 6:
+      return linear_bits<6>(x, m, w, y);
+    default:
+      return linear_bits<8>(x, m, w, y);
+  }
+}
+
+}  // namespace tandem::ops

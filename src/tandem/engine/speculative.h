@@ -1,0 +1,55 @@
+// Speculative generation (DESIGN.md §5.1): every round drafts up to `depth` proposals per row,
+// verifies all rows' windows [pending, proposals...] in one target forward, walks acceptance,
+// then commits target and drafter state to the kept prefix. B rows or one: the same code.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "tandem/engine/generator.h"
+#include "tandem/spec/accept.h"
+#include "tandem/spec/draft.h"
+
+namespace tandem {
+
+struct SpecOptions {
+  int depth = 3;  // proposals per round (0 = plain decoding through the round machinery)
+  spec::VerifyMode verify = spec::VerifyMode::Match;
+};
+
+// Per-request speculation counters.
+struct SpecStats {
+  int64_t rounds = 0;        // verify forwards the request took part in
+  int64_t drafted = 0;       // proposals drafted
+  int64_t accepted = 0;      // proposals accepted
+  std::vector<int64_t> accepted_by_position;  // [depth]: times window position j was accepted
+  int64_t target_forwards = 0;                // prefill + rounds
+  int64_t emitted = 0;                        // tokens emitted (== generated tokens)
+  // Tokens emitted per round, bonus/correction included (AL).
+  double mean_accepted_length() const;
+  double tokens_per_target_forward() const;
+  double acceptance_rate() const;  // accepted / drafted
+};
+
+class SpeculativeGenerator {
+ public:
+  // `drafter` may be null: rounds then carry no proposals (a plain decode step each).
+  SpeculativeGenerator(const Qwen35Model& model, const spec::DraftProvider* drafter,
+                       std::string target_identity, SpecOptions options);
+
+  // Same contract as Generator::run; `spec_stats` (optional) receives one entry per request.
+  std::vector<GenerateResult> run(const std::vector<GenerateRequest>& requests,
+                                  const TokenCallback& on_token = {},
+                                  GenerateStats* stats = nullptr,
+                                  std::vector<SpecStats>* spec_stats = nullptr);
+
+ private:
+  const Qwen35Model& model_;
+  const spec::DraftProvider* drafter_;
+  spec::TargetView target_;
+  SpecOptions options_;
+};
+
+}  // namespace tandem

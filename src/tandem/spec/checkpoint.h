@@ -1,0 +1,36 @@
+// Drafter state snapshots that outlive a batch row (DESIGN.md §5.2): what a drafter knew after
+// exactly `processed_tokens` target tokens, restorable into a fresh row of a compatible drafter.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+namespace tandem::spec {
+
+struct CheckpointTensor {
+  std::vector<int64_t> shape;
+  std::vector<float> data;
+};
+
+// Immutable once built; shared between whoever holds it (a request, a prefix cache).
+struct Checkpoint {
+  int64_t processed_tokens = 0;  // target tokens the drafter state covers
+  std::string schema;            // "qwen-mtp-v1", "ngram-history-v1", ...
+  std::string ns;                // the drafter namespace it was captured under (identity)
+  nlohmann::json metadata;       // schema-specific scalars
+  std::map<std::string, CheckpointTensor> tensors;
+  std::vector<int32_t> tokens;   // token history, for drafters that keep one
+};
+
+using CheckpointPtr = std::shared_ptr<const Checkpoint>;
+
+// Throws tandem::Error unless `c` has the expected schema and namespace and covers exactly
+// `processed_tokens` tokens; `who` names the drafter in the message.
+void check_checkpoint(const Checkpoint& c, const std::string& who, const std::string& schema,
+                      const std::string& ns, int64_t processed_tokens);
+
+}  // namespace tandem::spec

@@ -1,0 +1,127 @@
+// The drafter seam (DESIGN.md §5.2). Drafters differ only in how they fill proposals: one
+// verifier, one acceptance walk and one set of state transactions serve every drafter, and a
+// drafter never decides what is emitted.
+//
+// Row lifecycle, driven by the engine between committed rounds:
+//   prepare_append(checkpoints) → commit   rows join (cold, or restored from checkpoints)
+//   prefill(rows)                          prompt tokens + the target's taps for them
+//   draft(pending, depth) → proposals      per round
+//   commit(verify rows)                    after the target verified and accepted
+//   capture(row) / filter_rows(keep)       between rounds only
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "tandem/core/sampler.h"
+#include "tandem/model/qwen3_5.h"
+#include "tandem/spec/checkpoint.h"
+#include "tandem/spec/prepared_change.h"
+
+namespace tandem::spec {
+
+// Which target hidden state a drafter consumes at each position.
+enum class HiddenTap {
+  FinalNormed,  // after the final norm (what vLLM / llama.cpp feed published Qwen3.5 MTP heads)
+  PreNorm,      // the last decoder layer's output before the final norm (mlx-bun's convention)
+};
+
+// `full`: the target prefills the whole prompt and samples the first token from it.
+// `tail_split`: the last prompt token is not prefilled; it heads the first verify window.
+enum class PrefillMode { Full, TailSplit };
+
+// What a drafter may use of the target, and nothing else.
+class TargetView {
+ public:
+  TargetView(const Qwen35Model& model, std::string identity)
+      : model_(model), identity_(std::move(identity)) {}
+  const std::string& identity() const { return identity_; }
+  const Qwen35Config& config() const { return model_.config(); }
+  int64_t hidden_size() const { return model_.config().hidden_size; }
+  int64_t vocab_size() const { return model_.config().vocab_size; }
+  int64_t layer_count() const { return model_.config().num_hidden_layers; }
+  // The target's checkpoint, for drafters shipped inside it (`mtp.*`).
+  const WeightStore& weights() const { return model_.weights(); }
+  // out[n, H] = embedding rows of ids (ids must be in range).
+  void embed(std::span<const int32_t> ids, float* out) const { model_.embed(ids, out); }
+  // out[n, V] = the target's head applied to already-normed hidden[n, H].
+  void logits(const float* hidden, int64_t n, float* out) const { model_.head(hidden, n, out); }
+  bool can_tap(HiddenTap) const { return true; }
+
+ private:
+  const Qwen35Model& model_;
+  std::string identity_;
+};
+
+// One row's prompt, handed to prefill: the tokens the target processed for it and the target's
+// hidden at every one of them (at the drafter's tap; null when the drafter has no tap).
+struct RowPrefill {
+  int row = 0;
+  std::span<const int32_t> tokens;  // positions processed_before .. processed_before + n - 1
+  const float* hidden = nullptr;    // [tokens.size(), H]
+  int64_t processed_before = 0;     // tokens the row already covered (0 for a cold prompt)
+};
+
+// Per-row inputs of a draft call.
+struct RowDraft {
+  int32_t pending = 0;       // last emitted token, not yet processed by the target
+  int depth = 0;             // proposals wanted (0..max depth); 0 still keeps the row aligned
+  SamplingParams sampling;   // the request's sampling; draws use keys (seed, first_index + j)
+  uint64_t first_index = 0;  // output index of the token proposal 0 stands for
+  bool want_distribution = false;  // rejection mode needs q for each proposal
+};
+
+struct DraftProposal {
+  std::vector<int32_t> tokens;            // 0..depth proposals
+  std::vector<std::vector<TokenProb>> q;  // per proposal, when asked: the drafter's distribution
+};
+
+// One row's verify outcome, handed to commit.
+struct VerifyRow {
+  std::span<const int32_t> window;  // [pending, proposals...] as the target processed them
+  const float* hidden = nullptr;    // [window.size(), H] target taps at the drafter's tap
+  int accepted = 0;                 // proposals accepted (0..window.size()-1)
+  int32_t next_pending = 0;         // the correction or bonus token now pending
+};
+
+class DraftRows {
+ public:
+  virtual ~DraftRows() = default;
+  virtual const std::string& ns() const = 0;
+  virtual PrefillMode prefill_mode() const = 0;
+  virtual std::optional<HiddenTap> tap() const = 0;  // none: the drafter needs no hiddens
+  virtual int row_count() const = 0;
+
+  // Appends one row per entry (null = cold row); rows keep their append order. Restoring refuses
+  // a checkpoint of another schema or namespace. Nothing changes until the change commits.
+  virtual std::unique_ptr<PreparedChange> prepare_append(std::span<const CheckpointPtr> from) = 0;
+  // Keeps the listed rows, in the listed order; the others are released.
+  virtual void filter_rows(std::span<const int> keep) = 0;
+
+  virtual void prefill(std::span<const RowPrefill> rows) = 0;
+  // rows.size() == row_count(); out[b] receives row b's proposals.
+  virtual void draft(std::span<const RowDraft> rows, std::vector<DraftProposal>* out) = 0;
+  // rows.size() == row_count(); each row's window is the one its last draft proposed.
+  virtual void commit(std::span<const VerifyRow> rows) = 0;
+
+  // The drafter's state of `row` after its last commit, restorable into a fresh row.
+  virtual CheckpointPtr capture(int row) const = 0;
+};
+
+// Process-lifetime owner of a drafter's weights.
+class DraftProvider {
+ public:
+  virtual ~DraftProvider() = default;
+  virtual const std::string& id() const = 0;  // "qwen-mtp", "ngram"
+  virtual uint64_t weights_bytes() const = 0;
+  virtual const std::string& checkpoint_namespace() const = 0;
+  // Refuses (tandem::Error) a target it cannot serve: wrong hidden size or vocabulary, a tap
+  // the target lacks.
+  virtual std::unique_ptr<DraftRows> open_rows(const TargetView& target) const = 0;
+};
+
+}  // namespace tandem::spec

@@ -1,0 +1,106 @@
+#include "tandem/spec/qwen_mtp_block.h"
+
+#include <cmath>
+#include <cstring>
+
+#include "tandem/core/error.h"
+
+namespace tandem::spec {
+
+namespace {
+
+void grow(std::vector<float>& v, int64_t n) {
+  if (static_cast<int64_t>(v.size()) < n) v.resize(static_cast<size_t>(n));
+}
+
+}  // namespace
+
+QwenMtpBlock::QwenMtpBlock(QwenMtpWeights w) : w_(std::move(w)) {
+  const QwenMtpConfig& c = w_.cfg;
+  // In fp32, as the target (and the reference) compute them: 1 / theta^(2i / rotary_dim).
+  inv_freq_.resize(static_cast<size_t>(c.rotary_dim / 2));
+  const float theta = static_cast<float>(c.rope_theta);
+  for (int64_t i = 0; i < c.rotary_dim / 2; ++i)
+    inv_freq_[i] =
+        1.0f / std::pow(theta, static_cast<float>(2 * i) / static_cast<float>(c.rotary_dim));
+}
+
+void QwenMtpBlock::forward(const float* embeds, const float* hidden,
+                           std::span<const MtpSegment> segs, const ops::KVLayerView& kv,
+                           Workspace& ws, float* out) const {
+  const QwenMtpConfig& c = w_.cfg;
+  const int64_t H = c.hidden_size, I = c.intermediate_size, hd = c.head_dim;
+  const int64_t nh = c.num_attention_heads, nkv = c.num_key_value_heads;
+  const bool zc = c.norms_zero_centred;
+  const float eps = static_cast<float>(c.rms_norm_eps);
+  int64_t T = 0;
+  for (const MtpSegment& s : segs) T += s.n;
+  if (T == 0) return;
+  ws.pos.resize(static_cast<size_t>(T));
+  {
+    int64_t t = 0;
+    for (const MtpSegment& s : segs)
+      for (int64_t j = 0; j < s.n; ++j) ws.pos[t++] = s.start + j;
+  }
+
+  // fc input: [norm_e(embed) | norm_h(h)] per token.
+  grow(ws.cat, T * 2 * H);
+  grow(ws.h, T * H);
+  ops::rms_norm(embeds, T, H, w_.pre_fc_norm_embedding, zc, eps, ws.h.data());
+  for (int64_t t = 0; t < T; ++t)
+    std::memcpy(ws.cat.data() + t * 2 * H, ws.h.data() + t * H, sizeof(float) * H);
+  ops::rms_norm(hidden, T, H, w_.pre_fc_norm_hidden, zc, eps, ws.h.data());
+  for (int64_t t = 0; t < T; ++t)
+    std::memcpy(ws.cat.data() + t * 2 * H + H, ws.h.data() + t * H, sizeof(float) * H);
+  grow(ws.x, T * H);
+  w_.fc.apply(ws.cat.data(), T, ws.x.data());
+
+  // Gated full attention (the Qwen3.5 decoder layer's mixer).
+  ops::rms_norm(ws.x.data(), T, H, w_.input_layernorm, zc, eps, ws.h.data());
+  grow(ws.qg, T * nh * hd * 2);
+  grow(ws.q, T * nh * hd);
+  grow(ws.gate, T * nh * hd);
+  grow(ws.k, T * nkv * hd);
+  grow(ws.v, T * nkv * hd);
+  grow(ws.o, T * nh * hd);
+  w_.q_proj.apply(ws.h.data(), T, ws.qg.data());
+  w_.k_proj.apply(ws.h.data(), T, ws.k.data());
+  w_.v_proj.apply(ws.h.data(), T, ws.v.data());
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t h = 0; h < nh; ++h) {  // q_proj emits, per head, [query (hd) | gate (hd)]
+      const float* src = ws.qg.data() + (t * nh + h) * 2 * hd;
+      std::memcpy(ws.q.data() + (t * nh + h) * hd, src, sizeof(float) * hd);
+      std::memcpy(ws.gate.data() + (t * nh + h) * hd, src + hd, sizeof(float) * hd);
+    }
+  ops::rms_norm(ws.q.data(), T * nh, hd, w_.q_norm, zc, eps, ws.q.data());
+  ops::rms_norm(ws.k.data(), T * nkv, hd, w_.k_norm, zc, eps, ws.k.data());
+  ops::rope(ws.q.data(), T, nh, hd, c.rotary_dim, ws.pos.data(), inv_freq_.data());
+  ops::rope(ws.k.data(), T, nkv, hd, c.rotary_dim, ws.pos.data(), inv_freq_.data());
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  int64_t t0 = 0;
+  for (const MtpSegment& s : segs) {
+    if (s.n == 0) continue;
+    ops::kv_write(kv, s.block_table, s.start, s.n, ws.k.data() + t0 * nkv * hd,
+                  ws.v.data() + t0 * nkv * hd);
+    ops::attention(kv, s.block_table, s.start, s.n, ws.q.data() + t0 * nh * hd, nh, scale,
+                   ws.o.data() + t0 * nh * hd);
+    t0 += s.n;
+  }
+  ops::sigmoid_gate(ws.o.data(), ws.gate.data(), T * nh * hd);
+  w_.o_proj.apply(ws.o.data(), T, ws.h.data());
+  ops::add_inplace(ws.x.data(), ws.h.data(), T * H);
+
+  // SwiGLU MLP.
+  ops::rms_norm(ws.x.data(), T, H, w_.post_attention_layernorm, zc, eps, ws.h.data());
+  grow(ws.g, T * I);
+  grow(ws.u, T * I);
+  w_.gate_proj.apply(ws.h.data(), T, ws.g.data());
+  w_.up_proj.apply(ws.h.data(), T, ws.u.data());
+  ops::swiglu(ws.g.data(), ws.u.data(), T * I, ws.g.data());
+  w_.down_proj.apply(ws.g.data(), T, ws.h.data());
+  ops::add_inplace(ws.x.data(), ws.h.data(), T * H);
+
+  ops::rms_norm(ws.x.data(), T, H, w_.norm, zc, eps, out);
+}
+
+}  // namespace tandem::spec

@@ -1,0 +1,50 @@
+// The Qwen3.5 MTP block as a computation (DESIGN.md §5.4, models/README.md "MTP convention"):
+//   x   = fc(concat(norm_e(embed(t)), norm_h(h)))        2H → H, embedding first
+//   x  += attn(input_layernorm(x))                       gated full attention over the row's own
+//                                                        paged KV, rotary position = row position
+//   x  += mlp(post_attention_layernorm(x))               SwiGLU
+//   out = norm(x)                                        what the target's head reads, and the
+//                                                        h of the next chained draft step
+// Many rows go through one call: every projection runs once over all rows' tokens.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "tandem/backend/ops.h"
+#include "tandem/spec/qwen_mtp_weights.h"
+
+namespace tandem::spec {
+
+// One row's tokens in a block forward: n consecutive MTP rows at positions start..start+n-1,
+// written to (and attending over) the KV blocks of `block_table`.
+struct MtpSegment {
+  const int32_t* block_table = nullptr;
+  int64_t start = 0;
+  int64_t n = 0;
+};
+
+class QwenMtpBlock {
+ public:
+  explicit QwenMtpBlock(QwenMtpWeights w);
+  const QwenMtpConfig& config() const { return w_.cfg; }
+  const QwenMtpWeights& weights() const { return w_; }
+
+  // Scratch of one caller (grown, never shrunk); a block may serve several callers.
+  struct Workspace {
+    std::vector<float> cat, x, h, qg, q, gate, k, v, o, g, u;
+    std::vector<int64_t> pos;
+  };
+
+  // embeds, hidden: [T, H] (T = Σ n), rows in segment order; embeds are the target's raw
+  // embedding rows. out: [T, H] after the final norm. Writes each token's K/V into `kv`.
+  void forward(const float* embeds, const float* hidden, std::span<const MtpSegment> segs,
+               const ops::KVLayerView& kv, Workspace& ws, float* out) const;
+
+ private:
+  QwenMtpWeights w_;
+  std::vector<float> inv_freq_;
+};
+
+}  // namespace tandem::spec

@@ -1,0 +1,74 @@
+// The weights and shape of a Qwen3.5 MTP block (DESIGN.md §3, §5.4), from either source:
+//  - inside a target checkpoint: tensors `mtp.*`, HF layout (zero-centred norms, scale = 1 + w),
+//    dense projections;
+//  - a companion directory (`model_type: qwen3_5_mtp`): the same names without `mtp.`, norms in
+//    runtime layout (scale = w), projections dense or MLX-affine quantized.
+// The layout is decided by the source format, never by looking at the values.
+#pragma once
+
+#include <cstdint>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "tandem/backend/ops.h"
+#include "tandem/io/weight_store.h"
+#include "tandem/model/qwen3_5_config.h"
+
+namespace tandem::spec {
+
+// The graph-shaping numbers of the MTP block.
+struct QwenMtpConfig {
+  int64_t hidden_size = 0;
+  int64_t vocab_size = 0;
+  int64_t intermediate_size = 0;
+  int64_t num_attention_heads = 0;
+  int64_t num_key_value_heads = 0;
+  int64_t head_dim = 0;
+  int64_t rotary_dim = 0;
+  double rope_theta = 0;
+  double rms_norm_eps = 1e-6;
+  bool norms_zero_centred = true;  // HF layout (in-checkpoint); companions store runtime layout
+  int64_t block_size = 0;          // companion's suggested drafting depth + 1 (0: none given)
+  int quant_bits = 0;              // 0: dense projections
+  int64_t quant_group_size = 0;
+};
+
+// A projection: dense, or MLX-affine quantized.
+struct MtpLinear {
+  ops::WeightRef dense;
+  std::optional<ops::QuantWeightRef> quant;
+  int64_t out_features() const { return quant ? quant->rows : dense.rows; }
+  int64_t in_features() const { return quant ? quant->cols : dense.cols; }
+  // y[m, out] = x[m, in] · Wᵀ
+  void apply(const float* x, int64_t m, float* y) const;
+  uint64_t bytes() const;
+};
+
+struct QwenMtpWeights {
+  QwenMtpConfig cfg;
+  WeightStore store;  // keeps the mapped tensors below alive
+  ops::WeightRef pre_fc_norm_embedding, pre_fc_norm_hidden, input_layernorm,
+      post_attention_layernorm, q_norm, k_norm, norm;
+  MtpLinear fc, q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj;
+
+  uint64_t bytes() const;
+};
+
+// The MTP shape of a target checkpoint's config (requires mtp_num_hidden_layers >= 1).
+QwenMtpConfig mtp_config_from_target(const Qwen35Config& target, const std::string& dir);
+// Parses a companion config.json object (model_type qwen3_5_mtp). `source` names it in errors.
+QwenMtpConfig parse_mtp_companion_config(const nlohmann::json& config, const std::string& source);
+
+// Binds and validates (names, shapes, dtypes) every tensor of the block. `prefix` is "mtp." for a
+// target checkpoint and "" for a companion; quantized projections need cfg.quant_bits > 0.
+QwenMtpWeights bind_mtp_weights(const QwenMtpConfig& cfg, WeightStore store,
+                                const std::string& prefix);
+
+// The tensor-name suffixes of the MTP block (after `mtp.` / in a companion), and which of them are
+// Qwen3.5 RMSNorm weights (zero-centred in HF layout).
+const std::vector<std::string>& mtp_norm_names();
+const std::vector<std::string>& mtp_projection_names();  // without ".weight"
+
+}  // namespace tandem::spec
