@@ -7,6 +7,9 @@ cd "$(dirname "$0")/.."
 ./scripts/install-deps.sh
 ./scripts/build.sh
 jobs=$(nproc 2>/dev/null || echo 2)
+# Tests run in parallel, each with its own OpenMP team: idle OpenMP threads must sleep rather
+# than spin, or the teams starve each other on a small machine.
+export OMP_WAIT_POLICY=PASSIVE
 ctest --test-dir build --output-on-failure -j "$jobs" -L cpu
 if [ "${TANDEM_SKIP_SANITIZERS:-0}" != "1" ]; then
   cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DTANDEM_SANITIZE=ON >/dev/null

@@ -48,7 +48,7 @@ TEST(AcceptWalk, MatchEmitsTheTargetsSamplesWhateverWasProposed) {
 
 TEST(AcceptWalk, GreedyRejectionEqualsMatch) {
   const std::vector<float> logits = {0.1f, 2.0f, -1.0f, 2.0f, 1.5f};  // tie: lowest id wins
-  SamplingParams sp;  // greedy
+  SamplingParams sp;                                                  // greedy
   const auto all = rows_of(logits, 2);
   const std::vector<std::vector<TokenProb>> q = {{{1, 1.0}}};
   auto m = accept_walk(all, 5, std::vector<int32_t>{1}, q, sp, 0, VerifyMode::Match);

@@ -9,5 +9,7 @@ void add_generate_command(CLI::App& app);
 void add_score_command(CLI::App& app);
 void add_bench_command(CLI::App& app);
 void add_make_random_model_command(CLI::App& app);
+void add_mtp_split_command(CLI::App& app);
+void add_bench_spec_command(CLI::App& app);
 
 }  // namespace tandem::cli

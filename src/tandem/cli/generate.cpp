@@ -1,5 +1,8 @@
-// tandem generate: text generation from a prompt, streamed, or one JSON object with --json.
+// tandem generate: text generation, optionally speculative (--draft mtp|ngram), streamed as text
+// or printed as one JSON object (--json); --prompts-file runs many requests as rows of one batch
+// and prints JSON Lines, one object per request.
 #include <cstdio>
+#include <filesystem>
 #include <iostream>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -7,7 +10,10 @@
 #include "tandem/cli/commands.h"
 #include "tandem/cli/common.h"
 #include "tandem/core/error.h"
-#include "tandem/engine/generator.h"
+#include "tandem/engine/speculative.h"
+#include "tandem/io/artifact_identity.h"
+#include "tandem/spec/ngram.h"
+#include "tandem/spec/qwen_mtp.h"
 
 namespace tandem::cli {
 
@@ -15,53 +21,169 @@ namespace {
 
 struct GenerateArgs {
   std::string model;
-  std::optional<std::string> prompt, prompt_file, token_ids;
+  std::optional<std::string> prompt, prompt_file, token_ids, prompts_file;
   int64_t max_tokens = 128;
   SamplingParams sampling;
   bool ignore_eos = false;
   int threads = 0;
   bool json = false;
+  std::string draft = "none";
+  std::optional<std::string> draft_model;
+  int depth = 3;
+  std::string verify = "match";
+  spec::NgramOptions ngram;
+  std::string mtp_hidden = "final";
 };
+
+// The target's artifact identity: config fingerprint + content hash of its weight files.
+std::string target_identity(const Qwen35Model& model, const std::string& dir) {
+  const auto cfg = nlohmann::json::parse(read_text_file(dir + "/config.json"));
+  return artifact_identity(config_fingerprint(cfg), model.weights().files());
+}
+
+std::unique_ptr<spec::DraftProvider> open_drafter(const GenerateArgs& a,
+                                                  const spec::TargetView& target) {
+  if (a.draft == "none") {
+    if (a.draft_model) fail("--draft-model needs --draft mtp");
+    return nullptr;
+  }
+  if (a.draft == "ngram") {
+    if (a.draft_model) fail("--draft-model needs --draft mtp (n-gram lookup has no weights)");
+    spec::validate_ngram_options(a.ngram);
+    return std::make_unique<spec::NgramProvider>(a.ngram);
+  }
+  if (a.draft == "mtp") {
+    spec::HiddenTap tap;
+    if (a.mtp_hidden == "final")
+      tap = spec::HiddenTap::FinalNormed;
+    else if (a.mtp_hidden == "prenorm")
+      tap = spec::HiddenTap::PreNorm;
+    else
+      fail("--mtp-hidden must be 'final' or 'prenorm', got '", a.mtp_hidden, "'");
+    if (a.draft_model) return spec::QwenMtpProvider::from_companion(*a.draft_model, tap);
+    return spec::QwenMtpProvider::from_target(target, tap);
+  }
+  fail("--draft must be none, mtp or ngram, got '", a.draft, "'");
+}
+
+// One JSON object per line: {"prompt": ...} or {"token_ids": [...]}, optional "seed",
+// "temperature", "max_tokens"; other sampling settings come from the command line.
+std::vector<GenerateRequest> read_prompts_file(const std::string& path, const GenerateRequest& base,
+                                               const std::optional<Tokenizer>& tok) {
+  const std::string text = read_text_file(path);
+  std::vector<GenerateRequest> reqs;
+  size_t line_no = 0, start = 0;
+  while (start < text.size()) {
+    size_t end = text.find('\n', start);
+    if (end == std::string::npos) end = text.size();
+    const std::string line = text.substr(start, end - start);
+    start = end + 1;
+    ++line_no;
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    const std::string where = path + ":" + std::to_string(line_no);
+    nlohmann::json j;
+    try {
+      j = nlohmann::json::parse(line);
+    } catch (const nlohmann::json::exception& e) {
+      fail(where, ": not a JSON object: ", e.what());
+    }
+    if (!j.is_object()) fail(where, ": each line must be a JSON object");
+    GenerateRequest r = base;
+    try {
+      if (j.contains("prompt") == j.contains("token_ids"))
+        fail(where, ": give exactly one of \"prompt\" or \"token_ids\"");
+      if (j.contains("prompt")) {
+        if (!tok) fail(where, ": the model has no tokenizer.json; use \"token_ids\"");
+        r.prompt = tok->encode(j.at("prompt").get<std::string>());
+      } else {
+        r.prompt = j.at("token_ids").get<std::vector<int32_t>>();
+      }
+      if (j.contains("seed")) r.sampling.seed = j.at("seed").get<uint64_t>();
+      if (j.contains("temperature")) r.sampling.temperature = j.at("temperature").get<float>();
+      if (j.contains("max_tokens")) r.max_tokens = j.at("max_tokens").get<int64_t>();
+    } catch (const nlohmann::json::exception& e) {
+      fail(where, ": ", e.what());
+    }
+    if (r.prompt.empty()) fail(where, ": the prompt is empty");
+    reqs.push_back(std::move(r));
+  }
+  if (reqs.empty()) fail(path, ": no requests");
+  return reqs;
+}
+
+nlohmann::json stats_json(const GenerateStats& st, const SpecStats& s, const GenerateResult& r) {
+  return {{"prompt_tokens", st.prompt_tokens},
+          {"generated_tokens", r.tokens.size()},
+          {"prefill_seconds", st.prefill_seconds},
+          {"decode_seconds", st.decode_seconds},
+          {"prefill_tokens_per_second", st.prefill_tokens_per_second()},
+          {"decode_tokens_per_second", st.decode_tokens_per_second()},
+          {"threads", ops::thread_count()},
+          {"rounds", s.rounds},
+          {"drafted", s.drafted},
+          {"accepted", s.accepted},
+          {"accepted_by_position", s.accepted_by_position},
+          {"acceptance_rate", s.acceptance_rate()},
+          {"mean_accepted_length", s.mean_accepted_length()},
+          {"tokens_per_target_forward", s.tokens_per_target_forward()}};
+}
 
 void run_generate(const GenerateArgs& a) {
   apply_threads(a.threads);
   auto model = Qwen35Model::load(a.model);
   const auto tok = open_tokenizer(a.model);
-  GenerateRequest req;
-  req.prompt = resolve_input("prompt", a.prompt, a.prompt_file, a.token_ids, tok);
-  req.sampling = a.sampling;
-  req.max_tokens = a.max_tokens;
-  req.ignore_eos = a.ignore_eos;
+  GenerateRequest base;
+  base.sampling = a.sampling;
+  base.max_tokens = a.max_tokens;
+  base.ignore_eos = a.ignore_eos;
+  std::vector<GenerateRequest> reqs;
+  if (a.prompts_file) {
+    if (a.prompt || a.prompt_file || a.token_ids)
+      fail("--prompts-file cannot be combined with --prompt, --prompt-file or --token-ids");
+    reqs = read_prompts_file(*a.prompts_file, base, tok);
+  } else {
+    base.prompt = resolve_input("prompt", a.prompt, a.prompt_file, a.token_ids, tok);
+    reqs.push_back(base);
+  }
+  SpecOptions opts;
+  opts.depth = a.depth;
+  opts.verify = spec::parse_verify_mode(a.verify);
+  if (a.depth < 0 || a.depth > 16) fail("--depth must be in 0..16, got ", a.depth);
 
+  const std::string identity = a.draft == "none" ? "" : target_identity(*model, a.model);
+  const spec::TargetView target(*model, identity);
+  const auto drafter = open_drafter(a, target);
+  SpeculativeGenerator gen(*model, drafter.get(), identity, opts);
+
+  // Text streams only for a single request without --json.
+  const bool stream_text = tok && !a.json && reqs.size() == 1;
   std::unique_ptr<Tokenizer::StreamDecoder> stream;
-  if (tok && !a.json) stream = std::make_unique<Tokenizer::StreamDecoder>(tok->stream_decoder());
+  if (stream_text) stream = std::make_unique<Tokenizer::StreamDecoder>(tok->stream_decoder());
   auto on_token = [&](size_t, int32_t id) {
     if (!stream) return;
     std::fputs(stream->push(id).c_str(), stdout);
     std::fflush(stdout);
   };
   GenerateStats stats;
-  Generator gen(*model);
-  const auto results = gen.run({req}, on_token, &stats);
-  const GenerateResult& r = results.at(0);
+  std::vector<SpecStats> sstats;
+  const auto results = gen.run(reqs, on_token, &stats, &sstats);
 
-  if (a.json) {
-    nlohmann::json j;
-    j["prompt_tokens"] = req.prompt.size();
-    j["prompt_token_ids"] = req.prompt;
-    j["tokens"] = r.tokens;
-    j["text"] = tok ? nlohmann::json(tok->decode(r.tokens)) : nlohmann::json(nullptr);
-    j["finish_reason"] = finish_reason_name(r.finish);
-    j["stats"] = {{"prompt_tokens", stats.prompt_tokens},
-                  {"generated_tokens", stats.generated_tokens},
-                  {"prefill_seconds", stats.prefill_seconds},
-                  {"decode_seconds", stats.decode_seconds},
-                  {"prefill_tokens_per_second", stats.prefill_tokens_per_second()},
-                  {"decode_tokens_per_second", stats.decode_tokens_per_second()},
-                  {"threads", ops::thread_count()}};
-    std::cout << j.dump() << "\n";
+  if (a.json || reqs.size() > 1) {
+    for (size_t i = 0; i < results.size(); ++i) {
+      nlohmann::json j;
+      j["prompt_tokens"] = reqs[i].prompt.size();
+      j["prompt_token_ids"] = reqs[i].prompt;
+      j["tokens"] = results[i].tokens;
+      j["text"] = tok ? nlohmann::json(tok->decode(results[i].tokens)) : nlohmann::json(nullptr);
+      j["finish_reason"] = finish_reason_name(results[i].finish);
+      j["stats"] = stats_json(stats, sstats[i], results[i]);
+      j["stats"]["draft"] = a.draft;
+      j["stats"]["depth"] = drafter ? a.depth : 0;
+      std::cout << j.dump() << "\n";
+    }
     return;
   }
+  const GenerateResult& r = results.at(0);
   if (stream) {
     std::fputs(stream->finish().c_str(), stdout);
   } else {
@@ -69,11 +191,16 @@ void run_generate(const GenerateArgs& a) {
   }
   std::printf("\n");
   std::fprintf(stderr,
-               "[%zu prompt tokens, %zu generated, finish: %s | prefill %.1f tok/s, decode %.1f "
-               "tok/s, %d threads]\n",
-               req.prompt.size(), r.tokens.size(), finish_reason_name(r.finish),
+               "[%zu prompt tokens, %zu generated, finish: %s | prefill %.1f tok/s, decode "
+               "%.1f tok/s, %d threads",
+               reqs[0].prompt.size(), r.tokens.size(), finish_reason_name(r.finish),
                stats.prefill_tokens_per_second(), stats.decode_tokens_per_second(),
                ops::thread_count());
+  if (drafter)
+    std::fprintf(stderr, " | %s depth %d: %.0f%% of drafts accepted, %.2f tokens per round",
+                 a.draft.c_str(), a.depth, 100 * sstats[0].acceptance_rate(),
+                 sstats[0].mean_accepted_length());
+  std::fprintf(stderr, "]\n");
 }
 
 }  // namespace
@@ -85,6 +212,9 @@ void add_generate_command(CLI::App& app) {
   sub->add_option("--prompt", a->prompt, "Prompt text");
   sub->add_option("--prompt-file", a->prompt_file, "Read the prompt from a file");
   sub->add_option("--token-ids", a->token_ids, "Prompt as token ids: 1,2,3");
+  sub->add_option("--prompts-file", a->prompts_file,
+                  "JSONL requests ({\"prompt\"|\"token_ids\", \"seed\", \"temperature\", "
+                  "\"max_tokens\"}) run together as one batch; prints JSONL");
   sub->add_option("--max-tokens", a->max_tokens, "Most tokens to generate")->capture_default_str();
   sub->add_option("--temperature", a->sampling.temperature, "0 = greedy")->capture_default_str();
   sub->add_option("--top-k", a->sampling.top_k, "Keep the k most likely tokens (0 = off)");
@@ -94,6 +224,18 @@ void add_generate_command(CLI::App& app) {
   sub->add_flag("--ignore-eos", a->ignore_eos, "Do not stop at end-of-sequence tokens");
   sub->add_option("--threads", a->threads, "CPU threads (0 = all cores)");
   sub->add_flag("--json", a->json, "Print one JSON object instead of streaming text");
+  sub->add_option("--draft", a->draft, "Drafter: none, mtp or ngram")->capture_default_str();
+  sub->add_option("--draft-model", a->draft_model,
+                  "Companion MTP drafter directory (default: the model's own mtp.* layer)");
+  sub->add_option("--depth", a->depth, "Proposals per round")->capture_default_str();
+  sub->add_option("--verify", a->verify, "match (lossless bytes) or rejection")
+      ->capture_default_str();
+  sub->add_option("--ngram-max", a->ngram.max_n, "Longest n-gram looked up")->capture_default_str();
+  sub->add_option("--ngram-min", a->ngram.min_n, "Shortest n-gram looked up")
+      ->capture_default_str();
+  sub->add_option("--mtp-hidden", a->mtp_hidden,
+                  "Target hidden fed to the MTP drafter: final (after the final norm) or prenorm")
+      ->capture_default_str();
   sub->callback([a] { run_generate(*a); });
 }
 

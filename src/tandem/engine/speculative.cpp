@@ -29,7 +29,9 @@ double SpecStats::acceptance_rate() const {
 SpeculativeGenerator::SpeculativeGenerator(const Qwen35Model& model,
                                            const spec::DraftProvider* drafter,
                                            std::string target_identity, SpecOptions options)
-    : model_(model), drafter_(drafter), target_(model, std::move(target_identity)),
+    : model_(model),
+      drafter_(drafter),
+      target_(model, std::move(target_identity)),
       options_(options) {
   if (options_.depth < 0 || options_.depth > 16) fail("--depth must be in 0..16");
 }
@@ -51,7 +53,10 @@ std::vector<GenerateResult> SpeculativeGenerator::run(const std::vector<Generate
   const size_t B = requests.size();
   std::vector<GenerateResult> results(B);
   std::vector<SpecStats> sstats(B);
-  for (auto& s : sstats) s.accepted_by_position.assign(static_cast<size_t>(options_.depth), 0);
+  for (auto& s : sstats) {
+    s.accepted_by_position.assign(static_cast<size_t>(options_.depth), 0);
+    s.drafted_by_position.assign(static_cast<size_t>(options_.depth), 0);
+  }
   if (B == 0) return results;
 
   const int depth = drafter_ ? options_.depth : 0;
@@ -165,7 +170,8 @@ std::vector<GenerateResult> SpeculativeGenerator::run(const std::vector<Generate
       drafts.resize(R);
       for (size_t r = 0; r < R; ++r) {
         const size_t i = live[r];
-        const int64_t room = requests[i].max_tokens - static_cast<int64_t>(results[i].tokens.size());
+        const int64_t room =
+            requests[i].max_tokens - static_cast<int64_t>(results[i].tokens.size());
         drafts[r].pending = results[i].tokens.back();
         drafts[r].depth = static_cast<int>(std::min<int64_t>(depth, room - 1));
         drafts[r].sampling = requests[i].sampling;
@@ -207,6 +213,7 @@ std::vector<GenerateResult> SpeculativeGenerator::run(const std::vector<Generate
       s.drafted += static_cast<int64_t>(n - 1);
       s.accepted += outcomes[r].accepted;
       for (int j = 0; j < outcomes[r].accepted; ++j) ++s.accepted_by_position[j];
+      for (size_t j = 0; j + 1 < n; ++j) ++s.drafted_by_position[j];
       for (int32_t tok : outcomes[r].emitted)
         if (!emit(i, tok)) break;
       keeps.push_back({slot[i], 1 + outcomes[r].accepted});

@@ -21,10 +21,11 @@ struct SpecOptions {
 
 // Per-request speculation counters.
 struct SpecStats {
-  int64_t rounds = 0;        // verify forwards the request took part in
-  int64_t drafted = 0;       // proposals drafted
-  int64_t accepted = 0;      // proposals accepted
+  int64_t rounds = 0;                         // verify forwards the request took part in
+  int64_t drafted = 0;                        // proposals drafted
+  int64_t accepted = 0;                       // proposals accepted
   std::vector<int64_t> accepted_by_position;  // [depth]: times window position j was accepted
+  std::vector<int64_t> drafted_by_position;   // [depth]: times a proposal j was drafted
   int64_t target_forwards = 0;                // prefill + rounds
   int64_t emitted = 0;                        // tokens emitted (== generated tokens)
   // Tokens emitted per round, bonus/correction included (AL).

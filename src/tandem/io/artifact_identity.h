@@ -17,6 +17,7 @@ std::string config_fingerprint(const nlohmann::json& config);
 // memoized by (absolute path, size, mtime) in an on-disk cache ($TANDEM_CACHE_DIR, else
 // $XDG_CACHE_HOME/tandem, else ~/.cache/tandem; an unwritable cache only costs a rehash), so a
 // restart does not rehash gigabytes.
-std::string artifact_identity(const std::string& fingerprint, const std::vector<std::string>& files);
+std::string artifact_identity(const std::string& fingerprint,
+                              const std::vector<std::string>& files);
 
 }  // namespace tandem

@@ -23,7 +23,7 @@ struct Checkpoint {
   std::string ns;                // the drafter namespace it was captured under (identity)
   nlohmann::json metadata;       // schema-specific scalars
   std::map<std::string, CheckpointTensor> tensors;
-  std::vector<int32_t> tokens;   // token history, for drafters that keep one
+  std::vector<int32_t> tokens;  // token history, for drafters that keep one
 };
 
 using CheckpointPtr = std::shared_ptr<const Checkpoint>;

@@ -68,10 +68,10 @@ struct RowPrefill {
 
 // Per-row inputs of a draft call.
 struct RowDraft {
-  int32_t pending = 0;       // last emitted token, not yet processed by the target
-  int depth = 0;             // proposals wanted (0..max depth); 0 still keeps the row aligned
-  SamplingParams sampling;   // the request's sampling; draws use keys (seed, first_index + j)
-  uint64_t first_index = 0;  // output index of the token proposal 0 stands for
+  int32_t pending = 0;             // last emitted token, not yet processed by the target
+  int depth = 0;                   // proposals wanted (0..max depth); 0 still keeps the row aligned
+  SamplingParams sampling;         // the request's sampling; draws use keys (seed, first_index + j)
+  uint64_t first_index = 0;        // output index of the token proposal 0 stands for
   bool want_distribution = false;  // rejection mode needs q for each proposal
 };
 

@@ -1,0 +1,199 @@
+// tandem bench-spec: speculative decoding against plain decoding on the same prompts in the same
+// process: acceptance by window position, mean accepted length, tokens per target forward and
+// tokens/s for each drafter and depth, at a given batch size.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <iostream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "tandem/cli/commands.h"
+#include "tandem/cli/common.h"
+#include "tandem/core/error.h"
+#include "tandem/engine/speculative.h"
+#include "tandem/io/artifact_identity.h"
+#include "tandem/spec/ngram.h"
+#include "tandem/spec/qwen_mtp.h"
+
+namespace tandem::cli {
+
+namespace {
+
+struct BenchSpecArgs {
+  std::string model, prompts_file;
+  std::string drafts = "mtp,ngram";
+  std::string depths = "1,2,3,4";
+  int batch = 1;
+  int64_t max_tokens = 64;
+  int repeats = 3;
+  int threads = 0;
+  float temperature = 0.0f;
+  bool json = false;
+};
+
+std::vector<std::string> split_list(const std::string& s) {
+  std::vector<std::string> out;
+  std::stringstream ss(s);
+  std::string item;
+  while (std::getline(ss, item, ','))
+    if (!item.empty()) out.push_back(item);
+  return out;
+}
+
+struct Measured {
+  std::string draft;
+  int depth = 0;
+  double tokens_per_second = 0;  // generated tokens / wall time of all groups (median run)
+  SpecStats total;               // summed over requests
+};
+
+Measured measure(const Qwen35Model& model, const spec::DraftProvider* drafter,
+                 const std::string& identity, int depth, const std::vector<GenerateRequest>& reqs,
+                 int batch, int repeats) {
+  SpeculativeGenerator gen(model, drafter, identity, {depth, spec::VerifyMode::Match});
+  Measured m;
+  m.draft = drafter ? drafter->id() : "none";
+  m.depth = drafter ? depth : 0;
+  std::vector<double> rates;
+  for (int rep = 0; rep <= repeats; ++rep) {  // rep 0 warms up
+    SpecStats sum;
+    sum.accepted_by_position.assign(static_cast<size_t>(m.depth), 0);
+    sum.drafted_by_position.assign(static_cast<size_t>(m.depth), 0);
+    int64_t tokens = 0;
+    const auto t0 = std::chrono::steady_clock::now();
+    for (size_t g = 0; g < reqs.size(); g += static_cast<size_t>(batch)) {
+      const std::vector<GenerateRequest> group(
+          reqs.begin() + static_cast<std::ptrdiff_t>(g),
+          reqs.begin() + static_cast<std::ptrdiff_t>(std::min(reqs.size(), g + batch)));
+      std::vector<SpecStats> st;
+      const auto res = gen.run(group, {}, nullptr, &st);
+      for (size_t i = 0; i < res.size(); ++i) {
+        tokens += static_cast<int64_t>(res[i].tokens.size());
+        sum.rounds += st[i].rounds;
+        sum.drafted += st[i].drafted;
+        sum.accepted += st[i].accepted;
+        sum.target_forwards += st[i].target_forwards;
+        sum.emitted += st[i].emitted;
+        for (int j = 0; j < m.depth; ++j) {
+          sum.accepted_by_position[j] += st[i].accepted_by_position[j];
+          sum.drafted_by_position[j] += st[i].drafted_by_position[j];
+        }
+      }
+    }
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (rep == 0) continue;
+    rates.push_back(static_cast<double>(tokens) / s);
+    m.total = sum;
+  }
+  std::sort(rates.begin(), rates.end());
+  m.tokens_per_second = rates[rates.size() / 2];
+  return m;
+}
+
+void run_bench_spec(const BenchSpecArgs& a) {
+  apply_threads(a.threads);
+  if (a.batch < 1 || a.repeats < 1 || a.max_tokens < 1)
+    fail("bench-spec: need --batch >= 1, --repeats >= 1, --max-tokens >= 1");
+  auto model = Qwen35Model::load(a.model);
+  const auto tok = open_tokenizer(a.model);
+  if (!tok) fail("bench-spec: ", a.model, " has no tokenizer.json");
+  std::vector<GenerateRequest> reqs;
+  {
+    const std::string text = read_text_file(a.prompts_file);
+    std::stringstream ss(text);
+    std::string line;
+    while (std::getline(ss, line)) {
+      if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+      const auto j = nlohmann::json::parse(line);
+      GenerateRequest r;
+      r.prompt = tok->encode(j.at("prompt").get<std::string>());
+      r.max_tokens = a.max_tokens;
+      r.ignore_eos = true;
+      r.sampling.temperature = a.temperature;
+      r.sampling.seed = reqs.size();
+      reqs.push_back(std::move(r));
+    }
+  }
+  if (reqs.empty()) fail(a.prompts_file, ": no prompts");
+  const auto cfg = nlohmann::json::parse(read_text_file(a.model + "/config.json"));
+  const std::string identity = artifact_identity(config_fingerprint(cfg), model->weights().files());
+  const spec::TargetView target(*model, identity);
+
+  std::vector<Measured> rows;
+  std::fprintf(stderr, "bench-spec: %zu prompts, batch %d, %lld tokens each, %d threads\n",
+               reqs.size(), a.batch, static_cast<long long>(a.max_tokens), ops::thread_count());
+  rows.push_back(measure(*model, nullptr, identity, 0, reqs, a.batch, a.repeats));
+  const double base = rows[0].tokens_per_second;
+  for (const std::string& d : split_list(a.drafts)) {
+    std::unique_ptr<spec::DraftProvider> drafter;
+    if (d == "mtp")
+      drafter = spec::QwenMtpProvider::from_target(target);
+    else if (d == "ngram")
+      drafter = std::make_unique<spec::NgramProvider>(spec::NgramOptions{});
+    else
+      fail("--drafts: unknown drafter '", d, "' (mtp, ngram)");
+    for (const std::string& ds : split_list(a.depths)) {
+      const int depth = std::stoi(ds);
+      rows.push_back(measure(*model, drafter.get(), identity, depth, reqs, a.batch, a.repeats));
+      std::fprintf(stderr, "bench-spec: %s depth %d: %.1f tok/s\n", d.c_str(), depth,
+                   rows.back().tokens_per_second);
+    }
+  }
+  nlohmann::json out = nlohmann::json::array();
+  if (!a.json)
+    std::printf("%-6s %5s %10s %8s %6s %8s  %s\n", "draft", "depth", "tok/s", "speedup", "AL",
+                "tok/fwd", "acceptance by position");
+  for (const Measured& m : rows) {
+    std::vector<double> by_pos;
+    for (int j = 0; j < m.depth; ++j)
+      by_pos.push_back(m.total.drafted_by_position[j]
+                           ? static_cast<double>(m.total.accepted_by_position[j]) /
+                                 static_cast<double>(m.total.drafted_by_position[j])
+                           : 0.0);
+    if (a.json) {
+      out.push_back({{"draft", m.draft},
+                     {"depth", m.depth},
+                     {"tokens_per_second", m.tokens_per_second},
+                     {"speedup", m.tokens_per_second / base},
+                     {"mean_accepted_length", m.total.mean_accepted_length()},
+                     {"tokens_per_target_forward", m.total.tokens_per_target_forward()},
+                     {"acceptance_rate", m.total.acceptance_rate()},
+                     {"acceptance_by_position", by_pos},
+                     {"batch", a.batch}});
+      continue;
+    }
+    std::string pos;
+    for (double p : by_pos) {
+      char buf[16];
+      std::snprintf(buf, sizeof buf, "%s%.2f", pos.empty() ? "" : " ", p);
+      pos += buf;
+    }
+    std::printf("%-6s %5d %10.1f %7.2fx %6.2f %8.2f  %s\n", m.draft.c_str(), m.depth,
+                m.tokens_per_second, m.tokens_per_second / base, m.total.mean_accepted_length(),
+                m.total.tokens_per_target_forward(), pos.c_str());
+  }
+  if (a.json) std::cout << out.dump(2) << "\n";
+}
+
+}  // namespace
+
+void add_bench_spec_command(CLI::App& app) {
+  auto a = std::make_shared<BenchSpecArgs>();
+  CLI::App* sub = app.add_subcommand(
+      "bench-spec", "Speculative vs plain decoding on the same prompts: acceptance and speed");
+  sub->add_option("--model", a->model, "Hugging Face model directory")->required();
+  sub->add_option("--prompts-file", a->prompts_file, "JSONL with a \"prompt\" per line")
+      ->required();
+  sub->add_option("--drafts", a->drafts, "Drafters to compare: mtp,ngram")->capture_default_str();
+  sub->add_option("--depths", a->depths, "Depths to compare")->capture_default_str();
+  sub->add_option("--batch", a->batch, "Requests per batch")->capture_default_str();
+  sub->add_option("--max-tokens", a->max_tokens, "Tokens per request")->capture_default_str();
+  sub->add_option("--temperature", a->temperature, "Sampling temperature")->capture_default_str();
+  sub->add_option("--repeats", a->repeats, "Timed runs (after a warm-up)")->capture_default_str();
+  sub->add_option("--threads", a->threads, "CPU threads (0 = all cores)");
+  sub->add_flag("--json", a->json, "Print JSON");
+  sub->callback([a] { run_bench_spec(*a); });
+}
+
+}  // namespace tandem::cli
