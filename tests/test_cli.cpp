@@ -166,3 +166,112 @@ TEST(Cli, CorruptCheckpointsAreReportedWithTheFileName) {
 
 }  // namespace
 }  // namespace tandem
+
+namespace tandem {
+namespace {
+
+const std::string kDemoModel = std::string(TANDEM_SOURCE_DIR) + "/models/qwen35-demo";
+
+TEST(CliSpeculative, DraftersGiveThePlainOutputAndReportStats) {
+  const std::string base = "generate --model " + kDemoModel +
+                           " --prompt 'def add(a, b):\n' --max-tokens 24 --ignore-eos --json"
+                           " --temperature 0.8 --seed 5";
+  const CliRun plain = run(base, false);
+  ASSERT_EQ(plain.code, 0) << plain.out;
+  const auto want = nlohmann::json::parse(plain.out)["tokens"];
+  for (const std::string extra : {" --draft mtp --depth 3", " --draft ngram --depth 2",
+                                  " --draft ngram --ngram-max 4 --ngram-min 2 --depth 4",
+                                  " --draft mtp --depth 2 --mtp-hidden final"}) {
+    const CliRun r = run(base + extra, false);
+    ASSERT_EQ(r.code, 0) << extra << ": " << r.out;
+    const auto j = nlohmann::json::parse(r.out);
+    EXPECT_EQ(j["tokens"], want) << extra;
+    const auto& s = j["stats"];
+    EXPECT_GT(s["rounds"].get<int64_t>(), 0) << extra;
+    EXPECT_GE(s["drafted"].get<int64_t>(), s["accepted"].get<int64_t>());
+    EXPECT_GE(s["mean_accepted_length"].get<double>(), 1.0);
+    EXPECT_GE(s["tokens_per_target_forward"].get<double>(), 1.0);
+    EXPECT_TRUE(s["accepted_by_position"].is_array());
+  }
+  // Rejection mode samples from the same distribution; it runs and reports its stats.
+  const CliRun rej = run(base + " --draft mtp --depth 3 --verify rejection", false);
+  ASSERT_EQ(rej.code, 0) << rej.out;
+  EXPECT_EQ(nlohmann::json::parse(rej.out)["tokens"].size(), 24u);
+}
+
+TEST(CliSpeculative, PromptsFileRunsEveryRequestAsOneBatch) {
+  tandem::testing::ScratchDir dir("cli-prompts");
+  const std::string f = dir.file("p.jsonl");
+  tandem::testing::write_text(f,
+                              "{\"prompt\": \"import os\\n\", \"max_tokens\": 5}\n"
+                              "\n"
+                              "{\"token_ids\": [5, 6, 7], \"seed\": 3, \"temperature\": 1.0, "
+                              "\"max_tokens\": 9}\n");
+  const CliRun r = run("generate --model " + kDemoModel + " --prompts-file " + f +
+                           " --draft mtp --depth 2 --ignore-eos",
+                       false);
+  ASSERT_EQ(r.code, 0) << r.out;
+  std::vector<nlohmann::json> lines;
+  size_t start = 0;
+  while (start < r.out.size()) {
+    const size_t end = r.out.find('\n', start);
+    lines.push_back(nlohmann::json::parse(r.out.substr(start, end - start)));
+    start = end + 1;
+  }
+  ASSERT_EQ(lines.size(), 2u);
+  EXPECT_EQ(lines[0]["tokens"].size(), 5u);
+  EXPECT_EQ(lines[1]["tokens"].size(), 9u);
+  EXPECT_EQ(lines[1]["prompt_token_ids"], nlohmann::json({5, 6, 7}));
+  // Each request equals its own plain run.
+  const CliRun alone = run("generate --model " + kDemoModel +
+                               " --token-ids 5,6,7 --seed 3 --temperature 1.0 --max-tokens 9 "
+                               "--ignore-eos --json",
+                           false);
+  EXPECT_EQ(nlohmann::json::parse(alone.out)["tokens"], lines[1]["tokens"]);
+}
+
+TEST(CliSpeculative, BadSpeculationSettingsAreRefused) {
+  const std::string m = "generate --model " + kDemoModel + " --token-ids 5,6 ";
+  expect_error(run(m + "--draft eagle"), "--draft");
+  expect_error(run(m + "--draft mtp --depth 99"), "--depth");
+  expect_error(run(m + "--draft mtp --verify maybe"), "--verify");
+  expect_error(run(m + "--draft ngram --ngram-min 3 --ngram-max 2"), "--ngram");
+  expect_error(run(m + "--draft mtp --draft-model /nonexistent/drafter"), "/nonexistent/drafter");
+  expect_error(run(m + "--draft-model /tmp"), "--draft mtp");
+  expect_error(run(m + "--draft mtp --mtp-hidden middle"), "--mtp-hidden");
+  // A checkpoint without an MTP layer.
+  expect_error(run("generate --model " + kFixtures + "/qwen35_gqa_f16 --token-ids 1,2 --draft mtp"),
+               "no MTP layer");
+  // Malformed prompts files name the line.
+  tandem::testing::ScratchDir dir("cli-badprompts");
+  tandem::testing::write_text(dir.file("a.jsonl"), "{\"prompt\": \"x\"}\n{oops\n");
+  expect_error(run("generate --model " + kDemoModel + " --prompts-file " + dir.file("a.jsonl")),
+               "a.jsonl:2");
+  tandem::testing::write_text(dir.file("b.jsonl"), "{\"seed\": 1}\n");
+  expect_error(run("generate --model " + kDemoModel + " --prompts-file " + dir.file("b.jsonl")),
+               "exactly one of");
+  tandem::testing::write_text(dir.file("c.jsonl"), "{\"token_ids\": [1, 99999]}\n");
+  expect_error(run("generate --model " + kDemoModel + " --prompts-file " + dir.file("c.jsonl")),
+               "99999");
+}
+
+TEST(CliSpeculative, MtpSplitWritesACompanionThatDrafts) {
+  tandem::testing::ScratchDir dir("cli-split");
+  const std::string out = dir.file("drafter");
+  const CliRun s = run("mtp-split --model " + kDemoModel + " --out " + out);
+  ASSERT_EQ(s.code, 0) << s.out;
+  EXPECT_TRUE(std::filesystem::exists(out + "/config.json"));
+  EXPECT_TRUE(std::filesystem::exists(out + "/model.safetensors"));
+  const std::string base = "generate --model " + kDemoModel +
+                           " --prompt 'class A:\n' --max-tokens 16 --ignore-eos --json";
+  const CliRun a = run(base, false);
+  const CliRun b = run(base + " --draft mtp --draft-model " + out, false);
+  ASSERT_EQ(b.code, 0) << b.out;
+  EXPECT_EQ(nlohmann::json::parse(a.out)["tokens"], nlohmann::json::parse(b.out)["tokens"]);
+  EXPECT_GT(nlohmann::json::parse(b.out)["stats"]["accepted"].get<int64_t>(), 0);
+  // Splitting again into a non-empty directory is refused.
+  expect_error(run("mtp-split --model " + kDemoModel + " --out " + out), out);
+}
+
+}  // namespace
+}  // namespace tandem
