@@ -98,26 +98,14 @@ void run_bench_spec(const BenchSpecArgs& a) {
   auto model = Qwen35Model::load(a.model);
   const auto tok = open_tokenizer(a.model);
   if (!tok) fail("bench-spec: ", a.model, " has no tokenizer.json");
-  std::vector<GenerateRequest> reqs;
-  {
-    const std::string text = read_text_file(a.prompts_file);
-    std::stringstream ss(text);
-    std::string line;
-    while (std::getline(ss, line)) {
-      if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
-      const auto j = nlohmann::json::parse(line);
-      GenerateRequest r;
-      r.prompt = tok->encode(j.at("prompt").get<std::string>());
-      r.max_tokens = a.max_tokens;
-      r.ignore_eos = true;
-      r.sampling.temperature = a.temperature;
-      r.sampling.seed = reqs.size();
-      reqs.push_back(std::move(r));
-    }
-  }
-  if (reqs.empty()) fail(a.prompts_file, ": no prompts");
-  const auto cfg = nlohmann::json::parse(read_text_file(a.model + "/config.json"));
-  const std::string identity = artifact_identity(config_fingerprint(cfg), model->weights().files());
+  GenerateRequest shape;
+  shape.max_tokens = a.max_tokens;
+  shape.ignore_eos = true;
+  shape.sampling.temperature = a.temperature;
+  auto reqs = read_prompts_file(a.prompts_file, shape, tok);
+  for (size_t i = 0; i < reqs.size(); ++i) reqs[i].sampling.seed = i;
+
+  const std::string identity = target_identity(*model, a.model);
   const spec::TargetView target(*model, identity);
 
   std::vector<Measured> rows;

@@ -3,10 +3,12 @@
 #include <charconv>
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <sstream>
 
 #include "tandem/backend/ops.h"
 #include "tandem/core/error.h"
+#include "tandem/io/artifact_identity.h"
 
 namespace tandem::cli {
 
@@ -70,6 +72,57 @@ std::vector<int32_t> resolve_input(const std::string& what, const std::optional<
 void apply_threads(int threads) {
   if (threads < 0) fail("--threads must be >= 0 (0 = all cores)");
   ops::set_thread_count(threads);
+}
+
+// The target's artifact identity: config fingerprint + content hash of its weight files.
+std::string target_identity(const Qwen35Model& model, const std::string& dir) {
+  const auto cfg = nlohmann::json::parse(read_text_file(dir + "/config.json"));
+  return artifact_identity(config_fingerprint(cfg), model.weights().files());
+}
+
+// One JSON object per line: {"prompt": ...} or {"token_ids": [...]}, optional "seed",
+// "temperature", "max_tokens"; other sampling settings come from the command line.
+std::vector<GenerateRequest> read_prompts_file(const std::string& path, const GenerateRequest& base,
+                                               const std::optional<Tokenizer>& tok) {
+  const std::string text = read_text_file(path);
+  std::vector<GenerateRequest> reqs;
+  size_t line_no = 0, start = 0;
+  while (start < text.size()) {
+    size_t end = text.find('\n', start);
+    if (end == std::string::npos) end = text.size();
+    const std::string line = text.substr(start, end - start);
+    start = end + 1;
+    ++line_no;
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    const std::string where = path + ":" + std::to_string(line_no);
+    nlohmann::json j;
+    try {
+      j = nlohmann::json::parse(line);
+    } catch (const nlohmann::json::exception& e) {
+      fail(where, ": not a JSON object: ", e.what());
+    }
+    if (!j.is_object()) fail(where, ": each line must be a JSON object");
+    GenerateRequest r = base;
+    try {
+      if (j.contains("prompt") == j.contains("token_ids"))
+        fail(where, ": give exactly one of \"prompt\" or \"token_ids\"");
+      if (j.contains("prompt")) {
+        if (!tok) fail(where, ": the model has no tokenizer.json; use \"token_ids\"");
+        r.prompt = tok->encode(j.at("prompt").get<std::string>());
+      } else {
+        r.prompt = j.at("token_ids").get<std::vector<int32_t>>();
+      }
+      if (j.contains("seed")) r.sampling.seed = j.at("seed").get<uint64_t>();
+      if (j.contains("temperature")) r.sampling.temperature = j.at("temperature").get<float>();
+      if (j.contains("max_tokens")) r.max_tokens = j.at("max_tokens").get<int64_t>();
+    } catch (const nlohmann::json::exception& e) {
+      fail(where, ": ", e.what());
+    }
+    if (r.prompt.empty()) fail(where, ": the prompt is empty");
+    reqs.push_back(std::move(r));
+  }
+  if (reqs.empty()) fail(path, ": no requests");
+  return reqs;
 }
 
 }  // namespace tandem::cli

@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "tandem/engine/generator.h"
 #include "tandem/io/tokenizer.h"
 #include "tandem/model/qwen3_5.h"
 
@@ -26,5 +27,13 @@ std::vector<int32_t> resolve_input(const std::string& what, const std::optional<
                                    const std::optional<Tokenizer>& tok);
 
 void apply_threads(int threads);
+
+// The model's artifact identity: config fingerprint + content hash of its weight files.
+std::string target_identity(const Qwen35Model& model, const std::string& dir);
+
+// JSONL requests, one object per line: {"prompt": ...} or {"token_ids": [...]}, optional "seed",
+// "temperature", "max_tokens" overriding `base`; blank lines skipped; errors name file:line.
+std::vector<GenerateRequest> read_prompts_file(const std::string& path, const GenerateRequest& base,
+                                               const std::optional<Tokenizer>& tok);
 
 }  // namespace tandem::cli

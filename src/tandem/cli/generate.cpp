@@ -35,12 +35,6 @@ struct GenerateArgs {
   std::string mtp_hidden = "final";
 };
 
-// The target's artifact identity: config fingerprint + content hash of its weight files.
-std::string target_identity(const Qwen35Model& model, const std::string& dir) {
-  const auto cfg = nlohmann::json::parse(read_text_file(dir + "/config.json"));
-  return artifact_identity(config_fingerprint(cfg), model.weights().files());
-}
-
 std::unique_ptr<spec::DraftProvider> open_drafter(const GenerateArgs& a,
                                                   const spec::TargetView& target) {
   if (a.draft == "none") {
@@ -64,51 +58,6 @@ std::unique_ptr<spec::DraftProvider> open_drafter(const GenerateArgs& a,
     return spec::QwenMtpProvider::from_target(target, tap);
   }
   fail("--draft must be none, mtp or ngram, got '", a.draft, "'");
-}
-
-// One JSON object per line: {"prompt": ...} or {"token_ids": [...]}, optional "seed",
-// "temperature", "max_tokens"; other sampling settings come from the command line.
-std::vector<GenerateRequest> read_prompts_file(const std::string& path, const GenerateRequest& base,
-                                               const std::optional<Tokenizer>& tok) {
-  const std::string text = read_text_file(path);
-  std::vector<GenerateRequest> reqs;
-  size_t line_no = 0, start = 0;
-  while (start < text.size()) {
-    size_t end = text.find('\n', start);
-    if (end == std::string::npos) end = text.size();
-    const std::string line = text.substr(start, end - start);
-    start = end + 1;
-    ++line_no;
-    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
-    const std::string where = path + ":" + std::to_string(line_no);
-    nlohmann::json j;
-    try {
-      j = nlohmann::json::parse(line);
-    } catch (const nlohmann::json::exception& e) {
-      fail(where, ": not a JSON object: ", e.what());
-    }
-    if (!j.is_object()) fail(where, ": each line must be a JSON object");
-    GenerateRequest r = base;
-    try {
-      if (j.contains("prompt") == j.contains("token_ids"))
-        fail(where, ": give exactly one of \"prompt\" or \"token_ids\"");
-      if (j.contains("prompt")) {
-        if (!tok) fail(where, ": the model has no tokenizer.json; use \"token_ids\"");
-        r.prompt = tok->encode(j.at("prompt").get<std::string>());
-      } else {
-        r.prompt = j.at("token_ids").get<std::vector<int32_t>>();
-      }
-      if (j.contains("seed")) r.sampling.seed = j.at("seed").get<uint64_t>();
-      if (j.contains("temperature")) r.sampling.temperature = j.at("temperature").get<float>();
-      if (j.contains("max_tokens")) r.max_tokens = j.at("max_tokens").get<int64_t>();
-    } catch (const nlohmann::json::exception& e) {
-      fail(where, ": ", e.what());
-    }
-    if (r.prompt.empty()) fail(where, ": the prompt is empty");
-    reqs.push_back(std::move(r));
-  }
-  if (reqs.empty()) fail(path, ": no requests");
-  return reqs;
 }
 
 nlohmann::json stats_json(const GenerateStats& st, const SpecStats& s, const GenerateResult& r) {

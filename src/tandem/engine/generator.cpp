@@ -25,9 +25,7 @@ double GenerateStats::decode_tokens_per_second() const {
   return decode_seconds > 0 ? static_cast<double>(decode_tokens) / decode_seconds : 0.0;
 }
 
-std::vector<GenerateResult> Generator::run(const std::vector<GenerateRequest>& requests,
-                                           const TokenCallback& on_token, GenerateStats* stats) {
-  const Qwen35Config& cfg = model_.config();
+void validate_requests(const std::vector<GenerateRequest>& requests, const Qwen35Config& cfg) {
   for (size_t i = 0; i < requests.size(); ++i) {
     const GenerateRequest& r = requests[i];
     if (r.prompt.empty()) fail("request ", i, ": the prompt is empty");
@@ -37,6 +35,17 @@ std::vector<GenerateResult> Generator::run(const std::vector<GenerateRequest>& r
     if (r.max_tokens < 1) fail("request ", i, ": max_tokens must be at least 1");
     r.sampling.validate();
   }
+}
+
+bool is_eos_token(const Qwen35Config& cfg, int32_t id) {
+  return std::find(cfg.eos_token_ids.begin(), cfg.eos_token_ids.end(), id) !=
+         cfg.eos_token_ids.end();
+}
+
+std::vector<GenerateResult> Generator::run(const std::vector<GenerateRequest>& requests,
+                                           const TokenCallback& on_token, GenerateStats* stats) {
+  const Qwen35Config& cfg = model_.config();
+  validate_requests(requests, cfg);
   const size_t B = requests.size();
   std::vector<GenerateResult> results(B);
   if (B == 0) return results;
@@ -45,16 +54,12 @@ std::vector<GenerateResult> Generator::run(const std::vector<GenerateRequest>& r
   std::vector<int> slots(B);
   for (size_t i = 0; i < B; ++i) slots[i] = state.open_row();
 
-  auto is_eos = [&](int32_t id) {
-    return std::find(cfg.eos_token_ids.begin(), cfg.eos_token_ids.end(), id) !=
-           cfg.eos_token_ids.end();
-  };
   std::vector<bool> live(B, true);
   // Emits the token sampled for request i; returns whether the request continues.
   auto emit = [&](size_t i, int32_t tok) {
     results[i].tokens.push_back(tok);
     if (on_token) on_token(i, tok);
-    if (!requests[i].ignore_eos && is_eos(tok)) {
+    if (!requests[i].ignore_eos && is_eos_token(cfg, tok)) {
       results[i].finish = FinishReason::Stop;
       live[i] = false;
     } else if (static_cast<int64_t>(results[i].tokens.size()) >= requests[i].max_tokens) {

@@ -39,6 +39,13 @@ struct GenerateResult {
 // Called once per emitted token, in order per request: (request index, token id).
 using TokenCallback = std::function<void(size_t, int32_t)>;
 
+// Checks every request against the model before any work starts: empty prompt, ids out of range,
+// max_tokens < 1, invalid sampling parameters → Error naming the request.
+void validate_requests(const std::vector<GenerateRequest>& requests, const Qwen35Config& cfg);
+
+// Whether `id` ends a request under `cfg`'s EOS ids.
+bool is_eos_token(const Qwen35Config& cfg, int32_t id);
+
 class Generator {
  public:
   explicit Generator(const Qwen35Model& model) : model_(model) {}

@@ -41,15 +41,7 @@ std::vector<GenerateResult> SpeculativeGenerator::run(const std::vector<Generate
                                                       GenerateStats* stats,
                                                       std::vector<SpecStats>* spec_stats) {
   const Qwen35Config& cfg = model_.config();
-  for (size_t i = 0; i < requests.size(); ++i) {
-    const GenerateRequest& r = requests[i];
-    if (r.prompt.empty()) fail("request ", i, ": the prompt is empty");
-    for (int32_t id : r.prompt)
-      if (id < 0 || id >= cfg.vocab_size)
-        fail("request ", i, ": token id ", id, " is out of range [0, ", cfg.vocab_size, ")");
-    if (r.max_tokens < 1) fail("request ", i, ": max_tokens must be at least 1");
-    r.sampling.validate();
-  }
+  validate_requests(requests, cfg);
   const size_t B = requests.size();
   std::vector<GenerateResult> results(B);
   std::vector<SpecStats> sstats(B);
@@ -81,17 +73,13 @@ std::vector<GenerateResult> SpeculativeGenerator::run(const std::vector<Generate
     live[i] = i;
     slot[i] = state.open_row();
   }
-  auto is_eos = [&](int32_t id) {
-    return std::find(cfg.eos_token_ids.begin(), cfg.eos_token_ids.end(), id) !=
-           cfg.eos_token_ids.end();
-  };
   std::vector<bool> done(B, false);
   // Emits one token; returns false once the request has finished.
   auto emit = [&](size_t i, int32_t tok) {
     results[i].tokens.push_back(tok);
     ++sstats[i].emitted;
     if (on_token) on_token(i, tok);
-    if (!requests[i].ignore_eos && is_eos(tok)) {
+    if (!requests[i].ignore_eos && is_eos_token(cfg, tok)) {
       results[i].finish = FinishReason::Stop;
       done[i] = true;
     } else if (static_cast<int64_t>(results[i].tokens.size()) >= requests[i].max_tokens) {
