@@ -9,6 +9,7 @@
 
 #include "tandem/core/error.h"
 #include "tandem/io/artifact_identity.h"
+#include "tandem/io/json_file.h"
 
 namespace tandem::spec {
 
@@ -18,18 +19,6 @@ using json = nlohmann::json;
 
 const char* tap_name(HiddenTap t) {
   return t == HiddenTap::FinalNormed ? "final-normed" : "pre-norm";
-}
-
-json read_json(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) fail("cannot read ", path);
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  try {
-    return json::parse(ss.str());
-  } catch (const json::exception& e) {
-    fail(path, ": not valid JSON: ", e.what());
-  }
 }
 
 // Everything that changes what a drafter state means beyond the weights: where the layer came
@@ -53,7 +42,7 @@ std::unique_ptr<QwenMtpProvider> QwenMtpProvider::from_target(const TargetView& 
   auto block = std::make_shared<QwenMtpBlock>(bind_mtp_weights(cfg, store, "mtp."));
   p->bytes_ = block->weights().bytes();
   p->block_ = std::move(block);
-  const json config = read_json((std::filesystem::path(store.dir()) / "config.json").string());
+  const json config = read_json_file((std::filesystem::path(store.dir()) / "config.json").string());
   p->ns_ = std::string(kQwenMtpSchema) + ":" +
            artifact_identity(mtp_fingerprint(config, "in-checkpoint", tap), store.files());
   return p;
@@ -62,7 +51,7 @@ std::unique_ptr<QwenMtpProvider> QwenMtpProvider::from_target(const TargetView& 
 std::unique_ptr<QwenMtpProvider> QwenMtpProvider::from_companion(const std::string& dir,
                                                                  HiddenTap tap) {
   const std::string config_path = (std::filesystem::path(dir) / "config.json").string();
-  const json config = read_json(config_path);
+  const json config = read_json_file(config_path);
   const QwenMtpConfig cfg = parse_mtp_companion_config(config, config_path);
   std::unique_ptr<QwenMtpProvider> p(new QwenMtpProvider());
   p->tap_ = tap;

@@ -8,6 +8,7 @@
 #include <sstream>
 
 #include "tandem/core/error.h"
+#include "tandem/io/json_file.h"
 #include "tandem/io/safetensors.h"
 #include "tandem/io/weight_store.h"
 #include "tandem/model/qwen3_5_config.h"
@@ -19,18 +20,6 @@ namespace {
 
 using json = nlohmann::json;
 namespace fs = std::filesystem;
-
-json read_json(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) fail("cannot read ", path);
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  try {
-    return json::parse(ss.str());
-  } catch (const json::exception& e) {
-    fail(path, ": not valid JSON: ", e.what());
-  }
-}
 
 // 1 + w in fp32, stored back in the tensor's own dtype.
 std::vector<std::byte> to_runtime_norm(const TensorView& t) {
@@ -58,7 +47,7 @@ MtpSplitResult write_mtp_companion(const std::string& model_dir, const std::stri
     fail("mtp-split: output ", out_dir, " exists and is not an empty directory");
   // Parsing the config validates that this is a Qwen3.5 checkpoint.
   const Qwen35Config target = load_qwen35_config(model_dir);
-  const json root = read_json((fs::path(model_dir) / "config.json").string());
+  const json root = read_json_file((fs::path(model_dir) / "config.json").string());
   const json& text = root.contains("text_config") ? root["text_config"] : root;
 
   const WeightStore store = WeightStore::open(model_dir, false);

@@ -3,6 +3,7 @@
 
 #include <cmath>
 
+#include "tandem/backend/cpu/weight_element.h"
 #include "tandem/backend/ops.h"
 #include "tandem/core/error.h"
 
@@ -10,19 +11,6 @@ namespace tandem::ops {
 
 namespace {
 int g_threads = 0;
-
-inline float load_weight(const WeightRef& w, int64_t i) {
-  switch (w.dtype) {
-    case DType::F32:
-      return static_cast<const float*>(w.data)[i];
-    case DType::BF16:
-      return bf16_to_f32(static_cast<const uint16_t*>(w.data)[i]);
-    case DType::F16:
-      return f16_to_f32(static_cast<const uint16_t*>(w.data)[i]);
-    default:
-      return NAN;
-  }
-}
 
 inline float silu(float x) {
   return x / (1.0f + std::exp(-x));
@@ -74,7 +62,7 @@ void embed_rows(const WeightRef& table, const int32_t* ids, int64_t n, float* ou
   for (int64_t i = 0; i < n; ++i) {
     WeightRef row = table;
     row.data = static_cast<const uint8_t*>(table.data) + static_cast<size_t>(ids[i]) * row_bytes;
-    for (int64_t c = 0; c < d; ++c) out[i * d + c] = load_weight(row, c);
+    for (int64_t c = 0; c < d; ++c) out[i * d + c] = weight_element(row, c);
   }
 }
 
@@ -86,7 +74,7 @@ void rms_norm(const float* x, int64_t m, int64_t d, const WeightRef& w, bool zer
   for (int64_t r = 0; r < m; ++r) {
     const float s = inv_rms(x + r * d, d, eps);
     for (int64_t i = 0; i < d; ++i) {
-      const float wi = load_weight(w, i);
+      const float wi = weight_element(w, i);
       y[r * d + i] = (x[r * d + i] * s) * (zero_centred ? 1.0f + wi : wi);
     }
   }
@@ -100,7 +88,7 @@ void gated_rms_norm(const float* x, const float* z, int64_t m, int64_t d, const 
   for (int64_t r = 0; r < m; ++r) {
     const float s = inv_rms(x + r * d, d, eps);
     for (int64_t i = 0; i < d; ++i)
-      y[r * d + i] = load_weight(w, i) * (x[r * d + i] * s) * silu(z[r * d + i]);
+      y[r * d + i] = weight_element(w, i) * (x[r * d + i] * s) * silu(z[r * d + i]);
   }
 }
 
@@ -147,7 +135,7 @@ void causal_conv_silu(const float* x, int64_t n, int64_t channels, int64_t kerne
   for (int64_t c = 0; c < channels; ++c) {
     float* st = state + c * hist;
     float wc[16];
-    for (int64_t j = 0; j < kernel; ++j) wc[j] = load_weight(w, c * kernel + j);
+    for (int64_t j = 0; j < kernel; ++j) wc[j] = weight_element(w, c * kernel + j);
     for (int64_t t = 0; t < n; ++t) {
       const float xt = x[t * channels + c];
       float acc = 0.0f;

@@ -7,24 +7,12 @@
 #include <cmath>
 #include <vector>
 
+#include "tandem/backend/cpu/weight_element.h"
 #include "tandem/backend/ops.h"
 
 namespace tandem::ops {
 
 namespace {
-inline float weight_at(const WeightRef& w, int64_t i) {
-  switch (w.dtype) {
-    case DType::F32:
-      return static_cast<const float*>(w.data)[i];
-    case DType::BF16:
-      return bf16_to_f32(static_cast<const uint16_t*>(w.data)[i]);
-    case DType::F16:
-      return f16_to_f32(static_cast<const uint16_t*>(w.data)[i]);
-    default:
-      return NAN;
-  }
-}
-
 inline float softplus(float x) {
   return x > 20.0f ? x : std::log1p(std::exp(x));
 }
@@ -50,8 +38,8 @@ void gated_delta_rule(const float* q, const float* k, const float* v, const floa
     for (int64_t vh = 0; vh < h.n_v_heads; ++vh) {
       const int64_t kh = vh / group;
       float* S = state + vh * dk * dv;
-      const float A = -std::exp(weight_at(A_log, vh));
-      const float bias = weight_at(dt_bias, vh);
+      const float A = -std::exp(weight_element(A_log, vh));
+      const float bias = weight_element(dt_bias, vh);
       for (int64_t t = 0; t < n; ++t) {
         l2_normalise(q + (t * h.n_k_heads + kh) * dk, dk, q_scale, qn.data());
         l2_normalise(k + (t * h.n_k_heads + kh) * dk, dk, 1.0f, kn.data());
