@@ -7,6 +7,7 @@
 #include <cstring>
 #include <vector>
 
+#include "tandem/backend/cpu/simd.h"
 #include "tandem/backend/ops.h"
 
 namespace tandem::ops {
@@ -41,8 +42,7 @@ void attention(const KVLayerView& kv, const int32_t* block_table, int64_t start,
       float mx = -INFINITY;
       for (int64_t p = 0; p < len; ++p) {
         const float* kp = kv.key(block_table[p / kv.block_size], p % kv.block_size) + kvh * hd;
-        float dot = 0.0f;
-        for (int64_t i = 0; i < hd; ++i) dot += qv[i] * kp[i];
+        const float dot = dot_fixed(qv, kp, hd);
         scores[p] = dot * scale;
         mx = std::max(mx, scores[p]);
       }
