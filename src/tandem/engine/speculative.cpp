@@ -60,7 +60,7 @@ std::vector<GenerateResult> SpeculativeGenerator::run(const std::vector<Generate
     if (rows->prefill_mode() != spec::PrefillMode::Full)
       fail("drafter '", drafter_->id(), "': only full-prompt prefill is supported");
     std::vector<spec::CheckpointPtr> cold(B);
-    spec::apply_changes({[&] { return rows->prepare_append(cold); }});
+    rows->append(cold);
   }
   const bool want_final = tap == spec::HiddenTap::FinalNormed;
   const bool want_prenorm = tap == spec::HiddenTap::PreNorm;

@@ -99,6 +99,10 @@ class DraftRows {
   // Appends one row per entry (null = cold row); rows keep their append order. Restoring refuses
   // a checkpoint of another schema or namespace. Nothing changes until the change commits.
   virtual std::unique_ptr<PreparedChange> prepare_append(std::span<const CheckpointPtr> from) = 0;
+  // prepare_append + commit, for callers with no other change to make atomically with it.
+  void append(std::span<const CheckpointPtr> from) {
+    apply_changes({[&] { return prepare_append(from); }});
+  }
   // Keeps the listed rows, in the listed order; the others are released.
   virtual void filter_rows(std::span<const int> keep) = 0;
 
