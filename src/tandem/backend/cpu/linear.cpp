@@ -167,7 +167,10 @@ void linear_typed(const float* x, int64_t m, const WeightRef& w, float* y) {
   const int64_t tile_n = m <= 2 ? kWideNR : kSquareNR;
   const int64_t tile_m = m <= 2 ? 2 : kMaxMR;
   const int64_t n_tiles = (n + tile_n - 1) / tile_n;
-#pragma omp parallel for schedule(static) num_threads(thread_count())
+  // Small products (norm-sized projections, the DeltaNet gate projections) run on the calling
+  // thread: a parallel region costs more than their arithmetic. Results do not depend on it.
+  const bool parallel = static_cast<int64_t>(row_bytes) * n * std::max<int64_t>(m, 1) >= (64 << 10);
+#pragma omp parallel for schedule(static) num_threads(thread_count()) if (parallel)
   for (int64_t t = 0; t < n_tiles; ++t) {
     const int64_t r0 = t * tile_n;
     const int nr = static_cast<int>(std::min<int64_t>(tile_n, n - r0));
