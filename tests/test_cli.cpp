@@ -181,7 +181,8 @@ TEST(CliSpeculative, DraftersGiveThePlainOutputAndReportStats) {
   const auto want = nlohmann::json::parse(plain.out)["tokens"];
   for (const std::string extra : {" --draft mtp --depth 3", " --draft ngram --depth 2",
                                   " --draft ngram --ngram-max 4 --ngram-min 2 --depth 4",
-                                  " --draft mtp --depth 2 --mtp-hidden final"}) {
+                                  " --draft mtp --depth 2 --mtp-hidden final",
+                                  " --draft mtp --depth 2 --mtp-hidden prenorm"}) {
     const CliRun r = run(base + extra, false);
     ASSERT_EQ(r.code, 0) << extra << ": " << r.out;
     const auto j = nlohmann::json::parse(r.out);
