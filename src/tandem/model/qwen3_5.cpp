@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "tandem/core/error.h"
+#include "tandem/model/gated_attention.h"
 
 namespace tandem {
 
@@ -104,12 +105,7 @@ void Qwen35Model::bind_weights() {
     }
     layers_.push_back(L);
   }
-  // Rotary frequencies in fp32, as the reference computes them.
-  inv_freq_.resize(static_cast<size_t>(c.rotary_dim / 2));
-  const float theta = static_cast<float>(c.rope_theta);
-  for (int64_t i = 0; i < c.rotary_dim / 2; ++i)
-    inv_freq_[i] =
-        1.0f / std::pow(theta, static_cast<float>(2 * i) / static_cast<float>(c.rotary_dim));
+  inv_freq_ = rope_inv_freq(c.rope_theta, c.rotary_dim);
 }
 
 void Qwen35Model::embed(std::span<const int32_t> ids, float* out) const {
@@ -188,13 +184,17 @@ void Qwen35Model::forward(Qwen35State& st, const ForwardRequest& req, ForwardOut
     for (const RowInput& r : req.rows)
       for (int64_t j = 0; j < r.n_tokens; ++j) w.pos[t++] = st.length(r.slot) + j;
   }
+  // Each row's attention segment; block tables stay put until the next reserve.
+  w.segments.clear();
+  for (const RowInput& r : req.rows)
+    w.segments.push_back({st.block_table(r.slot).data(), st.length(r.slot), r.n_tokens});
   ops::embed_rows(embed_, req.tokens.data(), T, w.x.data());
 
   for (const Layer& L : layers_) {
     ops::rms_norm(w.x.data(), T, H, L.input_norm, true, static_cast<float>(c.rms_norm_eps),
                   w.h.data());
     if (L.kind == LayerKind::FullAttention)
-      attention_layer(L, st, req, T);
+      attention_layer(L, st, T);
     else
       delta_layer(L, st, req, T);
     ops::add_inplace(w.x.data(), w.h.data(), T * H);  // h holds the mixer output
@@ -250,12 +250,10 @@ void Qwen35Model::forward(Qwen35State& st, const ForwardRequest& req, ForwardOut
   }
 }
 
-void Qwen35Model::attention_layer(const Layer& L, Qwen35State& st, const ForwardRequest& req,
-                                  int64_t T) const {
+void Qwen35Model::attention_layer(const Layer& L, Qwen35State& st, int64_t T) const {
   const Qwen35Config& c = cfg_;
   Workspace& w = ws_;
   const int64_t nh = c.num_attention_heads, nkv = c.num_key_value_heads, hd = c.head_dim;
-  const float eps = static_cast<float>(c.rms_norm_eps);
   grow(w.a0, T * nh * hd * 2);
   grow(w.a1, T * nh * hd);
   grow(w.a2, T * nh * hd);
@@ -267,29 +265,14 @@ void Qwen35Model::attention_layer(const Layer& L, Qwen35State& st, const Forward
   ops::linear(w.h.data(), T, L.attn.q_proj, qg);
   ops::linear(w.h.data(), T, L.attn.k_proj, k);
   ops::linear(w.h.data(), T, L.attn.v_proj, v);
-  // q_proj emits, per head, [query (hd) | gate (hd)].
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t h = 0; h < nh; ++h) {
-      const float* src = qg + (t * nh + h) * 2 * hd;
-      std::memcpy(q + (t * nh + h) * hd, src, sizeof(float) * hd);
-      std::memcpy(gate + (t * nh + h) * hd, src + hd, sizeof(float) * hd);
-    }
-  ops::rms_norm(q, T * nh, hd, L.attn.q_norm, true, eps, q);
-  ops::rms_norm(k, T * nkv, hd, L.attn.k_norm, true, eps, k);
-  ops::rope(q, T, nh, hd, c.rotary_dim, w.pos.data(), inv_freq_.data());
-  ops::rope(k, T, nkv, hd, c.rotary_dim, w.pos.data(), inv_freq_.data());
-
-  const ops::KVLayerView kv = st.kv_layer(L.index_in_kind);
-  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-  int64_t t0 = 0;
-  for (const RowInput& r : req.rows) {
-    const int64_t start = st.length(r.slot);
-    const int32_t* table = st.block_table(r.slot).data();
-    ops::kv_write(kv, table, start, r.n_tokens, k + t0 * nkv * hd, v + t0 * nkv * hd);
-    ops::attention(kv, table, start, r.n_tokens, q + t0 * nh * hd, nh, scale, o + t0 * nh * hd);
-    t0 += r.n_tokens;
-  }
-  ops::sigmoid_gate(o, gate, T * nh * hd);
+  GatedAttentionShape shape;
+  shape.n_heads = nh;
+  shape.n_kv_heads = nkv;
+  shape.head_dim = hd;
+  shape.rotary_dim = c.rotary_dim;
+  shape.eps = static_cast<float>(c.rms_norm_eps);
+  gated_attention(shape, L.attn.q_norm, L.attn.k_norm, inv_freq_.data(), w.pos.data(), w.segments,
+                  st.kv_layer(L.index_in_kind), qg, k, v, q, gate, o);
   ops::linear(o, T, L.attn.o_proj, w.h.data());
 }
 

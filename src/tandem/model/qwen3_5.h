@@ -9,6 +9,7 @@
 
 #include "tandem/backend/ops.h"
 #include "tandem/io/weight_store.h"
+#include "tandem/model/gated_attention.h"
 #include "tandem/model/qwen3_5_config.h"
 #include "tandem/model/qwen3_5_state.h"
 
@@ -111,12 +112,13 @@ class Qwen35Model {
   struct Workspace {
     std::vector<float> x, h, a0, a1, a2, a3, a4, a5, mlp_g, mlp_u;
     std::vector<int64_t> pos;
+    std::vector<AttentionSegment> segments;
   };
   mutable Workspace ws_;
 
   Qwen35Model() = default;
   void bind_weights();
-  void attention_layer(const Layer& L, Qwen35State& st, const ForwardRequest& req, int64_t T) const;
+  void attention_layer(const Layer& L, Qwen35State& st, int64_t T) const;
   void delta_layer(const Layer& L, Qwen35State& st, const ForwardRequest& req, int64_t T) const;
 
   // One row's slice of a DeltaNet layer's buffers for delta_recurrence.

@@ -18,11 +18,7 @@ void grow(std::vector<float>& v, int64_t n) {
 QwenMtpBlock::QwenMtpBlock(QwenMtpWeights w) : w_(std::move(w)) {
   const QwenMtpConfig& c = w_.cfg;
   // In fp32, as the target (and the reference) compute them: 1 / theta^(2i / rotary_dim).
-  inv_freq_.resize(static_cast<size_t>(c.rotary_dim / 2));
-  const float theta = static_cast<float>(c.rope_theta);
-  for (int64_t i = 0; i < c.rotary_dim / 2; ++i)
-    inv_freq_[i] =
-        1.0f / std::pow(theta, static_cast<float>(2 * i) / static_cast<float>(c.rotary_dim));
+  inv_freq_ = rope_inv_freq(c.rope_theta, c.rotary_dim);
 }
 
 void QwenMtpBlock::forward(const float* embeds, const float* hidden,
@@ -66,27 +62,15 @@ void QwenMtpBlock::forward(const float* embeds, const float* hidden,
   w_.q_proj.apply(ws.h.data(), T, ws.qg.data());
   w_.k_proj.apply(ws.h.data(), T, ws.k.data());
   w_.v_proj.apply(ws.h.data(), T, ws.v.data());
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t h = 0; h < nh; ++h) {  // q_proj emits, per head, [query (hd) | gate (hd)]
-      const float* src = ws.qg.data() + (t * nh + h) * 2 * hd;
-      std::memcpy(ws.q.data() + (t * nh + h) * hd, src, sizeof(float) * hd);
-      std::memcpy(ws.gate.data() + (t * nh + h) * hd, src + hd, sizeof(float) * hd);
-    }
-  ops::rms_norm(ws.q.data(), T * nh, hd, w_.q_norm, zc, eps, ws.q.data());
-  ops::rms_norm(ws.k.data(), T * nkv, hd, w_.k_norm, zc, eps, ws.k.data());
-  ops::rope(ws.q.data(), T, nh, hd, c.rotary_dim, ws.pos.data(), inv_freq_.data());
-  ops::rope(ws.k.data(), T, nkv, hd, c.rotary_dim, ws.pos.data(), inv_freq_.data());
-  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-  int64_t t0 = 0;
-  for (const MtpSegment& s : segs) {
-    if (s.n == 0) continue;
-    ops::kv_write(kv, s.block_table, s.start, s.n, ws.k.data() + t0 * nkv * hd,
-                  ws.v.data() + t0 * nkv * hd);
-    ops::attention(kv, s.block_table, s.start, s.n, ws.q.data() + t0 * nh * hd, nh, scale,
-                   ws.o.data() + t0 * nh * hd);
-    t0 += s.n;
-  }
-  ops::sigmoid_gate(ws.o.data(), ws.gate.data(), T * nh * hd);
+  GatedAttentionShape shape;
+  shape.n_heads = nh;
+  shape.n_kv_heads = nkv;
+  shape.head_dim = hd;
+  shape.rotary_dim = c.rotary_dim;
+  shape.eps = eps;
+  shape.zero_centred_norms = zc;
+  gated_attention(shape, w_.q_norm, w_.k_norm, inv_freq_.data(), ws.pos.data(), segs, kv,
+                  ws.qg.data(), ws.k.data(), ws.v.data(), ws.q.data(), ws.gate.data(), ws.o.data());
   w_.o_proj.apply(ws.o.data(), T, ws.h.data());
   ops::add_inplace(ws.x.data(), ws.h.data(), T * H);
 

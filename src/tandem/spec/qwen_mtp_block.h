@@ -13,17 +13,14 @@
 #include <vector>
 
 #include "tandem/backend/ops.h"
+#include "tandem/model/gated_attention.h"
 #include "tandem/spec/qwen_mtp_weights.h"
 
 namespace tandem::spec {
 
 // One row's tokens in a block forward: n consecutive MTP rows at positions start..start+n-1,
 // written to (and attending over) the KV blocks of `block_table`.
-struct MtpSegment {
-  const int32_t* block_table = nullptr;
-  int64_t start = 0;
-  int64_t n = 0;
-};
+using MtpSegment = AttentionSegment;
 
 class QwenMtpBlock {
  public:
