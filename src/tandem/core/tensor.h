@@ -31,6 +31,12 @@ struct TensorView {
 
 std::string shape_str(const std::vector<int64_t>& shape);
 
+// Grows a scratch buffer to at least n floats; never shrinks (workspaces are sized once per
+// shape and reused, so the hot path does not allocate).
+inline void grow_to(std::vector<float>& v, int64_t n) {
+  if (static_cast<int64_t>(v.size()) < n) v.resize(static_cast<size_t>(n));
+}
+
 // Copies any float tensor (F32/F16/BF16) to fp32. Throws on other dtypes.
 std::vector<float> to_f32(const TensorView& t);
 

@@ -37,9 +37,20 @@ void validate_requests(const std::vector<GenerateRequest>& requests, const Qwen3
   }
 }
 
-bool is_eos_token(const Qwen35Config& cfg, int32_t id) {
-  return std::find(cfg.eos_token_ids.begin(), cfg.eos_token_ids.end(), id) !=
-         cfg.eos_token_ids.end();
+bool append_token(const GenerateRequest& request, const Qwen35Config& cfg, int32_t token,
+                  GenerateResult* result) {
+  result->tokens.push_back(token);
+  const bool eos = std::find(cfg.eos_token_ids.begin(), cfg.eos_token_ids.end(), token) !=
+                   cfg.eos_token_ids.end();
+  if (!request.ignore_eos && eos) {
+    result->finish = FinishReason::Stop;
+    return true;
+  }
+  if (static_cast<int64_t>(result->tokens.size()) >= request.max_tokens) {
+    result->finish = FinishReason::Length;
+    return true;
+  }
+  return false;
 }
 
 std::vector<GenerateResult> Generator::run(const std::vector<GenerateRequest>& requests,
@@ -57,15 +68,8 @@ std::vector<GenerateResult> Generator::run(const std::vector<GenerateRequest>& r
   std::vector<bool> live(B, true);
   // Emits the token sampled for request i; returns whether the request continues.
   auto emit = [&](size_t i, int32_t tok) {
-    results[i].tokens.push_back(tok);
+    if (append_token(requests[i], cfg, tok, &results[i])) live[i] = false;
     if (on_token) on_token(i, tok);
-    if (!requests[i].ignore_eos && is_eos_token(cfg, tok)) {
-      results[i].finish = FinishReason::Stop;
-      live[i] = false;
-    } else if (static_cast<int64_t>(results[i].tokens.size()) >= requests[i].max_tokens) {
-      results[i].finish = FinishReason::Length;
-      live[i] = false;
-    }
   };
 
   GenerateStats st;

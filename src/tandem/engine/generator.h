@@ -43,8 +43,10 @@ using TokenCallback = std::function<void(size_t, int32_t)>;
 // max_tokens < 1, invalid sampling parameters → Error naming the request.
 void validate_requests(const std::vector<GenerateRequest>& requests, const Qwen35Config& cfg);
 
-// Whether `id` ends a request under `cfg`'s EOS ids.
-bool is_eos_token(const Qwen35Config& cfg, int32_t id);
+// Appends an emitted token to `result` and applies the stop rules (EOS unless ignore_eos, then
+// max_tokens), setting result->finish. Returns whether the request has finished.
+bool append_token(const GenerateRequest& request, const Qwen35Config& cfg, int32_t token,
+                  GenerateResult* result);
 
 class Generator {
  public:

@@ -76,16 +76,9 @@ std::vector<GenerateResult> SpeculativeGenerator::run(const std::vector<Generate
   std::vector<bool> done(B, false);
   // Emits one token; returns false once the request has finished.
   auto emit = [&](size_t i, int32_t tok) {
-    results[i].tokens.push_back(tok);
+    done[i] = append_token(requests[i], cfg, tok, &results[i]);
     ++sstats[i].emitted;
     if (on_token) on_token(i, tok);
-    if (!requests[i].ignore_eos && is_eos_token(cfg, tok)) {
-      results[i].finish = FinishReason::Stop;
-      done[i] = true;
-    } else if (static_cast<int64_t>(results[i].tokens.size()) >= requests[i].max_tokens) {
-      results[i].finish = FinishReason::Length;
-      done[i] = true;
-    }
     return !done[i];
   };
   const float* (*pick)(const ForwardOutput&, bool) = [](const ForwardOutput& o, bool prenorm) {

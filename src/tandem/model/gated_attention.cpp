@@ -3,7 +3,19 @@
 #include <cmath>
 #include <cstring>
 
+#include "tandem/core/tensor.h"
+
 namespace tandem {
+
+void GatedAttentionScratch::reserve(int64_t T, const GatedAttentionShape& s) {
+  const int64_t q_len = T * s.n_heads * s.head_dim, kv_len = T * s.n_kv_heads * s.head_dim;
+  grow_to(qg, 2 * q_len);
+  grow_to(q, q_len);
+  grow_to(gate, q_len);
+  grow_to(k, kv_len);
+  grow_to(v, kv_len);
+  grow_to(o, q_len);
+}
 
 std::vector<float> rope_inv_freq(double theta, int64_t rotary_dim) {
   std::vector<float> f(static_cast<size_t>(rotary_dim / 2));
@@ -16,7 +28,10 @@ std::vector<float> rope_inv_freq(double theta, int64_t rotary_dim) {
 void gated_attention(const GatedAttentionShape& s, const ops::WeightRef& q_norm,
                      const ops::WeightRef& k_norm, const float* inv_freq, const int64_t* positions,
                      std::span<const AttentionSegment> segments, const ops::KVLayerView& kv,
-                     const float* qg, float* k, const float* v, float* q, float* gate, float* o) {
+                     GatedAttentionScratch& x) {
+  const float* qg = x.qg.data();
+  const float* v = x.v.data();
+  float *q = x.q.data(), *gate = x.gate.data(), *k = x.k.data(), *o = x.o.data();
   const int64_t nh = s.n_heads, nkv = s.n_kv_heads, hd = s.head_dim;
   int64_t T = 0;
   for (const AttentionSegment& seg : segments) T += seg.n;

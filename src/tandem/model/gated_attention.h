@@ -24,17 +24,23 @@ struct GatedAttentionShape {
   bool zero_centred_norms = true;  // HF layout q/k norms: scale by (1 + w)
 };
 
+// Buffers of the attention core for T tokens, grown once per shape and reused.
+struct GatedAttentionScratch {
+  std::vector<float> qg, q, gate, k, v, o;
+  void reserve(int64_t T, const GatedAttentionShape& s);
+};
+
 // Rotary inverse frequencies in fp32, as the reference computes them: 1 / theta^(2i / dim).
 std::vector<float> rope_inv_freq(double theta, int64_t rotary_dim);
 
-// From the projections of T tokens — qg [T, n_heads, 2, head_dim] (per head: query then gate),
-// k and v [T, n_kv_heads, head_dim] — computes the gated attention output o [T, n_heads * head_dim]
-// (the o_proj input): q/k RMSNorm, rotary at `positions`, the tokens' K/V written into `kv`, causal
-// attention per segment, sigmoid output gate. q and gate are scratch [T, n_heads * head_dim];
-// k is normed and rotated in place.
+// From the projections of T tokens in `x` — x.qg [T, n_heads, 2, head_dim] (per head: query then
+// gate), x.k and x.v [T, n_kv_heads, head_dim] — computes the gated attention output
+// x.o [T, n_heads * head_dim] (the o_proj input): q/k RMSNorm, rotary at `positions`, the tokens'
+// K/V written into `kv`, causal attention per segment, sigmoid output gate. x.q and x.gate are
+// scratch; x.k is normed and rotated in place.
 void gated_attention(const GatedAttentionShape& shape, const ops::WeightRef& q_norm,
                      const ops::WeightRef& k_norm, const float* inv_freq, const int64_t* positions,
                      std::span<const AttentionSegment> segments, const ops::KVLayerView& kv,
-                     const float* qg, float* k, const float* v, float* q, float* gate, float* o);
+                     GatedAttentionScratch& x);
 
 }  // namespace tandem

@@ -10,10 +10,6 @@ namespace tandem {
 
 namespace {
 
-void grow(std::vector<float>& v, int64_t n) {
-  if (static_cast<int64_t>(v.size()) < n) v.resize(static_cast<size_t>(n));
-}
-
 bool is_float(DType t) {
   return t == DType::F32 || t == DType::BF16 || t == DType::F16;
 }
@@ -176,8 +172,8 @@ void Qwen35Model::forward(Qwen35State& st, const ForwardRequest& req, ForwardOut
     if (r.speculative) st.begin_window(r.slot, r.n_tokens);
 
   Workspace& w = ws_;
-  grow(w.x, T * H);
-  grow(w.h, T * H);
+  grow_to(w.x, T * H);
+  grow_to(w.h, T * H);
   w.pos.resize(static_cast<size_t>(T));
   {
     int64_t t = 0;
@@ -202,8 +198,8 @@ void Qwen35Model::forward(Qwen35State& st, const ForwardRequest& req, ForwardOut
     ops::rms_norm(w.x.data(), T, H, L.post_norm, true, static_cast<float>(c.rms_norm_eps),
                   w.h.data());
     const int64_t I = c.intermediate_size;
-    grow(w.mlp_g, T * I);
-    grow(w.mlp_u, T * I);
+    grow_to(w.mlp_g, T * I);
+    grow_to(w.mlp_u, T * I);
     ops::linear(w.h.data(), T, L.gate_proj, w.mlp_g.data());
     ops::linear(w.h.data(), T, L.up_proj, w.mlp_u.data());
     ops::swiglu(w.mlp_g.data(), w.mlp_u.data(), T * I, w.mlp_g.data());
@@ -253,27 +249,20 @@ void Qwen35Model::forward(Qwen35State& st, const ForwardRequest& req, ForwardOut
 void Qwen35Model::attention_layer(const Layer& L, Qwen35State& st, int64_t T) const {
   const Qwen35Config& c = cfg_;
   Workspace& w = ws_;
-  const int64_t nh = c.num_attention_heads, nkv = c.num_key_value_heads, hd = c.head_dim;
-  grow(w.a0, T * nh * hd * 2);
-  grow(w.a1, T * nh * hd);
-  grow(w.a2, T * nh * hd);
-  grow(w.a3, T * nkv * hd);
-  grow(w.a4, T * nkv * hd);
-  grow(w.a5, T * nh * hd);
-  float *qg = w.a0.data(), *q = w.a1.data(), *gate = w.a2.data(), *k = w.a3.data(),
-        *v = w.a4.data(), *o = w.a5.data();
-  ops::linear(w.h.data(), T, L.attn.q_proj, qg);
-  ops::linear(w.h.data(), T, L.attn.k_proj, k);
-  ops::linear(w.h.data(), T, L.attn.v_proj, v);
   GatedAttentionShape shape;
-  shape.n_heads = nh;
-  shape.n_kv_heads = nkv;
-  shape.head_dim = hd;
+  shape.n_heads = c.num_attention_heads;
+  shape.n_kv_heads = c.num_key_value_heads;
+  shape.head_dim = c.head_dim;
   shape.rotary_dim = c.rotary_dim;
   shape.eps = static_cast<float>(c.rms_norm_eps);
+  GatedAttentionScratch& x = w.attn;
+  x.reserve(T, shape);
+  ops::linear(w.h.data(), T, L.attn.q_proj, x.qg.data());
+  ops::linear(w.h.data(), T, L.attn.k_proj, x.k.data());
+  ops::linear(w.h.data(), T, L.attn.v_proj, x.v.data());
   gated_attention(shape, L.attn.q_norm, L.attn.k_norm, inv_freq_.data(), w.pos.data(), w.segments,
-                  st.kv_layer(L.index_in_kind), qg, k, v, q, gate, o);
-  ops::linear(o, T, L.attn.o_proj, w.h.data());
+                  st.kv_layer(L.index_in_kind), x);
+  ops::linear(x.o.data(), T, L.attn.o_proj, w.h.data());
 }
 
 void Qwen35Model::delta_layer(const Layer& L, Qwen35State& st, const ForwardRequest& req,
@@ -282,12 +271,12 @@ void Qwen35Model::delta_layer(const Layer& L, Qwen35State& st, const ForwardRequ
   Workspace& w = ws_;
   const int64_t conv_dim = c.linear_conv_dim(), kd = c.linear_key_dim(), vd = c.linear_value_dim(),
                 nv = c.linear_num_value_heads;
-  grow(w.a0, T * conv_dim);
-  grow(w.a1, T * conv_dim);
-  grow(w.a2, T * vd);
-  grow(w.a3, T * nv * 2);
-  grow(w.a4, T * (2 * kd + vd));
-  grow(w.a5, T * vd);
+  grow_to(w.a0, T * conv_dim);
+  grow_to(w.a1, T * conv_dim);
+  grow_to(w.a2, T * vd);
+  grow_to(w.a3, T * nv * 2);
+  grow_to(w.a4, T * (2 * kd + vd));
+  grow_to(w.a5, T * vd);
   float *qkv = w.a0.data(), *conv = w.a1.data(), *z = w.a2.data(), *b = w.a3.data(),
         *a = w.a3.data() + T * nv, *core = w.a5.data();
   float *q = w.a4.data(), *k = q + T * kd, *v = k + T * kd;
@@ -365,9 +354,9 @@ void Qwen35Model::commit_windows(Qwen35State& st, std::span<const RowKeep> rows)
     // Keeping the whole window: the live state already is the state after token n-1.
     if (kept < n) {
       if (st.rollback() == RecurrentRollback::SnapshotReplay) {
-        grow(w.a1, kept * conv_dim);
-        grow(w.a4, kept * (2 * kd + vd));
-        grow(w.a5, kept * vd);
+        grow_to(w.a1, kept * conv_dim);
+        grow_to(w.a4, kept * (2 * kd + vd));
+        grow_to(w.a5, kept * vd);
       }
       for (const Layer& L : layers_) {
         if (L.kind != LayerKind::LinearAttention) continue;

@@ -113,6 +113,7 @@ class Qwen35Model {
     std::vector<float> x, h, a0, a1, a2, a3, a4, a5, mlp_g, mlp_u;
     std::vector<int64_t> pos;
     std::vector<AttentionSegment> segments;
+    GatedAttentionScratch attn;
   };
   mutable Workspace ws_;
 

@@ -7,13 +7,7 @@
 
 namespace tandem::spec {
 
-namespace {
-
-void grow(std::vector<float>& v, int64_t n) {
-  if (static_cast<int64_t>(v.size()) < n) v.resize(static_cast<size_t>(n));
-}
-
-}  // namespace
+namespace {}  // namespace
 
 QwenMtpBlock::QwenMtpBlock(QwenMtpWeights w) : w_(std::move(w)) {
   const QwenMtpConfig& c = w_.cfg;
@@ -40,28 +34,19 @@ void QwenMtpBlock::forward(const float* embeds, const float* hidden,
   }
 
   // fc input: [norm_e(embed) | norm_h(h)] per token.
-  grow(ws.cat, T * 2 * H);
-  grow(ws.h, T * H);
+  grow_to(ws.cat, T * 2 * H);
+  grow_to(ws.h, T * H);
   ops::rms_norm(embeds, T, H, w_.pre_fc_norm_embedding, zc, eps, ws.h.data());
   for (int64_t t = 0; t < T; ++t)
     std::memcpy(ws.cat.data() + t * 2 * H, ws.h.data() + t * H, sizeof(float) * H);
   ops::rms_norm(hidden, T, H, w_.pre_fc_norm_hidden, zc, eps, ws.h.data());
   for (int64_t t = 0; t < T; ++t)
     std::memcpy(ws.cat.data() + t * 2 * H + H, ws.h.data() + t * H, sizeof(float) * H);
-  grow(ws.x, T * H);
+  grow_to(ws.x, T * H);
   w_.fc.apply(ws.cat.data(), T, ws.x.data());
 
   // Gated full attention (the Qwen3.5 decoder layer's mixer).
   ops::rms_norm(ws.x.data(), T, H, w_.input_layernorm, zc, eps, ws.h.data());
-  grow(ws.qg, T * nh * hd * 2);
-  grow(ws.q, T * nh * hd);
-  grow(ws.gate, T * nh * hd);
-  grow(ws.k, T * nkv * hd);
-  grow(ws.v, T * nkv * hd);
-  grow(ws.o, T * nh * hd);
-  w_.q_proj.apply(ws.h.data(), T, ws.qg.data());
-  w_.k_proj.apply(ws.h.data(), T, ws.k.data());
-  w_.v_proj.apply(ws.h.data(), T, ws.v.data());
   GatedAttentionShape shape;
   shape.n_heads = nh;
   shape.n_kv_heads = nkv;
@@ -69,15 +54,19 @@ void QwenMtpBlock::forward(const float* embeds, const float* hidden,
   shape.rotary_dim = c.rotary_dim;
   shape.eps = eps;
   shape.zero_centred_norms = zc;
-  gated_attention(shape, w_.q_norm, w_.k_norm, inv_freq_.data(), ws.pos.data(), segs, kv,
-                  ws.qg.data(), ws.k.data(), ws.v.data(), ws.q.data(), ws.gate.data(), ws.o.data());
-  w_.o_proj.apply(ws.o.data(), T, ws.h.data());
+  GatedAttentionScratch& x = ws.attn;
+  x.reserve(T, shape);
+  w_.q_proj.apply(ws.h.data(), T, x.qg.data());
+  w_.k_proj.apply(ws.h.data(), T, x.k.data());
+  w_.v_proj.apply(ws.h.data(), T, x.v.data());
+  gated_attention(shape, w_.q_norm, w_.k_norm, inv_freq_.data(), ws.pos.data(), segs, kv, x);
+  w_.o_proj.apply(x.o.data(), T, ws.h.data());
   ops::add_inplace(ws.x.data(), ws.h.data(), T * H);
 
   // SwiGLU MLP.
   ops::rms_norm(ws.x.data(), T, H, w_.post_attention_layernorm, zc, eps, ws.h.data());
-  grow(ws.g, T * I);
-  grow(ws.u, T * I);
+  grow_to(ws.g, T * I);
+  grow_to(ws.u, T * I);
   w_.gate_proj.apply(ws.h.data(), T, ws.g.data());
   w_.up_proj.apply(ws.h.data(), T, ws.u.data());
   ops::swiglu(ws.g.data(), ws.u.data(), T * I, ws.g.data());

@@ -30,7 +30,8 @@ class QwenMtpBlock {
 
   // Scratch of one caller (grown, never shrunk); a block may serve several callers.
   struct Workspace {
-    std::vector<float> cat, x, h, qg, q, gate, k, v, o, g, u;
+    std::vector<float> cat, x, h, g, u;
+    GatedAttentionScratch attn;
     std::vector<int64_t> pos;
   };
 
