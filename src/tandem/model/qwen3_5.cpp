@@ -230,19 +230,20 @@ void Qwen35Model::forward(Qwen35State& st, const ForwardRequest& req, ForwardOut
   } else {
     const int64_t R = static_cast<int64_t>(req.rows.size());
     // Gather each row's last token (normed) into a contiguous block, then one head GEMM.
-    std::vector<float> last(static_cast<size_t>(R * H));
+    grow_to(w.last, R * H);
+    float* last = w.last.data();
     int64_t t = 0;
     for (int64_t r = 0; r < R; ++r) {
       t += req.rows[r].n_tokens;
       const float* src = (req.want_hidden ? w.h.data() : w.x.data()) + (t - 1) * H;
       if (req.want_hidden)
-        std::memcpy(last.data() + r * H, src, sizeof(float) * H);
+        std::memcpy(last + r * H, src, sizeof(float) * H);
       else
-        ops::rms_norm(src, 1, H, final_norm_, true, eps, last.data() + r * H);
+        ops::rms_norm(src, 1, H, final_norm_, true, eps, last + r * H);
     }
     out->logits_rows = R;
     out->logits.resize(static_cast<size_t>(R * c.vocab_size));
-    ops::linear(last.data(), R, lm_head_, out->logits.data());
+    ops::linear(last, R, lm_head_, out->logits.data());
   }
 }
 

@@ -111,6 +111,7 @@ class Qwen35Model {
   // Scratch reused across calls (grown, never shrunk). A model serves one forward at a time.
   struct Workspace {
     std::vector<float> x, h, a0, a1, a2, a3, a4, a5, mlp_g, mlp_u;
+    std::vector<float> last;  // [rows, H]: each row's last normed hidden, for the head
     std::vector<int64_t> pos;
     std::vector<AttentionSegment> segments;
     GatedAttentionScratch attn;
