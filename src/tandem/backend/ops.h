@@ -8,10 +8,17 @@
 //  - Compute and accumulation are fp32. Every op computes a row's result with a reduction order
 //    that does not depend on how many rows are in the call (batch invariance, DESIGN.md §1.2):
 //    a token's numbers are the same alone, in a verify window, or next to other requests.
-//  - Ops parallelise internally (OpenMP) over independent outputs, never over a reduction.
+//  - Ops parallelise internally (OpenMP threads, CUDA blocks) over independent outputs, never
+//    over a reduction.
+//  - Every pointer (activations, weights, states, positions, block tables) lives in the memory
+//    of the active backend: host memory on the CPU, device memory on CUDA. Buffers
+//    (backend/buffer.h) and WeightArena (backend/weight_arena.h) allocate in the right place.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
+#include <string>
+#include <string_view>
 
 #include "tandem/core/dtype.h"
 #include "tandem/core/tensor.h"
@@ -27,6 +34,40 @@ struct WeightRef {
   int64_t cols = 0;
 };
 WeightRef weight_ref(const TensorView& t);  // 1-D tensors become rows = 1
+
+// The backend every op runs on and every Buffer allocates from. Chosen once, before any model is
+// loaded; process-wide. Cuda requires a build with the CUDA backend and a visible device.
+enum class Backend { Cpu, Cuda };
+void set_backend(Backend b);  // throws Error if the backend is not usable here
+Backend backend();
+std::string_view backend_name(Backend b);
+bool cuda_compiled();
+bool cuda_available();  // compiled and a device is present
+// "cpu", "cuda" or "auto" (cuda when available, else cpu). Throws Error on other names or when
+// "cuda" is asked for and unusable.
+Backend parse_backend(std::string_view name);
+
+// Prompt-prefill mode (set by a model for a forward of prompt tokens): on CUDA, linear uses a
+// faster tensor-core GEMM path with its own (still batch-invariant) reduction order. Decode and
+// verify forwards never set it. No effect on the CPU backend, whose linear is the same at every m.
+void set_prefill(bool on);
+
+// Memory of the active backend (host on CPU). Copies are ordered with the ops; to_host waits.
+void* mem_alloc(Backend where, size_t bytes);
+void mem_free(Backend where, void* p);
+void copy(void* dst, const void* src, size_t bytes);              // same backend
+void copy_from_host(void* dst, const void* src_host, size_t bytes);
+void copy_to_host(void* dst_host, const void* src, size_t bytes);
+void fill_zero(void* dst, size_t bytes);
+// dst[r * dst_stride + c] = src[r * src_stride + c] for r < rows, c < cols (floats).
+void copy_rows(float* dst, int64_t dst_stride, const float* src, int64_t src_stride, int64_t rows,
+               int64_t cols);
+void synchronize();  // waits for queued work (no-op on CPU)
+// The memory roofline's denominator on the active backend, bytes/s: the CPU's measured read
+// bandwidth (all threads), or the GPU's device-to-device copy bandwidth (bytes read + written).
+double memory_bandwidth();
+// A name for reports: "cpu (N threads)" or the GPU's name.
+std::string device_description();
 
 // Threads used by every op. 0 = all hardware threads.
 void set_thread_count(int n);

@@ -1,12 +1,19 @@
 // tandem bench: prefill and decode throughput over repeated runs, reported against the memory
-// roofline (weight bytes one decode step must read ÷ this machine's measured read bandwidth).
+// roofline (weight bytes one decode step must read ÷ this machine's measured bandwidth), and the
+// cost of one target forward per shape: a decode step, verify windows of k tokens per row, and a
+// long prefill. --random-weights builds the model directly in the backend's memory from a
+// config.json, so real sizes can be measured without weight files.
 #include <algorithm>
 #include <cstdio>
 #include <iostream>
 #include <nlohmann/json.hpp>
 #include <random>
 
-#include "tandem/backend/cpu/memory_bandwidth.h"
+#include <chrono>
+#include <sstream>
+
+#include "tandem/model/qwen3_5_config.h"
+#include "tandem/model/qwen3_5_state.h"
 #include "tandem/cli/commands.h"
 #include "tandem/cli/common.h"
 #include "tandem/core/error.h"
@@ -18,6 +25,12 @@ namespace {
 
 struct BenchArgs {
   std::string model;
+  std::string random_weights;  // config.json of a random-weight model
+  std::string backend = "auto";
+  std::string windows = "2,4,8";
+  int64_t step_context = 512;     // tokens each row holds before the timed steps
+  int64_t long_prefill = 0;       // prompt length of the long-prefill timing (0: skip)
+  int step_repeats = 20;
   int64_t prompt_tokens = 128;
   int64_t gen_tokens = 64;
   int batch = 1;
@@ -45,17 +58,124 @@ nlohmann::json to_json(const Spread& s) {
   return {{"median", s.median}, {"min", s.min}, {"max", s.max}};
 }
 
+double now_seconds() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+std::vector<int64_t> parse_windows(const std::string& s) {
+  std::vector<int64_t> out;
+  std::stringstream in(s);
+  std::string item;
+  while (std::getline(in, item, ',')) {
+    if (item.empty()) continue;
+    int64_t k = 0;
+    try {
+      k = std::stoll(item);
+    } catch (...) {
+      fail("--windows: '", item, "' is not a number");
+    }
+    if (k < 2 || k > Qwen35Model::kMaxWindowTokens)
+      fail("--windows: window ", k, " must be in 2..", Qwen35Model::kMaxWindowTokens);
+    out.push_back(k);
+  }
+  return out;
+}
+
+// Median seconds of one target forward in which each of `batch` rows appends `k` tokens
+// (k == 1: a decode step; k > 1: a verify window, committed keeping one token so the rows grow by
+// one token per step like a fully rejected speculation round). Rows first hold `context` tokens.
+// Logits of every window token are copied to the host, as the engines do.
+Spread time_steps(const Qwen35Model& model, int batch, int64_t k, int64_t context, int repeats) {
+  const Qwen35Config& cfg = model.config();
+  Qwen35State state(cfg);
+  std::vector<int> slots;
+  std::vector<int32_t> tokens;
+  std::vector<RowInput> rows;
+  std::mt19937 rng(99);
+  std::uniform_int_distribution<int32_t> pick(0, static_cast<int32_t>(cfg.vocab_size - 1));
+  for (int b = 0; b < batch; ++b) {
+    slots.push_back(state.open_row());
+    for (int64_t i = 0; i < context; ++i) tokens.push_back(pick(rng));
+    rows.push_back({slots.back(), context});
+  }
+  ForwardOutput out;
+  ForwardRequest prefill{tokens, rows, false, false};
+  prefill.prompt = true;
+  model.forward(state, prefill, &out);
+  std::vector<double> times;
+  std::vector<RowKeep> keep;
+  for (int r = 0; r < repeats + 2; ++r) {  // two warm-up steps
+    tokens.clear();
+    rows.clear();
+    keep.clear();
+    for (int b = 0; b < batch; ++b) {
+      for (int64_t i = 0; i < k; ++i) tokens.push_back(pick(rng));
+      rows.push_back({slots[static_cast<size_t>(b)], k, k > 1});
+      keep.push_back({slots[static_cast<size_t>(b)], 1});
+    }
+    ops::synchronize();
+    const double t0 = now_seconds();
+    model.forward(state, {tokens, rows, k > 1, false}, &out);
+    ops::synchronize();
+    const double t = now_seconds() - t0;
+    if (k > 1) model.commit_windows(state, keep);
+    if (r >= 2) times.push_back(t);
+  }
+  return spread(times);
+}
+
+// Seconds of one prefill forward of `n` tokens in one row (median of `repeats`).
+Spread time_prefill(const Qwen35Model& model, int64_t n, int repeats) {
+  const Qwen35Config& cfg = model.config();
+  std::mt19937 rng(7);
+  std::uniform_int_distribution<int32_t> pick(0, static_cast<int32_t>(cfg.vocab_size - 1));
+  std::vector<int32_t> tokens(static_cast<size_t>(n));
+  std::vector<double> times;
+  for (int r = 0; r < repeats + 1; ++r) {
+    for (auto& t : tokens) t = pick(rng);
+    Qwen35State state(cfg);
+    const int slot = state.open_row();
+    const RowInput row{slot, n};
+    ForwardOutput out;
+    ops::synchronize();
+    const double t0 = now_seconds();
+    ForwardRequest req{tokens, std::span<const RowInput>(&row, 1), false, false};
+    req.prompt = true;
+    model.forward(state, req, &out);
+    ops::synchronize();
+    if (r > 0) times.push_back(now_seconds() - t0);
+  }
+  return spread(times);
+}
+
 void run_bench(const BenchArgs& a) {
   apply_threads(a.threads);
+  apply_backend(a.backend);
   if (a.prompt_tokens < 1 || a.gen_tokens < 2 || a.batch < 1 || a.repeats < 1)
     fail("bench: need --prompt-tokens >= 1, --gen-tokens >= 2, --batch >= 1, --repeats >= 1");
-  std::fprintf(stderr, "bench: loading %s\n", a.model.c_str());
-  auto model = Qwen35Model::load(a.model);
+  if (a.model.empty() == a.random_weights.empty())
+    fail("bench: give exactly one of --model DIR or --random-weights CONFIG.json");
+  if (a.step_context < 1 || a.step_repeats < 1 || a.long_prefill < 0)
+    fail("bench: need --step-context >= 1, --step-repeats >= 1, --long-prefill >= 0");
+  const std::vector<int64_t> windows = parse_windows(a.windows);
+  std::unique_ptr<Qwen35Model> model;
+  std::string name;
+  if (!a.random_weights.empty()) {
+    name = a.random_weights + " (random weights)";
+    std::fprintf(stderr, "bench: building a random-weight model from %s on %s\n",
+                 a.random_weights.c_str(), ops::device_description().c_str());
+    const Qwen35Config c = parse_qwen35_config(read_text_file(a.random_weights), a.random_weights);
+    model = Qwen35Model::random(c, 1234);
+  } else {
+    name = a.model;
+    std::fprintf(stderr, "bench: loading %s\n", a.model.c_str());
+    model = Qwen35Model::load(a.model);
+  }
   const Qwen35Config& cfg = model->config();
 
-  std::fprintf(stderr, "bench: measuring memory read bandwidth (%d threads)\n",
-               ops::thread_count());
-  const double bw = cpu::measure_read_bandwidth();
+  std::fprintf(stderr, "bench: measuring memory bandwidth on %s\n",
+               ops::device_description().c_str());
+  const double bw = ops::memory_bandwidth();
 
   Generator gen(*model);
   std::vector<double> prefill, decode;
@@ -78,6 +198,32 @@ void run_bench(const BenchArgs& a) {
                  prefill.back(), decode.back());
   }
   const Spread pf = spread(prefill), dc = spread(decode);
+
+  // Forward costs per shape, each relative to the decode step of the same batch.
+  std::fprintf(stderr, "bench: timing decode steps and verify windows (context %lld)\n",
+               static_cast<long long>(a.step_context));
+  const Spread step = time_steps(*model, a.batch, 1, a.step_context, a.step_repeats);
+  std::vector<Spread> window_times;
+  for (int64_t k : windows)
+    window_times.push_back(time_steps(*model, a.batch, k, a.step_context, a.step_repeats));
+  Spread long_pf;
+  if (a.long_prefill > 0) {
+    std::fprintf(stderr, "bench: timing a %lld-token prefill\n",
+                 static_cast<long long>(a.long_prefill));
+    long_pf = time_prefill(*model, a.long_prefill, std::max(1, a.repeats / 2));
+  }
+  // Matrix FLOPs of a prefill token: 2 per weight of every projection (the head runs once per
+  // row, not per token); attention's QK/PV add 4·ctx·heads·head_dim per layer on average ctx/2.
+  int64_t n_attn_layers = 0;
+  for (LayerKind k : cfg.layer_types) n_attn_layers += k == LayerKind::FullAttention;
+  const double proj_params = static_cast<double>(model->decode_weight_bytes()) /
+                                 (ops::backend() == ops::Backend::Cuda ? 2.0 : 4.0) -
+                             static_cast<double>(cfg.vocab_size * cfg.hidden_size);
+  const double prefill_flops =
+      2.0 * proj_params * static_cast<double>(a.long_prefill) +
+      static_cast<double>(n_attn_layers) * 2.0 * static_cast<double>(a.long_prefill) *
+          static_cast<double>(a.long_prefill) *
+          static_cast<double>(cfg.num_attention_heads * cfg.head_dim);
   // One decode step reads every weight once for the whole batch, plus each row's KV prefix.
   int64_t n_attn = 0;
   for (LayerKind k : cfg.layer_types) n_attn += k == LayerKind::FullAttention;
@@ -91,7 +237,9 @@ void run_bench(const BenchArgs& a) {
 
   if (a.json) {
     nlohmann::json j;
-    j["model"] = a.model;
+    j["model"] = name;
+    j["backend"] = std::string(ops::backend_name(ops::backend()));
+    j["device"] = ops::device_description();
     j["parameters"] = model->parameter_count();
     j["threads"] = ops::thread_count();
     j["batch"] = a.batch;
@@ -105,10 +253,25 @@ void run_bench(const BenchArgs& a) {
     j["decode_weight_bytes"] = model->decode_weight_bytes();
     j["roofline_decode_tokens_per_second"] = roofline_tps;
     j["roofline_fraction"] = fraction;
+    j["step_context"] = a.step_context;
+    j["decode_step_seconds"] = to_json(step);
+    nlohmann::json w = nlohmann::json::array();
+    for (size_t i = 0; i < windows.size(); ++i)
+      w.push_back({{"tokens", windows[i]},
+                   {"seconds", to_json(window_times[i])},
+                   {"relative_to_decode_step", window_times[i].median / step.median}});
+    j["verify_windows"] = w;
+    if (a.long_prefill > 0) {
+      j["long_prefill_tokens"] = a.long_prefill;
+      j["long_prefill_seconds"] = to_json(long_pf);
+      j["long_prefill_tokens_per_second"] = static_cast<double>(a.long_prefill) / long_pf.median;
+      j["long_prefill_tflops"] = prefill_flops / long_pf.median / 1e12;
+    }
     std::cout << j.dump(2) << "\n";
     return;
   }
-  std::printf("model            %s (%.1fM parameters)\n", a.model.c_str(),
+  std::printf("device           %s\n", ops::device_description().c_str());
+  std::printf("model            %s (%.1fM parameters)\n", name.c_str(),
               static_cast<double>(model->parameter_count()) / 1e6);
   std::printf(
       "setup            batch %d, prompt %lld tokens, %lld generated, %d threads, %d runs\n",
@@ -116,10 +279,23 @@ void run_bench(const BenchArgs& a) {
       ops::thread_count(), a.repeats);
   std::printf("prefill          %.1f tok/s (min %.1f, max %.1f)\n", pf.median, pf.min, pf.max);
   std::printf("decode           %.1f tok/s (min %.1f, max %.1f)\n", dc.median, dc.min, dc.max);
-  std::printf("memory read      %.2f GB/s measured\n", bw / 1e9);
+  std::printf("memory           %.2f GB/s measured\n", bw / 1e9);
   std::printf("bytes per step   %.2f MB (weights %.2f MB + KV)\n", step_bytes / 1e6,
               static_cast<double>(model->decode_weight_bytes()) / 1e6);
   std::printf("roofline         %.1f tok/s -> %.0f%% reached\n", roofline_tps, 100 * fraction);
+  std::printf("decode step      %.3f ms (min %.3f, max %.3f), batch %d, context %lld\n",
+              step.median * 1e3, step.min * 1e3, step.max * 1e3, a.batch,
+              static_cast<long long>(a.step_context));
+  for (size_t i = 0; i < windows.size(); ++i)
+    std::printf("verify %2lld tokens %.3f ms (min %.3f, max %.3f) = %.2fx a decode step\n",
+                static_cast<long long>(windows[i]), window_times[i].median * 1e3,
+                window_times[i].min * 1e3, window_times[i].max * 1e3,
+                window_times[i].median / step.median);
+  if (a.long_prefill > 0)
+    std::printf("prefill %lld      %.1f tok/s (%.3f s, min %.3f, max %.3f), %.1f TFLOP/s\n",
+                static_cast<long long>(a.long_prefill),
+                static_cast<double>(a.long_prefill) / long_pf.median, long_pf.median, long_pf.min,
+                long_pf.max, prefill_flops / long_pf.median / 1e12);
 }
 
 }  // namespace
@@ -127,7 +303,19 @@ void run_bench(const BenchArgs& a) {
 void add_bench_command(CLI::App& app) {
   auto a = std::make_shared<BenchArgs>();
   CLI::App* sub = app.add_subcommand("bench", "Measure prefill/decode speed against the roofline");
-  sub->add_option("--model", a->model, "Hugging Face model directory")->required();
+  sub->add_option("--model", a->model, "Hugging Face model directory");
+  sub->add_option("--random-weights", a->random_weights,
+                  "config.json: build a random-weight model of that shape in device memory");
+  sub->add_option("--backend", a->backend, "cpu, cuda or auto (cuda when a GPU is present)")
+      ->capture_default_str();
+  sub->add_option("--windows", a->windows, "Verify window sizes to time (tokens per row)")
+      ->capture_default_str();
+  sub->add_option("--step-context", a->step_context, "Tokens per row before the timed steps")
+      ->capture_default_str();
+  sub->add_option("--step-repeats", a->step_repeats, "Timed forwards per shape")
+      ->capture_default_str();
+  sub->add_option("--long-prefill", a->long_prefill, "Prompt length of the prefill timing (0: skip)")
+      ->capture_default_str();
   sub->add_option("--prompt-tokens", a->prompt_tokens, "Prompt length")->capture_default_str();
   sub->add_option("--gen-tokens", a->gen_tokens, "Tokens generated per run")->capture_default_str();
   sub->add_option("--batch", a->batch, "Rows decoded together")->capture_default_str();

@@ -28,6 +28,7 @@ struct BenchSpecArgs {
   int64_t max_tokens = 64;
   int repeats = 3;
   int threads = 0;
+  std::string backend = "auto";
   float temperature = 0.0f;
   bool json = false;
 };
@@ -93,6 +94,7 @@ Measured measure(const Qwen35Model& model, const spec::DraftProvider* drafter,
 
 void run_bench_spec(const BenchSpecArgs& a) {
   apply_threads(a.threads);
+  apply_backend(a.backend);
   if (a.batch < 1 || a.repeats < 1 || a.max_tokens < 1)
     fail("bench-spec: need --batch >= 1, --repeats >= 1, --max-tokens >= 1");
   auto model = Qwen35Model::load(a.model);
@@ -180,6 +182,8 @@ void add_bench_spec_command(CLI::App& app) {
   sub->add_option("--temperature", a->temperature, "Sampling temperature")->capture_default_str();
   sub->add_option("--repeats", a->repeats, "Timed runs (after a warm-up)")->capture_default_str();
   sub->add_option("--threads", a->threads, "CPU threads (0 = all cores)");
+  sub->add_option("--backend", a->backend, "cpu, cuda or auto (cuda when a GPU is present)")
+      ->capture_default_str();
   sub->add_flag("--json", a->json, "Print JSON");
   sub->callback([a] { run_bench_spec(*a); });
 }

@@ -1,6 +1,7 @@
 #include "tandem/cli/common.h"
 
 #include <charconv>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -9,6 +10,9 @@
 #include "tandem/backend/ops.h"
 #include "tandem/core/error.h"
 #include "tandem/io/artifact_identity.h"
+#ifdef TANDEM_HAVE_CUDA
+#include "tandem/backend/cuda/cuda_ops.h"
+#endif
 
 namespace tandem::cli {
 
@@ -72,6 +76,14 @@ std::vector<int32_t> resolve_input(const std::string& what, const std::optional<
 void apply_threads(int threads) {
   if (threads < 0) fail("--threads must be >= 0 (0 = all cores)");
   ops::set_thread_count(threads);
+}
+
+void apply_backend(const std::string& name) {
+  const ops::Backend b = ops::parse_backend(name);
+  ops::set_backend(b);
+#ifdef TANDEM_HAVE_CUDA
+  if (b == ops::Backend::Cuda) std::fprintf(stderr, "backend: cuda (%s)\n", cuda::device_name().c_str());
+#endif
 }
 
 // The target's artifact identity: config fingerprint + content hash of its weight files.

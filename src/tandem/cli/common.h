@@ -27,6 +27,9 @@ std::vector<int32_t> resolve_input(const std::string& what, const std::optional<
                                    const std::optional<Tokenizer>& tok);
 
 void apply_threads(int threads);
+// --backend cpu|cuda|auto: selects the backend for everything that follows (before any model is
+// loaded) and names the device on stderr.
+void apply_backend(const std::string& name);
 
 // The model's artifact identity: config fingerprint + content hash of its weight files.
 std::string target_identity(const Qwen35Model& model, const std::string& dir);

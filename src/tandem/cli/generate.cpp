@@ -26,6 +26,7 @@ struct GenerateArgs {
   SamplingParams sampling;
   bool ignore_eos = false;
   int threads = 0;
+  std::string backend = "auto";
   bool json = false;
   std::string draft = "none";
   std::optional<std::string> draft_model;
@@ -79,6 +80,7 @@ nlohmann::json stats_json(const GenerateStats& st, const SpecStats& s, const Gen
 
 void run_generate(const GenerateArgs& a) {
   apply_threads(a.threads);
+  apply_backend(a.backend);
   auto model = Qwen35Model::load(a.model);
   const auto tok = open_tokenizer(a.model);
   GenerateRequest base;
@@ -172,6 +174,8 @@ void add_generate_command(CLI::App& app) {
   sub->add_option("--seed", a->sampling.seed, "Request seed for sampling")->capture_default_str();
   sub->add_flag("--ignore-eos", a->ignore_eos, "Do not stop at end-of-sequence tokens");
   sub->add_option("--threads", a->threads, "CPU threads (0 = all cores)");
+  sub->add_option("--backend", a->backend, "cpu, cuda or auto (cuda when a GPU is present)")
+      ->capture_default_str();
   sub->add_flag("--json", a->json, "Print one JSON object instead of streaming text");
   sub->add_option("--draft", a->draft, "Drafter: none, mtp or ngram")->capture_default_str();
   sub->add_option("--draft-model", a->draft_model,

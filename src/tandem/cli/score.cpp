@@ -18,11 +18,13 @@ struct ScoreArgs {
   std::optional<std::string> text, text_file, token_ids;
   int top_k = 5;
   int threads = 0;
+  std::string backend = "auto";
   bool json = false;
 };
 
 void run_score(const ScoreArgs& a) {
   apply_threads(a.threads);
+  apply_backend(a.backend);
   if (a.top_k < 0) fail("--top-k must be >= 0");
   auto model = Qwen35Model::load(a.model);
   const auto tok = open_tokenizer(a.model);
@@ -76,6 +78,8 @@ void add_score_command(CLI::App& app) {
   sub->add_option("--top-k", a->top_k, "Largest logits to report per position")
       ->capture_default_str();
   sub->add_option("--threads", a->threads, "CPU threads (0 = all cores)");
+  sub->add_option("--backend", a->backend, "cpu, cuda or auto (cuda when a GPU is present)")
+      ->capture_default_str();
   sub->add_flag("--json", a->json, "Print JSON");
   sub->callback([a] { run_score(*a); });
 }

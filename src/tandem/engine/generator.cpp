@@ -84,7 +84,9 @@ std::vector<GenerateResult> Generator::run(const std::vector<GenerateRequest>& r
     rows.push_back({slots[i], static_cast<int64_t>(requests[i].prompt.size())});
     st.prompt_tokens += static_cast<int64_t>(requests[i].prompt.size());
   }
-  model_.forward(state, {tokens, rows, false, false}, &out);
+  ForwardRequest prefill{tokens, rows, false, false};
+  prefill.prompt = true;
+  model_.forward(state, prefill, &out);
   const int64_t V = cfg.vocab_size;
   for (size_t i = 0; i < B; ++i) {
     std::span<const float> logits(out.logits.data() + i * V, static_cast<size_t>(V));

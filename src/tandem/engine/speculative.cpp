@@ -98,7 +98,9 @@ std::vector<GenerateResult> SpeculativeGenerator::run(const std::vector<Generate
     inputs.push_back({slot[i], static_cast<int64_t>(requests[i].prompt.size()), false});
     st.prompt_tokens += static_cast<int64_t>(requests[i].prompt.size());
   }
-  model_.forward(state, {tokens, inputs, false, want_final, want_prenorm}, &out);
+  ForwardRequest prefill{tokens, inputs, false, want_final, want_prenorm};
+  prefill.prompt = true;
+  model_.forward(state, prefill, &out);
   for (size_t i = 0; i < B; ++i) {
     std::span<const float> logits(out.logits.data() + i * V, static_cast<size_t>(V));
     ++sstats[i].target_forwards;

@@ -1,7 +1,6 @@
 #include "tandem/model/gated_attention.h"
 
 #include <cmath>
-#include <cstring>
 
 #include "tandem/core/tensor.h"
 
@@ -35,12 +34,9 @@ void gated_attention(const GatedAttentionShape& s, const ops::WeightRef& q_norm,
   const int64_t nh = s.n_heads, nkv = s.n_kv_heads, hd = s.head_dim;
   int64_t T = 0;
   for (const AttentionSegment& seg : segments) T += seg.n;
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t h = 0; h < nh; ++h) {
-      const float* src = qg + (t * nh + h) * 2 * hd;
-      std::memcpy(q + (t * nh + h) * hd, src, sizeof(float) * hd);
-      std::memcpy(gate + (t * nh + h) * hd, src + hd, sizeof(float) * hd);
-    }
+  // Per (token, head) the projection holds [query | gate].
+  ops::copy_rows(q, hd, qg, 2 * hd, T * nh, hd);
+  ops::copy_rows(gate, hd, qg + hd, 2 * hd, T * nh, hd);
   ops::rms_norm(q, T * nh, hd, q_norm, s.zero_centred_norms, s.eps, q);
   ops::rms_norm(k, T * nkv, hd, k_norm, s.zero_centred_norms, s.eps, k);
   ops::rope(q, T, nh, hd, s.rotary_dim, positions, inv_freq);

@@ -6,12 +6,13 @@
 #include <span>
 #include <vector>
 
+#include "tandem/backend/buffer.h"
 #include "tandem/backend/ops.h"
 
 namespace tandem {
 
 // One row's slice of the tokens: positions start..start+n-1 of the row whose KV blocks are
-// `block_table`.
+// `block_table` (in the active backend's memory).
 struct AttentionSegment {
   const int32_t* block_table = nullptr;
   int64_t start = 0;
@@ -26,7 +27,7 @@ struct GatedAttentionShape {
 
 // Buffers of the attention core for T tokens, grown once per shape and reused.
 struct GatedAttentionScratch {
-  std::vector<float> qg, q, gate, k, v, o;
+  Buffer<float> qg, q, gate, k, v, o;
   void reserve(int64_t T, const GatedAttentionShape& s);
 };
 
@@ -37,7 +38,7 @@ std::vector<float> rope_inv_freq(double theta, int64_t rotary_dim);
 // gate), x.k and x.v [T, n_kv_heads, head_dim] — computes the gated attention output
 // x.o [T, n_heads * head_dim] (the o_proj input): q/k RMSNorm, rotary at `positions`, the tokens'
 // K/V written into `kv`, causal attention per segment, sigmoid output gate. x.q and x.gate are
-// scratch; x.k is normed and rotated in place.
+// scratch; x.k is normed and rotated in place. inv_freq and positions are backend memory.
 void gated_attention(const GatedAttentionShape& shape, const ops::WeightRef& q_norm,
                      const ops::WeightRef& k_norm, const float* inv_freq, const int64_t* positions,
                      std::span<const AttentionSegment> segments, const ops::KVLayerView& kv,

@@ -1,6 +1,7 @@
 #include "tandem/model/qwen3_5.h"
 
 #include <cmath>
+#include <algorithm>
 #include <cstring>
 
 #include "tandem/core/error.h"
@@ -38,31 +39,36 @@ std::unique_ptr<Qwen35Model> Qwen35Model::load(const std::string& dir, const Loa
     fail(dir, "/config.json: linear_conv_kernel_dim must be in 1..16, got ",
          m->cfg_.linear_conv_kernel_dim);
   m->store_ = WeightStore::open(dir, opts.prefault);
-  m->bind_weights();
+  const WeightStore& store = m->store_;
+  std::string prefix;
+  if (store.find("model.language_model.embed_tokens.weight"))
+    prefix = "model.language_model.";
+  else if (store.find("model.embed_tokens.weight"))
+    prefix = "model.";
+  else
+    fail("no embedding tensor in ", store.dir(),
+         ": expected 'model.language_model.embed_tokens.weight' or 'model.embed_tokens.weight'");
+  if (!m->cfg_.tie_word_embeddings && !store.find("lm_head.weight"))
+    fail("tensor 'lm_head.weight' not found in ", store.dir(),
+         " (config says tie_word_embeddings=false)");
+  WeightArena& arena = m->arena_;
+  m->bind_weights(
+      [&](const std::string& name, const std::vector<int64_t>& shape, Role role) {
+        const ops::WeightRef stored = expect(store, name, shape);
+        return role == Role::Matrix ? arena.matrix(stored) : arena.vector(stored);
+      },
+      prefix);
   return m;
 }
 
-void Qwen35Model::bind_weights() {
+void Qwen35Model::bind_weights(const WeightSource& get, const std::string& prefix) {
   const Qwen35Config& c = cfg_;
-  const WeightStore& s = store_;
-  if (s.find("model.language_model.embed_tokens.weight"))
-    prefix_ = "model.language_model.";
-  else if (s.find("model.embed_tokens.weight"))
-    prefix_ = "model.";
-  else
-    fail("no embedding tensor in ", s.dir(),
-         ": expected 'model.language_model.embed_tokens.weight' or 'model.embed_tokens.weight'");
+  prefix_ = prefix;
   const int64_t H = c.hidden_size;
-  embed_ = expect(s, prefix_ + "embed_tokens.weight", {c.vocab_size, H});
-  final_norm_ = expect(s, prefix_ + "norm.weight", {H});
-  if (c.tie_word_embeddings) {
-    lm_head_ = embed_;
-  } else {
-    if (!s.find("lm_head.weight"))
-      fail("tensor 'lm_head.weight' not found in ", s.dir(),
-           " (config says tie_word_embeddings=false)");
-    lm_head_ = expect(s, "lm_head.weight", {c.vocab_size, H});
-  }
+  embed_ = get(prefix_ + "embed_tokens.weight", {c.vocab_size, H}, Role::Matrix);
+  final_norm_ = get(prefix_ + "norm.weight", {H}, Role::Vector);
+  lm_head_ = c.tie_word_embeddings ? embed_
+                                   : get("lm_head.weight", {c.vocab_size, H}, Role::Matrix);
   const int64_t hd = c.head_dim;
   const int64_t nv = c.linear_num_value_heads;
   int n_attn = 0, n_lin = 0;
@@ -71,44 +77,90 @@ void Qwen35Model::bind_weights() {
     const std::string p = prefix_ + "layers." + std::to_string(i) + ".";
     Layer L;
     L.kind = c.layer_types[static_cast<size_t>(i)];
-    L.input_norm = expect(s, p + "input_layernorm.weight", {H});
-    L.post_norm = expect(s, p + "post_attention_layernorm.weight", {H});
-    L.gate_proj = expect(s, p + "mlp.gate_proj.weight", {c.intermediate_size, H});
-    L.up_proj = expect(s, p + "mlp.up_proj.weight", {c.intermediate_size, H});
-    L.down_proj = expect(s, p + "mlp.down_proj.weight", {H, c.intermediate_size});
+    L.input_norm = get(p + "input_layernorm.weight", {H}, Role::Vector);
+    L.post_norm = get(p + "post_attention_layernorm.weight", {H}, Role::Vector);
+    L.gate_proj = get(p + "mlp.gate_proj.weight", {c.intermediate_size, H}, Role::Matrix);
+    L.up_proj = get(p + "mlp.up_proj.weight", {c.intermediate_size, H}, Role::Matrix);
+    L.down_proj = get(p + "mlp.down_proj.weight", {H, c.intermediate_size}, Role::Matrix);
     if (L.kind == LayerKind::FullAttention) {
       L.index_in_kind = n_attn++;
       const std::string a = p + "self_attn.";
-      L.attn.q_proj = expect(s, a + "q_proj.weight", {c.num_attention_heads * hd * 2, H});
-      L.attn.k_proj = expect(s, a + "k_proj.weight", {c.num_key_value_heads * hd, H});
-      L.attn.v_proj = expect(s, a + "v_proj.weight", {c.num_key_value_heads * hd, H});
-      L.attn.o_proj = expect(s, a + "o_proj.weight", {H, c.num_attention_heads * hd});
-      L.attn.q_norm = expect(s, a + "q_norm.weight", {hd});
-      L.attn.k_norm = expect(s, a + "k_norm.weight", {hd});
+      L.attn.q_proj = get(a + "q_proj.weight", {c.num_attention_heads * hd * 2, H}, Role::Matrix);
+      L.attn.k_proj = get(a + "k_proj.weight", {c.num_key_value_heads * hd, H}, Role::Matrix);
+      L.attn.v_proj = get(a + "v_proj.weight", {c.num_key_value_heads * hd, H}, Role::Matrix);
+      L.attn.o_proj = get(a + "o_proj.weight", {H, c.num_attention_heads * hd}, Role::Matrix);
+      L.attn.q_norm = get(a + "q_norm.weight", {hd}, Role::Vector);
+      L.attn.k_norm = get(a + "k_norm.weight", {hd}, Role::Vector);
     } else {
       L.index_in_kind = n_lin++;
       const std::string a = p + "linear_attn.";
-      L.delta.in_proj_qkv = expect(s, a + "in_proj_qkv.weight", {c.linear_conv_dim(), H});
-      L.delta.in_proj_z = expect(s, a + "in_proj_z.weight", {c.linear_value_dim(), H});
-      L.delta.in_proj_b = expect(s, a + "in_proj_b.weight", {nv, H});
-      L.delta.in_proj_a = expect(s, a + "in_proj_a.weight", {nv, H});
-      L.delta.conv1d =
-          expect(s, a + "conv1d.weight", {c.linear_conv_dim(), 1, c.linear_conv_kernel_dim});
-      L.delta.A_log = expect(s, a + "A_log", {nv});
-      L.delta.dt_bias = expect(s, a + "dt_bias", {nv});
-      L.delta.norm = expect(s, a + "norm.weight", {c.linear_value_head_dim});
-      L.delta.out_proj = expect(s, a + "out_proj.weight", {H, c.linear_value_dim()});
+      L.delta.in_proj_qkv = get(a + "in_proj_qkv.weight", {c.linear_conv_dim(), H}, Role::Matrix);
+      L.delta.in_proj_z = get(a + "in_proj_z.weight", {c.linear_value_dim(), H}, Role::Matrix);
+      L.delta.in_proj_b = get(a + "in_proj_b.weight", {nv, H}, Role::Matrix);
+      L.delta.in_proj_a = get(a + "in_proj_a.weight", {nv, H}, Role::Matrix);
+      L.delta.conv1d = get(a + "conv1d.weight", {c.linear_conv_dim(), 1, c.linear_conv_kernel_dim},
+                           Role::Vector);
+      L.delta.A_log = get(a + "A_log", {nv}, Role::Vector);
+      L.delta.dt_bias = get(a + "dt_bias", {nv}, Role::Vector);
+      L.delta.norm = get(a + "norm.weight", {c.linear_value_head_dim}, Role::Vector);
+      L.delta.out_proj = get(a + "out_proj.weight", {H, c.linear_value_dim()}, Role::Matrix);
     }
     layers_.push_back(L);
   }
-  inv_freq_ = rope_inv_freq(c.rope_theta, c.rotary_dim);
+  const std::vector<float> f = rope_inv_freq(c.rope_theta, c.rotary_dim);
+  inv_freq_.grow_to(static_cast<int64_t>(f.size()));
+  ops::copy_from_host(inv_freq_.data(), f.data(), sizeof(float) * f.size());
+}
+
+std::unique_ptr<Qwen35Model> Qwen35Model::random(const Qwen35Config& cfg, uint64_t seed) {
+  std::unique_ptr<Qwen35Model> m(new Qwen35Model());
+  m->cfg_ = cfg;
+  if (cfg.linear_conv_kernel_dim < 1 || cfg.linear_conv_kernel_dim > 16)
+    fail("config: linear_conv_kernel_dim must be in 1..16, got ", cfg.linear_conv_kernel_dim);
+  uint64_t tensor = 0;
+  WeightArena& arena = m->arena_;
+  auto source = [&](const std::string& name, const std::vector<int64_t>& shape, Role role) {
+    const uint64_t s = seed * 1000003ull + tensor++;
+    auto ends_with = [&](const char* suffix) {
+      const std::string x(suffix);
+      return name.size() >= x.size() && name.compare(name.size() - x.size(), x.size(), x) == 0;
+    };
+    int64_t n = 1;
+    for (int64_t d : shape) n *= d;
+    if (role == Role::Matrix) {
+      // Embeddings O(1); projections 1/sqrt(fan_in), as write_random_qwen35 draws them.
+      const float scale = ends_with("embed_tokens.weight")
+                              ? 1.0f
+                              : 1.0f / std::sqrt(static_cast<float>(shape[1]));
+      return arena.random_matrix(shape[0], shape[1], s, scale);
+    }
+    ops::WeightRef w;
+    if (ends_with("A_log"))
+      w = arena.random_vector(n, s, 1.35f, 1.35f);
+    else if (ends_with("dt_bias"))
+      w = arena.random_vector(n, s, 1.0f, 0.5f);
+    else if (ends_with("linear_attn.norm.weight"))
+      w = arena.random_vector(n, s, 1.0f, 0.1f);
+    else if (ends_with("conv1d.weight"))
+      w = arena.random_vector(n, s, 0.0f, 0.5f);
+    else
+      w = arena.random_vector(n, s, 0.0f, 0.1f);  // zero-centred RMSNorm weights
+    w.rows = shape[0];
+    w.cols = n / shape[0];
+    return w;
+  };
+  m->bind_weights(source, cfg.model_type == "qwen3_5" ? "model.language_model." : "model.");
+  return m;
 }
 
 void Qwen35Model::embed(std::span<const int32_t> ids, float* out) const {
   for (int32_t id : ids)
     if (id < 0 || id >= cfg_.vocab_size)
       fail("embed: token id ", id, " is out of range [0, ", cfg_.vocab_size, ")");
-  ops::embed_rows(embed_, ids.data(), static_cast<int64_t>(ids.size()), out);
+  Workspace& w = ws_;
+  w.ids.grow_to(static_cast<int64_t>(ids.size()));
+  ops::copy_from_host(w.ids.data(), ids.data(), sizeof(int32_t) * ids.size());
+  ops::embed_rows(embed_, w.ids.data(), static_cast<int64_t>(ids.size()), out);
 }
 
 void Qwen35Model::head(const float* hidden, int64_t n, float* out) const {
@@ -137,6 +189,22 @@ uint64_t Qwen35Model::decode_weight_bytes() const {
 
 uint64_t Qwen35Model::parameter_count() const {
   uint64_t n = 0;
+  if (store_.names().empty()) {  // a random model: count what was bound
+    auto count = [](const ops::WeightRef& w) { return static_cast<uint64_t>(w.rows * w.cols); };
+    n = count(embed_) + count(final_norm_) + (cfg_.tie_word_embeddings ? 0 : count(lm_head_));
+    for (const Layer& L : layers_) {
+      n += count(L.input_norm) + count(L.post_norm) + count(L.gate_proj) + count(L.up_proj) +
+           count(L.down_proj);
+      if (L.kind == LayerKind::FullAttention)
+        n += count(L.attn.q_proj) + count(L.attn.k_proj) + count(L.attn.v_proj) +
+             count(L.attn.o_proj) + count(L.attn.q_norm) + count(L.attn.k_norm);
+      else
+        n += count(L.delta.in_proj_qkv) + count(L.delta.in_proj_z) + count(L.delta.in_proj_b) +
+             count(L.delta.in_proj_a) + count(L.delta.conv1d) + count(L.delta.A_log) +
+             count(L.delta.dt_bias) + count(L.delta.norm) + count(L.delta.out_proj);
+    }
+    return n;
+  }
   for (const std::string& name : store_.names()) {
     if (name.rfind(prefix_, 0) == 0 || name == "lm_head.weight") n += store_.get(name).numel();
   }
@@ -174,17 +242,34 @@ void Qwen35Model::forward(Qwen35State& st, const ForwardRequest& req, ForwardOut
   Workspace& w = ws_;
   grow_to(w.x, T * H);
   grow_to(w.h, T * H);
-  w.pos.resize(static_cast<size_t>(T));
+  // Host-side metadata, uploaded once per forward: ids, positions, block tables.
+  w.pos_host.resize(static_cast<size_t>(T));
+  w.tables_host.clear();
+  std::vector<int64_t> table_offset;
   {
     int64_t t = 0;
-    for (const RowInput& r : req.rows)
-      for (int64_t j = 0; j < r.n_tokens; ++j) w.pos[t++] = st.length(r.slot) + j;
+    for (const RowInput& r : req.rows) {
+      for (int64_t j = 0; j < r.n_tokens; ++j) w.pos_host[t++] = st.length(r.slot) + j;
+      table_offset.push_back(static_cast<int64_t>(w.tables_host.size()));
+      const std::vector<int32_t>& bt = st.block_table(r.slot);
+      w.tables_host.insert(w.tables_host.end(), bt.begin(), bt.end());
+    }
   }
+  w.ids.grow_to(T);
+  w.pos.grow_to(T);
+  w.tables.grow_to(std::max<int64_t>(1, static_cast<int64_t>(w.tables_host.size())));
+  ops::copy_from_host(w.ids.data(), req.tokens.data(), sizeof(int32_t) * static_cast<size_t>(T));
+  ops::copy_from_host(w.pos.data(), w.pos_host.data(), sizeof(int64_t) * static_cast<size_t>(T));
+  ops::copy_from_host(w.tables.data(), w.tables_host.data(),
+                      sizeof(int32_t) * w.tables_host.size());
   // Each row's attention segment; block tables stay put until the next reserve.
   w.segments.clear();
-  for (const RowInput& r : req.rows)
-    w.segments.push_back({st.block_table(r.slot).data(), st.length(r.slot), r.n_tokens});
-  ops::embed_rows(embed_, req.tokens.data(), T, w.x.data());
+  for (size_t i = 0; i < req.rows.size(); ++i) {
+    const RowInput& r = req.rows[i];
+    w.segments.push_back({w.tables.data() + table_offset[i], st.length(r.slot), r.n_tokens});
+  }
+  ops::set_prefill(req.prompt);
+  ops::embed_rows(embed_, w.ids.data(), T, w.x.data());
 
   for (const Layer& L : layers_) {
     ops::rms_norm(w.x.data(), T, H, L.input_norm, true, static_cast<float>(c.rms_norm_eps),
@@ -206,10 +291,15 @@ void Qwen35Model::forward(Qwen35State& st, const ForwardRequest& req, ForwardOut
     ops::linear(w.mlp_g.data(), T, L.down_proj, w.h.data());
     ops::add_inplace(w.x.data(), w.h.data(), T * H);
   }
+  ops::set_prefill(false);
   for (const RowInput& r : req.rows) st.set_length(r.slot, st.length(r.slot) + r.n_tokens);
 
+  auto to_host = [](std::vector<float>& dst, const float* src, int64_t n) {
+    dst.resize(static_cast<size_t>(n));
+    ops::copy_to_host(dst.data(), src, sizeof(float) * static_cast<size_t>(n));
+  };
   if (req.want_prenorm_hidden)
-    out->prenorm_hidden.assign(w.x.begin(), w.x.begin() + T * H);
+    to_host(out->prenorm_hidden, w.x.data(), T * H);
   else
     out->prenorm_hidden.clear();
   // Final norm: every token when hidden states are wanted, else only the rows needing logits.
@@ -217,16 +307,18 @@ void Qwen35Model::forward(Qwen35State& st, const ForwardRequest& req, ForwardOut
   if (req.want_hidden || req.all_logits) {
     ops::rms_norm(w.x.data(), T, H, final_norm_, true, eps, w.h.data());
     if (req.want_hidden)
-      out->hidden.assign(w.h.begin(), w.h.begin() + T * H);
+      to_host(out->hidden, w.h.data(), T * H);
     else
       out->hidden.clear();
   } else {
     out->hidden.clear();
   }
+  const int64_t V = c.vocab_size;
   if (req.all_logits) {
     out->logits_rows = T;
-    out->logits.resize(static_cast<size_t>(T * c.vocab_size));
-    ops::linear(w.h.data(), T, lm_head_, out->logits.data());
+    grow_to(w.out, T * V);
+    ops::linear(w.h.data(), T, lm_head_, w.out.data());
+    to_host(out->logits, w.out.data(), T * V);
   } else {
     const int64_t R = static_cast<int64_t>(req.rows.size());
     // Gather each row's last token (normed) into a contiguous block, then one head GEMM.
@@ -237,13 +329,14 @@ void Qwen35Model::forward(Qwen35State& st, const ForwardRequest& req, ForwardOut
       t += req.rows[r].n_tokens;
       const float* src = (req.want_hidden ? w.h.data() : w.x.data()) + (t - 1) * H;
       if (req.want_hidden)
-        std::memcpy(last + r * H, src, sizeof(float) * H);
+        ops::copy(last + r * H, src, sizeof(float) * H);
       else
         ops::rms_norm(src, 1, H, final_norm_, true, eps, last + r * H);
     }
     out->logits_rows = R;
-    out->logits.resize(static_cast<size_t>(R * c.vocab_size));
-    ops::linear(last, R, lm_head_, out->logits.data());
+    grow_to(w.out, R * V);
+    ops::linear(last, R, lm_head_, w.out.data());
+    to_host(out->logits, w.out.data(), R * V);
   }
 }
 
@@ -298,9 +391,9 @@ void Qwen35Model::delta_layer(const Layer& L, Qwen35State& st, const ForwardRequ
         io.rec_after = st.window_recurrent_after(r.slot, li);
       } else {
         // Keep the recurrence inputs (the state snapshot was taken by begin_window).
-        std::memcpy(st.window_conv_input(r.slot, li), io.qkv, sizeof(float) * n * conv_dim);
-        std::memcpy(st.window_a(r.slot, li), io.a, sizeof(float) * n * nv);
-        std::memcpy(st.window_b(r.slot, li), io.b, sizeof(float) * n * nv);
+        ops::copy(st.window_conv_input(r.slot, li), io.qkv, sizeof(float) * n * conv_dim);
+        ops::copy(st.window_a(r.slot, li), io.a, sizeof(float) * n * nv);
+        ops::copy(st.window_b(r.slot, li), io.b, sizeof(float) * n * nv);
       }
     }
     delta_recurrence(L, n, io, st.conv_state(r.slot, li), st.recurrent_state(r.slot, li));
@@ -318,12 +411,9 @@ void Qwen35Model::delta_recurrence(const Layer& L, int64_t n, const DeltaRow& io
   ops::causal_conv_silu(io.qkv, n, conv_dim, c.linear_conv_kernel_dim, L.delta.conv1d, conv_state,
                         io.conv_out, io.conv_after);
   // The conv output per token is [q (kd) | k (kd) | v (vd)]; the recurrence wants each packed.
-  for (int64_t t = 0; t < n; ++t) {
-    const float* src = io.conv_out + t * conv_dim;
-    std::memcpy(io.q + t * kd, src, sizeof(float) * kd);
-    std::memcpy(io.k + t * kd, src + kd, sizeof(float) * kd);
-    std::memcpy(io.v + t * vd, src + 2 * kd, sizeof(float) * vd);
-  }
+  ops::copy_rows(io.q, kd, io.conv_out, conv_dim, n, kd);
+  ops::copy_rows(io.k, kd, io.conv_out + kd, conv_dim, n, kd);
+  ops::copy_rows(io.v, vd, io.conv_out + 2 * kd, conv_dim, n, vd);
   const ops::DeltaHeads heads{c.linear_num_key_heads, c.linear_num_value_heads,
                               c.linear_key_head_dim, c.linear_value_head_dim};
   ops::gated_delta_rule(io.q, io.k, io.v, io.a, io.b, L.delta.A_log, L.delta.dt_bias, n, heads,
@@ -365,13 +455,13 @@ void Qwen35Model::commit_windows(Qwen35State& st, std::span<const RowKeep> rows)
         float* conv_state = st.conv_state(r.slot, li);
         float* rec_state = st.recurrent_state(r.slot, li);
         if (st.rollback() == RecurrentRollback::PerPositionStates) {
-          std::memcpy(conv_state, st.window_conv_after(r.slot, li) + (kept - 1) * conv_floats,
-                      sizeof(float) * conv_floats);
-          std::memcpy(rec_state, st.window_recurrent_after(r.slot, li) + (kept - 1) * rec_floats,
-                      sizeof(float) * rec_floats);
+          ops::copy(conv_state, st.window_conv_after(r.slot, li) + (kept - 1) * conv_floats,
+                    sizeof(float) * conv_floats);
+          ops::copy(rec_state, st.window_recurrent_after(r.slot, li) + (kept - 1) * rec_floats,
+                    sizeof(float) * rec_floats);
         } else {
-          std::memcpy(conv_state, st.window_snapshot(r.slot, li),
-                      sizeof(float) * (conv_floats + rec_floats));  // [conv | recurrent]
+          ops::copy(conv_state, st.window_snapshot(r.slot, li),
+                    sizeof(float) * (conv_floats + rec_floats));  // [conv | recurrent]
           float* q = w.a4.data();
           const DeltaRow io{st.window_conv_input(r.slot, li),
                             st.window_a(r.slot, li),

@@ -7,7 +7,11 @@
 #include <string>
 #include <vector>
 
+#include <functional>
+
+#include "tandem/backend/buffer.h"
 #include "tandem/backend/ops.h"
+#include "tandem/backend/weight_arena.h"
 #include "tandem/io/weight_store.h"
 #include "tandem/model/gated_attention.h"
 #include "tandem/model/qwen3_5_config.h"
@@ -36,6 +40,10 @@ struct ForwardRequest {
   bool all_logits = false;           // false: only each row's last token gets logits
   bool want_hidden = false;          // final-normed hidden of every token
   bool want_prenorm_hidden = false;  // the last layer's output before the final norm, every token
+  // Prompt tokens: the CUDA backend takes its prefill GEMM path (see Qwen35Model::forward).
+  // Engines set it for the forward that processes prompts, in plain and speculative decoding
+  // alike, so both compute prompt tokens identically.
+  bool prompt = false;
 };
 
 struct ForwardOutput {
@@ -47,6 +55,7 @@ struct ForwardOutput {
 
 class Qwen35Model {
  public:
+  static constexpr int64_t kMaxWindowTokens = 16;  // the largest verify window benchmarks time
   struct LoadOptions {
     bool prefault = true;
   };
@@ -55,6 +64,9 @@ class Qwen35Model {
   // through weights() for the drafter.
   static std::unique_ptr<Qwen35Model> load(const std::string& dir, const LoadOptions& opts);
   static std::unique_ptr<Qwen35Model> load(const std::string& dir) { return load(dir, {}); }
+  // A model of `cfg`'s shape with random weights created directly in the active backend's
+  // memory (no files): benchmarks at real sizes. Weight scales follow write_random_qwen35.
+  static std::unique_ptr<Qwen35Model> random(const Qwen35Config& cfg, uint64_t seed);
 
   const Qwen35Config& config() const { return cfg_; }
   const WeightStore& weights() const { return store_; }
@@ -62,6 +74,9 @@ class Qwen35Model {
 
   // Runs the rows' new tokens through the model, appending them to each row's state.
   // Token ids must be in [0, vocab) (throws Error otherwise, before any state changes).
+  // Outputs are copied to host memory. Every token's numbers are independent of the other rows
+  // in the forward (batch invariance). On CUDA, `req.prompt` selects the prefill GEMM path, so a
+  // prompt token's numbers differ (within bf16 rounding) from the same token decoded.
   void forward(Qwen35State& state, const ForwardRequest& req, ForwardOutput* out) const;
 
   // Cuts speculative rows back to the kept prefix of their last window: KV coverage shrinks and
@@ -76,10 +91,13 @@ class Qwen35Model {
   // conv + recurrence (no projections, no attention, no MLP).
   void commit_windows(Qwen35State& state, std::span<const RowKeep> rows) const;
 
-  // out[n, H] = embedding rows of ids (must be in range). Drafters embed through the target.
+  // out[n, H] = embedding rows of ids (host ids, must be in range; out in backend memory).
+  // Drafters embed through the target.
   void embed(std::span<const int32_t> ids, float* out) const;
-  // out[n, V] = the head applied to hidden[n, H] (no norm applied here).
+  // out[n, V] = the head applied to hidden[n, H] (no norm applied here; backend memory).
   void head(const float* hidden, int64_t n, float* out) const;
+  // The backend memory holding the model's weights (0 for a CPU model of mapped files).
+  uint64_t placed_weight_bytes() const { return arena_.bytes(); }
 
   // Bytes of weights one decode step reads (every layer + the head; the embedding row is noise).
   uint64_t decode_weight_bytes() const;
@@ -103,23 +121,34 @@ class Qwen35Model {
 
   Qwen35Config cfg_;
   WeightStore store_;
+  WeightArena arena_;  // backend copies of the weights (CUDA) or nothing (CPU)
   std::string prefix_;
   ops::WeightRef embed_, final_norm_, lm_head_;
   std::vector<Layer> layers_;
-  std::vector<float> inv_freq_;
+  Buffer<float> inv_freq_;
 
   // Scratch reused across calls (grown, never shrunk). A model serves one forward at a time.
+  // Buffers are backend memory; the *_host vectors stage what the host computes per forward.
   struct Workspace {
-    std::vector<float> x, h, a0, a1, a2, a3, a4, a5, mlp_g, mlp_u;
-    std::vector<float> last;  // [rows, H]: each row's last normed hidden, for the head
-    std::vector<int64_t> pos;
+    Buffer<float> x, h, a0, a1, a2, a3, a4, a5, mlp_g, mlp_u;
+    Buffer<float> last;   // [rows, H]: each row's last normed hidden, for the head
+    Buffer<float> out;    // [rows or T, V] logits before the copy to the host
+    Buffer<int32_t> ids;  // [T] token ids
+    Buffer<int64_t> pos;  // [T] positions
+    Buffer<int32_t> tables;  // the rows' block tables, concatenated
+    std::vector<int64_t> pos_host;
+    std::vector<int32_t> tables_host;
     std::vector<AttentionSegment> segments;
     GatedAttentionScratch attn;
   };
   mutable Workspace ws_;
 
   Qwen35Model() = default;
-  void bind_weights();
+  // Where bind_weights gets each tensor: by name, with the shape and role it must have.
+  enum class Role { Matrix, Vector };
+  using WeightSource =
+      std::function<ops::WeightRef(const std::string& name, const std::vector<int64_t>& shape, Role)>;
+  void bind_weights(const WeightSource& source, const std::string& prefix);
   void attention_layer(const Layer& L, Qwen35State& st, int64_t T) const;
   void delta_layer(const Layer& L, Qwen35State& st, const ForwardRequest& req, int64_t T) const;
 

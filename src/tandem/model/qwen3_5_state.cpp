@@ -35,7 +35,8 @@ int Qwen35State::open_row() {
   r.length = 0;
   r.blocks.clear();
   r.window_start = r.window_n = 0;
-  linear_state_[slot].assign(static_cast<size_t>(n_linear_ * (conv_floats_ + rec_floats_)), 0.0f);
+  linear_state_[slot].grow_to(n_linear_ * (conv_floats_ + rec_floats_));
+  linear_state_[slot].zero();
   return slot;
 }
 
@@ -57,7 +58,7 @@ void Qwen35State::grow_pool(int64_t min_free) {
   const int64_t add = std::max<int64_t>({min_free, n_blocks_, 16});
   const int64_t floats_per_block = 2 * kBlockSize * kv_heads_ * head_dim_;
   for (auto& pool : kv_pools_)
-    pool.resize(static_cast<size_t>((n_blocks_ + add) * floats_per_block));
+    pool.grow_to((n_blocks_ + add) * floats_per_block);
   for (int64_t b = n_blocks_ + add - 1; b >= n_blocks_; --b)
     free_blocks_.push_back(static_cast<int32_t>(b));
   n_blocks_ += add;
@@ -114,13 +115,13 @@ void Qwen35State::begin_window(int slot, int64_t n) {
          " tokens from position ", r.window_start, "); commit_windows must close it first");
   if (n <= 0) fail("begin_window: row slot ", slot, " window of ", n, " tokens");
   // Grown, never shrunk: after the largest window a slot sees, verify rounds allocate nothing.
-  const size_t need = static_cast<size_t>(n_linear_ * window_layer_floats(n));
-  if (r.window.size() < need) r.window.resize(need);
+  r.window.grow_to(n_linear_ * window_layer_floats(n));
   r.window_start = r.length;
   r.window_n = n;
   if (rollback_ == RecurrentRollback::SnapshotReplay)
     for (int l = 0; l < n_linear_; ++l)
-      std::copy_n(conv_state(slot, l), conv_floats_ + rec_floats_, window_snapshot(slot, l));
+      ops::copy(window_snapshot(slot, l), conv_state(slot, l),
+                sizeof(float) * static_cast<size_t>(conv_floats_ + rec_floats_));
 }
 
 void Qwen35State::end_window(int slot, int64_t kept) {
@@ -168,9 +169,9 @@ float* Qwen35State::window_b(int slot, int linear_layer) {
 
 size_t Qwen35State::bytes() const {
   size_t n = 0;
-  for (const auto& p : kv_pools_) n += p.size() * sizeof(float);
-  for (const auto& s : linear_state_) n += s.size() * sizeof(float);
-  for (const Row& r : rows_) n += r.window.size() * sizeof(float);
+  for (const auto& p : kv_pools_) n += static_cast<size_t>(p.size()) * sizeof(float);
+  for (const auto& s : linear_state_) n += static_cast<size_t>(s.size()) * sizeof(float);
+  for (const Row& r : rows_) n += static_cast<size_t>(r.window.size()) * sizeof(float);
   return n;
 }
 

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "tandem/backend/buffer.h"
 #include "tandem/backend/ops.h"
 #include "tandem/model/qwen3_5_config.h"
 
@@ -23,7 +24,9 @@ namespace tandem {
 enum class RecurrentRollback { PerPositionStates, SnapshotReplay };
 
 // Fixed-size KV blocks shared by all rows; a row owns a list of blocks (its block table).
-// Blocks are never moved, so a block id stays valid while the pool grows.
+// Blocks are never moved, so a block id stays valid while the pool grows. KV, conv/recurrent
+// states and window buffers live in the active backend's memory (device memory on CUDA); block
+// tables and lengths stay on the host (the model uploads the tables it needs per forward).
 class Qwen35State {
  public:
   static constexpr int64_t kBlockSize = 16;
@@ -94,16 +97,16 @@ class Qwen35State {
     int64_t length = 0;
     std::vector<int32_t> blocks;
     int64_t window_start = 0, window_n = 0;  // window_n == 0: no open window
-    std::vector<float> window;               // per-slot speculative buffer, layout per `rollback_`
+    Buffer<float> window;                    // per-slot speculative buffer, layout per `rollback_`
   };
   RecurrentRollback rollback_;
   int64_t n_attn_ = 0, n_linear_ = 0, kv_heads_ = 0, head_dim_ = 0;
   int64_t conv_floats_ = 0, rec_floats_ = 0, conv_dim_ = 0, n_v_heads_ = 0;
   std::vector<Row> rows_;
-  std::vector<std::vector<float>> kv_pools_;  // per attention layer
+  std::vector<Buffer<float>> kv_pools_;  // per attention layer
   int64_t n_blocks_ = 0;
   std::vector<int32_t> free_blocks_;
-  std::vector<std::vector<float>> linear_state_;  // per slot: [n_linear][conv | recurrent]
+  std::vector<Buffer<float>> linear_state_;  // per slot: [n_linear][conv | recurrent]
 
   void grow_pool(int64_t min_free);
   // Floats one linear layer uses in a row's window buffer for an n-token window.

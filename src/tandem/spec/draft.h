@@ -46,9 +46,9 @@ class TargetView {
   int64_t layer_count() const { return model_.config().num_hidden_layers; }
   // The target's checkpoint, for drafters shipped inside it (`mtp.*`).
   const WeightStore& weights() const { return model_.weights(); }
-  // out[n, H] = embedding rows of ids (ids must be in range).
+  // out[n, H] = embedding rows of ids (host ids, in range; out in the backend's memory).
   void embed(std::span<const int32_t> ids, float* out) const { model_.embed(ids, out); }
-  // out[n, V] = the target's head applied to already-normed hidden[n, H].
+  // out[n, V] = the target's head applied to already-normed hidden[n, H] (backend memory).
   void logits(const float* hidden, int64_t n, float* out) const { model_.head(hidden, n, out); }
   bool can_tap(HiddenTap) const { return true; }
 

@@ -113,7 +113,7 @@ std::vector<int32_t> QwenMtpRows::take_blocks(int64_t n) {
   if (static_cast<int64_t>(free_blocks_.size()) < n) {
     // Grow geometrically; block ids never move, and rows' contents are kept by the resize.
     const int64_t add = std::max<int64_t>({n, n_blocks_, 16});
-    pool_.resize(static_cast<size_t>((n_blocks_ + add) * floats_per_block()));
+    pool_.grow_to((n_blocks_ + add) * floats_per_block());
     // Capacity for every block: returning blocks (dispose, filter) never reallocates.
     free_blocks_.reserve(static_cast<size_t>(n_blocks_ + add));
     for (int64_t b = n_blocks_ + add - 1; b >= n_blocks_; --b)
@@ -146,17 +146,29 @@ void QwenMtpRows::run_block(const std::vector<int>& row_ids, const std::vector<i
     Row& r = rows_[row_ids[i]];
     reserve(r, r.length + counts[i]);
   }
-  // Segments point into the rows' block tables: build them after every reservation.
+  // Segments point into an upload of the rows' block tables, made after every reservation.
+  tables_host_.clear();
+  std::vector<int64_t> offset;
+  for (size_t i = 0; i < row_ids.size(); ++i) {
+    const Row& r = rows_[row_ids[i]];
+    offset.push_back(static_cast<int64_t>(tables_host_.size()));
+    tables_host_.insert(tables_host_.end(), r.blocks.begin(), r.blocks.end());
+  }
+  tables_dev_.grow_to(std::max<int64_t>(1, static_cast<int64_t>(tables_host_.size())));
+  ops::copy_from_host(tables_dev_.data(), tables_host_.data(),
+                      sizeof(int32_t) * tables_host_.size());
   std::vector<MtpSegment> segs;
   segs.reserve(row_ids.size());
   for (size_t i = 0; i < row_ids.size(); ++i) {
     const Row& r = rows_[row_ids[i]];
-    segs.push_back({r.blocks.data(), r.length, counts[i]});
+    segs.push_back({tables_dev_.data() + offset[i], r.length, counts[i]});
   }
-  if (static_cast<int64_t>(emb_.size()) < T * H_) emb_.resize(static_cast<size_t>(T * H_));
-  if (static_cast<int64_t>(out_.size()) < T * H_) out_.resize(static_cast<size_t>(T * H_));
+  emb_.grow_to(T * H_);
+  out_.grow_to(T * H_);
+  hid_dev_.grow_to(T * H_);
+  ops::copy_from_host(hid_dev_.data(), hid_.data(), sizeof(float) * static_cast<size_t>(T * H_));
   target_.embed(ids_, emb_.data());
-  block_->forward(emb_.data(), hid_.data(), segs, kv_view(), ws_, out_.data());
+  block_->forward(emb_.data(), hid_dev_.data(), segs, kv_view(), ws_, out_.data());
   for (size_t i = 0; i < row_ids.size(); ++i) rows_[row_ids[i]].length += counts[i];
 }
 
@@ -240,9 +252,10 @@ std::unique_ptr<PreparedChange> QwenMtpRows::prepare_append(std::span<const Chec
         const ops::KVLayerView kv = kv_view();
         for (int64_t p = 0; p < len; ++p) {
           const int32_t b = row.blocks[static_cast<size_t>(p / kBlockSize)];
-          std::memcpy(kv.key(b, p % kBlockSize), keys.data.data() + p * kvf, sizeof(float) * kvf);
-          std::memcpy(kv.value(b, p % kBlockSize), values.data.data() + p * kvf,
-                      sizeof(float) * kvf);
+          ops::copy_from_host(kv.key(b, p % kBlockSize), keys.data.data() + p * kvf,
+                              sizeof(float) * kvf);
+          ops::copy_from_host(kv.value(b, p % kBlockSize), values.data.data() + p * kvf,
+                              sizeof(float) * kvf);
         }
         row.h_true = c->tensors.at("h_true").data;
         row.has_hidden = true;
@@ -384,7 +397,11 @@ void QwenMtpRows::draft(std::span<const RowDraft> rows, std::vector<DraftProposa
     run_block(active, std::vector<int64_t>(active.size(), 1));
     std::vector<float>& logits = step_logits_[static_cast<size_t>(j)];
     if (static_cast<int64_t>(logits.size()) < A * V_) logits.resize(static_cast<size_t>(A * V_));
-    target_.logits(out_.data(), A, logits.data());
+    logits_dev_.grow_to(A * V_);
+    target_.logits(out_.data(), A, logits_dev_.data());
+    ops::copy_to_host(logits.data(), logits_dev_.data(), sizeof(float) * static_cast<size_t>(A * V_));
+    out_host_.resize(static_cast<size_t>(A * H_));
+    ops::copy_to_host(out_host_.data(), out_.data(), sizeof(float) * out_host_.size());
     for (int64_t a = 0; a < A; ++a) {
       const int b = active[static_cast<size_t>(a)];
       const RowDraft& in = rows[static_cast<size_t>(b)];
@@ -397,7 +414,7 @@ void QwenMtpRows::draft(std::span<const RowDraft> rows, std::vector<DraftProposa
         (*out)[static_cast<size_t>(b)].q.emplace_back();
         filtered_distribution(l, in.sampling, &(*out)[static_cast<size_t>(b)].q.back());
       }
-      std::memcpy(chain_.data() + b * H_, out_.data() + a * H_, sizeof(float) * H_);
+      std::memcpy(chain_.data() + b * H_, out_host_.data() + a * H_, sizeof(float) * H_);
     }
   }
 }
@@ -475,8 +492,9 @@ CheckpointPtr QwenMtpRows::capture(int row) const {
   kv.head_dim = head_dim_;
   for (int64_t p = 0; p < r.length; ++p) {
     const int32_t b = r.blocks[static_cast<size_t>(p / kBlockSize)];
-    std::memcpy(keys.data.data() + p * kvf, kv.key(b, p % kBlockSize), sizeof(float) * kvf);
-    std::memcpy(values.data.data() + p * kvf, kv.value(b, p % kBlockSize), sizeof(float) * kvf);
+    ops::copy_to_host(keys.data.data() + p * kvf, kv.key(b, p % kBlockSize), sizeof(float) * kvf);
+    ops::copy_to_host(values.data.data() + p * kvf, kv.value(b, p % kBlockSize),
+                      sizeof(float) * kvf);
   }
   c->tensors["kv_keys"] = std::move(keys);
   c->tensors["kv_values"] = std::move(values);

@@ -103,15 +103,17 @@ class QwenMtpRows : public DraftRows {
   int64_t H_ = 0, V_ = 0, kv_heads_ = 0, head_dim_ = 0;
 
   std::vector<Row> rows_;
-  std::vector<float> pool_;  // [n_blocks, 2, kBlockSize, kv_heads, head_dim]
+  Buffer<float> pool_;  // [n_blocks, 2, kBlockSize, kv_heads, head_dim], backend memory
   int64_t n_blocks_ = 0;
   std::vector<int32_t> free_blocks_;
 
-  // Scratch (grown, reused).
+  // Scratch (grown, reused). Buffers are backend memory; vectors are host staging.
   QwenMtpBlock::Workspace ws_;
-  std::vector<float> emb_, hid_, out_;
-  std::vector<int32_t> ids_;
-  std::vector<float> chain_;                     // [rows, H] each row's last step output
+  Buffer<float> emb_, hid_dev_, out_, logits_dev_;
+  Buffer<int32_t> tables_dev_;  // the block tables of run_block's rows, concatenated
+  std::vector<float> hid_, out_host_;
+  std::vector<int32_t> ids_, tables_host_;
+  std::vector<float> chain_;                     // [rows, H] each row's last step output (host)
   std::vector<std::vector<float>> step_logits_;  // per draft step: [active rows, V]
   std::vector<std::vector<int>> step_rows_;      // per draft step: the active rows, in order
   int64_t outstanding_appends_ = 0;              // rows of prepared, not yet committed appends

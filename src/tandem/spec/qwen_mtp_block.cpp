@@ -1,7 +1,6 @@
 #include "tandem/spec/qwen_mtp_block.h"
 
 #include <cmath>
-#include <cstring>
 
 #include "tandem/core/error.h"
 
@@ -12,7 +11,22 @@ namespace {}  // namespace
 QwenMtpBlock::QwenMtpBlock(QwenMtpWeights w) : w_(std::move(w)) {
   const QwenMtpConfig& c = w_.cfg;
   // In fp32, as the target (and the reference) compute them: 1 / theta^(2i / rotary_dim).
-  inv_freq_ = rope_inv_freq(c.rope_theta, c.rotary_dim);
+  const std::vector<float> f = rope_inv_freq(c.rope_theta, c.rotary_dim);
+  inv_freq_.grow_to(static_cast<int64_t>(f.size()));
+  ops::copy_from_host(inv_freq_.data(), f.data(), sizeof(float) * f.size());
+  if (ops::backend() == ops::Backend::Cpu) return;  // the CPU computes on the mapped tensors
+  for (ops::WeightRef* v : {&w_.pre_fc_norm_embedding, &w_.pre_fc_norm_hidden, &w_.input_layernorm,
+                            &w_.post_attention_layernorm, &w_.q_norm, &w_.k_norm, &w_.norm})
+    *v = arena_.vector(*v);
+  for (MtpLinear* l : {&w_.fc, &w_.q_proj, &w_.k_proj, &w_.v_proj, &w_.o_proj, &w_.gate_proj,
+                       &w_.up_proj, &w_.down_proj}) {
+    if (l->quant) {
+      l->dense = arena_.dequantized(*l->quant);
+      l->quant.reset();
+    } else {
+      l->dense = arena_.matrix(l->dense);
+    }
+  }
 }
 
 void QwenMtpBlock::forward(const float* embeds, const float* hidden,
@@ -26,22 +40,22 @@ void QwenMtpBlock::forward(const float* embeds, const float* hidden,
   int64_t T = 0;
   for (const MtpSegment& s : segs) T += s.n;
   if (T == 0) return;
-  ws.pos.resize(static_cast<size_t>(T));
+  ws.pos_host.resize(static_cast<size_t>(T));
   {
     int64_t t = 0;
     for (const MtpSegment& s : segs)
-      for (int64_t j = 0; j < s.n; ++j) ws.pos[t++] = s.start + j;
+      for (int64_t j = 0; j < s.n; ++j) ws.pos_host[t++] = s.start + j;
   }
+  ws.pos.grow_to(T);
+  ops::copy_from_host(ws.pos.data(), ws.pos_host.data(), sizeof(int64_t) * ws.pos_host.size());
 
   // fc input: [norm_e(embed) | norm_h(h)] per token.
   grow_to(ws.cat, T * 2 * H);
   grow_to(ws.h, T * H);
   ops::rms_norm(embeds, T, H, w_.pre_fc_norm_embedding, zc, eps, ws.h.data());
-  for (int64_t t = 0; t < T; ++t)
-    std::memcpy(ws.cat.data() + t * 2 * H, ws.h.data() + t * H, sizeof(float) * H);
+  ops::copy_rows(ws.cat.data(), 2 * H, ws.h.data(), H, T, H);
   ops::rms_norm(hidden, T, H, w_.pre_fc_norm_hidden, zc, eps, ws.h.data());
-  for (int64_t t = 0; t < T; ++t)
-    std::memcpy(ws.cat.data() + t * 2 * H + H, ws.h.data() + t * H, sizeof(float) * H);
+  ops::copy_rows(ws.cat.data() + H, 2 * H, ws.h.data(), H, T, H);
   grow_to(ws.x, T * H);
   w_.fc.apply(ws.cat.data(), T, ws.x.data());
 

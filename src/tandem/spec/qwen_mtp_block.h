@@ -12,7 +12,9 @@
 #include <span>
 #include <vector>
 
+#include "tandem/backend/buffer.h"
 #include "tandem/backend/ops.h"
+#include "tandem/backend/weight_arena.h"
 #include "tandem/model/gated_attention.h"
 #include "tandem/spec/qwen_mtp_weights.h"
 
@@ -30,19 +32,22 @@ class QwenMtpBlock {
 
   // Scratch of one caller (grown, never shrunk); a block may serve several callers.
   struct Workspace {
-    std::vector<float> cat, x, h, g, u;
+    Buffer<float> cat, x, h, g, u;
     GatedAttentionScratch attn;
-    std::vector<int64_t> pos;
+    Buffer<int64_t> pos;
+    std::vector<int64_t> pos_host;
   };
 
   // embeds, hidden: [T, H] (T = Σ n), rows in segment order; embeds are the target's raw
   // embedding rows. out: [T, H] after the final norm. Writes each token's K/V into `kv`.
+  // All arrays, and the segments' block tables, are backend memory.
   void forward(const float* embeds, const float* hidden, std::span<const MtpSegment> segs,
                const ops::KVLayerView& kv, Workspace& ws, float* out) const;
 
  private:
-  QwenMtpWeights w_;
-  std::vector<float> inv_freq_;
+  QwenMtpWeights w_;  // placed for the active backend (CUDA: bf16/f32 copies in arena_)
+  WeightArena arena_;
+  Buffer<float> inv_freq_;
 };
 
 }  // namespace tandem::spec

@@ -8,9 +8,11 @@
 #include <vector>
 
 #include "tandem/backend/cpu/simd.h"
-#include "tandem/backend/ops.h"
+#include "tandem/backend/cpu/cpu_ops.h"
 
-namespace tandem::ops {
+namespace tandem::cpu {
+
+using namespace tandem::ops;
 
 void kv_write(const KVLayerView& kv, const int32_t* block_table, int64_t start, int64_t n,
               const float* k, const float* v) {
@@ -63,4 +65,4 @@ void attention(const KVLayerView& kv, const int32_t* block_table, int64_t start,
   }
 }
 
-}  // namespace tandem::ops
+}  // namespace tandem::cpu

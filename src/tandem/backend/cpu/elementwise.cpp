@@ -4,14 +4,14 @@
 #include <cmath>
 
 #include "tandem/backend/cpu/weight_element.h"
-#include "tandem/backend/ops.h"
+#include "tandem/backend/cpu/cpu_ops.h"
 #include "tandem/core/error.h"
 
-namespace tandem::ops {
+namespace tandem::cpu {
+
+using namespace tandem::ops;
 
 namespace {
-int g_threads = 0;
-
 inline float silu(float x) {
   return x / (1.0f + std::exp(-x));
 }
@@ -29,31 +29,6 @@ void check_float_weight(const WeightRef& w, const char* op) {
 }
 }  // namespace
 
-void set_thread_count(int n) {
-  g_threads = n;
-}
-
-int thread_count() {
-  return g_threads > 0 ? g_threads : omp_get_max_threads();
-}
-
-WeightRef weight_ref(const TensorView& t) {
-  WeightRef w;
-  w.dtype = t.dtype;
-  w.data = t.data;
-  if (t.shape.size() == 1) {
-    w.rows = 1;
-    w.cols = t.shape[0];
-  } else if (t.shape.size() == 2) {
-    w.rows = t.shape[0];
-    w.cols = t.shape[1];
-  } else {
-    // Higher-rank weights (conv1d [C, 1, K]) collapse to [shape[0], rest].
-    w.rows = t.shape.empty() ? 1 : t.shape[0];
-    w.cols = w.rows ? t.numel() / w.rows : 0;
-  }
-  return w;
-}
 
 void embed_rows(const WeightRef& table, const int32_t* ids, int64_t n, float* out) {
   check_float_weight(table, "embed_rows");
@@ -150,4 +125,4 @@ void causal_conv_silu(const float* x, int64_t n, int64_t channels, int64_t kerne
   }
 }
 
-}  // namespace tandem::ops
+}  // namespace tandem::cpu

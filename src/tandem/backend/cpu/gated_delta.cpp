@@ -8,9 +8,11 @@
 #include <vector>
 
 #include "tandem/backend/cpu/weight_element.h"
-#include "tandem/backend/ops.h"
+#include "tandem/backend/cpu/cpu_ops.h"
 
-namespace tandem::ops {
+namespace tandem::cpu {
+
+using namespace tandem::ops;
 
 namespace {
 inline float softplus(float x) {
@@ -73,4 +75,4 @@ void gated_delta_rule(const float* q, const float* k, const float* v, const floa
   }
 }
 
-}  // namespace tandem::ops
+}  // namespace tandem::cpu

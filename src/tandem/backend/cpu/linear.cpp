@@ -10,10 +10,12 @@
 #include <algorithm>
 
 #include "tandem/backend/cpu/simd.h"
-#include "tandem/backend/ops.h"
+#include "tandem/backend/cpu/cpu_ops.h"
 #include "tandem/core/error.h"
 
-namespace tandem::ops {
+namespace tandem::cpu {
+
+using namespace tandem::ops;
 
 namespace {
 
@@ -202,4 +204,4 @@ void linear(const float* x, int64_t m, const WeightRef& w, float* y) {
   }
 }
 
-}  // namespace tandem::ops
+}  // namespace tandem::cpu

@@ -8,10 +8,12 @@
 #include <cstring>
 #include <vector>
 
-#include "tandem/backend/ops.h"
+#include "tandem/backend/cpu/cpu_ops.h"
 #include "tandem/core/error.h"
 
-namespace tandem::ops {
+namespace tandem::cpu {
+
+using namespace tandem::ops;
 
 namespace {
 
@@ -100,12 +102,8 @@ bool is_float(DType t) {
 
 }  // namespace
 
-bool quant_bits_supported(int bits) {
-  return bits == 2 || bits == 3 || bits == 4 || bits == 5 || bits == 6 || bits == 8;
-}
-
 void linear_quantized(const float* x, int64_t m, const QuantWeightRef& w, float* y) {
-  if (!quant_bits_supported(w.bits))
+  if (!ops::quant_bits_supported(w.bits))
     fail("linear_quantized: ", w.bits, "-bit weights are not supported (2, 3, 4, 5, 6 or 8)");
   if (w.group_size <= 0 || w.group_size % 32 != 0 || w.cols % w.group_size != 0)
     fail("linear_quantized: group_size ", w.group_size, " must be a positive multiple of 32 ",
@@ -136,4 +134,24 @@ void linear_quantized(const float* x, int64_t m, const QuantWeightRef& w, float*
   }
 }
 
-}  // namespace tandem::ops
+}  // namespace tandem::cpu
+
+namespace tandem::cpu {
+
+void dequantize_rows(const ops::QuantWeightRef& w, int64_t r0, int64_t n, float* out) {
+  if (!ops::quant_bits_supported(w.bits))
+    fail("dequantize_rows: ", w.bits, "-bit weights are not supported (2, 3, 4, 5, 6 or 8)");
+  for (int64_t r = r0; r < r0 + n; ++r) {
+    float* dst = out + (r - r0) * w.cols;
+    switch (w.bits) {
+      case 2: dequant_row<2>(w, r, dst); break;
+      case 3: dequant_row<3>(w, r, dst); break;
+      case 4: dequant_row<4>(w, r, dst); break;
+      case 5: dequant_row<5>(w, r, dst); break;
+      case 6: dequant_row<6>(w, r, dst); break;
+      default: dequant_row<8>(w, r, dst); break;
+    }
+  }
+}
+
+}  // namespace tandem::cpu

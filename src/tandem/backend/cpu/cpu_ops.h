@@ -1,0 +1,39 @@
+// The CPU implementation of the op set: the same signatures and semantics as backend/ops.h, on
+// host memory. backend/ops.cpp dispatches to these when the CPU backend is active; tests call
+// them directly as the reference for the CUDA backend.
+#pragma once
+
+#include "tandem/backend/ops.h"
+
+namespace tandem::cpu {
+
+void linear(const float* x, int64_t m, const ops::WeightRef& w, float* y);
+void embed_rows(const ops::WeightRef& table, const int32_t* ids, int64_t n, float* out);
+void rms_norm(const float* x, int64_t m, int64_t d, const ops::WeightRef& w, bool zero_centred,
+              float eps, float* y);
+void gated_rms_norm(const float* x, const float* z, int64_t m, int64_t d, const ops::WeightRef& w,
+                    float eps, float* y);
+void swiglu(const float* gate, const float* up, int64_t n, float* out);
+void sigmoid_gate(float* x, const float* gate, int64_t n);
+void add_inplace(float* x, const float* y, int64_t n);
+void rope(float* x, int64_t n_tokens, int64_t n_heads, int64_t head_dim, int64_t rotary_dim,
+          const int64_t* positions, const float* inv_freq);
+void kv_write(const ops::KVLayerView& kv, const int32_t* block_table, int64_t start, int64_t n,
+              const float* k, const float* v);
+void attention(const ops::KVLayerView& kv, const int32_t* block_table, int64_t start, int64_t n,
+               const float* q, int64_t n_heads, float scale, float* out);
+void causal_conv_silu(const float* x, int64_t n, int64_t channels, int64_t kernel,
+                      const ops::WeightRef& w, float* state, float* out, float* state_after);
+void gated_delta_rule(const float* q, const float* k, const float* v, const float* a,
+                      const float* b, const ops::WeightRef& A_log, const ops::WeightRef& dt_bias,
+                      int64_t n, const ops::DeltaHeads& h, float* state, float* out,
+                      float* state_after);
+void linear_quantized(const float* x, int64_t m, const ops::QuantWeightRef& w, float* y);
+
+}  // namespace tandem::cpu
+
+namespace tandem::cpu {
+// Rows r0..r0+n-1 of an MLX-affine quantized weight, dequantized to fp32 [n, cols] (the values
+// linear_quantized multiplies with).
+void dequantize_rows(const ops::QuantWeightRef& w, int64_t r0, int64_t n, float* out);
+}  // namespace tandem::cpu

@@ -1,0 +1,83 @@
+// The CUDA implementation of the op set (backend/ops.h). Plain C++ declarations: callers never
+// see CUDA types, so the CPU-only build and the rest of the engine compile without nvcc.
+//
+// Conventions (on top of ops.h's):
+//  - Every pointer argument is device memory (cudaMalloc), including positions, block tables and
+//    inv_freq. Scalars (m, n, start, ...) are host values.
+//  - Weights on the device are BF16 for matrices (linear, embedding tables) and F32 for vectors
+//    (norm weights, A_log, dt_bias, conv weights). Ops check the dtype they need and throw
+//    tandem::Error naming it.
+//  - Activations and recurrent state are fp32; linear rounds its input rows to bf16 and multiplies
+//    on the tensor cores with fp32 accumulation.
+//  - All work is queued on one stream (stream()); ops never synchronize the host, so a decode
+//    step can be captured into a CUDA graph. Only the copy_to_host / synchronize calls block.
+//  - Batch invariance (DESIGN.md principle 2): every op computes a row's (token's) result with a
+//    reduction order that depends only on that row's data and the weight shape, never on how
+//    many rows are in the call. Prompt prefill (set_prefill) takes a second, faster linear path
+//    (cuBLAS on fixed-size row chunks) that is batch-invariant among prompt rows; a token's
+//    numbers therefore depend on whether it was a prompt token or a decoded/verified one, never
+//    on the batch.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "tandem/backend/ops.h"
+
+namespace tandem::cuda {
+
+// --- Device and memory -------------------------------------------------------------------------
+bool available();            // a CUDA device is present and usable (no throw)
+std::string device_name();   // e.g. "NVIDIA H200"; throws if none
+void* alloc(size_t bytes);   // cudaMalloc; throws Error("CUDA out of memory ...") with sizes
+void free(void* p);          // null is fine
+void copy_to_device(void* dst, const void* src, size_t bytes);    // host → device, ordered on stream
+void copy_to_host(void* dst, const void* src, size_t bytes);      // device → host, waits for it
+void copy_on_device(void* dst, const void* src, size_t bytes);    // device → device, async
+void fill_zero(void* p, size_t bytes);                            // async
+void synchronize();          // waits for the stream; throws with the first kernel error
+void* stream();              // the cudaStream_t every op uses
+
+// Uploads `n` fp32 values converted to bf16 (round to nearest even).
+void upload_bf16(uint16_t* dst, const float* src, int64_t n);
+// Fills bf16 [n] with uniform values in [-scale, scale] from a counter-based generator keyed by
+// `seed` (the same seed gives the same weights on any device). For random-weight benchmarks.
+void fill_random_bf16(uint16_t* dst, int64_t n, uint64_t seed, float scale);
+// Fills fp32 [n] with offset + uniform [-scale, scale].
+void fill_random_f32(float* dst, int64_t n, uint64_t seed, float offset, float scale);
+
+// Device-to-device copy bandwidth in bytes/s (bytes read + bytes written over time), median of
+// several copies of `bytes` (default 2 GiB). The roofline denominator.
+double copy_bandwidth(size_t bytes = size_t(2) << 30);
+
+// --- Ops (signatures and semantics as in backend/ops.h) --------------------------------------
+// Prompt-prefill mode for linear (see header comment). Set by the model per forward; default off.
+void set_prefill(bool on);
+
+void linear(const float* x, int64_t m, const ops::WeightRef& w, float* y);
+void embed_rows(const ops::WeightRef& table, const int32_t* ids, int64_t n, float* out);
+void rms_norm(const float* x, int64_t m, int64_t d, const ops::WeightRef& w, bool zero_centred,
+              float eps, float* y);
+void gated_rms_norm(const float* x, const float* z, int64_t m, int64_t d, const ops::WeightRef& w,
+                    float eps, float* y);
+void swiglu(const float* gate, const float* up, int64_t n, float* out);
+void sigmoid_gate(float* x, const float* gate, int64_t n);
+void add_inplace(float* x, const float* y, int64_t n);
+void rope(float* x, int64_t n_tokens, int64_t n_heads, int64_t head_dim, int64_t rotary_dim,
+          const int64_t* positions, const float* inv_freq);
+void kv_write(const ops::KVLayerView& kv, const int32_t* block_table, int64_t start, int64_t n,
+              const float* k, const float* v);
+void attention(const ops::KVLayerView& kv, const int32_t* block_table, int64_t start, int64_t n,
+               const float* q, int64_t n_heads, float scale, float* out);
+void causal_conv_silu(const float* x, int64_t n, int64_t channels, int64_t kernel,
+                      const ops::WeightRef& w, float* state, float* out, float* state_after);
+void gated_delta_rule(const float* q, const float* k, const float* v, const float* a,
+                      const float* b, const ops::WeightRef& A_log, const ops::WeightRef& dt_bias,
+                      int64_t n, const ops::DeltaHeads& h, float* state, float* out,
+                      float* state_after);
+// Strided copy of `rows` rows of `cols` floats: dst[r*dst_stride + c] = src[r*src_stride + c].
+void copy_rows(float* dst, int64_t dst_stride, const float* src, int64_t src_stride, int64_t rows,
+               int64_t cols);
+
+}  // namespace tandem::cuda

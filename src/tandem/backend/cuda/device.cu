@@ -1,0 +1,252 @@
+// The CUDA device as the rest of tandem sees it: one device, one non-blocking stream per process,
+// plain cudaMalloc'd buffers, and the copies and fills that load weights and move activations.
+// Everything is queued on stream(); only copy_to_host, synchronize, upload_bf16 and
+// copy_bandwidth wait for it.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "tandem/backend/cuda/check.cuh"
+#include "tandem/backend/cuda/cuda_ops.h"
+#include "tandem/core/dtype.h"
+#include "tandem/core/error.h"
+
+namespace tandem::cuda {
+
+// --- Kernels -------------------------------------------------------------------------------------
+
+namespace {
+
+constexpr int kThreads = 256;
+
+// splitmix64's output function: a bijective 64-bit mixer.
+__device__ inline uint64_t mix64(uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+// Uniform in [-1, 1) from (seed, index) alone: element `index` gets splitmix64's index-th output
+// for this seed, so the values do not depend on the launch shape or the device. The top 24 bits
+// make a float exactly (k · 2^-23 - 1 is representable for every 24-bit k).
+__device__ inline float uniform_pm1(uint64_t seed, uint64_t index) {
+  const uint64_t h = mix64(seed + (index + 1) * 0x9E3779B97F4A7C15ull);
+  return static_cast<float>(h >> 40) * (1.0f / 8388608.0f) - 1.0f;
+}
+
+// Round to nearest even, NaN kept quiet: bit for bit tandem::f32_to_bf16.
+__device__ inline uint16_t f32_to_bf16_device(float f) {
+  uint32_t u = __float_as_uint(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+__global__ void fill_random_bf16_kernel(uint16_t* dst, int64_t n, uint64_t seed, float scale) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x)
+    dst[i] = f32_to_bf16_device(uniform_pm1(seed, static_cast<uint64_t>(i)) * scale);
+}
+
+__global__ void fill_random_f32_kernel(float* dst, int64_t n, uint64_t seed, float offset,
+                                       float scale) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x)
+    dst[i] = fmaf(uniform_pm1(seed, static_cast<uint64_t>(i)), scale, offset);
+}
+
+// dst[r, c] = src[r, c] with row strides; blockIdx.y walks rows, x-threads walk columns.
+__global__ void copy_rows_kernel(float* dst, int64_t dst_stride, const float* src,
+                                 int64_t src_stride, int64_t rows, int64_t cols) {
+  for (int64_t r = blockIdx.y; r < rows; r += gridDim.y)
+    for (int64_t c = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; c < cols;
+         c += int64_t(gridDim.x) * blockDim.x)
+      dst[r * dst_stride + c] = src[r * src_stride + c];
+}
+
+}  // namespace
+
+// --- Device and stream ---------------------------------------------------------------------------
+
+bool available() {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess) {
+    (void)cudaGetLastError();  // no driver / no device: clear it so later checks do not see it
+    return false;
+  }
+  return count > 0;
+}
+
+std::string device_name() {
+  if (!available()) fail("no usable CUDA device");
+  int device = 0;
+  TANDEM_CUDA_CHECK(cudaGetDevice(&device));
+  cudaDeviceProp prop{};
+  TANDEM_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
+  return prop.name;
+}
+
+void* stream() {
+  // Created on first use and never destroyed: it lives as long as the process's CUDA context.
+  // Non-blocking, so it never serialises against the legacy default stream. A failed creation
+  // throws and the next call tries again (a static's initialiser reruns after an exception).
+  static const cudaStream_t s = [] {
+    cudaStream_t created = nullptr;
+    TANDEM_CUDA_CHECK(cudaStreamCreateWithFlags(&created, cudaStreamNonBlocking));
+    return created;
+  }();
+  return s;
+}
+
+void synchronize() {
+  TANDEM_CUDA_CHECK(cudaStreamSynchronize(op_stream()));
+}
+
+// --- Memory --------------------------------------------------------------------------------------
+
+void* alloc(size_t bytes) {
+  if (bytes == 0) return nullptr;
+  void* p = nullptr;
+  const cudaError_t err = cudaMalloc(&p, bytes);
+  if (err == cudaSuccess) return p;
+  // A failed cudaMalloc is not sticky, but it is recorded as the last error; clear it so the
+  // next op's launch check does not report it.
+  (void)cudaGetLastError();
+  size_t free_bytes = 0, total_bytes = 0;
+  if (cudaMemGetInfo(&free_bytes, &total_bytes) != cudaSuccess) {
+    (void)cudaGetLastError();
+    fail("cudaMalloc of ", bytes, " bytes failed: ", cudaGetErrorString(err));
+  }
+  if (err == cudaErrorMemoryAllocation)
+    fail("CUDA out of memory: requested ", bytes, " bytes (", bytes >> 20, " MiB); ",
+         free_bytes >> 20, " MiB free of ", total_bytes >> 20, " MiB");
+  fail("cudaMalloc of ", bytes, " bytes failed (", free_bytes >> 20, " MiB free of ",
+       total_bytes >> 20, " MiB): ", cudaGetErrorString(err));
+}
+
+void free(void* p) {
+  if (p == nullptr) return;
+  TANDEM_CUDA_CHECK(cudaFree(p));
+}
+
+void copy_to_device(void* dst, const void* src, size_t bytes) {
+  if (bytes == 0) return;
+  TANDEM_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, op_stream()));
+}
+
+void copy_to_host(void* dst, const void* src, size_t bytes) {
+  if (bytes == 0) return;
+  TANDEM_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, op_stream()));
+  TANDEM_CUDA_CHECK(cudaStreamSynchronize(op_stream()));
+}
+
+void copy_on_device(void* dst, const void* src, size_t bytes) {
+  if (bytes == 0) return;
+  TANDEM_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, op_stream()));
+}
+
+void fill_zero(void* p, size_t bytes) {
+  if (bytes == 0) return;
+  TANDEM_CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, op_stream()));
+}
+
+void copy_rows(float* dst, int64_t dst_stride, const float* src, int64_t src_stride, int64_t rows,
+               int64_t cols) {
+  if (rows < 0 || cols < 0) fail("copy_rows: negative shape ", rows, " x ", cols);
+  if (rows == 0 || cols == 0) return;
+  const dim3 grid(grid_stride_blocks(cols, kThreads),
+                  static_cast<unsigned>(std::min<int64_t>(rows, 65535)));
+  copy_rows_kernel<<<grid, kThreads, 0, op_stream()>>>(dst, dst_stride, src, src_stride, rows,
+                                                       cols);
+  check_launch("copy_rows");
+}
+
+// --- Weights -------------------------------------------------------------------------------------
+
+void upload_bf16(uint16_t* dst, const float* src, int64_t n) {
+  if (n <= 0) return;
+  // Converted on the host in 4 MiB chunks through one staging buffer, so a multi-GiB tensor
+  // needs no tensor-sized temporary. A pageable-memory cudaMemcpyAsync is only guaranteed to
+  // have read its source once the stream has passed it, hence the wait before each reuse.
+  constexpr int64_t kChunk = int64_t(1) << 21;
+  std::vector<uint16_t> staging(static_cast<size_t>(std::min(n, kChunk)));
+  for (int64_t off = 0; off < n; off += kChunk) {
+    const int64_t len = std::min(kChunk, n - off);
+    for (int64_t i = 0; i < len; ++i) staging[i] = f32_to_bf16(src[off + i]);
+    TANDEM_CUDA_CHECK(cudaMemcpyAsync(dst + off, staging.data(), len * sizeof(uint16_t),
+                                      cudaMemcpyHostToDevice, op_stream()));
+    TANDEM_CUDA_CHECK(cudaStreamSynchronize(op_stream()));
+  }
+}
+
+void fill_random_bf16(uint16_t* dst, int64_t n, uint64_t seed, float scale) {
+  if (n <= 0) return;
+  fill_random_bf16_kernel<<<grid_stride_blocks(n, kThreads), kThreads, 0, op_stream()>>>(
+      dst, n, seed, scale);
+  check_launch("fill_random_bf16");
+}
+
+void fill_random_f32(float* dst, int64_t n, uint64_t seed, float offset, float scale) {
+  if (n <= 0) return;
+  fill_random_f32_kernel<<<grid_stride_blocks(n, kThreads), kThreads, 0, op_stream()>>>(
+      dst, n, seed, offset, scale);
+  check_launch("fill_random_f32");
+}
+
+// --- Bandwidth -----------------------------------------------------------------------------------
+
+namespace {
+
+// Owns the buffers and events of one measurement. Release runs on the error path too, so it
+// must not throw: failures there are cleared, not reported (the measurement's own error is).
+struct BandwidthProbe {
+  void* src = nullptr;
+  void* dst = nullptr;
+  std::vector<cudaEvent_t> events;
+  BandwidthProbe() = default;
+  BandwidthProbe(const BandwidthProbe&) = delete;
+  BandwidthProbe& operator=(const BandwidthProbe&) = delete;
+  ~BandwidthProbe() {
+    for (cudaEvent_t e : events)
+      if (cudaEventDestroy(e) != cudaSuccess) (void)cudaGetLastError();
+    if (src != nullptr && cudaFree(src) != cudaSuccess) (void)cudaGetLastError();
+    if (dst != nullptr && cudaFree(dst) != cudaSuccess) (void)cudaGetLastError();
+  }
+};
+
+}  // namespace
+
+double copy_bandwidth(size_t bytes) {
+  if (bytes == 0) fail("copy_bandwidth: bytes must be positive");
+  constexpr int kRuns = 7;
+  const cudaStream_t s = op_stream();
+  BandwidthProbe probe;
+  probe.src = alloc(bytes);
+  probe.dst = alloc(bytes);
+  for (int i = 0; i < 2 * kRuns; ++i) {
+    cudaEvent_t e = nullptr;
+    TANDEM_CUDA_CHECK(cudaEventCreate(&e));
+    probe.events.push_back(e);
+  }
+  // Touch both buffers and warm the copy path before timing.
+  fill_zero(probe.src, bytes);
+  copy_on_device(probe.dst, probe.src, bytes);
+  for (int r = 0; r < kRuns; ++r) {
+    TANDEM_CUDA_CHECK(cudaEventRecord(probe.events[2 * r], s));
+    copy_on_device(probe.dst, probe.src, bytes);
+    TANDEM_CUDA_CHECK(cudaEventRecord(probe.events[2 * r + 1], s));
+  }
+  TANDEM_CUDA_CHECK(cudaStreamSynchronize(s));
+  std::vector<double> rates;
+  for (int r = 0; r < kRuns; ++r) {
+    float ms = 0.0f;
+    TANDEM_CUDA_CHECK(cudaEventElapsedTime(&ms, probe.events[2 * r], probe.events[2 * r + 1]));
+    if (ms > 0.0f) rates.push_back(2.0 * static_cast<double>(bytes) / (ms * 1e-3));
+  }
+  if (rates.empty()) fail("copy_bandwidth: copies of ", bytes, " bytes took no measurable time");
+  std::sort(rates.begin(), rates.end());
+  return rates[rates.size() / 2];
+}
+
+}  // namespace tandem::cuda

@@ -1,0 +1,194 @@
+// Norms, activations, gates, rotary embedding and the embedding gather: memory-bound kernels, one
+// block per row where a row needs a reduction, grid-stride loops elsewhere. Formulas follow
+// cpu/elementwise.cpp term by term (same products, same association) so the two backends differ
+// only by fp32 rounding.
+#include <cuda_runtime.h>
+
+#include "tandem/backend/cuda/check.cuh"
+#include "tandem/backend/cuda/cuda_ops.h"
+#include "tandem/core/error.h"
+
+namespace tandem::cuda {
+
+namespace {
+
+constexpr int kThreads = 256;      // grid-stride kernels
+constexpr int kNormThreads = 128;  // one block per row; fixes the norms' reduction order
+constexpr int kNormWarps = kNormThreads / 32;
+
+__device__ inline float silu(float x) {
+  return x / (1.0f + expf(-x));
+}
+
+// Sum over a block of kNormThreads threads, returned to every thread. The order is fixed by the
+// block size alone: a butterfly inside each warp (every lane ends with the same bits, since
+// a + b == b + a), then the warp totals added in warp order. s_warp must not be in use.
+__device__ inline double block_sum(double v, double* s_warp) {
+  for (int offset = 16; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  if (threadIdx.x % 32 == 0) s_warp[threadIdx.x / 32] = v;
+  __syncthreads();
+  double total = 0.0;
+  for (int w = 0; w < kNormWarps; ++w) total += s_warp[w];
+  return total;
+}
+
+// 1 / sqrt(mean(x²) + eps) of row x[d], as cpu::inv_rms: squares summed in double (each
+// product exact), thread t taking i = t, t + kNormThreads, ... in order, then block_sum.
+__device__ inline float row_inv_rms(const float* x, int64_t d, float eps, double* s_warp) {
+  double ss = 0.0;
+  for (int64_t i = threadIdx.x; i < d; i += kNormThreads) ss += static_cast<double>(x[i]) * x[i];
+  ss = block_sum(ss, s_warp);
+  return static_cast<float>(1.0 / sqrt(ss / static_cast<double>(d) + static_cast<double>(eps)));
+}
+
+// Grid: one block per row of x[m, d]. y may alias x: every x[i] a thread rewrites was read by the
+// reduction before its barrier, and after it each thread touches only its own i.
+__global__ void __launch_bounds__(kNormThreads)
+    rms_norm_kernel(const float* x, int64_t d, const float* w, bool zero_centred, float eps,
+                    float* y) {
+  __shared__ double s_warp[kNormWarps];
+  const float* xr = x + blockIdx.x * d;
+  float* yr = y + blockIdx.x * d;
+  const float s = row_inv_rms(xr, d, eps, s_warp);
+  for (int64_t i = threadIdx.x; i < d; i += kNormThreads) {
+    const float wi = w[i];
+    yr[i] = (xr[i] * s) * (zero_centred ? 1.0f + wi : wi);
+  }
+}
+
+// Grid: one block per row of x, z [m, d]; y may alias x or z (same argument as rms_norm).
+__global__ void __launch_bounds__(kNormThreads)
+    gated_rms_norm_kernel(const float* x, const float* z, int64_t d, const float* w, float eps,
+                          float* y) {
+  __shared__ double s_warp[kNormWarps];
+  const int64_t row = blockIdx.x;
+  const float* xr = x + row * d;
+  const float* zr = z + row * d;
+  float* yr = y + row * d;
+  const float s = row_inv_rms(xr, d, eps, s_warp);
+  for (int64_t i = threadIdx.x; i < d; i += kNormThreads) yr[i] = w[i] * (xr[i] * s) * silu(zr[i]);
+}
+
+// Grid: one block per token. table is BF16 [vocab, d]; bf16 → fp32 is exact (a 16-bit shift).
+// ids are checked by the caller; an out-of-range id still never reads outside the table: its
+// row becomes NaN, which the caller's output checks will surface.
+__global__ void embed_rows_kernel(const uint16_t* table, int64_t vocab, int64_t d,
+                                  const int32_t* ids, float* out) {
+  const int64_t row = blockIdx.x;
+  const int32_t id = ids[row];
+  float* o = out + row * d;
+  if (id < 0 || id >= vocab) {
+    for (int64_t i = threadIdx.x; i < d; i += blockDim.x) o[i] = __int_as_float(0x7fc00000);
+    return;
+  }
+  const uint16_t* src = table + static_cast<int64_t>(id) * d;
+  for (int64_t i = threadIdx.x; i < d; i += blockDim.x)
+    o[i] = __uint_as_float(static_cast<uint32_t>(src[i]) << 16);
+}
+
+__global__ void swiglu_kernel(const float* gate, const float* up, int64_t n, float* out) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x)
+    out[i] = silu(gate[i]) * up[i];
+}
+
+__global__ void sigmoid_gate_kernel(float* x, const float* gate, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x)
+    x[i] *= 1.0f / (1.0f + expf(-gate[i]));
+}
+
+__global__ void add_inplace_kernel(float* x, const float* y, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x)
+    x[i] += y[i];
+}
+
+// One thread per (token, head, i < half) rotates the pair (i, i + half) of that head: the pairs
+// are disjoint, so the in-place update has one writer per element. The angle is fp32
+// float(position) · inv_freq[i], as the CPU (and the reference) compute it.
+__global__ void rope_kernel(float* x, int64_t n_tokens, int64_t n_heads, int64_t head_dim,
+                            int64_t half, const int64_t* positions, const float* inv_freq) {
+  const int64_t total = n_tokens * n_heads * half;
+  for (int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; idx < total;
+       idx += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t i = idx % half;
+    const int64_t token_head = idx / half;  // t * n_heads + h
+    const int64_t t = token_head / n_heads;
+    const float angle = static_cast<float>(positions[t]) * inv_freq[i];
+    const float c = cosf(angle);
+    const float s = sinf(angle);
+    float* v = x + token_head * head_dim;
+    const float a = v[i];
+    const float b = v[i + half];
+    v[i] = a * c - b * s;
+    v[i + half] = b * c + a * s;
+  }
+}
+
+}  // namespace
+
+void embed_rows(const ops::WeightRef& table, const int32_t* ids, int64_t n, float* out) {
+  if (table.dtype != DType::BF16)
+    fail("embed_rows: the table must be BF16 on the CUDA backend, got ", dtype_name(table.dtype));
+  if (n < 0) fail("embed_rows: negative token count ", n);
+  if (n == 0 || table.cols == 0) return;
+  if (reinterpret_cast<uintptr_t>(table.data) % alignof(uint16_t) != 0)
+    fail("embed_rows: the table is not 2-byte aligned");
+  embed_rows_kernel<<<grid_blocks(n, "embed_rows"), kThreads, 0, op_stream()>>>(
+      static_cast<const uint16_t*>(table.data), table.rows, table.cols, ids, out);
+  check_launch("embed_rows");
+}
+
+void rms_norm(const float* x, int64_t m, int64_t d, const ops::WeightRef& w, bool zero_centred,
+              float eps, float* y) {
+  check_f32_vector(w, d, "rms_norm", "weight");
+  if (m < 0 || d < 0) fail("rms_norm: negative shape ", m, " x ", d);
+  if (m == 0 || d == 0) return;
+  rms_norm_kernel<<<grid_blocks(m, "rms_norm"), kNormThreads, 0, op_stream()>>>(
+      x, d, static_cast<const float*>(w.data), zero_centred, eps, y);
+  check_launch("rms_norm");
+}
+
+void gated_rms_norm(const float* x, const float* z, int64_t m, int64_t d, const ops::WeightRef& w,
+                    float eps, float* y) {
+  check_f32_vector(w, d, "gated_rms_norm", "weight");
+  if (m < 0 || d < 0) fail("gated_rms_norm: negative shape ", m, " x ", d);
+  if (m == 0 || d == 0) return;
+  gated_rms_norm_kernel<<<grid_blocks(m, "gated_rms_norm"), kNormThreads, 0, op_stream()>>>(
+      x, z, d, static_cast<const float*>(w.data), eps, y);
+  check_launch("gated_rms_norm");
+}
+
+void swiglu(const float* gate, const float* up, int64_t n, float* out) {
+  if (n <= 0) return;
+  swiglu_kernel<<<grid_stride_blocks(n, kThreads), kThreads, 0, op_stream()>>>(gate, up, n, out);
+  check_launch("swiglu");
+}
+
+void sigmoid_gate(float* x, const float* gate, int64_t n) {
+  if (n <= 0) return;
+  sigmoid_gate_kernel<<<grid_stride_blocks(n, kThreads), kThreads, 0, op_stream()>>>(x, gate, n);
+  check_launch("sigmoid_gate");
+}
+
+void add_inplace(float* x, const float* y, int64_t n) {
+  if (n <= 0) return;
+  add_inplace_kernel<<<grid_stride_blocks(n, kThreads), kThreads, 0, op_stream()>>>(x, y, n);
+  check_launch("add_inplace");
+}
+
+void rope(float* x, int64_t n_tokens, int64_t n_heads, int64_t head_dim, int64_t rotary_dim,
+          const int64_t* positions, const float* inv_freq) {
+  if (rotary_dim < 0 || rotary_dim % 2 != 0 || rotary_dim > head_dim)
+    fail("rope: rotary_dim ", rotary_dim, " must be even and within head_dim ", head_dim);
+  if (n_tokens < 0 || n_heads < 0) fail("rope: negative shape ", n_tokens, " x ", n_heads);
+  const int64_t half = rotary_dim / 2;
+  const int64_t total = n_tokens * n_heads * half;
+  if (total == 0) return;
+  rope_kernel<<<grid_stride_blocks(total, kThreads), kThreads, 0, op_stream()>>>(
+      x, n_tokens, n_heads, head_dim, half, positions, inv_freq);
+  check_launch("rope");
+}
+
+}  // namespace tandem::cuda

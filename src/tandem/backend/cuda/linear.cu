@@ -1,0 +1,277 @@
+// y[m, N] = x[m, K] · Wᵀ on the GPU, W bf16 [N, K] (row-major, as a Linear stores it).
+//
+// Decode and verify shapes (every call outside prefill) go through one tensor-core kernel whose
+// reduction order is fixed by K alone, so a row's result is bitwise the same whether it is alone,
+// in a verify window or next to other rows (DESIGN.md principle 2):
+//  - a block owns 8 output columns (one m16n8k16 n-tile) and splits K over its 4 warps in
+//    64-wide chunks, warp w taking chunks w, w+4, w+8, ... in ascending order;
+//  - each warp accumulates its chunks with mma.sync in fp32; the 4 warp partials are then summed
+//    in warp order through shared memory;
+//  - rows are processed 16 per m-tile, up to 64 per pass; more rows take more passes over the
+//    same weights. A row's arithmetic never depends on which tile or pass it lands in.
+// Weights are streamed once per pass with 16-byte loads (the memory roofline at m = 1); inputs
+// are read as fp32 and rounded to bf16 in registers.
+//
+// Within one mma the 16 k-slots of the instruction need not be 16 consecutive k: any bijection
+// works if A and B use the same one. Lane (g, t) loads 16 consecutive weights W[n0+g][kb+16t ..]
+// (two 16-byte loads) and feeds mma j (0..3) with its elements 4j..4j+3, which the instruction
+// sees as k-slots {2t, 2t+1, 2t+8, 2t+9}; the A fragment takes x at the same four k.
+//
+// Prompt prefill (set_prefill(true)) uses cuBLAS (bf16 inputs, fp32 accumulation and output) in
+// chunks of exactly kPrefillChunk rows, the last one zero-padded: every GEMM has the same shape,
+// so cuBLAS picks the same algorithm and a row's result does not depend on the other prompts in
+// the batch or on where its tokens fall (rows of one GEMM tile share the K order).
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+
+#include "tandem/backend/cuda/check.cuh"
+#include "tandem/backend/cuda/cuda_ops.h"
+#include "tandem/core/error.h"
+
+namespace tandem::cuda {
+
+namespace {
+
+constexpr int kWarps = 4;
+constexpr int kCols = 8;           // output columns per block
+constexpr int kChunk = 64;         // k per warp chunk: 4 lanes x 16
+constexpr int kUnroll = 4;         // chunks whose weights are loaded before the first mma
+constexpr int kMaxTiles = 4;       // 16-row m-tiles per pass
+constexpr int64_t kPrefillChunk = 256;
+
+bool g_prefill = false;
+
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // .x (lo) in the low 16 bits
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+__device__ __forceinline__ void mma_bf16_16816(float (&c)[4], uint32_t a0, uint32_t a1,
+                                               uint32_t a2, uint32_t a3, uint32_t b0,
+                                               uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// x: [m, K] fp32, 16-byte aligned rows (K % 16 == 0). w: [N, K] bf16. y: [m, N] fp32.
+template <int Tiles>
+__global__ void __launch_bounds__(kWarps * 32)
+    linear_mma_kernel(const float* __restrict__ x, int m, const uint16_t* __restrict__ w, int N,
+                      int K, float* __restrict__ y) {
+  __shared__ float partial[kWarps][Tiles][32][4];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, t = lane % 4;
+  const int n = blockIdx.x * kCols + g;
+  const bool n_ok = n < N;
+  const uint4* wrow = reinterpret_cast<const uint4*>(w + static_cast<size_t>(n_ok ? n : 0) * K);
+  const int chunks = (K + kChunk - 1) / kChunk;
+
+  for (int row0 = 0; row0 < m; row0 += Tiles * 16) {
+    float c[Tiles][4];
+#pragma unroll
+    for (int i = 0; i < Tiles; ++i) c[i][0] = c[i][1] = c[i][2] = c[i][3] = 0.0f;
+
+    for (int ch0 = warp; ch0 < chunks; ch0 += kWarps * kUnroll) {
+      uint4 wv[kUnroll][2];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int k = (ch0 + u * kWarps) * kChunk + 16 * t;
+        if (n_ok && k < K) {
+          wv[u][0] = __ldcs(wrow + k / 8);
+          wv[u][1] = __ldcs(wrow + k / 8 + 1);
+        } else {
+          wv[u][0] = make_uint4(0, 0, 0, 0);
+          wv[u][1] = make_uint4(0, 0, 0, 0);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int ch = ch0 + u * kWarps;
+        if (ch >= chunks) break;  // uniform across the warp
+        const int k = ch * kChunk + 16 * t;
+        const bool k_ok = k < K;
+        const uint32_t wb[8] = {wv[u][0].x, wv[u][0].y, wv[u][0].z, wv[u][0].w,
+                                wv[u][1].x, wv[u][1].y, wv[u][1].z, wv[u][1].w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+#pragma unroll
+          for (int i = 0; i < Tiles; ++i) {
+            const int r_lo = row0 + i * 16 + g, r_hi = r_lo + 8;
+            float4 lo = make_float4(0.f, 0.f, 0.f, 0.f), hi = lo;
+            if (k_ok && r_lo < m)
+              lo = *reinterpret_cast<const float4*>(x + static_cast<size_t>(r_lo) * K + k + 4 * j);
+            if (k_ok && r_hi < m)
+              hi = *reinterpret_cast<const float4*>(x + static_cast<size_t>(r_hi) * K + k + 4 * j);
+            mma_bf16_16816(c[i], pack_bf16(lo.x, lo.y), pack_bf16(hi.x, hi.y),
+                           pack_bf16(lo.z, lo.w), pack_bf16(hi.z, hi.w), wb[2 * j],
+                           wb[2 * j + 1]);
+          }
+        }
+      }
+    }
+
+#pragma unroll
+    for (int i = 0; i < Tiles; ++i)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) partial[warp][i][lane][e] = c[i][e];
+    __syncthreads();
+    if (warp == 0) {
+#pragma unroll
+      for (int i = 0; i < Tiles; ++i) {
+        float s[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          s[e] = partial[0][i][lane][e];
+#pragma unroll
+          for (int v = 1; v < kWarps; ++v) s[e] += partial[v][i][lane][e];
+        }
+        // C fragment: s[0], s[1] -> (row g, cols 2t, 2t+1); s[2], s[3] -> (row g+8, same cols).
+        const int col = blockIdx.x * kCols + 2 * t;
+        const int r_lo = row0 + i * 16 + g, r_hi = r_lo + 8;
+        if (r_lo < m) {
+          if (col < N) y[static_cast<size_t>(r_lo) * N + col] = s[0];
+          if (col + 1 < N) y[static_cast<size_t>(r_lo) * N + col + 1] = s[1];
+        }
+        if (r_hi < m) {
+          if (col < N) y[static_cast<size_t>(r_hi) * N + col] = s[2];
+          if (col + 1 < N) y[static_cast<size_t>(r_hi) * N + col + 1] = s[3];
+        }
+      }
+    }
+    __syncthreads();
+  }
+}
+
+// Inputs whose K is not a multiple of 16: one warp per output, lanes over k, fixed shuffle tree.
+// Also batch invariant (each output is computed on its own).
+__global__ void linear_warp_kernel(const float* __restrict__ x, int m, const uint16_t* __restrict__ w,
+                                   int N, int K, float* __restrict__ y) {
+  const int64_t out = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (out >= static_cast<int64_t>(m) * N) return;
+  const int r = static_cast<int>(out / N), n = static_cast<int>(out % N);
+  const float* xr = x + static_cast<size_t>(r) * K;
+  const uint16_t* wr = w + static_cast<size_t>(n) * K;
+  float s = 0.0f;
+  for (int k = lane; k < K; k += 32) {
+    const float xv = __bfloat162float(__float2bfloat16_rn(xr[k]));
+    const float wv = __uint_as_float(static_cast<uint32_t>(wr[k]) << 16);
+    s = fmaf(xv, wv, s);
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off /= 2) s += __shfl_down_sync(0xffffffffu, s, off);
+  if (lane == 0) y[out] = s;
+}
+
+// out[i] = bf16(x[i]) for i < n, 0 for n <= i < padded.
+__global__ void to_bf16_kernel(const float* __restrict__ x, int64_t n, int64_t padded,
+                               __nv_bfloat16* __restrict__ out) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < padded) out[i] = __float2bfloat16_rn(i < n ? x[i] : 0.0f);
+}
+
+cublasHandle_t cublas() {
+  static cublasHandle_t h = [] {
+    cublasHandle_t handle;
+    if (cublasCreate(&handle) != CUBLAS_STATUS_SUCCESS) fail("cuBLAS: cublasCreate failed");
+    return handle;
+  }();
+  cublasSetStream(h, static_cast<cudaStream_t>(stream()));
+  return h;
+}
+
+// Prefill scratch, grown to the largest prompt seen: the bf16 copy of the inputs (a whole number
+// of chunks, padding rows zero) and the fp32 output of a partial last chunk.
+struct PrefillScratch {
+  __nv_bfloat16* xb = nullptr;
+  int64_t xb_size = 0;
+  float* tail = nullptr;
+  int64_t tail_size = 0;
+};
+
+template <class T>
+T* grow(T*& p, int64_t& size, int64_t n) {
+  if (n > size) {
+    cuda::free(p);
+    p = static_cast<T*>(cuda::alloc(sizeof(T) * static_cast<size_t>(n)));
+    size = n;
+  }
+  return p;
+}
+
+void gemm_chunk(const __nv_bfloat16* xb, const ops::WeightRef& w, float* y) {
+  const float alpha = 1.0f, beta = 0.0f;
+  const int K = static_cast<int>(w.cols), N = static_cast<int>(w.rows);
+  // Column-major view: yᵀ[N, chunk] = W[N, K] (stored as K x N col-major, transposed) · xᵀ[K, chunk].
+  const cublasStatus_t st = cublasGemmEx(
+      cublas(), CUBLAS_OP_T, CUBLAS_OP_N, N, static_cast<int>(kPrefillChunk), K, &alpha, w.data,
+      CUDA_R_16BF, K, xb, CUDA_R_16BF, K, &beta, y, CUDA_R_32F, N, CUBLAS_COMPUTE_32F,
+      CUBLAS_GEMM_DEFAULT);
+  if (st != CUBLAS_STATUS_SUCCESS) fail("cuBLAS: cublasGemmEx failed (status ", int(st), ")");
+}
+
+void linear_prefill(const float* x, int64_t m, const ops::WeightRef& w, float* y) {
+  static PrefillScratch s;
+  const int64_t K = w.cols, N = w.rows;
+  const int64_t chunks = (m + kPrefillChunk - 1) / kPrefillChunk;
+  __nv_bfloat16* xb = grow(s.xb, s.xb_size, chunks * kPrefillChunk * K);
+  const auto stream_ = static_cast<cudaStream_t>(stream());
+  const int64_t n = m * K, padded = chunks * kPrefillChunk * K;
+  to_bf16_kernel<<<static_cast<unsigned>((padded + 255) / 256), 256, 0, stream_>>>(x, n, padded,
+                                                                                  xb);
+  check_launch("linear (bf16 convert)");
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t rows = std::min(kPrefillChunk, m - c * kPrefillChunk);
+    const __nv_bfloat16* xc = xb + c * kPrefillChunk * K;
+    if (rows == kPrefillChunk) {
+      gemm_chunk(xc, w, y + c * kPrefillChunk * N);
+    } else {
+      float* tail = grow(s.tail, s.tail_size, kPrefillChunk * N);
+      gemm_chunk(xc, w, tail);
+      copy_rows(y + c * kPrefillChunk * N, N, tail, N, rows, N);
+    }
+  }
+}
+
+}  // namespace
+
+void set_prefill(bool on) {
+  g_prefill = on;
+}
+
+void linear(const float* x, int64_t m, const ops::WeightRef& w, float* y) {
+  if (m == 0 || w.rows == 0) return;
+  if (w.dtype != DType::BF16)
+    fail("cuda linear: weights must be BF16 on the device, got ", dtype_name(w.dtype));
+  if (w.rows > INT32_MAX || w.cols > INT32_MAX || m > INT32_MAX)
+    fail("cuda linear: shape [", m, " x ", w.cols, "] x [", w.rows, " x ", w.cols,
+         "] exceeds 32-bit indexing");
+  if (g_prefill) return linear_prefill(x, m, w, y);
+  const int N = static_cast<int>(w.rows), K = static_cast<int>(w.cols), M = static_cast<int>(m);
+  const auto s = static_cast<cudaStream_t>(stream());
+  const auto* wp = static_cast<const uint16_t*>(w.data);
+  if (K % 16 != 0) {
+    const int64_t outs = m * w.rows;
+    linear_warp_kernel<<<static_cast<unsigned>((outs + 7) / 8), 256, 0, s>>>(x, M, wp, N, K, y);
+    check_launch("linear");
+    return;
+  }
+  if (reinterpret_cast<uintptr_t>(x) % 16 != 0 || reinterpret_cast<uintptr_t>(wp) % 16 != 0)
+    fail("cuda linear: input and weight rows must be 16-byte aligned (K = ", K, ")");
+  const unsigned blocks = static_cast<unsigned>((N + kCols - 1) / kCols);
+  if (m <= 16)
+    linear_mma_kernel<1><<<blocks, kWarps * 32, 0, s>>>(x, M, wp, N, K, y);
+  else if (m <= 32)
+    linear_mma_kernel<2><<<blocks, kWarps * 32, 0, s>>>(x, M, wp, N, K, y);
+  else
+    linear_mma_kernel<kMaxTiles><<<blocks, kWarps * 32, 0, s>>>(x, M, wp, N, K, y);
+  check_launch("linear");
+}
+
+}  // namespace tandem::cuda

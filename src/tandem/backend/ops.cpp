@@ -1,0 +1,247 @@
+// Backend selection and dispatch: each op forwards to the active backend's implementation.
+#include "tandem/backend/ops.h"
+
+#include <omp.h>
+
+#include <cstdlib>
+#include <cstring>
+
+#include "tandem/backend/cpu/cpu_ops.h"
+#include "tandem/backend/cpu/memory_bandwidth.h"
+#include "tandem/core/error.h"
+#ifdef TANDEM_HAVE_CUDA
+#include "tandem/backend/cuda/cuda_ops.h"
+#endif
+
+namespace tandem::ops {
+
+namespace {
+int g_threads = 0;
+Backend g_backend = Backend::Cpu;
+}  // namespace
+
+bool cuda_compiled() {
+#ifdef TANDEM_HAVE_CUDA
+  return true;
+#else
+  return false;
+#endif
+}
+
+bool cuda_available() {
+#ifdef TANDEM_HAVE_CUDA
+  return cuda::available();
+#else
+  return false;
+#endif
+}
+
+std::string_view backend_name(Backend b) {
+  return b == Backend::Cuda ? "cuda" : "cpu";
+}
+
+void set_backend(Backend b) {
+  if (b == Backend::Cuda) {
+    if (!cuda_compiled())
+      fail("backend cuda: this tandem was built without the CUDA backend (no nvcc at build time)");
+    if (!cuda_available()) fail("backend cuda: no usable CUDA device is visible");
+  }
+  g_backend = b;
+}
+
+Backend backend() {
+  return g_backend;
+}
+
+Backend parse_backend(std::string_view name) {
+  if (name == "cpu") return Backend::Cpu;
+  if (name == "cuda") {
+    if (!cuda_compiled())
+      fail("--backend cuda: this tandem was built without the CUDA backend (no nvcc at build time)");
+    if (!cuda_available()) fail("--backend cuda: no usable CUDA device is visible");
+    return Backend::Cuda;
+  }
+  if (name == "auto") return cuda_available() ? Backend::Cuda : Backend::Cpu;
+  fail("unknown backend '", name, "' (expected cpu, cuda or auto)");
+}
+
+void set_thread_count(int n) {
+  g_threads = n;
+}
+
+int thread_count() {
+  return g_threads > 0 ? g_threads : omp_get_max_threads();
+}
+
+WeightRef weight_ref(const TensorView& t) {
+  WeightRef w;
+  w.dtype = t.dtype;
+  w.data = t.data;
+  if (t.shape.size() == 1) {
+    w.rows = 1;
+    w.cols = t.shape[0];
+  } else if (t.shape.size() == 2) {
+    w.rows = t.shape[0];
+    w.cols = t.shape[1];
+  } else {
+    // Higher-rank weights (conv1d [C, 1, K]) collapse to [shape[0], rest].
+    w.rows = t.shape.empty() ? 1 : t.shape[0];
+    w.cols = w.rows ? t.numel() / w.rows : 0;
+  }
+  return w;
+}
+
+bool quant_bits_supported(int bits) {
+  return bits == 2 || bits == 3 || bits == 4 || bits == 5 || bits == 6 || bits == 8;
+}
+
+#ifdef TANDEM_HAVE_CUDA
+#define TANDEM_DISPATCH(call)                                 \
+  do {                                                        \
+    if (g_backend == Backend::Cuda) return cuda::call;        \
+    return cpu::call;                                         \
+  } while (0)
+#else
+#define TANDEM_DISPATCH(call) return cpu::call
+#endif
+
+void set_prefill(bool on) {
+#ifdef TANDEM_HAVE_CUDA
+  if (g_backend == Backend::Cuda) cuda::set_prefill(on);
+#endif
+  (void)on;
+}
+
+void* mem_alloc(Backend where, size_t bytes) {
+#ifdef TANDEM_HAVE_CUDA
+  if (where == Backend::Cuda) return cuda::alloc(bytes);
+#endif
+  (void)where;
+  void* p = std::malloc(bytes == 0 ? 1 : bytes);
+  if (!p) fail("out of host memory allocating ", bytes, " bytes");
+  return p;
+}
+
+void mem_free(Backend where, void* p) {
+#ifdef TANDEM_HAVE_CUDA
+  if (where == Backend::Cuda) return cuda::free(p);
+#endif
+  (void)where;
+  std::free(p);
+}
+
+void copy(void* dst, const void* src, size_t bytes) {
+  if (bytes == 0) return;
+#ifdef TANDEM_HAVE_CUDA
+  if (g_backend == Backend::Cuda) return cuda::copy_on_device(dst, src, bytes);
+#endif
+  std::memmove(dst, src, bytes);
+}
+
+void copy_from_host(void* dst, const void* src_host, size_t bytes) {
+  if (bytes == 0) return;
+#ifdef TANDEM_HAVE_CUDA
+  if (g_backend == Backend::Cuda) return cuda::copy_to_device(dst, src_host, bytes);
+#endif
+  std::memcpy(dst, src_host, bytes);
+}
+
+void copy_to_host(void* dst_host, const void* src, size_t bytes) {
+  if (bytes == 0) return;
+#ifdef TANDEM_HAVE_CUDA
+  if (g_backend == Backend::Cuda) return cuda::copy_to_host(dst_host, src, bytes);
+#endif
+  std::memcpy(dst_host, src, bytes);
+}
+
+void fill_zero(void* dst, size_t bytes) {
+  if (bytes == 0) return;
+#ifdef TANDEM_HAVE_CUDA
+  if (g_backend == Backend::Cuda) return cuda::fill_zero(dst, bytes);
+#endif
+  std::memset(dst, 0, bytes);
+}
+
+void copy_rows(float* dst, int64_t dst_stride, const float* src, int64_t src_stride, int64_t rows,
+               int64_t cols) {
+#ifdef TANDEM_HAVE_CUDA
+  if (g_backend == Backend::Cuda) return cuda::copy_rows(dst, dst_stride, src, src_stride, rows, cols);
+#endif
+  for (int64_t r = 0; r < rows; ++r)
+    std::memcpy(dst + r * dst_stride, src + r * src_stride, sizeof(float) * cols);
+}
+
+void synchronize() {
+#ifdef TANDEM_HAVE_CUDA
+  if (g_backend == Backend::Cuda) cuda::synchronize();
+#endif
+}
+
+double memory_bandwidth() {
+#ifdef TANDEM_HAVE_CUDA
+  if (g_backend == Backend::Cuda) return cuda::copy_bandwidth();
+#endif
+  return cpu::measure_read_bandwidth();
+}
+
+std::string device_description() {
+#ifdef TANDEM_HAVE_CUDA
+  if (g_backend == Backend::Cuda) return cuda::device_name();
+#endif
+  return "cpu (" + std::to_string(thread_count()) + " threads)";
+}
+
+void linear(const float* x, int64_t m, const WeightRef& w, float* y) {
+  TANDEM_DISPATCH(linear(x, m, w, y));
+}
+void embed_rows(const WeightRef& table, const int32_t* ids, int64_t n, float* out) {
+  TANDEM_DISPATCH(embed_rows(table, ids, n, out));
+}
+void rms_norm(const float* x, int64_t m, int64_t d, const WeightRef& w, bool zero_centred,
+              float eps, float* y) {
+  TANDEM_DISPATCH(rms_norm(x, m, d, w, zero_centred, eps, y));
+}
+void gated_rms_norm(const float* x, const float* z, int64_t m, int64_t d, const WeightRef& w,
+                    float eps, float* y) {
+  TANDEM_DISPATCH(gated_rms_norm(x, z, m, d, w, eps, y));
+}
+void swiglu(const float* gate, const float* up, int64_t n, float* out) {
+  TANDEM_DISPATCH(swiglu(gate, up, n, out));
+}
+void sigmoid_gate(float* x, const float* gate, int64_t n) {
+  TANDEM_DISPATCH(sigmoid_gate(x, gate, n));
+}
+void add_inplace(float* x, const float* y, int64_t n) {
+  TANDEM_DISPATCH(add_inplace(x, y, n));
+}
+void rope(float* x, int64_t n_tokens, int64_t n_heads, int64_t head_dim, int64_t rotary_dim,
+          const int64_t* positions, const float* inv_freq) {
+  TANDEM_DISPATCH(rope(x, n_tokens, n_heads, head_dim, rotary_dim, positions, inv_freq));
+}
+void kv_write(const KVLayerView& kv, const int32_t* block_table, int64_t start, int64_t n,
+              const float* k, const float* v) {
+  TANDEM_DISPATCH(kv_write(kv, block_table, start, n, k, v));
+}
+void attention(const KVLayerView& kv, const int32_t* block_table, int64_t start, int64_t n,
+               const float* q, int64_t n_heads, float scale, float* out) {
+  TANDEM_DISPATCH(attention(kv, block_table, start, n, q, n_heads, scale, out));
+}
+void causal_conv_silu(const float* x, int64_t n, int64_t channels, int64_t kernel,
+                      const WeightRef& w, float* state, float* out, float* state_after) {
+  TANDEM_DISPATCH(causal_conv_silu(x, n, channels, kernel, w, state, out, state_after));
+}
+void gated_delta_rule(const float* q, const float* k, const float* v, const float* a,
+                      const float* b, const WeightRef& A_log, const WeightRef& dt_bias, int64_t n,
+                      const DeltaHeads& h, float* state, float* out, float* state_after) {
+  TANDEM_DISPATCH(gated_delta_rule(q, k, v, a, b, A_log, dt_bias, n, h, state, out, state_after));
+}
+void linear_quantized(const float* x, int64_t m, const QuantWeightRef& w, float* y) {
+  // The CUDA backend dequantizes drafter weights to bf16 when it places them (WeightArena), so
+  // quantized weights only ever reach the CPU kernel.
+  if (g_backend != Backend::Cpu)
+    fail("linear_quantized: quantized weights run on the CPU backend only (the CUDA backend "
+         "dequantizes them at load)");
+  cpu::linear_quantized(x, m, w, y);
+}
+
+}  // namespace tandem::ops

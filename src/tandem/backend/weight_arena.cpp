@@ -1,0 +1,135 @@
+#include "tandem/backend/weight_arena.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "tandem/backend/cpu/cpu_ops.h"
+#include "tandem/backend/cpu/weight_element.h"
+#include "tandem/core/error.h"
+#ifdef TANDEM_HAVE_CUDA
+#include "tandem/backend/cuda/cuda_ops.h"
+#endif
+
+namespace tandem {
+
+namespace {
+
+bool on_cuda() {
+  return ops::backend() == ops::Backend::Cuda;
+}
+
+// Uniform in [-1, 1) from (seed, index): splitmix64 of the pair. Host fallback for random weights.
+float hash_uniform(uint64_t seed, uint64_t i) {
+  uint64_t z = seed * 0x9E3779B97F4A7C15ull + i + 0x632BE59BD9B4E019ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  z ^= z >> 31;
+  return static_cast<float>(z >> 40) * (2.0f / 16777216.0f) - 1.0f;
+}
+
+constexpr int64_t kChunkRows = 1024;  // host conversion staging, rows at a time
+
+}  // namespace
+
+void* WeightArena::own(size_t bytes) {
+  Buffer<uint8_t> b;
+  b.grow_to(static_cast<int64_t>(bytes));
+  void* p = b.data();
+  blocks_.push_back(std::move(b));
+  bytes_ += bytes;
+  return p;
+}
+
+ops::WeightRef WeightArena::matrix(const ops::WeightRef& stored) {
+  if (!on_cuda()) return stored;
+  ops::WeightRef w = stored;
+  w.dtype = DType::BF16;
+  const int64_t n = stored.rows * stored.cols;
+  auto* dst = static_cast<uint16_t*>(own(sizeof(uint16_t) * static_cast<size_t>(n)));
+  w.data = dst;
+#ifdef TANDEM_HAVE_CUDA
+  if (stored.dtype == DType::BF16) {
+    cuda::copy_to_device(dst, stored.data, sizeof(uint16_t) * static_cast<size_t>(n));
+  } else {
+    std::vector<float> row(static_cast<size_t>(kChunkRows * stored.cols));
+    for (int64_t r0 = 0; r0 < stored.rows; r0 += kChunkRows) {
+      const int64_t nr = std::min(kChunkRows, stored.rows - r0);
+      for (int64_t i = 0; i < nr * stored.cols; ++i)
+        row[static_cast<size_t>(i)] = ops::weight_element(stored, r0 * stored.cols + i);
+      cuda::upload_bf16(dst + r0 * stored.cols, row.data(), nr * stored.cols);
+    }
+  }
+#endif
+  return w;
+}
+
+ops::WeightRef WeightArena::vector(const ops::WeightRef& stored) {
+  if (!on_cuda()) return stored;
+  ops::WeightRef w = stored;
+  w.dtype = DType::F32;
+  const int64_t n = stored.rows * stored.cols;
+  std::vector<float> host(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) host[static_cast<size_t>(i)] = ops::weight_element(stored, i);
+  void* dst = own(sizeof(float) * static_cast<size_t>(n));
+  ops::copy_from_host(dst, host.data(), sizeof(float) * host.size());
+  w.data = dst;
+  return w;
+}
+
+ops::WeightRef WeightArena::dequantized(const ops::QuantWeightRef& q) {
+  if (!on_cuda()) fail("WeightArena::dequantized is for the CUDA backend");
+  ops::WeightRef w;
+  w.dtype = DType::BF16;
+  w.rows = q.rows;
+  w.cols = q.cols;
+  auto* dst = static_cast<uint16_t*>(own(sizeof(uint16_t) * static_cast<size_t>(q.rows * q.cols)));
+  w.data = dst;
+#ifdef TANDEM_HAVE_CUDA
+  std::vector<float> rows(static_cast<size_t>(kChunkRows * q.cols));
+  for (int64_t r0 = 0; r0 < q.rows; r0 += kChunkRows) {
+    const int64_t nr = std::min(kChunkRows, q.rows - r0);
+    cpu::dequantize_rows(q, r0, nr, rows.data());
+    cuda::upload_bf16(dst + r0 * q.cols, rows.data(), nr * q.cols);
+  }
+#endif
+  return w;
+}
+
+ops::WeightRef WeightArena::random_matrix(int64_t rows, int64_t cols, uint64_t seed, float scale) {
+  ops::WeightRef w;
+  w.dtype = DType::BF16;
+  w.rows = rows;
+  w.cols = cols;
+  const int64_t n = rows * cols;
+  auto* dst = static_cast<uint16_t*>(own(sizeof(uint16_t) * static_cast<size_t>(n)));
+  w.data = dst;
+  if (on_cuda()) {
+#ifdef TANDEM_HAVE_CUDA
+    cuda::fill_random_bf16(dst, n, seed, scale);
+#endif
+  } else {
+    for (int64_t i = 0; i < n; ++i)
+      dst[i] = f32_to_bf16(scale * hash_uniform(seed, static_cast<uint64_t>(i)));
+  }
+  return w;
+}
+
+ops::WeightRef WeightArena::random_vector(int64_t n, uint64_t seed, float offset, float scale) {
+  ops::WeightRef w;
+  w.dtype = DType::F32;
+  w.rows = 1;
+  w.cols = n;
+  auto* dst = static_cast<float*>(own(sizeof(float) * static_cast<size_t>(n)));
+  w.data = dst;
+  if (on_cuda()) {
+#ifdef TANDEM_HAVE_CUDA
+    cuda::fill_random_f32(dst, n, seed, offset, scale);
+#endif
+  } else {
+    for (int64_t i = 0; i < n; ++i)
+      dst[i] = offset + scale * hash_uniform(seed, static_cast<uint64_t>(i));
+  }
+  return w;
+}
+
+}  // namespace tandem

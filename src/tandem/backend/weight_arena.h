@@ -1,0 +1,36 @@
+// Places model weights where the active backend computes with them. On the CPU the stored
+// (memory-mapped) tensors are used in place; on CUDA each tensor is copied once into device
+// memory: matrices (Linear weights, embedding tables) as bf16, vectors and small parameters
+// (norm weights, A_log, dt_bias, conv kernels) as fp32. The arena owns those copies; WeightRefs
+// it returns stay valid while it lives.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "tandem/backend/buffer.h"
+#include "tandem/backend/ops.h"
+
+namespace tandem {
+
+class WeightArena {
+ public:
+  ops::WeightRef matrix(const ops::WeightRef& stored);
+  ops::WeightRef vector(const ops::WeightRef& stored);
+  // A dense bf16 copy of an MLX-affine quantized matrix (CUDA); the CPU keeps quantized weights
+  // quantized and never calls this.
+  ops::WeightRef dequantized(const ops::QuantWeightRef& q);
+  // Random weights created directly where they live (no file): matrices bf16 uniform in
+  // [-scale, scale], vectors fp32 offset + uniform [-scale, scale]. Deterministic per seed.
+  ops::WeightRef random_matrix(int64_t rows, int64_t cols, uint64_t seed, float scale);
+  ops::WeightRef random_vector(int64_t n, uint64_t seed, float offset, float scale);
+
+  uint64_t bytes() const { return bytes_; }  // bytes the arena owns
+
+ private:
+  std::vector<Buffer<uint8_t>> blocks_;
+  uint64_t bytes_ = 0;
+  void* own(size_t bytes);
+};
+
+}  // namespace tandem

@@ -1,0 +1,334 @@
+// The Qwen3.5 target, the MTP drafter and speculative decoding on the CUDA backend:
+//  - parity with transformers (fixtures) and with the CPU backend, within bf16 tolerance, and
+//    greedy tokens equal at tie-free positions;
+//  - batch invariance of whole forwards (DESIGN.md principle 2): a token's logits are bitwise the
+//    same decoded alone, inside a verify window, or next to other rows;
+//  - lossless speculative decoding on the GPU: output equals plain decoding token for token.
+// Run on a GPU machine: `ctest -L cuda`.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "tandem/backend/ops.h"
+#include "tandem/engine/generator.h"
+#include "tandem/engine/speculative.h"
+#include "tandem/io/safetensors.h"
+#include "tandem/io/tokenizer.h"
+#include "tandem/model/qwen3_5.h"
+#include "tandem/spec/ngram.h"
+#include "tandem/spec/qwen_mtp.h"
+
+namespace tandem {
+namespace {
+
+const std::string kFixtures = TANDEM_FIXTURES_DIR;
+const std::string kDemo = std::string(TANDEM_SOURCE_DIR) + "/models/qwen35-demo";
+
+// Makes `b` the active backend for the scope. Models, states and drafters must be used under the
+// backend they were created with.
+class ScopedBackend {
+ public:
+  explicit ScopedBackend(ops::Backend b) : prev_(ops::backend()) { ops::set_backend(b); }
+  ~ScopedBackend() { ops::set_backend(prev_); }
+
+ private:
+  ops::Backend prev_;
+};
+
+class CudaModelTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!ops::cuda_available())
+      GTEST_FAIL() << "no usable CUDA device: the `cuda` tests run on a GPU machine only";
+  }
+};
+
+double max_abs(const std::vector<float>& v) {
+  double m = 0;
+  for (float x : v) m = std::max(m, static_cast<double>(std::fabs(x)));
+  return m;
+}
+
+std::vector<int32_t> ids_of(const SafetensorsFile& f, const std::string& name) {
+  const TensorView* t = f.find(name);
+  if (!t) return {};
+  const auto* p = static_cast<const int64_t*>(t->data);
+  return std::vector<int32_t>(p, p + t->numel());
+}
+
+// Top-1 index and the gap to the runner-up of one logits row.
+std::pair<int64_t, double> top1_gap(const float* l, int64_t V) {
+  int64_t best = 0;
+  for (int64_t v = 1; v < V; ++v)
+    if (l[v] > l[best]) best = v;
+  double second = -INFINITY;
+  for (int64_t v = 0; v < V; ++v)
+    if (v != best) second = std::max(second, static_cast<double>(l[v]));
+  return {best, l[best] - second};
+}
+
+// --- Parity ----------------------------------------------------------------------------------
+
+class CudaParity : public CudaModelTest, public ::testing::WithParamInterface<std::string> {};
+
+// Prompt + continuation in one forward, through the decode path (prompt = false) and the prefill
+// GEMM path (prompt = true): logits within bf16 tolerance of transformers' fp32 logits, and the
+// top-1 token equal wherever the reference's top-2 gap exceeds that tolerance.
+TEST_P(CudaParity, LogitsMatchTransformersWithinBf16Tolerance) {
+  ScopedBackend cuda(ops::Backend::Cuda);
+  const std::string dir = kFixtures + "/" + GetParam();
+  auto model = Qwen35Model::load(dir);
+  auto ref = SafetensorsFile::open(dir + "/reference.safetensors");
+  const int64_t V = model->config().vocab_size;
+  for (bool prompt : {false, true}) {
+    for (int i = 0; i < 2; ++i) {
+      const auto tokens = ids_of(*ref, "tokens_" + std::to_string(i));
+      const auto want = to_f32(*ref->find("logits_" + std::to_string(i)));
+      Qwen35State st(model->config());
+      const RowInput row{st.open_row(), static_cast<int64_t>(tokens.size())};
+      ForwardRequest req{tokens, {&row, 1}, true, false};
+      req.prompt = prompt;
+      ForwardOutput out;
+      model->forward(st, req, &out);
+      ASSERT_EQ(out.logits.size(), want.size());
+      const double scale = max_abs(want);
+      const double tol = 2e-2 * scale;
+      double worst = 0;
+      for (size_t k = 0; k < want.size(); ++k)
+        worst = std::max(worst, std::fabs(out.logits[k] - want[k]) / scale);
+      EXPECT_LT(worst, 2e-2) << GetParam() << " prompt " << i << " (prefill path " << prompt
+                             << "): max logit error relative to scale " << scale;
+      int tie_free = 0;
+      for (size_t p = 0; p < tokens.size(); ++p) {
+        const auto [want_top, gap] = top1_gap(want.data() + p * V, V);
+        if (gap <= 2 * tol) continue;
+        ++tie_free;
+        EXPECT_EQ(top1_gap(out.logits.data() + p * V, V).first, want_top)
+            << GetParam() << " prompt " << i << " position " << p;
+      }
+      EXPECT_GT(tie_free, 0) << "no tie-free position: the greedy check checked nothing";
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Fixtures, CudaParity,
+                         ::testing::Values("qwen35_tied", "qwen35_untied_sharded",
+                                           "qwen35_gqa_f16"));
+
+// The demo model (trained bf16 weights) on both backends: logits of a prompt and of decoded
+// tokens within bf16 tolerance, greedy continuations equal at tie-free steps.
+TEST_F(CudaModelTest, DemoModelMatchesTheCpuBackend) {
+  const Tokenizer tok = Tokenizer::load(kDemo + "/tokenizer.json");
+  const std::vector<int32_t> prompt =
+      tok.encode("def parse_args(argv):\n    parser = argparse.ArgumentParser()\n");
+  GenerateRequest req;
+  req.prompt = prompt;
+  req.max_tokens = 24;
+  std::vector<float> cpu_logits, cuda_logits;
+  std::vector<int32_t> cpu_tokens, cuda_tokens;
+  for (ops::Backend b : {ops::Backend::Cpu, ops::Backend::Cuda}) {
+    ScopedBackend scope(b);
+    auto model = Qwen35Model::load(kDemo);
+    Qwen35State st(model->config());
+    const RowInput row{st.open_row(), static_cast<int64_t>(prompt.size())};
+    ForwardOutput out;
+    model->forward(st, {prompt, {&row, 1}, true, false}, &out);
+    (b == ops::Backend::Cpu ? cpu_logits : cuda_logits) = out.logits;
+    Generator gen(*model);
+    (b == ops::Backend::Cpu ? cpu_tokens : cuda_tokens) = gen.run({req}).at(0).tokens;
+  }
+  ASSERT_EQ(cpu_logits.size(), cuda_logits.size());
+  const double scale = max_abs(cpu_logits);
+  double worst = 0;
+  for (size_t k = 0; k < cpu_logits.size(); ++k)
+    worst = std::max(worst, std::fabs(cpu_logits[k] - cuda_logits[k]) / scale);
+  EXPECT_LT(worst, 2e-2) << "max logit difference relative to scale " << scale;
+  RecordProperty("max_rel_logit_diff_cpu_vs_cuda", std::to_string(worst));
+  // Greedy tokens: equal up to the first step where the CPU's own top-2 gap is small.
+  ASSERT_EQ(cpu_tokens.size(), cuda_tokens.size());
+  const int64_t V = static_cast<int64_t>(cpu_logits.size() / prompt.size());
+  const auto [top, gap] = top1_gap(cpu_logits.data() + (prompt.size() - 1) * V, V);
+  if (gap > 4e-2 * scale) {
+    EXPECT_EQ(cuda_tokens[0], top);
+    EXPECT_EQ(cuda_tokens[0], cpu_tokens[0]);
+  }
+}
+
+// --- Batch invariance --------------------------------------------------------------------------
+
+struct Demo {
+  std::unique_ptr<Qwen35Model> model;
+  std::unique_ptr<Tokenizer> tok;
+  std::unique_ptr<spec::TargetView> target;
+  std::unique_ptr<spec::DraftProvider> mtp, ngram;
+};
+
+// The demo model, its tokenizer and drafters, created once on the CUDA backend.
+Demo& cuda_demo() {
+  static Demo* d = [] {
+    ScopedBackend cuda(ops::Backend::Cuda);
+    auto* x = new Demo;
+    x->model = Qwen35Model::load(kDemo);
+    x->tok = std::make_unique<Tokenizer>(Tokenizer::load(kDemo + "/tokenizer.json"));
+    x->target = std::make_unique<spec::TargetView>(*x->model, "demo-target");
+    x->mtp = spec::QwenMtpProvider::from_target(*x->target);
+    x->ngram = std::make_unique<spec::NgramProvider>(spec::NgramOptions{1, 3});
+    return x;
+  }();
+  return *d;
+}
+
+const std::vector<std::string> kPrompts = {
+    "def read_config(path):\n    \"\"\"Read a JSON configuration file.\"\"\"\n",
+    "import os\nimport sys\n\n\nclass Cache:\n    def __init__(self, size):\n        self.size = "
+    "size\n        self.items = {}\n\n    def get(self, key):\n",
+    "for i in range(10):\n    print(i)\nfor i in range(10):\n",
+};
+
+// Logits rows of a forward, as raw bytes, for bitwise comparison.
+bool same_bits(const float* a, const float* b, int64_t n) {
+  return std::memcmp(a, b, sizeof(float) * static_cast<size_t>(n)) == 0;
+}
+
+// One row: prompt prefill, then tokens x[0..3] decoded one per forward; the logits of every step.
+// The same row: prompt prefill, then x[0..3] as ONE verify window (all logits): rows equal.
+// The same row batched with two other rows (prefilled together, decoded together): equal again.
+TEST_F(CudaModelTest, TokenLogitsAreBitwiseIndependentOfWindowAndBatch) {
+  ScopedBackend cuda(ops::Backend::Cuda);
+  Demo& d = cuda_demo();
+  const Qwen35Model& m = *d.model;
+  const int64_t V = m.config().vocab_size;
+  const std::vector<int32_t> p0 = d.tok->encode(kPrompts[0]), p1 = d.tok->encode(kPrompts[1]),
+                             p2 = d.tok->encode(kPrompts[2]);
+  const std::vector<int32_t> x = {d.tok->encode("    with")[0], 17, 942, 3};
+
+  // Alone, one token per forward.
+  std::vector<float> prompt_alone, steps_alone;
+  {
+    Qwen35State st(m.config());
+    const int slot = st.open_row();
+    const RowInput row{slot, static_cast<int64_t>(p0.size())};
+    ForwardRequest req{p0, {&row, 1}, false, false};
+    req.prompt = true;
+    ForwardOutput out;
+    m.forward(st, req, &out);
+    prompt_alone = out.logits;
+    for (int32_t t : x) {
+      const RowInput r{slot, 1};
+      m.forward(st, {std::span(&t, 1), {&r, 1}, false, false}, &out);
+      steps_alone.insert(steps_alone.end(), out.logits.begin(), out.logits.end());
+    }
+  }
+  // Alone, one verify window of 4 tokens.
+  {
+    Qwen35State st(m.config());
+    const int slot = st.open_row();
+    const RowInput row{slot, static_cast<int64_t>(p0.size())};
+    ForwardRequest req{p0, {&row, 1}, false, false};
+    req.prompt = true;
+    ForwardOutput out;
+    m.forward(st, req, &out);
+    const RowInput w{slot, 4, true};
+    m.forward(st, {x, {&w, 1}, true, false}, &out);
+    ASSERT_EQ(out.logits.size(), steps_alone.size());
+    for (int j = 0; j < 4; ++j)
+      EXPECT_TRUE(same_bits(out.logits.data() + j * V, steps_alone.data() + j * V, V))
+          << "window token " << j << " differs from decoding it alone";
+  }
+  // Batched with two other prompts: prefilled in one forward, decoded in one forward per step,
+  // row 0 in the middle so it is not at tile offset 0.
+  {
+    Qwen35State st(m.config());
+    const int s1 = st.open_row(), s0 = st.open_row(), s2 = st.open_row();
+    std::vector<int32_t> toks = p1;
+    toks.insert(toks.end(), p0.begin(), p0.end());
+    toks.insert(toks.end(), p2.begin(), p2.end());
+    const std::vector<RowInput> rows = {{s1, static_cast<int64_t>(p1.size())},
+                                        {s0, static_cast<int64_t>(p0.size())},
+                                        {s2, static_cast<int64_t>(p2.size())}};
+    ForwardRequest req{toks, rows, false, false};
+    req.prompt = true;
+    ForwardOutput out;
+    m.forward(st, req, &out);
+    EXPECT_TRUE(same_bits(out.logits.data() + 1 * V, prompt_alone.data(), V))
+        << "prompt prefill logits depend on the other prompts in the batch";
+    for (int j = 0; j < 4; ++j) {
+      const std::vector<int32_t> step = {5, x[static_cast<size_t>(j)], 11};
+      const std::vector<RowInput> r = {{s1, 1}, {s0, 1}, {s2, 1}};
+      m.forward(st, {step, r, false, false}, &out);
+      EXPECT_TRUE(same_bits(out.logits.data() + 1 * V, steps_alone.data() + j * V, V))
+          << "step " << j << ": batched decode differs from decoding alone";
+    }
+    // And a mixed verify round: windows of different sizes per row.
+    const std::vector<int32_t> win = {5, 6, 7, 8, 9, 10, 11, 12};
+    const std::vector<RowInput> wr = {{s1, 3, true}, {s0, 2, true}, {s2, 3, true}};
+    m.forward(st, {win, wr, true, false}, &out);
+    ASSERT_EQ(out.logits_rows, 8);
+  }
+}
+
+// --- Lossless speculative decoding on the GPU ---------------------------------------------------
+
+struct SpecCase {
+  const char* drafter;
+  int depth;
+  float temperature;
+};
+
+class CudaLossless : public CudaModelTest, public ::testing::WithParamInterface<SpecCase> {};
+
+TEST_P(CudaLossless, SpeculativeEqualsPlainAloneAndBatched) {
+  ScopedBackend cuda(ops::Backend::Cuda);
+  const SpecCase c = GetParam();
+  Demo& d = cuda_demo();
+  const spec::DraftProvider* drafter =
+      std::string(c.drafter) == "mtp" ? d.mtp.get() : d.ngram.get();
+  SpeculativeGenerator spec_gen(*d.model, drafter, "demo-target",
+                                {c.depth, spec::VerifyMode::Match});
+  std::vector<GenerateRequest> reqs;
+  for (size_t p = 0; p < kPrompts.size(); ++p)
+    for (uint64_t seed : {1u, 2u}) {
+      GenerateRequest r;
+      r.prompt = d.tok->encode(kPrompts[p]);
+      r.sampling.temperature = c.temperature;
+      r.sampling.top_p = c.temperature > 0 ? 0.95f : 1.0f;
+      r.sampling.seed = seed * 7 + p;
+      r.max_tokens = static_cast<int64_t>(16 + 6 * (p + seed));
+      reqs.push_back(r);
+    }
+  std::vector<std::vector<int32_t>> want;
+  Generator gen(*d.model);
+  for (const auto& r : reqs) want.push_back(gen.run({r}).at(0).tokens);  // each alone
+  for (size_t i = 0; i < reqs.size(); ++i)
+    ASSERT_EQ(spec_gen.run({reqs[i]}).at(0).tokens, want[i])
+        << c.drafter << " depth " << c.depth << " T " << c.temperature << " request " << i;
+  std::vector<SpecStats> st;
+  const auto got = spec_gen.run(reqs, {}, nullptr, &st);
+  int64_t accepted = 0;
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    EXPECT_EQ(got[i].tokens, want[i]) << "batched request " << i;
+    accepted += st[i].accepted;
+  }
+  EXPECT_GT(accepted, 0) << "no proposal was ever accepted: rollback was not exercised";
+}
+
+std::vector<SpecCase> spec_cases() {
+  std::vector<SpecCase> v;
+  for (const char* d : {"mtp", "ngram"})
+    for (int depth : {1, 2, 3})
+      for (float t : {0.0f, 0.8f}) v.push_back({d, depth, t});
+  return v;
+}
+
+INSTANTIATE_TEST_SUITE_P(Drafters, CudaLossless, ::testing::ValuesIn(spec_cases()),
+                         [](const auto& info) {
+                           return std::string(info.param.drafter) + "_depth" +
+                                  std::to_string(info.param.depth) + "_T" +
+                                  std::to_string(static_cast<int>(info.param.temperature * 10));
+                         });
+
+}  // namespace
+}  // namespace tandem

@@ -1,0 +1,1158 @@
+// CUDA op tests: every op of backend/cuda/cuda_ops.h against the CPU reference (cpu_ops.h) on the
+// shapes of the real Qwen3.5 models and on awkward small ones, and batch invariance (DESIGN.md
+// principle 2) checked BITWISE: a token's numbers are the same alone, in a verify window, or in a
+// batch.
+//
+// Tolerances. linear: the CUDA path rounds activations and weights to bf16 and accumulates in
+// fp32, so the reference is cpu::linear on bf16-rounded inputs with the same bf16 weights; the
+// only difference left is fp32 summation order (1e-3 of the row's max |y| is generous for that,
+// yet far below a wrong element, a missed row or an unrounded bf16 read). Every other op is fp32
+// on both sides: 1e-5 (norms, rope, conv, elementwise) and 1e-4 (attention, delta rule) relative
+// to the max |value| of the row or head vector. Pure data movement (embedding rows, KV writes,
+// conv states, copy_rows, add) must be bit-exact.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <cstring>
+#include <iterator>
+#include <limits>
+#include <numeric>
+#include <ostream>
+#include <random>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "cuda_test_util.h"
+#include "tandem/backend/cpu/cpu_ops.h"
+#include "tandem/backend/cuda/cuda_ops.h"
+
+namespace tandem {
+namespace {
+
+using tandem::testing::bitwise_equal;
+using tandem::testing::CudaParamTest;
+using tandem::testing::CudaTest;
+using tandem::testing::DeviceBuffer;
+using tandem::testing::nan_buffer;
+using tandem::testing::near_blocks;
+using tandem::testing::randn;
+using tandem::testing::round_bf16;
+using tandem::testing::slice;
+using tandem::testing::to_bf16;
+using tandem::testing::uniform;
+
+constexpr double kLinearRel = 1e-3;
+constexpr double kNormRel = 1e-5;
+constexpr double kElemRel = 1e-5;
+constexpr double kRopeRel = 1e-5;
+constexpr double kConvRel = 1e-5;
+constexpr double kAttnRel = 1e-4;
+constexpr double kDeltaRel = 1e-4;
+
+inline size_t sz(int64_t v) {
+  return static_cast<size_t>(v);
+}
+
+bool contains_nocase(std::string hay, std::string needle) {
+  for (auto& c : hay) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  for (auto& c : needle) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return hay.find(needle) != std::string::npos;
+}
+
+// A vector weight (norm scale, A_log, dt_bias, conv taps): F32 on host and on device.
+struct F32Weight {
+  int64_t rows = 0, cols = 0;
+  std::vector<float> host;
+  DeviceBuffer<float> dev;
+  ops::WeightRef host_ref() const { return {DType::F32, host.data(), rows, cols}; }
+  ops::WeightRef dev_ref() const { return {DType::F32, dev.get(), rows, cols}; }
+};
+F32Weight f32_weight(std::vector<float> values, int64_t rows, int64_t cols) {
+  F32Weight w;
+  w.rows = rows;
+  w.cols = cols;
+  w.host = std::move(values);
+  w.dev = DeviceBuffer<float>(w.host);
+  return w;
+}
+
+// A matrix weight [rows, cols]: BF16 on host and on device, values ~ N(0, 1/sqrt(cols)) so that
+// y = x·wᵀ has unit scale for unit-scale x.
+struct Bf16Matrix {
+  int64_t rows = 0, cols = 0;
+  std::vector<uint16_t> host;
+  DeviceBuffer<uint16_t> dev;
+  ops::WeightRef host_ref() const { return {DType::BF16, host.data(), rows, cols}; }
+  ops::WeightRef dev_ref() const { return {DType::BF16, dev.get(), rows, cols}; }
+};
+Bf16Matrix bf16_matrix(int64_t rows, int64_t cols, std::mt19937& rng) {
+  Bf16Matrix w;
+  w.rows = rows;
+  w.cols = cols;
+  w.host = to_bf16(randn(sz(rows * cols), rng, 1.0f / std::sqrt(static_cast<float>(cols))));
+  w.dev = DeviceBuffer<uint16_t>(w.host);
+  return w;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Device and memory
+// ---------------------------------------------------------------------------------------------
+
+using CudaMemory = CudaTest;
+
+TEST_F(CudaMemory, DeviceIsNamedAndStreamSynchronizes) {
+  EXPECT_TRUE(cuda::available());
+  std::string name;
+  ASSERT_NO_THROW(name = cuda::device_name());
+  EXPECT_FALSE(name.empty());
+  EXPECT_NO_THROW(cuda::synchronize());
+}
+
+TEST_F(CudaMemory, AllocCopyRoundTrip) {
+  std::mt19937 rng(11);
+  std::uniform_int_distribution<int> byte(0, 255);
+  for (size_t bytes : {size_t(1), size_t(4097), size_t(3) << 20}) {
+    std::vector<uint8_t> src(bytes);
+    for (auto& b : src) b = static_cast<uint8_t>(byte(rng));
+    void* a = cuda::alloc(bytes);
+    void* b = cuda::alloc(bytes);
+    ASSERT_NE(a, nullptr);
+    ASSERT_NE(b, nullptr);
+    cuda::copy_to_device(a, src.data(), bytes);
+    cuda::copy_on_device(b, a, bytes);
+    std::vector<uint8_t> back(bytes, 0), back2(bytes, 0);
+    cuda::copy_to_host(back.data(), a, bytes);
+    cuda::copy_to_host(back2.data(), b, bytes);
+    EXPECT_TRUE(bitwise_equal(back, src)) << bytes << " bytes, host→device→host";
+    EXPECT_TRUE(bitwise_equal(back2, src)) << bytes << " bytes, via copy_on_device";
+    cuda::free(a);
+    cuda::free(b);
+  }
+  EXPECT_NO_THROW(cuda::free(nullptr));
+}
+
+TEST_F(CudaMemory, SubRangeCopiesAndFillZeroTouchOnlyTheirBytes) {
+  std::mt19937 rng(12);
+  std::uniform_int_distribution<int> byte(1, 255);  // never 0, so fill_zero is visible
+  const size_t n = 10000;
+  std::vector<uint8_t> a(n), b(n);
+  for (auto& x : a) x = static_cast<uint8_t>(byte(rng));
+  for (auto& x : b) x = static_cast<uint8_t>(byte(rng));
+  DeviceBuffer<uint8_t> da(a), db(b);
+  // Unaligned device→device copy of 1000 bytes: b[17..1017) = a[5..1005).
+  cuda::copy_on_device(db.get() + 17, da.get() + 5, 1000);
+  std::copy(a.begin() + 5, a.begin() + 1005, b.begin() + 17);
+  // Unaligned host→device copy of 333 bytes at 4000.
+  std::vector<uint8_t> patch(333);
+  for (auto& x : patch) x = static_cast<uint8_t>(byte(rng));
+  cuda::copy_to_device(db.get() + 4000, patch.data(), patch.size());
+  std::copy(patch.begin(), patch.end(), b.begin() + 4000);
+  // fill_zero of 777 bytes at 6001.
+  cuda::fill_zero(db.get() + 6001, 777);
+  std::fill(b.begin() + 6001, b.begin() + 6001 + 777, uint8_t(0));
+  EXPECT_TRUE(bitwise_equal(db.download(), b));
+  // A partial device→host read.
+  std::vector<uint8_t> part(100);
+  cuda::copy_to_host(part.data(), db.get() + 3999, part.size());
+  EXPECT_TRUE(bitwise_equal(part, slice(b, 3999, 100)));
+  EXPECT_TRUE(bitwise_equal(da.download(), a)) << "the source buffer changed";
+}
+
+TEST_F(CudaMemory, OutOfMemoryThrowsErrorAndDeviceStaysUsable) {
+  try {
+    void* p = cuda::alloc(size_t(1) << 50);  // 1 PiB
+    cuda::free(p);
+    ADD_FAILURE() << "alloc(1 PiB) did not throw";
+  } catch (const tandem::Error& e) {
+    EXPECT_TRUE(contains_nocase(e.what(), "out of memory")) << e.what();
+  }
+  // The failed cudaMalloc must not poison later work.
+  std::vector<float> v = {1.0f, 2.0f, 3.0f};
+  DeviceBuffer<float> d(v);
+  EXPECT_TRUE(bitwise_equal(d.download(), v));
+  EXPECT_NO_THROW(cuda::synchronize());
+}
+
+TEST_F(CudaMemory, UploadBf16RoundsToNearestEven) {
+  std::mt19937 rng(13);
+  std::vector<float> v = randn(100001, rng, 3.0f);
+  // Exact ties (round to even), just-off-ties, signed zeros, extremes, infinities.
+  const float specials[] = {1.0f + 0x1p-8f,
+                            1.0f + 3 * 0x1p-8f,
+                            -(1.0f + 0x1p-8f),
+                            1.0f + 0x1p-9f,
+                            1.0f + 0x1.8p-8f,
+                            0.0f,
+                            -0.0f,
+                            1e-30f,
+                            -3.0e38f,
+                            3.38e38f,
+                            INFINITY,
+                            -INFINITY,
+                            65504.0f,
+                            1.0f / 3.0f,
+                            -2.5f};
+  for (size_t i = 0; i < std::size(specials); ++i) v[i * 7] = specials[i];
+  DeviceBuffer<uint16_t> d(v.size());
+  cuda::upload_bf16(d.get(), v.data(), static_cast<int64_t>(v.size()));
+  EXPECT_TRUE(bitwise_equal(d.download(), to_bf16(v)));
+}
+
+TEST_F(CudaMemory, CopyBandwidthIsPlausible) {
+  const double bw = cuda::copy_bandwidth(size_t(256) << 20);
+  EXPECT_TRUE(std::isfinite(bw));
+  EXPECT_GT(bw, 1e10) << "below 10 GB/s: not a device-to-device copy rate";
+  EXPECT_LT(bw, 1e14) << "above 100 TB/s: a units or timing bug";
+}
+
+// ---------------------------------------------------------------------------------------------
+// Random fills
+// ---------------------------------------------------------------------------------------------
+
+using CudaFill = CudaTest;
+
+TEST_F(CudaFill, RandomBf16IsDeterministicSeededAndInRange) {
+  const int64_t n = (int64_t(1) << 20) + 7;
+  const size_t guard = 64;
+  const float scale = 0.02f;
+  auto fill = [&](uint64_t seed) {
+    DeviceBuffer<uint16_t> d(sz(n) + guard);
+    cuda::fill_zero(d.get(), d.bytes());
+    cuda::fill_random_bf16(d.get(), n, seed, scale);
+    return d.download();
+  };
+  const auto a = fill(1234), a2 = fill(1234), b = fill(1235);
+  for (size_t i = sz(n); i < a.size(); ++i)
+    ASSERT_EQ(a[i], 0) << "fill_random_bf16 wrote past n at " << i;
+  EXPECT_TRUE(bitwise_equal(a, a2)) << "same seed, different values";
+  size_t same = 0;
+  for (int64_t i = 0; i < n; ++i) same += a[sz(i)] == b[sz(i)];
+  EXPECT_LT(same, sz(n) / 20) << "seeds 1234 and 1235 agree on " << same << " of " << n;
+
+  // Uniform in [-scale, scale] (bf16 rounding may reach the bf16 neighbour of `scale`).
+  const double bound = scale * (1.0 + 0x1p-8);
+  double sum = 0, lo = 0, hi = 0;
+  size_t quarter[4] = {0, 0, 0, 0};
+  std::vector<uint16_t> sorted(a.begin(), a.begin() + n);
+  for (int64_t i = 0; i < n; ++i) {
+    const float f = bf16_to_f32(a[sz(i)]);
+    ASSERT_TRUE(std::isfinite(f)) << "element " << i;
+    ASSERT_LE(std::fabs(f), bound) << "element " << i;
+    sum += f;
+    lo = std::min<double>(lo, f);
+    hi = std::max<double>(hi, f);
+    const int q = std::clamp(static_cast<int>((f / scale + 1.0) * 2.0), 0, 3);
+    ++quarter[q];
+  }
+  std::sort(sorted.begin(), sorted.end());
+  const size_t distinct =
+      static_cast<size_t>(std::unique(sorted.begin(), sorted.end()) - sorted.begin());
+  EXPECT_GT(distinct, 200u) << "values are (nearly) all equal";
+  EXPECT_LT(std::fabs(sum / static_cast<double>(n)), 0.01 * scale) << "mean far from 0";
+  EXPECT_LT(lo, -0.99 * scale);
+  EXPECT_GT(hi, 0.99 * scale);
+  for (int q = 0; q < 4; ++q)
+    EXPECT_NEAR(static_cast<double>(quarter[q]) / static_cast<double>(n), 0.25, 0.01)
+        << "quarter " << q << " of [-scale, scale] is not a quarter of the values";
+
+  // Tiny sizes are deterministic too and still vary with the seed.
+  for (int64_t small : {1, 3}) {
+    DeviceBuffer<uint16_t> x(sz(small)), y(sz(small));
+    cuda::fill_random_bf16(x.get(), small, 77, 1.0f);
+    cuda::fill_random_bf16(y.get(), small, 77, 1.0f);
+    const auto hx = x.download();
+    EXPECT_TRUE(bitwise_equal(hx, y.download())) << "n = " << small;
+    for (uint16_t h : hx) EXPECT_LE(std::fabs(bf16_to_f32(h)), 1.0 + 0x1p-8);
+  }
+}
+
+TEST_F(CudaFill, RandomF32HasOffsetScaleAndSeed) {
+  const int64_t n = 300001;
+  auto fill = [&](uint64_t seed, float offset, float scale) {
+    DeviceBuffer<float> d(sz(n));
+    cuda::fill_random_f32(d.get(), n, seed, offset, scale);
+    return d.download();
+  };
+  const auto a = fill(5, 1.0f, 0.5f), a2 = fill(5, 1.0f, 0.5f), b = fill(6, 1.0f, 0.5f);
+  EXPECT_TRUE(bitwise_equal(a, a2));
+  size_t same = 0;
+  double sum = 0, lo = INFINITY, hi = -INFINITY;
+  for (int64_t i = 0; i < n; ++i) {
+    const float f = a[sz(i)];
+    same += f == b[sz(i)];
+    ASSERT_TRUE(std::isfinite(f));
+    ASSERT_GE(f, 0.5f) << "element " << i;
+    ASSERT_LE(f, 1.5f) << "element " << i;
+    sum += f;
+    lo = std::min<double>(lo, f);
+    hi = std::max<double>(hi, f);
+  }
+  EXPECT_LT(same, sz(n) / 100);
+  EXPECT_NEAR(sum / static_cast<double>(n), 1.0, 0.01);
+  EXPECT_LT(lo, 0.51);
+  EXPECT_GT(hi, 1.49);
+}
+
+// ---------------------------------------------------------------------------------------------
+// linear
+// ---------------------------------------------------------------------------------------------
+
+// The CPU result the CUDA linear must reproduce up to summation order: bf16-rounded activations,
+// the same bf16 weights, fp32 accumulation.
+std::vector<float> cpu_linear_bf16(const std::vector<float>& x, int64_t m, const Bf16Matrix& w) {
+  const auto xr = round_bf16(slice(x, 0, sz(m * w.cols)));
+  std::vector<float> y(sz(m * w.rows));
+  cpu::linear(xr.data(), m, w.host_ref(), y.data());
+  return y;
+}
+
+// cuda::linear on rows [row0, row0 + m) of the device activations; output starts as NaN.
+std::vector<float> cuda_linear(const DeviceBuffer<float>& x, int64_t row0, int64_t m,
+                               const Bf16Matrix& w) {
+  DeviceBuffer<float> y = nan_buffer(sz(m * w.rows));
+  cuda::linear(x.get() + row0 * w.cols, m, w.dev_ref(), y.get());
+  return y.download();
+}
+
+struct LinearShape {
+  int64_t n, k;  // weight [n, k]: n outputs, k inputs
+};
+void PrintTo(const LinearShape& s, std::ostream* os) {
+  *os << "N " << s.n << " K " << s.k;
+}
+std::string linear_name(const ::testing::TestParamInfo<LinearShape>& p) {
+  return "N" + std::to_string(p.param.n) + "_K" + std::to_string(p.param.k);
+}
+
+using CudaLinear = CudaParamTest<LinearShape>;
+
+TEST_P(CudaLinear, MatchesCpuOnBf16RoundedInputs) {
+  const auto [n, k] = GetParam();
+  std::mt19937 rng(static_cast<uint32_t>(1000 + 7 * n + k));
+  const Bf16Matrix w = bf16_matrix(n, k, rng);
+  const int64_t max_m = 120;
+  const auto x = randn(sz(max_m * k), rng);
+  // cpu::linear is batch invariant (tests/test_ops.cpp), so its row i is the reference for row i
+  // of any call.
+  const auto want = cpu_linear_bf16(x, max_m, w);
+  const DeviceBuffer<float> dx(x);
+  for (int64_t m : {1, 2, 3, 5, 16, 17, 40, 100}) {
+    const auto got = cuda_linear(dx, 0, m, w);
+    EXPECT_TRUE(near_blocks(got, slice(want, 0, sz(m * n)), sz(n), kLinearRel)) << "m = " << m;
+  }
+  // Rows taken from the middle of the activation buffer (pointer offset).
+  const auto got = cuda_linear(dx, 3, 17, w);
+  EXPECT_TRUE(near_blocks(got, slice(want, sz(3 * n), sz(17 * n)), sz(n), kLinearRel))
+      << "rows 3..19";
+}
+
+// Qwen3.5 hidden sizes 384 / 1024 / 4096, a big N (4096x1024), N not a multiple of 8 (20, 17, 3),
+// and one K that is not a multiple of 8 or 16 (100).
+INSTANTIATE_TEST_SUITE_P(Shapes, CudaLinear,
+                         ::testing::Values(LinearShape{20, 384}, LinearShape{1024, 384},
+                                           LinearShape{384, 1024}, LinearShape{1024, 1024},
+                                           LinearShape{4096, 1024}, LinearShape{1024, 4096},
+                                           LinearShape{1000, 4096}, LinearShape{3, 1024},
+                                           LinearShape{17, 100}),
+                         linear_name);
+
+using CudaLinearModes = CudaTest;
+
+// The CUDA linear rounds each activation to bf16 (round to nearest even) before multiplying.
+// With weights exactly 1, 2 or 0.5 and K = 64 equal activations, every sum is exact in fp32, so
+// the output tells exactly how the activation was rounded.
+TEST_F(CudaLinearModes, RoundsActivationsToBf16NearestEven) {
+  const int64_t k = 64;
+  const float wv[3] = {1.0f, 2.0f, 0.5f};
+  std::vector<uint16_t> wh(sz(3 * k));
+  for (int64_t j = 0; j < 3; ++j)
+    for (int64_t c = 0; c < k; ++c) wh[sz(j * k + c)] = f32_to_bf16(wv[j]);
+  // 1 + 2^-9 rounds down to 1; 1 + 3·2^-9 rounds up to 1 + 2^-7 (truncation would give 1);
+  // 1 + 2^-8 is a tie and rounds to even (1).
+  const float xv[4] = {1.0f + 0x1p-9f, 1.0f + 3 * 0x1p-9f, -(1.0f + 3 * 0x1p-9f), 1.0f + 0x1p-8f};
+  const float rounded[4] = {1.0f, 1.0f + 0x1p-7f, -(1.0f + 0x1p-7f), 1.0f};
+  std::vector<float> x(sz(4 * k));
+  for (int64_t i = 0; i < 4; ++i)
+    for (int64_t c = 0; c < k; ++c) x[sz(i * k + c)] = xv[i];
+  DeviceBuffer<uint16_t> dw(wh);
+  DeviceBuffer<float> dx(x);
+  DeviceBuffer<float> dy = nan_buffer(12);
+  cuda::linear(dx.get(), 4, {DType::BF16, dw.get(), 3, k}, dy.get());
+  const auto y = dy.download();
+  for (int64_t i = 0; i < 4; ++i)
+    for (int64_t j = 0; j < 3; ++j)
+      EXPECT_EQ(y[sz(i * 3 + j)], static_cast<float>(k) * rounded[i] * wv[j])
+          << "row " << i << " (x = " << xv[i] << "), weight " << wv[j];
+}
+
+// Prefill mode lets linear use cuBLAS for m >= 64; it must still match the CPU.
+TEST_F(CudaLinearModes, PrefillModeMatchesCpu) {
+  std::mt19937 rng(21);
+  for (const LinearShape s : {LinearShape{1024, 1024}, LinearShape{4096, 1024},
+                              LinearShape{1000, 4096}, LinearShape{20, 384}}) {
+    const Bf16Matrix w = bf16_matrix(s.n, s.k, rng);
+    const int64_t max_m = 257;
+    const auto x = randn(sz(max_m * s.k), rng);
+    const auto want = cpu_linear_bf16(x, max_m, w);
+    const DeviceBuffer<float> dx(x);
+    cuda::set_prefill(true);
+    for (int64_t m : {64, 100, 257, 1, 17}) {
+      const auto got = cuda_linear(dx, 0, m, w);
+      EXPECT_TRUE(near_blocks(got, slice(want, 0, sz(m * s.n)), sz(s.n), kLinearRel))
+          << "prefill, N " << s.n << " K " << s.k << " m " << m;
+    }
+    cuda::set_prefill(false);
+  }
+  // Back in the default mode the same call is the batch-invariant kernel again.
+  const Bf16Matrix w = bf16_matrix(64, 256, rng);
+  const auto x = randn(sz(100 * 256), rng);
+  const DeviceBuffer<float> dx(x);
+  const auto all = cuda_linear(dx, 0, 100, w);
+  EXPECT_TRUE(near_blocks(all, cpu_linear_bf16(x, 100, w), 64, kLinearRel));
+  EXPECT_TRUE(bitwise_equal(cuda_linear(dx, 99, 1, w), slice(all, 99 * 64, 64)))
+      << "after set_prefill(false), m = 100 is not batch invariant";
+}
+
+TEST_F(CudaLinearModes, RejectsNonBf16Weights) {
+  DeviceBuffer<float> w(64 * 32), x(2 * 32), y(2 * 64);
+  cuda::fill_zero(w.get(), w.bytes());
+  cuda::fill_zero(x.get(), x.bytes());
+  try {
+    cuda::linear(x.get(), 2, {DType::F32, w.get(), 64, 32}, y.get());
+    ADD_FAILURE() << "linear accepted an F32 weight";
+  } catch (const tandem::Error& e) {
+    EXPECT_TRUE(contains_nocase(e.what(), "BF16")) << "error does not name the dtype: " << e.what();
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// embed_rows
+// ---------------------------------------------------------------------------------------------
+
+using CudaOps = CudaTest;
+
+TEST_F(CudaOps, EmbedRowsCopiesBf16RowsExactly) {
+  std::mt19937 rng(31);
+  const int64_t vocab = 1000;
+  for (int64_t d : {384, 1024, 4096}) {
+    const Bf16Matrix table = bf16_matrix(vocab, d, rng);
+    for (int64_t n : {1, 7, 33}) {
+      std::uniform_int_distribution<int32_t> id(0, static_cast<int32_t>(vocab - 1));
+      std::vector<int32_t> ids(sz(n));
+      for (auto& i : ids) i = id(rng);
+      ids[0] = n > 1 ? 0 : static_cast<int32_t>(vocab - 1);
+      if (n > 2) {
+        ids[sz(n - 1)] = static_cast<int32_t>(vocab - 1);
+        ids[2] = ids[1];  // a repeated token
+      }
+      std::vector<float> want(sz(n * d));
+      cpu::embed_rows(table.host_ref(), ids.data(), n, want.data());
+      DeviceBuffer<int32_t> dids(ids);
+      DeviceBuffer<float> out = nan_buffer(sz(n * d));
+      cuda::embed_rows(table.dev_ref(), dids.get(), n, out.get());
+      EXPECT_TRUE(bitwise_equal(out.download(), want)) << "d " << d << " n " << n;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// rms_norm, gated_rms_norm
+// ---------------------------------------------------------------------------------------------
+
+// m rows of d values, row r scaled by 10^(r % 5 - 2) so that the normalisation matters.
+std::vector<float> norm_input(int64_t m, int64_t d, std::mt19937& rng) {
+  auto x = randn(sz(m * d), rng);
+  for (int64_t r = 0; r < m; ++r) {
+    const float s = std::pow(10.0f, static_cast<float>(r % 5 - 2));
+    for (int64_t i = 0; i < d; ++i) x[sz(r * d + i)] *= s;
+  }
+  return x;
+}
+
+TEST_F(CudaOps, RmsNormMatchesCpuPlainAndZeroCentred) {
+  std::mt19937 rng(41);
+  const float eps = 1e-6f;
+  for (int64_t d : {384, 1024, 4096, 256, 64, 37}) {
+    for (bool zc : {false, true}) {
+      // Zero-centred weights are deltas around 0 (scale = 1 + w); plain ones sit around 1.
+      const F32Weight w = f32_weight(randn(sz(d), rng, 0.1f, zc ? 0.0f : 1.0f), 1, d);
+      for (int64_t m : {1, 3, 17}) {
+        const auto x = norm_input(m, d, rng);
+        std::vector<float> want(x.size());
+        cpu::rms_norm(x.data(), m, d, w.host_ref(), zc, eps, want.data());
+        DeviceBuffer<float> dx(x);
+        DeviceBuffer<float> dy = nan_buffer(x.size());
+        cuda::rms_norm(dx.get(), m, d, w.dev_ref(), zc, eps, dy.get());
+        const auto got = dy.download();
+        EXPECT_TRUE(near_blocks(got, want, sz(d), kNormRel))
+            << "d " << d << " m " << m << " zero_centred " << zc;
+        // In place (y == x) gives the same bits.
+        cuda::rms_norm(dx.get(), m, d, w.dev_ref(), zc, eps, dx.get());
+        EXPECT_TRUE(bitwise_equal(dx.download(), got))
+            << "in place, d " << d << " m " << m << " zero_centred " << zc;
+      }
+    }
+  }
+}
+
+TEST_F(CudaOps, GatedRmsNormMatchesCpu) {
+  std::mt19937 rng(42);
+  const float eps = 1e-6f;
+  // DeltaNet: d = dv = 128 per value head, m = tokens × value heads (16 or 32).
+  for (int64_t d : {128, 64}) {
+    const F32Weight w = f32_weight(randn(sz(d), rng, 0.1f, 1.0f), 1, d);
+    for (int64_t m : {1, 7, 3 * 16, 17 * 32}) {
+      const auto x = norm_input(m, d, rng);
+      const auto z = randn(x.size(), rng, 2.0f);
+      std::vector<float> want(x.size());
+      cpu::gated_rms_norm(x.data(), z.data(), m, d, w.host_ref(), eps, want.data());
+      DeviceBuffer<float> dx(x), dz(z);
+      DeviceBuffer<float> dy = nan_buffer(x.size());
+      cuda::gated_rms_norm(dx.get(), dz.get(), m, d, w.dev_ref(), eps, dy.get());
+      EXPECT_TRUE(near_blocks(dy.download(), want, sz(d), kNormRel)) << "d " << d << " m " << m;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// swiglu, sigmoid_gate, add_inplace
+// ---------------------------------------------------------------------------------------------
+
+// Gate values: N(0, 3), with the saturated ends (±20, ±100) and 0 planted at the front of the
+// longer vectors.
+std::vector<float> gate_values(int64_t n, std::mt19937& rng) {
+  auto g = randn(sz(n), rng, 3.0f);
+  const float planted[] = {-100.0f, 100.0f, -20.0f, 20.0f, 0.0f};
+  if (g.size() >= 8) std::copy(std::begin(planted), std::end(planted), g.begin());
+  return g;
+}
+
+const int64_t kElementCounts[] = {1, 17, 3 * 3584, (int64_t(1) << 20) + 3};
+
+TEST_F(CudaOps, SwigluMatchesCpu) {
+  std::mt19937 rng(51);
+  for (int64_t n : kElementCounts) {
+    const auto gate = gate_values(n, rng);
+    const auto up = randn(sz(n), rng);
+    std::vector<float> want(sz(n));
+    cpu::swiglu(gate.data(), up.data(), n, want.data());
+    DeviceBuffer<float> dg(gate), du(up);
+    DeviceBuffer<float> dout = nan_buffer(sz(n));
+    cuda::swiglu(dg.get(), du.get(), n, dout.get());
+    EXPECT_TRUE(near_blocks(dout.download(), want, 1, kElemRel, 1e-30)) << "n " << n;
+  }
+}
+
+TEST_F(CudaOps, SigmoidGateMatchesCpu) {
+  std::mt19937 rng(52);
+  for (int64_t n : kElementCounts) {
+    const auto gate = gate_values(n, rng);
+    const auto x = randn(sz(n), rng);
+    std::vector<float> want = x;
+    cpu::sigmoid_gate(want.data(), gate.data(), n);
+    DeviceBuffer<float> dx(x), dg(gate);
+    cuda::sigmoid_gate(dx.get(), dg.get(), n);
+    EXPECT_TRUE(near_blocks(dx.download(), want, 1, kElemRel, 1e-30)) << "n " << n;
+  }
+}
+
+TEST_F(CudaOps, AddInplaceIsExact) {
+  std::mt19937 rng(53);
+  for (int64_t n : kElementCounts) {
+    const auto x = randn(sz(n), rng);
+    const auto y = randn(sz(n), rng, 10.0f);
+    std::vector<float> want = x;
+    cpu::add_inplace(want.data(), y.data(), n);
+    DeviceBuffer<float> dx(x), dy(y);
+    cuda::add_inplace(dx.get(), dy.get(), n);
+    EXPECT_TRUE(bitwise_equal(dx.download(), want)) << "n " << n;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// rope
+// ---------------------------------------------------------------------------------------------
+
+// inv_freq[i] = theta^(-2i / rotary_dim), computed in fp32 as the model does.
+std::vector<float> inv_freq(double theta, int64_t rotary_dim) {
+  std::vector<float> f(sz(rotary_dim / 2));
+  const float base = static_cast<float>(theta);
+  for (int64_t i = 0; i < rotary_dim / 2; ++i)
+    f[sz(i)] = 1.0f / std::pow(base, static_cast<float>(2 * i) / static_cast<float>(rotary_dim));
+  return f;
+}
+
+TEST_F(CudaOps, RopeMatchesCpuOnPartialRotaryAndScatteredPositions) {
+  struct Case {
+    int64_t tokens, heads, head_dim, rotary_dim;
+    double theta;
+  };
+  // Qwen3.5 full attention: head_dim 256 with rotary_dim 64 (partial_rotary_factor 0.25), 16 query
+  // / 4 kv heads; the small model's head_dim 64; full rotary; an odd token count.
+  const Case cases[] = {{5, 16, 256, 64, 1e7}, {5, 4, 256, 64, 1e7}, {1, 2, 64, 16, 1e4},
+                        {9, 2, 64, 64, 1e4},   {17, 3, 64, 32, 1e6}, {3, 16, 256, 256, 1e7}};
+  // Not contiguous, not sorted, repeated, up to 32767.
+  const int64_t pos_pool[] = {7, 3,   1000, 0, 4095, 12, 13, 32767, 1,
+                              2, 500, 501,  9, 8,    77, 13, 100};
+  std::mt19937 rng(61);
+  for (const Case& c : cases) {
+    std::vector<int64_t> pos(pos_pool, pos_pool + c.tokens);
+    const auto freq = inv_freq(c.theta, c.rotary_dim);
+    const auto x = randn(sz(c.tokens * c.heads * c.head_dim), rng);
+    std::vector<float> want = x;
+    cpu::rope(want.data(), c.tokens, c.heads, c.head_dim, c.rotary_dim, pos.data(), freq.data());
+    DeviceBuffer<float> dx(x), dfreq(freq);
+    DeviceBuffer<int64_t> dpos(pos);
+    cuda::rope(dx.get(), c.tokens, c.heads, c.head_dim, c.rotary_dim, dpos.get(), dfreq.get());
+    const auto got = dx.download();
+    const std::string what = "tokens " + std::to_string(c.tokens) + " heads " +
+                             std::to_string(c.heads) + " head_dim " + std::to_string(c.head_dim) +
+                             " rotary_dim " + std::to_string(c.rotary_dim);
+    EXPECT_TRUE(near_blocks(got, want, sz(c.head_dim), kRopeRel)) << what;
+    // The dims past rotary_dim are untouched, bit for bit.
+    size_t changed = 0;
+    for (int64_t v = 0; v < c.tokens * c.heads; ++v)
+      for (int64_t i = c.rotary_dim; i < c.head_dim; ++i) {
+        const size_t at = sz(v * c.head_dim + i);
+        changed += std::memcmp(&got[at], &x[at], sizeof(float)) != 0;
+      }
+    EXPECT_EQ(changed, 0u) << what << ": dims past rotary_dim changed";
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Paged KV: kv_write + attention
+// ---------------------------------------------------------------------------------------------
+
+constexpr int64_t kBlockSize = 16;
+
+// One layer's paged KV pool on host and device, holding the same bytes, and one row's block
+// table of shuffled, non-contiguous block ids. Unwritten slots hold large garbage (±1000): an
+// attention that reads past its causal prefix gets a visibly wrong answer.
+struct PagedKV {
+  int64_t n_kv_heads = 0, head_dim = 0, n_blocks = 0;
+  std::vector<float> host;
+  DeviceBuffer<float> dev;
+  std::vector<int32_t> table;
+  DeviceBuffer<int32_t> dev_table;
+  ops::KVLayerView host_view() { return {host.data(), kBlockSize, n_kv_heads, head_dim}; }
+  ops::KVLayerView dev_view() const { return {dev.get(), kBlockSize, n_kv_heads, head_dim}; }
+  int64_t row() const { return n_kv_heads * head_dim; }
+};
+
+PagedKV make_paged_kv(int64_t len, int64_t n_kv_heads, int64_t head_dim, std::mt19937& rng) {
+  PagedKV kv;
+  kv.n_kv_heads = n_kv_heads;
+  kv.head_dim = head_dim;
+  const int64_t used = std::max<int64_t>(1, (len + kBlockSize - 1) / kBlockSize);
+  kv.n_blocks = used + 5;
+  std::vector<int32_t> ids(sz(kv.n_blocks));
+  std::iota(ids.begin(), ids.end(), 0);
+  std::shuffle(ids.begin(), ids.end(), rng);
+  kv.table.assign(ids.begin(), ids.begin() + used);
+  if (used >= 2 && kv.table[1] == kv.table[0] + 1) std::swap(kv.table[0], kv.table[1]);
+  kv.host =
+      uniform(sz(kv.n_blocks * 2 * kBlockSize * n_kv_heads * head_dim), rng, -1000.0f, 1000.0f);
+  kv.dev = DeviceBuffer<float>(kv.host);
+  kv.dev_table = DeviceBuffer<int32_t>(kv.table);
+  return kv;
+}
+
+// Writes k, v of positions [from, to) on both sides.
+void write_kv(PagedKV& kv, const std::vector<float>& k, const std::vector<float>& v,
+              const DeviceBuffer<float>& dk, const DeviceBuffer<float>& dv, int64_t from,
+              int64_t to) {
+  if (to <= from) return;
+  const int64_t off = from * kv.row();
+  cpu::kv_write(kv.host_view(), kv.table.data(), from, to - from, k.data() + off, v.data() + off);
+  cuda::kv_write(kv.dev_view(), kv.dev_table.get(), from, to - from, dk.get() + off,
+                 dv.get() + off);
+}
+
+struct AttnCase {
+  int64_t n_heads, n_kv_heads, head_dim, start, n;
+  float sharpness;  // multiplies the softmax scale; != 1 also plants a huge score (see below)
+};
+void PrintTo(const AttnCase& c, std::ostream* os) {
+  *os << "heads " << c.n_heads << "/" << c.n_kv_heads << " head_dim " << c.head_dim << " start "
+      << c.start << " n " << c.n << " sharpness " << c.sharpness;
+}
+std::string attn_name(const ::testing::TestParamInfo<AttnCase>& p) {
+  const AttnCase& c = p.param;
+  return "H" + std::to_string(c.n_heads) + "_KV" + std::to_string(c.n_kv_heads) + "_D" +
+         std::to_string(c.head_dim) + "_start" + std::to_string(c.start) + "_n" +
+         std::to_string(c.n) + (c.sharpness != 1.0f ? "_sharp" : "");
+}
+
+using CudaAttention = CudaParamTest<AttnCase>;
+
+TEST_P(CudaAttention, KvWriteAndAttentionMatchCpu) {
+  const AttnCase c = GetParam();
+  std::mt19937 rng(static_cast<uint32_t>(71 + c.start * 13 + c.n + c.head_dim));
+  const int64_t len = c.start + c.n;
+  PagedKV kv = make_paged_kv(len, c.n_kv_heads, c.head_dim, rng);
+  const auto k = randn(sz(len * kv.row()), rng);
+  const auto v = randn(sz(len * kv.row()), rng);
+  auto q = randn(sz(c.n * c.n_heads * c.head_dim), rng);
+  if (c.sharpness != 1.0f) {
+    // Query 0 of every head points along the key of position start / 2: a score of 1000-2000, so
+    // exp() overflows unless the kernel subtracts the running max.
+    const int64_t p = c.start / 2, group = c.n_heads / c.n_kv_heads;
+    for (int64_t h = 0; h < c.n_heads; ++h)
+      for (int64_t i = 0; i < c.head_dim; ++i)
+        q[sz(h * c.head_dim + i)] = 4.0f * k[sz((p * c.n_kv_heads + h / group) * c.head_dim + i)];
+  }
+  DeviceBuffer<float> dk(k), dv(v), dq(q);
+  // The cached prefix in two writes (the second starting mid-block), then the new tokens.
+  write_kv(kv, k, v, dk, dv, 0, c.start / 2);
+  write_kv(kv, k, v, dk, dv, c.start / 2, c.start);
+  write_kv(kv, k, v, dk, dv, c.start, len);
+  EXPECT_TRUE(bitwise_equal(kv.dev.download(), kv.host))
+      << "KV pools differ after kv_write (wrong slot, block or extra writes)";
+
+  const float scale = c.sharpness / std::sqrt(static_cast<float>(c.head_dim));
+  std::vector<float> want(q.size());
+  cpu::attention(kv.host_view(), kv.table.data(), c.start, c.n, q.data(), c.n_heads, scale,
+                 want.data());
+  DeviceBuffer<float> out = nan_buffer(q.size());
+  cuda::attention(kv.dev_view(), kv.dev_table.get(), c.start, c.n, dq.get(), c.n_heads, scale,
+                  out.get());
+  EXPECT_TRUE(near_blocks(out.download(), want, sz(c.head_dim), kAttnRel));
+}
+
+// GQA 16 query / 4 kv heads at head_dim 256 and 2 / 2 at head_dim 64; start 0, mid-block,
+// crossing a block boundary, exactly on one, long contexts; n in {1, 4, 9}.
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, CudaAttention,
+    ::testing::Values(AttnCase{16, 4, 256, 0, 1, 1}, AttnCase{16, 4, 256, 0, 9, 1},
+                      AttnCase{16, 4, 256, 5, 4, 1}, AttnCase{16, 4, 256, 15, 4, 1},
+                      AttnCase{16, 4, 256, 37, 9, 1}, AttnCase{16, 4, 256, 40, 4, 30},
+                      AttnCase{16, 4, 256, 1000, 4, 1}, AttnCase{16, 4, 256, 4000, 1, 1},
+                      AttnCase{8, 2, 256, 3, 9, 1}, AttnCase{2, 2, 64, 0, 1, 1},
+                      AttnCase{2, 2, 64, 16, 1, 1}, AttnCase{2, 2, 64, 31, 4, 1},
+                      AttnCase{2, 2, 64, 7, 9, 30}, AttnCase{2, 2, 64, 100, 9, 1}),
+    attn_name);
+
+// ---------------------------------------------------------------------------------------------
+// causal_conv_silu
+// ---------------------------------------------------------------------------------------------
+
+constexpr int64_t kConvKernel = 4;
+
+struct ConvCase {
+  int64_t channels, n;
+};
+void PrintTo(const ConvCase& c, std::ostream* os) {
+  *os << "channels " << c.channels << " n " << c.n;
+}
+using ConvParam = std::tuple<ConvCase, bool>;  // with state_after
+std::string conv_name(const ::testing::TestParamInfo<ConvParam>& p) {
+  const ConvCase c = std::get<0>(p.param);
+  return "C" + std::to_string(c.channels) + "_n" + std::to_string(c.n) +
+         (std::get<1>(p.param) ? "_state_after" : "_no_state_after");
+}
+
+using CudaConv = CudaParamTest<ConvParam>;
+
+TEST_P(CudaConv, MatchesCpu) {
+  const auto [c, with_after] = GetParam();
+  const int64_t C = c.channels, n = c.n, hist = kConvKernel - 1;
+  std::mt19937 rng(static_cast<uint32_t>(81 + C + n));
+  const F32Weight w = f32_weight(randn(sz(C * kConvKernel), rng, 0.5f), C, kConvKernel);
+  const auto x = randn(sz(n * C), rng);
+  const auto state0 = randn(sz(C * hist), rng);  // a carried-over state, not zeros
+
+  std::vector<float> st = state0, want(sz(n * C)), after(with_after ? sz(n * C * hist) : 0);
+  cpu::causal_conv_silu(x.data(), n, C, kConvKernel, w.host_ref(), st.data(), want.data(),
+                        with_after ? after.data() : nullptr);
+
+  DeviceBuffer<float> dx(x), dst(state0);
+  DeviceBuffer<float> dout = nan_buffer(sz(n * C));
+  DeviceBuffer<float> dafter = nan_buffer(after.size());
+  cuda::causal_conv_silu(dx.get(), n, C, kConvKernel, w.dev_ref(), dst.get(), dout.get(),
+                         with_after ? dafter.get() : nullptr);
+  EXPECT_TRUE(near_blocks(dout.download(), want, sz(C), kConvRel)) << "out";
+  // The state is a window of past inputs: exact.
+  EXPECT_TRUE(bitwise_equal(dst.download(), st)) << "final state";
+  if (with_after) {
+    EXPECT_TRUE(bitwise_equal(dafter.download(), after)) << "state_after";
+  }
+}
+
+// DeltaNet conv channels: 2·16·128 + 32·128 = 8192 and 2·8·128 + 16·128 = 4096; odd ones.
+INSTANTIATE_TEST_SUITE_P(Shapes, CudaConv,
+                         ::testing::Combine(::testing::Values(ConvCase{8192, 1}, ConvCase{8192, 9},
+                                                              ConvCase{4096, 3}, ConvCase{4096, 17},
+                                                              ConvCase{37, 9}, ConvCase{1, 5}),
+                                            ::testing::Bool()),
+                         conv_name);
+
+// ---------------------------------------------------------------------------------------------
+// gated_delta_rule
+// ---------------------------------------------------------------------------------------------
+
+constexpr int64_t kDeltaDim = 128;  // dk = dv = 128 in every Qwen3.5 model
+
+struct DeltaInputs {
+  ops::DeltaHeads h;
+  int64_t n;
+  std::vector<float> q, k, v, a, b, state0;
+  F32Weight A_log, dt_bias;
+  DeviceBuffer<float> dq, dk, dv, da, db;
+
+  size_t state_size() const { return sz(h.n_v_heads * h.dk * h.dv); }
+  size_t out_size() const { return sz(n * h.n_v_heads * h.dv); }
+  int64_t qk_row() const { return h.n_k_heads * h.dk; }
+  int64_t v_row() const { return h.n_v_heads * h.dv; }
+};
+
+DeltaInputs delta_inputs(int64_t n_k_heads, int64_t n_v_heads, int64_t n, std::mt19937& rng) {
+  DeltaInputs in;
+  in.h = {n_k_heads, n_v_heads, kDeltaDim, kDeltaDim};
+  in.n = n;
+  in.q = randn(sz(n * in.qk_row()), rng);
+  in.k = randn(sz(n * in.qk_row()), rng);
+  in.v = randn(sz(n * in.v_row()), rng);
+  in.a = randn(sz(n * n_v_heads), rng, 2.0f);
+  in.b = randn(sz(n * n_v_heads), rng, 2.0f);
+  // The softplus saturation branch (a + dt_bias > 20) and near-zero decay.
+  in.a[0] = 30.0f;
+  if (in.a.size() > 1) in.a[1] = -30.0f;
+  in.state0 = randn(in.state_size(), rng, 0.1f);
+  // As the random-model generator draws them: A_log in [0, 2.7], dt_bias in [0.5, 1.5].
+  in.A_log = f32_weight(uniform(sz(n_v_heads), rng, 0.0f, 2.7f), 1, n_v_heads);
+  in.dt_bias = f32_weight(uniform(sz(n_v_heads), rng, 0.5f, 1.5f), 1, n_v_heads);
+  in.dq = DeviceBuffer<float>(in.q);
+  in.dk = DeviceBuffer<float>(in.k);
+  in.dv = DeviceBuffer<float>(in.v);
+  in.da = DeviceBuffer<float>(in.a);
+  in.db = DeviceBuffer<float>(in.b);
+  return in;
+}
+
+// cuda::gated_delta_rule on tokens [t0, t0 + count) of the inputs.
+void cuda_delta(const DeltaInputs& in, int64_t t0, int64_t count, float* state, float* out,
+                float* state_after) {
+  cuda::gated_delta_rule(in.dq.get() + t0 * in.qk_row(), in.dk.get() + t0 * in.qk_row(),
+                         in.dv.get() + t0 * in.v_row(), in.da.get() + t0 * in.h.n_v_heads,
+                         in.db.get() + t0 * in.h.n_v_heads, in.A_log.dev_ref(),
+                         in.dt_bias.dev_ref(), count, in.h, state, out, state_after);
+}
+
+struct DeltaCase {
+  int64_t n_k_heads, n_v_heads, n;
+};
+void PrintTo(const DeltaCase& c, std::ostream* os) {
+  *os << "key heads " << c.n_k_heads << " value heads " << c.n_v_heads << " n " << c.n;
+}
+using DeltaParam = std::tuple<DeltaCase, bool>;  // with state_after
+std::string delta_name(const ::testing::TestParamInfo<DeltaParam>& p) {
+  const DeltaCase c = std::get<0>(p.param);
+  return "K" + std::to_string(c.n_k_heads) + "_V" + std::to_string(c.n_v_heads) + "_n" +
+         std::to_string(c.n) + (std::get<1>(p.param) ? "_state_after" : "_no_state_after");
+}
+
+using CudaDelta = CudaParamTest<DeltaParam>;
+
+TEST_P(CudaDelta, MatchesCpu) {
+  const auto [c, with_after] = GetParam();
+  std::mt19937 rng(static_cast<uint32_t>(91 + c.n_v_heads * 5 + c.n));
+  const DeltaInputs in = delta_inputs(c.n_k_heads, c.n_v_heads, c.n, rng);
+  const size_t S = in.state_size();
+
+  std::vector<float> st = in.state0, want(in.out_size()), after(with_after ? S * sz(c.n) : 0);
+  cpu::gated_delta_rule(in.q.data(), in.k.data(), in.v.data(), in.a.data(), in.b.data(),
+                        in.A_log.host_ref(), in.dt_bias.host_ref(), c.n, in.h, st.data(),
+                        want.data(), with_after ? after.data() : nullptr);
+
+  DeviceBuffer<float> dst(in.state0);
+  DeviceBuffer<float> dout = nan_buffer(in.out_size());
+  DeviceBuffer<float> dafter = nan_buffer(after.size());
+  cuda_delta(in, 0, c.n, dst.get(), dout.get(), with_after ? dafter.get() : nullptr);
+  const size_t head = sz(kDeltaDim * kDeltaDim);
+  EXPECT_TRUE(near_blocks(dout.download(), want, sz(kDeltaDim), kDeltaRel)) << "out";
+  EXPECT_TRUE(near_blocks(dst.download(), st, head, kDeltaRel)) << "final state";
+  if (with_after) {
+    EXPECT_TRUE(near_blocks(dafter.download(), after, head, kDeltaRel)) << "state_after";
+  }
+}
+
+// 16 key / 32 value heads and 8 / 16 (the two model sizes), 2 / 2 (no grouping), 1 / 4.
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, CudaDelta,
+    ::testing::Combine(::testing::Values(DeltaCase{16, 32, 1}, DeltaCase{16, 32, 3},
+                                         DeltaCase{16, 32, 9}, DeltaCase{8, 16, 1},
+                                         DeltaCase{8, 16, 4}, DeltaCase{8, 16, 17},
+                                         DeltaCase{2, 2, 5}, DeltaCase{1, 4, 3}),
+                       ::testing::Bool()),
+    delta_name);
+
+// ---------------------------------------------------------------------------------------------
+// copy_rows
+// ---------------------------------------------------------------------------------------------
+
+TEST_F(CudaOps, CopyRowsIsStridedAndExact) {
+  struct Case {
+    int64_t rows, cols, src_stride, dst_stride, src_offset, dst_offset;
+  };
+  const Case cases[] = {{1, 1024, 1024, 1024, 0, 0}, {17, 20, 37, 21, 0, 0},
+                        {5, 128, 4096, 128, 256, 0}, {3, 1, 1, 5, 0, 2},
+                        {100, 256, 512, 300, 7, 33}, {33, 4096, 4096, 8192, 0, 4096}};
+  std::mt19937 rng(101);
+  for (const Case& c : cases) {
+    const size_t src_n = sz(c.src_offset + (c.rows - 1) * c.src_stride + c.cols);
+    const size_t dst_n = sz(c.dst_offset + (c.rows - 1) * c.dst_stride + c.cols + 3);
+    const auto src = randn(src_n, rng);
+    std::vector<float> want = uniform(dst_n, rng, 100.0f, 200.0f);  // sentinel: must survive
+    DeviceBuffer<float> dsrc(src), ddst(want);
+    for (int64_t r = 0; r < c.rows; ++r)
+      for (int64_t i = 0; i < c.cols; ++i)
+        want[sz(c.dst_offset + r * c.dst_stride + i)] =
+            src[sz(c.src_offset + r * c.src_stride + i)];
+    cuda::copy_rows(ddst.get() + c.dst_offset, c.dst_stride, dsrc.get() + c.src_offset,
+                    c.src_stride, c.rows, c.cols);
+    EXPECT_TRUE(bitwise_equal(ddst.download(), want))
+        << "rows " << c.rows << " cols " << c.cols << " strides " << c.src_stride << " -> "
+        << c.dst_stride;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Empty calls and dtype checks
+// ---------------------------------------------------------------------------------------------
+
+TEST_F(CudaOps, ZeroSizedCallsAreNoOps) {
+  std::mt19937 rng(111);
+  const auto sentinel = randn(64, rng);
+  DeviceBuffer<float> y(sentinel), x(sentinel);
+  DeviceBuffer<uint16_t> w(std::vector<uint16_t>(64 * 64, f32_to_bf16(1.0f)));
+  const F32Weight nw = f32_weight(std::vector<float>(64, 1.0f), 1, 64);
+  EXPECT_NO_THROW(cuda::linear(x.get(), 0, {DType::BF16, w.get(), 64, 64}, y.get()));
+  EXPECT_NO_THROW(cuda::rms_norm(x.get(), 0, 64, nw.dev_ref(), true, 1e-6f, y.get()));
+  EXPECT_NO_THROW(cuda::swiglu(x.get(), x.get(), 0, y.get()));
+  EXPECT_NO_THROW(cuda::sigmoid_gate(y.get(), x.get(), 0));
+  EXPECT_NO_THROW(cuda::add_inplace(y.get(), x.get(), 0));
+  EXPECT_NO_THROW(cuda::copy_rows(y.get(), 64, x.get(), 64, 0, 64));
+  EXPECT_NO_THROW(cuda::synchronize()) << "an empty call launched an invalid kernel";
+  EXPECT_TRUE(bitwise_equal(y.download(), sentinel)) << "an empty call wrote its output";
+}
+
+TEST_F(CudaOps, VectorOpsRejectNonF32Weights) {
+  DeviceBuffer<float> x(4 * 64), y(4 * 64);
+  cuda::fill_zero(x.get(), x.bytes());
+  DeviceBuffer<uint16_t> w(std::vector<uint16_t>(64, f32_to_bf16(1.0f)));
+  try {
+    cuda::rms_norm(x.get(), 4, 64, {DType::BF16, w.get(), 1, 64}, false, 1e-6f, y.get());
+    ADD_FAILURE() << "rms_norm accepted a BF16 weight";
+  } catch (const tandem::Error& e) {
+    EXPECT_TRUE(contains_nocase(e.what(), "F32")) << "error does not name the dtype: " << e.what();
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Batch invariance, bitwise (DESIGN.md principle 2)
+// ---------------------------------------------------------------------------------------------
+
+// (a) linear: each of 37 rows alone, in chunks of 5 and of 16, in the 37-row call and in a
+// 100-row call gives the same bits.
+using CudaLinearInvariance = CudaParamTest<LinearShape>;
+
+TEST_P(CudaLinearInvariance, RowsAreBitwiseIndependentOfTheBatch) {
+  const auto [n, k] = GetParam();
+  std::mt19937 rng(static_cast<uint32_t>(2000 + 7 * n + k));
+  const Bf16Matrix w = bf16_matrix(n, k, rng);
+  const int64_t m = 37, big = 100;
+  const auto x = randn(sz(big * k), rng);
+  const DeviceBuffer<float> dx(x);
+  const auto all = cuda_linear(dx, 0, m, w);
+  // Bitwise equality of garbage proves nothing: the reference call must be right first.
+  ASSERT_TRUE(near_blocks(all, cpu_linear_bf16(x, m, w), sz(n), kLinearRel));
+  for (int64_t i = 0; i < m; ++i)
+    EXPECT_TRUE(bitwise_equal(cuda_linear(dx, i, 1, w), slice(all, sz(i * n), sz(n))))
+        << "row " << i << " alone vs in a batch of " << m;
+  for (int64_t chunk : {5, 16})
+    for (int64_t r0 = 0; r0 < m; r0 += chunk) {
+      const int64_t cnt = std::min(chunk, m - r0);
+      EXPECT_TRUE(bitwise_equal(cuda_linear(dx, r0, cnt, w), slice(all, sz(r0 * n), sz(cnt * n))))
+          << "rows " << r0 << ".." << r0 + cnt - 1 << " (chunks of " << chunk << ")";
+    }
+  const auto hundred = cuda_linear(dx, 0, big, w);
+  EXPECT_TRUE(bitwise_equal(slice(hundred, 0, sz(m * n)), all)) << "first 37 rows of m = 100";
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, CudaLinearInvariance,
+                         ::testing::Values(LinearShape{1000, 4096}, LinearShape{4096, 1024},
+                                           LinearShape{1024, 1024}, LinearShape{20, 384},
+                                           LinearShape{3, 1024}),
+                         linear_name);
+
+using CudaBatchInvariance = CudaTest;
+
+// (b) attention: a row's 8 queries in one call, one call each, and 3 + 5, give the same bits
+// (the KV of all 8 positions is written first).
+TEST_F(CudaBatchInvariance, AttentionQueriesAreBitwiseIndependentOfTheWindow) {
+  struct Case {
+    int64_t n_heads, n_kv_heads, head_dim, start;
+  };
+  const int64_t n = 8;
+  for (const Case c :
+       {Case{16, 4, 256, 21}, Case{16, 4, 256, 0}, Case{2, 2, 64, 13}, Case{16, 4, 256, 1000}}) {
+    std::mt19937 rng(static_cast<uint32_t>(121 + c.start + c.head_dim));
+    const int64_t len = c.start + n, qrow = c.n_heads * c.head_dim;
+    PagedKV kv = make_paged_kv(len, c.n_kv_heads, c.head_dim, rng);
+    const auto k = randn(sz(len * kv.row()), rng);
+    const auto v = randn(sz(len * kv.row()), rng);
+    const auto q = randn(sz(n * qrow), rng);
+    DeviceBuffer<float> dk(k), dv(v), dq(q);
+    write_kv(kv, k, v, dk, dv, 0, len);
+    const float scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
+    auto run = [&](int64_t t0, int64_t cnt) {
+      DeviceBuffer<float> out = nan_buffer(sz(cnt * qrow));
+      cuda::attention(kv.dev_view(), kv.dev_table.get(), c.start + t0, cnt, dq.get() + t0 * qrow,
+                      c.n_heads, scale, out.get());
+      return out.download();
+    };
+    const auto all = run(0, n);
+    std::vector<float> want(q.size());
+    cpu::attention(kv.host_view(), kv.table.data(), c.start, n, q.data(), c.n_heads, scale,
+                   want.data());
+    const std::string what = "heads " + std::to_string(c.n_heads) + "/" +
+                             std::to_string(c.n_kv_heads) + " start " + std::to_string(c.start);
+    ASSERT_TRUE(near_blocks(all, want, sz(c.head_dim), kAttnRel)) << what;
+    for (int64_t t = 0; t < n; ++t)
+      EXPECT_TRUE(bitwise_equal(run(t, 1), slice(all, sz(t * qrow), sz(qrow))))
+          << what << ": query " << t << " alone vs in the window";
+    auto split = run(0, 3);
+    const auto rest = run(3, 5);
+    split.insert(split.end(), rest.begin(), rest.end());
+    EXPECT_TRUE(bitwise_equal(split, all)) << what << ": windows 3 + 5 vs 8";
+  }
+}
+
+// (c) causal_conv_silu: a window of n tokens (with state_after, as verify runs it), the same
+// window without state_after, and n single-token calls (as decode runs them) give the same
+// outputs and final state, and state_after[t] is the state after t + 1 single steps.
+TEST_F(CudaBatchInvariance, ConvWindowEqualsSingleSteps) {
+  const int64_t hist = kConvKernel - 1;
+  for (const int64_t C : {8192, 4096, 37}) {
+    const int64_t n = 9;
+    std::mt19937 rng(static_cast<uint32_t>(131 + C));
+    const F32Weight w = f32_weight(randn(sz(C * kConvKernel), rng, 0.5f), C, kConvKernel);
+    const auto x = randn(sz(n * C), rng);
+    const auto state0 = randn(sz(C * hist), rng);
+    const DeviceBuffer<float> dx(x);
+
+    DeviceBuffer<float> st_win(state0), out_win = nan_buffer(sz(n * C));
+    DeviceBuffer<float> after = nan_buffer(sz(n * C * hist));
+    cuda::causal_conv_silu(dx.get(), n, C, kConvKernel, w.dev_ref(), st_win.get(), out_win.get(),
+                           after.get());
+    const auto out_w = out_win.download(), st_w = st_win.download(), after_w = after.download();
+    {  // the window is right before it is compared with itself
+      std::vector<float> st = state0, want(sz(n * C));
+      cpu::causal_conv_silu(x.data(), n, C, kConvKernel, w.host_ref(), st.data(), want.data(),
+                            nullptr);
+      ASSERT_TRUE(near_blocks(out_w, want, sz(C), kConvRel)) << "C " << C;
+    }
+
+    DeviceBuffer<float> st_plain(state0), out_plain = nan_buffer(sz(n * C));
+    cuda::causal_conv_silu(dx.get(), n, C, kConvKernel, w.dev_ref(), st_plain.get(),
+                           out_plain.get(), nullptr);
+    EXPECT_TRUE(bitwise_equal(out_plain.download(), out_w)) << "C " << C << ": without state_after";
+    EXPECT_TRUE(bitwise_equal(st_plain.download(), st_w)) << "C " << C << ": without state_after";
+
+    DeviceBuffer<float> st_one(state0), out_one = nan_buffer(sz(n * C));
+    for (int64_t t = 0; t < n; ++t) {
+      cuda::causal_conv_silu(dx.get() + t * C, 1, C, kConvKernel, w.dev_ref(), st_one.get(),
+                             out_one.get() + t * C, nullptr);
+      EXPECT_TRUE(bitwise_equal(st_one.download(), slice(after_w, sz(t * C * hist), sz(C * hist))))
+          << "C " << C << ": state_after[" << t << "] vs " << t + 1 << " single steps";
+    }
+    EXPECT_TRUE(bitwise_equal(out_one.download(), out_w)) << "C " << C << ": single steps, out";
+    EXPECT_TRUE(bitwise_equal(st_one.download(), st_w)) << "C " << C << ": single steps, state";
+  }
+}
+
+// (c) gated_delta_rule: the same three ways, bitwise.
+TEST_F(CudaBatchInvariance, DeltaRuleWindowEqualsSingleSteps) {
+  for (const DeltaCase c : {DeltaCase{16, 32, 8}, DeltaCase{8, 16, 8}, DeltaCase{2, 2, 8}}) {
+    std::mt19937 rng(static_cast<uint32_t>(141 + c.n_v_heads));
+    const DeltaInputs in = delta_inputs(c.n_k_heads, c.n_v_heads, c.n, rng);
+    const size_t S = in.state_size(), O = sz(in.v_row());
+    const std::string what =
+        "heads " + std::to_string(c.n_k_heads) + "/" + std::to_string(c.n_v_heads);
+
+    DeviceBuffer<float> st_win(in.state0), out_win = nan_buffer(in.out_size());
+    DeviceBuffer<float> after = nan_buffer(S * sz(c.n));
+    cuda_delta(in, 0, c.n, st_win.get(), out_win.get(), after.get());
+    const auto out_w = out_win.download(), st_w = st_win.download(), after_w = after.download();
+    {
+      std::vector<float> st = in.state0, want(in.out_size());
+      cpu::gated_delta_rule(in.q.data(), in.k.data(), in.v.data(), in.a.data(), in.b.data(),
+                            in.A_log.host_ref(), in.dt_bias.host_ref(), c.n, in.h, st.data(),
+                            want.data(), nullptr);
+      ASSERT_TRUE(near_blocks(out_w, want, sz(kDeltaDim), kDeltaRel)) << what;
+      ASSERT_TRUE(near_blocks(st_w, st, sz(kDeltaDim * kDeltaDim), kDeltaRel)) << what;
+    }
+
+    DeviceBuffer<float> st_plain(in.state0), out_plain = nan_buffer(in.out_size());
+    cuda_delta(in, 0, c.n, st_plain.get(), out_plain.get(), nullptr);
+    EXPECT_TRUE(bitwise_equal(out_plain.download(), out_w)) << what << ": without state_after";
+    EXPECT_TRUE(bitwise_equal(st_plain.download(), st_w)) << what << ": without state_after";
+
+    DeviceBuffer<float> st_one(in.state0), out_one = nan_buffer(in.out_size());
+    for (int64_t t = 0; t < c.n; ++t) {
+      cuda_delta(in, t, 1, st_one.get(), out_one.get() + sz(t) * O, nullptr);
+      EXPECT_TRUE(bitwise_equal(st_one.download(), slice(after_w, sz(t) * S, S)))
+          << what << ": state_after[" << t << "] vs " << t + 1 << " single steps";
+    }
+    EXPECT_TRUE(bitwise_equal(out_one.download(), out_w)) << what << ": single steps, out";
+    EXPECT_TRUE(bitwise_equal(st_one.download(), st_w)) << what << ": single steps, state";
+  }
+}
+
+// (d) rms_norm and gated_rms_norm: a row's result does not depend on m or on its place.
+TEST_F(CudaBatchInvariance, NormRowsAreBitwiseIndependentOfTheBatch) {
+  const int64_t m = 37;
+  for (const int64_t d : {1024, 256, 4096, 384, 128}) {
+    std::mt19937 rng(static_cast<uint32_t>(151 + d));
+    const F32Weight w = f32_weight(randn(sz(d), rng, 0.1f), 1, d);
+    const auto x = norm_input(m, d, rng);
+    const auto z = randn(x.size(), rng, 2.0f);
+    const DeviceBuffer<float> dx(x), dz(z);
+    for (const bool gated : {false, true}) {
+      auto run = [&](int64_t r0, int64_t cnt) {
+        DeviceBuffer<float> y = nan_buffer(sz(cnt * d));
+        if (gated)
+          cuda::gated_rms_norm(dx.get() + r0 * d, dz.get() + r0 * d, cnt, d, w.dev_ref(), 1e-6f,
+                               y.get());
+        else
+          cuda::rms_norm(dx.get() + r0 * d, cnt, d, w.dev_ref(), true, 1e-6f, y.get());
+        return y.download();
+      };
+      const auto all = run(0, m);
+      std::vector<float> want(x.size());
+      if (gated)
+        cpu::gated_rms_norm(x.data(), z.data(), m, d, w.host_ref(), 1e-6f, want.data());
+      else
+        cpu::rms_norm(x.data(), m, d, w.host_ref(), true, 1e-6f, want.data());
+      const std::string what =
+          std::string(gated ? "gated_rms_norm" : "rms_norm") + " d " + std::to_string(d);
+      ASSERT_TRUE(near_blocks(all, want, sz(d), kNormRel)) << what;
+      for (int64_t i = 0; i < m; ++i)
+        EXPECT_TRUE(bitwise_equal(run(i, 1), slice(all, sz(i * d), sz(d))))
+            << what << ": row " << i << " alone";
+      for (int64_t chunk : {5, 16})
+        for (int64_t r0 = 0; r0 < m; r0 += chunk) {
+          const int64_t cnt = std::min(chunk, m - r0);
+          EXPECT_TRUE(bitwise_equal(run(r0, cnt), slice(all, sz(r0 * d), sz(cnt * d))))
+              << what << ": rows " << r0 << ".." << r0 + cnt - 1;
+        }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace tandem
