@@ -4,10 +4,12 @@
 
 #include <cmath>
 #include <cstring>
+#include <numeric>
 #include <random>
 #include <vector>
 
 #include "tandem/backend/ops.h"
+#include "tandem/core/error.h"
 
 namespace tandem {
 namespace {
@@ -160,10 +162,12 @@ TEST(Ops, PagedAttentionMatchesDenseCausalAttention) {
   const auto k = random_vec(static_cast<size_t>(L * nkv * hd), rng);
   const auto v = random_vec(static_cast<size_t>(L * nkv * hd), rng);
   const auto q = random_vec(static_cast<size_t>(L * nh * hd), rng);
-  ops::kv_write(kv, table.data(), 0, L, k.data(), v.data());
+  std::vector<int64_t> pos(static_cast<size_t>(L));
+  std::iota(pos.begin(), pos.end(), int64_t{0});
+  ops::kv_write(kv, table.data(), pos.data(), L, k.data(), v.data());
   const float scale = 0.35f;
   std::vector<float> out(q.size());
-  ops::attention(kv, table.data(), 0, L, q.data(), nh, scale, out.data());
+  ops::attention(kv, table.data(), pos.data(), L, L, q.data(), nh, scale, out.data());
   for (int64_t t = 0; t < L; ++t)
     for (int64_t h = 0; h < nh; ++h) {
       const int64_t g = h / (nh / nkv);
@@ -182,10 +186,25 @@ TEST(Ops, PagedAttentionMatchesDenseCausalAttention) {
         EXPECT_NEAR(out[(t * nh + h) * hd + i], o, 1e-5);
       }
     }
-  // The last 3 queries alone (a verify window over a cached prefix) give the same bits.
+  // The last 3 queries alone (a verify window over a cached prefix), under a looser position
+  // bound, give the same bits; so does one query given out of order with a repeat.
   std::vector<float> tail(static_cast<size_t>(3 * nh * hd));
-  ops::attention(kv, table.data(), L - 3, 3, q.data() + (L - 3) * nh * hd, nh, scale, tail.data());
+  ops::attention(kv, table.data(), pos.data() + (L - 3), 3, 4 * bs, q.data() + (L - 3) * nh * hd,
+                 nh, scale, tail.data());
   EXPECT_EQ(0, std::memcmp(tail.data(), out.data() + (L - 3) * nh * hd, tail.size() * 4));
+  const std::vector<int64_t> picked = {7, 2, 7};
+  std::vector<float> qp, got(static_cast<size_t>(3 * nh * hd));
+  for (const int64_t p : picked)
+    qp.insert(qp.end(), q.begin() + p * nh * hd, q.begin() + (p + 1) * nh * hd);
+  ops::attention(kv, table.data(), picked.data(), 3, L, qp.data(), nh, scale, got.data());
+  for (size_t j = 0; j < picked.size(); ++j)
+    EXPECT_EQ(0, std::memcmp(got.data() + j * nh * hd, out.data() + picked[j] * nh * hd,
+                             static_cast<size_t>(nh * hd) * 4))
+        << "query at position " << picked[j];
+  // A position at or past the bound is the caller's bug, reported rather than read past.
+  EXPECT_THROW(
+      ops::attention(kv, table.data(), pos.data(), L, L - 1, q.data(), nh, scale, out.data()),
+      Error);
 }
 
 TEST(Ops, CausalConvCarriesStateAcrossCalls) {

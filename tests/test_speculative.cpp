@@ -215,7 +215,7 @@ TEST(MtpAcceptance, TeacherForcedAgreementOnHeldOutTextMatchesTheModelCard) {
   std::vector<float> emb(static_cast<size_t>(rows * H)), mtp_out(emb.size()),
       logits(static_cast<size_t>(rows * V));
   f.target->embed(std::span(ids).subspan(1), emb.data());
-  const spec::MtpSegment seg{table.data(), 0, rows};
+  const spec::MtpSegment seg{table.data(), 0, rows, rows};
   spec::QwenMtpBlock::Workspace ws;
   block.forward(emb.data(), out.hidden.data(), {&seg, 1}, kv, ws, mtp_out.data());
   f.target->logits(mtp_out.data(), rows, logits.data());

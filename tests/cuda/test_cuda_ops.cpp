@@ -661,30 +661,57 @@ PagedKV make_paged_kv(int64_t len, int64_t n_kv_heads, int64_t head_dim, std::mt
   return kv;
 }
 
-// Writes k, v of positions [from, to) on both sides.
+// Positions from..to-1 on the host, and the same array on the device (kv_write and attention
+// read positions from backend memory).
+std::vector<int64_t> position_range(int64_t from, int64_t to) {
+  std::vector<int64_t> pos(sz(std::max<int64_t>(0, to - from)));
+  std::iota(pos.begin(), pos.end(), from);
+  return pos;
+}
+
+// Writes the k, v rows of `pos` on both sides: token j of the call is the row of position
+// pos[j] (k, v hold one row per position 0..len-1).
 void write_kv(PagedKV& kv, const std::vector<float>& k, const std::vector<float>& v,
-              const DeviceBuffer<float>& dk, const DeviceBuffer<float>& dv, int64_t from,
-              int64_t to) {
-  if (to <= from) return;
-  const int64_t off = from * kv.row();
-  cpu::kv_write(kv.host_view(), kv.table.data(), from, to - from, k.data() + off, v.data() + off);
-  cuda::kv_write(kv.dev_view(), kv.dev_table.get(), from, to - from, dk.get() + off,
-                 dv.get() + off);
+              const std::vector<int64_t>& pos) {
+  if (pos.empty()) return;
+  std::vector<float> kj, vj;
+  for (const int64_t p : pos) {
+    kj.insert(kj.end(), k.begin() + p * kv.row(), k.begin() + (p + 1) * kv.row());
+    vj.insert(vj.end(), v.begin() + p * kv.row(), v.begin() + (p + 1) * kv.row());
+  }
+  const int64_t n = static_cast<int64_t>(pos.size());
+  cpu::kv_write(kv.host_view(), kv.table.data(), pos.data(), n, kj.data(), vj.data());
+  const DeviceBuffer<float> dk(kj), dv(vj);
+  const DeviceBuffer<int64_t> dpos(pos);
+  cuda::kv_write(kv.dev_view(), kv.dev_table.get(), dpos.get(), n, dk.get(), dv.get());
+}
+
+// cuda::attention of queries q [pos.size(), n_heads, head_dim] at positions `pos`.
+std::vector<float> cuda_attention(const PagedKV& kv, const std::vector<int64_t>& pos, int64_t bound,
+                                  const std::vector<float>& q, int64_t n_heads, float scale) {
+  const DeviceBuffer<float> dq(q);
+  const DeviceBuffer<int64_t> dpos(pos);
+  DeviceBuffer<float> out = nan_buffer(q.size());
+  cuda::attention(kv.dev_view(), kv.dev_table.get(), dpos.get(), static_cast<int64_t>(pos.size()),
+                  bound, dq.get(), n_heads, scale, out.get());
+  return out.download();
 }
 
 struct AttnCase {
   int64_t n_heads, n_kv_heads, head_dim, start, n;
-  float sharpness;  // multiplies the softmax scale; != 1 also plants a huge score (see below)
+  float sharpness;    // multiplies the softmax scale; != 1 also plants a huge score (see below)
+  int64_t bound = 0;  // position_bound; 0: start + n, the tightest
 };
 void PrintTo(const AttnCase& c, std::ostream* os) {
   *os << "heads " << c.n_heads << "/" << c.n_kv_heads << " head_dim " << c.head_dim << " start "
-      << c.start << " n " << c.n << " sharpness " << c.sharpness;
+      << c.start << " n " << c.n << " sharpness " << c.sharpness << " bound " << c.bound;
 }
 std::string attn_name(const ::testing::TestParamInfo<AttnCase>& p) {
   const AttnCase& c = p.param;
   return "H" + std::to_string(c.n_heads) + "_KV" + std::to_string(c.n_kv_heads) + "_D" +
          std::to_string(c.head_dim) + "_start" + std::to_string(c.start) + "_n" +
-         std::to_string(c.n) + (c.sharpness != 1.0f ? "_sharp" : "");
+         std::to_string(c.n) + (c.sharpness != 1.0f ? "_sharp" : "") +
+         (c.bound != 0 ? "_bound" + std::to_string(c.bound) : "");
 }
 
 using CudaAttention = CudaParamTest<AttnCase>;
@@ -693,6 +720,7 @@ TEST_P(CudaAttention, KvWriteAndAttentionMatchCpu) {
   const AttnCase c = GetParam();
   std::mt19937 rng(static_cast<uint32_t>(71 + c.start * 13 + c.n + c.head_dim));
   const int64_t len = c.start + c.n;
+  const int64_t bound = c.bound != 0 ? c.bound : len;
   PagedKV kv = make_paged_kv(len, c.n_kv_heads, c.head_dim, rng);
   const auto k = randn(sz(len * kv.row()), rng);
   const auto v = randn(sz(len * kv.row()), rng);
@@ -705,36 +733,71 @@ TEST_P(CudaAttention, KvWriteAndAttentionMatchCpu) {
       for (int64_t i = 0; i < c.head_dim; ++i)
         q[sz(h * c.head_dim + i)] = 4.0f * k[sz((p * c.n_kv_heads + h / group) * c.head_dim + i)];
   }
-  DeviceBuffer<float> dk(k), dv(v), dq(q);
-  // The cached prefix in two writes (the second starting mid-block), then the new tokens.
-  write_kv(kv, k, v, dk, dv, 0, c.start / 2);
-  write_kv(kv, k, v, dk, dv, c.start / 2, c.start);
-  write_kv(kv, k, v, dk, dv, c.start, len);
+  // The cached prefix in two writes (the second starting mid-block), then the new tokens with
+  // their positions in reverse order (a write goes where positions[j] says, not to slot j).
+  write_kv(kv, k, v, position_range(0, c.start / 2));
+  write_kv(kv, k, v, position_range(c.start / 2, c.start));
+  std::vector<int64_t> fresh = position_range(c.start, len);
+  std::reverse(fresh.begin(), fresh.end());
+  write_kv(kv, k, v, fresh);
   EXPECT_TRUE(bitwise_equal(kv.dev.download(), kv.host))
       << "KV pools differ after kv_write (wrong slot, block or extra writes)";
 
   const float scale = c.sharpness / std::sqrt(static_cast<float>(c.head_dim));
+  const std::vector<int64_t> pos = position_range(c.start, len);
   std::vector<float> want(q.size());
-  cpu::attention(kv.host_view(), kv.table.data(), c.start, c.n, q.data(), c.n_heads, scale,
-                 want.data());
-  DeviceBuffer<float> out = nan_buffer(q.size());
-  cuda::attention(kv.dev_view(), kv.dev_table.get(), c.start, c.n, dq.get(), c.n_heads, scale,
-                  out.get());
-  EXPECT_TRUE(near_blocks(out.download(), want, sz(c.head_dim), kAttnRel));
+  cpu::attention(kv.host_view(), kv.table.data(), pos.data(), c.n, bound, q.data(), c.n_heads,
+                 scale, want.data());
+  EXPECT_TRUE(near_blocks(cuda_attention(kv, pos, bound, q, c.n_heads, scale), want, sz(c.head_dim),
+                          kAttnRel));
 }
 
-// GQA 16 query / 4 kv heads at head_dim 256 and 2 / 2 at head_dim 64; start 0, mid-block,
-// crossing a block boundary, exactly on one, long contexts; n in {1, 4, 9}.
+// GQA 16 query / 4 kv heads at head_dim 256, 24 / 4 (groups of 6: chunks of 2 heads), 8 / 2 and
+// 2 / 2 at head_dim 64 and 2 / 1 at head_dim 96 (a partial float4 row per lane); start 0,
+// mid-block, crossing a block boundary, exactly on one, every partition size up to 128
+// positions (512, 1000, 4000, 9000 cross the 32 → 64 → 128 → 256 steps), n in {1, 4, 9}; a prefill
+// of 300 queries under a bound so loose that the partial buffer cuts it into many launches.
 INSTANTIATE_TEST_SUITE_P(
     Shapes, CudaAttention,
     ::testing::Values(AttnCase{16, 4, 256, 0, 1, 1}, AttnCase{16, 4, 256, 0, 9, 1},
                       AttnCase{16, 4, 256, 5, 4, 1}, AttnCase{16, 4, 256, 15, 4, 1},
                       AttnCase{16, 4, 256, 37, 9, 1}, AttnCase{16, 4, 256, 40, 4, 30},
-                      AttnCase{16, 4, 256, 1000, 4, 1}, AttnCase{16, 4, 256, 4000, 1, 1},
+                      AttnCase{16, 4, 256, 508, 9, 1, 1024}, AttnCase{16, 4, 256, 1000, 4, 1},
+                      AttnCase{16, 4, 256, 4000, 1, 1}, AttnCase{16, 4, 256, 4000, 8, 30, 4096},
+                      AttnCase{16, 4, 256, 9000, 1, 1, 9216}, AttnCase{24, 4, 256, 300, 4, 1},
                       AttnCase{8, 2, 256, 3, 9, 1}, AttnCase{2, 2, 64, 0, 1, 1},
                       AttnCase{2, 2, 64, 16, 1, 1}, AttnCase{2, 2, 64, 31, 4, 1},
-                      AttnCase{2, 2, 64, 7, 9, 30}, AttnCase{2, 2, 64, 100, 9, 1}),
+                      AttnCase{2, 2, 64, 7, 9, 30}, AttnCase{2, 2, 64, 100, 9, 1},
+                      AttnCase{2, 1, 96, 70, 4, 1}, AttnCase{16, 4, 256, 0, 300, 1, 200000}),
     attn_name);
+
+using CudaAttentionBounds = CudaTest;
+
+// A position at or past position_bound is the caller's bug: the kernel writes NaN for that query
+// (never a partial answer), leaves the other queries right, and the next call is unaffected (no
+// partition counter left behind).
+TEST_F(CudaAttentionBounds, PositionPastTheBoundGivesNanAndLeavesNoTrace) {
+  std::mt19937 rng(97);
+  const int64_t nh = 16, nkv = 4, hd = 256, len = 700;
+  PagedKV kv = make_paged_kv(len, nkv, hd, rng);
+  const auto k = randn(sz(len * kv.row()), rng), v = randn(sz(len * kv.row()), rng);
+  write_kv(kv, k, v, position_range(0, len));
+  const auto q = randn(sz(2 * nh * hd), rng);
+  const float scale = 1.0f / 16.0f;
+  const std::vector<int64_t> pos = {650, 699};
+  const auto got = cuda_attention(kv, pos, 680, q, nh, scale);  // 699 is past the bound
+  const auto good = cuda_attention(kv, pos, 700, q, nh, scale);
+  EXPECT_TRUE(bitwise_equal(slice(got, 0, sz(nh * hd)), slice(good, 0, sz(nh * hd))))
+      << "the in-bound query changed";
+  size_t nans = 0;
+  for (size_t i = sz(nh * hd); i < got.size(); ++i) nans += std::isnan(got[i]) ? 1 : 0;
+  EXPECT_EQ(nans, sz(nh * hd)) << "the out-of-bound query must be all NaN";
+  std::vector<float> want(q.size());
+  cpu::attention(kv.host_view(), kv.table.data(), pos.data(), 2, 700, q.data(), nh, scale,
+                 want.data());
+  EXPECT_TRUE(near_blocks(cuda_attention(kv, pos, 700, q, nh, scale), want, sz(hd), kAttnRel))
+      << "a call after the bad one";
+}
 
 // ---------------------------------------------------------------------------------------------
 // causal_conv_silu
@@ -992,43 +1055,66 @@ INSTANTIATE_TEST_SUITE_P(Shapes, CudaLinearInvariance,
 using CudaBatchInvariance = CudaTest;
 
 // (b) attention: a row's 8 queries in one call, one call each, and 3 + 5, give the same bits
-// (the KV of all 8 positions is written first).
-TEST_F(CudaBatchInvariance, AttentionQueriesAreBitwiseIndependentOfTheWindow) {
+// (the KV of all 8 positions is written first); so do the 8 in shuffled order, and calls under
+// other position bounds (a bound sizes the grid and scratch only, which a graph captured at one
+// bound and replayed at later positions relies on).
+TEST_F(CudaBatchInvariance, AttentionQueriesAreBitwiseIndependentOfTheWindowAndBound) {
   struct Case {
     int64_t n_heads, n_kv_heads, head_dim, start;
   };
   const int64_t n = 8;
-  for (const Case c :
-       {Case{16, 4, 256, 21}, Case{16, 4, 256, 0}, Case{2, 2, 64, 13}, Case{16, 4, 256, 1000}}) {
+  for (const Case c : {Case{16, 4, 256, 21}, Case{16, 4, 256, 0}, Case{2, 2, 64, 13},
+                       Case{16, 4, 256, 1000}, Case{16, 4, 256, 4090}, Case{24, 4, 256, 509}}) {
     std::mt19937 rng(static_cast<uint32_t>(121 + c.start + c.head_dim));
     const int64_t len = c.start + n, qrow = c.n_heads * c.head_dim;
     PagedKV kv = make_paged_kv(len, c.n_kv_heads, c.head_dim, rng);
     const auto k = randn(sz(len * kv.row()), rng);
     const auto v = randn(sz(len * kv.row()), rng);
     const auto q = randn(sz(n * qrow), rng);
-    DeviceBuffer<float> dk(k), dv(v), dq(q);
-    write_kv(kv, k, v, dk, dv, 0, len);
+    write_kv(kv, k, v, position_range(0, len));
     const float scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
-    auto run = [&](int64_t t0, int64_t cnt) {
-      DeviceBuffer<float> out = nan_buffer(sz(cnt * qrow));
-      cuda::attention(kv.dev_view(), kv.dev_table.get(), c.start + t0, cnt, dq.get() + t0 * qrow,
-                      c.n_heads, scale, out.get());
-      return out.download();
+    const std::vector<int64_t> pos = position_range(c.start, len);
+    // Queries t0..t0+cnt-1 of the window in one call under `bound`.
+    auto run = [&](int64_t t0, int64_t cnt, int64_t bound) {
+      return cuda_attention(kv, slice(pos, sz(t0), sz(cnt)), bound,
+                            slice(q, sz(t0 * qrow), sz(cnt * qrow)), c.n_heads, scale);
     };
-    const auto all = run(0, n);
+    const auto all = run(0, n, len);
     std::vector<float> want(q.size());
-    cpu::attention(kv.host_view(), kv.table.data(), c.start, n, q.data(), c.n_heads, scale,
+    cpu::attention(kv.host_view(), kv.table.data(), pos.data(), n, len, q.data(), c.n_heads, scale,
                    want.data());
     const std::string what = "heads " + std::to_string(c.n_heads) + "/" +
                              std::to_string(c.n_kv_heads) + " start " + std::to_string(c.start);
     ASSERT_TRUE(near_blocks(all, want, sz(c.head_dim), kAttnRel)) << what;
     for (int64_t t = 0; t < n; ++t)
-      EXPECT_TRUE(bitwise_equal(run(t, 1), slice(all, sz(t * qrow), sz(qrow))))
+      EXPECT_TRUE(bitwise_equal(run(t, 1, c.start + t + 1), slice(all, sz(t * qrow), sz(qrow))))
           << what << ": query " << t << " alone vs in the window";
-    auto split = run(0, 3);
-    const auto rest = run(3, 5);
+    auto split = run(0, 3, len);
+    const auto rest = run(3, 5, len);
     split.insert(split.end(), rest.begin(), rest.end());
     EXPECT_TRUE(bitwise_equal(split, all)) << what << ": windows 3 + 5 vs 8";
+    // Bounds: the next multiple of 1024 (what the model passes), one far past it (more grid
+    // partitions and a larger partition-size tier than any query here uses), and a decode query
+    // replayed under a bound it shares with the whole window.
+    for (const int64_t bound : {(len + 1023) / 1024 * 1024, int64_t{150000}})
+      EXPECT_TRUE(bitwise_equal(run(0, n, bound), all)) << what << ": bound " << bound;
+    EXPECT_TRUE(bitwise_equal(run(n - 1, 1, 150000), slice(all, sz((n - 1) * qrow), sz(qrow))))
+        << what << ": last query alone under bound 150000";
+    // Shuffled: query j of the call is window query order[j].
+    std::vector<int64_t> order(sz(n));
+    std::iota(order.begin(), order.end(), int64_t{0});
+    std::shuffle(order.begin(), order.end(), rng);
+    std::vector<int64_t> pos_shuffled;
+    std::vector<float> q_shuffled;
+    for (const int64_t t : order) {
+      pos_shuffled.push_back(pos[sz(t)]);
+      q_shuffled.insert(q_shuffled.end(), q.begin() + t * qrow, q.begin() + (t + 1) * qrow);
+    }
+    const auto shuffled = cuda_attention(kv, pos_shuffled, len, q_shuffled, c.n_heads, scale);
+    for (int64_t j = 0; j < n; ++j)
+      EXPECT_TRUE(bitwise_equal(slice(shuffled, sz(j * qrow), sz(qrow)),
+                                slice(all, sz(order[sz(j)] * qrow), sz(qrow))))
+          << what << ": query " << order[sz(j)] << " at slot " << j << " of a shuffled call";
   }
 }
 
@@ -1152,6 +1238,147 @@ TEST_F(CudaBatchInvariance, NormRowsAreBitwiseIndependentOfTheBatch) {
         }
     }
   }
+}
+
+// ---------------------------------------------------------------------------------------------
+// gated_delta_rule: long windows, odd head sizes, unaligned inputs
+// ---------------------------------------------------------------------------------------------
+// The CUDA kernel stages tokens in chunks of 16 (8 when dk > 128), pads dk to 64, 128 or 256 rows
+// and tiles dv by 32 columns, and copies with 16-byte or 4-byte transfers depending on alignment;
+// none of these may change a result.
+
+// delta_inputs with any head sizes.
+DeltaInputs delta_inputs_sized(int64_t n_k_heads, int64_t n_v_heads, int64_t dk, int64_t dv,
+                               int64_t n, std::mt19937& rng) {
+  DeltaInputs in;
+  in.h = {n_k_heads, n_v_heads, dk, dv};
+  in.n = n;
+  in.q = randn(sz(n * in.qk_row()), rng);
+  in.k = randn(sz(n * in.qk_row()), rng);
+  in.v = randn(sz(n * in.v_row()), rng);
+  in.a = randn(sz(n * n_v_heads), rng, 2.0f);
+  in.b = randn(sz(n * n_v_heads), rng, 2.0f);
+  in.state0 = randn(in.state_size(), rng, 0.1f);
+  in.A_log = f32_weight(uniform(sz(n_v_heads), rng, 0.0f, 2.7f), 1, n_v_heads);
+  in.dt_bias = f32_weight(uniform(sz(n_v_heads), rng, 0.5f, 1.5f), 1, n_v_heads);
+  in.dq = DeviceBuffer<float>(in.q);
+  in.dk = DeviceBuffer<float>(in.k);
+  in.dv = DeviceBuffer<float>(in.v);
+  in.da = DeviceBuffer<float>(in.a);
+  in.db = DeviceBuffer<float>(in.b);
+  return in;
+}
+
+struct DeltaResult {
+  std::vector<float> out, state, after;
+};
+
+DeltaResult cpu_delta_all(const DeltaInputs& in) {
+  DeltaResult r{std::vector<float>(in.out_size()), in.state0,
+                std::vector<float>(in.state_size() * sz(in.n))};
+  cpu::gated_delta_rule(in.q.data(), in.k.data(), in.v.data(), in.a.data(), in.b.data(),
+                        in.A_log.host_ref(), in.dt_bias.host_ref(), in.n, in.h, r.state.data(),
+                        r.out.data(), r.after.data());
+  return r;
+}
+
+DeltaResult cuda_delta_all(const DeltaInputs& in, bool with_after) {
+  DeviceBuffer<float> st(in.state0), out = nan_buffer(in.out_size());
+  DeviceBuffer<float> after = nan_buffer(with_after ? in.state_size() * sz(in.n) : 0);
+  cuda_delta(in, 0, in.n, st.get(), out.get(), with_after ? after.get() : nullptr);
+  return {out.download(), st.download(), with_after ? after.download() : std::vector<float>()};
+}
+
+// One call over the whole window vs calls over `splits` (summing to n): same bits for the
+// outputs, and each call's final state equals state_after at its last token.
+void expect_delta_splits_bitwise(const DeltaInputs& in, const DeltaResult& whole,
+                                 const std::vector<int64_t>& splits, const std::string& what) {
+  const size_t S = in.state_size(), O = sz(in.v_row());
+  DeviceBuffer<float> st(in.state0), out = nan_buffer(in.out_size());
+  int64_t t0 = 0;
+  for (const int64_t cnt : splits) {
+    cuda_delta(in, t0, cnt, st.get(), out.get() + sz(t0) * O, nullptr);
+    t0 += cnt;
+    EXPECT_TRUE(bitwise_equal(st.download(), slice(whole.after, sz(t0 - 1) * S, S)))
+        << what << ": state after a call ending at token " << t0 - 1;
+  }
+  ASSERT_EQ(t0, in.n) << "splits must cover the window";
+  EXPECT_TRUE(bitwise_equal(out.download(), whole.out)) << what << ": split calls, out";
+  EXPECT_TRUE(bitwise_equal(st.download(), whole.state)) << what << ": split calls, state";
+}
+
+// Windows longer than a chunk: one call (with and without state_after) vs split calls whose
+// boundaries fall inside and on chunk edges.
+TEST_F(CudaBatchInvariance, DeltaRuleLongWindowEqualsSplitCalls) {
+  struct Case {
+    DeltaCase c;
+    std::vector<int64_t> splits;
+  };
+  for (const Case& k : {Case{DeltaCase{16, 32, 40}, {1, 15, 17, 7}},
+                        Case{DeltaCase{2, 4, 70}, {1, 15, 16, 17, 21}}}) {
+    const DeltaCase c = k.c;
+    std::mt19937 rng(static_cast<uint32_t>(171 + c.n_v_heads + c.n));
+    const DeltaInputs in = delta_inputs(c.n_k_heads, c.n_v_heads, c.n, rng);
+    const std::string what = "heads " + std::to_string(c.n_k_heads) + "/" +
+                             std::to_string(c.n_v_heads) + " n " + std::to_string(c.n);
+    const DeltaResult whole = cuda_delta_all(in, true);
+    {
+      const DeltaResult want = cpu_delta_all(in);
+      const size_t head = sz(kDeltaDim * kDeltaDim);
+      ASSERT_TRUE(near_blocks(whole.out, want.out, sz(kDeltaDim), kDeltaRel)) << what;
+      ASSERT_TRUE(near_blocks(whole.state, want.state, head, kDeltaRel)) << what;
+      ASSERT_TRUE(near_blocks(whole.after, want.after, head, kDeltaRel)) << what;
+    }
+    const DeltaResult plain = cuda_delta_all(in, false);
+    EXPECT_TRUE(bitwise_equal(plain.out, whole.out)) << what << ": without state_after";
+    EXPECT_TRUE(bitwise_equal(plain.state, whole.state)) << what << ": without state_after";
+    expect_delta_splits_bitwise(in, whole, k.splits, what);
+  }
+}
+
+// Head sizes other than 128: dk padded to 64 / 128 / 256 rows, dv not a multiple of the 32-column
+// tile, and dk or dv not a multiple of 4 (4-byte staging).
+TEST_F(CudaOps, DeltaRuleOddHeadSizesMatchCpuAndSingleSteps) {
+  struct Case {
+    int64_t n_k_heads, n_v_heads, dk, dv, n;
+  };
+  for (const Case c : {Case{1, 2, 64, 48, 20}, Case{1, 2, 100, 72, 19}, Case{2, 2, 50, 40, 18},
+                       Case{1, 2, 256, 128, 10}, Case{1, 1, 130, 33, 9}}) {
+    std::mt19937 rng(static_cast<uint32_t>(181 + c.dk + c.dv));
+    const DeltaInputs in = delta_inputs_sized(c.n_k_heads, c.n_v_heads, c.dk, c.dv, c.n, rng);
+    const std::string what = "dk " + std::to_string(c.dk) + " dv " + std::to_string(c.dv) +
+                             " heads " + std::to_string(c.n_k_heads) + "/" +
+                             std::to_string(c.n_v_heads);
+    const DeltaResult whole = cuda_delta_all(in, true);
+    const DeltaResult want = cpu_delta_all(in);
+    ASSERT_TRUE(near_blocks(whole.out, want.out, sz(c.dv), kDeltaRel)) << what;
+    ASSERT_TRUE(near_blocks(whole.state, want.state, sz(c.dk * c.dv), kDeltaRel)) << what;
+    ASSERT_TRUE(near_blocks(whole.after, want.after, sz(c.dk * c.dv), kDeltaRel)) << what;
+    const DeltaResult plain = cuda_delta_all(in, false);
+    EXPECT_TRUE(bitwise_equal(plain.out, whole.out)) << what << ": without state_after";
+    EXPECT_TRUE(bitwise_equal(plain.state, whole.state)) << what << ": without state_after";
+    expect_delta_splits_bitwise(in, whole, std::vector<int64_t>(sz(c.n), 1), what);
+  }
+}
+
+// q, k, v that are only 4-byte aligned take the 4-byte staging path; the bits must not change.
+TEST_F(CudaBatchInvariance, DeltaRuleUnalignedInputsGiveTheSameBits) {
+  std::mt19937 rng(191);
+  const DeltaInputs in = delta_inputs(2, 4, 21, rng);
+  const DeltaResult aligned = cuda_delta_all(in, false);
+  ASSERT_TRUE(near_blocks(aligned.out, cpu_delta_all(in).out, sz(kDeltaDim), kDeltaRel));
+  auto shifted = [](const std::vector<float>& x) {
+    std::vector<float> y(x.size() + 1, 0.0f);
+    std::copy(x.begin(), x.end(), y.begin() + 1);
+    return DeviceBuffer<float>(y);
+  };
+  const DeviceBuffer<float> sq = shifted(in.q), sk = shifted(in.k), sv = shifted(in.v);
+  DeviceBuffer<float> st(in.state0), out = nan_buffer(in.out_size());
+  cuda::gated_delta_rule(sq.get() + 1, sk.get() + 1, sv.get() + 1, in.da.get(), in.db.get(),
+                         in.A_log.dev_ref(), in.dt_bias.dev_ref(), in.n, in.h, st.get(), out.get(),
+                         nullptr);
+  EXPECT_TRUE(bitwise_equal(out.download(), aligned.out)) << "unaligned q, k, v: out";
+  EXPECT_TRUE(bitwise_equal(st.download(), aligned.state)) << "unaligned q, k, v: state";
 }
 
 }  // namespace

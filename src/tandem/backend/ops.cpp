@@ -3,6 +3,7 @@
 
 #include <omp.h>
 
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 
@@ -10,6 +11,7 @@
 #include "tandem/backend/cpu/memory_bandwidth.h"
 #include "tandem/core/error.h"
 #ifdef TANDEM_HAVE_CUDA
+#include "tandem/backend/cuda/attention_prompt.h"
 #include "tandem/backend/cuda/cuda_ops.h"
 #endif
 
@@ -177,6 +179,41 @@ void synchronize() {
 #endif
 }
 
+namespace {
+bool graphs_default() {
+  const char* v = std::getenv("TANDEM_CUDA_GRAPHS");
+  return !(v && std::string_view(v) == "0");
+}
+bool g_graphs = graphs_default();
+}  // namespace
+
+bool graphs_enabled() {
+  return g_graphs;
+}
+
+void set_graphs_enabled(bool on) {
+  g_graphs = on;
+}
+
+void argmax_rows(const float* logits, int64_t rows, int64_t V, int32_t* out) {
+#ifdef TANDEM_HAVE_CUDA
+  if (g_backend == Backend::Cuda) return cuda::argmax_rows(logits, rows, V, out);
+#endif
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* l = logits + r * V;
+    int32_t best = -1;
+    for (int64_t v = 0; v < V; ++v) {
+      if (std::isnan(l[v]) || l[v] == INFINITY) {
+        best = -1;
+        break;
+      }
+      if (l[v] == -INFINITY) continue;
+      if (best < 0 || l[v] > l[best]) best = static_cast<int32_t>(v);
+    }
+    out[r] = best;
+  }
+}
+
 double memory_bandwidth() {
 #ifdef TANDEM_HAVE_CUDA
   if (g_backend == Backend::Cuda) return cuda::copy_bandwidth();
@@ -218,13 +255,25 @@ void rope(float* x, int64_t n_tokens, int64_t n_heads, int64_t head_dim, int64_t
           const int64_t* positions, const float* inv_freq) {
   TANDEM_DISPATCH(rope(x, n_tokens, n_heads, head_dim, rotary_dim, positions, inv_freq));
 }
-void kv_write(const KVLayerView& kv, const int32_t* block_table, int64_t start, int64_t n,
-              const float* k, const float* v) {
-  TANDEM_DISPATCH(kv_write(kv, block_table, start, n, k, v));
+void kv_write(const KVLayerView& kv, const int32_t* block_table, const int64_t* positions,
+              int64_t n, const float* k, const float* v) {
+  TANDEM_DISPATCH(kv_write(kv, block_table, positions, n, k, v));
 }
-void attention(const KVLayerView& kv, const int32_t* block_table, int64_t start, int64_t n,
-               const float* q, int64_t n_heads, float scale, float* out) {
-  TANDEM_DISPATCH(attention(kv, block_table, start, n, q, n_heads, scale, out));
+void attention(const KVLayerView& kv, const int32_t* block_table, const int64_t* positions,
+               int64_t n, int64_t position_bound, const float* q, int64_t n_heads, float scale,
+               float* out) {
+  TANDEM_DISPATCH(attention(kv, block_table, positions, n, position_bound, q, n_heads, scale, out));
+}
+void attention_prompt(const KVLayerView& kv, const int32_t* block_table, const int64_t* positions,
+                      int64_t n, const float* q, const float* k, const float* v, int64_t n_heads,
+                      float scale, float* out) {
+#ifdef TANDEM_HAVE_CUDA
+  if (g_backend == Backend::Cuda)
+    return cuda::attention_prompt(q, k, v, n, n_heads, kv.n_kv_heads, kv.head_dim, scale, out);
+#endif
+  (void)k;
+  (void)v;
+  cpu::attention(kv, block_table, positions, n, n, q, n_heads, scale, out);
 }
 void causal_conv_silu(const float* x, int64_t n, int64_t channels, int64_t kernel,
                       const WeightRef& w, float* state, float* out, float* state_after) {

@@ -63,6 +63,14 @@ void fill_zero(void* dst, size_t bytes);
 void copy_rows(float* dst, int64_t dst_stride, const float* src, int64_t src_stride, int64_t rows,
                int64_t cols);
 void synchronize();  // waits for queued work (no-op on CPU)
+// CUDA graph replay of repeated forwards (GraphCache). On by default; TANDEM_CUDA_GRAPHS=0 in the
+// environment turns it off (for A/B timing and debugging).
+bool graphs_enabled();
+void set_graphs_enabled(bool on);
+// out[r] = greedy token of logits row r (lowest index among the maxima, -inf ignored); all in
+// backend memory. Throws Error naming the row if it holds NaN or +inf or only -inf (checked
+// when the result is read; on CUDA the kernel writes -1 and copy-out reports it).
+void argmax_rows(const float* logits, int64_t rows, int64_t V, int32_t* out);
 // The memory roofline's denominator on the active backend, bytes/s: the CPU's measured read
 // bandwidth (all threads), or the GPU's device-to-device copy bandwidth (bytes read + written).
 double memory_bandwidth();
@@ -120,16 +128,33 @@ struct KVLayerView {
   }
 };
 
-// Writes k, v [n, n_kv_heads, head_dim] of one row at positions start..start+n-1.
-void kv_write(const KVLayerView& kv, const int32_t* block_table, int64_t start, int64_t n,
-              const float* k, const float* v);
+// Writes k, v [n, n_kv_heads, head_dim] of one row: token j at position positions[j].
+// positions [n] and block_table are backend memory (device on CUDA), so a captured decode step can
+// be replayed at a later position by refreshing `positions` alone.
+void kv_write(const KVLayerView& kv, const int32_t* block_table, const int64_t* positions,
+              int64_t n, const float* k, const float* v);
 
-// Causal attention of one row's n query tokens (at positions start..start+n-1) over its cached
-// keys/values 0..start+n-1. q: [n, n_heads, head_dim], out: [n, n_heads, head_dim].
-// Query head h reads kv head h / (n_heads / n_kv_heads). Each query's softmax runs over its own
-// prefix in position order, so the result does not depend on n.
-void attention(const KVLayerView& kv, const int32_t* block_table, int64_t start, int64_t n,
-               const float* q, int64_t n_heads, float scale, float* out);
+// Causal attention of one row's n query tokens over its cached keys/values: query j attends to
+// positions 0..positions[j]. q: [n, n_heads, head_dim], out: [n, n_heads, head_dim].
+// positions [n] and block_table are backend memory. position_bound (host) bounds every
+// positions[j] (< position_bound); it sizes the work (CUDA grid, CPU score buffer) and never the
+// arithmetic. Query head h reads kv head h / (n_heads / n_kv_heads). Each query's softmax is
+// reduced in an order fixed by its own position, so the result does not depend on n, on
+// position_bound or on the other queries of the call. A position outside [0, position_bound) is
+// the caller's bug: the CPU throws; CUDA (which cannot see positions on the host) writes NaN for
+// that query.
+void attention(const KVLayerView& kv, const int32_t* block_table, const int64_t* positions,
+               int64_t n, int64_t position_bound, const float* q, int64_t n_heads, float scale,
+               float* out);
+
+// Attention of one row's prompt: n tokens at positions 0..n-1 whose keys/values k, v
+// ([n, n_kv_heads, head_dim], contiguous) were just written to the row's KV with kv_write.
+// Same semantics as attention() over those positions. CUDA computes it from the contiguous k, v
+// with tensor-core GEMMs (tf32-level rounding; prompt tokens only, a token's bits may depend on
+// n); the CPU runs attention() (same bits as decoding).
+void attention_prompt(const KVLayerView& kv, const int32_t* block_table, const int64_t* positions,
+                      int64_t n, const float* q, const float* k, const float* v, int64_t n_heads,
+                      float scale, float* out);
 
 // Depthwise causal conv1d with state, then SiLU, for one row's n tokens.
 // x, out: [n, channels]; w: [channels, kernel] (HF Conv1d weight squeezed); state: [channels,

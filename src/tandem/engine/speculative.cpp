@@ -98,13 +98,25 @@ std::vector<GenerateResult> SpeculativeGenerator::run(const std::vector<Generate
     inputs.push_back({slot[i], static_cast<int64_t>(requests[i].prompt.size()), false});
     st.prompt_tokens += static_cast<int64_t>(requests[i].prompt.size());
   }
+  // Greedy requests under match verification need only the target's greedy tokens: the
+  // forwards pick them on the device and copy ids instead of logits.
+  const bool greedy =
+      options_.verify == spec::VerifyMode::Match &&
+      std::all_of(requests.begin(), requests.end(),
+                  [](const GenerateRequest& r) { return r.sampling.greedy(); });
   ForwardRequest prefill{tokens, inputs, false, want_final, want_prenorm};
   prefill.prompt = true;
+  prefill.want_logits = !greedy;
+  prefill.want_argmax = greedy;
   model_.forward(state, prefill, &out);
   for (size_t i = 0; i < B; ++i) {
-    std::span<const float> logits(out.logits.data() + i * V, static_cast<size_t>(V));
     ++sstats[i].target_forwards;
-    emit(i, sample_token(logits, requests[i].sampling, 0));
+    if (greedy) {
+      emit(i, out.argmax[i]);
+    } else {
+      std::span<const float> logits(out.logits.data() + i * V, static_cast<size_t>(V));
+      emit(i, sample_token(logits, requests[i].sampling, 0));
+    }
   }
   if (rows) {
     std::vector<spec::RowPrefill> pre(B);
@@ -178,7 +190,10 @@ std::vector<GenerateResult> SpeculativeGenerator::run(const std::vector<Generate
       tokens.insert(tokens.end(), windows[r].begin(), windows[r].end());
       inputs.push_back({slot[i], static_cast<int64_t>(windows[r].size()), true});
     }
-    model_.forward(state, {tokens, inputs, true, want_final, want_prenorm}, &out);
+    ForwardRequest verify{tokens, inputs, true, want_final, want_prenorm};
+    verify.want_logits = !greedy;
+    verify.want_argmax = greedy;
+    model_.forward(state, verify, &out);
     // 3. Accept walk per row, emitting as it goes (EOS and max tokens end a request mid-window).
     outcomes.assign(R, {});
     keeps.clear();
@@ -186,10 +201,16 @@ std::vector<GenerateResult> SpeculativeGenerator::run(const std::vector<Generate
     for (size_t r = 0; r < R; ++r) {
       const size_t i = live[r];
       const size_t n = windows[r].size();
-      std::span<const float> logits(out.logits.data() + t * V, n * static_cast<size_t>(V));
       const uint64_t first_index = results[i].tokens.size();
-      outcomes[r] = spec::accept_walk(logits, V, std::span(windows[r]).subspan(1), proposals[r].q,
-                                      requests[i].sampling, first_index, options_.verify);
+      if (greedy) {
+        outcomes[r] = spec::accept_walk_greedy(std::span(out.argmax).subspan(t, n),
+                                               std::span(windows[r]).subspan(1));
+      } else {
+        std::span<const float> logits(out.logits.data() + t * V, n * static_cast<size_t>(V));
+        outcomes[r] = spec::accept_walk(logits, V, std::span(windows[r]).subspan(1),
+                                        proposals[r].q, requests[i].sampling, first_index,
+                                        options_.verify);
+      }
       SpecStats& s = sstats[i];
       ++s.rounds;
       ++s.target_forwards;

@@ -2,6 +2,7 @@
 
 #include <cmath>
 
+#include "tandem/core/error.h"
 #include "tandem/core/tensor.h"
 
 namespace tandem {
@@ -45,9 +46,17 @@ void gated_attention(const GatedAttentionShape& s, const ops::WeightRef& q_norm,
   int64_t t0 = 0;
   for (const AttentionSegment& seg : segments) {
     if (seg.n == 0) continue;
-    ops::kv_write(kv, seg.block_table, seg.start, seg.n, k + t0 * nkv * hd, v + t0 * nkv * hd);
-    ops::attention(kv, seg.block_table, seg.start, seg.n, q + t0 * nh * hd, nh, scale,
-                   o + t0 * nh * hd);
+    if (seg.position_bound < seg.start + seg.n)
+      fail("gated_attention: position bound ", seg.position_bound, " is below the segment's end ",
+           seg.start + seg.n);
+    const int64_t* pos = positions + t0;
+    ops::kv_write(kv, seg.block_table, pos, seg.n, k + t0 * nkv * hd, v + t0 * nkv * hd);
+    if (s.prompt && seg.start == 0)
+      ops::attention_prompt(kv, seg.block_table, pos, seg.n, q + t0 * nh * hd, k + t0 * nkv * hd,
+                            v + t0 * nkv * hd, nh, scale, o + t0 * nh * hd);
+    else
+      ops::attention(kv, seg.block_table, pos, seg.n, seg.position_bound, q + t0 * nh * hd, nh,
+                     scale, o + t0 * nh * hd);
     t0 += seg.n;
   }
   ops::sigmoid_gate(o, gate, T * nh * hd);

@@ -12,17 +12,30 @@
 namespace tandem {
 
 // One row's slice of the tokens: positions start..start+n-1 of the row whose KV blocks are
-// `block_table` (in the active backend's memory).
+// `block_table` (in the active backend's memory). position_bound > start + n - 1 bounds the
+// positions the attention may see; it sizes the CUDA grid and not the arithmetic, so a caller
+// picks a value that changes rarely (attention_position_bound) and a captured CUDA graph stays
+// valid while the row grows below it.
 struct AttentionSegment {
   const int32_t* block_table = nullptr;
   int64_t start = 0;
   int64_t n = 0;
+  int64_t position_bound = 0;
 };
+
+// The position_bound of a row whose block table reserves `kv_capacity` positions: rounded up to
+// a multiple of kPositionBoundStep, so it (and a graph keyed on it) changes once per that many
+// positions, not per block.
+constexpr int64_t kPositionBoundStep = 1024;
+constexpr int64_t attention_position_bound(int64_t kv_capacity) {
+  return (kv_capacity + kPositionBoundStep - 1) / kPositionBoundStep * kPositionBoundStep;
+}
 
 struct GatedAttentionShape {
   int64_t n_heads = 0, n_kv_heads = 0, head_dim = 0, rotary_dim = 0;
   float eps = 1e-6f;
   bool zero_centred_norms = true;  // HF layout q/k norms: scale by (1 + w)
+  bool prompt = false;  // prompt tokens: segments starting at 0 use ops::attention_prompt
 };
 
 // Buffers of the attention core for T tokens, grown once per shape and reused.
@@ -38,7 +51,9 @@ std::vector<float> rope_inv_freq(double theta, int64_t rotary_dim);
 // gate), x.k and x.v [T, n_kv_heads, head_dim] — computes the gated attention output
 // x.o [T, n_heads * head_dim] (the o_proj input): q/k RMSNorm, rotary at `positions`, the tokens'
 // K/V written into `kv`, causal attention per segment, sigmoid output gate. x.q and x.gate are
-// scratch; x.k is normed and rotated in place. inv_freq and positions are backend memory.
+// scratch; x.k is normed and rotated in place. inv_freq and positions [T] (the tokens' positions,
+// segment after segment) are backend memory; the KV writes and attention read their positions
+// from it, so only `positions` changes between replays of a captured step.
 void gated_attention(const GatedAttentionShape& shape, const ops::WeightRef& q_norm,
                      const ops::WeightRef& k_norm, const float* inv_freq, const int64_t* positions,
                      std::span<const AttentionSegment> segments, const ops::KVLayerView& kv,

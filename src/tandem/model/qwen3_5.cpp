@@ -158,9 +158,9 @@ void Qwen35Model::embed(std::span<const int32_t> ids, float* out) const {
     if (id < 0 || id >= cfg_.vocab_size)
       fail("embed: token id ", id, " is out of range [0, ", cfg_.vocab_size, ")");
   Workspace& w = ws_;
-  w.ids.grow_to(static_cast<int64_t>(ids.size()));
-  ops::copy_from_host(w.ids.data(), ids.data(), sizeof(int32_t) * ids.size());
-  ops::embed_rows(embed_, w.ids.data(), static_cast<int64_t>(ids.size()), out);
+  w.embed_ids.grow_to(static_cast<int64_t>(ids.size()));
+  ops::copy_from_host(w.embed_ids.data(), ids.data(), sizeof(int32_t) * ids.size());
+  ops::embed_rows(embed_, w.embed_ids.data(), static_cast<int64_t>(ids.size()), out);
 }
 
 void Qwen35Model::head(const float* hidden, int64_t n, float* out) const {
@@ -240,58 +240,70 @@ void Qwen35Model::forward(Qwen35State& st, const ForwardRequest& req, ForwardOut
     if (r.speculative) st.begin_window(r.slot, r.n_tokens);
 
   Workspace& w = ws_;
-  grow_to(w.x, T * H);
-  grow_to(w.h, T * H);
+  const int64_t R = static_cast<int64_t>(req.rows.size());
+  reserve_workspace(T, req.all_logits ? T : R, req.all_logits);
   // Host-side metadata, uploaded once per forward: ids, positions, block tables.
   w.pos_host.resize(static_cast<size_t>(T));
-  w.tables_host.clear();
-  std::vector<int64_t> table_offset;
+  // Block tables go into fixed-stride slots (stride = the largest position bound in blocks), so
+  // a row's table address changes only when a bound does, not with every new block: decode
+  // graphs stay valid for kPositionBoundStep positions.
+  std::vector<int64_t> bounds;
+  int64_t stride = 1;
   {
     int64_t t = 0;
     for (const RowInput& r : req.rows) {
       for (int64_t j = 0; j < r.n_tokens; ++j) w.pos_host[t++] = st.length(r.slot) + j;
-      table_offset.push_back(static_cast<int64_t>(w.tables_host.size()));
-      const std::vector<int32_t>& bt = st.block_table(r.slot);
-      w.tables_host.insert(w.tables_host.end(), bt.begin(), bt.end());
+      const int64_t capacity =
+          static_cast<int64_t>(st.block_table(r.slot).size()) * Qwen35State::kBlockSize;
+      bounds.push_back(attention_position_bound(capacity));
+      stride = std::max(stride, bounds.back() / Qwen35State::kBlockSize);
     }
   }
-  w.ids.grow_to(T);
-  w.pos.grow_to(T);
-  w.tables.grow_to(std::max<int64_t>(1, static_cast<int64_t>(w.tables_host.size())));
+  w.tables_host.assign(static_cast<size_t>(R * stride), 0);
+  for (size_t i = 0; i < req.rows.size(); ++i) {
+    const std::vector<int32_t>& bt = st.block_table(req.rows[i].slot);
+    std::copy(bt.begin(), bt.end(), w.tables_host.begin() + static_cast<int64_t>(i) * stride);
+  }
+  w.tables.grow_to(R * stride);
   ops::copy_from_host(w.ids.data(), req.tokens.data(), sizeof(int32_t) * static_cast<size_t>(T));
   ops::copy_from_host(w.pos.data(), w.pos_host.data(), sizeof(int64_t) * static_cast<size_t>(T));
   ops::copy_from_host(w.tables.data(), w.tables_host.data(),
                       sizeof(int32_t) * w.tables_host.size());
-  // Each row's attention segment; block tables stay put until the next reserve.
   w.segments.clear();
   for (size_t i = 0; i < req.rows.size(); ++i) {
     const RowInput& r = req.rows[i];
-    w.segments.push_back({w.tables.data() + table_offset[i], st.length(r.slot), r.n_tokens});
+    w.segments.push_back({w.tables.data() + static_cast<int64_t>(i) * stride, st.length(r.slot),
+                          r.n_tokens, bounds[i]});
   }
-  ops::set_prefill(req.prompt);
-  ops::embed_rows(embed_, w.ids.data(), T, w.x.data());
 
-  for (const Layer& L : layers_) {
-    ops::rms_norm(w.x.data(), T, H, L.input_norm, true, static_cast<float>(c.rms_norm_eps),
-                  w.h.data());
-    if (L.kind == LayerKind::FullAttention)
-      attention_layer(L, st, T);
-    else
-      delta_layer(L, st, req, T);
-    ops::add_inplace(w.x.data(), w.h.data(), T * H);  // h holds the mixer output
-
-    ops::rms_norm(w.x.data(), T, H, L.post_norm, true, static_cast<float>(c.rms_norm_eps),
-                  w.h.data());
-    const int64_t I = c.intermediate_size;
-    grow_to(w.mlp_g, T * I);
-    grow_to(w.mlp_u, T * I);
-    ops::linear(w.h.data(), T, L.gate_proj, w.mlp_g.data());
-    ops::linear(w.h.data(), T, L.up_proj, w.mlp_u.data());
-    ops::swiglu(w.mlp_g.data(), w.mlp_u.data(), T * I, w.mlp_g.data());
-    ops::linear(w.mlp_g.data(), T, L.down_proj, w.h.data());
-    ops::add_inplace(w.x.data(), w.h.data(), T * H);
+  if (req.prompt) {
+    // Prompts come in every length: running them directly is cheaper than capturing.
+    forward_body(st, req, T);
+  } else {
+    // Everything the captured launches bake in: shapes, flags, and every address they touch.
+    KeyHasher key;
+    key.add(T).add(R).add(req.all_logits).add(req.want_hidden).add(req.want_argmax);
+    key.add(static_cast<uint64_t>(st.rollback())).add(&st);
+    for (size_t i = 0; i < req.rows.size(); ++i) {
+      const RowInput& r = req.rows[i];
+      key.add(r.slot).add(r.n_tokens).add(r.speculative);
+      key.add(w.segments[i].block_table).add(w.segments[i].position_bound);
+    }
+    for (int64_t l = 0; l < st.attention_layers(); ++l) key.add(st.kv_layer(static_cast<int>(l)).pool);
+    for (const RowInput& r : req.rows) {
+      if (st.linear_layers() > 0) key.add(st.conv_state(r.slot, 0));
+      if (r.speculative && st.linear_layers() > 0) {
+        key.add(st.window_conv_after(r.slot, 0)).add(st.window_snapshot(r.slot, 0));
+      }
+    }
+    for (const float* p : {w.x.data(), w.h.data(), w.a0.data(), w.a1.data(), w.a2.data(),
+                           w.a3.data(), w.a4.data(), w.a5.data(), w.mlp_g.data(), w.mlp_u.data(),
+                           w.last.data(), w.out.data(), w.attn.qg.data(), w.attn.q.data(),
+                           w.attn.gate.data(), w.attn.k.data(), w.attn.v.data(), w.attn.o.data()})
+      key.add(p);
+    key.add(w.ids.data()).add(w.pos.data()).add(w.argmax.data());
+    graphs_.run(key.value(), [&] { forward_body(st, req, T); });
   }
-  ops::set_prefill(false);
   for (const RowInput& r : req.rows) st.set_length(r.slot, st.length(r.slot) + r.n_tokens);
 
   auto to_host = [](std::vector<float>& dst, const float* src, int64_t n) {
@@ -302,30 +314,94 @@ void Qwen35Model::forward(Qwen35State& st, const ForwardRequest& req, ForwardOut
     to_host(out->prenorm_hidden, w.x.data(), T * H);
   else
     out->prenorm_hidden.clear();
-  // Final norm: every token when hidden states are wanted, else only the rows needing logits.
-  const float eps = static_cast<float>(c.rms_norm_eps);
-  if (req.want_hidden || req.all_logits) {
-    ops::rms_norm(w.x.data(), T, H, final_norm_, true, eps, w.h.data());
-    if (req.want_hidden)
-      to_host(out->hidden, w.h.data(), T * H);
-    else
-      out->hidden.clear();
-  } else {
+  if (req.want_hidden)
+    to_host(out->hidden, w.h.data(), T * H);
+  else
     out->hidden.clear();
-  }
   const int64_t V = c.vocab_size;
+  out->logits_rows = req.all_logits ? T : R;
+  if (req.want_logits)
+    to_host(out->logits, w.out.data(), out->logits_rows * V);
+  else
+    out->logits.clear();
+  out->argmax.clear();
+  if (req.want_argmax) {
+    out->argmax.resize(static_cast<size_t>(out->logits_rows));
+    ops::copy_to_host(out->argmax.data(), w.argmax.data(), sizeof(int32_t) * out->argmax.size());
+    for (size_t r = 0; r < out->argmax.size(); ++r)
+      if (out->argmax[r] < 0)
+        fail("forward: logits row ", r, " holds NaN or +inf, or only -inf");
+  }
+}
+
+void Qwen35Model::reserve_workspace(int64_t T, int64_t R, bool all_logits) const {
+  const Qwen35Config& c = cfg_;
+  Workspace& w = ws_;
+  const int64_t H = c.hidden_size, I = c.intermediate_size, V = c.vocab_size;
+  const int64_t conv_dim = c.linear_conv_dim(), kd = c.linear_key_dim(), vd = c.linear_value_dim(),
+                nv = c.linear_num_value_heads;
+  grow_to(w.x, T * H);
+  grow_to(w.h, T * H);
+  grow_to(w.mlp_g, T * I);
+  grow_to(w.mlp_u, T * I);
+  grow_to(w.a0, T * conv_dim);
+  grow_to(w.a1, T * conv_dim);
+  grow_to(w.a2, T * vd);
+  grow_to(w.a3, T * nv * 2);
+  grow_to(w.a4, T * (2 * kd + vd));
+  grow_to(w.a5, T * vd);
+  grow_to(w.last, R * H);
+  grow_to(w.out, (all_logits ? T : R) * V);
+  w.ids.grow_to(T);
+  w.pos.grow_to(T);
+  w.argmax.grow_to(std::max(T, R));
+  GatedAttentionShape shape;
+  shape.n_heads = c.num_attention_heads;
+  shape.n_kv_heads = c.num_key_value_heads;
+  shape.head_dim = c.head_dim;
+  shape.rotary_dim = c.rotary_dim;
+  w.attn.reserve(T, shape);
+}
+
+void Qwen35Model::forward_body(Qwen35State& st, const ForwardRequest& req, int64_t T) const {
+  const Qwen35Config& c = cfg_;
+  const int64_t H = c.hidden_size;
+  const float eps = static_cast<float>(c.rms_norm_eps);
+  Workspace& w = ws_;
+  ops::set_prefill(req.prompt);
+  ops::embed_rows(embed_, w.ids.data(), T, w.x.data());
+
+  for (const Layer& L : layers_) {
+    ops::rms_norm(w.x.data(), T, H, L.input_norm, true, eps, w.h.data());
+    if (L.kind == LayerKind::FullAttention)
+      attention_layer(L, st, T, req.prompt);
+    else
+      delta_layer(L, st, req, T);
+    ops::add_inplace(w.x.data(), w.h.data(), T * H);  // h holds the mixer output
+
+    ops::rms_norm(w.x.data(), T, H, L.post_norm, true, eps, w.h.data());
+    const int64_t I = c.intermediate_size;
+    ops::linear(w.h.data(), T, L.gate_proj, w.mlp_g.data());
+    ops::linear(w.h.data(), T, L.up_proj, w.mlp_u.data());
+    ops::swiglu(w.mlp_g.data(), w.mlp_u.data(), T * I, w.mlp_g.data());
+    ops::linear(w.mlp_g.data(), T, L.down_proj, w.h.data());
+    ops::add_inplace(w.x.data(), w.h.data(), T * H);
+  }
+  ops::set_prefill(false);
+
+  // Final norm: every token when hidden states or all logits are wanted (into h), else only each
+  // row's last token, gathered into `last` for one head GEMM.
+  if (req.want_hidden || req.all_logits)
+    ops::rms_norm(w.x.data(), T, H, final_norm_, true, eps, w.h.data());
+  const int64_t V = c.vocab_size;
+  int64_t rows = T;
   if (req.all_logits) {
-    out->logits_rows = T;
-    grow_to(w.out, T * V);
     ops::linear(w.h.data(), T, lm_head_, w.out.data());
-    to_host(out->logits, w.out.data(), T * V);
   } else {
-    const int64_t R = static_cast<int64_t>(req.rows.size());
-    // Gather each row's last token (normed) into a contiguous block, then one head GEMM.
-    grow_to(w.last, R * H);
+    rows = static_cast<int64_t>(req.rows.size());
     float* last = w.last.data();
     int64_t t = 0;
-    for (int64_t r = 0; r < R; ++r) {
+    for (int64_t r = 0; r < rows; ++r) {
       t += req.rows[r].n_tokens;
       const float* src = (req.want_hidden ? w.h.data() : w.x.data()) + (t - 1) * H;
       if (req.want_hidden)
@@ -333,14 +409,12 @@ void Qwen35Model::forward(Qwen35State& st, const ForwardRequest& req, ForwardOut
       else
         ops::rms_norm(src, 1, H, final_norm_, true, eps, last + r * H);
     }
-    out->logits_rows = R;
-    grow_to(w.out, R * V);
-    ops::linear(last, R, lm_head_, w.out.data());
-    to_host(out->logits, w.out.data(), R * V);
+    ops::linear(last, rows, lm_head_, w.out.data());
   }
+  if (req.want_argmax) ops::argmax_rows(w.out.data(), rows, V, w.argmax.data());
 }
 
-void Qwen35Model::attention_layer(const Layer& L, Qwen35State& st, int64_t T) const {
+void Qwen35Model::attention_layer(const Layer& L, Qwen35State& st, int64_t T, bool prompt) const {
   const Qwen35Config& c = cfg_;
   Workspace& w = ws_;
   GatedAttentionShape shape;
@@ -349,6 +423,7 @@ void Qwen35Model::attention_layer(const Layer& L, Qwen35State& st, int64_t T) co
   shape.head_dim = c.head_dim;
   shape.rotary_dim = c.rotary_dim;
   shape.eps = static_cast<float>(c.rms_norm_eps);
+  shape.prompt = prompt;
   GatedAttentionScratch& x = w.attn;
   x.reserve(T, shape);
   ops::linear(w.h.data(), T, L.attn.q_proj, x.qg.data());
@@ -365,12 +440,6 @@ void Qwen35Model::delta_layer(const Layer& L, Qwen35State& st, const ForwardRequ
   Workspace& w = ws_;
   const int64_t conv_dim = c.linear_conv_dim(), kd = c.linear_key_dim(), vd = c.linear_value_dim(),
                 nv = c.linear_num_value_heads;
-  grow_to(w.a0, T * conv_dim);
-  grow_to(w.a1, T * conv_dim);
-  grow_to(w.a2, T * vd);
-  grow_to(w.a3, T * nv * 2);
-  grow_to(w.a4, T * (2 * kd + vd));
-  grow_to(w.a5, T * vd);
   float *qkv = w.a0.data(), *conv = w.a1.data(), *z = w.a2.data(), *b = w.a3.data(),
         *a = w.a3.data() + T * nv, *core = w.a5.data();
   float *q = w.a4.data(), *k = q + T * kd, *v = k + T * kd;

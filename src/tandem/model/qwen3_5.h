@@ -10,6 +10,7 @@
 #include <functional>
 
 #include "tandem/backend/buffer.h"
+#include "tandem/backend/graph_cache.h"
 #include "tandem/backend/ops.h"
 #include "tandem/backend/weight_arena.h"
 #include "tandem/io/weight_store.h"
@@ -40,6 +41,8 @@ struct ForwardRequest {
   bool all_logits = false;           // false: only each row's last token gets logits
   bool want_hidden = false;          // final-normed hidden of every token
   bool want_prenorm_hidden = false;  // the last layer's output before the final norm, every token
+  bool want_logits = true;  // copy the logits to the host
+  bool want_argmax = false;  // greedy token of every logits row, computed where the logits are
   // Prompt tokens: the CUDA backend takes its prefill GEMM path (see Qwen35Model::forward).
   // Engines set it for the forward that processes prompts, in plain and speculative decoding
   // alike, so both compute prompt tokens identically.
@@ -47,8 +50,9 @@ struct ForwardRequest {
 };
 
 struct ForwardOutput {
-  std::vector<float> logits;  // [logits_rows, vocab]
+  std::vector<float> logits;  // [logits_rows, vocab] when want_logits
   int64_t logits_rows = 0;
+  std::vector<int32_t> argmax;  // [logits_rows] when want_argmax
   std::vector<float> hidden;          // [Σ n_tokens, hidden] when requested
   std::vector<float> prenorm_hidden;  // [Σ n_tokens, hidden] when requested
 };
@@ -134,14 +138,17 @@ class Qwen35Model {
     Buffer<float> last;   // [rows, H]: each row's last normed hidden, for the head
     Buffer<float> out;    // [rows or T, V] logits before the copy to the host
     Buffer<int32_t> ids;  // [T] token ids
+    Buffer<int32_t> embed_ids;  // ids of embed() calls (drafters)
     Buffer<int64_t> pos;  // [T] positions
     Buffer<int32_t> tables;  // the rows' block tables, concatenated
+    Buffer<int32_t> argmax;  // [logits rows]
     std::vector<int64_t> pos_host;
     std::vector<int32_t> tables_host;
     std::vector<AttentionSegment> segments;
     GatedAttentionScratch attn;
   };
   mutable Workspace ws_;
+  mutable GraphCache graphs_;  // decode/verify forwards replayed as CUDA graphs
 
   Qwen35Model() = default;
   // Where bind_weights gets each tensor: by name, with the shape and role it must have.
@@ -149,7 +156,12 @@ class Qwen35Model {
   using WeightSource =
       std::function<ops::WeightRef(const std::string& name, const std::vector<int64_t>& shape, Role)>;
   void bind_weights(const WeightSource& source, const std::string& prefix);
-  void attention_layer(const Layer& L, Qwen35State& st, int64_t T) const;
+  // The device work of a forward: embedding, layers, final norm and head into ws_.out. Only
+  // queues ops (captured into a CUDA graph for decode/verify shapes).
+  void forward_body(Qwen35State& st, const ForwardRequest& req, int64_t T) const;
+  // Grows every workspace buffer the body uses for T tokens and R logits rows.
+  void reserve_workspace(int64_t T, int64_t R, bool all_logits) const;
+  void attention_layer(const Layer& L, Qwen35State& st, int64_t T, bool prompt) const;
   void delta_layer(const Layer& L, Qwen35State& st, const ForwardRequest& req, int64_t T) const;
 
   // One row's slice of a DeltaNet layer's buffers for delta_recurrence.

@@ -161,7 +161,9 @@ void QwenMtpRows::run_block(const std::vector<int>& row_ids, const std::vector<i
   segs.reserve(row_ids.size());
   for (size_t i = 0; i < row_ids.size(); ++i) {
     const Row& r = rows_[row_ids[i]];
-    segs.push_back({tables_dev_.data() + offset[i], r.length, counts[i]});
+    const int64_t capacity = static_cast<int64_t>(r.blocks.size()) * kBlockSize;
+    segs.push_back(
+        {tables_dev_.data() + offset[i], r.length, counts[i], attention_position_bound(capacity)});
   }
   emb_.grow_to(T * H_);
   out_.grow_to(T * H_);
@@ -375,8 +377,10 @@ void QwenMtpRows::draft(std::span<const RowDraft> rows, std::vector<DraftProposa
     chain_.resize(static_cast<size_t>(row_count() * H_));
   if (static_cast<int>(step_logits_.size()) < max_depth) {
     step_logits_.resize(static_cast<size_t>(max_depth));
+    step_logits_dev_.resize(static_cast<size_t>(max_depth));
     step_rows_.resize(static_cast<size_t>(max_depth));
   }
+  step_logits_on_host_.assign(step_logits_.size(), false);
   for (auto& s : step_rows_) s.clear();
   // Step j: every row still drafting adds MTP row round_start + j from (pending, h_true) at
   // j = 0, else (d_{j-1}, out_{j-1}); one block call and one head call for all of them.
@@ -395,19 +399,41 @@ void QwenMtpRows::draft(std::span<const RowDraft> rows, std::vector<DraftProposa
     }
     const int64_t A = static_cast<int64_t>(active.size());
     run_block(active, std::vector<int64_t>(active.size(), 1));
-    std::vector<float>& logits = step_logits_[static_cast<size_t>(j)];
-    if (static_cast<int64_t>(logits.size()) < A * V_) logits.resize(static_cast<size_t>(A * V_));
-    logits_dev_.grow_to(A * V_);
-    target_.logits(out_.data(), A, logits_dev_.data());
-    ops::copy_to_host(logits.data(), logits_dev_.data(), sizeof(float) * static_cast<size_t>(A * V_));
+    Buffer<float>& logits_dev = step_logits_dev_[static_cast<size_t>(j)];
+    logits_dev.grow_to(A * V_);
+    target_.logits(out_.data(), A, logits_dev.data());
+    // Greedy rows that need no distribution take the argmax where the logits are: A ids cross to
+    // the host instead of A x V logits.
+    bool greedy = true;
+    for (int b : active) {
+      const RowDraft& in = rows[static_cast<size_t>(b)];
+      greedy = greedy && in.sampling.greedy() && !in.want_distribution;
+    }
+    std::vector<int32_t> picked;
+    if (greedy) {
+      argmax_dev_.grow_to(A);
+      ops::argmax_rows(logits_dev.data(), A, V_, argmax_dev_.data());
+      picked.resize(static_cast<size_t>(A));
+      ops::copy_to_host(picked.data(), argmax_dev_.data(), sizeof(int32_t) * picked.size());
+      for (int64_t a = 0; a < A; ++a)
+        if (picked[static_cast<size_t>(a)] < 0)
+          fail("qwen-mtp draft: logits of row ", active[static_cast<size_t>(a)],
+               " hold NaN or +inf, or only -inf");
+    } else {
+      copy_step_logits(j);
+    }
+    const std::vector<float>& logits = step_logits_[static_cast<size_t>(j)];
     out_host_.resize(static_cast<size_t>(A * H_));
     ops::copy_to_host(out_host_.data(), out_.data(), sizeof(float) * out_host_.size());
     for (int64_t a = 0; a < A; ++a) {
       const int b = active[static_cast<size_t>(a)];
       const RowDraft& in = rows[static_cast<size_t>(b)];
-      const std::span<const float> l(logits.data() + a * V_, static_cast<size_t>(V_));
-      const int32_t d =
-          sample_token(l, in.sampling, in.first_index + static_cast<uint64_t>(j), &dist_);
+      const std::span<const float> l =
+          greedy ? std::span<const float>()
+                 : std::span<const float>(logits.data() + a * V_, static_cast<size_t>(V_));
+      const int32_t d = greedy ? picked[static_cast<size_t>(a)]
+                               : sample_token(l, in.sampling,
+                                              in.first_index + static_cast<uint64_t>(j), &dist_);
       rows_[static_cast<size_t>(b)].proposals.push_back(d);
       (*out)[static_cast<size_t>(b)].tokens.push_back(d);
       if (in.want_distribution) {
@@ -502,6 +528,16 @@ CheckpointPtr QwenMtpRows::capture(int row) const {
   return c;
 }
 
+void QwenMtpRows::copy_step_logits(int step) const {
+  const size_t j = static_cast<size_t>(step);
+  if (step_logits_on_host_[j]) return;
+  const int64_t n = static_cast<int64_t>(step_rows_[j].size()) * V_;
+  if (static_cast<int64_t>(step_logits_[j].size()) < n) step_logits_[j].resize(static_cast<size_t>(n));
+  ops::copy_to_host(step_logits_[j].data(), step_logits_dev_[j].data(),
+                    sizeof(float) * static_cast<size_t>(n));
+  step_logits_on_host_[j] = true;
+}
+
 std::span<const float> QwenMtpRows::last_draft_logits(int row, int step) const {
   if (step < 0 || step >= static_cast<int>(step_rows_.size()))
     fail("qwen-mtp: the last draft has no step ", step);
@@ -509,6 +545,7 @@ std::span<const float> QwenMtpRows::last_draft_logits(int row, int step) const {
   const auto it = std::find(active.begin(), active.end(), row);
   if (it == active.end()) fail("qwen-mtp: row ", row, " drafted no proposal at step ", step);
   const int64_t a = it - active.begin();
+  copy_step_logits(step);
   return {step_logits_[static_cast<size_t>(step)].data() + a * V_, static_cast<size_t>(V_)};
 }
 

@@ -109,17 +109,23 @@ class QwenMtpRows : public DraftRows {
 
   // Scratch (grown, reused). Buffers are backend memory; vectors are host staging.
   QwenMtpBlock::Workspace ws_;
-  Buffer<float> emb_, hid_dev_, out_, logits_dev_;
+  Buffer<float> emb_, hid_dev_, out_;
+  Buffer<int32_t> argmax_dev_;
   Buffer<int32_t> tables_dev_;  // the block tables of run_block's rows, concatenated
   std::vector<float> hid_, out_host_;
   std::vector<int32_t> ids_, tables_host_;
   std::vector<float> chain_;                     // [rows, H] each row's last step output (host)
-  std::vector<std::vector<float>> step_logits_;  // per draft step: [active rows, V]
+  // Per draft step: the logits [active rows, V] in backend memory, and a host copy made when
+  // sampling needs it (or a diagnostic asks).
+  std::vector<Buffer<float>> step_logits_dev_;
+  mutable std::vector<std::vector<float>> step_logits_;
+  mutable std::vector<bool> step_logits_on_host_;
   std::vector<std::vector<int>> step_rows_;      // per draft step: the active rows, in order
   int64_t outstanding_appends_ = 0;              // rows of prepared, not yet committed appends
   std::vector<TokenProb> dist_;
 
   ops::KVLayerView kv_view();
+  void copy_step_logits(int step) const;  // the host copy of a draft step's logits
   int64_t floats_per_block() const { return 2 * kBlockSize * kv_heads_ * head_dim_; }
   // Takes `n` free blocks (growing the pool) without giving them to any row.
   std::vector<int32_t> take_blocks(int64_t n);

@@ -9,16 +9,18 @@
 
 #include "tandem/backend/cpu/simd.h"
 #include "tandem/backend/cpu/cpu_ops.h"
+#include "tandem/core/error.h"
 
 namespace tandem::cpu {
 
 using namespace tandem::ops;
 
-void kv_write(const KVLayerView& kv, const int32_t* block_table, int64_t start, int64_t n,
-              const float* k, const float* v) {
+void kv_write(const KVLayerView& kv, const int32_t* block_table, const int64_t* positions,
+              int64_t n, const float* k, const float* v) {
   const int64_t row = kv.n_kv_heads * kv.head_dim;
   for (int64_t t = 0; t < n; ++t) {
-    const int64_t p = start + t;
+    const int64_t p = positions[t];
+    if (p < 0) fail("kv_write: token ", t, " has negative position ", p);
     const int32_t block = block_table[p / kv.block_size];
     const int64_t slot = p % kv.block_size;
     std::memcpy(kv.key(block, slot), k + t * row, sizeof(float) * row);
@@ -26,20 +28,27 @@ void kv_write(const KVLayerView& kv, const int32_t* block_table, int64_t start, 
   }
 }
 
-void attention(const KVLayerView& kv, const int32_t* block_table, int64_t start, int64_t n,
-               const float* q, int64_t n_heads, float scale, float* out) {
+void attention(const KVLayerView& kv, const int32_t* block_table, const int64_t* positions,
+               int64_t n, int64_t position_bound, const float* q, int64_t n_heads, float scale,
+               float* out) {
+  // The bound is the caller's promise (the CUDA kernel sizes its grid from it); holding the
+  // reference to it catches a wrong bound on the CPU tests already.
+  for (int64_t t = 0; t < n; ++t)
+    if (positions[t] < 0 || positions[t] >= position_bound)
+      fail("attention: query ", t, " at position ", positions[t], " is outside [0, ",
+           position_bound, ")");
   const int64_t hd = kv.head_dim;
   const int64_t group = n_heads / kv.n_kv_heads;
   const int64_t work = n * n_heads;
-#pragma omp parallel num_threads(thread_count()) if (work * (start + n) > 4096)
+#pragma omp parallel num_threads(thread_count()) if (work * position_bound > 4096)
   {
-    std::vector<float> scores(static_cast<size_t>(start + n));
+    std::vector<float> scores(static_cast<size_t>(position_bound));
 #pragma omp for schedule(static)
     for (int64_t w = 0; w < work; ++w) {
       const int64_t t = w / n_heads;
       const int64_t h = w % n_heads;
       const int64_t kvh = h / group;
-      const int64_t len = start + t + 1;  // causal: positions 0..start+t
+      const int64_t len = positions[t] + 1;  // causal: positions 0..positions[t]
       const float* qv = q + (t * n_heads + h) * hd;
       float mx = -INFINITY;
       for (int64_t p = 0; p < len; ++p) {

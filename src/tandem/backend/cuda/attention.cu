@@ -1,15 +1,29 @@
 // Paged-KV causal attention (GQA) and the KV write, fp32 throughout.
 //
-// Batch invariance. A query at absolute position P attends to positions 0..P. Those positions are
-// cut into partitions of kPartition positions at fixed absolute boundaries [s·kPartition,
-// (s+1)·kPartition); the last one ends at P. Each partition yields (max score, sum of exp, sum of
-// exp · value) computed by one block in a fixed order, and a second kernel merges the
-// partitions of a query in partition order. Nothing in that arithmetic depends on how many
-// queries the call holds or how the grid is cut, so a token's output is bitwise the same alone,
-// in a verify window or in a prefill.
+// Positions are device memory. A query at position P (read from `positions`) attends to
+// positions 0..P; the host knows only an upper bound on P (position_bound), which sizes the grid
+// and the scratch. So a decode step captured into a CUDA graph replays at any later position
+// below the bound: only the positions array changes between replays.
 //
-// Partials live in a fixed device buffer (g_partials), not allocated per call; a call that needs
-// more is cut into launches over consecutive (query, head) items, which changes no number.
+// Batch invariance. The positions 0..P of a query are cut into partitions of
+// partition_size(P + 1) positions at fixed absolute boundaries; the size grows with the
+// query's own prefix (about sqrt(2 · len): a few short partitions for a short prefix, enough
+// long ones to fill the GPU for a long one) and depends on nothing else. Each partition is reduced
+// by one block in an order fixed by its length, and the partitions are merged in partition order.
+// Nothing in that arithmetic depends on how many queries the call holds, on position_bound or on
+// how the grid is cut, so a token's output is bitwise the same alone, in a verify window, in a
+// prefill, or replayed from a graph captured under another bound.
+//
+// Work split. One block per (partition, query, head chunk): a head chunk is G query heads that
+// share one kv head, so each key/value row is read once for all G heads. The block that finishes
+// a query's last partition (an atomic counter per (query, chunk)) merges the partitions, so there
+// is one launch per call and no second kernel; which block that is changes no number, because
+// the merge reads every partition's result from memory in partition order.
+//
+// Partials live in a fixed device buffer (g_partials), not allocated per call, so its address
+// never changes under a captured graph; a call that needs more is cut into launches over
+// consecutive queries, which changes no number. The buffer and its counters are shared by all
+// calls: attention calls must not run concurrently on different streams.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -22,212 +36,398 @@ namespace tandem::cuda {
 
 namespace {
 
-constexpr int kPartition = 256;  // positions per partition (changing it changes rounding only)
-constexpr int kPartialThreads = 128;
-constexpr int kPartialWarps = kPartialThreads / 32;
-constexpr int kScoreUnroll = 4;  // positions a warp scores together, for loads in flight
-constexpr int kCombineThreads = 128;
-constexpr int kKvWriteThreads = 256;
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr int kRowsPerWarp = 4;  // rows a warp loads together (keys and values in flight at once)
+constexpr int kRoundRows = kWarps * kRowsPerWarp;  // rows a block takes per round
+constexpr int64_t kMinPartition = kRoundRows;      // a partition is whole rounds
+constexpr int64_t kMaxPartitions = 256;            // per query; bounds the merge's shared memory
+constexpr int kMaxChunkHeads = 4;                  // G: query heads per block
+constexpr int kMergeBatch = 16;                    // partitions whose partials load together
+// Blocks per SM the kernel is compiled for: 2 caps it at 128 registers (no spills), so a second
+// block's loads hide the first's latency when the grid holds more than one block per SM (verify
+// windows, long contexts).
+constexpr int kMinBlocksPerSm = 2;
 constexpr int64_t kMaxHeadDim = 256;
-constexpr int64_t kMaxItemsPerLaunch = 65535;  // items run on gridDim.y
+constexpr int kKvWriteThreads = 256;
+constexpr int64_t kMaxGridY = 65535;  // queries run on gridDim.y
+// Steps 2 and 3 of the kernel give each thread one float4 of a chunk's [G, head_dim] output.
+static_assert(kMaxChunkHeads * kMaxHeadDim / 4 <= kThreads, "one float4 of output per thread");
 
-// Partial results of one launch of `items` (query, head) items and `splits` partitions each:
-//   [0, items·splits·head_dim)      sum of exp · value, [item][split][head_dim]
-//   then items·splits maxima, then items·splits sums of exp, both [item][split].
-// 32 MiB: a verify window of 16 queries × 32 heads × 256 dims fits one launch up to ~16k
-// positions, a single decode query up to ~250k; longer calls take more launches.
+// Partial results of one launch of Q queries × C head chunks × S partition slots (S = the
+// launch's max_partitions), per slot G heads:
+//   [0, Q·C·S·G·head_dim)   sum of exp · value, [query][chunk][slot][head][head_dim]
+//   then Q·C·S·G maxima, then Q·C·S·G sums of exp, both [query][chunk][slot][head].
+// 32 MiB: a verify window of 16 queries × 16 heads × 256 dims fits one launch for bounds up to
+// ~30k positions, a single decode query for any bound; larger windows and prefill take several.
 constexpr int64_t kScratchFloats = int64_t(1) << 23;
-__device__ float g_partials[kScratchFloats];
+__device__ __align__(16) float g_partials[kScratchFloats];  // float4 access
+// Partitions of a (query, chunk) finished so far in the running launch. The last block to finish
+// resets its counter to 0, so every launch starts from zeros (module load zero-fills them).
+constexpr int64_t kMaxCounters = int64_t(1) << 16;
+__device__ unsigned g_done[kMaxCounters];
+
+// Positions per partition for a query with `len` positions: the smallest kMinPartition · 2^k
+// that cuts len into at most min(p / 2, kMaxPartitions) partitions. Partition count and length
+// then grow together (len 512: 16 × 32; 4096: 32 × 128; 32768: 128 × 256), which balances a
+// partition's reads (2 · p rows) against its merge's (count · G rows).
+__host__ __device__ constexpr int64_t partition_size(int64_t len) {
+  int64_t p = kMinPartition;
+  while (len > p * (p / 2 < kMaxPartitions ? p / 2 : kMaxPartitions)) p *= 2;
+  return p;
+}
+
+// The most partitions any query below position_bound (len <= bound) can have: the grid's x.
+int64_t max_partitions(int64_t bound) {
+  int64_t most = 0;
+  int64_t lo = 1;  // the first len of the size-p tier
+  for (int64_t p = kMinPartition; lo <= bound; p *= 2) {
+    const int64_t top = p * std::min(p / 2, kMaxPartitions);  // its last len
+    if (top >= lo) most = std::max(most, ceil_div(std::min(top, bound), p));
+    lo = std::max(lo, top + 1);
+  }
+  return most;
+}
 
 // The read side of a KVLayerView, with the block table, for kernels.
 struct PagedKV {
   const float* pool;
   const int32_t* block_table;
-  int64_t block_size;
+  uint32_t block_size;
   int64_t row;  // n_kv_heads * head_dim floats per position
   // Float offset of position p's key row in pool; its value row is block_size * row further.
-  __device__ int64_t key_offset(int64_t p) const {
-    const int64_t block = block_table[p / block_size];
+  // Positions fit 32 bits (checked on the host), which keeps the division cheap.
+  __device__ int64_t key_offset(uint32_t p) const {
+    const int64_t block = __ldg(block_table + p / block_size);
     return (block * 2 * block_size + p % block_size) * row;
   }
 };
 
-// Butterfly reductions: every lane ends with the same bits (a ∘ b == b ∘ a for + and max), and
-// the order depends only on the lane values, so a sum is a fixed function of its 32 inputs.
-__device__ inline float warp_sum(float v) {
-  for (int offset = 16; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
-  return v;
+__device__ inline float4 ldg4(const float* p) {
+  return __ldg(reinterpret_cast<const float4*>(p));
 }
-__device__ inline float warp_max(float v) {
-  for (int offset = 16; offset > 0; offset /= 2)
-    v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
+// Partials are written by other blocks of the same launch: read them from L2, never from a
+// possibly stale L1 line.
+__device__ inline float4 ldcg4(const float* p) {
+  return __ldcg(reinterpret_cast<const float4*>(p));
+}
+__device__ inline float dot4(float4 a, float4 b, float acc) {
+  acc = fmaf(a.x, b.x, acc);
+  acc = fmaf(a.y, b.y, acc);
+  acc = fmaf(a.z, b.z, acc);
+  return fmaf(a.w, b.w, acc);
+}
+__device__ inline float4 fma4(float s, float4 v, float4 acc) {
+  return make_float4(fmaf(s, v.x, acc.x), fmaf(s, v.y, acc.y), fmaf(s, v.z, acc.z),
+                     fmaf(s, v.w, acc.w));
+}
+__device__ inline float4 scale4(float s, float4 v) {
+  return make_float4(s * v.x, s * v.y, s * v.z, s * v.w);
+}
+
+// One halving step at lane offset O on the first n of x, then the next (compile-time recursion,
+// so every index into x is a constant and x stays in registers).
+template <int n, int O, int N>
+__device__ inline void halve_and_add(float (&x)[N], int lane) {
+  if constexpr (n > 1) {
+    const bool upper = (lane & O) != 0;
+#pragma unroll
+    for (int i = 0; i < n / 2; ++i) {
+      const float send = upper ? x[i] : x[i + n / 2];
+      const float keep = upper ? x[i + n / 2] : x[i];
+      x[i] = keep + __shfl_xor_sync(0xffffffffu, send, O);
+    }
+    halve_and_add<n / 2, O / 2>(x, lane);
+  }
+}
+
+// Sums N values (N a power of two <= 32) over the warp at once: x[i] is lane l's share of value
+// i. Each halving step at offset o trades half the values with lane l ^ o (a lane keeps the half
+// its bit o selects) and adds; then a plain butterfly finishes. Lane l ends with the total of
+// value l >> (5 - log2 N), and every lane holding a value holds the same bits (a + b == b + a).
+// The addition tree depends only on the lane, so each total is a fixed function of its 32
+// inputs. N + 4 - log2 N shuffles instead of 5N for N separate butterflies.
+template <int N>
+__device__ inline float warp_sum_transposed(float (&x)[N], int lane) {
+  static_assert(N >= 1 && N <= 32 && (N & (N - 1)) == 0, "N is a power of two up to 32");
+  halve_and_add<N, 16>(x, lane);
+  float v = x[0];
+#pragma unroll
+  for (int o = 16 / N; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;
 }
 
-// One block per (partition, item); grid = (splits, items), item = (t, h) of this launch.
-// KD = dims per lane in the score dot products (head_dim <= 32 · KD). Per partition of plen
-// positions:
-//  1. score[j] = (q · k_j) · scale. A warp owns positions in groups of kScoreUnroll; lane l
-//     accumulates dims l, l + 32, ... in order, then warp_sum: an order fixed by head_dim,
-//     whichever warp computes the position.
-//  2. mx = max score; e_j = exp(score_j - mx); sum = Σ e_j, thread t adding j = t, t + 128, ...
-//     in order, then warp_sum, then the four warp totals in warp order.
-//  3. acc[i] = Σ_j e_j · v_j[i]: per warp over its positions in order, then the warps in order.
-template <int KD>
-__global__ void __launch_bounds__(kPartialThreads)
-    attention_partial_kernel(PagedKV kv, int64_t start, int64_t first_item, int64_t n_heads,
-                             int64_t group, int64_t head_dim, const float* q, float scale,
-                             int64_t splits, int64_t m_offset, int64_t l_offset) {
-  __shared__ int64_t s_row[kPartition];  // key row offset of each position (incl. kv head)
-  __shared__ float s_p[kPartition];      // scores, then their exponentials
-  __shared__ float s_max[kPartialWarps];
-  __shared__ float s_sum[kPartialWarps];
-  __shared__ float s_acc[kPartialWarps][32 * KD];  // per-warp sums of e · v
+constexpr int log2_int(int v) {
+  return v <= 1 ? 0 : 1 + log2_int(v / 2);
+}
+
+// One block per (partition s, query t, head chunk c); grid = (max partitions, queries, chunks).
+// KV4 = float4s per lane in a row (head_dim <= 128 · KV4), G = query heads of the chunk, all
+// reading kv head (c · G) / group. Lane l holds dims 4f..4f+3 of every row, f = l + 32k.
+// Scores are kept in base 2: score = (q · k) · scale · log2(e), weights exp2(score - max).
+//
+//  1. Rows. Round r covers rows r·32 .. r·32+31 of the partition; warp w takes rows w·4 .. w·4+3
+//     of each round (R = 4 rows, G·R scores). Per round: the lane-ordered fmaf dot products of
+//     the lane's dims for all G·R scores, one transposed warp sum (lane l then owns score
+//     (g, u) = divmod(l >> (5 - log2(G·R)), R)), the round max per head (butterfly over the
+//     owners of the head's rows), and online softmax: a running max m, sum of weights l and
+//     weighted value sums per head, rescaled by exp2(m - m') when the max grows, then the rows
+//     added in row order. A row past the partition scores -inf (weight exactly 0).
+//  2. The warps' (m, l, sums) are merged in warp order into the partition's result, which goes
+//     to g_partials.
+//  3. The last block of (t, c) merges the query's partitions in partition order:
+//     M = max m_s, w_s = exp2(m_s - M), out = (Σ_s w_s · acc_s) / (Σ_s w_s · l_s).
+// Every order above is fixed by the query's position alone.
+template <int KV4, int G>
+__global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
+    attention_kernel(PagedKV kv, const int64_t* positions, int64_t position_bound,
+                     int64_t first_query, int64_t n_heads, int64_t group, int64_t head_dim,
+                     const float* q, float score_scale, int64_t slots, int64_t m_offset,
+                     int64_t l_offset, float* out) {
+  constexpr int R = kRowsPerWarp;
+  constexpr int N = G * R;                      // scores per warp and round
+  constexpr int kOwners = 32 / N;               // lanes owning one score
+  constexpr int kOwnerShift = 5 - log2_int(N);  // score of lane l: l >> kOwnerShift
+  constexpr int kDims = 128 * KV4;              // dims a warp covers (>= head_dim)
+  // Per-warp sums of weight · value during 1 and 2; reused for the merge of 3 (see the
+  // static_assert).
+  __shared__ float4 s_acc4[kWarps * G * kDims / 4];
+  __shared__ float4 s_q4[G * kDims / 4];  // the chunk's query rows, zero past head_dim
+  __shared__ float s_m[kWarps][G], s_l[kWarps][G], s_w[kWarps][G];
+  __shared__ bool s_last;
+  static_assert(kWarps * G * kDims >= 3 * kMaxPartitions * G, "merge buffers fit in s_acc4");
+  static_assert(G * kDims / 4 <= kThreads, "one float4 of the query rows per thread");
+  float* s_acc = reinterpret_cast<float*>(s_acc4);
 
   const int lane = threadIdx.x % 32;
   const int warp = threadIdx.x / 32;
-  const int64_t item = blockIdx.y;
-  const int64_t w = first_item + item;  // t * n_heads + h over the whole call
-  const int64_t t = w / n_heads;
-  const int64_t h = w % n_heads;
-  const int64_t len = start + t + 1;  // causal: positions 0..start+t
-  const int64_t p0 = static_cast<int64_t>(blockIdx.x) * kPartition;
-  if (p0 >= len) return;  // past this query's prefix (whole block, before any barrier)
-  const int plen = static_cast<int>(min(static_cast<int64_t>(kPartition), len - p0));
-  const int64_t head_offset = (h / group) * head_dim;
+  const int64_t qi = blockIdx.y;  // query within the launch
+  const int64_t t = first_query + qi;
+  const int64_t chunk = blockIdx.z;
+  const int64_t n_chunks = gridDim.z;
+  const int64_t h0 = chunk * G;  // the chunk's first query head
+  const int64_t kv_off = (h0 / group) * head_dim;
+  const int64_t out_base = (t * n_heads + h0) * head_dim;  // [G, head_dim] of out and q
+  const int64_t vec = head_dim / 4;                        // float4s per head
 
-  for (int j = threadIdx.x; j < plen; j += kPartialThreads)
-    s_row[j] = kv.key_offset(p0 + j) + head_offset;
-  float qr[KD];
-  const float* qv = q + w * head_dim;
-#pragma unroll
-  for (int k = 0; k < KD; ++k) {
-    const int i = lane + 32 * k;
-    qr[k] = i < head_dim ? qv[i] : 0.0f;
+  // The position and the query rows are requested together.
+  const int64_t pos = positions[t];
+  if (threadIdx.x < G * kDims / 4) {
+    const int64_t g = threadIdx.x / (kDims / 4), f = threadIdx.x % (kDims / 4);
+    s_q4[threadIdx.x] =
+        f < vec ? ldg4(q + out_base + g * head_dim + 4 * f) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
   }
-  __syncthreads();  // s_row complete
+  if (pos < 0 || pos >= position_bound) {
+    // The caller broke its bound: NaN marks the output, and no counter moves.
+    if (blockIdx.x == 0)
+      for (int64_t i = threadIdx.x; i < G * head_dim; i += kThreads) out[out_base + i] = NAN;
+    return;
+  }
+  const int64_t len = pos + 1;
+  const int64_t part = partition_size(len);
+  const int64_t n_parts = (len + part - 1) / part;
+  const int64_t s = blockIdx.x;
+  if (s >= n_parts) return;  // past this query's prefix (whole block, before any barrier)
+  const int64_t p0 = s * part;
+  const int64_t plen = min(part, len - p0);
 
-  // 1. Scores. A group's key rows are loaded before any arithmetic so that all
-  // kScoreUnroll · KD loads are in flight together; a slot past plen re-reads the last position
-  // (always in bounds) and its score is dropped. Dims past head_dim are zero in qr and kr and
-  // add exact zeros.
-  for (int j0 = warp * kScoreUnroll; j0 < plen; j0 += kPartialWarps * kScoreUnroll) {
-    float kr[kScoreUnroll][KD];
+  // 1. This warp's rows, round by round. The lane's own score (g, u):
+  const int own = lane >> kOwnerShift;
+  const int own_g = own / R, own_u = own % R;
+  float m = -INFINITY, l = 0.0f;  // of head own_g (the same in all of its owner lanes)
+  // The weighted value sums live in the warp's slice of s_acc4 rather than in 32 registers
+  // (which would push the row loop past 128): each lane reads and writes only its own float4s,
+  // so no barrier is needed until step 2.
+  float4* acc = s_acc4 + warp * G * (kDims / 4) + lane;  // acc[(g · kDims/4 + 32k)]
 #pragma unroll
-    for (int u = 0; u < kScoreUnroll; ++u) {
-      const float* kp = kv.pool + s_row[min(j0 + u, plen - 1)];
+  for (int g = 0; g < G; ++g)
 #pragma unroll
-      for (int k = 0; k < KD; ++k) {
-        const int i = lane + 32 * k;
-        kr[u][k] = i < head_dim ? __ldg(kp + i) : 0.0f;
+    for (int k = 0; k < KV4; ++k)
+      acc[g * (kDims / 4) + 32 * k] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  bool live[KV4];
+#pragma unroll
+  for (int k = 0; k < KV4; ++k) live[k] = lane + 32 * k < vec;
+  const int64_t value_shift = static_cast<int64_t>(kv.block_size) * kv.row;
+  // Key offsets of the warp's rows of round r; a row past plen re-reads the last row (always
+  // in the row's blocks) and scores -inf.
+  int64_t off[R];
+  auto row_offsets = [&](int64_t r0) {
+#pragma unroll
+    for (int u = 0; u < R; ++u) {
+      const int64_t j = min(r0 + warp * R + u, plen - 1);
+      off[u] = kv.key_offset(static_cast<uint32_t>(p0 + j)) + kv_off;
+    }
+  };
+  row_offsets(0);
+  __syncthreads();  // s_q4 complete
+  for (int64_t r0 = 0; r0 < plen; r0 += kRoundRows) {
+    const int64_t j0 = r0 + warp * R;
+    if (j0 >= plen) break;  // warp-uniform; later rounds start further still
+    float4 kr[R][KV4], vr[R][KV4];
+#pragma unroll
+    for (int u = 0; u < R; ++u)
+#pragma unroll
+      for (int k = 0; k < KV4; ++k) {
+        const float* kp = kv.pool + off[u] + 4 * (lane + 32 * k);
+        kr[u][k] = live[k] ? ldg4(kp) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        vr[u][k] = live[k] ? ldg4(kp + value_shift) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      }
+    // The next round's block-table reads go out with this round's rows.
+    if (r0 + kRoundRows < plen) row_offsets(r0 + kRoundRows);
+
+    float x[N];  // this lane's share of every score
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      float4 qg[KV4];
+#pragma unroll
+      for (int k = 0; k < KV4; ++k) qg[k] = s_q4[g * (kDims / 4) + lane + 32 * k];
+#pragma unroll
+      for (int u = 0; u < R; ++u) {
+        float d = 0.0f;
+#pragma unroll
+        for (int k = 0; k < KV4; ++k) d = dot4(qg[k], kr[u][k], d);
+        x[g * R + u] = d;
       }
     }
+    // All lanes reduce (the shuffles need the whole warp); then a row past plen drops out.
+    const float dot = warp_sum_transposed<N>(x, lane);
+    const float score = j0 + own_u < plen ? dot * score_scale : -INFINITY;
+    // The head's round max and weight sum over the owners of its R rows (lane bits
+    // kOwnerShift .. kOwnerShift + log2 R - 1).
+    float mx = score;
 #pragma unroll
-    for (int u = 0; u < kScoreUnroll; ++u) {
-      float dot = 0.0f;
+    for (int o = kOwners; o < kOwners * R; o *= 2)
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    mx = fmaxf(m, mx);                 // finite: row j0 is in the partition
+    const float corr = exp2f(m - mx);  // 0 on the first round (m = -inf)
+    const float e = exp2f(score - mx);
+    float esum = e;
 #pragma unroll
-      for (int k = 0; k < KD; ++k) dot = fmaf(qr[k], kr[u][k], dot);
-      dot = warp_sum(dot);
-      if (lane == 0 && j0 + u < plen) s_p[j0 + u] = dot * scale;
+    for (int o = kOwners; o < kOwners * R; o *= 2) esum += __shfl_xor_sync(0xffffffffu, esum, o);
+    l = fmaf(l, corr, esum);
+    m = mx;
+    // Every lane adds every row's weighted values to its dims, in row order.
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      const float c = __shfl_sync(0xffffffffu, corr, g * R * kOwners);
+      float4 a[KV4];
+#pragma unroll
+      for (int k = 0; k < KV4; ++k) a[k] = scale4(c, acc[g * (kDims / 4) + 32 * k]);
+#pragma unroll
+      for (int u = 0; u < R; ++u) {
+        const float w = __shfl_sync(0xffffffffu, e, (g * R + u) * kOwners);
+#pragma unroll
+        for (int k = 0; k < KV4; ++k) a[k] = fma4(w, vr[u][k], a[k]);
+      }
+#pragma unroll
+      for (int k = 0; k < KV4; ++k) acc[g * (kDims / 4) + 32 * k] = a[k];
     }
   }
-  __syncthreads();  // all scores in s_p
+  // A warp without rows keeps m = -inf, l = 0, sums 0: weight 0 below.
+  if (lane % (R * kOwners) == 0) {
+    s_m[warp][own_g] = m;
+    s_l[warp][own_g] = l;
+  }
+  __syncthreads();  // every warp's m, l and sums
 
-  // 2. Partition max and sum of exponentials. Each thread rewrites only the s_p[j] it read.
-  float mx = -INFINITY;
-  for (int j = threadIdx.x; j < plen; j += kPartialThreads) mx = fmaxf(mx, s_p[j]);
-  mx = warp_max(mx);
-  if (lane == 0) s_max[warp] = mx;
+  // 2. The partition's result: warps merged in warp order (warp 0 always has rows, so the
+  // max is finite).
+  const int64_t slot = (qi * n_chunks + chunk) * slots + s;  // this partition's slot
+  if (threadIdx.x < G) {
+    const int g = threadIdx.x;
+    float mp = s_m[0][g];
+    for (int w = 1; w < kWarps; ++w) mp = fmaxf(mp, s_m[w][g]);
+    float sum = 0.0f;
+    for (int w = 0; w < kWarps; ++w) {
+      const float wt = exp2f(s_m[w][g] - mp);
+      s_w[w][g] = wt;
+      sum = fmaf(wt, s_l[w][g], sum);
+    }
+    g_partials[m_offset + slot * G + g] = mp;
+    g_partials[l_offset + slot * G + g] = sum;
+  }
+  __syncthreads();  // s_w complete
+  // One float4 of [G, head_dim] per thread (G · 256 / 4 <= kThreads).
+  const int64_t o4 = threadIdx.x;
+  const bool has_out = o4 < G * vec;
+  const int og = static_cast<int>(o4 / vec);  // its head within the chunk
+  const int64_t oi = 4 * (o4 % vec);          // its first dim
+  if (has_out) {
+    float4 o = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    for (int w = 0; w < kWarps; ++w)
+      o = fma4(s_w[w][og], s_acc4[(w * G + og) * (kDims / 4) + oi / 4], o);
+    *reinterpret_cast<float4*>(g_partials + (slot * G + og) * head_dim + oi) = o;
+  }
+
+  // Publish, and elect the query's last finished partition to merge.
+  __threadfence();
   __syncthreads();
-  mx = s_max[0];
-  for (int k = 1; k < kPartialWarps; ++k) mx = fmaxf(mx, s_max[k]);
-  float sum = 0.0f;
-  for (int j = threadIdx.x; j < plen; j += kPartialThreads) {
-    const float e = expf(s_p[j] - mx);
-    s_p[j] = e;
-    sum += e;
-  }
-  sum = warp_sum(sum);
-  if (lane == 0) s_sum[warp] = sum;
-  __syncthreads();  // s_sum complete, and every e_j in s_p
-  sum = s_sum[0];
-  for (int k = 1; k < kPartialWarps; ++k) sum += s_sum[k];
-
-  // 3. Weighted values. Warp w takes the position groups it scored in 1, lanes over dims as
-  // for q, and accumulates e_j · v_j in position order; the four warp sums are then added in
-  // warp order. Both orders are fixed by plen, that is by the query's own prefix.
-  float acc[KD];
-#pragma unroll
-  for (int k = 0; k < KD; ++k) acc[k] = 0.0f;
-  const int64_t value_shift = kv.block_size * kv.row;
-  for (int j0 = warp * kScoreUnroll; j0 < plen; j0 += kPartialWarps * kScoreUnroll) {
-    float vr[kScoreUnroll][KD];  // loaded first, as the key rows in 1
-#pragma unroll
-    for (int u = 0; u < kScoreUnroll; ++u) {
-      const float* vp = kv.pool + s_row[min(j0 + u, plen - 1)] + value_shift;
-#pragma unroll
-      for (int k = 0; k < KD; ++k) {
-        const int i = lane + 32 * k;
-        vr[u][k] = i < head_dim ? __ldg(vp + i) : 0.0f;
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < kScoreUnroll; ++u) {
-      if (j0 + u < plen) {  // warp-uniform
-        const float e = s_p[j0 + u];
-#pragma unroll
-        for (int k = 0; k < KD; ++k) acc[k] = fmaf(e, vr[u][k], acc[k]);
-      }
-    }
-  }
-#pragma unroll
-  for (int k = 0; k < KD; ++k) {
-    const int i = lane + 32 * k;
-    if (i < head_dim) s_acc[warp][i] = acc[k];
-  }
-  __syncthreads();  // every warp's sums in s_acc
-  const int64_t slot = item * splits + blockIdx.x;
-  float* acc_out = g_partials + slot * head_dim;
-  for (int i = threadIdx.x; i < head_dim; i += kPartialThreads) {
-    float o = s_acc[0][i];
-    for (int k = 1; k < kPartialWarps; ++k) o += s_acc[k][i];
-    acc_out[i] = o;
-  }
   if (threadIdx.x == 0) {
-    g_partials[m_offset + slot] = mx;
-    g_partials[l_offset + slot] = sum;
+    unsigned* done = g_done + qi * n_chunks + chunk;
+    const bool last = atomicAdd(done, 1u) == static_cast<unsigned>(n_parts - 1);
+    if (last) atomicExch(done, 0u);  // every partition has counted: ready for the next launch
+    __threadfence();
+    s_last = last;
   }
-}
+  __syncthreads();
+  if (!s_last) return;
 
-// One block per item of the launch; threads over head_dim. Merges the item's partitions
-// 0..n_parts-1 in order: M = max m_s, L = Σ_s exp(m_s - M) · l_s, out = Σ_s exp(m_s - M) · acc_s
-// / L. Every thread computes M and L itself (same inputs, same order, same bits).
-__global__ void __launch_bounds__(kCombineThreads)
-    attention_combine_kernel(int64_t start, int64_t first_item, int64_t n_heads, int64_t head_dim,
-                             int64_t splits, int64_t m_offset, int64_t l_offset, float* out) {
-  const int64_t item = blockIdx.x;
-  const int64_t w = first_item + item;
-  const int64_t t = w / n_heads;
-  const int64_t n_parts = (start + t + kPartition) / kPartition;  // ceil((start + t + 1) / P)
-  const float* m = g_partials + m_offset + item * splits;
-  const float* l = g_partials + l_offset + item * splits;
-  const float* acc = g_partials + item * splits * head_dim;
-  float mx = -INFINITY;
-  for (int64_t s = 0; s < n_parts; ++s) mx = fmaxf(mx, m[s]);
+  // 3. Merge the query's partitions. The first batch of partial sums is requested before the
+  // weights are computed, so those loads overlap the max and exp2 below.
+  const int64_t first_slot = (qi * n_chunks + chunk) * slots;
+  const float* part_acc = g_partials + first_slot * G * head_dim + og * head_dim + oi;
+  float4 a[kMergeBatch];
+#pragma unroll
+  for (int b = 0; b < kMergeBatch; ++b)
+    if (has_out && b < n_parts) a[b] = ldcg4(part_acc + b * G * head_dim);
+  float* s_pm = s_acc;                           // [n_parts][G] maxima
+  float* s_pl = s_acc + kMaxPartitions * G;      // [n_parts][G] sums of weights
+  float* s_pw = s_acc + 2 * kMaxPartitions * G;  // [n_parts][G] partition weights
+  __shared__ float s_max[G];
+  for (int64_t i = threadIdx.x; i < n_parts * G; i += kThreads) {
+    s_pm[i] = __ldcg(g_partials + m_offset + first_slot * G + i);
+    s_pl[i] = __ldcg(g_partials + l_offset + first_slot * G + i);
+  }
+  __syncthreads();
+  if (threadIdx.x < G) {
+    float mx = s_pm[threadIdx.x];
+    for (int64_t p = 1; p < n_parts; ++p) mx = fmaxf(mx, s_pm[p * G + threadIdx.x]);
+    s_max[threadIdx.x] = mx;
+  }
+  __syncthreads();
+  for (int64_t i = threadIdx.x; i < n_parts * G; i += kThreads)
+    s_pw[i] = exp2f(s_pm[i] - s_max[i % G]);
+  __syncthreads();
+  if (!has_out) return;
+  float4 o = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
   float total = 0.0f;
-  for (int64_t s = 0; s < n_parts; ++s) total = fmaf(expf(m[s] - mx), l[s], total);
-  for (int64_t i = threadIdx.x; i < head_dim; i += kCombineThreads) {
-    float o = 0.0f;
-    for (int64_t s = 0; s < n_parts; ++s) o = fmaf(expf(m[s] - mx), acc[s * head_dim + i], o);
-    out[w * head_dim + i] = o / total;
+  for (int64_t pb = 0; pb < n_parts; pb += kMergeBatch) {
+    if (pb > 0) {
+#pragma unroll
+      for (int b = 0; b < kMergeBatch; ++b)
+        if (pb + b < n_parts) a[b] = ldcg4(part_acc + (pb + b) * G * head_dim);
+    }
+#pragma unroll
+    for (int b = 0; b < kMergeBatch; ++b) {
+      if (pb + b < n_parts) {
+        const float wt = s_pw[(pb + b) * G + og];
+        total = fmaf(wt, s_pl[(pb + b) * G + og], total);
+        o = fma4(wt, a[b], o);
+      }
+    }
   }
+  *reinterpret_cast<float4*>(out + out_base + og * head_dim + oi) =
+      make_float4(o.x / total, o.y / total, o.z / total, o.w / total);
 }
 
-// One block per token; threads copy the token's key and value rows (n_kv_heads · head_dim).
+// One block per token; threads copy the token's key and value rows (n_kv_heads · head_dim) to
+// its position, read from `positions`.
 __global__ void kv_write_kernel(float* pool, const int32_t* block_table, int64_t block_size,
-                                int64_t row, int64_t start, const float* k, const float* v) {
+                                int64_t row, const int64_t* positions, const float* k,
+                                const float* v) {
   const int64_t t = blockIdx.x;
-  const int64_t p = start + t;
+  const int64_t p = positions[t];
+  if (p < 0) return;  // the caller's bug; better no write than one before the pool
   const int64_t block = block_table[p / block_size];
   float* kd = pool + (block * 2 * block_size + p % block_size) * row;
   float* vd = kd + block_size * row;
@@ -244,60 +444,73 @@ void check_kv_view(const ops::KVLayerView& kv, const char* op) {
          ", head_dim ", kv.head_dim);
 }
 
+bool aligned16(const void* p) {
+  return reinterpret_cast<uintptr_t>(p) % 16 == 0;
+}
+
 }  // namespace
 
-void kv_write(const ops::KVLayerView& kv, const int32_t* block_table, int64_t start, int64_t n,
-              const float* k, const float* v) {
-  if (n < 0 || start < 0) fail("kv_write: bad range start ", start, ", n ", n);
+void kv_write(const ops::KVLayerView& kv, const int32_t* block_table, const int64_t* positions,
+              int64_t n, const float* k, const float* v) {
+  if (n < 0) fail("kv_write: bad token count ", n);
   if (n == 0) return;
   check_kv_view(kv, "kv_write");
   kv_write_kernel<<<grid_blocks(n, "kv_write"), kKvWriteThreads, 0, op_stream()>>>(
-      kv.pool, block_table, kv.block_size, kv.n_kv_heads * kv.head_dim, start, k, v);
+      kv.pool, block_table, kv.block_size, kv.n_kv_heads * kv.head_dim, positions, k, v);
   check_launch("kv_write");
 }
 
-void attention(const ops::KVLayerView& kv, const int32_t* block_table, int64_t start, int64_t n,
-               const float* q, int64_t n_heads, float scale, float* out) {
-  if (n < 0 || start < 0) fail("attention: bad range start ", start, ", n ", n);
+void attention(const ops::KVLayerView& kv, const int32_t* block_table, const int64_t* positions,
+               int64_t n, int64_t position_bound, const float* q, int64_t n_heads, float scale,
+               float* out) {
+  if (n < 0) fail("attention: bad query count ", n);
   if (n == 0) return;
   check_kv_view(kv, "attention");
+  if (position_bound < 1 || position_bound > (int64_t(1) << 31))
+    fail("attention: position bound ", position_bound, " is outside [1, 2^31]");
   const int64_t head_dim = kv.head_dim;
-  if (head_dim > kMaxHeadDim)
-    fail("attention: head_dim ", head_dim, " exceeds the CUDA kernel's maximum ", kMaxHeadDim);
+  if (head_dim > kMaxHeadDim || head_dim % 4 != 0)
+    fail("attention: head_dim ", head_dim,
+         " is not a multiple of 4 up to the CUDA kernel's maximum ", kMaxHeadDim);
   if (n_heads < kv.n_kv_heads || n_heads % kv.n_kv_heads != 0)
     fail("attention: ", n_heads, " query heads is not a multiple of ", kv.n_kv_heads, " kv heads");
+  if (!aligned16(kv.pool) || !aligned16(q) || !aligned16(out))
+    fail("attention: the KV pool, q and out must be 16-byte aligned (float4 access)");
 
-  const int64_t total_items = n * n_heads;
-  const int64_t max_parts = ceil_div(start + n, kPartition);
-  const int64_t floats_per_item = max_parts * (head_dim + 2);
-  if (floats_per_item > kScratchFloats)
-    fail("attention: a prefix of ", start + n, " positions needs ", floats_per_item,
-         " floats of partial results per head, over the ", kScratchFloats, " reserved");
-  const int64_t items_per_launch = std::min(kScratchFloats / floats_per_item, kMaxItemsPerLaunch);
-
-  using PartialKernel = void (*)(PagedKV, int64_t, int64_t, int64_t, int64_t, int64_t, const float*,
-                                 float, int64_t, int64_t, int64_t);
-  const PartialKernel partial = head_dim <= 32    ? attention_partial_kernel<1>
-                                : head_dim <= 64  ? attention_partial_kernel<2>
-                                : head_dim <= 128 ? attention_partial_kernel<4>
-                                                  : attention_partial_kernel<8>;
-  const PagedKV paged{kv.pool, block_table, kv.block_size, kv.n_kv_heads * head_dim};
   const int64_t group = n_heads / kv.n_kv_heads;
-  const cudaStream_t s = op_stream();
+  const int chunk_heads = group % 4 == 0 ? 4 : group % 2 == 0 ? 2 : 1;
+  const int64_t n_chunks = n_heads / chunk_heads;
+  const int64_t slots = max_partitions(position_bound);
+  const int64_t floats_per_query = n_chunks * slots * chunk_heads * (head_dim + 2);
+  if (floats_per_query > kScratchFloats)
+    fail("attention: position bound ", position_bound, " needs ", floats_per_query,
+         " floats of partial results per query, over the ", kScratchFloats, " reserved");
+  if (n_chunks > std::min<int64_t>(kMaxGridY, kMaxCounters))
+    fail("attention: ", n_heads, " query heads exceed the kernel's grid");
+  const int64_t per_launch =
+      std::min({kScratchFloats / floats_per_query, kMaxGridY, kMaxCounters / n_chunks});
 
-  for (int64_t first = 0; first < total_items; first += items_per_launch) {
-    const int64_t items = std::min(items_per_launch, total_items - first);
-    const int64_t last_t = (first + items - 1) / n_heads;
-    const int64_t splits = ceil_div(start + last_t + 1, kPartition);
-    const int64_t m_offset = items * splits * head_dim;
-    const int64_t l_offset = m_offset + items * splits;
-    const dim3 grid(static_cast<unsigned>(splits), static_cast<unsigned>(items));
-    partial<<<grid, kPartialThreads, 0, s>>>(paged, start, first, n_heads, group, head_dim, q,
-                                             scale, splits, m_offset, l_offset);
-    check_launch("attention (partitions)");
-    attention_combine_kernel<<<static_cast<unsigned>(items), kCombineThreads, 0, s>>>(
-        start, first, n_heads, head_dim, splits, m_offset, l_offset, out);
-    check_launch("attention (merge)");
+  using Kernel = void (*)(PagedKV, const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t,
+                          const float*, float, int64_t, int64_t, int64_t, float*);
+  const bool wide = head_dim > 128;
+  const Kernel kernel = chunk_heads == 4 ? (wide ? attention_kernel<2, 4> : attention_kernel<1, 4>)
+                        : chunk_heads == 2
+                            ? (wide ? attention_kernel<2, 2> : attention_kernel<1, 2>)
+                            : (wide ? attention_kernel<2, 1> : attention_kernel<1, 1>);
+  const PagedKV paged{kv.pool, block_table, static_cast<uint32_t>(kv.block_size),
+                      kv.n_kv_heads * head_dim};
+  // Softmax in base 2: exp(x · scale) = exp2(x · scale · log2(e)).
+  const float score_scale = scale * 1.44269504088896340736f;
+  const cudaStream_t stream = op_stream();
+  for (int64_t first = 0; first < n; first += per_launch) {
+    const int64_t queries = std::min(per_launch, n - first);
+    const int64_t m_offset = queries * n_chunks * slots * chunk_heads * head_dim;
+    const int64_t l_offset = m_offset + queries * n_chunks * slots * chunk_heads;
+    const dim3 grid(static_cast<unsigned>(slots), static_cast<unsigned>(queries),
+                    static_cast<unsigned>(n_chunks));
+    kernel<<<grid, kThreads, 0, stream>>>(paged, positions, position_bound, first, n_heads, group,
+                                          head_dim, q, score_scale, slots, m_offset, l_offset, out);
+    check_launch("attention");
   }
 }
 

@@ -21,6 +21,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <string>
 
 #include "tandem/backend/ops.h"
@@ -31,7 +32,7 @@ namespace tandem::cuda {
 bool available();            // a CUDA device is present and usable (no throw)
 std::string device_name();   // e.g. "NVIDIA H200"; throws if none
 void* alloc(size_t bytes);   // cudaMalloc; throws Error("CUDA out of memory ...") with sizes
-void free(void* p);          // null is fine
+void free(void* p);          // null is fine; never throws (destructors call it at exit)
 void copy_to_device(void* dst, const void* src, size_t bytes);    // host → device, ordered on stream
 void copy_to_host(void* dst, const void* src, size_t bytes);      // device → host, waits for it
 void copy_on_device(void* dst, const void* src, size_t bytes);    // device → device, async
@@ -51,6 +52,16 @@ void fill_random_f32(float* dst, int64_t n, uint64_t seed, float offset, float s
 // several copies of `bytes` (default 2 GiB). The roofline denominator.
 double copy_bandwidth(size_t bytes = size_t(2) << 30);
 
+// --- CUDA graphs (backend/graph_cache.h) --------------------------------------------------------
+// Captures the work `body` queues on stream() into an executable graph (returned as void*).
+void* graph_capture(const std::function<void()>& body);
+void graph_launch(void* exec);
+void graph_destroy(void* exec);
+// Bumped whenever an op's internal device scratch is reallocated (its address changes): graph
+// keys include it, so no graph replays a freed scratch address.
+uint64_t scratch_generation();
+void bump_scratch_generation();
+
 // --- Ops (signatures and semantics as in backend/ops.h) --------------------------------------
 // Prompt-prefill mode for linear (see header comment). Set by the model per forward; default off.
 void set_prefill(bool on);
@@ -66,10 +77,11 @@ void sigmoid_gate(float* x, const float* gate, int64_t n);
 void add_inplace(float* x, const float* y, int64_t n);
 void rope(float* x, int64_t n_tokens, int64_t n_heads, int64_t head_dim, int64_t rotary_dim,
           const int64_t* positions, const float* inv_freq);
-void kv_write(const ops::KVLayerView& kv, const int32_t* block_table, int64_t start, int64_t n,
-              const float* k, const float* v);
-void attention(const ops::KVLayerView& kv, const int32_t* block_table, int64_t start, int64_t n,
-               const float* q, int64_t n_heads, float scale, float* out);
+void kv_write(const ops::KVLayerView& kv, const int32_t* block_table, const int64_t* positions,
+              int64_t n, const float* k, const float* v);
+void attention(const ops::KVLayerView& kv, const int32_t* block_table, const int64_t* positions,
+               int64_t n, int64_t position_bound, const float* q, int64_t n_heads, float scale,
+               float* out);
 void causal_conv_silu(const float* x, int64_t n, int64_t channels, int64_t kernel,
                       const ops::WeightRef& w, float* state, float* out, float* state_after);
 void gated_delta_rule(const float* q, const float* k, const float* v, const float* a,
@@ -79,5 +91,8 @@ void gated_delta_rule(const float* q, const float* k, const float* v, const floa
 // Strided copy of `rows` rows of `cols` floats: dst[r*dst_stride + c] = src[r*src_stride + c].
 void copy_rows(float* dst, int64_t dst_stride, const float* src, int64_t src_stride, int64_t rows,
                int64_t cols);
+// out[r] = the lowest index of the maximum of logits[r, :V] ignoring -inf; -1 when the row holds a
+// NaN or +inf or only -inf (the caller reports it).
+void argmax_rows(const float* logits, int64_t rows, int64_t V, int32_t* out);
 
 }  // namespace tandem::cuda

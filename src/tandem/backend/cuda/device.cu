@@ -127,7 +127,11 @@ void* alloc(size_t bytes) {
 
 void free(void* p) {
   if (p == nullptr) return;
-  TANDEM_CUDA_CHECK(cudaFree(p));
+  // Called from destructors, also while the process exits and the CUDA runtime is already
+  // unloading: a failed free must not throw (nothing useful can be done about it). A sticky
+  // error from an earlier kernel stays visible to the next checked call.
+  const cudaError_t err = cudaFree(p);
+  if (err == cudaErrorCudartUnloading || err == cudaErrorContextIsDestroyed) cudaGetLastError();
 }
 
 void copy_to_device(void* dst, const void* src, size_t bytes) {

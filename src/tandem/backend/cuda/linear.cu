@@ -40,6 +40,7 @@ constexpr int kCols = 8;           // output columns per block
 constexpr int kChunk = 64;         // k per warp chunk: 4 lanes x 16
 constexpr int kUnroll = 4;         // chunks whose weights are loaded before the first mma
 constexpr int kMaxTiles = 4;       // 16-row m-tiles per pass
+constexpr int64_t kNarrowRows = 4;  // up to this many rows: in-register bf16 rounding, 1 n-tile
 constexpr int64_t kPrefillChunk = 256;
 
 bool g_prefill = false;
@@ -148,6 +149,112 @@ __global__ void __launch_bounds__(kWarps * 32)
   }
 }
 
+// The same arithmetic for batches (m > kNarrowRows): inputs are first rounded to bf16 into a
+// scratch copy, and each warp applies every A fragment it loads to NT n-tiles (8·NT columns per
+// block), so the activations are read from L2 NT times less often. Per output the mma sequence
+// (chunks ascending, j = 0..3 within a chunk, then warps 0..3) is the narrow kernel's, so both
+// give the same bits and the choice between them may depend on m.
+template <int Tiles, int NT>
+__global__ void __launch_bounds__(kWarps * 32)
+    linear_mma_wide_kernel(const uint16_t* __restrict__ xb, int m, const uint16_t* __restrict__ w,
+                           int N, int K, float* __restrict__ y) {
+  constexpr int U = NT >= 4 ? 1 : 4 / NT;  // chunks in flight: weights stay at 8·NT·U registers
+  __shared__ float partial[kWarps][Tiles][NT][32][4];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, t = lane % 4;
+  const int n_base = blockIdx.x * 8 * NT;
+  const uint4* wrow[NT];
+  bool n_ok[NT];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    const int n = n_base + nt * 8 + g;
+    n_ok[nt] = n < N;
+    wrow[nt] = reinterpret_cast<const uint4*>(w + static_cast<size_t>(n_ok[nt] ? n : 0) * K);
+  }
+  const int chunks = (K + kChunk - 1) / kChunk;
+
+  for (int row0 = 0; row0 < m; row0 += Tiles * 16) {
+    float c[Tiles][NT][4];
+#pragma unroll
+    for (int i = 0; i < Tiles; ++i)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) c[i][nt][0] = c[i][nt][1] = c[i][nt][2] = c[i][nt][3] = 0.f;
+
+    for (int ch0 = warp; ch0 < chunks; ch0 += kWarps * U) {
+      uint4 wv[U][NT][2];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int k = (ch0 + u * kWarps) * kChunk + 16 * t;
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          if (n_ok[nt] && k < K) {
+            wv[u][nt][0] = __ldcs(wrow[nt] + k / 8);
+            wv[u][nt][1] = __ldcs(wrow[nt] + k / 8 + 1);
+          } else {
+            wv[u][nt][0] = wv[u][nt][1] = make_uint4(0, 0, 0, 0);
+          }
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int ch = ch0 + u * kWarps;
+        if (ch >= chunks) break;  // uniform across the warp
+        const int k = ch * kChunk + 16 * t;
+        const bool k_ok = k < K;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+#pragma unroll
+          for (int i = 0; i < Tiles; ++i) {
+            const int r_lo = row0 + i * 16 + g, r_hi = r_lo + 8;
+            uint2 lo = make_uint2(0, 0), hi = lo;
+            if (k_ok && r_lo < m)
+              lo = *reinterpret_cast<const uint2*>(xb + static_cast<size_t>(r_lo) * K + k + 4 * j);
+            if (k_ok && r_hi < m)
+              hi = *reinterpret_cast<const uint2*>(xb + static_cast<size_t>(r_hi) * K + k + 4 * j);
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+              const uint32_t* wb = reinterpret_cast<const uint32_t*>(&wv[u][nt][0]);
+              mma_bf16_16816(c[i][nt], lo.x, hi.x, lo.y, hi.y, wb[2 * j], wb[2 * j + 1]);
+            }
+          }
+        }
+      }
+    }
+
+#pragma unroll
+    for (int i = 0; i < Tiles; ++i)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) partial[warp][i][nt][lane][e] = c[i][nt][e];
+    __syncthreads();
+    // Warp v sums n-tiles v, v + kWarps, ... over the warps in order 0..3.
+    for (int nt = warp; nt < NT; nt += kWarps) {
+#pragma unroll
+      for (int i = 0; i < Tiles; ++i) {
+        float sum[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          sum[e] = partial[0][i][nt][lane][e];
+#pragma unroll
+          for (int v = 1; v < kWarps; ++v) sum[e] += partial[v][i][nt][lane][e];
+        }
+        const int col = n_base + nt * 8 + 2 * t;
+        const int r_lo = row0 + i * 16 + g, r_hi = r_lo + 8;
+        if (r_lo < m) {
+          if (col < N) y[static_cast<size_t>(r_lo) * N + col] = sum[0];
+          if (col + 1 < N) y[static_cast<size_t>(r_lo) * N + col + 1] = sum[1];
+        }
+        if (r_hi < m) {
+          if (col < N) y[static_cast<size_t>(r_hi) * N + col] = sum[2];
+          if (col + 1 < N) y[static_cast<size_t>(r_hi) * N + col + 1] = sum[3];
+        }
+      }
+    }
+    __syncthreads();
+  }
+}
+
 // Inputs whose K is not a multiple of 16: one warp per output, lanes over k, fixed shuffle tree.
 // Also batch invariant (each output is computed on its own).
 __global__ void linear_warp_kernel(const float* __restrict__ x, int m, const uint16_t* __restrict__ w,
@@ -201,6 +308,7 @@ T* grow(T*& p, int64_t& size, int64_t n) {
     cuda::free(p);
     p = static_cast<T*>(cuda::alloc(sizeof(T) * static_cast<size_t>(n)));
     size = n;
+    bump_scratch_generation();
   }
   return p;
 }
@@ -264,13 +372,38 @@ void linear(const float* x, int64_t m, const ops::WeightRef& w, float* y) {
   }
   if (reinterpret_cast<uintptr_t>(x) % 16 != 0 || reinterpret_cast<uintptr_t>(wp) % 16 != 0)
     fail("cuda linear: input and weight rows must be 16-byte aligned (K = ", K, ")");
-  const unsigned blocks = static_cast<unsigned>((N + kCols - 1) / kCols);
-  if (m <= 16)
+  if (m <= kNarrowRows) {
+    const unsigned blocks = static_cast<unsigned>((N + kCols - 1) / kCols);
     linear_mma_kernel<1><<<blocks, kWarps * 32, 0, s>>>(x, M, wp, N, K, y);
-  else if (m <= 32)
-    linear_mma_kernel<2><<<blocks, kWarps * 32, 0, s>>>(x, M, wp, N, K, y);
-  else
-    linear_mma_kernel<kMaxTiles><<<blocks, kWarps * 32, 0, s>>>(x, M, wp, N, K, y);
+    check_launch("linear");
+    return;
+  }
+  // Batches: bf16 copy of the inputs, then 4 n-tiles per warp (2 for narrow weights, to keep
+  // enough blocks in flight).
+  static uint16_t* xb = nullptr;
+  static int64_t xb_size = 0;
+  uint16_t* xs = grow(xb, xb_size, m * K);
+  const int64_t n = m * K;
+  to_bf16_kernel<<<static_cast<unsigned>((n + 255) / 256), 256, 0, s>>>(
+      x, n, n, reinterpret_cast<__nv_bfloat16*>(xs));
+  check_launch("linear (bf16 convert)");
+  if (N >= 8192) {
+    const unsigned blocks = static_cast<unsigned>((N + 31) / 32);
+    if (m <= 16)
+      linear_mma_wide_kernel<1, 4><<<blocks, kWarps * 32, 0, s>>>(xs, M, wp, N, K, y);
+    else if (m <= 32)
+      linear_mma_wide_kernel<2, 4><<<blocks, kWarps * 32, 0, s>>>(xs, M, wp, N, K, y);
+    else
+      linear_mma_wide_kernel<kMaxTiles, 4><<<blocks, kWarps * 32, 0, s>>>(xs, M, wp, N, K, y);
+  } else {
+    const unsigned blocks = static_cast<unsigned>((N + 15) / 16);
+    if (m <= 16)
+      linear_mma_wide_kernel<1, 2><<<blocks, kWarps * 32, 0, s>>>(xs, M, wp, N, K, y);
+    else if (m <= 32)
+      linear_mma_wide_kernel<2, 2><<<blocks, kWarps * 32, 0, s>>>(xs, M, wp, N, K, y);
+    else
+      linear_mma_wide_kernel<kMaxTiles, 2><<<blocks, kWarps * 32, 0, s>>>(xs, M, wp, N, K, y);
+  }
   check_launch("linear");
 }
 

@@ -1,0 +1,141 @@
+// CUDA op timings at the shapes that decide Qwen3.5-9B decode and prefill speed: each op alone,
+// median of repeated launches, with the bytes it must move and the bandwidth that implies.
+// Usage: tandem_bench_ops [repeats]. Results are recorded in BENCHMARKS.md.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <vector>
+
+#include "tandem/backend/cuda/cuda_ops.h"
+
+using namespace tandem;
+
+namespace {
+
+double median_us(const std::function<void()>& f, int repeats) {
+  f();
+  cuda::synchronize();
+  std::vector<double> t;
+  for (int r = 0; r < repeats; ++r) {
+    const auto t0 = std::chrono::steady_clock::now();
+    f();
+    cuda::synchronize();
+    t.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0)
+                    .count());
+  }
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
+}
+
+struct Dev {
+  void* p;
+  explicit Dev(size_t bytes) : p(cuda::alloc(bytes)) { cuda::fill_zero(p, bytes); }
+  ~Dev() { cuda::free(p); }
+  float* f() { return static_cast<float*>(p); }
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const int repeats = argc > 1 ? std::atoi(argv[1]) : 50;
+  std::printf("device %s\n", cuda::device_name().c_str());
+  const double bw = cuda::copy_bandwidth();
+  std::printf("copy bandwidth %.0f GB/s\n\n", bw / 1e9);
+
+  std::printf("linear (bf16 weights; time includes one launch + sync)\n");
+  const std::vector<std::pair<int64_t, int64_t>> shapes = {
+      {12288, 4096}, {4096, 12288}, {8192, 4096}, {4096, 4096}, {248320, 4096}};
+  for (auto [N, K] : shapes) {
+    Dev w(sizeof(uint16_t) * N * K), x(sizeof(float) * 64 * K), y(sizeof(float) * 64 * N);
+    cuda::fill_random_bf16(static_cast<uint16_t*>(w.p), N * K, 1, 0.02f);
+    ops::WeightRef ref{DType::BF16, w.p, N, K};
+    for (int64_t m : {1, 2, 4, 8, 16, 32, 64}) {
+      const double us = median_us([&] { cuda::linear(x.f(), m, ref, y.f()); }, repeats);
+      std::printf("  N %6lld K %5lld m %2lld: %8.1f us  %6.0f GB/s weights\n", (long long)N,
+                  (long long)K, (long long)m, us, 2.0 * N * K / us / 1e3);
+    }
+  }
+
+  std::printf("\nattention (16 heads, 4 kv heads, head_dim 256)\n");
+  {
+    const int64_t ctx = 4096, bs = 16, kvh = 4, hd = 256, nh = 16;
+    const int64_t blocks = ctx / bs + 1;
+    Dev pool(sizeof(float) * blocks * 2 * bs * kvh * hd), q(sizeof(float) * ctx * nh * hd),
+        o(sizeof(float) * ctx * nh * hd), tab(sizeof(int32_t) * blocks);
+    std::vector<int32_t> t(blocks);
+    for (int64_t i = 0; i < blocks; ++i) t[i] = static_cast<int32_t>(i);
+    cuda::copy_to_device(tab.p, t.data(), sizeof(int32_t) * blocks);
+    ops::KVLayerView kv{pool.f(), bs, kvh, hd};
+    const auto* bt = static_cast<const int32_t*>(tab.p);
+    // Positions 0..ctx-1 on the device; a call at `start` reads them from pos + start.
+    Dev pos_buf(sizeof(int64_t) * ctx);
+    std::vector<int64_t> pos_host(ctx);
+    for (int64_t i = 0; i < ctx; ++i) pos_host[i] = i;
+    cuda::copy_to_device(pos_buf.p, pos_host.data(), sizeof(int64_t) * ctx);
+    const auto* pos = static_cast<const int64_t*>(pos_buf.p);
+    for (int64_t start : {512, 4000})
+      for (int64_t n : {1, 4, 8}) {
+        const int64_t bound = (start + n + 1023) / 1024 * 1024;  // as the model rounds it
+        const double us = median_us(
+            [&] { cuda::attention(kv, bt, pos + start, n, bound, q.f(), nh, 0.0625f, o.f()); },
+            repeats);
+        std::printf("  decode/verify: context %5lld, %lld queries: %8.1f us\n", (long long)start,
+                    (long long)n, us);
+      }
+    const double us =
+        median_us([&] { cuda::attention(kv, bt, pos, ctx, ctx, q.f(), nh, 0.0625f, o.f()); },
+                  std::max(1, repeats / 10));
+    std::printf("  prefill %lld queries: %8.1f us\n", (long long)ctx, us);
+  }
+
+  std::printf("\ngated delta rule (16 key heads, 32 value heads, dk = dv = 128)\n");
+  {
+    const int64_t n = 4096, nk = 16, nv = 32, d = 128;
+    Dev q(sizeof(float) * n * nk * d), k(sizeof(float) * n * nk * d), v(sizeof(float) * n * nv * d),
+        a(sizeof(float) * n * nv), b(sizeof(float) * n * nv), st(sizeof(float) * nv * d * d),
+        out(sizeof(float) * n * nv * d), after(sizeof(float) * 8 * nv * d * d),
+        alog(sizeof(float) * nv), dtb(sizeof(float) * nv);
+    cuda::fill_random_f32(q.f(), n * nk * d, 1, 0, 1);
+    cuda::fill_random_f32(k.f(), n * nk * d, 2, 0, 1);
+    ops::WeightRef A{DType::F32, alog.p, 1, nv}, B{DType::F32, dtb.p, 1, nv};
+    const ops::DeltaHeads h{nk, nv, d, d};
+    for (int64_t t : {1, 4, 8}) {
+      const double us = median_us(
+          [&] {
+            cuda::gated_delta_rule(q.f(), k.f(), v.f(), a.f(), b.f(), A, B, t, h, st.f(), out.f(),
+                                   t > 1 ? after.f() : nullptr);
+          },
+          repeats);
+      std::printf("  %lld tokens: %8.1f us\n", (long long)t, us);
+    }
+    const double us = median_us(
+        [&] {
+          cuda::gated_delta_rule(q.f(), k.f(), v.f(), a.f(), b.f(), A, B, n, h, st.f(), out.f(),
+                                 nullptr);
+        },
+        std::max(1, repeats / 10));
+    std::printf("  %lld tokens (prefill): %8.1f us\n", (long long)n, us);
+  }
+
+  std::printf("\nsmall ops at decode shape (hidden 4096)\n");
+  {
+    Dev x(sizeof(float) * 16 * 12288), y(sizeof(float) * 16 * 12288), w(sizeof(float) * 8192),
+        st(sizeof(float) * 8192 * 3), cw(sizeof(float) * 8192 * 4);
+    ops::WeightRef nw{DType::F32, w.p, 1, 4096}, cwr{DType::F32, cw.p, 8192, 4};
+    std::printf("  rms_norm 1x4096: %6.1f us\n",
+                median_us([&] { cuda::rms_norm(x.f(), 1, 4096, nw, true, 1e-6f, y.f()); }, repeats));
+    std::printf("  swiglu 12288:    %6.1f us\n",
+                median_us([&] { cuda::swiglu(x.f(), y.f(), 12288, x.f()); }, repeats));
+    std::printf("  add 4096:        %6.1f us\n",
+                median_us([&] { cuda::add_inplace(x.f(), y.f(), 4096); }, repeats));
+    std::printf("  conv 1x8192:     %6.1f us\n",
+                median_us(
+                    [&] {
+                      cuda::causal_conv_silu(x.f(), 1, 8192, 4, cwr, st.f(), y.f(), nullptr);
+                    },
+                    repeats));
+  }
+  return 0;
+}
