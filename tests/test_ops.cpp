@@ -2,6 +2,7 @@
 // property the speculative path relies on (a row's result does not depend on the other rows).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <numeric>
@@ -288,6 +289,88 @@ TEST(Ops, GatedDeltaRuleMatchesReferenceRecurrence) {
                           out2.data() + t * h.n_v_heads * h.dv);
   EXPECT_EQ(state, state2);
   EXPECT_EQ(out, out2);
+}
+
+// The batched recurrent ops: rows of 1, 4, 1, 9 and 2 tokens laid out in the call's arrays in
+// another order than their descriptors, some keeping per-token states, plus an idle row (n = 0),
+// with one descriptor array for both ops as a layer uses it. Each row gets the bits of the
+// single-row ops run on a copy of that row's inputs and states; the idle row's states stay.
+TEST(Ops, RecurrentRowsEqualSingleRowCalls) {
+  const auto z = [](int64_t v) { return static_cast<size_t>(v); };
+  const int64_t C = 37, K = 4, hist = K - 1;
+  const ops::DeltaHeads h{2, 4, 8, 6};
+  const int64_t qk = h.n_k_heads * h.dk, vr = h.n_v_heads * h.dv, nv = h.n_v_heads;
+  const int64_t S = h.n_v_heads * h.dk * h.dv;
+  const std::vector<int64_t> ns = {1, 4, 1, 9, 2, 0};
+  const std::vector<bool> keeps = {true, false, false, true, true, true};
+  const std::vector<size_t> order = {3, 0, 5, 4, 2, 1};
+  const int64_t R = static_cast<int64_t>(ns.size());
+  std::vector<int64_t> first(ns.size());
+  int64_t T = 0, max_n = 0;
+  for (const size_t r : order) {
+    first[r] = T;
+    T += ns[r];
+    max_n = std::max(max_n, ns[r]);
+  }
+
+  std::mt19937 rng(7);
+  StoredWeight w = make_weight(DType::F32, C, K, rng, 0.5f);
+  StoredWeight A_log = make_weight(DType::F32, 1, nv, rng, 0.5f);
+  StoredWeight dt = make_weight(DType::F32, 1, nv, rng, 0.5f);
+  const auto x = random_vec(z(T * C), rng);
+  const auto q = random_vec(z(T * qk), rng), k = random_vec(z(T * qk), rng);
+  const auto v = random_vec(z(T * vr), rng);
+  const auto a = random_vec(z(T * nv), rng, 2.0f), b = random_vec(z(T * nv), rng, 2.0f);
+  std::vector<std::vector<float>> conv0(z(R)), state0(z(R)), conv(z(R)), state(z(R)),
+      conv_after(z(R)), state_after(z(R));
+  std::vector<ops::RecurrentRow> rows(z(R));
+  for (size_t r = 0; r < z(R); ++r) {
+    conv0[r] = conv[r] = random_vec(z(C * hist), rng);
+    state0[r] = state[r] = random_vec(z(S), rng, 0.1f);
+    conv_after[r].assign(keeps[r] ? z(ns[r] * C * hist) : 0, NAN);
+    state_after[r].assign(keeps[r] ? z(ns[r] * S) : 0, NAN);
+    rows[r] = {.first_token = first[r],
+               .n = ns[r],
+               .conv_state = conv[r].data(),
+               .conv_after = keeps[r] ? conv_after[r].data() : nullptr,
+               .state = state[r].data(),
+               .state_after = keeps[r] ? state_after[r].data() : nullptr};
+  }
+  std::vector<float> conv_out(z(T * C), NAN), delta_out(z(T * vr), NAN);
+  ops::causal_conv_silu_rows(x.data(), C, K, w.ref, rows.data(), R, max_n, conv_out.data());
+  ops::gated_delta_rule_rows(q.data(), k.data(), v.data(), a.data(), b.data(), A_log.ref, dt.ref,
+                             rows.data(), R, max_n, h, delta_out.data());
+
+  const auto same = [](const float* got, const std::vector<float>& want) {
+    return want.empty() || std::memcmp(got, want.data(), want.size() * sizeof(float)) == 0;
+  };
+  for (size_t r = 0; r < z(R); ++r) {
+    const int64_t n = ns[r], t0 = first[r];
+    std::vector<float> st = conv0[r], out(z(n * C)), after(conv_after[r].size());
+    ops::causal_conv_silu(x.data() + t0 * C, n, C, K, w.ref, st.data(), out.data(),
+                          keeps[r] ? after.data() : nullptr);
+    EXPECT_TRUE(same(conv_out.data() + t0 * C, out)) << "row " << r << ": conv out";
+    EXPECT_TRUE(same(conv[r].data(), st)) << "row " << r << ": conv state";
+    EXPECT_TRUE(same(conv_after[r].data(), after)) << "row " << r << ": conv_after";
+
+    std::vector<float> S1 = state0[r], o(z(n * vr)), S_after(state_after[r].size());
+    ops::gated_delta_rule(q.data() + t0 * qk, k.data() + t0 * qk, v.data() + t0 * vr,
+                          a.data() + t0 * nv, b.data() + t0 * nv, A_log.ref, dt.ref, n, h,
+                          S1.data(), o.data(), keeps[r] ? S_after.data() : nullptr);
+    EXPECT_TRUE(same(delta_out.data() + t0 * vr, o)) << "row " << r << ": delta out";
+    EXPECT_TRUE(same(state[r].data(), S1)) << "row " << r << ": state";
+    EXPECT_TRUE(same(state_after[r].data(), S_after)) << "row " << r << ": state_after";
+  }
+  EXPECT_EQ(conv[5], conv0[5]) << "the idle row's conv state changed";
+  EXPECT_EQ(state[5], state0[5]) << "the idle row's state changed";
+
+  // A row longer than max_n breaks the call's contract and is refused before any row runs.
+  const auto before = state[0];
+  EXPECT_THROW(
+      ops::gated_delta_rule_rows(q.data(), k.data(), v.data(), a.data(), b.data(), A_log.ref,
+                                 dt.ref, rows.data(), R, max_n - 1, h, delta_out.data()),
+      Error);
+  EXPECT_EQ(state[0], before);
 }
 
 TEST(Dtype, HalfConversionsRoundTrip) {

@@ -245,6 +245,12 @@ void gated_rms_norm(const float* x, const float* z, int64_t m, int64_t d, const 
 void swiglu(const float* gate, const float* up, int64_t n, float* out) {
   TANDEM_DISPATCH(swiglu(gate, up, n, out));
 }
+void swiglu_rows(const float* gate_up, int64_t m, int64_t I, float* out) {
+#ifdef TANDEM_HAVE_CUDA
+  if (g_backend == Backend::Cuda) return cuda::swiglu_rows(gate_up, m, I, out);
+#endif
+  for (int64_t r = 0; r < m; ++r) cpu::swiglu(gate_up + r * 2 * I, gate_up + r * 2 * I + I, I, out + r * I);
+}
 void sigmoid_gate(float* x, const float* gate, int64_t n) {
   TANDEM_DISPATCH(sigmoid_gate(x, gate, n));
 }
@@ -283,6 +289,17 @@ void gated_delta_rule(const float* q, const float* k, const float* v, const floa
                       const float* b, const WeightRef& A_log, const WeightRef& dt_bias, int64_t n,
                       const DeltaHeads& h, float* state, float* out, float* state_after) {
   TANDEM_DISPATCH(gated_delta_rule(q, k, v, a, b, A_log, dt_bias, n, h, state, out, state_after));
+}
+void causal_conv_silu_rows(const float* x, int64_t channels, int64_t kernel, const WeightRef& w,
+                           const RecurrentRow* rows, int64_t n_rows, int64_t max_n, float* out) {
+  TANDEM_DISPATCH(causal_conv_silu_rows(x, channels, kernel, w, rows, n_rows, max_n, out));
+}
+void gated_delta_rule_rows(const float* q, const float* k, const float* v, const float* a,
+                           const float* b, const WeightRef& A_log, const WeightRef& dt_bias,
+                           const RecurrentRow* rows, int64_t n_rows, int64_t max_n,
+                           const DeltaHeads& h, float* out) {
+  TANDEM_DISPATCH(
+      gated_delta_rule_rows(q, k, v, a, b, A_log, dt_bias, rows, n_rows, max_n, h, out));
 }
 void linear_quantized(const float* x, int64_t m, const QuantWeightRef& w, float* y) {
   // The CUDA backend dequantizes drafter weights to bf16 when it places them (WeightArena), so

@@ -100,6 +100,10 @@ void gated_rms_norm(const float* x, const float* z, int64_t m, int64_t d, const 
 // SwiGLU: out[i] = silu(gate[i]) · up[i] for n elements.
 void swiglu(const float* gate, const float* up, int64_t n, float* out);
 
+// SwiGLU of a stacked gate|up projection: out[r, i] = silu(gu[r, i]) · gu[r, I + i] for
+// gu [m, 2I], out [m, I]. Same per-element arithmetic as swiglu.
+void swiglu_rows(const float* gate_up, int64_t m, int64_t I, float* out);
+
 // x[i] *= sigmoid(gate[i]) for n elements.
 void sigmoid_gate(float* x, const float* gate, int64_t n);
 
@@ -178,6 +182,40 @@ struct DeltaHeads {
 void gated_delta_rule(const float* q, const float* k, const float* v, const float* a,
                       const float* b, const WeightRef& A_log, const WeightRef& dt_bias, int64_t n,
                       const DeltaHeads& h, float* state, float* out, float* state_after = nullptr);
+
+// Batched recurrent calls: every row of a forward in one call (one launch on CUDA). Each row's
+// outputs and states are bitwise identical to the single-row op above run on that row alone (the
+// same per-token arithmetic; rows never share a state or a reduction).
+//
+// One row's slice of a batched recurrent call. The tokens of all rows are concatenated in the
+// call's token-major arrays (T tokens); this row owns tokens first_token .. first_token + n - 1,
+// and no two rows of a call own the same token or state. The states are the row's own, as the
+// single-row ops take them; one descriptor array can serve both ops of a layer. A null conv_after
+// / state_after skips that row's per-token states (rows of one call may differ: some speculative,
+// others not). A row with n == 0 is skipped: its states are left untouched.
+struct RecurrentRow {
+  int64_t first_token = 0;
+  int64_t n = 0;
+  float* conv_state = nullptr;   // [channels, kernel-1]
+  float* conv_after = nullptr;   // optional [n, channels, kernel-1]
+  float* state = nullptr;        // [n_v_heads, dk, dv]
+  float* state_after = nullptr;  // optional [n, n_v_heads, dk, dv]
+};
+
+// causal_conv_silu of n_rows rows: x, out [T, channels]; row r runs on its tokens with its
+// conv_state and conv_after. `rows` is n_rows descriptors in backend memory (device memory on
+// CUDA, read by the kernel: a captured graph replays with whatever they hold then). max_n (host)
+// is >= every row's n; a call with max_n == 0 does nothing.
+void causal_conv_silu_rows(const float* x, int64_t channels, int64_t kernel, const WeightRef& w,
+                           const RecurrentRow* rows, int64_t n_rows, int64_t max_n, float* out);
+
+// gated_delta_rule of n_rows rows: row r runs on its tokens with its state and state_after.
+// rows, max_n: as causal_conv_silu_rows.
+//  q, k: [T, n_k_heads, dk]  v: [T, n_v_heads, dv]  a, b: [T, n_v_heads]  out: [T, n_v_heads, dv]
+void gated_delta_rule_rows(const float* q, const float* k, const float* v, const float* a,
+                           const float* b, const WeightRef& A_log, const WeightRef& dt_bias,
+                           const RecurrentRow* rows, int64_t n_rows, int64_t max_n,
+                           const DeltaHeads& h, float* out);
 
 // A Linear weight in MLX's affine quantized layout ([rows, cols] logical):
 //  - packed: uint32 [rows, cols * bits / 32]; each row is a little-endian bit stream in which

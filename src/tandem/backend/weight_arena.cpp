@@ -95,6 +95,33 @@ ops::WeightRef WeightArena::dequantized(const ops::QuantWeightRef& q) {
   return w;
 }
 
+ops::WeightRef WeightArena::stack_rows(std::vector<ops::WeightRef*> parts) {
+  TANDEM_CHECK(!parts.empty(), "stack_rows: no parts");
+  ops::WeightRef w = *parts.front();
+  w.rows = 0;
+  for (const ops::WeightRef* p : parts) {
+    TANDEM_CHECK(p->cols == w.cols && p->dtype == w.dtype, "stack_rows: parts differ in shape");
+    w.rows += p->rows;
+  }
+  const size_t row_bytes = static_cast<size_t>(w.cols) * dtype_size(w.dtype);
+  auto* dst = static_cast<uint8_t*>(own(row_bytes * static_cast<size_t>(w.rows)));
+  w.data = dst;
+  for (ops::WeightRef* p : parts) {
+    const size_t n = row_bytes * static_cast<size_t>(p->rows);
+    ops::copy(dst, p->data, n);
+    // Release the part's own block and make the part a view of the stacked rows.
+    for (auto it = blocks_.begin(); it != blocks_.end(); ++it)
+      if (it->data() == p->data) {
+        bytes_ -= static_cast<uint64_t>(it->size());
+        blocks_.erase(it);
+        break;
+      }
+    p->data = dst;
+    dst += n;
+  }
+  return w;
+}
+
 ops::WeightRef WeightArena::random_matrix(int64_t rows, int64_t cols, uint64_t seed, float scale) {
   ops::WeightRef w;
   w.dtype = DType::BF16;

@@ -25,6 +25,12 @@ class WeightArena {
   ops::WeightRef random_matrix(int64_t rows, int64_t cols, uint64_t seed, float scale);
   ops::WeightRef random_vector(int64_t n, uint64_t seed, float offset, float scale);
 
+  // One matrix holding `parts` (placed by this arena, same cols, same dtype) stacked by rows,
+  // in order; the parts' own copies are released. Lets a backend run several projections of the
+  // same input as one wider linear (gate + up). Returns the stacked weight; parts[i] become views
+  // of its rows.
+  ops::WeightRef stack_rows(std::vector<ops::WeightRef*> parts);
+
   uint64_t bytes() const { return bytes_; }  // bytes the arena owns
 
  private:

@@ -105,6 +105,14 @@ void Qwen35Model::bind_weights(const WeightSource& get, const std::string& prefi
       L.delta.norm = get(a + "norm.weight", {c.linear_value_head_dim}, Role::Vector);
       L.delta.out_proj = get(a + "out_proj.weight", {H, c.linear_value_dim()}, Role::Matrix);
     }
+    if (ops::backend() == ops::Backend::Cuda) {
+      L.gate_up = arena_.stack_rows({&L.gate_proj, &L.up_proj});
+      if (L.kind == LayerKind::FullAttention)
+        L.attn.in_proj = arena_.stack_rows({&L.attn.q_proj, &L.attn.k_proj, &L.attn.v_proj});
+      else
+        L.delta.in_proj = arena_.stack_rows(
+            {&L.delta.in_proj_qkv, &L.delta.in_proj_z, &L.delta.in_proj_b, &L.delta.in_proj_a});
+    }
     layers_.push_back(L);
   }
   const std::vector<float> f = rope_inv_freq(c.rope_theta, c.rotary_dim);
@@ -276,6 +284,35 @@ void Qwen35Model::forward(Qwen35State& st, const ForwardRequest& req, ForwardOut
                           r.n_tokens, bounds[i]});
   }
 
+  // Recurrent-state descriptors of every DeltaNet layer's rows, [linear layer][row], uploaded
+  // once per forward (device memory stays put, so captured graphs read the fresh contents).
+  {
+    const int64_t nl = st.linear_layers();
+    std::vector<ops::RecurrentRow> desc(static_cast<size_t>(nl * R));
+    w.max_row_tokens = 0;
+    for (int64_t li = 0; li < nl; ++li) {
+      int64_t t0 = 0;
+      for (int64_t i = 0; i < R; ++i) {
+        const RowInput& r = req.rows[static_cast<size_t>(i)];
+        const int l = static_cast<int>(li);
+        ops::RecurrentRow& d = desc[static_cast<size_t>(li * R + i)];
+        d.first_token = t0;
+        d.n = r.n_tokens;
+        d.conv_state = st.conv_state(r.slot, l);
+        d.state = st.recurrent_state(r.slot, l);
+        if (r.speculative && st.rollback() == RecurrentRollback::PerPositionStates) {
+          d.conv_after = st.window_conv_after(r.slot, l);
+          d.state_after = st.window_recurrent_after(r.slot, l);
+        }
+        t0 += r.n_tokens;
+        w.max_row_tokens = std::max(w.max_row_tokens, r.n_tokens);
+      }
+    }
+    w.recurrent_rows.grow_to(std::max<int64_t>(1, nl * R));
+    ops::copy_from_host(w.recurrent_rows.data(), desc.data(),
+                        sizeof(ops::RecurrentRow) * desc.size());
+  }
+
   if (req.prompt) {
     // Prompts come in every length: running them directly is cheaper than capturing.
     forward_body(st, req, T);
@@ -298,10 +335,12 @@ void Qwen35Model::forward(Qwen35State& st, const ForwardRequest& req, ForwardOut
     }
     for (const float* p : {w.x.data(), w.h.data(), w.a0.data(), w.a1.data(), w.a2.data(),
                            w.a3.data(), w.a4.data(), w.a5.data(), w.mlp_g.data(), w.mlp_u.data(),
+                           w.proj.data(),
                            w.last.data(), w.out.data(), w.attn.qg.data(), w.attn.q.data(),
                            w.attn.gate.data(), w.attn.k.data(), w.attn.v.data(), w.attn.o.data()})
       key.add(p);
-    key.add(w.ids.data()).add(w.pos.data()).add(w.argmax.data());
+    key.add(w.ids.data()).add(w.pos.data()).add(w.argmax.data()).add(w.recurrent_rows.data());
+    key.add(w.max_row_tokens);
     graphs_.run(key.value(), [&] { forward_body(st, req, T); });
   }
   for (const RowInput& r : req.rows) st.set_length(r.slot, st.length(r.slot) + r.n_tokens);
@@ -342,8 +381,10 @@ void Qwen35Model::reserve_workspace(int64_t T, int64_t R, bool all_logits) const
                 nv = c.linear_num_value_heads;
   grow_to(w.x, T * H);
   grow_to(w.h, T * H);
-  grow_to(w.mlp_g, T * I);
+  grow_to(w.mlp_g, T * 2 * I);  // gate | up when stacked
   grow_to(w.mlp_u, T * I);
+  grow_to(w.proj, T * std::max(conv_dim + vd + 2 * nv,
+                               (2 * c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim));
   grow_to(w.a0, T * conv_dim);
   grow_to(w.a1, T * conv_dim);
   grow_to(w.a2, T * vd);
@@ -381,10 +422,16 @@ void Qwen35Model::forward_body(Qwen35State& st, const ForwardRequest& req, int64
 
     ops::rms_norm(w.x.data(), T, H, L.post_norm, true, eps, w.h.data());
     const int64_t I = c.intermediate_size;
-    ops::linear(w.h.data(), T, L.gate_proj, w.mlp_g.data());
-    ops::linear(w.h.data(), T, L.up_proj, w.mlp_u.data());
-    ops::swiglu(w.mlp_g.data(), w.mlp_u.data(), T * I, w.mlp_g.data());
-    ops::linear(w.mlp_g.data(), T, L.down_proj, w.h.data());
+    if (L.gate_up.data) {
+      ops::linear(w.h.data(), T, L.gate_up, w.mlp_g.data());  // [T, 2I]: gate | up
+      ops::swiglu_rows(w.mlp_g.data(), T, I, w.mlp_u.data());
+      ops::linear(w.mlp_u.data(), T, L.down_proj, w.h.data());
+    } else {
+      ops::linear(w.h.data(), T, L.gate_proj, w.mlp_g.data());
+      ops::linear(w.h.data(), T, L.up_proj, w.mlp_u.data());
+      ops::swiglu(w.mlp_g.data(), w.mlp_u.data(), T * I, w.mlp_g.data());
+      ops::linear(w.mlp_g.data(), T, L.down_proj, w.h.data());
+    }
     ops::add_inplace(w.x.data(), w.h.data(), T * H);
   }
   ops::set_prefill(false);
@@ -426,9 +473,18 @@ void Qwen35Model::attention_layer(const Layer& L, Qwen35State& st, int64_t T, bo
   shape.prompt = prompt;
   GatedAttentionScratch& x = w.attn;
   x.reserve(T, shape);
-  ops::linear(w.h.data(), T, L.attn.q_proj, x.qg.data());
-  ops::linear(w.h.data(), T, L.attn.k_proj, x.k.data());
-  ops::linear(w.h.data(), T, L.attn.v_proj, x.v.data());
+  if (L.attn.in_proj.data) {
+    const int64_t nq = L.attn.q_proj.rows, nk = L.attn.k_proj.rows, P = L.attn.in_proj.rows;
+    float* proj = w.proj.data();
+    ops::linear(w.h.data(), T, L.attn.in_proj, proj);
+    ops::copy_rows(x.qg.data(), nq, proj, P, T, nq);
+    ops::copy_rows(x.k.data(), nk, proj + nq, P, T, nk);
+    ops::copy_rows(x.v.data(), nk, proj + nq + nk, P, T, nk);
+  } else {
+    ops::linear(w.h.data(), T, L.attn.q_proj, x.qg.data());
+    ops::linear(w.h.data(), T, L.attn.k_proj, x.k.data());
+    ops::linear(w.h.data(), T, L.attn.v_proj, x.v.data());
+  }
   gated_attention(shape, L.attn.q_norm, L.attn.k_norm, inv_freq_.data(), w.pos.data(), w.segments,
                   st.kv_layer(L.index_in_kind), x);
   ops::linear(x.o.data(), T, L.attn.o_proj, w.h.data());
@@ -443,31 +499,49 @@ void Qwen35Model::delta_layer(const Layer& L, Qwen35State& st, const ForwardRequ
   float *qkv = w.a0.data(), *conv = w.a1.data(), *z = w.a2.data(), *b = w.a3.data(),
         *a = w.a3.data() + T * nv, *core = w.a5.data();
   float *q = w.a4.data(), *k = q + T * kd, *v = k + T * kd;
-  ops::linear(w.h.data(), T, L.delta.in_proj_qkv, qkv);
-  ops::linear(w.h.data(), T, L.delta.in_proj_z, z);
-  ops::linear(w.h.data(), T, L.delta.in_proj_b, b);
-  ops::linear(w.h.data(), T, L.delta.in_proj_a, a);
-
-  int64_t t0 = 0;
-  for (const RowInput& r : req.rows) {
-    const int64_t n = r.n_tokens;
-    const int li = L.index_in_kind;
-    DeltaRow io{qkv + t0 * conv_dim, a + t0 * nv, b + t0 * nv, conv + t0 * conv_dim,
-                q + t0 * kd,         k + t0 * kd, v + t0 * vd, core + t0 * vd};
-    if (r.speculative) {
-      if (st.rollback() == RecurrentRollback::PerPositionStates) {
-        io.conv_after = st.window_conv_after(r.slot, li);
-        io.rec_after = st.window_recurrent_after(r.slot, li);
-      } else {
-        // Keep the recurrence inputs (the state snapshot was taken by begin_window).
-        ops::copy(st.window_conv_input(r.slot, li), io.qkv, sizeof(float) * n * conv_dim);
-        ops::copy(st.window_a(r.slot, li), io.a, sizeof(float) * n * nv);
-        ops::copy(st.window_b(r.slot, li), io.b, sizeof(float) * n * nv);
-      }
-    }
-    delta_recurrence(L, n, io, st.conv_state(r.slot, li), st.recurrent_state(r.slot, li));
-    t0 += n;
+  if (L.delta.in_proj.data) {
+    const int64_t P = L.delta.in_proj.rows;
+    float* proj = w.proj.data();
+    ops::linear(w.h.data(), T, L.delta.in_proj, proj);
+    ops::copy_rows(qkv, conv_dim, proj, P, T, conv_dim);
+    ops::copy_rows(z, vd, proj + conv_dim, P, T, vd);
+    ops::copy_rows(b, nv, proj + conv_dim + vd, P, T, nv);
+    ops::copy_rows(a, nv, proj + conv_dim + vd + nv, P, T, nv);
+  } else {
+    ops::linear(w.h.data(), T, L.delta.in_proj_qkv, qkv);
+    ops::linear(w.h.data(), T, L.delta.in_proj_z, z);
+    ops::linear(w.h.data(), T, L.delta.in_proj_b, b);
+    ops::linear(w.h.data(), T, L.delta.in_proj_a, a);
   }
+
+  const int li = L.index_in_kind;
+  if (st.rollback() == RecurrentRollback::SnapshotReplay) {
+    // Keep each verify window's recurrence inputs (the state snapshot was taken by begin_window).
+    int64_t t0 = 0;
+    for (const RowInput& r : req.rows) {
+      const int64_t n = r.n_tokens;
+      if (r.speculative) {
+        ops::copy(st.window_conv_input(r.slot, li), qkv + t0 * conv_dim,
+                  sizeof(float) * n * conv_dim);
+        ops::copy(st.window_a(r.slot, li), a + t0 * nv, sizeof(float) * n * nv);
+        ops::copy(st.window_b(r.slot, li), b + t0 * nv, sizeof(float) * n * nv);
+      }
+      t0 += n;
+    }
+  }
+  // All rows in one launch per op; each row's numbers equal delta_recurrence's for it alone.
+  const int64_t R = static_cast<int64_t>(req.rows.size());
+  const ops::RecurrentRow* rows = w.recurrent_rows.data() + li * R;
+  ops::causal_conv_silu_rows(qkv, conv_dim, c.linear_conv_kernel_dim, L.delta.conv1d, rows, R,
+                             w.max_row_tokens, conv);
+  // The conv output per token is [q (kd) | k (kd) | v (vd)]; the recurrence wants each packed.
+  ops::copy_rows(q, kd, conv, conv_dim, T, kd);
+  ops::copy_rows(k, kd, conv + kd, conv_dim, T, kd);
+  ops::copy_rows(v, vd, conv + 2 * kd, conv_dim, T, vd);
+  const ops::DeltaHeads heads{c.linear_num_key_heads, c.linear_num_value_heads,
+                              c.linear_key_head_dim, c.linear_value_head_dim};
+  ops::gated_delta_rule_rows(q, k, v, a, b, L.delta.A_log, L.delta.dt_bias, rows, R,
+                             w.max_row_tokens, heads, core);
   ops::gated_rms_norm(core, z, T * nv, c.linear_value_head_dim, L.delta.norm,
                       static_cast<float>(c.rms_norm_eps), core);
   ops::linear(core, T, L.delta.out_proj, w.h.data());

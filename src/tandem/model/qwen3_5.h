@@ -108,17 +108,23 @@ class Qwen35Model {
   uint64_t parameter_count() const;
 
  private:
+  // On CUDA the input projections of a mixer are stacked into one weight (`in_proj`: q|k|v for
+  // attention, qkv|z|b|a for DeltaNet) so they stream in one launch; the separate refs are then
+  // views of its rows. Null on the CPU.
   struct AttnWeights {
-    ops::WeightRef q_proj, k_proj, v_proj, o_proj, q_norm, k_norm;
+    ops::WeightRef q_proj, k_proj, v_proj, o_proj, q_norm, k_norm, in_proj;
   };
   struct DeltaWeights {
     ops::WeightRef in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, conv1d, A_log, dt_bias, norm,
-        out_proj;
+        out_proj, in_proj;
   };
   struct Layer {
     LayerKind kind;
     int index_in_kind = 0;  // attention-layer or linear-layer ordinal (state addressing)
     ops::WeightRef input_norm, post_norm, gate_proj, up_proj, down_proj;
+    // CUDA: gate_proj and up_proj stacked into one [2I, H] weight (one launch for both; gate_proj
+    // and up_proj are then views of its halves). Null on the CPU, which keeps the mapped tensors.
+    ops::WeightRef gate_up;
     AttnWeights attn;
     DeltaWeights delta;
   };
@@ -135,6 +141,7 @@ class Qwen35Model {
   // Buffers are backend memory; the *_host vectors stage what the host computes per forward.
   struct Workspace {
     Buffer<float> x, h, a0, a1, a2, a3, a4, a5, mlp_g, mlp_u;
+    Buffer<float> proj;  // [T, stacked input projections] before they are split
     Buffer<float> last;   // [rows, H]: each row's last normed hidden, for the head
     Buffer<float> out;    // [rows or T, V] logits before the copy to the host
     Buffer<int32_t> ids;  // [T] token ids
@@ -142,6 +149,8 @@ class Qwen35Model {
     Buffer<int64_t> pos;  // [T] positions
     Buffer<int32_t> tables;  // the rows' block tables, concatenated
     Buffer<int32_t> argmax;  // [logits rows]
+    Buffer<ops::RecurrentRow> recurrent_rows;  // [linear layers][rows] state descriptors
+    int64_t max_row_tokens = 0;
     std::vector<int64_t> pos_host;
     std::vector<int32_t> tables_host;
     std::vector<AttentionSegment> segments;

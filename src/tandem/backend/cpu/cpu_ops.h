@@ -29,6 +29,14 @@ void gated_delta_rule(const float* q, const float* k, const float* v, const floa
                       const float* b, const ops::WeightRef& A_log, const ops::WeightRef& dt_bias,
                       int64_t n, const ops::DeltaHeads& h, float* state, float* out,
                       float* state_after);
+// Descriptors are host memory here: each row runs the single-row op above.
+void causal_conv_silu_rows(const float* x, int64_t channels, int64_t kernel,
+                           const ops::WeightRef& w, const ops::RecurrentRow* rows, int64_t n_rows,
+                           int64_t max_n, float* out);
+void gated_delta_rule_rows(const float* q, const float* k, const float* v, const float* a,
+                           const float* b, const ops::WeightRef& A_log,
+                           const ops::WeightRef& dt_bias, const ops::RecurrentRow* rows,
+                           int64_t n_rows, int64_t max_n, const ops::DeltaHeads& h, float* out);
 void linear_quantized(const float* x, int64_t m, const ops::QuantWeightRef& w, float* y);
 
 }  // namespace tandem::cpu

@@ -73,6 +73,7 @@ void rms_norm(const float* x, int64_t m, int64_t d, const ops::WeightRef& w, boo
 void gated_rms_norm(const float* x, const float* z, int64_t m, int64_t d, const ops::WeightRef& w,
                     float eps, float* y);
 void swiglu(const float* gate, const float* up, int64_t n, float* out);
+void swiglu_rows(const float* gate_up, int64_t m, int64_t I, float* out);
 void sigmoid_gate(float* x, const float* gate, int64_t n);
 void add_inplace(float* x, const float* y, int64_t n);
 void rope(float* x, int64_t n_tokens, int64_t n_heads, int64_t head_dim, int64_t rotary_dim,
@@ -88,6 +89,15 @@ void gated_delta_rule(const float* q, const float* k, const float* v, const floa
                       const float* b, const ops::WeightRef& A_log, const ops::WeightRef& dt_bias,
                       int64_t n, const ops::DeltaHeads& h, float* state, float* out,
                       float* state_after);
+// rows: n_rows descriptors in device memory, read by the kernels (a captured graph replays with
+// whatever they hold then). Each row's bits equal the single-row op's on that row.
+void causal_conv_silu_rows(const float* x, int64_t channels, int64_t kernel,
+                           const ops::WeightRef& w, const ops::RecurrentRow* rows, int64_t n_rows,
+                           int64_t max_n, float* out);
+void gated_delta_rule_rows(const float* q, const float* k, const float* v, const float* a,
+                           const float* b, const ops::WeightRef& A_log,
+                           const ops::WeightRef& dt_bias, const ops::RecurrentRow* rows,
+                           int64_t n_rows, int64_t max_n, const ops::DeltaHeads& h, float* out);
 // Strided copy of `rows` rows of `cols` floats: dst[r*dst_stride + c] = src[r*src_stride + c].
 void copy_rows(float* dst, int64_t dst_stride, const float* src, int64_t src_stride, int64_t rows,
                int64_t cols);

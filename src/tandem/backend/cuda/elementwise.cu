@@ -14,43 +14,48 @@ namespace {
 
 constexpr int kThreads = 256;      // grid-stride kernels
 constexpr int kNormThreads = 128;  // one block per row; fixes the norms' reduction order
-constexpr int kNormWarps = kNormThreads / 32;
+constexpr int kWideNormThreads = 512;  // rows of kWideNormMinDim or more (hidden-size norms)
+constexpr int64_t kWideNormMinDim = 2048;
 
 __device__ inline float silu(float x) {
   return x / (1.0f + expf(-x));
 }
 
-// Sum over a block of kNormThreads threads, returned to every thread. The order is fixed by the
+// Sum over a block of Threads threads, returned to every thread. The order is fixed by the
 // block size alone: a butterfly inside each warp (every lane ends with the same bits, since
 // a + b == b + a), then the warp totals added in warp order. s_warp must not be in use.
+template <int Threads>
 __device__ inline double block_sum(double v, double* s_warp) {
   for (int offset = 16; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
   if (threadIdx.x % 32 == 0) s_warp[threadIdx.x / 32] = v;
   __syncthreads();
   double total = 0.0;
-  for (int w = 0; w < kNormWarps; ++w) total += s_warp[w];
+  for (int w = 0; w < Threads / 32; ++w) total += s_warp[w];
   return total;
 }
 
 // 1 / sqrt(mean(x²) + eps) of row x[d], as cpu::inv_rms: squares summed in double (each
-// product exact), thread t taking i = t, t + kNormThreads, ... in order, then block_sum.
+// product exact), thread t taking i = t, t + Threads, ... in order, then block_sum. The block
+// size is a function of d alone (rms_norm's dispatch), so the order never depends on m.
+template <int Threads>
 __device__ inline float row_inv_rms(const float* x, int64_t d, float eps, double* s_warp) {
   double ss = 0.0;
-  for (int64_t i = threadIdx.x; i < d; i += kNormThreads) ss += static_cast<double>(x[i]) * x[i];
-  ss = block_sum(ss, s_warp);
+  for (int64_t i = threadIdx.x; i < d; i += Threads) ss += static_cast<double>(x[i]) * x[i];
+  ss = block_sum<Threads>(ss, s_warp);
   return static_cast<float>(1.0 / sqrt(ss / static_cast<double>(d) + static_cast<double>(eps)));
 }
 
 // Grid: one block per row of x[m, d]. y may alias x: every x[i] a thread rewrites was read by the
 // reduction before its barrier, and after it each thread touches only its own i.
-__global__ void __launch_bounds__(kNormThreads)
+template <int Threads>
+__global__ void __launch_bounds__(Threads)
     rms_norm_kernel(const float* x, int64_t d, const float* w, bool zero_centred, float eps,
                     float* y) {
-  __shared__ double s_warp[kNormWarps];
+  __shared__ double s_warp[Threads / 32];
   const float* xr = x + blockIdx.x * d;
   float* yr = y + blockIdx.x * d;
-  const float s = row_inv_rms(xr, d, eps, s_warp);
-  for (int64_t i = threadIdx.x; i < d; i += kNormThreads) {
+  const float s = row_inv_rms<Threads>(xr, d, eps, s_warp);
+  for (int64_t i = threadIdx.x; i < d; i += Threads) {
     const float wi = w[i];
     yr[i] = (xr[i] * s) * (zero_centred ? 1.0f + wi : wi);
   }
@@ -60,12 +65,12 @@ __global__ void __launch_bounds__(kNormThreads)
 __global__ void __launch_bounds__(kNormThreads)
     gated_rms_norm_kernel(const float* x, const float* z, int64_t d, const float* w, float eps,
                           float* y) {
-  __shared__ double s_warp[kNormWarps];
+  __shared__ double s_warp[kNormThreads / 32];
   const int64_t row = blockIdx.x;
   const float* xr = x + row * d;
   const float* zr = z + row * d;
   float* yr = y + row * d;
-  const float s = row_inv_rms(xr, d, eps, s_warp);
+  const float s = row_inv_rms<kNormThreads>(xr, d, eps, s_warp);
   for (int64_t i = threadIdx.x; i < d; i += kNormThreads) yr[i] = w[i] * (xr[i] * s) * silu(zr[i]);
 }
 
@@ -90,6 +95,17 @@ __global__ void swiglu_kernel(const float* gate, const float* up, int64_t n, flo
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x)
     out[i] = silu(gate[i]) * up[i];
+}
+
+// gu [m, 2I] -> out [m, I]; element (r, i) as swiglu_kernel computes it.
+__global__ void swiglu_rows_kernel(const float* gate_up, int64_t m, int64_t I, float* out) {
+  const int64_t n = m * I;
+  for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < n;
+       e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = e / I, i = e % I;
+    const float g = gate_up[r * 2 * I + i];
+    out[e] = silu(g) * gate_up[r * 2 * I + I + i];
+  }
 }
 
 __global__ void sigmoid_gate_kernel(float* x, const float* gate, int64_t n) {
@@ -145,8 +161,13 @@ void rms_norm(const float* x, int64_t m, int64_t d, const ops::WeightRef& w, boo
   check_f32_vector(w, d, "rms_norm", "weight");
   if (m < 0 || d < 0) fail("rms_norm: negative shape ", m, " x ", d);
   if (m == 0 || d == 0) return;
-  rms_norm_kernel<<<grid_blocks(m, "rms_norm"), kNormThreads, 0, op_stream()>>>(
-      x, d, static_cast<const float*>(w.data), zero_centred, eps, y);
+  const auto* wp = static_cast<const float*>(w.data);
+  if (d >= kWideNormMinDim)
+    rms_norm_kernel<kWideNormThreads><<<grid_blocks(m, "rms_norm"), kWideNormThreads, 0,
+                                        op_stream()>>>(x, d, wp, zero_centred, eps, y);
+  else
+    rms_norm_kernel<kNormThreads>
+        <<<grid_blocks(m, "rms_norm"), kNormThreads, 0, op_stream()>>>(x, d, wp, zero_centred, eps, y);
   check_launch("rms_norm");
 }
 
@@ -164,6 +185,14 @@ void swiglu(const float* gate, const float* up, int64_t n, float* out) {
   if (n <= 0) return;
   swiglu_kernel<<<grid_stride_blocks(n, kThreads), kThreads, 0, op_stream()>>>(gate, up, n, out);
   check_launch("swiglu");
+}
+
+void swiglu_rows(const float* gate_up, int64_t m, int64_t I, float* out) {
+  if (m < 0 || I < 0) fail("swiglu_rows: negative shape ", m, " x ", I);
+  if (m == 0 || I == 0) return;
+  swiglu_rows_kernel<<<grid_stride_blocks(m * I, kThreads), kThreads, 0, op_stream()>>>(gate_up, m,
+                                                                                        I, out);
+  check_launch("swiglu_rows");
 }
 
 void sigmoid_gate(float* x, const float* gate, int64_t n) {

@@ -26,6 +26,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <unordered_map>
 
 #include "tandem/backend/cuda/check.cuh"
 #include "tandem/backend/cuda/cuda_ops.h"
@@ -68,10 +69,14 @@ __global__ void __launch_bounds__(kWarps * 32)
   __shared__ float partial[kWarps][Tiles][32][4];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
-  const int n = blockIdx.x * kCols + g;
+  const int chunks = (K + kChunk - 1) / kChunk;
+  const int groups = (N + kCols - 1) / kCols;
+  // Column groups are spread evenly over a grid the GPU holds at once (linear()'s launch), so no
+  // partial second wave leaves SMs idle at the end of a weight.
+  for (int grp = blockIdx.x; grp < groups; grp += gridDim.x) {
+  const int n = grp * kCols + g;
   const bool n_ok = n < N;
   const uint4* wrow = reinterpret_cast<const uint4*>(w + static_cast<size_t>(n_ok ? n : 0) * K);
-  const int chunks = (K + kChunk - 1) / kChunk;
 
   for (int row0 = 0; row0 < m; row0 += Tiles * 16) {
     float c[Tiles][4];
@@ -133,7 +138,7 @@ __global__ void __launch_bounds__(kWarps * 32)
           for (int v = 1; v < kWarps; ++v) s[e] += partial[v][i][lane][e];
         }
         // C fragment: s[0], s[1] -> (row g, cols 2t, 2t+1); s[2], s[3] -> (row g+8, same cols).
-        const int col = blockIdx.x * kCols + 2 * t;
+        const int col = grp * kCols + 2 * t;
         const int r_lo = row0 + i * 16 + g, r_hi = r_lo + 8;
         if (r_lo < m) {
           if (col < N) y[static_cast<size_t>(r_lo) * N + col] = s[0];
@@ -146,6 +151,7 @@ __global__ void __launch_bounds__(kWarps * 32)
       }
     }
     __syncthreads();
+  }
   }
 }
 
@@ -162,7 +168,9 @@ __global__ void __launch_bounds__(kWarps * 32)
   __shared__ float partial[kWarps][Tiles][NT][32][4];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
-  const int n_base = blockIdx.x * 8 * NT;
+  const int groups = (N + 8 * NT - 1) / (8 * NT);
+  for (int grp = blockIdx.x; grp < groups; grp += gridDim.x) {
+  const int n_base = grp * 8 * NT;
   const uint4* wrow[NT];
   bool n_ok[NT];
 #pragma unroll
@@ -252,6 +260,7 @@ __global__ void __launch_bounds__(kWarps * 32)
       }
     }
     __syncthreads();
+  }
   }
 }
 
@@ -347,6 +356,31 @@ void linear_prefill(const float* x, int64_t m, const ops::WeightRef& w, float* y
   }
 }
 
+// Blocks for `groups` column groups: as many as the GPU keeps resident (occupancy x SMs) at
+// most, and then the fewest that give every block the same number of groups.
+template <class Kernel>
+unsigned balanced_grid(Kernel kernel, int groups) {
+  static int sms = [] {
+    int dev = 0, n = 0;
+    cudaGetDevice(&dev);
+    cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
+    return n > 0 ? n : 1;
+  }();
+  static std::unordered_map<const void*, int> occupancy;  // per kernel, asked once
+  auto it = occupancy.find(reinterpret_cast<const void*>(kernel));
+  if (it == occupancy.end()) {
+    int n = 0;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kWarps * 32, 0) != cudaSuccess ||
+        n < 1)
+      n = 1;
+    it = occupancy.emplace(reinterpret_cast<const void*>(kernel), n).first;
+  }
+  const int per_sm = it->second;
+  const int resident = sms * per_sm;
+  const int rounds = (groups + resident - 1) / resident;
+  return static_cast<unsigned>((groups + rounds - 1) / rounds);
+}
+
 }  // namespace
 
 void set_prefill(bool on) {
@@ -373,7 +407,7 @@ void linear(const float* x, int64_t m, const ops::WeightRef& w, float* y) {
   if (reinterpret_cast<uintptr_t>(x) % 16 != 0 || reinterpret_cast<uintptr_t>(wp) % 16 != 0)
     fail("cuda linear: input and weight rows must be 16-byte aligned (K = ", K, ")");
   if (m <= kNarrowRows) {
-    const unsigned blocks = static_cast<unsigned>((N + kCols - 1) / kCols);
+    const unsigned blocks = balanced_grid(linear_mma_kernel<1>, (N + kCols - 1) / kCols);
     linear_mma_kernel<1><<<blocks, kWarps * 32, 0, s>>>(x, M, wp, N, K, y);
     check_launch("linear");
     return;
@@ -387,22 +421,24 @@ void linear(const float* x, int64_t m, const ops::WeightRef& w, float* y) {
   to_bf16_kernel<<<static_cast<unsigned>((n + 255) / 256), 256, 0, s>>>(
       x, n, n, reinterpret_cast<__nv_bfloat16*>(xs));
   check_launch("linear (bf16 convert)");
+  auto launch = [&](auto kernel, int cols_per_block) {
+    kernel<<<balanced_grid(kernel, (N + cols_per_block - 1) / cols_per_block), kWarps * 32, 0,
+             s>>>(xs, M, wp, N, K, y);
+  };
   if (N >= 8192) {
-    const unsigned blocks = static_cast<unsigned>((N + 31) / 32);
     if (m <= 16)
-      linear_mma_wide_kernel<1, 4><<<blocks, kWarps * 32, 0, s>>>(xs, M, wp, N, K, y);
+      launch(linear_mma_wide_kernel<1, 4>, 32);
     else if (m <= 32)
-      linear_mma_wide_kernel<2, 4><<<blocks, kWarps * 32, 0, s>>>(xs, M, wp, N, K, y);
+      launch(linear_mma_wide_kernel<2, 4>, 32);
     else
-      linear_mma_wide_kernel<kMaxTiles, 4><<<blocks, kWarps * 32, 0, s>>>(xs, M, wp, N, K, y);
+      launch(linear_mma_wide_kernel<kMaxTiles, 4>, 32);
   } else {
-    const unsigned blocks = static_cast<unsigned>((N + 15) / 16);
     if (m <= 16)
-      linear_mma_wide_kernel<1, 2><<<blocks, kWarps * 32, 0, s>>>(xs, M, wp, N, K, y);
+      launch(linear_mma_wide_kernel<1, 2>, 16);
     else if (m <= 32)
-      linear_mma_wide_kernel<2, 2><<<blocks, kWarps * 32, 0, s>>>(xs, M, wp, N, K, y);
+      launch(linear_mma_wide_kernel<2, 2>, 16);
     else
-      linear_mma_wide_kernel<kMaxTiles, 2><<<blocks, kWarps * 32, 0, s>>>(xs, M, wp, N, K, y);
+      launch(linear_mma_wide_kernel<kMaxTiles, 2>, 16);
   }
   check_launch("linear");
 }

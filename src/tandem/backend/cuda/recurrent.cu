@@ -2,9 +2,16 @@
 // Both walk a row's tokens in order inside one kernel, carrying the state in registers, and run
 // exactly the same per-token step whatever n is: n tokens in one call leave the same bits as n
 // calls of one token (the state round-trips through fp32 memory exactly).
+//
+// Each op has a single-row entry (the row's pointers and n as arguments) and a batched one
+// (_rows: every row of a forward in one launch, rows on a grid dimension, each block reading its
+// row's pointers and n from a device descriptor). Both kernels of an op run one shared device
+// function for a row, so a row's bits are those of the single-row op whatever else is batched
+// with it.
 #include <cuda_runtime.h>
 
 #include <cmath>
+#include <type_traits>
 
 #include "tandem/backend/cuda/check.cuh"
 #include "tandem/backend/cuda/cuda_ops.h"
@@ -27,17 +34,20 @@ __device__ inline float softplus(float x) {
 constexpr int kConvThreads = 128;
 constexpr int kMaxConvKernel = 16;
 
+// Both launch paths below run one row's channel through conv_silu_channel; only where the row's
+// pointers and n come from differs (kernel arguments, or a device descriptor in the batched
+// kernel), so a row's bits cannot depend on which path ran it or on the other rows of a call.
+
 // One thread per channel (grid over channels); it walks the n tokens in order with the last
 // K-1 inputs in registers (win, oldest first), like cpu::causal_conv_silu's state. A thread
 // reads x[t, c] before writing out[t, c] and touches only channel c, so out may alias x.
 //   acc = Σ_{j<K-1} w[c, j] · win[j] + w[c, K-1] · x[t, c],  out = silu(acc)
+// x and out point at the row's first token; state, state_after are the row's own.
 template <int K>
-__global__ void __launch_bounds__(kConvThreads)
-    causal_conv_silu_kernel(const float* x, int64_t n, int64_t channels, const float* w,
-                            float* state, float* out, float* state_after) {
+__device__ __forceinline__ void conv_silu_channel(const float* x, int64_t n, int64_t channels,
+                                                  int64_t c, const float* w, float* state,
+                                                  float* out, float* state_after) {
   constexpr int H = K - 1;  // history length
-  const int64_t c = blockIdx.x * int64_t(kConvThreads) + threadIdx.x;
-  if (c >= channels) return;
   float wc[K];
 #pragma unroll
   for (int j = 0; j < K; ++j) wc[j] = w[c * K + j];
@@ -69,21 +79,54 @@ __global__ void __launch_bounds__(kConvThreads)
   for (int j = 0; j < H; ++j) state[c * H + j] = win[j];
 }
 
-// Launches causal_conv_silu_kernel<kernel>: the tap count is a template argument so the window
-// stays in registers.
-template <int K = 1>
-void launch_causal_conv_silu(int64_t kernel, const float* x, int64_t n, int64_t channels,
-                             const float* w, float* state, float* out, float* state_after) {
+// One row, from arguments: grid over channels.
+template <int K>
+__global__ void __launch_bounds__(kConvThreads)
+    causal_conv_silu_kernel(const float* x, int64_t n, int64_t channels, const float* w,
+                            float* state, float* out, float* state_after) {
+  const int64_t c = blockIdx.x * int64_t(kConvThreads) + threadIdx.x;
+  if (c >= channels) return;
+  conv_silu_channel<K>(x, n, channels, c, w, state, out, state_after);
+}
+
+// Rows from device descriptors: grid (channel blocks, rows); block (i, r) runs channel block i of
+// row rows[r] on tokens first_token .. first_token + n - 1 of x and out. Rows own disjoint tokens
+// and states, so blocks of different rows never touch the same word.
+template <int K>
+__global__ void __launch_bounds__(kConvThreads)
+    causal_conv_silu_rows_kernel(const float* x, int64_t channels, const float* __restrict__ w,
+                                 const ops::RecurrentRow* __restrict__ rows, float* out) {
+  // w and rows are only read here (the descriptors never alias a state); saying so keeps the
+  // row's pointers in registers instead of a spill at the larger tap counts. x is not restrict:
+  // out may alias it.
+  const int64_t c = blockIdx.x * int64_t(kConvThreads) + threadIdx.x;
+  if (c >= channels) return;
+  const ops::RecurrentRow row = rows[blockIdx.y];
+  const int64_t n = row.n;
+  if (n <= 0) return;  // an idle row: its state stays as it is
+  const int64_t t0 = row.first_token;
+  conv_silu_channel<K>(x + t0 * channels, n, channels, c, w, row.conv_state, out + t0 * channels,
+                       row.conv_after);
+}
+
+// Calls launch(std::integral_constant<int, kernel>{}): the tap count is a template argument so
+// the window stays in registers.
+template <int K = 1, class Launch>
+void with_conv_taps(int64_t kernel, const char* op, Launch&& launch) {
   if constexpr (K > kMaxConvKernel) {
-    fail("causal_conv_silu: kernel size ", kernel, " exceeds the CUDA maximum ", kMaxConvKernel);
+    fail(op, ": kernel size ", kernel, " exceeds the CUDA maximum ", kMaxConvKernel);
   } else if (kernel != K) {
-    launch_causal_conv_silu<K + 1>(kernel, x, n, channels, w, state, out, state_after);
+    with_conv_taps<K + 1>(kernel, op, launch);
   } else {
-    const unsigned blocks = grid_blocks(ceil_div(channels, kConvThreads), "causal_conv_silu");
-    causal_conv_silu_kernel<K>
-        <<<blocks, kConvThreads, 0, op_stream()>>>(x, n, channels, w, state, out, state_after);
-    check_launch("causal_conv_silu");
+    launch(std::integral_constant<int, K>{});
   }
+}
+
+// The weight checks both conv entries make.
+void check_conv_weight(const ops::WeightRef& w, int64_t channels, int64_t kernel, const char* op) {
+  check_f32_vector(w, channels * kernel, op, "weight");
+  if (w.rows != channels || w.cols != kernel)
+    fail(op, ": weight is [", w.rows, ", ", w.cols, "], expected [", channels, ", ", kernel, "]");
 }
 
 // --- gated_delta_rule ----------------------------------------------------------------------------
@@ -95,7 +138,7 @@ void launch_causal_conv_silu(int64_t kernel, const float* x, int64_t n, int64_t 
 // i = 16m + 4s + e (m < ROWS/4, e < 4), i.e. float4 number 4m + s of a row vector. ROWS·4 is dk
 // padded up (16, 32 or 64 rows per lane); padded rows hold 0 and their k̂, q̂ are 0, so they add
 // exact zeros. At dk = dv = 128 a warp holds 8 columns × 128 rows: with 32 value heads that is
-// 512 warps, one per H200 warp scheduler.
+// 512 warps, one per H200 warp scheduler. The batched kernel adds the row as grid dimension z.
 //
 // Time split. Tokens go in chunks of TOKENS (16; 8 at ROWS 64), double-buffered in shared memory.
 // For chunk c the block (A) waits for its cp.async copies (raw q, k of key head vh / group, the
@@ -143,14 +186,24 @@ struct alignas(16) DeltaChunk {
   float beta[TOKENS];            // raw b as copied, then beta
 };
 
-// Kernel arguments (layouts as ops::gated_delta_rule).
+// What every row of a call shares (layouts as ops::gated_delta_rule): q, k, v, a, b and out are
+// the call's token-major arrays, indexed by the token's place in the call.
 struct DeltaArgs {
   const float *q, *k, *v, *a, *b, *A_log, *dt_bias;
-  int64_t n, n_k_heads, n_v_heads, dv;
+  int64_t n_k_heads, n_v_heads, dv;
   int dk;
   float q_scale;
-  bool copy16;  // q, k, v 16-byte aligned and dk, dv multiples of 4: stage with 16-byte copies
-  float *state, *out, *state_after;
+  // q, k, v 16-byte aligned and dk, dv multiples of 4: stage with 16-byte copies. A row's first
+  // token then starts 16-byte aligned too (its offsets are multiples of dk and dv floats).
+  bool copy16;
+  float* out;
+};
+
+// One row's part: its tokens first .. first + n - 1 of the call's arrays (0 .. n-1 in a
+// single-row call), its state [n_v_heads, dk, dv] and optional state_after [n, n_v_heads, dk, dv].
+struct DeltaRow {
+  int64_t first, n;
+  float *state, *state_after;
 };
 
 __device__ inline int64_t min64(int64_t x, int64_t y) {
@@ -266,12 +319,20 @@ __device__ void delta_normalise(DeltaChunk<ROWS, TOKENS>& ch, int count, float q
   }
 }
 
+template <int ROWS>
+using DeltaChunks = DeltaChunk<ROWS, delta_chunk_tokens(ROWS)>[2];
+
+// Block (blockIdx.x, blockIdx.y) = (column tile, value head) of one row: the whole recurrence of
+// the row's tokens. The single-row and the batched kernel both run exactly this code; they differ
+// only in where `row` comes from, so a row's bits are the same whichever kernel runs it and
+// whatever other rows share the launch. The kernel owns the shared memory (both AFTER variants
+// of the batched kernel use the same buffers). Requires row.n >= 1.
 template <int ROWS, bool AFTER>
-__global__ void __launch_bounds__(kDeltaThreads, 1) gated_delta_rule_kernel(const DeltaArgs g) {
+__device__ __forceinline__ void delta_rule_row(DeltaChunks<ROWS>& ch, const DeltaArgs& g,
+                                               const DeltaRow row) {
   constexpr int TOKENS = delta_chunk_tokens(ROWS);
   using Chunk = DeltaChunk<ROWS, TOKENS>;
   static_assert(sizeof(Chunk) % sizeof(float4) == 0, "chunks must stay 16-byte aligned");
-  __shared__ Chunk ch[2];
 
   const int tid = threadIdx.x;
   const int lane = tid % 32;
@@ -283,10 +344,11 @@ __global__ void __launch_bounds__(kDeltaThreads, 1) gated_delta_rule_kernel(cons
   const int ncols = static_cast<int>(min64(kDeltaCols, g.dv - col0));
   const bool column = col < ncols;
   const int64_t j = col0 + col;
+  const int64_t end = row.first + row.n;  // tokens first .. end-1, absolute in the call
   const float A = -expf(g.A_log[vh]);
   const float bias = g.dt_bias[vh];
   // The state loads go out first: they overlap the shared-memory set-up below.
-  float* S = g.state + vh * g.dk * g.dv;  // [dk, dv] of this head
+  float* S = row.state + vh * g.dk * g.dv;  // [dk, dv] of this head
   float Sr[ROWS];
 #pragma unroll
   for (int m = 0; m < ROWS / 4; ++m)
@@ -302,20 +364,22 @@ __global__ void __launch_bounds__(kDeltaThreads, 1) gated_delta_rule_kernel(cons
       z[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
   }
   __syncthreads();  // the zeros land before any copy into the same words
-  delta_stage(ch[0], g, kh, vh, col0, ncols, 0, static_cast<int>(min64(TOKENS, g.n)));
+  delta_stage(ch[0], g, kh, vh, col0, ncols, row.first, static_cast<int>(min64(TOKENS, row.n)));
 
   float o_part = 0.0f;   // this lane's share of token o_token's output, not yet reduced
-  int64_t o_token = -1;  // none yet
+  int64_t o_token = -1;  // none yet (absolute token index)
   int buf = 0;
-  for (int64_t t0 = 0; t0 < g.n; t0 += TOKENS, buf ^= 1) {
-    const int count = static_cast<int>(min64(TOKENS, g.n - t0));
+  // Chunks start at the row's first token, so the chunking is the same in either kernel (and it
+  // never changes a value anyway, see above).
+  for (int64_t t0 = row.first; t0 < end; t0 += TOKENS, buf ^= 1) {
+    const int count = static_cast<int>(min64(TOKENS, end - t0));
     copy_async_wait_all();
     // (A) Chunk t0's copies are visible to all; every thread has finished the previous chunk's
     // recurrence, so its buffer (ch[buf ^ 1]) may be refilled.
     __syncthreads();
-    if (t0 + TOKENS < g.n)
+    if (t0 + TOKENS < end)
       delta_stage(ch[buf ^ 1], g, kh, vh, col0, ncols, t0 + TOKENS,
-                  static_cast<int>(min64(TOKENS, g.n - t0 - TOKENS)));
+                  static_cast<int>(min64(TOKENS, end - t0 - TOKENS)));
     delta_normalise(ch[buf], count, g.q_scale, A, bias);
     __syncthreads();  // (B) chunk t0's q̂, k̂, decay, beta are ready
     const Chunk& c = ch[buf];
@@ -355,7 +419,7 @@ __global__ void __launch_bounds__(kDeltaThreads, 1) gated_delta_rule_kernel(cons
       if constexpr (AFTER) {
         if (column) {
           const int64_t dv = opaque(g.dv);
-          float* dst = g.state_after + (o_token * g.n_v_heads + vh) * g.dk * dv + j;
+          float* dst = row.state_after + ((o_token - row.first) * g.n_v_heads + vh) * g.dk * dv + j;
 #pragma unroll
           for (int m = 0; m < ROWS / 4; ++m)
 #pragma unroll
@@ -380,19 +444,113 @@ __global__ void __launch_bounds__(kDeltaThreads, 1) gated_delta_rule_kernel(cons
     }
 }
 
+// One row, from arguments. state_after is a template flag so the usual token loop carries no
+// store branch (and no registers for it).
+template <int ROWS, bool AFTER>
+__global__ void __launch_bounds__(kDeltaThreads, 1)
+    gated_delta_rule_kernel(const DeltaArgs g, int64_t n, float* state, float* state_after) {
+  __shared__ DeltaChunks<ROWS> ch;
+  delta_rule_row<ROWS, AFTER>(ch, g, DeltaRow{0, n, state, state_after});
+}
+
+// Rows from device descriptors: grid (column tiles, value heads, rows), block z = row. Whether a
+// row keeps per-token states is read from its descriptor, so each block picks the AFTER variant
+// of delta_rule_row at run time (uniform over the block: no divergence). This keeps one launch
+// per call whatever mix of speculative and plain rows the descriptors hold, and lets a captured
+// graph replay with a different mix; the price is that the kernel is allocated the registers of
+// the AFTER variant for all its blocks. Rows own disjoint tokens and states, so blocks of
+// different rows never touch the same word.
+template <int ROWS>
+__global__ void __launch_bounds__(kDeltaThreads, 1)
+    gated_delta_rule_rows_kernel(const DeltaArgs g, const ops::RecurrentRow* __restrict__ rows) {
+  __shared__ DeltaChunks<ROWS> ch;
+  const ops::RecurrentRow r = rows[blockIdx.z];
+  const DeltaRow row{r.first_token, r.n, r.state, r.state_after};
+  if (row.n <= 0) return;  // an idle row (uniform over the block, before any barrier)
+  if (row.state_after != nullptr)
+    delta_rule_row<ROWS, true>(ch, g, row);
+  else
+    delta_rule_row<ROWS, false>(ch, g, row);
+}
+
+// The shape and weight checks both delta entries make.
+void check_delta_shape(const ops::DeltaHeads& h, const ops::WeightRef& A_log,
+                       const ops::WeightRef& dt_bias, const char* op) {
+  if (h.n_k_heads < 1 || h.n_v_heads < 1 || h.n_v_heads % h.n_k_heads != 0)
+    fail(op, ": ", h.n_v_heads, " value heads is not a multiple of ", h.n_k_heads, " key heads");
+  if (h.dk < 1 || h.dk > kMaxDk || h.dv < 1)
+    fail(op, ": dk ", h.dk, " (max ", kMaxDk, "), dv ", h.dv, " unsupported");
+  if (h.n_v_heads > 65535) fail(op, ": ", h.n_v_heads, " value heads exceed the grid's 65535");
+  check_f32_vector(A_log, h.n_v_heads, op, "A_log");
+  check_f32_vector(dt_bias, h.n_v_heads, op, "dt_bias");
+}
+
+DeltaArgs delta_args(const float* q, const float* k, const float* v, const float* a, const float* b,
+                     const ops::WeightRef& A_log, const ops::WeightRef& dt_bias,
+                     const ops::DeltaHeads& h, float* out) {
+  const auto aligned16 = [](const float* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  DeltaArgs g{};
+  g.q = q, g.k = k, g.v = v, g.a = a, g.b = b;
+  g.A_log = static_cast<const float*>(A_log.data);
+  g.dt_bias = static_cast<const float*>(dt_bias.data);
+  g.n_k_heads = h.n_k_heads, g.n_v_heads = h.n_v_heads, g.dv = h.dv;
+  g.dk = static_cast<int>(h.dk);
+  // The same expression as the CPU's, so the two backends use the same bits.
+  g.q_scale = 1.0f / std::sqrt(static_cast<float>(h.dk));
+  // Either copy width stages the same words, so the choice never changes a result.
+  g.copy16 = h.dk % 4 == 0 && h.dv % 4 == 0 && aligned16(q) && aligned16(k) && aligned16(v);
+  g.out = out;
+  return g;
+}
+
+// Grid of one row's blocks: (column tiles, value heads).
+dim3 delta_grid(const ops::DeltaHeads& h, unsigned rows, const char* op) {
+  return dim3(grid_blocks(ceil_div(h.dv, kDeltaCols), op), static_cast<unsigned>(h.n_v_heads),
+              rows);
+}
+
+// Rows are a grid dimension (y for the conv, z for the delta rule): at most 65535.
+void check_rows(const ops::RecurrentRow* rows, int64_t n_rows, int64_t max_n, const char* op) {
+  if (n_rows < 0 || max_n < 0) fail(op, ": negative row count ", n_rows, " or max_n ", max_n);
+  if (n_rows > 65535) fail(op, ": ", n_rows, " rows exceed the grid's 65535");
+  if (n_rows > 0 && rows == nullptr) fail(op, ": ", n_rows, " rows but no descriptors");
+}
+
 }  // namespace
 
 void causal_conv_silu(const float* x, int64_t n, int64_t channels, int64_t kernel,
                       const ops::WeightRef& w, float* state, float* out, float* state_after) {
   if (n < 0 || channels < 0 || kernel < 1)
     fail("causal_conv_silu: bad shape n ", n, ", channels ", channels, ", kernel ", kernel);
-  check_f32_vector(w, channels * kernel, "causal_conv_silu", "weight");
-  if (w.rows != channels || w.cols != kernel)
-    fail("causal_conv_silu: weight is [", w.rows, ", ", w.cols, "], expected [", channels, ", ",
-         kernel, "]");
+  check_conv_weight(w, channels, kernel, "causal_conv_silu");
   if (n == 0 || channels == 0) return;
-  launch_causal_conv_silu(kernel, x, n, channels, static_cast<const float*>(w.data), state, out,
-                          state_after);
+  const auto* wd = static_cast<const float*>(w.data);
+  const unsigned blocks = grid_blocks(ceil_div(channels, kConvThreads), "causal_conv_silu");
+  with_conv_taps(kernel, "causal_conv_silu", [&](auto taps) {
+    causal_conv_silu_kernel<decltype(taps)::value>
+        <<<blocks, kConvThreads, 0, op_stream()>>>(x, n, channels, wd, state, out, state_after);
+  });
+  check_launch("causal_conv_silu");
+}
+
+// The grid does not depend on max_n (each block walks its own row's n); max_n == 0 only lets an
+// all-idle call skip the launch.
+void causal_conv_silu_rows(const float* x, int64_t channels, int64_t kernel,
+                           const ops::WeightRef& w, const ops::RecurrentRow* rows, int64_t n_rows,
+                           int64_t max_n, float* out) {
+  if (channels < 0 || kernel < 1)
+    fail("causal_conv_silu_rows: bad shape channels ", channels, ", kernel ", kernel);
+  check_conv_weight(w, channels, kernel, "causal_conv_silu_rows");
+  check_rows(rows, n_rows, max_n, "causal_conv_silu_rows");
+  if (n_rows == 0 || max_n == 0 || channels == 0) return;
+  const auto* wd = static_cast<const float*>(w.data);
+  const dim3 grid(grid_blocks(ceil_div(channels, kConvThreads), "causal_conv_silu_rows"),
+                  static_cast<unsigned>(n_rows));
+  with_conv_taps(kernel, "causal_conv_silu_rows", [&](auto taps) {
+    causal_conv_silu_rows_kernel<decltype(taps)::value>
+        <<<grid, kConvThreads, 0, op_stream()>>>(x, channels, wd, rows, out);
+  });
+  check_launch("causal_conv_silu_rows");
 }
 
 void gated_delta_rule(const float* q, const float* k, const float* v, const float* a,
@@ -400,43 +558,41 @@ void gated_delta_rule(const float* q, const float* k, const float* v, const floa
                       int64_t n, const ops::DeltaHeads& h, float* state, float* out,
                       float* state_after) {
   if (n < 0) fail("gated_delta_rule: negative token count ", n);
-  if (h.n_k_heads < 1 || h.n_v_heads < 1 || h.n_v_heads % h.n_k_heads != 0)
-    fail("gated_delta_rule: ", h.n_v_heads, " value heads is not a multiple of ", h.n_k_heads,
-         " key heads");
-  if (h.dk < 1 || h.dk > kMaxDk || h.dv < 1)
-    fail("gated_delta_rule: dk ", h.dk, " (max ", kMaxDk, "), dv ", h.dv, " unsupported");
-  if (h.n_v_heads > 65535)
-    fail("gated_delta_rule: ", h.n_v_heads, " value heads exceed the grid's 65535");
-  check_f32_vector(A_log, h.n_v_heads, "gated_delta_rule", "A_log");
-  check_f32_vector(dt_bias, h.n_v_heads, "gated_delta_rule", "dt_bias");
+  check_delta_shape(h, A_log, dt_bias, "gated_delta_rule");
   if (n == 0) return;
+  const DeltaArgs g = delta_args(q, k, v, a, b, A_log, dt_bias, h, out);
 
-  const auto aligned16 = [](const float* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
-  DeltaArgs g{};
-  g.q = q, g.k = k, g.v = v, g.a = a, g.b = b;
-  g.A_log = static_cast<const float*>(A_log.data);
-  g.dt_bias = static_cast<const float*>(dt_bias.data);
-  g.n = n, g.n_k_heads = h.n_k_heads, g.n_v_heads = h.n_v_heads, g.dv = h.dv;
-  g.dk = static_cast<int>(h.dk);
-  // The same expression as the CPU's, so the two backends use the same bits.
-  g.q_scale = 1.0f / std::sqrt(static_cast<float>(h.dk));
-  // Either copy width stages the same words, so the choice never changes a result.
-  g.copy16 = h.dk % 4 == 0 && h.dv % 4 == 0 && aligned16(q) && aligned16(k) && aligned16(v);
-  g.state = state, g.out = out, g.state_after = state_after;
-
-  // Rows per lane from dk; state_after is a template flag so the usual token loop carries no
-  // store branch. Both choices depend on the shape and the call's outputs, never on n.
-  using DeltaKernel = void (*)(DeltaArgs);
+  // Rows per lane from dk, and the state_after flag. Both choices depend on the shape and the
+  // call's outputs, never on n.
+  using DeltaKernel = void (*)(DeltaArgs, int64_t, float*, float*);
   const bool after = state_after != nullptr;
   const DeltaKernel kernel =
       h.dk <= 64 ? (after ? gated_delta_rule_kernel<16, true> : gated_delta_rule_kernel<16, false>)
       : h.dk <= 128
           ? (after ? gated_delta_rule_kernel<32, true> : gated_delta_rule_kernel<32, false>)
           : (after ? gated_delta_rule_kernel<64, true> : gated_delta_rule_kernel<64, false>);
-  const dim3 grid(grid_blocks(ceil_div(h.dv, kDeltaCols), "gated_delta_rule"),
-                  static_cast<unsigned>(h.n_v_heads));
-  kernel<<<grid, kDeltaThreads, 0, op_stream()>>>(g);
+  kernel<<<delta_grid(h, 1, "gated_delta_rule"), kDeltaThreads, 0, op_stream()>>>(g, n, state,
+                                                                                  state_after);
   check_launch("gated_delta_rule");
+}
+
+// As causal_conv_silu_rows, the grid does not depend on max_n. Rows per lane follow dk exactly as
+// in gated_delta_rule, so every row runs the per-token code the single-row op would run for it.
+void gated_delta_rule_rows(const float* q, const float* k, const float* v, const float* a,
+                           const float* b, const ops::WeightRef& A_log,
+                           const ops::WeightRef& dt_bias, const ops::RecurrentRow* rows,
+                           int64_t n_rows, int64_t max_n, const ops::DeltaHeads& h, float* out) {
+  check_delta_shape(h, A_log, dt_bias, "gated_delta_rule_rows");
+  check_rows(rows, n_rows, max_n, "gated_delta_rule_rows");
+  if (n_rows == 0 || max_n == 0) return;
+  const DeltaArgs g = delta_args(q, k, v, a, b, A_log, dt_bias, h, out);
+  using RowsKernel = void (*)(DeltaArgs, const ops::RecurrentRow*);
+  const RowsKernel kernel = h.dk <= 64    ? gated_delta_rule_rows_kernel<16>
+                            : h.dk <= 128 ? gated_delta_rule_rows_kernel<32>
+                                          : gated_delta_rule_rows_kernel<64>;
+  kernel<<<delta_grid(h, static_cast<unsigned>(n_rows), "gated_delta_rule_rows"), kDeltaThreads, 0,
+           op_stream()>>>(g, rows);
+  check_launch("gated_delta_rule_rows");
 }
 
 }  // namespace tandem::cuda
