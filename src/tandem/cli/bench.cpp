@@ -14,6 +14,8 @@
 
 #include "tandem/model/qwen3_5_config.h"
 #include "tandem/model/qwen3_5_state.h"
+#include "tandem/spec/draft.h"
+#include "tandem/spec/qwen_mtp.h"
 #include "tandem/cli/commands.h"
 #include "tandem/cli/common.h"
 #include "tandem/core/error.h"
@@ -124,6 +126,57 @@ Spread time_steps(const Qwen35Model& model, int batch, int64_t k, int64_t contex
   return spread(times);
 }
 
+// Median seconds of one MTP drafting round at depth 1 for `batch` rows (the draft step: the MTP
+// block over each row's pending token plus the target head, and its commit), for a model whose
+// checkpoint carries an MTP layer. The rows first hold `context` tokens of target hiddens.
+Spread time_mtp_step(const Qwen35Model& model, int batch, int64_t context, int repeats) {
+  const Qwen35Config& cfg = model.config();
+  const int64_t H = cfg.hidden_size;
+  const spec::TargetView target(model, "bench");
+  auto provider = spec::QwenMtpProvider::from_target(target);
+  auto rows = provider->open_rows(target);
+  std::vector<spec::CheckpointPtr> cold(static_cast<size_t>(batch));
+  rows->append(cold);
+  std::mt19937 rng(5);
+  std::uniform_int_distribution<int32_t> pick(0, static_cast<int32_t>(cfg.vocab_size - 1));
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<std::vector<int32_t>> prompts(static_cast<size_t>(batch));
+  std::vector<float> hidden(static_cast<size_t>(context * H));
+  for (float& h : hidden) h = normal(rng);
+  std::vector<spec::RowPrefill> pre(static_cast<size_t>(batch));
+  for (int b = 0; b < batch; ++b) {
+    auto& p = prompts[static_cast<size_t>(b)];
+    for (int64_t i = 0; i < context; ++i) p.push_back(pick(rng));
+    pre[static_cast<size_t>(b)] = {b, p, hidden.data(), 0};
+  }
+  rows->prefill(pre);
+  std::vector<spec::RowDraft> drafts(static_cast<size_t>(batch));
+  std::vector<spec::DraftProposal> proposals;
+  std::vector<spec::VerifyRow> verified(static_cast<size_t>(batch));
+  std::vector<std::vector<int32_t>> windows(static_cast<size_t>(batch));
+  std::vector<double> times;
+  for (int r = 0; r < repeats + 2; ++r) {
+    for (auto& d : drafts) {
+      d.pending = pick(rng);
+      d.depth = 1;
+    }
+    ops::synchronize();
+    const double t0 = now_seconds();
+    rows->draft(drafts, &proposals);
+    for (int b = 0; b < batch; ++b) {
+      auto& w = windows[static_cast<size_t>(b)];
+      w = {drafts[static_cast<size_t>(b)].pending};
+      w.insert(w.end(), proposals[static_cast<size_t>(b)].tokens.begin(),
+               proposals[static_cast<size_t>(b)].tokens.end());
+      verified[static_cast<size_t>(b)] = {w, hidden.data(), 0, pick(rng)};
+    }
+    rows->commit(verified);
+    ops::synchronize();
+    if (r >= 2) times.push_back(now_seconds() - t0);
+  }
+  return spread(times);
+}
+
 // Seconds of one prefill forward of `n` tokens in one row (median of `repeats`).
 Spread time_prefill(const Qwen35Model& model, int64_t n, int repeats) {
   const Qwen35Config& cfg = model.config();
@@ -206,6 +259,13 @@ void run_bench(const BenchArgs& a) {
   std::vector<Spread> window_times;
   for (int64_t k : windows)
     window_times.push_back(time_steps(*model, a.batch, k, a.step_context, a.step_repeats));
+  // The MTP drafter's round cost, where the checkpoint has the layer.
+  Spread mtp_step;
+  const bool has_mtp = cfg.mtp_num_hidden_layers > 0 && model->weights().find("mtp.fc.weight");
+  if (has_mtp) {
+    std::fprintf(stderr, "bench: timing the MTP draft step\n");
+    mtp_step = time_mtp_step(*model, a.batch, a.step_context, a.step_repeats);
+  }
   Spread long_pf;
   if (a.long_prefill > 0) {
     std::fprintf(stderr, "bench: timing a %lld-token prefill\n",
@@ -261,6 +321,10 @@ void run_bench(const BenchArgs& a) {
                    {"seconds", to_json(window_times[i])},
                    {"relative_to_decode_step", window_times[i].median / step.median}});
     j["verify_windows"] = w;
+    if (has_mtp) {
+      j["mtp_draft_step_seconds"] = to_json(mtp_step);
+      j["mtp_draft_step_relative_to_decode_step"] = mtp_step.median / step.median;
+    }
     if (a.long_prefill > 0) {
       j["long_prefill_tokens"] = a.long_prefill;
       j["long_prefill_seconds"] = to_json(long_pf);
@@ -291,6 +355,10 @@ void run_bench(const BenchArgs& a) {
                 static_cast<long long>(windows[i]), window_times[i].median * 1e3,
                 window_times[i].min * 1e3, window_times[i].max * 1e3,
                 window_times[i].median / step.median);
+  if (has_mtp)
+    std::printf("MTP draft step   %.3f ms (min %.3f, max %.3f) = %.2fx a decode step\n",
+                mtp_step.median * 1e3, mtp_step.min * 1e3, mtp_step.max * 1e3,
+                mtp_step.median / step.median);
   if (a.long_prefill > 0)
     std::printf("prefill %lld      %.1f tok/s (%.3f s, min %.3f, max %.3f), %.1f TFLOP/s\n",
                 static_cast<long long>(a.long_prefill),

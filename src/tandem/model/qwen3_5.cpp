@@ -473,20 +473,25 @@ void Qwen35Model::attention_layer(const Layer& L, Qwen35State& st, int64_t T, bo
   shape.prompt = prompt;
   GatedAttentionScratch& x = w.attn;
   x.reserve(T, shape);
+  GatedAttentionInputs in{x.qg.data(), x.k.data(), x.v.data()};
   if (L.attn.in_proj.data) {
     const int64_t nq = L.attn.q_proj.rows, nk = L.attn.k_proj.rows, P = L.attn.in_proj.rows;
     float* proj = w.proj.data();
     ops::linear(w.h.data(), T, L.attn.in_proj, proj);
-    ops::copy_rows(x.qg.data(), nq, proj, P, T, nq);
-    ops::copy_rows(x.k.data(), nk, proj + nq, P, T, nk);
-    ops::copy_rows(x.v.data(), nk, proj + nq + nk, P, T, nk);
+    if (T == 1) {
+      in = {proj, proj + nq, proj + nq + nk};  // contiguous slices already
+    } else {
+      ops::copy_rows(x.qg.data(), nq, proj, P, T, nq);
+      ops::copy_rows(x.k.data(), nk, proj + nq, P, T, nk);
+      ops::copy_rows(x.v.data(), nk, proj + nq + nk, P, T, nk);
+    }
   } else {
     ops::linear(w.h.data(), T, L.attn.q_proj, x.qg.data());
     ops::linear(w.h.data(), T, L.attn.k_proj, x.k.data());
     ops::linear(w.h.data(), T, L.attn.v_proj, x.v.data());
   }
   gated_attention(shape, L.attn.q_norm, L.attn.k_norm, inv_freq_.data(), w.pos.data(), w.segments,
-                  st.kv_layer(L.index_in_kind), x);
+                  st.kv_layer(L.index_in_kind), in, x);
   ops::linear(x.o.data(), T, L.attn.o_proj, w.h.data());
 }
 
@@ -503,10 +508,18 @@ void Qwen35Model::delta_layer(const Layer& L, Qwen35State& st, const ForwardRequ
     const int64_t P = L.delta.in_proj.rows;
     float* proj = w.proj.data();
     ops::linear(w.h.data(), T, L.delta.in_proj, proj);
-    ops::copy_rows(qkv, conv_dim, proj, P, T, conv_dim);
-    ops::copy_rows(z, vd, proj + conv_dim, P, T, vd);
-    ops::copy_rows(b, nv, proj + conv_dim + vd, P, T, nv);
-    ops::copy_rows(a, nv, proj + conv_dim + vd + nv, P, T, nv);
+    if (T == 1) {
+      // One token: each projection already is a contiguous slice of the stacked output.
+      qkv = proj;
+      z = proj + conv_dim;
+      b = proj + conv_dim + vd;
+      a = b + nv;
+    } else {
+      ops::copy_rows(qkv, conv_dim, proj, P, T, conv_dim);
+      ops::copy_rows(z, vd, proj + conv_dim, P, T, vd);
+      ops::copy_rows(b, nv, proj + conv_dim + vd, P, T, nv);
+      ops::copy_rows(a, nv, proj + conv_dim + vd + nv, P, T, nv);
+    }
   } else {
     ops::linear(w.h.data(), T, L.delta.in_proj_qkv, qkv);
     ops::linear(w.h.data(), T, L.delta.in_proj_z, z);
@@ -534,10 +547,17 @@ void Qwen35Model::delta_layer(const Layer& L, Qwen35State& st, const ForwardRequ
   const ops::RecurrentRow* rows = w.recurrent_rows.data() + li * R;
   ops::causal_conv_silu_rows(qkv, conv_dim, c.linear_conv_kernel_dim, L.delta.conv1d, rows, R,
                              w.max_row_tokens, conv);
-  // The conv output per token is [q (kd) | k (kd) | v (vd)]; the recurrence wants each packed.
-  ops::copy_rows(q, kd, conv, conv_dim, T, kd);
-  ops::copy_rows(k, kd, conv + kd, conv_dim, T, kd);
-  ops::copy_rows(v, vd, conv + 2 * kd, conv_dim, T, vd);
+  // The conv output per token is [q (kd) | k (kd) | v (vd)]; the recurrence wants each packed
+  // (for one token it already is).
+  if (T == 1) {
+    q = conv;
+    k = conv + kd;
+    v = conv + 2 * kd;
+  } else {
+    ops::copy_rows(q, kd, conv, conv_dim, T, kd);
+    ops::copy_rows(k, kd, conv + kd, conv_dim, T, kd);
+    ops::copy_rows(v, vd, conv + 2 * kd, conv_dim, T, vd);
+  }
   const ops::DeltaHeads heads{c.linear_num_key_heads, c.linear_num_value_heads,
                               c.linear_key_head_dim, c.linear_value_head_dim};
   ops::gated_delta_rule_rows(q, k, v, a, b, L.delta.A_log, L.delta.dt_bias, rows, R,
