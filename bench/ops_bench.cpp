@@ -22,8 +22,8 @@ double median_us(const std::function<void()>& f, int repeats) {
     const auto t0 = std::chrono::steady_clock::now();
     f();
     cuda::synchronize();
-    t.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0)
-                    .count());
+    t.push_back(
+        std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());
   }
   std::sort(t.begin(), t.end());
   return t[t.size() / 2];
@@ -124,18 +124,17 @@ int main(int argc, char** argv) {
     Dev x(sizeof(float) * 16 * 12288), y(sizeof(float) * 16 * 12288), w(sizeof(float) * 8192),
         st(sizeof(float) * 8192 * 3), cw(sizeof(float) * 8192 * 4);
     ops::WeightRef nw{DType::F32, w.p, 1, 4096}, cwr{DType::F32, cw.p, 8192, 4};
-    std::printf("  rms_norm 1x4096: %6.1f us\n",
-                median_us([&] { cuda::rms_norm(x.f(), 1, 4096, nw, true, 1e-6f, y.f()); }, repeats));
+    std::printf(
+        "  rms_norm 1x4096: %6.1f us\n",
+        median_us([&] { cuda::rms_norm(x.f(), 1, 4096, nw, true, 1e-6f, y.f()); }, repeats));
     std::printf("  swiglu 12288:    %6.1f us\n",
                 median_us([&] { cuda::swiglu(x.f(), y.f(), 12288, x.f()); }, repeats));
     std::printf("  add 4096:        %6.1f us\n",
                 median_us([&] { cuda::add_inplace(x.f(), y.f(), 4096); }, repeats));
-    std::printf("  conv 1x8192:     %6.1f us\n",
-                median_us(
-                    [&] {
-                      cuda::causal_conv_silu(x.f(), 1, 8192, 4, cwr, st.f(), y.f(), nullptr);
-                    },
-                    repeats));
+    std::printf(
+        "  conv 1x8192:     %6.1f us\n",
+        median_us([&] { cuda::causal_conv_silu(x.f(), 1, 8192, 4, cwr, st.f(), y.f(), nullptr); },
+                  repeats));
   }
   return 0;
 }

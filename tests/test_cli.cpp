@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <nlohmann/json.hpp>
 
+#include "tandem/backend/ops.h"
 #include "tandem/io/safetensors.h"
 #include "test_util.h"
 
@@ -123,6 +124,32 @@ TEST(Cli, ScoreReportsTopLogitsForEveryPosition) {
     EXPECT_EQ(j["positions"][i]["top"][0][0].get<int64_t>(), tokens[i + 1]) << i;
   }
   EXPECT_GT(j["nll_mean"].get<double>(), 0.0);
+}
+
+// --backend: unknown names are refused; cuda where no GPU is usable is an error naming why, never
+// a silent fall back (auto is the one that falls back to the CPU).
+TEST(Cli, BackendSelection) {
+  const std::string m = kFixtures + "/qwen35_tied";
+  expect_error(run("generate --model " + m + " --token-ids 1 --backend tpu"),
+               "unknown backend 'tpu'");
+  const CliRun cpu =
+      run("generate --model " + m + " --token-ids 1,2 --max-tokens 3 --json --backend cpu", false);
+  ASSERT_EQ(cpu.code, 0) << cpu.out;
+  const CliRun autob =
+      run("generate --model " + m + " --token-ids 1,2 --max-tokens 3 --json --backend auto", false);
+  ASSERT_EQ(autob.code, 0) << autob.out;
+  if (!tandem::ops::cuda_available()) {
+    EXPECT_EQ(nlohmann::json::parse(cpu.out)["tokens"], nlohmann::json::parse(autob.out)["tokens"]);
+    const CliRun cuda = run("generate --model " + m + " --token-ids 1 --backend cuda");
+    EXPECT_NE(cuda.code, 0);
+    EXPECT_TRUE(cuda.out.find("no usable CUDA device") != std::string::npos ||
+                cuda.out.find("built without the CUDA backend") != std::string::npos)
+        << cuda.out;
+  }
+  expect_error(run("bench --random-weights /nonexistent/c.json --backend cpu"),
+               "/nonexistent/c.json");
+  expect_error(run("bench --backend cpu"), "exactly one of --model DIR or --random-weights");
+  expect_error(run("bench --model " + m + " --backend cpu --windows 1"), "--windows");
 }
 
 TEST(Cli, BadArgumentsAndInputs) {

@@ -6,11 +6,11 @@
 //  - lossless speculative decoding on the GPU: output equals plain decoding token for token.
 // Run on a GPU machine: `ctest -L cuda`.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <cmath>
 #include <cstring>
 #include <filesystem>
-#include <unistd.h>
 #include <fstream>
 #include <nlohmann/json.hpp>
 
@@ -94,8 +94,8 @@ void write_bf16_rounded_copy(const std::string& src, const std::string& dst) {
     if (t.dtype == DType::F32 && t.shape.size() == 2) {
       data.push_back(to_f32(t));
       for (float& x : data.back()) x = bf16_to_f32(f32_to_bf16(x));
-      out.push_back({name, DType::F32, t.shape,
-                     std::as_bytes(std::span<const float>(data.back()))});
+      out.push_back(
+          {name, DType::F32, t.shape, std::as_bytes(std::span<const float>(data.back()))});
     } else {
       out.push_back({name, t.dtype, t.shape,
                      std::span<const std::byte>(static_cast<const std::byte*>(t.data), t.nbytes)});

@@ -59,7 +59,8 @@ Backend parse_backend(std::string_view name) {
   if (name == "cpu") return Backend::Cpu;
   if (name == "cuda") {
     if (!cuda_compiled())
-      fail("--backend cuda: this tandem was built without the CUDA backend (no nvcc at build time)");
+      fail(
+          "--backend cuda: this tandem was built without the CUDA backend (no nvcc at build time)");
     if (!cuda_available()) fail("--backend cuda: no usable CUDA device is visible");
     return Backend::Cuda;
   }
@@ -98,10 +99,10 @@ bool quant_bits_supported(int bits) {
 }
 
 #ifdef TANDEM_HAVE_CUDA
-#define TANDEM_DISPATCH(call)                                 \
-  do {                                                        \
-    if (g_backend == Backend::Cuda) return cuda::call;        \
-    return cpu::call;                                         \
+#define TANDEM_DISPATCH(call)                          \
+  do {                                                 \
+    if (g_backend == Backend::Cuda) return cuda::call; \
+    return cpu::call;                                  \
   } while (0)
 #else
 #define TANDEM_DISPATCH(call) return cpu::call
@@ -167,7 +168,8 @@ void fill_zero(void* dst, size_t bytes) {
 void copy_rows(float* dst, int64_t dst_stride, const float* src, int64_t src_stride, int64_t rows,
                int64_t cols) {
 #ifdef TANDEM_HAVE_CUDA
-  if (g_backend == Backend::Cuda) return cuda::copy_rows(dst, dst_stride, src, src_stride, rows, cols);
+  if (g_backend == Backend::Cuda)
+    return cuda::copy_rows(dst, dst_stride, src, src_stride, rows, cols);
 #endif
   for (int64_t r = 0; r < rows; ++r)
     std::memcpy(dst + r * dst_stride, src + r * src_stride, sizeof(float) * cols);
@@ -249,7 +251,8 @@ void swiglu_rows(const float* gate_up, int64_t m, int64_t I, float* out) {
 #ifdef TANDEM_HAVE_CUDA
   if (g_backend == Backend::Cuda) return cuda::swiglu_rows(gate_up, m, I, out);
 #endif
-  for (int64_t r = 0; r < m; ++r) cpu::swiglu(gate_up + r * 2 * I, gate_up + r * 2 * I + I, I, out + r * I);
+  for (int64_t r = 0; r < m; ++r)
+    cpu::swiglu(gate_up + r * 2 * I, gate_up + r * 2 * I + I, I, out + r * I);
 }
 void sigmoid_gate(float* x, const float* gate, int64_t n) {
   TANDEM_DISPATCH(sigmoid_gate(x, gate, n));
@@ -305,8 +308,9 @@ void linear_quantized(const float* x, int64_t m, const QuantWeightRef& w, float*
   // The CUDA backend dequantizes drafter weights to bf16 when it places them (WeightArena), so
   // quantized weights only ever reach the CPU kernel.
   if (g_backend != Backend::Cpu)
-    fail("linear_quantized: quantized weights run on the CPU backend only (the CUDA backend "
-         "dequantizes them at load)");
+    fail(
+        "linear_quantized: quantized weights run on the CPU backend only (the CUDA backend "
+        "dequantizes them at load)");
   cpu::linear_quantized(x, m, w, y);
 }
 

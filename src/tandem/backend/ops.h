@@ -55,7 +55,7 @@ void set_prefill(bool on);
 // Memory of the active backend (host on CPU). Copies are ordered with the ops; to_host waits.
 void* mem_alloc(Backend where, size_t bytes);
 void mem_free(Backend where, void* p);
-void copy(void* dst, const void* src, size_t bytes);              // same backend
+void copy(void* dst, const void* src, size_t bytes);  // same backend
 void copy_from_host(void* dst, const void* src_host, size_t bytes);
 void copy_to_host(void* dst_host, const void* src, size_t bytes);
 void fill_zero(void* dst, size_t bytes);

@@ -4,22 +4,21 @@
 // long prefill. --random-weights builds the model directly in the backend's memory from a
 // config.json, so real sizes can be measured without weight files.
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <iostream>
 #include <nlohmann/json.hpp>
 #include <random>
-
-#include <chrono>
 #include <sstream>
 
-#include "tandem/model/qwen3_5_config.h"
-#include "tandem/model/qwen3_5_state.h"
-#include "tandem/spec/draft.h"
-#include "tandem/spec/qwen_mtp.h"
 #include "tandem/cli/commands.h"
 #include "tandem/cli/common.h"
 #include "tandem/core/error.h"
 #include "tandem/engine/generator.h"
+#include "tandem/model/qwen3_5_config.h"
+#include "tandem/model/qwen3_5_state.h"
+#include "tandem/spec/draft.h"
+#include "tandem/spec/qwen_mtp.h"
 
 namespace tandem::cli {
 
@@ -30,8 +29,8 @@ struct BenchArgs {
   std::string random_weights;  // config.json of a random-weight model
   std::string backend = "auto";
   std::string windows = "2,4,8";
-  int64_t step_context = 512;     // tokens each row holds before the timed steps
-  int64_t long_prefill = 0;       // prompt length of the long-prefill timing (0: skip)
+  int64_t step_context = 512;  // tokens each row holds before the timed steps
+  int64_t long_prefill = 0;    // prompt length of the long-prefill timing (0: skip)
   int step_repeats = 20;
   int64_t prompt_tokens = 128;
   int64_t gen_tokens = 64;
@@ -279,11 +278,11 @@ void run_bench(const BenchArgs& a) {
   const double proj_params = static_cast<double>(model->decode_weight_bytes()) /
                                  (ops::backend() == ops::Backend::Cuda ? 2.0 : 4.0) -
                              static_cast<double>(cfg.vocab_size * cfg.hidden_size);
-  const double prefill_flops =
-      2.0 * proj_params * static_cast<double>(a.long_prefill) +
-      static_cast<double>(n_attn_layers) * 2.0 * static_cast<double>(a.long_prefill) *
-          static_cast<double>(a.long_prefill) *
-          static_cast<double>(cfg.num_attention_heads * cfg.head_dim);
+  const double prefill_flops = 2.0 * proj_params * static_cast<double>(a.long_prefill) +
+                               static_cast<double>(n_attn_layers) * 2.0 *
+                                   static_cast<double>(a.long_prefill) *
+                                   static_cast<double>(a.long_prefill) *
+                                   static_cast<double>(cfg.num_attention_heads * cfg.head_dim);
   // One decode step reads every weight once for the whole batch, plus each row's KV prefix.
   int64_t n_attn = 0;
   for (LayerKind k : cfg.layer_types) n_attn += k == LayerKind::FullAttention;
@@ -382,7 +381,8 @@ void add_bench_command(CLI::App& app) {
       ->capture_default_str();
   sub->add_option("--step-repeats", a->step_repeats, "Timed forwards per shape")
       ->capture_default_str();
-  sub->add_option("--long-prefill", a->long_prefill, "Prompt length of the prefill timing (0: skip)")
+  sub->add_option("--long-prefill", a->long_prefill,
+                  "Prompt length of the prefill timing (0: skip)")
       ->capture_default_str();
   sub->add_option("--prompt-tokens", a->prompt_tokens, "Prompt length")->capture_default_str();
   sub->add_option("--gen-tokens", a->gen_tokens, "Tokens generated per run")->capture_default_str();

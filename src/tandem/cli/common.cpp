@@ -82,7 +82,8 @@ void apply_backend(const std::string& name) {
   const ops::Backend b = ops::parse_backend(name);
   ops::set_backend(b);
 #ifdef TANDEM_HAVE_CUDA
-  if (b == ops::Backend::Cuda) std::fprintf(stderr, "backend: cuda (%s)\n", cuda::device_name().c_str());
+  if (b == ops::Backend::Cuda)
+    std::fprintf(stderr, "backend: cuda (%s)\n", cuda::device_name().c_str());
 #endif
 }
 

@@ -100,10 +100,9 @@ std::vector<GenerateResult> SpeculativeGenerator::run(const std::vector<Generate
   }
   // Greedy requests under match verification need only the target's greedy tokens: the
   // forwards pick them on the device and copy ids instead of logits.
-  const bool greedy =
-      options_.verify == spec::VerifyMode::Match &&
-      std::all_of(requests.begin(), requests.end(),
-                  [](const GenerateRequest& r) { return r.sampling.greedy(); });
+  const bool greedy = options_.verify == spec::VerifyMode::Match &&
+                      std::all_of(requests.begin(), requests.end(),
+                                  [](const GenerateRequest& r) { return r.sampling.greedy(); });
   ForwardRequest prefill{tokens, inputs, false, want_final, want_prenorm};
   prefill.prompt = true;
   prefill.want_logits = !greedy;
@@ -207,9 +206,8 @@ std::vector<GenerateResult> SpeculativeGenerator::run(const std::vector<Generate
                                                std::span(windows[r]).subspan(1));
       } else {
         std::span<const float> logits(out.logits.data() + t * V, n * static_cast<size_t>(V));
-        outcomes[r] = spec::accept_walk(logits, V, std::span(windows[r]).subspan(1),
-                                        proposals[r].q, requests[i].sampling, first_index,
-                                        options_.verify);
+        outcomes[r] = spec::accept_walk(logits, V, std::span(windows[r]).subspan(1), proposals[r].q,
+                                        requests[i].sampling, first_index, options_.verify);
       }
       SpecStats& s = sstats[i];
       ++s.rounds;

@@ -1,7 +1,7 @@
 #include "tandem/model/qwen3_5.h"
 
-#include <cmath>
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 
 #include "tandem/core/error.h"
@@ -67,8 +67,8 @@ void Qwen35Model::bind_weights(const WeightSource& get, const std::string& prefi
   const int64_t H = c.hidden_size;
   embed_ = get(prefix_ + "embed_tokens.weight", {c.vocab_size, H}, Role::Matrix);
   final_norm_ = get(prefix_ + "norm.weight", {H}, Role::Vector);
-  lm_head_ = c.tie_word_embeddings ? embed_
-                                   : get("lm_head.weight", {c.vocab_size, H}, Role::Matrix);
+  lm_head_ =
+      c.tie_word_embeddings ? embed_ : get("lm_head.weight", {c.vocab_size, H}, Role::Matrix);
   const int64_t hd = c.head_dim;
   const int64_t nv = c.linear_num_value_heads;
   int n_attn = 0, n_lin = 0;
@@ -137,9 +137,8 @@ std::unique_ptr<Qwen35Model> Qwen35Model::random(const Qwen35Config& cfg, uint64
     for (int64_t d : shape) n *= d;
     if (role == Role::Matrix) {
       // Embeddings O(1); projections 1/sqrt(fan_in), as write_random_qwen35 draws them.
-      const float scale = ends_with("embed_tokens.weight")
-                              ? 1.0f
-                              : 1.0f / std::sqrt(static_cast<float>(shape[1]));
+      const float scale =
+          ends_with("embed_tokens.weight") ? 1.0f : 1.0f / std::sqrt(static_cast<float>(shape[1]));
       return arena.random_matrix(shape[0], shape[1], s, scale);
     }
     ops::WeightRef w;
@@ -326,18 +325,19 @@ void Qwen35Model::forward(Qwen35State& st, const ForwardRequest& req, ForwardOut
       key.add(r.slot).add(r.n_tokens).add(r.speculative);
       key.add(w.segments[i].block_table).add(w.segments[i].position_bound);
     }
-    for (int64_t l = 0; l < st.attention_layers(); ++l) key.add(st.kv_layer(static_cast<int>(l)).pool);
+    for (int64_t l = 0; l < st.attention_layers(); ++l)
+      key.add(st.kv_layer(static_cast<int>(l)).pool);
     for (const RowInput& r : req.rows) {
       if (st.linear_layers() > 0) key.add(st.conv_state(r.slot, 0));
       if (r.speculative && st.linear_layers() > 0) {
         key.add(st.window_conv_after(r.slot, 0)).add(st.window_snapshot(r.slot, 0));
       }
     }
-    for (const float* p : {w.x.data(), w.h.data(), w.a0.data(), w.a1.data(), w.a2.data(),
-                           w.a3.data(), w.a4.data(), w.a5.data(), w.mlp_g.data(), w.mlp_u.data(),
-                           w.proj.data(),
-                           w.last.data(), w.out.data(), w.attn.qg.data(), w.attn.q.data(),
-                           w.attn.gate.data(), w.attn.k.data(), w.attn.v.data(), w.attn.o.data()})
+    for (const float* p :
+         {w.x.data(), w.h.data(), w.a0.data(), w.a1.data(), w.a2.data(), w.a3.data(), w.a4.data(),
+          w.a5.data(), w.mlp_g.data(), w.mlp_u.data(), w.proj.data(), w.last.data(), w.out.data(),
+          w.attn.qg.data(), w.attn.q.data(), w.attn.gate.data(), w.attn.k.data(), w.attn.v.data(),
+          w.attn.o.data()})
       key.add(p);
     key.add(w.ids.data()).add(w.pos.data()).add(w.argmax.data()).add(w.recurrent_rows.data());
     key.add(w.max_row_tokens);
@@ -368,8 +368,7 @@ void Qwen35Model::forward(Qwen35State& st, const ForwardRequest& req, ForwardOut
     out->argmax.resize(static_cast<size_t>(out->logits_rows));
     ops::copy_to_host(out->argmax.data(), w.argmax.data(), sizeof(int32_t) * out->argmax.size());
     for (size_t r = 0; r < out->argmax.size(); ++r)
-      if (out->argmax[r] < 0)
-        fail("forward: logits row ", r, " holds NaN or +inf, or only -inf");
+      if (out->argmax[r] < 0) fail("forward: logits row ", r, " holds NaN or +inf, or only -inf");
   }
 }
 
@@ -383,8 +382,9 @@ void Qwen35Model::reserve_workspace(int64_t T, int64_t R, bool all_logits) const
   grow_to(w.h, T * H);
   grow_to(w.mlp_g, T * 2 * I);  // gate | up when stacked
   grow_to(w.mlp_u, T * I);
-  grow_to(w.proj, T * std::max(conv_dim + vd + 2 * nv,
-                               (2 * c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim));
+  grow_to(w.proj,
+          T * std::max(conv_dim + vd + 2 * nv,
+                       (2 * c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim));
   grow_to(w.a0, T * conv_dim);
   grow_to(w.a1, T * conv_dim);
   grow_to(w.a2, T * vd);

@@ -2,12 +2,11 @@
 // backend op set. Weights stay in their stored dtype inside memory-mapped safetensors files.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
 #include <vector>
-
-#include <functional>
 
 #include "tandem/backend/buffer.h"
 #include "tandem/backend/graph_cache.h"
@@ -41,7 +40,7 @@ struct ForwardRequest {
   bool all_logits = false;           // false: only each row's last token gets logits
   bool want_hidden = false;          // final-normed hidden of every token
   bool want_prenorm_hidden = false;  // the last layer's output before the final norm, every token
-  bool want_logits = true;  // copy the logits to the host
+  bool want_logits = true;           // copy the logits to the host
   bool want_argmax = false;  // greedy token of every logits row, computed where the logits are
   // Prompt tokens: the CUDA backend takes its prefill GEMM path (see Qwen35Model::forward).
   // Engines set it for the forward that processes prompts, in plain and speculative decoding
@@ -52,7 +51,7 @@ struct ForwardRequest {
 struct ForwardOutput {
   std::vector<float> logits;  // [logits_rows, vocab] when want_logits
   int64_t logits_rows = 0;
-  std::vector<int32_t> argmax;  // [logits_rows] when want_argmax
+  std::vector<int32_t> argmax;        // [logits_rows] when want_argmax
   std::vector<float> hidden;          // [Σ n_tokens, hidden] when requested
   std::vector<float> prenorm_hidden;  // [Σ n_tokens, hidden] when requested
 };
@@ -141,14 +140,14 @@ class Qwen35Model {
   // Buffers are backend memory; the *_host vectors stage what the host computes per forward.
   struct Workspace {
     Buffer<float> x, h, a0, a1, a2, a3, a4, a5, mlp_g, mlp_u;
-    Buffer<float> proj;  // [T, stacked input projections] before they are split
-    Buffer<float> last;   // [rows, H]: each row's last normed hidden, for the head
-    Buffer<float> out;    // [rows or T, V] logits before the copy to the host
-    Buffer<int32_t> ids;  // [T] token ids
+    Buffer<float> proj;         // [T, stacked input projections] before they are split
+    Buffer<float> last;         // [rows, H]: each row's last normed hidden, for the head
+    Buffer<float> out;          // [rows or T, V] logits before the copy to the host
+    Buffer<int32_t> ids;        // [T] token ids
     Buffer<int32_t> embed_ids;  // ids of embed() calls (drafters)
-    Buffer<int64_t> pos;  // [T] positions
-    Buffer<int32_t> tables;  // the rows' block tables, concatenated
-    Buffer<int32_t> argmax;  // [logits rows]
+    Buffer<int64_t> pos;        // [T] positions
+    Buffer<int32_t> tables;     // the rows' block tables, concatenated
+    Buffer<int32_t> argmax;     // [logits rows]
     Buffer<ops::RecurrentRow> recurrent_rows;  // [linear layers][rows] state descriptors
     int64_t max_row_tokens = 0;
     std::vector<int64_t> pos_host;
@@ -162,8 +161,8 @@ class Qwen35Model {
   Qwen35Model() = default;
   // Where bind_weights gets each tensor: by name, with the shape and role it must have.
   enum class Role { Matrix, Vector };
-  using WeightSource =
-      std::function<ops::WeightRef(const std::string& name, const std::vector<int64_t>& shape, Role)>;
+  using WeightSource = std::function<ops::WeightRef(const std::string& name,
+                                                    const std::vector<int64_t>& shape, Role)>;
   void bind_weights(const WeightSource& source, const std::string& prefix);
   // The device work of a forward: embedding, layers, final norm and head into ws_.out. Only
   // queues ops (captured into a CUDA graph for decode/verify shapes).

@@ -57,8 +57,7 @@ bool Qwen35State::row_open(int slot) const {
 void Qwen35State::grow_pool(int64_t min_free) {
   const int64_t add = std::max<int64_t>({min_free, n_blocks_, 16});
   const int64_t floats_per_block = 2 * kBlockSize * kv_heads_ * head_dim_;
-  for (auto& pool : kv_pools_)
-    pool.grow_to((n_blocks_ + add) * floats_per_block);
+  for (auto& pool : kv_pools_) pool.grow_to((n_blocks_ + add) * floats_per_block);
   for (int64_t b = n_blocks_ + add - 1; b >= n_blocks_; --b)
     free_blocks_.push_back(static_cast<int32_t>(b));
   n_blocks_ += add;

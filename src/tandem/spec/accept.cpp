@@ -100,7 +100,8 @@ AcceptOutcome accept_walk(std::span<const float> logits, int64_t vocab,
   return out;
 }
 
-AcceptOutcome accept_walk_greedy(std::span<const int32_t> target, std::span<const int32_t> proposals) {
+AcceptOutcome accept_walk_greedy(std::span<const int32_t> target,
+                                 std::span<const int32_t> proposals) {
   TANDEM_CHECK(target.size() == proposals.size() + 1, "accept_walk_greedy: ", target.size(),
                " target tokens for ", proposals.size(), " proposals");
   AcceptOutcome out;

@@ -41,6 +41,7 @@ AcceptOutcome accept_walk(std::span<const float> logits, int64_t vocab,
 // Match verification of a greedy row from the target's greedy tokens alone (no logits on the
 // host): target[j] is the argmax at window position j (k+1 entries). Same outcome as accept_walk
 // in Match mode with temperature 0.
-AcceptOutcome accept_walk_greedy(std::span<const int32_t> target, std::span<const int32_t> proposals);
+AcceptOutcome accept_walk_greedy(std::span<const int32_t> target,
+                                 std::span<const int32_t> proposals);
 
 }  // namespace tandem::spec

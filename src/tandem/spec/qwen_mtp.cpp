@@ -431,9 +431,9 @@ void QwenMtpRows::draft(std::span<const RowDraft> rows, std::vector<DraftProposa
       const std::span<const float> l =
           greedy ? std::span<const float>()
                  : std::span<const float>(logits.data() + a * V_, static_cast<size_t>(V_));
-      const int32_t d = greedy ? picked[static_cast<size_t>(a)]
-                               : sample_token(l, in.sampling,
-                                              in.first_index + static_cast<uint64_t>(j), &dist_);
+      const int32_t d =
+          greedy ? picked[static_cast<size_t>(a)]
+                 : sample_token(l, in.sampling, in.first_index + static_cast<uint64_t>(j), &dist_);
       rows_[static_cast<size_t>(b)].proposals.push_back(d);
       (*out)[static_cast<size_t>(b)].tokens.push_back(d);
       if (in.want_distribution) {
@@ -532,7 +532,8 @@ void QwenMtpRows::copy_step_logits(int step) const {
   const size_t j = static_cast<size_t>(step);
   if (step_logits_on_host_[j]) return;
   const int64_t n = static_cast<int64_t>(step_rows_[j].size()) * V_;
-  if (static_cast<int64_t>(step_logits_[j].size()) < n) step_logits_[j].resize(static_cast<size_t>(n));
+  if (static_cast<int64_t>(step_logits_[j].size()) < n)
+    step_logits_[j].resize(static_cast<size_t>(n));
   ops::copy_to_host(step_logits_[j].data(), step_logits_dev_[j].data(),
                     sizeof(float) * static_cast<size_t>(n));
   step_logits_on_host_[j] = true;

@@ -114,14 +114,14 @@ class QwenMtpRows : public DraftRows {
   Buffer<int32_t> tables_dev_;  // the block tables of run_block's rows, concatenated
   std::vector<float> hid_, out_host_;
   std::vector<int32_t> ids_, tables_host_;
-  std::vector<float> chain_;                     // [rows, H] each row's last step output (host)
+  std::vector<float> chain_;  // [rows, H] each row's last step output (host)
   // Per draft step: the logits [active rows, V] in backend memory, and a host copy made when
   // sampling needs it (or a diagnostic asks).
   std::vector<Buffer<float>> step_logits_dev_;
   mutable std::vector<std::vector<float>> step_logits_;
   mutable std::vector<bool> step_logits_on_host_;
-  std::vector<std::vector<int>> step_rows_;      // per draft step: the active rows, in order
-  int64_t outstanding_appends_ = 0;              // rows of prepared, not yet committed appends
+  std::vector<std::vector<int>> step_rows_;  // per draft step: the active rows, in order
+  int64_t outstanding_appends_ = 0;          // rows of prepared, not yet committed appends
   std::vector<TokenProb> dist_;
 
   ops::KVLayerView kv_view();

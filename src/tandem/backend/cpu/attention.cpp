@@ -7,8 +7,8 @@
 #include <cstring>
 #include <vector>
 
-#include "tandem/backend/cpu/simd.h"
 #include "tandem/backend/cpu/cpu_ops.h"
+#include "tandem/backend/cpu/simd.h"
 #include "tandem/core/error.h"
 
 namespace tandem::cpu {

@@ -3,8 +3,8 @@
 
 #include <cmath>
 
-#include "tandem/backend/cpu/weight_element.h"
 #include "tandem/backend/cpu/cpu_ops.h"
+#include "tandem/backend/cpu/weight_element.h"
 #include "tandem/core/error.h"
 
 namespace tandem::cpu {
@@ -28,7 +28,6 @@ void check_float_weight(const WeightRef& w, const char* op) {
     fail(op, ": unsupported weight dtype ", dtype_name(w.dtype));
 }
 }  // namespace
-
 
 void embed_rows(const WeightRef& table, const int32_t* ids, int64_t n, float* out) {
   check_float_weight(table, "embed_rows");

@@ -7,8 +7,8 @@
 #include <cmath>
 #include <vector>
 
-#include "tandem/backend/cpu/weight_element.h"
 #include "tandem/backend/cpu/cpu_ops.h"
+#include "tandem/backend/cpu/weight_element.h"
 
 namespace tandem::cpu {
 

@@ -9,8 +9,8 @@
 
 #include <algorithm>
 
-#include "tandem/backend/cpu/simd.h"
 #include "tandem/backend/cpu/cpu_ops.h"
+#include "tandem/backend/cpu/simd.h"
 #include "tandem/core/error.h"
 
 namespace tandem::cpu {

@@ -144,12 +144,24 @@ void dequantize_rows(const ops::QuantWeightRef& w, int64_t r0, int64_t n, float*
   for (int64_t r = r0; r < r0 + n; ++r) {
     float* dst = out + (r - r0) * w.cols;
     switch (w.bits) {
-      case 2: dequant_row<2>(w, r, dst); break;
-      case 3: dequant_row<3>(w, r, dst); break;
-      case 4: dequant_row<4>(w, r, dst); break;
-      case 5: dequant_row<5>(w, r, dst); break;
-      case 6: dequant_row<6>(w, r, dst); break;
-      default: dequant_row<8>(w, r, dst); break;
+      case 2:
+        dequant_row<2>(w, r, dst);
+        break;
+      case 3:
+        dequant_row<3>(w, r, dst);
+        break;
+      case 4:
+        dequant_row<4>(w, r, dst);
+        break;
+      case 5:
+        dequant_row<5>(w, r, dst);
+        break;
+      case 6:
+        dequant_row<6>(w, r, dst);
+        break;
+      default:
+        dequant_row<8>(w, r, dst);
+        break;
     }
   }
 }

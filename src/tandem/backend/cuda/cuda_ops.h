@@ -29,16 +29,16 @@
 namespace tandem::cuda {
 
 // --- Device and memory -------------------------------------------------------------------------
-bool available();            // a CUDA device is present and usable (no throw)
-std::string device_name();   // e.g. "NVIDIA H200"; throws if none
-void* alloc(size_t bytes);   // cudaMalloc; throws Error("CUDA out of memory ...") with sizes
-void free(void* p);          // null is fine; never throws (destructors call it at exit)
-void copy_to_device(void* dst, const void* src, size_t bytes);    // host → device, ordered on stream
-void copy_to_host(void* dst, const void* src, size_t bytes);      // device → host, waits for it
-void copy_on_device(void* dst, const void* src, size_t bytes);    // device → device, async
-void fill_zero(void* p, size_t bytes);                            // async
-void synchronize();          // waits for the stream; throws with the first kernel error
-void* stream();              // the cudaStream_t every op uses
+bool available();           // a CUDA device is present and usable (no throw)
+std::string device_name();  // e.g. "NVIDIA H200"; throws if none
+void* alloc(size_t bytes);  // cudaMalloc; throws Error("CUDA out of memory ...") with sizes
+void free(void* p);         // null is fine; never throws (destructors call it at exit)
+void copy_to_device(void* dst, const void* src, size_t bytes);  // host → device, ordered on stream
+void copy_to_host(void* dst, const void* src, size_t bytes);    // device → host, waits for it
+void copy_on_device(void* dst, const void* src, size_t bytes);  // device → device, async
+void fill_zero(void* p, size_t bytes);                          // async
+void synchronize();  // waits for the stream; throws with the first kernel error
+void* stream();      // the cudaStream_t every op uses
 
 // Uploads `n` fp32 values converted to bf16 (round to nearest even).
 void upload_bf16(uint16_t* dst, const float* src, int64_t n);

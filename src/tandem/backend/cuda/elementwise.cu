@@ -12,8 +12,8 @@ namespace tandem::cuda {
 
 namespace {
 
-constexpr int kThreads = 256;      // grid-stride kernels
-constexpr int kNormThreads = 128;  // one block per row; fixes the norms' reduction order
+constexpr int kThreads = 256;          // grid-stride kernels
+constexpr int kNormThreads = 128;      // one block per row; fixes the norms' reduction order
 constexpr int kWideNormThreads = 512;  // rows of kWideNormMinDim or more (hidden-size norms)
 constexpr int64_t kWideNormMinDim = 2048;
 
@@ -163,11 +163,12 @@ void rms_norm(const float* x, int64_t m, int64_t d, const ops::WeightRef& w, boo
   if (m == 0 || d == 0) return;
   const auto* wp = static_cast<const float*>(w.data);
   if (d >= kWideNormMinDim)
-    rms_norm_kernel<kWideNormThreads><<<grid_blocks(m, "rms_norm"), kWideNormThreads, 0,
-                                        op_stream()>>>(x, d, wp, zero_centred, eps, y);
+    rms_norm_kernel<kWideNormThreads>
+        <<<grid_blocks(m, "rms_norm"), kWideNormThreads, 0, op_stream()>>>(x, d, wp, zero_centred,
+                                                                           eps, y);
   else
-    rms_norm_kernel<kNormThreads>
-        <<<grid_blocks(m, "rms_norm"), kNormThreads, 0, op_stream()>>>(x, d, wp, zero_centred, eps, y);
+    rms_norm_kernel<kNormThreads><<<grid_blocks(m, "rms_norm"), kNormThreads, 0, op_stream()>>>(
+        x, d, wp, zero_centred, eps, y);
   check_launch("rms_norm");
 }
 

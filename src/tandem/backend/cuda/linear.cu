@@ -37,10 +37,10 @@ namespace tandem::cuda {
 namespace {
 
 constexpr int kWarps = 4;
-constexpr int kCols = 8;           // output columns per block
-constexpr int kChunk = 64;         // k per warp chunk: 4 lanes x 16
-constexpr int kUnroll = 4;         // chunks whose weights are loaded before the first mma
-constexpr int kMaxTiles = 4;       // 16-row m-tiles per pass
+constexpr int kCols = 8;            // output columns per block
+constexpr int kChunk = 64;          // k per warp chunk: 4 lanes x 16
+constexpr int kUnroll = 4;          // chunks whose weights are loaded before the first mma
+constexpr int kMaxTiles = 4;        // 16-row m-tiles per pass
 constexpr int64_t kNarrowRows = 4;  // up to this many rows: in-register bf16 rounding, 1 n-tile
 constexpr int64_t kPrefillChunk = 256;
 
@@ -51,9 +51,8 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   return *reinterpret_cast<const uint32_t*>(&v);
 }
 
-__device__ __forceinline__ void mma_bf16_16816(float (&c)[4], uint32_t a0, uint32_t a1,
-                                               uint32_t a2, uint32_t a3, uint32_t b0,
-                                               uint32_t b1) {
+__device__ __forceinline__ void mma_bf16_16816(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                               uint32_t a3, uint32_t b0, uint32_t b1) {
   asm volatile(
       "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
       "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
@@ -74,84 +73,86 @@ __global__ void __launch_bounds__(kWarps * 32)
   // Column groups are spread evenly over a grid the GPU holds at once (linear()'s launch), so no
   // partial second wave leaves SMs idle at the end of a weight.
   for (int grp = blockIdx.x; grp < groups; grp += gridDim.x) {
-  const int n = grp * kCols + g;
-  const bool n_ok = n < N;
-  const uint4* wrow = reinterpret_cast<const uint4*>(w + static_cast<size_t>(n_ok ? n : 0) * K);
+    const int n = grp * kCols + g;
+    const bool n_ok = n < N;
+    const uint4* wrow = reinterpret_cast<const uint4*>(w + static_cast<size_t>(n_ok ? n : 0) * K);
 
-  for (int row0 = 0; row0 < m; row0 += Tiles * 16) {
-    float c[Tiles][4];
+    for (int row0 = 0; row0 < m; row0 += Tiles * 16) {
+      float c[Tiles][4];
 #pragma unroll
-    for (int i = 0; i < Tiles; ++i) c[i][0] = c[i][1] = c[i][2] = c[i][3] = 0.0f;
+      for (int i = 0; i < Tiles; ++i) c[i][0] = c[i][1] = c[i][2] = c[i][3] = 0.0f;
 
-    for (int ch0 = warp; ch0 < chunks; ch0 += kWarps * kUnroll) {
-      uint4 wv[kUnroll][2];
+      for (int ch0 = warp; ch0 < chunks; ch0 += kWarps * kUnroll) {
+        uint4 wv[kUnroll][2];
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int k = (ch0 + u * kWarps) * kChunk + 16 * t;
-        if (n_ok && k < K) {
-          wv[u][0] = __ldcs(wrow + k / 8);
-          wv[u][1] = __ldcs(wrow + k / 8 + 1);
-        } else {
-          wv[u][0] = make_uint4(0, 0, 0, 0);
-          wv[u][1] = make_uint4(0, 0, 0, 0);
+        for (int u = 0; u < kUnroll; ++u) {
+          const int k = (ch0 + u * kWarps) * kChunk + 16 * t;
+          if (n_ok && k < K) {
+            wv[u][0] = __ldcs(wrow + k / 8);
+            wv[u][1] = __ldcs(wrow + k / 8 + 1);
+          } else {
+            wv[u][0] = make_uint4(0, 0, 0, 0);
+            wv[u][1] = make_uint4(0, 0, 0, 0);
+          }
         }
-      }
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int ch = ch0 + u * kWarps;
-        if (ch >= chunks) break;  // uniform across the warp
-        const int k = ch * kChunk + 16 * t;
-        const bool k_ok = k < K;
-        const uint32_t wb[8] = {wv[u][0].x, wv[u][0].y, wv[u][0].z, wv[u][0].w,
-                                wv[u][1].x, wv[u][1].y, wv[u][1].z, wv[u][1].w};
+        for (int u = 0; u < kUnroll; ++u) {
+          const int ch = ch0 + u * kWarps;
+          if (ch >= chunks) break;  // uniform across the warp
+          const int k = ch * kChunk + 16 * t;
+          const bool k_ok = k < K;
+          const uint32_t wb[8] = {wv[u][0].x, wv[u][0].y, wv[u][0].z, wv[u][0].w,
+                                  wv[u][1].x, wv[u][1].y, wv[u][1].z, wv[u][1].w};
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
+          for (int j = 0; j < 4; ++j) {
 #pragma unroll
-          for (int i = 0; i < Tiles; ++i) {
-            const int r_lo = row0 + i * 16 + g, r_hi = r_lo + 8;
-            float4 lo = make_float4(0.f, 0.f, 0.f, 0.f), hi = lo;
-            if (k_ok && r_lo < m)
-              lo = *reinterpret_cast<const float4*>(x + static_cast<size_t>(r_lo) * K + k + 4 * j);
-            if (k_ok && r_hi < m)
-              hi = *reinterpret_cast<const float4*>(x + static_cast<size_t>(r_hi) * K + k + 4 * j);
-            mma_bf16_16816(c[i], pack_bf16(lo.x, lo.y), pack_bf16(hi.x, hi.y),
-                           pack_bf16(lo.z, lo.w), pack_bf16(hi.z, hi.w), wb[2 * j],
-                           wb[2 * j + 1]);
+            for (int i = 0; i < Tiles; ++i) {
+              const int r_lo = row0 + i * 16 + g, r_hi = r_lo + 8;
+              float4 lo = make_float4(0.f, 0.f, 0.f, 0.f), hi = lo;
+              if (k_ok && r_lo < m)
+                lo =
+                    *reinterpret_cast<const float4*>(x + static_cast<size_t>(r_lo) * K + k + 4 * j);
+              if (k_ok && r_hi < m)
+                hi =
+                    *reinterpret_cast<const float4*>(x + static_cast<size_t>(r_hi) * K + k + 4 * j);
+              mma_bf16_16816(c[i], pack_bf16(lo.x, lo.y), pack_bf16(hi.x, hi.y),
+                             pack_bf16(lo.z, lo.w), pack_bf16(hi.z, hi.w), wb[2 * j],
+                             wb[2 * j + 1]);
+            }
           }
         }
       }
-    }
 
 #pragma unroll
-    for (int i = 0; i < Tiles; ++i)
+      for (int i = 0; i < Tiles; ++i)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) partial[warp][i][lane][e] = c[i][e];
-    __syncthreads();
-    if (warp == 0) {
+        for (int e = 0; e < 4; ++e) partial[warp][i][lane][e] = c[i][e];
+      __syncthreads();
+      if (warp == 0) {
 #pragma unroll
-      for (int i = 0; i < Tiles; ++i) {
-        float s[4];
+        for (int i = 0; i < Tiles; ++i) {
+          float s[4];
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          s[e] = partial[0][i][lane][e];
+          for (int e = 0; e < 4; ++e) {
+            s[e] = partial[0][i][lane][e];
 #pragma unroll
-          for (int v = 1; v < kWarps; ++v) s[e] += partial[v][i][lane][e];
-        }
-        // C fragment: s[0], s[1] -> (row g, cols 2t, 2t+1); s[2], s[3] -> (row g+8, same cols).
-        const int col = grp * kCols + 2 * t;
-        const int r_lo = row0 + i * 16 + g, r_hi = r_lo + 8;
-        if (r_lo < m) {
-          if (col < N) y[static_cast<size_t>(r_lo) * N + col] = s[0];
-          if (col + 1 < N) y[static_cast<size_t>(r_lo) * N + col + 1] = s[1];
-        }
-        if (r_hi < m) {
-          if (col < N) y[static_cast<size_t>(r_hi) * N + col] = s[2];
-          if (col + 1 < N) y[static_cast<size_t>(r_hi) * N + col + 1] = s[3];
+            for (int v = 1; v < kWarps; ++v) s[e] += partial[v][i][lane][e];
+          }
+          // C fragment: s[0], s[1] -> (row g, cols 2t, 2t+1); s[2], s[3] -> (row g+8, same cols).
+          const int col = grp * kCols + 2 * t;
+          const int r_lo = row0 + i * 16 + g, r_hi = r_lo + 8;
+          if (r_lo < m) {
+            if (col < N) y[static_cast<size_t>(r_lo) * N + col] = s[0];
+            if (col + 1 < N) y[static_cast<size_t>(r_lo) * N + col + 1] = s[1];
+          }
+          if (r_hi < m) {
+            if (col < N) y[static_cast<size_t>(r_hi) * N + col] = s[2];
+            if (col + 1 < N) y[static_cast<size_t>(r_hi) * N + col + 1] = s[3];
+          }
         }
       }
+      __syncthreads();
     }
-    __syncthreads();
-  }
   }
 }
 
@@ -170,104 +171,107 @@ __global__ void __launch_bounds__(kWarps * 32)
   const int g = lane / 4, t = lane % 4;
   const int groups = (N + 8 * NT - 1) / (8 * NT);
   for (int grp = blockIdx.x; grp < groups; grp += gridDim.x) {
-  const int n_base = grp * 8 * NT;
-  const uint4* wrow[NT];
-  bool n_ok[NT];
+    const int n_base = grp * 8 * NT;
+    const uint4* wrow[NT];
+    bool n_ok[NT];
 #pragma unroll
-  for (int nt = 0; nt < NT; ++nt) {
-    const int n = n_base + nt * 8 + g;
-    n_ok[nt] = n < N;
-    wrow[nt] = reinterpret_cast<const uint4*>(w + static_cast<size_t>(n_ok[nt] ? n : 0) * K);
-  }
-  const int chunks = (K + kChunk - 1) / kChunk;
+    for (int nt = 0; nt < NT; ++nt) {
+      const int n = n_base + nt * 8 + g;
+      n_ok[nt] = n < N;
+      wrow[nt] = reinterpret_cast<const uint4*>(w + static_cast<size_t>(n_ok[nt] ? n : 0) * K);
+    }
+    const int chunks = (K + kChunk - 1) / kChunk;
 
-  for (int row0 = 0; row0 < m; row0 += Tiles * 16) {
-    float c[Tiles][NT][4];
+    for (int row0 = 0; row0 < m; row0 += Tiles * 16) {
+      float c[Tiles][NT][4];
 #pragma unroll
-    for (int i = 0; i < Tiles; ++i)
+      for (int i = 0; i < Tiles; ++i)
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt) c[i][nt][0] = c[i][nt][1] = c[i][nt][2] = c[i][nt][3] = 0.f;
+        for (int nt = 0; nt < NT; ++nt) c[i][nt][0] = c[i][nt][1] = c[i][nt][2] = c[i][nt][3] = 0.f;
 
-    for (int ch0 = warp; ch0 < chunks; ch0 += kWarps * U) {
-      uint4 wv[U][NT][2];
+      for (int ch0 = warp; ch0 < chunks; ch0 += kWarps * U) {
+        uint4 wv[U][NT][2];
 #pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const int k = (ch0 + u * kWarps) * kChunk + 16 * t;
+        for (int u = 0; u < U; ++u) {
+          const int k = (ch0 + u * kWarps) * kChunk + 16 * t;
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-          if (n_ok[nt] && k < K) {
-            wv[u][nt][0] = __ldcs(wrow[nt] + k / 8);
-            wv[u][nt][1] = __ldcs(wrow[nt] + k / 8 + 1);
-          } else {
-            wv[u][nt][0] = wv[u][nt][1] = make_uint4(0, 0, 0, 0);
+          for (int nt = 0; nt < NT; ++nt) {
+            if (n_ok[nt] && k < K) {
+              wv[u][nt][0] = __ldcs(wrow[nt] + k / 8);
+              wv[u][nt][1] = __ldcs(wrow[nt] + k / 8 + 1);
+            } else {
+              wv[u][nt][0] = wv[u][nt][1] = make_uint4(0, 0, 0, 0);
+            }
           }
         }
-      }
 #pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const int ch = ch0 + u * kWarps;
-        if (ch >= chunks) break;  // uniform across the warp
-        const int k = ch * kChunk + 16 * t;
-        const bool k_ok = k < K;
+        for (int u = 0; u < U; ++u) {
+          const int ch = ch0 + u * kWarps;
+          if (ch >= chunks) break;  // uniform across the warp
+          const int k = ch * kChunk + 16 * t;
+          const bool k_ok = k < K;
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
+          for (int j = 0; j < 4; ++j) {
 #pragma unroll
-          for (int i = 0; i < Tiles; ++i) {
-            const int r_lo = row0 + i * 16 + g, r_hi = r_lo + 8;
-            uint2 lo = make_uint2(0, 0), hi = lo;
-            if (k_ok && r_lo < m)
-              lo = *reinterpret_cast<const uint2*>(xb + static_cast<size_t>(r_lo) * K + k + 4 * j);
-            if (k_ok && r_hi < m)
-              hi = *reinterpret_cast<const uint2*>(xb + static_cast<size_t>(r_hi) * K + k + 4 * j);
+            for (int i = 0; i < Tiles; ++i) {
+              const int r_lo = row0 + i * 16 + g, r_hi = r_lo + 8;
+              uint2 lo = make_uint2(0, 0), hi = lo;
+              if (k_ok && r_lo < m)
+                lo =
+                    *reinterpret_cast<const uint2*>(xb + static_cast<size_t>(r_lo) * K + k + 4 * j);
+              if (k_ok && r_hi < m)
+                hi =
+                    *reinterpret_cast<const uint2*>(xb + static_cast<size_t>(r_hi) * K + k + 4 * j);
 #pragma unroll
-            for (int nt = 0; nt < NT; ++nt) {
-              const uint32_t* wb = reinterpret_cast<const uint32_t*>(&wv[u][nt][0]);
-              mma_bf16_16816(c[i][nt], lo.x, hi.x, lo.y, hi.y, wb[2 * j], wb[2 * j + 1]);
+              for (int nt = 0; nt < NT; ++nt) {
+                const uint32_t* wb = reinterpret_cast<const uint32_t*>(&wv[u][nt][0]);
+                mma_bf16_16816(c[i][nt], lo.x, hi.x, lo.y, hi.y, wb[2 * j], wb[2 * j + 1]);
+              }
             }
           }
         }
       }
-    }
 
 #pragma unroll
-    for (int i = 0; i < Tiles; ++i)
+      for (int i = 0; i < Tiles; ++i)
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
+        for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) partial[warp][i][nt][lane][e] = c[i][nt][e];
-    __syncthreads();
-    // Warp v sums n-tiles v, v + kWarps, ... over the warps in order 0..3.
-    for (int nt = warp; nt < NT; nt += kWarps) {
+          for (int e = 0; e < 4; ++e) partial[warp][i][nt][lane][e] = c[i][nt][e];
+      __syncthreads();
+      // Warp v sums n-tiles v, v + kWarps, ... over the warps in order 0..3.
+      for (int nt = warp; nt < NT; nt += kWarps) {
 #pragma unroll
-      for (int i = 0; i < Tiles; ++i) {
-        float sum[4];
+        for (int i = 0; i < Tiles; ++i) {
+          float sum[4];
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          sum[e] = partial[0][i][nt][lane][e];
+          for (int e = 0; e < 4; ++e) {
+            sum[e] = partial[0][i][nt][lane][e];
 #pragma unroll
-          for (int v = 1; v < kWarps; ++v) sum[e] += partial[v][i][nt][lane][e];
-        }
-        const int col = n_base + nt * 8 + 2 * t;
-        const int r_lo = row0 + i * 16 + g, r_hi = r_lo + 8;
-        if (r_lo < m) {
-          if (col < N) y[static_cast<size_t>(r_lo) * N + col] = sum[0];
-          if (col + 1 < N) y[static_cast<size_t>(r_lo) * N + col + 1] = sum[1];
-        }
-        if (r_hi < m) {
-          if (col < N) y[static_cast<size_t>(r_hi) * N + col] = sum[2];
-          if (col + 1 < N) y[static_cast<size_t>(r_hi) * N + col + 1] = sum[3];
+            for (int v = 1; v < kWarps; ++v) sum[e] += partial[v][i][nt][lane][e];
+          }
+          const int col = n_base + nt * 8 + 2 * t;
+          const int r_lo = row0 + i * 16 + g, r_hi = r_lo + 8;
+          if (r_lo < m) {
+            if (col < N) y[static_cast<size_t>(r_lo) * N + col] = sum[0];
+            if (col + 1 < N) y[static_cast<size_t>(r_lo) * N + col + 1] = sum[1];
+          }
+          if (r_hi < m) {
+            if (col < N) y[static_cast<size_t>(r_hi) * N + col] = sum[2];
+            if (col + 1 < N) y[static_cast<size_t>(r_hi) * N + col + 1] = sum[3];
+          }
         }
       }
+      __syncthreads();
     }
-    __syncthreads();
-  }
   }
 }
 
 // Inputs whose K is not a multiple of 16: one warp per output, lanes over k, fixed shuffle tree.
 // Also batch invariant (each output is computed on its own).
-__global__ void linear_warp_kernel(const float* __restrict__ x, int m, const uint16_t* __restrict__ w,
-                                   int N, int K, float* __restrict__ y) {
+__global__ void linear_warp_kernel(const float* __restrict__ x, int m,
+                                   const uint16_t* __restrict__ w, int N, int K,
+                                   float* __restrict__ y) {
   const int64_t out = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (out >= static_cast<int64_t>(m) * N) return;
@@ -325,11 +329,12 @@ T* grow(T*& p, int64_t& size, int64_t n) {
 void gemm_chunk(const __nv_bfloat16* xb, const ops::WeightRef& w, float* y) {
   const float alpha = 1.0f, beta = 0.0f;
   const int K = static_cast<int>(w.cols), N = static_cast<int>(w.rows);
-  // Column-major view: yᵀ[N, chunk] = W[N, K] (stored as K x N col-major, transposed) · xᵀ[K, chunk].
-  const cublasStatus_t st = cublasGemmEx(
-      cublas(), CUBLAS_OP_T, CUBLAS_OP_N, N, static_cast<int>(kPrefillChunk), K, &alpha, w.data,
-      CUDA_R_16BF, K, xb, CUDA_R_16BF, K, &beta, y, CUDA_R_32F, N, CUBLAS_COMPUTE_32F,
-      CUBLAS_GEMM_DEFAULT);
+  // Column-major view: yᵀ[N, chunk] = W[N, K] (stored as K x N col-major, transposed) · xᵀ[K,
+  // chunk].
+  const cublasStatus_t st =
+      cublasGemmEx(cublas(), CUBLAS_OP_T, CUBLAS_OP_N, N, static_cast<int>(kPrefillChunk), K,
+                   &alpha, w.data, CUDA_R_16BF, K, xb, CUDA_R_16BF, K, &beta, y, CUDA_R_32F, N,
+                   CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
   if (st != CUBLAS_STATUS_SUCCESS) fail("cuBLAS: cublasGemmEx failed (status ", int(st), ")");
 }
 
@@ -341,7 +346,7 @@ void linear_prefill(const float* x, int64_t m, const ops::WeightRef& w, float* y
   const auto stream_ = static_cast<cudaStream_t>(stream());
   const int64_t n = m * K, padded = chunks * kPrefillChunk * K;
   to_bf16_kernel<<<static_cast<unsigned>((padded + 255) / 256), 256, 0, stream_>>>(x, n, padded,
-                                                                                  xb);
+                                                                                   xb);
   check_launch("linear (bf16 convert)");
   for (int64_t c = 0; c < chunks; ++c) {
     const int64_t rows = std::min(kPrefillChunk, m - c * kPrefillChunk);
@@ -422,8 +427,8 @@ void linear(const float* x, int64_t m, const ops::WeightRef& w, float* y) {
       x, n, n, reinterpret_cast<__nv_bfloat16*>(xs));
   check_launch("linear (bf16 convert)");
   auto launch = [&](auto kernel, int cols_per_block) {
-    kernel<<<balanced_grid(kernel, (N + cols_per_block - 1) / cols_per_block), kWarps * 32, 0,
-             s>>>(xs, M, wp, N, K, y);
+    kernel<<<balanced_grid(kernel, (N + cols_per_block - 1) / cols_per_block), kWarps * 32, 0, s>>>(
+        xs, M, wp, N, K, y);
   };
   if (N >= 8192) {
     if (m <= 16)
