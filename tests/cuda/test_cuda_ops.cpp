@@ -1662,5 +1662,52 @@ TEST_F(CudaBatchInvariance, RecurrentRowsGraphReplaysWithNewDescriptors) {
   }
 }
 
+// linear_split writes each column slice of a stacked weight to its own buffer: every value is
+// bitwise the one a plain linear over the whole weight gives, at decode, window and batch sizes,
+// and in prefill mode (cuBLAS chunks, then copies).
+TEST_F(CudaTest, LinearSplitEqualsLinearColumns) {
+  std::mt19937 rng(77);
+  const int64_t K = 1024;
+  const std::vector<int64_t> cols = {512, 256, 16, 16};  // like DeltaNet's qkv | z | b | a
+  int64_t N = 0;
+  for (int64_t c : cols) N += c;
+  std::vector<uint16_t> wh(sz(N * K));
+  {
+    const std::vector<float> wf = randn(sz(N * K), rng, 0.03f);
+    for (size_t i = 0; i < wh.size(); ++i) wh[i] = f32_to_bf16(wf[i]);
+  }
+  DeviceBuffer<uint16_t> w(wh);
+  const ops::WeightRef ref{DType::BF16, w.get(), N, K};
+  for (bool prefill : {false, true}) {
+    cuda::set_prefill(prefill);
+    for (int64_t m : {1, 4, 9, 40, 300}) {
+      DeviceBuffer<float> x(randn(sz(m * K), rng));
+      DeviceBuffer<float> y(sz(m * N));
+      cuda::linear(x.get(), m, ref, y.get());
+      std::vector<DeviceBuffer<float>> parts;
+      std::vector<ops::OutputSlice> slices;
+      for (int64_t c : cols) {
+        parts.emplace_back(sz(m * c));
+        slices.push_back({parts.back().get(), c});
+      }
+      cuda::linear_split(x.get(), m, ref, slices.data(), static_cast<int>(slices.size()));
+      const std::vector<float> full = y.download();
+      int64_t c0 = 0;
+      for (size_t p = 0; p < cols.size(); ++p) {
+        const std::vector<float> got = parts[p].download();
+        std::vector<float> want(sz(m * cols[p]));
+        for (int64_t r = 0; r < m; ++r)
+          for (int64_t c = 0; c < cols[p]; ++c)
+            want[sz(r * cols[p] + c)] = full[sz(r * N + c0 + c)];
+        EXPECT_TRUE(bitwise_equal(got, want)) << "slice " << p << " m " << m << " prefill " << prefill;
+        c0 += cols[p];
+      }
+    }
+  }
+  cuda::set_prefill(false);
+  const ops::OutputSlice short_slice{nullptr, 5};
+  EXPECT_THROW(cuda::linear_split(nullptr, 1, ref, &short_slice, 1), Error);
+}
+
 }  // namespace
 }  // namespace tandem

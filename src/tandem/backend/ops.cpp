@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <vector>
 
 #include "tandem/backend/cpu/cpu_ops.h"
 #include "tandem/backend/cpu/memory_bandwidth.h"
@@ -232,6 +233,24 @@ std::string device_description() {
 
 void linear(const float* x, int64_t m, const WeightRef& w, float* y) {
   TANDEM_DISPATCH(linear(x, m, w, y));
+}
+void linear_split(const float* x, int64_t m, const WeightRef& w, const OutputSlice* slices,
+                  int n_slices) {
+  int64_t cols = 0;
+  for (int i = 0; i < n_slices; ++i) cols += slices[i].cols;
+  if (n_slices < 1 || n_slices > 4 || cols != w.rows)
+    fail("linear_split: ", n_slices, " slices covering ", cols, " columns of a ", w.rows,
+         "-row weight (1..4 slices covering every row)");
+#ifdef TANDEM_HAVE_CUDA
+  if (g_backend == Backend::Cuda) return cuda::linear_split(x, m, w, slices, n_slices);
+#endif
+  std::vector<float> y(static_cast<size_t>(m * w.rows));
+  cpu::linear(x, m, w, y.data());
+  int64_t c0 = 0;
+  for (int i = 0; i < n_slices; ++i) {
+    copy_rows(slices[i].dst, slices[i].cols, y.data() + c0, w.rows, m, slices[i].cols);
+    c0 += slices[i].cols;
+  }
 }
 void embed_rows(const WeightRef& table, const int32_t* ids, int64_t n, float* out) {
   TANDEM_DISPATCH(embed_rows(table, ids, n, out));

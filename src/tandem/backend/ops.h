@@ -84,6 +84,16 @@ int thread_count();
 // y[m, w.rows] = x[m, w.cols] · wᵀ
 void linear(const float* x, int64_t m, const WeightRef& w, float* y);
 
+// The same product with the output columns cut into consecutive slices, each written as its own
+// row-major [m, cols] array (a stacked q|k|v weight straight into three buffers). At most 4
+// slices; their cols must add up to w.rows. Every value is the one linear computes.
+struct OutputSlice {
+  float* dst = nullptr;
+  int64_t cols = 0;
+};
+void linear_split(const float* x, int64_t m, const WeightRef& w, const OutputSlice* slices,
+                  int n_slices);
+
 // out[i, :] = table[ids[i], :] converted to fp32. ids must be in range (checked by caller).
 void embed_rows(const WeightRef& table, const int32_t* ids, int64_t n, float* out);
 

@@ -29,18 +29,9 @@ void gated_attention(const GatedAttentionShape& s, const ops::WeightRef& q_norm,
                      const ops::WeightRef& k_norm, const float* inv_freq, const int64_t* positions,
                      std::span<const AttentionSegment> segments, const ops::KVLayerView& kv,
                      GatedAttentionScratch& x) {
-  gated_attention(s, q_norm, k_norm, inv_freq, positions, segments, kv,
-                  {x.qg.data(), x.k.data(), x.v.data()}, x);
-}
-
-void gated_attention(const GatedAttentionShape& s, const ops::WeightRef& q_norm,
-                     const ops::WeightRef& k_norm, const float* inv_freq, const int64_t* positions,
-                     std::span<const AttentionSegment> segments, const ops::KVLayerView& kv,
-                     const GatedAttentionInputs& in, GatedAttentionScratch& x) {
-  const float* qg = in.qg;
-  const float* v = in.v;
-  float* k = in.k;
-  float *q = x.q.data(), *gate = x.gate.data(), *o = x.o.data();
+  const float* qg = x.qg.data();
+  const float* v = x.v.data();
+  float *q = x.q.data(), *gate = x.gate.data(), *k = x.k.data(), *o = x.o.data();
   const int64_t nh = s.n_heads, nkv = s.n_kv_heads, hd = s.head_dim;
   int64_t T = 0;
   for (const AttentionSegment& seg : segments) T += seg.n;

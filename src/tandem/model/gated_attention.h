@@ -44,14 +44,6 @@ struct GatedAttentionScratch {
   void reserve(int64_t T, const GatedAttentionShape& s);
 };
 
-// Where the projections of the T tokens are: qg [T, n_heads, 2, head_dim] (per head: query then
-// gate), k and v [T, n_kv_heads, head_dim]. k is normed and rotated in place.
-struct GatedAttentionInputs {
-  const float* qg = nullptr;
-  float* k = nullptr;
-  const float* v = nullptr;
-};
-
 // Rotary inverse frequencies in fp32, as the reference computes them: 1 / theta^(2i / dim).
 std::vector<float> rope_inv_freq(double theta, int64_t rotary_dim);
 
@@ -66,10 +58,5 @@ void gated_attention(const GatedAttentionShape& shape, const ops::WeightRef& q_n
                      const ops::WeightRef& k_norm, const float* inv_freq, const int64_t* positions,
                      std::span<const AttentionSegment> segments, const ops::KVLayerView& kv,
                      GatedAttentionScratch& x);
-// The same with the projections elsewhere (e.g. slices of one stacked projection output).
-void gated_attention(const GatedAttentionShape& shape, const ops::WeightRef& q_norm,
-                     const ops::WeightRef& k_norm, const float* inv_freq, const int64_t* positions,
-                     std::span<const AttentionSegment> segments, const ops::KVLayerView& kv,
-                     const GatedAttentionInputs& in, GatedAttentionScratch& x);
 
 }  // namespace tandem

@@ -473,25 +473,18 @@ void Qwen35Model::attention_layer(const Layer& L, Qwen35State& st, int64_t T, bo
   shape.prompt = prompt;
   GatedAttentionScratch& x = w.attn;
   x.reserve(T, shape);
-  GatedAttentionInputs in{x.qg.data(), x.k.data(), x.v.data()};
   if (L.attn.in_proj.data) {
-    const int64_t nq = L.attn.q_proj.rows, nk = L.attn.k_proj.rows, P = L.attn.in_proj.rows;
-    float* proj = w.proj.data();
-    ops::linear(w.h.data(), T, L.attn.in_proj, proj);
-    if (T == 1) {
-      in = {proj, proj + nq, proj + nq + nk};  // contiguous slices already
-    } else {
-      ops::copy_rows(x.qg.data(), nq, proj, P, T, nq);
-      ops::copy_rows(x.k.data(), nk, proj + nq, P, T, nk);
-      ops::copy_rows(x.v.data(), nk, proj + nq + nk, P, T, nk);
-    }
+    const ops::OutputSlice out[] = {{x.qg.data(), L.attn.q_proj.rows},
+                                    {x.k.data(), L.attn.k_proj.rows},
+                                    {x.v.data(), L.attn.v_proj.rows}};
+    ops::linear_split(w.h.data(), T, L.attn.in_proj, out, 3);
   } else {
     ops::linear(w.h.data(), T, L.attn.q_proj, x.qg.data());
     ops::linear(w.h.data(), T, L.attn.k_proj, x.k.data());
     ops::linear(w.h.data(), T, L.attn.v_proj, x.v.data());
   }
   gated_attention(shape, L.attn.q_norm, L.attn.k_norm, inv_freq_.data(), w.pos.data(), w.segments,
-                  st.kv_layer(L.index_in_kind), in, x);
+                  st.kv_layer(L.index_in_kind), x);
   ops::linear(x.o.data(), T, L.attn.o_proj, w.h.data());
 }
 
@@ -505,21 +498,9 @@ void Qwen35Model::delta_layer(const Layer& L, Qwen35State& st, const ForwardRequ
         *a = w.a3.data() + T * nv, *core = w.a5.data();
   float *q = w.a4.data(), *k = q + T * kd, *v = k + T * kd;
   if (L.delta.in_proj.data) {
-    const int64_t P = L.delta.in_proj.rows;
-    float* proj = w.proj.data();
-    ops::linear(w.h.data(), T, L.delta.in_proj, proj);
-    if (T == 1) {
-      // One token: each projection already is a contiguous slice of the stacked output.
-      qkv = proj;
-      z = proj + conv_dim;
-      b = proj + conv_dim + vd;
-      a = b + nv;
-    } else {
-      ops::copy_rows(qkv, conv_dim, proj, P, T, conv_dim);
-      ops::copy_rows(z, vd, proj + conv_dim, P, T, vd);
-      ops::copy_rows(b, nv, proj + conv_dim + vd, P, T, nv);
-      ops::copy_rows(a, nv, proj + conv_dim + vd + nv, P, T, nv);
-    }
+    // One stacked projection, its column slices written straight into the four buffers.
+    const ops::OutputSlice out[] = {{qkv, conv_dim}, {z, vd}, {b, nv}, {a, nv}};
+    ops::linear_split(w.h.data(), T, L.delta.in_proj, out, 4);
   } else {
     ops::linear(w.h.data(), T, L.delta.in_proj_qkv, qkv);
     ops::linear(w.h.data(), T, L.delta.in_proj_z, z);

@@ -67,6 +67,8 @@ void bump_scratch_generation();
 void set_prefill(bool on);
 
 void linear(const float* x, int64_t m, const ops::WeightRef& w, float* y);
+void linear_split(const float* x, int64_t m, const ops::WeightRef& w,
+                  const ops::OutputSlice* slices, int n_slices);
 void embed_rows(const ops::WeightRef& table, const int32_t* ids, int64_t n, float* out);
 void rms_norm(const float* x, int64_t m, int64_t d, const ops::WeightRef& w, bool zero_centred,
               float eps, float* y);

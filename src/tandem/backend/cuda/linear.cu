@@ -60,11 +60,32 @@ __device__ __forceinline__ void mma_bf16_16816(float (&c)[4], uint32_t a0, uint3
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+// Where output column `col` of a row goes: consecutive column slices, each its own row-major
+// [m, width] array (linear_split), or one slice for a plain linear.
+constexpr int kMaxSlices = 4;
+struct SplitOut {
+  float* dst[kMaxSlices];
+  int start[kMaxSlices + 1];  // first column of each slice; start[parts] = N
+  int parts;
+  __device__ __forceinline__ void store(int r, int col, float v) const {
+    float* d = dst[0];
+    int s0 = 0, s1 = start[1];
+#pragma unroll
+    for (int q = 1; q < kMaxSlices; ++q)
+      if (q < parts && col >= start[q]) {
+        d = dst[q];
+        s0 = start[q];
+        s1 = start[q + 1];
+      }
+    d[static_cast<size_t>(r) * (s1 - s0) + (col - s0)] = v;
+  }
+};
+
 // x: [m, K] fp32, 16-byte aligned rows (K % 16 == 0). w: [N, K] bf16. y: [m, N] fp32.
 template <int Tiles>
 __global__ void __launch_bounds__(kWarps * 32)
     linear_mma_kernel(const float* __restrict__ x, int m, const uint16_t* __restrict__ w, int N,
-                      int K, float* __restrict__ y) {
+                      int K, const SplitOut y) {
   __shared__ float partial[kWarps][Tiles][32][4];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
@@ -142,12 +163,12 @@ __global__ void __launch_bounds__(kWarps * 32)
           const int col = grp * kCols + 2 * t;
           const int r_lo = row0 + i * 16 + g, r_hi = r_lo + 8;
           if (r_lo < m) {
-            if (col < N) y[static_cast<size_t>(r_lo) * N + col] = s[0];
-            if (col + 1 < N) y[static_cast<size_t>(r_lo) * N + col + 1] = s[1];
+            if (col < N) y.store(r_lo, col, s[0]);
+            if (col + 1 < N) y.store(r_lo, col + 1, s[1]);
           }
           if (r_hi < m) {
-            if (col < N) y[static_cast<size_t>(r_hi) * N + col] = s[2];
-            if (col + 1 < N) y[static_cast<size_t>(r_hi) * N + col + 1] = s[3];
+            if (col < N) y.store(r_hi, col, s[2]);
+            if (col + 1 < N) y.store(r_hi, col + 1, s[3]);
           }
         }
       }
@@ -164,7 +185,7 @@ __global__ void __launch_bounds__(kWarps * 32)
 template <int Tiles, int NT>
 __global__ void __launch_bounds__(kWarps * 32)
     linear_mma_wide_kernel(const uint16_t* __restrict__ xb, int m, const uint16_t* __restrict__ w,
-                           int N, int K, float* __restrict__ y) {
+                           int N, int K, const SplitOut y) {
   constexpr int U = NT >= 4 ? 1 : 4 / NT;  // chunks in flight: weights stay at 8·NT·U registers
   __shared__ float partial[kWarps][Tiles][NT][32][4];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -253,12 +274,12 @@ __global__ void __launch_bounds__(kWarps * 32)
           const int col = n_base + nt * 8 + 2 * t;
           const int r_lo = row0 + i * 16 + g, r_hi = r_lo + 8;
           if (r_lo < m) {
-            if (col < N) y[static_cast<size_t>(r_lo) * N + col] = sum[0];
-            if (col + 1 < N) y[static_cast<size_t>(r_lo) * N + col + 1] = sum[1];
+            if (col < N) y.store(r_lo, col, sum[0]);
+            if (col + 1 < N) y.store(r_lo, col + 1, sum[1]);
           }
           if (r_hi < m) {
-            if (col < N) y[static_cast<size_t>(r_hi) * N + col] = sum[2];
-            if (col + 1 < N) y[static_cast<size_t>(r_hi) * N + col + 1] = sum[3];
+            if (col < N) y.store(r_hi, col, sum[2]);
+            if (col + 1 < N) y.store(r_hi, col + 1, sum[3]);
           }
         }
       }
@@ -271,7 +292,7 @@ __global__ void __launch_bounds__(kWarps * 32)
 // Also batch invariant (each output is computed on its own).
 __global__ void linear_warp_kernel(const float* __restrict__ x, int m,
                                    const uint16_t* __restrict__ w, int N, int K,
-                                   float* __restrict__ y) {
+                                   const SplitOut y) {
   const int64_t out = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (out >= static_cast<int64_t>(m) * N) return;
@@ -286,7 +307,7 @@ __global__ void linear_warp_kernel(const float* __restrict__ x, int m,
   }
 #pragma unroll
   for (int off = 16; off > 0; off /= 2) s += __shfl_down_sync(0xffffffffu, s, off);
-  if (lane == 0) y[out] = s;
+  if (lane == 0) y.store(r, n, s);
 }
 
 // out[i] = bf16(x[i]) for i < n, 0 for n <= i < padded.
@@ -338,7 +359,7 @@ void gemm_chunk(const __nv_bfloat16* xb, const ops::WeightRef& w, float* y) {
   if (st != CUBLAS_STATUS_SUCCESS) fail("cuBLAS: cublasGemmEx failed (status ", int(st), ")");
 }
 
-void linear_prefill(const float* x, int64_t m, const ops::WeightRef& w, float* y) {
+void linear_prefill(const float* x, int64_t m, const ops::WeightRef& w, const SplitOut& out) {
   static PrefillScratch s;
   const int64_t K = w.cols, N = w.rows;
   const int64_t chunks = (m + kPrefillChunk - 1) / kPrefillChunk;
@@ -351,12 +372,15 @@ void linear_prefill(const float* x, int64_t m, const ops::WeightRef& w, float* y
   for (int64_t c = 0; c < chunks; ++c) {
     const int64_t rows = std::min(kPrefillChunk, m - c * kPrefillChunk);
     const __nv_bfloat16* xc = xb + c * kPrefillChunk * K;
-    if (rows == kPrefillChunk) {
-      gemm_chunk(xc, w, y + c * kPrefillChunk * N);
-    } else {
-      float* tail = grow(s.tail, s.tail_size, kPrefillChunk * N);
-      gemm_chunk(xc, w, tail);
-      copy_rows(y + c * kPrefillChunk * N, N, tail, N, rows, N);
+    if (rows == kPrefillChunk && out.parts == 1) {
+      gemm_chunk(xc, w, out.dst[0] + c * kPrefillChunk * N);
+      continue;
+    }
+    float* tail = grow(s.tail, s.tail_size, kPrefillChunk * N);
+    gemm_chunk(xc, w, tail);
+    for (int p = 0; p < out.parts; ++p) {
+      const int64_t width = out.start[p + 1] - out.start[p];
+      copy_rows(out.dst[p] + c * kPrefillChunk * width, width, tail + out.start[p], N, rows, width);
     }
   }
 }
@@ -392,7 +416,21 @@ void set_prefill(bool on) {
   g_prefill = on;
 }
 
-void linear(const float* x, int64_t m, const ops::WeightRef& w, float* y) {
+void linear_split(const float* x, int64_t m, const ops::WeightRef& w,
+                  const ops::OutputSlice* slices, int n_slices) {
+  if (n_slices < 1 || n_slices > kMaxSlices)
+    fail("cuda linear: ", n_slices, " output slices (1..", kMaxSlices, " supported)");
+  SplitOut y{};
+  y.parts = n_slices;
+  int64_t col = 0;
+  for (int p = 0; p < n_slices; ++p) {
+    y.dst[p] = slices[p].dst;
+    y.start[p] = static_cast<int>(col);
+    col += slices[p].cols;
+  }
+  y.start[n_slices] = static_cast<int>(col);
+  if (col != w.rows)
+    fail("cuda linear: output slices cover ", col, " columns of a ", w.rows, "-row weight");
   if (m == 0 || w.rows == 0) return;
   if (w.dtype != DType::BF16)
     fail("cuda linear: weights must be BF16 on the device, got ", dtype_name(w.dtype));
@@ -446,6 +484,11 @@ void linear(const float* x, int64_t m, const ops::WeightRef& w, float* y) {
       launch(linear_mma_wide_kernel<kMaxTiles, 2>, 16);
   }
   check_launch("linear");
+}
+
+void linear(const float* x, int64_t m, const ops::WeightRef& w, float* y) {
+  const ops::OutputSlice all{y, w.rows};
+  cuda::linear_split(x, m, w, &all, 1);
 }
 
 }  // namespace tandem::cuda
