@@ -1709,5 +1709,56 @@ TEST_F(CudaTest, LinearSplitEqualsLinearColumns) {
   EXPECT_THROW(cuda::linear_split(nullptr, 1, ref, &short_slice, 1), Error);
 }
 
+// The recurrence reading q, k, v in place from a conv output ([q | k | v] per token,
+// qkv_token_stride apart) gives the bits of packed inputs, for every row of a batched call.
+TEST_F(CudaTest, DeltaRuleReadsStridedQkvLikePacked) {
+  std::mt19937 rng(91);
+  const int64_t nk = 16, nv = 32, d = 128, kd = nk * d, vd = nv * d, cd = 2 * kd + vd;
+  const std::vector<int64_t> lens = {3, 1, 5};
+  int64_t T = 0;
+  for (int64_t n : lens) T += n;
+  const std::vector<float> conv = randn(sz(T * cd), rng);
+  std::vector<float> q(sz(T * kd)), k(q.size()), v(sz(T * vd));
+  for (int64_t t = 0; t < T; ++t) {
+    std::copy_n(conv.begin() + t * cd, kd, q.begin() + t * kd);
+    std::copy_n(conv.begin() + t * cd + kd, kd, k.begin() + t * kd);
+    std::copy_n(conv.begin() + t * cd + 2 * kd, vd, v.begin() + t * vd);
+  }
+  const std::vector<float> a = randn(sz(T * nv), rng), b = randn(sz(T * nv), rng);
+  const std::vector<float> state0 = randn(sz(3 * nv * d * d), rng, 0.1f);
+  DeviceBuffer<float> dconv(conv), dq(q), dk(k), dv(v), da(a), db(b);
+  DeviceBuffer<float> alog(uniform(sz(nv), rng, 0.0f, 2.0f)), dtb(uniform(sz(nv), rng, 0.5f, 1.5f));
+  const ops::WeightRef A{DType::F32, alog.get(), 1, nv}, B{DType::F32, dtb.get(), 1, nv};
+  std::vector<std::vector<float>> outs, states;
+  for (bool strided : {false, true}) {
+    DeviceBuffer<float> st(state0), out(sz(T * vd)), after(sz(5 * nv * d * d));
+    std::vector<ops::RecurrentRow> rows;
+    int64_t t0 = 0;
+    for (size_t r = 0; r < lens.size(); ++r) {
+      ops::RecurrentRow row;
+      row.first_token = t0;
+      row.n = lens[r];
+      row.state = st.get() + r * nv * d * d;
+      row.state_after = r == 2 ? after.get() : nullptr;
+      rows.push_back(row);
+      t0 += lens[r];
+    }
+    DeviceBuffer<ops::RecurrentRow> drows(rows);
+    ops::DeltaHeads h{nk, nv, d, d};
+    if (strided) h.qkv_token_stride = cd;
+    const float* pq = strided ? dconv.get() : dq.get();
+    const float* pk = strided ? dconv.get() + kd : dk.get();
+    const float* pv = strided ? dconv.get() + 2 * kd : dv.get();
+    cuda::gated_delta_rule_rows(pq, pk, pv, da.get(), db.get(), A, B, drows.get(), 3, 5, h,
+                                out.get());
+    outs.push_back(out.download());
+    std::vector<float> s_all = st.download(), s_after = after.download();
+    s_all.insert(s_all.end(), s_after.begin(), s_after.end());
+    states.push_back(s_all);
+  }
+  EXPECT_TRUE(bitwise_equal(outs[1], outs[0]));
+  EXPECT_TRUE(bitwise_equal(states[1], states[0]));
+}
+
 }  // namespace
 }  // namespace tandem

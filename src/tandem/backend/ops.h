@@ -188,6 +188,10 @@ void causal_conv_silu(const float* x, int64_t n, int64_t channels, int64_t kerne
 //  state_after (optional): [n, n_v_heads, dk, dv] receives the state after each token.
 struct DeltaHeads {
   int64_t n_k_heads, n_v_heads, dk, dv;
+  // Floats between consecutive tokens of q, k and v; 0 = packed (q, k: n_k_heads·dk, v:
+  // n_v_heads·dv). Lets the recurrence read q, k, v in place from the conv output, whose tokens
+  // are [q | k | v] rows.
+  int64_t qkv_token_stride = 0;
 };
 void gated_delta_rule(const float* q, const float* k, const float* v, const float* a,
                       const float* b, const WeightRef& A_log, const WeightRef& dt_bias, int64_t n,

@@ -496,7 +496,6 @@ void Qwen35Model::delta_layer(const Layer& L, Qwen35State& st, const ForwardRequ
                 nv = c.linear_num_value_heads;
   float *qkv = w.a0.data(), *conv = w.a1.data(), *z = w.a2.data(), *b = w.a3.data(),
         *a = w.a3.data() + T * nv, *core = w.a5.data();
-  float *q = w.a4.data(), *k = q + T * kd, *v = k + T * kd;
   if (L.delta.in_proj.data) {
     // One stacked projection, its column slices written straight into the four buffers.
     const ops::OutputSlice out[] = {{qkv, conv_dim}, {z, vd}, {b, nv}, {a, nv}};
@@ -528,19 +527,12 @@ void Qwen35Model::delta_layer(const Layer& L, Qwen35State& st, const ForwardRequ
   const ops::RecurrentRow* rows = w.recurrent_rows.data() + li * R;
   ops::causal_conv_silu_rows(qkv, conv_dim, c.linear_conv_kernel_dim, L.delta.conv1d, rows, R,
                              w.max_row_tokens, conv);
-  // The conv output per token is [q (kd) | k (kd) | v (vd)]; the recurrence wants each packed
-  // (for one token it already is).
-  if (T == 1) {
-    q = conv;
-    k = conv + kd;
-    v = conv + 2 * kd;
-  } else {
-    ops::copy_rows(q, kd, conv, conv_dim, T, kd);
-    ops::copy_rows(k, kd, conv + kd, conv_dim, T, kd);
-    ops::copy_rows(v, vd, conv + 2 * kd, conv_dim, T, vd);
-  }
-  const ops::DeltaHeads heads{c.linear_num_key_heads, c.linear_num_value_heads,
-                              c.linear_key_head_dim, c.linear_value_head_dim};
+  // The conv output per token is [q (kd) | k (kd) | v (vd)]: the recurrence reads the three in
+  // place, conv_dim floats apart from one token to the next.
+  const float *q = conv, *k = conv + kd, *v = conv + 2 * kd;
+  ops::DeltaHeads heads{c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim,
+                        c.linear_value_head_dim};
+  heads.qkv_token_stride = conv_dim;
   ops::gated_delta_rule_rows(q, k, v, a, b, L.delta.A_log, L.delta.dt_bias, rows, R,
                              w.max_row_tokens, heads, core);
   ops::gated_rms_norm(core, z, T * nv, c.linear_value_head_dim, L.delta.norm,

@@ -4,6 +4,7 @@
 // with q, k L2-normalised (eps 1e-6, as the reference) and q scaled by dk^-0.5.
 #include <omp.h>
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -30,6 +31,20 @@ inline void l2_normalise(const float* x, int64_t d, float scale, float* y) {
 void gated_delta_rule(const float* q, const float* k, const float* v, const float* a,
                       const float* b, const WeightRef& A_log, const WeightRef& dt_bias, int64_t n,
                       const DeltaHeads& h, float* state, float* out, float* state_after) {
+  if (h.qkv_token_stride != 0) {
+    // Gather strided q, k, v into packed rows; the arithmetic below reads packed inputs only.
+    const int64_t qk = h.n_k_heads * h.dk, vr = h.n_v_heads * h.dv, s = h.qkv_token_stride;
+    std::vector<float> pq(static_cast<size_t>(n * qk)), pk(pq.size()), pv(static_cast<size_t>(n * vr));
+    for (int64_t t = 0; t < n; ++t) {
+      std::copy_n(q + t * s, qk, pq.data() + t * qk);
+      std::copy_n(k + t * s, qk, pk.data() + t * qk);
+      std::copy_n(v + t * s, vr, pv.data() + t * vr);
+    }
+    DeltaHeads packed = h;
+    packed.qkv_token_stride = 0;
+    return cpu::gated_delta_rule(pq.data(), pk.data(), pv.data(), a, b, A_log, dt_bias, n, packed,
+                            state, out, state_after);
+  }
   const int64_t dk = h.dk, dv = h.dv;
   const int64_t group = h.n_v_heads / h.n_k_heads;
   const float q_scale = 1.0f / std::sqrt(static_cast<float>(dk));

@@ -42,12 +42,14 @@ void gated_delta_rule_rows(const float* q, const float* k, const float* v, const
                            const ops::WeightRef& dt_bias, const ops::RecurrentRow* rows,
                            int64_t n_rows, int64_t max_n, const ops::DeltaHeads& h, float* out) {
   check_rows(rows, n_rows, max_n, "gated_delta_rule_rows", false);
-  const int64_t qk_row = h.n_k_heads * h.dk, v_row = h.n_v_heads * h.dv;
+  const int64_t v_row = h.n_v_heads * h.dv;
+  const int64_t qk_step = h.qkv_token_stride ? h.qkv_token_stride : h.n_k_heads * h.dk;
+  const int64_t v_step = h.qkv_token_stride ? h.qkv_token_stride : v_row;
   for (int64_t r = 0; r < n_rows; ++r) {
     const ops::RecurrentRow& row = rows[r];
     if (row.n == 0) continue;
     const int64_t t0 = row.first_token;
-    cpu::gated_delta_rule(q + t0 * qk_row, k + t0 * qk_row, v + t0 * v_row, a + t0 * h.n_v_heads,
+    cpu::gated_delta_rule(q + t0 * qk_step, k + t0 * qk_step, v + t0 * v_step, a + t0 * h.n_v_heads,
                           b + t0 * h.n_v_heads, A_log, dt_bias, row.n, h, row.state,
                           out + t0 * v_row, row.state_after);
   }

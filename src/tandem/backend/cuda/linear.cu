@@ -369,19 +369,28 @@ void linear_prefill(const float* x, int64_t m, const ops::WeightRef& w, const Sp
   to_bf16_kernel<<<static_cast<unsigned>((padded + 255) / 256), 256, 0, stream_>>>(x, n, padded,
                                                                                    xb);
   check_launch("linear (bf16 convert)");
-  for (int64_t c = 0; c < chunks; ++c) {
-    const int64_t rows = std::min(kPrefillChunk, m - c * kPrefillChunk);
-    const __nv_bfloat16* xc = xb + c * kPrefillChunk * K;
-    if (rows == kPrefillChunk && out.parts == 1) {
-      gemm_chunk(xc, w, out.dst[0] + c * kPrefillChunk * N);
-      continue;
+  if (out.parts == 1) {
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int64_t rows = std::min(kPrefillChunk, m - c * kPrefillChunk);
+      const __nv_bfloat16* xc = xb + c * kPrefillChunk * K;
+      if (rows == kPrefillChunk) {
+        gemm_chunk(xc, w, out.dst[0] + c * kPrefillChunk * N);
+      } else {
+        float* tail = grow(s.tail, s.tail_size, kPrefillChunk * N);
+        gemm_chunk(xc, w, tail);
+        copy_rows(out.dst[0] + c * kPrefillChunk * N, N, tail, N, rows, N);
+      }
     }
-    float* tail = grow(s.tail, s.tail_size, kPrefillChunk * N);
-    gemm_chunk(xc, w, tail);
-    for (int p = 0; p < out.parts; ++p) {
-      const int64_t width = out.start[p + 1] - out.start[p];
-      copy_rows(out.dst[p] + c * kPrefillChunk * width, width, tail + out.start[p], N, rows, width);
-    }
+    return;
+  }
+  // Several slices: every chunk into one scratch [chunks · kPrefillChunk, N], then one strided
+  // copy per slice.
+  float* full = grow(s.tail, s.tail_size, chunks * kPrefillChunk * N);
+  for (int64_t c = 0; c < chunks; ++c)
+    gemm_chunk(xb + c * kPrefillChunk * K, w, full + c * kPrefillChunk * N);
+  for (int p = 0; p < out.parts; ++p) {
+    const int64_t width = out.start[p + 1] - out.start[p];
+    copy_rows(out.dst[p], width, full + out.start[p], N, m, width);
   }
 }
 

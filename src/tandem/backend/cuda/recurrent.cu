@@ -191,6 +191,7 @@ struct alignas(16) DeltaChunk {
 struct DeltaArgs {
   const float *q, *k, *v, *a, *b, *A_log, *dt_bias;
   int64_t n_k_heads, n_v_heads, dv;
+  int64_t qk_stride, v_stride;  // floats between consecutive tokens of q/k and of v
   int dk;
   float q_scale;
   // q, k, v 16-byte aligned and dk, dv multiples of 4: stage with 16-byte copies. A row's first
@@ -254,25 +255,25 @@ __device__ void delta_stage(DeltaChunk<ROWS, TOKENS>& ch, const DeltaArgs& g, in
     const int f4 = g.dk / 4;
     for (int e = tid; e < count * f4; e += kDeltaThreads) {
       const int p = e / f4, f = e - p * f4;
-      const int64_t src = ((t0 + p) * g.n_k_heads + kh) * g.dk + 4 * f;
+      const int64_t src = (t0 + p) * g.qk_stride + kh * g.dk + 4 * f;
       copy_async16(&ch.qk[0][p][4 * f], g.q + src);
       copy_async16(&ch.qk[1][p][4 * f], g.k + src);
     }
     const int c4 = ncols / 4;
     for (int e = tid; e < count * c4; e += kDeltaThreads) {
       const int p = e / c4, f = e - p * c4;
-      copy_async16(&ch.v[p][4 * f], g.v + ((t0 + p) * g.n_v_heads + vh) * g.dv + col0 + 4 * f);
+      copy_async16(&ch.v[p][4 * f], g.v + (t0 + p) * g.v_stride + vh * g.dv + col0 + 4 * f);
     }
   } else {
     for (int e = tid; e < count * g.dk; e += kDeltaThreads) {
       const int p = e / g.dk, i = e - p * g.dk;
-      const int64_t src = ((t0 + p) * g.n_k_heads + kh) * g.dk + i;
+      const int64_t src = (t0 + p) * g.qk_stride + kh * g.dk + i;
       copy_async4(&ch.qk[0][p][i], g.q + src);
       copy_async4(&ch.qk[1][p][i], g.k + src);
     }
     for (int e = tid; e < count * ncols; e += kDeltaThreads) {
       const int p = e / ncols, c = e - p * ncols;
-      copy_async4(&ch.v[p][c], g.v + ((t0 + p) * g.n_v_heads + vh) * g.dv + col0 + c);
+      copy_async4(&ch.v[p][c], g.v + (t0 + p) * g.v_stride + vh * g.dv + col0 + c);
     }
   }
   if (tid < count) {
@@ -495,10 +496,13 @@ DeltaArgs delta_args(const float* q, const float* k, const float* v, const float
   g.dt_bias = static_cast<const float*>(dt_bias.data);
   g.n_k_heads = h.n_k_heads, g.n_v_heads = h.n_v_heads, g.dv = h.dv;
   g.dk = static_cast<int>(h.dk);
+  g.qk_stride = h.qkv_token_stride ? h.qkv_token_stride : h.n_k_heads * h.dk;
+  g.v_stride = h.qkv_token_stride ? h.qkv_token_stride : h.n_v_heads * h.dv;
   // The same expression as the CPU's, so the two backends use the same bits.
   g.q_scale = 1.0f / std::sqrt(static_cast<float>(h.dk));
   // Either copy width stages the same words, so the choice never changes a result.
-  g.copy16 = h.dk % 4 == 0 && h.dv % 4 == 0 && aligned16(q) && aligned16(k) && aligned16(v);
+  g.copy16 = h.dk % 4 == 0 && h.dv % 4 == 0 && g.qk_stride % 4 == 0 && g.v_stride % 4 == 0 &&
+             aligned16(q) && aligned16(k) && aligned16(v);
   g.out = out;
   return g;
 }
