@@ -1699,7 +1699,8 @@ TEST_F(CudaTest, LinearSplitEqualsLinearColumns) {
         for (int64_t r = 0; r < m; ++r)
           for (int64_t c = 0; c < cols[p]; ++c)
             want[sz(r * cols[p] + c)] = full[sz(r * N + c0 + c)];
-        EXPECT_TRUE(bitwise_equal(got, want)) << "slice " << p << " m " << m << " prefill " << prefill;
+        EXPECT_TRUE(bitwise_equal(got, want))
+            << "slice " << p << " m " << m << " prefill " << prefill;
         c0 += cols[p];
       }
     }

@@ -29,6 +29,20 @@ float hash_uniform(uint64_t seed, uint64_t i) {
 
 constexpr int64_t kChunkRows = 1024;  // host conversion staging, rows at a time
 
+#ifdef TANDEM_HAVE_CUDA
+// Uploads a [rows, cols] matrix as bf16, kChunkRows rows at a time: fill(r0, nr, out) writes
+// rows r0..r0+nr-1 as fp32 into out, which upload_bf16 rounds and copies.
+template <class Fill>
+void upload_rows_bf16(uint16_t* dst, int64_t rows, int64_t cols, Fill fill) {
+  std::vector<float> staging(static_cast<size_t>(kChunkRows * cols));
+  for (int64_t r0 = 0; r0 < rows; r0 += kChunkRows) {
+    const int64_t nr = std::min(kChunkRows, rows - r0);
+    fill(r0, nr, staging.data());
+    cuda::upload_bf16(dst + r0 * cols, staging.data(), nr * cols);
+  }
+}
+#endif
+
 }  // namespace
 
 void* WeightArena::own(size_t bytes) {
@@ -51,13 +65,10 @@ ops::WeightRef WeightArena::matrix(const ops::WeightRef& stored) {
   if (stored.dtype == DType::BF16) {
     cuda::copy_to_device(dst, stored.data, sizeof(uint16_t) * static_cast<size_t>(n));
   } else {
-    std::vector<float> row(static_cast<size_t>(kChunkRows * stored.cols));
-    for (int64_t r0 = 0; r0 < stored.rows; r0 += kChunkRows) {
-      const int64_t nr = std::min(kChunkRows, stored.rows - r0);
+    upload_rows_bf16(dst, stored.rows, stored.cols, [&](int64_t r0, int64_t nr, float* out) {
       for (int64_t i = 0; i < nr * stored.cols; ++i)
-        row[static_cast<size_t>(i)] = ops::weight_element(stored, r0 * stored.cols + i);
-      cuda::upload_bf16(dst + r0 * stored.cols, row.data(), nr * stored.cols);
-    }
+        out[i] = ops::weight_element(stored, r0 * stored.cols + i);
+    });
   }
 #endif
   return w;
@@ -85,12 +96,9 @@ ops::WeightRef WeightArena::dequantized(const ops::QuantWeightRef& q) {
   auto* dst = static_cast<uint16_t*>(own(sizeof(uint16_t) * static_cast<size_t>(q.rows * q.cols)));
   w.data = dst;
 #ifdef TANDEM_HAVE_CUDA
-  std::vector<float> rows(static_cast<size_t>(kChunkRows * q.cols));
-  for (int64_t r0 = 0; r0 < q.rows; r0 += kChunkRows) {
-    const int64_t nr = std::min(kChunkRows, q.rows - r0);
-    cpu::dequantize_rows(q, r0, nr, rows.data());
-    cuda::upload_bf16(dst + r0 * q.cols, rows.data(), nr * q.cols);
-  }
+  upload_rows_bf16(dst, q.rows, q.cols, [&](int64_t r0, int64_t nr, float* out) {
+    cpu::dequantize_rows(q, r0, nr, out);
+  });
 #endif
   return w;
 }

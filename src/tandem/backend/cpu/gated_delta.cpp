@@ -34,7 +34,8 @@ void gated_delta_rule(const float* q, const float* k, const float* v, const floa
   if (h.qkv_token_stride != 0) {
     // Gather strided q, k, v into packed rows; the arithmetic below reads packed inputs only.
     const int64_t qk = h.n_k_heads * h.dk, vr = h.n_v_heads * h.dv, s = h.qkv_token_stride;
-    std::vector<float> pq(static_cast<size_t>(n * qk)), pk(pq.size()), pv(static_cast<size_t>(n * vr));
+    std::vector<float> pq(static_cast<size_t>(n * qk)), pk(pq.size()),
+        pv(static_cast<size_t>(n * vr));
     for (int64_t t = 0; t < n; ++t) {
       std::copy_n(q + t * s, qk, pq.data() + t * qk);
       std::copy_n(k + t * s, qk, pk.data() + t * qk);
@@ -43,7 +44,7 @@ void gated_delta_rule(const float* q, const float* k, const float* v, const floa
     DeltaHeads packed = h;
     packed.qkv_token_stride = 0;
     return cpu::gated_delta_rule(pq.data(), pk.data(), pv.data(), a, b, A_log, dt_bias, n, packed,
-                            state, out, state_after);
+                                 state, out, state_after);
   }
   const int64_t dk = h.dk, dv = h.dv;
   const int64_t group = h.n_v_heads / h.n_k_heads;

@@ -291,8 +291,7 @@ __global__ void __launch_bounds__(kWarps * 32)
 // Inputs whose K is not a multiple of 16: one warp per output, lanes over k, fixed shuffle tree.
 // Also batch invariant (each output is computed on its own).
 __global__ void linear_warp_kernel(const float* __restrict__ x, int m,
-                                   const uint16_t* __restrict__ w, int N, int K,
-                                   const SplitOut y) {
+                                   const uint16_t* __restrict__ w, int N, int K, const SplitOut y) {
   const int64_t out = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (out >= static_cast<int64_t>(m) * N) return;
