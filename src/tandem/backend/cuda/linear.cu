@@ -3,14 +3,16 @@
 // Decode and verify shapes (every call outside prefill) go through one tensor-core kernel whose
 // reduction order is fixed by K alone, so a row's result is bitwise the same whether it is alone,
 // in a verify window or next to other rows (DESIGN.md principle 2):
-//  - a block owns 8 output columns (one m16n8k16 n-tile) and splits K over its 4 warps in
+//  - a block owns 8·NT output columns (NT m16n8k16 n-tiles) and splits K over its 4 warps in
 //    64-wide chunks, warp w taking chunks w, w+4, w+8, ... in ascending order;
 //  - each warp accumulates its chunks with mma.sync in fp32; the 4 warp partials are then summed
 //    in warp order through shared memory;
 //  - rows are processed 16 per m-tile, up to 64 per pass; more rows take more passes over the
 //    same weights. A row's arithmetic never depends on which tile or pass it lands in.
-// Weights are streamed once per pass with 16-byte loads (the memory roofline at m = 1); inputs
-// are read as fp32 and rounded to bf16 in registers.
+// Weights are streamed once per pass with 16-byte loads (the memory roofline at m = 1). Up to
+// kNarrowRows rows, inputs are read as fp32 and rounded to bf16 in registers; larger batches
+// round them once into a bf16 scratch copy first. Either way the same bf16 values enter the same
+// mma sequence, so the choice depends on m freely.
 //
 // Within one mma the 16 k-slots of the instruction need not be 16 consecutive k: any bijection
 // works if A and B use the same one. Lane (g, t) loads 16 consecutive weights W[n0+g][kb+16t ..]
@@ -37,9 +39,7 @@ namespace tandem::cuda {
 namespace {
 
 constexpr int kWarps = 4;
-constexpr int kCols = 8;            // output columns per block
 constexpr int kChunk = 64;          // k per warp chunk: 4 lanes x 16
-constexpr int kUnroll = 4;          // chunks whose weights are loaded before the first mma
 constexpr int kMaxTiles = 4;        // 16-row m-tiles per pass
 constexpr int64_t kNarrowRows = 4;  // up to this many rows: in-register bf16 rounding, 1 n-tile
 constexpr int64_t kPrefillChunk = 256;
@@ -81,111 +81,17 @@ struct SplitOut {
   }
 };
 
-// x: [m, K] fp32, 16-byte aligned rows (K % 16 == 0). w: [N, K] bf16. y: [m, N] fp32.
-template <int Tiles>
+// The kernel. Each warp applies every A fragment it loads to NT n-tiles (8·NT columns per block),
+// so the activations, which every block reads in full, come from L2 NT times less often. Per
+// output the mma sequence is fixed: chunks ascending, j = 0..3 within a chunk, then warps 0..3.
+// F32X: the inputs are fp32 and rounded to bf16 in registers (decode-sized calls pay no
+// conversion launch); else `xin` holds them as bf16 already.
+template <int Tiles, int NT, bool F32X = false>
 __global__ void __launch_bounds__(kWarps * 32)
-    linear_mma_kernel(const float* __restrict__ x, int m, const uint16_t* __restrict__ w, int N,
-                      int K, const SplitOut y) {
-  __shared__ float partial[kWarps][Tiles][32][4];
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int g = lane / 4, t = lane % 4;
-  const int chunks = (K + kChunk - 1) / kChunk;
-  const int groups = (N + kCols - 1) / kCols;
-  // Column groups are spread evenly over a grid the GPU holds at once (linear()'s launch), so no
-  // partial second wave leaves SMs idle at the end of a weight.
-  for (int grp = blockIdx.x; grp < groups; grp += gridDim.x) {
-    const int n = grp * kCols + g;
-    const bool n_ok = n < N;
-    const uint4* wrow = reinterpret_cast<const uint4*>(w + static_cast<size_t>(n_ok ? n : 0) * K);
-
-    for (int row0 = 0; row0 < m; row0 += Tiles * 16) {
-      float c[Tiles][4];
-#pragma unroll
-      for (int i = 0; i < Tiles; ++i) c[i][0] = c[i][1] = c[i][2] = c[i][3] = 0.0f;
-
-      for (int ch0 = warp; ch0 < chunks; ch0 += kWarps * kUnroll) {
-        uint4 wv[kUnroll][2];
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-          const int k = (ch0 + u * kWarps) * kChunk + 16 * t;
-          if (n_ok && k < K) {
-            wv[u][0] = __ldcs(wrow + k / 8);
-            wv[u][1] = __ldcs(wrow + k / 8 + 1);
-          } else {
-            wv[u][0] = make_uint4(0, 0, 0, 0);
-            wv[u][1] = make_uint4(0, 0, 0, 0);
-          }
-        }
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-          const int ch = ch0 + u * kWarps;
-          if (ch >= chunks) break;  // uniform across the warp
-          const int k = ch * kChunk + 16 * t;
-          const bool k_ok = k < K;
-          const uint32_t wb[8] = {wv[u][0].x, wv[u][0].y, wv[u][0].z, wv[u][0].w,
-                                  wv[u][1].x, wv[u][1].y, wv[u][1].z, wv[u][1].w};
-#pragma unroll
-          for (int j = 0; j < 4; ++j) {
-#pragma unroll
-            for (int i = 0; i < Tiles; ++i) {
-              const int r_lo = row0 + i * 16 + g, r_hi = r_lo + 8;
-              float4 lo = make_float4(0.f, 0.f, 0.f, 0.f), hi = lo;
-              if (k_ok && r_lo < m)
-                lo =
-                    *reinterpret_cast<const float4*>(x + static_cast<size_t>(r_lo) * K + k + 4 * j);
-              if (k_ok && r_hi < m)
-                hi =
-                    *reinterpret_cast<const float4*>(x + static_cast<size_t>(r_hi) * K + k + 4 * j);
-              mma_bf16_16816(c[i], pack_bf16(lo.x, lo.y), pack_bf16(hi.x, hi.y),
-                             pack_bf16(lo.z, lo.w), pack_bf16(hi.z, hi.w), wb[2 * j],
-                             wb[2 * j + 1]);
-            }
-          }
-        }
-      }
-
-#pragma unroll
-      for (int i = 0; i < Tiles; ++i)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) partial[warp][i][lane][e] = c[i][e];
-      __syncthreads();
-      if (warp == 0) {
-#pragma unroll
-        for (int i = 0; i < Tiles; ++i) {
-          float s[4];
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            s[e] = partial[0][i][lane][e];
-#pragma unroll
-            for (int v = 1; v < kWarps; ++v) s[e] += partial[v][i][lane][e];
-          }
-          // C fragment: s[0], s[1] -> (row g, cols 2t, 2t+1); s[2], s[3] -> (row g+8, same cols).
-          const int col = grp * kCols + 2 * t;
-          const int r_lo = row0 + i * 16 + g, r_hi = r_lo + 8;
-          if (r_lo < m) {
-            if (col < N) y.store(r_lo, col, s[0]);
-            if (col + 1 < N) y.store(r_lo, col + 1, s[1]);
-          }
-          if (r_hi < m) {
-            if (col < N) y.store(r_hi, col, s[2]);
-            if (col + 1 < N) y.store(r_hi, col + 1, s[3]);
-          }
-        }
-      }
-      __syncthreads();
-    }
-  }
-}
-
-// The same arithmetic for batches (m > kNarrowRows): inputs are first rounded to bf16 into a
-// scratch copy, and each warp applies every A fragment it loads to NT n-tiles (8·NT columns per
-// block), so the activations are read from L2 NT times less often. Per output the mma sequence
-// (chunks ascending, j = 0..3 within a chunk, then warps 0..3) is the narrow kernel's, so both
-// give the same bits and the choice between them may depend on m.
-template <int Tiles, int NT>
-__global__ void __launch_bounds__(kWarps * 32)
-    linear_mma_wide_kernel(const uint16_t* __restrict__ xb, int m, const uint16_t* __restrict__ w,
+    linear_mma_wide_kernel(const void* __restrict__ xin, int m, const uint16_t* __restrict__ w,
                            int N, int K, const SplitOut y) {
+  const auto* xb = static_cast<const uint16_t*>(xin);
+  const auto* xf = static_cast<const float*>(xin);
   constexpr int U = NT >= 4 ? 1 : 4 / NT;  // chunks in flight: weights stay at 8·NT·U registers
   __shared__ float partial[kWarps][Tiles][NT][32][4];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -237,12 +143,25 @@ __global__ void __launch_bounds__(kWarps * 32)
             for (int i = 0; i < Tiles; ++i) {
               const int r_lo = row0 + i * 16 + g, r_hi = r_lo + 8;
               uint2 lo = make_uint2(0, 0), hi = lo;
-              if (k_ok && r_lo < m)
-                lo =
-                    *reinterpret_cast<const uint2*>(xb + static_cast<size_t>(r_lo) * K + k + 4 * j);
-              if (k_ok && r_hi < m)
-                hi =
-                    *reinterpret_cast<const uint2*>(xb + static_cast<size_t>(r_hi) * K + k + 4 * j);
+              if constexpr (F32X) {
+                if (k_ok && r_lo < m) {
+                  const float4 f = *reinterpret_cast<const float4*>(
+                      xf + static_cast<size_t>(r_lo) * K + k + 4 * j);
+                  lo = make_uint2(pack_bf16(f.x, f.y), pack_bf16(f.z, f.w));
+                }
+                if (k_ok && r_hi < m) {
+                  const float4 f = *reinterpret_cast<const float4*>(
+                      xf + static_cast<size_t>(r_hi) * K + k + 4 * j);
+                  hi = make_uint2(pack_bf16(f.x, f.y), pack_bf16(f.z, f.w));
+                }
+              } else {
+                if (k_ok && r_lo < m)
+                  lo = *reinterpret_cast<const uint2*>(xb + static_cast<size_t>(r_lo) * K + k +
+                                                       4 * j);
+                if (k_ok && r_hi < m)
+                  hi = *reinterpret_cast<const uint2*>(xb + static_cast<size_t>(r_hi) * K + k +
+                                                       4 * j);
+              }
 #pragma unroll
               for (int nt = 0; nt < NT; ++nt) {
                 const uint32_t* wb = reinterpret_cast<const uint32_t*>(&wv[u][nt][0]);
@@ -458,8 +377,9 @@ void linear_split(const float* x, int64_t m, const ops::WeightRef& w,
   if (reinterpret_cast<uintptr_t>(x) % 16 != 0 || reinterpret_cast<uintptr_t>(wp) % 16 != 0)
     fail("cuda linear: input and weight rows must be 16-byte aligned (K = ", K, ")");
   if (m <= kNarrowRows) {
-    const unsigned blocks = balanced_grid(linear_mma_kernel<1>, (N + kCols - 1) / kCols);
-    linear_mma_kernel<1><<<blocks, kWarps * 32, 0, s>>>(x, M, wp, N, K, y);
+    // Two n-tiles per warp halve the activation reads from L2 (every block reads all of x).
+    const auto kernel = linear_mma_wide_kernel<1, 2, true>;
+    kernel<<<balanced_grid(kernel, (N + 15) / 16), kWarps * 32, 0, s>>>(x, M, wp, N, K, y);
     check_launch("linear");
     return;
   }
