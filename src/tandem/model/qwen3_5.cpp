@@ -174,42 +174,42 @@ void Qwen35Model::head(const float* hidden, int64_t n, float* out) const {
   ops::linear(hidden, n, lm_head_, out);
 }
 
-uint64_t Qwen35Model::decode_weight_bytes() const {
-  auto bytes = [](const ops::WeightRef& w) {
-    return static_cast<uint64_t>(w.rows * w.cols) * dtype_size(w.dtype);
-  };
-  uint64_t n = bytes(final_norm_) + bytes(lm_head_);
+void Qwen35Model::for_each_layer_weight(
+    const std::function<void(const ops::WeightRef&)>& fn) const {
+  fn(final_norm_);
+  fn(lm_head_);
   for (const Layer& L : layers_) {
-    n += bytes(L.input_norm) + bytes(L.post_norm) + bytes(L.gate_proj) + bytes(L.up_proj) +
-         bytes(L.down_proj);
+    for (const ops::WeightRef* w :
+         {&L.input_norm, &L.post_norm, &L.gate_proj, &L.up_proj, &L.down_proj})
+      fn(*w);
     if (L.kind == LayerKind::FullAttention) {
-      n += bytes(L.attn.q_proj) + bytes(L.attn.k_proj) + bytes(L.attn.v_proj) +
-           bytes(L.attn.o_proj) + bytes(L.attn.q_norm) + bytes(L.attn.k_norm);
+      for (const ops::WeightRef* w : {&L.attn.q_proj, &L.attn.k_proj, &L.attn.v_proj,
+                                      &L.attn.o_proj, &L.attn.q_norm, &L.attn.k_norm})
+        fn(*w);
     } else {
-      n += bytes(L.delta.in_proj_qkv) + bytes(L.delta.in_proj_z) + bytes(L.delta.in_proj_b) +
-           bytes(L.delta.in_proj_a) + bytes(L.delta.conv1d) + bytes(L.delta.A_log) +
-           bytes(L.delta.dt_bias) + bytes(L.delta.norm) + bytes(L.delta.out_proj);
+      for (const ops::WeightRef* w :
+           {&L.delta.in_proj_qkv, &L.delta.in_proj_z, &L.delta.in_proj_b, &L.delta.in_proj_a,
+            &L.delta.conv1d, &L.delta.A_log, &L.delta.dt_bias, &L.delta.norm, &L.delta.out_proj})
+        fn(*w);
     }
   }
+}
+
+uint64_t Qwen35Model::decode_weight_bytes() const {
+  uint64_t n = 0;
+  for_each_layer_weight([&](const ops::WeightRef& w) {
+    n += static_cast<uint64_t>(w.rows * w.cols) * dtype_size(w.dtype);
+  });
   return n;
 }
 
 uint64_t Qwen35Model::parameter_count() const {
   uint64_t n = 0;
   if (store_.names().empty()) {  // a random model: count what was bound
-    auto count = [](const ops::WeightRef& w) { return static_cast<uint64_t>(w.rows * w.cols); };
-    n = count(embed_) + count(final_norm_) + (cfg_.tie_word_embeddings ? 0 : count(lm_head_));
-    for (const Layer& L : layers_) {
-      n += count(L.input_norm) + count(L.post_norm) + count(L.gate_proj) + count(L.up_proj) +
-           count(L.down_proj);
-      if (L.kind == LayerKind::FullAttention)
-        n += count(L.attn.q_proj) + count(L.attn.k_proj) + count(L.attn.v_proj) +
-             count(L.attn.o_proj) + count(L.attn.q_norm) + count(L.attn.k_norm);
-      else
-        n += count(L.delta.in_proj_qkv) + count(L.delta.in_proj_z) + count(L.delta.in_proj_b) +
-             count(L.delta.in_proj_a) + count(L.delta.conv1d) + count(L.delta.A_log) +
-             count(L.delta.dt_bias) + count(L.delta.norm) + count(L.delta.out_proj);
-    }
+    for_each_layer_weight(
+        [&](const ops::WeightRef& w) { n += static_cast<uint64_t>(w.rows * w.cols); });
+    // The head was counted above; a tied head is the embedding, an untied one adds it.
+    if (!cfg_.tie_word_embeddings) n += static_cast<uint64_t>(embed_.rows * embed_.cols);
     return n;
   }
   for (const std::string& name : store_.names()) {
@@ -334,10 +334,9 @@ void Qwen35Model::forward(Qwen35State& st, const ForwardRequest& req, ForwardOut
       }
     }
     for (const float* p :
-         {w.x.data(), w.h.data(), w.a0.data(), w.a1.data(), w.a2.data(), w.a3.data(), w.a4.data(),
-          w.a5.data(), w.mlp_g.data(), w.mlp_u.data(), w.proj.data(), w.last.data(), w.out.data(),
-          w.attn.qg.data(), w.attn.q.data(), w.attn.gate.data(), w.attn.k.data(), w.attn.v.data(),
-          w.attn.o.data()})
+         {w.x.data(), w.h.data(), w.a0.data(), w.a1.data(), w.a2.data(), w.a3.data(), w.a5.data(),
+          w.mlp_g.data(), w.mlp_u.data(), w.last.data(), w.out.data(), w.attn.qg.data(),
+          w.attn.q.data(), w.attn.gate.data(), w.attn.k.data(), w.attn.v.data(), w.attn.o.data()})
       key.add(p);
     key.add(w.ids.data()).add(w.pos.data()).add(w.argmax.data()).add(w.recurrent_rows.data());
     key.add(w.max_row_tokens);
@@ -376,20 +375,16 @@ void Qwen35Model::reserve_workspace(int64_t T, int64_t R, bool all_logits) const
   const Qwen35Config& c = cfg_;
   Workspace& w = ws_;
   const int64_t H = c.hidden_size, I = c.intermediate_size, V = c.vocab_size;
-  const int64_t conv_dim = c.linear_conv_dim(), kd = c.linear_key_dim(), vd = c.linear_value_dim(),
+  const int64_t conv_dim = c.linear_conv_dim(), vd = c.linear_value_dim(),
                 nv = c.linear_num_value_heads;
   grow_to(w.x, T * H);
   grow_to(w.h, T * H);
   grow_to(w.mlp_g, T * 2 * I);  // gate | up when stacked
   grow_to(w.mlp_u, T * I);
-  grow_to(w.proj,
-          T * std::max(conv_dim + vd + 2 * nv,
-                       (2 * c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim));
   grow_to(w.a0, T * conv_dim);
   grow_to(w.a1, T * conv_dim);
   grow_to(w.a2, T * vd);
   grow_to(w.a3, T * nv * 2);
-  grow_to(w.a4, T * (2 * kd + vd));
   grow_to(w.a5, T * vd);
   grow_to(w.last, R * H);
   grow_to(w.out, (all_logits ? T : R) * V);
@@ -471,8 +466,7 @@ void Qwen35Model::attention_layer(const Layer& L, Qwen35State& st, int64_t T, bo
   shape.rotary_dim = c.rotary_dim;
   shape.eps = static_cast<float>(c.rms_norm_eps);
   shape.prompt = prompt;
-  GatedAttentionScratch& x = w.attn;
-  x.reserve(T, shape);
+  GatedAttentionScratch& x = w.attn;  // sized by reserve_workspace
   if (L.attn.in_proj.data) {
     const ops::OutputSlice out[] = {{x.qg.data(), L.attn.q_proj.rows},
                                     {x.k.data(), L.attn.k_proj.rows},
@@ -529,31 +523,31 @@ void Qwen35Model::delta_layer(const Layer& L, Qwen35State& st, const ForwardRequ
                              w.max_row_tokens, conv);
   // The conv output per token is [q (kd) | k (kd) | v (vd)]: the recurrence reads the three in
   // place, conv_dim floats apart from one token to the next.
-  const float *q = conv, *k = conv + kd, *v = conv + 2 * kd;
-  ops::DeltaHeads heads{c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim,
-                        c.linear_value_head_dim};
-  heads.qkv_token_stride = conv_dim;
-  ops::gated_delta_rule_rows(q, k, v, a, b, L.delta.A_log, L.delta.dt_bias, rows, R,
-                             w.max_row_tokens, heads, core);
+  ops::gated_delta_rule_rows(conv, conv + kd, conv + 2 * kd, a, b, L.delta.A_log, L.delta.dt_bias,
+                             rows, R, w.max_row_tokens, delta_heads(), core);
   ops::gated_rms_norm(core, z, T * nv, c.linear_value_head_dim, L.delta.norm,
                       static_cast<float>(c.rms_norm_eps), core);
   ops::linear(core, T, L.delta.out_proj, w.h.data());
 }
 
+ops::DeltaHeads Qwen35Model::delta_heads() const {
+  const Qwen35Config& c = cfg_;
+  ops::DeltaHeads h{c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim,
+                    c.linear_value_head_dim};
+  h.qkv_token_stride = c.linear_conv_dim();  // tokens of the conv output are [q | k | v] rows
+  return h;
+}
+
 void Qwen35Model::delta_recurrence(const Layer& L, int64_t n, const DeltaRow& io, float* conv_state,
                                    float* rec_state) const {
   const Qwen35Config& c = cfg_;
-  const int64_t conv_dim = c.linear_conv_dim(), kd = c.linear_key_dim(), vd = c.linear_value_dim();
+  const int64_t conv_dim = c.linear_conv_dim(), kd = c.linear_key_dim();
   ops::causal_conv_silu(io.qkv, n, conv_dim, c.linear_conv_kernel_dim, L.delta.conv1d, conv_state,
                         io.conv_out, io.conv_after);
-  // The conv output per token is [q (kd) | k (kd) | v (vd)]; the recurrence wants each packed.
-  ops::copy_rows(io.q, kd, io.conv_out, conv_dim, n, kd);
-  ops::copy_rows(io.k, kd, io.conv_out + kd, conv_dim, n, kd);
-  ops::copy_rows(io.v, vd, io.conv_out + 2 * kd, conv_dim, n, vd);
-  const ops::DeltaHeads heads{c.linear_num_key_heads, c.linear_num_value_heads,
-                              c.linear_key_head_dim, c.linear_value_head_dim};
-  ops::gated_delta_rule(io.q, io.k, io.v, io.a, io.b, L.delta.A_log, L.delta.dt_bias, n, heads,
-                        rec_state, io.core, io.rec_after);
+  // q, k, v read in place from the conv output, as delta_layer's batched call reads them.
+  ops::gated_delta_rule(io.conv_out, io.conv_out + kd, io.conv_out + 2 * kd, io.a, io.b,
+                        L.delta.A_log, L.delta.dt_bias, n, delta_heads(), rec_state, io.core,
+                        io.rec_after);
 }
 
 void Qwen35Model::commit_windows(Qwen35State& st, std::span<const RowKeep> rows) const {
@@ -573,7 +567,7 @@ void Qwen35Model::commit_windows(Qwen35State& st, std::span<const RowKeep> rows)
   }
 
   const Qwen35Config& c = cfg_;
-  const int64_t conv_dim = c.linear_conv_dim(), kd = c.linear_key_dim(), vd = c.linear_value_dim();
+  const int64_t conv_dim = c.linear_conv_dim(), vd = c.linear_value_dim();
   const int64_t conv_floats = st.conv_state_floats(), rec_floats = st.recurrent_state_floats();
   Workspace& w = ws_;
   for (const RowKeep& r : rows) {
@@ -582,7 +576,6 @@ void Qwen35Model::commit_windows(Qwen35State& st, std::span<const RowKeep> rows)
     if (kept < n) {
       if (st.rollback() == RecurrentRollback::SnapshotReplay) {
         grow_to(w.a1, kept * conv_dim);
-        grow_to(w.a4, kept * (2 * kd + vd));
         grow_to(w.a5, kept * vd);
       }
       for (const Layer& L : layers_) {
@@ -598,15 +591,8 @@ void Qwen35Model::commit_windows(Qwen35State& st, std::span<const RowKeep> rows)
         } else {
           ops::copy(conv_state, st.window_snapshot(r.slot, li),
                     sizeof(float) * (conv_floats + rec_floats));  // [conv | recurrent]
-          float* q = w.a4.data();
-          const DeltaRow io{st.window_conv_input(r.slot, li),
-                            st.window_a(r.slot, li),
-                            st.window_b(r.slot, li),
-                            w.a1.data(),
-                            q,
-                            q + kept * kd,
-                            q + 2 * kept * kd,
-                            w.a5.data()};
+          const DeltaRow io{st.window_conv_input(r.slot, li), st.window_a(r.slot, li),
+                            st.window_b(r.slot, li), w.a1.data(), w.a5.data()};
           delta_recurrence(L, kept, io, conv_state, rec_state);
         }
       }

@@ -139,8 +139,7 @@ class Qwen35Model {
   // Scratch reused across calls (grown, never shrunk). A model serves one forward at a time.
   // Buffers are backend memory; the *_host vectors stage what the host computes per forward.
   struct Workspace {
-    Buffer<float> x, h, a0, a1, a2, a3, a4, a5, mlp_g, mlp_u;
-    Buffer<float> proj;         // [T, stacked input projections] before they are split
+    Buffer<float> x, h, a0, a1, a2, a3, a5, mlp_g, mlp_u;
     Buffer<float> last;         // [rows, H]: each row's last normed hidden, for the head
     Buffer<float> out;          // [rows or T, V] logits before the copy to the host
     Buffer<int32_t> ids;        // [T] token ids
@@ -175,13 +174,17 @@ class Qwen35Model {
   // One row's slice of a DeltaNet layer's buffers for delta_recurrence.
   struct DeltaRow {
     const float *qkv, *a, *b;     // inputs: conv input rows [n, conv_dim]; a, b [n, n_v_heads]
-    float *conv_out, *q, *k, *v;  // scratch: conv output [n, conv_dim]; packed q, k, v
+    float* conv_out;              // scratch: conv output [n, conv_dim], per token [q | k | v]
     float* core;                  // recurrence output [n, value_dim]
     float* conv_after = nullptr;  // PerPositionStates: states after each token (or null)
     float* rec_after = nullptr;
   };
-  // The recurrent part of a DeltaNet layer for one row's n tokens: causal conv + SiLU, the
-  // q/k/v de-interleave, the gated delta rule. Forward and the SnapshotReplay commit both run
+  // The DeltaNet heads, reading q, k, v in place from conv output rows.
+  ops::DeltaHeads delta_heads() const;
+  // Calls fn on every weight a decode step reads (layers, final norm, head; not the embedding).
+  void for_each_layer_weight(const std::function<void(const ops::WeightRef&)>& fn) const;
+  // The recurrent part of a DeltaNet layer for one row's n tokens: causal conv + SiLU and the
+  // gated delta rule. Forward and the SnapshotReplay commit both run
   // tokens through here, so a replayed prefix reaches bitwise the same state.
   void delta_recurrence(const Layer& L, int64_t n, const DeltaRow& io, float* conv_state,
                         float* rec_state) const;
