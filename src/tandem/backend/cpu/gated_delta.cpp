@@ -4,7 +4,6 @@
 // with q, k L2-normalised (eps 1e-6, as the reference) and q scaled by dk^-0.5.
 #include <omp.h>
 
-#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -31,23 +30,11 @@ inline void l2_normalise(const float* x, int64_t d, float scale, float* y) {
 void gated_delta_rule(const float* q, const float* k, const float* v, const float* a,
                       const float* b, const WeightRef& A_log, const WeightRef& dt_bias, int64_t n,
                       const DeltaHeads& h, float* state, float* out, float* state_after) {
-  if (h.qkv_token_stride != 0) {
-    // Gather strided q, k, v into packed rows; the arithmetic below reads packed inputs only.
-    const int64_t qk = h.n_k_heads * h.dk, vr = h.n_v_heads * h.dv, s = h.qkv_token_stride;
-    std::vector<float> pq(static_cast<size_t>(n * qk)), pk(pq.size()),
-        pv(static_cast<size_t>(n * vr));
-    for (int64_t t = 0; t < n; ++t) {
-      std::copy_n(q + t * s, qk, pq.data() + t * qk);
-      std::copy_n(k + t * s, qk, pk.data() + t * qk);
-      std::copy_n(v + t * s, vr, pv.data() + t * vr);
-    }
-    DeltaHeads packed = h;
-    packed.qkv_token_stride = 0;
-    return cpu::gated_delta_rule(pq.data(), pk.data(), pv.data(), a, b, A_log, dt_bias, n, packed,
-                                 state, out, state_after);
-  }
   const int64_t dk = h.dk, dv = h.dv;
   const int64_t group = h.n_v_heads / h.n_k_heads;
+  // Floats from one token's q/k (v) to the next: packed, or the conv output's row stride.
+  const int64_t qk_step = h.qkv_token_stride ? h.qkv_token_stride : h.n_k_heads * dk;
+  const int64_t v_step = h.qkv_token_stride ? h.qkv_token_stride : h.n_v_heads * dv;
   const float q_scale = 1.0f / std::sqrt(static_cast<float>(dk));
 #pragma omp parallel num_threads(thread_count()) if (h.n_v_heads * dk * dv * n > 16384)
   {
@@ -59,9 +46,9 @@ void gated_delta_rule(const float* q, const float* k, const float* v, const floa
       const float A = -std::exp(weight_element(A_log, vh));
       const float bias = weight_element(dt_bias, vh);
       for (int64_t t = 0; t < n; ++t) {
-        l2_normalise(q + (t * h.n_k_heads + kh) * dk, dk, q_scale, qn.data());
-        l2_normalise(k + (t * h.n_k_heads + kh) * dk, dk, 1.0f, kn.data());
-        const float* vt = v + (t * h.n_v_heads + vh) * dv;
+        l2_normalise(q + t * qk_step + kh * dk, dk, q_scale, qn.data());
+        l2_normalise(k + t * qk_step + kh * dk, dk, 1.0f, kn.data());
+        const float* vt = v + t * v_step + vh * dv;
         const float decay = std::exp(A * softplus(a[t * h.n_v_heads + vh] + bias));
         const float beta = 1.0f / (1.0f + std::exp(-b[t * h.n_v_heads + vh]));
         for (int64_t j = 0; j < dv; ++j) u[j] = 0.0f;
