@@ -7,6 +7,7 @@
 #include <cstring>
 #include <numeric>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "tandem/backend/ops.h"
@@ -131,6 +132,70 @@ TEST(Ops, GatedRmsNormAndActivations) {
   ops::swiglu(x.data(), z.data(), m * d, s.data());
   for (size_t i = 0; i < x.size(); ++i)
     EXPECT_NEAR(s[i], x[i] / (1 + std::exp(-static_cast<double>(x[i]))) * z[i], 1e-5);
+}
+
+// The fused ops are exactly their parts: the model relies on add_rms_norm and linear_swiglu
+// giving the bits of add_inplace + rms_norm and swiglu_rows + linear.
+TEST(Ops, AddRmsNormIsAddThenNorm) {
+  std::mt19937 rng(3);
+  const int64_t m = 3, d = 37;
+  StoredWeight w = make_weight(DType::F32, 1, d, rng, 0.3f);
+  const auto x0 = random_vec(static_cast<size_t>(m * d), rng);
+  const auto r = random_vec(static_cast<size_t>(m * d), rng, 4.0f);
+  std::vector<float> want_x = x0, want_y(x0.size());
+  ops::add_inplace(want_x.data(), r.data(), m * d);
+  ops::rms_norm(want_x.data(), m, d, w.ref, true, 1e-6f, want_y.data());
+  std::vector<float> x = x0, y(x0.size());
+  ops::add_rms_norm(x.data(), r.data(), m, d, w.ref, true, 1e-6f, y.data());
+  EXPECT_EQ(0, std::memcmp(x.data(), want_x.data(), x.size() * sizeof(float)));
+  EXPECT_EQ(0, std::memcmp(y.data(), want_y.data(), y.size() * sizeof(float)));
+  // y may alias r (the model normalises the sublayer output in place).
+  x = x0;
+  std::vector<float> ry = r;
+  ops::add_rms_norm(x.data(), ry.data(), m, d, w.ref, true, 1e-6f, ry.data());
+  EXPECT_EQ(0, std::memcmp(ry.data(), want_y.data(), ry.size() * sizeof(float)));
+  // y aliasing the residual stream itself would lose it: rejected with a clear error.
+  x = x0;
+  try {
+    ops::add_rms_norm(x.data(), r.data(), m, d, w.ref, true, 1e-6f, x.data());
+    ADD_FAILURE() << "add_rms_norm accepted y == x";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("alias"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(x, x0) << "a rejected call changed x";
+}
+
+// gate_up_swiglu on a weight in the pair layout (8 gate rows, the same 8 up rows, ...) gives the
+// bits of the two projections followed by swiglu.
+TEST(Ops, GateUpSwigluIsTheTwoProjectionsThenSwiglu) {
+  std::mt19937 rng(4);
+  const int64_t m = 5, I = 24, G = ops::kGateUpGroup;
+  for (const int64_t k : {64, 100}) {
+    StoredWeight gate = make_weight(DType::BF16, I, k, rng, 0.2f);
+    StoredWeight up = make_weight(DType::BF16, I, k, rng, 0.2f);
+    std::vector<uint16_t> pairs;
+    for (int64_t blk = 0; blk < I / G; ++blk)
+      for (const StoredWeight* part : {&gate, &up})
+        pairs.insert(pairs.end(), part->half.begin() + blk * G * k,
+                     part->half.begin() + (blk + 1) * G * k);
+    const ops::WeightRef gate_up{DType::BF16, pairs.data(), 2 * I, k};
+    const auto x = random_vec(static_cast<size_t>(m * k), rng, 2.0f);
+    std::vector<float> g(static_cast<size_t>(m * I)), u(g.size()), want(g.size()), got(g.size());
+    ops::linear(x.data(), m, gate.ref, g.data());
+    ops::linear(x.data(), m, up.ref, u.data());
+    ops::swiglu(g.data(), u.data(), m * I, want.data());
+    ops::gate_up_swiglu(x.data(), m, gate_up, got.data());
+    EXPECT_EQ(0, std::memcmp(got.data(), want.data(), got.size() * sizeof(float))) << "K " << k;
+  }
+  // A stacked weight that cannot hold whole pairs is refused by name.
+  StoredWeight odd = make_weight(DType::BF16, 24, 64, rng);
+  std::vector<float> x(64), y(12);
+  try {
+    ops::gate_up_swiglu(x.data(), 1, odd.ref, y.data());
+    ADD_FAILURE() << "gate_up_swiglu accepted a 24-row weight";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("gate_up_swiglu"), std::string::npos) << e.what();
+  }
 }
 
 TEST(Ops, RopeRotatesOnlyTheRotaryDims) {

@@ -14,6 +14,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "tandem/backend/cuda/cuda_ops.h"
 #include "tandem/backend/ops.h"
 #include "tandem/engine/generator.h"
 #include "tandem/engine/speculative.h"
@@ -343,6 +344,51 @@ TEST_F(CudaModelTest, TokenLogitsAreBitwiseIndependentOfWindowAndBatch) {
     m.forward(st, {win, wr, true, false}, &out);
     ASSERT_EQ(out.logits_rows, 8);
   }
+}
+
+// Overlapped kernel launches (PDL) and graph replay change when kernels start, never what they
+// compute: a prompt and eight decode steps (captured and replayed after the first ones) give the
+// same logits bits with PDL on or off and with graphs on or off. A kernel that touched another's
+// data before its pdl_wait() would show here as a difference.
+TEST_F(CudaModelTest, OverlappedLaunchesAndGraphsChangeNoBits) {
+  ScopedBackend cuda(ops::Backend::Cuda);
+  Demo& d = cuda_demo();
+  const Qwen35Model& m = *d.model;
+  const std::vector<int32_t> p = d.tok->encode(kPrompts[1]);
+  auto run = [&] {
+    std::vector<float> all;
+    Qwen35State st(m.config());
+    const int slot = st.open_row();
+    const RowInput row{slot, static_cast<int64_t>(p.size())};
+    ForwardRequest req{p, {&row, 1}, false, false};
+    req.prompt = true;
+    ForwardOutput out;
+    m.forward(st, req, &out);
+    all = out.logits;
+    for (int32_t t : {17, 942, 3, 5, 11, 40, 7, 9}) {
+      const RowInput r{slot, 1};
+      m.forward(st, {std::span(&t, 1), {&r, 1}, false, false}, &out);
+      all.insert(all.end(), out.logits.begin(), out.logits.end());
+    }
+    return all;
+  };
+  const bool pdl0 = cuda::pdl_enabled(), graphs0 = ops::graphs_enabled();
+  cuda::set_pdl_enabled(true);
+  ops::set_graphs_enabled(true);
+  const auto overlapped = run();
+  cuda::set_pdl_enabled(false);
+  const auto serial = run();
+  ops::set_graphs_enabled(false);
+  const auto no_graphs = run();
+  cuda::set_pdl_enabled(true);
+  const auto pdl_no_graphs = run();
+  cuda::set_pdl_enabled(pdl0);
+  ops::set_graphs_enabled(graphs0);
+  ASSERT_EQ(overlapped.size(), serial.size());
+  const auto n = static_cast<int64_t>(overlapped.size());
+  EXPECT_TRUE(same_bits(overlapped.data(), serial.data(), n)) << "PDL on vs off (graphs)";
+  EXPECT_TRUE(same_bits(overlapped.data(), no_graphs.data(), n)) << "graphs vs no graphs";
+  EXPECT_TRUE(same_bits(overlapped.data(), pdl_no_graphs.data(), n)) << "PDL without graphs";
 }
 
 // --- Lossless speculative decoding on the GPU ---------------------------------------------------

@@ -416,6 +416,47 @@ TEST_F(CudaLinearModes, PrefillModeMatchesCpu) {
       << "after set_prefill(false), m = 100 is not batch invariant";
 }
 
+// gate_up_swiglu on the pair layout gives the bits of the gate and up linears followed by
+// swiglu, in every decode-side path (in-register rounding for m <= 4, the bf16 scratch above, the
+// warp kernel for K not a multiple of 16); in prompt prefill (cuBLAS on a [2I, K] weight instead
+// of two [I, K] ones) it matches within the linear tolerance.
+TEST_F(CudaLinearModes, GateUpSwigluIsTheTwoLinearsThenSwiglu) {
+  std::mt19937 rng(22);
+  const int64_t G = ops::kGateUpGroup;
+  for (const LinearShape s :
+       {LinearShape{1024, 4096}, LinearShape{40, 1024}, LinearShape{16, 100}}) {
+    const int64_t I = s.n;
+    const Bf16Matrix gate = bf16_matrix(I, s.k, rng), up = bf16_matrix(I, s.k, rng);
+    std::vector<uint16_t> pairs;
+    for (int64_t blk = 0; blk < I / G; ++blk)
+      for (const Bf16Matrix* part : {&gate, &up})
+        pairs.insert(pairs.end(), part->host.begin() + blk * G * s.k,
+                     part->host.begin() + (blk + 1) * G * s.k);
+    const DeviceBuffer<uint16_t> dpairs(pairs);
+    const ops::WeightRef gate_up{DType::BF16, dpairs.get(), 2 * I, s.k};
+    for (bool prefill : {false, true}) {
+      for (int64_t m : {1, 3, 5, 40, 257}) {
+        const auto x = randn(sz(m * s.k), rng);
+        const DeviceBuffer<float> dx(x);
+        DeviceBuffer<float> g = nan_buffer(sz(m * I)), u = nan_buffer(sz(m * I));
+        DeviceBuffer<float> want = nan_buffer(sz(m * I)), got = nan_buffer(sz(m * I));
+        cuda::set_prefill(prefill);
+        cuda::linear(dx.get(), m, gate.dev_ref(), g.get());
+        cuda::linear(dx.get(), m, up.dev_ref(), u.get());
+        cuda::swiglu(g.get(), u.get(), m * I, want.get());
+        cuda::gate_up_swiglu(dx.get(), m, gate_up, got.get());
+        cuda::set_prefill(false);
+        const std::string where = "I " + std::to_string(I) + " K " + std::to_string(s.k) + " m " +
+                                  std::to_string(m) + " prefill " + std::to_string(prefill);
+        if (prefill)
+          EXPECT_TRUE(near_blocks(got.download(), want.download(), sz(I), kLinearRel)) << where;
+        else
+          EXPECT_TRUE(bitwise_equal(got.download(), want.download())) << where;
+      }
+    }
+  }
+}
+
 TEST_F(CudaLinearModes, RejectsNonBf16Weights) {
   DeviceBuffer<float> w(64 * 32), x(2 * 32), y(2 * 64);
   cuda::fill_zero(w.get(), w.bytes());
@@ -494,6 +535,33 @@ TEST_F(CudaOps, RmsNormMatchesCpuPlainAndZeroCentred) {
         EXPECT_TRUE(bitwise_equal(dx.download(), got))
             << "in place, d " << d << " m " << m << " zero_centred " << zc;
       }
+    }
+  }
+}
+
+// The fused residual add + norm gives the bits of cuda::add_inplace then cuda::rms_norm (so the
+// model's numbers do not change with the fusion), and is near the CPU.
+TEST_F(CudaOps, AddRmsNormIsBitwiseAddThenNorm) {
+  std::mt19937 rng(43);
+  const float eps = 1e-6f;
+  for (int64_t d : {4096, 1024, 37}) {
+    const F32Weight w = f32_weight(randn(sz(d), rng, 0.1f), 1, d);
+    for (int64_t m : {1, 3, 17}) {
+      const auto x = norm_input(m, d, rng);
+      const auto r = randn(x.size(), rng, 3.0f);
+      DeviceBuffer<float> ux(x), ur(r);
+      DeviceBuffer<float> uy = nan_buffer(x.size());
+      cuda::add_inplace(ux.get(), ur.get(), m * d);
+      cuda::rms_norm(ux.get(), m, d, w.dev_ref(), true, eps, uy.get());
+      DeviceBuffer<float> fx(x), fr(r);
+      cuda::add_rms_norm(fx.get(), fr.get(), m, d, w.dev_ref(), true, eps, fr.get());  // y == r
+      EXPECT_TRUE(bitwise_equal(fx.download(), ux.download())) << "x, d " << d << " m " << m;
+      const auto got = fr.download();
+      EXPECT_TRUE(bitwise_equal(got, uy.download())) << "y, d " << d << " m " << m;
+      std::vector<float> cx = x, want(x.size());
+      cpu::add_inplace(cx.data(), r.data(), m * d);
+      cpu::rms_norm(cx.data(), m, d, w.host_ref(), true, eps, want.data());
+      EXPECT_TRUE(near_blocks(got, want, sz(d), kNormRel)) << "vs CPU, d " << d << " m " << m;
     }
   }
 }

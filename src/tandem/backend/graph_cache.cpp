@@ -22,8 +22,9 @@ void GraphCache::clear() {
 void GraphCache::run(uint64_t key, const std::function<void()>& body) {
 #ifdef TANDEM_HAVE_CUDA
   if (ops::backend() == ops::Backend::Cuda && ops::graphs_enabled()) {
-    // Internal scratch of the CUDA ops may have moved since a graph was captured.
-    key = KeyHasher().add(key).add(cuda::scratch_generation()).value();
+    // Internal scratch of the CUDA ops may have moved since a graph was captured; whether
+    // kernels overlap (PDL) is baked into the captured edges.
+    key = KeyHasher().add(key).add(cuda::scratch_generation()).add(cuda::pdl_enabled()).value();
     auto it = graphs_.find(key);
     if (it == graphs_.end()) {
       if (graphs_.size() >= kMaxGraphs) clear();

@@ -252,12 +252,41 @@ void linear_split(const float* x, int64_t m, const WeightRef& w, const OutputSli
     c0 += slices[i].cols;
   }
 }
+void gate_up_swiglu(const float* x, int64_t m, const WeightRef& gate_up, float* act) {
+  if (gate_up.rows % (2 * kGateUpGroup) != 0)
+    fail("gate_up_swiglu: the stacked weight has ", gate_up.rows, " rows, not a multiple of ",
+         2 * kGateUpGroup, " (pairs of ", kGateUpGroup, "-row blocks)");
+#ifdef TANDEM_HAVE_CUDA
+  if (g_backend == Backend::Cuda) return cuda::gate_up_swiglu(x, m, gate_up, act);
+#endif
+  const int64_t I = gate_up.rows / 2, G = kGateUpGroup;
+  std::vector<float> y(static_cast<size_t>(m * 2 * I));
+  cpu::linear(x, m, gate_up, y.data());
+  std::vector<float> g(static_cast<size_t>(I)), u(static_cast<size_t>(I));
+  for (int64_t r = 0; r < m; ++r) {
+    const float* row = y.data() + r * 2 * I;
+    for (int64_t c = 0; c < I; ++c) {
+      g[static_cast<size_t>(c)] = row[(c / G) * 2 * G + c % G];
+      u[static_cast<size_t>(c)] = row[(c / G) * 2 * G + G + c % G];
+    }
+    cpu::swiglu(g.data(), u.data(), I, act + r * I);
+  }
+}
 void embed_rows(const WeightRef& table, const int32_t* ids, int64_t n, float* out) {
   TANDEM_DISPATCH(embed_rows(table, ids, n, out));
 }
 void rms_norm(const float* x, int64_t m, int64_t d, const WeightRef& w, bool zero_centred,
               float eps, float* y) {
   TANDEM_DISPATCH(rms_norm(x, m, d, w, zero_centred, eps, y));
+}
+void add_rms_norm(float* x, const float* r, int64_t m, int64_t d, const WeightRef& w,
+                  bool zero_centred, float eps, float* y) {
+  if (y == x) fail("add_rms_norm: the output must not alias the residual stream x");
+#ifdef TANDEM_HAVE_CUDA
+  if (g_backend == Backend::Cuda) return cuda::add_rms_norm(x, r, m, d, w, zero_centred, eps, y);
+#endif
+  cpu::add_inplace(x, r, m * d);
+  cpu::rms_norm(x, m, d, w, zero_centred, eps, y);
 }
 void gated_rms_norm(const float* x, const float* z, int64_t m, int64_t d, const WeightRef& w,
                     float eps, float* y) {

@@ -94,6 +94,14 @@ struct OutputSlice {
 void linear_split(const float* x, int64_t m, const WeightRef& w, const OutputSlice* slices,
                   int n_slices);
 
+// The SwiGLU MLP's first half in one pass: act[m, I] = silu(x · gateᵀ) · (x · upᵀ), where
+// `gate_up` [2I, K] holds the gate and up projections in pairs of 8-row blocks (8 rows of gate,
+// the same 8 rows of up, the next 8 of gate, ...; WeightArena::interleave_rows with group 8).
+// I must be a multiple of 8. Every value is the one linear (gate and up) followed by swiglu
+// computes; the [m, 2I] projection is never written out on CUDA's decode path.
+constexpr int64_t kGateUpGroup = 8;
+void gate_up_swiglu(const float* x, int64_t m, const WeightRef& gate_up, float* act);
+
 // out[i, :] = table[ids[i], :] converted to fp32. ids must be in range (checked by caller).
 void embed_rows(const WeightRef& table, const int32_t* ids, int64_t n, float* out);
 
@@ -102,6 +110,12 @@ void embed_rows(const WeightRef& table, const int32_t* ids, int64_t n, float* ou
 // In place is allowed (y == x).
 void rms_norm(const float* x, int64_t m, int64_t d, const WeightRef& w, bool zero_centred,
               float eps, float* y);
+
+// The residual add and the next RMSNorm in one pass: x[m, d] += r[m, d], then
+// y = rms_norm(x) with rms_norm's arithmetic. y may alias r (not x). Bitwise add_inplace followed
+// by rms_norm.
+void add_rms_norm(float* x, const float* r, int64_t m, int64_t d, const WeightRef& w,
+                  bool zero_centred, float eps, float* y);
 
 // Gated RMSNorm of the DeltaNet output, per head: y = rms_norm(x) · w · silu(z), x, z: [m, d].
 void gated_rms_norm(const float* x, const float* z, int64_t m, int64_t d, const WeightRef& w,

@@ -118,16 +118,44 @@ ops::WeightRef WeightArena::stack_rows(std::vector<ops::WeightRef*> parts) {
     const size_t n = row_bytes * static_cast<size_t>(p->rows);
     ops::copy(dst, p->data, n);
     // Release the part's own block and make the part a view of the stacked rows.
-    for (auto it = blocks_.begin(); it != blocks_.end(); ++it)
-      if (it->data() == p->data) {
-        bytes_ -= static_cast<uint64_t>(it->size());
-        blocks_.erase(it);
-        break;
-      }
+    release(p->data);
     p->data = dst;
     dst += n;
   }
   return w;
+}
+
+ops::WeightRef WeightArena::interleave_rows(ops::WeightRef* a, ops::WeightRef* b, int64_t group) {
+  TANDEM_CHECK(a->rows == b->rows && a->cols == b->cols && a->dtype == b->dtype,
+               "interleave_rows: parts differ in shape");
+  const size_t block_bytes = static_cast<size_t>(group * a->cols) * dtype_size(a->dtype);
+  if (group < 1 || a->rows % group != 0 || block_bytes % sizeof(float) != 0)
+    fail("interleave_rows: ", a->rows, " rows of ", a->cols, " do not split into ", group,
+         "-row blocks of whole floats");
+  ops::WeightRef w = *a;
+  w.rows = 2 * a->rows;
+  auto* dst = static_cast<uint8_t*>(own(block_bytes * static_cast<size_t>(w.rows / group)));
+  w.data = dst;
+  // A block of `group` rows is one "row" of block_bytes / 4 floats for the strided copy.
+  const int64_t block_floats = static_cast<int64_t>(block_bytes / sizeof(float));
+  const int64_t blocks = a->rows / group;
+  for (int part = 0; part < 2; ++part) {
+    ops::WeightRef* p = part == 0 ? a : b;
+    ops::copy_rows(reinterpret_cast<float*>(dst + part * block_bytes), 2 * block_floats,
+                   static_cast<const float*>(p->data), block_floats, blocks, block_floats);
+    release(p->data);
+    p->data = nullptr;
+  }
+  return w;
+}
+
+void WeightArena::release(const void* data) {
+  for (auto it = blocks_.begin(); it != blocks_.end(); ++it)
+    if (it->data() == data) {
+      bytes_ -= static_cast<uint64_t>(it->size());
+      blocks_.erase(it);
+      return;
+    }
 }
 
 ops::WeightRef WeightArena::random_matrix(int64_t rows, int64_t cols, uint64_t seed, float scale) {

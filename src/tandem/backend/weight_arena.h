@@ -31,12 +31,19 @@ class WeightArena {
   // of its rows.
   ops::WeightRef stack_rows(std::vector<ops::WeightRef*> parts);
 
+  // One matrix holding a and b (placed by this arena, same shape and dtype) interleaved in
+  // blocks of `group` rows: a[0, g), b[0, g), a[g, 2g), b[g, 2g), ... (the pair layout of
+  // ops::gate_up_swiglu). rows must be a multiple of group. The parts' copies are released and
+  // a, b become empty views (data null): their rows are no longer contiguous.
+  ops::WeightRef interleave_rows(ops::WeightRef* a, ops::WeightRef* b, int64_t group);
+
   uint64_t bytes() const { return bytes_; }  // bytes the arena owns
 
  private:
   std::vector<Buffer<uint8_t>> blocks_;
   uint64_t bytes_ = 0;
   void* own(size_t bytes);
+  void release(const void* data);  // frees the block starting at data (a part merged away)
 };
 
 }  // namespace tandem

@@ -106,7 +106,8 @@ void Qwen35Model::bind_weights(const WeightSource& get, const std::string& prefi
       L.delta.out_proj = get(a + "out_proj.weight", {H, c.linear_value_dim()}, Role::Matrix);
     }
     if (ops::backend() == ops::Backend::Cuda) {
-      L.gate_up = arena_.stack_rows({&L.gate_proj, &L.up_proj});
+      if (c.intermediate_size % ops::kGateUpGroup == 0)
+        L.gate_up = arena_.interleave_rows(&L.gate_proj, &L.up_proj, ops::kGateUpGroup);
       if (L.kind == LayerKind::FullAttention)
         L.attn.in_proj = arena_.stack_rows({&L.attn.q_proj, &L.attn.k_proj, &L.attn.v_proj});
       else
@@ -379,7 +380,7 @@ void Qwen35Model::reserve_workspace(int64_t T, int64_t R, bool all_logits) const
                 nv = c.linear_num_value_heads;
   grow_to(w.x, T * H);
   grow_to(w.h, T * H);
-  grow_to(w.mlp_g, T * 2 * I);  // gate | up when stacked
+  grow_to(w.mlp_g, T * I);
   grow_to(w.mlp_u, T * I);
   grow_to(w.a0, T * conv_dim);
   grow_to(w.a1, T * conv_dim);
@@ -407,19 +408,23 @@ void Qwen35Model::forward_body(Qwen35State& st, const ForwardRequest& req, int64
   ops::set_prefill(req.prompt);
   ops::embed_rows(embed_, w.ids.data(), T, w.x.data());
 
-  for (const Layer& L : layers_) {
-    ops::rms_norm(w.x.data(), T, H, L.input_norm, true, eps, w.h.data());
+  // Between sublayers h holds the previous sublayer's output: each residual add is fused with
+  // the norm that follows it (the previous layer's MLP output into this layer's input norm).
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    const Layer& L = layers_[l];
+    if (l == 0)
+      ops::rms_norm(w.x.data(), T, H, L.input_norm, true, eps, w.h.data());
+    else
+      ops::add_rms_norm(w.x.data(), w.h.data(), T, H, L.input_norm, true, eps, w.h.data());
     if (L.kind == LayerKind::FullAttention)
       attention_layer(L, st, T, req.prompt);
     else
       delta_layer(L, st, req, T);
-    ops::add_inplace(w.x.data(), w.h.data(), T * H);  // h holds the mixer output
 
-    ops::rms_norm(w.x.data(), T, H, L.post_norm, true, eps, w.h.data());
+    ops::add_rms_norm(w.x.data(), w.h.data(), T, H, L.post_norm, true, eps, w.h.data());
     const int64_t I = c.intermediate_size;
     if (L.gate_up.data) {
-      ops::linear(w.h.data(), T, L.gate_up, w.mlp_g.data());  // [T, 2I]: gate | up
-      ops::swiglu_rows(w.mlp_g.data(), T, I, w.mlp_u.data());
+      ops::gate_up_swiglu(w.h.data(), T, L.gate_up, w.mlp_u.data());
       ops::linear(w.mlp_u.data(), T, L.down_proj, w.h.data());
     } else {
       ops::linear(w.h.data(), T, L.gate_proj, w.mlp_g.data());
@@ -427,8 +432,8 @@ void Qwen35Model::forward_body(Qwen35State& st, const ForwardRequest& req, int64
       ops::swiglu(w.mlp_g.data(), w.mlp_u.data(), T * I, w.mlp_g.data());
       ops::linear(w.mlp_g.data(), T, L.down_proj, w.h.data());
     }
-    ops::add_inplace(w.x.data(), w.h.data(), T * H);
   }
+  if (!layers_.empty()) ops::add_inplace(w.x.data(), w.h.data(), T * H);
   ops::set_prefill(false);
 
   // Final norm: every token when hidden states or all logits are wanted (into h), else only each

@@ -121,8 +121,9 @@ class Qwen35Model {
     LayerKind kind;
     int index_in_kind = 0;  // attention-layer or linear-layer ordinal (state addressing)
     ops::WeightRef input_norm, post_norm, gate_proj, up_proj, down_proj;
-    // CUDA: gate_proj and up_proj stacked into one [2I, H] weight (one launch for both; gate_proj
-    // and up_proj are then views of its halves). Null on the CPU, which keeps the mapped tensors.
+    // CUDA (I a multiple of 8): gate_proj and up_proj interleaved into one [2I, H] weight in
+    // ops::gate_up_swiglu's pair layout (one launch computes the MLP activation); gate_proj and
+    // up_proj then keep their shapes but no data. Null on the CPU, which keeps the mapped tensors.
     ops::WeightRef gate_up;
     AttnWeights attn;
     DeltaWeights delta;

@@ -75,19 +75,17 @@ void QwenMtpBlock::forward(const float* embeds, const float* hidden,
   w_.v_proj.apply(ws.h.data(), T, x.v.data());
   gated_attention(shape, w_.q_norm, w_.k_norm, inv_freq_.data(), ws.pos.data(), segs, kv, x);
   w_.o_proj.apply(x.o.data(), T, ws.h.data());
-  ops::add_inplace(ws.x.data(), ws.h.data(), T * H);
 
-  // SwiGLU MLP.
-  ops::rms_norm(ws.x.data(), T, H, w_.post_attention_layernorm, zc, eps, ws.h.data());
+  // SwiGLU MLP (the residual add fused with its norm).
+  ops::add_rms_norm(ws.x.data(), ws.h.data(), T, H, w_.post_attention_layernorm, zc, eps,
+                    ws.h.data());
   grow_to(ws.g, T * I);
   grow_to(ws.u, T * I);
   w_.gate_proj.apply(ws.h.data(), T, ws.g.data());
   w_.up_proj.apply(ws.h.data(), T, ws.u.data());
   ops::swiglu(ws.g.data(), ws.u.data(), T * I, ws.g.data());
   w_.down_proj.apply(ws.g.data(), T, ws.h.data());
-  ops::add_inplace(ws.x.data(), ws.h.data(), T * H);
-
-  ops::rms_norm(ws.x.data(), T, H, w_.norm, zc, eps, out);
+  ops::add_rms_norm(ws.x.data(), ws.h.data(), T, H, w_.norm, zc, eps, out);
 }
 
 }  // namespace tandem::spec

@@ -184,6 +184,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
                      int64_t first_query, int64_t n_heads, int64_t group, int64_t head_dim,
                      const float* q, float score_scale, int64_t slots, int64_t m_offset,
                      int64_t l_offset, float* out) {
+  pdl_wait();
+  pdl_release();
   constexpr int R = kRowsPerWarp;
   constexpr int N = G * R;                      // scores per warp and round
   constexpr int kOwners = 32 / N;               // lanes owning one score
@@ -425,6 +427,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
 __global__ void kv_write_kernel(float* pool, const int32_t* block_table, int64_t block_size,
                                 int64_t row, const int64_t* positions, const float* k,
                                 const float* v) {
+  pdl_wait();
+  pdl_release();
   const int64_t t = blockIdx.x;
   const int64_t p = positions[t];
   if (p < 0) return;  // the caller's bug; better no write than one before the pool
@@ -455,9 +459,8 @@ void kv_write(const ops::KVLayerView& kv, const int32_t* block_table, const int6
   if (n < 0) fail("kv_write: bad token count ", n);
   if (n == 0) return;
   check_kv_view(kv, "kv_write");
-  kv_write_kernel<<<grid_blocks(n, "kv_write"), kKvWriteThreads, 0, op_stream()>>>(
-      kv.pool, block_table, kv.block_size, kv.n_kv_heads * kv.head_dim, positions, k, v);
-  check_launch("kv_write");
+  launch("kv_write", kv_write_kernel, grid_blocks(n, "kv_write"), kKvWriteThreads, 0, kv.pool,
+         block_table, kv.block_size, kv.n_kv_heads * kv.head_dim, positions, k, v);
 }
 
 void attention(const ops::KVLayerView& kv, const int32_t* block_table, const int64_t* positions,
@@ -501,16 +504,14 @@ void attention(const ops::KVLayerView& kv, const int32_t* block_table, const int
                       kv.n_kv_heads * head_dim};
   // Softmax in base 2: exp(x · scale) = exp2(x · scale · log2(e)).
   const float score_scale = scale * 1.44269504088896340736f;
-  const cudaStream_t stream = op_stream();
   for (int64_t first = 0; first < n; first += per_launch) {
     const int64_t queries = std::min(per_launch, n - first);
     const int64_t m_offset = queries * n_chunks * slots * chunk_heads * head_dim;
     const int64_t l_offset = m_offset + queries * n_chunks * slots * chunk_heads;
     const dim3 grid(static_cast<unsigned>(slots), static_cast<unsigned>(queries),
                     static_cast<unsigned>(n_chunks));
-    kernel<<<grid, kThreads, 0, stream>>>(paged, positions, position_bound, first, n_heads, group,
-                                          head_dim, q, score_scale, slots, m_offset, l_offset, out);
-    check_launch("attention");
+    launch("attention", kernel, grid, kThreads, 0, paged, positions, position_bound, first, n_heads,
+           group, head_dim, q, score_scale, slots, m_offset, l_offset, out);
   }
 }
 

@@ -74,6 +74,8 @@ __device__ __forceinline__ float round_tf32(float x) {
 __global__ void split_keys_kernel(const float* __restrict__ k, const float* __restrict__ v,
                                   int64_t rows, int64_t D, __nv_bfloat16* __restrict__ k3,
                                   float* __restrict__ vr) {
+  pdl_wait();
+  pdl_release();
   const int64_t total = rows * D;
   for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < total;
        e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -92,6 +94,8 @@ __global__ void split_keys_kernel(const float* __restrict__ k, const float* __re
 // q: the chunk's queries [rc, H, D] (token-major). q3: [H, rc, 3D] (head-major) = [hi | hi | lo].
 __global__ void split_queries_kernel(const float* __restrict__ q, int64_t rc, int64_t H, int64_t D,
                                      __nv_bfloat16* __restrict__ q3) {
+  pdl_wait();
+  pdl_release();
   const int64_t total = rc * H * D;
   for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < total;
        e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -110,6 +114,8 @@ __global__ void split_queries_kernel(const float* __restrict__ q, int64_t rc, in
 // o: [H, rc, D] (head-major). out: the chunk's rows [rc, H, D] of the token-major output.
 __global__ void scatter_heads_kernel(const float* __restrict__ o, int64_t rc, int64_t H, int64_t D,
                                      float* __restrict__ out) {
+  pdl_wait();
+  pdl_release();
   const int64_t total = rc * H * D;
   for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < total;
        e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -151,6 +157,8 @@ __device__ float block_sum(float x, float* shared) {
 __global__ void __launch_bounds__(kSoftmaxThreads)
     causal_softmax_kernel(float* __restrict__ s, int64_t rc, int64_t ld, int64_t first,
                           int64_t width) {
+  pdl_wait();
+  pdl_release();
   __shared__ float shared_max[kSoftmaxWarps];
   __shared__ float shared_sum[kSoftmaxWarps];
   const int64_t t = blockIdx.x, h = blockIdx.y;
@@ -281,11 +289,9 @@ void attention_prompt(const float* q, const float* k, const float* v, int64_t n,
   if (s_grows) fill_zero(s, sizeof(float) * static_cast<size_t>(sc.s_size));
   float* o = grow(sc.o, sc.o_size, H * R * D);
 
-  const cudaStream_t st = op_stream();
   cublasHandle_t handle = blas();
-  split_keys_kernel<<<grid_stride_blocks(n * KV * D, kCopyThreads), kCopyThreads, 0, st>>>(
-      k, v, n * KV, D, k3, vr);
-  check_launch("attention_prompt (split keys)");
+  launch("attention_prompt (split keys)", split_keys_kernel,
+         grid_stride_blocks(n * KV * D, kCopyThreads), kCopyThreads, 0, k, v, n * KV, D, k3, vr);
 
   const float alpha_qk = scale, one = 1.0f, zero = 0.0f;
   for (int64_t r0 = 0; r0 < n; r0 += R) {
@@ -294,9 +300,9 @@ void attention_prompt(const float* q, const float* k, const float* v, int64_t n,
     const int64_t ld = round_up(L, kRowAlign);
     const int64_t cols = G * rc;  // GEMM columns per kv head: (i, t) = head gG+i, query r0+t
 
-    split_queries_kernel<<<grid_stride_blocks(rc * H * D, kCopyThreads), kCopyThreads, 0, st>>>(
-        q + r0 * H * D, rc, H, D, q3);
-    check_launch("attention_prompt (split queries)");
+    launch("attention_prompt (split queries)", split_queries_kernel,
+           grid_stride_blocks(rc * H * D, kCopyThreads), kCopyThreads, 0, q + r0 * H * D, rc, H, D,
+           q3);
 
     // Column-major view, batch g: S_gᵀ [L, cols] (ld) = k3_g [L, 3D] · q3_gᵀ [3D, cols].
     // k3_g: key j at k3 + (j·KV + g)·3D, i.e. a 3D x L column-major matrix with lda KV·3D, used
@@ -310,9 +316,9 @@ void attention_prompt(const float* q, const float* k, const float* v, int64_t n,
                      CUBLAS_GEMM_DEFAULT),
                  "scores GEMM");
 
-    causal_softmax_kernel<<<dim3(grid_blocks(rc, "attention_prompt"), static_cast<unsigned>(H)),
-                            kSoftmaxThreads, 0, st>>>(s, rc, ld, r0, L);
-    check_launch("attention_prompt (softmax)");
+    launch("attention_prompt (softmax)", causal_softmax_kernel,
+           dim3(grid_blocks(rc, "attention_prompt"), static_cast<unsigned>(H)), kSoftmaxThreads, 0,
+           s, rc, ld, r0, L);
 
     // Batch g: O_gᵀ [D, cols] (ldc D) = V_gᵀ [D, L] (value j at vr + (j·KV + g)·D, lda KV·D)
     // · P_gᵀ [L, cols] (S_g's rows as columns, ldb ld). O_g holds rows (gG + i)·rc + t of O.
@@ -324,9 +330,9 @@ void attention_prompt(const float* q, const float* k, const float* v, int64_t n,
                                             CUBLAS_COMPUTE_32F_FAST_TF32, CUBLAS_GEMM_DEFAULT),
                  "output GEMM");
 
-    scatter_heads_kernel<<<grid_stride_blocks(rc * H * D, kCopyThreads), kCopyThreads, 0, st>>>(
-        o, rc, H, D, out + r0 * H * D);
-    check_launch("attention_prompt (scatter)");
+    launch("attention_prompt (scatter)", scatter_heads_kernel,
+           grid_stride_blocks(rc * H * D, kCopyThreads), kCopyThreads, 0, o, rc, H, D,
+           out + r0 * H * D);
   }
 }
 

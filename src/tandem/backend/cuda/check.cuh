@@ -32,6 +32,48 @@ inline cudaStream_t op_stream() {
   return static_cast<cudaStream_t>(stream());
 }
 
+// --- Programmatic dependent launch (PDL, sm_90) --------------------------------------------------
+// Every kernel is launched through launch(), which lets it start while the kernel before it on
+// the stream is still running (its blocks fill multiprocessors as the earlier grid drains), so
+// kernel boundaries stop costing a drain, a launch and a ramp. The invariant that makes this
+// safe: a kernel calls pdl_wait() before it reads anything an earlier kernel wrote or writes
+// anything an earlier kernel reads. Only immutable data (weights) may be touched before it.
+// pdl_wait() returns once every earlier kernel has completed and its writes are visible.
+// pdl_release() lets the next kernel be scheduled; kernels call it right after pdl_wait(), so at
+// most two grids overlap. Without PDL (TANDEM_CUDA_PDL=0, or an earlier op that is not a
+// kernel) both are no-ops and launches serialize as usual.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void pdl_release() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// Launches kernel<<<grid, block, smem, op_stream()>>>(args...) with PDL allowed (when
+// pdl_enabled()); `op` names the op in a launch error.
+template <class... Params, class... Args>
+void launch(const char* op, void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
+            Args&&... args) {
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = pdl_enabled() ? 1 : 0;
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = op_stream();
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  const cudaError_t err = cudaLaunchKernelEx(&cfg, kernel, static_cast<Params>(args)...);
+  if (err != cudaSuccess) fail("CUDA launch failed in ", op, ": ", cudaGetErrorString(err));
+  check_launch(op);
+}
+
 inline int64_t ceil_div(int64_t a, int64_t b) {
   return (a + b - 1) / b;
 }

@@ -52,6 +52,11 @@ void fill_random_f32(float* dst, int64_t n, uint64_t seed, float offset, float s
 // several copies of `bytes` (default 2 GiB). The roofline denominator.
 double copy_bandwidth(size_t bytes = size_t(2) << 30);
 
+// Programmatic dependent launch between consecutive kernels (check.cuh): on unless the
+// environment sets TANDEM_CUDA_PDL=0. Changes no number, only how kernel boundaries overlap.
+bool pdl_enabled();
+void set_pdl_enabled(bool on);
+
 // --- CUDA graphs (backend/graph_cache.h) --------------------------------------------------------
 // Captures the work `body` queues on stream() into an executable graph (returned as void*).
 void* graph_capture(const std::function<void()>& body);
@@ -69,9 +74,12 @@ void set_prefill(bool on);
 void linear(const float* x, int64_t m, const ops::WeightRef& w, float* y);
 void linear_split(const float* x, int64_t m, const ops::WeightRef& w,
                   const ops::OutputSlice* slices, int n_slices);
+void gate_up_swiglu(const float* x, int64_t m, const ops::WeightRef& gate_up, float* act);
 void embed_rows(const ops::WeightRef& table, const int32_t* ids, int64_t n, float* out);
 void rms_norm(const float* x, int64_t m, int64_t d, const ops::WeightRef& w, bool zero_centred,
               float eps, float* y);
+void add_rms_norm(float* x, const float* r, int64_t m, int64_t d, const ops::WeightRef& w,
+                  bool zero_centred, float eps, float* y);
 void gated_rms_norm(const float* x, const float* z, int64_t m, int64_t d, const ops::WeightRef& w,
                     float eps, float* y);
 void swiglu(const float* gate, const float* up, int64_t n, float* out);

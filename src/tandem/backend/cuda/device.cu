@@ -5,6 +5,8 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <string_view>
 #include <vector>
 
 #include "tandem/backend/cuda/check.cuh"
@@ -13,6 +15,22 @@
 #include "tandem/core/error.h"
 
 namespace tandem::cuda {
+
+namespace {
+bool pdl_default() {
+  const char* v = std::getenv("TANDEM_CUDA_PDL");
+  return !(v && std::string_view(v) == "0");
+}
+bool g_pdl = pdl_default();
+}  // namespace
+
+bool pdl_enabled() {
+  return g_pdl;
+}
+
+void set_pdl_enabled(bool on) {
+  g_pdl = on;
+}
 
 // --- Kernels -------------------------------------------------------------------------------------
 
@@ -44,6 +62,8 @@ __device__ inline uint16_t f32_to_bf16_device(float f) {
 }
 
 __global__ void fill_random_bf16_kernel(uint16_t* dst, int64_t n, uint64_t seed, float scale) {
+  pdl_wait();
+  pdl_release();
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x)
     dst[i] = f32_to_bf16_device(uniform_pm1(seed, static_cast<uint64_t>(i)) * scale);
@@ -51,6 +71,8 @@ __global__ void fill_random_bf16_kernel(uint16_t* dst, int64_t n, uint64_t seed,
 
 __global__ void fill_random_f32_kernel(float* dst, int64_t n, uint64_t seed, float offset,
                                        float scale) {
+  pdl_wait();
+  pdl_release();
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x)
     dst[i] = fmaf(uniform_pm1(seed, static_cast<uint64_t>(i)), scale, offset);
@@ -59,6 +81,8 @@ __global__ void fill_random_f32_kernel(float* dst, int64_t n, uint64_t seed, flo
 // dst[r, c] = src[r, c] with row strides; blockIdx.y walks rows, x-threads walk columns.
 __global__ void copy_rows_kernel(float* dst, int64_t dst_stride, const float* src,
                                  int64_t src_stride, int64_t rows, int64_t cols) {
+  pdl_wait();
+  pdl_release();
   for (int64_t r = blockIdx.y; r < rows; r += gridDim.y)
     for (int64_t c = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; c < cols;
          c += int64_t(gridDim.x) * blockDim.x)
@@ -161,9 +185,8 @@ void copy_rows(float* dst, int64_t dst_stride, const float* src, int64_t src_str
   if (rows == 0 || cols == 0) return;
   const dim3 grid(grid_stride_blocks(cols, kThreads),
                   static_cast<unsigned>(std::min<int64_t>(rows, 65535)));
-  copy_rows_kernel<<<grid, kThreads, 0, op_stream()>>>(dst, dst_stride, src, src_stride, rows,
-                                                       cols);
-  check_launch("copy_rows");
+  launch("copy_rows", copy_rows_kernel, grid, kThreads, 0, dst, dst_stride, src, src_stride, rows,
+         cols);
 }
 
 // --- Weights -------------------------------------------------------------------------------------
@@ -186,16 +209,14 @@ void upload_bf16(uint16_t* dst, const float* src, int64_t n) {
 
 void fill_random_bf16(uint16_t* dst, int64_t n, uint64_t seed, float scale) {
   if (n <= 0) return;
-  fill_random_bf16_kernel<<<grid_stride_blocks(n, kThreads), kThreads, 0, op_stream()>>>(
-      dst, n, seed, scale);
-  check_launch("fill_random_bf16");
+  launch("fill_random_bf16", fill_random_bf16_kernel, grid_stride_blocks(n, kThreads), kThreads, 0,
+         dst, n, seed, scale);
 }
 
 void fill_random_f32(float* dst, int64_t n, uint64_t seed, float offset, float scale) {
   if (n <= 0) return;
-  fill_random_f32_kernel<<<grid_stride_blocks(n, kThreads), kThreads, 0, op_stream()>>>(
-      dst, n, seed, offset, scale);
-  check_launch("fill_random_f32");
+  launch("fill_random_f32", fill_random_f32_kernel, grid_stride_blocks(n, kThreads), kThreads, 0,
+         dst, n, seed, offset, scale);
 }
 
 // --- Bandwidth -----------------------------------------------------------------------------------

@@ -4,6 +4,7 @@
 // only by fp32 rounding.
 #include <cuda_runtime.h>
 
+#include "tandem/backend/cuda/activation.cuh"
 #include "tandem/backend/cuda/check.cuh"
 #include "tandem/backend/cuda/cuda_ops.h"
 #include "tandem/core/error.h"
@@ -16,10 +17,9 @@ constexpr int kThreads = 256;          // grid-stride kernels
 constexpr int kNormThreads = 128;      // one block per row; fixes the norms' reduction order
 constexpr int kWideNormThreads = 512;  // rows of kWideNormMinDim or more (hidden-size norms)
 constexpr int64_t kWideNormMinDim = 2048;
-
-__device__ inline float silu(float x) {
-  return x / (1.0f + expf(-x));
-}
+constexpr int kRowVec = 4;  // 4-float chunks a thread of row_norm_kernel holds in registers
+constexpr int64_t kRowNormMaxDim = int64_t(kWideNormThreads) * 4 * kRowVec;  // 8192
+constexpr int kEmbedThreads = 1024;
 
 // Sum over a block of Threads threads, returned to every thread. The order is fixed by the
 // block size alone: a butterfly inside each warp (every lane ends with the same bits, since
@@ -51,9 +51,114 @@ template <int Threads>
 __global__ void __launch_bounds__(Threads)
     rms_norm_kernel(const float* x, int64_t d, const float* w, bool zero_centred, float eps,
                     float* y) {
+  pdl_wait();
+  pdl_release();
   __shared__ double s_warp[Threads / 32];
   const float* xr = x + blockIdx.x * d;
   float* yr = y + blockIdx.x * d;
+  const float s = row_inv_rms<Threads>(xr, d, eps, s_warp);
+  for (int64_t i = threadIdx.x; i < d; i += Threads) {
+    const float wi = w[i];
+    yr[i] = (xr[i] * s) * (zero_centred ? 1.0f + wi : wi);
+  }
+}
+
+// Hidden-size rows (kWideNormMinDim <= d <= kRowNormMaxDim), the norm at the start of every
+// sublayer. Thread t holds the 4-float chunks c = t, t + Threads, ... of its row in registers
+// (loaded all at once: a decode step's single row is latency-bound, so every load is in flight
+// before any is used), and sums their squares in double, chunk by chunk, element by element;
+// then block_sum. The order depends on d alone. `vec` (rows 16-byte aligned) only picks 16-byte
+// loads over scalar ones for the same elements, so it changes no bit.
+// Add (add_rms_norm): x_sum = x + r is written back and normalised; y may alias r. Otherwise
+// x_sum is unused and y may alias x.
+__device__ __forceinline__ void load_chunk(const float* p, int64_t i, int64_t d, bool vec,
+                                           float (&v)[4]) {
+  if (vec && i + 4 <= d) {
+    const float4 f = *reinterpret_cast<const float4*>(p + i);
+    v[0] = f.x, v[1] = f.y, v[2] = f.z, v[3] = f.w;
+  } else {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) v[e] = i + e < d ? p[i + e] : 0.0f;
+  }
+}
+
+__device__ __forceinline__ void store_chunk(float* p, int64_t i, int64_t d, bool vec,
+                                            const float (&v)[4]) {
+  if (vec && i + 4 <= d) {
+    *reinterpret_cast<float4*>(p + i) = make_float4(v[0], v[1], v[2], v[3]);
+  } else {
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      if (i + e < d) p[i + e] = v[e];
+  }
+}
+
+template <bool Add>
+__global__ void __launch_bounds__(kWideNormThreads)
+    row_norm_kernel(const float* x, const float* r, float* x_sum, int64_t d, const float* w,
+                    bool zero_centred, float eps, bool vec, float* y) {
+  pdl_wait();
+  pdl_release();
+  constexpr int Threads = kWideNormThreads;
+  __shared__ double s_warp[Threads / 32];
+  const int64_t off = blockIdx.x * d;
+  float v[kRowVec][4];
+#pragma unroll
+  for (int j = 0; j < kRowVec; ++j)
+    load_chunk(x + off, 4 * (threadIdx.x + j * Threads), d, vec, v[j]);
+  if constexpr (Add) {
+    float a[kRowVec][4];
+#pragma unroll
+    for (int j = 0; j < kRowVec; ++j)
+      load_chunk(r + off, 4 * (threadIdx.x + j * Threads), d, vec, a[j]);
+#pragma unroll
+    for (int j = 0; j < kRowVec; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) v[j][e] += a[j][e];
+      store_chunk(x_sum + off, 4 * (threadIdx.x + j * Threads), d, vec, v[j]);
+    }
+  }
+  double ss = 0.0;
+#pragma unroll
+  for (int j = 0; j < kRowVec; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) ss += static_cast<double>(v[j][e]) * v[j][e];  // 0 past d
+  ss = block_sum<Threads>(ss, s_warp);
+  const float s =
+      static_cast<float>(1.0 / sqrt(ss / static_cast<double>(d) + static_cast<double>(eps)));
+#pragma unroll
+  for (int j = 0; j < kRowVec; ++j) {
+    const int64_t i = 4 * (threadIdx.x + j * Threads);
+    if (i >= d) break;
+    float o[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float wi = i + e < d ? w[i + e] : 0.0f;
+      o[e] = (v[j][e] * s) * (zero_centred ? 1.0f + wi : wi);
+    }
+    store_chunk(y + off, i, d, vec, o);
+  }
+}
+
+bool aligned16(const void* p) {
+  return reinterpret_cast<uintptr_t>(p) % 16 == 0;
+}
+
+// Grid: one block per row of x[m, d]: x += r, then rms_norm_kernel's arithmetic on the sum. Each
+// thread adds the elements i = t, t + Threads, ... that row_inv_rms then reads back, so the
+// reduction sees the block's own writes without a barrier. y may alias r: r[i] is read before
+// the reduction's barrier, y[i] written after it, by the same thread.
+template <int Threads>
+__global__ void __launch_bounds__(Threads)
+    add_rms_norm_kernel(float* x, const float* r, int64_t d, const float* w, bool zero_centred,
+                        float eps, float* y) {
+  pdl_wait();
+  pdl_release();
+  __shared__ double s_warp[Threads / 32];
+  float* xr = x + blockIdx.x * d;
+  const float* rr = r + blockIdx.x * d;
+  float* yr = y + blockIdx.x * d;
+  for (int64_t i = threadIdx.x; i < d; i += Threads) xr[i] += rr[i];
   const float s = row_inv_rms<Threads>(xr, d, eps, s_warp);
   for (int64_t i = threadIdx.x; i < d; i += Threads) {
     const float wi = w[i];
@@ -65,6 +170,8 @@ __global__ void __launch_bounds__(Threads)
 __global__ void __launch_bounds__(kNormThreads)
     gated_rms_norm_kernel(const float* x, const float* z, int64_t d, const float* w, float eps,
                           float* y) {
+  pdl_wait();
+  pdl_release();
   __shared__ double s_warp[kNormThreads / 32];
   const int64_t row = blockIdx.x;
   const float* xr = x + row * d;
@@ -77,8 +184,10 @@ __global__ void __launch_bounds__(kNormThreads)
 // Grid: one block per token. table is BF16 [vocab, d]; bf16 → fp32 is exact (a 16-bit shift).
 // ids are checked by the caller; an out-of-range id still never reads outside the table: its
 // row becomes NaN, which the caller's output checks will surface.
-__global__ void embed_rows_kernel(const uint16_t* table, int64_t vocab, int64_t d,
-                                  const int32_t* ids, float* out) {
+__global__ void embed_rows_kernel(const uint16_t* __restrict__ table, int64_t vocab, int64_t d,
+                                  const int32_t* __restrict__ ids, float* __restrict__ out) {
+  pdl_wait();
+  pdl_release();
   const int64_t row = blockIdx.x;
   const int32_t id = ids[row];
   float* o = out + row * d;
@@ -92,6 +201,8 @@ __global__ void embed_rows_kernel(const uint16_t* table, int64_t vocab, int64_t 
 }
 
 __global__ void swiglu_kernel(const float* gate, const float* up, int64_t n, float* out) {
+  pdl_wait();
+  pdl_release();
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x)
     out[i] = silu(gate[i]) * up[i];
@@ -99,6 +210,8 @@ __global__ void swiglu_kernel(const float* gate, const float* up, int64_t n, flo
 
 // gu [m, 2I] -> out [m, I]; element (r, i) as swiglu_kernel computes it.
 __global__ void swiglu_rows_kernel(const float* gate_up, int64_t m, int64_t I, float* out) {
+  pdl_wait();
+  pdl_release();
   const int64_t n = m * I;
   for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < n;
        e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -109,12 +222,16 @@ __global__ void swiglu_rows_kernel(const float* gate_up, int64_t m, int64_t I, f
 }
 
 __global__ void sigmoid_gate_kernel(float* x, const float* gate, int64_t n) {
+  pdl_wait();
+  pdl_release();
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x)
     x[i] *= 1.0f / (1.0f + expf(-gate[i]));
 }
 
 __global__ void add_inplace_kernel(float* x, const float* y, int64_t n) {
+  pdl_wait();
+  pdl_release();
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x)
     x[i] += y[i];
@@ -125,6 +242,8 @@ __global__ void add_inplace_kernel(float* x, const float* y, int64_t n) {
 // float(position) · inv_freq[i], as the CPU (and the reference) compute it.
 __global__ void rope_kernel(float* x, int64_t n_tokens, int64_t n_heads, int64_t head_dim,
                             int64_t half, const int64_t* positions, const float* inv_freq) {
+  pdl_wait();
+  pdl_release();
   const int64_t total = n_tokens * n_heads * half;
   for (int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; idx < total;
        idx += int64_t(gridDim.x) * blockDim.x) {
@@ -151,9 +270,8 @@ void embed_rows(const ops::WeightRef& table, const int32_t* ids, int64_t n, floa
   if (n == 0 || table.cols == 0) return;
   if (reinterpret_cast<uintptr_t>(table.data) % alignof(uint16_t) != 0)
     fail("embed_rows: the table is not 2-byte aligned");
-  embed_rows_kernel<<<grid_blocks(n, "embed_rows"), kThreads, 0, op_stream()>>>(
-      static_cast<const uint16_t*>(table.data), table.rows, table.cols, ids, out);
-  check_launch("embed_rows");
+  launch("embed_rows", embed_rows_kernel, grid_blocks(n, "embed_rows"), kEmbedThreads, 0,
+         static_cast<const uint16_t*>(table.data), table.rows, table.cols, ids, out);
 }
 
 void rms_norm(const float* x, int64_t m, int64_t d, const ops::WeightRef& w, bool zero_centred,
@@ -162,14 +280,36 @@ void rms_norm(const float* x, int64_t m, int64_t d, const ops::WeightRef& w, boo
   if (m < 0 || d < 0) fail("rms_norm: negative shape ", m, " x ", d);
   if (m == 0 || d == 0) return;
   const auto* wp = static_cast<const float*>(w.data);
-  if (d >= kWideNormMinDim)
-    rms_norm_kernel<kWideNormThreads>
-        <<<grid_blocks(m, "rms_norm"), kWideNormThreads, 0, op_stream()>>>(x, d, wp, zero_centred,
-                                                                           eps, y);
+  if (d >= kWideNormMinDim && d <= kRowNormMaxDim)
+    launch("rms_norm", row_norm_kernel<false>, grid_blocks(m, "rms_norm"), kWideNormThreads, 0, x,
+           nullptr, nullptr, d, wp, zero_centred, eps, d % 4 == 0 && aligned16(x) && aligned16(y),
+           y);
+  else if (d >= kWideNormMinDim)
+    launch("rms_norm", rms_norm_kernel<kWideNormThreads>, grid_blocks(m, "rms_norm"),
+           kWideNormThreads, 0, x, d, wp, zero_centred, eps, y);
   else
-    rms_norm_kernel<kNormThreads><<<grid_blocks(m, "rms_norm"), kNormThreads, 0, op_stream()>>>(
-        x, d, wp, zero_centred, eps, y);
-  check_launch("rms_norm");
+    launch("rms_norm", rms_norm_kernel<kNormThreads>, grid_blocks(m, "rms_norm"), kNormThreads, 0,
+           x, d, wp, zero_centred, eps, y);
+}
+
+void add_rms_norm(float* x, const float* r, int64_t m, int64_t d, const ops::WeightRef& w,
+                  bool zero_centred, float eps, float* y) {
+  check_f32_vector(w, d, "add_rms_norm", "weight");
+  if (m < 0 || d < 0) fail("add_rms_norm: negative shape ", m, " x ", d);
+  if (y == x) fail("add_rms_norm: the output must not alias the residual stream x");
+  if (m == 0 || d == 0) return;
+  const auto* wp = static_cast<const float*>(w.data);
+  // The same block size as rms_norm for this d, hence the same reduction order.
+  if (d >= kWideNormMinDim && d <= kRowNormMaxDim)
+    launch("add_rms_norm", row_norm_kernel<true>, grid_blocks(m, "add_rms_norm"), kWideNormThreads,
+           0, x, r, x, d, wp, zero_centred, eps,
+           d % 4 == 0 && aligned16(x) && aligned16(r) && aligned16(y), y);
+  else if (d >= kWideNormMinDim)
+    launch("add_rms_norm", add_rms_norm_kernel<kWideNormThreads>, grid_blocks(m, "add_rms_norm"),
+           kWideNormThreads, 0, x, r, d, wp, zero_centred, eps, y);
+  else
+    launch("add_rms_norm", add_rms_norm_kernel<kNormThreads>, grid_blocks(m, "add_rms_norm"),
+           kNormThreads, 0, x, r, d, wp, zero_centred, eps, y);
 }
 
 void gated_rms_norm(const float* x, const float* z, int64_t m, int64_t d, const ops::WeightRef& w,
@@ -177,35 +317,31 @@ void gated_rms_norm(const float* x, const float* z, int64_t m, int64_t d, const 
   check_f32_vector(w, d, "gated_rms_norm", "weight");
   if (m < 0 || d < 0) fail("gated_rms_norm: negative shape ", m, " x ", d);
   if (m == 0 || d == 0) return;
-  gated_rms_norm_kernel<<<grid_blocks(m, "gated_rms_norm"), kNormThreads, 0, op_stream()>>>(
-      x, z, d, static_cast<const float*>(w.data), eps, y);
-  check_launch("gated_rms_norm");
+  launch("gated_rms_norm", gated_rms_norm_kernel, grid_blocks(m, "gated_rms_norm"), kNormThreads, 0,
+         x, z, d, static_cast<const float*>(w.data), eps, y);
 }
 
 void swiglu(const float* gate, const float* up, int64_t n, float* out) {
   if (n <= 0) return;
-  swiglu_kernel<<<grid_stride_blocks(n, kThreads), kThreads, 0, op_stream()>>>(gate, up, n, out);
-  check_launch("swiglu");
+  launch("swiglu", swiglu_kernel, grid_stride_blocks(n, kThreads), kThreads, 0, gate, up, n, out);
 }
 
 void swiglu_rows(const float* gate_up, int64_t m, int64_t I, float* out) {
   if (m < 0 || I < 0) fail("swiglu_rows: negative shape ", m, " x ", I);
   if (m == 0 || I == 0) return;
-  swiglu_rows_kernel<<<grid_stride_blocks(m * I, kThreads), kThreads, 0, op_stream()>>>(gate_up, m,
-                                                                                        I, out);
-  check_launch("swiglu_rows");
+  launch("swiglu_rows", swiglu_rows_kernel, grid_stride_blocks(m * I, kThreads), kThreads, 0,
+         gate_up, m, I, out);
 }
 
 void sigmoid_gate(float* x, const float* gate, int64_t n) {
   if (n <= 0) return;
-  sigmoid_gate_kernel<<<grid_stride_blocks(n, kThreads), kThreads, 0, op_stream()>>>(x, gate, n);
-  check_launch("sigmoid_gate");
+  launch("sigmoid_gate", sigmoid_gate_kernel, grid_stride_blocks(n, kThreads), kThreads, 0, x, gate,
+         n);
 }
 
 void add_inplace(float* x, const float* y, int64_t n) {
   if (n <= 0) return;
-  add_inplace_kernel<<<grid_stride_blocks(n, kThreads), kThreads, 0, op_stream()>>>(x, y, n);
-  check_launch("add_inplace");
+  launch("add_inplace", add_inplace_kernel, grid_stride_blocks(n, kThreads), kThreads, 0, x, y, n);
 }
 
 void rope(float* x, int64_t n_tokens, int64_t n_heads, int64_t head_dim, int64_t rotary_dim,
@@ -216,9 +352,8 @@ void rope(float* x, int64_t n_tokens, int64_t n_heads, int64_t head_dim, int64_t
   const int64_t half = rotary_dim / 2;
   const int64_t total = n_tokens * n_heads * half;
   if (total == 0) return;
-  rope_kernel<<<grid_stride_blocks(total, kThreads), kThreads, 0, op_stream()>>>(
-      x, n_tokens, n_heads, head_dim, half, positions, inv_freq);
-  check_launch("rope");
+  launch("rope", rope_kernel, grid_stride_blocks(total, kThreads), kThreads, 0, x, n_tokens,
+         n_heads, head_dim, half, positions, inv_freq);
 }
 
 }  // namespace tandem::cuda

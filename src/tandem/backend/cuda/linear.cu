@@ -30,6 +30,7 @@
 #include <algorithm>
 #include <unordered_map>
 
+#include "tandem/backend/cuda/activation.cuh"
 #include "tandem/backend/cuda/check.cuh"
 #include "tandem/backend/cuda/cuda_ops.h"
 #include "tandem/core/error.h"
@@ -81,22 +82,65 @@ struct SplitOut {
   }
 };
 
+// Weights never change, so a linear may read them before pdl_wait(): while the previous kernel
+// drains, each block asks L2 for the start of its first column group ([cols, K] from row n0),
+// in the order its warps will consume it (chunk by chunk), within a budget shared by the grid
+// that stays well inside L2. The weight stream is then under way when the block starts.
+constexpr int64_t kPrefetchBytes = int64_t(16) << 20;
+
+__device__ __forceinline__ void prefetch_first_group(const uint16_t* w, int N, int K, int n0,
+                                                     int cols) {
+  constexpr int kLine = 128;  // bytes: one 64-wide chunk of one weight row
+  const int chunks = (K + kChunk - 1) / kChunk;
+  const int64_t budget = kPrefetchBytes / kLine / gridDim.x;
+  const int lines = static_cast<int>(min(static_cast<int64_t>(cols) * chunks, budget));
+  for (int l = threadIdx.x; l < lines; l += blockDim.x) {
+    const int ch = l / cols, n = n0 + l % cols;
+    if (n < N) {
+      const uint16_t* p = w + static_cast<size_t>(n) * K + static_cast<size_t>(ch) * kChunk;
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+    }
+  }
+}
+
+// Four consecutive inputs x[r, k..k+3] as bf16 pairs (k a multiple of 4). F32X: x is fp32 and
+// rounded here; else x is the bf16 scratch copy.
+template <bool F32X>
+__device__ __forceinline__ uint2 load_x4(const void* xin, int r, int K, int k) {
+  if constexpr (F32X) {
+    const float4 f = *reinterpret_cast<const float4*>(static_cast<const float*>(xin) +
+                                                      static_cast<size_t>(r) * K + k);
+    return make_uint2(pack_bf16(f.x, f.y), pack_bf16(f.z, f.w));
+  } else {
+    return *reinterpret_cast<const uint2*>(static_cast<const uint16_t*>(xin) +
+                                           static_cast<size_t>(r) * K + k);
+  }
+}
+
 // The kernel. Each warp applies every A fragment it loads to NT n-tiles (8·NT columns per block),
 // so the activations, which every block reads in full, come from L2 NT times less often. Per
 // output the mma sequence is fixed: chunks ascending, j = 0..3 within a chunk, then warps 0..3.
 // F32X: the inputs are fp32 and rounded to bf16 in registers (decode-sized calls pay no
 // conversion launch); else `xin` holds them as bf16 already.
-template <int Tiles, int NT, bool F32X = false>
+// SwiGLU: the weight is gate_up_swiglu's pair layout (8 gate rows, then the same 8 up rows), so
+// n-tiles 2p and 2p + 1 of a block hold the gate and up of the same 8 outputs; the epilogue
+// writes silu(gate) · up to y (N / 2 columns) instead of both.
+// With one m-tile (decode and verify shapes) the weights of the next chunks are loaded before the
+// current ones are multiplied, which doubles the bytes each warp keeps in flight.
+template <int Tiles, int NT, bool F32X = false, bool SwiGLU = false>
 __global__ void __launch_bounds__(kWarps * 32)
     linear_mma_wide_kernel(const void* __restrict__ xin, int m, const uint16_t* __restrict__ w,
                            int N, int K, const SplitOut y) {
-  const auto* xb = static_cast<const uint16_t*>(xin);
-  const auto* xf = static_cast<const float*>(xin);
-  constexpr int U = NT >= 4 ? 1 : 4 / NT;  // chunks in flight: weights stay at 8·NT·U registers
+  static_assert(!SwiGLU || NT % 2 == 0, "SwiGLU pairs need an even number of n-tiles");
+  constexpr int U = NT >= 4 ? 1 : 4 / NT;  // chunks per step: weights stay at 8·NT·U registers
+  constexpr bool kPipelined = Tiles == 1;
   __shared__ float partial[kWarps][Tiles][NT][32][4];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
   const int groups = (N + 8 * NT - 1) / (8 * NT);
+  if (blockIdx.x < groups) prefetch_first_group(w, N, K, blockIdx.x * 8 * NT, 8 * NT);
+  pdl_wait();
+  pdl_release();
   for (int grp = blockIdx.x; grp < groups; grp += gridDim.x) {
     const int n_base = grp * 8 * NT;
     const uint4* wrow[NT];
@@ -108,6 +152,22 @@ __global__ void __launch_bounds__(kWarps * 32)
       wrow[nt] = reinterpret_cast<const uint4*>(w + static_cast<size_t>(n_ok[nt] ? n : 0) * K);
     }
     const int chunks = (K + kChunk - 1) / kChunk;
+    // The weights of chunks ch0, ch0 + kWarps, ... (U of them) for this lane; zeros past K.
+    auto load_w = [&](uint4(&wv)[U][NT][2], int ch0) {
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int k = (ch0 + u * kWarps) * kChunk + 16 * t;
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          if (n_ok[nt] && k < K) {
+            wv[u][nt][0] = __ldcs(wrow[nt] + k / 8);
+            wv[u][nt][1] = __ldcs(wrow[nt] + k / 8 + 1);
+          } else {
+            wv[u][nt][0] = wv[u][nt][1] = make_uint4(0, 0, 0, 0);
+          }
+        }
+      }
+    };
 
     for (int row0 = 0; row0 < m; row0 += Tiles * 16) {
       float c[Tiles][NT][4];
@@ -116,21 +176,7 @@ __global__ void __launch_bounds__(kWarps * 32)
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) c[i][nt][0] = c[i][nt][1] = c[i][nt][2] = c[i][nt][3] = 0.f;
 
-      for (int ch0 = warp; ch0 < chunks; ch0 += kWarps * U) {
-        uint4 wv[U][NT][2];
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-          const int k = (ch0 + u * kWarps) * kChunk + 16 * t;
-#pragma unroll
-          for (int nt = 0; nt < NT; ++nt) {
-            if (n_ok[nt] && k < K) {
-              wv[u][nt][0] = __ldcs(wrow[nt] + k / 8);
-              wv[u][nt][1] = __ldcs(wrow[nt] + k / 8 + 1);
-            } else {
-              wv[u][nt][0] = wv[u][nt][1] = make_uint4(0, 0, 0, 0);
-            }
-          }
-        }
+      auto multiply = [&](const uint4(&wv)[U][NT][2], int ch0) {
 #pragma unroll
         for (int u = 0; u < U; ++u) {
           const int ch = ch0 + u * kWarps;
@@ -143,25 +189,8 @@ __global__ void __launch_bounds__(kWarps * 32)
             for (int i = 0; i < Tiles; ++i) {
               const int r_lo = row0 + i * 16 + g, r_hi = r_lo + 8;
               uint2 lo = make_uint2(0, 0), hi = lo;
-              if constexpr (F32X) {
-                if (k_ok && r_lo < m) {
-                  const float4 f = *reinterpret_cast<const float4*>(
-                      xf + static_cast<size_t>(r_lo) * K + k + 4 * j);
-                  lo = make_uint2(pack_bf16(f.x, f.y), pack_bf16(f.z, f.w));
-                }
-                if (k_ok && r_hi < m) {
-                  const float4 f = *reinterpret_cast<const float4*>(
-                      xf + static_cast<size_t>(r_hi) * K + k + 4 * j);
-                  hi = make_uint2(pack_bf16(f.x, f.y), pack_bf16(f.z, f.w));
-                }
-              } else {
-                if (k_ok && r_lo < m)
-                  lo = *reinterpret_cast<const uint2*>(xb + static_cast<size_t>(r_lo) * K + k +
-                                                       4 * j);
-                if (k_ok && r_hi < m)
-                  hi = *reinterpret_cast<const uint2*>(xb + static_cast<size_t>(r_hi) * K + k +
-                                                       4 * j);
-              }
+              if (k_ok && r_lo < m) lo = load_x4<F32X>(xin, r_lo, K, k + 4 * j);
+              if (k_ok && r_hi < m) hi = load_x4<F32X>(xin, r_hi, K, k + 4 * j);
 #pragma unroll
               for (int nt = 0; nt < NT; ++nt) {
                 const uint32_t* wb = reinterpret_cast<const uint32_t*>(&wv[u][nt][0]);
@@ -169,6 +198,29 @@ __global__ void __launch_bounds__(kWarps * 32)
               }
             }
           }
+        }
+      };
+
+      if constexpr (kPipelined) {
+        uint4 cur[U][NT][2];
+        load_w(cur, warp);
+        for (int ch0 = warp; ch0 < chunks; ch0 += kWarps * U) {
+          uint4 next[U][NT][2];
+          load_w(next, ch0 + kWarps * U);
+          multiply(cur, ch0);
+#pragma unroll
+          for (int u = 0; u < U; ++u)
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+              cur[u][nt][0] = next[u][nt][0];
+              cur[u][nt][1] = next[u][nt][1];
+            }
+        }
+      } else {
+        for (int ch0 = warp; ch0 < chunks; ch0 += kWarps * U) {
+          uint4 wv[U][NT][2];
+          load_w(wv, ch0);
+          multiply(wv, ch0);
         }
       }
 
@@ -179,26 +231,53 @@ __global__ void __launch_bounds__(kWarps * 32)
 #pragma unroll
           for (int e = 0; e < 4; ++e) partial[warp][i][nt][lane][e] = c[i][nt][e];
       __syncthreads();
-      // Warp v sums n-tiles v, v + kWarps, ... over the warps in order 0..3.
-      for (int nt = warp; nt < NT; nt += kWarps) {
+      // Column sums over the warps in order 0..3.
+      auto warp_sum = [&](int i, int nt, float(&sum)[4]) {
 #pragma unroll
-        for (int i = 0; i < Tiles; ++i) {
-          float sum[4];
+        for (int e = 0; e < 4; ++e) {
+          sum[e] = partial[0][i][nt][lane][e];
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            sum[e] = partial[0][i][nt][lane][e];
+          for (int v = 1; v < kWarps; ++v) sum[e] += partial[v][i][nt][lane][e];
+        }
+      };
+      if constexpr (SwiGLU) {
+        // Warp v finishes pairs v, v + kWarps, ...: gate tile 2p, up tile 2p + 1.
+        const int half = N / 2;
+        for (int pr = warp; pr < NT / 2; pr += kWarps) {
 #pragma unroll
-            for (int v = 1; v < kWarps; ++v) sum[e] += partial[v][i][nt][lane][e];
+          for (int i = 0; i < Tiles; ++i) {
+            float gs[4], us[4];
+            warp_sum(i, 2 * pr, gs);
+            warp_sum(i, 2 * pr + 1, us);
+            const int col = n_base / 2 + pr * 8 + 2 * t;
+            const int r_lo = row0 + i * 16 + g, r_hi = r_lo + 8;
+            if (r_lo < m) {
+              if (col < half) y.store(r_lo, col, silu(gs[0]) * us[0]);
+              if (col + 1 < half) y.store(r_lo, col + 1, silu(gs[1]) * us[1]);
+            }
+            if (r_hi < m) {
+              if (col < half) y.store(r_hi, col, silu(gs[2]) * us[2]);
+              if (col + 1 < half) y.store(r_hi, col + 1, silu(gs[3]) * us[3]);
+            }
           }
-          const int col = n_base + nt * 8 + 2 * t;
-          const int r_lo = row0 + i * 16 + g, r_hi = r_lo + 8;
-          if (r_lo < m) {
-            if (col < N) y.store(r_lo, col, sum[0]);
-            if (col + 1 < N) y.store(r_lo, col + 1, sum[1]);
-          }
-          if (r_hi < m) {
-            if (col < N) y.store(r_hi, col, sum[2]);
-            if (col + 1 < N) y.store(r_hi, col + 1, sum[3]);
+        }
+      } else {
+        // Warp v finishes n-tiles v, v + kWarps, ...
+        for (int nt = warp; nt < NT; nt += kWarps) {
+#pragma unroll
+          for (int i = 0; i < Tiles; ++i) {
+            float sum[4];
+            warp_sum(i, nt, sum);
+            const int col = n_base + nt * 8 + 2 * t;
+            const int r_lo = row0 + i * 16 + g, r_hi = r_lo + 8;
+            if (r_lo < m) {
+              if (col < N) y.store(r_lo, col, sum[0]);
+              if (col + 1 < N) y.store(r_lo, col + 1, sum[1]);
+            }
+            if (r_hi < m) {
+              if (col < N) y.store(r_hi, col, sum[2]);
+              if (col + 1 < N) y.store(r_hi, col + 1, sum[3]);
+            }
           }
         }
       }
@@ -207,10 +286,29 @@ __global__ void __launch_bounds__(kWarps * 32)
   }
 }
 
+// act[r, c] = silu(y[r, gate(c)]) · y[r, up(c)] for y [m, 2I] in the pair layout of
+// gate_up_swiglu (row 16·(c / 8) + c % 8 is gate c, 8 rows further is up c): the path for
+// outputs computed whole first (prompt prefill, K not a multiple of 16). Same arithmetic as the
+// fused epilogue.
+__global__ void swiglu_pairs_kernel(const float* __restrict__ y, int64_t m, int64_t I,
+                                    float* __restrict__ act) {
+  pdl_wait();
+  pdl_release();
+  const int64_t n = m * I;
+  for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < n;
+       e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = e / I, c = e % I;
+    const float* row = y + r * 2 * I + (c / 8) * 16 + c % 8;
+    act[e] = silu(row[0]) * row[8];
+  }
+}
+
 // Inputs whose K is not a multiple of 16: one warp per output, lanes over k, fixed shuffle tree.
 // Also batch invariant (each output is computed on its own).
 __global__ void linear_warp_kernel(const float* __restrict__ x, int m,
                                    const uint16_t* __restrict__ w, int N, int K, const SplitOut y) {
+  pdl_wait();
+  pdl_release();
   const int64_t out = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (out >= static_cast<int64_t>(m) * N) return;
@@ -231,6 +329,8 @@ __global__ void linear_warp_kernel(const float* __restrict__ x, int m,
 // out[i] = bf16(x[i]) for i < n, 0 for n <= i < padded.
 __global__ void to_bf16_kernel(const float* __restrict__ x, int64_t n, int64_t padded,
                                __nv_bfloat16* __restrict__ out) {
+  pdl_wait();
+  pdl_release();
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i < padded) out[i] = __float2bfloat16_rn(i < n ? x[i] : 0.0f);
 }
@@ -282,11 +382,9 @@ void linear_prefill(const float* x, int64_t m, const ops::WeightRef& w, const Sp
   const int64_t K = w.cols, N = w.rows;
   const int64_t chunks = (m + kPrefillChunk - 1) / kPrefillChunk;
   __nv_bfloat16* xb = grow(s.xb, s.xb_size, chunks * kPrefillChunk * K);
-  const auto stream_ = static_cast<cudaStream_t>(stream());
   const int64_t n = m * K, padded = chunks * kPrefillChunk * K;
-  to_bf16_kernel<<<static_cast<unsigned>((padded + 255) / 256), 256, 0, stream_>>>(x, n, padded,
-                                                                                   xb);
-  check_launch("linear (bf16 convert)");
+  launch("linear (bf16 convert)", to_bf16_kernel, static_cast<unsigned>((padded + 255) / 256), 256,
+         0, x, n, padded, xb);
   if (out.parts == 1) {
     for (int64_t c = 0; c < chunks; ++c) {
       const int64_t rows = std::min(kPrefillChunk, m - c * kPrefillChunk);
@@ -343,8 +441,9 @@ void set_prefill(bool on) {
   g_prefill = on;
 }
 
-void linear_split(const float* x, int64_t m, const ops::WeightRef& w,
-                  const ops::OutputSlice* slices, int n_slices) {
+namespace {
+
+SplitOut split_out(const ops::OutputSlice* slices, int n_slices, int64_t rows) {
   if (n_slices < 1 || n_slices > kMaxSlices)
     fail("cuda linear: ", n_slices, " output slices (1..", kMaxSlices, " supported)");
   SplitOut y{};
@@ -356,31 +455,37 @@ void linear_split(const float* x, int64_t m, const ops::WeightRef& w,
     col += slices[p].cols;
   }
   y.start[n_slices] = static_cast<int>(col);
-  if (col != w.rows)
-    fail("cuda linear: output slices cover ", col, " columns of a ", w.rows, "-row weight");
-  if (m == 0 || w.rows == 0) return;
+  if (col != rows)
+    fail("cuda linear: output slices cover ", col, " columns of a ", rows, "-row weight");
+  return y;
+}
+
+void check_weight(int64_t m, const ops::WeightRef& w) {
   if (w.dtype != DType::BF16)
     fail("cuda linear: weights must be BF16 on the device, got ", dtype_name(w.dtype));
   if (w.rows > INT32_MAX || w.cols > INT32_MAX || m > INT32_MAX)
     fail("cuda linear: shape [", m, " x ", w.cols, "] x [", w.rows, " x ", w.cols,
          "] exceeds 32-bit indexing");
-  if (g_prefill) return linear_prefill(x, m, w, y);
+}
+
+bool mma_path(const float* x, const ops::WeightRef& w) {
+  if (w.cols % 16 != 0) return false;
+  if (reinterpret_cast<uintptr_t>(x) % 16 != 0 || reinterpret_cast<uintptr_t>(w.data) % 16 != 0)
+    fail("cuda linear: input and weight rows must be 16-byte aligned (K = ", w.cols, ")");
+  return true;
+}
+
+// The tensor-core path (decode and verify shapes, K a multiple of 16). SwiGLU: y has N / 2
+// columns (gate_up_swiglu).
+template <bool SwiGLU>
+void linear_mma(const float* x, int64_t m, const ops::WeightRef& w, const SplitOut& y) {
   const int N = static_cast<int>(w.rows), K = static_cast<int>(w.cols), M = static_cast<int>(m);
-  const auto s = static_cast<cudaStream_t>(stream());
   const auto* wp = static_cast<const uint16_t*>(w.data);
-  if (K % 16 != 0) {
-    const int64_t outs = m * w.rows;
-    linear_warp_kernel<<<static_cast<unsigned>((outs + 7) / 8), 256, 0, s>>>(x, M, wp, N, K, y);
-    check_launch("linear");
-    return;
-  }
-  if (reinterpret_cast<uintptr_t>(x) % 16 != 0 || reinterpret_cast<uintptr_t>(wp) % 16 != 0)
-    fail("cuda linear: input and weight rows must be 16-byte aligned (K = ", K, ")");
   if (m <= kNarrowRows) {
     // Two n-tiles per warp halve the activation reads from L2 (every block reads all of x).
-    const auto kernel = linear_mma_wide_kernel<1, 2, true>;
-    kernel<<<balanced_grid(kernel, (N + 15) / 16), kWarps * 32, 0, s>>>(x, M, wp, N, K, y);
-    check_launch("linear");
+    const auto kernel = linear_mma_wide_kernel<1, 2, true, SwiGLU>;
+    launch("linear", kernel, balanced_grid(kernel, (N + 15) / 16), kWarps * 32, 0, x, M, wp, N, K,
+           y);
     return;
   }
   // Batches: bf16 copy of the inputs, then 4 n-tiles per warp (2 for narrow weights, to keep
@@ -389,34 +494,71 @@ void linear_split(const float* x, int64_t m, const ops::WeightRef& w,
   static int64_t xb_size = 0;
   uint16_t* xs = grow(xb, xb_size, m * K);
   const int64_t n = m * K;
-  to_bf16_kernel<<<static_cast<unsigned>((n + 255) / 256), 256, 0, s>>>(
-      x, n, n, reinterpret_cast<__nv_bfloat16*>(xs));
-  check_launch("linear (bf16 convert)");
-  auto launch = [&](auto kernel, int cols_per_block) {
-    kernel<<<balanced_grid(kernel, (N + cols_per_block - 1) / cols_per_block), kWarps * 32, 0, s>>>(
-        xs, M, wp, N, K, y);
+  launch("linear (bf16 convert)", to_bf16_kernel, static_cast<unsigned>((n + 255) / 256), 256, 0, x,
+         n, n, reinterpret_cast<__nv_bfloat16*>(xs));
+  auto launch_wide = [&](auto kernel, int cols_per_block) {
+    launch("linear", kernel, balanced_grid(kernel, (N + cols_per_block - 1) / cols_per_block),
+           kWarps * 32, 0, xs, M, wp, N, K, y);
   };
   if (N >= 8192) {
     if (m <= 16)
-      launch(linear_mma_wide_kernel<1, 4>, 32);
+      launch_wide(linear_mma_wide_kernel<1, 4, false, SwiGLU>, 32);
     else if (m <= 32)
-      launch(linear_mma_wide_kernel<2, 4>, 32);
+      launch_wide(linear_mma_wide_kernel<2, 4, false, SwiGLU>, 32);
     else
-      launch(linear_mma_wide_kernel<kMaxTiles, 4>, 32);
+      launch_wide(linear_mma_wide_kernel<kMaxTiles, 4, false, SwiGLU>, 32);
   } else {
     if (m <= 16)
-      launch(linear_mma_wide_kernel<1, 2>, 16);
+      launch_wide(linear_mma_wide_kernel<1, 2, false, SwiGLU>, 16);
     else if (m <= 32)
-      launch(linear_mma_wide_kernel<2, 2>, 16);
+      launch_wide(linear_mma_wide_kernel<2, 2, false, SwiGLU>, 16);
     else
-      launch(linear_mma_wide_kernel<kMaxTiles, 2>, 16);
+      launch_wide(linear_mma_wide_kernel<kMaxTiles, 2, false, SwiGLU>, 16);
   }
-  check_launch("linear");
+}
+
+void linear_any(const float* x, int64_t m, const ops::WeightRef& w, const SplitOut& y) {
+  if (g_prefill) return linear_prefill(x, m, w, y);
+  if (mma_path(x, w)) return linear_mma<false>(x, m, w, y);
+  const int N = static_cast<int>(w.rows), K = static_cast<int>(w.cols), M = static_cast<int>(m);
+  launch("linear", linear_warp_kernel, static_cast<unsigned>((m * w.rows + 7) / 8), 256, 0, x, M,
+         static_cast<const uint16_t*>(w.data), N, K, y);
+}
+
+}  // namespace
+
+void linear_split(const float* x, int64_t m, const ops::WeightRef& w,
+                  const ops::OutputSlice* slices, int n_slices) {
+  const SplitOut y = split_out(slices, n_slices, w.rows);
+  if (m == 0 || w.rows == 0) return;
+  check_weight(m, w);
+  linear_any(x, m, w, y);
 }
 
 void linear(const float* x, int64_t m, const ops::WeightRef& w, float* y) {
   const ops::OutputSlice all{y, w.rows};
   cuda::linear_split(x, m, w, &all, 1);
+}
+
+void gate_up_swiglu(const float* x, int64_t m, const ops::WeightRef& gate_up, float* act) {
+  if (gate_up.rows % 16 != 0)
+    fail("gate_up_swiglu: the stacked weight has ", gate_up.rows,
+         " rows; the pair layout needs a multiple of 16");
+  if (m == 0 || gate_up.rows == 0) return;
+  check_weight(m, gate_up);
+  const int64_t I = gate_up.rows / 2;
+  if (!g_prefill && mma_path(x, gate_up)) {
+    const ops::OutputSlice out{act, I};
+    return linear_mma<true>(x, m, gate_up, split_out(&out, 1, I));
+  }
+  // Prompt prefill and K not a multiple of 16: the whole [m, 2I] output, then its SwiGLU.
+  static float* full = nullptr;
+  static int64_t full_size = 0;
+  float* y = grow(full, full_size, m * 2 * I);
+  const ops::OutputSlice all{y, 2 * I};
+  linear_any(x, m, gate_up, split_out(&all, 1, 2 * I));
+  launch("gate_up_swiglu", swiglu_pairs_kernel, grid_stride_blocks(m * I, 256), 256, 0, y, m, I,
+         act);
 }
 
 }  // namespace tandem::cuda

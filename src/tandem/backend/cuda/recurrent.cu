@@ -84,6 +84,8 @@ template <int K>
 __global__ void __launch_bounds__(kConvThreads)
     causal_conv_silu_kernel(const float* x, int64_t n, int64_t channels, const float* w,
                             float* state, float* out, float* state_after) {
+  pdl_wait();
+  pdl_release();
   const int64_t c = blockIdx.x * int64_t(kConvThreads) + threadIdx.x;
   if (c >= channels) return;
   conv_silu_channel<K>(x, n, channels, c, w, state, out, state_after);
@@ -96,6 +98,8 @@ template <int K>
 __global__ void __launch_bounds__(kConvThreads)
     causal_conv_silu_rows_kernel(const float* x, int64_t channels, const float* __restrict__ w,
                                  const ops::RecurrentRow* __restrict__ rows, float* out) {
+  pdl_wait();
+  pdl_release();
   // w and rows are only read here (the descriptors never alias a state); saying so keeps the
   // row's pointers in registers instead of a spill at the larger tap counts. x is not restrict:
   // out may alias it.
@@ -109,16 +113,16 @@ __global__ void __launch_bounds__(kConvThreads)
                        row.conv_after);
 }
 
-// Calls launch(std::integral_constant<int, kernel>{}): the tap count is a template argument so
+// Calls launch_with(std::integral_constant<int, kernel>{}): the tap count is a template argument so
 // the window stays in registers.
 template <int K = 1, class Launch>
-void with_conv_taps(int64_t kernel, const char* op, Launch&& launch) {
+void with_conv_taps(int64_t kernel, const char* op, Launch&& launch_with) {
   if constexpr (K > kMaxConvKernel) {
     fail(op, ": kernel size ", kernel, " exceeds the CUDA maximum ", kMaxConvKernel);
   } else if (kernel != K) {
-    with_conv_taps<K + 1>(kernel, op, launch);
+    with_conv_taps<K + 1>(kernel, op, launch_with);
   } else {
-    launch(std::integral_constant<int, K>{});
+    launch_with(std::integral_constant<int, K>{});
   }
 }
 
@@ -450,6 +454,8 @@ __device__ __forceinline__ void delta_rule_row(DeltaChunks<ROWS>& ch, const Delt
 template <int ROWS, bool AFTER>
 __global__ void __launch_bounds__(kDeltaThreads, 1)
     gated_delta_rule_kernel(const DeltaArgs g, int64_t n, float* state, float* state_after) {
+  pdl_wait();
+  pdl_release();
   __shared__ DeltaChunks<ROWS> ch;
   delta_rule_row<ROWS, AFTER>(ch, g, DeltaRow{0, n, state, state_after});
 }
@@ -464,6 +470,8 @@ __global__ void __launch_bounds__(kDeltaThreads, 1)
 template <int ROWS>
 __global__ void __launch_bounds__(kDeltaThreads, 1)
     gated_delta_rule_rows_kernel(const DeltaArgs g, const ops::RecurrentRow* __restrict__ rows) {
+  pdl_wait();
+  pdl_release();
   __shared__ DeltaChunks<ROWS> ch;
   const ops::RecurrentRow r = rows[blockIdx.z];
   const DeltaRow row{r.first_token, r.n, r.state, r.state_after};
@@ -531,10 +539,9 @@ void causal_conv_silu(const float* x, int64_t n, int64_t channels, int64_t kerne
   const auto* wd = static_cast<const float*>(w.data);
   const unsigned blocks = grid_blocks(ceil_div(channels, kConvThreads), "causal_conv_silu");
   with_conv_taps(kernel, "causal_conv_silu", [&](auto taps) {
-    causal_conv_silu_kernel<decltype(taps)::value>
-        <<<blocks, kConvThreads, 0, op_stream()>>>(x, n, channels, wd, state, out, state_after);
+    launch("causal_conv_silu", causal_conv_silu_kernel<decltype(taps)::value>, blocks, kConvThreads,
+           0, x, n, channels, wd, state, out, state_after);
   });
-  check_launch("causal_conv_silu");
 }
 
 // The grid does not depend on max_n (each block walks its own row's n); max_n == 0 only lets an
@@ -551,10 +558,9 @@ void causal_conv_silu_rows(const float* x, int64_t channels, int64_t kernel,
   const dim3 grid(grid_blocks(ceil_div(channels, kConvThreads), "causal_conv_silu_rows"),
                   static_cast<unsigned>(n_rows));
   with_conv_taps(kernel, "causal_conv_silu_rows", [&](auto taps) {
-    causal_conv_silu_rows_kernel<decltype(taps)::value>
-        <<<grid, kConvThreads, 0, op_stream()>>>(x, channels, wd, rows, out);
+    launch("causal_conv_silu_rows", causal_conv_silu_rows_kernel<decltype(taps)::value>, grid,
+           kConvThreads, 0, x, channels, wd, rows, out);
   });
-  check_launch("causal_conv_silu_rows");
 }
 
 void gated_delta_rule(const float* q, const float* k, const float* v, const float* a,
@@ -575,9 +581,8 @@ void gated_delta_rule(const float* q, const float* k, const float* v, const floa
       : h.dk <= 128
           ? (after ? gated_delta_rule_kernel<32, true> : gated_delta_rule_kernel<32, false>)
           : (after ? gated_delta_rule_kernel<64, true> : gated_delta_rule_kernel<64, false>);
-  kernel<<<delta_grid(h, 1, "gated_delta_rule"), kDeltaThreads, 0, op_stream()>>>(g, n, state,
-                                                                                  state_after);
-  check_launch("gated_delta_rule");
+  launch("gated_delta_rule", kernel, delta_grid(h, 1, "gated_delta_rule"), kDeltaThreads, 0, g, n,
+         state, state_after);
 }
 
 // As causal_conv_silu_rows, the grid does not depend on max_n. Rows per lane follow dk exactly as
@@ -594,9 +599,9 @@ void gated_delta_rule_rows(const float* q, const float* k, const float* v, const
   const RowsKernel kernel = h.dk <= 64    ? gated_delta_rule_rows_kernel<16>
                             : h.dk <= 128 ? gated_delta_rule_rows_kernel<32>
                                           : gated_delta_rule_rows_kernel<64>;
-  kernel<<<delta_grid(h, static_cast<unsigned>(n_rows), "gated_delta_rule_rows"), kDeltaThreads, 0,
-           op_stream()>>>(g, rows);
-  check_launch("gated_delta_rule_rows");
+  launch("gated_delta_rule_rows", kernel,
+         delta_grid(h, static_cast<unsigned>(n_rows), "gated_delta_rule_rows"), kDeltaThreads, 0, g,
+         rows);
 }
 
 }  // namespace tandem::cuda

@@ -1,0 +1,15 @@
+// Activation functions shared by the CUDA kernels (internal: included by .cu files only). One
+// definition, so a fused kernel (linear_swiglu) computes bit for bit what the standalone op
+// (swiglu_rows) computes.
+#pragma once
+
+#include <cuda_runtime.h>
+
+namespace tandem::cuda {
+
+// x · sigmoid(x), as cpu::silu: x / (1 + e^-x).
+__device__ __forceinline__ float silu(float x) {
+  return x / (1.0f + expf(-x));
+}
+
+}  // namespace tandem::cuda
