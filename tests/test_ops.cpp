@@ -198,6 +198,42 @@ TEST(Ops, GateUpSwigluIsTheTwoProjectionsThenSwiglu) {
   }
 }
 
+// qk_norm_rope is the split, the per-head norms and the rotary embedding, one after the other.
+TEST(Ops, QkNormRopeIsSplitNormsThenRope) {
+  std::mt19937 rng(5);
+  const int64_t T = 3, nh = 4, nkv = 2, hd = 16, rot = 8;
+  StoredWeight qn = make_weight(DType::F32, 1, hd, rng, 0.2f);
+  StoredWeight kn = make_weight(DType::F32, 1, hd, rng, 0.2f);
+  const auto qg = random_vec(static_cast<size_t>(T * nh * 2 * hd), rng, 2.0f);
+  const auto k0 = random_vec(static_cast<size_t>(T * nkv * hd), rng, 2.0f);
+  const std::vector<int64_t> pos = {5, 0, 77};
+  std::vector<float> freq(static_cast<size_t>(rot / 2));
+  for (size_t i = 0; i < freq.size(); ++i) freq[i] = 1.0f / std::pow(1e4f, 2.0f * i / rot);
+  std::vector<float> wq(static_cast<size_t>(T * nh * hd)), wg(wq.size()), wk = k0;
+  ops::copy_rows(wq.data(), hd, qg.data(), 2 * hd, T * nh, hd);
+  ops::copy_rows(wg.data(), hd, qg.data() + hd, 2 * hd, T * nh, hd);
+  ops::rms_norm(wq.data(), T * nh, hd, qn.ref, true, 1e-6f, wq.data());
+  ops::rms_norm(wk.data(), T * nkv, hd, kn.ref, true, 1e-6f, wk.data());
+  ops::rope(wq.data(), T, nh, hd, rot, pos.data(), freq.data());
+  ops::rope(wk.data(), T, nkv, hd, rot, pos.data(), freq.data());
+  ops::QkNormRope s;
+  s.n_tokens = T;
+  s.n_heads = nh;
+  s.n_kv_heads = nkv;
+  s.head_dim = hd;
+  s.rotary_dim = rot;
+  std::vector<float> q(wq.size()), g(wq.size()), k = k0;
+  ops::qk_norm_rope(s, qg.data(), qn.ref, kn.ref, pos.data(), freq.data(), q.data(), g.data(),
+                    k.data());
+  EXPECT_EQ(q, wq);
+  EXPECT_EQ(g, wg);
+  EXPECT_EQ(k, wk);
+  s.rotary_dim = 7;  // odd: refused by name before anything is written
+  EXPECT_THROW(ops::qk_norm_rope(s, qg.data(), qn.ref, kn.ref, pos.data(), freq.data(), q.data(),
+                                 g.data(), k.data()),
+               Error);
+}
+
 TEST(Ops, RopeRotatesOnlyTheRotaryDims) {
   const int64_t T = 2, nh = 2, hd = 8, rd = 4;
   std::mt19937 rng(3);

@@ -691,6 +691,62 @@ TEST_F(CudaOps, RopeMatchesCpuOnPartialRotaryAndScatteredPositions) {
   }
 }
 
+// The fused query/key preparation gives the bits of its parts on the GPU (copy_rows, rms_norm,
+// rope) and is near the CPU: the 9B attention shape (16 / 4 heads of 256, rotary 64), full and
+// no rotary, several tokens at scattered positions.
+TEST_F(CudaOps, QkNormRopeIsBitwiseItsParts) {
+  struct Case {
+    int64_t tokens, heads, kv_heads, head_dim, rotary_dim;
+  };
+  const Case cases[] = {
+      {1, 16, 4, 256, 64}, {5, 16, 4, 256, 64}, {3, 8, 2, 128, 128}, {2, 2, 1, 64, 0}};
+  const int64_t pos_pool[] = {511, 3, 1000, 0, 4095};
+  std::mt19937 rng(62);
+  for (const Case& c : cases) {
+    const int64_t T = c.tokens, hd = c.head_dim;
+    std::vector<int64_t> pos(pos_pool, pos_pool + T);
+    const auto freq = inv_freq(1e7, c.rotary_dim);
+    const auto qg = randn(sz(T * c.heads * 2 * hd), rng, 3.0f);
+    const auto k = randn(sz(T * c.kv_heads * hd), rng, 3.0f);
+    const F32Weight qn = f32_weight(randn(sz(hd), rng, 0.1f), 1, hd);
+    const F32Weight kn = f32_weight(randn(sz(hd), rng, 0.1f), 1, hd);
+    ops::QkNormRope s;
+    s.n_tokens = T;
+    s.n_heads = c.heads;
+    s.n_kv_heads = c.kv_heads;
+    s.head_dim = hd;
+    s.rotary_dim = c.rotary_dim;
+    DeviceBuffer<float> dqg(qg), dk_fused(k), dk_parts(k),
+        dfreq(freq.empty() ? std::vector<float>{0.f} : freq);
+    DeviceBuffer<int64_t> dpos(pos);
+    DeviceBuffer<float> q_fused = nan_buffer(sz(T * c.heads * hd)),
+                        g_fused = nan_buffer(sz(T * c.heads * hd));
+    DeviceBuffer<float> q_parts = nan_buffer(sz(T * c.heads * hd)),
+                        g_parts = nan_buffer(sz(T * c.heads * hd));
+    cuda::qk_norm_rope(s, dqg.get(), qn.dev_ref(), kn.dev_ref(), dpos.get(), dfreq.get(),
+                       q_fused.get(), g_fused.get(), dk_fused.get());
+    cuda::copy_rows(q_parts.get(), hd, dqg.get(), 2 * hd, T * c.heads, hd);
+    cuda::copy_rows(g_parts.get(), hd, dqg.get() + hd, 2 * hd, T * c.heads, hd);
+    cuda::rms_norm(q_parts.get(), T * c.heads, hd, qn.dev_ref(), true, s.eps, q_parts.get());
+    cuda::rms_norm(dk_parts.get(), T * c.kv_heads, hd, kn.dev_ref(), true, s.eps, dk_parts.get());
+    cuda::rope(q_parts.get(), T, c.heads, hd, c.rotary_dim, dpos.get(), dfreq.get());
+    cuda::rope(dk_parts.get(), T, c.kv_heads, hd, c.rotary_dim, dpos.get(), dfreq.get());
+    const std::string what = "tokens " + std::to_string(T) + " heads " + std::to_string(c.heads) +
+                             " head_dim " + std::to_string(hd) + " rotary " +
+                             std::to_string(c.rotary_dim);
+    const auto qf = q_fused.download(), kf = dk_fused.download();
+    EXPECT_TRUE(bitwise_equal(qf, q_parts.download())) << "q, " << what;
+    EXPECT_TRUE(bitwise_equal(g_fused.download(), g_parts.download())) << "gate, " << what;
+    EXPECT_TRUE(bitwise_equal(kf, dk_parts.download())) << "k, " << what;
+    std::vector<float> cq(qf.size()), cg(qf.size()), ck = k;
+    ASSERT_EQ(ops::backend(), ops::Backend::Cpu) << "the op tests call the CUDA ops directly";
+    ops::qk_norm_rope(s, qg.data(), qn.host_ref(), kn.host_ref(), pos.data(), freq.data(),
+                      cq.data(), cg.data(), ck.data());
+    EXPECT_TRUE(near_blocks(qf, cq, sz(hd), kRopeRel)) << "q vs CPU, " << what;
+    EXPECT_TRUE(near_blocks(kf, ck, sz(hd), kRopeRel)) << "k vs CPU, " << what;
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Paged KV: kv_write + attention
 // ---------------------------------------------------------------------------------------------

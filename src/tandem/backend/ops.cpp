@@ -312,6 +312,25 @@ void rope(float* x, int64_t n_tokens, int64_t n_heads, int64_t head_dim, int64_t
           const int64_t* positions, const float* inv_freq) {
   TANDEM_DISPATCH(rope(x, n_tokens, n_heads, head_dim, rotary_dim, positions, inv_freq));
 }
+void qk_norm_rope(const QkNormRope& s, const float* qg, const WeightRef& q_norm,
+                  const WeightRef& k_norm, const int64_t* positions, const float* inv_freq,
+                  float* q, float* gate, float* k) {
+  if (s.n_tokens < 0 || s.n_heads < 0 || s.n_kv_heads < 0 || s.head_dim < 1 || s.rotary_dim < 0 ||
+      s.rotary_dim % 2 != 0 || s.rotary_dim > s.head_dim)
+    fail("qk_norm_rope: bad shape: ", s.n_tokens, " tokens, ", s.n_heads, "/", s.n_kv_heads,
+         " heads of ", s.head_dim, ", rotary_dim ", s.rotary_dim);
+#ifdef TANDEM_HAVE_CUDA
+  if (g_backend == Backend::Cuda)
+    return cuda::qk_norm_rope(s, qg, q_norm, k_norm, positions, inv_freq, q, gate, k);
+#endif
+  const int64_t T = s.n_tokens, nh = s.n_heads, nkv = s.n_kv_heads, hd = s.head_dim;
+  copy_rows(q, hd, qg, 2 * hd, T * nh, hd);
+  copy_rows(gate, hd, qg + hd, 2 * hd, T * nh, hd);
+  cpu::rms_norm(q, T * nh, hd, q_norm, s.zero_centred, s.eps, q);
+  cpu::rms_norm(k, T * nkv, hd, k_norm, s.zero_centred, s.eps, k);
+  cpu::rope(q, T, nh, hd, s.rotary_dim, positions, inv_freq);
+  cpu::rope(k, T, nkv, hd, s.rotary_dim, positions, inv_freq);
+}
 void kv_write(const KVLayerView& kv, const int32_t* block_table, const int64_t* positions,
               int64_t n, const float* k, const float* v) {
   TANDEM_DISPATCH(kv_write(kv, block_table, positions, n, k, v));

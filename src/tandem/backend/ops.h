@@ -139,6 +139,21 @@ void add_inplace(float* x, const float* y, int64_t n);
 void rope(float* x, int64_t n_tokens, int64_t n_heads, int64_t head_dim, int64_t rotary_dim,
           const int64_t* positions, const float* inv_freq);
 
+// Gated attention's query/key preparation for T tokens in one pass: from the projection
+// qg [T, n_heads, 2·head_dim] ([query | gate] per head) and k [T, n_kv_heads, head_dim],
+//   q[t, h]    = rope(rms_norm(qg[t, h, :head_dim], q_norm), positions[t])
+//   gate[t, h] = qg[t, h, head_dim:]
+//   k[t, j]    = rope(rms_norm(k[t, j], k_norm), positions[t])      (in place)
+// Every value is the one copy_rows, rms_norm and rope compute, called one after the other.
+struct QkNormRope {
+  int64_t n_tokens = 0, n_heads = 0, n_kv_heads = 0, head_dim = 0, rotary_dim = 0;
+  bool zero_centred = true;
+  float eps = 1e-6f;
+};
+void qk_norm_rope(const QkNormRope& s, const float* qg, const WeightRef& q_norm,
+                  const WeightRef& k_norm, const int64_t* positions, const float* inv_freq,
+                  float* q, float* gate, float* k);
+
 // Paged KV for one full-attention layer. Keys and values of position p of a row live in block
 // `block_table[p / block_size]` at slot `p % block_size`; a block holds
 // [block_size, n_kv_heads, head_dim] keys followed by the same for values.

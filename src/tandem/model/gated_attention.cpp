@@ -35,13 +35,16 @@ void gated_attention(const GatedAttentionShape& s, const ops::WeightRef& q_norm,
   const int64_t nh = s.n_heads, nkv = s.n_kv_heads, hd = s.head_dim;
   int64_t T = 0;
   for (const AttentionSegment& seg : segments) T += seg.n;
-  // Per (token, head) the projection holds [query | gate].
-  ops::copy_rows(q, hd, qg, 2 * hd, T * nh, hd);
-  ops::copy_rows(gate, hd, qg + hd, 2 * hd, T * nh, hd);
-  ops::rms_norm(q, T * nh, hd, q_norm, s.zero_centred_norms, s.eps, q);
-  ops::rms_norm(k, T * nkv, hd, k_norm, s.zero_centred_norms, s.eps, k);
-  ops::rope(q, T, nh, hd, s.rotary_dim, positions, inv_freq);
-  ops::rope(k, T, nkv, hd, s.rotary_dim, positions, inv_freq);
+  // Per (token, head) the projection holds [query | gate]: split, per-head norms, rotary.
+  ops::QkNormRope prep;
+  prep.n_tokens = T;
+  prep.n_heads = nh;
+  prep.n_kv_heads = nkv;
+  prep.head_dim = hd;
+  prep.rotary_dim = s.rotary_dim;
+  prep.zero_centred = s.zero_centred_norms;
+  prep.eps = s.eps;
+  ops::qk_norm_rope(prep, qg, q_norm, k_norm, positions, inv_freq, q, gate, k);
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   int64_t t0 = 0;
   for (const AttentionSegment& seg : segments) {

@@ -88,6 +88,9 @@ void sigmoid_gate(float* x, const float* gate, int64_t n);
 void add_inplace(float* x, const float* y, int64_t n);
 void rope(float* x, int64_t n_tokens, int64_t n_heads, int64_t head_dim, int64_t rotary_dim,
           const int64_t* positions, const float* inv_freq);
+void qk_norm_rope(const ops::QkNormRope& s, const float* qg, const ops::WeightRef& q_norm,
+                  const ops::WeightRef& k_norm, const int64_t* positions, const float* inv_freq,
+                  float* q, float* gate, float* k);
 void kv_write(const ops::KVLayerView& kv, const int32_t* block_table, const int64_t* positions,
               int64_t n, const float* k, const float* v);
 void attention(const ops::KVLayerView& kv, const int32_t* block_table, const int64_t* positions,

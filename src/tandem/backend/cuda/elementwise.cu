@@ -237,6 +237,16 @@ __global__ void add_inplace_kernel(float* x, const float* y, int64_t n) {
     x[i] += y[i];
 }
 
+// The rotation of one rope pair: (a, b) by the angle whose cosine and sine are c, s. Rounded
+// products and difference spelled out, so rope_kernel and qk_norm_rope_kernel cannot be
+// contracted into different fused multiply-adds.
+__device__ __forceinline__ void rotate_pair(float& a, float& b, float c, float s) {
+  const float ra = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
+  const float rb = __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s));
+  a = ra;
+  b = rb;
+}
+
 // One thread per (token, head, i < half) rotates the pair (i, i + half) of that head: the pairs
 // are disjoint, so the in-place update has one writer per element. The angle is fp32
 // float(position) · inv_freq[i], as the CPU (and the reference) compute it.
@@ -254,10 +264,57 @@ __global__ void rope_kernel(float* x, int64_t n_tokens, int64_t n_heads, int64_t
     const float c = cosf(angle);
     const float s = sinf(angle);
     float* v = x + token_head * head_dim;
-    const float a = v[i];
-    const float b = v[i + half];
-    v[i] = a * c - b * s;
-    v[i + half] = b * c + a * s;
+    float a = v[i], b = v[i + half];
+    rotate_pair(a, b, c, s);
+    v[i] = a;
+    v[i + half] = b;
+  }
+}
+
+// Grid: one block per (token, head) over T × (n_heads + n_kv_heads): the query heads of a token,
+// then its key heads. A block normalises one head vector with rms_norm_kernel<kNormThreads>'s
+// arithmetic (row_inv_rms, then (x · s) · scale), stages it in shared memory, and rotates its
+// rope pairs with rope_kernel's arithmetic; query blocks also copy the head's gate. k is
+// rewritten in place (each block owns its head). Requires head_dim <= kMaxQkHeadDim.
+constexpr int64_t kMaxQkHeadDim = 512;
+
+__global__ void __launch_bounds__(kNormThreads)
+    qk_norm_rope_kernel(const float* __restrict__ qg, float* __restrict__ q,
+                        float* __restrict__ gate, float* k, int64_t n_heads, int64_t n_kv_heads,
+                        int64_t hd, int64_t half, const float* __restrict__ q_norm,
+                        const float* __restrict__ k_norm, bool zero_centred, float eps,
+                        const int64_t* __restrict__ positions, const float* __restrict__ inv_freq) {
+  pdl_wait();
+  pdl_release();
+  __shared__ double s_warp[kNormThreads / 32];
+  __shared__ float y[kMaxQkHeadDim];
+  const int64_t per_token = n_heads + n_kv_heads;
+  const int64_t t = blockIdx.x / per_token, h = blockIdx.x % per_token;
+  const bool is_q = h < n_heads;
+  const float* x = is_q ? qg + (t * n_heads + h) * 2 * hd : k + (t * n_kv_heads + h - n_heads) * hd;
+  float* out = is_q ? q + (t * n_heads + h) * hd : k + (t * n_kv_heads + h - n_heads) * hd;
+  const float* w = is_q ? q_norm : k_norm;
+  const float s = row_inv_rms<kNormThreads>(x, hd, eps, s_warp);
+  for (int64_t i = threadIdx.x; i < hd; i += kNormThreads) {
+    const float wi = w[i];
+    y[i] = (x[i] * s) * (zero_centred ? 1.0f + wi : wi);
+  }
+  if (is_q) {
+    float* g = gate + (t * n_heads + h) * hd;
+    for (int64_t i = threadIdx.x; i < hd; i += kNormThreads) g[i] = x[hd + i];
+  }
+  __syncthreads();  // y complete; every read of x (which may be k itself) is done
+  const float pos = static_cast<float>(positions[t]);
+  for (int64_t i = threadIdx.x; i < hd; i += kNormThreads) {
+    if (i < half) {
+      const float angle = pos * inv_freq[i];
+      float a = y[i], b = y[i + half];
+      rotate_pair(a, b, cosf(angle), sinf(angle));
+      out[i] = a;
+      out[i + half] = b;
+    } else if (i >= 2 * half) {
+      out[i] = y[i];
+    }
   }
 }
 
@@ -342,6 +399,21 @@ void sigmoid_gate(float* x, const float* gate, int64_t n) {
 void add_inplace(float* x, const float* y, int64_t n) {
   if (n <= 0) return;
   launch("add_inplace", add_inplace_kernel, grid_stride_blocks(n, kThreads), kThreads, 0, x, y, n);
+}
+
+void qk_norm_rope(const ops::QkNormRope& s, const float* qg, const ops::WeightRef& q_norm,
+                  const ops::WeightRef& k_norm, const int64_t* positions, const float* inv_freq,
+                  float* q, float* gate, float* k) {
+  check_f32_vector(q_norm, s.head_dim, "qk_norm_rope", "q_norm");
+  check_f32_vector(k_norm, s.head_dim, "qk_norm_rope", "k_norm");
+  if (s.head_dim > kMaxQkHeadDim || s.head_dim >= kWideNormMinDim)
+    fail("qk_norm_rope: head_dim ", s.head_dim, " exceeds the CUDA kernel's ", kMaxQkHeadDim);
+  const int64_t blocks = s.n_tokens * (s.n_heads + s.n_kv_heads);
+  if (blocks == 0) return;
+  launch("qk_norm_rope", qk_norm_rope_kernel, grid_blocks(blocks, "qk_norm_rope"), kNormThreads, 0,
+         qg, q, gate, k, s.n_heads, s.n_kv_heads, s.head_dim, s.rotary_dim / 2,
+         static_cast<const float*>(q_norm.data), static_cast<const float*>(k_norm.data),
+         s.zero_centred, s.eps, positions, inv_freq);
 }
 
 void rope(float* x, int64_t n_tokens, int64_t n_heads, int64_t head_dim, int64_t rotary_dim,
