@@ -6,6 +6,7 @@
 #include <array>
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
 #include <nlohmann/json.hpp>
 
 #include "tandem/backend/ops.h"
@@ -150,6 +151,33 @@ TEST(Cli, BackendSelection) {
                "/nonexistent/c.json");
   expect_error(run("bench --backend cpu"), "exactly one of --model DIR or --random-weights");
   expect_error(run("bench --model " + m + " --backend cpu --windows 1"), "--windows");
+}
+
+// bench --random-weights times the MTP draft step with a random MTP layer when the config
+// declares one (the bench configs do), and reports no MTP figures when it declares none.
+TEST(Cli, BenchRandomWeightsTimesARandomMtpLayer) {
+  const std::string config = std::string(TANDEM_SOURCE_DIR) + "/bench/configs/qwen35-15m.json";
+  const std::string args =
+      " --backend cpu --repeats 1 --prompt-tokens 4 --gen-tokens 2 --windows 2 --step-context 8 "
+      "--step-repeats 1 --json";
+  const CliRun r = run("bench --random-weights " + config + args, false);
+  ASSERT_EQ(r.code, 0) << r.out;
+  const auto j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j["mtp_draft_weights"], "random");
+  EXPECT_GT(j["mtp_draft_step_seconds"]["median"].get<double>(), 0.0);
+  EXPECT_GT(j["mtp_draft_step_relative_to_decode_step"].get<double>(), 0.0);
+
+  ScratchDir dir("cli-bench-no-mtp");
+  std::ifstream in(config);
+  nlohmann::json c = nlohmann::json::parse(in);
+  c["text_config"]["mtp_num_hidden_layers"] = 0;
+  write_text(dir.file("config.json"), c.dump());
+  const CliRun none = run("bench --random-weights " + dir.file("config.json") + args, false);
+  ASSERT_EQ(none.code, 0) << none.out;
+  const auto k = nlohmann::json::parse(none.out);
+  EXPECT_GT(k["decode_step_seconds"]["median"].get<double>(), 0.0);
+  EXPECT_FALSE(k.contains("mtp_draft_step_relative_to_decode_step")) << none.out;
+  EXPECT_FALSE(k.contains("mtp_draft_weights"));
 }
 
 TEST(Cli, BadArgumentsAndInputs) {

@@ -2,7 +2,8 @@
 // roofline (weight bytes one decode step must read ÷ this machine's measured bandwidth), and the
 // cost of one target forward per shape: a decode step, verify windows of k tokens per row, and a
 // long prefill. --random-weights builds the model directly in the backend's memory from a
-// config.json, so real sizes can be measured without weight files.
+// config.json, so real sizes can be measured without weight files; when that config declares an
+// MTP layer, the MTP draft step is timed with a random layer of that shape.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -23,6 +24,9 @@
 namespace tandem::cli {
 
 namespace {
+
+// Seed of --random-weights: the target model and, where the config declares one, its MTP layer.
+constexpr uint64_t kRandomSeed = 1234;
 
 struct BenchArgs {
   std::string model;
@@ -126,14 +130,14 @@ Spread time_steps(const Qwen35Model& model, int batch, int64_t k, int64_t contex
 }
 
 // Median seconds of one MTP drafting round at depth 1 for `batch` rows (the draft step: the MTP
-// block over each row's pending token plus the target head, and its commit), for a model whose
-// checkpoint carries an MTP layer. The rows first hold `context` tokens of target hiddens.
-Spread time_mtp_step(const Qwen35Model& model, int batch, int64_t context, int repeats) {
-  const Qwen35Config& cfg = model.config();
+// block over each row's pending token plus the target head, and its commit) with `provider`'s
+// layer (the checkpoint's own, or a random one). The rows first hold `context` tokens of target
+// hiddens.
+Spread time_mtp_step(const spec::TargetView& target, const spec::QwenMtpProvider& provider,
+                     int batch, int64_t context, int repeats) {
+  const Qwen35Config& cfg = target.config();
   const int64_t H = cfg.hidden_size;
-  const spec::TargetView target(model, "bench");
-  auto provider = spec::QwenMtpProvider::from_target(target);
-  auto rows = provider->open_rows(target);
+  auto rows = provider.open_rows(target);
   std::vector<spec::CheckpointPtr> cold(static_cast<size_t>(batch));
   rows->append(cold);
   std::mt19937 rng(5);
@@ -217,7 +221,7 @@ void run_bench(const BenchArgs& a) {
     std::fprintf(stderr, "bench: building a random-weight model from %s on %s\n",
                  a.random_weights.c_str(), ops::device_description().c_str());
     const Qwen35Config c = parse_qwen35_config(read_text_file(a.random_weights), a.random_weights);
-    model = Qwen35Model::random(c, 1234);
+    model = Qwen35Model::random(c, kRandomSeed);
   } else {
     name = a.model;
     std::fprintf(stderr, "bench: loading %s\n", a.model.c_str());
@@ -258,12 +262,25 @@ void run_bench(const BenchArgs& a) {
   std::vector<Spread> window_times;
   for (int64_t k : windows)
     window_times.push_back(time_steps(*model, a.batch, k, a.step_context, a.step_repeats));
-  // The MTP drafter's round cost, where the checkpoint has the layer.
+  // The MTP drafter's round cost, where the config declares the layer: the checkpoint's own
+  // (skipped when its tensors are absent), or a random one beside a random-weight model.
   Spread mtp_step;
-  const bool has_mtp = cfg.mtp_num_hidden_layers > 0 && model->weights().find("mtp.fc.weight");
+  const spec::TargetView target(*model, "bench");
+  std::unique_ptr<spec::QwenMtpProvider> mtp;
+  const char* mtp_weights = "";
+  if (cfg.mtp_num_hidden_layers > 0) {
+    if (!a.random_weights.empty()) {
+      mtp = spec::QwenMtpProvider::random(target, kRandomSeed);
+      mtp_weights = "random";
+    } else if (model->weights().find("mtp.fc.weight")) {
+      mtp = spec::QwenMtpProvider::from_target(target);
+      mtp_weights = "checkpoint";
+    }
+  }
+  const bool has_mtp = mtp != nullptr;
   if (has_mtp) {
-    std::fprintf(stderr, "bench: timing the MTP draft step\n");
-    mtp_step = time_mtp_step(*model, a.batch, a.step_context, a.step_repeats);
+    std::fprintf(stderr, "bench: timing the MTP draft step (%s MTP layer)\n", mtp_weights);
+    mtp_step = time_mtp_step(target, *mtp, a.batch, a.step_context, a.step_repeats);
   }
   Spread long_pf;
   if (a.long_prefill > 0) {
@@ -321,6 +338,7 @@ void run_bench(const BenchArgs& a) {
                    {"relative_to_decode_step", window_times[i].median / step.median}});
     j["verify_windows"] = w;
     if (has_mtp) {
+      j["mtp_draft_weights"] = mtp_weights;
       j["mtp_draft_step_seconds"] = to_json(mtp_step);
       j["mtp_draft_step_relative_to_decode_step"] = mtp_step.median / step.median;
     }
@@ -355,9 +373,9 @@ void run_bench(const BenchArgs& a) {
                 window_times[i].min * 1e3, window_times[i].max * 1e3,
                 window_times[i].median / step.median);
   if (has_mtp)
-    std::printf("MTP draft step   %.3f ms (min %.3f, max %.3f) = %.2fx a decode step\n",
+    std::printf("MTP draft step   %.3f ms (min %.3f, max %.3f) = %.2fx a decode step (%s layer)\n",
                 mtp_step.median * 1e3, mtp_step.min * 1e3, mtp_step.max * 1e3,
-                mtp_step.median / step.median);
+                mtp_step.median / step.median, mtp_weights);
   if (a.long_prefill > 0)
     std::printf("prefill %lld      %.1f tok/s (%.3f s, min %.3f, max %.3f), %.1f TFLOP/s\n",
                 static_cast<long long>(a.long_prefill),

@@ -68,6 +68,7 @@ nlohmann::json stats_json(const GenerateStats& st, const SpecStats& s, const Gen
           {"decode_seconds", st.decode_seconds},
           {"prefill_tokens_per_second", st.prefill_tokens_per_second()},
           {"decode_tokens_per_second", st.decode_tokens_per_second()},
+          {"device", ops::device_description()},
           {"threads", ops::thread_count()},
           {"rounds", s.rounds},
           {"drafted", s.drafted},
@@ -143,10 +144,10 @@ void run_generate(const GenerateArgs& a) {
   std::printf("\n");
   std::fprintf(stderr,
                "[%zu prompt tokens, %zu generated, finish: %s | prefill %.1f tok/s, decode "
-               "%.1f tok/s, %d threads",
+               "%.1f tok/s on %s",
                reqs[0].prompt.size(), r.tokens.size(), finish_reason_name(r.finish),
                stats.prefill_tokens_per_second(), stats.decode_tokens_per_second(),
-               ops::thread_count());
+               ops::device_description().c_str());
   if (drafter)
     std::fprintf(stderr, " | %s depth %d: %.0f%% of drafts accepted, %.2f tokens per round",
                  a.draft.c_str(), a.depth, 100 * sstats[0].acceptance_rate(),

@@ -27,6 +27,26 @@ std::string mtp_fingerprint(const json& config, const char* source, HiddenTap ta
   return config_fingerprint(config) + "|qwen-mtp:" + source + "|tap:" + tap_name(tap);
 }
 
+// The graph-shaping numbers of an MTP block as a config object under config.json's field names
+// (rotary_dim enters as the partial_rotary_factor that gives it), for config_fingerprint.
+json mtp_config_object(const QwenMtpConfig& c) {
+  return json{{"model_type", "qwen3_5_mtp"},
+              {"hidden_size", c.hidden_size},
+              {"vocab_size", c.vocab_size},
+              {"intermediate_size", c.intermediate_size},
+              {"num_attention_heads", c.num_attention_heads},
+              {"num_key_value_heads", c.num_key_value_heads},
+              {"head_dim", c.head_dim},
+              {"rms_norm_eps", c.rms_norm_eps},
+              {"rope_theta", c.rope_theta},
+              {"partial_rotary_factor",
+               static_cast<double>(c.rotary_dim) / static_cast<double>(c.head_dim)}};
+}
+
+// Random weights are determined by their shape, the seed and the draw (WeightArena's random
+// fill and random_mtp_weights' streams): bump the version when the draw changes.
+constexpr const char* kRandomDraw = "random-v1";
+
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
@@ -35,7 +55,7 @@ std::string mtp_fingerprint(const json& config, const char* source, HiddenTap ta
 std::unique_ptr<QwenMtpProvider> QwenMtpProvider::from_target(const TargetView& target,
                                                               HiddenTap tap) {
   const WeightStore& store = target.weights();
-  const QwenMtpConfig cfg = mtp_config_from_target(target.config(), store.dir());
+  const QwenMtpConfig cfg = mtp_config_from_target(target.config(), store.dir() + "/config.json");
   std::unique_ptr<QwenMtpProvider> p(new QwenMtpProvider());
   p->tap_ = tap;
   p->source_ = store.dir() + " (mtp.*)";
@@ -63,6 +83,26 @@ std::unique_ptr<QwenMtpProvider> QwenMtpProvider::from_companion(const std::stri
   p->block_ = std::move(block);
   p->ns_ = std::string(kQwenMtpSchema) + ":" +
            artifact_identity(mtp_fingerprint(config, "companion", tap), files);
+  return p;
+}
+
+std::unique_ptr<QwenMtpProvider> QwenMtpProvider::random(const TargetView& target, uint64_t seed,
+                                                         HiddenTap tap) {
+  const std::string source = "random weights (seed " + std::to_string(seed) + ")";
+  if (target.config().mtp_num_hidden_layers < 1)
+    fail("qwen-mtp drafter ", source,
+         ": the target's config declares no MTP layer (mtp_num_hidden_layers = ",
+         target.config().mtp_num_hidden_layers, "), so there is no shape to build");
+  const QwenMtpConfig cfg = mtp_config_from_target(target.config(), "qwen-mtp drafter " + source);
+  std::unique_ptr<QwenMtpProvider> p(new QwenMtpProvider());
+  p->tap_ = tap;
+  p->source_ = source;
+  auto block = std::make_shared<QwenMtpBlock>(random_mtp_weights(cfg, seed));
+  p->bytes_ = block->weights().bytes();
+  p->block_ = std::move(block);
+  const std::string draw = std::string(kRandomDraw) + ":" + std::to_string(seed);
+  p->ns_ = std::string(kQwenMtpSchema) + ":" +
+           artifact_identity(mtp_fingerprint(mtp_config_object(cfg), draw.c_str(), tap), {});
   return p;
 }
 

@@ -29,10 +29,18 @@ class QwenMtpProvider : public DraftProvider {
   // (hidden size, vocabulary) is checked by open_rows.
   static std::unique_ptr<QwenMtpProvider> from_companion(const std::string& dir,
                                                          HiddenTap tap = HiddenTap::FinalNormed);
+  // An MTP layer of the shape the target's config declares (as from_target derives it; requires
+  // mtp_num_hidden_layers = 1) with random weights created directly in the active backend's
+  // memory (random_mtp_weights; no files): timing the draft step of targets built with
+  // Qwen35Model::random. Its proposals are meaningless but deterministic per seed. The
+  // namespace is "qwen-mtp-v1:" + the identity of (block shape, "random-v1:<seed>", tap).
+  static std::unique_ptr<QwenMtpProvider> random(const TargetView& target, uint64_t seed,
+                                                 HiddenTap tap = HiddenTap::FinalNormed);
 
   const std::string& id() const override { return id_; }
   uint64_t weights_bytes() const override { return bytes_; }
-  // "qwen-mtp-v1:" + artifact identity of the drafter weights (+ tap), computed once at open.
+  // "qwen-mtp-v1:" + artifact identity of the drafter weights (+ tap), computed once at open
+  // (random weights: of their shape, seed and draw).
   const std::string& checkpoint_namespace() const override { return ns_; }
   // Refuses a target whose hidden size or vocabulary differs from the drafter's, or that cannot
   // provide the drafter's hidden tap.

@@ -14,7 +14,8 @@ QwenMtpBlock::QwenMtpBlock(QwenMtpWeights w) : w_(std::move(w)) {
   const std::vector<float> f = rope_inv_freq(c.rope_theta, c.rotary_dim);
   inv_freq_.grow_to(static_cast<int64_t>(f.size()));
   ops::copy_from_host(inv_freq_.data(), f.data(), sizeof(float) * f.size());
-  if (ops::backend() == ops::Backend::Cpu) return;  // the CPU computes on the mapped tensors
+  // The CPU computes on the mapped tensors; random weights were created where they are used.
+  if (ops::backend() == ops::Backend::Cpu || w_.placed) return;
   for (ops::WeightRef* v : {&w_.pre_fc_norm_embedding, &w_.pre_fc_norm_hidden, &w_.input_layernorm,
                             &w_.post_attention_layernorm, &w_.q_norm, &w_.k_norm, &w_.norm})
     *v = arena_.vector(*v);

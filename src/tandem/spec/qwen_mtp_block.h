@@ -45,7 +45,9 @@ class QwenMtpBlock {
                const ops::KVLayerView& kv, Workspace& ws, float* out) const;
 
  private:
-  QwenMtpWeights w_;  // placed for the active backend (CUDA: bf16/f32 copies in arena_)
+  // Placed for the active backend: file-backed weights on CUDA point at bf16/f32 copies in
+  // arena_; random weights (w_.placed) already live in backend memory, owned by w_.arena.
+  QwenMtpWeights w_;
   WeightArena arena_;
   Buffer<float> inv_freq_;
 };

@@ -1,5 +1,7 @@
 #include "tandem/spec/qwen_mtp_weights.h"
 
+#include <cmath>
+
 #include "tandem/core/error.h"
 
 namespace tandem::spec {
@@ -178,13 +180,13 @@ const std::vector<std::string>& mtp_projection_names() {
   return names;
 }
 
-QwenMtpConfig mtp_config_from_target(const Qwen35Config& t, const std::string& dir) {
+QwenMtpConfig mtp_config_from_target(const Qwen35Config& t, const std::string& source) {
   if (t.mtp_num_hidden_layers < 1)
-    fail(dir,
+    fail(source,
          ": the checkpoint has no MTP layer (mtp_num_hidden_layers = ", t.mtp_num_hidden_layers,
          "); pass --draft-model DIR or use --draft ngram");
   if (t.mtp_num_hidden_layers > 1)
-    fail(dir, ": mtp_num_hidden_layers = ", t.mtp_num_hidden_layers,
+    fail(source, ": mtp_num_hidden_layers = ", t.mtp_num_hidden_layers,
          " is not supported (the qwen-mtp drafter runs exactly one MTP layer)");
   QwenMtpConfig c;
   c.hidden_size = t.hidden_size;
@@ -197,7 +199,7 @@ QwenMtpConfig mtp_config_from_target(const Qwen35Config& t, const std::string& d
   c.rope_theta = t.rope_theta;
   c.rms_norm_eps = t.rms_norm_eps;
   c.norms_zero_centred = true;
-  check_attention_shape(c, dir + "/config.json");
+  check_attention_shape(c, source);
   return c;
 }
 
@@ -279,6 +281,56 @@ QwenMtpWeights bind_mtp_weights(const QwenMtpConfig& c, WeightStore store,
   w.gate_proj = bind_linear(c, s, l0 + "mlp.gate_proj", I, H);
   w.up_proj = bind_linear(c, s, l0 + "mlp.up_proj", I, H);
   w.down_proj = bind_linear(c, s, l0 + "mlp.down_proj", H, I);
+  return w;
+}
+
+QwenMtpWeights random_mtp_weights(const QwenMtpConfig& c, uint64_t seed) {
+  if (c.quant_bits != 0)
+    fail("random MTP weights are dense, but the config asks for ", c.quant_bits,
+         "-bit quantized projections");
+  if (c.hidden_size <= 0 || c.vocab_size <= 0 || c.intermediate_size <= 0 ||
+      c.num_attention_heads <= 0 || c.num_key_value_heads <= 0 || c.head_dim <= 0)
+    fail("random MTP weights: every size of the config must be positive (hidden ", c.hidden_size,
+         ", vocab ", c.vocab_size, ", intermediate ", c.intermediate_size, ", heads ",
+         c.num_attention_heads, "/", c.num_key_value_heads, " x ", c.head_dim, ")");
+  check_attention_shape(c, "random MTP weights");
+  QwenMtpWeights w;
+  w.cfg = c;
+  w.placed = true;
+  WeightArena& arena = w.arena;
+  // Tensor i draws the stream (seed ^ salt) * 1000003 + i: Qwen35Model::random's layout with a
+  // salt ("qwen-mtp"), so a target and its drafter built from one seed draw different values.
+  constexpr uint64_t kSalt = 0x7177656e2d6d7470ull;
+  const uint64_t base = (seed ^ kSalt) * 1000003ull;
+  uint64_t tensor = 0;
+  auto linear = [&](int64_t out, int64_t in) {
+    MtpLinear l;
+    l.dense =
+        arena.random_matrix(out, in, base + tensor++, 1.0f / std::sqrt(static_cast<float>(in)));
+    return l;
+  };
+  // Qwen3.5 RMSNorm weights near the identity scale of the layout: w ≈ 0 when the scale is
+  // 1 + w (zero-centred), w ≈ 1 when it is w.
+  const float identity = c.norms_zero_centred ? 0.0f : 1.0f;
+  auto norm = [&](int64_t n) { return arena.random_vector(n, base + tensor++, identity, 0.1f); };
+  const int64_t H = c.hidden_size, I = c.intermediate_size, hd = c.head_dim;
+  const int64_t nh = c.num_attention_heads, nkv = c.num_key_value_heads;
+  // A fixed order (bind_mtp_weights'): tensor i draws stream i whatever the shapes are.
+  w.pre_fc_norm_embedding = norm(H);
+  w.pre_fc_norm_hidden = norm(H);
+  w.norm = norm(H);
+  w.input_layernorm = norm(H);
+  w.post_attention_layernorm = norm(H);
+  w.q_norm = norm(hd);
+  w.k_norm = norm(hd);
+  w.fc = linear(H, 2 * H);
+  w.q_proj = linear(nh * hd * 2, H);  // [query | gate] per head
+  w.k_proj = linear(nkv * hd, H);
+  w.v_proj = linear(nkv * hd, H);
+  w.o_proj = linear(H, nh * hd);
+  w.gate_proj = linear(I, H);
+  w.up_proj = linear(I, H);
+  w.down_proj = linear(H, I);
   return w;
 }
 
