@@ -350,13 +350,14 @@ TEST_P(CudaLinear, MatchesCpuOnBf16RoundedInputs) {
 }
 
 // Qwen3.5 hidden sizes 384 / 1024 / 4096, a big N (4096x1024), N not a multiple of 8 (20, 17, 3),
-// and one K that is not a multiple of 8 or 16 (100).
+// one K that is not a multiple of 8 or 16 (100), and the 9B down projection's K (12288: the
+// decode kernel's bf16 rows then need more than the default 48 KiB of shared memory).
 INSTANTIATE_TEST_SUITE_P(Shapes, CudaLinear,
                          ::testing::Values(LinearShape{20, 384}, LinearShape{1024, 384},
                                            LinearShape{384, 1024}, LinearShape{1024, 1024},
                                            LinearShape{4096, 1024}, LinearShape{1024, 4096},
                                            LinearShape{1000, 4096}, LinearShape{3, 1024},
-                                           LinearShape{17, 100}),
+                                           LinearShape{17, 100}, LinearShape{64, 12288}),
                          linear_name);
 
 using CudaLinearModes = CudaTest;
@@ -1173,7 +1174,7 @@ TEST_P(CudaLinearInvariance, RowsAreBitwiseIndependentOfTheBatch) {
 INSTANTIATE_TEST_SUITE_P(Shapes, CudaLinearInvariance,
                          ::testing::Values(LinearShape{1000, 4096}, LinearShape{4096, 1024},
                                            LinearShape{1024, 1024}, LinearShape{20, 384},
-                                           LinearShape{3, 1024}),
+                                           LinearShape{3, 1024}, LinearShape{64, 12288}),
                          linear_name);
 
 using CudaBatchInvariance = CudaTest;

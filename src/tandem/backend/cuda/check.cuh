@@ -33,15 +33,15 @@ inline cudaStream_t op_stream() {
 }
 
 // --- Programmatic dependent launch (PDL, sm_90) --------------------------------------------------
-// Every kernel is launched through launch(), which lets it start while the kernel before it on
-// the stream is still running (its blocks fill multiprocessors as the earlier grid drains), so
-// kernel boundaries stop costing a drain, a launch and a ramp. The invariant that makes this
-// safe: a kernel calls pdl_wait() before it reads anything an earlier kernel wrote or writes
-// anything an earlier kernel reads. Only immutable data (weights) may be touched before it.
+// Every kernel is launched through launch(), which (when pdl_enabled(), opt-in) lets it start
+// while the kernel before it on the stream is still running: its blocks fill multiprocessors as
+// the earlier grid drains. The invariant that makes this safe: a kernel calls pdl_wait() before
+// it reads anything an earlier kernel wrote or writes anything an earlier kernel reads. Only
+// immutable data (weights) may be touched before it.
 // pdl_wait() returns once every earlier kernel has completed and its writes are visible.
 // pdl_release() lets the next kernel be scheduled; kernels call it right after pdl_wait(), so at
-// most two grids overlap. Without PDL (TANDEM_CUDA_PDL=0, or an earlier op that is not a
-// kernel) both are no-ops and launches serialize as usual.
+// most two grids overlap. Without PDL (the default, or an earlier op that is not a kernel) both
+// are no-ops and launches serialize as usual.
 __device__ __forceinline__ void pdl_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");

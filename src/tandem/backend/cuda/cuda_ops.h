@@ -52,8 +52,8 @@ void fill_random_f32(float* dst, int64_t n, uint64_t seed, float offset, float s
 // several copies of `bytes` (default 2 GiB). The roofline denominator.
 double copy_bandwidth(size_t bytes = size_t(2) << 30);
 
-// Programmatic dependent launch between consecutive kernels (check.cuh): on unless the
-// environment sets TANDEM_CUDA_PDL=0. Changes no number, only how kernel boundaries overlap.
+// Programmatic dependent launch between consecutive kernels (check.cuh): off unless the
+// environment sets TANDEM_CUDA_PDL=1. Changes no number, only how kernel boundaries overlap.
 bool pdl_enabled();
 void set_pdl_enabled(bool on);
 

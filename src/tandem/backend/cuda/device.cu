@@ -17,9 +17,12 @@
 namespace tandem::cuda {
 
 namespace {
+// Off unless TANDEM_CUDA_PDL=1: on the H200 it gave no measurable decode gain (graph replay
+// already hides launch gaps) and cost ~5% of a 4k-token prefill, whose kernels interleave with
+// cuBLAS GEMMs (BENCHMARKS.md).
 bool pdl_default() {
   const char* v = std::getenv("TANDEM_CUDA_PDL");
-  return !(v && std::string_view(v) == "0");
+  return v && std::string_view(v) == "1";
 }
 bool g_pdl = pdl_default();
 }  // namespace

@@ -44,6 +44,9 @@ constexpr int kChunk = 64;          // k per warp chunk: 4 lanes x 16
 constexpr int kMaxTiles = 4;        // 16-row m-tiles per pass
 constexpr int64_t kNarrowRows = 4;  // up to this many rows: in-register bf16 rounding, 1 n-tile
 constexpr int64_t kPrefillChunk = 256;
+// Shared memory for the bf16 input rows of the in-register path at most; wider inputs take the
+// scratch path (the same arithmetic).
+constexpr size_t kNarrowSmemMax = size_t(128) << 10;
 
 bool g_prefill = false;
 
@@ -105,12 +108,12 @@ __device__ __forceinline__ void prefetch_first_group(const uint16_t* w, int N, i
 
 // Four consecutive inputs x[r, k..k+3] as bf16 pairs (k a multiple of 4). F32X: x is fp32 and
 // rounded here; else x is the bf16 scratch copy.
+// F32X: from the block's bf16 copy of the rows in shared memory (x_smem [m, K]).
 template <bool F32X>
-__device__ __forceinline__ uint2 load_x4(const void* xin, int r, int K, int k) {
+__device__ __forceinline__ uint2 load_x4(const void* xin, const uint16_t* x_smem, int r, int K,
+                                         int k) {
   if constexpr (F32X) {
-    const float4 f = *reinterpret_cast<const float4*>(static_cast<const float*>(xin) +
-                                                      static_cast<size_t>(r) * K + k);
-    return make_uint2(pack_bf16(f.x, f.y), pack_bf16(f.z, f.w));
+    return *reinterpret_cast<const uint2*>(x_smem + r * K + k);
   } else {
     return *reinterpret_cast<const uint2*>(static_cast<const uint16_t*>(xin) +
                                            static_cast<size_t>(r) * K + k);
@@ -120,8 +123,10 @@ __device__ __forceinline__ uint2 load_x4(const void* xin, int r, int K, int k) {
 // The kernel. Each warp applies every A fragment it loads to NT n-tiles (8·NT columns per block),
 // so the activations, which every block reads in full, come from L2 NT times less often. Per
 // output the mma sequence is fixed: chunks ascending, j = 0..3 within a chunk, then warps 0..3.
-// F32X: the inputs are fp32 and rounded to bf16 in registers (decode-sized calls pay no
-// conversion launch); else `xin` holds them as bf16 already.
+// F32X (m <= kNarrowRows): the inputs are fp32; each block first rounds all m rows to bf16 into
+// dynamic shared memory (m · K · 2 bytes), so the A fragments of the weight loop come from shared
+// memory rather than L2, and decode-sized calls pay no conversion launch. Else `xin` holds the
+// rows as bf16 already.
 // SwiGLU: the weight is gate_up_swiglu's pair layout (8 gate rows, then the same 8 up rows), so
 // n-tiles 2p and 2p + 1 of a block hold the gate and up of the same 8 outputs; the epilogue
 // writes silu(gate) · up to y (N / 2 columns) instead of both.
@@ -141,6 +146,16 @@ __global__ void __launch_bounds__(kWarps * 32)
   if (blockIdx.x < groups) prefetch_first_group(w, N, K, blockIdx.x * 8 * NT, 8 * NT);
   pdl_wait();
   pdl_release();
+  extern __shared__ uint2 x_smem_raw[];
+  const uint16_t* x_smem = reinterpret_cast<const uint16_t*>(x_smem_raw);
+  if constexpr (F32X) {
+    const float4* x4 = static_cast<const float4*>(xin);
+    for (int i = threadIdx.x; i < m * K / 4; i += kWarps * 32) {
+      const float4 f = x4[i];
+      x_smem_raw[i] = make_uint2(pack_bf16(f.x, f.y), pack_bf16(f.z, f.w));
+    }
+    __syncthreads();
+  }
   for (int grp = blockIdx.x; grp < groups; grp += gridDim.x) {
     const int n_base = grp * 8 * NT;
     const uint4* wrow[NT];
@@ -189,8 +204,8 @@ __global__ void __launch_bounds__(kWarps * 32)
             for (int i = 0; i < Tiles; ++i) {
               const int r_lo = row0 + i * 16 + g, r_hi = r_lo + 8;
               uint2 lo = make_uint2(0, 0), hi = lo;
-              if (k_ok && r_lo < m) lo = load_x4<F32X>(xin, r_lo, K, k + 4 * j);
-              if (k_ok && r_hi < m) hi = load_x4<F32X>(xin, r_hi, K, k + 4 * j);
+              if (k_ok && r_lo < m) lo = load_x4<F32X>(xin, x_smem, r_lo, K, k + 4 * j);
+              if (k_ok && r_hi < m) hi = load_x4<F32X>(xin, x_smem, r_hi, K, k + 4 * j);
 #pragma unroll
               for (int nt = 0; nt < NT; ++nt) {
                 const uint32_t* wb = reinterpret_cast<const uint32_t*>(&wv[u][nt][0]);
@@ -410,24 +425,34 @@ void linear_prefill(const float* x, int64_t m, const ops::WeightRef& w, const Sp
   }
 }
 
+struct PairHash {
+  size_t operator()(const std::pair<const void*, size_t>& p) const {
+    return std::hash<const void*>()(p.first) ^
+           (std::hash<size_t>()(p.second) * 0x9E3779B97F4A7C15ull);
+  }
+};
+
 // Blocks for `groups` column groups: as many as the GPU keeps resident (occupancy x SMs) at
 // most, and then the fewest that give every block the same number of groups.
 template <class Kernel>
-unsigned balanced_grid(Kernel kernel, int groups) {
+unsigned balanced_grid(Kernel kernel, int groups, size_t smem = 0) {
   static int sms = [] {
     int dev = 0, n = 0;
     cudaGetDevice(&dev);
     cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
     return n > 0 ? n : 1;
   }();
-  static std::unordered_map<const void*, int> occupancy;  // per kernel, asked once
-  auto it = occupancy.find(reinterpret_cast<const void*>(kernel));
+  // Per (kernel, dynamic shared memory), asked once.
+  static std::unordered_map<std::pair<const void*, size_t>, int, PairHash> occupancy;
+  const auto key = std::make_pair(reinterpret_cast<const void*>(kernel), smem);
+  auto it = occupancy.find(key);
   if (it == occupancy.end()) {
     int n = 0;
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kWarps * 32, 0) != cudaSuccess ||
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kWarps * 32, smem) !=
+            cudaSuccess ||
         n < 1)
       n = 1;
-    it = occupancy.emplace(reinterpret_cast<const void*>(kernel), n).first;
+    it = occupancy.emplace(key, n).first;
   }
   const int per_sm = it->second;
   const int resident = sms * per_sm;
@@ -475,17 +500,35 @@ bool mma_path(const float* x, const ops::WeightRef& w) {
   return true;
 }
 
+// Raises a kernel's dynamic shared memory limit to `bytes` (the bf16 rows of a decode-sized
+// linear: 4 rows of K = 12288 take 96 KiB). The default limit counts the kernel's static shared
+// memory too, so it is raised for any size the kernel has not been allowed yet.
+template <class Kernel>
+void allow_dynamic_smem(Kernel kernel, size_t bytes) {
+  static std::unordered_map<const void*, size_t> allowed;
+  size_t& have = allowed[reinterpret_cast<const void*>(kernel)];
+  if (bytes <= have) return;
+  const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                               static_cast<int>(bytes));
+  if (err != cudaSuccess)
+    fail("cuda linear: ", bytes,
+         " bytes of shared memory for the input rows: ", cudaGetErrorString(err));
+  have = bytes;
+}
+
 // The tensor-core path (decode and verify shapes, K a multiple of 16). SwiGLU: y has N / 2
 // columns (gate_up_swiglu).
 template <bool SwiGLU>
 void linear_mma(const float* x, int64_t m, const ops::WeightRef& w, const SplitOut& y) {
   const int N = static_cast<int>(w.rows), K = static_cast<int>(w.cols), M = static_cast<int>(m);
   const auto* wp = static_cast<const uint16_t*>(w.data);
-  if (m <= kNarrowRows) {
-    // Two n-tiles per warp halve the activation reads from L2 (every block reads all of x).
+  if (m <= kNarrowRows && sizeof(uint16_t) * m * K <= kNarrowSmemMax) {
+    // Two n-tiles per warp halve the activation reads (every block reads all of x).
     const auto kernel = linear_mma_wide_kernel<1, 2, true, SwiGLU>;
-    launch("linear", kernel, balanced_grid(kernel, (N + 15) / 16), kWarps * 32, 0, x, M, wp, N, K,
-           y);
+    const size_t smem = sizeof(uint16_t) * static_cast<size_t>(m * K);
+    allow_dynamic_smem(kernel, smem);
+    launch("linear", kernel, balanced_grid(kernel, (N + 15) / 16, smem), kWarps * 32, smem, x, M,
+           wp, N, K, y);
     return;
   }
   // Batches: bf16 copy of the inputs, then 4 n-tiles per warp (2 for narrow weights, to keep
