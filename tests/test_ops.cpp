@@ -134,8 +134,8 @@ TEST(Ops, GatedRmsNormAndActivations) {
     EXPECT_NEAR(s[i], x[i] / (1 + std::exp(-static_cast<double>(x[i]))) * z[i], 1e-5);
 }
 
-// The fused ops are exactly their parts: the model relies on add_rms_norm and linear_swiglu
-// giving the bits of add_inplace + rms_norm and swiglu_rows + linear.
+// The fused ops are exactly their parts: the model relies on add_rms_norm giving the bits of
+// add_inplace + rms_norm (gate_up_swiglu's test follows).
 TEST(Ops, AddRmsNormIsAddThenNorm) {
   std::mt19937 rng(3);
   const int64_t m = 3, d = 37;

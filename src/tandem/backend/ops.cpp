@@ -295,13 +295,6 @@ void gated_rms_norm(const float* x, const float* z, int64_t m, int64_t d, const 
 void swiglu(const float* gate, const float* up, int64_t n, float* out) {
   TANDEM_DISPATCH(swiglu(gate, up, n, out));
 }
-void swiglu_rows(const float* gate_up, int64_t m, int64_t I, float* out) {
-#ifdef TANDEM_HAVE_CUDA
-  if (g_backend == Backend::Cuda) return cuda::swiglu_rows(gate_up, m, I, out);
-#endif
-  for (int64_t r = 0; r < m; ++r)
-    cpu::swiglu(gate_up + r * 2 * I, gate_up + r * 2 * I + I, I, out + r * I);
-}
 void sigmoid_gate(float* x, const float* gate, int64_t n) {
   TANDEM_DISPATCH(sigmoid_gate(x, gate, n));
 }

@@ -124,10 +124,6 @@ void gated_rms_norm(const float* x, const float* z, int64_t m, int64_t d, const 
 // SwiGLU: out[i] = silu(gate[i]) · up[i] for n elements.
 void swiglu(const float* gate, const float* up, int64_t n, float* out);
 
-// SwiGLU of a stacked gate|up projection: out[r, i] = silu(gu[r, i]) · gu[r, I + i] for
-// gu [m, 2I], out [m, I]. Same per-element arithmetic as swiglu.
-void swiglu_rows(const float* gate_up, int64_t m, int64_t I, float* out);
-
 // x[i] *= sigmoid(gate[i]) for n elements.
 void sigmoid_gate(float* x, const float* gate, int64_t n);
 

@@ -255,7 +255,8 @@ void Qwen35Model::forward(Qwen35State& st, const ForwardRequest& req, ForwardOut
   // Block tables go into fixed-stride slots (stride = the largest position bound in blocks), so
   // a row's table address changes only when a bound does, not with every new block: decode
   // graphs stay valid for kPositionBoundStep positions.
-  std::vector<int64_t> bounds;
+  std::vector<int64_t>& bounds = w.bounds_host;
+  bounds.clear();
   int64_t stride = 1;
   {
     int64_t t = 0;
@@ -288,7 +289,8 @@ void Qwen35Model::forward(Qwen35State& st, const ForwardRequest& req, ForwardOut
   // once per forward (device memory stays put, so captured graphs read the fresh contents).
   {
     const int64_t nl = st.linear_layers();
-    std::vector<ops::RecurrentRow> desc(static_cast<size_t>(nl * R));
+    std::vector<ops::RecurrentRow>& desc = w.recurrent_host;
+    desc.assign(static_cast<size_t>(nl * R), ops::RecurrentRow{});
     w.max_row_tokens = 0;
     for (int64_t li = 0; li < nl; ++li) {
       int64_t t0 = 0;
@@ -380,7 +382,7 @@ void Qwen35Model::reserve_workspace(int64_t T, int64_t R, bool all_logits) const
                 nv = c.linear_num_value_heads;
   grow_to(w.x, T * H);
   grow_to(w.h, T * H);
-  grow_to(w.mlp_g, T * I);
+  if (!layers_.empty() && !layers_.front().gate_up.data) grow_to(w.mlp_g, T * I);
   grow_to(w.mlp_u, T * I);
   grow_to(w.a0, T * conv_dim);
   grow_to(w.a1, T * conv_dim);

@@ -140,7 +140,8 @@ class Qwen35Model {
   // Scratch reused across calls (grown, never shrunk). A model serves one forward at a time.
   // Buffers are backend memory; the *_host vectors stage what the host computes per forward.
   struct Workspace {
-    Buffer<float> x, h, a0, a1, a2, a3, a5, mlp_g, mlp_u;
+    Buffer<float> x, h, a0, a1, a2, a3, a5, mlp_u;
+    Buffer<float> mlp_g;        // [T, I] gate projection; only without the stacked gate_up
     Buffer<float> last;         // [rows, H]: each row's last normed hidden, for the head
     Buffer<float> out;          // [rows or T, V] logits before the copy to the host
     Buffer<int32_t> ids;        // [T] token ids
@@ -152,6 +153,8 @@ class Qwen35Model {
     int64_t max_row_tokens = 0;
     std::vector<int64_t> pos_host;
     std::vector<int32_t> tables_host;
+    std::vector<int64_t> bounds_host;               // [rows] attention position bounds
+    std::vector<ops::RecurrentRow> recurrent_host;  // staging of recurrent_rows
     std::vector<AttentionSegment> segments;
     GatedAttentionScratch attn;
   };

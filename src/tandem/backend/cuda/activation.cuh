@@ -1,6 +1,6 @@
 // Activation functions shared by the CUDA kernels (internal: included by .cu files only). One
-// definition, so a fused kernel (linear_swiglu) computes bit for bit what the standalone op
-// (swiglu_rows) computes.
+// definition, so a fused kernel (gate_up_swiglu's epilogue) computes bit for bit what the
+// standalone ops (swiglu, the recurrent conv) compute.
 #pragma once
 
 #include <cuda_runtime.h>

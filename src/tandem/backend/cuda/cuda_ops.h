@@ -83,7 +83,6 @@ void add_rms_norm(float* x, const float* r, int64_t m, int64_t d, const ops::Wei
 void gated_rms_norm(const float* x, const float* z, int64_t m, int64_t d, const ops::WeightRef& w,
                     float eps, float* y);
 void swiglu(const float* gate, const float* up, int64_t n, float* out);
-void swiglu_rows(const float* gate_up, int64_t m, int64_t I, float* out);
 void sigmoid_gate(float* x, const float* gate, int64_t n);
 void add_inplace(float* x, const float* y, int64_t n);
 void rope(float* x, int64_t n_tokens, int64_t n_heads, int64_t head_dim, int64_t rotary_dim,

@@ -208,19 +208,6 @@ __global__ void swiglu_kernel(const float* gate, const float* up, int64_t n, flo
     out[i] = silu(gate[i]) * up[i];
 }
 
-// gu [m, 2I] -> out [m, I]; element (r, i) as swiglu_kernel computes it.
-__global__ void swiglu_rows_kernel(const float* gate_up, int64_t m, int64_t I, float* out) {
-  pdl_wait();
-  pdl_release();
-  const int64_t n = m * I;
-  for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < n;
-       e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t r = e / I, i = e % I;
-    const float g = gate_up[r * 2 * I + i];
-    out[e] = silu(g) * gate_up[r * 2 * I + I + i];
-  }
-}
-
 __global__ void sigmoid_gate_kernel(float* x, const float* gate, int64_t n) {
   pdl_wait();
   pdl_release();
@@ -381,13 +368,6 @@ void gated_rms_norm(const float* x, const float* z, int64_t m, int64_t d, const 
 void swiglu(const float* gate, const float* up, int64_t n, float* out) {
   if (n <= 0) return;
   launch("swiglu", swiglu_kernel, grid_stride_blocks(n, kThreads), kThreads, 0, gate, up, n, out);
-}
-
-void swiglu_rows(const float* gate_up, int64_t m, int64_t I, float* out) {
-  if (m < 0 || I < 0) fail("swiglu_rows: negative shape ", m, " x ", I);
-  if (m == 0 || I == 0) return;
-  launch("swiglu_rows", swiglu_rows_kernel, grid_stride_blocks(m * I, kThreads), kThreads, 0,
-         gate_up, m, I, out);
 }
 
 void sigmoid_gate(float* x, const float* gate, int64_t n) {

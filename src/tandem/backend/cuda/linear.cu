@@ -85,10 +85,11 @@ struct SplitOut {
   }
 };
 
-// Weights never change, so a linear may read them before pdl_wait(): while the previous kernel
-// drains, each block asks L2 for the start of its first column group ([cols, K] from row n0),
-// in the order its warps will consume it (chunk by chunk), within a budget shared by the grid
-// that stays well inside L2. The weight stream is then under way when the block starts.
+// Weights never change, so a linear may read them before pdl_wait(): each block first asks L2
+// for the start of its first column group ([cols, K] from row n0), in the order its warps will
+// consume it (chunk by chunk), within a budget shared by the grid that stays well inside L2.
+// With PDL (opt-in) this runs while the previous kernel drains; without it, the weight stream is
+// under way while the block stages its inputs.
 constexpr int64_t kPrefetchBytes = int64_t(16) << 20;
 
 __device__ __forceinline__ void prefetch_first_group(const uint16_t* w, int N, int K, int n0,

@@ -13,6 +13,7 @@
 #include <cmath>
 #include <type_traits>
 
+#include "tandem/backend/cuda/activation.cuh"
 #include "tandem/backend/cuda/check.cuh"
 #include "tandem/backend/cuda/cuda_ops.h"
 #include "tandem/core/error.h"
@@ -20,10 +21,6 @@
 namespace tandem::cuda {
 
 namespace {
-
-__device__ inline float silu(float x) {
-  return x / (1.0f + expf(-x));
-}
 
 __device__ inline float softplus(float x) {
   return x > 20.0f ? x : log1pf(expf(x));
