@@ -50,7 +50,10 @@ constexpr double kElemRel = 1e-5;
 constexpr double kRopeRel = 1e-5;
 constexpr double kConvRel = 1e-5;
 constexpr double kAttnRel = 1e-4;
-constexpr double kDeltaRel = 1e-4;
+// A head's outputs can be 100-1000x smaller than the products they are summed from (q̂ nearly
+// orthogonal to the state's columns), so fp32 sums in the GPU's order (eight lanes per column,
+// four running sums each) and the CPU's differ by up to ~1e-4 of such a head's largest output.
+constexpr double kDeltaRel = 2e-4;
 
 inline size_t sz(int64_t v) {
   return static_cast<size_t>(v);

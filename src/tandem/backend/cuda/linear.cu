@@ -3,9 +3,11 @@
 // Decode and verify shapes (every call outside prefill) go through one tensor-core kernel whose
 // reduction order is fixed by K alone, so a row's result is bitwise the same whether it is alone,
 // in a verify window or next to other rows (DESIGN.md principle 2):
-//  - a block owns 8·NT output columns (NT m16n8k16 n-tiles) and splits K over its 4 warps in
-//    64-wide chunks, warp w taking chunks w, w+4, w+8, ... in ascending order;
-//  - each warp accumulates its chunks with mma.sync in fp32; the 4 warp partials are then summed
+//  - a block owns 8·NT output columns (NT m16n8k16 n-tiles) and splits K over its W warps in
+//    64-wide chunks, warp w taking chunks w, w+W, w+2W, ... in ascending order. W is a function
+//    of the weight's shape alone (linear_warps: 8 below kWideRows rows, where the column groups
+//    are too few to keep enough weight bytes in flight with 4, else 4), never of m;
+//  - each warp accumulates its chunks with mma.sync in fp32; the W warp partials are then summed
 //    in warp order through shared memory;
 //  - rows are processed 16 per m-tile, up to 64 per pass; more rows take more passes over the
 //    same weights. A row's arithmetic never depends on which tile or pass it lands in.
@@ -39,9 +41,9 @@ namespace tandem::cuda {
 
 namespace {
 
-constexpr int kWarps = 4;
-constexpr int kChunk = 64;          // k per warp chunk: 4 lanes x 16
-constexpr int kMaxTiles = 4;        // 16-row m-tiles per pass
+constexpr int kWideRows = 8192;  // weights with at least this many rows: 4 warps per block, else 8
+constexpr int kChunk = 64;       // k per warp chunk: 4 lanes x 16
+constexpr int kMaxTiles = 4;     // 16-row m-tiles per pass
 constexpr int64_t kNarrowRows = 4;  // up to this many rows: in-register bf16 rounding, 1 n-tile
 constexpr int64_t kPrefillChunk = 256;
 // Shared memory for the bf16 input rows of the in-register path at most; wider inputs take the
@@ -121,9 +123,78 @@ __device__ __forceinline__ uint2 load_x4(const void* xin, const uint16_t* x_smem
   }
 }
 
+// The end of a column group: the Warps warps' partial sums c (this lane's mma accumulators) are
+// summed in warp order through shared memory and stored (SwiGLU: as silu(gate) · up). Every
+// thread of the block calls it; it ends with the block synchronised, so `partial` may be reused.
+template <int Warps, int Tiles, int NT, bool SwiGLU>
+__device__ __forceinline__ void finish_group(float (&partial)[Warps][Tiles][NT][32][4],
+                                             const float (&c)[Tiles][NT][4], int warp, int lane,
+                                             int row0, int m, int n_base, int N,
+                                             const SplitOut& y) {
+  const int g = lane / 4, t = lane % 4;
+#pragma unroll
+  for (int i = 0; i < Tiles; ++i)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) partial[warp][i][nt][lane][e] = c[i][nt][e];
+  __syncthreads();
+  // Column sums over the warps in order 0, 1, ...
+  auto warp_sum = [&](int i, int nt, float(&sum)[4]) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      sum[e] = partial[0][i][nt][lane][e];
+#pragma unroll
+      for (int v = 1; v < Warps; ++v) sum[e] += partial[v][i][nt][lane][e];
+    }
+  };
+  if constexpr (SwiGLU) {
+    // Warp v finishes pairs v, v + Warps, ...: gate tile 2p, up tile 2p + 1.
+    const int half = N / 2;
+    for (int pr = warp; pr < NT / 2; pr += Warps) {
+#pragma unroll
+      for (int i = 0; i < Tiles; ++i) {
+        float gs[4], us[4];
+        warp_sum(i, 2 * pr, gs);
+        warp_sum(i, 2 * pr + 1, us);
+        const int col = n_base / 2 + pr * 8 + 2 * t;
+        const int r_lo = row0 + i * 16 + g, r_hi = r_lo + 8;
+        if (r_lo < m) {
+          if (col < half) y.store(r_lo, col, silu(gs[0]) * us[0]);
+          if (col + 1 < half) y.store(r_lo, col + 1, silu(gs[1]) * us[1]);
+        }
+        if (r_hi < m) {
+          if (col < half) y.store(r_hi, col, silu(gs[2]) * us[2]);
+          if (col + 1 < half) y.store(r_hi, col + 1, silu(gs[3]) * us[3]);
+        }
+      }
+    }
+  } else {
+    // Warp v finishes n-tiles v, v + Warps, ...
+    for (int nt = warp; nt < NT; nt += Warps) {
+#pragma unroll
+      for (int i = 0; i < Tiles; ++i) {
+        float sum[4];
+        warp_sum(i, nt, sum);
+        const int col = n_base + nt * 8 + 2 * t;
+        const int r_lo = row0 + i * 16 + g, r_hi = r_lo + 8;
+        if (r_lo < m) {
+          if (col < N) y.store(r_lo, col, sum[0]);
+          if (col + 1 < N) y.store(r_lo, col + 1, sum[1]);
+        }
+        if (r_hi < m) {
+          if (col < N) y.store(r_hi, col, sum[2]);
+          if (col + 1 < N) y.store(r_hi, col + 1, sum[3]);
+        }
+      }
+    }
+  }
+  __syncthreads();
+}
+
 // The kernel. Each warp applies every A fragment it loads to NT n-tiles (8·NT columns per block),
 // so the activations, which every block reads in full, come from L2 NT times less often. Per
-// output the mma sequence is fixed: chunks ascending, j = 0..3 within a chunk, then warps 0..3.
+// output the mma sequence is fixed: chunks ascending, j = 0..3 within a chunk, then warps in order.
 // F32X (m <= kNarrowRows): the inputs are fp32; each block first rounds all m rows to bf16 into
 // dynamic shared memory (m · K · 2 bytes), so the A fragments of the weight loop come from shared
 // memory rather than L2, and decode-sized calls pay no conversion launch. Else `xin` holds the
@@ -133,14 +204,14 @@ __device__ __forceinline__ uint2 load_x4(const void* xin, const uint16_t* x_smem
 // writes silu(gate) · up to y (N / 2 columns) instead of both.
 // With one m-tile (decode and verify shapes) the weights of the next chunks are loaded before the
 // current ones are multiplied, which doubles the bytes each warp keeps in flight.
-template <int Tiles, int NT, bool F32X = false, bool SwiGLU = false>
-__global__ void __launch_bounds__(kWarps * 32)
+template <int Warps, int Tiles, int NT, bool F32X = false, bool SwiGLU = false>
+__global__ void __launch_bounds__(Warps * 32)
     linear_mma_wide_kernel(const void* __restrict__ xin, int m, const uint16_t* __restrict__ w,
                            int N, int K, const SplitOut y) {
   static_assert(!SwiGLU || NT % 2 == 0, "SwiGLU pairs need an even number of n-tiles");
   constexpr int U = NT >= 4 ? 1 : 4 / NT;  // chunks per step: weights stay at 8·NT·U registers
   constexpr bool kPipelined = Tiles == 1;
-  __shared__ float partial[kWarps][Tiles][NT][32][4];
+  __shared__ float partial[Warps][Tiles][NT][32][4];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
   const int groups = (N + 8 * NT - 1) / (8 * NT);
@@ -151,7 +222,7 @@ __global__ void __launch_bounds__(kWarps * 32)
   const uint16_t* x_smem = reinterpret_cast<const uint16_t*>(x_smem_raw);
   if constexpr (F32X) {
     const float4* x4 = static_cast<const float4*>(xin);
-    for (int i = threadIdx.x; i < m * K / 4; i += kWarps * 32) {
+    for (int i = threadIdx.x; i < m * K / 4; i += Warps * 32) {
       const float4 f = x4[i];
       x_smem_raw[i] = make_uint2(pack_bf16(f.x, f.y), pack_bf16(f.z, f.w));
     }
@@ -168,11 +239,11 @@ __global__ void __launch_bounds__(kWarps * 32)
       wrow[nt] = reinterpret_cast<const uint4*>(w + static_cast<size_t>(n_ok[nt] ? n : 0) * K);
     }
     const int chunks = (K + kChunk - 1) / kChunk;
-    // The weights of chunks ch0, ch0 + kWarps, ... (U of them) for this lane; zeros past K.
+    // The weights of chunks ch0, ch0 + Warps, ... (U of them) for this lane; zeros past K.
     auto load_w = [&](uint4(&wv)[U][NT][2], int ch0) {
 #pragma unroll
       for (int u = 0; u < U; ++u) {
-        const int k = (ch0 + u * kWarps) * kChunk + 16 * t;
+        const int k = (ch0 + u * Warps) * kChunk + 16 * t;
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
           if (n_ok[nt] && k < K) {
@@ -195,7 +266,7 @@ __global__ void __launch_bounds__(kWarps * 32)
       auto multiply = [&](const uint4(&wv)[U][NT][2], int ch0) {
 #pragma unroll
         for (int u = 0; u < U; ++u) {
-          const int ch = ch0 + u * kWarps;
+          const int ch = ch0 + u * Warps;
           if (ch >= chunks) break;  // uniform across the warp
           const int k = ch * kChunk + 16 * t;
           const bool k_ok = k < K;
@@ -220,9 +291,9 @@ __global__ void __launch_bounds__(kWarps * 32)
       if constexpr (kPipelined) {
         uint4 cur[U][NT][2];
         load_w(cur, warp);
-        for (int ch0 = warp; ch0 < chunks; ch0 += kWarps * U) {
+        for (int ch0 = warp; ch0 < chunks; ch0 += Warps * U) {
           uint4 next[U][NT][2];
-          load_w(next, ch0 + kWarps * U);
+          load_w(next, ch0 + Warps * U);
           multiply(cur, ch0);
 #pragma unroll
           for (int u = 0; u < U; ++u)
@@ -233,71 +304,14 @@ __global__ void __launch_bounds__(kWarps * 32)
             }
         }
       } else {
-        for (int ch0 = warp; ch0 < chunks; ch0 += kWarps * U) {
+        for (int ch0 = warp; ch0 < chunks; ch0 += Warps * U) {
           uint4 wv[U][NT][2];
           load_w(wv, ch0);
           multiply(wv, ch0);
         }
       }
 
-#pragma unroll
-      for (int i = 0; i < Tiles; ++i)
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) partial[warp][i][nt][lane][e] = c[i][nt][e];
-      __syncthreads();
-      // Column sums over the warps in order 0..3.
-      auto warp_sum = [&](int i, int nt, float(&sum)[4]) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          sum[e] = partial[0][i][nt][lane][e];
-#pragma unroll
-          for (int v = 1; v < kWarps; ++v) sum[e] += partial[v][i][nt][lane][e];
-        }
-      };
-      if constexpr (SwiGLU) {
-        // Warp v finishes pairs v, v + kWarps, ...: gate tile 2p, up tile 2p + 1.
-        const int half = N / 2;
-        for (int pr = warp; pr < NT / 2; pr += kWarps) {
-#pragma unroll
-          for (int i = 0; i < Tiles; ++i) {
-            float gs[4], us[4];
-            warp_sum(i, 2 * pr, gs);
-            warp_sum(i, 2 * pr + 1, us);
-            const int col = n_base / 2 + pr * 8 + 2 * t;
-            const int r_lo = row0 + i * 16 + g, r_hi = r_lo + 8;
-            if (r_lo < m) {
-              if (col < half) y.store(r_lo, col, silu(gs[0]) * us[0]);
-              if (col + 1 < half) y.store(r_lo, col + 1, silu(gs[1]) * us[1]);
-            }
-            if (r_hi < m) {
-              if (col < half) y.store(r_hi, col, silu(gs[2]) * us[2]);
-              if (col + 1 < half) y.store(r_hi, col + 1, silu(gs[3]) * us[3]);
-            }
-          }
-        }
-      } else {
-        // Warp v finishes n-tiles v, v + kWarps, ...
-        for (int nt = warp; nt < NT; nt += kWarps) {
-#pragma unroll
-          for (int i = 0; i < Tiles; ++i) {
-            float sum[4];
-            warp_sum(i, nt, sum);
-            const int col = n_base + nt * 8 + 2 * t;
-            const int r_lo = row0 + i * 16 + g, r_hi = r_lo + 8;
-            if (r_lo < m) {
-              if (col < N) y.store(r_lo, col, sum[0]);
-              if (col + 1 < N) y.store(r_lo, col + 1, sum[1]);
-            }
-            if (r_hi < m) {
-              if (col < N) y.store(r_hi, col, sum[2]);
-              if (col + 1 < N) y.store(r_hi, col + 1, sum[3]);
-            }
-          }
-        }
-      }
-      __syncthreads();
+      finish_group<Warps, Tiles, NT, SwiGLU>(partial, c, warp, lane, row0, m, n_base, N, y);
     }
   }
 }
@@ -436,7 +450,7 @@ struct PairHash {
 // Blocks for `groups` column groups: as many as the GPU keeps resident (occupancy x SMs) at
 // most, and then the fewest that give every block the same number of groups.
 template <class Kernel>
-unsigned balanced_grid(Kernel kernel, int groups, size_t smem = 0) {
+unsigned balanced_grid(Kernel kernel, int threads, int groups, size_t smem = 0) {
   static int sms = [] {
     int dev = 0, n = 0;
     cudaGetDevice(&dev);
@@ -449,8 +463,7 @@ unsigned balanced_grid(Kernel kernel, int groups, size_t smem = 0) {
   auto it = occupancy.find(key);
   if (it == occupancy.end()) {
     int n = 0;
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kWarps * 32, smem) !=
-            cudaSuccess ||
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, smem) != cudaSuccess ||
         n < 1)
       n = 1;
     it = occupancy.emplace(key, n).first;
@@ -518,22 +531,22 @@ void allow_dynamic_smem(Kernel kernel, size_t bytes) {
 }
 
 // The tensor-core path (decode and verify shapes, K a multiple of 16). SwiGLU: y has N / 2
-// columns (gate_up_swiglu).
-template <bool SwiGLU>
-void linear_mma(const float* x, int64_t m, const ops::WeightRef& w, const SplitOut& y) {
+// columns (gate_up_swiglu). Warps per block follow the weight's row count alone (see the header).
+template <int Warps, bool SwiGLU>
+void linear_mma_warps(const float* x, int64_t m, const ops::WeightRef& w, const SplitOut& y) {
+  constexpr int kThreads = Warps * 32;
   const int N = static_cast<int>(w.rows), K = static_cast<int>(w.cols), M = static_cast<int>(m);
   const auto* wp = static_cast<const uint16_t*>(w.data);
   if (m <= kNarrowRows && sizeof(uint16_t) * m * K <= kNarrowSmemMax) {
     // Two n-tiles per warp halve the activation reads (every block reads all of x).
-    const auto kernel = linear_mma_wide_kernel<1, 2, true, SwiGLU>;
+    const auto kernel = linear_mma_wide_kernel<Warps, 1, 2, true, SwiGLU>;
     const size_t smem = sizeof(uint16_t) * static_cast<size_t>(m * K);
     allow_dynamic_smem(kernel, smem);
-    launch("linear", kernel, balanced_grid(kernel, (N + 15) / 16, smem), kWarps * 32, smem, x, M,
-           wp, N, K, y);
+    launch("linear", kernel, balanced_grid(kernel, kThreads, (N + 15) / 16, smem), kThreads, smem,
+           x, M, wp, N, K, y);
     return;
   }
-  // Batches: bf16 copy of the inputs, then 4 n-tiles per warp (2 for narrow weights, to keep
-  // enough blocks in flight).
+  // Batches: a bf16 copy of the inputs first.
   static uint16_t* xb = nullptr;
   static int64_t xb_size = 0;
   uint16_t* xs = grow(xb, xb_size, m * K);
@@ -541,24 +554,26 @@ void linear_mma(const float* x, int64_t m, const ops::WeightRef& w, const SplitO
   launch("linear (bf16 convert)", to_bf16_kernel, static_cast<unsigned>((n + 255) / 256), 256, 0, x,
          n, n, reinterpret_cast<__nv_bfloat16*>(xs));
   auto launch_wide = [&](auto kernel, int cols_per_block) {
-    launch("linear", kernel, balanced_grid(kernel, (N + cols_per_block - 1) / cols_per_block),
-           kWarps * 32, 0, xs, M, wp, N, K, y);
+    launch("linear", kernel,
+           balanced_grid(kernel, kThreads, (N + cols_per_block - 1) / cols_per_block), kThreads, 0,
+           xs, M, wp, N, K, y);
   };
-  if (N >= 8192) {
-    if (m <= 16)
-      launch_wide(linear_mma_wide_kernel<1, 4, false, SwiGLU>, 32);
-    else if (m <= 32)
-      launch_wide(linear_mma_wide_kernel<2, 4, false, SwiGLU>, 32);
-    else
-      launch_wide(linear_mma_wide_kernel<kMaxTiles, 4, false, SwiGLU>, 32);
-  } else {
-    if (m <= 16)
-      launch_wide(linear_mma_wide_kernel<1, 2, false, SwiGLU>, 16);
-    else if (m <= 32)
-      launch_wide(linear_mma_wide_kernel<2, 2, false, SwiGLU>, 16);
-    else
-      launch_wide(linear_mma_wide_kernel<kMaxTiles, 2, false, SwiGLU>, 16);
-  }
+  // Wide weights (4 warps) take 4 n-tiles per warp, narrow ones 2 (to keep more blocks).
+  constexpr int NT = Warps == 4 ? 4 : 2;
+  if (m <= 16)
+    launch_wide(linear_mma_wide_kernel<Warps, 1, NT, false, SwiGLU>, 8 * NT);
+  else if (m <= 32)
+    launch_wide(linear_mma_wide_kernel<Warps, 2, NT, false, SwiGLU>, 8 * NT);
+  else
+    launch_wide(linear_mma_wide_kernel<Warps, kMaxTiles, NT, false, SwiGLU>, 8 * NT);
+}
+
+template <bool SwiGLU>
+void linear_mma(const float* x, int64_t m, const ops::WeightRef& w, const SplitOut& y) {
+  if (w.rows >= kWideRows)
+    linear_mma_warps<4, SwiGLU>(x, m, w, y);
+  else
+    linear_mma_warps<8, SwiGLU>(x, m, w, y);
 }
 
 void linear_any(const float* x, int64_t m, const ops::WeightRef& w, const SplitOut& y) {

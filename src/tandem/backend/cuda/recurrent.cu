@@ -132,21 +132,24 @@ void check_conv_weight(const ops::WeightRef& w, int64_t channels, int64_t kernel
 
 // --- gated_delta_rule ----------------------------------------------------------------------------
 //
-// Work split. Grid (column tiles of 32, value heads); block (tile, vh) owns value columns
-// j = 32·tile + 0..31 of head vh, all dk rows of each: columns evolve independently in the delta
-// rule, so blocks never share state. Four lanes share a column (lane = 4·c + s: column c of the
-// warp's 8, row quarter s) and each keeps ROWS of the column's rows in registers: rows
-// i = 16m + 4s + e (m < ROWS/4, e < 4), i.e. float4 number 4m + s of a row vector. ROWS·4 is dk
-// padded up (16, 32 or 64 rows per lane); padded rows hold 0 and their k̂, q̂ are 0, so they add
-// exact zeros. At dk = dv = 128 a warp holds 8 columns × 128 rows: with 32 value heads that is
-// 512 warps, one per H200 warp scheduler. The batched kernel adds the row as grid dimension z.
+// Work split. Grid (column tiles of 16, value heads); block (tile, vh) owns value columns
+// j = 16·tile + 0..15 of head vh, all dk rows of each: columns evolve independently in the delta
+// rule, so blocks never share state. Eight lanes share a column (lane = 8·c + s: column c of the
+// warp's 4, row eighth s) and each keeps ROWS = DK/8 of the column's rows in registers: rows
+// i = 32m + 4s + e (m < ROWS/4, e < 4), i.e. float4 number 8m + s of a row vector. DK is dk
+// padded up (64, 128 or 256); padded rows hold 0 and their k̂, q̂ are 0, so they add exact
+// zeros. At dk = dv = 128 a warp holds 4 columns × 128 rows: with 32 value heads that is 1024
+// warps, two per H200 warp scheduler. A decode step's token is latency-bound (one token's
+// arithmetic between a state load and a store), so the eighth of a column per lane, rather than a
+// quarter, halves each warp's instruction chain and doubles the warps that hide it. The batched
+// kernel adds the row as grid dimension z.
 //
-// Time split. Tokens go in chunks of TOKENS (16; 8 at ROWS 64), double-buffered in shared memory.
+// Time split. Tokens go in chunks of TOKENS (16; 8 at DK 256), double-buffered in shared memory.
 // For chunk c the block (A) waits for its cp.async copies (raw q, k of key head vh / group, the
 // tile's v columns, a, b; issued during chunk c-1), issues chunk c+1's copies into the other
 // buffer, normalises chunk c's q and k in place and turns a, b into decay and beta, all tokens at
 // once, then (B) runs the recurrence over chunk c's tokens with no barrier: per token a column's
-// two dk-long sums are four per-lane partials combined by two xor shuffles inside the quad.
+// two dk-long sums are eight per-lane partials combined by three xor shuffles.
 //
 // Per-token arithmetic, the same whatever n is and wherever the token falls in a chunk (the
 // chunking only decides when a value is computed, never how), hence n tokens in one call leave
@@ -158,28 +161,28 @@ void check_conv_weight(const ops::WeightRef& w, int64_t channels, int64_t kernel
 //   decay = exp(-exp(A_log)·softplus(a + dt_bias)), beta = 1 / (1 + exp(-b)).
 //   S *= decay;  u = (v - Σ_i S[i]·k̂[i]) · beta;  S += k̂ uᵀ;  o = Σ_i S[i]·q̂[i]
 //   Σ_i: each lane keeps four running sums (row e of each float4, m in order) joined as
-//        (s0+s1)+(s2+s3); the quad then adds xor-1 then xor-2 partners. Float addition is
-//        commutative, so all four lanes end with the same bits.
+//        (s0+s1)+(s2+s3); the column's lanes then add their xor-1, xor-2, xor-4 partners. Float
+//        addition is commutative, so all eight lanes end with the same bits.
 // The output reduction of token t is done at the start of token t+1 (or after the last token),
 // so its shuffle latency overlaps the next token's dot product.
 
 constexpr int kDeltaThreads = 128;
-constexpr int kDeltaLanesPerCol = 4;
-constexpr int kDeltaCols = kDeltaThreads / kDeltaLanesPerCol;  // 32 value columns per block
-constexpr int kDeltaColsPerWarp = 32 / kDeltaLanesPerCol;      // 8
+constexpr int kDeltaLanesPerCol = 8;
+constexpr int kDeltaCols = kDeltaThreads / kDeltaLanesPerCol;  // 16 value columns per block
+constexpr int kDeltaColsPerWarp = 32 / kDeltaLanesPerCol;      // 4
 constexpr int kMaxDk = 256;
 constexpr unsigned kFullMask = 0xffffffffu;
 
-constexpr int delta_chunk_tokens(int rows) {
-  return rows <= 32 ? 16 : 8;  // keeps two chunks within 48 KiB of static shared memory
+constexpr int delta_chunk_tokens(int dk_padded) {
+  return dk_padded <= 128 ? 16 : 8;  // keeps two chunks within 48 KiB of static shared memory
 }
 
 // One chunk of tokens in shared memory. Row vectors are padded by 4 floats so that the
 // normalisation pass, where neighbouring lanes read different vectors, spreads its float4 reads
 // over all banks (the recurrence reads one vector per token, as broadcasts).
-template <int ROWS, int TOKENS>
+template <int DK, int TOKENS>
 struct alignas(16) DeltaChunk {
-  static constexpr int kDkPadded = 4 * ROWS;
+  static constexpr int kDkPadded = DK;
   static constexpr int kStride = kDkPadded + 4;
   float qk[2][TOKENS][kStride];  // [0]: q, [1]: k; raw as copied, then normalised in place
   float v[TOKENS][kDeltaCols];   // the tile's value columns
@@ -231,26 +234,27 @@ __device__ inline void copy_async_wait_all() {
 }
 
 // Returns x unchanged, hidden from the optimiser: row addresses built from it are recomputed
-// where used instead of being kept live (ROWS 64-bit addresses, 2·ROWS registers) through the
+// where used instead of being kept live (DK/8 64-bit addresses) through the
 // token loop.
 __device__ inline int64_t opaque(int64_t x) {
   asm volatile("" : "+l"(x));
   return x;
 }
 
-// Sum over the four lanes of a column (a quad): xor 1, then xor 2. Every lane of the quad gets
-// the same bits.
-__device__ inline float quad_sum(float x) {
+// Sum over the eight lanes of a column: xor 1, then xor 2, then xor 4. Every lane of the column
+// gets the same bits.
+__device__ inline float column_sum(float x) {
   x += __shfl_xor_sync(kFullMask, x, 1);
-  return x + __shfl_xor_sync(kFullMask, x, 2);
+  x += __shfl_xor_sync(kFullMask, x, 2);
+  return x + __shfl_xor_sync(kFullMask, x, 4);
 }
 
 // Issues the copies of tokens t0 .. t0+count-1 into `ch`: q and k of key head kh, v columns
-// col0 .. col0+ncols-1 of head vh, a and b of head vh. Words it does not write keep their
-// zeros (padding rows, columns past dv).
-template <int ROWS, int TOKENS>
-__device__ void delta_stage(DeltaChunk<ROWS, TOKENS>& ch, const DeltaArgs& g, int64_t kh,
-                            int64_t vh, int64_t col0, int ncols, int64_t t0, int count) {
+// col0 .. col0+ncols-1 of head vh, a and b of head vh. Padding rows are left as they are
+// (zeroed by the caller when dk < DK).
+template <int DK, int TOKENS>
+__device__ void delta_stage(DeltaChunk<DK, TOKENS>& ch, const DeltaArgs& g, int64_t kh, int64_t vh,
+                            int64_t col0, int ncols, int64_t t0, int count) {
   const int tid = threadIdx.x;
   if (g.copy16) {
     const int f4 = g.dk / 4;
@@ -285,12 +289,12 @@ __device__ void delta_stage(DeltaChunk<ROWS, TOKENS>& ch, const DeltaArgs& g, in
 
 // L2-normalises the first `count` tokens' q and k in place (G lanes per vector, see the order
 // above) and replaces raw a, b with decay and beta. Every lane runs the shuffles.
-template <int ROWS, int TOKENS>
-__device__ void delta_normalise(DeltaChunk<ROWS, TOKENS>& ch, int count, float q_scale, float A,
+template <int DK, int TOKENS>
+__device__ void delta_normalise(DeltaChunk<DK, TOKENS>& ch, int count, float q_scale, float A,
                                 float bias) {
   constexpr int G = kDeltaThreads / (2 * TOKENS);  // lanes per vector
-  constexpr int F = ROWS / G;                      // float4s per lane
-  static_assert(32 % G == 0 && F >= 1 && F * G == ROWS, "vector split must tile a warp and dk");
+  constexpr int F = DK / 4 / G;                    // float4s per lane
+  static_assert(32 % G == 0 && F >= 1 && F * G * 4 == DK, "vector split must tile a warp and dk");
   const int tid = threadIdx.x;
   const int s = tid % G, vec = tid / G;
   const int which = vec / TOKENS, p = vec % TOKENS;
@@ -321,19 +325,21 @@ __device__ void delta_normalise(DeltaChunk<ROWS, TOKENS>& ch, int count, float q
   }
 }
 
-template <int ROWS>
-using DeltaChunks = DeltaChunk<ROWS, delta_chunk_tokens(ROWS)>[2];
+template <int DK>
+using DeltaChunks = DeltaChunk<DK, delta_chunk_tokens(DK)>[2];
 
 // Block (blockIdx.x, blockIdx.y) = (column tile, value head) of one row: the whole recurrence of
 // the row's tokens. The single-row and the batched kernel both run exactly this code; they differ
 // only in where `row` comes from, so a row's bits are the same whichever kernel runs it and
 // whatever other rows share the launch. The kernel owns the shared memory (both AFTER variants
 // of the batched kernel use the same buffers). Requires row.n >= 1.
-template <int ROWS, bool AFTER>
-__device__ __forceinline__ void delta_rule_row(DeltaChunks<ROWS>& ch, const DeltaArgs& g,
+template <int DK, bool AFTER>
+__device__ __forceinline__ void delta_rule_row(DeltaChunks<DK>& ch, const DeltaArgs& g,
                                                const DeltaRow row) {
-  constexpr int TOKENS = delta_chunk_tokens(ROWS);
-  using Chunk = DeltaChunk<ROWS, TOKENS>;
+  constexpr int TOKENS = delta_chunk_tokens(DK);
+  constexpr int ROWS = DK / kDeltaLanesPerCol;  // of the column, per lane
+  constexpr int L = kDeltaLanesPerCol;
+  using Chunk = DeltaChunk<DK, TOKENS>;
   static_assert(sizeof(Chunk) % sizeof(float4) == 0, "chunks must stay 16-byte aligned");
 
   const int tid = threadIdx.x;
@@ -356,16 +362,19 @@ __device__ __forceinline__ void delta_rule_row(DeltaChunks<ROWS>& ch, const Delt
   for (int m = 0; m < ROWS / 4; ++m)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const int i = 16 * m + 4 * s + e;
+      const int i = 4 * L * m + 4 * s + e;
       Sr[4 * m + e] = column && i < g.dk ? S[i * g.dv + j] : 0.0f;
     }
 
-  {
+  // Padding rows (dk < DK) must read as zeros. Nothing else unwritten is used: tokens past a
+  // chunk's count are never read, and a column past dv only feeds its own lanes, which store
+  // nothing. Uniform over the block.
+  if (g.dk < DK) {
     float4* z = reinterpret_cast<float4*>(ch);
     for (int i = tid; i < int(sizeof(ch) / sizeof(float4)); i += kDeltaThreads)
       z[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    __syncthreads();  // the zeros land before any copy into the same words
   }
-  __syncthreads();  // the zeros land before any copy into the same words
   delta_stage(ch[0], g, kh, vh, col0, ncols, row.first, static_cast<int>(min64(TOKENS, row.n)));
 
   float o_part = 0.0f;   // this lane's share of token o_token's output, not yet reduced
@@ -393,13 +402,13 @@ __device__ __forceinline__ void delta_rule_row(DeltaChunks<ROWS>& ch, const Delt
       float kk[ROWS], qq[ROWS];
 #pragma unroll
       for (int m = 0; m < ROWS / 4; ++m) {
-        const float4 k4 = kp[4 * m + s], q4 = qp[4 * m + s];
+        const float4 k4 = kp[L * m + s], q4 = qp[L * m + s];
         kk[4 * m] = k4.x, kk[4 * m + 1] = k4.y, kk[4 * m + 2] = k4.z, kk[4 * m + 3] = k4.w;
         qq[4 * m] = q4.x, qq[4 * m + 1] = q4.y, qq[4 * m + 2] = q4.z, qq[4 * m + 3] = q4.w;
       }
       const float decay = c.decay[p], beta = c.beta[p], vj = c.v[p][col];
 
-      const float o_prev = quad_sum(o_part);
+      const float o_prev = column_sum(o_part);
       if (o_token >= 0 && s == 0 && column) g.out[(o_token * g.n_v_heads + vh) * g.dv + j] = o_prev;
 
       float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -408,7 +417,7 @@ __device__ __forceinline__ void delta_rule_row(DeltaChunks<ROWS>& ch, const Delt
         Sr[r] *= decay;
         acc[r % 4] = fmaf(Sr[r], kk[r], acc[r % 4]);
       }
-      const float kv = quad_sum((acc[0] + acc[1]) + (acc[2] + acc[3]));
+      const float kv = column_sum((acc[0] + acc[1]) + (acc[2] + acc[3]));
       const float u = (vj - kv) * beta;
       float oacc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
@@ -426,14 +435,14 @@ __device__ __forceinline__ void delta_rule_row(DeltaChunks<ROWS>& ch, const Delt
           for (int m = 0; m < ROWS / 4; ++m)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-              const int i = 16 * m + 4 * s + e;
+              const int i = 4 * L * m + 4 * s + e;
               if (i < g.dk) dst[i * dv] = Sr[4 * m + e];
             }
         }
       }
     }
   }
-  const float o_last = quad_sum(o_part);
+  const float o_last = column_sum(o_part);
   if (s == 0 && column) g.out[(o_token * g.n_v_heads + vh) * g.dv + j] = o_last;
 
   const int64_t dv = opaque(g.dv);
@@ -441,20 +450,20 @@ __device__ __forceinline__ void delta_rule_row(DeltaChunks<ROWS>& ch, const Delt
   for (int m = 0; m < ROWS / 4; ++m)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const int i = 16 * m + 4 * s + e;
+      const int i = 4 * L * m + 4 * s + e;
       if (column && i < g.dk) S[i * dv + j] = Sr[4 * m + e];
     }
 }
 
 // One row, from arguments. state_after is a template flag so the usual token loop carries no
 // store branch (and no registers for it).
-template <int ROWS, bool AFTER>
-__global__ void __launch_bounds__(kDeltaThreads, 1)
+template <int DK, bool AFTER>
+__global__ void __launch_bounds__(kDeltaThreads)
     gated_delta_rule_kernel(const DeltaArgs g, int64_t n, float* state, float* state_after) {
   pdl_wait();
   pdl_release();
-  __shared__ DeltaChunks<ROWS> ch;
-  delta_rule_row<ROWS, AFTER>(ch, g, DeltaRow{0, n, state, state_after});
+  __shared__ DeltaChunks<DK> ch;
+  delta_rule_row<DK, AFTER>(ch, g, DeltaRow{0, n, state, state_after});
 }
 
 // Rows from device descriptors: grid (column tiles, value heads, rows), block z = row. Whether a
@@ -464,19 +473,19 @@ __global__ void __launch_bounds__(kDeltaThreads, 1)
 // graph replay with a different mix; the price is that the kernel is allocated the registers of
 // the AFTER variant for all its blocks. Rows own disjoint tokens and states, so blocks of
 // different rows never touch the same word.
-template <int ROWS>
-__global__ void __launch_bounds__(kDeltaThreads, 1)
+template <int DK>
+__global__ void __launch_bounds__(kDeltaThreads)
     gated_delta_rule_rows_kernel(const DeltaArgs g, const ops::RecurrentRow* __restrict__ rows) {
   pdl_wait();
   pdl_release();
-  __shared__ DeltaChunks<ROWS> ch;
+  __shared__ DeltaChunks<DK> ch;
   const ops::RecurrentRow r = rows[blockIdx.z];
   const DeltaRow row{r.first_token, r.n, r.state, r.state_after};
   if (row.n <= 0) return;  // an idle row (uniform over the block, before any barrier)
   if (row.state_after != nullptr)
-    delta_rule_row<ROWS, true>(ch, g, row);
+    delta_rule_row<DK, true>(ch, g, row);
   else
-    delta_rule_row<ROWS, false>(ch, g, row);
+    delta_rule_row<DK, false>(ch, g, row);
 }
 
 // The shape and weight checks both delta entries make.
@@ -574,10 +583,10 @@ void gated_delta_rule(const float* q, const float* k, const float* v, const floa
   using DeltaKernel = void (*)(DeltaArgs, int64_t, float*, float*);
   const bool after = state_after != nullptr;
   const DeltaKernel kernel =
-      h.dk <= 64 ? (after ? gated_delta_rule_kernel<16, true> : gated_delta_rule_kernel<16, false>)
+      h.dk <= 64 ? (after ? gated_delta_rule_kernel<64, true> : gated_delta_rule_kernel<64, false>)
       : h.dk <= 128
-          ? (after ? gated_delta_rule_kernel<32, true> : gated_delta_rule_kernel<32, false>)
-          : (after ? gated_delta_rule_kernel<64, true> : gated_delta_rule_kernel<64, false>);
+          ? (after ? gated_delta_rule_kernel<128, true> : gated_delta_rule_kernel<128, false>)
+          : (after ? gated_delta_rule_kernel<256, true> : gated_delta_rule_kernel<256, false>);
   launch("gated_delta_rule", kernel, delta_grid(h, 1, "gated_delta_rule"), kDeltaThreads, 0, g, n,
          state, state_after);
 }
@@ -593,9 +602,9 @@ void gated_delta_rule_rows(const float* q, const float* k, const float* v, const
   if (n_rows == 0 || max_n == 0) return;
   const DeltaArgs g = delta_args(q, k, v, a, b, A_log, dt_bias, h, out);
   using RowsKernel = void (*)(DeltaArgs, const ops::RecurrentRow*);
-  const RowsKernel kernel = h.dk <= 64    ? gated_delta_rule_rows_kernel<16>
-                            : h.dk <= 128 ? gated_delta_rule_rows_kernel<32>
-                                          : gated_delta_rule_rows_kernel<64>;
+  const RowsKernel kernel = h.dk <= 64    ? gated_delta_rule_rows_kernel<64>
+                            : h.dk <= 128 ? gated_delta_rule_rows_kernel<128>
+                                          : gated_delta_rule_rows_kernel<256>;
   launch("gated_delta_rule_rows", kernel,
          delta_grid(h, static_cast<unsigned>(n_rows), "gated_delta_rule_rows"), kDeltaThreads, 0, g,
          rows);
