@@ -126,12 +126,14 @@ int main(int argc, char** argv) {
           repeats);
       std::printf("  %lld tokens: %8.1f us\n", (long long)t, us);
     }
+    cuda::set_prefill(true);  // the layout prompts take
     const double us = median_us(
         [&] {
           cuda::gated_delta_rule(q.f(), k.f(), v.f(), a.f(), b.f(), A, B, n, h, st.f(), out.f(),
                                  nullptr);
         },
         std::max(1, repeats / 10));
+    cuda::set_prefill(false);
     std::printf("  %lld tokens (prefill): %8.1f us\n", (long long)n, us);
   }
 

@@ -1441,63 +1441,75 @@ void expect_delta_splits_bitwise(const DeltaInputs& in, const DeltaResult& whole
   EXPECT_TRUE(bitwise_equal(st.download(), whole.state)) << what << ": split calls, state";
 }
 
+// Prompt-prefill mode for the duration of a scope (the delta rule's layout for long prompts); the
+// default is restored even when an assertion returns early.
+struct PrefillScope {
+  explicit PrefillScope(bool on) { cuda::set_prefill(on); }
+  ~PrefillScope() { cuda::set_prefill(false); }
+};
+
 // Windows longer than a chunk: one call (with and without state_after) vs split calls whose
-// boundaries fall inside and on chunk edges.
+// boundaries fall inside and on chunk edges, in the decode/verify layout and the prompt one.
 TEST_F(CudaBatchInvariance, DeltaRuleLongWindowEqualsSplitCalls) {
   struct Case {
     DeltaCase c;
     std::vector<int64_t> splits;
   };
-  for (const Case& k : {Case{DeltaCase{16, 32, 40}, {1, 15, 17, 7}},
-                        Case{DeltaCase{2, 4, 70}, {1, 15, 16, 17, 21}}}) {
-    const DeltaCase c = k.c;
-    std::mt19937 rng(static_cast<uint32_t>(171 + c.n_v_heads + c.n));
-    const DeltaInputs in = delta_inputs(c.n_k_heads, c.n_v_heads, c.n, rng);
-    const std::string what = "heads " + std::to_string(c.n_k_heads) + "/" +
-                             std::to_string(c.n_v_heads) + " n " + std::to_string(c.n);
-    const DeltaResult whole = cuda_delta_all(in, true);
-    {
-      const DeltaResult want = cpu_delta_all(in);
-      const size_t head = sz(kDeltaDim * kDeltaDim);
-      // Some head vectors of this window come out ~1e-7, sums whose terms cancel: the rounding
-      // of two summation orders is then large relative to the vector itself, though not to the
-      // output. The per-vector tolerance gets an absolute floor at 1e-4 of the largest output.
-      ASSERT_TRUE(
-          near_blocks(whole.out, want.out, sz(kDeltaDim), kDeltaRel, kDeltaRel * max_abs(want.out)))
-          << what;
-      ASSERT_TRUE(near_blocks(whole.state, want.state, head, kDeltaRel)) << what;
-      ASSERT_TRUE(near_blocks(whole.after, want.after, head, kDeltaRel)) << what;
+  for (const bool prefill : {false, true})
+    for (const Case& k : {Case{DeltaCase{16, 32, 40}, {1, 15, 17, 7}},
+                          Case{DeltaCase{2, 4, 70}, {1, 15, 16, 17, 21}}}) {
+      const PrefillScope mode(prefill);
+      const DeltaCase c = k.c;
+      std::mt19937 rng(static_cast<uint32_t>(171 + c.n_v_heads + c.n));
+      const DeltaInputs in = delta_inputs(c.n_k_heads, c.n_v_heads, c.n, rng);
+      const std::string what = "heads " + std::to_string(c.n_k_heads) + "/" +
+                               std::to_string(c.n_v_heads) + " n " + std::to_string(c.n) +
+                               " prefill " + std::to_string(prefill);
+      const DeltaResult whole = cuda_delta_all(in, true);
+      {
+        const DeltaResult want = cpu_delta_all(in);
+        const size_t head = sz(kDeltaDim * kDeltaDim);
+        // Some head vectors of this window come out ~1e-7, sums whose terms cancel: the rounding
+        // of two summation orders is then large relative to the vector itself, though not to the
+        // output. The per-vector tolerance gets an absolute floor at 1e-4 of the largest output.
+        ASSERT_TRUE(near_blocks(whole.out, want.out, sz(kDeltaDim), kDeltaRel,
+                                kDeltaRel * max_abs(want.out)))
+            << what;
+        ASSERT_TRUE(near_blocks(whole.state, want.state, head, kDeltaRel)) << what;
+        ASSERT_TRUE(near_blocks(whole.after, want.after, head, kDeltaRel)) << what;
+      }
+      const DeltaResult plain = cuda_delta_all(in, false);
+      EXPECT_TRUE(bitwise_equal(plain.out, whole.out)) << what << ": without state_after";
+      EXPECT_TRUE(bitwise_equal(plain.state, whole.state)) << what << ": without state_after";
+      expect_delta_splits_bitwise(in, whole, k.splits, what);
     }
-    const DeltaResult plain = cuda_delta_all(in, false);
-    EXPECT_TRUE(bitwise_equal(plain.out, whole.out)) << what << ": without state_after";
-    EXPECT_TRUE(bitwise_equal(plain.state, whole.state)) << what << ": without state_after";
-    expect_delta_splits_bitwise(in, whole, k.splits, what);
-  }
 }
 
-// Head sizes other than 128: dk padded to 64 / 128 / 256 rows, dv not a multiple of the 32-column
-// tile, and dk or dv not a multiple of 4 (4-byte staging).
+// Head sizes other than 128: dk padded to 64 / 128 / 256 rows, dv not a multiple of the 16- or
+// 32-column tile, and dk or dv not a multiple of 4 (4-byte staging); both layouts.
 TEST_F(CudaOps, DeltaRuleOddHeadSizesMatchCpuAndSingleSteps) {
   struct Case {
     int64_t n_k_heads, n_v_heads, dk, dv, n;
   };
-  for (const Case c : {Case{1, 2, 64, 48, 20}, Case{1, 2, 100, 72, 19}, Case{2, 2, 50, 40, 18},
-                       Case{1, 2, 256, 128, 10}, Case{1, 1, 130, 33, 9}}) {
-    std::mt19937 rng(static_cast<uint32_t>(181 + c.dk + c.dv));
-    const DeltaInputs in = delta_inputs_sized(c.n_k_heads, c.n_v_heads, c.dk, c.dv, c.n, rng);
-    const std::string what = "dk " + std::to_string(c.dk) + " dv " + std::to_string(c.dv) +
-                             " heads " + std::to_string(c.n_k_heads) + "/" +
-                             std::to_string(c.n_v_heads);
-    const DeltaResult whole = cuda_delta_all(in, true);
-    const DeltaResult want = cpu_delta_all(in);
-    ASSERT_TRUE(near_blocks(whole.out, want.out, sz(c.dv), kDeltaRel)) << what;
-    ASSERT_TRUE(near_blocks(whole.state, want.state, sz(c.dk * c.dv), kDeltaRel)) << what;
-    ASSERT_TRUE(near_blocks(whole.after, want.after, sz(c.dk * c.dv), kDeltaRel)) << what;
-    const DeltaResult plain = cuda_delta_all(in, false);
-    EXPECT_TRUE(bitwise_equal(plain.out, whole.out)) << what << ": without state_after";
-    EXPECT_TRUE(bitwise_equal(plain.state, whole.state)) << what << ": without state_after";
-    expect_delta_splits_bitwise(in, whole, std::vector<int64_t>(sz(c.n), 1), what);
-  }
+  for (const bool prefill : {false, true})
+    for (const Case c : {Case{1, 2, 64, 48, 20}, Case{1, 2, 100, 72, 19}, Case{2, 2, 50, 40, 18},
+                         Case{1, 2, 256, 128, 10}, Case{1, 1, 130, 33, 9}}) {
+      const PrefillScope mode(prefill);
+      std::mt19937 rng(static_cast<uint32_t>(181 + c.dk + c.dv));
+      const DeltaInputs in = delta_inputs_sized(c.n_k_heads, c.n_v_heads, c.dk, c.dv, c.n, rng);
+      const std::string what = "dk " + std::to_string(c.dk) + " dv " + std::to_string(c.dv) +
+                               " heads " + std::to_string(c.n_k_heads) + "/" +
+                               std::to_string(c.n_v_heads) + " prefill " + std::to_string(prefill);
+      const DeltaResult whole = cuda_delta_all(in, true);
+      const DeltaResult want = cpu_delta_all(in);
+      ASSERT_TRUE(near_blocks(whole.out, want.out, sz(c.dv), kDeltaRel)) << what;
+      ASSERT_TRUE(near_blocks(whole.state, want.state, sz(c.dk * c.dv), kDeltaRel)) << what;
+      ASSERT_TRUE(near_blocks(whole.after, want.after, sz(c.dk * c.dv), kDeltaRel)) << what;
+      const DeltaResult plain = cuda_delta_all(in, false);
+      EXPECT_TRUE(bitwise_equal(plain.out, whole.out)) << what << ": without state_after";
+      EXPECT_TRUE(bitwise_equal(plain.state, whole.state)) << what << ": without state_after";
+      expect_delta_splits_bitwise(in, whole, std::vector<int64_t>(sz(c.n), 1), what);
+    }
 }
 
 // q, k, v that are only 4-byte aligned take the 4-byte staging path; the bits must not change.

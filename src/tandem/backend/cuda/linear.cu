@@ -480,6 +480,10 @@ void set_prefill(bool on) {
   g_prefill = on;
 }
 
+bool prefill_mode() {
+  return g_prefill;
+}
+
 namespace {
 
 SplitOut split_out(const ops::OutputSlice* slices, int n_slices, int64_t rows) {

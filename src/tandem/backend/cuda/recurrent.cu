@@ -132,24 +132,27 @@ void check_conv_weight(const ops::WeightRef& w, int64_t channels, int64_t kernel
 
 // --- gated_delta_rule ----------------------------------------------------------------------------
 //
-// Work split. Grid (column tiles of 16, value heads); block (tile, vh) owns value columns
-// j = 16·tile + 0..15 of head vh, all dk rows of each: columns evolve independently in the delta
-// rule, so blocks never share state. Eight lanes share a column (lane = 8·c + s: column c of the
-// warp's 4, row eighth s) and each keeps ROWS = DK/8 of the column's rows in registers: rows
-// i = 32m + 4s + e (m < ROWS/4, e < 4), i.e. float4 number 8m + s of a row vector. DK is dk
-// padded up (64, 128 or 256); padded rows hold 0 and their k̂, q̂ are 0, so they add exact
-// zeros. At dk = dv = 128 a warp holds 4 columns × 128 rows: with 32 value heads that is 1024
-// warps, two per H200 warp scheduler. A decode step's token is latency-bound (one token's
-// arithmetic between a state load and a store), so the eighth of a column per lane, rather than a
-// quarter, halves each warp's instruction chain and doubles the warps that hide it. The batched
-// kernel adds the row as grid dimension z.
+// Work split. L lanes share a value column, L = 8 on decode and verify calls and 4 in prompt
+// prefill (set_prefill). Grid (column tiles of C = 128 / L, value heads); block (tile, vh) owns
+// value columns j = C·tile + 0..C-1 of head vh, all dk rows of each: columns evolve independently
+// in the delta rule, so blocks never share state. Lane = L·c + s (column c of the warp's 32 / L,
+// row part s) keeps ROWS = DK/L of the column's rows in registers: rows i = 4L·m + 4s + e
+// (m < ROWS/4, e < 4), i.e. float4 number L·m + s of a row vector. DK is dk padded up (64, 128 or
+// 256); padded rows hold 0 and their k̂, q̂ are 0, so they add exact zeros. At dk = dv = 128 and
+// 32 value heads, L = 8 gives 1024 warps, two per H200 warp scheduler: a decode step's token is
+// latency-bound (one token's arithmetic between a state load and a store), and the eighth of a
+// column per lane halves each warp's instruction chain and doubles the warps that hide it. A
+// prompt is a long chain of tokens per block, where the extra shuffle level of every sum costs
+// more than the parallelism gains (4096 tokens: 1.38 ms per layer at L = 8, 1.20 at L = 4). Both
+// are batch invariant; prompt tokens, like prompt linears, simply have numbers of their own. The
+// batched kernel adds the row as grid dimension z.
 //
 // Time split. Tokens go in chunks of TOKENS (16; 8 at DK 256), double-buffered in shared memory.
 // For chunk c the block (A) waits for its cp.async copies (raw q, k of key head vh / group, the
 // tile's v columns, a, b; issued during chunk c-1), issues chunk c+1's copies into the other
 // buffer, normalises chunk c's q and k in place and turns a, b into decay and beta, all tokens at
 // once, then (B) runs the recurrence over chunk c's tokens with no barrier: per token a column's
-// two dk-long sums are eight per-lane partials combined by three xor shuffles.
+// two dk-long sums are L per-lane partials combined by log2(L) xor shuffles.
 //
 // Per-token arithmetic, the same whatever n is and wherever the token falls in a chunk (the
 // chunking only decides when a value is computed, never how), hence n tokens in one call leave
@@ -161,15 +164,14 @@ void check_conv_weight(const ops::WeightRef& w, int64_t channels, int64_t kernel
 //   decay = exp(-exp(A_log)·softplus(a + dt_bias)), beta = 1 / (1 + exp(-b)).
 //   S *= decay;  u = (v - Σ_i S[i]·k̂[i]) · beta;  S += k̂ uᵀ;  o = Σ_i S[i]·q̂[i]
 //   Σ_i: each lane keeps four running sums (row e of each float4, m in order) joined as
-//        (s0+s1)+(s2+s3); the column's lanes then add their xor-1, xor-2, xor-4 partners. Float
-//        addition is commutative, so all eight lanes end with the same bits.
+//        (s0+s1)+(s2+s3); the column's lanes then add their xor-1, xor-2 (, xor-4) partners.
+//        Float addition is commutative, so all L lanes end with the same bits.
 // The output reduction of token t is done at the start of token t+1 (or after the last token),
 // so its shuffle latency overlaps the next token's dot product.
 
 constexpr int kDeltaThreads = 128;
-constexpr int kDeltaLanesPerCol = 8;
-constexpr int kDeltaCols = kDeltaThreads / kDeltaLanesPerCol;  // 16 value columns per block
-constexpr int kDeltaColsPerWarp = 32 / kDeltaLanesPerCol;      // 4
+constexpr int kDeltaDecodeLanes = 8;   // lanes per value column on decode and verify calls
+constexpr int kDeltaPrefillLanes = 4;  // ... and in prompt prefill
 constexpr int kMaxDk = 256;
 constexpr unsigned kFullMask = 0xffffffffu;
 
@@ -180,12 +182,13 @@ constexpr int delta_chunk_tokens(int dk_padded) {
 // One chunk of tokens in shared memory. Row vectors are padded by 4 floats so that the
 // normalisation pass, where neighbouring lanes read different vectors, spreads its float4 reads
 // over all banks (the recurrence reads one vector per token, as broadcasts).
-template <int DK, int TOKENS>
+template <int DK, int TOKENS, int COLS>
 struct alignas(16) DeltaChunk {
   static constexpr int kDkPadded = DK;
+  static constexpr int kTokens = TOKENS;
   static constexpr int kStride = kDkPadded + 4;
   float qk[2][TOKENS][kStride];  // [0]: q, [1]: k; raw as copied, then normalised in place
-  float v[TOKENS][kDeltaCols];   // the tile's value columns
+  float v[TOKENS][COLS];         // the tile's value columns
   float decay[TOKENS];           // raw a as copied, then the decay factor
   float beta[TOKENS];            // raw b as copied, then beta
 };
@@ -241,20 +244,21 @@ __device__ inline int64_t opaque(int64_t x) {
   return x;
 }
 
-// Sum over the eight lanes of a column: xor 1, then xor 2, then xor 4. Every lane of the column
-// gets the same bits.
+// Sum over the L lanes of a column: xor 1, then xor 2, ... Every lane of the column gets the same
+// bits.
+template <int L>
 __device__ inline float column_sum(float x) {
-  x += __shfl_xor_sync(kFullMask, x, 1);
-  x += __shfl_xor_sync(kFullMask, x, 2);
-  return x + __shfl_xor_sync(kFullMask, x, 4);
+#pragma unroll
+  for (int offset = 1; offset < L; offset *= 2) x += __shfl_xor_sync(kFullMask, x, offset);
+  return x;
 }
 
 // Issues the copies of tokens t0 .. t0+count-1 into `ch`: q and k of key head kh, v columns
 // col0 .. col0+ncols-1 of head vh, a and b of head vh. Padding rows are left as they are
 // (zeroed by the caller when dk < DK).
-template <int DK, int TOKENS>
-__device__ void delta_stage(DeltaChunk<DK, TOKENS>& ch, const DeltaArgs& g, int64_t kh, int64_t vh,
-                            int64_t col0, int ncols, int64_t t0, int count) {
+template <class Chunk>
+__device__ void delta_stage(Chunk& ch, const DeltaArgs& g, int64_t kh, int64_t vh, int64_t col0,
+                            int ncols, int64_t t0, int count) {
   const int tid = threadIdx.x;
   if (g.copy16) {
     const int f4 = g.dk / 4;
@@ -289,9 +293,9 @@ __device__ void delta_stage(DeltaChunk<DK, TOKENS>& ch, const DeltaArgs& g, int6
 
 // L2-normalises the first `count` tokens' q and k in place (G lanes per vector, see the order
 // above) and replaces raw a, b with decay and beta. Every lane runs the shuffles.
-template <int DK, int TOKENS>
-__device__ void delta_normalise(DeltaChunk<DK, TOKENS>& ch, int count, float q_scale, float A,
-                                float bias) {
+template <class Chunk>
+__device__ void delta_normalise(Chunk& ch, int count, float q_scale, float A, float bias) {
+  constexpr int DK = Chunk::kDkPadded, TOKENS = Chunk::kTokens;
   constexpr int G = kDeltaThreads / (2 * TOKENS);  // lanes per vector
   constexpr int F = DK / 4 / G;                    // float4s per lane
   static_assert(32 % G == 0 && F >= 1 && F * G * 4 == DK, "vector split must tile a warp and dk");
@@ -325,31 +329,31 @@ __device__ void delta_normalise(DeltaChunk<DK, TOKENS>& ch, int count, float q_s
   }
 }
 
-template <int DK>
-using DeltaChunks = DeltaChunk<DK, delta_chunk_tokens(DK)>[2];
+template <int DK, int L>
+using DeltaChunks = DeltaChunk<DK, delta_chunk_tokens(DK), kDeltaThreads / L>[2];
 
 // Block (blockIdx.x, blockIdx.y) = (column tile, value head) of one row: the whole recurrence of
 // the row's tokens. The single-row and the batched kernel both run exactly this code; they differ
 // only in where `row` comes from, so a row's bits are the same whichever kernel runs it and
 // whatever other rows share the launch. The kernel owns the shared memory (both AFTER variants
 // of the batched kernel use the same buffers). Requires row.n >= 1.
-template <int DK, bool AFTER>
-__device__ __forceinline__ void delta_rule_row(DeltaChunks<DK>& ch, const DeltaArgs& g,
+template <int DK, int L, bool AFTER>
+__device__ __forceinline__ void delta_rule_row(DeltaChunks<DK, L>& ch, const DeltaArgs& g,
                                                const DeltaRow row) {
   constexpr int TOKENS = delta_chunk_tokens(DK);
-  constexpr int ROWS = DK / kDeltaLanesPerCol;  // of the column, per lane
-  constexpr int L = kDeltaLanesPerCol;
-  using Chunk = DeltaChunk<DK, TOKENS>;
+  constexpr int ROWS = DK / L;             // of the column, per lane
+  constexpr int COLS = kDeltaThreads / L;  // columns per block
+  using Chunk = DeltaChunk<DK, TOKENS, COLS>;
   static_assert(sizeof(Chunk) % sizeof(float4) == 0, "chunks must stay 16-byte aligned");
 
   const int tid = threadIdx.x;
   const int lane = tid % 32;
-  const int s = lane % kDeltaLanesPerCol;
-  const int col = (tid / 32) * kDeltaColsPerWarp + lane / kDeltaLanesPerCol;
+  const int s = lane % L;
+  const int col = (tid / 32) * (32 / L) + lane / L;
   const int64_t vh = blockIdx.y;
   const int64_t kh = vh / (g.n_v_heads / g.n_k_heads);
-  const int64_t col0 = int64_t(blockIdx.x) * kDeltaCols;
-  const int ncols = static_cast<int>(min64(kDeltaCols, g.dv - col0));
+  const int64_t col0 = int64_t(blockIdx.x) * COLS;
+  const int ncols = static_cast<int>(min64(COLS, g.dv - col0));
   const bool column = col < ncols;
   const int64_t j = col0 + col;
   const int64_t end = row.first + row.n;  // tokens first .. end-1, absolute in the call
@@ -408,7 +412,7 @@ __device__ __forceinline__ void delta_rule_row(DeltaChunks<DK>& ch, const DeltaA
       }
       const float decay = c.decay[p], beta = c.beta[p], vj = c.v[p][col];
 
-      const float o_prev = column_sum(o_part);
+      const float o_prev = column_sum<L>(o_part);
       if (o_token >= 0 && s == 0 && column) g.out[(o_token * g.n_v_heads + vh) * g.dv + j] = o_prev;
 
       float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -417,7 +421,7 @@ __device__ __forceinline__ void delta_rule_row(DeltaChunks<DK>& ch, const DeltaA
         Sr[r] *= decay;
         acc[r % 4] = fmaf(Sr[r], kk[r], acc[r % 4]);
       }
-      const float kv = column_sum((acc[0] + acc[1]) + (acc[2] + acc[3]));
+      const float kv = column_sum<L>((acc[0] + acc[1]) + (acc[2] + acc[3]));
       const float u = (vj - kv) * beta;
       float oacc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
@@ -442,7 +446,7 @@ __device__ __forceinline__ void delta_rule_row(DeltaChunks<DK>& ch, const DeltaA
       }
     }
   }
-  const float o_last = column_sum(o_part);
+  const float o_last = column_sum<L>(o_part);
   if (s == 0 && column) g.out[(o_token * g.n_v_heads + vh) * g.dv + j] = o_last;
 
   const int64_t dv = opaque(g.dv);
@@ -457,13 +461,13 @@ __device__ __forceinline__ void delta_rule_row(DeltaChunks<DK>& ch, const DeltaA
 
 // One row, from arguments. state_after is a template flag so the usual token loop carries no
 // store branch (and no registers for it).
-template <int DK, bool AFTER>
-__global__ void __launch_bounds__(kDeltaThreads)
+template <int DK, int L, bool AFTER>
+__global__ void __launch_bounds__(kDeltaThreads, 1)
     gated_delta_rule_kernel(const DeltaArgs g, int64_t n, float* state, float* state_after) {
   pdl_wait();
   pdl_release();
-  __shared__ DeltaChunks<DK> ch;
-  delta_rule_row<DK, AFTER>(ch, g, DeltaRow{0, n, state, state_after});
+  __shared__ DeltaChunks<DK, L> ch;
+  delta_rule_row<DK, L, AFTER>(ch, g, DeltaRow{0, n, state, state_after});
 }
 
 // Rows from device descriptors: grid (column tiles, value heads, rows), block z = row. Whether a
@@ -473,19 +477,19 @@ __global__ void __launch_bounds__(kDeltaThreads)
 // graph replay with a different mix; the price is that the kernel is allocated the registers of
 // the AFTER variant for all its blocks. Rows own disjoint tokens and states, so blocks of
 // different rows never touch the same word.
-template <int DK>
-__global__ void __launch_bounds__(kDeltaThreads)
+template <int DK, int L>
+__global__ void __launch_bounds__(kDeltaThreads, 1)
     gated_delta_rule_rows_kernel(const DeltaArgs g, const ops::RecurrentRow* __restrict__ rows) {
   pdl_wait();
   pdl_release();
-  __shared__ DeltaChunks<DK> ch;
+  __shared__ DeltaChunks<DK, L> ch;
   const ops::RecurrentRow r = rows[blockIdx.z];
   const DeltaRow row{r.first_token, r.n, r.state, r.state_after};
   if (row.n <= 0) return;  // an idle row (uniform over the block, before any barrier)
   if (row.state_after != nullptr)
-    delta_rule_row<DK, true>(ch, g, row);
+    delta_rule_row<DK, L, true>(ch, g, row);
   else
-    delta_rule_row<DK, false>(ch, g, row);
+    delta_rule_row<DK, L, false>(ch, g, row);
 }
 
 // The shape and weight checks both delta entries make.
@@ -521,10 +525,28 @@ DeltaArgs delta_args(const float* q, const float* k, const float* v, const float
   return g;
 }
 
-// Grid of one row's blocks: (column tiles, value heads).
-dim3 delta_grid(const ops::DeltaHeads& h, unsigned rows, const char* op) {
-  return dim3(grid_blocks(ceil_div(h.dv, kDeltaCols), op), static_cast<unsigned>(h.n_v_heads),
-              rows);
+// Grid of one row's blocks at L lanes per column: (column tiles, value heads).
+dim3 delta_grid(const ops::DeltaHeads& h, int lanes, unsigned rows, const char* op) {
+  return dim3(grid_blocks(ceil_div(h.dv, kDeltaThreads / lanes), op),
+              static_cast<unsigned>(h.n_v_heads), rows);
+}
+
+// Calls with_kernel(std::integral_constant<int, DK>{}, std::integral_constant<int, L>{}): DK from
+// dk, L from the prefill mode. Both depend on the shape and the mode, never on n.
+template <class WithKernel>
+void with_delta_layout(int64_t dk, WithKernel&& with_kernel) {
+  auto by_lanes = [&](auto DK) {
+    if (prefill_mode())
+      with_kernel(DK, std::integral_constant<int, kDeltaPrefillLanes>{});
+    else
+      with_kernel(DK, std::integral_constant<int, kDeltaDecodeLanes>{});
+  };
+  if (dk <= 64)
+    by_lanes(std::integral_constant<int, 64>{});
+  else if (dk <= 128)
+    by_lanes(std::integral_constant<int, 128>{});
+  else
+    by_lanes(std::integral_constant<int, 256>{});
 }
 
 // Rows are a grid dimension (y for the conv, z for the delta rule): at most 65535.
@@ -578,21 +600,21 @@ void gated_delta_rule(const float* q, const float* k, const float* v, const floa
   if (n == 0) return;
   const DeltaArgs g = delta_args(q, k, v, a, b, A_log, dt_bias, h, out);
 
-  // Rows per lane from dk, and the state_after flag. Both choices depend on the shape and the
-  // call's outputs, never on n.
-  using DeltaKernel = void (*)(DeltaArgs, int64_t, float*, float*);
+  // The layout (with_delta_layout) and the state_after flag depend on the shape, the mode and
+  // the call's outputs, never on n.
   const bool after = state_after != nullptr;
-  const DeltaKernel kernel =
-      h.dk <= 64 ? (after ? gated_delta_rule_kernel<64, true> : gated_delta_rule_kernel<64, false>)
-      : h.dk <= 128
-          ? (after ? gated_delta_rule_kernel<128, true> : gated_delta_rule_kernel<128, false>)
-          : (after ? gated_delta_rule_kernel<256, true> : gated_delta_rule_kernel<256, false>);
-  launch("gated_delta_rule", kernel, delta_grid(h, 1, "gated_delta_rule"), kDeltaThreads, 0, g, n,
-         state, state_after);
+  with_delta_layout(h.dk, [&](auto DK, auto L) {
+    constexpr int dk_padded = decltype(DK)::value, lanes = decltype(L)::value;
+    const auto kernel = after ? gated_delta_rule_kernel<dk_padded, lanes, true>
+                              : gated_delta_rule_kernel<dk_padded, lanes, false>;
+    launch("gated_delta_rule", kernel, delta_grid(h, lanes, 1, "gated_delta_rule"), kDeltaThreads,
+           0, g, n, state, state_after);
+  });
 }
 
-// As causal_conv_silu_rows, the grid does not depend on max_n. Rows per lane follow dk exactly as
-// in gated_delta_rule, so every row runs the per-token code the single-row op would run for it.
+// As causal_conv_silu_rows, the grid does not depend on max_n. The layout follows dk and the mode
+// exactly as in gated_delta_rule, so every row runs the per-token code the single-row op would
+// run for it.
 void gated_delta_rule_rows(const float* q, const float* k, const float* v, const float* a,
                            const float* b, const ops::WeightRef& A_log,
                            const ops::WeightRef& dt_bias, const ops::RecurrentRow* rows,
@@ -601,13 +623,12 @@ void gated_delta_rule_rows(const float* q, const float* k, const float* v, const
   check_rows(rows, n_rows, max_n, "gated_delta_rule_rows");
   if (n_rows == 0 || max_n == 0) return;
   const DeltaArgs g = delta_args(q, k, v, a, b, A_log, dt_bias, h, out);
-  using RowsKernel = void (*)(DeltaArgs, const ops::RecurrentRow*);
-  const RowsKernel kernel = h.dk <= 64    ? gated_delta_rule_rows_kernel<64>
-                            : h.dk <= 128 ? gated_delta_rule_rows_kernel<128>
-                                          : gated_delta_rule_rows_kernel<256>;
-  launch("gated_delta_rule_rows", kernel,
-         delta_grid(h, static_cast<unsigned>(n_rows), "gated_delta_rule_rows"), kDeltaThreads, 0, g,
-         rows);
+  with_delta_layout(h.dk, [&](auto DK, auto L) {
+    constexpr int dk_padded = decltype(DK)::value, lanes = decltype(L)::value;
+    launch("gated_delta_rule_rows", gated_delta_rule_rows_kernel<dk_padded, lanes>,
+           delta_grid(h, lanes, static_cast<unsigned>(n_rows), "gated_delta_rule_rows"),
+           kDeltaThreads, 0, g, rows);
+  });
 }
 
 }  // namespace tandem::cuda
