@@ -6,6 +6,7 @@
 #include <filesystem>
 #include <fstream>
 
+#include "demo_model.h"
 #include "tandem/engine/generator.h"
 #include "tandem/engine/speculative.h"
 #include "tandem/io/tokenizer.h"
@@ -16,34 +17,14 @@
 namespace tandem {
 namespace {
 
-const std::string kDemo = std::string(TANDEM_SOURCE_DIR) + "/models/qwen35-demo";
-
-struct Fixture {
-  std::unique_ptr<Qwen35Model> model;
-  std::unique_ptr<Tokenizer> tok;
-  std::unique_ptr<spec::TargetView> target;
-  std::unique_ptr<spec::DraftProvider> mtp, ngram;
-};
+const std::string& kDemo = test::kDemoDir;
+const std::vector<std::string>& kPrompts = test::kDemoPrompts;
+using Fixture = test::DemoModel;
 
 Fixture& demo() {
-  static Fixture* f = [] {
-    auto* x = new Fixture;
-    x->model = Qwen35Model::load(kDemo);
-    x->tok = std::make_unique<Tokenizer>(Tokenizer::load(kDemo + "/tokenizer.json"));
-    x->target = std::make_unique<spec::TargetView>(*x->model, "demo-target");
-    x->mtp = spec::QwenMtpProvider::from_target(*x->target);
-    x->ngram = std::make_unique<spec::NgramProvider>(spec::NgramOptions{1, 3});
-    return x;
-  }();
+  static Fixture* f = test::load_demo_model().release();  // lives for the whole test run
   return *f;
 }
-
-const std::vector<std::string> kPrompts = {
-    "def read_config(path):\n    \"\"\"Read a JSON configuration file.\"\"\"\n",
-    "import os\nimport sys\n\n\nclass Cache:\n    def __init__(self, size):\n        self.size = "
-    "size\n        self.items = {}\n\n    def get(self, key):\n",
-    "for i in range(10):\n    print(i)\nfor i in range(10):\n",
-};
 
 GenerateRequest request(const std::string& prompt, float temperature, uint64_t seed,
                         int64_t max_tokens) {

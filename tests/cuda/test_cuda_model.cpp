@@ -14,6 +14,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "demo_model.h"
 #include "tandem/backend/cuda/cuda_ops.h"
 #include "tandem/backend/ops.h"
 #include "tandem/engine/generator.h"
@@ -28,7 +29,7 @@ namespace tandem {
 namespace {
 
 const std::string kFixtures = TANDEM_FIXTURES_DIR;
-const std::string kDemo = std::string(TANDEM_SOURCE_DIR) + "/models/qwen35-demo";
+const std::string& kDemo = test::kDemoDir;
 
 // Makes `b` the active backend for the scope. Models, states and drafters must be used under the
 // backend they were created with.
@@ -235,34 +236,17 @@ TEST_F(CudaModelTest, DemoModelMatchesTheCpuBackend) {
 
 // --- Batch invariance --------------------------------------------------------------------------
 
-struct Demo {
-  std::unique_ptr<Qwen35Model> model;
-  std::unique_ptr<Tokenizer> tok;
-  std::unique_ptr<spec::TargetView> target;
-  std::unique_ptr<spec::DraftProvider> mtp, ngram;
-};
+using Demo = test::DemoModel;
+const std::vector<std::string>& kPrompts = test::kDemoPrompts;
 
 // The demo model, its tokenizer and drafters, created once on the CUDA backend.
 Demo& cuda_demo() {
   static Demo* d = [] {
     ScopedBackend cuda(ops::Backend::Cuda);
-    auto* x = new Demo;
-    x->model = Qwen35Model::load(kDemo);
-    x->tok = std::make_unique<Tokenizer>(Tokenizer::load(kDemo + "/tokenizer.json"));
-    x->target = std::make_unique<spec::TargetView>(*x->model, "demo-target");
-    x->mtp = spec::QwenMtpProvider::from_target(*x->target);
-    x->ngram = std::make_unique<spec::NgramProvider>(spec::NgramOptions{1, 3});
-    return x;
+    return test::load_demo_model().release();  // lives for the whole test run
   }();
   return *d;
 }
-
-const std::vector<std::string> kPrompts = {
-    "def read_config(path):\n    \"\"\"Read a JSON configuration file.\"\"\"\n",
-    "import os\nimport sys\n\n\nclass Cache:\n    def __init__(self, size):\n        self.size = "
-    "size\n        self.items = {}\n\n    def get(self, key):\n",
-    "for i in range(10):\n    print(i)\nfor i in range(10):\n",
-};
 
 // Logits rows of a forward, as raw bytes, for bitwise comparison.
 bool same_bits(const float* a, const float* b, int64_t n) {

@@ -1,0 +1,45 @@
+// The bundled demo model (models/qwen35-demo) with its tokenizer and both drafters, and the
+// prompts the speculative tests decode. Shared by the CPU tests and the GPU tests, which are
+// separate executables; each keeps one instance for its whole run.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "tandem/io/tokenizer.h"
+#include "tandem/model/qwen3_5.h"
+#include "tandem/spec/ngram.h"
+#include "tandem/spec/qwen_mtp.h"
+
+namespace tandem::test {
+
+inline const std::string kDemoDir = std::string(TANDEM_SOURCE_DIR) + "/models/qwen35-demo";
+
+struct DemoModel {
+  std::unique_ptr<Qwen35Model> model;
+  std::unique_ptr<Tokenizer> tok;
+  std::unique_ptr<spec::TargetView> target;  // named "demo-target"
+  std::unique_ptr<spec::DraftProvider> mtp, ngram;
+};
+
+// Loads the demo on the current backend: its MTP drafter and an n-gram drafter (1..3-grams).
+inline std::unique_ptr<DemoModel> load_demo_model() {
+  auto d = std::make_unique<DemoModel>();
+  d->model = Qwen35Model::load(kDemoDir);
+  d->tok = std::make_unique<Tokenizer>(Tokenizer::load(kDemoDir + "/tokenizer.json"));
+  d->target = std::make_unique<spec::TargetView>(*d->model, "demo-target");
+  d->mtp = spec::QwenMtpProvider::from_target(*d->target);
+  d->ngram = std::make_unique<spec::NgramProvider>(spec::NgramOptions{1, 3});
+  return d;
+}
+
+// Code prompts: a docstring to continue, a class with repeated structure, a loop to repeat.
+inline const std::vector<std::string> kDemoPrompts = {
+    "def read_config(path):\n    \"\"\"Read a JSON configuration file.\"\"\"\n",
+    "import os\nimport sys\n\n\nclass Cache:\n    def __init__(self, size):\n        self.size = "
+    "size\n        self.items = {}\n\n    def get(self, key):\n",
+    "for i in range(10):\n    print(i)\nfor i in range(10):\n",
+};
+
+}  // namespace tandem::test
