@@ -15,9 +15,8 @@
 //    reduction order that depends only on that row's data and the weight shape, never on how
 //    many rows are in the call. Prompt prefill (set_prefill) takes a second, faster linear path
 //    (cuBLAS on fixed-size row chunks) and a gated delta rule layout suited to long token chains,
-//    both batch-invariant among prompt rows; a token's
-//    numbers therefore depend on whether it was a prompt token or a decoded/verified one, never
-//    on the batch.
+//    both batch-invariant among prompt rows; a token's numbers therefore depend on whether it was
+//    a prompt token or a decoded/verified one, never on the batch.
 #pragma once
 
 #include <cstddef>

@@ -17,9 +17,9 @@
 namespace tandem::cuda {
 
 namespace {
-// Off unless TANDEM_CUDA_PDL=1: on the H200 it gave no measurable decode gain (graph replay
-// already hides launch gaps) and cost ~5% of a 4k-token prefill, whose kernels interleave with
-// cuBLAS GEMMs (BENCHMARKS.md).
+// Off unless TANDEM_CUDA_PDL=1. On the H200 (BENCHMARKS.md) it speeds a batch-1 decode step up by
+// ~2% but not a 4-token verify window, and costs ~5% of a 4k-token prefill, whose kernels
+// interleave with cuBLAS GEMMs; verify windows are what speculative decoding runs on.
 bool pdl_default() {
   const char* v = std::getenv("TANDEM_CUDA_PDL");
   return v && std::string_view(v) == "1";

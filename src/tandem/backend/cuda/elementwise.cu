@@ -34,6 +34,17 @@ __device__ inline double block_sum(double v, double* s_warp) {
   return total;
 }
 
+// 1 / sqrt(mean(x²) + eps) of a row of d elements from its sum of squares ss (cpu::inv_rms's
+// expression).
+__device__ inline float inv_rms_from_sum(double ss, int64_t d, float eps) {
+  return static_cast<float>(1.0 / sqrt(ss / static_cast<double>(d) + static_cast<double>(eps)));
+}
+
+// One normalised element: (x · s) · scale, scale = 1 + w (zero-centred) or w, as cpu::rms_norm.
+__device__ inline float normed(float x, float s, float w, bool zero_centred) {
+  return (x * s) * (zero_centred ? 1.0f + w : w);
+}
+
 // 1 / sqrt(mean(x²) + eps) of row x[d], as cpu::inv_rms: squares summed in double (each
 // product exact), thread t taking i = t, t + Threads, ... in order, then block_sum. The block
 // size is a function of d alone (rms_norm's dispatch), so the order never depends on m.
@@ -41,8 +52,7 @@ template <int Threads>
 __device__ inline float row_inv_rms(const float* x, int64_t d, float eps, double* s_warp) {
   double ss = 0.0;
   for (int64_t i = threadIdx.x; i < d; i += Threads) ss += static_cast<double>(x[i]) * x[i];
-  ss = block_sum<Threads>(ss, s_warp);
-  return static_cast<float>(1.0 / sqrt(ss / static_cast<double>(d) + static_cast<double>(eps)));
+  return inv_rms_from_sum(block_sum<Threads>(ss, s_warp), d, eps);
 }
 
 // Grid: one block per row of x[m, d]. y may alias x: every x[i] a thread rewrites was read by the
@@ -59,7 +69,7 @@ __global__ void __launch_bounds__(Threads)
   const float s = row_inv_rms<Threads>(xr, d, eps, s_warp);
   for (int64_t i = threadIdx.x; i < d; i += Threads) {
     const float wi = w[i];
-    yr[i] = (xr[i] * s) * (zero_centred ? 1.0f + wi : wi);
+    yr[i] = normed(xr[i], s, wi, zero_centred);
   }
 }
 
@@ -123,9 +133,7 @@ __global__ void __launch_bounds__(kWideNormThreads)
   for (int j = 0; j < kRowVec; ++j)
 #pragma unroll
     for (int e = 0; e < 4; ++e) ss += static_cast<double>(v[j][e]) * v[j][e];  // 0 past d
-  ss = block_sum<Threads>(ss, s_warp);
-  const float s =
-      static_cast<float>(1.0 / sqrt(ss / static_cast<double>(d) + static_cast<double>(eps)));
+  const float s = inv_rms_from_sum(block_sum<Threads>(ss, s_warp), d, eps);
 #pragma unroll
   for (int j = 0; j < kRowVec; ++j) {
     const int64_t i = 4 * (threadIdx.x + j * Threads);
@@ -134,7 +142,7 @@ __global__ void __launch_bounds__(kWideNormThreads)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const float wi = i + e < d ? w[i + e] : 0.0f;
-      o[e] = (v[j][e] * s) * (zero_centred ? 1.0f + wi : wi);
+      o[e] = normed(v[j][e], s, wi, zero_centred);
     }
     store_chunk(y + off, i, d, vec, o);
   }
@@ -162,7 +170,7 @@ __global__ void __launch_bounds__(Threads)
   const float s = row_inv_rms<Threads>(xr, d, eps, s_warp);
   for (int64_t i = threadIdx.x; i < d; i += Threads) {
     const float wi = w[i];
-    yr[i] = (xr[i] * s) * (zero_centred ? 1.0f + wi : wi);
+    yr[i] = normed(xr[i], s, wi, zero_centred);
   }
 }
 
@@ -284,7 +292,7 @@ __global__ void __launch_bounds__(kNormThreads)
   const float s = row_inv_rms<kNormThreads>(x, hd, eps, s_warp);
   for (int64_t i = threadIdx.x; i < hd; i += kNormThreads) {
     const float wi = w[i];
-    y[i] = (x[i] * s) * (zero_centred ? 1.0f + wi : wi);
+    y[i] = normed(x[i], s, wi, zero_centred);
   }
   if (is_q) {
     float* g = gate + (t * n_heads + h) * hd;

@@ -1,20 +1,20 @@
 // y[m, N] = x[m, K] · Wᵀ on the GPU, W bf16 [N, K] (row-major, as a Linear stores it).
 //
 // Decode and verify shapes (every call outside prefill) go through one tensor-core kernel whose
-// reduction order is fixed by K alone, so a row's result is bitwise the same whether it is alone,
-// in a verify window or next to other rows (DESIGN.md principle 2):
+// reduction order is fixed by the weight's shape alone, so a row's result is bitwise the same
+// whether it is alone, in a verify window or next to other rows (DESIGN.md principle 2):
 //  - a block owns 8·NT output columns (NT m16n8k16 n-tiles) and splits K over its W warps in
 //    64-wide chunks, warp w taking chunks w, w+W, w+2W, ... in ascending order. W is a function
-//    of the weight's shape alone (linear_warps: 8 below kWideRows rows, where the column groups
+//    of the weight's shape alone (linear_mma: 8 below kWideRows rows, where the column groups
 //    are too few to keep enough weight bytes in flight with 4, else 4), never of m;
 //  - each warp accumulates its chunks with mma.sync in fp32; the W warp partials are then summed
 //    in warp order through shared memory;
 //  - rows are processed 16 per m-tile, up to 64 per pass; more rows take more passes over the
 //    same weights. A row's arithmetic never depends on which tile or pass it lands in.
 // Weights are streamed once per pass with 16-byte loads (the memory roofline at m = 1). Up to
-// kNarrowRows rows, inputs are read as fp32 and rounded to bf16 in registers; larger batches
-// round them once into a bf16 scratch copy first. Either way the same bf16 values enter the same
-// mma sequence, so the choice depends on m freely.
+// kNarrowRows rows, each block rounds the fp32 inputs to bf16 into its shared memory; larger
+// batches round them once into a bf16 scratch copy first. Either way the same bf16 values enter
+// the same mma sequence, so the choice depends on m freely.
 //
 // Within one mma the 16 k-slots of the instruction need not be 16 consecutive k: any bijection
 // works if A and B use the same one. Lane (g, t) loads 16 consecutive weights W[n0+g][kb+16t ..]
@@ -44,7 +44,7 @@ namespace {
 constexpr int kWideRows = 8192;  // weights with at least this many rows: 4 warps per block, else 8
 constexpr int kChunk = 64;       // k per warp chunk: 4 lanes x 16
 constexpr int kMaxTiles = 4;     // 16-row m-tiles per pass
-constexpr int64_t kNarrowRows = 4;  // up to this many rows: in-register bf16 rounding, 1 n-tile
+constexpr int64_t kNarrowRows = 4;  // up to this many rows: bf16 inputs staged per block (F32X)
 constexpr int64_t kPrefillChunk = 256;
 // Shared memory for the bf16 input rows of the in-register path at most; wider inputs take the
 // scratch path (the same arithmetic).
@@ -90,8 +90,8 @@ struct SplitOut {
 // Weights never change, so a linear may read them before pdl_wait(): each block first asks L2
 // for the start of its first column group ([cols, K] from row n0), in the order its warps will
 // consume it (chunk by chunk), within a budget shared by the grid that stays well inside L2.
-// With PDL (opt-in) this runs while the previous kernel drains; without it, the weight stream is
-// under way while the block stages its inputs.
+// With PDL (TANDEM_CUDA_PDL=1) this runs while the previous kernel drains; without it, the weight
+// stream is under way while the block stages its inputs.
 constexpr int64_t kPrefetchBytes = int64_t(16) << 20;
 
 __device__ __forceinline__ void prefetch_first_group(const uint16_t* w, int N, int K, int n0,
@@ -109,9 +109,8 @@ __device__ __forceinline__ void prefetch_first_group(const uint16_t* w, int N, i
   }
 }
 
-// Four consecutive inputs x[r, k..k+3] as bf16 pairs (k a multiple of 4). F32X: x is fp32 and
-// rounded here; else x is the bf16 scratch copy.
-// F32X: from the block's bf16 copy of the rows in shared memory (x_smem [m, K]).
+// Four consecutive inputs x[r, k..k+3] as bf16 pairs (k a multiple of 4). F32X: from the block's
+// bf16 copy of the rows in shared memory (x_smem [m, K]); else from the bf16 scratch copy (xin).
 template <bool F32X>
 __device__ __forceinline__ uint2 load_x4(const void* xin, const uint16_t* x_smem, int r, int K,
                                          int k) {

@@ -35,6 +35,22 @@ __device__ inline void better(float& v, int& i, float v2, int i2) {
   }
 }
 
+// The best of the block's kArgmaxThreads candidates (sv, si; the bad flags ORed), left in slot 0
+// by a halving tree with a barrier per level. Every thread calls it once its candidate is stored.
+__device__ inline void block_best(float* sv, int* si, int* sbad) {
+  for (int width = kArgmaxThreads / 2; width > 0; width /= 2) {
+    if (threadIdx.x < width) {
+      float a = sv[threadIdx.x];
+      int ai = si[threadIdx.x];
+      better(a, ai, sv[threadIdx.x + width], si[threadIdx.x + width]);
+      sv[threadIdx.x] = a;
+      si[threadIdx.x] = ai;
+      sbad[threadIdx.x] |= sbad[threadIdx.x + width];
+    }
+    __syncthreads();
+  }
+}
+
 // Grid (slices, rows): block (s, r) finds the winner of slice s of row r; the last block of a row
 // to finish (an atomic count) picks the row's winner from the slice winners. `bad` flags a NaN or
 // +inf anywhere in the row. The greedy token of a 248k vocabulary is thus read by ~60 blocks at
@@ -62,17 +78,7 @@ __global__ void __launch_bounds__(kArgmaxThreads)
   si[threadIdx.x] = idx;
   sbad[threadIdx.x] = bad;
   __syncthreads();
-  for (int width = kArgmaxThreads / 2; width > 0; width /= 2) {
-    if (threadIdx.x < width) {
-      float a = sv[threadIdx.x];
-      int ai = si[threadIdx.x];
-      better(a, ai, sv[threadIdx.x + width], si[threadIdx.x + width]);
-      sv[threadIdx.x] = a;
-      si[threadIdx.x] = ai;
-      sbad[threadIdx.x] |= sbad[threadIdx.x + width];
-    }
-    __syncthreads();
-  }
+  block_best(sv, si, sbad);
   const int slot = static_cast<int>(row * gridDim.x + blockIdx.x);
   if (threadIdx.x == 0) {
     g_best_v[slot] = sv[0];
@@ -91,17 +97,7 @@ __global__ void __launch_bounds__(kArgmaxThreads)
   si[threadIdx.x] = have ? __ldcg(&g_best_i[q]) : -1;
   sbad[threadIdx.x] = have ? __ldcg(&g_bad[q]) : 0;
   __syncthreads();
-  for (int width = kArgmaxThreads / 2; width > 0; width /= 2) {
-    if (threadIdx.x < width) {
-      float a = sv[threadIdx.x];
-      int ai = si[threadIdx.x];
-      better(a, ai, sv[threadIdx.x + width], si[threadIdx.x + width]);
-      sv[threadIdx.x] = a;
-      si[threadIdx.x] = ai;
-      sbad[threadIdx.x] |= sbad[threadIdx.x + width];
-    }
-    __syncthreads();
-  }
+  block_best(sv, si, sbad);
   if (threadIdx.x == 0) {
     out[row] = sbad[0] ? -1 : si[0];
     g_slices_done[row] = 0;
