@@ -53,13 +53,17 @@ int main(int argc, char** argv) {
   std::printf("linear (bf16 weights; per call, %d calls back to back)\n", kBackToBack);
   // The 9B decode matrices: delta in_proj, attention in_proj, down_proj, out/o_proj, gate_up
   // (with its SwiGLU epilogue), the head.
-  const std::vector<std::pair<int64_t, int64_t>> shapes = {
-      {12352, 4096}, {10240, 4096}, {4096, 12288}, {4096, 4096}, {24576, 4096}, {248320, 4096}};
-  for (auto [N, K] : shapes) {
+  struct Shape {
+    int64_t N, K;
+    bool swiglu;  // gate_up_swiglu on the pair layout instead of a plain linear
+  };
+  const std::vector<Shape> shapes = {{12352, 4096, false}, {10240, 4096, false},
+                                     {4096, 12288, false}, {4096, 4096, false},
+                                     {24576, 4096, true},  {248320, 4096, false}};
+  for (auto [N, K, swiglu] : shapes) {
     Dev w(sizeof(uint16_t) * N * K), x(sizeof(float) * 64 * K), y(sizeof(float) * 64 * N);
     cuda::fill_random_bf16(static_cast<uint16_t*>(w.p), N * K, 1, 0.02f);
     ops::WeightRef ref{DType::BF16, w.p, N, K};
-    const bool swiglu = N == 24576;
     for (int64_t m : {1, 4, 8, 16, 32}) {
       const double us = median_us(
           [&] {
