@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
+#include <utility>
 #include <vector>
 
 #include "tandem/backend/cuda/cuda_ops.h"
@@ -75,6 +76,66 @@ int main(int argc, char** argv) {
           repeats);
       std::printf("  N %6lld K %5lld m %2lld%s: %8.1f us  %6.0f GB/s weights\n", (long long)N,
                   (long long)K, (long long)m, swiglu ? " swiglu" : "", us, 2.0 * N * K / us / 1e3);
+    }
+  }
+
+  // A sublayer's first projection with its input norm folded in (normalised while the rows are
+  // staged) against a norm kernel followed by the projection.
+  std::printf("\ninput norm + projection (K 4096)\n");
+  for (auto [N, swiglu] : {std::pair<int64_t, bool>{12352, false}, {24576, true}}) {
+    const int64_t K = 4096;
+    Dev w(sizeof(uint16_t) * N * K), x(sizeof(float) * 4 * K), h(sizeof(float) * 4 * K),
+        y(sizeof(float) * 4 * N), nw(sizeof(float) * K);
+    cuda::fill_random_bf16(static_cast<uint16_t*>(w.p), N * K, 1, 0.02f);
+    cuda::fill_random_f32(x.f(), 4 * K, 2, 0.0f, 1.0f);
+    cuda::fill_random_f32(nw.f(), K, 3, 0.0f, 0.1f);
+    const ops::WeightRef ref{DType::BF16, w.p, N, K}, norm_w{DType::F32, nw.p, 1, K};
+    const ops::RowNorm norm{norm_w, true, 1e-6f};
+    auto project = [&](const float* in, int64_t m, const ops::RowNorm* n) {
+      if (swiglu) {
+        cuda::gate_up_swiglu(in, m, ref, y.f(), n);
+      } else {
+        const ops::OutputSlice all{y.f(), N};
+        cuda::linear_split(in, m, ref, &all, 1, n);
+      }
+    };
+    for (int64_t m : {1, 4}) {
+      const double fused = median_us([&] { project(x.f(), m, &norm); }, repeats);
+      const double separate = median_us(
+          [&] {
+            cuda::rms_norm(x.f(), m, K, norm_w, true, 1e-6f, h.f());
+            project(h.f(), m, nullptr);
+          },
+          repeats);
+      std::printf("  N %6lld m %lld%s: folded %6.1f us, norm kernel + projection %6.1f us\n",
+                  (long long)N, (long long)m, swiglu ? " swiglu" : "", fused, separate);
+    }
+  }
+
+  // The MLP sublayer: its two projections with bf16 activations between them, against
+  // gate_up_swiglu into fp32 and linear_add (both with the input norm folded in).
+  std::printf("\nMLP sublayer (H 4096, I 12288)\n");
+  {
+    const int64_t H = 4096, I = 12288;
+    Dev gu(sizeof(uint16_t) * 2 * I * H), dn(sizeof(uint16_t) * H * I), x(sizeof(float) * 4 * H),
+        act(sizeof(float) * 4 * I), nw(sizeof(float) * H);
+    cuda::fill_random_bf16(static_cast<uint16_t*>(gu.p), 2 * I * H, 4, 0.02f);
+    cuda::fill_random_bf16(static_cast<uint16_t*>(dn.p), H * I, 5, 0.01f);
+    cuda::fill_random_f32(x.f(), 4 * H, 6, 0.0f, 1.0f);
+    cuda::fill_random_f32(nw.f(), H, 7, 0.0f, 0.1f);
+    const ops::WeightRef gate_up{DType::BF16, gu.p, 2 * I, H}, down{DType::BF16, dn.p, H, I};
+    const ops::RowNorm norm{{DType::F32, nw.p, 1, H}, true, 1e-6f};
+    for (int64_t m : {1, 4}) {
+      const double fused =
+          median_us([&] { cuda::swiglu_mlp_add(x.f(), m, gate_up, down, x.f(), &norm); }, repeats);
+      const double parts = median_us(
+          [&] {
+            cuda::gate_up_swiglu(x.f(), m, gate_up, act.f(), &norm);
+            cuda::linear_add(act.f(), m, down, x.f());
+          },
+          repeats);
+      std::printf("  m %lld: swiglu_mlp_add %6.1f us, gate_up_swiglu + linear_add %6.1f us\n",
+                  (long long)m, fused, parts);
     }
   }
 

@@ -199,6 +199,82 @@ TEST(Ops, GateUpSwigluIsTheTwoProjectionsThenSwiglu) {
 }
 
 // qk_norm_rope is the split, the per-head norms and the rotary embedding, one after the other.
+// The model's sublayer seams: a projection with an input norm is bitwise rms_norm into a
+// temporary then the projection (x untouched), and linear_add is bitwise linear then add_inplace.
+TEST(Ops, InputNormAndLinearAddAreTheirParts) {
+  std::mt19937 rng(5);
+  const int64_t m = 3, k = 48, I = 16;
+  StoredWeight norm_w = make_weight(DType::F32, 1, k, rng, 0.2f);
+  const ops::RowNorm norm{norm_w.ref, true, 1e-6f};
+  // [2I, k]: read as a plain weight, and by gate_up_swiglu as I outputs in its pair layout.
+  StoredWeight w = make_weight(DType::BF16, 2 * I, k, rng, 0.2f);
+  const auto x0 = random_vec(static_cast<size_t>(m * k), rng, 3.0f);
+  std::vector<float> h(x0.size());
+  ops::rms_norm(x0.data(), m, k, norm_w.ref, true, 1e-6f, h.data());
+
+  std::vector<float> want(static_cast<size_t>(m * 2 * I)), got(want.size()), x = x0;
+  ops::linear(h.data(), m, w.ref, want.data());
+  const ops::OutputSlice all{got.data(), 2 * I};
+  ops::linear_split(x.data(), m, w.ref, &all, 1, &norm);
+  EXPECT_EQ(0, std::memcmp(got.data(), want.data(), got.size() * sizeof(float)));
+  EXPECT_EQ(x, x0) << "the input norm wrote into x";
+
+  std::vector<float> act_want(static_cast<size_t>(m * I)), act_got(act_want.size());
+  ops::gate_up_swiglu(h.data(), m, w.ref, act_want.data());
+  ops::gate_up_swiglu(x.data(), m, w.ref, act_got.data(), &norm);
+  EXPECT_EQ(0, std::memcmp(act_got.data(), act_want.data(), act_got.size() * sizeof(float)));
+
+  const auto y0 = random_vec(want.size(), rng, 5.0f);
+  std::vector<float> y_want = y0, y_got = y0;
+  ops::linear(x0.data(), m, w.ref, want.data());
+  ops::add_inplace(y_want.data(), want.data(), m * 2 * I);
+  ops::linear_add(x0.data(), m, w.ref, y_got.data());
+  EXPECT_EQ(0, std::memcmp(y_got.data(), y_want.data(), y_got.size() * sizeof(float)));
+
+  // A norm whose size is not the rows' is refused by name, before anything is written.
+  StoredWeight short_norm = make_weight(DType::F32, 1, k - 1, rng);
+  const ops::RowNorm bad{short_norm.ref, true, 1e-6f};
+  std::fill(got.begin(), got.end(), 7.0f);
+  try {
+    ops::linear_split(x.data(), m, w.ref, &all, 1, &bad);
+    ADD_FAILURE() << "linear_split accepted a " << k - 1 << "-weight norm for rows of " << k;
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("input norm"), std::string::npos) << e.what();
+  }
+  EXPECT_TRUE(std::all_of(got.begin(), got.end(), [](float v) { return v == 7.0f; }));
+  EXPECT_THROW(ops::gate_up_swiglu(x.data(), m, w.ref, act_got.data(), &bad), Error);
+}
+
+// swiglu_mlp_add is bitwise gate_up_swiglu (with its input norm) into a temporary, then
+// linear_add, also when it adds into its own input; a down projection of the wrong shape is
+// refused.
+TEST(Ops, SwigluMlpAddIsGateUpThenLinearAdd) {
+  std::mt19937 rng(6);
+  const int64_t m = 2, h = 32, I = 16;
+  StoredWeight gate_up = make_weight(DType::BF16, 2 * I, h, rng, 0.2f);
+  StoredWeight down = make_weight(DType::BF16, h, I, rng, 0.2f);
+  StoredWeight norm_w = make_weight(DType::F32, 1, h, rng, 0.2f);
+  const ops::RowNorm norm{norm_w.ref, true, 1e-6f};
+  const auto x0 = random_vec(static_cast<size_t>(m * h), rng, 2.0f);
+  for (const ops::RowNorm* n : {static_cast<const ops::RowNorm*>(nullptr), &norm}) {
+    std::vector<float> act(static_cast<size_t>(m * I)), want = x0, got = x0;
+    ops::gate_up_swiglu(x0.data(), m, gate_up.ref, act.data(), n);
+    ops::linear_add(act.data(), m, down.ref, want.data());
+    ops::swiglu_mlp_add(got.data(), m, gate_up.ref, down.ref, got.data(), n);  // y == x
+    EXPECT_EQ(0, std::memcmp(got.data(), want.data(), got.size() * sizeof(float)))
+        << "norm " << (n != nullptr);
+  }
+  StoredWeight wrong = make_weight(DType::BF16, h, I + 8, rng);
+  std::vector<float> y = x0;
+  try {
+    ops::swiglu_mlp_add(x0.data(), m, gate_up.ref, wrong.ref, y.data());
+    ADD_FAILURE() << "swiglu_mlp_add accepted a [32 x 24] down projection for I = 16";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("down projection"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(y, x0) << "a rejected call changed y";
+}
+
 TEST(Ops, QkNormRopeIsSplitNormsThenRope) {
   std::mt19937 rng(5);
   const int64_t T = 3, nh = 4, nkv = 2, hd = 16, rot = 8;

@@ -13,6 +13,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <cctype>
 #include <cmath>
 #include <cstring>
@@ -566,6 +567,118 @@ TEST_F(CudaOps, AddRmsNormIsBitwiseAddThenNorm) {
       cpu::add_inplace(cx.data(), r.data(), m * d);
       cpu::rms_norm(cx.data(), m, d, w.host_ref(), true, eps, want.data());
       EXPECT_TRUE(near_blocks(got, want, sz(d), kNormRel)) << "vs CPU, d " << d << " m " << m;
+    }
+  }
+}
+
+// A projection with an input norm gives the bits of rms_norm into a temporary followed by the
+// projection on every path: decode shapes normalising while they stage their rows (m <= 4; each
+// of the three norm orders: K = 384, 4096, 12288; 4 and 8 warps), batches and prompt prefill
+// (rms_norm first), and K not a multiple of 16 (the warp kernel). x is left as it was.
+TEST_F(CudaLinearModes, InputNormIsBitwiseRmsNormThenProduct) {
+  std::mt19937 rng(23);
+  for (const LinearShape c : {LinearShape{96, 384}, LinearShape{8208, 4096}, LinearShape{64, 4096},
+                              LinearShape{48, 12288}, LinearShape{32, 100}}) {
+    const Bf16Matrix w = bf16_matrix(c.n, c.k, rng);  // also read as gate/up pairs (n % 16 == 0)
+    for (bool zc : {true, false}) {
+      const F32Weight nw = f32_weight(randn(sz(c.k), rng, 0.1f, zc ? 0.0f : 1.0f), 1, c.k);
+      const ops::RowNorm norm{nw.dev_ref(), zc, 1e-6f};
+      for (bool prefill : {false, true}) {
+        for (int64_t m : {1, 2, 4, 5, 40}) {
+          const auto x = norm_input(m, c.k, rng);
+          const DeviceBuffer<float> dx(x);
+          DeviceBuffer<float> h = nan_buffer(x.size());
+          const int64_t n0 = c.n / 2;  // two output slices
+          DeviceBuffer<float> want0 = nan_buffer(sz(m * n0)), want1 = nan_buffer(sz(m * n0));
+          DeviceBuffer<float> got0 = nan_buffer(sz(m * n0)), got1 = nan_buffer(sz(m * n0));
+          DeviceBuffer<float> act_want = nan_buffer(sz(m * n0)), act_got = nan_buffer(sz(m * n0));
+          const ops::OutputSlice want_out[] = {{want0.get(), n0}, {want1.get(), c.n - n0}};
+          const ops::OutputSlice got_out[] = {{got0.get(), n0}, {got1.get(), c.n - n0}};
+          const ops::WeightRef pairs = w.dev_ref();
+          cuda::set_prefill(prefill);
+          cuda::rms_norm(dx.get(), m, c.k, nw.dev_ref(), zc, 1e-6f, h.get());
+          cuda::linear_split(h.get(), m, w.dev_ref(), want_out, 2);
+          cuda::linear_split(dx.get(), m, w.dev_ref(), got_out, 2, &norm);
+          cuda::gate_up_swiglu(h.get(), m, pairs, act_want.get());
+          cuda::gate_up_swiglu(dx.get(), m, pairs, act_got.get(), &norm);
+          cuda::set_prefill(false);
+          const std::string where = "N " + std::to_string(c.n) + " K " + std::to_string(c.k) +
+                                    " m " + std::to_string(m) + " zero_centred " +
+                                    std::to_string(zc) + " prefill " + std::to_string(prefill);
+          EXPECT_TRUE(bitwise_equal(got0.download(), want0.download())) << "slice 0, " << where;
+          EXPECT_TRUE(bitwise_equal(got1.download(), want1.download())) << "slice 1, " << where;
+          EXPECT_TRUE(bitwise_equal(act_got.download(), act_want.download()))
+              << "gate_up_swiglu, " << where;
+          EXPECT_TRUE(bitwise_equal(dx.download(), x)) << "x changed, " << where;
+        }
+      }
+    }
+  }
+  // A norm that is not an F32 vector of K is refused by name.
+  const Bf16Matrix w = bf16_matrix(16, 64, rng);
+  const F32Weight short_norm = f32_weight(randn(63, rng), 1, 63);
+  const ops::RowNorm bad{short_norm.dev_ref(), true, 1e-6f};
+  DeviceBuffer<float> x(64), y(16);
+  try {
+    cuda::linear_split(x.get(), 1, w.dev_ref(), std::array{ops::OutputSlice{y.get(), 16}}.data(), 1,
+                       &bad);
+    ADD_FAILURE() << "linear_split accepted a 63-element norm for K = 64";
+  } catch (const tandem::Error& e) {
+    EXPECT_TRUE(contains_nocase(e.what(), "norm")) << e.what();
+  }
+}
+
+// linear_add gives the bits of linear into a temporary then add_inplace: the epilogue add on
+// every decode path, cuBLAS then add_inplace in prompt prefill.
+TEST_F(CudaLinearModes, LinearAddIsBitwiseLinearThenAdd) {
+  std::mt19937 rng(24);
+  for (const LinearShape s :
+       {LinearShape{96, 4096}, LinearShape{64, 12288}, LinearShape{32, 100}}) {
+    const Bf16Matrix w = bf16_matrix(s.n, s.k, rng);
+    for (bool prefill : {false, true}) {
+      for (int64_t m : {1, 4, 5, 40, 300}) {
+        const DeviceBuffer<float> x(randn(sz(m * s.k), rng));
+        const auto y0 = randn(sz(m * s.n), rng, 4.0f);
+        DeviceBuffer<float> product = nan_buffer(y0.size()), want(y0), got(y0);
+        cuda::set_prefill(prefill);
+        cuda::linear(x.get(), m, w.dev_ref(), product.get());
+        cuda::add_inplace(want.get(), product.get(), m * s.n);
+        cuda::linear_add(x.get(), m, w.dev_ref(), got.get());
+        cuda::set_prefill(false);
+        EXPECT_TRUE(bitwise_equal(got.download(), want.download()))
+            << "N " << s.n << " K " << s.k << " m " << m << " prefill " << prefill;
+      }
+    }
+  }
+}
+
+// swiglu_mlp_add gives the bits of gate_up_swiglu into an fp32 temporary followed by linear_add
+// (the bf16 activations between its projections are the rounding the down projection applies
+// anyway), with and without an input norm, at decode, window and batch sizes and in prefill.
+TEST_F(CudaLinearModes, SwigluMlpAddIsGateUpThenLinearAdd) {
+  std::mt19937 rng(25);
+  struct MlpShape {
+    int64_t h, I;
+  };
+  for (const MlpShape s : {MlpShape{4096, 1024}, MlpShape{384, 768}, MlpShape{64, 40}}) {
+    const Bf16Matrix gate_up = bf16_matrix(2 * s.I, s.h, rng), down = bf16_matrix(s.h, s.I, rng);
+    const F32Weight nw = f32_weight(randn(sz(s.h), rng, 0.1f), 1, s.h);
+    const ops::RowNorm norm{nw.dev_ref(), true, 1e-6f};
+    for (const ops::RowNorm* n : {static_cast<const ops::RowNorm*>(nullptr), &norm}) {
+      for (bool prefill : {false, true}) {
+        for (int64_t m : {1, 2, 4, 5, 40}) {
+          const auto x = norm_input(m, s.h, rng);
+          DeviceBuffer<float> act = nan_buffer(sz(m * s.I)), want(x), got(x);
+          cuda::set_prefill(prefill);
+          cuda::gate_up_swiglu(want.get(), m, gate_up.dev_ref(), act.get(), n);
+          cuda::linear_add(act.get(), m, down.dev_ref(), want.get());
+          cuda::swiglu_mlp_add(got.get(), m, gate_up.dev_ref(), down.dev_ref(), got.get(), n);
+          cuda::set_prefill(false);
+          EXPECT_TRUE(bitwise_equal(got.download(), want.download()))
+              << "H " << s.h << " I " << s.I << " m " << m << " norm " << (n != nullptr)
+              << " prefill " << prefill;
+        }
+      }
     }
   }
 }

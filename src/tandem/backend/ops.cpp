@@ -234,16 +234,43 @@ std::string device_description() {
 void linear(const float* x, int64_t m, const WeightRef& w, float* y) {
   TANDEM_DISPATCH(linear(x, m, w, y));
 }
+void linear_add(const float* x, int64_t m, const WeightRef& w, float* y) {
+#ifdef TANDEM_HAVE_CUDA
+  if (g_backend == Backend::Cuda) return cuda::linear_add(x, m, w, y);
+#endif
+  std::vector<float> p(static_cast<size_t>(m * w.rows));
+  cpu::linear(x, m, w, p.data());
+  cpu::add_inplace(y, p.data(), m * w.rows);
+}
+
+namespace {
+
+// The CPU's input norm: x normalised into `rows` (x itself when there is no norm).
+const float* cpu_input_rows(const float* x, int64_t m, int64_t k, const RowNorm* norm,
+                            std::vector<float>& rows) {
+  if (!norm) return x;
+  rows.resize(static_cast<size_t>(m * k));
+  cpu::rms_norm(x, m, k, norm->w, norm->zero_centred, norm->eps, rows.data());
+  return rows.data();
+}
+
+}  // namespace
+
 void linear_split(const float* x, int64_t m, const WeightRef& w, const OutputSlice* slices,
-                  int n_slices) {
+                  int n_slices, const RowNorm* norm) {
   int64_t cols = 0;
   for (int i = 0; i < n_slices; ++i) cols += slices[i].cols;
   if (n_slices < 1 || n_slices > 4 || cols != w.rows)
     fail("linear_split: ", n_slices, " slices covering ", cols, " columns of a ", w.rows,
          "-row weight (1..4 slices covering every row)");
+  if (norm && norm->w.rows * norm->w.cols != w.cols)
+    fail("linear_split: the input norm has ", norm->w.rows * norm->w.cols, " weights for rows of ",
+         w.cols);
 #ifdef TANDEM_HAVE_CUDA
-  if (g_backend == Backend::Cuda) return cuda::linear_split(x, m, w, slices, n_slices);
+  if (g_backend == Backend::Cuda) return cuda::linear_split(x, m, w, slices, n_slices, norm);
 #endif
+  std::vector<float> rows;
+  x = cpu_input_rows(x, m, w.cols, norm, rows);
   std::vector<float> y(static_cast<size_t>(m * w.rows));
   cpu::linear(x, m, w, y.data());
   int64_t c0 = 0;
@@ -252,13 +279,19 @@ void linear_split(const float* x, int64_t m, const WeightRef& w, const OutputSli
     c0 += slices[i].cols;
   }
 }
-void gate_up_swiglu(const float* x, int64_t m, const WeightRef& gate_up, float* act) {
+void gate_up_swiglu(const float* x, int64_t m, const WeightRef& gate_up, float* act,
+                    const RowNorm* norm) {
   if (gate_up.rows % (2 * kGateUpGroup) != 0)
     fail("gate_up_swiglu: the stacked weight has ", gate_up.rows, " rows, not a multiple of ",
          2 * kGateUpGroup, " (pairs of ", kGateUpGroup, "-row blocks)");
+  if (norm && norm->w.rows * norm->w.cols != gate_up.cols)
+    fail("gate_up_swiglu: the input norm has ", norm->w.rows * norm->w.cols,
+         " weights for rows of ", gate_up.cols);
 #ifdef TANDEM_HAVE_CUDA
-  if (g_backend == Backend::Cuda) return cuda::gate_up_swiglu(x, m, gate_up, act);
+  if (g_backend == Backend::Cuda) return cuda::gate_up_swiglu(x, m, gate_up, act, norm);
 #endif
+  std::vector<float> rows;
+  x = cpu_input_rows(x, m, gate_up.cols, norm, rows);
   const int64_t I = gate_up.rows / 2, G = kGateUpGroup;
   std::vector<float> y(static_cast<size_t>(m * 2 * I));
   cpu::linear(x, m, gate_up, y.data());
@@ -271,6 +304,20 @@ void gate_up_swiglu(const float* x, int64_t m, const WeightRef& gate_up, float* 
     }
     cpu::swiglu(g.data(), u.data(), I, act + r * I);
   }
+}
+void swiglu_mlp_add(const float* x, int64_t m, const WeightRef& gate_up, const WeightRef& down,
+                    float* y, const RowNorm* norm) {
+  const int64_t I = gate_up.rows / 2;
+  if (down.cols != I || down.rows != gate_up.cols)
+    fail("swiglu_mlp_add: the down projection is [", down.rows, " x ", down.cols, "], expected [",
+         gate_up.cols, " x ", I, "] for a [", gate_up.rows, " x ", gate_up.cols,
+         "] gate/up weight");
+#ifdef TANDEM_HAVE_CUDA
+  if (g_backend == Backend::Cuda) return cuda::swiglu_mlp_add(x, m, gate_up, down, y, norm);
+#endif
+  std::vector<float> act(static_cast<size_t>(m * I));
+  gate_up_swiglu(x, m, gate_up, act.data(), norm);
+  linear_add(act.data(), m, down, y);
 }
 void embed_rows(const WeightRef& table, const int32_t* ids, int64_t n, float* out) {
   TANDEM_DISPATCH(embed_rows(table, ids, n, out));

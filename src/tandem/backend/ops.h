@@ -84,23 +84,50 @@ int thread_count();
 // y[m, w.rows] = x[m, w.cols] · wᵀ
 void linear(const float* x, int64_t m, const WeightRef& w, float* y);
 
+// y[m, w.rows] += x[m, w.cols] · wᵀ (a sublayer's output projection adding into the residual
+// stream). Every value is the one linear into a temporary followed by add_inplace computes; on
+// CUDA the add happens in the projection's epilogue.
+void linear_add(const float* x, int64_t m, const WeightRef& w, float* y);
+
+// An RMSNorm a projection applies to its input rows first (rms_norm's w, zero_centred, eps): a
+// sublayer's input norm folded into its first projection, which on CUDA's decode shapes saves
+// the norm's launch.
+struct RowNorm {
+  WeightRef w;
+  bool zero_centred = true;
+  float eps = 1e-6f;
+};
+
 // The same product with the output columns cut into consecutive slices, each written as its own
 // row-major [m, cols] array (a stacked q|k|v weight straight into three buffers). At most 4
 // slices; their cols must add up to w.rows. Every value is the one linear computes.
+// norm (optional): the product is taken of rms_norm(x) instead of x; every value is the one
+// rms_norm into a temporary followed by the product computes. x is left unchanged.
 struct OutputSlice {
   float* dst = nullptr;
   int64_t cols = 0;
 };
 void linear_split(const float* x, int64_t m, const WeightRef& w, const OutputSlice* slices,
-                  int n_slices);
+                  int n_slices, const RowNorm* norm = nullptr);
 
 // The SwiGLU MLP's first half in one pass: act[m, I] = silu(x · gateᵀ) · (x · upᵀ), where
 // `gate_up` [2I, K] holds the gate and up projections in pairs of 8-row blocks (8 rows of gate,
 // the same 8 rows of up, the next 8 of gate, ...; WeightArena::interleave_rows with group 8).
 // I must be a multiple of 8. Every value is the one linear (gate and up) followed by swiglu
-// computes; the [m, 2I] projection is never written out on CUDA's decode path.
+// computes; the [m, 2I] projection is never written out on CUDA's decode path. norm: as
+// linear_split's.
 constexpr int64_t kGateUpGroup = 8;
-void gate_up_swiglu(const float* x, int64_t m, const WeightRef& gate_up, float* act);
+void gate_up_swiglu(const float* x, int64_t m, const WeightRef& gate_up, float* act,
+                    const RowNorm* norm = nullptr);
+
+// A sublayer's SwiGLU MLP added into the residual stream:
+//   y[m, H] += act · downᵀ,  act = gate_up_swiglu(x, gate_up, norm)   (x [m, H], act [m, I])
+// gate_up [2I, H] in gate_up_swiglu's pair layout, down [H, I]. Every value is the one
+// gate_up_swiglu into a temporary followed by linear_add computes (on CUDA's decode paths the
+// activations pass between the two projections in bf16, the rounding the down projection applies
+// to its inputs anyway). y may be x.
+void swiglu_mlp_add(const float* x, int64_t m, const WeightRef& gate_up, const WeightRef& down,
+                    float* y, const RowNorm* norm = nullptr);
 
 // out[i, :] = table[ids[i], :] converted to fp32. ids must be in range (checked by caller).
 void embed_rows(const WeightRef& table, const int32_t* ids, int64_t n, float* out);

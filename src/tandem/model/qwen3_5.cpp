@@ -382,8 +382,10 @@ void Qwen35Model::reserve_workspace(int64_t T, int64_t R, bool all_logits) const
                 nv = c.linear_num_value_heads;
   grow_to(w.x, T * H);
   grow_to(w.h, T * H);
-  if (!layers_.empty() && !layers_.front().gate_up.data) grow_to(w.mlp_g, T * I);
-  grow_to(w.mlp_u, T * I);
+  if (!layers_.empty() && !layers_.front().gate_up.data) {
+    grow_to(w.mlp_g, T * I);
+    grow_to(w.mlp_u, T * I);
+  }
   grow_to(w.a0, T * conv_dim);
   grow_to(w.a1, T * conv_dim);
   grow_to(w.a2, T * vd);
@@ -410,32 +412,15 @@ void Qwen35Model::forward_body(Qwen35State& st, const ForwardRequest& req, int64
   ops::set_prefill(req.prompt);
   ops::embed_rows(embed_, w.ids.data(), T, w.x.data());
 
-  // Between sublayers h holds the previous sublayer's output: each residual add is fused with
-  // the norm that follows it (the previous layer's MLP output into this layer's input norm).
-  for (size_t l = 0; l < layers_.size(); ++l) {
-    const Layer& L = layers_[l];
-    if (l == 0)
-      ops::rms_norm(w.x.data(), T, H, L.input_norm, true, eps, w.h.data());
-    else
-      ops::add_rms_norm(w.x.data(), w.h.data(), T, H, L.input_norm, true, eps, w.h.data());
+  // Every sublayer reads the residual stream x through its input norm (folded into its first
+  // projection where the weights are stacked) and adds its output projection into x.
+  for (const Layer& L : layers_) {
     if (L.kind == LayerKind::FullAttention)
       attention_layer(L, st, T, req.prompt);
     else
       delta_layer(L, st, req, T);
-
-    ops::add_rms_norm(w.x.data(), w.h.data(), T, H, L.post_norm, true, eps, w.h.data());
-    const int64_t I = c.intermediate_size;
-    if (L.gate_up.data) {
-      ops::gate_up_swiglu(w.h.data(), T, L.gate_up, w.mlp_u.data());
-      ops::linear(w.mlp_u.data(), T, L.down_proj, w.h.data());
-    } else {
-      ops::linear(w.h.data(), T, L.gate_proj, w.mlp_g.data());
-      ops::linear(w.h.data(), T, L.up_proj, w.mlp_u.data());
-      ops::swiglu(w.mlp_g.data(), w.mlp_u.data(), T * I, w.mlp_g.data());
-      ops::linear(w.mlp_g.data(), T, L.down_proj, w.h.data());
-    }
+    mlp(L, T);
   }
-  if (!layers_.empty()) ops::add_inplace(w.x.data(), w.h.data(), T * H);
   ops::set_prefill(false);
 
   // Final norm: every token when hidden states or all logits are wanted (into h), else only each
@@ -463,6 +448,34 @@ void Qwen35Model::forward_body(Qwen35State& st, const ForwardRequest& req, int64
   if (req.want_argmax) ops::argmax_rows(w.out.data(), rows, V, w.argmax.data());
 }
 
+void Qwen35Model::project_normed(
+    const ops::WeightRef& norm, int64_t T, bool stacked,
+    const std::function<void(const float* x, const ops::RowNorm* norm)>& project) const {
+  const Qwen35Config& c = cfg_;
+  Workspace& w = ws_;
+  const ops::RowNorm n{norm, true, static_cast<float>(c.rms_norm_eps)};
+  if (stacked) return project(w.x.data(), &n);
+  ops::rms_norm(w.x.data(), T, c.hidden_size, norm, true, n.eps, w.h.data());
+  project(w.h.data(), nullptr);
+}
+
+void Qwen35Model::mlp(const Layer& L, int64_t T) const {
+  const Qwen35Config& c = cfg_;
+  Workspace& w = ws_;
+  if (L.gate_up.data) {
+    project_normed(L.post_norm, T, true, [&](const float* x, const ops::RowNorm* norm) {
+      ops::swiglu_mlp_add(x, T, L.gate_up, L.down_proj, w.x.data(), norm);
+    });
+    return;
+  }
+  project_normed(L.post_norm, T, false, [&](const float* x, const ops::RowNorm*) {
+    ops::linear(x, T, L.gate_proj, w.mlp_g.data());
+    ops::linear(x, T, L.up_proj, w.mlp_u.data());
+  });
+  ops::swiglu(w.mlp_g.data(), w.mlp_u.data(), T * c.intermediate_size, w.mlp_g.data());
+  ops::linear_add(w.mlp_g.data(), T, L.down_proj, w.x.data());
+}
+
 void Qwen35Model::attention_layer(const Layer& L, Qwen35State& st, int64_t T, bool prompt) const {
   const Qwen35Config& c = cfg_;
   Workspace& w = ws_;
@@ -474,19 +487,22 @@ void Qwen35Model::attention_layer(const Layer& L, Qwen35State& st, int64_t T, bo
   shape.eps = static_cast<float>(c.rms_norm_eps);
   shape.prompt = prompt;
   GatedAttentionScratch& x = w.attn;  // sized by reserve_workspace
-  if (L.attn.in_proj.data) {
-    const ops::OutputSlice out[] = {{x.qg.data(), L.attn.q_proj.rows},
-                                    {x.k.data(), L.attn.k_proj.rows},
-                                    {x.v.data(), L.attn.v_proj.rows}};
-    ops::linear_split(w.h.data(), T, L.attn.in_proj, out, 3);
-  } else {
-    ops::linear(w.h.data(), T, L.attn.q_proj, x.qg.data());
-    ops::linear(w.h.data(), T, L.attn.k_proj, x.k.data());
-    ops::linear(w.h.data(), T, L.attn.v_proj, x.v.data());
-  }
+  const bool stacked = L.attn.in_proj.data != nullptr;
+  project_normed(L.input_norm, T, stacked, [&](const float* in, const ops::RowNorm* norm) {
+    if (stacked) {
+      const ops::OutputSlice out[] = {{x.qg.data(), L.attn.q_proj.rows},
+                                      {x.k.data(), L.attn.k_proj.rows},
+                                      {x.v.data(), L.attn.v_proj.rows}};
+      ops::linear_split(in, T, L.attn.in_proj, out, 3, norm);
+    } else {
+      ops::linear(in, T, L.attn.q_proj, x.qg.data());
+      ops::linear(in, T, L.attn.k_proj, x.k.data());
+      ops::linear(in, T, L.attn.v_proj, x.v.data());
+    }
+  });
   gated_attention(shape, L.attn.q_norm, L.attn.k_norm, inv_freq_.data(), w.pos.data(), w.segments,
                   st.kv_layer(L.index_in_kind), x);
-  ops::linear(x.o.data(), T, L.attn.o_proj, w.h.data());
+  ops::linear_add(x.o.data(), T, L.attn.o_proj, w.x.data());
 }
 
 void Qwen35Model::delta_layer(const Layer& L, Qwen35State& st, const ForwardRequest& req,
@@ -497,16 +513,19 @@ void Qwen35Model::delta_layer(const Layer& L, Qwen35State& st, const ForwardRequ
                 nv = c.linear_num_value_heads;
   float *qkv = w.a0.data(), *conv = w.a1.data(), *z = w.a2.data(), *b = w.a3.data(),
         *a = w.a3.data() + T * nv, *core = w.a5.data();
-  if (L.delta.in_proj.data) {
-    // One stacked projection, its column slices written straight into the four buffers.
-    const ops::OutputSlice out[] = {{qkv, conv_dim}, {z, vd}, {b, nv}, {a, nv}};
-    ops::linear_split(w.h.data(), T, L.delta.in_proj, out, 4);
-  } else {
-    ops::linear(w.h.data(), T, L.delta.in_proj_qkv, qkv);
-    ops::linear(w.h.data(), T, L.delta.in_proj_z, z);
-    ops::linear(w.h.data(), T, L.delta.in_proj_b, b);
-    ops::linear(w.h.data(), T, L.delta.in_proj_a, a);
-  }
+  const bool stacked = L.delta.in_proj.data != nullptr;
+  project_normed(L.input_norm, T, stacked, [&](const float* in, const ops::RowNorm* norm) {
+    if (stacked) {
+      // One stacked projection, its column slices written straight into the four buffers.
+      const ops::OutputSlice out[] = {{qkv, conv_dim}, {z, vd}, {b, nv}, {a, nv}};
+      ops::linear_split(in, T, L.delta.in_proj, out, 4, norm);
+    } else {
+      ops::linear(in, T, L.delta.in_proj_qkv, qkv);
+      ops::linear(in, T, L.delta.in_proj_z, z);
+      ops::linear(in, T, L.delta.in_proj_b, b);
+      ops::linear(in, T, L.delta.in_proj_a, a);
+    }
+  });
 
   const int li = L.index_in_kind;
   if (st.rollback() == RecurrentRollback::SnapshotReplay) {
@@ -534,7 +553,7 @@ void Qwen35Model::delta_layer(const Layer& L, Qwen35State& st, const ForwardRequ
                              rows, R, w.max_row_tokens, delta_heads(), core);
   ops::gated_rms_norm(core, z, T * nv, c.linear_value_head_dim, L.delta.norm,
                       static_cast<float>(c.rms_norm_eps), core);
-  ops::linear(core, T, L.delta.out_proj, w.h.data());
+  ops::linear_add(core, T, L.delta.out_proj, w.x.data());
 }
 
 ops::DeltaHeads Qwen35Model::delta_heads() const {

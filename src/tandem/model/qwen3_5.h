@@ -140,15 +140,16 @@ class Qwen35Model {
   // Scratch reused across calls (grown, never shrunk). A model serves one forward at a time.
   // Buffers are backend memory; the *_host vectors stage what the host computes per forward.
   struct Workspace {
-    Buffer<float> x, h, a0, a1, a2, a3, a5, mlp_u;
-    Buffer<float> mlp_g;        // [T, I] gate projection; only without the stacked gate_up
-    Buffer<float> last;         // [rows, H]: each row's last normed hidden, for the head
-    Buffer<float> out;          // [rows or T, V] logits before the copy to the host
-    Buffer<int32_t> ids;        // [T] token ids
-    Buffer<int32_t> embed_ids;  // ids of embed() calls (drafters)
-    Buffer<int64_t> pos;        // [T] positions
-    Buffer<int32_t> tables;     // the rows' block tables, concatenated
-    Buffer<int32_t> argmax;     // [logits rows]
+    Buffer<float> x;  // [T, H] the residual stream
+    Buffer<float> h, a0, a1, a2, a3, a5;
+    Buffer<float> mlp_g, mlp_u;  // [T, I] gate and up projections; only without stacked gate_up
+    Buffer<float> last;          // [rows, H]: each row's last normed hidden, for the head
+    Buffer<float> out;           // [rows or T, V] logits before the copy to the host
+    Buffer<int32_t> ids;         // [T] token ids
+    Buffer<int32_t> embed_ids;   // ids of embed() calls (drafters)
+    Buffer<int64_t> pos;         // [T] positions
+    Buffer<int32_t> tables;      // the rows' block tables, concatenated
+    Buffer<int32_t> argmax;      // [logits rows]
     Buffer<ops::RecurrentRow> recurrent_rows;  // [linear layers][rows] state descriptors
     int64_t max_row_tokens = 0;
     std::vector<int64_t> pos_host;
@@ -172,8 +173,15 @@ class Qwen35Model {
   void forward_body(Qwen35State& st, const ForwardRequest& req, int64_t T) const;
   // Grows every workspace buffer the body uses for T tokens and R logits rows.
   void reserve_workspace(int64_t T, int64_t R, bool all_logits) const;
+  // A sublayer: its input is rms_norm(ws_.x, L.input_norm), its output is added into ws_.x.
   void attention_layer(const Layer& L, Qwen35State& st, int64_t T, bool prompt) const;
   void delta_layer(const Layer& L, Qwen35State& st, const ForwardRequest& req, int64_t T) const;
+  void mlp(const Layer& L, int64_t T) const;
+  // Runs `project` on the sublayer input rms_norm(ws_.x, norm): passed to it as a norm for the
+  // projection to apply (stacked weights, one call), or applied into ws_.h first (x = ws_.h).
+  void project_normed(
+      const ops::WeightRef& norm, int64_t T, bool stacked,
+      const std::function<void(const float* x, const ops::RowNorm* norm)>& project) const;
 
   // One row's slice of a DeltaNet layer's buffers for delta_recurrence.
   struct DeltaRow {

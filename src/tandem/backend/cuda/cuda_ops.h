@@ -74,9 +74,17 @@ void set_prefill(bool on);
 bool prefill_mode();
 
 void linear(const float* x, int64_t m, const ops::WeightRef& w, float* y);
+// norm (optional): decode-shaped calls (m <= 4, K a multiple of 16) normalise the rows while
+// staging them, in rms_norm's order; every other call runs rms_norm into a scratch buffer first.
 void linear_split(const float* x, int64_t m, const ops::WeightRef& w,
-                  const ops::OutputSlice* slices, int n_slices);
-void gate_up_swiglu(const float* x, int64_t m, const ops::WeightRef& gate_up, float* act);
+                  const ops::OutputSlice* slices, int n_slices, const ops::RowNorm* norm = nullptr);
+// The accumulation happens in the epilogue (prompt prefill: cuBLAS, then add_inplace).
+void linear_add(const float* x, int64_t m, const ops::WeightRef& w, float* y);
+void gate_up_swiglu(const float* x, int64_t m, const ops::WeightRef& gate_up, float* act,
+                    const ops::RowNorm* norm = nullptr);
+// On the decode paths the [m, I] activations reach the down projection in bf16.
+void swiglu_mlp_add(const float* x, int64_t m, const ops::WeightRef& gate_up,
+                    const ops::WeightRef& down, float* y, const ops::RowNorm* norm = nullptr);
 void embed_rows(const ops::WeightRef& table, const int32_t* ids, int64_t n, float* out);
 void rms_norm(const float* x, int64_t m, int64_t d, const ops::WeightRef& w, bool zero_centred,
               float eps, float* y);

@@ -7,43 +7,15 @@
 #include "tandem/backend/cuda/activation.cuh"
 #include "tandem/backend/cuda/check.cuh"
 #include "tandem/backend/cuda/cuda_ops.h"
+#include "tandem/backend/cuda/row_norm.cuh"
 #include "tandem/core/error.h"
 
 namespace tandem::cuda {
 
 namespace {
 
-constexpr int kThreads = 256;          // grid-stride kernels
-constexpr int kNormThreads = 128;      // one block per row; fixes the norms' reduction order
-constexpr int kWideNormThreads = 512;  // rows of kWideNormMinDim or more (hidden-size norms)
-constexpr int64_t kWideNormMinDim = 2048;
-constexpr int kRowVec = 4;  // 4-float chunks a thread of row_norm_kernel holds in registers
-constexpr int64_t kRowNormMaxDim = int64_t(kWideNormThreads) * 4 * kRowVec;  // 8192
+constexpr int kThreads = 256;  // grid-stride kernels
 constexpr int kEmbedThreads = 1024;
-
-// Sum over a block of Threads threads, returned to every thread. The order is fixed by the
-// block size alone: a butterfly inside each warp (every lane ends with the same bits, since
-// a + b == b + a), then the warp totals added in warp order. s_warp must not be in use.
-template <int Threads>
-__device__ inline double block_sum(double v, double* s_warp) {
-  for (int offset = 16; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
-  if (threadIdx.x % 32 == 0) s_warp[threadIdx.x / 32] = v;
-  __syncthreads();
-  double total = 0.0;
-  for (int w = 0; w < Threads / 32; ++w) total += s_warp[w];
-  return total;
-}
-
-// 1 / sqrt(mean(x²) + eps) of a row of d elements from its sum of squares ss (cpu::inv_rms's
-// expression).
-__device__ inline float inv_rms_from_sum(double ss, int64_t d, float eps) {
-  return static_cast<float>(1.0 / sqrt(ss / static_cast<double>(d) + static_cast<double>(eps)));
-}
-
-// One normalised element: (x · s) · scale, scale = 1 + w (zero-centred) or w, as cpu::rms_norm.
-__device__ inline float normed(float x, float s, float w, bool zero_centred) {
-  return (x * s) * (zero_centred ? 1.0f + w : w);
-}
 
 // 1 / sqrt(mean(x²) + eps) of row x[d], as cpu::inv_rms: squares summed in double (each
 // product exact), thread t taking i = t, t + Threads, ... in order, then block_sum. The block
@@ -332,11 +304,13 @@ void rms_norm(const float* x, int64_t m, int64_t d, const ops::WeightRef& w, boo
   if (m < 0 || d < 0) fail("rms_norm: negative shape ", m, " x ", d);
   if (m == 0 || d == 0) return;
   const auto* wp = static_cast<const float*>(w.data);
-  if (d >= kWideNormMinDim && d <= kRowNormMaxDim)
+  // One kernel per norm_order (row_norm.cuh), each with that order's virtual threads.
+  const NormOrder order = norm_order(d);
+  if (order == NormOrder::Chunked)
     launch("rms_norm", row_norm_kernel<false>, grid_blocks(m, "rms_norm"), kWideNormThreads, 0, x,
            nullptr, nullptr, d, wp, zero_centred, eps, d % 4 == 0 && aligned16(x) && aligned16(y),
            y);
-  else if (d >= kWideNormMinDim)
+  else if (order == NormOrder::Wide)
     launch("rms_norm", rms_norm_kernel<kWideNormThreads>, grid_blocks(m, "rms_norm"),
            kWideNormThreads, 0, x, d, wp, zero_centred, eps, y);
   else
@@ -351,12 +325,13 @@ void add_rms_norm(float* x, const float* r, int64_t m, int64_t d, const ops::Wei
   if (y == x) fail("add_rms_norm: the output must not alias the residual stream x");
   if (m == 0 || d == 0) return;
   const auto* wp = static_cast<const float*>(w.data);
-  // The same block size as rms_norm for this d, hence the same reduction order.
-  if (d >= kWideNormMinDim && d <= kRowNormMaxDim)
+  // The same kernels as rms_norm for this d, hence the same reduction order.
+  const NormOrder order = norm_order(d);
+  if (order == NormOrder::Chunked)
     launch("add_rms_norm", row_norm_kernel<true>, grid_blocks(m, "add_rms_norm"), kWideNormThreads,
            0, x, r, x, d, wp, zero_centred, eps,
            d % 4 == 0 && aligned16(x) && aligned16(r) && aligned16(y), y);
-  else if (d >= kWideNormMinDim)
+  else if (order == NormOrder::Wide)
     launch("add_rms_norm", add_rms_norm_kernel<kWideNormThreads>, grid_blocks(m, "add_rms_norm"),
            kWideNormThreads, 0, x, r, d, wp, zero_centred, eps, y);
   else

@@ -16,6 +16,13 @@
 // batches round them once into a bf16 scratch copy first. Either way the same bf16 values enter
 // the same mma sequence, so the choice depends on m freely.
 //
+// The sublayer seams of the model live here too, each bitwise its unfused parts:
+//  - an input norm (RowNorm): a single row is normalised by each block as it stages the row,
+//    with rms_norm's reduction order (row_norm.cuh); other calls run rms_norm first;
+//  - linear_add: the residual add in the epilogue (each output has one writer);
+//  - swiglu_mlp_add: gate_up_swiglu's epilogue writes its activations in bf16, which the down
+//    projection reads as its already-rounded input rows (no staging, half the bytes).
+//
 // Within one mma the 16 k-slots of the instruction need not be 16 consecutive k: any bijection
 // works if A and B use the same one. Lane (g, t) loads 16 consecutive weights W[n0+g][kb+16t ..]
 // (two 16-byte loads) and feeds mma j (0..3) with its elements 4j..4j+3, which the instruction
@@ -35,6 +42,7 @@
 #include "tandem/backend/cuda/activation.cuh"
 #include "tandem/backend/cuda/check.cuh"
 #include "tandem/backend/cuda/cuda_ops.h"
+#include "tandem/backend/cuda/row_norm.cuh"
 #include "tandem/core/error.h"
 
 namespace tandem::cuda {
@@ -44,7 +52,8 @@ namespace {
 constexpr int kWideRows = 8192;  // weights with at least this many rows: 4 warps per block, else 8
 constexpr int kChunk = 64;       // k per warp chunk: 4 lanes x 16
 constexpr int kMaxTiles = 4;     // 16-row m-tiles per pass
-constexpr int64_t kNarrowRows = 4;  // up to this many rows: bf16 inputs staged per block (F32X)
+constexpr int64_t kNarrowRows = 4;      // up to this many rows: bf16 inputs staged per block (F32X)
+constexpr int64_t kFoldedNormRows = 1;  // up to this many rows: an input norm folded into staging
 constexpr int64_t kPrefillChunk = 256;
 // Shared memory for the bf16 input rows of the in-register path at most; wider inputs take the
 // scratch path (the same arithmetic).
@@ -67,13 +76,23 @@ __device__ __forceinline__ void mma_bf16_16816(float (&c)[4], uint32_t a0, uint3
 }
 
 // Where output column `col` of a row goes: consecutive column slices, each its own row-major
-// [m, width] array (linear_split), or one slice for a plain linear.
+// [m, width] array (linear_split), or one slice for a plain linear. accumulate (linear_add, one
+// slice): the value is added to what the destination holds, as add_inplace would add it.
+// bf16 (one slice): the destination is bf16 [m, width] and receives the value rounded to nearest
+// even, the rounding a consuming linear applies to its inputs (swiglu_mlp_add's activations).
 constexpr int kMaxSlices = 4;
 struct SplitOut {
   float* dst[kMaxSlices];
   int start[kMaxSlices + 1];  // first column of each slice; start[parts] = N
   int parts;
+  bool accumulate;
+  bool bf16;
   __device__ __forceinline__ void store(int r, int col, float v) const {
+    if (bf16) {
+      reinterpret_cast<__nv_bfloat16*>(dst[0])[static_cast<size_t>(r) * start[1] + col] =
+          __float2bfloat16_rn(v);
+      return;
+    }
     float* d = dst[0];
     int s0 = 0, s1 = start[1];
 #pragma unroll
@@ -83,8 +102,17 @@ struct SplitOut {
         s0 = start[q];
         s1 = start[q + 1];
       }
-    d[static_cast<size_t>(r) * (s1 - s0) + (col - s0)] = v;
+    float& out = d[static_cast<size_t>(r) * (s1 - s0) + (col - s0)];
+    out = accumulate ? out + v : v;
   }
+};
+
+// The RMSNorm a decode-shaped linear applies to its input rows while staging them (rms_norm's
+// weight, flag and epsilon); w == nullptr: none.
+struct RowNormArgs {
+  const float* w;
+  float eps;
+  bool zero_centred;
 };
 
 // Weights never change, so a linear may read them before pdl_wait(): each block first asks L2
@@ -109,13 +137,168 @@ __device__ __forceinline__ void prefetch_first_group(const uint16_t* w, int N, i
   }
 }
 
+// Row stride, in bf16 elements, of the input rows a block stages in shared memory: 16 bytes
+// more than a row, so that rows whose K·2 bytes are a multiple of 128 (every hidden size) start
+// in different banks, and the lanes reading rows 0..3 at one k do not conflict.
+__host__ __device__ constexpr int staged_row_stride(int K) {
+  return K + 8;
+}
+
+// x [m, K] fp32 → bf16 rows in shared memory (stride staged_row_stride(K)), by the Threads
+// threads of a block, m <= kNarrowRows. With a norm, the rows are first normalised with
+// rms_norm's arithmetic (row_norm.cuh: the sum of squares in norm_order(K)'s order, then
+// normed()), so the staged values are the bf16 roundings of what rms_norm writes. Each thread
+// issues kStageBatch 16-byte loads before it converts any, so the rows arrive in about one memory
+// latency, not one per loop trip (a 4-row verify input of K = 12288 is 48 loads per thread of a
+// 256-thread block). Ends with the block synchronised.
+constexpr int kStageBatch = 8;
+
+// The rows [m, K] to bf16 shared memory in batches of B 16-byte loads per thread, issued before
+// any is converted. Normalise: each element becomes normed(x, s_row[r], w) first (s_row ready).
+template <int Threads, int B, bool Normalise>
+__device__ __forceinline__ void stage_batches(const float* x, int m, int K, const RowNormArgs& norm,
+                                              const float* s_row, uint2* x_smem) {
+  const float4* x4 = reinterpret_cast<const float4*>(x);
+  const float4* w4 = reinterpret_cast<const float4*>(norm.w);
+  const int per_row = K / 4, stride = staged_row_stride(K) / 4, total = m * per_row;
+  for (int base = threadIdx.x; base < total; base += B * Threads) {
+    // Element i = base + b·Threads is (row r[b], float4 column c[b]); one division per batch.
+    int r[B], c[B];
+    float4 f[B], wv[Normalise ? B : 1];
+    r[0] = base / per_row;
+    c[0] = base % per_row;
+#pragma unroll
+    for (int b = 0; b < B; ++b) {
+      if (b > 0) {
+        r[b] = r[b - 1];
+        c[b] = c[b - 1] + Threads;
+        while (c[b] >= per_row) c[b] -= per_row, ++r[b];
+      }
+      if (base + b * Threads < total) {
+        f[b] = x4[base + b * Threads];
+        if constexpr (Normalise) wv[b] = w4[c[b]];
+      }
+    }
+#pragma unroll
+    for (int b = 0; b < B; ++b) {
+      if (base + b * Threads >= total) break;
+      float4 v = f[b];
+      if constexpr (Normalise) {
+        const float sr = s_row[r[b]];
+        v = make_float4(normed(v.x, sr, wv[b].x, norm.zero_centred),
+                        normed(v.y, sr, wv[b].y, norm.zero_centred),
+                        normed(v.z, sr, wv[b].z, norm.zero_centred),
+                        normed(v.w, sr, wv[b].w, norm.zero_centred));
+      }
+      x_smem[r[b] * stride + c[b]] = make_uint2(pack_bf16(v.x, v.y), pack_bf16(v.z, v.w));
+    }
+  }
+}
+
+// Synchronises the kNormGroup threads of group g (0 or 1) of a block: named barriers 1 and 2,
+// as immediates so the kernel reserves no others (barrier 0 is __syncthreads').
+__device__ __forceinline__ void group_barrier(int g) {
+  static_assert(kNormGroup == 128, "the barrier's thread count below");
+  if (g == 0)
+    asm volatile("bar.sync 1, 128;" ::: "memory");
+  else
+    asm volatile("bar.sync 2, 128;" ::: "memory");
+}
+
+// Hidden-size rows (norm_order Chunked, K <= NC · 4 · kNormGroup) normalised from registers: each
+// group of kNormGroup threads takes rows g, g + groups, ...; per row one round of loads of its
+// chunks, chunked_square_partials, a group barrier, one round of loads of the norm weight's
+// chunks, and the normalised chunks go straight to shared memory.
+template <int Threads, int NC>
+__device__ __forceinline__ void stage_normed_rows(const float* x, int m, int K,
+                                                  const RowNormArgs& norm, uint2* x_smem,
+                                                  double (*s_warp)[kWideNormThreads / 32]) {
+  static_assert(Threads % kNormGroup == 0 && Threads <= 2 * kNormGroup, "one or two groups");
+  constexpr int kGroups = Threads / kNormGroup;
+  const int g = threadIdx.x / kNormGroup, t = threadIdx.x % kNormGroup;
+  const int per_row = K / 4, stride = staged_row_stride(K) / 4;
+  const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
+  const float4* w4 = reinterpret_cast<const float4*>(norm.w);
+  for (int r = g; r < m; r += kGroups) {
+    const float4* x4 = reinterpret_cast<const float4*>(x + static_cast<size_t>(r) * K);
+    float4 xv[NC];
+#pragma unroll
+    for (int k = 0; k < NC; ++k) {
+      const int c = t + kNormGroup * k;
+      xv[k] = c < per_row ? x4[c] : zero;
+    }
+    chunked_square_partials<NC>(xv, t, s_warp[r]);
+    group_barrier(g);
+    // The norm weight is read here, not with the row: registers, not latency, are short.
+    float4 wv[NC];
+#pragma unroll
+    for (int k = 0; k < NC; ++k) {
+      const int c = t + kNormGroup * k;
+      wv[k] = c < per_row ? w4[c] : zero;
+    }
+    const float s = inv_rms_from_sum(row_square_total<kWideNormThreads>(s_warp[r]), K, norm.eps);
+#pragma unroll
+    for (int k = 0; k < NC; ++k) {
+      const int c = t + kNormGroup * k;
+      if (c >= per_row) break;
+      const float4 v = xv[k], w = wv[k];
+      x_smem[r * stride + c] = make_uint2(
+          pack_bf16(normed(v.x, s, w.x, norm.zero_centred), normed(v.y, s, w.y, norm.zero_centred)),
+          pack_bf16(normed(v.z, s, w.z, norm.zero_centred),
+                    normed(v.w, s, w.w, norm.zero_centred)));
+    }
+  }
+  __syncthreads();
+}
+
+template <int Threads>
+__device__ __forceinline__ void stage_rows(const float* x, int m, int K, const RowNormArgs& norm,
+                                           uint2* x_smem) {
+  __shared__ double s_warp[kNarrowRows][kWideNormThreads / 32];
+  __shared__ float s_row[kNarrowRows];
+  const bool normalise = norm.w != nullptr;
+  if (normalise && norm_order(K) == NormOrder::Chunked && K <= 8 * 4 * kNormGroup) {
+    if (K <= 4 * 4 * kNormGroup)
+      stage_normed_rows<Threads, 4>(x, m, K, norm, x_smem, s_warp);
+    else
+      stage_normed_rows<Threads, 8>(x, m, K, norm, x_smem, s_warp);
+    return;
+  }
+  // Any other row size: the sum of squares in its order, then a batched normalising pass.
+  if (normalise) {
+    const NormOrder order = norm_order(K);
+    for (int r = 0; r < m; ++r) {
+      const float* row = x + static_cast<size_t>(r) * K;
+      if (order == NormOrder::Chunked)
+        row_square_partials<Threads, kWideNormThreads, 4>(row, K, s_warp[r]);
+      else if (order == NormOrder::Wide)
+        row_square_partials<Threads, kWideNormThreads, 1>(row, K, s_warp[r]);
+      else
+        row_square_partials<Threads, kNormThreads, 1>(row, K, s_warp[r]);
+    }
+    __syncthreads();
+    if (threadIdx.x < m) {
+      const double ss = order == NormOrder::Narrow
+                            ? row_square_total<kNormThreads>(s_warp[threadIdx.x])
+                            : row_square_total<kWideNormThreads>(s_warp[threadIdx.x]);
+      s_row[threadIdx.x] = inv_rms_from_sum(ss, K, norm.eps);
+    }
+    __syncthreads();
+  }
+  if (normalise)
+    stage_batches<Threads, kStageBatch / 2, true>(x, m, K, norm, s_row, x_smem);
+  else
+    stage_batches<Threads, kStageBatch, false>(x, m, K, norm, s_row, x_smem);
+  __syncthreads();
+}
+
 // Four consecutive inputs x[r, k..k+3] as bf16 pairs (k a multiple of 4). F32X: from the block's
-// bf16 copy of the rows in shared memory (x_smem [m, K]); else from the bf16 scratch copy (xin).
+// bf16 copy of the rows in shared memory (stage_rows); else from the bf16 scratch copy (xin).
 template <bool F32X>
 __device__ __forceinline__ uint2 load_x4(const void* xin, const uint16_t* x_smem, int r, int K,
                                          int k) {
   if constexpr (F32X) {
-    return *reinterpret_cast<const uint2*>(x_smem + r * K + k);
+    return *reinterpret_cast<const uint2*>(x_smem + r * staged_row_stride(K) + k);
   } else {
     return *reinterpret_cast<const uint2*>(static_cast<const uint16_t*>(xin) +
                                            static_cast<size_t>(r) * K + k);
@@ -195,18 +378,19 @@ __device__ __forceinline__ void finish_group(float (&partial)[Warps][Tiles][NT][
 // so the activations, which every block reads in full, come from L2 NT times less often. Per
 // output the mma sequence is fixed: chunks ascending, j = 0..3 within a chunk, then warps in order.
 // F32X (m <= kNarrowRows): the inputs are fp32; each block first rounds all m rows to bf16 into
-// dynamic shared memory (m · K · 2 bytes), so the A fragments of the weight loop come from shared
-// memory rather than L2, and decode-sized calls pay no conversion launch. Else `xin` holds the
-// rows as bf16 already.
+// dynamic shared memory (stage_rows: m · staged_row_stride(K) · 2 bytes), so the A fragments of
+// the weight loop come from shared memory rather than L2, and decode-sized calls pay no
+// conversion launch. Else `xin` holds the rows as bf16 already.
 // SwiGLU: the weight is gate_up_swiglu's pair layout (8 gate rows, then the same 8 up rows), so
 // n-tiles 2p and 2p + 1 of a block hold the gate and up of the same 8 outputs; the epilogue
 // writes silu(gate) · up to y (N / 2 columns) instead of both.
 // With one m-tile (decode and verify shapes) the weights of the next chunks are loaded before the
-// current ones are multiplied, which doubles the bytes each warp keeps in flight.
+// current ones are multiplied, which doubles the bytes each warp keeps in flight; without F32X
+// the first group's first weights are loaded before the kernel waits on its inputs.
 template <int Warps, int Tiles, int NT, bool F32X = false, bool SwiGLU = false>
 __global__ void __launch_bounds__(Warps * 32)
     linear_mma_wide_kernel(const void* __restrict__ xin, int m, const uint16_t* __restrict__ w,
-                           int N, int K, const SplitOut y) {
+                           int N, int K, const SplitOut y, const RowNormArgs norm) {
   static_assert(!SwiGLU || NT % 2 == 0, "SwiGLU pairs need an even number of n-tiles");
   constexpr int U = NT >= 4 ? 1 : 4 / NT;  // chunks per step: weights stay at 8·NT·U registers
   constexpr bool kPipelined = Tiles == 1;
@@ -214,47 +398,55 @@ __global__ void __launch_bounds__(Warps * 32)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
   const int groups = (N + 8 * NT - 1) / (8 * NT);
+  const int chunks = (K + kChunk - 1) / kChunk;
+  // This lane's weight rows of column group grp.
+  const uint4* wrow[NT];
+  bool n_ok[NT];
+  auto point_at = [&](int grp) {
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      const int n = grp * 8 * NT + nt * 8 + g;
+      n_ok[nt] = n < N;
+      wrow[nt] = reinterpret_cast<const uint4*>(w + static_cast<size_t>(n_ok[nt] ? n : 0) * K);
+    }
+  };
+  // The weights of chunks ch0, ch0 + Warps, ... (U of them) for this lane; zeros past K.
+  auto load_w = [&](uint4(&wv)[U][NT][2], int ch0) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int k = (ch0 + u * Warps) * kChunk + 16 * t;
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        if (n_ok[nt] && k < K) {
+          wv[u][nt][0] = __ldcs(wrow[nt] + k / 8);
+          wv[u][nt][1] = __ldcs(wrow[nt] + k / 8 + 1);
+        } else {
+          wv[u][nt][0] = wv[u][nt][1] = make_uint4(0, 0, 0, 0);
+        }
+      }
+    }
+  };
+  // Weights never change: with the inputs already in bf16 (no staging registers to make room
+  // for), the first group's first loads are issued before waiting on the previous kernel, so
+  // their latency overlaps the wait.
+  constexpr bool kEarlyWeights = kPipelined && !F32X;
+  uint4 cur[U][NT][2];  // kPipelined: the weights being multiplied
+  if constexpr (kEarlyWeights) {
+    if (blockIdx.x < groups) {
+      point_at(blockIdx.x);
+      load_w(cur, warp);
+    }
+  }
   if (blockIdx.x < groups) prefetch_first_group(w, N, K, blockIdx.x * 8 * NT, 8 * NT);
   pdl_wait();
   pdl_release();
   extern __shared__ uint2 x_smem_raw[];
   const uint16_t* x_smem = reinterpret_cast<const uint16_t*>(x_smem_raw);
-  if constexpr (F32X) {
-    const float4* x4 = static_cast<const float4*>(xin);
-    for (int i = threadIdx.x; i < m * K / 4; i += Warps * 32) {
-      const float4 f = x4[i];
-      x_smem_raw[i] = make_uint2(pack_bf16(f.x, f.y), pack_bf16(f.z, f.w));
-    }
-    __syncthreads();
-  }
+  if constexpr (F32X)
+    stage_rows<Warps * 32>(static_cast<const float*>(xin), m, K, norm, x_smem_raw);
   for (int grp = blockIdx.x; grp < groups; grp += gridDim.x) {
     const int n_base = grp * 8 * NT;
-    const uint4* wrow[NT];
-    bool n_ok[NT];
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-      const int n = n_base + nt * 8 + g;
-      n_ok[nt] = n < N;
-      wrow[nt] = reinterpret_cast<const uint4*>(w + static_cast<size_t>(n_ok[nt] ? n : 0) * K);
-    }
-    const int chunks = (K + kChunk - 1) / kChunk;
-    // The weights of chunks ch0, ch0 + Warps, ... (U of them) for this lane; zeros past K.
-    auto load_w = [&](uint4(&wv)[U][NT][2], int ch0) {
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const int k = (ch0 + u * Warps) * kChunk + 16 * t;
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-          if (n_ok[nt] && k < K) {
-            wv[u][nt][0] = __ldcs(wrow[nt] + k / 8);
-            wv[u][nt][1] = __ldcs(wrow[nt] + k / 8 + 1);
-          } else {
-            wv[u][nt][0] = wv[u][nt][1] = make_uint4(0, 0, 0, 0);
-          }
-        }
-      }
-    };
-
+    point_at(grp);
     for (int row0 = 0; row0 < m; row0 += Tiles * 16) {
       float c[Tiles][NT][4];
 #pragma unroll
@@ -288,8 +480,7 @@ __global__ void __launch_bounds__(Warps * 32)
       };
 
       if constexpr (kPipelined) {
-        uint4 cur[U][NT][2];
-        load_w(cur, warp);
+        if (!kEarlyWeights || grp != blockIdx.x) load_w(cur, warp);
         for (int ch0 = warp; ch0 < chunks; ch0 += Warps * U) {
           uint4 next[U][NT][2];
           load_w(next, ch0 + Warps * U);
@@ -408,13 +599,14 @@ void gemm_chunk(const __nv_bfloat16* xb, const ops::WeightRef& w, float* y) {
 
 void linear_prefill(const float* x, int64_t m, const ops::WeightRef& w, const SplitOut& out) {
   static PrefillScratch s;
+  if (out.accumulate && out.parts != 1) fail("cuda linear: accumulating into several slices");
   const int64_t K = w.cols, N = w.rows;
   const int64_t chunks = (m + kPrefillChunk - 1) / kPrefillChunk;
   __nv_bfloat16* xb = grow(s.xb, s.xb_size, chunks * kPrefillChunk * K);
   const int64_t n = m * K, padded = chunks * kPrefillChunk * K;
   launch("linear (bf16 convert)", to_bf16_kernel, static_cast<unsigned>((padded + 255) / 256), 256,
          0, x, n, padded, xb);
-  if (out.parts == 1) {
+  if (out.parts == 1 && !out.accumulate) {
     for (int64_t c = 0; c < chunks; ++c) {
       const int64_t rows = std::min(kPrefillChunk, m - c * kPrefillChunk);
       const __nv_bfloat16* xc = xb + c * kPrefillChunk * K;
@@ -428,11 +620,12 @@ void linear_prefill(const float* x, int64_t m, const ops::WeightRef& w, const Sp
     }
     return;
   }
-  // Several slices: every chunk into one scratch [chunks · kPrefillChunk, N], then one strided
-  // copy per slice.
+  // Several slices or an accumulation: every chunk into one scratch [chunks · kPrefillChunk, N],
+  // then one strided copy per slice, or one add_inplace of its first m rows.
   float* full = grow(s.tail, s.tail_size, chunks * kPrefillChunk * N);
   for (int64_t c = 0; c < chunks; ++c)
     gemm_chunk(xb + c * kPrefillChunk * K, w, full + c * kPrefillChunk * N);
+  if (out.accumulate) return cuda::add_inplace(out.dst[0], full, m * N);
   for (int p = 0; p < out.parts; ++p) {
     const int64_t width = out.start[p + 1] - out.start[p];
     copy_rows(out.dst[p], width, full + out.start[p], N, m, width);
@@ -485,11 +678,13 @@ bool prefill_mode() {
 
 namespace {
 
-SplitOut split_out(const ops::OutputSlice* slices, int n_slices, int64_t rows) {
+SplitOut split_out(const ops::OutputSlice* slices, int n_slices, int64_t rows,
+                   bool accumulate = false) {
   if (n_slices < 1 || n_slices > kMaxSlices)
     fail("cuda linear: ", n_slices, " output slices (1..", kMaxSlices, " supported)");
   SplitOut y{};
   y.parts = n_slices;
+  y.accumulate = accumulate;
   int64_t col = 0;
   for (int p = 0; p < n_slices; ++p) {
     y.dst[p] = slices[p].dst;
@@ -502,12 +697,13 @@ SplitOut split_out(const ops::OutputSlice* slices, int n_slices, int64_t rows) {
   return y;
 }
 
-void check_weight(int64_t m, const ops::WeightRef& w) {
+void check_weight(int64_t m, const ops::WeightRef& w, const ops::RowNorm* norm) {
   if (w.dtype != DType::BF16)
     fail("cuda linear: weights must be BF16 on the device, got ", dtype_name(w.dtype));
   if (w.rows > INT32_MAX || w.cols > INT32_MAX || m > INT32_MAX)
     fail("cuda linear: shape [", m, " x ", w.cols, "] x [", w.rows, " x ", w.cols,
          "] exceeds 32-bit indexing");
+  if (norm) check_f32_vector(norm->w, w.cols, "cuda linear", "input norm weight");
 }
 
 bool mma_path(const float* x, const ops::WeightRef& w) {
@@ -515,6 +711,17 @@ bool mma_path(const float* x, const ops::WeightRef& w) {
   if (reinterpret_cast<uintptr_t>(x) % 16 != 0 || reinterpret_cast<uintptr_t>(w.data) % 16 != 0)
     fail("cuda linear: input and weight rows must be 16-byte aligned (K = ", w.cols, ")");
   return true;
+}
+
+// The input rows normalised by rms_norm into a scratch buffer: the input norm of every path that
+// does not normalise while staging (prefill, batches, K not a multiple of 16). The scratch is
+// reused by the next call; calls are ordered on the stream.
+const float* normalised_rows(const float* x, int64_t m, int64_t K, const ops::RowNorm& norm) {
+  static float* rows = nullptr;
+  static int64_t size = 0;
+  float* out = grow(rows, size, m * K);
+  cuda::rms_norm(x, m, K, norm.w, norm.zero_centred, norm.eps, out);
+  return out;
 }
 
 // Raises a kernel's dynamic shared memory limit to `bytes` (the bf16 rows of a decode-sized
@@ -533,20 +740,34 @@ void allow_dynamic_smem(Kernel kernel, size_t bytes) {
   have = bytes;
 }
 
+template <int Warps, bool SwiGLU>
+void linear_mma_bf16_rows(const uint16_t* xs, int64_t m, const ops::WeightRef& w,
+                          const SplitOut& y);
+
 // The tensor-core path (decode and verify shapes, K a multiple of 16). SwiGLU: y has N / 2
 // columns (gate_up_swiglu). Warps per block follow the weight's row count alone (see the header).
+// norm (optional): normalised while staging (m <= kNarrowRows), else by rms_norm first.
 template <int Warps, bool SwiGLU>
-void linear_mma_warps(const float* x, int64_t m, const ops::WeightRef& w, const SplitOut& y) {
+void linear_mma_warps(const float* x, int64_t m, const ops::WeightRef& w, const SplitOut& y,
+                      const ops::RowNorm* norm) {
   constexpr int kThreads = Warps * 32;
   const int N = static_cast<int>(w.rows), K = static_cast<int>(w.cols), M = static_cast<int>(m);
   const auto* wp = static_cast<const uint16_t*>(w.data);
-  if (m <= kNarrowRows && sizeof(uint16_t) * m * K <= kNarrowSmemMax) {
+  // The norm is folded into the staging for a single row (decode) only: a block normalises its
+  // rows one after another, and from two rows on, a norm kernel first is cheaper.
+  if (norm && (m > kFoldedNormRows || reinterpret_cast<uintptr_t>(norm->w.data) % 16 != 0)) {
+    x = normalised_rows(x, m, K, *norm);
+    norm = nullptr;
+  }
+  const size_t staged = sizeof(uint16_t) * static_cast<size_t>(m * staged_row_stride(K));
+  if (m <= kNarrowRows && staged <= kNarrowSmemMax) {
     // Two n-tiles per warp halve the activation reads (every block reads all of x).
     const auto kernel = linear_mma_wide_kernel<Warps, 1, 2, true, SwiGLU>;
-    const size_t smem = sizeof(uint16_t) * static_cast<size_t>(m * K);
-    allow_dynamic_smem(kernel, smem);
-    launch("linear", kernel, balanced_grid(kernel, kThreads, (N + 15) / 16, smem), kThreads, smem,
-           x, M, wp, N, K, y);
+    allow_dynamic_smem(kernel, staged);
+    const RowNormArgs row_norm{norm ? static_cast<const float*>(norm->w.data) : nullptr,
+                               norm ? norm->eps : 0.0f, norm && norm->zero_centred};
+    launch("linear", kernel, balanced_grid(kernel, kThreads, (N + 15) / 16, staged), kThreads,
+           staged, x, M, wp, N, K, y, row_norm);
     return;
   }
   // Batches: a bf16 copy of the inputs first.
@@ -556,10 +777,20 @@ void linear_mma_warps(const float* x, int64_t m, const ops::WeightRef& w, const 
   const int64_t n = m * K;
   launch("linear (bf16 convert)", to_bf16_kernel, static_cast<unsigned>((n + 255) / 256), 256, 0, x,
          n, n, reinterpret_cast<__nv_bfloat16*>(xs));
+  linear_mma_bf16_rows<Warps, SwiGLU>(xs, m, w, y);
+}
+
+// The tensor-core path on inputs already in bf16 (xs [m, K], 16-byte aligned rows).
+template <int Warps, bool SwiGLU>
+void linear_mma_bf16_rows(const uint16_t* xs, int64_t m, const ops::WeightRef& w,
+                          const SplitOut& y) {
+  constexpr int kThreads = Warps * 32;
+  const int N = static_cast<int>(w.rows), K = static_cast<int>(w.cols), M = static_cast<int>(m);
+  const auto* wp = static_cast<const uint16_t*>(w.data);
   auto launch_wide = [&](auto kernel, int cols_per_block) {
     launch("linear", kernel,
            balanced_grid(kernel, kThreads, (N + cols_per_block - 1) / cols_per_block), kThreads, 0,
-           xs, M, wp, N, K, y);
+           xs, M, wp, N, K, y, RowNormArgs{nullptr, 0.0f, false});
   };
   // Wide weights (4 warps) take 4 n-tiles per warp, narrow ones 2 (to keep more blocks).
   constexpr int NT = Warps == 4 ? 4 : 2;
@@ -572,16 +803,29 @@ void linear_mma_warps(const float* x, int64_t m, const ops::WeightRef& w, const 
 }
 
 template <bool SwiGLU>
-void linear_mma(const float* x, int64_t m, const ops::WeightRef& w, const SplitOut& y) {
+void linear_mma(const float* x, int64_t m, const ops::WeightRef& w, const SplitOut& y,
+                const ops::RowNorm* norm) {
   if (w.rows >= kWideRows)
-    linear_mma_warps<4, SwiGLU>(x, m, w, y);
+    linear_mma_warps<4, SwiGLU>(x, m, w, y, norm);
   else
-    linear_mma_warps<8, SwiGLU>(x, m, w, y);
+    linear_mma_warps<8, SwiGLU>(x, m, w, y, norm);
 }
 
-void linear_any(const float* x, int64_t m, const ops::WeightRef& w, const SplitOut& y) {
-  if (g_prefill) return linear_prefill(x, m, w, y);
-  if (mma_path(x, w)) return linear_mma<false>(x, m, w, y);
+void linear_mma_bf16(const uint16_t* xs, int64_t m, const ops::WeightRef& w, const SplitOut& y) {
+  if (w.rows >= kWideRows)
+    linear_mma_bf16_rows<4, false>(xs, m, w, y);
+  else
+    linear_mma_bf16_rows<8, false>(xs, m, w, y);
+}
+
+void linear_any(const float* x, int64_t m, const ops::WeightRef& w, const SplitOut& y,
+                const ops::RowNorm* norm) {
+  if (g_prefill) {
+    if (norm) x = normalised_rows(x, m, w.cols, *norm);
+    return linear_prefill(x, m, w, y);
+  }
+  if (mma_path(x, w)) return linear_mma<false>(x, m, w, y, norm);
+  if (norm) x = normalised_rows(x, m, w.cols, *norm);
   const int N = static_cast<int>(w.rows), K = static_cast<int>(w.cols), M = static_cast<int>(m);
   launch("linear", linear_warp_kernel, static_cast<unsigned>((m * w.rows + 7) / 8), 256, 0, x, M,
          static_cast<const uint16_t*>(w.data), N, K, y);
@@ -590,37 +834,77 @@ void linear_any(const float* x, int64_t m, const ops::WeightRef& w, const SplitO
 }  // namespace
 
 void linear_split(const float* x, int64_t m, const ops::WeightRef& w,
-                  const ops::OutputSlice* slices, int n_slices) {
+                  const ops::OutputSlice* slices, int n_slices, const ops::RowNorm* norm) {
   const SplitOut y = split_out(slices, n_slices, w.rows);
   if (m == 0 || w.rows == 0) return;
-  check_weight(m, w);
-  linear_any(x, m, w, y);
+  check_weight(m, w, norm);
+  linear_any(x, m, w, y, norm);
 }
 
 void linear(const float* x, int64_t m, const ops::WeightRef& w, float* y) {
   const ops::OutputSlice all{y, w.rows};
-  cuda::linear_split(x, m, w, &all, 1);
+  cuda::linear_split(x, m, w, &all, 1, nullptr);
 }
 
-void gate_up_swiglu(const float* x, int64_t m, const ops::WeightRef& gate_up, float* act) {
+void linear_add(const float* x, int64_t m, const ops::WeightRef& w, float* y) {
+  const ops::OutputSlice all{y, w.rows};
+  const SplitOut out = split_out(&all, 1, w.rows, /*accumulate=*/true);
+  if (m == 0 || w.rows == 0) return;
+  check_weight(m, w, nullptr);
+  linear_any(x, m, w, out, nullptr);
+}
+
+void gate_up_swiglu(const float* x, int64_t m, const ops::WeightRef& gate_up, float* act,
+                    const ops::RowNorm* norm) {
   if (gate_up.rows % 16 != 0)
     fail("gate_up_swiglu: the stacked weight has ", gate_up.rows,
          " rows; the pair layout needs a multiple of 16");
   if (m == 0 || gate_up.rows == 0) return;
-  check_weight(m, gate_up);
+  check_weight(m, gate_up, norm);
   const int64_t I = gate_up.rows / 2;
   if (!g_prefill && mma_path(x, gate_up)) {
     const ops::OutputSlice out{act, I};
-    return linear_mma<true>(x, m, gate_up, split_out(&out, 1, I));
+    return linear_mma<true>(x, m, gate_up, split_out(&out, 1, I), norm);
   }
   // Prompt prefill and K not a multiple of 16: the whole [m, 2I] output, then its SwiGLU.
   static float* full = nullptr;
   static int64_t full_size = 0;
   float* y = grow(full, full_size, m * 2 * I);
   const ops::OutputSlice all{y, 2 * I};
-  linear_any(x, m, gate_up, split_out(&all, 1, 2 * I));
+  linear_any(x, m, gate_up, split_out(&all, 1, 2 * I), norm);
   launch("gate_up_swiglu", swiglu_pairs_kernel, grid_stride_blocks(m * I, 256), 256, 0, y, m, I,
          act);
+}
+
+void swiglu_mlp_add(const float* x, int64_t m, const ops::WeightRef& gate_up,
+                    const ops::WeightRef& down, float* y, const ops::RowNorm* norm) {
+  const int64_t I = gate_up.rows / 2;
+  if (down.cols != I || down.rows != gate_up.cols)
+    fail("swiglu_mlp_add: the down projection is [", down.rows, " x ", down.cols, "], expected [",
+         gate_up.cols, " x ", I, "] for a [", gate_up.rows, " x ", gate_up.cols,
+         "] gate/up weight");
+  if (m == 0 || I == 0) return;
+  check_weight(m, down, nullptr);
+  if (g_prefill || down.cols % 16 != 0 || !mma_path(x, gate_up)) {
+    static float* act = nullptr;
+    static int64_t act_size = 0;
+    float* a = grow(act, act_size, m * I);
+    cuda::gate_up_swiglu(x, m, gate_up, a, norm);
+    return cuda::linear_add(a, m, down, y);
+  }
+  check_weight(m, gate_up, norm);
+  if (reinterpret_cast<uintptr_t>(down.data) % 16 != 0)
+    fail("cuda linear: weight rows must be 16-byte aligned (K = ", down.cols, ")");
+  // The activations go to the down projection as the bf16 values it would round them to.
+  static uint16_t* act = nullptr;
+  static int64_t act_size = 0;
+  uint16_t* a = grow(act, act_size, m * I);
+  const ops::OutputSlice act_out{reinterpret_cast<float*>(a), I};
+  SplitOut to_act = split_out(&act_out, 1, I);
+  to_act.bf16 = true;
+  linear_mma<true>(x, m, gate_up, to_act, norm);
+  const ops::OutputSlice residual{y, down.rows};
+  linear_mma_bf16(a, m, down, split_out(&residual, 1, down.rows, /*accumulate=*/true));
 }
 
 }  // namespace tandem::cuda
