@@ -544,6 +544,22 @@ TEST_F(CudaOps, RmsNormMatchesCpuPlainAndZeroCentred) {
   }
 }
 
+// rms_norm_bf16 writes rms_norm's values rounded to bf16 (nearest even), for each norm order.
+TEST_F(CudaOps, RmsNormBf16IsRmsNormRounded) {
+  std::mt19937 rng(44);
+  for (int64_t d : {384, 4096, 12288, 37}) {
+    const F32Weight w = f32_weight(randn(sz(d), rng, 0.1f), 1, d);
+    for (int64_t m : {1, 5}) {
+      const auto x = norm_input(m, d, rng);
+      DeviceBuffer<float> dx(x), y = nan_buffer(x.size());
+      DeviceBuffer<uint16_t> yb(x.size());
+      cuda::rms_norm(dx.get(), m, d, w.dev_ref(), true, 1e-6f, y.get());
+      cuda::rms_norm_bf16(dx.get(), m, d, w.dev_ref(), true, 1e-6f, yb.get());
+      EXPECT_EQ(yb.download(), to_bf16(y.download())) << "d " << d << " m " << m;
+    }
+  }
+}
+
 // The fused residual add + norm gives the bits of cuda::add_inplace then cuda::rms_norm (so the
 // model's numbers do not change with the fusion), and is near the CPU.
 TEST_F(CudaOps, AddRmsNormIsBitwiseAddThenNorm) {

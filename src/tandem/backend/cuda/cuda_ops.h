@@ -88,6 +88,10 @@ void swiglu_mlp_add(const float* x, int64_t m, const ops::WeightRef& gate_up,
 void embed_rows(const ops::WeightRef& table, const int32_t* ids, int64_t n, float* out);
 void rms_norm(const float* x, int64_t m, int64_t d, const ops::WeightRef& w, bool zero_centred,
               float eps, float* y);
+// rms_norm's values rounded to bf16 (nearest even): the input rows of a linear, normalised and
+// rounded in one pass (y: [m, d] bf16).
+void rms_norm_bf16(const float* x, int64_t m, int64_t d, const ops::WeightRef& w, bool zero_centred,
+                   float eps, uint16_t* y);
 void add_rms_norm(float* x, const float* r, int64_t m, int64_t d, const ops::WeightRef& w,
                   bool zero_centred, float eps, float* y);
 void gated_rms_norm(const float* x, const float* z, int64_t m, int64_t d, const ops::WeightRef& w,

@@ -2,6 +2,7 @@
 // block per row where a row needs a reduction, grid-stride loops elsewhere. Formulas follow
 // cpu/elementwise.cpp term by term (same products, same association) so the two backends differ
 // only by fp32 rounding.
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include "tandem/backend/cuda/activation.cuh"
@@ -29,19 +30,20 @@ __device__ inline float row_inv_rms(const float* x, int64_t d, float eps, double
 
 // Grid: one block per row of x[m, d]. y may alias x: every x[i] a thread rewrites was read by the
 // reduction before its barrier, and after it each thread touches only its own i.
-template <int Threads>
+// Out: float, or __nv_bfloat16 for rms_norm_bf16 (each value rounded to nearest even).
+template <int Threads, class Out = float>
 __global__ void __launch_bounds__(Threads)
     rms_norm_kernel(const float* x, int64_t d, const float* w, bool zero_centred, float eps,
-                    float* y) {
+                    Out* y) {
   pdl_wait();
   pdl_release();
   __shared__ double s_warp[Threads / 32];
   const float* xr = x + blockIdx.x * d;
-  float* yr = y + blockIdx.x * d;
+  Out* yr = y + blockIdx.x * d;
   const float s = row_inv_rms<Threads>(xr, d, eps, s_warp);
   for (int64_t i = threadIdx.x; i < d; i += Threads) {
     const float wi = w[i];
-    yr[i] = normed(xr[i], s, wi, zero_centred);
+    yr[i] = Out(normed(xr[i], s, wi, zero_centred));
   }
 }
 
@@ -64,6 +66,21 @@ __device__ __forceinline__ void load_chunk(const float* p, int64_t i, int64_t d,
   }
 }
 
+// bf16: 4 values rounded to nearest even (8-byte aligned when vec).
+__device__ __forceinline__ void store_chunk(__nv_bfloat16* p, int64_t i, int64_t d, bool vec,
+                                            const float (&v)[4]) {
+  if (vec && i + 4 <= d) {
+    const __nv_bfloat162 lo = __floats2bfloat162_rn(v[0], v[1]),
+                         hi = __floats2bfloat162_rn(v[2], v[3]);
+    *reinterpret_cast<uint2*>(p + i) = make_uint2(*reinterpret_cast<const uint32_t*>(&lo),
+                                                  *reinterpret_cast<const uint32_t*>(&hi));
+  } else {
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      if (i + e < d) p[i + e] = __float2bfloat16_rn(v[e]);
+  }
+}
+
 __device__ __forceinline__ void store_chunk(float* p, int64_t i, int64_t d, bool vec,
                                             const float (&v)[4]) {
   if (vec && i + 4 <= d) {
@@ -75,10 +92,10 @@ __device__ __forceinline__ void store_chunk(float* p, int64_t i, int64_t d, bool
   }
 }
 
-template <bool Add>
+template <bool Add, class Out = float>
 __global__ void __launch_bounds__(kWideNormThreads)
     row_norm_kernel(const float* x, const float* r, float* x_sum, int64_t d, const float* w,
-                    bool zero_centred, float eps, bool vec, float* y) {
+                    bool zero_centred, float eps, bool vec, Out* y) {
   pdl_wait();
   pdl_release();
   constexpr int Threads = kWideNormThreads;
@@ -316,6 +333,27 @@ void rms_norm(const float* x, int64_t m, int64_t d, const ops::WeightRef& w, boo
   else
     launch("rms_norm", rms_norm_kernel<kNormThreads>, grid_blocks(m, "rms_norm"), kNormThreads, 0,
            x, d, wp, zero_centred, eps, y);
+}
+
+void rms_norm_bf16(const float* x, int64_t m, int64_t d, const ops::WeightRef& w, bool zero_centred,
+                   float eps, uint16_t* y) {
+  check_f32_vector(w, d, "rms_norm_bf16", "weight");
+  if (m < 0 || d < 0) fail("rms_norm_bf16: negative shape ", m, " x ", d);
+  if (m == 0 || d == 0) return;
+  const auto* wp = static_cast<const float*>(w.data);
+  auto* yb = reinterpret_cast<__nv_bfloat16*>(y);
+  // rms_norm's kernels, writing bf16 (the same per-order dispatch, hence the same values).
+  const NormOrder order = norm_order(d);
+  if (order == NormOrder::Chunked)
+    launch("rms_norm_bf16", row_norm_kernel<false, __nv_bfloat16>, grid_blocks(m, "rms_norm_bf16"),
+           kWideNormThreads, 0, x, nullptr, nullptr, d, wp, zero_centred, eps,
+           d % 4 == 0 && aligned16(x) && reinterpret_cast<uintptr_t>(y) % 8 == 0, yb);
+  else if (order == NormOrder::Wide)
+    launch("rms_norm_bf16", rms_norm_kernel<kWideNormThreads, __nv_bfloat16>,
+           grid_blocks(m, "rms_norm_bf16"), kWideNormThreads, 0, x, d, wp, zero_centred, eps, yb);
+  else
+    launch("rms_norm_bf16", rms_norm_kernel<kNormThreads, __nv_bfloat16>,
+           grid_blocks(m, "rms_norm_bf16"), kNormThreads, 0, x, d, wp, zero_centred, eps, yb);
 }
 
 void add_rms_norm(float* x, const float* r, int64_t m, int64_t d, const ops::WeightRef& w,

@@ -744,6 +744,13 @@ template <int Warps, bool SwiGLU>
 void linear_mma_bf16_rows(const uint16_t* xs, int64_t m, const ops::WeightRef& w,
                           const SplitOut& y);
 
+// Scratch for the bf16 input rows of one call (reused by the next; calls are stream-ordered).
+uint16_t* bf16_rows(int64_t n) {
+  static uint16_t* rows = nullptr;
+  static int64_t size = 0;
+  return grow(rows, size, n);
+}
+
 // The tensor-core path (decode and verify shapes, K a multiple of 16). SwiGLU: y has N / 2
 // columns (gate_up_swiglu). Warps per block follow the weight's row count alone (see the header).
 // norm (optional): normalised while staging (m <= kNarrowRows), else by rms_norm first.
@@ -754,10 +761,12 @@ void linear_mma_warps(const float* x, int64_t m, const ops::WeightRef& w, const 
   const int N = static_cast<int>(w.rows), K = static_cast<int>(w.cols), M = static_cast<int>(m);
   const auto* wp = static_cast<const uint16_t*>(w.data);
   // The norm is folded into the staging for a single row (decode) only: a block normalises its
-  // rows one after another, and from two rows on, a norm kernel first is cheaper.
+  // rows one after another, and from two rows on, a norm kernel first is cheaper. That kernel
+  // writes the rows in bf16, ready for the product (no staging, no conversion launch).
   if (norm && (m > kFoldedNormRows || reinterpret_cast<uintptr_t>(norm->w.data) % 16 != 0)) {
-    x = normalised_rows(x, m, K, *norm);
-    norm = nullptr;
+    uint16_t* xs = bf16_rows(m * K);
+    rms_norm_bf16(x, m, K, norm->w, norm->zero_centred, norm->eps, xs);
+    return linear_mma_bf16_rows<Warps, SwiGLU>(xs, m, w, y);
   }
   const size_t staged = sizeof(uint16_t) * static_cast<size_t>(m * staged_row_stride(K));
   if (m <= kNarrowRows && staged <= kNarrowSmemMax) {
@@ -771,9 +780,7 @@ void linear_mma_warps(const float* x, int64_t m, const ops::WeightRef& w, const 
     return;
   }
   // Batches: a bf16 copy of the inputs first.
-  static uint16_t* xb = nullptr;
-  static int64_t xb_size = 0;
-  uint16_t* xs = grow(xb, xb_size, m * K);
+  uint16_t* xs = bf16_rows(m * K);
   const int64_t n = m * K;
   launch("linear (bf16 convert)", to_bf16_kernel, static_cast<unsigned>((n + 255) / 256), 256, 0, x,
          n, n, reinterpret_cast<__nv_bfloat16*>(xs));
