@@ -245,6 +245,28 @@ TEST(Ops, InputNormAndLinearAddAreTheirParts) {
   EXPECT_THROW(ops::gate_up_swiglu(x.data(), m, w.ref, act_got.data(), &bad), Error);
 }
 
+// linear_add with the DeltaNet's gated norm is bitwise gated_rms_norm into a temporary, then
+// linear_add; x is unchanged, and a head size that does not tile the rows is refused.
+TEST(Ops, LinearAddWithGatedNormIsNormThenLinearAdd) {
+  std::mt19937 rng(7);
+  const int64_t m = 3, hd = 8, k = 4 * hd, n = 12;
+  StoredWeight w = make_weight(DType::BF16, n, k, rng, 0.2f);
+  StoredWeight norm_w = make_weight(DType::F32, 1, hd, rng, 0.2f);
+  const auto x0 = random_vec(static_cast<size_t>(m * k), rng, 2.0f);
+  const auto z = random_vec(x0.size(), rng, 2.0f);
+  const auto y0 = random_vec(static_cast<size_t>(m * n), rng, 3.0f);
+  std::vector<float> normed(x0.size()), want = y0, got = y0, x = x0;
+  ops::gated_rms_norm(x0.data(), z.data(), m * (k / hd), hd, norm_w.ref, 1e-6f, normed.data());
+  ops::linear_add(normed.data(), m, w.ref, want.data());
+  const ops::GatedNorm gated{z.data(), norm_w.ref, 1e-6f};
+  ops::linear_add(x.data(), m, w.ref, got.data(), &gated);
+  EXPECT_EQ(0, std::memcmp(got.data(), want.data(), got.size() * sizeof(float)));
+  EXPECT_EQ(x, x0) << "the gated norm wrote into x";
+  StoredWeight odd = make_weight(DType::F32, 1, 5, rng);
+  const ops::GatedNorm bad{z.data(), odd.ref, 1e-6f};
+  EXPECT_THROW(ops::linear_add(x.data(), m, w.ref, got.data(), &bad), Error);
+}
+
 // swiglu_mlp_add is bitwise gate_up_swiglu (with its input norm) into a temporary, then
 // linear_add, also when it adds into its own input; a down projection of the wrong shape is
 // refused.

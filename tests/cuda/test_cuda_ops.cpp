@@ -668,6 +668,56 @@ TEST_F(CudaLinearModes, LinearAddIsBitwiseLinearThenAdd) {
   }
 }
 
+// linear_add with a gated norm gives the bits of gated_rms_norm into a temporary followed by
+// linear_add on every path: the bf16 norm kernel first (decode, windows, batches; heads of 128,
+// 64 and 48), prefill, and the warp kernel (K not a multiple of 16). x is left as it was.
+TEST_F(CudaLinearModes, LinearAddWithGatedNormIsNormThenLinearAdd) {
+  std::mt19937 rng(26);
+  struct GatedShape {
+    int64_t n, k, hd;
+  };
+  for (const GatedShape c : {GatedShape{4096, 4096, 128}, GatedShape{384, 512, 64},
+                             GatedShape{64, 96, 48}, GatedShape{32, 100, 50}}) {
+    const Bf16Matrix w = bf16_matrix(c.n, c.k, rng);
+    const F32Weight nw = f32_weight(randn(sz(c.hd), rng, 0.1f, 1.0f), 1, c.hd);
+    for (bool prefill : {false, true}) {
+      for (int64_t m : {1, 2, 4, 5, 40}) {
+        const auto x = norm_input(m, c.k, rng);
+        const auto y0 = randn(sz(m * c.n), rng, 2.0f);
+        const DeviceBuffer<float> dx(x), z(randn(x.size(), rng, 2.0f));
+        DeviceBuffer<float> normed = nan_buffer(x.size()), want(y0), got(y0);
+        const ops::GatedNorm gated{z.get(), nw.dev_ref(), 1e-6f};
+        cuda::set_prefill(prefill);
+        cuda::gated_rms_norm(dx.get(), z.get(), m * (c.k / c.hd), c.hd, nw.dev_ref(), 1e-6f,
+                             normed.get());
+        cuda::linear_add(normed.get(), m, w.dev_ref(), want.get());
+        cuda::linear_add(dx.get(), m, w.dev_ref(), got.get(), &gated);
+        cuda::set_prefill(false);
+        const std::string where = "N " + std::to_string(c.n) + " K " + std::to_string(c.k) +
+                                  " head " + std::to_string(c.hd) + " m " + std::to_string(m) +
+                                  " prefill " + std::to_string(prefill);
+        EXPECT_TRUE(bitwise_equal(got.download(), want.download())) << where;
+        EXPECT_TRUE(bitwise_equal(dx.download(), x)) << "x changed, " << where;
+      }
+    }
+  }
+}
+
+// gated_rms_norm_bf16 writes gated_rms_norm's values rounded to bf16.
+TEST_F(CudaOps, GatedRmsNormBf16IsGatedRmsNormRounded) {
+  std::mt19937 rng(45);
+  for (int64_t d : {128, 64, 37}) {
+    const F32Weight w = f32_weight(randn(sz(d), rng, 0.1f, 1.0f), 1, d);
+    const int64_t m = 32;
+    const auto x = norm_input(m, d, rng);
+    DeviceBuffer<float> dx(x), z(randn(x.size(), rng, 2.0f)), y = nan_buffer(x.size());
+    DeviceBuffer<uint16_t> yb(x.size());
+    cuda::gated_rms_norm(dx.get(), z.get(), m, d, w.dev_ref(), 1e-6f, y.get());
+    cuda::gated_rms_norm_bf16(dx.get(), z.get(), m, d, w.dev_ref(), 1e-6f, yb.get());
+    EXPECT_EQ(yb.download(), to_bf16(y.download())) << "d " << d;
+  }
+}
+
 // swiglu_mlp_add gives the bits of gate_up_swiglu into an fp32 temporary followed by linear_add
 // (the bf16 activations between its projections are the rounding the down projection applies
 // anyway), with and without an input norm, at decode, window and batch sizes and in prefill.

@@ -234,10 +234,22 @@ std::string device_description() {
 void linear(const float* x, int64_t m, const WeightRef& w, float* y) {
   TANDEM_DISPATCH(linear(x, m, w, y));
 }
-void linear_add(const float* x, int64_t m, const WeightRef& w, float* y) {
+void linear_add(const float* x, int64_t m, const WeightRef& w, float* y, const GatedNorm* norm) {
+  if (norm) {
+    const int64_t hd = norm->w.rows * norm->w.cols;
+    if (hd < 1 || w.cols % hd != 0)
+      fail("linear_add: a gated norm over heads of ", hd, " floats does not tile rows of ", w.cols);
+  }
 #ifdef TANDEM_HAVE_CUDA
-  if (g_backend == Backend::Cuda) return cuda::linear_add(x, m, w, y);
+  if (g_backend == Backend::Cuda) return cuda::linear_add(x, m, w, y, norm);
 #endif
+  std::vector<float> normed;
+  if (norm) {
+    const int64_t hd = norm->w.rows * norm->w.cols;
+    normed.resize(static_cast<size_t>(m * w.cols));
+    cpu::gated_rms_norm(x, norm->z, m * (w.cols / hd), hd, norm->w, norm->eps, normed.data());
+    x = normed.data();
+  }
   std::vector<float> p(static_cast<size_t>(m * w.rows));
   cpu::linear(x, m, w, p.data());
   cpu::add_inplace(y, p.data(), m * w.rows);

@@ -84,10 +84,20 @@ int thread_count();
 // y[m, w.rows] = x[m, w.cols] · wᵀ
 void linear(const float* x, int64_t m, const WeightRef& w, float* y);
 
+// The DeltaNet's gated per-head norm a projection may apply to its input rows first
+// (gated_rms_norm's z, w and eps; heads of w's size): its output projection's input.
+struct GatedNorm {
+  const float* z = nullptr;  // [m, w.cols of the projection], laid out as x
+  WeightRef w;
+  float eps = 1e-6f;
+};
+
 // y[m, w.rows] += x[m, w.cols] · wᵀ (a sublayer's output projection adding into the residual
 // stream). Every value is the one linear into a temporary followed by add_inplace computes; on
-// CUDA the add happens in the projection's epilogue.
-void linear_add(const float* x, int64_t m, const WeightRef& w, float* y);
+// CUDA the add happens in the projection's epilogue. norm (optional): the product is taken of
+// gated_rms_norm(x, z) instead of x, bitwise that op into a temporary first; x is unchanged.
+void linear_add(const float* x, int64_t m, const WeightRef& w, float* y,
+                const GatedNorm* norm = nullptr);
 
 // An RMSNorm a projection applies to its input rows first (rms_norm's w, zero_centred, eps): a
 // sublayer's input norm folded into its first projection, which on CUDA's decode shapes saves

@@ -551,9 +551,9 @@ void Qwen35Model::delta_layer(const Layer& L, Qwen35State& st, const ForwardRequ
   // place, conv_dim floats apart from one token to the next.
   ops::gated_delta_rule_rows(conv, conv + kd, conv + 2 * kd, a, b, L.delta.A_log, L.delta.dt_bias,
                              rows, R, w.max_row_tokens, delta_heads(), core);
-  ops::gated_rms_norm(core, z, T * nv, c.linear_value_head_dim, L.delta.norm,
-                      static_cast<float>(c.rms_norm_eps), core);
-  ops::linear_add(core, T, L.delta.out_proj, w.x.data());
+  // The gated norm is the output projection's input norm (folded into it on CUDA's decode path).
+  const ops::GatedNorm gated{z, L.delta.norm, static_cast<float>(c.rms_norm_eps)};
+  ops::linear_add(core, T, L.delta.out_proj, w.x.data(), &gated);
 }
 
 ops::DeltaHeads Qwen35Model::delta_heads() const {

@@ -78,8 +78,10 @@ void linear(const float* x, int64_t m, const ops::WeightRef& w, float* y);
 // staging them, in rms_norm's order; every other call runs rms_norm into a scratch buffer first.
 void linear_split(const float* x, int64_t m, const ops::WeightRef& w,
                   const ops::OutputSlice* slices, int n_slices, const ops::RowNorm* norm = nullptr);
-// The accumulation happens in the epilogue (prompt prefill: cuBLAS, then add_inplace).
-void linear_add(const float* x, int64_t m, const ops::WeightRef& w, float* y);
+// The accumulation happens in the epilogue (prompt prefill: cuBLAS, then add_inplace). norm:
+// gated_rms_norm_bf16 first, whose rows the product reads without staging them.
+void linear_add(const float* x, int64_t m, const ops::WeightRef& w, float* y,
+                const ops::GatedNorm* norm = nullptr);
 void gate_up_swiglu(const float* x, int64_t m, const ops::WeightRef& gate_up, float* act,
                     const ops::RowNorm* norm = nullptr);
 // On the decode paths the [m, I] activations reach the down projection in bf16.
@@ -94,6 +96,9 @@ void rms_norm_bf16(const float* x, int64_t m, int64_t d, const ops::WeightRef& w
                    float eps, uint16_t* y);
 void add_rms_norm(float* x, const float* r, int64_t m, int64_t d, const ops::WeightRef& w,
                   bool zero_centred, float eps, float* y);
+// gated_rms_norm's values rounded to bf16 (y: [m, d] bf16).
+void gated_rms_norm_bf16(const float* x, const float* z, int64_t m, int64_t d,
+                         const ops::WeightRef& w, float eps, uint16_t* y);
 void gated_rms_norm(const float* x, const float* z, int64_t m, int64_t d, const ops::WeightRef& w,
                     float eps, float* y);
 void swiglu(const float* gate, const float* up, int64_t n, float* out);

@@ -164,18 +164,20 @@ __global__ void __launch_bounds__(Threads)
 }
 
 // Grid: one block per row of x, z [m, d]; y may alias x or z (same argument as rms_norm).
+template <class Out = float>
 __global__ void __launch_bounds__(kNormThreads)
     gated_rms_norm_kernel(const float* x, const float* z, int64_t d, const float* w, float eps,
-                          float* y) {
+                          Out* y) {
   pdl_wait();
   pdl_release();
   __shared__ double s_warp[kNormThreads / 32];
   const int64_t row = blockIdx.x;
   const float* xr = x + row * d;
   const float* zr = z + row * d;
-  float* yr = y + row * d;
+  Out* yr = y + row * d;
   const float s = row_inv_rms<kNormThreads>(xr, d, eps, s_warp);
-  for (int64_t i = threadIdx.x; i < d; i += kNormThreads) yr[i] = w[i] * (xr[i] * s) * silu(zr[i]);
+  for (int64_t i = threadIdx.x; i < d; i += kNormThreads)
+    yr[i] = Out(w[i] * (xr[i] * s) * silu(zr[i]));
 }
 
 // Grid: one block per token. table is BF16 [vocab, d]; bf16 → fp32 is exact (a 16-bit shift).
@@ -382,8 +384,18 @@ void gated_rms_norm(const float* x, const float* z, int64_t m, int64_t d, const 
   check_f32_vector(w, d, "gated_rms_norm", "weight");
   if (m < 0 || d < 0) fail("gated_rms_norm: negative shape ", m, " x ", d);
   if (m == 0 || d == 0) return;
-  launch("gated_rms_norm", gated_rms_norm_kernel, grid_blocks(m, "gated_rms_norm"), kNormThreads, 0,
-         x, z, d, static_cast<const float*>(w.data), eps, y);
+  launch("gated_rms_norm", gated_rms_norm_kernel<float>, grid_blocks(m, "gated_rms_norm"),
+         kNormThreads, 0, x, z, d, static_cast<const float*>(w.data), eps, y);
+}
+
+void gated_rms_norm_bf16(const float* x, const float* z, int64_t m, int64_t d,
+                         const ops::WeightRef& w, float eps, uint16_t* y) {
+  check_f32_vector(w, d, "gated_rms_norm_bf16", "weight");
+  if (m < 0 || d < 0) fail("gated_rms_norm_bf16: negative shape ", m, " x ", d);
+  if (m == 0 || d == 0) return;
+  launch("gated_rms_norm_bf16", gated_rms_norm_kernel<__nv_bfloat16>,
+         grid_blocks(m, "gated_rms_norm_bf16"), kNormThreads, 0, x, z, d,
+         static_cast<const float*>(w.data), eps, reinterpret_cast<__nv_bfloat16*>(y));
 }
 
 void swiglu(const float* gate, const float* up, int64_t n, float* out) {

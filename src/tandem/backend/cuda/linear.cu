@@ -19,7 +19,9 @@
 // The sublayer seams of the model live here too, each bitwise its unfused parts:
 //  - an input norm (RowNorm): a single row is normalised by each block as it stages the row,
 //    with rms_norm's reduction order (row_norm.cuh); other calls run rms_norm first;
-//  - linear_add: the residual add in the epilogue (each output has one writer);
+//  - linear_add: the residual add in the epilogue (each output has one writer); its optional
+//    gated norm (the DeltaNet output's) runs as a kernel writing the rows in bf16, which the
+//    product reads as they are;
 //  - swiglu_mlp_add: gate_up_swiglu's epilogue writes its activations in bf16, which the down
 //    projection reads as its already-rounded input rows (no staging, half the bytes).
 //
@@ -678,6 +680,13 @@ bool prefill_mode() {
 
 namespace {
 
+// A projection's input norm on the host side: at most one of the two kinds.
+struct InputNorm {
+  const ops::RowNorm* row = nullptr;
+  const ops::GatedNorm* gated = nullptr;
+  explicit operator bool() const { return row || gated; }
+};
+
 SplitOut split_out(const ops::OutputSlice* slices, int n_slices, int64_t rows,
                    bool accumulate = false) {
   if (n_slices < 1 || n_slices > kMaxSlices)
@@ -697,13 +706,20 @@ SplitOut split_out(const ops::OutputSlice* slices, int n_slices, int64_t rows,
   return y;
 }
 
-void check_weight(int64_t m, const ops::WeightRef& w, const ops::RowNorm* norm) {
+void check_weight(int64_t m, const ops::WeightRef& w, InputNorm norm) {
   if (w.dtype != DType::BF16)
     fail("cuda linear: weights must be BF16 on the device, got ", dtype_name(w.dtype));
   if (w.rows > INT32_MAX || w.cols > INT32_MAX || m > INT32_MAX)
     fail("cuda linear: shape [", m, " x ", w.cols, "] x [", w.rows, " x ", w.cols,
          "] exceeds 32-bit indexing");
-  if (norm) check_f32_vector(norm->w, w.cols, "cuda linear", "input norm weight");
+  if (norm.row) check_f32_vector(norm.row->w, w.cols, "cuda linear", "input norm weight");
+  if (norm.gated) {
+    const int64_t hd = norm.gated->w.rows * norm.gated->w.cols;
+    if (hd < 1 || w.cols % hd != 0)
+      fail("cuda linear: a gated norm over heads of ", hd, " floats does not tile rows of ",
+           w.cols);
+    check_f32_vector(norm.gated->w, hd, "cuda linear", "gated norm weight");
+  }
 }
 
 bool mma_path(const float* x, const ops::WeightRef& w) {
@@ -716,12 +732,37 @@ bool mma_path(const float* x, const ops::WeightRef& w) {
 // The input rows normalised by rms_norm into a scratch buffer: the input norm of every path that
 // does not normalise while staging (prefill, batches, K not a multiple of 16). The scratch is
 // reused by the next call; calls are ordered on the stream.
-const float* normalised_rows(const float* x, int64_t m, int64_t K, const ops::RowNorm& norm) {
+const float* normalised_rows(const float* x, int64_t m, int64_t K, InputNorm norm) {
   static float* rows = nullptr;
   static int64_t size = 0;
   float* out = grow(rows, size, m * K);
-  cuda::rms_norm(x, m, K, norm.w, norm.zero_centred, norm.eps, out);
+  if (norm.row) {
+    cuda::rms_norm(x, m, K, norm.row->w, norm.row->zero_centred, norm.row->eps, out);
+  } else {
+    const ops::GatedNorm& g = *norm.gated;
+    const int64_t hd = g.w.rows * g.w.cols;
+    cuda::gated_rms_norm(x, g.z, m * (K / hd), hd, g.w, g.eps, out);
+  }
   return out;
+}
+
+// The same rows rounded to bf16 (what the product reads), in one pass.
+void normalised_rows_bf16(const float* x, int64_t m, int64_t K, InputNorm norm, uint16_t* out) {
+  if (norm.row) {
+    rms_norm_bf16(x, m, K, norm.row->w, norm.row->zero_centred, norm.row->eps, out);
+  } else {
+    const ops::GatedNorm& g = *norm.gated;
+    const int64_t hd = g.w.rows * g.w.cols;
+    gated_rms_norm_bf16(x, g.z, m * (K / hd), hd, g.w, g.eps, out);
+  }
+}
+
+// Whether a block applies the norm while it stages the rows (stage_rows): an RMSNorm of a single
+// row. A gated norm never is: every block would redo all heads' reductions (four shuffle trees
+// per head), which measured slower than the norm kernel it saves (203.5 vs 208-210 tok/s).
+bool norm_folds(InputNorm norm, int64_t m) {
+  return norm.row && m <= kFoldedNormRows &&
+         reinterpret_cast<uintptr_t>(norm.row->w.data) % 16 == 0;
 }
 
 // Raises a kernel's dynamic shared memory limit to `bytes` (the bf16 rows of a decode-sized
@@ -756,16 +797,16 @@ uint16_t* bf16_rows(int64_t n) {
 // norm (optional): normalised while staging (m <= kNarrowRows), else by rms_norm first.
 template <int Warps, bool SwiGLU>
 void linear_mma_warps(const float* x, int64_t m, const ops::WeightRef& w, const SplitOut& y,
-                      const ops::RowNorm* norm) {
+                      InputNorm norm) {
   constexpr int kThreads = Warps * 32;
   const int N = static_cast<int>(w.rows), K = static_cast<int>(w.cols), M = static_cast<int>(m);
   const auto* wp = static_cast<const uint16_t*>(w.data);
   // The norm is folded into the staging for a single row (decode) only: a block normalises its
   // rows one after another, and from two rows on, a norm kernel first is cheaper. That kernel
   // writes the rows in bf16, ready for the product (no staging, no conversion launch).
-  if (norm && (m > kFoldedNormRows || reinterpret_cast<uintptr_t>(norm->w.data) % 16 != 0)) {
+  if (norm && !norm_folds(norm, m)) {
     uint16_t* xs = bf16_rows(m * K);
-    rms_norm_bf16(x, m, K, norm->w, norm->zero_centred, norm->eps, xs);
+    normalised_rows_bf16(x, m, K, norm, xs);
     return linear_mma_bf16_rows<Warps, SwiGLU>(xs, m, w, y);
   }
   const size_t staged = sizeof(uint16_t) * static_cast<size_t>(m * staged_row_stride(K));
@@ -773,8 +814,10 @@ void linear_mma_warps(const float* x, int64_t m, const ops::WeightRef& w, const 
     // Two n-tiles per warp halve the activation reads (every block reads all of x).
     const auto kernel = linear_mma_wide_kernel<Warps, 1, 2, true, SwiGLU>;
     allow_dynamic_smem(kernel, staged);
-    const RowNormArgs row_norm{norm ? static_cast<const float*>(norm->w.data) : nullptr,
-                               norm ? norm->eps : 0.0f, norm && norm->zero_centred};
+    RowNormArgs row_norm{nullptr, 0.0f, false};
+    if (norm.row)
+      row_norm = {static_cast<const float*>(norm.row->w.data), norm.row->eps,
+                  norm.row->zero_centred};
     launch("linear", kernel, balanced_grid(kernel, kThreads, (N + 15) / 16, staged), kThreads,
            staged, x, M, wp, N, K, y, row_norm);
     return;
@@ -811,7 +854,7 @@ void linear_mma_bf16_rows(const uint16_t* xs, int64_t m, const ops::WeightRef& w
 
 template <bool SwiGLU>
 void linear_mma(const float* x, int64_t m, const ops::WeightRef& w, const SplitOut& y,
-                const ops::RowNorm* norm) {
+                InputNorm norm) {
   if (w.rows >= kWideRows)
     linear_mma_warps<4, SwiGLU>(x, m, w, y, norm);
   else
@@ -826,13 +869,13 @@ void linear_mma_bf16(const uint16_t* xs, int64_t m, const ops::WeightRef& w, con
 }
 
 void linear_any(const float* x, int64_t m, const ops::WeightRef& w, const SplitOut& y,
-                const ops::RowNorm* norm) {
+                InputNorm norm) {
   if (g_prefill) {
-    if (norm) x = normalised_rows(x, m, w.cols, *norm);
+    if (norm) x = normalised_rows(x, m, w.cols, norm);
     return linear_prefill(x, m, w, y);
   }
   if (mma_path(x, w)) return linear_mma<false>(x, m, w, y, norm);
-  if (norm) x = normalised_rows(x, m, w.cols, *norm);
+  if (norm) x = normalised_rows(x, m, w.cols, norm);
   const int N = static_cast<int>(w.rows), K = static_cast<int>(w.cols), M = static_cast<int>(m);
   launch("linear", linear_warp_kernel, static_cast<unsigned>((m * w.rows + 7) / 8), 256, 0, x, M,
          static_cast<const uint16_t*>(w.data), N, K, y);
@@ -844,8 +887,8 @@ void linear_split(const float* x, int64_t m, const ops::WeightRef& w,
                   const ops::OutputSlice* slices, int n_slices, const ops::RowNorm* norm) {
   const SplitOut y = split_out(slices, n_slices, w.rows);
   if (m == 0 || w.rows == 0) return;
-  check_weight(m, w, norm);
-  linear_any(x, m, w, y, norm);
+  check_weight(m, w, {norm, nullptr});
+  linear_any(x, m, w, y, {norm, nullptr});
 }
 
 void linear(const float* x, int64_t m, const ops::WeightRef& w, float* y) {
@@ -853,12 +896,13 @@ void linear(const float* x, int64_t m, const ops::WeightRef& w, float* y) {
   cuda::linear_split(x, m, w, &all, 1, nullptr);
 }
 
-void linear_add(const float* x, int64_t m, const ops::WeightRef& w, float* y) {
+void linear_add(const float* x, int64_t m, const ops::WeightRef& w, float* y,
+                const ops::GatedNorm* norm) {
   const ops::OutputSlice all{y, w.rows};
   const SplitOut out = split_out(&all, 1, w.rows, /*accumulate=*/true);
   if (m == 0 || w.rows == 0) return;
-  check_weight(m, w, nullptr);
-  linear_any(x, m, w, out, nullptr);
+  check_weight(m, w, {nullptr, norm});
+  linear_any(x, m, w, out, {nullptr, norm});
 }
 
 void gate_up_swiglu(const float* x, int64_t m, const ops::WeightRef& gate_up, float* act,
@@ -867,18 +911,18 @@ void gate_up_swiglu(const float* x, int64_t m, const ops::WeightRef& gate_up, fl
     fail("gate_up_swiglu: the stacked weight has ", gate_up.rows,
          " rows; the pair layout needs a multiple of 16");
   if (m == 0 || gate_up.rows == 0) return;
-  check_weight(m, gate_up, norm);
+  check_weight(m, gate_up, {norm, nullptr});
   const int64_t I = gate_up.rows / 2;
   if (!g_prefill && mma_path(x, gate_up)) {
     const ops::OutputSlice out{act, I};
-    return linear_mma<true>(x, m, gate_up, split_out(&out, 1, I), norm);
+    return linear_mma<true>(x, m, gate_up, split_out(&out, 1, I), {norm, nullptr});
   }
   // Prompt prefill and K not a multiple of 16: the whole [m, 2I] output, then its SwiGLU.
   static float* full = nullptr;
   static int64_t full_size = 0;
   float* y = grow(full, full_size, m * 2 * I);
   const ops::OutputSlice all{y, 2 * I};
-  linear_any(x, m, gate_up, split_out(&all, 1, 2 * I), norm);
+  linear_any(x, m, gate_up, split_out(&all, 1, 2 * I), {norm, nullptr});
   launch("gate_up_swiglu", swiglu_pairs_kernel, grid_stride_blocks(m * I, 256), 256, 0, y, m, I,
          act);
 }
@@ -891,15 +935,15 @@ void swiglu_mlp_add(const float* x, int64_t m, const ops::WeightRef& gate_up,
          gate_up.cols, " x ", I, "] for a [", gate_up.rows, " x ", gate_up.cols,
          "] gate/up weight");
   if (m == 0 || I == 0) return;
-  check_weight(m, down, nullptr);
+  check_weight(m, down, {});
   if (g_prefill || down.cols % 16 != 0 || !mma_path(x, gate_up)) {
     static float* act = nullptr;
     static int64_t act_size = 0;
     float* a = grow(act, act_size, m * I);
     cuda::gate_up_swiglu(x, m, gate_up, a, norm);
-    return cuda::linear_add(a, m, down, y);
+    return cuda::linear_add(a, m, down, y, nullptr);
   }
-  check_weight(m, gate_up, norm);
+  check_weight(m, gate_up, {norm, nullptr});
   if (reinterpret_cast<uintptr_t>(down.data) % 16 != 0)
     fail("cuda linear: weight rows must be 16-byte aligned (K = ", down.cols, ")");
   // The activations go to the down projection as the bf16 values it would round them to.
@@ -909,7 +953,7 @@ void swiglu_mlp_add(const float* x, int64_t m, const ops::WeightRef& gate_up,
   const ops::OutputSlice act_out{reinterpret_cast<float*>(a), I};
   SplitOut to_act = split_out(&act_out, 1, I);
   to_act.bf16 = true;
-  linear_mma<true>(x, m, gate_up, to_act, norm);
+  linear_mma<true>(x, m, gate_up, to_act, {norm, nullptr});
   const ops::OutputSlice residual{y, down.rows};
   linear_mma_bf16(a, m, down, split_out(&residual, 1, down.rows, /*accumulate=*/true));
 }
