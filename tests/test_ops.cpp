@@ -401,6 +401,13 @@ TEST(Ops, PagedAttentionMatchesDenseCausalAttention) {
     EXPECT_EQ(0, std::memcmp(got.data() + j * nh * hd, out.data() + picked[j] * nh * hd,
                              static_cast<size_t>(nh * hd) * 4))
         << "query at position " << picked[j];
+  // The output gate gives the bits of the ungated output followed by sigmoid_gate.
+  const auto gate = random_vec(out.size(), rng, 3.0f);
+  std::vector<float> gated(out.size()), want_gated = out;
+  ops::sigmoid_gate(want_gated.data(), gate.data(), static_cast<int64_t>(out.size()));
+  ops::attention(kv, table.data(), pos.data(), L, L, q.data(), nh, scale, gated.data(),
+                 gate.data());
+  EXPECT_EQ(0, std::memcmp(gated.data(), want_gated.data(), gated.size() * 4));
   // A position at or past the bound is the caller's bug, reported rather than read past.
   EXPECT_THROW(
       ops::attention(kv, table.data(), pos.data(), L, L - 1, q.data(), nh, scale, out.data()),

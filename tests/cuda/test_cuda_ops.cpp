@@ -1055,8 +1055,17 @@ TEST_P(CudaAttention, KvWriteAndAttentionMatchCpu) {
   std::vector<float> want(q.size());
   cpu::attention(kv.host_view(), kv.table.data(), pos.data(), c.n, bound, q.data(), c.n_heads,
                  scale, want.data());
-  EXPECT_TRUE(near_blocks(cuda_attention(kv, pos, bound, q, c.n_heads, scale), want, sz(c.head_dim),
-                          kAttnRel));
+  const std::vector<float> got = cuda_attention(kv, pos, bound, q, c.n_heads, scale);
+  EXPECT_TRUE(near_blocks(got, want, sz(c.head_dim), kAttnRel));
+
+  // With the output gate: the bits of the ungated result followed by sigmoid_gate.
+  const DeviceBuffer<float> dq(q), gate(randn(q.size(), rng, 3.0f));
+  const DeviceBuffer<int64_t> dpos(pos);
+  DeviceBuffer<float> gated = nan_buffer(q.size()), want_gated(got);
+  cuda::sigmoid_gate(want_gated.get(), gate.get(), static_cast<int64_t>(q.size()));
+  cuda::attention(kv.dev_view(), kv.dev_table.get(), dpos.get(), c.n, bound, dq.get(), c.n_heads,
+                  scale, gated.get(), gate.get());
+  EXPECT_TRUE(bitwise_equal(gated.download(), want_gated.download())) << "with the output gate";
 }
 
 // GQA 16 query / 4 kv heads at head_dim 256, 24 / 4 (groups of 6: chunks of 2 heads), 8 / 2 and

@@ -389,8 +389,14 @@ void kv_write(const KVLayerView& kv, const int32_t* block_table, const int64_t* 
 }
 void attention(const KVLayerView& kv, const int32_t* block_table, const int64_t* positions,
                int64_t n, int64_t position_bound, const float* q, int64_t n_heads, float scale,
-               float* out) {
-  TANDEM_DISPATCH(attention(kv, block_table, positions, n, position_bound, q, n_heads, scale, out));
+               float* out, const float* gate) {
+#ifdef TANDEM_HAVE_CUDA
+  if (g_backend == Backend::Cuda)
+    return cuda::attention(kv, block_table, positions, n, position_bound, q, n_heads, scale, out,
+                           gate);
+#endif
+  cpu::attention(kv, block_table, positions, n, position_bound, q, n_heads, scale, out);
+  if (gate) cpu::sigmoid_gate(out, gate, n * n_heads * kv.head_dim);
 }
 void attention_prompt(const KVLayerView& kv, const int32_t* block_table, const int64_t* positions,
                       int64_t n, const float* q, const float* k, const float* v, int64_t n_heads,

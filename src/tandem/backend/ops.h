@@ -218,10 +218,12 @@ void kv_write(const KVLayerView& kv, const int32_t* block_table, const int64_t* 
 // reduced in an order fixed by its own position, so the result does not depend on n, on
 // position_bound or on the other queries of the call. A position outside [0, position_bound) is
 // the caller's bug: the CPU throws; CUDA (which cannot see positions on the host) writes NaN for
-// that query.
+// that query. gate (optional, [n, n_heads, head_dim]): the output is multiplied by
+// sigmoid(gate), every value bitwise sigmoid_gate applied afterwards (gated attention's output
+// gate, in the same pass on CUDA).
 void attention(const KVLayerView& kv, const int32_t* block_table, const int64_t* positions,
                int64_t n, int64_t position_bound, const float* q, int64_t n_heads, float scale,
-               float* out);
+               float* out, const float* gate = nullptr);
 
 // Attention of one row's prompt: n tokens at positions 0..n-1 whose keys/values k, v
 // ([n, n_kv_heads, head_dim], contiguous) were just written to the row's KV with kv_write.

@@ -54,15 +54,19 @@ void gated_attention(const GatedAttentionShape& s, const ops::WeightRef& q_norm,
            seg.start + seg.n);
     const int64_t* pos = positions + t0;
     ops::kv_write(kv, seg.block_table, pos, seg.n, k + t0 * nkv * hd, v + t0 * nkv * hd);
-    if (s.prompt && seg.start == 0)
+    // The output gate: in the attention's own pass, or after the prompt kernels.
+    float* out = o + t0 * nh * hd;
+    const float* g = gate + t0 * nh * hd;
+    if (s.prompt && seg.start == 0) {
       ops::attention_prompt(kv, seg.block_table, pos, seg.n, q + t0 * nh * hd, k + t0 * nkv * hd,
-                            v + t0 * nkv * hd, nh, scale, o + t0 * nh * hd);
-    else
+                            v + t0 * nkv * hd, nh, scale, out);
+      ops::sigmoid_gate(out, g, seg.n * nh * hd);
+    } else {
       ops::attention(kv, seg.block_table, pos, seg.n, seg.position_bound, q + t0 * nh * hd, nh,
-                     scale, o + t0 * nh * hd);
+                     scale, out, g);
+    }
     t0 += seg.n;
   }
-  ops::sigmoid_gate(o, gate, T * nh * hd);
 }
 
 }  // namespace tandem

@@ -28,6 +28,7 @@
 
 #include <algorithm>
 
+#include "tandem/backend/cuda/activation.cuh"
 #include "tandem/backend/cuda/check.cuh"
 #include "tandem/backend/cuda/cuda_ops.h"
 #include "tandem/core/error.h"
@@ -183,7 +184,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
     attention_kernel(PagedKV kv, const int64_t* positions, int64_t position_bound,
                      int64_t first_query, int64_t n_heads, int64_t group, int64_t head_dim,
                      const float* q, float score_scale, int64_t slots, int64_t m_offset,
-                     int64_t l_offset, float* out) {
+                     int64_t l_offset, float* out, const float* gate) {
   pdl_wait();
   pdl_release();
   constexpr int R = kRowsPerWarp;
@@ -418,8 +419,12 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
       }
     }
   }
-  *reinterpret_cast<float4*>(out + out_base + og * head_dim + oi) =
-      make_float4(o.x / total, o.y / total, o.z / total, o.w / total);
+  float4 r = make_float4(o.x / total, o.y / total, o.z / total, o.w / total);
+  if (gate) {  // sigmoid_gate's product, on the value it would read back
+    const float4 g = ldg4(gate + out_base + og * head_dim + oi);
+    r = make_float4(r.x * sigmoid(g.x), r.y * sigmoid(g.y), r.z * sigmoid(g.z), r.w * sigmoid(g.w));
+  }
+  *reinterpret_cast<float4*>(out + out_base + og * head_dim + oi) = r;
 }
 
 // One block per token; threads copy the token's key and value rows (n_kv_heads · head_dim) to
@@ -465,7 +470,7 @@ void kv_write(const ops::KVLayerView& kv, const int32_t* block_table, const int6
 
 void attention(const ops::KVLayerView& kv, const int32_t* block_table, const int64_t* positions,
                int64_t n, int64_t position_bound, const float* q, int64_t n_heads, float scale,
-               float* out) {
+               float* out, const float* gate) {
   if (n < 0) fail("attention: bad query count ", n);
   if (n == 0) return;
   check_kv_view(kv, "attention");
@@ -477,8 +482,8 @@ void attention(const ops::KVLayerView& kv, const int32_t* block_table, const int
          " is not a multiple of 4 up to the CUDA kernel's maximum ", kMaxHeadDim);
   if (n_heads < kv.n_kv_heads || n_heads % kv.n_kv_heads != 0)
     fail("attention: ", n_heads, " query heads is not a multiple of ", kv.n_kv_heads, " kv heads");
-  if (!aligned16(kv.pool) || !aligned16(q) || !aligned16(out))
-    fail("attention: the KV pool, q and out must be 16-byte aligned (float4 access)");
+  if (!aligned16(kv.pool) || !aligned16(q) || !aligned16(out) || (gate && !aligned16(gate)))
+    fail("attention: the KV pool, q, out and gate must be 16-byte aligned (float4 access)");
 
   const int64_t group = n_heads / kv.n_kv_heads;
   const int chunk_heads = group % 4 == 0 ? 4 : group % 2 == 0 ? 2 : 1;
@@ -494,7 +499,7 @@ void attention(const ops::KVLayerView& kv, const int32_t* block_table, const int
       std::min({kScratchFloats / floats_per_query, kMaxGridY, kMaxCounters / n_chunks});
 
   using Kernel = void (*)(PagedKV, const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t,
-                          const float*, float, int64_t, int64_t, int64_t, float*);
+                          const float*, float, int64_t, int64_t, int64_t, float*, const float*);
   const bool wide = head_dim > 128;
   const Kernel kernel = chunk_heads == 4 ? (wide ? attention_kernel<2, 4> : attention_kernel<1, 4>)
                         : chunk_heads == 2
@@ -511,7 +516,7 @@ void attention(const ops::KVLayerView& kv, const int32_t* block_table, const int
     const dim3 grid(static_cast<unsigned>(slots), static_cast<unsigned>(queries),
                     static_cast<unsigned>(n_chunks));
     launch("attention", kernel, grid, kThreads, 0, paged, positions, position_bound, first, n_heads,
-           group, head_dim, q, score_scale, slots, m_offset, l_offset, out);
+           group, head_dim, q, score_scale, slots, m_offset, l_offset, out, gate);
   }
 }
 

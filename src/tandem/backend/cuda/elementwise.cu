@@ -212,7 +212,7 @@ __global__ void sigmoid_gate_kernel(float* x, const float* gate, int64_t n) {
   pdl_release();
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x)
-    x[i] *= 1.0f / (1.0f + expf(-gate[i]));
+    x[i] *= sigmoid(gate[i]);
 }
 
 __global__ void add_inplace_kernel(float* x, const float* y, int64_t n) {
