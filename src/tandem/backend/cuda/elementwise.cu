@@ -317,45 +317,43 @@ void embed_rows(const ops::WeightRef& table, const int32_t* ids, int64_t n, floa
          static_cast<const uint16_t*>(table.data), table.rows, table.cols, ids, out);
 }
 
-void rms_norm(const float* x, int64_t m, int64_t d, const ops::WeightRef& w, bool zero_centred,
-              float eps, float* y) {
-  check_f32_vector(w, d, "rms_norm", "weight");
-  if (m < 0 || d < 0) fail("rms_norm: negative shape ", m, " x ", d);
+namespace {
+
+// rms_norm into Out (float, or __nv_bfloat16 for rms_norm_bf16): one kernel per norm_order
+// (row_norm.cuh), each with that order's virtual threads, so both outputs carry the same values.
+template <class Out>
+void launch_rms_norm(const char* op, const float* x, int64_t m, int64_t d, const ops::WeightRef& w,
+                     bool zero_centred, float eps, Out* y) {
+  check_f32_vector(w, d, op, "weight");
+  if (m < 0 || d < 0) fail(op, ": negative shape ", m, " x ", d);
   if (m == 0 || d == 0) return;
   const auto* wp = static_cast<const float*>(w.data);
-  // One kernel per norm_order (row_norm.cuh), each with that order's virtual threads.
   const NormOrder order = norm_order(d);
+  // 16-byte loads of x, and stores of 4 outputs at once (16 bytes of float, 8 of bf16).
+  const bool vec =
+      d % 4 == 0 && aligned16(x) && reinterpret_cast<uintptr_t>(y) % (4 * sizeof(Out)) == 0;
   if (order == NormOrder::Chunked)
-    launch("rms_norm", row_norm_kernel<false>, grid_blocks(m, "rms_norm"), kWideNormThreads, 0, x,
-           nullptr, nullptr, d, wp, zero_centred, eps, d % 4 == 0 && aligned16(x) && aligned16(y),
-           y);
+    launch(op, row_norm_kernel<false, Out>, grid_blocks(m, op), kWideNormThreads, 0, x, nullptr,
+           nullptr, d, wp, zero_centred, eps, vec, y);
   else if (order == NormOrder::Wide)
-    launch("rms_norm", rms_norm_kernel<kWideNormThreads>, grid_blocks(m, "rms_norm"),
-           kWideNormThreads, 0, x, d, wp, zero_centred, eps, y);
+    launch(op, rms_norm_kernel<kWideNormThreads, Out>, grid_blocks(m, op), kWideNormThreads, 0, x,
+           d, wp, zero_centred, eps, y);
   else
-    launch("rms_norm", rms_norm_kernel<kNormThreads>, grid_blocks(m, "rms_norm"), kNormThreads, 0,
-           x, d, wp, zero_centred, eps, y);
+    launch(op, rms_norm_kernel<kNormThreads, Out>, grid_blocks(m, op), kNormThreads, 0, x, d, wp,
+           zero_centred, eps, y);
+}
+
+}  // namespace
+
+void rms_norm(const float* x, int64_t m, int64_t d, const ops::WeightRef& w, bool zero_centred,
+              float eps, float* y) {
+  launch_rms_norm("rms_norm", x, m, d, w, zero_centred, eps, y);
 }
 
 void rms_norm_bf16(const float* x, int64_t m, int64_t d, const ops::WeightRef& w, bool zero_centred,
                    float eps, uint16_t* y) {
-  check_f32_vector(w, d, "rms_norm_bf16", "weight");
-  if (m < 0 || d < 0) fail("rms_norm_bf16: negative shape ", m, " x ", d);
-  if (m == 0 || d == 0) return;
-  const auto* wp = static_cast<const float*>(w.data);
-  auto* yb = reinterpret_cast<__nv_bfloat16*>(y);
-  // rms_norm's kernels, writing bf16 (the same per-order dispatch, hence the same values).
-  const NormOrder order = norm_order(d);
-  if (order == NormOrder::Chunked)
-    launch("rms_norm_bf16", row_norm_kernel<false, __nv_bfloat16>, grid_blocks(m, "rms_norm_bf16"),
-           kWideNormThreads, 0, x, nullptr, nullptr, d, wp, zero_centred, eps,
-           d % 4 == 0 && aligned16(x) && reinterpret_cast<uintptr_t>(y) % 8 == 0, yb);
-  else if (order == NormOrder::Wide)
-    launch("rms_norm_bf16", rms_norm_kernel<kWideNormThreads, __nv_bfloat16>,
-           grid_blocks(m, "rms_norm_bf16"), kWideNormThreads, 0, x, d, wp, zero_centred, eps, yb);
-  else
-    launch("rms_norm_bf16", rms_norm_kernel<kNormThreads, __nv_bfloat16>,
-           grid_blocks(m, "rms_norm_bf16"), kNormThreads, 0, x, d, wp, zero_centred, eps, yb);
+  launch_rms_norm("rms_norm_bf16", x, m, d, w, zero_centred, eps,
+                  reinterpret_cast<__nv_bfloat16*>(y));
 }
 
 void add_rms_norm(float* x, const float* r, int64_t m, int64_t d, const ops::WeightRef& w,

@@ -18,7 +18,8 @@
 //
 // The sublayer seams of the model live here too, each bitwise its unfused parts:
 //  - an input norm (RowNorm): a single row is normalised by each block as it stages the row,
-//    with rms_norm's reduction order (row_norm.cuh); other calls run rms_norm first;
+//    with rms_norm's reduction order (row_norm.cuh); from two rows on, rms_norm_bf16 writes the
+//    rows once and the product reads them unstaged (prefill: rms_norm, then cuBLAS);
 //  - linear_add: the residual add in the epilogue (each output has one writer); its optional
 //    gated norm (the DeltaNet output's) runs as a kernel writing the rows in bf16, which the
 //    product reads as they are;
