@@ -253,6 +253,31 @@ bool same_bits(const float* a, const float* b, int64_t n) {
   return std::memcmp(a, b, sizeof(float) * static_cast<size_t>(n)) == 0;
 }
 
+// Opens a row of st and prefills `prompt` into it (a prompt forward, logits of the last token in
+// out); returns the row's slot.
+int prefill_row(const Qwen35Model& m, Qwen35State& st, std::span<const int32_t> prompt,
+                ForwardOutput* out) {
+  const int slot = st.open_row();
+  const RowInput row{slot, static_cast<int64_t>(prompt.size())};
+  ForwardRequest req{prompt, {&row, 1}, false, false};
+  req.prompt = true;
+  m.forward(st, req, out);
+  return slot;
+}
+
+// Decodes `tokens` into row `slot`, one forward each; the logits of every step, concatenated.
+std::vector<float> decode_steps(const Qwen35Model& m, Qwen35State& st, int slot,
+                                std::span<const int32_t> tokens) {
+  std::vector<float> all;
+  ForwardOutput out;
+  for (int32_t t : tokens) {
+    const RowInput r{slot, 1};
+    m.forward(st, {std::span(&t, 1), {&r, 1}, false, false}, &out);
+    all.insert(all.end(), out.logits.begin(), out.logits.end());
+  }
+  return all;
+}
+
 // One row: prompt prefill, then tokens x[0..3] decoded one per forward; the logits of every step.
 // The same row: prompt prefill, then x[0..3] as ONE verify window (all logits): rows equal.
 // The same row batched with two other rows (prefilled together, decoded together): equal again.
@@ -269,28 +294,16 @@ TEST_F(CudaModelTest, TokenLogitsAreBitwiseIndependentOfWindowAndBatch) {
   std::vector<float> prompt_alone, steps_alone;
   {
     Qwen35State st(m.config());
-    const int slot = st.open_row();
-    const RowInput row{slot, static_cast<int64_t>(p0.size())};
-    ForwardRequest req{p0, {&row, 1}, false, false};
-    req.prompt = true;
     ForwardOutput out;
-    m.forward(st, req, &out);
+    const int slot = prefill_row(m, st, p0, &out);
     prompt_alone = out.logits;
-    for (int32_t t : x) {
-      const RowInput r{slot, 1};
-      m.forward(st, {std::span(&t, 1), {&r, 1}, false, false}, &out);
-      steps_alone.insert(steps_alone.end(), out.logits.begin(), out.logits.end());
-    }
+    steps_alone = decode_steps(m, st, slot, x);
   }
   // Alone, one verify window of 4 tokens.
   {
     Qwen35State st(m.config());
-    const int slot = st.open_row();
-    const RowInput row{slot, static_cast<int64_t>(p0.size())};
-    ForwardRequest req{p0, {&row, 1}, false, false};
-    req.prompt = true;
     ForwardOutput out;
-    m.forward(st, req, &out);
+    const int slot = prefill_row(m, st, p0, &out);
     const RowInput w{slot, 4, true};
     m.forward(st, {x, {&w, 1}, true, false}, &out);
     ASSERT_EQ(out.logits.size(), steps_alone.size());
@@ -340,20 +353,13 @@ TEST_F(CudaModelTest, OverlappedLaunchesAndGraphsChangeNoBits) {
   const Qwen35Model& m = *d.model;
   const std::vector<int32_t> p = d.tok->encode(kPrompts[1]);
   auto run = [&] {
-    std::vector<float> all;
     Qwen35State st(m.config());
-    const int slot = st.open_row();
-    const RowInput row{slot, static_cast<int64_t>(p.size())};
-    ForwardRequest req{p, {&row, 1}, false, false};
-    req.prompt = true;
     ForwardOutput out;
-    m.forward(st, req, &out);
-    all = out.logits;
-    for (int32_t t : {17, 942, 3, 5, 11, 40, 7, 9}) {
-      const RowInput r{slot, 1};
-      m.forward(st, {std::span(&t, 1), {&r, 1}, false, false}, &out);
-      all.insert(all.end(), out.logits.begin(), out.logits.end());
-    }
+    const int slot = prefill_row(m, st, p, &out);
+    std::vector<float> all = out.logits;
+    const std::vector<int32_t> tokens = {17, 942, 3, 5, 11, 40, 7, 9};
+    const std::vector<float> steps = decode_steps(m, st, slot, tokens);
+    all.insert(all.end(), steps.begin(), steps.end());
     return all;
   };
   const bool pdl0 = cuda::pdl_enabled(), graphs0 = ops::graphs_enabled();

@@ -18,8 +18,9 @@ namespace tandem::cuda {
 
 namespace {
 // Off unless TANDEM_CUDA_PDL=1. On the H200 (BENCHMARKS.md) it speeds a batch-1 decode step up by
-// ~2% but not a 4-token verify window, and costs ~5% of a 4k-token prefill, whose kernels
-// interleave with cuBLAS GEMMs; verify windows are what speculative decoding runs on.
+// ~3.5%, whose projections follow one another directly, but not a 4-token verify window, whose
+// projections are separated by norm kernels: the window's cost relative to a step would rise past
+// the 1.15 goal. It also costs ~5% of a 4k-token prefill (its kernels interleave with cuBLAS).
 bool pdl_default() {
   const char* v = std::getenv("TANDEM_CUDA_PDL");
   return v && std::string_view(v) == "1";
