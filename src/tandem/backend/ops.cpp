@@ -236,7 +236,7 @@ void linear(const float* x, int64_t m, const WeightRef& w, float* y) {
 }
 void linear_add(const float* x, int64_t m, const WeightRef& w, float* y, const GatedNorm* norm) {
   if (norm) {
-    const int64_t hd = norm->w.rows * norm->w.cols;
+    const int64_t hd = norm->head_dim();
     if (hd < 1 || w.cols % hd != 0)
       fail("linear_add: a gated norm over heads of ", hd, " floats does not tile rows of ", w.cols);
   }
@@ -245,7 +245,7 @@ void linear_add(const float* x, int64_t m, const WeightRef& w, float* y, const G
 #endif
   std::vector<float> normed;
   if (norm) {
-    const int64_t hd = norm->w.rows * norm->w.cols;
+    const int64_t hd = norm->head_dim();
     normed.resize(static_cast<size_t>(m * w.cols));
     cpu::gated_rms_norm(x, norm->z, m * (w.cols / hd), hd, norm->w, norm->eps, normed.data());
     x = normed.data();

@@ -90,6 +90,7 @@ struct GatedNorm {
   const float* z = nullptr;  // [m, w.cols of the projection], laid out as x
   WeightRef w;
   float eps = 1e-6f;
+  int64_t head_dim() const { return w.rows * w.cols; }
 };
 
 // y[m, w.rows] += x[m, w.cols] · wᵀ (a sublayer's output projection adding into the residual

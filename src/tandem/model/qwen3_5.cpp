@@ -448,30 +448,26 @@ void Qwen35Model::forward_body(Qwen35State& st, const ForwardRequest& req, int64
   if (req.want_argmax) ops::argmax_rows(w.out.data(), rows, V, w.argmax.data());
 }
 
-void Qwen35Model::project_normed(
-    const ops::WeightRef& norm, int64_t T, bool stacked,
-    const std::function<void(const float* x, const ops::RowNorm* norm)>& project) const {
+Qwen35Model::SublayerInput Qwen35Model::sublayer_input(const ops::WeightRef& norm, int64_t T,
+                                                       bool stacked) const {
   const Qwen35Config& c = cfg_;
   Workspace& w = ws_;
-  const ops::RowNorm n{norm, true, static_cast<float>(c.rms_norm_eps)};
-  if (stacked) return project(w.x.data(), &n);
-  ops::rms_norm(w.x.data(), T, c.hidden_size, norm, true, n.eps, w.h.data());
-  project(w.h.data(), nullptr);
+  SublayerInput in{w.x.data(), {norm, true, static_cast<float>(c.rms_norm_eps)}, stacked};
+  if (!stacked) {
+    ops::rms_norm(w.x.data(), T, c.hidden_size, norm, true, in.norm.eps, w.h.data());
+    in.x = w.h.data();
+  }
+  return in;
 }
 
 void Qwen35Model::mlp(const Layer& L, int64_t T) const {
   const Qwen35Config& c = cfg_;
   Workspace& w = ws_;
-  if (L.gate_up.data) {
-    project_normed(L.post_norm, T, true, [&](const float* x, const ops::RowNorm* norm) {
-      ops::swiglu_mlp_add(x, T, L.gate_up, L.down_proj, w.x.data(), norm);
-    });
-    return;
-  }
-  project_normed(L.post_norm, T, false, [&](const float* x, const ops::RowNorm*) {
-    ops::linear(x, T, L.gate_proj, w.mlp_g.data());
-    ops::linear(x, T, L.up_proj, w.mlp_u.data());
-  });
+  const bool stacked = L.gate_up.data != nullptr;
+  const SublayerInput in = sublayer_input(L.post_norm, T, stacked);
+  if (stacked) return ops::swiglu_mlp_add(in.x, T, L.gate_up, L.down_proj, w.x.data(), in.fold());
+  ops::linear(in.x, T, L.gate_proj, w.mlp_g.data());
+  ops::linear(in.x, T, L.up_proj, w.mlp_u.data());
   ops::swiglu(w.mlp_g.data(), w.mlp_u.data(), T * c.intermediate_size, w.mlp_g.data());
   ops::linear_add(w.mlp_g.data(), T, L.down_proj, w.x.data());
 }
@@ -488,18 +484,17 @@ void Qwen35Model::attention_layer(const Layer& L, Qwen35State& st, int64_t T, bo
   shape.prompt = prompt;
   GatedAttentionScratch& x = w.attn;  // sized by reserve_workspace
   const bool stacked = L.attn.in_proj.data != nullptr;
-  project_normed(L.input_norm, T, stacked, [&](const float* in, const ops::RowNorm* norm) {
-    if (stacked) {
-      const ops::OutputSlice out[] = {{x.qg.data(), L.attn.q_proj.rows},
-                                      {x.k.data(), L.attn.k_proj.rows},
-                                      {x.v.data(), L.attn.v_proj.rows}};
-      ops::linear_split(in, T, L.attn.in_proj, out, 3, norm);
-    } else {
-      ops::linear(in, T, L.attn.q_proj, x.qg.data());
-      ops::linear(in, T, L.attn.k_proj, x.k.data());
-      ops::linear(in, T, L.attn.v_proj, x.v.data());
-    }
-  });
+  const SublayerInput in = sublayer_input(L.input_norm, T, stacked);
+  if (stacked) {
+    const ops::OutputSlice out[] = {{x.qg.data(), L.attn.q_proj.rows},
+                                    {x.k.data(), L.attn.k_proj.rows},
+                                    {x.v.data(), L.attn.v_proj.rows}};
+    ops::linear_split(in.x, T, L.attn.in_proj, out, 3, in.fold());
+  } else {
+    ops::linear(in.x, T, L.attn.q_proj, x.qg.data());
+    ops::linear(in.x, T, L.attn.k_proj, x.k.data());
+    ops::linear(in.x, T, L.attn.v_proj, x.v.data());
+  }
   gated_attention(shape, L.attn.q_norm, L.attn.k_norm, inv_freq_.data(), w.pos.data(), w.segments,
                   st.kv_layer(L.index_in_kind), x);
   ops::linear_add(x.o.data(), T, L.attn.o_proj, w.x.data());
@@ -514,18 +509,17 @@ void Qwen35Model::delta_layer(const Layer& L, Qwen35State& st, const ForwardRequ
   float *qkv = w.a0.data(), *conv = w.a1.data(), *z = w.a2.data(), *b = w.a3.data(),
         *a = w.a3.data() + T * nv, *core = w.a5.data();
   const bool stacked = L.delta.in_proj.data != nullptr;
-  project_normed(L.input_norm, T, stacked, [&](const float* in, const ops::RowNorm* norm) {
-    if (stacked) {
-      // One stacked projection, its column slices written straight into the four buffers.
-      const ops::OutputSlice out[] = {{qkv, conv_dim}, {z, vd}, {b, nv}, {a, nv}};
-      ops::linear_split(in, T, L.delta.in_proj, out, 4, norm);
-    } else {
-      ops::linear(in, T, L.delta.in_proj_qkv, qkv);
-      ops::linear(in, T, L.delta.in_proj_z, z);
-      ops::linear(in, T, L.delta.in_proj_b, b);
-      ops::linear(in, T, L.delta.in_proj_a, a);
-    }
-  });
+  const SublayerInput in = sublayer_input(L.input_norm, T, stacked);
+  if (stacked) {
+    // One stacked projection, its column slices written straight into the four buffers.
+    const ops::OutputSlice out[] = {{qkv, conv_dim}, {z, vd}, {b, nv}, {a, nv}};
+    ops::linear_split(in.x, T, L.delta.in_proj, out, 4, in.fold());
+  } else {
+    ops::linear(in.x, T, L.delta.in_proj_qkv, qkv);
+    ops::linear(in.x, T, L.delta.in_proj_z, z);
+    ops::linear(in.x, T, L.delta.in_proj_b, b);
+    ops::linear(in.x, T, L.delta.in_proj_a, a);
+  }
 
   const int li = L.index_in_kind;
   if (st.rollback() == RecurrentRollback::SnapshotReplay) {

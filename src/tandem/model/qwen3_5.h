@@ -177,11 +177,16 @@ class Qwen35Model {
   void attention_layer(const Layer& L, Qwen35State& st, int64_t T, bool prompt) const;
   void delta_layer(const Layer& L, Qwen35State& st, const ForwardRequest& req, int64_t T) const;
   void mlp(const Layer& L, int64_t T) const;
-  // Runs `project` on the sublayer input rms_norm(ws_.x, norm): passed to it as a norm for the
-  // projection to apply (stacked weights, one call), or applied into ws_.h first (x = ws_.h).
-  void project_normed(
-      const ops::WeightRef& norm, int64_t T, bool stacked,
-      const std::function<void(const float* x, const ops::RowNorm* norm)>& project) const;
+  // A sublayer's input rms_norm(ws_.x, norm). Stacked weights (one projection) get ws_.x and the
+  // norm to apply themselves (fold()); otherwise the norm is applied into ws_.h, x = ws_.h and
+  // fold() is null.
+  struct SublayerInput {
+    const float* x;
+    ops::RowNorm norm;
+    bool folded;
+    const ops::RowNorm* fold() const { return folded ? &norm : nullptr; }
+  };
+  SublayerInput sublayer_input(const ops::WeightRef& norm, int64_t T, bool stacked) const;
 
   // One row's slice of a DeltaNet layer's buffers for delta_recurrence.
   struct DeltaRow {

@@ -40,6 +40,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <unordered_map>
 
 #include "tandem/backend/cuda/activation.cuh"
@@ -147,13 +148,9 @@ __host__ __device__ constexpr int staged_row_stride(int K) {
   return K + 8;
 }
 
-// x [m, K] fp32 → bf16 rows in shared memory (stride staged_row_stride(K)), by the Threads
-// threads of a block, m <= kNarrowRows. With a norm, the rows are first normalised with
-// rms_norm's arithmetic (row_norm.cuh: the sum of squares in norm_order(K)'s order, then
-// normed()), so the staged values are the bf16 roundings of what rms_norm writes. Each thread
-// issues kStageBatch 16-byte loads before it converts any, so the rows arrive in about one memory
-// latency, not one per loop trip (a 4-row verify input of K = 12288 is 48 loads per thread of a
-// 256-thread block). Ends with the block synchronised.
+// 16-byte loads a thread issues before it converts any while staging rows, so the rows arrive in
+// about one memory latency, not one per loop trip (a 4-row verify input of K = 12288 is 48 loads
+// per thread of a 256-thread block).
 constexpr int kStageBatch = 8;
 
 // The rows [m, K] to bf16 shared memory in batches of B 16-byte loads per thread, issued before
@@ -198,31 +195,28 @@ __device__ __forceinline__ void stage_batches(const float* x, int m, int K, cons
   }
 }
 
-// Synchronises the kNormGroup threads of group g (0 or 1) of a block: named barriers 1 and 2,
-// as immediates so the kernel reserves no others (barrier 0 is __syncthreads').
-__device__ __forceinline__ void group_barrier(int g) {
+// Synchronises the block's first kNormGroup threads (named barrier 1, an immediate so the kernel
+// reserves no other; barrier 0 is __syncthreads').
+__device__ __forceinline__ void norm_group_barrier() {
   static_assert(kNormGroup == 128, "the barrier's thread count below");
-  if (g == 0)
-    asm volatile("bar.sync 1, 128;" ::: "memory");
-  else
-    asm volatile("bar.sync 2, 128;" ::: "memory");
+  asm volatile("bar.sync 1, 128;" ::: "memory");
 }
 
-// Hidden-size rows (norm_order Chunked, K <= NC · 4 · kNormGroup) normalised from registers: each
-// group of kNormGroup threads takes rows g, g + groups, ...; per row one round of loads of its
-// chunks, chunked_square_partials, a group barrier, one round of loads of the norm weight's
-// chunks, and the normalised chunks go straight to shared memory.
+// Hidden-size rows (norm_order Chunked, K <= NC · 4 · kNormGroup) normalised from registers, one
+// row after another by the block's first kNormGroup threads (the norm is folded for a single row
+// only, kFoldedNormRows; the other threads go straight to the closing barrier): one round of loads
+// of the row's chunks, chunked_square_partials, a group barrier, one round of loads of the norm
+// weight's chunks, and the normalised chunks go straight to shared memory.
 template <int Threads, int NC>
 __device__ __forceinline__ void stage_normed_rows(const float* x, int m, int K,
                                                   const RowNormArgs& norm, uint2* x_smem,
                                                   double (*s_warp)[kWideNormThreads / 32]) {
-  static_assert(Threads % kNormGroup == 0 && Threads <= 2 * kNormGroup, "one or two groups");
-  constexpr int kGroups = Threads / kNormGroup;
-  const int g = threadIdx.x / kNormGroup, t = threadIdx.x % kNormGroup;
+  static_assert(Threads >= kNormGroup, "one norm group per block");
+  const int t = threadIdx.x;
   const int per_row = K / 4, stride = staged_row_stride(K) / 4;
   const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
   const float4* w4 = reinterpret_cast<const float4*>(norm.w);
-  for (int r = g; r < m; r += kGroups) {
+  for (int r = 0; t < kNormGroup && r < m; ++r) {  // whole warps
     const float4* x4 = reinterpret_cast<const float4*>(x + static_cast<size_t>(r) * K);
     float4 xv[NC];
 #pragma unroll
@@ -231,7 +225,7 @@ __device__ __forceinline__ void stage_normed_rows(const float* x, int m, int K,
       xv[k] = c < per_row ? x4[c] : zero;
     }
     chunked_square_partials<NC>(xv, t, s_warp[r]);
-    group_barrier(g);
+    norm_group_barrier();
     // The norm weight is read here, not with the row: registers, not latency, are short.
     float4 wv[NC];
 #pragma unroll
@@ -254,6 +248,11 @@ __device__ __forceinline__ void stage_normed_rows(const float* x, int m, int K,
   __syncthreads();
 }
 
+// x [m, K] fp32 → bf16 rows in shared memory (stride staged_row_stride(K)), by the Threads
+// threads of a block, m <= kNarrowRows. With a norm, the rows are first normalised with
+// rms_norm's arithmetic (row_norm.cuh: the sum of squares in norm_order(K)'s order, then
+// normed()), so the staged values are the bf16 roundings of what rms_norm writes. Ends with the
+// block synchronised.
 template <int Threads>
 __device__ __forceinline__ void stage_rows(const float* x, int m, int K, const RowNormArgs& norm,
                                            uint2* x_smem) {
@@ -715,7 +714,7 @@ void check_weight(int64_t m, const ops::WeightRef& w, InputNorm norm) {
          "] exceeds 32-bit indexing");
   if (norm.row) check_f32_vector(norm.row->w, w.cols, "cuda linear", "input norm weight");
   if (norm.gated) {
-    const int64_t hd = norm.gated->w.rows * norm.gated->w.cols;
+    const int64_t hd = norm.gated->head_dim();
     if (hd < 1 || w.cols % hd != 0)
       fail("cuda linear: a gated norm over heads of ", hd, " floats does not tile rows of ",
            w.cols);
@@ -741,8 +740,7 @@ const float* normalised_rows(const float* x, int64_t m, int64_t K, InputNorm nor
     cuda::rms_norm(x, m, K, norm.row->w, norm.row->zero_centred, norm.row->eps, out);
   } else {
     const ops::GatedNorm& g = *norm.gated;
-    const int64_t hd = g.w.rows * g.w.cols;
-    cuda::gated_rms_norm(x, g.z, m * (K / hd), hd, g.w, g.eps, out);
+    cuda::gated_rms_norm(x, g.z, m * (K / g.head_dim()), g.head_dim(), g.w, g.eps, out);
   }
   return out;
 }
@@ -753,8 +751,7 @@ void normalised_rows_bf16(const float* x, int64_t m, int64_t K, InputNorm norm, 
     rms_norm_bf16(x, m, K, norm.row->w, norm.row->zero_centred, norm.row->eps, out);
   } else {
     const ops::GatedNorm& g = *norm.gated;
-    const int64_t hd = g.w.rows * g.w.cols;
-    gated_rms_norm_bf16(x, g.z, m * (K / hd), hd, g.w, g.eps, out);
+    gated_rms_norm_bf16(x, g.z, m * (K / g.head_dim()), g.head_dim(), g.w, g.eps, out);
   }
 }
 
@@ -853,20 +850,24 @@ void linear_mma_bf16_rows(const uint16_t* xs, int64_t m, const ops::WeightRef& w
     launch_wide(linear_mma_wide_kernel<Warps, kMaxTiles, NT, false, SwiGLU>, 8 * NT);
 }
 
+// Calls f(std::integral_constant<int, Warps>{}) with the warps per block of weight w: a function
+// of its shape alone (see the header), the one rule every tensor-core launch follows.
+template <class F>
+void with_warps(const ops::WeightRef& w, F&& f) {
+  if (w.rows >= kWideRows)
+    f(std::integral_constant<int, 4>{});
+  else
+    f(std::integral_constant<int, 8>{});
+}
+
 template <bool SwiGLU>
 void linear_mma(const float* x, int64_t m, const ops::WeightRef& w, const SplitOut& y,
                 InputNorm norm) {
-  if (w.rows >= kWideRows)
-    linear_mma_warps<4, SwiGLU>(x, m, w, y, norm);
-  else
-    linear_mma_warps<8, SwiGLU>(x, m, w, y, norm);
+  with_warps(w, [&](auto W) { linear_mma_warps<decltype(W)::value, SwiGLU>(x, m, w, y, norm); });
 }
 
 void linear_mma_bf16(const uint16_t* xs, int64_t m, const ops::WeightRef& w, const SplitOut& y) {
-  if (w.rows >= kWideRows)
-    linear_mma_bf16_rows<4, false>(xs, m, w, y);
-  else
-    linear_mma_bf16_rows<8, false>(xs, m, w, y);
+  with_warps(w, [&](auto W) { linear_mma_bf16_rows<decltype(W)::value, false>(xs, m, w, y); });
 }
 
 void linear_any(const float* x, int64_t m, const ops::WeightRef& w, const SplitOut& y,
