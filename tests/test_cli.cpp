@@ -180,6 +180,26 @@ TEST(Cli, BenchRandomWeightsTimesARandomMtpLayer) {
   EXPECT_FALSE(k.contains("mtp_draft_weights"));
 }
 
+// bench's timed steps hand the host either the greedy tokens (the default, as greedy decoding
+// runs) or every window token's logits; the JSON says which, and other values are refused.
+TEST(Cli, BenchStepOutput) {
+  const std::string config = std::string(TANDEM_SOURCE_DIR) + "/bench/configs/qwen35-15m.json";
+  const std::string args =
+      " --backend cpu --repeats 1 --prompt-tokens 4 --gen-tokens 2 --windows 2 --step-context 8 "
+      "--step-repeats 1 --json";
+  for (const std::string mode : {"", "tokens", "logits"}) {
+    const CliRun r = run("bench --random-weights " + config + args +
+                             (mode.empty() ? "" : " --step-output " + mode),
+                         false);
+    ASSERT_EQ(r.code, 0) << r.out;
+    const auto j = nlohmann::json::parse(r.out);
+    EXPECT_EQ(j["step_output"], mode.empty() ? "tokens" : mode);
+    EXPECT_GT(j["verify_windows"][0]["seconds"]["median"].get<double>(), 0.0);
+  }
+  expect_error(run("bench --random-weights " + config + args + " --step-output probs"),
+               "--step-output");
+}
+
 TEST(Cli, BadArgumentsAndInputs) {
   const std::string m = kFixtures + "/qwen35_tied";
   expect_error(run("generate --model /nonexistent/dir --token-ids 1"), "/nonexistent/dir");

@@ -41,6 +41,7 @@ struct BenchArgs {
   int batch = 1;
   int repeats = 5;
   int threads = 0;
+  std::string step_output = "tokens";  // what a timed forward hands to the host, see time_steps
   bool json = false;
 };
 
@@ -89,8 +90,12 @@ std::vector<int64_t> parse_windows(const std::string& s) {
 // Median seconds of one target forward in which each of `batch` rows appends `k` tokens
 // (k == 1: a decode step; k > 1: a verify window, committed keeping one token so the rows grow by
 // one token per step like a fully rejected speculation round). Rows first hold `context` tokens.
-// Logits of every window token are copied to the host, as the engines do.
-Spread time_steps(const Qwen35Model& model, int batch, int64_t k, int64_t context, int repeats) {
+// Every window token gets logits; what reaches the host is what the engines take from a forward:
+// `logits` false, the greedy token of each (argmax on the device, as greedy decoding and greedy
+// verification run); true, the logits themselves (as sampling at T > 0 runs, a vocab-sized PCIe
+// copy per token).
+Spread time_steps(const Qwen35Model& model, int batch, int64_t k, int64_t context, int repeats,
+                  bool logits) {
   const Qwen35Config& cfg = model.config();
   Qwen35State state(cfg);
   std::vector<int> slots;
@@ -120,7 +125,10 @@ Spread time_steps(const Qwen35Model& model, int batch, int64_t k, int64_t contex
     }
     ops::synchronize();
     const double t0 = now_seconds();
-    model.forward(state, {tokens, rows, k > 1, false}, &out);
+    ForwardRequest req{tokens, rows, k > 1, false};
+    req.want_logits = logits;
+    req.want_argmax = !logits;
+    model.forward(state, req, &out);
     ops::synchronize();
     const double t = now_seconds() - t0;
     if (k > 1) model.commit_windows(state, keep);
@@ -214,6 +222,9 @@ void run_bench(const BenchArgs& a) {
   if (a.step_context < 1 || a.step_repeats < 1 || a.long_prefill < 0)
     fail("bench: need --step-context >= 1, --step-repeats >= 1, --long-prefill >= 0");
   const std::vector<int64_t> windows = parse_windows(a.windows);
+  if (a.step_output != "tokens" && a.step_output != "logits")
+    fail("bench: --step-output must be tokens or logits, got '", a.step_output, "'");
+  const bool step_logits = a.step_output == "logits";
   std::unique_ptr<Qwen35Model> model;
   std::string name;
   if (!a.random_weights.empty()) {
@@ -256,12 +267,13 @@ void run_bench(const BenchArgs& a) {
   const Spread pf = spread(prefill), dc = spread(decode);
 
   // Forward costs per shape, each relative to the decode step of the same batch.
-  std::fprintf(stderr, "bench: timing decode steps and verify windows (context %lld)\n",
-               static_cast<long long>(a.step_context));
-  const Spread step = time_steps(*model, a.batch, 1, a.step_context, a.step_repeats);
+  std::fprintf(stderr, "bench: timing decode steps and verify windows (context %lld, %s to the host)\n",
+               static_cast<long long>(a.step_context), a.step_output.c_str());
+  const Spread step = time_steps(*model, a.batch, 1, a.step_context, a.step_repeats, step_logits);
   std::vector<Spread> window_times;
   for (int64_t k : windows)
-    window_times.push_back(time_steps(*model, a.batch, k, a.step_context, a.step_repeats));
+    window_times.push_back(
+        time_steps(*model, a.batch, k, a.step_context, a.step_repeats, step_logits));
   // The MTP drafter's round cost, where the config declares the layer: the checkpoint's own
   // (skipped when its tensors are absent), or a random one beside a random-weight model.
   Spread mtp_step;
@@ -330,6 +342,7 @@ void run_bench(const BenchArgs& a) {
     j["roofline_decode_tokens_per_second"] = roofline_tps;
     j["roofline_fraction"] = fraction;
     j["step_context"] = a.step_context;
+    j["step_output"] = a.step_output;
     j["decode_step_seconds"] = to_json(step);
     nlohmann::json w = nlohmann::json::array();
     for (size_t i = 0; i < windows.size(); ++i)
@@ -364,9 +377,9 @@ void run_bench(const BenchArgs& a) {
   std::printf("bytes per step   %.2f MB (weights %.2f MB + KV)\n", step_bytes / 1e6,
               static_cast<double>(model->decode_weight_bytes()) / 1e6);
   std::printf("roofline         %.1f tok/s -> %.0f%% reached\n", roofline_tps, 100 * fraction);
-  std::printf("decode step      %.3f ms (min %.3f, max %.3f), batch %d, context %lld\n",
+  std::printf("decode step      %.3f ms (min %.3f, max %.3f), batch %d, context %lld, %s out\n",
               step.median * 1e3, step.min * 1e3, step.max * 1e3, a.batch,
-              static_cast<long long>(a.step_context));
+              static_cast<long long>(a.step_context), a.step_output.c_str());
   for (size_t i = 0; i < windows.size(); ++i)
     std::printf("verify %2lld tokens %.3f ms (min %.3f, max %.3f) = %.2fx a decode step\n",
                 static_cast<long long>(windows[i]), window_times[i].median * 1e3,
@@ -398,6 +411,10 @@ void add_bench_command(CLI::App& app) {
   sub->add_option("--step-context", a->step_context, "Tokens per row before the timed steps")
       ->capture_default_str();
   sub->add_option("--step-repeats", a->step_repeats, "Timed forwards per shape")
+      ->capture_default_str();
+  sub->add_option("--step-output", a->step_output,
+                  "What a timed step or window hands to the host: tokens (greedy ids picked on "
+                  "the device) or logits (every window token's, as sampling at T > 0 needs)")
       ->capture_default_str();
   sub->add_option("--long-prefill", a->long_prefill,
                   "Prompt length of the prefill timing (0: skip)")

@@ -33,15 +33,19 @@ inline cudaStream_t op_stream() {
 }
 
 // --- Programmatic dependent launch (PDL, sm_90) --------------------------------------------------
-// Every kernel is launched through launch(), which (when pdl_enabled(), opt-in) lets it start
-// while the kernel before it on the stream is still running: its blocks fill multiprocessors as
-// the earlier grid drains. The invariant that makes this safe: a kernel calls pdl_wait() before
-// it reads anything an earlier kernel wrote or writes anything an earlier kernel reads. Only
-// immutable data (weights) may be touched before it.
-// pdl_wait() returns once every earlier kernel has completed and its writes are visible.
-// pdl_release() lets the next kernel be scheduled; kernels call it right after pdl_wait(), so at
-// most two grids overlap. Without PDL (the default, or an earlier op that is not a kernel) both
-// are no-ops and launches serialize as usual.
+// Every kernel is launched through launch(), which (when pdl_enabled(), the default outside
+// prompt prefill) lets it start while the kernel before it on the stream is still running: its
+// blocks fill multiprocessors as the earlier grid drains. The invariant that makes this safe: a
+// kernel calls pdl_wait() before it reads anything an earlier kernel wrote or writes anything an
+// earlier kernel reads. Only immutable data (weights) may be touched before it.
+// pdl_wait() returns once the kernel before it has completed and its writes are visible; that
+// kernel waited on its own predecessor before completing, so every earlier kernel has.
+// pdl_release() lets the next kernel be scheduled. Kernels call it right after pdl_wait(), so at
+// most two grids overlap; the gated norm calls it first (elementwise.cu), so the projection after
+// it can start during the delta rule. Only there: a norm kernel that released first between two
+// projections let the second one's blocks in beside the first and slowed a 4-token verify window
+// from 5.15 to 5.70 ms (BENCHMARKS.md). Without PDL (TANDEM_CUDA_PDL=0, prompt prefill, or an
+// earlier op that is not a kernel) both are no-ops and launches serialize as usual.
 __device__ __forceinline__ void pdl_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
@@ -54,14 +58,15 @@ __device__ __forceinline__ void pdl_release() {
 #endif
 }
 
-// Launches kernel<<<grid, block, smem, op_stream()>>>(args...) with PDL allowed (when
-// pdl_enabled()); `op` names the op in a launch error.
+// Launches kernel<<<grid, block, smem, op_stream()>>>(args...) with PDL allowed when
+// pdl_enabled(), except in prompt prefill, whose kernels alternate with cuBLAS GEMMs that do not
+// take part; `op` names the op in a launch error.
 template <class... Params, class... Args>
 void launch(const char* op, void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
             Args&&... args) {
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = pdl_enabled() ? 1 : 0;
+  attr[0].val.programmaticStreamSerializationAllowed = pdl_enabled() && !prefill_mode() ? 1 : 0;
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = grid;
   cfg.blockDim = block;

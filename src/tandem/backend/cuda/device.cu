@@ -17,13 +17,13 @@
 namespace tandem::cuda {
 
 namespace {
-// Off unless TANDEM_CUDA_PDL=1. On the H200 (BENCHMARKS.md) it speeds a batch-1 decode step up by
-// ~3.5%, whose projections follow one another directly, but not a 4-token verify window, whose
-// projections are separated by norm kernels: the window's cost relative to a step would rise past
-// the 1.15 goal. It also costs ~5% of a 4k-token prefill (its kernels interleave with cuBLAS).
+// On unless TANDEM_CUDA_PDL=0 (prompt prefill never uses it, check.cuh). On the H200
+// (BENCHMARKS.md, 2026-11-30 fifth session) it speeds a batch-1 decode step up from 4.77 to
+// 4.60 ms; a 4-token verify window, whose projections are separated by norm kernels, gains less
+// (5.16 to 5.09 ms with the gated norm releasing first), and stays at 1.11x a step.
 bool pdl_default() {
   const char* v = std::getenv("TANDEM_CUDA_PDL");
-  return v && std::string_view(v) == "1";
+  return !(v && std::string_view(v) == "0");
 }
 bool g_pdl = pdl_default();
 }  // namespace

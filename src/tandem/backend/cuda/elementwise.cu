@@ -164,12 +164,15 @@ __global__ void __launch_bounds__(Threads)
 }
 
 // Grid: one block per row of x, z [m, d]; y may alias x or z (same argument as rms_norm).
+// The kernel releases its dependent before it waits (check.cuh): that dependent is the DeltaNet's
+// output projection, whose blocks then become resident while the delta rule runs, a kernel that
+// leaves the memory bus idle, and issue their first weight loads there.
 template <class Out = float>
 __global__ void __launch_bounds__(kNormThreads)
     gated_rms_norm_kernel(const float* x, const float* z, int64_t d, const float* w, float eps,
                           Out* y) {
-  pdl_wait();
   pdl_release();
+  pdl_wait();
   __shared__ double s_warp[kNormThreads / 32];
   const int64_t row = blockIdx.x;
   const float* xr = x + row * d;

@@ -119,28 +119,6 @@ struct RowNormArgs {
   bool zero_centred;
 };
 
-// Weights never change, so a linear may read them before pdl_wait(): each block first asks L2
-// for the start of its first column group ([cols, K] from row n0), in the order its warps will
-// consume it (chunk by chunk), within a budget shared by the grid that stays well inside L2.
-// With PDL (TANDEM_CUDA_PDL=1) this runs while the previous kernel drains; without it, the weight
-// stream is under way while the block stages its inputs.
-constexpr int64_t kPrefetchBytes = int64_t(16) << 20;
-
-__device__ __forceinline__ void prefetch_first_group(const uint16_t* w, int N, int K, int n0,
-                                                     int cols) {
-  constexpr int kLine = 128;  // bytes: one 64-wide chunk of one weight row
-  const int chunks = (K + kChunk - 1) / kChunk;
-  const int64_t budget = kPrefetchBytes / kLine / gridDim.x;
-  const int lines = static_cast<int>(min(static_cast<int64_t>(cols) * chunks, budget));
-  for (int l = threadIdx.x; l < lines; l += blockDim.x) {
-    const int ch = l / cols, n = n0 + l % cols;
-    if (n < N) {
-      const uint16_t* p = w + static_cast<size_t>(n) * K + static_cast<size_t>(ch) * kChunk;
-      asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
-    }
-  }
-}
-
 // Row stride, in bf16 elements, of the input rows a block stages in shared memory: 16 bytes
 // more than a row, so that rows whose K·2 bytes are a multiple of 128 (every hidden size) start
 // in different banks, and the lanes reading rows 0..3 at one k do not conflict.
@@ -439,7 +417,6 @@ __global__ void __launch_bounds__(Warps * 32)
       load_w(cur, warp);
     }
   }
-  if (blockIdx.x < groups) prefetch_first_group(w, N, K, blockIdx.x * 8 * NT, 8 * NT);
   pdl_wait();
   pdl_release();
   extern __shared__ uint2 x_smem_raw[];
