@@ -188,9 +188,9 @@ TEST(Cli, BenchStepOutput) {
       " --backend cpu --repeats 1 --prompt-tokens 4 --gen-tokens 2 --windows 2 --step-context 8 "
       "--step-repeats 1 --json";
   for (const std::string mode : {"", "tokens", "logits"}) {
-    const CliRun r = run("bench --random-weights " + config + args +
-                             (mode.empty() ? "" : " --step-output " + mode),
-                         false);
+    const CliRun r = run(
+        "bench --random-weights " + config + args + (mode.empty() ? "" : " --step-output " + mode),
+        false);
     ASSERT_EQ(r.code, 0) << r.out;
     const auto j = nlohmann::json::parse(r.out);
     EXPECT_EQ(j["step_output"], mode.empty() ? "tokens" : mode);

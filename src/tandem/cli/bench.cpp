@@ -267,7 +267,8 @@ void run_bench(const BenchArgs& a) {
   const Spread pf = spread(prefill), dc = spread(decode);
 
   // Forward costs per shape, each relative to the decode step of the same batch.
-  std::fprintf(stderr, "bench: timing decode steps and verify windows (context %lld, %s to the host)\n",
+  std::fprintf(stderr,
+               "bench: timing decode steps and verify windows (context %lld, %s to the host)\n",
                static_cast<long long>(a.step_context), a.step_output.c_str());
   const Spread step = time_steps(*model, a.batch, 1, a.step_context, a.step_repeats, step_logits);
   std::vector<Spread> window_times;
