@@ -1965,6 +1965,34 @@ TEST_F(CudaBatchInvariance, RecurrentRowsEqualSingleRowCalls) {
   }
 }
 
+// A call whose rows all hold one token (a decode step; max_n == 1) runs the delta rule's
+// single-token kernel: every row's output and states must still be bitwise the chunked
+// single-row op's, with and without per-token states, beside idle rows, at the decode and the
+// prefill lane counts (the second shape's dk 160 pads to 256; the third's dv 6 keeps the chunked
+// kernel, whose 4-byte staging the single-token kernel does not replace).
+TEST_F(CudaBatchInvariance, SingleTokenRowsEqualSingleRowCalls) {
+  const RowsLayout layouts[] = {
+      rows_layout({1, 1, 1, 0, 1}, {true, false, false, false, true}, {3, 0, 4, 2, 1}),
+      rows_layout({1, 0, 1, 1, 1}, {false, true, true, false, false}, {0, 1, 2, 3, 4})};
+  const RecurrentShape shapes[] = {kRowsShapes[0], kRowsShapes[2], kRowsShapes[1]};
+  for (const RecurrentShape& s : shapes) {
+    for (bool prefill : {false, true}) {
+      std::mt19937 rng(static_cast<uint32_t>(229 + s.channels + s.h.dk + prefill));
+      RecurrentBatch B = recurrent_batch(s, 4, 5, rng);
+      for (size_t i = 0; i < std::size(layouts); ++i) {
+        const std::string what = shape_name(s) + ", layout " + std::to_string(i) + ", prefill " +
+                                 std::to_string(prefill);
+        load(B, layouts[i], rng);
+        cuda::set_prefill(prefill);
+        run_rows(B);
+        expect_rows_equal_single_calls(B, what);
+        cuda::set_prefill(false);
+        expect_rows_near_cpu(B, what);
+      }
+    }
+  }
+}
+
 // The batched ops captured into a CUDA graph once and replayed after the descriptors (and inputs)
 // changed under it: other row lengths, token order, states and per-token-state choices, and an
 // idle row (n = 0, whose states must stay as they were). Each replay gives the single-row bits.

@@ -492,6 +492,114 @@ __global__ void __launch_bounds__(kDeltaThreads, 1)
     delta_rule_row<DK, L, false>(ch, g, row);
 }
 
+// Decode steps: every row of the call holds one token (max_n == 1). The same grid, lanes and
+// per-token arithmetic as delta_rule_row on a single token, hence the same bits, without its chunk
+// machinery (no shared-memory staging, no barrier): each lane reads its own rows of q and k and
+// its column's v, a and b straight from memory (L2: the conv has just written them). The squared
+// norms of q and k are taken by the first 2G lanes of every warp in delta_normalise's order (G
+// lanes per vector summing float4s G·m + lane, the same xor shuffles) and broadcast.
+// Why a kernel of its own: a decode step's delta rule is one token of latency-bound arithmetic;
+// the chunked kernel's staging, two barriers and cp.async waits are fixed cost on that path. On
+// the H200 a batch-1 step got 46 µs faster (~1.9 µs per layer, BENCHMARKS.md).
+template <int DK, int L>
+__global__ void __launch_bounds__(kDeltaThreads, 1)
+    gated_delta_rule_decode_kernel(const DeltaArgs g, const ops::RecurrentRow* __restrict__ rows) {
+  pdl_wait();
+  pdl_release();
+  constexpr int ROWS = DK / L;                                     // of the column, per lane
+  constexpr int COLS = kDeltaThreads / L;                          // columns per block
+  constexpr int G = kDeltaThreads / (2 * delta_chunk_tokens(DK));  // delta_normalise's lanes
+  constexpr int F = DK / 4 / G;                                    // float4s per vector lane
+  const ops::RecurrentRow row = rows[blockIdx.z];
+  if (row.n <= 0) return;  // an idle row
+  const int tid = threadIdx.x;
+  const int lane = tid % 32;
+  const int s = lane % L;
+  const int col = (tid / 32) * (32 / L) + lane / L;
+  const int64_t vh = blockIdx.y;
+  const int64_t kh = vh / (g.n_v_heads / g.n_k_heads);
+  const int64_t j = int64_t(blockIdx.x) * COLS + col;
+  const bool column = j < g.dv;
+  const int64_t t = row.first_token;
+  float* S = row.state + vh * g.dk * g.dv;  // [dk, dv] of this head
+  float Sr[ROWS];
+#pragma unroll
+  for (int m = 0; m < ROWS / 4; ++m)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int i = 4 * L * m + 4 * s + e;
+      Sr[4 * m + e] = column && i < g.dk ? S[i * g.dv + j] : 0.0f;
+    }
+  const float4 zero = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  const float4* q4 = reinterpret_cast<const float4*>(g.q + t * g.qk_stride + kh * g.dk);
+  const float4* k4 = reinterpret_cast<const float4*>(g.k + t * g.qk_stride + kh * g.dk);
+  const int f4 = g.dk / 4;  // float4s of a vector; those past it are delta_normalise's zero rows
+  float kk[ROWS], qq[ROWS];
+#pragma unroll
+  for (int m = 0; m < ROWS / 4; ++m) {
+    const int f = L * m + s;
+    const float4 kr = f < f4 ? k4[f] : zero, qr = f < f4 ? q4[f] : zero;
+    kk[4 * m] = kr.x, kk[4 * m + 1] = kr.y, kk[4 * m + 2] = kr.z, kk[4 * m + 3] = kr.w;
+    qq[4 * m] = qr.x, qq[4 * m + 1] = qr.y, qq[4 * m + 2] = qr.z, qq[4 * m + 3] = qr.w;
+  }
+  // ‖q‖², ‖k‖²: lanes 0..G-1 take q, lanes G..2G-1 take k (the rest repeat them, unused).
+  const bool is_q = (lane / G) % 2 == 0;
+  const float4* x4 = is_q ? q4 : k4;
+  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+  for (int m = 0; m < F; ++m) {
+    const int f = G * m + lane % G;
+    const float4 r = f < f4 ? x4[f] : zero;
+    acc[0] = fmaf(r.x, r.x, acc[0]);
+    acc[1] = fmaf(r.y, r.y, acc[1]);
+    acc[2] = fmaf(r.z, r.z, acc[2]);
+    acc[3] = fmaf(r.w, r.w, acc[3]);
+  }
+  float ss = (acc[0] + acc[1]) + (acc[2] + acc[3]);
+#pragma unroll
+  for (int offset = 1; offset < G; offset *= 2) ss += __shfl_xor_sync(kFullMask, ss, offset);
+  const float inv = (is_q ? g.q_scale : 1.0f) / sqrtf(ss + 1e-6f);
+  const float inv_q = __shfl_sync(kFullMask, inv, 0), inv_k = __shfl_sync(kFullMask, inv, G);
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) {
+    kk[r] = kk[r] * inv_k;
+    qq[r] = qq[r] * inv_q;
+  }
+  const float A = -expf(g.A_log[vh]);
+  const float decay = expf(A * softplus(g.a[t * g.n_v_heads + vh] + g.dt_bias[vh]));
+  const float beta = 1.0f / (1.0f + expf(-g.b[t * g.n_v_heads + vh]));
+  const float vj = column ? g.v[t * g.v_stride + vh * g.dv + j] : 0.0f;
+
+  float kacc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) {
+    Sr[r] *= decay;
+    kacc[r % 4] = fmaf(Sr[r], kk[r], kacc[r % 4]);
+  }
+  const float kv = column_sum<L>((kacc[0] + kacc[1]) + (kacc[2] + kacc[3]));
+  const float u = (vj - kv) * beta;
+  float oacc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) {
+    Sr[r] = fmaf(kk[r], u, Sr[r]);
+    oacc[r % 4] = fmaf(Sr[r], qq[r], oacc[r % 4]);
+  }
+  const float o = column_sum<L>((oacc[0] + oacc[1]) + (oacc[2] + oacc[3]));
+  if (!column) return;  // after the shuffles, which every lane joins
+  if (s == 0) g.out[(t * g.n_v_heads + vh) * g.dv + j] = o;
+  float* after = row.state_after ? row.state_after + vh * g.dk * g.dv : nullptr;
+#pragma unroll
+  for (int m = 0; m < ROWS / 4; ++m)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int i = 4 * L * m + 4 * s + e;
+      if (i < g.dk) {
+        S[i * g.dv + j] = Sr[4 * m + e];
+        if (after) after[i * g.dv + j] = Sr[4 * m + e];
+      }
+    }
+}
+
 // The shape and weight checks both delta entries make.
 void check_delta_shape(const ops::DeltaHeads& h, const ops::WeightRef& A_log,
                        const ops::WeightRef& dt_bias, const char* op) {
@@ -623,9 +731,14 @@ void gated_delta_rule_rows(const float* q, const float* k, const float* v, const
   check_rows(rows, n_rows, max_n, "gated_delta_rule_rows");
   if (n_rows == 0 || max_n == 0) return;
   const DeltaArgs g = delta_args(q, k, v, a, b, A_log, dt_bias, h, out);
+  // One token per row (decode steps): the single-token kernel, whose bits are the chunked
+  // kernel's (it reads q and k as float4s, hence only where those are 16-byte aligned).
+  const bool single_tokens = max_n == 1 && g.copy16;
   with_delta_layout(h.dk, [&](auto DK, auto L) {
     constexpr int dk_padded = decltype(DK)::value, lanes = decltype(L)::value;
-    launch("gated_delta_rule_rows", gated_delta_rule_rows_kernel<dk_padded, lanes>,
+    const auto kernel = single_tokens ? gated_delta_rule_decode_kernel<dk_padded, lanes>
+                                      : gated_delta_rule_rows_kernel<dk_padded, lanes>;
+    launch("gated_delta_rule_rows", kernel,
            delta_grid(h, lanes, static_cast<unsigned>(n_rows), "gated_delta_rule_rows"),
            kDeltaThreads, 0, g, rows);
   });
