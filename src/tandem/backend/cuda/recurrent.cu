@@ -291,6 +291,51 @@ __device__ void delta_stage(Chunk& ch, const DeltaArgs& g, int64_t kh, int64_t v
   }
 }
 
+// The per-token pieces both delta kernels run (the order above), so a token's bits cannot depend
+// on which kernel ran it.
+// ‖x‖² of a vector whose F float4s r (those of one of its G lanes) are summed by component, then
+// over the G lanes (every lane of the warp joins the shuffles).
+template <int G, int F>
+__device__ __forceinline__ float squared_norm(const float4 (&r)[F]) {
+  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+  for (int m = 0; m < F; ++m) {
+    acc[0] = fmaf(r[m].x, r[m].x, acc[0]);
+    acc[1] = fmaf(r[m].y, r[m].y, acc[1]);
+    acc[2] = fmaf(r[m].z, r[m].z, acc[2]);
+    acc[3] = fmaf(r[m].w, r[m].w, acc[3]);
+  }
+  return column_sum<G>((acc[0] + acc[1]) + (acc[2] + acc[3]));
+}
+__device__ __forceinline__ float delta_decay(float A, float a, float bias) {
+  return expf(A * softplus(a + bias));
+}
+__device__ __forceinline__ float delta_beta(float b) {
+  return 1.0f / (1.0f + expf(-b));
+}
+// One token's recurrence on a lane's ROWS entries of its column's state, given that lane's
+// entries of k̂ and q̂: returns the lane's share of the output, which column_sum<L> completes.
+template <int ROWS, int L>
+__device__ __forceinline__ float delta_token(float (&Sr)[ROWS], const float (&kk)[ROWS],
+                                             const float (&qq)[ROWS], float decay, float beta,
+                                             float vj) {
+  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) {
+    Sr[r] *= decay;
+    acc[r % 4] = fmaf(Sr[r], kk[r], acc[r % 4]);
+  }
+  const float kv = column_sum<L>((acc[0] + acc[1]) + (acc[2] + acc[3]));
+  const float u = (vj - kv) * beta;
+  float oacc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) {
+    Sr[r] = fmaf(kk[r], u, Sr[r]);
+    oacc[r % 4] = fmaf(Sr[r], qq[r], oacc[r % 4]);
+  }
+  return (oacc[0] + oacc[1]) + (oacc[2] + oacc[3]);
+}
+
 // L2-normalises the first `count` tokens' q and k in place (G lanes per vector, see the order
 // above) and replaces raw a, b with decay and beta. Every lane runs the shuffles.
 template <class Chunk>
@@ -305,27 +350,17 @@ __device__ void delta_normalise(Chunk& ch, int count, float q_scale, float A, fl
   const bool live = p < count;
   float4* x = reinterpret_cast<float4*>(ch.qk[which][p]);
   float4 r[F];
-  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
-  for (int m = 0; m < F; ++m) {
-    r[m] = live ? x[G * m + s] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    acc[0] = fmaf(r[m].x, r[m].x, acc[0]);
-    acc[1] = fmaf(r[m].y, r[m].y, acc[1]);
-    acc[2] = fmaf(r[m].z, r[m].z, acc[2]);
-    acc[3] = fmaf(r[m].w, r[m].w, acc[3]);
-  }
-  float ss = (acc[0] + acc[1]) + (acc[2] + acc[3]);
-#pragma unroll
-  for (int offset = 1; offset < G; offset *= 2) ss += __shfl_xor_sync(kFullMask, ss, offset);
-  const float inv = (which == 0 ? q_scale : 1.0f) / sqrtf(ss + 1e-6f);
+  for (int m = 0; m < F; ++m) r[m] = live ? x[G * m + s] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  const float inv = (which == 0 ? q_scale : 1.0f) / sqrtf(squared_norm<G, F>(r) + 1e-6f);
   if (live) {
 #pragma unroll
     for (int m = 0; m < F; ++m)
       x[G * m + s] = make_float4(r[m].x * inv, r[m].y * inv, r[m].z * inv, r[m].w * inv);
   }
   if (tid < count) {
-    ch.decay[tid] = expf(A * softplus(ch.decay[tid] + bias));
-    ch.beta[tid] = 1.0f / (1.0f + expf(-ch.beta[tid]));
+    ch.decay[tid] = delta_decay(A, ch.decay[tid], bias);
+    ch.beta[tid] = delta_beta(ch.beta[tid]);
   }
 }
 
@@ -415,21 +450,7 @@ __device__ __forceinline__ void delta_rule_row(DeltaChunks<DK, L>& ch, const Del
       const float o_prev = column_sum<L>(o_part);
       if (o_token >= 0 && s == 0 && column) g.out[(o_token * g.n_v_heads + vh) * g.dv + j] = o_prev;
 
-      float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-      for (int r = 0; r < ROWS; ++r) {
-        Sr[r] *= decay;
-        acc[r % 4] = fmaf(Sr[r], kk[r], acc[r % 4]);
-      }
-      const float kv = column_sum<L>((acc[0] + acc[1]) + (acc[2] + acc[3]));
-      const float u = (vj - kv) * beta;
-      float oacc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-      for (int r = 0; r < ROWS; ++r) {
-        Sr[r] = fmaf(kk[r], u, Sr[r]);
-        oacc[r % 4] = fmaf(Sr[r], qq[r], oacc[r % 4]);
-      }
-      o_part = (oacc[0] + oacc[1]) + (oacc[2] + oacc[3]);
+      o_part = delta_token<ROWS, L>(Sr, kk, qq, decay, beta, vj);
       o_token = t0 + p;
       if constexpr (AFTER) {
         if (column) {
@@ -545,20 +566,13 @@ __global__ void __launch_bounds__(kDeltaThreads, 1)
   // ‖q‖², ‖k‖²: lanes 0..G-1 take q, lanes G..2G-1 take k (the rest repeat them, unused).
   const bool is_q = (lane / G) % 2 == 0;
   const float4* x4 = is_q ? q4 : k4;
-  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  float4 r[F];
 #pragma unroll
   for (int m = 0; m < F; ++m) {
     const int f = G * m + lane % G;
-    const float4 r = f < f4 ? x4[f] : zero;
-    acc[0] = fmaf(r.x, r.x, acc[0]);
-    acc[1] = fmaf(r.y, r.y, acc[1]);
-    acc[2] = fmaf(r.z, r.z, acc[2]);
-    acc[3] = fmaf(r.w, r.w, acc[3]);
+    r[m] = f < f4 ? x4[f] : zero;
   }
-  float ss = (acc[0] + acc[1]) + (acc[2] + acc[3]);
-#pragma unroll
-  for (int offset = 1; offset < G; offset *= 2) ss += __shfl_xor_sync(kFullMask, ss, offset);
-  const float inv = (is_q ? g.q_scale : 1.0f) / sqrtf(ss + 1e-6f);
+  const float inv = (is_q ? g.q_scale : 1.0f) / sqrtf(squared_norm<G, F>(r) + 1e-6f);
   const float inv_q = __shfl_sync(kFullMask, inv, 0), inv_k = __shfl_sync(kFullMask, inv, G);
 #pragma unroll
   for (int r = 0; r < ROWS; ++r) {
@@ -566,25 +580,10 @@ __global__ void __launch_bounds__(kDeltaThreads, 1)
     qq[r] = qq[r] * inv_q;
   }
   const float A = -expf(g.A_log[vh]);
-  const float decay = expf(A * softplus(g.a[t * g.n_v_heads + vh] + g.dt_bias[vh]));
-  const float beta = 1.0f / (1.0f + expf(-g.b[t * g.n_v_heads + vh]));
+  const float decay = delta_decay(A, g.a[t * g.n_v_heads + vh], g.dt_bias[vh]);
+  const float beta = delta_beta(g.b[t * g.n_v_heads + vh]);
   const float vj = column ? g.v[t * g.v_stride + vh * g.dv + j] : 0.0f;
-
-  float kacc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-  for (int r = 0; r < ROWS; ++r) {
-    Sr[r] *= decay;
-    kacc[r % 4] = fmaf(Sr[r], kk[r], kacc[r % 4]);
-  }
-  const float kv = column_sum<L>((kacc[0] + kacc[1]) + (kacc[2] + kacc[3]));
-  const float u = (vj - kv) * beta;
-  float oacc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-  for (int r = 0; r < ROWS; ++r) {
-    Sr[r] = fmaf(kk[r], u, Sr[r]);
-    oacc[r % 4] = fmaf(Sr[r], qq[r], oacc[r % 4]);
-  }
-  const float o = column_sum<L>((oacc[0] + oacc[1]) + (oacc[2] + oacc[3]));
+  const float o = column_sum<L>(delta_token<ROWS, L>(Sr, kk, qq, decay, beta, vj));
   if (!column) return;  // after the shuffles, which every lane joins
   if (s == 0) g.out[(t * g.n_v_heads + vh) * g.dv + j] = o;
   float* after = row.state_after ? row.state_after + vh * g.dk * g.dv : nullptr;
