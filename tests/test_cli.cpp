@@ -153,13 +153,16 @@ TEST(Cli, BackendSelection) {
   expect_error(run("bench --model " + m + " --backend cpu --windows 1"), "--windows");
 }
 
+// A small random-weight bench shape and the quickest bench that still times every figure.
+const std::string kBenchConfig = std::string(TANDEM_SOURCE_DIR) + "/bench/configs/qwen35-15m.json";
+const std::string kQuickBench =
+    " --backend cpu --repeats 1 --prompt-tokens 4 --gen-tokens 2 --windows 2 --step-context 8 "
+    "--step-repeats 1 --json";
+
 // bench --random-weights times the MTP draft step with a random MTP layer when the config
 // declares one (the bench configs do), and reports no MTP figures when it declares none.
 TEST(Cli, BenchRandomWeightsTimesARandomMtpLayer) {
-  const std::string config = std::string(TANDEM_SOURCE_DIR) + "/bench/configs/qwen35-15m.json";
-  const std::string args =
-      " --backend cpu --repeats 1 --prompt-tokens 4 --gen-tokens 2 --windows 2 --step-context 8 "
-      "--step-repeats 1 --json";
+  const std::string config = kBenchConfig, args = kQuickBench;
   const CliRun r = run("bench --random-weights " + config + args, false);
   ASSERT_EQ(r.code, 0) << r.out;
   const auto j = nlohmann::json::parse(r.out);
@@ -183,10 +186,7 @@ TEST(Cli, BenchRandomWeightsTimesARandomMtpLayer) {
 // bench's timed steps hand the host either the greedy tokens (the default, as greedy decoding
 // runs) or every window token's logits; the JSON says which, and other values are refused.
 TEST(Cli, BenchStepOutput) {
-  const std::string config = std::string(TANDEM_SOURCE_DIR) + "/bench/configs/qwen35-15m.json";
-  const std::string args =
-      " --backend cpu --repeats 1 --prompt-tokens 4 --gen-tokens 2 --windows 2 --step-context 8 "
-      "--step-repeats 1 --json";
+  const std::string config = kBenchConfig, args = kQuickBench;
   for (const std::string mode : {"", "tokens", "logits"}) {
     const CliRun r = run(
         "bench --random-weights " + config + args + (mode.empty() ? "" : " --step-output " + mode),
