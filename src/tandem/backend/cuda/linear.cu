@@ -367,8 +367,12 @@ __device__ __forceinline__ void finish_group(float (&partial)[Warps][Tiles][NT][
 // With one m-tile (decode and verify shapes) the weights of the next chunks are loaded before the
 // current ones are multiplied, which doubles the bytes each warp keeps in flight; without F32X
 // the first group's first weights are loaded before the kernel waits on its inputs.
+// Registers: with two m-tiles (17..32 rows, e.g. a decode step of 32 rows) the kernel declares a
+// minimum of one block per SM, which lets ptxas give it ~124 registers instead of ~100: 32 rows
+// ran 14% faster on the H200 (BENCHMARKS.md). The other tile counts keep ptxas's default budget
+// (0: no minimum), which measured best for them (one tile: batch 1; four: 64-row windows).
 template <int Warps, int Tiles, int NT, bool F32X = false, bool SwiGLU = false>
-__global__ void __launch_bounds__(Warps * 32)
+__global__ void __launch_bounds__(Warps * 32, Tiles == 2 ? 1 : 0)
     linear_mma_wide_kernel(const void* __restrict__ xin, int m, const uint16_t* __restrict__ w,
                            int N, int K, const SplitOut y, const RowNormArgs norm) {
   static_assert(!SwiGLU || NT % 2 == 0, "SwiGLU pairs need an even number of n-tiles");
