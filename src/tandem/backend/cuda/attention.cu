@@ -520,4 +520,6 @@ void attention(const ops::KVLayerView& kv, const int32_t* block_table, const int
   }
 }
 
+TANDEM_CUDA_TRACE_UNIT(attention)
+
 }  // namespace tandem::cuda

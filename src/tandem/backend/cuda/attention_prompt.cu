@@ -336,4 +336,6 @@ void attention_prompt(const float* q, const float* k, const float* v, int64_t n,
   }
 }
 
+TANDEM_CUDA_TRACE_UNIT(attention_prompt)
+
 }  // namespace tandem::cuda

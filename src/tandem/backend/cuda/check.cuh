@@ -19,6 +19,8 @@
                      cudaGetErrorString(tandem_cuda_err_));      \
   } while (0)
 
+#include "tandem/backend/cuda/trace.cuh"
+
 namespace tandem::cuda {
 
 // Called right after a kernel launch: reports a bad launch configuration at once, and any
@@ -50,6 +52,9 @@ __device__ __forceinline__ void pdl_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
+#if TANDEM_CUDA_TRACE
+  trace_mark();
+#endif
 }
 
 __device__ __forceinline__ void pdl_release() {
@@ -64,6 +69,9 @@ __device__ __forceinline__ void pdl_release() {
 template <class... Params, class... Args>
 void launch(const char* op, void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
             Args&&... args) {
+#if TANDEM_CUDA_TRACE
+  trace_register_dump();
+#endif
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = pdl_enabled() && !prefill_mode() ? 1 : 0;

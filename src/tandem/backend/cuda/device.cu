@@ -5,7 +5,9 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstdlib>
+#include <exception>
 #include <string_view>
 #include <vector>
 
@@ -277,5 +279,94 @@ double copy_bandwidth(size_t bytes) {
   std::sort(rates.begin(), rates.end());
   return rates[rates.size() / 2];
 }
+
+TANDEM_CUDA_TRACE_UNIT(device)
+
+#if TANDEM_CUDA_TRACE
+// Every unit that defines kernels names itself with TANDEM_CUDA_TRACE_UNIT; a unit missing here
+// would simply be absent from the timeline.
+void trace_collect_attention(std::vector<KernelMark>&, uint64_t&);
+void trace_clear_attention();
+void trace_collect_attention_prompt(std::vector<KernelMark>&, uint64_t&);
+void trace_clear_attention_prompt();
+void trace_collect_elementwise(std::vector<KernelMark>&, uint64_t&);
+void trace_clear_elementwise();
+void trace_collect_linear(std::vector<KernelMark>&, uint64_t&);
+void trace_clear_linear();
+void trace_collect_recurrent(std::vector<KernelMark>&, uint64_t&);
+void trace_clear_recurrent();
+void trace_collect_sampling(std::vector<KernelMark>&, uint64_t&);
+void trace_clear_sampling();
+
+namespace {
+
+std::vector<KernelMark> gather_marks(uint64_t& dropped) {
+  synchronize();
+  std::vector<KernelMark> marks;
+  trace_collect_attention(marks, dropped);
+  trace_collect_attention_prompt(marks, dropped);
+  trace_collect_device(marks, dropped);
+  trace_collect_elementwise(marks, dropped);
+  trace_collect_linear(marks, dropped);
+  trace_collect_recurrent(marks, dropped);
+  trace_collect_sampling(marks, dropped);
+  std::stable_sort(marks.begin(), marks.end(),
+                   [](const KernelMark& a, const KernelMark& b) { return a.ns < b.ns; });
+  return marks;
+}
+
+// At exit: "unit ns grid_x grid_y grid_z block" per line to $TANDEM_CUDA_TRACE_OUT. Errors go to
+// stderr; an exit handler must not throw.
+void dump_marks_at_exit() {
+  const char* path = std::getenv("TANDEM_CUDA_TRACE_OUT");
+  if (path == nullptr) return;
+  try {
+    uint64_t dropped = 0;
+    const std::vector<KernelMark> marks = gather_marks(dropped);
+    std::FILE* f = std::fopen(path, "w");
+    if (f == nullptr) {
+      std::fprintf(stderr, "tandem: cannot write the kernel timeline to %s\n", path);
+      return;
+    }
+    for (const KernelMark& m : marks)
+      std::fprintf(f, "%s %llu %u %u %u %u\n", m.unit, static_cast<unsigned long long>(m.ns),
+                   m.grid[0], m.grid[1], m.grid[2], m.block);
+    std::fclose(f);
+    std::fprintf(stderr, "tandem: %zu kernel marks written to %s", marks.size(), path);
+    if (dropped > 0) std::fprintf(stderr, " (%llu dropped: buffer full)", 
+                                  static_cast<unsigned long long>(dropped));
+    std::fprintf(stderr, "\n");
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "tandem: kernel timeline: %s\n", e.what());
+  }
+}
+
+}  // namespace
+
+void trace_register_dump() {
+  static const bool registered = [] { return std::atexit(dump_marks_at_exit) == 0; }();
+  (void)registered;
+}
+
+std::vector<KernelMark> kernel_marks() {
+  uint64_t dropped = 0;
+  std::vector<KernelMark> marks = gather_marks(dropped);
+  if (dropped > 0)
+    fail("kernel_marks: ", dropped, " marks were dropped (", kTraceCapacity,
+         " per unit); clear_kernel_marks() more often");
+  return marks;
+}
+
+void clear_kernel_marks() {
+  synchronize();
+  trace_clear_attention();
+  trace_clear_attention_prompt();
+  trace_clear_device();
+  trace_clear_elementwise();
+  trace_clear_linear();
+  trace_clear_recurrent();
+  trace_clear_sampling();
+}
+#endif
 
 }  // namespace tandem::cuda

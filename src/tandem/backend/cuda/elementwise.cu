@@ -442,4 +442,6 @@ void rope(float* x, int64_t n_tokens, int64_t n_heads, int64_t head_dim, int64_t
          n_heads, head_dim, half, positions, inv_freq);
 }
 
+TANDEM_CUDA_TRACE_UNIT(elementwise)
+
 }  // namespace tandem::cuda

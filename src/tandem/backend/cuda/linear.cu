@@ -941,4 +941,6 @@ void swiglu_mlp_add(const float* x, int64_t m, const ops::WeightRef& gate_up,
   linear_mma_bf16(a, m, down, split_out(&residual, 1, down.rows, /*accumulate=*/true));
 }
 
+TANDEM_CUDA_TRACE_UNIT(linear)
+
 }  // namespace tandem::cuda

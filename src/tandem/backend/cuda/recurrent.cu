@@ -743,4 +743,6 @@ void gated_delta_rule_rows(const float* q, const float* k, const float* v, const
   });
 }
 
+TANDEM_CUDA_TRACE_UNIT(recurrent)
+
 }  // namespace tandem::cuda

@@ -119,4 +119,6 @@ void argmax_rows(const float* logits, int64_t rows, int64_t V, int32_t* out) {
   }
 }
 
+TANDEM_CUDA_TRACE_UNIT(sampling)
+
 }  // namespace tandem::cuda

@@ -1,0 +1,74 @@
+#!/usr/bin/env python3
+"""Per-kernel share of a decode step, from a kernel timeline.
+
+A diagnostic build (cmake -DTANDEM_CUDA_TRACE=ON) run with TANDEM_CUDA_TRACE_OUT=FILE writes one
+line per kernel at exit: "unit ns grid_x grid_y grid_z block", where ns is when the kernel's first
+block passed its PDL wait, i.e. when the kernel before it completed. The time from one mark to the
+next is therefore the kernel's share of the critical path.
+
+Steps are cut after each kernel of END_UNIT (default "sampling": greedy decoding's argmax ends
+every step). The most common step (same kernels in the same order) is summarised: the median
+share of every kernel in it, and per kernel kind (unit and launch shape) the count and total.
+
+  TANDEM_CUDA_TRACE_OUT=/tmp/marks.txt ./build-trace/tandem bench --backend cuda \\
+      --random-weights bench/configs/qwen35-9b.json --gen-tokens 64 --repeats 1
+  tools/kernel_timeline.py /tmp/marks.txt [--end-unit sampling] [--positions]
+"""
+import argparse
+import collections
+import statistics
+import sys
+
+
+def read_marks(path):
+    marks = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            parts = line.split()
+            if len(parts) != 6:
+                sys.exit(f"{path}:{n}: expected 'unit ns gx gy gz block', got {line.strip()!r}")
+            unit, ns, gx, gy, gz, block = parts
+            marks.append((int(ns), f"{unit}:{gx}x{gy}x{gz}/{block}"))
+    marks.sort()
+    return marks
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("marks", help="file written through TANDEM_CUDA_TRACE_OUT")
+    ap.add_argument("--end-unit", default="sampling", help="unit whose kernel ends a step")
+    ap.add_argument("--positions", action="store_true", help="also list every kernel of the step")
+    args = ap.parse_args()
+
+    marks = read_marks(args.marks)
+    ends = [i for i, (_, kind) in enumerate(marks) if kind.startswith(args.end_unit + ":")]
+    if len(ends) < 2:
+        sys.exit(f"fewer than two '{args.end_unit}' kernels among {len(marks)} marks: no step")
+    steps = [marks[a + 1 : b + 1] for a, b in zip(ends, ends[1:])]
+    signature, count = collections.Counter(
+        tuple(kind for _, kind in s) for s in steps).most_common(1)[0]
+    chosen = [s for s in steps if tuple(kind for _, kind in s) == signature]
+    n = len(signature)
+    print(f"{len(marks)} marks; {len(steps)} steps; the most common one ({n} kernels) "
+          f"occurs {count} times")
+    # Kernel i's share: from its own mark to the next one (the last kernel's share is the gap
+    # to the next step's first mark, which includes the host's work between steps).
+    share = [[(s[i + 1][0] - s[i][0]) / 1e3 for s in chosen] for i in range(n - 1)]
+    span = statistics.median((s[-1][0] - s[0][0]) / 1e3 for s in chosen)
+    gaps = [(marks[a + 1][0] - marks[a][0]) / 1e3 for a in ends[:-1]]
+    print(f"first to last mark of a step: {span:.1f} us (median); "
+          f"step end to the next step's first kernel: {statistics.median(gaps):.1f} us")
+    medians = [statistics.median(v) for v in share]
+    if args.positions:
+        for i, m in enumerate(medians):
+            print(f"{i:4d} {signature[i]:<45} {m:9.2f} us")
+    kinds = collections.defaultdict(list)
+    for i, m in enumerate(medians):
+        kinds[signature[i]].append(m)
+    print(f"{'kernel (unit:grid/block)':<45} {'count':>5} {'total us':>9} {'mean us':>8}")
+    for kind, v in sorted(kinds.items(), key=lambda kv: -sum(kv[1])):
+        print(f"{kind:<45} {len(v):5d} {sum(v):9.1f} {sum(v) / len(v):8.2f}")
+
+
+if __name__ == "__main__":
+    main()
