@@ -16,9 +16,9 @@ TEST_F(CudaTrace, EveryKernelLeavesOneMarkInLaunchOrder) {
   DeviceBuffer<float> x(logits), y(logits);
   DeviceBuffer<int32_t> picked(kRows);
   cuda::clear_kernel_marks();
-  cuda::add_inplace(x.get(), y.get(), kRows * kVocab);                   // elementwise.cu
-  cuda::argmax_rows(x.get(), kRows, kVocab, picked.get());               // sampling.cu
-  cuda::copy_rows(y.get(), kVocab, x.get(), kVocab, kRows, kVocab);      // device.cu
+  cuda::add_inplace(x.get(), y.get(), kRows * kVocab);               // elementwise.cu
+  cuda::argmax_rows(x.get(), kRows, kVocab, picked.get());           // sampling.cu
+  cuda::copy_rows(y.get(), kVocab, x.get(), kVocab, kRows, kVocab);  // device.cu
   const std::vector<cuda::KernelMark> marks = cuda::kernel_marks();
   ASSERT_EQ(marks.size(), 3u);
   EXPECT_STREQ(marks[0].unit, "elementwise");

@@ -39,21 +39,6 @@ void copy_to_host(void* dst, const void* src, size_t bytes);    // device → ho
 void copy_on_device(void* dst, const void* src, size_t bytes);  // device → device, async
 void fill_zero(void* p, size_t bytes);                          // async
 void synchronize();  // waits for the stream; throws with the first kernel error
-
-#if TANDEM_CUDA_TRACE
-// --- Kernel timeline (diagnostic builds: cmake -DTANDEM_CUDA_TRACE=ON; backend/cuda/trace.cuh) ---
-// One mark per kernel: when its first block passed pdl_wait(), and its launch shape.
-struct KernelMark {
-  const char* unit;  // the .cu file that holds the kernel ("linear", "recurrent", ...)
-  uint64_t ns;       // global timer
-  unsigned grid[3];
-  unsigned block;
-};
-// Every mark since the last clear, in time order; synchronizes. Throws if any unit's buffer
-// overflowed, naming how many marks were dropped.
-std::vector<KernelMark> kernel_marks();
-void clear_kernel_marks();  // synchronizes
-#endif
 void* stream();      // the cudaStream_t every op uses
 
 // Uploads `n` fp32 values converted to bf16 (round to nearest even).
@@ -151,5 +136,20 @@ void copy_rows(float* dst, int64_t dst_stride, const float* src, int64_t src_str
 // out[r] = the lowest index of the maximum of logits[r, :V] ignoring -inf; -1 when the row holds a
 // NaN or +inf or only -inf (the caller reports it).
 void argmax_rows(const float* logits, int64_t rows, int64_t V, int32_t* out);
+
+#if TANDEM_CUDA_TRACE
+// --- Kernel timeline (diagnostic builds: cmake -DTANDEM_CUDA_TRACE=ON; backend/cuda/trace.cuh) ---
+// One mark per kernel: when its first block passed pdl_wait(), and its launch shape.
+struct KernelMark {
+  const char* unit;  // the .cu file that holds the kernel ("linear", "recurrent", ...)
+  uint64_t ns;       // global timer
+  unsigned grid[3];
+  unsigned block;
+};
+// Every mark since the last clear, in time order; synchronizes. Throws if any unit's buffer
+// overflowed, naming how many marks were dropped.
+std::vector<KernelMark> kernel_marks();
+void clear_kernel_marks();  // synchronizes
+#endif
 
 }  // namespace tandem::cuda

@@ -333,8 +333,9 @@ void dump_marks_at_exit() {
                    m.grid[0], m.grid[1], m.grid[2], m.block);
     std::fclose(f);
     std::fprintf(stderr, "tandem: %zu kernel marks written to %s", marks.size(), path);
-    if (dropped > 0) std::fprintf(stderr, " (%llu dropped: buffer full)", 
-                                  static_cast<unsigned long long>(dropped));
+    if (dropped > 0)
+      std::fprintf(stderr, " (%llu dropped: buffer full)",
+                   static_cast<unsigned long long>(dropped));
     std::fprintf(stderr, "\n");
   } catch (const std::exception& e) {
     std::fprintf(stderr, "tandem: kernel timeline: %s\n", e.what());

@@ -48,25 +48,25 @@ __device__ __forceinline__ void trace_mark() {
 void trace_register_dump();
 
 // Appends this unit's marks to `out` (the count of marks it had to drop goes to `dropped`).
-#define TANDEM_CUDA_TRACE_UNIT(name)                                                            \
-  void trace_collect_##name(std::vector<KernelMark>& out, uint64_t& dropped) {                  \
-    unsigned n = 0;                                                                             \
-    TANDEM_CUDA_CHECK(cudaMemcpyFromSymbol(&n, g_trace_count, sizeof n));                       \
-    const unsigned kept = n < kTraceCapacity ? n : kTraceCapacity;                              \
-    dropped += n - kept;                                                                        \
-    std::vector<unsigned long long> ns(kept);                                                   \
-    std::vector<uint4> shape(kept);                                                             \
-    if (kept > 0) {                                                                             \
-      TANDEM_CUDA_CHECK(cudaMemcpyFromSymbol(ns.data(), g_trace_ns, kept * sizeof(ns[0])));     \
-      TANDEM_CUDA_CHECK(                                                                        \
-          cudaMemcpyFromSymbol(shape.data(), g_trace_shape, kept * sizeof(shape[0])));          \
-    }                                                                                           \
-    for (unsigned i = 0; i < kept; ++i)                                                         \
-      out.push_back({#name, ns[i], {shape[i].x, shape[i].y, shape[i].z}, shape[i].w});          \
-  }                                                                                             \
-  void trace_clear_##name() {                                                                   \
-    const unsigned zero = 0;                                                                    \
-    TANDEM_CUDA_CHECK(cudaMemcpyToSymbol(g_trace_count, &zero, sizeof zero));                   \
+#define TANDEM_CUDA_TRACE_UNIT(name)                                                        \
+  void trace_collect_##name(std::vector<KernelMark>& out, uint64_t& dropped) {              \
+    unsigned n = 0;                                                                         \
+    TANDEM_CUDA_CHECK(cudaMemcpyFromSymbol(&n, g_trace_count, sizeof n));                   \
+    const unsigned kept = n < kTraceCapacity ? n : kTraceCapacity;                          \
+    dropped += n - kept;                                                                    \
+    std::vector<unsigned long long> ns(kept);                                               \
+    std::vector<uint4> shape(kept);                                                         \
+    if (kept > 0) {                                                                         \
+      TANDEM_CUDA_CHECK(cudaMemcpyFromSymbol(ns.data(), g_trace_ns, kept * sizeof(ns[0]))); \
+      TANDEM_CUDA_CHECK(                                                                    \
+          cudaMemcpyFromSymbol(shape.data(), g_trace_shape, kept * sizeof(shape[0])));      \
+    }                                                                                       \
+    for (unsigned i = 0; i < kept; ++i)                                                     \
+      out.push_back({#name, ns[i], {shape[i].x, shape[i].y, shape[i].z}, shape[i].w});      \
+  }                                                                                         \
+  void trace_clear_##name() {                                                               \
+    const unsigned zero = 0;                                                                \
+    TANDEM_CUDA_CHECK(cudaMemcpyToSymbol(g_trace_count, &zero, sizeof zero));               \
   }
 
 }  // namespace tandem::cuda
