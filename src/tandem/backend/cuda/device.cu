@@ -283,33 +283,24 @@ double copy_bandwidth(size_t bytes) {
 TANDEM_CUDA_TRACE_UNIT(device)
 
 #if TANDEM_CUDA_TRACE
-// Every unit that defines kernels names itself with TANDEM_CUDA_TRACE_UNIT; a unit missing here
-// would simply be absent from the timeline.
-void trace_collect_attention(std::vector<KernelMark>&, uint64_t&);
-void trace_clear_attention();
-void trace_collect_attention_prompt(std::vector<KernelMark>&, uint64_t&);
-void trace_clear_attention_prompt();
-void trace_collect_elementwise(std::vector<KernelMark>&, uint64_t&);
-void trace_clear_elementwise();
-void trace_collect_linear(std::vector<KernelMark>&, uint64_t&);
-void trace_clear_linear();
-void trace_collect_recurrent(std::vector<KernelMark>&, uint64_t&);
-void trace_clear_recurrent();
-void trace_collect_sampling(std::vector<KernelMark>&, uint64_t&);
-void trace_clear_sampling();
+// Every unit that defines kernels names itself with TANDEM_CUDA_TRACE_UNIT and is listed here; a
+// unit missing from the list would simply be absent from the timeline.
+#define TANDEM_CUDA_TRACE_UNITS(X) \
+  X(attention) X(attention_prompt) X(device) X(elementwise) X(linear) X(recurrent) X(sampling)
+#define TANDEM_DECLARE_UNIT(name)                                 \
+  void trace_collect_##name(std::vector<KernelMark>&, uint64_t&); \
+  void trace_clear_##name();
+TANDEM_CUDA_TRACE_UNITS(TANDEM_DECLARE_UNIT)
+#undef TANDEM_DECLARE_UNIT
 
 namespace {
 
 std::vector<KernelMark> gather_marks(uint64_t& dropped) {
   synchronize();
   std::vector<KernelMark> marks;
-  trace_collect_attention(marks, dropped);
-  trace_collect_attention_prompt(marks, dropped);
-  trace_collect_device(marks, dropped);
-  trace_collect_elementwise(marks, dropped);
-  trace_collect_linear(marks, dropped);
-  trace_collect_recurrent(marks, dropped);
-  trace_collect_sampling(marks, dropped);
+#define TANDEM_COLLECT_UNIT(name) trace_collect_##name(marks, dropped);
+  TANDEM_CUDA_TRACE_UNITS(TANDEM_COLLECT_UNIT)
+#undef TANDEM_COLLECT_UNIT
   std::stable_sort(marks.begin(), marks.end(),
                    [](const KernelMark& a, const KernelMark& b) { return a.ns < b.ns; });
   return marks;
@@ -360,13 +351,9 @@ std::vector<KernelMark> kernel_marks() {
 
 void clear_kernel_marks() {
   synchronize();
-  trace_clear_attention();
-  trace_clear_attention_prompt();
-  trace_clear_device();
-  trace_clear_elementwise();
-  trace_clear_linear();
-  trace_clear_recurrent();
-  trace_clear_sampling();
+#define TANDEM_CLEAR_UNIT(name) trace_clear_##name();
+  TANDEM_CUDA_TRACE_UNITS(TANDEM_CLEAR_UNIT)
+#undef TANDEM_CLEAR_UNIT
 }
 #endif
 
