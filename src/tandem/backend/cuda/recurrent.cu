@@ -336,6 +336,21 @@ __device__ __forceinline__ float delta_token(float (&Sr)[ROWS], const float (&kk
   return (oacc[0] + oacc[1]) + (oacc[2] + oacc[3]);
 }
 
+// A lane's ROWS entries of its column j of a head's state S [dk, dv]: rows 4L·m + 4s + e (see
+// the work split above); padding rows and columns past dv read as 0.
+template <int ROWS, int L>
+__device__ __forceinline__ void load_state_column(float (&Sr)[ROWS], const float* S,
+                                                  const DeltaArgs& g, int s, int64_t j,
+                                                  bool column) {
+#pragma unroll
+  for (int m = 0; m < ROWS / 4; ++m)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int i = 4 * L * m + 4 * s + e;
+      Sr[4 * m + e] = column && i < g.dk ? S[i * g.dv + j] : 0.0f;
+    }
+}
+
 // L2-normalises the first `count` tokens' q and k in place (G lanes per vector, see the order
 // above) and replaces raw a, b with decay and beta. Every lane runs the shuffles.
 template <class Chunk>
@@ -397,13 +412,7 @@ __device__ __forceinline__ void delta_rule_row(DeltaChunks<DK, L>& ch, const Del
   // The state loads go out first: they overlap the shared-memory set-up below.
   float* S = row.state + vh * g.dk * g.dv;  // [dk, dv] of this head
   float Sr[ROWS];
-#pragma unroll
-  for (int m = 0; m < ROWS / 4; ++m)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int i = 4 * L * m + 4 * s + e;
-      Sr[4 * m + e] = column && i < g.dk ? S[i * g.dv + j] : 0.0f;
-    }
+  load_state_column<ROWS, L>(Sr, S, g, s, j, column);
 
   // Padding rows (dk < DK) must read as zeros. Nothing else unwritten is used: tokens past a
   // chunk's count are never read, and a column past dv only feeds its own lanes, which store
@@ -544,13 +553,7 @@ __global__ void __launch_bounds__(kDeltaThreads, 1)
   const int64_t t = row.first_token;
   float* S = row.state + vh * g.dk * g.dv;  // [dk, dv] of this head
   float Sr[ROWS];
-#pragma unroll
-  for (int m = 0; m < ROWS / 4; ++m)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int i = 4 * L * m + 4 * s + e;
-      Sr[4 * m + e] = column && i < g.dk ? S[i * g.dv + j] : 0.0f;
-    }
+  load_state_column<ROWS, L>(Sr, S, g, s, j, column);
   const float4 zero = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
   const float4* q4 = reinterpret_cast<const float4*>(g.q + t * g.qk_stride + kh * g.dk);
   const float4* k4 = reinterpret_cast<const float4*>(g.k + t * g.qk_stride + kh * g.dk);
