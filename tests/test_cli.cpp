@@ -162,8 +162,7 @@ const std::string kQuickBench =
 // bench --random-weights times the MTP draft step with a random MTP layer when the config
 // declares one (the bench configs do), and reports no MTP figures when it declares none.
 TEST(Cli, BenchRandomWeightsTimesARandomMtpLayer) {
-  const std::string config = kBenchConfig, args = kQuickBench;
-  const CliRun r = run("bench --random-weights " + config + args, false);
+  const CliRun r = run("bench --random-weights " + kBenchConfig + kQuickBench, false);
   ASSERT_EQ(r.code, 0) << r.out;
   const auto j = nlohmann::json::parse(r.out);
   EXPECT_EQ(j["mtp_draft_weights"], "random");
@@ -171,11 +170,11 @@ TEST(Cli, BenchRandomWeightsTimesARandomMtpLayer) {
   EXPECT_GT(j["mtp_draft_step_relative_to_decode_step"].get<double>(), 0.0);
 
   ScratchDir dir("cli-bench-no-mtp");
-  std::ifstream in(config);
+  std::ifstream in(kBenchConfig);
   nlohmann::json c = nlohmann::json::parse(in);
   c["text_config"]["mtp_num_hidden_layers"] = 0;
   write_text(dir.file("config.json"), c.dump());
-  const CliRun none = run("bench --random-weights " + dir.file("config.json") + args, false);
+  const CliRun none = run("bench --random-weights " + dir.file("config.json") + kQuickBench, false);
   ASSERT_EQ(none.code, 0) << none.out;
   const auto k = nlohmann::json::parse(none.out);
   EXPECT_GT(k["decode_step_seconds"]["median"].get<double>(), 0.0);
@@ -186,17 +185,16 @@ TEST(Cli, BenchRandomWeightsTimesARandomMtpLayer) {
 // bench's timed steps hand the host either the greedy tokens (the default, as greedy decoding
 // runs) or every window token's logits; the JSON says which, and other values are refused.
 TEST(Cli, BenchStepOutput) {
-  const std::string config = kBenchConfig, args = kQuickBench;
   for (const std::string mode : {"", "tokens", "logits"}) {
-    const CliRun r = run(
-        "bench --random-weights " + config + args + (mode.empty() ? "" : " --step-output " + mode),
-        false);
+    const CliRun r = run("bench --random-weights " + kBenchConfig + kQuickBench +
+                             (mode.empty() ? "" : " --step-output " + mode),
+                         false);
     ASSERT_EQ(r.code, 0) << r.out;
     const auto j = nlohmann::json::parse(r.out);
     EXPECT_EQ(j["step_output"], mode.empty() ? "tokens" : mode);
     EXPECT_GT(j["verify_windows"][0]["seconds"]["median"].get<double>(), 0.0);
   }
-  expect_error(run("bench --random-weights " + config + args + " --step-output probs"),
+  expect_error(run("bench --random-weights " + kBenchConfig + kQuickBench + " --step-output probs"),
                "--step-output");
 }
 
