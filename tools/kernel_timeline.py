@@ -51,8 +51,9 @@ def main():
     n = len(signature)
     print(f"{len(marks)} marks; {len(steps)} steps; the most common one ({n} kernels) "
           f"occurs {count} times")
-    # Kernel i's share: from its own mark to the next one (the last kernel's share is the gap
-    # to the next step's first mark, which includes the host's work between steps).
+    # Kernel i's share: from its own mark to the next one. The step's last kernel (the argmax)
+    # gets no row of its own: its time is inside the gap to the next step's first mark, printed
+    # below together with the host's work between steps.
     share = [[(s[i + 1][0] - s[i][0]) / 1e3 for s in chosen] for i in range(n - 1)]
     span = statistics.median((s[-1][0] - s[0][0]) / 1e3 for s in chosen)
     gaps = [(marks[a + 1][0] - marks[a][0]) / 1e3 for a in ends[:-1]]
