@@ -180,20 +180,47 @@ __device__ __forceinline__ void norm_group_barrier() {
   asm volatile("bar.sync 1, 128;" ::: "memory");
 }
 
-// Hidden-size rows (norm_order Chunked, K <= NC · 4 · kNormGroup) normalised from registers, one
-// row after another by the block's first kNormGroup threads (the norm is folded for a single row
-// only, kFoldedNormRows; the other threads go straight to the closing barrier): one round of loads
-// of the row's chunks, chunked_square_partials, a group barrier, one round of loads of the norm
-// weight's chunks, and the normalised chunks go straight to shared memory.
+// The folded norm of hidden-size rows (norm_order Chunked, K <= kNormChunks · 4 · kNormGroup):
+// group thread t (t < kNormGroup) holds the row's and the norm weight's 4-float chunks
+// t + kNormGroup·k, k < NC (NC = 4 or 8, the fewest that cover K).
+constexpr int kNormChunks = 8;
+
+__device__ __forceinline__ bool norm_chunked(const RowNormArgs& norm, int K) {
+  return norm.w != nullptr && norm_order(K) == NormOrder::Chunked &&
+         K <= kNormChunks * 4 * kNormGroup;
+}
+
+// The norm weight's chunks of this thread (zeros past the row and for threads outside the
+// group). A kernel loads them before it waits on its inputs: weights never change, and the L2
+// round trip, which every block of the projection makes for the same 16 KB at once, then
+// overlaps the previous kernel instead of following the row's (0.5% of a batch-1 step on the
+// H200, BENCHMARKS.md).
+__device__ __forceinline__ void load_norm_chunks(const RowNormArgs& norm, int K,
+                                                 float4 (&wv)[kNormChunks]) {
+  const int t = threadIdx.x, per_row = K / 4;
+  const float4* w4 = reinterpret_cast<const float4*>(norm.w);
+#pragma unroll
+  for (int k = 0; k < kNormChunks; ++k) {
+    const int c = t + kNormGroup * k;
+    wv[k] = t < kNormGroup && c < per_row ? w4[c] : make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+}
+
+// Rows normalised from registers, one after another by the block's first kNormGroup threads
+// (the norm is folded for a single row only, kFoldedNormRows; the other threads go straight to
+// the closing barrier): one round of loads of the row's chunks, chunked_square_partials, a group
+// barrier, and the normalised chunks (with the preloaded weight chunks wv) go straight to shared
+// memory.
 template <int Threads, int NC>
 __device__ __forceinline__ void stage_normed_rows(const float* x, int m, int K,
-                                                  const RowNormArgs& norm, uint2* x_smem,
+                                                  const RowNormArgs& norm,
+                                                  const float4 (&wv)[kNormChunks], uint2* x_smem,
                                                   double (*s_warp)[kWideNormThreads / 32]) {
   static_assert(Threads >= kNormGroup, "one norm group per block");
+  static_assert(NC <= kNormChunks, "the preloaded weight chunks cover the row");
   const int t = threadIdx.x;
   const int per_row = K / 4, stride = staged_row_stride(K) / 4;
   const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
-  const float4* w4 = reinterpret_cast<const float4*>(norm.w);
   for (int r = 0; t < kNormGroup && r < m; ++r) {  // whole warps
     const float4* x4 = reinterpret_cast<const float4*>(x + static_cast<size_t>(r) * K);
     float4 xv[NC];
@@ -204,13 +231,6 @@ __device__ __forceinline__ void stage_normed_rows(const float* x, int m, int K,
     }
     chunked_square_partials<NC>(xv, t, s_warp[r]);
     norm_group_barrier();
-    // The norm weight is read here, not with the row: registers, not latency, are short.
-    float4 wv[NC];
-#pragma unroll
-    for (int k = 0; k < NC; ++k) {
-      const int c = t + kNormGroup * k;
-      wv[k] = c < per_row ? w4[c] : zero;
-    }
     const float s = inv_rms_from_sum(row_square_total<kWideNormThreads>(s_warp[r]), K, norm.eps);
 #pragma unroll
     for (int k = 0; k < NC; ++k) {
@@ -229,19 +249,20 @@ __device__ __forceinline__ void stage_normed_rows(const float* x, int m, int K,
 // x [m, K] fp32 → bf16 rows in shared memory (stride staged_row_stride(K)), by the Threads
 // threads of a block, m <= kNarrowRows. With a norm, the rows are first normalised with
 // rms_norm's arithmetic (row_norm.cuh: the sum of squares in norm_order(K)'s order, then
-// normed()), so the staged values are the bf16 roundings of what rms_norm writes. Ends with the
-// block synchronised.
+// normed()), so the staged values are the bf16 roundings of what rms_norm writes. norm_w: the
+// norm weight's chunks from load_norm_chunks (used where norm_chunked). Ends with the block
+// synchronised.
 template <int Threads>
 __device__ __forceinline__ void stage_rows(const float* x, int m, int K, const RowNormArgs& norm,
-                                           uint2* x_smem) {
+                                           const float4 (&norm_w)[kNormChunks], uint2* x_smem) {
   __shared__ double s_warp[kNarrowRows][kWideNormThreads / 32];
   __shared__ float s_row[kNarrowRows];
   const bool normalise = norm.w != nullptr;
-  if (normalise && norm_order(K) == NormOrder::Chunked && K <= 8 * 4 * kNormGroup) {
+  if (norm_chunked(norm, K)) {
     if (K <= 4 * 4 * kNormGroup)
-      stage_normed_rows<Threads, 4>(x, m, K, norm, x_smem, s_warp);
+      stage_normed_rows<Threads, 4>(x, m, K, norm, norm_w, x_smem, s_warp);
     else
-      stage_normed_rows<Threads, 8>(x, m, K, norm, x_smem, s_warp);
+      stage_normed_rows<Threads, 8>(x, m, K, norm, norm_w, x_smem, s_warp);
     return;
   }
   // Any other row size: the sum of squares in its order, then a batched normalising pass.
@@ -421,12 +442,15 @@ __global__ void __launch_bounds__(Warps * 32, Tiles == 2 ? 1 : 0)
       load_w(cur, warp);
     }
   }
+  float4 norm_w[kNormChunks];  // F32X with a chunked norm: its weight, loaded before the wait
+  if constexpr (F32X)
+    if (norm_chunked(norm, K)) load_norm_chunks(norm, K, norm_w);
   pdl_wait();
   pdl_release();
   extern __shared__ uint2 x_smem_raw[];
   const uint16_t* x_smem = reinterpret_cast<const uint16_t*>(x_smem_raw);
   if constexpr (F32X)
-    stage_rows<Warps * 32>(static_cast<const float*>(xin), m, K, norm, x_smem_raw);
+    stage_rows<Warps * 32>(static_cast<const float*>(xin), m, K, norm, norm_w, x_smem_raw);
   for (int grp = blockIdx.x; grp < groups; grp += gridDim.x) {
     const int n_base = grp * 8 * NT;
     point_at(grp);
