@@ -326,6 +326,42 @@ TEST(Ops, QkNormRopeIsSplitNormsThenRope) {
   EXPECT_EQ(q, wq);
   EXPECT_EQ(g, wg);
   EXPECT_EQ(k, wk);
+  // With a KV target the same pass also writes each token's keys and values at its slot: the
+  // rows kv_write writes at the token's position (slot -1: none).
+  const int64_t bs = 4;
+  std::vector<float> pool(static_cast<size_t>(6 * 2 * bs * nkv * hd), -7.0f), pool_parts = pool;
+  ops::KVLayerView kv{pool.data(), bs, nkv, hd}, kv_parts{pool_parts.data(), bs, nkv, hd};
+  const std::vector<int32_t> table = {3, 0, 5, 1, 4, 2};  // positions 0..23
+  const std::vector<int64_t> kv_pos = {5, 0, 22};
+  std::vector<int64_t> slots;
+  for (const int64_t p : kv_pos) slots.push_back(int64_t{table[p / bs]} * bs + p % bs);
+  slots[1] = -1;
+  const auto v = random_vec(k0.size(), rng, 2.0f);
+  s.kv = &kv;
+  s.kv_slots = slots.data();
+  s.v = v.data();
+  std::vector<float> k2 = k0;
+  ops::qk_norm_rope(s, qg.data(), qn.ref, kn.ref, kv_pos.data(), freq.data(), q.data(), g.data(),
+                    k2.data());
+  std::vector<float> k3 = k0;
+  s.kv = nullptr;
+  ops::qk_norm_rope(s, qg.data(), qn.ref, kn.ref, kv_pos.data(), freq.data(), q.data(), g.data(),
+                    k3.data());
+  EXPECT_EQ(k2, k3);
+  for (int64_t t : {0, 2})
+    ops::kv_write(kv_parts, table.data(), &kv_pos[t], 1, k3.data() + t * nkv * hd,
+                  v.data() + t * nkv * hd);
+  EXPECT_EQ(pool, pool_parts);
+  ops::KVLayerView wrong{pool.data(), bs, nkv, hd / 2};
+  s.kv = &wrong;
+  try {
+    ops::qk_norm_rope(s, qg.data(), qn.ref, kn.ref, kv_pos.data(), freq.data(), q.data(), g.data(),
+                      k2.data());
+    ADD_FAILURE() << "qk_norm_rope accepted a KV target of another head size";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("KV target"), std::string::npos) << e.what();
+  }
+  s.kv = nullptr;
   s.rotary_dim = 7;  // odd: refused by name before anything is written
   EXPECT_THROW(ops::qk_norm_rope(s, qg.data(), qn.ref, kn.ref, pos.data(), freq.data(), q.data(),
                                  g.data(), k.data()),

@@ -993,6 +993,84 @@ void write_kv(PagedKV& kv, const std::vector<float>& k, const std::vector<float>
   cuda::kv_write(kv.dev_view(), kv.dev_table.get(), dpos.get(), n, dk.get(), dv.get());
 }
 
+// qk_norm_rope with a KV target writes the very words its keys and kv_write would: the pool
+// after the fused pass equals the pool after qk_norm_rope + kv_write, on the device bitwise and
+// on the host too (same slots, negative ones skipped), and the keys in k are unchanged by it.
+TEST_F(CudaOps, QkNormRopeWritesTheKVOfKvWrite) {
+  std::mt19937 rng(63);
+  const int64_t T = 5, nh = 16, nkv = 4, hd = 256, rot = 64;
+  const std::vector<int64_t> pos = {40, 41, 17, 3, 63};
+  PagedKV fused = make_paged_kv(64, nkv, hd, rng);
+  PagedKV parts;
+  parts.n_kv_heads = nkv;
+  parts.head_dim = hd;
+  parts.n_blocks = fused.n_blocks;
+  parts.host = fused.host;
+  parts.table = fused.table;
+  parts.dev = DeviceBuffer<float>(parts.host);
+  parts.dev_table = DeviceBuffer<int32_t>(parts.table);
+  std::vector<int64_t> slots;
+  for (const int64_t p : pos)
+    slots.push_back(int64_t{fused.table[sz(p / kBlockSize)]} * kBlockSize + p % kBlockSize);
+  slots[2] = -1;  // no write for this token
+  const auto freq = inv_freq(1e7, rot);
+  const auto qg = randn(sz(T * nh * 2 * hd), rng, 3.0f);
+  const auto k = randn(sz(T * nkv * hd), rng, 3.0f);
+  const auto v = randn(sz(T * nkv * hd), rng, 3.0f);
+  const F32Weight qn = f32_weight(randn(sz(hd), rng, 0.1f), 1, hd);
+  const F32Weight kn = f32_weight(randn(sz(hd), rng, 0.1f), 1, hd);
+  ops::QkNormRope s;
+  s.n_tokens = T;
+  s.n_heads = nh;
+  s.n_kv_heads = nkv;
+  s.head_dim = hd;
+  s.rotary_dim = rot;
+  DeviceBuffer<float> dqg(qg), dk_fused(k), dk_parts(k), dv(v), dfreq(freq);
+  DeviceBuffer<int64_t> dpos(pos), dslots(slots);
+  DeviceBuffer<float> q1 = nan_buffer(sz(T * nh * hd)), g1 = nan_buffer(sz(T * nh * hd));
+  DeviceBuffer<float> q2 = nan_buffer(sz(T * nh * hd)), g2 = nan_buffer(sz(T * nh * hd));
+  cuda::qk_norm_rope(s, dqg.get(), qn.dev_ref(), kn.dev_ref(), dpos.get(), dfreq.get(), q2.get(),
+                     g2.get(), dk_parts.get());
+  // kv_write for every token but the skipped one, one call per token (its own position).
+  const auto kp = dk_parts.download();
+  for (int64_t t = 0; t < T; ++t) {
+    if (slots[sz(t)] < 0) continue;
+    const DeviceBuffer<int64_t> p1(std::vector<int64_t>{pos[sz(t)]});
+    cuda::kv_write(parts.dev_view(), parts.dev_table.get(), p1.get(), 1,
+                   dk_parts.get() + t * nkv * hd, dv.get() + t * nkv * hd);
+  }
+  const ops::KVLayerView view = fused.dev_view();
+  s.kv = &view;
+  s.kv_slots = dslots.get();
+  s.v = dv.get();
+  cuda::qk_norm_rope(s, dqg.get(), qn.dev_ref(), kn.dev_ref(), dpos.get(), dfreq.get(), q1.get(),
+                     g1.get(), dk_fused.get());
+  EXPECT_TRUE(bitwise_equal(dk_fused.download(), kp)) << "k";
+  EXPECT_TRUE(bitwise_equal(q1.download(), q2.download())) << "q";
+  const auto pool = fused.dev.download();
+  EXPECT_TRUE(bitwise_equal(pool, parts.dev.download())) << "KV pool";
+  // The host op: the same slots, from its own keys.
+  ASSERT_EQ(ops::backend(), ops::Backend::Cpu) << "the op tests call the CUDA ops directly";
+  std::vector<float> cq(sz(T * nh * hd)), cg(cq.size()), ck = k;
+  const ops::KVLayerView host_view = fused.host_view();
+  s.kv = &host_view;
+  s.kv_slots = slots.data();
+  s.v = v.data();
+  ops::qk_norm_rope(s, qg.data(), qn.host_ref(), kn.host_ref(), pos.data(), freq.data(), cq.data(),
+                    cg.data(), ck.data());
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t p = pos[sz(t)], row = nkv * hd;
+    const int32_t block = fused.table[sz(p / kBlockSize)];
+    const float* hk = host_view.key(block, p % kBlockSize);
+    const float* hv = host_view.value(block, p % kBlockSize);
+    const float* dvp = pool.data() + (hv - fused.host.data());
+    if (slots[sz(t)] < 0) continue;
+    EXPECT_TRUE(std::equal(hv, hv + row, v.begin() + t * row)) << "host value row " << t;
+    EXPECT_TRUE(std::equal(hk, hk + row, ck.begin() + t * row)) << "host key row " << t;
+    EXPECT_TRUE(std::equal(dvp, dvp + row, v.begin() + t * row)) << "device value row " << t;
+  }
+}
+
 // cuda::attention of queries q [pos.size(), n_heads, head_dim] at positions `pos`.
 std::vector<float> cuda_attention(const PagedKV& kv, const std::vector<int64_t>& pos, int64_t bound,
                                   const std::vector<float>& q, int64_t n_heads, float scale) {

@@ -371,6 +371,14 @@ void qk_norm_rope(const QkNormRope& s, const float* qg, const WeightRef& q_norm,
       s.rotary_dim % 2 != 0 || s.rotary_dim > s.head_dim)
     fail("qk_norm_rope: bad shape: ", s.n_tokens, " tokens, ", s.n_heads, "/", s.n_kv_heads,
          " heads of ", s.head_dim, ", rotary_dim ", s.rotary_dim);
+  if (s.kv) {
+    if (!s.kv_slots || !s.v) fail("qk_norm_rope: a KV target needs the slots and the value rows");
+    if (s.kv->pool == nullptr || s.kv->block_size < 1 || s.kv->n_kv_heads != s.n_kv_heads ||
+        s.kv->head_dim != s.head_dim)
+      fail("qk_norm_rope: the KV target holds ", s.kv->n_kv_heads, " heads of ", s.kv->head_dim,
+           " (block size ", s.kv->block_size, "), the keys ", s.n_kv_heads, " heads of ",
+           s.head_dim);
+  }
 #ifdef TANDEM_HAVE_CUDA
   if (g_backend == Backend::Cuda)
     return cuda::qk_norm_rope(s, qg, q_norm, k_norm, positions, inv_freq, q, gate, k);
@@ -382,6 +390,7 @@ void qk_norm_rope(const QkNormRope& s, const float* qg, const WeightRef& q_norm,
   cpu::rms_norm(k, T * nkv, hd, k_norm, s.zero_centred, s.eps, k);
   cpu::rope(q, T, nh, hd, s.rotary_dim, positions, inv_freq);
   cpu::rope(k, T, nkv, hd, s.rotary_dim, positions, inv_freq);
+  if (s.kv) cpu::kv_write_slots(*s.kv, s.kv_slots, T, k, s.v);
 }
 void kv_write(const KVLayerView& kv, const int32_t* block_table, const int64_t* positions,
               int64_t n, const float* k, const float* v) {

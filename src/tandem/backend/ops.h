@@ -179,10 +179,18 @@ void rope(float* x, int64_t n_tokens, int64_t n_heads, int64_t head_dim, int64_t
 //   gate[t, h] = qg[t, h, head_dim:]
 //   k[t, j]    = rope(rms_norm(k[t, j], k_norm), positions[t])      (in place)
 // Every value is the one copy_rows, rms_norm and rope compute, called one after the other.
+// With kv set, each token's keys k[t] (as written above) and values v[t] [n_kv_heads, head_dim]
+// also go to the paged KV at the physical slot kv_slots[t] (block kv_slots[t] / block_size,
+// offset kv_slots[t] % block_size; a negative slot writes nothing): the rows kv_write would
+// write, without its launch on the decode path. kv_slots and v are backend memory.
+struct KVLayerView;
 struct QkNormRope {
   int64_t n_tokens = 0, n_heads = 0, n_kv_heads = 0, head_dim = 0, rotary_dim = 0;
   bool zero_centred = true;
   float eps = 1e-6f;
+  const KVLayerView* kv = nullptr;
+  const int64_t* kv_slots = nullptr;  // [n_tokens], with kv
+  const float* v = nullptr;           // [n_tokens, n_kv_heads, head_dim], with kv
 };
 void qk_norm_rope(const QkNormRope& s, const float* qg, const WeightRef& q_norm,
                   const WeightRef& k_norm, const int64_t* positions, const float* inv_freq,

@@ -28,7 +28,7 @@ std::vector<float> rope_inv_freq(double theta, int64_t rotary_dim) {
 void gated_attention(const GatedAttentionShape& s, const ops::WeightRef& q_norm,
                      const ops::WeightRef& k_norm, const float* inv_freq, const int64_t* positions,
                      std::span<const AttentionSegment> segments, const ops::KVLayerView& kv,
-                     GatedAttentionScratch& x) {
+                     GatedAttentionScratch& x, const int64_t* kv_slots) {
   const float* qg = x.qg.data();
   const float* v = x.v.data();
   float *q = x.q.data(), *gate = x.gate.data(), *k = x.k.data(), *o = x.o.data();
@@ -44,6 +44,11 @@ void gated_attention(const GatedAttentionShape& s, const ops::WeightRef& q_norm,
   prep.rotary_dim = s.rotary_dim;
   prep.zero_centred = s.zero_centred_norms;
   prep.eps = s.eps;
+  if (kv_slots) {
+    prep.kv = &kv;
+    prep.kv_slots = kv_slots;
+    prep.v = v;
+  }
   ops::qk_norm_rope(prep, qg, q_norm, k_norm, positions, inv_freq, q, gate, k);
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   int64_t t0 = 0;
@@ -53,7 +58,8 @@ void gated_attention(const GatedAttentionShape& s, const ops::WeightRef& q_norm,
       fail("gated_attention: position bound ", seg.position_bound, " is below the segment's end ",
            seg.start + seg.n);
     const int64_t* pos = positions + t0;
-    ops::kv_write(kv, seg.block_table, pos, seg.n, k + t0 * nkv * hd, v + t0 * nkv * hd);
+    if (!kv_slots)
+      ops::kv_write(kv, seg.block_table, pos, seg.n, k + t0 * nkv * hd, v + t0 * nkv * hd);
     // The output gate: in the attention's own pass, or after the prompt kernels.
     float* out = o + t0 * nh * hd;
     const float* g = gate + t0 * nh * hd;

@@ -53,10 +53,13 @@ std::vector<float> rope_inv_freq(double theta, int64_t rotary_dim);
 // K/V written into `kv`, causal attention per segment, sigmoid output gate. x.q and x.gate are
 // scratch; x.k is normed and rotated in place. inv_freq and positions [T] (the tokens' positions,
 // segment after segment) are backend memory; the KV writes and attention read their positions
-// from it, so only `positions` changes between replays of a captured step.
+// from it, so only `positions` changes between replays of a captured step. kv_slots (optional,
+// backend memory, [T]): each token's physical KV slot (block · block_size + offset, see
+// ops::QkNormRope); given, the query/key pass writes the keys and values itself and no kv_write
+// runs (one launch fewer per layer and segment).
 void gated_attention(const GatedAttentionShape& shape, const ops::WeightRef& q_norm,
                      const ops::WeightRef& k_norm, const float* inv_freq, const int64_t* positions,
                      std::span<const AttentionSegment> segments, const ops::KVLayerView& kv,
-                     GatedAttentionScratch& x);
+                     GatedAttentionScratch& x, const int64_t* kv_slots = nullptr);
 
 }  // namespace tandem

@@ -250,8 +250,10 @@ void Qwen35Model::forward(Qwen35State& st, const ForwardRequest& req, ForwardOut
   Workspace& w = ws_;
   const int64_t R = static_cast<int64_t>(req.rows.size());
   reserve_workspace(T, req.all_logits ? T : R, req.all_logits);
-  // Host-side metadata, uploaded once per forward: ids, positions, block tables.
-  w.pos_host.resize(static_cast<size_t>(T));
+  // Host-side metadata, uploaded once per forward: ids, positions and KV slots, block tables.
+  // pos holds [T] positions, then [T] physical KV slots (the attention layers' key/value
+  // writes, ops::QkNormRope).
+  w.pos_host.resize(static_cast<size_t>(2 * T));
   // Block tables go into fixed-stride slots (stride = the largest position bound in blocks), so
   // a row's table address changes only when a bound does, not with every new block: decode
   // graphs stay valid for kPositionBoundStep positions.
@@ -261,7 +263,13 @@ void Qwen35Model::forward(Qwen35State& st, const ForwardRequest& req, ForwardOut
   {
     int64_t t = 0;
     for (const RowInput& r : req.rows) {
-      for (int64_t j = 0; j < r.n_tokens; ++j) w.pos_host[t++] = st.length(r.slot) + j;
+      const std::vector<int32_t>& bt = st.block_table(r.slot);
+      for (int64_t j = 0; j < r.n_tokens; ++j, ++t) {
+        const int64_t p = st.length(r.slot) + j;
+        w.pos_host[t] = p;
+        w.pos_host[T + t] = int64_t{bt[p / Qwen35State::kBlockSize]} * Qwen35State::kBlockSize +
+                            p % Qwen35State::kBlockSize;
+      }
       const int64_t capacity =
           static_cast<int64_t>(st.block_table(r.slot).size()) * Qwen35State::kBlockSize;
       bounds.push_back(attention_position_bound(capacity));
@@ -275,7 +283,7 @@ void Qwen35Model::forward(Qwen35State& st, const ForwardRequest& req, ForwardOut
   }
   w.tables.grow_to(R * stride);
   ops::copy_from_host(w.ids.data(), req.tokens.data(), sizeof(int32_t) * static_cast<size_t>(T));
-  ops::copy_from_host(w.pos.data(), w.pos_host.data(), sizeof(int64_t) * static_cast<size_t>(T));
+  ops::copy_from_host(w.pos.data(), w.pos_host.data(), sizeof(int64_t) * w.pos_host.size());
   ops::copy_from_host(w.tables.data(), w.tables_host.data(),
                       sizeof(int32_t) * w.tables_host.size());
   w.segments.clear();
@@ -394,7 +402,7 @@ void Qwen35Model::reserve_workspace(int64_t T, int64_t R, bool all_logits) const
   grow_to(w.last, R * H);
   grow_to(w.out, (all_logits ? T : R) * V);
   w.ids.grow_to(T);
-  w.pos.grow_to(T);
+  w.pos.grow_to(2 * T);
   w.argmax.grow_to(std::max(T, R));
   GatedAttentionShape shape;
   shape.n_heads = c.num_attention_heads;
@@ -496,7 +504,7 @@ void Qwen35Model::attention_layer(const Layer& L, Qwen35State& st, int64_t T, bo
     ops::linear(in.x, T, L.attn.v_proj, x.v.data());
   }
   gated_attention(shape, L.attn.q_norm, L.attn.k_norm, inv_freq_.data(), w.pos.data(), w.segments,
-                  st.kv_layer(L.index_in_kind), x);
+                  st.kv_layer(L.index_in_kind), x, w.pos.data() + T);
   ops::linear_add(x.o.data(), T, L.attn.o_proj, w.x.data());
 }
 

@@ -147,7 +147,7 @@ class Qwen35Model {
     Buffer<float> out;           // [rows or T, V] logits before the copy to the host
     Buffer<int32_t> ids;         // [T] token ids
     Buffer<int32_t> embed_ids;   // ids of embed() calls (drafters)
-    Buffer<int64_t> pos;         // [T] positions
+    Buffer<int64_t> pos;         // [T] positions, then [T] physical KV slots
     Buffer<int32_t> tables;      // the rows' block tables, concatenated
     Buffer<int32_t> argmax;      // [logits rows]
     Buffer<ops::RecurrentRow> recurrent_rows;  // [linear layers][rows] state descriptors

@@ -28,6 +28,18 @@ void kv_write(const KVLayerView& kv, const int32_t* block_table, const int64_t* 
   }
 }
 
+void kv_write_slots(const KVLayerView& kv, const int64_t* slots, int64_t n, const float* k,
+                    const float* v) {
+  const int64_t row = kv.n_kv_heads * kv.head_dim;
+  for (int64_t t = 0; t < n; ++t) {
+    if (slots[t] < 0) continue;
+    const auto block = static_cast<int32_t>(slots[t] / kv.block_size);
+    const int64_t slot = slots[t] % kv.block_size;
+    std::memcpy(kv.key(block, slot), k + t * row, sizeof(float) * row);
+    std::memcpy(kv.value(block, slot), v + t * row, sizeof(float) * row);
+  }
+}
+
 void attention(const KVLayerView& kv, const int32_t* block_table, const int64_t* positions,
                int64_t n, int64_t position_bound, const float* q, int64_t n_heads, float scale,
                float* out) {

@@ -265,14 +265,25 @@ __global__ void rope_kernel(float* x, int64_t n_tokens, int64_t n_heads, int64_t
 // arithmetic (row_inv_rms, then (x · s) · scale), stages it in shared memory, and rotates its
 // rope pairs with rope_kernel's arithmetic; query blocks also copy the head's gate. k is
 // rewritten in place (each block owns its head). Requires head_dim <= kMaxQkHeadDim.
+// With a KV target (kv.pool set), a key block also writes its head's key and value rows to the
+// token's slot in the paged KV, the words kv_write would write.
 constexpr int64_t kMaxQkHeadDim = 512;
+
+// Where qk_norm_rope writes keys and values as well (pool == nullptr: nowhere).
+struct KvTarget {
+  float* pool;
+  int64_t block_size;
+  const int64_t* slots;  // physical slot per token: block · block_size + offset
+  const float* v;        // [T, n_kv_heads, head_dim]
+};
 
 __global__ void __launch_bounds__(kNormThreads)
     qk_norm_rope_kernel(const float* __restrict__ qg, float* __restrict__ q,
                         float* __restrict__ gate, float* k, int64_t n_heads, int64_t n_kv_heads,
                         int64_t hd, int64_t half, const float* __restrict__ q_norm,
                         const float* __restrict__ k_norm, bool zero_centred, float eps,
-                        const int64_t* __restrict__ positions, const float* __restrict__ inv_freq) {
+                        const int64_t* __restrict__ positions, const float* __restrict__ inv_freq,
+                        const KvTarget kv) {
   pdl_wait();
   pdl_release();
   __shared__ double s_warp[kNormThreads / 32];
@@ -294,6 +305,19 @@ __global__ void __launch_bounds__(kNormThreads)
   }
   __syncthreads();  // y complete; every read of x (which may be k itself) is done
   const float pos = static_cast<float>(positions[t]);
+  // A key block's rows in the paged KV (null: none).
+  float *kd = nullptr, *vd = nullptr;
+  const float* vs = nullptr;
+  if (!is_q && kv.pool) {
+    const int64_t slot = kv.slots[t];
+    if (slot >= 0) {
+      const int64_t j = h - n_heads, row = n_kv_heads * hd;
+      kd = kv.pool + ((slot / kv.block_size) * 2 * kv.block_size + slot % kv.block_size) * row +
+           j * hd;
+      vd = kd + kv.block_size * row;
+      vs = kv.v + (t * n_kv_heads + j) * hd;
+    }
+  }
   for (int64_t i = threadIdx.x; i < hd; i += kNormThreads) {
     if (i < half) {
       const float angle = pos * inv_freq[i];
@@ -301,9 +325,12 @@ __global__ void __launch_bounds__(kNormThreads)
       rotate_pair(a, b, cosf(angle), sinf(angle));
       out[i] = a;
       out[i + half] = b;
+      if (kd) kd[i] = a, kd[i + half] = b;
     } else if (i >= 2 * half) {
       out[i] = y[i];
+      if (kd) kd[i] = y[i];
     }
+    if (vd) vd[i] = vs[i];
   }
 }
 
@@ -424,10 +451,12 @@ void qk_norm_rope(const ops::QkNormRope& s, const float* qg, const ops::WeightRe
     fail("qk_norm_rope: head_dim ", s.head_dim, " exceeds the CUDA kernel's ", kMaxQkHeadDim);
   const int64_t blocks = s.n_tokens * (s.n_heads + s.n_kv_heads);
   if (blocks == 0) return;
+  const KvTarget kv = s.kv ? KvTarget{s.kv->pool, s.kv->block_size, s.kv_slots, s.v}
+                           : KvTarget{nullptr, 0, nullptr, nullptr};
   launch("qk_norm_rope", qk_norm_rope_kernel, grid_blocks(blocks, "qk_norm_rope"), kNormThreads, 0,
          qg, q, gate, k, s.n_heads, s.n_kv_heads, s.head_dim, s.rotary_dim / 2,
          static_cast<const float*>(q_norm.data), static_cast<const float*>(k_norm.data),
-         s.zero_centred, s.eps, positions, inv_freq);
+         s.zero_centred, s.eps, positions, inv_freq, kv);
 }
 
 void rope(float* x, int64_t n_tokens, int64_t n_heads, int64_t head_dim, int64_t rotary_dim,
