@@ -15,8 +15,11 @@
 #include <nlohmann/json.hpp>
 
 #include "demo_model.h"
+#include "tandem/backend/buffer.h"
 #include "tandem/backend/cuda/cuda_ops.h"
 #include "tandem/backend/ops.h"
+#include "tandem/backend/readback.h"
+#include "tandem/backend/staged_upload.h"
 #include "tandem/engine/generator.h"
 #include "tandem/engine/speculative.h"
 #include "tandem/io/safetensors.h"
@@ -347,6 +350,37 @@ TEST_F(CudaModelTest, TokenLogitsAreBitwiseIndependentOfWindowAndBatch) {
 // compute: a prompt and eight decode steps (captured and replayed after the first ones) give the
 // same logits bits with PDL on or off and with graphs on or off. A kernel that touched another's
 // data before its pdl_wait() would show here as a difference.
+// The asynchronous copies of the pipelined decode loop keep stream order: an upload staged while
+// the previous one is still queued lands intact (two staging buffers, the third use waits for the
+// first), and a readback started before a later write returns the bytes from before it.
+TEST_F(CudaModelTest, StagedUploadsAndReadbacksKeepStreamOrder) {
+  ScopedBackend cuda_backend(ops::Backend::Cuda);
+  const size_t n = 1 << 16;
+  Buffer<int32_t> a(static_cast<int64_t>(n)), b(static_cast<int64_t>(n));
+  StagedUpload up;
+  auto stage = [&](Buffer<int32_t>& dst, int32_t base) {
+    auto* h = reinterpret_cast<int32_t*>(up.host(n * sizeof(int32_t)));
+    for (size_t i = 0; i < n; ++i) h[i] = base + static_cast<int32_t>(i);
+    up.start(dst.data(), n * sizeof(int32_t));
+  };
+  stage(a, 1000);
+  stage(b, 2000000);
+  Readback rb;
+  rb.start(a.data(), n * sizeof(int32_t));  // queued before the third upload overwrites a
+  stage(a, 5000000);
+  const auto* first = static_cast<const int32_t*>(rb.wait());
+  EXPECT_EQ(first[0], 1000);
+  EXPECT_EQ(first[n - 1], 1000 + static_cast<int32_t>(n - 1));
+  std::vector<int32_t> got_a(n), got_b(n);
+  ops::copy_to_host(got_a.data(), a.data(), n * sizeof(int32_t));
+  ops::copy_to_host(got_b.data(), b.data(), n * sizeof(int32_t));
+  for (size_t i = 0; i < n; i += 997) {
+    EXPECT_EQ(got_a[i], 5000000 + static_cast<int32_t>(i)) << i;
+    EXPECT_EQ(got_b[i], 2000000 + static_cast<int32_t>(i)) << i;
+  }
+  EXPECT_THROW(rb.wait(), Error);  // nothing pending any more
+}
+
 TEST_F(CudaModelTest, OverlappedLaunchesAndGraphsChangeNoBits) {
   ScopedBackend cuda(ops::Backend::Cuda);
   Demo& d = cuda_demo();

@@ -53,6 +53,84 @@ bool append_token(const GenerateRequest& request, const Qwen35Config& cfg, int32
   return false;
 }
 
+// Greedy decode steps, pipelined one deep: while step S runs, step S+1 is queued taking S's tokens
+// from device memory (tokens_from_argmax), and only then does the host wait for S's tokens. The
+// device never waits for the host's turnaround (reading a token back, stop checks, building and
+// uploading the next step). S+1 is queued only if it has exactly S's rows: a row whose token
+// count reaches max_tokens at S (known before S's token is) ends the chain, and a row that S's
+// token stops (EOS) has one extra token computed at S+1, which is dropped; the next step then
+// starts from host tokens. The tokens are the ones the unpipelined loop picks, step for step.
+void Generator::decode_greedy(const std::vector<GenerateRequest>& requests, Qwen35State& state,
+                              const std::vector<int>& slots, std::vector<bool>& live,
+                              const std::function<void(size_t, int32_t)>& emit,
+                              std::vector<GenerateResult>& results, GenerateStats& st) const {
+  const size_t B = requests.size();
+  ForwardOutput out;
+  std::vector<int32_t> tokens, ids;
+  struct Step {
+    std::vector<RowInput> rows;
+    std::vector<size_t> req;  // request of each row
+  };
+  Step running, next;
+  bool in_flight = false;
+  // An error (a NaN row, a device fault) leaves no deferred copy behind for the next run.
+  struct DropDeferred {
+    const Qwen35Model& model;
+    ~DropDeferred() {
+      try {
+        model.drop_deferred_argmax();
+      } catch (...) {  // the error being thrown already says what went wrong
+      }
+    }
+  } drop{model_};
+  for (;;) {
+    if (!in_flight) {  // a step from host tokens: every live request
+      running.rows.clear();
+      running.req.clear();
+      tokens.clear();
+      for (size_t i = 0; i < B; ++i) {
+        if (!live[i]) continue;
+        tokens.push_back(results[i].tokens.back());
+        running.rows.push_back({slots[i], 1});
+        running.req.push_back(i);
+      }
+      if (running.rows.empty()) break;
+      ForwardRequest step{tokens, running.rows, false, false};
+      step.want_logits = false;
+      step.want_argmax = true;
+      step.defer_argmax = true;
+      model_.forward(state, step, &out);
+      in_flight = true;
+    }
+    // The running step's rows continue into the next one unless one of them ends with its token
+    // by length, or has already stopped.
+    bool chain = true;
+    for (const size_t i : running.req)
+      if (!live[i] || static_cast<int64_t>(results[i].tokens.size()) + 1 >= requests[i].max_tokens)
+        chain = false;
+    if (chain) {
+      next.rows = running.rows;
+      next.req = running.req;
+      ForwardRequest step{{}, next.rows, false, false};
+      step.want_logits = false;
+      step.want_argmax = true;
+      step.defer_argmax = true;
+      step.tokens_from_argmax = true;
+      model_.forward(state, step, &out);
+    }
+    model_.collect_argmax(&ids);
+    ++st.decode_steps;
+    for (size_t r = 0; r < running.req.size(); ++r) {
+      const size_t i = running.req[r];
+      if (!live[i]) continue;  // stopped at the previous step: this token is dropped
+      emit(i, ids[r]);
+      ++st.decode_tokens;
+    }
+    in_flight = chain;
+    if (chain) std::swap(running, next);
+  }
+}
+
 std::vector<GenerateResult> Generator::run(const std::vector<GenerateRequest>& requests,
                                            const TokenCallback& on_token, GenerateStats* stats) {
   const Qwen35Config& cfg = model_.config();
@@ -103,27 +181,29 @@ std::vector<GenerateResult> Generator::run(const std::vector<GenerateRequest>& r
   st.prefill_seconds = seconds_since(t0);
 
   t0 = std::chrono::steady_clock::now();
-  for (;;) {
-    tokens.clear();
-    rows.clear();
-    row_req.clear();
-    for (size_t i = 0; i < B; ++i) {
-      if (!live[i]) continue;
-      tokens.push_back(results[i].tokens.back());
-      rows.push_back({slots[i], 1});
-      row_req.push_back(i);
+  if (greedy) {
+    decode_greedy(requests, state, slots, live, emit, results, st);
+  } else {
+    for (;;) {
+      tokens.clear();
+      rows.clear();
+      row_req.clear();
+      for (size_t i = 0; i < B; ++i) {
+        if (!live[i]) continue;
+        tokens.push_back(results[i].tokens.back());
+        rows.push_back({slots[i], 1});
+        row_req.push_back(i);
+      }
+      if (rows.empty()) break;
+      ForwardRequest step{tokens, rows, false, false};
+      model_.forward(state, step, &out);
+      for (size_t r = 0; r < row_req.size(); ++r) {
+        const size_t i = row_req[r];
+        emit(i, pick(r, i, static_cast<uint64_t>(results[i].tokens.size())));
+      }
+      ++st.decode_steps;
+      st.decode_tokens += static_cast<int64_t>(row_req.size());
     }
-    if (rows.empty()) break;
-    ForwardRequest step{tokens, rows, false, false};
-    step.want_logits = !greedy;
-    step.want_argmax = greedy;
-    model_.forward(state, step, &out);
-    for (size_t r = 0; r < row_req.size(); ++r) {
-      const size_t i = row_req[r];
-      emit(i, pick(r, i, static_cast<uint64_t>(results[i].tokens.size())));
-    }
-    ++st.decode_steps;
-    st.decode_tokens += static_cast<int64_t>(row_req.size());
   }
   st.decode_seconds = seconds_since(t0);
   for (const auto& r : results) st.generated_tokens += static_cast<int64_t>(r.tokens.size());

@@ -58,6 +58,10 @@ class Generator {
                                   GenerateStats* stats = nullptr);
 
  private:
+  void decode_greedy(const std::vector<GenerateRequest>& requests, Qwen35State& state,
+                     const std::vector<int>& slots, std::vector<bool>& live,
+                     const std::function<void(size_t, int32_t)>& emit,
+                     std::vector<GenerateResult>& results, GenerateStats& st) const;
   const Qwen35Model& model_;
 };
 

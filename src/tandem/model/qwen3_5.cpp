@@ -237,8 +237,26 @@ void Qwen35Model::forward(Qwen35State& st, const ForwardRequest& req, ForwardOut
            "); call commit_windows before the next forward");
     T += r.n_tokens;
   }
-  if (T != static_cast<int64_t>(req.tokens.size()))
+  if (req.tokens_from_argmax) {
+    if (!req.tokens.empty())
+      fail("forward: tokens_from_argmax takes no host tokens, got ", req.tokens.size());
+    if (req.rows.size() != argmax_slots_.size())
+      fail("forward: tokens_from_argmax needs the previous forward's argmax of these ",
+           req.rows.size(), " rows; it computed ", argmax_slots_.size());
+    for (size_t i = 0; i < req.rows.size(); ++i) {
+      if (req.rows[i].n_tokens != 1)
+        fail("forward: tokens_from_argmax takes one token per row; row slot ", req.rows[i].slot,
+             " has ", req.rows[i].n_tokens);
+      if (req.rows[i].slot != argmax_slots_[i])
+        fail("forward: tokens_from_argmax: row ", i, " is slot ", req.rows[i].slot,
+             ", but the previous forward's argmax row ", i, " is slot ", argmax_slots_[i]);
+    }
+  } else if (T != static_cast<int64_t>(req.tokens.size())) {
     fail("forward: rows cover ", T, " tokens but ", req.tokens.size(), " were given");
+  }
+  if (req.defer_argmax && !req.want_argmax) fail("forward: defer_argmax without want_argmax");
+  if (req.defer_argmax && deferred_count_ == kMaxDeferred)
+    fail("forward: ", kMaxDeferred, " deferred argmax copies are pending; collect_argmax first");
   for (size_t i = 0; i < req.tokens.size(); ++i)
     if (req.tokens[i] < 0 || req.tokens[i] >= c.vocab_size)
       fail("token id ", req.tokens[i], " at input position ", i, " is out of range [0, ",
@@ -281,46 +299,59 @@ void Qwen35Model::forward(Qwen35State& st, const ForwardRequest& req, ForwardOut
     const std::vector<int32_t>& bt = st.block_table(req.rows[i].slot);
     std::copy(bt.begin(), bt.end(), w.tables_host.begin() + static_cast<int64_t>(i) * stride);
   }
-  w.tables.grow_to(R * stride);
-  ops::copy_from_host(w.ids.data(), req.tokens.data(), sizeof(int32_t) * static_cast<size_t>(T));
-  ops::copy_from_host(w.pos.data(), w.pos_host.data(), sizeof(int64_t) * w.pos_host.size());
-  ops::copy_from_host(w.tables.data(), w.tables_host.data(),
-                      sizeof(int32_t) * w.tables_host.size());
+
+  // Recurrent-state descriptors of every DeltaNet layer's rows, [linear layer][row] (device
+  // memory stays put, so captured graphs read the fresh contents).
+  const int64_t nl = st.linear_layers();
+  std::vector<ops::RecurrentRow>& desc = w.recurrent_host;
+  desc.assign(static_cast<size_t>(std::max<int64_t>(1, nl * R)), ops::RecurrentRow{});
+  w.max_row_tokens = 0;
+  for (int64_t li = 0; li < nl; ++li) {
+    int64_t t0 = 0;
+    for (int64_t i = 0; i < R; ++i) {
+      const RowInput& r = req.rows[static_cast<size_t>(i)];
+      const int l = static_cast<int>(li);
+      ops::RecurrentRow& d = desc[static_cast<size_t>(li * R + i)];
+      d.first_token = t0;
+      d.n = r.n_tokens;
+      d.conv_state = st.conv_state(r.slot, l);
+      d.state = st.recurrent_state(r.slot, l);
+      if (r.speculative && st.rollback() == RecurrentRollback::PerPositionStates) {
+        d.conv_after = st.window_conv_after(r.slot, l);
+        d.state_after = st.window_recurrent_after(r.slot, l);
+      }
+      t0 += r.n_tokens;
+      w.max_row_tokens = std::max(w.max_row_tokens, r.n_tokens);
+    }
+  }
+
+  // All of it in one block, one upload: ids, positions and slots, block tables, descriptors.
+  {
+    auto align = [](size_t n) { return (n + 255) / 256 * 256; };
+    const size_t ids_bytes = sizeof(int32_t) * static_cast<size_t>(T);
+    const size_t pos_bytes = sizeof(int64_t) * w.pos_host.size();
+    const size_t tables_bytes = sizeof(int32_t) * w.tables_host.size();
+    const size_t desc_bytes = sizeof(ops::RecurrentRow) * desc.size();
+    const size_t o_pos = align(ids_bytes), o_tables = o_pos + align(pos_bytes);
+    const size_t o_desc = o_tables + align(tables_bytes), total = o_desc + desc_bytes;
+    w.meta.grow_to(static_cast<int64_t>(total));
+    uint8_t* base = w.meta.data();
+    w.ids = reinterpret_cast<int32_t*>(base);
+    w.pos = reinterpret_cast<int64_t*>(base + o_pos);
+    w.tables = reinterpret_cast<int32_t*>(base + o_tables);
+    w.recurrent_rows = reinterpret_cast<ops::RecurrentRow*>(base + o_desc);
+    uint8_t* h = w.meta_upload.host(total);
+    if (!req.tokens_from_argmax) std::memcpy(h, req.tokens.data(), ids_bytes);
+    std::memcpy(h + o_pos, w.pos_host.data(), pos_bytes);
+    std::memcpy(h + o_tables, w.tables_host.data(), tables_bytes);
+    std::memcpy(h + o_desc, desc.data(), desc_bytes);
+    w.meta_upload.start(base, total);
+  }
   w.segments.clear();
   for (size_t i = 0; i < req.rows.size(); ++i) {
     const RowInput& r = req.rows[i];
-    w.segments.push_back({w.tables.data() + static_cast<int64_t>(i) * stride, st.length(r.slot),
-                          r.n_tokens, bounds[i]});
-  }
-
-  // Recurrent-state descriptors of every DeltaNet layer's rows, [linear layer][row], uploaded
-  // once per forward (device memory stays put, so captured graphs read the fresh contents).
-  {
-    const int64_t nl = st.linear_layers();
-    std::vector<ops::RecurrentRow>& desc = w.recurrent_host;
-    desc.assign(static_cast<size_t>(nl * R), ops::RecurrentRow{});
-    w.max_row_tokens = 0;
-    for (int64_t li = 0; li < nl; ++li) {
-      int64_t t0 = 0;
-      for (int64_t i = 0; i < R; ++i) {
-        const RowInput& r = req.rows[static_cast<size_t>(i)];
-        const int l = static_cast<int>(li);
-        ops::RecurrentRow& d = desc[static_cast<size_t>(li * R + i)];
-        d.first_token = t0;
-        d.n = r.n_tokens;
-        d.conv_state = st.conv_state(r.slot, l);
-        d.state = st.recurrent_state(r.slot, l);
-        if (r.speculative && st.rollback() == RecurrentRollback::PerPositionStates) {
-          d.conv_after = st.window_conv_after(r.slot, l);
-          d.state_after = st.window_recurrent_after(r.slot, l);
-        }
-        t0 += r.n_tokens;
-        w.max_row_tokens = std::max(w.max_row_tokens, r.n_tokens);
-      }
-    }
-    w.recurrent_rows.grow_to(std::max<int64_t>(1, nl * R));
-    ops::copy_from_host(w.recurrent_rows.data(), desc.data(),
-                        sizeof(ops::RecurrentRow) * desc.size());
+    w.segments.push_back(
+        {w.tables + static_cast<int64_t>(i) * stride, st.length(r.slot), r.n_tokens, bounds[i]});
   }
 
   if (req.prompt) {
@@ -330,6 +361,7 @@ void Qwen35Model::forward(Qwen35State& st, const ForwardRequest& req, ForwardOut
     // Everything the captured launches bake in: shapes, flags, and every address they touch.
     KeyHasher key;
     key.add(T).add(R).add(req.all_logits).add(req.want_hidden).add(req.want_argmax);
+    key.add(req.tokens_from_argmax);
     key.add(static_cast<uint64_t>(st.rollback())).add(&st);
     for (size_t i = 0; i < req.rows.size(); ++i) {
       const RowInput& r = req.rows[i];
@@ -349,7 +381,7 @@ void Qwen35Model::forward(Qwen35State& st, const ForwardRequest& req, ForwardOut
           w.mlp_g.data(), w.mlp_u.data(), w.last.data(), w.out.data(), w.attn.qg.data(),
           w.attn.q.data(), w.attn.gate.data(), w.attn.k.data(), w.attn.v.data(), w.attn.o.data()})
       key.add(p);
-    key.add(w.ids.data()).add(w.pos.data()).add(w.argmax.data()).add(w.recurrent_rows.data());
+    key.add(w.ids).add(w.pos).add(w.argmax.data()).add(w.recurrent_rows);
     key.add(w.max_row_tokens);
     graphs_.run(key.value(), [&] { forward_body(st, req, T); });
   }
@@ -374,12 +406,39 @@ void Qwen35Model::forward(Qwen35State& st, const ForwardRequest& req, ForwardOut
   else
     out->logits.clear();
   out->argmax.clear();
-  if (req.want_argmax) {
+  argmax_slots_.clear();
+  if (req.want_argmax && !req.all_logits)
+    for (const RowInput& r : req.rows) argmax_slots_.push_back(r.slot);
+  if (req.want_argmax && req.defer_argmax) {
+    DeferredArgmax& d = deferred_[(deferred_first_ + deferred_count_) % kMaxDeferred];
+    d.rows = out->logits_rows;
+    d.copy.start(w.argmax.data(), sizeof(int32_t) * static_cast<size_t>(d.rows));
+    ++deferred_count_;
+  } else if (req.want_argmax) {
     out->argmax.resize(static_cast<size_t>(out->logits_rows));
     ops::copy_to_host(out->argmax.data(), w.argmax.data(), sizeof(int32_t) * out->argmax.size());
     for (size_t r = 0; r < out->argmax.size(); ++r)
       if (out->argmax[r] < 0) fail("forward: logits row ", r, " holds NaN or +inf, or only -inf");
   }
+}
+
+void Qwen35Model::drop_deferred_argmax() const {
+  for (; deferred_count_ > 0; --deferred_count_) {
+    deferred_[deferred_first_].copy.wait();
+    deferred_first_ = (deferred_first_ + 1) % kMaxDeferred;
+  }
+}
+
+void Qwen35Model::collect_argmax(std::vector<int32_t>* argmax) const {
+  if (deferred_count_ == 0) fail("collect_argmax: no forward with defer_argmax is pending");
+  DeferredArgmax& d = deferred_[deferred_first_];
+  deferred_first_ = (deferred_first_ + 1) % kMaxDeferred;
+  --deferred_count_;
+  const auto* ids = static_cast<const int32_t*>(d.copy.wait());
+  argmax->assign(ids, ids + d.rows);
+  for (size_t r = 0; r < argmax->size(); ++r)
+    if ((*argmax)[r] < 0)
+      fail("collect_argmax: logits row ", r, " holds NaN or +inf, or only -inf");
 }
 
 void Qwen35Model::reserve_workspace(int64_t T, int64_t R, bool all_logits) const {
@@ -401,8 +460,6 @@ void Qwen35Model::reserve_workspace(int64_t T, int64_t R, bool all_logits) const
   grow_to(w.a5, T * vd);
   grow_to(w.last, R * H);
   grow_to(w.out, (all_logits ? T : R) * V);
-  w.ids.grow_to(T);
-  w.pos.grow_to(2 * T);
   w.argmax.grow_to(std::max(T, R));
   GatedAttentionShape shape;
   shape.n_heads = c.num_attention_heads;
@@ -418,7 +475,9 @@ void Qwen35Model::forward_body(Qwen35State& st, const ForwardRequest& req, int64
   const float eps = static_cast<float>(c.rms_norm_eps);
   Workspace& w = ws_;
   ops::set_prefill(req.prompt);
-  ops::embed_rows(embed_, w.ids.data(), T, w.x.data());
+  // tokens_from_argmax: the previous forward's greedy tokens, where its argmax left them (this
+  // forward's argmax overwrites them only at its end, queued after this read).
+  ops::embed_rows(embed_, req.tokens_from_argmax ? w.argmax.data() : w.ids, T, w.x.data());
 
   // Every sublayer reads the residual stream x through its input norm (folded into its first
   // projection where the weights are stacked) and adds its output projection into x.
@@ -503,8 +562,8 @@ void Qwen35Model::attention_layer(const Layer& L, Qwen35State& st, int64_t T, bo
     ops::linear(in.x, T, L.attn.k_proj, x.k.data());
     ops::linear(in.x, T, L.attn.v_proj, x.v.data());
   }
-  gated_attention(shape, L.attn.q_norm, L.attn.k_norm, inv_freq_.data(), w.pos.data(), w.segments,
-                  st.kv_layer(L.index_in_kind), x, w.pos.data() + T);
+  gated_attention(shape, L.attn.q_norm, L.attn.k_norm, inv_freq_.data(), w.pos, w.segments,
+                  st.kv_layer(L.index_in_kind), x, w.pos + T);
   ops::linear_add(x.o.data(), T, L.attn.o_proj, w.x.data());
 }
 
@@ -546,7 +605,7 @@ void Qwen35Model::delta_layer(const Layer& L, Qwen35State& st, const ForwardRequ
   }
   // All rows in one launch per op; each row's numbers equal delta_recurrence's for it alone.
   const int64_t R = static_cast<int64_t>(req.rows.size());
-  const ops::RecurrentRow* rows = w.recurrent_rows.data() + li * R;
+  const ops::RecurrentRow* rows = w.recurrent_rows + li * R;
   ops::causal_conv_silu_rows(qkv, conv_dim, c.linear_conv_kernel_dim, L.delta.conv1d, rows, R,
                              w.max_row_tokens, conv);
   // The conv output per token is [q (kd) | k (kd) | v (vd)]: the recurrence reads the three in

@@ -11,6 +11,8 @@
 #include "tandem/backend/buffer.h"
 #include "tandem/backend/graph_cache.h"
 #include "tandem/backend/ops.h"
+#include "tandem/backend/readback.h"
+#include "tandem/backend/staged_upload.h"
 #include "tandem/backend/weight_arena.h"
 #include "tandem/io/weight_store.h"
 #include "tandem/model/gated_attention.h"
@@ -46,6 +48,14 @@ struct ForwardRequest {
   // Engines set it for the forward that processes prompts, in plain and speculative decoding
   // alike, so both compute prompt tokens identically.
   bool prompt = false;
+  // Greedy decoding without a host round trip per token. tokens_from_argmax: `tokens` is empty
+  // and each row's one input token is the argmax the previous forward computed for it (the
+  // previous forward had want_argmax, one logits row per row, and exactly these rows in this
+  // order; the ids never leave the device). defer_argmax (with want_argmax): out->argmax stays
+  // empty and the tokens are read back asynchronously; collect_argmax() returns them, oldest
+  // forward first. So a step can be queued before the host has seen the previous step's token.
+  bool tokens_from_argmax = false;
+  bool defer_argmax = false;
 };
 
 struct ForwardOutput {
@@ -81,6 +91,14 @@ class Qwen35Model {
   // in the forward (batch invariance). On CUDA, `req.prompt` selects the prefill GEMM path, so a
   // prompt token's numbers differ (within bf16 rounding) from the same token decoded.
   void forward(Qwen35State& state, const ForwardRequest& req, ForwardOutput* out) const;
+  // The argmax of the oldest forward run with defer_argmax whose tokens were not collected yet
+  // (blocks until they are on the host). Throws if none is pending, or naming the logits row
+  // that held NaN or +inf (the forward that took such a token as input has been queued already;
+  // its output is meaningless). At most kMaxDeferred forwards may be pending.
+  void collect_argmax(std::vector<int32_t>* argmax) const;
+  // Waits for and discards every pending deferred argmax (an engine unwinding from an error).
+  void drop_deferred_argmax() const;
+  static constexpr int kMaxDeferred = 2;
 
   // Cuts speculative rows back to the kept prefix of their last window: KV coverage shrinks and
   // the DeltaNet conv/recurrent state becomes bit-identical to a run that never saw the rejected
@@ -145,12 +163,15 @@ class Qwen35Model {
     Buffer<float> mlp_g, mlp_u;  // [T, I] gate and up projections; only without stacked gate_up
     Buffer<float> last;          // [rows, H]: each row's last normed hidden, for the head
     Buffer<float> out;           // [rows or T, V] logits before the copy to the host
-    Buffer<int32_t> ids;         // [T] token ids
     Buffer<int32_t> embed_ids;   // ids of embed() calls (drafters)
-    Buffer<int64_t> pos;         // [T] positions, then [T] physical KV slots
-    Buffer<int32_t> tables;      // the rows' block tables, concatenated
     Buffer<int32_t> argmax;      // [logits rows]
-    Buffer<ops::RecurrentRow> recurrent_rows;  // [linear layers][rows] state descriptors
+    // A forward's metadata, one block in backend memory filled by one upload (meta_upload):
+    Buffer<uint8_t> meta;
+    int32_t* ids = nullptr;                       // [T] token ids
+    int64_t* pos = nullptr;                       // [T] positions, then [T] physical KV slots
+    int32_t* tables = nullptr;                    // the rows' block tables, fixed stride
+    ops::RecurrentRow* recurrent_rows = nullptr;  // [linear layers][rows] state descriptors
+    StagedUpload meta_upload;
     int64_t max_row_tokens = 0;
     std::vector<int64_t> pos_host;
     std::vector<int32_t> tables_host;
@@ -161,6 +182,17 @@ class Qwen35Model {
   };
   mutable Workspace ws_;
   mutable GraphCache graphs_;  // decode/verify forwards replayed as CUDA graphs
+  // Deferred argmax copies (ForwardRequest::defer_argmax): a ring of kMaxDeferred readbacks,
+  // collected oldest first.
+  struct DeferredArgmax {
+    Readback copy;
+    int64_t rows = 0;
+  };
+  mutable DeferredArgmax deferred_[kMaxDeferred];
+  mutable int deferred_first_ = 0, deferred_count_ = 0;
+  // Row slots whose argmax ws_.argmax holds (the last forward's, when it had one logits row per
+  // row and want_argmax), in row order: what tokens_from_argmax may read.
+  mutable std::vector<int> argmax_slots_;
 
   Qwen35Model() = default;
   // Where bind_weights gets each tensor: by name, with the shape and role it must have.

@@ -38,8 +38,18 @@ void copy_to_device(void* dst, const void* src, size_t bytes);  // host → devi
 void copy_to_host(void* dst, const void* src, size_t bytes);    // device → host, waits for it
 void copy_on_device(void* dst, const void* src, size_t bytes);  // device → device, async
 void fill_zero(void* p, size_t bytes);                          // async
-void synchronize();  // waits for the stream; throws with the first kernel error
-void* stream();      // the cudaStream_t every op uses
+// Pinned host memory (cudaHostAlloc), what an asynchronous device → host copy lands in without
+// blocking the host; free_pinned never throws. copy_to_host_async queues such a copy on the
+// stream; an event recorded after it tells the host when it has landed.
+void* alloc_pinned(size_t bytes);
+void free_pinned(void* p);
+void copy_to_host_async(void* dst_pinned, const void* src, size_t bytes);
+void* create_event();  // a cudaEvent_t without timing
+void destroy_event(void* event);
+void record_event(void* event);  // on the stream, after the work queued so far
+void wait_event(void* event);    // blocks the host; throws with the first kernel error
+void synchronize();              // waits for the stream; throws with the first kernel error
+void* stream();                  // the cudaStream_t every op uses
 
 // Uploads `n` fp32 values converted to bf16 (round to nearest even).
 void upload_bf16(uint16_t* dst, const float* src, int64_t n);

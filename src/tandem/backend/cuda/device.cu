@@ -175,6 +175,43 @@ void copy_to_host(void* dst, const void* src, size_t bytes) {
   TANDEM_CUDA_CHECK(cudaStreamSynchronize(op_stream()));
 }
 
+void* alloc_pinned(size_t bytes) {
+  void* p = nullptr;
+  const cudaError_t err = cudaHostAlloc(&p, bytes, cudaHostAllocDefault);
+  if (err != cudaSuccess)
+    fail("CUDA: cannot pin ", bytes, " bytes of host memory: ", cudaGetErrorString(err));
+  return p;
+}
+
+void free_pinned(void* p) {
+  if (p == nullptr) return;
+  const cudaError_t err = cudaFreeHost(p);  // as free(): never throws, also at exit
+  if (err != cudaSuccess) cudaGetLastError();
+}
+
+void copy_to_host_async(void* dst_pinned, const void* src, size_t bytes) {
+  if (bytes == 0) return;
+  TANDEM_CUDA_CHECK(cudaMemcpyAsync(dst_pinned, src, bytes, cudaMemcpyDeviceToHost, op_stream()));
+}
+
+void* create_event() {
+  cudaEvent_t e = nullptr;
+  TANDEM_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+  return e;
+}
+
+void destroy_event(void* event) {
+  if (event && cudaEventDestroy(static_cast<cudaEvent_t>(event)) != cudaSuccess) cudaGetLastError();
+}
+
+void record_event(void* event) {
+  TANDEM_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(event), op_stream()));
+}
+
+void wait_event(void* event) {
+  TANDEM_CUDA_CHECK(cudaEventSynchronize(static_cast<cudaEvent_t>(event)));
+}
+
 void copy_on_device(void* dst, const void* src, size_t bytes) {
   if (bytes == 0) return;
   TANDEM_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, op_stream()));

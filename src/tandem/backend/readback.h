@@ -1,0 +1,35 @@
+// A device→host copy that the host collects later, so the device can go on with work queued
+// after it: a decode step's greedy tokens read back while the next step, which takes them from
+// device memory, already runs. start() queues the copy behind everything queued so far (into
+// pinned host memory on CUDA, the only kind a copy can land in without blocking the host); wait()
+// blocks until it has landed. On the CPU the copy happens in start().
+#pragma once
+
+#include <cstddef>
+
+#include "tandem/backend/ops.h"
+
+namespace tandem {
+
+class Readback {
+ public:
+  Readback() = default;
+  ~Readback();
+  Readback(const Readback&) = delete;
+  Readback& operator=(const Readback&) = delete;
+
+  // Queues the copy of `bytes` from backend memory `src`. Must not be pending.
+  void start(const void* src, size_t bytes);
+  // Blocks until the started copy has landed; returns its bytes (valid until the next start).
+  const void* wait();
+  bool pending() const { return pending_; }
+
+ private:
+  void* host_ = nullptr;  // pinned on CUDA
+  size_t capacity_ = 0;
+  void* event_ = nullptr;  // CUDA: marks the copy's completion on the stream
+  ops::Backend where_ = ops::Backend::Cpu;
+  bool pending_ = false;
+};
+
+}  // namespace tandem

@@ -1,0 +1,41 @@
+// Host data for the device in one asynchronous copy per use: the host fills host(bytes), then
+// start() queues the copy to backend memory behind the work queued so far. On CUDA the staging is
+// pinned memory, so the copy neither blocks the host nor waits for the device to go idle (a
+// pageable copy may do both), and a decode step queued while the previous one runs keeps the
+// device busy. Two staging buffers alternate: host() hands out the one not used last, after
+// waiting for the copy that last read it, so the host can fill the next upload while the
+// previous one is still queued. On the CPU start() copies at once.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "tandem/backend/ops.h"
+
+namespace tandem {
+
+class StagedUpload {
+ public:
+  StagedUpload() = default;
+  ~StagedUpload();
+  StagedUpload(const StagedUpload&) = delete;
+  StagedUpload& operator=(const StagedUpload&) = delete;
+
+  // A staging buffer of at least `bytes` (contents unspecified), valid until start().
+  uint8_t* host(size_t bytes);
+  // Queues the copy of the first `bytes` of the buffer host() returned to `dst`.
+  void start(void* dst, size_t bytes);
+
+ private:
+  struct Slot {
+    uint8_t* data = nullptr;  // pinned on CUDA
+    size_t capacity = 0;
+    void* event = nullptr;  // CUDA: recorded after the slot's last copy
+    bool in_flight = false;
+  };
+  Slot slots_[2];
+  int next_ = 0;  // the slot host() hands out
+  ops::Backend where_ = ops::Backend::Cpu;
+};
+
+}  // namespace tandem
