@@ -185,8 +185,6 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
                      int64_t first_query, int64_t n_heads, int64_t group, int64_t head_dim,
                      const float* q, float score_scale, int64_t slots, int64_t m_offset,
                      int64_t l_offset, float* out, const float* gate) {
-  pdl_wait();
-  pdl_release();
   constexpr int R = kRowsPerWarp;
   constexpr int N = G * R;                      // scores per warp and round
   constexpr int kOwners = 32 / N;               // lanes owning one score
@@ -213,15 +211,14 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
   const int64_t out_base = (t * n_heads + h0) * head_dim;  // [G, head_dim] of out and q
   const int64_t vec = head_dim / 4;                        // float4s per head
 
-  // The position and the query rows are requested together.
+  // The position, the partition and the first round's block-table reads come before the wait:
+  // positions and block tables are uploaded before the forward's first kernel (check.cuh), so
+  // only the query rows (the kernel before this one writes them) wait for it.
   const int64_t pos = positions[t];
-  if (threadIdx.x < G * kDims / 4) {
-    const int64_t g = threadIdx.x / (kDims / 4), f = threadIdx.x % (kDims / 4);
-    s_q4[threadIdx.x] =
-        f < vec ? ldg4(q + out_base + g * head_dim + 4 * f) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-  }
   if (pos < 0 || pos >= position_bound) {
     // The caller broke its bound: NaN marks the output, and no counter moves.
+    pdl_wait();
+    pdl_release();
     if (blockIdx.x == 0)
       for (int64_t i = threadIdx.x; i < G * head_dim; i += kThreads) out[out_base + i] = NAN;
     return;
@@ -262,6 +259,13 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
     }
   };
   row_offsets(0);
+  pdl_wait();
+  pdl_release();
+  if (threadIdx.x < G * kDims / 4) {
+    const int64_t g = threadIdx.x / (kDims / 4), f = threadIdx.x % (kDims / 4);
+    s_q4[threadIdx.x] =
+        f < vec ? ldg4(q + out_base + g * head_dim + 4 * f) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  }
   __syncthreads();  // s_q4 complete
   for (int64_t r0 = 0; r0 < plen; r0 += kRoundRows) {
     const int64_t j0 = r0 + warp * R;

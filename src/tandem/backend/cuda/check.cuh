@@ -39,7 +39,10 @@ inline cudaStream_t op_stream() {
 // prompt prefill) lets it start while the kernel before it on the stream is still running: its
 // blocks fill multiprocessors as the earlier grid drains. The invariant that makes this safe: a
 // kernel calls pdl_wait() before it reads anything an earlier kernel wrote or writes anything an
-// earlier kernel reads. Only immutable data (weights) may be touched before it.
+// earlier kernel reads. Only data no kernel of the running forward writes may be touched before
+// it: weights, the metadata uploaded before the forward's first kernel (positions, block tables,
+// state descriptors; a copy that is not a kernel fully serializes what follows it), and state a
+// kernel itself last wrote one forward earlier (the delta rule's recurrent state).
 // pdl_wait() returns once the kernel before it has completed and its writes are visible; that
 // kernel waited on its own predecessor before completing, so every earlier kernel has.
 // pdl_release() lets the next kernel be scheduled. Kernels call it right after pdl_wait(), so at

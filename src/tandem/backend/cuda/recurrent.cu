@@ -531,11 +531,13 @@ __global__ void __launch_bounds__(kDeltaThreads, 1)
 // Why a kernel of its own: a decode step's delta rule is one token of latency-bound arithmetic;
 // the chunked kernel's staging, two barriers and cp.async waits are fixed cost on that path. On
 // the H200 a batch-1 step got 46 µs faster (~1.9 µs per layer, BENCHMARKS.md).
+// The row's descriptor and its state column are loaded before the kernel waits on the conv: no
+// kernel of the running forward writes them (the descriptors were uploaded before its first
+// kernel, and only this layer's delta rule writes the state, one forward earlier), so their two
+// dependent round trips overlap the conv (check.cuh's rule for loads before the wait).
 template <int DK, int L>
 __global__ void __launch_bounds__(kDeltaThreads, 1)
     gated_delta_rule_decode_kernel(const DeltaArgs g, const ops::RecurrentRow* __restrict__ rows) {
-  pdl_wait();
-  pdl_release();
   constexpr int ROWS = DK / L;                                     // of the column, per lane
   constexpr int COLS = kDeltaThreads / L;                          // columns per block
   constexpr int G = kDeltaThreads / (2 * delta_chunk_tokens(DK));  // delta_normalise's lanes
@@ -554,6 +556,8 @@ __global__ void __launch_bounds__(kDeltaThreads, 1)
   float* S = row.state + vh * g.dk * g.dv;  // [dk, dv] of this head
   float Sr[ROWS];
   load_state_column<ROWS, L>(Sr, S, g, s, j, column);
+  pdl_wait();
+  pdl_release();
   const float4 zero = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
   const float4* q4 = reinterpret_cast<const float4*>(g.q + t * g.qk_stride + kh * g.dk);
   const float4* k4 = reinterpret_cast<const float4*>(g.k + t * g.qk_stride + kh * g.dk);
