@@ -1019,12 +1019,8 @@ TEST_F(CudaOps, QkNormRopeWritesTheKVOfKvWrite) {
   const auto v = randn(sz(T * nkv * hd), rng, 3.0f);
   const F32Weight qn = f32_weight(randn(sz(hd), rng, 0.1f), 1, hd);
   const F32Weight kn = f32_weight(randn(sz(hd), rng, 0.1f), 1, hd);
-  ops::QkNormRope s;
-  s.n_tokens = T;
-  s.n_heads = nh;
-  s.n_kv_heads = nkv;
-  s.head_dim = hd;
-  s.rotary_dim = rot;
+  ops::QkNormRope s{
+      .n_tokens = T, .n_heads = nh, .n_kv_heads = nkv, .head_dim = hd, .rotary_dim = rot};
   DeviceBuffer<float> dqg(qg), dk_fused(k), dk_parts(k), dv(v), dfreq(freq);
   DeviceBuffer<int64_t> dpos(pos), dslots(slots);
   DeviceBuffer<float> q1 = nan_buffer(sz(T * nh * hd)), g1 = nan_buffer(sz(T * nh * hd));

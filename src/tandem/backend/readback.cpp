@@ -1,8 +1,8 @@
 #include "tandem/backend/readback.h"
 
-#include <cstdlib>
 #include <cstring>
 
+#include "tandem/backend/pinned.h"
 #include "tandem/core/error.h"
 
 #ifdef TANDEM_HAVE_CUDA
@@ -11,38 +11,30 @@
 
 namespace tandem {
 
-namespace {
-void release_host(ops::Backend where, void* p) {
-#ifdef TANDEM_HAVE_CUDA
-  if (where == ops::Backend::Cuda) return cuda::free_pinned(p);
-#endif
-  (void)where;
-  std::free(p);
-}
-}  // namespace
-
 Readback::~Readback() {
 #ifdef TANDEM_HAVE_CUDA
-  if (event_) cuda::destroy_event(event_);
+  if (event_) {
+    if (pending_) {
+      try {
+        cuda::wait_event(event_);  // the copy still writes the buffer freed below
+      } catch (...) {              // a device error; nothing to report from a destructor
+      }
+    }
+    cuda::destroy_event(event_);
+  }
 #endif
-  if (host_) release_host(where_, host_);
+  pinned_free(where_, host_);
 }
 
 void Readback::start(const void* src, size_t bytes) {
   if (pending_) fail("Readback: a copy is still pending; wait() for it first");
   const ops::Backend b = ops::backend();
   if (bytes > capacity_ || b != where_) {
-    if (host_) release_host(where_, host_);
+    pinned_free(where_, host_);
     host_ = nullptr;
     capacity_ = 0;
     where_ = b;
-#ifdef TANDEM_HAVE_CUDA
-    if (b == ops::Backend::Cuda) host_ = cuda::alloc_pinned(bytes);
-#endif
-    if (!host_) {
-      host_ = std::malloc(bytes);
-      if (!host_) fail("Readback: out of host memory for ", bytes, " bytes");
-    }
+    host_ = pinned_alloc(b, bytes);
     capacity_ = bytes;
   }
 #ifdef TANDEM_HAVE_CUDA

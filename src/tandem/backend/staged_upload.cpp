@@ -1,8 +1,8 @@
 #include "tandem/backend/staged_upload.h"
 
-#include <cstdlib>
 #include <cstring>
 
+#include "tandem/backend/pinned.h"
 #include "tandem/core/error.h"
 
 #ifdef TANDEM_HAVE_CUDA
@@ -10,16 +10,6 @@
 #endif
 
 namespace tandem {
-
-namespace {
-void release(ops::Backend where, uint8_t* p) {
-#ifdef TANDEM_HAVE_CUDA
-  if (where == ops::Backend::Cuda) return cuda::free_pinned(p);
-#endif
-  (void)where;
-  std::free(p);
-}
-}  // namespace
 
 StagedUpload::~StagedUpload() {
   for (Slot& s : slots_) {
@@ -34,7 +24,7 @@ StagedUpload::~StagedUpload() {
       cuda::destroy_event(s.event);
     }
 #endif
-    if (s.data) release(where_, s.data);
+    pinned_free(where_, s.data);
   }
 }
 
@@ -51,23 +41,18 @@ uint8_t* StagedUpload::host(size_t bytes) {
       if (o.in_flight) cuda::wait_event(o.event);
 #endif
       o.in_flight = false;
-      if (o.data) release(where_, o.data);
+      pinned_free(where_, o.data);
       o.data = nullptr;
       o.capacity = 0;
     }
     where_ = b;
   }
   if (bytes > s.capacity || s.data == nullptr) {
-    if (s.data) release(where_, s.data);
+    pinned_free(where_, s.data);
     s.data = nullptr;
     s.capacity = 0;
-    const size_t n = bytes > 0 ? bytes : 1;
-#ifdef TANDEM_HAVE_CUDA
-    if (where_ == ops::Backend::Cuda) s.data = static_cast<uint8_t*>(cuda::alloc_pinned(n));
-#endif
-    if (!s.data) s.data = static_cast<uint8_t*>(std::malloc(n));
-    if (!s.data) fail("StagedUpload: out of host memory for ", n, " bytes");
-    s.capacity = n;
+    s.data = static_cast<uint8_t*>(pinned_alloc(where_, bytes));
+    s.capacity = bytes > 0 ? bytes : 1;
   }
   return s.data;
 }
