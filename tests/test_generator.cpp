@@ -117,6 +117,14 @@ TEST(PipelinedGreedy, ForwardFlagsCheckTheirPreconditions) {
     EXPECT_NE(std::string(e.what()).find("slot"), std::string::npos) << e.what();
   }
   EXPECT_EQ(st.length(b), 0);
+  Qwen35State other_state(m.config());
+  const int c = other_state.open_row();
+  ASSERT_EQ(c, a);  // the same slot number, in another state
+  std::vector<RowInput> same_slot = {{c, 1}};
+  ForwardRequest elsewhere{{}, same_slot, false, false};
+  elsewhere.tokens_from_argmax = true;
+  EXPECT_THROW(m.forward(other_state, elsewhere, &out), Error);
+  EXPECT_EQ(other_state.length(c), 0);
   const std::vector<int32_t> one = {prompt[0]};
   std::vector<RowInput> same = {{a, 1}};
   ForwardRequest both{one, same, false, false};

@@ -240,6 +240,8 @@ void Qwen35Model::forward(Qwen35State& st, const ForwardRequest& req, ForwardOut
   if (req.tokens_from_argmax) {
     if (!req.tokens.empty())
       fail("forward: tokens_from_argmax takes no host tokens, got ", req.tokens.size());
+    if (argmax_state_ != &st)
+      fail("forward: tokens_from_argmax needs the previous forward's argmax of this state's rows");
     if (req.rows.size() != argmax_slots_.size())
       fail("forward: tokens_from_argmax needs the previous forward's argmax of these ",
            req.rows.size(), " rows; it computed ", argmax_slots_.size());
@@ -407,6 +409,7 @@ void Qwen35Model::forward(Qwen35State& st, const ForwardRequest& req, ForwardOut
     out->logits.clear();
   out->argmax.clear();
   argmax_slots_.clear();
+  argmax_state_ = &st;
   if (req.want_argmax && !req.all_logits)
     for (const RowInput& r : req.rows) argmax_slots_.push_back(r.slot);
   if (req.want_argmax && req.defer_argmax) {

@@ -193,6 +193,7 @@ class Qwen35Model {
   // Row slots whose argmax ws_.argmax holds (the last forward's, when it had one logits row per
   // row and want_argmax), in row order: what tokens_from_argmax may read.
   mutable std::vector<int> argmax_slots_;
+  mutable const Qwen35State* argmax_state_ = nullptr;  // the state those rows belong to
 
   Qwen35Model() = default;
   // Where bind_weights gets each tensor: by name, with the shape and role it must have.
