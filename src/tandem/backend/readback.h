@@ -7,17 +7,12 @@
 
 #include <cstddef>
 
-#include "tandem/backend/ops.h"
+#include "tandem/backend/pinned.h"
 
 namespace tandem {
 
 class Readback {
  public:
-  Readback() = default;
-  ~Readback();
-  Readback(const Readback&) = delete;
-  Readback& operator=(const Readback&) = delete;
-
   // Queues the copy of `bytes` from backend memory `src`. Must not be pending.
   void start(const void* src, size_t bytes);
   // Blocks until the started copy has landed; returns its bytes (valid until the next start).
@@ -25,10 +20,7 @@ class Readback {
   bool pending() const { return pending_; }
 
  private:
-  void* host_ = nullptr;  // pinned on CUDA
-  size_t capacity_ = 0;
-  void* event_ = nullptr;  // CUDA: marks the copy's completion on the stream
-  ops::Backend where_ = ops::Backend::Cpu;
+  PinnedBuffer buffer_;  // destroyed after its copy has landed
   bool pending_ = false;
 };
 

@@ -10,32 +10,20 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "tandem/backend/ops.h"
+#include "tandem/backend/pinned.h"
 
 namespace tandem {
 
 class StagedUpload {
  public:
-  StagedUpload() = default;
-  ~StagedUpload();
-  StagedUpload(const StagedUpload&) = delete;
-  StagedUpload& operator=(const StagedUpload&) = delete;
-
   // A staging buffer of at least `bytes` (contents unspecified), valid until start().
   uint8_t* host(size_t bytes);
   // Queues the copy of the first `bytes` of the buffer host() returned to `dst`.
   void start(void* dst, size_t bytes);
 
  private:
-  struct Slot {
-    uint8_t* data = nullptr;  // pinned on CUDA
-    size_t capacity = 0;
-    void* event = nullptr;  // CUDA: recorded after the slot's last copy
-    bool in_flight = false;
-  };
-  Slot slots_[2];
+  PinnedBuffer slots_[2];
   int next_ = 0;  // the slot host() hands out
-  ops::Backend where_ = ops::Backend::Cpu;
 };
 
 }  // namespace tandem

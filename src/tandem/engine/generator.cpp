@@ -53,6 +53,24 @@ bool append_token(const GenerateRequest& request, const Qwen35Config& cfg, int32
   return false;
 }
 
+namespace {
+// A decode step of one token per live request, from the host: each request's last token, its
+// row, and which request each row is.
+void live_step(const std::vector<GenerateResult>& results, const std::vector<int>& slots,
+               const std::vector<bool>& live, std::vector<int32_t>& tokens,
+               std::vector<RowInput>& rows, std::vector<size_t>& row_req) {
+  tokens.clear();
+  rows.clear();
+  row_req.clear();
+  for (size_t i = 0; i < results.size(); ++i) {
+    if (!live[i]) continue;
+    tokens.push_back(results[i].tokens.back());
+    rows.push_back({slots[i], 1});
+    row_req.push_back(i);
+  }
+}
+}  // namespace
+
 // Greedy decode steps, pipelined one deep: while step S runs, step S+1 is queued taking S's tokens
 // from device memory (tokens_from_argmax), and only then does the host wait for S's tokens. The
 // device never waits for the host's turnaround (reading a token back, stop checks, building and
@@ -64,7 +82,6 @@ void Generator::decode_greedy(const std::vector<GenerateRequest>& requests, Qwen
                               const std::vector<int>& slots, std::vector<bool>& live,
                               const std::function<void(size_t, int32_t)>& emit,
                               std::vector<GenerateResult>& results, GenerateStats& st) const {
-  const size_t B = requests.size();
   ForwardOutput out;
   std::vector<int32_t> tokens, ids;
   struct Step {
@@ -85,15 +102,7 @@ void Generator::decode_greedy(const std::vector<GenerateRequest>& requests, Qwen
   } drop{model_};
   for (;;) {
     if (!in_flight) {  // a step from host tokens: every live request
-      running.rows.clear();
-      running.req.clear();
-      tokens.clear();
-      for (size_t i = 0; i < B; ++i) {
-        if (!live[i]) continue;
-        tokens.push_back(results[i].tokens.back());
-        running.rows.push_back({slots[i], 1});
-        running.req.push_back(i);
-      }
+      live_step(results, slots, live, tokens, running.rows, running.req);
       if (running.rows.empty()) break;
       ForwardRequest step{tokens, running.rows, false, false};
       step.want_logits = false;
@@ -185,15 +194,7 @@ std::vector<GenerateResult> Generator::run(const std::vector<GenerateRequest>& r
     decode_greedy(requests, state, slots, live, emit, results, st);
   } else {
     for (;;) {
-      tokens.clear();
-      rows.clear();
-      row_req.clear();
-      for (size_t i = 0; i < B; ++i) {
-        if (!live[i]) continue;
-        tokens.push_back(results[i].tokens.back());
-        rows.push_back({slots[i], 1});
-        row_req.push_back(i);
-      }
+      live_step(results, slots, live, tokens, rows, row_req);
       if (rows.empty()) break;
       ForwardRequest step{tokens, rows, false, false};
       model_.forward(state, step, &out);

@@ -290,8 +290,7 @@ void Qwen35Model::forward(Qwen35State& st, const ForwardRequest& req, ForwardOut
         w.pos_host[T + t] = int64_t{bt[p / Qwen35State::kBlockSize]} * Qwen35State::kBlockSize +
                             p % Qwen35State::kBlockSize;
       }
-      const int64_t capacity =
-          static_cast<int64_t>(st.block_table(r.slot).size()) * Qwen35State::kBlockSize;
+      const int64_t capacity = static_cast<int64_t>(bt.size()) * Qwen35State::kBlockSize;
       bounds.push_back(attention_position_bound(capacity));
       stride = std::max(stride, bounds.back() / Qwen35State::kBlockSize);
     }

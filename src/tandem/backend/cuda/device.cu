@@ -171,7 +171,7 @@ void copy_to_device(void* dst, const void* src, size_t bytes) {
 
 void copy_to_host(void* dst, const void* src, size_t bytes) {
   if (bytes == 0) return;
-  TANDEM_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, op_stream()));
+  copy_to_host_async(dst, src, bytes);
   TANDEM_CUDA_CHECK(cudaStreamSynchronize(op_stream()));
 }
 
