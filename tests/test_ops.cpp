@@ -245,6 +245,27 @@ TEST(Ops, InputNormAndLinearAddAreTheirParts) {
   EXPECT_THROW(ops::gate_up_swiglu(x.data(), m, w.ref, act_got.data(), &bad), Error);
 }
 
+// leading_rows cuts a weight to its first rows (clamped to [0, all]), and a prefetch hint on
+// linear_split changes no value.
+TEST(Ops, LeadingRowsAndPrefetchHint) {
+  std::mt19937 rng(6);
+  StoredWeight w = make_weight(DType::BF16, 30, 16, rng, 0.2f);
+  StoredWeight next = make_weight(DType::BF16, 10, 16, rng, 0.2f);
+  EXPECT_EQ(ops::leading_rows(next.ref, 0.5).rows, 5);
+  EXPECT_EQ(ops::leading_rows(next.ref, 0.55).rows, 5);  // rounded down
+  EXPECT_EQ(ops::leading_rows(next.ref, 2.0).rows, 10);
+  EXPECT_EQ(ops::leading_rows(next.ref, -1.0).rows, 0);
+  EXPECT_EQ(ops::leading_rows(next.ref, 0.5).data, next.ref.data);
+  EXPECT_EQ(ops::leading_rows(next.ref, 0.5).cols, 16);
+  const auto x = random_vec(2 * 16, rng, 1.0f);
+  std::vector<float> want(2 * 30), got(want.size());
+  const ops::OutputSlice all_want{want.data(), 30}, all_got{got.data(), 30};
+  ops::linear_split(x.data(), 2, w.ref, &all_want, 1);
+  const ops::WeightRef half = ops::leading_rows(next.ref, 0.5);
+  ops::linear_split(x.data(), 2, w.ref, &all_got, 1, nullptr, &half);
+  EXPECT_EQ(0, std::memcmp(got.data(), want.data(), got.size() * sizeof(float)));
+}
+
 // linear_add with the DeltaNet's gated norm is bitwise gated_rms_norm into a temporary, then
 // linear_add; x is unchanged, and a head size that does not tile the rows is refused.
 TEST(Ops, LinearAddWithGatedNormIsNormThenLinearAdd) {

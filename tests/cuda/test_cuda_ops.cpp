@@ -2140,6 +2140,49 @@ TEST_F(CudaTest, LinearSplitEqualsLinearColumns) {
   EXPECT_THROW(cuda::linear_split(nullptr, 1, ref, &short_slice, 1), Error);
 }
 
+// A prefetch hint (another weight for L2 to fetch as the projection's blocks finish) changes no
+// value and no byte of either weight, whatever its size or alignment, at every row count: the
+// decode and verify shapes that issue it and the batches and prefill that ignore it.
+TEST_F(CudaTest, LinearSplitPrefetchChangesNoValue) {
+  std::mt19937 rng(78);
+  const int64_t K = 1024, N = 272, NP = 4096;
+  auto bf16_rows = [&](int64_t n) {
+    std::vector<uint16_t> h(sz(n * K));
+    const std::vector<float> f = randn(h.size(), rng, 0.03f);
+    for (size_t i = 0; i < h.size(); ++i) h[i] = f32_to_bf16(f[i]);
+    return h;
+  };
+  const std::vector<uint16_t> wh = bf16_rows(N), ph = bf16_rows(NP);
+  DeviceBuffer<uint16_t> w(wh), p(ph);
+  const ops::WeightRef ref{DType::BF16, w.get(), N, K};
+  const ops::WeightRef whole{DType::BF16, p.get(), NP, K};
+  // 2 bytes past a 16-byte boundary, ending mid-row: the fetch keeps to whole 16-byte pieces
+  // inside the range.
+  const ops::WeightRef odd{DType::BF16, p.get() + 1, 7, 333};
+  const std::vector<ops::WeightRef> hints = {whole, ops::leading_rows(whole, 0.5),
+                                             ops::leading_rows(whole, 0.0), odd};
+  for (bool prefill : {false, true}) {
+    cuda::set_prefill(prefill);
+    for (int64_t m : {1, 4, 16, 17, 40}) {
+      DeviceBuffer<float> x(randn(sz(m * K), rng));
+      DeviceBuffer<float> want(sz(m * N));
+      const ops::OutputSlice plain{want.get(), N};
+      cuda::linear_split(x.get(), m, ref, &plain, 1);
+      const std::vector<float> expected = want.download();
+      for (size_t h = 0; h < hints.size(); ++h) {
+        DeviceBuffer<float> got(sz(m * N));
+        const ops::OutputSlice out{got.get(), N};
+        cuda::linear_split(x.get(), m, ref, &out, 1, nullptr, &hints[h]);
+        EXPECT_TRUE(bitwise_equal(got.download(), expected))
+            << "hint " << h << " m " << m << " prefill " << prefill;
+      }
+    }
+  }
+  cuda::set_prefill(false);
+  EXPECT_EQ(w.download(), wh);
+  EXPECT_EQ(p.download(), ph);
+}
+
 // The recurrence reading q, k, v in place from a conv output ([q | k | v] per token,
 // qkv_token_stride apart) gives the bits of packed inputs, for every row of a batched call.
 TEST_F(CudaTest, DeltaRuleReadsStridedQkvLikePacked) {

@@ -3,6 +3,7 @@
 
 #include <omp.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -269,7 +270,7 @@ const float* cpu_input_rows(const float* x, int64_t m, int64_t k, const RowNorm*
 }  // namespace
 
 void linear_split(const float* x, int64_t m, const WeightRef& w, const OutputSlice* slices,
-                  int n_slices, const RowNorm* norm) {
+                  int n_slices, const RowNorm* norm, const WeightRef* prefetch) {
   int64_t cols = 0;
   for (int i = 0; i < n_slices; ++i) cols += slices[i].cols;
   if (n_slices < 1 || n_slices > 4 || cols != w.rows)
@@ -279,9 +280,11 @@ void linear_split(const float* x, int64_t m, const WeightRef& w, const OutputSli
     fail("linear_split: the input norm has ", norm->w.rows * norm->w.cols, " weights for rows of ",
          w.cols);
 #ifdef TANDEM_HAVE_CUDA
-  if (g_backend == Backend::Cuda) return cuda::linear_split(x, m, w, slices, n_slices, norm);
+  if (g_backend == Backend::Cuda)
+    return cuda::linear_split(x, m, w, slices, n_slices, norm, prefetch);
 #endif
   std::vector<float> rows;
+  (void)prefetch;  // the CPU's caches hold a small part of a projection's weight
   x = cpu_input_rows(x, m, w.cols, norm, rows);
   std::vector<float> y(static_cast<size_t>(m * w.rows));
   cpu::linear(x, m, w, y.data());
@@ -291,6 +294,12 @@ void linear_split(const float* x, int64_t m, const WeightRef& w, const OutputSli
     c0 += slices[i].cols;
   }
 }
+WeightRef leading_rows(const WeightRef& w, double fraction) {
+  WeightRef r = w;
+  r.rows = static_cast<int64_t>(static_cast<double>(w.rows) * std::clamp(fraction, 0.0, 1.0));
+  return r;
+}
+
 void gate_up_swiglu(const float* x, int64_t m, const WeightRef& gate_up, float* act,
                     const RowNorm* norm) {
   if (gate_up.rows % (2 * kGateUpGroup) != 0)

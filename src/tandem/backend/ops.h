@@ -114,12 +114,18 @@ struct RowNorm {
 // slices; their cols must add up to w.rows. Every value is the one linear computes.
 // norm (optional): the product is taken of rms_norm(x) instead of x; every value is the one
 // rms_norm into a temporary followed by the product computes. x is left unchanged.
+// prefetch (optional): a weight, or its leading rows, that the caller reads soon after this call,
+// behind ops that stream little memory (a DeltaNet's recurrence, an attention): on CUDA's decode
+// and verify shapes (up to 16 rows) the projection's blocks ask L2 to fetch it as they finish, so
+// those bytes stream from HBM while the latency-bound ops run. A hint: no value changes.
 struct OutputSlice {
   float* dst = nullptr;
   int64_t cols = 0;
 };
 void linear_split(const float* x, int64_t m, const WeightRef& w, const OutputSlice* slices,
-                  int n_slices, const RowNorm* norm = nullptr);
+                  int n_slices, const RowNorm* norm = nullptr, const WeightRef* prefetch = nullptr);
+// The first `fraction` of w's rows (rounded down), as a weight of its own: a prefetch range.
+WeightRef leading_rows(const WeightRef& w, double fraction);
 
 // The SwiGLU MLP's first half in one pass: act[m, I] = silu(x · gateᵀ) · (x · upᵀ), where
 // `gate_up` [2I, K] holds the gate and up projections in pairs of 8-row blocks (8 rows of gate,

@@ -11,6 +11,13 @@ namespace tandem {
 
 namespace {
 
+// The share of a mixer's output projection its input projection asks L2 to fetch (the
+// linear_split prefetch hint): those bytes stream while the conv and recurrence, or the query
+// norms and attention, run with HBM mostly idle. On the H200, half measured best for both layer
+// kinds (0.4 to 1.0 tried; a whole projection also slows the latency-bound ops in between,
+// BENCHMARKS.md).
+constexpr double kOutputPrefetch = 0.5;
+
 bool is_float(DType t) {
   return t == DType::F32 || t == DType::BF16 || t == DType::F16;
 }
@@ -558,7 +565,8 @@ void Qwen35Model::attention_layer(const Layer& L, Qwen35State& st, int64_t T, bo
     const ops::OutputSlice out[] = {{x.qg.data(), L.attn.q_proj.rows},
                                     {x.k.data(), L.attn.k_proj.rows},
                                     {x.v.data(), L.attn.v_proj.rows}};
-    ops::linear_split(in.x, T, L.attn.in_proj, out, 3, in.fold());
+    const ops::WeightRef next = ops::leading_rows(L.attn.o_proj, kOutputPrefetch);
+    ops::linear_split(in.x, T, L.attn.in_proj, out, 3, in.fold(), &next);
   } else {
     ops::linear(in.x, T, L.attn.q_proj, x.qg.data());
     ops::linear(in.x, T, L.attn.k_proj, x.k.data());
@@ -582,7 +590,8 @@ void Qwen35Model::delta_layer(const Layer& L, Qwen35State& st, const ForwardRequ
   if (stacked) {
     // One stacked projection, its column slices written straight into the four buffers.
     const ops::OutputSlice out[] = {{qkv, conv_dim}, {z, vd}, {b, nv}, {a, nv}};
-    ops::linear_split(in.x, T, L.delta.in_proj, out, 4, in.fold());
+    const ops::WeightRef next = ops::leading_rows(L.delta.out_proj, kOutputPrefetch);
+    ops::linear_split(in.x, T, L.delta.in_proj, out, 4, in.fold(), &next);
   } else {
     ops::linear(in.x, T, L.delta.in_proj_qkv, qkv);
     ops::linear(in.x, T, L.delta.in_proj_z, z);

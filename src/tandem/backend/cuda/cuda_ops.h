@@ -88,7 +88,8 @@ void linear(const float* x, int64_t m, const ops::WeightRef& w, float* y);
 // norm (optional): decode-shaped calls (m <= 4, K a multiple of 16) normalise the rows while
 // staging them, in rms_norm's order; every other call runs rms_norm into a scratch buffer first.
 void linear_split(const float* x, int64_t m, const ops::WeightRef& w,
-                  const ops::OutputSlice* slices, int n_slices, const ops::RowNorm* norm = nullptr);
+                  const ops::OutputSlice* slices, int n_slices, const ops::RowNorm* norm = nullptr,
+                  const ops::WeightRef* prefetch = nullptr);
 // The accumulation happens in the epilogue (prompt prefill: cuBLAS, then add_inplace). norm:
 // gated_rms_norm_bf16 first, whose rows the product reads without staging them.
 void linear_add(const float* x, int64_t m, const ops::WeightRef& w, float* y,

@@ -40,6 +40,8 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <string_view>
 #include <type_traits>
 #include <unordered_map>
 
@@ -118,6 +120,32 @@ struct RowNormArgs {
   float eps;
   bool zero_centred;
 };
+
+// Bytes of a weight that a later kernel reads, which a projection's blocks ask L2 to fetch once
+// their own columns are done (linear_split's prefetch): from p (16-byte aligned), a multiple of
+// 16. None when bytes is 0.
+struct L2Prefetch {
+  const char* p;
+  unsigned long long bytes;
+};
+constexpr unsigned kPrefetchPiece = 16384;  // bytes per bulk prefetch
+
+// This block's share of pf, issued as its last act: pieces dealt round-robin over the grid's
+// blocks, so the blocks that finish first (the projection's tail, when HBM has spare bandwidth)
+// fetch slices of the whole range. Bulk prefetches hold no registers and complete on their own.
+__device__ __forceinline__ void prefetch_l2_share(const L2Prefetch& pf) {
+  if (pf.bytes == 0) return;
+  const unsigned long long pieces = (pf.bytes + kPrefetchPiece - 1) / kPrefetchPiece;
+  const unsigned long long stride = static_cast<unsigned long long>(blockDim.x) * gridDim.x;
+  for (unsigned long long i = blockIdx.x + static_cast<unsigned long long>(threadIdx.x) * gridDim.x;
+       i < pieces; i += stride) {
+    const unsigned long long off = i * kPrefetchPiece;
+    const unsigned size =
+        static_cast<unsigned>(pf.bytes - off < kPrefetchPiece ? pf.bytes - off : kPrefetchPiece);
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(pf.p + off), "r"(size)
+                 : "memory");
+  }
+}
 
 // Row stride, in bf16 elements, of the input rows a block stages in shared memory: 16 bytes
 // more than a row, so that rows whose K·2 bytes are a multiple of 128 (every hidden size) start
@@ -395,7 +423,8 @@ __device__ __forceinline__ void finish_group(float (&partial)[Warps][Tiles][NT][
 template <int Warps, int Tiles, int NT, bool F32X = false, bool SwiGLU = false>
 __global__ void __launch_bounds__(Warps * 32, Tiles == 2 ? 1 : 0)
     linear_mma_wide_kernel(const void* __restrict__ xin, int m, const uint16_t* __restrict__ w,
-                           int N, int K, const SplitOut y, const RowNormArgs norm) {
+                           int N, int K, const SplitOut y, const RowNormArgs norm,
+                           const L2Prefetch pf) {
   static_assert(!SwiGLU || NT % 2 == 0, "SwiGLU pairs need an even number of n-tiles");
   constexpr int U = NT >= 4 ? 1 : 4 / NT;  // chunks per step: weights stay at 8·NT·U registers
   constexpr bool kPipelined = Tiles == 1;
@@ -511,6 +540,7 @@ __global__ void __launch_bounds__(Warps * 32, Tiles == 2 ? 1 : 0)
       finish_group<Warps, Tiles, NT, SwiGLU>(partial, c, warp, lane, row0, m, n_base, N, y);
     }
   }
+  prefetch_l2_share(pf);
 }
 
 // act[r, c] = silu(y[r, gate(c)]) · y[r, up(c)] for y [m, 2I] in the pair layout of
@@ -727,6 +757,23 @@ void check_weight(int64_t m, const ops::WeightRef& w, InputNorm norm) {
   }
 }
 
+// The L2 fetch of `w` that the tensor-core kernel's blocks issue as they finish. Only for
+// one m-tile (decode steps, verify windows, batches of up to 16 rows): at 32 rows the mixer ops
+// between the projections already keep HBM busier, and the fetch measured slower there
+// (BENCHMARKS.md). TANDEM_CUDA_L2_PREFETCH=0 in the environment turns it off (A/B timing).
+L2Prefetch l2_prefetch(const ops::WeightRef* w, int64_t m) {
+  static const bool enabled = [] {
+    const char* v = std::getenv("TANDEM_CUDA_L2_PREFETCH");
+    return !(v && std::string_view(v) == "0");
+  }();
+  if (!enabled || !w || !w->data || m > 16) return {};
+  const auto begin = reinterpret_cast<uintptr_t>(w->data);
+  const uintptr_t end = begin + static_cast<uintptr_t>(w->rows * w->cols) * dtype_size(w->dtype);
+  const uintptr_t first = (begin + 15) & ~uintptr_t(15), last = end & ~uintptr_t(15);
+  if (last <= first) return {};
+  return {reinterpret_cast<const char*>(first), last - first};
+}
+
 bool mma_path(const float* x, const ops::WeightRef& w) {
   if (w.cols % 16 != 0) return false;
   if (reinterpret_cast<uintptr_t>(x) % 16 != 0 || reinterpret_cast<uintptr_t>(w.data) % 16 != 0)
@@ -785,8 +832,8 @@ void allow_dynamic_smem(Kernel kernel, size_t bytes) {
 }
 
 template <int Warps, bool SwiGLU>
-void linear_mma_bf16_rows(const uint16_t* xs, int64_t m, const ops::WeightRef& w,
-                          const SplitOut& y);
+void linear_mma_bf16_rows(const uint16_t* xs, int64_t m, const ops::WeightRef& w, const SplitOut& y,
+                          const L2Prefetch& pf);
 
 // Scratch for the bf16 input rows of one call (reused by the next; calls are stream-ordered).
 uint16_t* bf16_rows(int64_t n) {
@@ -800,7 +847,7 @@ uint16_t* bf16_rows(int64_t n) {
 // norm (optional): normalised while staging (m <= kNarrowRows), else by rms_norm first.
 template <int Warps, bool SwiGLU>
 void linear_mma_warps(const float* x, int64_t m, const ops::WeightRef& w, const SplitOut& y,
-                      InputNorm norm) {
+                      InputNorm norm, const L2Prefetch& pf) {
   constexpr int kThreads = Warps * 32;
   const int N = static_cast<int>(w.rows), K = static_cast<int>(w.cols), M = static_cast<int>(m);
   const auto* wp = static_cast<const uint16_t*>(w.data);
@@ -810,7 +857,7 @@ void linear_mma_warps(const float* x, int64_t m, const ops::WeightRef& w, const 
   if (norm && !norm_folds(norm, m)) {
     uint16_t* xs = bf16_rows(m * K);
     normalised_rows_bf16(x, m, K, norm, xs);
-    return linear_mma_bf16_rows<Warps, SwiGLU>(xs, m, w, y);
+    return linear_mma_bf16_rows<Warps, SwiGLU>(xs, m, w, y, pf);
   }
   const size_t staged = sizeof(uint16_t) * static_cast<size_t>(m * staged_row_stride(K));
   if (m <= kNarrowRows && staged <= kNarrowSmemMax) {
@@ -822,7 +869,7 @@ void linear_mma_warps(const float* x, int64_t m, const ops::WeightRef& w, const 
       row_norm = {static_cast<const float*>(norm.row->w.data), norm.row->eps,
                   norm.row->zero_centred};
     launch("linear", kernel, balanced_grid(kernel, kThreads, (N + 15) / 16, staged), kThreads,
-           staged, x, M, wp, N, K, y, row_norm);
+           staged, x, M, wp, N, K, y, row_norm, pf);
     return;
   }
   // Batches: a bf16 copy of the inputs first.
@@ -830,20 +877,20 @@ void linear_mma_warps(const float* x, int64_t m, const ops::WeightRef& w, const 
   const int64_t n = m * K;
   launch("linear (bf16 convert)", to_bf16_kernel, static_cast<unsigned>((n + 255) / 256), 256, 0, x,
          n, n, reinterpret_cast<__nv_bfloat16*>(xs));
-  linear_mma_bf16_rows<Warps, SwiGLU>(xs, m, w, y);
+  linear_mma_bf16_rows<Warps, SwiGLU>(xs, m, w, y, pf);
 }
 
 // The tensor-core path on inputs already in bf16 (xs [m, K], 16-byte aligned rows).
 template <int Warps, bool SwiGLU>
-void linear_mma_bf16_rows(const uint16_t* xs, int64_t m, const ops::WeightRef& w,
-                          const SplitOut& y) {
+void linear_mma_bf16_rows(const uint16_t* xs, int64_t m, const ops::WeightRef& w, const SplitOut& y,
+                          const L2Prefetch& pf) {
   constexpr int kThreads = Warps * 32;
   const int N = static_cast<int>(w.rows), K = static_cast<int>(w.cols), M = static_cast<int>(m);
   const auto* wp = static_cast<const uint16_t*>(w.data);
   auto launch_wide = [&](auto kernel, int cols_per_block) {
     launch("linear", kernel,
            balanced_grid(kernel, kThreads, (N + cols_per_block - 1) / cols_per_block), kThreads, 0,
-           xs, M, wp, N, K, y, RowNormArgs{nullptr, 0.0f, false});
+           xs, M, wp, N, K, y, RowNormArgs{nullptr, 0.0f, false}, pf);
   };
   // Wide weights (4 warps) take 4 n-tiles per warp, narrow ones 2 (to keep more blocks).
   constexpr int NT = Warps == 4 ? 4 : 2;
@@ -867,21 +914,22 @@ void with_warps(const ops::WeightRef& w, F&& f) {
 
 template <bool SwiGLU>
 void linear_mma(const float* x, int64_t m, const ops::WeightRef& w, const SplitOut& y,
-                InputNorm norm) {
-  with_warps(w, [&](auto W) { linear_mma_warps<decltype(W)::value, SwiGLU>(x, m, w, y, norm); });
+                InputNorm norm, const L2Prefetch& pf = {}) {
+  with_warps(w,
+             [&](auto W) { linear_mma_warps<decltype(W)::value, SwiGLU>(x, m, w, y, norm, pf); });
 }
 
 void linear_mma_bf16(const uint16_t* xs, int64_t m, const ops::WeightRef& w, const SplitOut& y) {
-  with_warps(w, [&](auto W) { linear_mma_bf16_rows<decltype(W)::value, false>(xs, m, w, y); });
+  with_warps(w, [&](auto W) { linear_mma_bf16_rows<decltype(W)::value, false>(xs, m, w, y, {}); });
 }
 
 void linear_any(const float* x, int64_t m, const ops::WeightRef& w, const SplitOut& y,
-                InputNorm norm) {
+                InputNorm norm, const L2Prefetch& pf = {}) {
   if (g_prefill) {
     if (norm) x = normalised_rows(x, m, w.cols, norm);
     return linear_prefill(x, m, w, y);
   }
-  if (mma_path(x, w)) return linear_mma<false>(x, m, w, y, norm);
+  if (mma_path(x, w)) return linear_mma<false>(x, m, w, y, norm, pf);
   if (norm) x = normalised_rows(x, m, w.cols, norm);
   const int N = static_cast<int>(w.rows), K = static_cast<int>(w.cols), M = static_cast<int>(m);
   launch("linear", linear_warp_kernel, static_cast<unsigned>((m * w.rows + 7) / 8), 256, 0, x, M,
@@ -891,11 +939,12 @@ void linear_any(const float* x, int64_t m, const ops::WeightRef& w, const SplitO
 }  // namespace
 
 void linear_split(const float* x, int64_t m, const ops::WeightRef& w,
-                  const ops::OutputSlice* slices, int n_slices, const ops::RowNorm* norm) {
+                  const ops::OutputSlice* slices, int n_slices, const ops::RowNorm* norm,
+                  const ops::WeightRef* prefetch) {
   const SplitOut y = split_out(slices, n_slices, w.rows);
   if (m == 0 || w.rows == 0) return;
   check_weight(m, w, {norm, nullptr});
-  linear_any(x, m, w, y, {norm, nullptr});
+  linear_any(x, m, w, y, {norm, nullptr}, l2_prefetch(prefetch, m));
 }
 
 void linear(const float* x, int64_t m, const ops::WeightRef& w, float* y) {
