@@ -167,19 +167,39 @@ __global__ void __launch_bounds__(Threads)
 // The kernel releases its dependent before it waits (check.cuh): that dependent is the DeltaNet's
 // output projection, whose blocks then become resident while the delta rule runs, a kernel that
 // leaves the memory bus idle, and issue their first weight loads there.
+// The first kGatedHeld elements of a thread (i = t, t + kNormThreads, ...) keep their weight and
+// gate in registers: the weight is loaded before the wait (it never changes), the gate right
+// after it, together with the reduction's loads, instead of two round trips after the sum.
+constexpr int kGatedHeld = 4;
 template <class Out = float>
 __global__ void __launch_bounds__(kNormThreads)
     gated_rms_norm_kernel(const float* x, const float* z, int64_t d, const float* w, float eps,
                           Out* y) {
-  pdl_release();
-  pdl_wait();
   __shared__ double s_warp[kNormThreads / 32];
   const int64_t row = blockIdx.x;
   const float* xr = x + row * d;
   const float* zr = z + row * d;
   Out* yr = y + row * d;
+  float wv[kGatedHeld], zv[kGatedHeld];
+#pragma unroll
+  for (int j = 0; j < kGatedHeld; ++j) {
+    const int64_t i = threadIdx.x + j * int64_t(kNormThreads);
+    wv[j] = i < d ? w[i] : 0.0f;
+  }
+  pdl_release();
+  pdl_wait();
+#pragma unroll
+  for (int j = 0; j < kGatedHeld; ++j) {
+    const int64_t i = threadIdx.x + j * int64_t(kNormThreads);
+    zv[j] = i < d ? zr[i] : 0.0f;
+  }
   const float s = row_inv_rms<kNormThreads>(xr, d, eps, s_warp);
-  for (int64_t i = threadIdx.x; i < d; i += kNormThreads)
+#pragma unroll
+  for (int j = 0; j < kGatedHeld; ++j) {
+    const int64_t i = threadIdx.x + j * int64_t(kNormThreads);
+    if (i < d) yr[i] = Out(wv[j] * (xr[i] * s) * silu(zv[j]));
+  }
+  for (int64_t i = threadIdx.x + kGatedHeld * int64_t(kNormThreads); i < d; i += kNormThreads)
     yr[i] = Out(w[i] * (xr[i] * s) * silu(zr[i]));
 }
 
@@ -284,8 +304,7 @@ __global__ void __launch_bounds__(kNormThreads)
                         const float* __restrict__ k_norm, bool zero_centred, float eps,
                         const int64_t* __restrict__ positions, const float* __restrict__ inv_freq,
                         const KvTarget kv) {
-  pdl_wait();
-  pdl_release();
+  constexpr int kHeld = kMaxQkHeadDim / kNormThreads;  // elements per thread: i = t + 128·j
   __shared__ double s_warp[kNormThreads / 32];
   __shared__ float y[kMaxQkHeadDim];
   const int64_t per_token = n_heads + n_kv_heads;
@@ -294,17 +313,19 @@ __global__ void __launch_bounds__(kNormThreads)
   const float* x = is_q ? qg + (t * n_heads + h) * 2 * hd : k + (t * n_kv_heads + h - n_heads) * hd;
   float* out = is_q ? q + (t * n_heads + h) * hd : k + (t * n_kv_heads + h - n_heads) * hd;
   const float* w = is_q ? q_norm : k_norm;
-  const float s = row_inv_rms<kNormThreads>(x, hd, eps, s_warp);
-  for (int64_t i = threadIdx.x; i < hd; i += kNormThreads) {
-    const float wi = w[i];
-    y[i] = normed(x[i], s, wi, zero_centred);
-  }
-  if (is_q) {
-    float* g = gate + (t * n_heads + h) * hd;
-    for (int64_t i = threadIdx.x; i < hd; i += kNormThreads) g[i] = x[hd + i];
-  }
-  __syncthreads();  // y complete; every read of x (which may be k itself) is done
+  // Before the wait: the norm weights, the rotation of each pair and the key's KV slot. The
+  // weights and inv_freq never change, and positions and slots are uploaded before the
+  // forward's first kernel (check.cuh), so after the wait only the projection is read.
+  float wv[kHeld], cs[kHeld], sn[kHeld];
   const float pos = static_cast<float>(positions[t]);
+#pragma unroll
+  for (int j = 0; j < kHeld; ++j) {
+    const int64_t i = threadIdx.x + j * int64_t(kNormThreads);
+    wv[j] = i < hd ? w[i] : 0.0f;
+    const float angle = i < half ? pos * inv_freq[i] : 0.0f;
+    cs[j] = cosf(angle);
+    sn[j] = sinf(angle);
+  }
   // A key block's rows in the paged KV (null: none).
   float *kd = nullptr, *vd = nullptr;
   const float* vs = nullptr;
@@ -318,11 +339,26 @@ __global__ void __launch_bounds__(kNormThreads)
       vs = kv.v + (t * n_kv_heads + j) * hd;
     }
   }
-  for (int64_t i = threadIdx.x; i < hd; i += kNormThreads) {
+  pdl_wait();
+  pdl_release();
+  const float s = row_inv_rms<kNormThreads>(x, hd, eps, s_warp);
+#pragma unroll
+  for (int j = 0; j < kHeld; ++j) {
+    const int64_t i = threadIdx.x + j * int64_t(kNormThreads);
+    if (i < hd) y[i] = normed(x[i], s, wv[j], zero_centred);
+  }
+  if (is_q) {
+    float* g = gate + (t * n_heads + h) * hd;
+    for (int64_t i = threadIdx.x; i < hd; i += kNormThreads) g[i] = x[hd + i];
+  }
+  __syncthreads();  // y complete; every read of x (which may be k itself) is done
+#pragma unroll
+  for (int j = 0; j < kHeld; ++j) {
+    const int64_t i = threadIdx.x + j * int64_t(kNormThreads);
+    if (i >= hd) break;
     if (i < half) {
-      const float angle = pos * inv_freq[i];
       float a = y[i], b = y[i + half];
-      rotate_pair(a, b, cosf(angle), sinf(angle));
+      rotate_pair(a, b, cs[j], sn[j]);
       out[i] = a;
       out[i + half] = b;
       if (kd) kd[i] = a, kd[i + half] = b;

@@ -39,75 +39,87 @@ constexpr int kMaxConvKernel = 16;
 // K-1 inputs in registers (win, oldest first), like cpu::causal_conv_silu's state. A thread
 // reads x[t, c] before writing out[t, c] and touches only channel c, so out may alias x.
 //   acc = Σ_{j<K-1} w[c, j] · win[j] + w[c, K-1] · x[t, c],  out = silu(acc)
-// x and out point at the row's first token; state, state_after are the row's own.
+// load() takes the channel's taps and state; the kernels call it before they wait on the
+// previous kernel (check.cuh's rule: the weight never changes, and only this layer's conv writes
+// the state, one forward earlier), so only the inputs x are read after the wait. run() then
+// walks the tokens; x and out point at the row's first token, state and state_after are the
+// row's own.
 template <int K>
-__device__ __forceinline__ void conv_silu_channel(const float* x, int64_t n, int64_t channels,
-                                                  int64_t c, const float* w, float* state,
-                                                  float* out, float* state_after) {
-  constexpr int H = K - 1;  // history length
+struct ConvChannel {
+  static constexpr int H = K - 1;  // history length
   float wc[K];
-#pragma unroll
-  for (int j = 0; j < K; ++j) wc[j] = w[c * K + j];
   float win[H > 0 ? H : 1];
-#pragma unroll
-  for (int j = 0; j < H; ++j) win[j] = state[c * H + j];
 
+  __device__ __forceinline__ void load(const float* w, const float* state, int64_t c) {
+#pragma unroll
+    for (int j = 0; j < K; ++j) wc[j] = w[c * K + j];
+#pragma unroll
+    for (int j = 0; j < H; ++j) win[j] = state[c * H + j];
+  }
+
+  __device__ __forceinline__ void run(const float* x, int64_t n, int64_t channels, int64_t c,
+                                      float* state, float* out, float* state_after) {
     // Unrolled so later tokens' x loads issue early; every copy runs the same fmaf sequence.
 #pragma unroll 4
-  for (int64_t t = 0; t < n; ++t) {
-    const float xt = x[t * channels + c];
-    float acc = 0.0f;
+    for (int64_t t = 0; t < n; ++t) {
+      const float xt = x[t * channels + c];
+      float acc = 0.0f;
 #pragma unroll
-    for (int j = 0; j < H; ++j) acc = fmaf(wc[j], win[j], acc);
-    acc = fmaf(wc[H], xt, acc);
-    if constexpr (H > 0) {
+      for (int j = 0; j < H; ++j) acc = fmaf(wc[j], win[j], acc);
+      acc = fmaf(wc[H], xt, acc);
+      if constexpr (H > 0) {
 #pragma unroll
-      for (int j = 0; j + 1 < H; ++j) win[j] = win[j + 1];
-      win[H - 1] = xt;
+        for (int j = 0; j + 1 < H; ++j) win[j] = win[j + 1];
+        win[H - 1] = xt;
+      }
+      out[t * channels + c] = silu(acc);
+      if (state_after != nullptr) {
+        float* dst = state_after + (t * channels + c) * H;
+#pragma unroll
+        for (int j = 0; j < H; ++j) dst[j] = win[j];
+      }
     }
-    out[t * channels + c] = silu(acc);
-    if (state_after != nullptr) {
-      float* dst = state_after + (t * channels + c) * H;
 #pragma unroll
-      for (int j = 0; j < H; ++j) dst[j] = win[j];
-    }
+    for (int j = 0; j < H; ++j) state[c * H + j] = win[j];
   }
-#pragma unroll
-  for (int j = 0; j < H; ++j) state[c * H + j] = win[j];
-}
+};
 
 // One row, from arguments: grid over channels.
 template <int K>
 __global__ void __launch_bounds__(kConvThreads)
     causal_conv_silu_kernel(const float* x, int64_t n, int64_t channels, const float* w,
                             float* state, float* out, float* state_after) {
+  const int64_t c = blockIdx.x * int64_t(kConvThreads) + threadIdx.x;
+  ConvChannel<K> ch;
+  if (c < channels) ch.load(w, state, c);
   pdl_wait();
   pdl_release();
-  const int64_t c = blockIdx.x * int64_t(kConvThreads) + threadIdx.x;
   if (c >= channels) return;
-  conv_silu_channel<K>(x, n, channels, c, w, state, out, state_after);
+  ch.run(x, n, channels, c, state, out, state_after);
 }
 
 // Rows from device descriptors: grid (channel blocks, rows); block (i, r) runs channel block i of
 // row rows[r] on tokens first_token .. first_token + n - 1 of x and out. Rows own disjoint tokens
-// and states, so blocks of different rows never touch the same word.
+// and states, so blocks of different rows never touch the same word. The descriptor, uploaded
+// before the forward's first kernel, is read before the wait too.
 template <int K>
 __global__ void __launch_bounds__(kConvThreads)
     causal_conv_silu_rows_kernel(const float* x, int64_t channels, const float* __restrict__ w,
                                  const ops::RecurrentRow* __restrict__ rows, float* out) {
-  pdl_wait();
-  pdl_release();
   // w and rows are only read here (the descriptors never alias a state); saying so keeps the
   // row's pointers in registers instead of a spill at the larger tap counts. x is not restrict:
   // out may alias it.
   const int64_t c = blockIdx.x * int64_t(kConvThreads) + threadIdx.x;
-  if (c >= channels) return;
   const ops::RecurrentRow row = rows[blockIdx.y];
-  const int64_t n = row.n;
-  if (n <= 0) return;  // an idle row: its state stays as it is
+  const bool live = c < channels && row.n > 0;  // an idle row: its state stays as it is
+  ConvChannel<K> ch;
+  if (live) ch.load(w, row.conv_state, c);
+  pdl_wait();
+  pdl_release();
+  if (!live) return;
   const int64_t t0 = row.first_token;
-  conv_silu_channel<K>(x + t0 * channels, n, channels, c, w, row.conv_state, out + t0 * channels,
-                       row.conv_after);
+  ch.run(x + t0 * channels, row.n, channels, c, row.conv_state, out + t0 * channels,
+         row.conv_after);
 }
 
 // Calls launch_with(std::integral_constant<int, kernel>{}): the tap count is a template argument so
