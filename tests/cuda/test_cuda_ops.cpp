@@ -2142,10 +2142,11 @@ TEST_F(CudaTest, LinearSplitEqualsLinearColumns) {
 
 // A prefetch hint (another weight for L2 to fetch as the projection's blocks finish) changes no
 // value and no byte of either weight, whatever its size or alignment, at every row count: the
-// decode and verify shapes that issue it and the batches and prefill that ignore it.
-TEST_F(CudaTest, LinearSplitPrefetchChangesNoValue) {
+// decode and verify shapes that issue it and the batches and prefill that ignore it. The same
+// for the hint of linear_add (with and without its gated norm) and of swiglu_mlp_add.
+TEST_F(CudaTest, ProjectionPrefetchChangesNoValue) {
   std::mt19937 rng(78);
-  const int64_t K = 1024, N = 272, NP = 4096;
+  const int64_t K = 1024, N = 272, NP = 4096, I = 256, HD = 128;
   auto bf16_rows = [&](int64_t n) {
     std::vector<uint16_t> h(sz(n * K));
     const std::vector<float> f = randn(h.size(), rng, 0.03f);
@@ -2155,6 +2156,12 @@ TEST_F(CudaTest, LinearSplitPrefetchChangesNoValue) {
   const std::vector<uint16_t> wh = bf16_rows(N), ph = bf16_rows(NP);
   DeviceBuffer<uint16_t> w(wh), p(ph);
   const ops::WeightRef ref{DType::BF16, w.get(), N, K};
+  // linear_add's [K, K] weight, the MLP's gate/up [2I, K] and down [K, I] (as K-wide rows).
+  DeviceBuffer<uint16_t> sq(bf16_rows(K)), gu(bf16_rows(2 * I)), dn(bf16_rows(I));
+  const ops::WeightRef sq_ref{DType::BF16, sq.get(), K, K};
+  const ops::WeightRef gu_ref{DType::BF16, gu.get(), 2 * I, K};
+  const ops::WeightRef dn_ref{DType::BF16, dn.get(), K, I};
+  const F32Weight gnw = f32_weight(randn(sz(HD), rng, 0.1f, 1.0f), 1, HD);
   const ops::WeightRef whole{DType::BF16, p.get(), NP, K};
   // 2 bytes past a 16-byte boundary, ending mid-row: the fetch keeps to whole 16-byte pieces
   // inside the range.
@@ -2176,6 +2183,21 @@ TEST_F(CudaTest, LinearSplitPrefetchChangesNoValue) {
         EXPECT_TRUE(bitwise_equal(got.download(), expected))
             << "hint " << h << " m " << m << " prefill " << prefill;
       }
+      const std::vector<float> y0 = randn(sz(m * K), rng);
+      DeviceBuffer<float> z(randn(sz(m * K), rng));
+      const ops::GatedNorm gated{z.get(), gnw.dev_ref(), 1e-6f};
+      for (const ops::GatedNorm* norm : {static_cast<const ops::GatedNorm*>(nullptr), &gated}) {
+        DeviceBuffer<float> y_want(y0), y_got(y0);
+        cuda::linear_add(x.get(), m, sq_ref, y_want.get(), norm);
+        cuda::linear_add(x.get(), m, sq_ref, y_got.get(), norm, &hints[0]);
+        EXPECT_TRUE(bitwise_equal(y_got.download(), y_want.download()))
+            << "linear_add m " << m << " gated " << (norm != nullptr) << " prefill " << prefill;
+      }
+      DeviceBuffer<float> y_want(y0), y_got(y0);
+      cuda::swiglu_mlp_add(x.get(), m, gu_ref, dn_ref, y_want.get());
+      cuda::swiglu_mlp_add(x.get(), m, gu_ref, dn_ref, y_got.get(), nullptr, &hints[1]);
+      EXPECT_TRUE(bitwise_equal(y_got.download(), y_want.download()))
+          << "swiglu_mlp_add m " << m << " prefill " << prefill;
     }
   }
   cuda::set_prefill(false);

@@ -235,15 +235,17 @@ std::string device_description() {
 void linear(const float* x, int64_t m, const WeightRef& w, float* y) {
   TANDEM_DISPATCH(linear(x, m, w, y));
 }
-void linear_add(const float* x, int64_t m, const WeightRef& w, float* y, const GatedNorm* norm) {
+void linear_add(const float* x, int64_t m, const WeightRef& w, float* y, const GatedNorm* norm,
+                const WeightRef* prefetch) {
   if (norm) {
     const int64_t hd = norm->head_dim();
     if (hd < 1 || w.cols % hd != 0)
       fail("linear_add: a gated norm over heads of ", hd, " floats does not tile rows of ", w.cols);
   }
 #ifdef TANDEM_HAVE_CUDA
-  if (g_backend == Backend::Cuda) return cuda::linear_add(x, m, w, y, norm);
+  if (g_backend == Backend::Cuda) return cuda::linear_add(x, m, w, y, norm, prefetch);
 #endif
+  (void)prefetch;  // as linear_split's
   std::vector<float> normed;
   if (norm) {
     const int64_t hd = norm->head_dim();
@@ -327,15 +329,17 @@ void gate_up_swiglu(const float* x, int64_t m, const WeightRef& gate_up, float* 
   }
 }
 void swiglu_mlp_add(const float* x, int64_t m, const WeightRef& gate_up, const WeightRef& down,
-                    float* y, const RowNorm* norm) {
+                    float* y, const RowNorm* norm, const WeightRef* prefetch) {
   const int64_t I = gate_up.rows / 2;
   if (down.cols != I || down.rows != gate_up.cols)
     fail("swiglu_mlp_add: the down projection is [", down.rows, " x ", down.cols, "], expected [",
          gate_up.cols, " x ", I, "] for a [", gate_up.rows, " x ", gate_up.cols,
          "] gate/up weight");
 #ifdef TANDEM_HAVE_CUDA
-  if (g_backend == Backend::Cuda) return cuda::swiglu_mlp_add(x, m, gate_up, down, y, norm);
+  if (g_backend == Backend::Cuda)
+    return cuda::swiglu_mlp_add(x, m, gate_up, down, y, norm, prefetch);
 #endif
+  (void)prefetch;  // as linear_split's
   std::vector<float> act(static_cast<size_t>(m * I));
   gate_up_swiglu(x, m, gate_up, act.data(), norm);
   linear_add(act.data(), m, down, y);

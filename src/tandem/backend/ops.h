@@ -97,8 +97,9 @@ struct GatedNorm {
 // stream). Every value is the one linear into a temporary followed by add_inplace computes; on
 // CUDA the add happens in the projection's epilogue. norm (optional): the product is taken of
 // gated_rms_norm(x, z) instead of x, bitwise that op into a temporary first; x is unchanged.
+// prefetch (optional): as linear_split's.
 void linear_add(const float* x, int64_t m, const WeightRef& w, float* y,
-                const GatedNorm* norm = nullptr);
+                const GatedNorm* norm = nullptr, const WeightRef* prefetch = nullptr);
 
 // An RMSNorm a projection applies to its input rows first (rms_norm's w, zero_centred, eps): a
 // sublayer's input norm folded into its first projection, which on CUDA's decode shapes saves
@@ -143,8 +144,9 @@ void gate_up_swiglu(const float* x, int64_t m, const WeightRef& gate_up, float* 
 // gate_up_swiglu into a temporary followed by linear_add computes (on CUDA's decode paths the
 // activations pass between the two projections in bf16, the rounding the down projection applies
 // to its inputs anyway). y may be x.
+// prefetch (optional): as linear_split's, issued by the down projection.
 void swiglu_mlp_add(const float* x, int64_t m, const WeightRef& gate_up, const WeightRef& down,
-                    float* y, const RowNorm* norm = nullptr);
+                    float* y, const RowNorm* norm = nullptr, const WeightRef* prefetch = nullptr);
 
 // out[i, :] = table[ids[i], :] converted to fp32. ids must be in range (checked by caller).
 void embed_rows(const WeightRef& table, const int32_t* ids, int64_t n, float* out);

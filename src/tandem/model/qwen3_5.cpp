@@ -17,6 +17,18 @@ namespace {
 // kinds (0.4 to 1.0 tried; a whole projection also slows the latency-bound ops in between,
 // BENCHMARKS.md).
 constexpr double kOutputPrefetch = 0.5;
+// What a projection followed directly by another asks L2 to fetch of it: its blocks finish over
+// a few microseconds, when HBM has spare bandwidth. 5% of the next weight measured best of
+// 5-20% on the H200 (more slows the projection's own last blocks), capped near what such a tail
+// can stream (the head's 5% would be 100 MB, twice the L2).
+constexpr double kTailPrefetch = 0.05;
+constexpr double kTailPrefetchBytes = 10e6;
+
+ops::WeightRef tail_prefetch(const ops::WeightRef& next) {
+  const double bytes = static_cast<double>(next.rows * next.cols * dtype_size(next.dtype));
+  return ops::leading_rows(next,
+                           bytes > 0 ? std::min(kTailPrefetch, kTailPrefetchBytes / bytes) : 0.0);
+}
 
 bool is_float(DType t) {
   return t == DType::F32 || t == DType::BF16 || t == DType::F16;
@@ -490,12 +502,18 @@ void Qwen35Model::forward_body(Qwen35State& st, const ForwardRequest& req, int64
 
   // Every sublayer reads the residual stream x through its input norm (folded into its first
   // projection where the weights are stacked) and adds its output projection into x.
-  for (const Layer& L : layers_) {
+  // The stacked input projection a layer starts with (empty where the checkpoint's weights are
+  // not stacked: then nothing is prefetched).
+  auto first_projection = [](const Layer& L) -> const ops::WeightRef& {
+    return L.kind == LayerKind::FullAttention ? L.attn.in_proj : L.delta.in_proj;
+  };
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    const Layer& L = layers_[i];
     if (L.kind == LayerKind::FullAttention)
       attention_layer(L, st, T, req.prompt);
     else
       delta_layer(L, st, req, T);
-    mlp(L, T);
+    mlp(L, T, i + 1 < layers_.size() ? first_projection(layers_[i + 1]) : lm_head_);
   }
   ops::set_prefill(false);
 
@@ -536,12 +554,14 @@ Qwen35Model::SublayerInput Qwen35Model::sublayer_input(const ops::WeightRef& nor
   return in;
 }
 
-void Qwen35Model::mlp(const Layer& L, int64_t T) const {
+void Qwen35Model::mlp(const Layer& L, int64_t T, const ops::WeightRef& next) const {
   const Qwen35Config& c = cfg_;
   Workspace& w = ws_;
   const bool stacked = L.gate_up.data != nullptr;
   const SublayerInput in = sublayer_input(L.post_norm, T, stacked);
-  if (stacked) return ops::swiglu_mlp_add(in.x, T, L.gate_up, L.down_proj, w.x.data(), in.fold());
+  const ops::WeightRef tail = tail_prefetch(next);
+  if (stacked)
+    return ops::swiglu_mlp_add(in.x, T, L.gate_up, L.down_proj, w.x.data(), in.fold(), &tail);
   ops::linear(in.x, T, L.gate_proj, w.mlp_g.data());
   ops::linear(in.x, T, L.up_proj, w.mlp_u.data());
   ops::swiglu(w.mlp_g.data(), w.mlp_u.data(), T * c.intermediate_size, w.mlp_g.data());
@@ -574,7 +594,8 @@ void Qwen35Model::attention_layer(const Layer& L, Qwen35State& st, int64_t T, bo
   }
   gated_attention(shape, L.attn.q_norm, L.attn.k_norm, inv_freq_.data(), w.pos, w.segments,
                   st.kv_layer(L.index_in_kind), x, w.pos + T);
-  ops::linear_add(x.o.data(), T, L.attn.o_proj, w.x.data());
+  const ops::WeightRef tail = tail_prefetch(L.gate_up);
+  ops::linear_add(x.o.data(), T, L.attn.o_proj, w.x.data(), nullptr, &tail);
 }
 
 void Qwen35Model::delta_layer(const Layer& L, Qwen35State& st, const ForwardRequest& req,
@@ -625,7 +646,8 @@ void Qwen35Model::delta_layer(const Layer& L, Qwen35State& st, const ForwardRequ
                              rows, R, w.max_row_tokens, delta_heads(), core);
   // The gated norm is the output projection's input norm (folded into it on CUDA's decode path).
   const ops::GatedNorm gated{z, L.delta.norm, static_cast<float>(c.rms_norm_eps)};
-  ops::linear_add(core, T, L.delta.out_proj, w.x.data(), &gated);
+  const ops::WeightRef tail = tail_prefetch(L.gate_up);
+  ops::linear_add(core, T, L.delta.out_proj, w.x.data(), &gated, &tail);
 }
 
 ops::DeltaHeads Qwen35Model::delta_heads() const {

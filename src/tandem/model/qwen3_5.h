@@ -209,7 +209,9 @@ class Qwen35Model {
   // A sublayer: its input is rms_norm(ws_.x, L.input_norm), its output is added into ws_.x.
   void attention_layer(const Layer& L, Qwen35State& st, int64_t T, bool prompt) const;
   void delta_layer(const Layer& L, Qwen35State& st, const ForwardRequest& req, int64_t T) const;
-  void mlp(const Layer& L, int64_t T) const;
+  // next: the weight the forward reads after this MLP (the next layer's input projection, or
+  // the head), whose leading rows the down projection asks L2 to fetch.
+  void mlp(const Layer& L, int64_t T, const ops::WeightRef& next) const;
   // A sublayer's input rms_norm(ws_.x, norm). Stacked weights (one projection) get ws_.x and the
   // norm to apply themselves (fold()); otherwise the norm is applied into ws_.h, x = ws_.h and
   // fold() is null.

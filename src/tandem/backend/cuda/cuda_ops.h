@@ -93,12 +93,13 @@ void linear_split(const float* x, int64_t m, const ops::WeightRef& w,
 // The accumulation happens in the epilogue (prompt prefill: cuBLAS, then add_inplace). norm:
 // gated_rms_norm_bf16 first, whose rows the product reads without staging them.
 void linear_add(const float* x, int64_t m, const ops::WeightRef& w, float* y,
-                const ops::GatedNorm* norm = nullptr);
+                const ops::GatedNorm* norm = nullptr, const ops::WeightRef* prefetch = nullptr);
 void gate_up_swiglu(const float* x, int64_t m, const ops::WeightRef& gate_up, float* act,
                     const ops::RowNorm* norm = nullptr);
 // On the decode paths the [m, I] activations reach the down projection in bf16.
 void swiglu_mlp_add(const float* x, int64_t m, const ops::WeightRef& gate_up,
-                    const ops::WeightRef& down, float* y, const ops::RowNorm* norm = nullptr);
+                    const ops::WeightRef& down, float* y, const ops::RowNorm* norm = nullptr,
+                    const ops::WeightRef* prefetch = nullptr);
 void embed_rows(const ops::WeightRef& table, const int32_t* ids, int64_t n, float* out);
 void rms_norm(const float* x, int64_t m, int64_t d, const ops::WeightRef& w, bool zero_centred,
               float eps, float* y);

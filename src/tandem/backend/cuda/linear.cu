@@ -919,8 +919,9 @@ void linear_mma(const float* x, int64_t m, const ops::WeightRef& w, const SplitO
              [&](auto W) { linear_mma_warps<decltype(W)::value, SwiGLU>(x, m, w, y, norm, pf); });
 }
 
-void linear_mma_bf16(const uint16_t* xs, int64_t m, const ops::WeightRef& w, const SplitOut& y) {
-  with_warps(w, [&](auto W) { linear_mma_bf16_rows<decltype(W)::value, false>(xs, m, w, y, {}); });
+void linear_mma_bf16(const uint16_t* xs, int64_t m, const ops::WeightRef& w, const SplitOut& y,
+                     const L2Prefetch& pf) {
+  with_warps(w, [&](auto W) { linear_mma_bf16_rows<decltype(W)::value, false>(xs, m, w, y, pf); });
 }
 
 void linear_any(const float* x, int64_t m, const ops::WeightRef& w, const SplitOut& y,
@@ -953,12 +954,12 @@ void linear(const float* x, int64_t m, const ops::WeightRef& w, float* y) {
 }
 
 void linear_add(const float* x, int64_t m, const ops::WeightRef& w, float* y,
-                const ops::GatedNorm* norm) {
+                const ops::GatedNorm* norm, const ops::WeightRef* prefetch) {
   const ops::OutputSlice all{y, w.rows};
   const SplitOut out = split_out(&all, 1, w.rows, /*accumulate=*/true);
   if (m == 0 || w.rows == 0) return;
   check_weight(m, w, {nullptr, norm});
-  linear_any(x, m, w, out, {nullptr, norm});
+  linear_any(x, m, w, out, {nullptr, norm}, l2_prefetch(prefetch, m));
 }
 
 void gate_up_swiglu(const float* x, int64_t m, const ops::WeightRef& gate_up, float* act,
@@ -984,7 +985,8 @@ void gate_up_swiglu(const float* x, int64_t m, const ops::WeightRef& gate_up, fl
 }
 
 void swiglu_mlp_add(const float* x, int64_t m, const ops::WeightRef& gate_up,
-                    const ops::WeightRef& down, float* y, const ops::RowNorm* norm) {
+                    const ops::WeightRef& down, float* y, const ops::RowNorm* norm,
+                    const ops::WeightRef* prefetch) {
   const int64_t I = gate_up.rows / 2;
   if (down.cols != I || down.rows != gate_up.cols)
     fail("swiglu_mlp_add: the down projection is [", down.rows, " x ", down.cols, "], expected [",
@@ -997,7 +999,7 @@ void swiglu_mlp_add(const float* x, int64_t m, const ops::WeightRef& gate_up,
     static int64_t act_size = 0;
     float* a = grow(act, act_size, m * I);
     cuda::gate_up_swiglu(x, m, gate_up, a, norm);
-    return cuda::linear_add(a, m, down, y, nullptr);
+    return cuda::linear_add(a, m, down, y, nullptr, prefetch);
   }
   check_weight(m, gate_up, {norm, nullptr});
   if (reinterpret_cast<uintptr_t>(down.data) % 16 != 0)
@@ -1011,7 +1013,8 @@ void swiglu_mlp_add(const float* x, int64_t m, const ops::WeightRef& gate_up,
   to_act.bf16 = true;
   linear_mma<true>(x, m, gate_up, to_act, {norm, nullptr});
   const ops::OutputSlice residual{y, down.rows};
-  linear_mma_bf16(a, m, down, split_out(&residual, 1, down.rows, /*accumulate=*/true));
+  linear_mma_bf16(a, m, down, split_out(&residual, 1, down.rows, /*accumulate=*/true),
+                  l2_prefetch(prefetch, m));
 }
 
 TANDEM_CUDA_TRACE_UNIT(linear)
