@@ -416,6 +416,8 @@ __device__ __forceinline__ void finish_group(float (&partial)[Warps][Tiles][NT][
 // With one m-tile (decode and verify shapes) the weights of the next chunks are loaded before the
 // current ones are multiplied, which doubles the bytes each warp keeps in flight; without F32X
 // the first group's first weights are loaded before the kernel waits on its inputs.
+// pf: a later kernel's weight bytes, whose L2 fetch each block issues once its groups are done
+// (prefetch_l2_share).
 // Registers: with two m-tiles (17..32 rows, e.g. a decode step of 32 rows) the kernel declares a
 // minimum of one block per SM, which lets ptxas give it ~124 registers instead of ~100: 32 rows
 // ran 14% faster on the H200 (BENCHMARKS.md). The other tile counts keep ptxas's default budget
@@ -758,9 +760,9 @@ void check_weight(int64_t m, const ops::WeightRef& w, InputNorm norm) {
 }
 
 // The L2 fetch of `w` that the tensor-core kernel's blocks issue as they finish. Only for
-// one m-tile (decode steps, verify windows, batches of up to 16 rows): at 32 rows the mixer ops
-// between the projections already keep HBM busier, and the fetch measured slower there
-// (BENCHMARKS.md). TANDEM_CUDA_L2_PREFETCH=0 in the environment turns it off (A/B timing).
+// one m-tile (decode steps, verify windows, batches of up to 16 rows): at 32 rows it measured
+// 0.4-0.9% slower (BENCHMARKS.md). TANDEM_CUDA_L2_PREFETCH=0 in the environment turns it off
+// (A/B timing). A hint: w is only read, by the L2, never by the kernel.
 L2Prefetch l2_prefetch(const ops::WeightRef* w, int64_t m) {
   static const bool enabled = [] {
     const char* v = std::getenv("TANDEM_CUDA_L2_PREFETCH");
