@@ -14,13 +14,12 @@ namespace {
 // The share of a mixer's output projection its input projection asks L2 to fetch (the
 // linear_split prefetch hint): those bytes stream while the conv and recurrence, or the query
 // norms and attention, run with HBM mostly idle. On the H200, half measured best for both layer
-// kinds (0.4 to 1.0 tried; a whole projection also slows the latency-bound ops in between,
-// BENCHMARKS.md).
+// kinds (0.3 to 1.0 tried, BENCHMARKS.md).
 constexpr double kOutputPrefetch = 0.5;
 // What a projection followed directly by another asks L2 to fetch of it: its blocks finish over
-// a few microseconds, when HBM has spare bandwidth. 5% of the next weight measured best of
-// 5-20% on the H200 (more slows the projection's own last blocks), capped near what such a tail
-// can stream (the head's 5% would be 100 MB, twice the L2).
+// a few microseconds, when HBM has spare bandwidth. 5% of the next weight measured best on the
+// H200 (10% and 20% were slower than none), capped near what such a tail can stream (the head's
+// 5% would be 100 MB, twice the L2).
 constexpr double kTailPrefetch = 0.05;
 constexpr double kTailPrefetchBytes = 10e6;
 
