@@ -2147,25 +2147,17 @@ TEST_F(CudaTest, LinearSplitEqualsLinearColumns) {
 TEST_F(CudaTest, ProjectionPrefetchChangesNoValue) {
   std::mt19937 rng(78);
   const int64_t K = 1024, N = 272, NP = 4096, I = 256, HD = 128;
-  auto bf16_rows = [&](int64_t n) {
-    std::vector<uint16_t> h(sz(n * K));
-    const std::vector<float> f = randn(h.size(), rng, 0.03f);
-    for (size_t i = 0; i < h.size(); ++i) h[i] = f32_to_bf16(f[i]);
-    return h;
-  };
-  const std::vector<uint16_t> wh = bf16_rows(N), ph = bf16_rows(NP);
-  DeviceBuffer<uint16_t> w(wh), p(ph);
-  const ops::WeightRef ref{DType::BF16, w.get(), N, K};
-  // linear_add's [K, K] weight, the MLP's gate/up [2I, K] and down [K, I] (as K-wide rows).
-  DeviceBuffer<uint16_t> sq(bf16_rows(K)), gu(bf16_rows(2 * I)), dn(bf16_rows(I));
-  const ops::WeightRef sq_ref{DType::BF16, sq.get(), K, K};
-  const ops::WeightRef gu_ref{DType::BF16, gu.get(), 2 * I, K};
-  const ops::WeightRef dn_ref{DType::BF16, dn.get(), K, I};
+  const Bf16Matrix w = bf16_matrix(N, K, rng), p = bf16_matrix(NP, K, rng);
+  const ops::WeightRef ref = w.dev_ref();
+  // linear_add's [K, K] weight, the MLP's gate/up [2I, K] and down [K, I].
+  const Bf16Matrix sq = bf16_matrix(K, K, rng), gu = bf16_matrix(2 * I, K, rng),
+                   dn = bf16_matrix(K, I, rng);
+  const ops::WeightRef sq_ref = sq.dev_ref(), gu_ref = gu.dev_ref(), dn_ref = dn.dev_ref();
   const F32Weight gnw = f32_weight(randn(sz(HD), rng, 0.1f, 1.0f), 1, HD);
-  const ops::WeightRef whole{DType::BF16, p.get(), NP, K};
+  const ops::WeightRef whole = p.dev_ref();
   // 2 bytes past a 16-byte boundary, ending mid-row: the fetch keeps to whole 16-byte pieces
   // inside the range.
-  const ops::WeightRef odd{DType::BF16, p.get() + 1, 7, 333};
+  const ops::WeightRef odd{DType::BF16, p.dev.get() + 1, 7, 333};
   const std::vector<ops::WeightRef> hints = {whole, ops::leading_rows(whole, 0.5),
                                              ops::leading_rows(whole, 0.0), odd};
   for (bool prefill : {false, true}) {
@@ -2201,8 +2193,8 @@ TEST_F(CudaTest, ProjectionPrefetchChangesNoValue) {
     }
   }
   cuda::set_prefill(false);
-  EXPECT_EQ(w.download(), wh);
-  EXPECT_EQ(p.download(), ph);
+  EXPECT_EQ(w.dev.download(), w.host);
+  EXPECT_EQ(p.dev.download(), p.host);
 }
 
 // The recurrence reading q, k, v in place from a conv output ([q | k | v] per token,

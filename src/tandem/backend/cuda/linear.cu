@@ -57,7 +57,8 @@ namespace {
 
 constexpr int kWideRows = 8192;  // weights with at least this many rows: 4 warps per block, else 8
 constexpr int kChunk = 64;       // k per warp chunk: 4 lanes x 16
-constexpr int kMaxTiles = 4;     // 16-row m-tiles per pass
+constexpr int kTileRows = 16;    // rows of one m-tile (the mma's m)
+constexpr int kMaxTiles = 4;     // m-tiles per pass
 constexpr int64_t kNarrowRows = 4;      // up to this many rows: bf16 inputs staged per block (F32X)
 constexpr int64_t kFoldedNormRows = 1;  // up to this many rows: an input norm folded into staging
 constexpr int64_t kPrefillChunk = 256;
@@ -768,7 +769,7 @@ L2Prefetch l2_prefetch(const ops::WeightRef* w, int64_t m) {
     const char* v = std::getenv("TANDEM_CUDA_L2_PREFETCH");
     return !(v && std::string_view(v) == "0");
   }();
-  if (!enabled || !w || !w->data || m > 16) return {};
+  if (!enabled || !w || !w->data || m > kTileRows) return {};
   const auto begin = reinterpret_cast<uintptr_t>(w->data);
   const uintptr_t end = begin + static_cast<uintptr_t>(w->rows * w->cols) * dtype_size(w->dtype);
   const uintptr_t first = (begin + 15) & ~uintptr_t(15), last = end & ~uintptr_t(15);
@@ -896,9 +897,9 @@ void linear_mma_bf16_rows(const uint16_t* xs, int64_t m, const ops::WeightRef& w
   };
   // Wide weights (4 warps) take 4 n-tiles per warp, narrow ones 2 (to keep more blocks).
   constexpr int NT = Warps == 4 ? 4 : 2;
-  if (m <= 16)
+  if (m <= kTileRows)
     launch_wide(linear_mma_wide_kernel<Warps, 1, NT, false, SwiGLU>, 8 * NT);
-  else if (m <= 32)
+  else if (m <= 2 * kTileRows)
     launch_wide(linear_mma_wide_kernel<Warps, 2, NT, false, SwiGLU>, 8 * NT);
   else
     launch_wide(linear_mma_wide_kernel<Warps, kMaxTiles, NT, false, SwiGLU>, 8 * NT);
