@@ -3,7 +3,8 @@
 # Everything comes from Debian 12's archive; nothing is downloaded at build or run time.
 set -euo pipefail
 pkgs=(build-essential cmake ninja-build pkg-config
-      nlohmann-json3-dev libpcre2-dev libcli11-dev librandom123-dev libgtest-dev libxxhash-dev)
+      nlohmann-json3-dev libpcre2-dev libcli11-dev librandom123-dev libgtest-dev libxxhash-dev
+      libcpp-httplib-dev)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

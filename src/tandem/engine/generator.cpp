@@ -166,27 +166,45 @@ std::vector<GenerateResult> Generator::run(const std::vector<GenerateRequest>& r
   std::vector<size_t> row_req;
 
   auto t0 = std::chrono::steady_clock::now();
-  for (size_t i = 0; i < B; ++i) {
-    tokens.insert(tokens.end(), requests[i].prompt.begin(), requests[i].prompt.end());
-    rows.push_back({slots[i], static_cast<int64_t>(requests[i].prompt.size())});
-    st.prompt_tokens += static_cast<int64_t>(requests[i].prompt.size());
-  }
+  for (size_t i = 0; i < B; ++i) st.prompt_tokens += static_cast<int64_t>(requests[i].prompt.size());
   // Greedy requests only: the forward picks the tokens where the logits are (one small copy
   // per step instead of the logits). Same tokens as sample_token at temperature 0.
   const bool greedy = std::all_of(requests.begin(), requests.end(),
                                   [](const GenerateRequest& r) { return r.sampling.greedy(); });
-  ForwardRequest prefill{tokens, rows, false, false};
-  prefill.prompt = true;
-  prefill.want_logits = !greedy;
-  prefill.want_argmax = greedy;
-  model_.forward(state, prefill, &out);
   const int64_t V = cfg.vocab_size;
   auto pick = [&](size_t r, size_t i, uint64_t index) {
     if (greedy) return out.argmax[r];
     std::span<const float> logits(out.logits.data() + r * V, static_cast<size_t>(V));
     return sample_token(logits, requests[i].sampling, index);
   };
-  for (size_t i = 0; i < B; ++i) emit(i, pick(i, i, 0));
+  // Prompts run in chunks of kPrefillChunkTokens counted from their start, one chunk per row per
+  // forward, exactly as the batch engine prefills them: both compute a prompt's numbers alike.
+  std::vector<int64_t> prefilled(B, 0);
+  for (;;) {
+    tokens.clear();
+    rows.clear();
+    row_req.clear();
+    for (size_t i = 0; i < B; ++i) {
+      const int64_t L = static_cast<int64_t>(requests[i].prompt.size());
+      if (prefilled[i] == L) continue;
+      const int64_t n = std::min(kPrefillChunkTokens, L - prefilled[i]);
+      tokens.insert(tokens.end(), requests[i].prompt.begin() + prefilled[i],
+                    requests[i].prompt.begin() + prefilled[i] + n);
+      rows.push_back({slots[i], n});
+      row_req.push_back(i);
+    }
+    if (rows.empty()) break;
+    ForwardRequest prefill{tokens, rows, false, false};
+    prefill.prompt = true;
+    prefill.want_logits = !greedy;
+    prefill.want_argmax = greedy;
+    model_.forward(state, prefill, &out);
+    for (size_t r = 0; r < rows.size(); ++r) {
+      const size_t i = row_req[r];
+      prefilled[i] += rows[r].n_tokens;
+      if (prefilled[i] == static_cast<int64_t>(requests[i].prompt.size())) emit(i, pick(r, i, 0));
+    }
+  }
   st.prefill_seconds = seconds_since(t0);
 
   t0 = std::chrono::steady_clock::now();

@@ -12,6 +12,11 @@
 
 namespace tandem {
 
+// Prompt tokens per prefill chunk. Every engine prefills a prompt in chunks of this many tokens
+// counted from the prompt's start, one chunk per row per forward, so a prompt's numbers never
+// depend on a token budget or on which prompts shared its forwards (DESIGN.md §7).
+inline constexpr int64_t kPrefillChunkTokens = 256;
+
 struct GenerateRequest {
   std::vector<int32_t> prompt;
   SamplingParams sampling;

@@ -18,6 +18,52 @@ Qwen35State::Qwen35State(const Qwen35Config& cfg, RecurrentRollback rollback)
   kv_pools_.resize(static_cast<size_t>(n_attn_));
 }
 
+void Qwen35State::set_capacity(const Capacity& cap) {
+  TANDEM_CHECK(rows_.empty() && n_blocks_ == 0, "set_capacity on a state already in use");
+  if (cap.rows < 1 || cap.blocks < 0 || cap.window_tokens < 1)
+    fail("state capacity: ", cap.rows, " rows, ", cap.blocks, " blocks, windows of ",
+         cap.window_tokens, " tokens");
+  if (n_attn_ > 0) grow_pool(cap.blocks);
+  // grow_pool rounds small requests up; a fixed pool holds exactly what was asked for.
+  if (n_attn_ > 0 && n_blocks_ > cap.blocks) {
+    free_blocks_.clear();
+    for (int64_t b = cap.blocks - 1; b >= 0; --b) free_blocks_.push_back(static_cast<int32_t>(b));
+    n_blocks_ = cap.blocks;
+  }
+  rows_.resize(static_cast<size_t>(cap.rows));
+  linear_state_.resize(static_cast<size_t>(cap.rows));
+  const int64_t blocks_per_row = n_attn_ > 0 ? cap.blocks : 0;
+  for (size_t i = 0; i < rows_.size(); ++i) {
+    linear_state_[i].grow_to(n_linear_ * (conv_floats_ + rec_floats_));
+    rows_[i].window.grow_to(n_linear_ * window_layer_floats(cap.window_tokens));
+    rows_[i].blocks.reserve(static_cast<size_t>(blocks_per_row));
+  }
+  max_window_ = cap.window_tokens;
+  fixed_ = true;
+}
+
+size_t Qwen35State::block_bytes(const Qwen35Config& cfg) {
+  int64_t n_attn = 0;
+  for (LayerKind k : cfg.layer_types) n_attn += k == LayerKind::FullAttention;
+  return static_cast<size_t>(n_attn * 2 * kBlockSize * cfg.num_key_value_heads * cfg.head_dim) *
+         sizeof(float);
+}
+
+size_t Qwen35State::row_bytes(const Qwen35Config& cfg, int64_t window_tokens,
+                              RecurrentRollback rollback) {
+  Qwen35State probe(cfg, rollback);
+  const int64_t layer = probe.conv_floats_ + probe.rec_floats_;
+  return static_cast<size_t>(probe.n_linear_ *
+                             (layer + probe.window_layer_floats(window_tokens))) *
+         sizeof(float);
+}
+
+int Qwen35State::open_row_count() const {
+  int n = 0;
+  for (const Row& r : rows_) n += r.open;
+  return n;
+}
+
 int Qwen35State::open_row() {
   int slot = -1;
   for (size_t i = 0; i < rows_.size(); ++i)
@@ -25,6 +71,8 @@ int Qwen35State::open_row() {
       slot = static_cast<int>(i);
       break;
     }
+  if (slot < 0 && fixed_)
+    fail("no free row slot: all ", rows_.size(), " slots of the state's fixed pool are in use");
   if (slot < 0) {
     slot = static_cast<int>(rows_.size());
     rows_.emplace_back();
@@ -69,7 +117,12 @@ void Qwen35State::reserve(int slot, int64_t new_length) {
   const int64_t need = (new_length + kBlockSize - 1) / kBlockSize;
   const int64_t missing = need - static_cast<int64_t>(r.blocks.size());
   if (missing <= 0 || n_attn_ == 0) return;
-  if (static_cast<int64_t>(free_blocks_.size()) < missing) grow_pool(missing);
+  if (static_cast<int64_t>(free_blocks_.size()) < missing) {
+    if (fixed_)
+      fail("out of KV blocks: row slot ", slot, " needs ", missing, " more for ", new_length,
+           " tokens, ", free_blocks_.size(), " of ", n_blocks_, " are free");
+    grow_pool(missing);
+  }
   for (int64_t i = 0; i < missing; ++i) {
     r.blocks.push_back(free_blocks_.back());
     free_blocks_.pop_back();
@@ -113,6 +166,8 @@ void Qwen35State::begin_window(int slot, int64_t n) {
     fail("row slot ", slot, " already has an uncommitted speculative window (", r.window_n,
          " tokens from position ", r.window_start, "); commit_windows must close it first");
   if (n <= 0) fail("begin_window: row slot ", slot, " window of ", n, " tokens");
+  if (fixed_ && n > max_window_)
+    fail("row slot ", slot, ": a window of ", n, " tokens exceeds the pool's ", max_window_);
   // Grown, never shrunk: after the largest window a slot sees, verify rounds allocate nothing.
   r.window.grow_to(n_linear_ * window_layer_floats(n));
   r.window_start = r.length;

@@ -38,6 +38,28 @@ class Qwen35State {
                        RecurrentRollback rollback = RecurrentRollback::PerPositionStates);
   RecurrentRollback rollback() const { return rollback_; }
 
+  // A pool sized once (a server's memory budget, DESIGN.md §7). After set_capacity nothing the
+  // state holds grows or moves: open_row throws when every slot is taken, reserve throws (before
+  // changing anything) when the free blocks do not cover the request, begin_window throws above
+  // window_tokens. Without it (the command line), the pool and the slots grow on demand.
+  struct Capacity {
+    int rows = 0;               // row slots, each with its conv + recurrent state
+    int64_t blocks = 0;         // KV blocks shared by all rows
+    int64_t window_tokens = 1;  // the largest speculative window a row may open
+  };
+  // Must be called before the first open_row.
+  void set_capacity(const Capacity& cap);
+  bool fixed() const { return fixed_; }
+  // Bytes one KV block and one row slot (state + its largest window buffer) hold: what a memory
+  // budget divides into.
+  static size_t block_bytes(const Qwen35Config& cfg);
+  static size_t row_bytes(const Qwen35Config& cfg, int64_t window_tokens,
+                          RecurrentRollback rollback = RecurrentRollback::PerPositionStates);
+  static int64_t blocks_for(int64_t tokens) { return (tokens + kBlockSize - 1) / kBlockSize; }
+  int64_t total_blocks() const { return n_blocks_; }
+  int64_t free_block_count() const { return static_cast<int64_t>(free_blocks_.size()); }
+  int open_row_count() const;
+
   // Rows are slots; a freed slot is reused. A new row covers no tokens.
   int open_row();
   void close_row(int slot);
@@ -45,7 +67,8 @@ class Qwen35State {
   int64_t length(int slot) const { return rows_.at(slot).length; }
   int row_capacity() const { return static_cast<int>(rows_.size()); }
 
-  // Makes room for `new_length` tokens in the row's KV (allocates blocks, grows the pool).
+  // Makes room for `new_length` tokens in the row's KV (takes free blocks; grows the pool unless
+  // its capacity is fixed, in which case a shortfall throws Error and changes nothing).
   void reserve(int slot, int64_t new_length);
   // Marks tokens as processed; called by the model after a forward wrote them.
   void set_length(int slot, int64_t n) { rows_.at(slot).length = n; }
@@ -100,6 +123,8 @@ class Qwen35State {
     Buffer<float> window;                    // per-slot speculative buffer, layout per `rollback_`
   };
   RecurrentRollback rollback_;
+  bool fixed_ = false;
+  int64_t max_window_ = 0;  // fixed pool: the window buffers' size in tokens
   int64_t n_attn_ = 0, n_linear_ = 0, kv_heads_ = 0, head_dim_ = 0;
   int64_t conv_floats_ = 0, rec_floats_ = 0, conv_dim_ = 0, n_v_heads_ = 0;
   std::vector<Row> rows_;

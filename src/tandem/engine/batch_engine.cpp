@@ -1,0 +1,592 @@
+#include "tandem/engine/batch_engine.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "tandem/core/error.h"
+
+namespace tandem {
+
+namespace {
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// A joining row's target state: its slot and, under a fixed pool, every KV block the request can
+// ever need, so no round can run out of memory half-way. Dispose closes the slot again.
+class TargetJoin : public spec::PreparedChange {
+ public:
+  TargetJoin(Qwen35State& state, int64_t reserve_tokens) : state_(state) {
+    slot_ = state_.open_row();
+    try {
+      if (reserve_tokens > 0) state_.reserve(slot_, reserve_tokens);
+    } catch (...) {
+      state_.close_row(slot_);
+      throw;
+    }
+  }
+  int slot() const { return slot_; }
+  void commit() noexcept override { committed_ = true; }
+  void dispose() noexcept override {
+    if (!committed_) state_.close_row(slot_);
+  }
+
+ private:
+  Qwen35State& state_;
+  int slot_ = -1;
+  bool committed_ = false;
+};
+
+// log softmax of the chosen token and the top-n alternatives, from raw logits.
+void fill_logprobs(std::span<const float> logits, int top_n, TokenOutput* t) {
+  float mx = -INFINITY;
+  for (float l : logits) mx = std::max(mx, l);
+  double sum = 0;
+  for (float l : logits) sum += std::exp(static_cast<double>(l) - mx);
+  const double lse = mx + std::log(sum);
+  t->has_logprob = true;
+  t->logprob = static_cast<float>(logits[static_cast<size_t>(t->id)] - lse);
+  t->top_logprobs.clear();
+  if (top_n > 0)
+    for (const auto& [id, l] : top_logits(logits, top_n))
+      t->top_logprobs.emplace_back(id, static_cast<float>(l - lse));
+}
+
+}  // namespace
+
+struct BatchEngine::Row {
+  EngineRequest req;
+  std::shared_ptr<RequestSink> sink;
+  int slot = -1;
+  int64_t prefilled = 0;  // prompt tokens the target has processed
+  GenerateResult result;  // generated tokens so far
+  SpecStats stats;
+  bool done = false;  // the outcome was sent; retire() drops the row
+  bool needs_logits() const { return !req.gen.sampling.greedy() || req.top_logprobs >= 0; }
+};
+
+BatchEngine::BatchEngine(const Qwen35Model& model, const spec::DraftProvider* drafter,
+                         std::string target_identity, EngineOptions options)
+    : model_(model),
+      drafter_(drafter),
+      target_(model, std::move(target_identity)),
+      options_(options),
+      state_(model.config()) {
+  if (options_.spec.depth < 0 || options_.spec.depth > 16)
+    fail("--depth must be in 0..16, got ", options_.spec.depth);
+  if (options_.max_rows < 0) fail("the engine's row limit must be at least 1");
+  if (options_.prefill_budget < 0) fail("the prefill budget must not be negative");
+  depth_ = drafter_ ? options_.spec.depth : 0;
+  if (drafter_) {
+    prefill_drafts_ = drafter_->open_rows(target_);
+    decode_drafts_ = drafter_->open_rows(target_);
+    if (prefill_drafts_->prefill_mode() != spec::PrefillMode::Full)
+      fail("drafter '", drafter_->id(), "': only full-prompt prefill is supported");
+    const auto tap = prefill_drafts_->tap();
+    want_final_ = tap == spec::HiddenTap::FinalNormed;
+    want_prenorm_ = tap == spec::HiddenTap::PreNorm;
+  }
+  if (options_.kv_blocks > 0) {
+    if (options_.max_rows == 0) fail("a fixed KV pool needs a row limit");
+    state_.set_capacity({options_.max_rows, options_.kv_blocks, depth_ + 1});
+  }
+  counters_.kv_blocks_total = options_.kv_blocks;
+  counters_.drafted_by_position.assign(static_cast<size_t>(depth_), 0);
+  counters_.accepted_by_position.assign(static_cast<size_t>(depth_), 0);
+}
+
+BatchEngine::~BatchEngine() = default;
+
+int64_t BatchEngine::tokens_needed(int64_t prompt_tokens, int64_t max_tokens) const {
+  return prompt_tokens + max_tokens + depth_ + 1;
+}
+
+int64_t BatchEngine::capacity_tokens() const {
+  return state_.fixed() ? state_.total_blocks() * Qwen35State::kBlockSize : 0;
+}
+
+void BatchEngine::validate(const EngineRequest& r) const {
+  const Qwen35Config& cfg = model_.config();
+  const GenerateRequest& g = r.gen;
+  if (g.prompt.empty()) fail("the prompt is empty");
+  for (int32_t id : g.prompt)
+    if (id < 0 || id >= cfg.vocab_size)
+      fail("prompt token id ", id, " is out of range [0, ", cfg.vocab_size, ")");
+  if (g.max_tokens < 1) fail("max_tokens must be at least 1, got ", g.max_tokens);
+  g.sampling.validate();
+  if (r.top_logprobs < -1 || r.top_logprobs > 20)
+    fail("top_logprobs must be in 0..20, got ", r.top_logprobs);
+  const int64_t cap = capacity_tokens();
+  const int64_t need = tokens_needed(static_cast<int64_t>(g.prompt.size()), g.max_tokens);
+  if (cap > 0 && need > cap)
+    fail("the prompt (", g.prompt.size(), " tokens) with max_tokens ", g.max_tokens, " needs ",
+         need, " KV positions, more than the whole pool holds (", cap, ")");
+}
+
+BatchEngine::Submit BatchEngine::submit(EngineRequest request, std::shared_ptr<RequestSink> sink) {
+  validate(request);
+  {
+    std::lock_guard lock(mu_);
+    if (options_.max_queue > 0 && queue_.size() >= options_.max_queue) return Submit::QueueFull;
+    queue_.push_back({std::move(request), std::move(sink)});
+    counters_.queued = static_cast<int64_t>(queue_.size());
+  }
+  wake_.notify_one();
+  return Submit::Queued;
+}
+
+void BatchEngine::stop() {
+  {
+    std::lock_guard lock(mu_);
+    stopping_ = true;
+  }
+  wake_.notify_all();
+}
+
+EngineCounters BatchEngine::counters() const {
+  std::lock_guard lock(mu_);
+  return counters_;
+}
+
+void BatchEngine::publish_counters() {
+  std::lock_guard lock(mu_);
+  counters_.queued = static_cast<int64_t>(queue_.size());
+  counters_.prefilling = static_cast<int64_t>(prefilling_.size());
+  counters_.decoding = static_cast<int64_t>(decoding_.size());
+  if (state_.fixed())
+    counters_.kv_blocks_used = state_.total_blocks() - state_.free_block_count();
+}
+
+void BatchEngine::finish(Row& row, RequestEnd end, const std::string& error) {
+  if (row.done) return;
+  row.done = true;
+  RequestOutcome o;
+  o.end = end;
+  o.finish = row.result.finish;
+  o.error = error;
+  o.prompt_tokens = static_cast<int64_t>(row.req.gen.prompt.size());
+  o.generated_tokens = static_cast<int64_t>(row.result.tokens.size());
+  o.speculation = row.stats;
+  {
+    std::lock_guard lock(mu_);
+    (end == RequestEnd::Finished    ? counters_.finished
+     : end == RequestEnd::Cancelled ? counters_.cancelled
+                                    : counters_.failed)++;
+  }
+  try {
+    row.sink->on_finish(o);
+  } catch (...) {  // the consumer is gone; nothing is left to tell it
+  }
+}
+
+bool BatchEngine::emit(Row& row, int32_t id, const float* logits) {
+  TokenOutput t;
+  t.id = id;
+  t.index = row.result.tokens.size();
+  if (row.req.top_logprobs >= 0) {
+    TANDEM_CHECK(logits != nullptr, "log-probabilities without logits");
+    fill_logprobs({logits, static_cast<size_t>(model_.config().vocab_size)}, row.req.top_logprobs,
+                  &t);
+  }
+  const bool ended = append_token(row.req.gen, model_.config(), id, &row.result);
+  ++row.stats.emitted;
+  {
+    std::lock_guard lock(mu_);
+    ++counters_.generated_tokens;
+  }
+  bool go_on = true;
+  try {
+    go_on = row.sink->on_token(t);
+  } catch (const std::exception& e) {
+    finish(row, RequestEnd::Failed, e.what());
+    return false;
+  }
+  if (!go_on) {
+    row.result.finish = FinishReason::Stop;
+    finish(row, RequestEnd::Finished);
+    return false;
+  }
+  if (ended) {
+    finish(row, RequestEnd::Finished);
+    return false;
+  }
+  return true;
+}
+
+void BatchEngine::retire() {
+  auto drop = [&](std::vector<std::unique_ptr<Row>>& rows, spec::DraftRows* drafts) {
+    std::vector<int> keep;
+    std::vector<std::unique_ptr<Row>> still;
+    for (size_t r = 0; r < rows.size(); ++r) {
+      if (rows[r]->done) {
+        if (rows[r]->slot >= 0) state_.close_row(rows[r]->slot);
+      } else {
+        keep.push_back(static_cast<int>(r));
+        still.push_back(std::move(rows[r]));
+      }
+    }
+    if (still.size() != rows.size() && drafts) drafts->filter_rows(keep);
+    rows.swap(still);
+  };
+  drop(prefilling_, prefill_drafts_.get());
+  drop(decoding_, decode_drafts_.get());
+}
+
+void BatchEngine::fail_rows(std::vector<std::unique_ptr<Row>>& rows, const std::string& what) {
+  for (auto& r : rows) finish(*r, RequestEnd::Failed, what);
+}
+
+void BatchEngine::admit() {
+  for (;;) {
+    Pending p;
+    {
+      std::lock_guard lock(mu_);
+      if (queue_.empty()) return;
+      const size_t rows = prefilling_.size() + decoding_.size();
+      if (options_.max_rows > 0 && rows >= static_cast<size_t>(options_.max_rows)) return;
+      const Pending& head = queue_.front();
+      if (state_.fixed() && !head.sink->cancelled()) {
+        const int64_t need = Qwen35State::blocks_for(
+            tokens_needed(static_cast<int64_t>(head.request.gen.prompt.size()),
+                          head.request.gen.max_tokens));
+        // The head waits for room (first come, first served); it fits an empty pool (submit).
+        if (state_.attention_layers() > 0 && need > state_.free_block_count()) return;
+      }
+      p = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    auto row = std::make_unique<Row>();
+    row->req = std::move(p.request);
+    row->sink = std::move(p.sink);
+    row->stats.accepted_by_position.assign(static_cast<size_t>(depth_), 0);
+    row->stats.drafted_by_position.assign(static_cast<size_t>(depth_), 0);
+    if (row->sink->cancelled()) {
+      finish(*row, RequestEnd::Cancelled);
+      continue;
+    }
+    const int64_t reserve =
+        state_.fixed() ? tokens_needed(static_cast<int64_t>(row->req.gen.prompt.size()),
+                                       row->req.gen.max_tokens)
+                       : 0;
+    try {
+      // The join: target slot + blocks and the drafter's cold prefill row, all or nothing.
+      TargetJoin* target = nullptr;
+      std::vector<spec::PrepareFn> changes;
+      changes.push_back([&]() -> std::unique_ptr<spec::PreparedChange> {
+        auto t = std::make_unique<TargetJoin>(state_, reserve);
+        target = t.get();
+        return t;
+      });
+      const spec::CheckpointPtr cold[1] = {nullptr};
+      if (prefill_drafts_)
+        changes.push_back([&] { return prefill_drafts_->prepare_append(cold); });
+      spec::apply_changes(changes);
+      row->slot = target->slot();
+    } catch (const std::exception& e) {
+      finish(*row, RequestEnd::Failed, std::string("admission failed: ") + e.what());
+      continue;
+    }
+    {
+      std::lock_guard lock(mu_);
+      counters_.prompt_tokens += static_cast<int64_t>(row->req.gen.prompt.size());
+    }
+    prefilling_.push_back(std::move(row));
+  }
+}
+
+void BatchEngine::prefill_step() {
+  const int64_t H = model_.config().hidden_size;
+  const int64_t V = model_.config().vocab_size;
+  const int64_t budget = options_.prefill_budget;
+  while (!prefilling_.empty()) {
+    // Rows in join order, one chunk each, while the budget lasts (at least one chunk runs).
+    std::vector<size_t> picked;
+    std::vector<int64_t> counts;
+    int64_t used = 0;
+    tokens_.clear();
+    inputs_.clear();
+    for (size_t r = 0; r < prefilling_.size(); ++r) {
+      Row& row = *prefilling_[r];
+      const int64_t L = static_cast<int64_t>(row.req.gen.prompt.size());
+      const int64_t n = std::min(kPrefillChunkTokens, L - row.prefilled);
+      if (budget > 0 && used > 0 && used + n > budget) break;
+      picked.push_back(r);
+      counts.push_back(n);
+      used += n;
+      tokens_.insert(tokens_.end(), row.req.gen.prompt.begin() + row.prefilled,
+                     row.req.gen.prompt.begin() + row.prefilled + n);
+      inputs_.push_back({row.slot, n, false});
+    }
+    // Logits rows are the rows' last tokens; only rows finishing their prompt use theirs. Rows
+    // that need no logits on the host take the device's greedy token.
+    bool need_logits = false;
+    for (size_t k = 0; k < picked.size(); ++k) {
+      const Row& row = *prefilling_[picked[k]];
+      if (row.prefilled + counts[k] == static_cast<int64_t>(row.req.gen.prompt.size()) &&
+          row.needs_logits())
+        need_logits = true;
+    }
+    ForwardRequest fwd{tokens_, inputs_, false, want_final_, want_prenorm_};
+    fwd.prompt = true;
+    fwd.want_logits = need_logits;
+    fwd.want_argmax = !need_logits;
+    const auto t0 = std::chrono::steady_clock::now();
+    model_.forward(state_, fwd, &out_);
+    if (prefill_drafts_) {
+      const float* hidden = want_prenorm_ ? out_.prenorm_hidden.data() : out_.hidden.data();
+      const bool tapped = want_final_ || want_prenorm_;
+      std::vector<spec::RowPrefill> pre(picked.size());
+      int64_t off = 0;
+      for (size_t k = 0; k < picked.size(); ++k) {
+        const Row& row = *prefilling_[picked[k]];
+        pre[k].row = static_cast<int>(picked[k]);
+        pre[k].tokens = std::span(row.req.gen.prompt).subspan(static_cast<size_t>(row.prefilled),
+                                                              static_cast<size_t>(counts[k]));
+        pre[k].hidden = tapped ? hidden + off * H : nullptr;
+        pre[k].processed_before = row.prefilled;
+        off += counts[k];
+      }
+      prefill_drafts_->prefill(pre);
+    }
+    {
+      std::lock_guard lock(mu_);
+      ++counters_.prefill_forwards;
+      counters_.prefill_seconds += seconds_since(t0);
+    }
+    // Rows whose prompt is complete sample their first token, then move to the decoding group.
+    std::vector<size_t> ready;
+    for (size_t k = 0; k < picked.size(); ++k) {
+      Row& row = *prefilling_[picked[k]];
+      row.prefilled += counts[k];
+      ++row.stats.target_forwards;
+      if (row.prefilled < static_cast<int64_t>(row.req.gen.prompt.size())) continue;
+      const float* logits = need_logits ? out_.logits.data() + k * V : nullptr;
+      int32_t tok = 0;
+      try {
+        tok = need_logits ? sample_token({logits, static_cast<size_t>(V)}, row.req.gen.sampling,
+                                         0, &dist_scratch_)
+                          : out_.argmax[k];
+      } catch (const std::exception& e) {
+        finish(row, RequestEnd::Failed, e.what());
+        continue;
+      }
+      if (emit(row, tok, logits)) ready.push_back(picked[k]);
+    }
+    if (!ready.empty()) {
+      // The move: each row's drafter state travels as its own checkpoint into the decoding
+      // group; only when that append commits does the row leave the prefill group.
+      try {
+        if (decode_drafts_) {
+          std::vector<spec::CheckpointPtr> ckpts;
+          for (size_t r : ready) ckpts.push_back(prefill_drafts_->capture(static_cast<int>(r)));
+          decode_drafts_->append(ckpts);
+        }
+      } catch (const std::exception& e) {
+        for (size_t r : ready)
+          finish(*prefilling_[r], RequestEnd::Failed,
+                 std::string("drafter refused the row: ") + e.what());
+        ready.clear();
+      }
+      // Rows move in join order, so their rows in the decoding group match decoding_.
+      std::vector<bool> moving(prefilling_.size(), false);
+      for (size_t r : ready) moving[r] = true;
+      std::vector<int> keep;
+      std::vector<std::unique_ptr<Row>> still;
+      for (size_t r = 0; r < prefilling_.size(); ++r) {
+        if (moving[r]) {
+          decoding_.push_back(std::move(prefilling_[r]));
+        } else {
+          keep.push_back(static_cast<int>(r));
+          still.push_back(std::move(prefilling_[r]));
+        }
+      }
+      if (prefill_drafts_ && !ready.empty()) prefill_drafts_->filter_rows(keep);
+      prefilling_.swap(still);
+    }
+    retire();
+    if (budget > 0) return;
+  }
+}
+
+void BatchEngine::round() {
+  const size_t R = decoding_.size();
+  if (R == 0) return;
+  const Qwen35Config& cfg = model_.config();
+  const int64_t V = cfg.vocab_size, H = cfg.hidden_size;
+  const auto t0 = std::chrono::steady_clock::now();
+  const bool rejection = options_.spec.verify == spec::VerifyMode::Rejection;
+
+  // 1. Draft. A row never drafts past its max_tokens: a round emits at most depth + 1.
+  proposals_.assign(R, {});
+  if (decode_drafts_) {
+    drafts_.resize(R);
+    for (size_t r = 0; r < R; ++r) {
+      const Row& row = *decoding_[r];
+      const int64_t room =
+          row.req.gen.max_tokens - static_cast<int64_t>(row.result.tokens.size());
+      drafts_[r].pending = row.result.tokens.back();
+      drafts_[r].depth = static_cast<int>(std::min<int64_t>(depth_, room - 1));
+      drafts_[r].sampling = row.req.gen.sampling;
+      drafts_[r].first_index = row.result.tokens.size();
+      drafts_[r].want_distribution = rejection;
+    }
+    decode_drafts_->draft(drafts_, &proposals_);
+    TANDEM_CHECK(proposals_.size() == R, "drafter returned ", proposals_.size(), " rows");
+  }
+  // 2. Verify every row's window [pending, proposals...] in one forward.
+  tokens_.clear();
+  inputs_.clear();
+  windows_.resize(R);
+  bool need_logits = rejection;
+  for (size_t r = 0; r < R; ++r) {
+    const Row& row = *decoding_[r];
+    if (decode_drafts_ && static_cast<int>(proposals_[r].tokens.size()) > drafts_[r].depth)
+      fail("drafter '", drafter_->id(), "' proposed ", proposals_[r].tokens.size(),
+           " tokens for depth ", drafts_[r].depth);
+    for (int32_t p : proposals_[r].tokens)
+      if (p < 0 || p >= V) fail("drafter '", drafter_->id(), "' proposed token id ", p);
+    windows_[r].clear();
+    windows_[r].push_back(row.result.tokens.back());
+    windows_[r].insert(windows_[r].end(), proposals_[r].tokens.begin(),
+                       proposals_[r].tokens.end());
+    tokens_.insert(tokens_.end(), windows_[r].begin(), windows_[r].end());
+    inputs_.push_back({row.slot, static_cast<int64_t>(windows_[r].size()), true});
+    need_logits = need_logits || row.needs_logits();
+  }
+  ForwardRequest verify{tokens_, inputs_, true, want_final_, want_prenorm_};
+  verify.want_logits = need_logits;
+  verify.want_argmax = !need_logits;
+  model_.forward(state_, verify, &out_);
+
+  // 3. Accept walk per row, emitting as it goes (EOS, max tokens and stop strings end a request
+  // mid-window). A row that fails here ends alone; its window is discarded with its slot.
+  keeps_.clear();
+  verified_.assign(R, {});
+  int64_t t = 0;
+  std::vector<int64_t> drafted_pos(static_cast<size_t>(depth_), 0),
+      accepted_pos(static_cast<size_t>(depth_), 0);
+  for (size_t r = 0; r < R; ++r) {
+    Row& row = *decoding_[r];
+    const size_t n = windows_[r].size();
+    const uint64_t first_index = row.result.tokens.size();
+    verified_[r].window = windows_[r];
+    verified_[r].hidden = nullptr;
+    verified_[r].accepted = 0;
+    verified_[r].next_pending = windows_[r][0];
+    spec::AcceptOutcome outcome;
+    try {
+      if (!need_logits) {
+        outcome = spec::accept_walk_greedy(std::span(out_.argmax).subspan(t, n),
+                                           std::span(windows_[r]).subspan(1));
+      } else {
+        std::span<const float> logits(out_.logits.data() + t * V, n * static_cast<size_t>(V));
+        outcome = spec::accept_walk(logits, V, std::span(windows_[r]).subspan(1),
+                                    proposals_[r].q, row.req.gen.sampling, first_index,
+                                    options_.spec.verify);
+      }
+    } catch (const std::exception& e) {
+      finish(row, RequestEnd::Failed, e.what());
+      t += static_cast<int64_t>(n);
+      continue;
+    }
+    SpecStats& s = row.stats;
+    ++s.rounds;
+    ++s.target_forwards;
+    s.drafted += static_cast<int64_t>(n - 1);
+    s.accepted += outcome.accepted;
+    for (int j = 0; j < outcome.accepted; ++j) {
+      ++s.accepted_by_position[static_cast<size_t>(j)];
+      ++accepted_pos[static_cast<size_t>(j)];
+    }
+    for (size_t j = 0; j + 1 < n; ++j) {
+      ++s.drafted_by_position[j];
+      ++drafted_pos[j];
+    }
+    for (size_t j = 0; j < outcome.emitted.size(); ++j) {
+      const float* logits = need_logits ? out_.logits.data() + (t + j) * V : nullptr;
+      if (!emit(row, outcome.emitted[j], logits)) break;
+    }
+    keeps_.push_back({row.slot, 1 + outcome.accepted});
+    verified_[r].accepted = outcome.accepted;
+    verified_[r].next_pending = outcome.emitted.back();
+    t += static_cast<int64_t>(n);
+  }
+  // 4. Commit: the target keeps pending + accepted proposals; the drafter follows.
+  model_.commit_windows(state_, keeps_);
+  if (decode_drafts_) {
+    const float* hidden = want_prenorm_ ? out_.prenorm_hidden.data() : out_.hidden.data();
+    const bool tapped = want_final_ || want_prenorm_;
+    int64_t off = 0;
+    for (size_t r = 0; r < R; ++r) {
+      verified_[r].hidden = tapped ? hidden + off * H : nullptr;
+      off += static_cast<int64_t>(windows_[r].size());
+    }
+    decode_drafts_->commit(verified_);
+  }
+  std::lock_guard lock(mu_);
+  ++counters_.rounds;
+  counters_.decode_seconds += seconds_since(t0);
+  for (int j = 0; j < depth_; ++j) {
+    counters_.drafted_by_position[static_cast<size_t>(j)] += drafted_pos[static_cast<size_t>(j)];
+    counters_.accepted_by_position[static_cast<size_t>(j)] +=
+        accepted_pos[static_cast<size_t>(j)];
+  }
+}
+
+bool BatchEngine::step() {
+  for (auto* rows : {&prefilling_, &decoding_})
+    for (auto& r : *rows)
+      if (r->sink->cancelled()) finish(*r, RequestEnd::Cancelled);
+  retire();
+  admit();
+  try {
+    prefill_step();
+  } catch (const std::exception& e) {
+    fail_rows(prefilling_, std::string("prefill failed: ") + e.what());
+  }
+  retire();
+  try {
+    round();
+  } catch (const std::exception& e) {
+    fail_rows(decoding_, std::string("decode round failed: ") + e.what());
+  }
+  retire();
+  publish_counters();
+  std::lock_guard lock(mu_);
+  return !prefilling_.empty() || !decoding_.empty() || !queue_.empty();
+}
+
+void BatchEngine::run_to_completion() {
+  while (step()) {
+  }
+}
+
+void BatchEngine::serve(const std::string& shutdown_reason) {
+  for (;;) {
+    {
+      std::unique_lock lock(mu_);
+      if (prefilling_.empty() && decoding_.empty())
+        wake_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+      if (stopping_) break;
+    }
+    step();
+  }
+  std::deque<Pending> left;
+  {
+    std::lock_guard lock(mu_);
+    left.swap(queue_);
+  }
+  for (Pending& p : left) {
+    Row row;
+    row.req = std::move(p.request);
+    row.sink = std::move(p.sink);
+    finish(row, RequestEnd::Cancelled, shutdown_reason);
+  }
+  for (auto* rows : {&prefilling_, &decoding_})
+    for (auto& r : *rows) finish(*r, RequestEnd::Cancelled, shutdown_reason);
+  retire();
+  publish_counters();
+}
+
+}  // namespace tandem

@@ -1,0 +1,140 @@
+// The continuously batched speculative engine (DESIGN.md §5.1, §7): one loop owns the target, the
+// drafter and every row's state. Requests are queued from any thread; between rounds the loop
+// admits them (their prompts prefilled in fixed chunks under a per-step token budget,
+// interleaved with decode rounds) and retires finished, cancelled and failed ones.
+//
+// Membership changes are transactions (principle 4): a join opens the row's target state (slot +
+// every KV block it can ever need) and its drafter row together or not at all; a prompt whose
+// prefill is done moves from the prefill drafter group to the decoding group through the
+// drafter's own checkpoint (capture -> prepare_append), also all-or-nothing.
+//
+// Exactness (principle 2): a request's tokens depend only on its prompt, sampling parameters and
+// seed. Prompts are prefilled in chunks of kPrefillChunkTokens counted from the prompt's start,
+// one chunk per row per forward, whatever the budget or the neighbours; decode and verify
+// kernels are batch-invariant; sampling keys are (seed, output index). `tandem generate` runs
+// through this same engine, so serving and the command line agree byte for byte.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "tandem/engine/request_sink.h"
+#include "tandem/engine/speculative.h"
+#include "tandem/model/qwen3_5.h"
+#include "tandem/spec/draft.h"
+
+namespace tandem {
+
+struct EngineOptions {
+  int max_rows = 0;            // rows admitted at once (prefilling + decoding); 0 = no limit
+  int64_t kv_blocks = 0;       // fixed KV pool in blocks; 0 = grow on demand (no budget)
+  size_t max_queue = 0;        // requests waiting for admission; 0 = no limit
+  int64_t prefill_budget = 0;  // prompt tokens per step (at least one chunk runs); 0 = all
+  SpecOptions spec;
+};
+
+// A snapshot of the engine's counters (Prometheus /metrics, tests).
+struct EngineCounters {
+  int64_t queued = 0, prefilling = 0, decoding = 0;
+  int64_t kv_blocks_used = 0, kv_blocks_total = 0;  // total 0: the pool grows on demand
+  int64_t rounds = 0, prefill_forwards = 0;
+  int64_t prompt_tokens = 0, generated_tokens = 0;
+  int64_t finished = 0, cancelled = 0, failed = 0;
+  double prefill_seconds = 0, decode_seconds = 0;  // time in prefill forwards and in rounds
+  std::vector<int64_t> drafted_by_position, accepted_by_position;  // [depth]
+};
+
+class BatchEngine {
+ public:
+  // `drafter` may be null (plain decoding through the round machinery) and must outlive the
+  // engine. With a fixed pool (options.kv_blocks > 0) options.max_rows must be set.
+  BatchEngine(const Qwen35Model& model, const spec::DraftProvider* drafter,
+              std::string target_identity, EngineOptions options);
+  ~BatchEngine();
+  BatchEngine(const BatchEngine&) = delete;
+  BatchEngine& operator=(const BatchEngine&) = delete;
+
+  enum class Submit { Queued, QueueFull };
+  // Any thread. Checks the request against the model and the pool first and throws Error naming
+  // the problem (empty prompt, ids out of range, bad sampling, a prompt + max_tokens that can
+  // never fit the pool); QueueFull leaves the sink untouched. Otherwise the sink belongs to the
+  // engine until its on_finish.
+  Submit submit(EngineRequest request, std::shared_ptr<RequestSink> sink);
+
+  // One scheduling step on the calling thread: retire cancelled rows, admit from the queue,
+  // prefill chunks up to the budget, then one speculative round of every decoding row.
+  // Returns whether work remains (rows or queued requests).
+  bool step();
+  // Steps until every submitted request has finished (the command line's batch).
+  void run_to_completion();
+  // Steps until stop(), sleeping while there is nothing to do (the server's loop). On return
+  // every request still held has finished with RequestEnd::Cancelled and `reason` as error.
+  void serve(const std::string& shutdown_reason = "the server is shutting down");
+  void stop();  // any thread
+
+  EngineCounters counters() const;  // any thread
+  // Tokens (prompt + generated + the largest window) a request with this prompt and max_tokens
+  // needs in the KV pool; compared with capacity_tokens() at submit.
+  int64_t tokens_needed(int64_t prompt_tokens, int64_t max_tokens) const;
+  int64_t capacity_tokens() const;  // the fixed pool's tokens; 0 when it grows on demand
+  int depth() const { return depth_; }
+  const spec::DraftProvider* drafter() const { return drafter_; }
+
+ private:
+  struct Row;
+  struct Pending {
+    EngineRequest request;
+    std::shared_ptr<RequestSink> sink;
+  };
+
+  const Qwen35Model& model_;
+  const spec::DraftProvider* drafter_;
+  spec::TargetView target_;
+  EngineOptions options_;
+  int depth_ = 0;
+  bool want_final_ = false, want_prenorm_ = false;
+
+  Qwen35State state_;
+  // Drafter rows of the prompts being prefilled, and of the rows decoding: a row's index in
+  // prefilling_ / decoding_ is its row in the matching group.
+  std::unique_ptr<spec::DraftRows> prefill_drafts_, decode_drafts_;
+  std::vector<std::unique_ptr<Row>> prefilling_, decoding_;
+
+  mutable std::mutex mu_;  // guards queue_, stopping_ and counters_
+  std::condition_variable wake_;
+  std::deque<Pending> queue_;
+  bool stopping_ = false;
+  EngineCounters counters_;
+
+  // Scratch reused across steps (the round path allocates nothing once warm).
+  ForwardOutput out_;
+  std::vector<int32_t> tokens_;
+  std::vector<RowInput> inputs_;
+  std::vector<spec::RowDraft> drafts_;
+  std::vector<spec::DraftProposal> proposals_;
+  std::vector<std::vector<int32_t>> windows_;
+  std::vector<RowKeep> keeps_;
+  std::vector<spec::VerifyRow> verified_;
+  std::vector<TokenProb> dist_scratch_;
+
+  void validate(const EngineRequest& r) const;
+  void admit();
+  void prefill_step();
+  void round();
+  // Emits a token to a row's sink; returns whether the row goes on.
+  bool emit(Row& row, int32_t id, const float* logits);
+  void finish(Row& row, RequestEnd end, const std::string& error = {});
+  // Drops finished rows (their outcome already sent) from both groups.
+  void retire();
+  void fail_rows(std::vector<std::unique_ptr<Row>>& rows, const std::string& what);
+  void publish_counters();
+};
+
+}  // namespace tandem
