@@ -154,8 +154,7 @@ void BatchEngine::publish_counters() {
   counters_.queued = static_cast<int64_t>(queue_.size());
   counters_.prefilling = static_cast<int64_t>(prefilling_.size());
   counters_.decoding = static_cast<int64_t>(decoding_.size());
-  if (state_.fixed())
-    counters_.kv_blocks_used = state_.total_blocks() - state_.free_block_count();
+  if (state_.fixed()) counters_.kv_blocks_used = state_.total_blocks() - state_.free_block_count();
 }
 
 void BatchEngine::finish(Row& row, RequestEnd end, const std::string& error) {
@@ -247,9 +246,8 @@ void BatchEngine::admit() {
       if (options_.max_rows > 0 && rows >= static_cast<size_t>(options_.max_rows)) return;
       const Pending& head = queue_.front();
       if (state_.fixed() && !head.sink->cancelled()) {
-        const int64_t need = Qwen35State::blocks_for(
-            tokens_needed(static_cast<int64_t>(head.request.gen.prompt.size()),
-                          head.request.gen.max_tokens));
+        const int64_t need = Qwen35State::blocks_for(tokens_needed(
+            static_cast<int64_t>(head.request.gen.prompt.size()), head.request.gen.max_tokens));
         // The head waits for room (first come, first served); it fits an empty pool (submit).
         if (state_.attention_layers() > 0 && need > state_.free_block_count()) return;
       }
@@ -265,10 +263,10 @@ void BatchEngine::admit() {
       finish(*row, RequestEnd::Cancelled);
       continue;
     }
-    const int64_t reserve =
-        state_.fixed() ? tokens_needed(static_cast<int64_t>(row->req.gen.prompt.size()),
-                                       row->req.gen.max_tokens)
-                       : 0;
+    const int64_t reserve = state_.fixed()
+                                ? tokens_needed(static_cast<int64_t>(row->req.gen.prompt.size()),
+                                                row->req.gen.max_tokens)
+                                : 0;
     try {
       // The join: target slot + blocks and the drafter's cold prefill row, all or nothing.
       TargetJoin* target = nullptr;
@@ -279,8 +277,7 @@ void BatchEngine::admit() {
         return t;
       });
       const spec::CheckpointPtr cold[1] = {nullptr};
-      if (prefill_drafts_)
-        changes.push_back([&] { return prefill_drafts_->prepare_append(cold); });
+      if (prefill_drafts_) changes.push_back([&] { return prefill_drafts_->prepare_append(cold); });
       spec::apply_changes(changes);
       row->slot = target->slot();
     } catch (const std::exception& e) {
@@ -341,8 +338,9 @@ void BatchEngine::prefill_step() {
       for (size_t k = 0; k < picked.size(); ++k) {
         const Row& row = *prefilling_[picked[k]];
         pre[k].row = static_cast<int>(picked[k]);
-        pre[k].tokens = std::span(row.req.gen.prompt).subspan(static_cast<size_t>(row.prefilled),
-                                                              static_cast<size_t>(counts[k]));
+        pre[k].tokens =
+            std::span(row.req.gen.prompt)
+                .subspan(static_cast<size_t>(row.prefilled), static_cast<size_t>(counts[k]));
         pre[k].hidden = tapped ? hidden + off * H : nullptr;
         pre[k].processed_before = row.prefilled;
         off += counts[k];
@@ -364,8 +362,8 @@ void BatchEngine::prefill_step() {
       const float* logits = need_logits ? out_.logits.data() + k * V : nullptr;
       int32_t tok = 0;
       try {
-        tok = need_logits ? sample_token({logits, static_cast<size_t>(V)}, row.req.gen.sampling,
-                                         0, &dist_scratch_)
+        tok = need_logits ? sample_token({logits, static_cast<size_t>(V)}, row.req.gen.sampling, 0,
+                                         &dist_scratch_)
                           : out_.argmax[k];
       } catch (const std::exception& e) {
         finish(row, RequestEnd::Failed, e.what());
@@ -423,8 +421,7 @@ void BatchEngine::round() {
     drafts_.resize(R);
     for (size_t r = 0; r < R; ++r) {
       const Row& row = *decoding_[r];
-      const int64_t room =
-          row.req.gen.max_tokens - static_cast<int64_t>(row.result.tokens.size());
+      const int64_t room = row.req.gen.max_tokens - static_cast<int64_t>(row.result.tokens.size());
       drafts_[r].pending = row.result.tokens.back();
       drafts_[r].depth = static_cast<int>(std::min<int64_t>(depth_, room - 1));
       drafts_[r].sampling = row.req.gen.sampling;
@@ -448,8 +445,7 @@ void BatchEngine::round() {
       if (p < 0 || p >= V) fail("drafter '", drafter_->id(), "' proposed token id ", p);
     windows_[r].clear();
     windows_[r].push_back(row.result.tokens.back());
-    windows_[r].insert(windows_[r].end(), proposals_[r].tokens.begin(),
-                       proposals_[r].tokens.end());
+    windows_[r].insert(windows_[r].end(), proposals_[r].tokens.begin(), proposals_[r].tokens.end());
     tokens_.insert(tokens_.end(), windows_[r].begin(), windows_[r].end());
     inputs_.push_back({row.slot, static_cast<int64_t>(windows_[r].size()), true});
     need_logits = need_logits || row.needs_logits();
@@ -481,9 +477,8 @@ void BatchEngine::round() {
                                            std::span(windows_[r]).subspan(1));
       } else {
         std::span<const float> logits(out_.logits.data() + t * V, n * static_cast<size_t>(V));
-        outcome = spec::accept_walk(logits, V, std::span(windows_[r]).subspan(1),
-                                    proposals_[r].q, row.req.gen.sampling, first_index,
-                                    options_.spec.verify);
+        outcome = spec::accept_walk(logits, V, std::span(windows_[r]).subspan(1), proposals_[r].q,
+                                    row.req.gen.sampling, first_index, options_.spec.verify);
       }
     } catch (const std::exception& e) {
       finish(row, RequestEnd::Failed, e.what());
@@ -529,8 +524,7 @@ void BatchEngine::round() {
   counters_.decode_seconds += seconds_since(t0);
   for (int j = 0; j < depth_; ++j) {
     counters_.drafted_by_position[static_cast<size_t>(j)] += drafted_pos[static_cast<size_t>(j)];
-    counters_.accepted_by_position[static_cast<size_t>(j)] +=
-        accepted_pos[static_cast<size_t>(j)];
+    counters_.accepted_by_position[static_cast<size_t>(j)] += accepted_pos[static_cast<size_t>(j)];
   }
 }
 

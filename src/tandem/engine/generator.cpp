@@ -166,7 +166,8 @@ std::vector<GenerateResult> Generator::run(const std::vector<GenerateRequest>& r
   std::vector<size_t> row_req;
 
   auto t0 = std::chrono::steady_clock::now();
-  for (size_t i = 0; i < B; ++i) st.prompt_tokens += static_cast<int64_t>(requests[i].prompt.size());
+  for (size_t i = 0; i < B; ++i)
+    st.prompt_tokens += static_cast<int64_t>(requests[i].prompt.size());
   // Greedy requests only: the forward picks the tokens where the logits are (one small copy
   // per step instead of the logits). Same tokens as sample_token at temperature 0.
   const bool greedy = std::all_of(requests.begin(), requests.end(),

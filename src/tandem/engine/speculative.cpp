@@ -48,8 +48,7 @@ std::vector<GenerateResult> SpeculativeGenerator::run(const std::vector<Generate
 
   class Collect : public RequestSink {
    public:
-    Collect(size_t i, GenerateResult* r, SpecStats* s, std::string* error,
-            const TokenCallback& cb)
+    Collect(size_t i, GenerateResult* r, SpecStats* s, std::string* error, const TokenCallback& cb)
         : i_(i), r_(r), s_(s), error_(error), cb_(cb) {}
     bool on_token(const TokenOutput& t) override {
       r_->tokens.push_back(t.id);

@@ -53,8 +53,7 @@ size_t Qwen35State::row_bytes(const Qwen35Config& cfg, int64_t window_tokens,
                               RecurrentRollback rollback) {
   Qwen35State probe(cfg, rollback);
   const int64_t layer = probe.conv_floats_ + probe.rec_floats_;
-  return static_cast<size_t>(probe.n_linear_ *
-                             (layer + probe.window_layer_floats(window_tokens))) *
+  return static_cast<size_t>(probe.n_linear_ * (layer + probe.window_layer_floats(window_tokens))) *
          sizeof(float);
 }
 

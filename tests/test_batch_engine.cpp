@@ -1,0 +1,370 @@
+// The continuously batched engine: requests that join a running speculative batch at any step,
+// prompts prefilled in chunks under a token budget, neighbours that are cancelled, fail or stop
+// early — every request's tokens still equal plain decoding of it alone (DESIGN.md §7). Plus the
+// fixed pool: admission waits for room, a request that can never fit is refused at once, a join
+// that fails leaves the running rows untouched.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <fstream>
+#include <sstream>
+
+#include "demo_model.h"
+#include "tandem/core/error.h"
+#include "tandem/engine/batch_engine.h"
+#include "tandem/engine/generator.h"
+#include "test_util.h"
+
+namespace tandem {
+namespace {
+
+test::DemoModel& demo() {
+  static test::DemoModel* f = test::load_demo_model().release();
+  return *f;
+}
+
+// A prompt longer than two prefill chunks: the held-out sample file of the demo model.
+std::vector<int32_t> long_prompt(size_t n) {
+  std::ifstream in(test::kDemoDir + "/heldout_sample.py");
+  std::stringstream ss;
+  ss << in.rdbuf();
+  auto ids = demo().tok->encode(ss.str());
+  if (ids.size() > n) ids.resize(n);
+  return ids;
+}
+
+GenerateRequest request(std::vector<int32_t> prompt, float temperature, uint64_t seed,
+                        int64_t max_tokens) {
+  GenerateRequest r;
+  r.prompt = std::move(prompt);
+  r.sampling.temperature = temperature;
+  r.sampling.top_p = temperature > 0 ? 0.9f : 1.0f;
+  r.sampling.seed = seed;
+  r.max_tokens = max_tokens;
+  return r;
+}
+
+std::vector<int32_t> alone(const GenerateRequest& r) {
+  Generator gen(*demo().model);
+  return gen.run({r}).at(0).tokens;
+}
+
+class Recorder : public RequestSink {
+ public:
+  std::vector<int32_t> tokens;
+  std::optional<RequestOutcome> outcome;
+  int cancel_after = -1;  // cancel once this many tokens arrived
+  int throw_at = -1;      // on_token throws at this token
+  int stop_at = -1;       // on_token returns false at this token
+  bool on_token(const TokenOutput& t) override {
+    EXPECT_EQ(t.index, tokens.size());
+    tokens.push_back(t.id);
+    const int n = static_cast<int>(tokens.size());
+    if (n == throw_at) throw Error("detokenization failed (test)");
+    if (n == cancel_after) cancel = true;
+    return n != stop_at;
+  }
+  void on_finish(const RequestOutcome& o) override {
+    EXPECT_FALSE(outcome.has_value()) << "on_finish called twice";
+    outcome = o;
+  }
+  bool cancelled() const override { return cancel; }
+  std::atomic<bool> cancel{false};
+};
+
+std::vector<GenerateRequest> mixed_requests() {
+  std::vector<GenerateRequest> reqs;
+  const auto& prompts = test::kDemoPrompts;
+  for (size_t i = 0; i < 6; ++i) {
+    const float t = i % 3 == 0 ? 0.0f : (i % 3 == 1 ? 0.7f : 1.0f);
+    std::vector<int32_t> p =
+        i == 2 ? long_prompt(600) : demo().tok->encode(prompts[i % prompts.size()]);
+    reqs.push_back(request(p, t, 11 + i, 9 + 4 * static_cast<int64_t>(i)));
+  }
+  return reqs;
+}
+
+struct DraftCase {
+  const char* drafter;
+  int64_t budget;
+};
+
+class StaggeredJoins : public ::testing::TestWithParam<DraftCase> {};
+
+// Requests join a running batch at different steps, one prompt spans three prefill chunks that
+// interleave with decode rounds, and every request's tokens equal plain decoding alone.
+TEST_P(StaggeredJoins, EveryRequestEqualsPlainDecodingAlone) {
+  const DraftCase c = GetParam();
+  auto& d = demo();
+  const spec::DraftProvider* drafter = std::string(c.drafter) == "mtp"     ? d.mtp.get()
+                                       : std::string(c.drafter) == "ngram" ? d.ngram.get()
+                                                                           : nullptr;
+  EngineOptions o;
+  o.spec.depth = 3;
+  o.prefill_budget = c.budget;
+  o.max_rows = 4;
+  o.kv_blocks = 400;
+  BatchEngine engine(*d.model, drafter, "demo-target", o);
+  const auto reqs = mixed_requests();
+  std::vector<std::shared_ptr<Recorder>> sinks;
+  size_t next = 0;
+  int steps = 0;
+  for (;;) {
+    // One new request every other step, while earlier ones are mid-prefill or mid-decode.
+    if (next < reqs.size() && steps % 2 == 0) {
+      sinks.push_back(std::make_shared<Recorder>());
+      EngineRequest er;
+      er.gen = reqs[next++];
+      ASSERT_EQ(engine.submit(er, sinks.back()), BatchEngine::Submit::Queued);
+    }
+    const bool more = engine.step();
+    ++steps;
+    if (!more && next == reqs.size()) break;
+    ASSERT_LT(steps, 2000);
+  }
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    ASSERT_TRUE(sinks[i]->outcome.has_value()) << i;
+    EXPECT_EQ(sinks[i]->outcome->end, RequestEnd::Finished) << sinks[i]->outcome->error;
+    EXPECT_EQ(sinks[i]->tokens, alone(reqs[i])) << c.drafter << " request " << i;
+    EXPECT_EQ(sinks[i]->outcome->generated_tokens, static_cast<int64_t>(sinks[i]->tokens.size()));
+  }
+  const EngineCounters k = engine.counters();
+  EXPECT_EQ(k.kv_blocks_used, 0);
+  EXPECT_EQ(k.finished, static_cast<int64_t>(reqs.size()));
+  EXPECT_EQ(k.decoding + k.prefilling + k.queued, 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(Engine, StaggeredJoins,
+                         ::testing::Values(DraftCase{"none", 256}, DraftCase{"mtp", 256},
+                                           DraftCase{"ngram", 256}, DraftCase{"mtp", 512},
+                                           DraftCase{"mtp", 0}),
+                         [](const auto& info) {
+                           return std::string(info.param.drafter) + "_budget" +
+                                  std::to_string(info.param.budget);
+                         });
+
+// CPU kernels are chunk-invariant outright: a prompt's logits are bitwise the same whether it
+// runs in one forward or in chunks (the fixed chunk boundaries are what the GPU relies on).
+TEST(BatchEngine, PromptChunkingDoesNotChangeCpuLogits) {
+  auto& d = demo();
+  const auto prompt = long_prompt(600);
+  ASSERT_EQ(prompt.size(), 600u);
+  ForwardOutput whole, part;
+  {
+    Qwen35State st(d.model->config());
+    const int slot = st.open_row();
+    const RowInput row{slot, static_cast<int64_t>(prompt.size()), false};
+    ForwardRequest f{prompt, std::span(&row, 1), false, false};
+    f.prompt = true;
+    d.model->forward(st, f, &whole);
+  }
+  {
+    Qwen35State st(d.model->config());
+    const int slot = st.open_row();
+    for (size_t at = 0; at < prompt.size(); at += 100) {
+      const size_t n = std::min<size_t>(100, prompt.size() - at);
+      const RowInput row{slot, static_cast<int64_t>(n), false};
+      ForwardRequest f{std::span(prompt).subspan(at, n), std::span(&row, 1), false, false};
+      f.prompt = true;
+      d.model->forward(st, f, &part);
+    }
+  }
+  ASSERT_EQ(whole.logits.size(), part.logits.size());
+  EXPECT_EQ(
+      0, std::memcmp(whole.logits.data(), part.logits.data(), whole.logits.size() * sizeof(float)));
+}
+
+// Neighbours that are cancelled, whose consumer throws, or that stop early (a stop string) end
+// alone; the other rows' tokens do not change.
+TEST(BatchEngine, CancelledFailedAndStoppedNeighboursDoNotDisturbOthers) {
+  auto& d = demo();
+  EngineOptions o;
+  o.spec.depth = 2;
+  o.prefill_budget = 256;
+  o.max_rows = 8;
+  o.kv_blocks = 300;
+  BatchEngine engine(*d.model, d.mtp.get(), "demo-target", o);
+  const auto reqs = mixed_requests();
+  std::vector<std::shared_ptr<Recorder>> sinks;
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    sinks.push_back(std::make_shared<Recorder>());
+    EngineRequest er;
+    er.gen = reqs[i];
+    er.gen.max_tokens = 30;
+    engine.submit(er, sinks.back());
+  }
+  sinks[1]->cancel_after = 4;
+  sinks[3]->throw_at = 3;
+  sinks[4]->stop_at = 5;
+  engine.run_to_completion();
+  EXPECT_EQ(sinks[1]->outcome->end, RequestEnd::Cancelled);
+  EXPECT_EQ(sinks[3]->outcome->end, RequestEnd::Failed);
+  EXPECT_NE(sinks[3]->outcome->error.find("detokenization failed"), std::string::npos);
+  EXPECT_EQ(sinks[4]->outcome->end, RequestEnd::Finished);
+  EXPECT_EQ(sinks[4]->outcome->finish, FinishReason::Stop);
+  EXPECT_EQ(sinks[4]->tokens.size(), 5u);
+  for (size_t i : {0u, 2u, 5u}) {
+    auto r = reqs[i];
+    r.max_tokens = 30;
+    EXPECT_EQ(sinks[i]->tokens, alone(r)) << "request " << i;
+  }
+  // The early ends' prefixes are the plain tokens too.
+  for (size_t i : {1u, 3u, 4u}) {
+    auto r = reqs[i];
+    r.max_tokens = 30;
+    const auto want = alone(r);
+    ASSERT_LE(sinks[i]->tokens.size(), want.size());
+    EXPECT_TRUE(std::equal(sinks[i]->tokens.begin(), sinks[i]->tokens.end(), want.begin()));
+  }
+  const EngineCounters k = engine.counters();
+  EXPECT_EQ(k.cancelled, 1);
+  EXPECT_EQ(k.failed, 1);
+  EXPECT_EQ(k.finished, 4);
+  EXPECT_EQ(k.kv_blocks_used, 0);
+}
+
+// The pool: a request that could never fit is refused at submit; a full queue says so; requests
+// wait for blocks and run once earlier ones free theirs.
+TEST(BatchEngine, FixedPoolAdmissionWaitsAndRefuses) {
+  auto& d = demo();
+  EngineOptions o;
+  o.spec.depth = 3;
+  o.max_rows = 4;
+  o.max_queue = 3;
+  const auto prompt = d.tok->encode(test::kDemoPrompts[0]);
+  // Room for one request of 40 tokens at a time, not two.
+  const int64_t per_request = Qwen35State::blocks_for(static_cast<int64_t>(prompt.size()) + 40 + 4);
+  o.kv_blocks = per_request + per_request / 2;
+  BatchEngine engine(*d.model, d.ngram.get(), "demo-target", o);
+
+  EngineRequest too_big;
+  too_big.gen = request(prompt, 0, 1, 100000);
+  EXPECT_THROW(engine.submit(too_big, std::make_shared<Recorder>()), Error);
+  EngineRequest bad_ids;
+  bad_ids.gen = request({1, 2, 999999}, 0, 1, 4);
+  EXPECT_THROW(engine.submit(bad_ids, std::make_shared<Recorder>()), Error);
+
+  std::vector<std::shared_ptr<Recorder>> sinks;
+  std::vector<GenerateRequest> reqs;
+  for (int i = 0; i < 4; ++i) {
+    reqs.push_back(request(prompt, 0.8f, 100 + i, 40));
+    sinks.push_back(std::make_shared<Recorder>());
+    EngineRequest er;
+    er.gen = reqs.back();
+    const auto s = engine.submit(er, sinks.back());
+    EXPECT_EQ(s, i < 3 ? BatchEngine::Submit::Queued : BatchEngine::Submit::QueueFull) << i;
+  }
+  engine.step();
+  EXPECT_EQ(engine.counters().prefilling + engine.counters().decoding, 1);
+  EXPECT_EQ(engine.counters().queued, 2);
+  engine.run_to_completion();
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(sinks[i]->tokens, alone(reqs[i])) << i;
+  EXPECT_FALSE(sinks[3]->outcome.has_value());
+  EXPECT_EQ(engine.counters().kv_blocks_used, 0);
+}
+
+// A drafter whose join fails: the request ends with the error, the running rows keep going and
+// their tokens do not change; the failed join left no target slot behind.
+class FailingJoins : public spec::DraftProvider {
+ public:
+  explicit FailingJoins(const spec::DraftProvider& inner) : inner_(inner) {}
+  const std::string& id() const override { return inner_.id(); }
+  uint64_t weights_bytes() const override { return 0; }
+  const std::string& checkpoint_namespace() const override { return inner_.checkpoint_namespace(); }
+  std::unique_ptr<spec::DraftRows> open_rows(const spec::TargetView& t) const override;
+  mutable std::atomic<int> fail_next{0};
+
+ private:
+  const spec::DraftProvider& inner_;
+};
+
+class FailingRows : public spec::DraftRows {
+ public:
+  FailingRows(std::unique_ptr<spec::DraftRows> inner, const FailingJoins& owner)
+      : inner_(std::move(inner)), owner_(owner) {}
+  const std::string& ns() const override { return inner_->ns(); }
+  spec::PrefillMode prefill_mode() const override { return inner_->prefill_mode(); }
+  std::optional<spec::HiddenTap> tap() const override { return inner_->tap(); }
+  int row_count() const override { return inner_->row_count(); }
+  std::unique_ptr<spec::PreparedChange> prepare_append(
+      std::span<const spec::CheckpointPtr> from) override {
+    if (owner_.fail_next > 0) {
+      --owner_.fail_next;
+      fail("drafter refused the join (test)");
+    }
+    return inner_->prepare_append(from);
+  }
+  void filter_rows(std::span<const int> keep) override { inner_->filter_rows(keep); }
+  void prefill(std::span<const spec::RowPrefill> rows) override { inner_->prefill(rows); }
+  void draft(std::span<const spec::RowDraft> rows, std::vector<spec::DraftProposal>* out) override {
+    inner_->draft(rows, out);
+  }
+  void commit(std::span<const spec::VerifyRow> rows) override { inner_->commit(rows); }
+  spec::CheckpointPtr capture(int row) const override { return inner_->capture(row); }
+
+ private:
+  std::unique_ptr<spec::DraftRows> inner_;
+  const FailingJoins& owner_;
+};
+
+std::unique_ptr<spec::DraftRows> FailingJoins::open_rows(const spec::TargetView& t) const {
+  return std::make_unique<FailingRows>(inner_.open_rows(t), *this);
+}
+
+TEST(BatchEngine, FailedJoinLeavesRunningRowsUntouched) {
+  auto& d = demo();
+  FailingJoins drafter(*d.mtp);
+  EngineOptions o;
+  o.spec.depth = 3;
+  o.max_rows = 4;
+  o.kv_blocks = 200;
+  BatchEngine engine(*d.model, &drafter, "demo-target", o);
+  const auto a = request(d.tok->encode(test::kDemoPrompts[0]), 0.7f, 5, 30);
+  const auto b = request(d.tok->encode(test::kDemoPrompts[1]), 0.0f, 6, 30);
+  auto sa = std::make_shared<Recorder>(), sb = std::make_shared<Recorder>();
+  engine.submit({a, -1}, sa);
+  for (int i = 0; i < 3; ++i) engine.step();
+  const int64_t used = engine.counters().kv_blocks_used;
+  drafter.fail_next = 1;
+  engine.submit({b, -1}, sb);
+  engine.step();
+  ASSERT_TRUE(sb->outcome.has_value());
+  EXPECT_EQ(sb->outcome->end, RequestEnd::Failed);
+  EXPECT_NE(sb->outcome->error.find("drafter refused the join"), std::string::npos);
+  EXPECT_EQ(engine.counters().kv_blocks_used, used);  // b's blocks went back
+  engine.run_to_completion();
+  EXPECT_EQ(sa->tokens, alone(a));
+  EXPECT_EQ(engine.counters().kv_blocks_used, 0);
+}
+
+// Log-probabilities ride along without changing tokens: the chosen token's logprob is the
+// largest of the top list for greedy rows.
+TEST(BatchEngine, LogprobsDoNotChangeTokens) {
+  auto& d = demo();
+  EngineOptions o;
+  o.spec.depth = 3;
+  BatchEngine engine(*d.model, d.mtp.get(), "demo-target", o);
+  const auto r = request(d.tok->encode(test::kDemoPrompts[0]), 0.0f, 1, 20);
+  class LogprobSink : public Recorder {
+   public:
+    std::vector<TokenOutput> outs;
+    bool on_token(const TokenOutput& t) override {
+      outs.push_back(t);
+      return Recorder::on_token(t);
+    }
+  };
+  auto s = std::make_shared<LogprobSink>();
+  engine.submit({r, 5}, s);
+  engine.run_to_completion();
+  EXPECT_EQ(s->tokens, alone(r));
+  for (const auto& t : s->outs) {
+    ASSERT_TRUE(t.has_logprob);
+    ASSERT_EQ(t.top_logprobs.size(), 5u);
+    EXPECT_EQ(t.top_logprobs[0].first, t.id);
+    EXPECT_FLOAT_EQ(t.top_logprobs[0].second, t.logprob);
+    EXPECT_LE(t.logprob, 0.0f);
+  }
+}
+
+}  // namespace
+}  // namespace tandem
