@@ -11,5 +11,6 @@ void add_bench_command(CLI::App& app);
 void add_make_random_model_command(CLI::App& app);
 void add_mtp_split_command(CLI::App& app);
 void add_bench_spec_command(CLI::App& app);
+void add_serve_command(CLI::App& app);
 
 }  // namespace tandem::cli

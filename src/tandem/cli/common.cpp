@@ -1,5 +1,6 @@
 #include "tandem/cli/common.h"
 
+#include <CLI/CLI.hpp>
 #include <charconv>
 #include <cstdio>
 #include <filesystem>
@@ -10,6 +11,7 @@
 #include "tandem/backend/ops.h"
 #include "tandem/core/error.h"
 #include "tandem/io/artifact_identity.h"
+#include "tandem/spec/qwen_mtp.h"
 #ifdef TANDEM_HAVE_CUDA
 #include "tandem/backend/cuda/cuda_ops.h"
 #endif
@@ -136,6 +138,46 @@ std::vector<GenerateRequest> read_prompts_file(const std::string& path, const Ge
   }
   if (reqs.empty()) fail(path, ": no requests");
   return reqs;
+}
+
+void add_draft_options(CLI::App* sub, DraftArgs* a) {
+  sub->add_option("--draft", a->draft, "Drafter: none, mtp or ngram")->capture_default_str();
+  sub->add_option("--draft-model", a->draft_model,
+                  "Companion MTP drafter directory (default: the model's own mtp.* layer)");
+  sub->add_option("--depth", a->depth, "Proposals per round")->capture_default_str();
+  sub->add_option("--verify", a->verify, "match (lossless bytes) or rejection")
+      ->capture_default_str();
+  sub->add_option("--ngram-max", a->ngram.max_n, "Longest n-gram looked up")->capture_default_str();
+  sub->add_option("--ngram-min", a->ngram.min_n, "Shortest n-gram looked up")
+      ->capture_default_str();
+  sub->add_option("--mtp-hidden", a->mtp_hidden,
+                  "Target hidden fed to the MTP drafter: final (after the final norm) or prenorm")
+      ->capture_default_str();
+}
+
+std::unique_ptr<spec::DraftProvider> open_drafter(const DraftArgs& a,
+                                                  const spec::TargetView& target) {
+  if (a.draft == "none") {
+    if (a.draft_model) fail("--draft-model needs --draft mtp");
+    return nullptr;
+  }
+  if (a.draft == "ngram") {
+    if (a.draft_model) fail("--draft-model needs --draft mtp (n-gram lookup has no weights)");
+    spec::validate_ngram_options(a.ngram);
+    return std::make_unique<spec::NgramProvider>(a.ngram);
+  }
+  if (a.draft == "mtp") {
+    spec::HiddenTap tap;
+    if (a.mtp_hidden == "final")
+      tap = spec::HiddenTap::FinalNormed;
+    else if (a.mtp_hidden == "prenorm")
+      tap = spec::HiddenTap::PreNorm;
+    else
+      fail("--mtp-hidden must be 'final' or 'prenorm', got '", a.mtp_hidden, "'");
+    if (a.draft_model) return spec::QwenMtpProvider::from_companion(*a.draft_model, tap);
+    return spec::QwenMtpProvider::from_target(target, tap);
+  }
+  fail("--draft must be none, mtp or ngram, got '", a.draft, "'");
 }
 
 }  // namespace tandem::cli

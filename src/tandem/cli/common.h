@@ -9,6 +9,12 @@
 #include "tandem/engine/generator.h"
 #include "tandem/io/tokenizer.h"
 #include "tandem/model/qwen3_5.h"
+#include "tandem/spec/draft.h"
+#include "tandem/spec/ngram.h"
+
+namespace CLI {
+class App;
+}
 
 namespace tandem::cli {
 
@@ -38,5 +44,19 @@ std::string target_identity(const Qwen35Model& model, const std::string& dir);
 // "temperature", "max_tokens" overriding `base`; blank lines skipped; errors name file:line.
 std::vector<GenerateRequest> read_prompts_file(const std::string& path, const GenerateRequest& base,
                                                const std::optional<Tokenizer>& tok);
+
+// The drafter options `generate` and `serve` share.
+struct DraftArgs {
+  std::string draft = "none";
+  std::optional<std::string> draft_model;
+  int depth = 3;
+  std::string verify = "match";
+  spec::NgramOptions ngram;
+  std::string mtp_hidden = "final";
+};
+void add_draft_options(CLI::App* sub, DraftArgs* a);
+// The drafter the options name (null for --draft none); Error for bad combinations.
+std::unique_ptr<spec::DraftProvider> open_drafter(const DraftArgs& a,
+                                                  const spec::TargetView& target);
 
 }  // namespace tandem::cli

@@ -28,38 +28,8 @@ struct GenerateArgs {
   int threads = 0;
   std::string backend = "auto";
   bool json = false;
-  std::string draft = "none";
-  std::optional<std::string> draft_model;
-  int depth = 3;
-  std::string verify = "match";
-  spec::NgramOptions ngram;
-  std::string mtp_hidden = "final";
+  DraftArgs d;
 };
-
-std::unique_ptr<spec::DraftProvider> open_drafter(const GenerateArgs& a,
-                                                  const spec::TargetView& target) {
-  if (a.draft == "none") {
-    if (a.draft_model) fail("--draft-model needs --draft mtp");
-    return nullptr;
-  }
-  if (a.draft == "ngram") {
-    if (a.draft_model) fail("--draft-model needs --draft mtp (n-gram lookup has no weights)");
-    spec::validate_ngram_options(a.ngram);
-    return std::make_unique<spec::NgramProvider>(a.ngram);
-  }
-  if (a.draft == "mtp") {
-    spec::HiddenTap tap;
-    if (a.mtp_hidden == "final")
-      tap = spec::HiddenTap::FinalNormed;
-    else if (a.mtp_hidden == "prenorm")
-      tap = spec::HiddenTap::PreNorm;
-    else
-      fail("--mtp-hidden must be 'final' or 'prenorm', got '", a.mtp_hidden, "'");
-    if (a.draft_model) return spec::QwenMtpProvider::from_companion(*a.draft_model, tap);
-    return spec::QwenMtpProvider::from_target(target, tap);
-  }
-  fail("--draft must be none, mtp or ngram, got '", a.draft, "'");
-}
 
 nlohmann::json stats_json(const GenerateStats& st, const SpecStats& s, const GenerateResult& r) {
   return {{"prompt_tokens", st.prompt_tokens},
@@ -98,13 +68,13 @@ void run_generate(const GenerateArgs& a) {
     reqs.push_back(base);
   }
   SpecOptions opts;
-  opts.depth = a.depth;
-  opts.verify = spec::parse_verify_mode(a.verify);
-  if (a.depth < 0 || a.depth > 16) fail("--depth must be in 0..16, got ", a.depth);
+  opts.depth = a.d.depth;
+  opts.verify = spec::parse_verify_mode(a.d.verify);
+  if (a.d.depth < 0 || a.d.depth > 16) fail("--depth must be in 0..16, got ", a.d.depth);
 
-  const std::string identity = a.draft == "none" ? "" : target_identity(*model, a.model);
+  const std::string identity = a.d.draft == "none" ? "" : target_identity(*model, a.model);
   const spec::TargetView target(*model, identity);
-  const auto drafter = open_drafter(a, target);
+  const auto drafter = open_drafter(a.d, target);
   SpeculativeGenerator gen(*model, drafter.get(), identity, opts);
 
   // Text streams only for a single request without --json.
@@ -129,8 +99,8 @@ void run_generate(const GenerateArgs& a) {
       j["text"] = tok ? nlohmann::json(tok->decode(results[i].tokens)) : nlohmann::json(nullptr);
       j["finish_reason"] = finish_reason_name(results[i].finish);
       j["stats"] = stats_json(stats, sstats[i], results[i]);
-      j["stats"]["draft"] = a.draft;
-      j["stats"]["depth"] = drafter ? a.depth : 0;
+      j["stats"]["draft"] = a.d.draft;
+      j["stats"]["depth"] = drafter ? a.d.depth : 0;
       std::cout << j.dump() << "\n";
     }
     return;
@@ -150,7 +120,7 @@ void run_generate(const GenerateArgs& a) {
                ops::device_description().c_str());
   if (drafter)
     std::fprintf(stderr, " | %s depth %d: %.0f%% of drafts accepted, %.2f tokens per round",
-                 a.draft.c_str(), a.depth, 100 * sstats[0].acceptance_rate(),
+                 a.d.draft.c_str(), a.d.depth, 100 * sstats[0].acceptance_rate(),
                  sstats[0].mean_accepted_length());
   std::fprintf(stderr, "]\n");
 }
@@ -178,18 +148,7 @@ void add_generate_command(CLI::App& app) {
   sub->add_option("--backend", a->backend, "cpu, cuda or auto (cuda when a GPU is present)")
       ->capture_default_str();
   sub->add_flag("--json", a->json, "Print one JSON object instead of streaming text");
-  sub->add_option("--draft", a->draft, "Drafter: none, mtp or ngram")->capture_default_str();
-  sub->add_option("--draft-model", a->draft_model,
-                  "Companion MTP drafter directory (default: the model's own mtp.* layer)");
-  sub->add_option("--depth", a->depth, "Proposals per round")->capture_default_str();
-  sub->add_option("--verify", a->verify, "match (lossless bytes) or rejection")
-      ->capture_default_str();
-  sub->add_option("--ngram-max", a->ngram.max_n, "Longest n-gram looked up")->capture_default_str();
-  sub->add_option("--ngram-min", a->ngram.min_n, "Shortest n-gram looked up")
-      ->capture_default_str();
-  sub->add_option("--mtp-hidden", a->mtp_hidden,
-                  "Target hidden fed to the MTP drafter: final (after the final norm) or prenorm")
-      ->capture_default_str();
+  add_draft_options(sub, &a->d);
   sub->callback([a] { run_generate(*a); });
 }
 

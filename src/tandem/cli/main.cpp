@@ -15,6 +15,7 @@ int main(int argc, char** argv) {
   tandem::cli::add_make_random_model_command(app);
   tandem::cli::add_mtp_split_command(app);
   tandem::cli::add_bench_spec_command(app);
+  tandem::cli::add_serve_command(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -1,0 +1,161 @@
+// tandem serve: the OpenAI-compatible server over the continuously batched speculative engine.
+#include <pthread.h>
+
+#include <csignal>
+#include <cstdio>
+#include <filesystem>
+#include <memory>
+
+#include "tandem/backend/memory_info.h"
+#include "tandem/cli/commands.h"
+#include "tandem/cli/common.h"
+#include "tandem/core/error.h"
+#include "tandem/engine/batch_engine.h"
+#include "tandem/io/chat_template.h"
+#include "tandem/server/http_server.h"
+
+namespace tandem::cli {
+
+namespace {
+
+struct ServeArgs {
+  std::string model;
+  DraftArgs d;
+  std::string host = "127.0.0.1";
+  int port = 8000;
+  int max_batch = 32;
+  double kv_memory_gib = 0;  // 0: from free memory
+  int max_queue = 256;
+  int64_t prefill_budget = 256;
+  int64_t default_max_tokens = 4096;
+  std::string api_key;
+  std::string served_model_name;
+  int threads = 0;
+  std::string backend = "auto";
+};
+
+// The KV pool in blocks: the budget less every row slot's recurrent state, in whole blocks, and
+// never more than max_batch rows at the full context could use.
+int64_t pool_blocks(const ServeArgs& a, const Qwen35Config& cfg, int depth, uint64_t* budget) {
+  const size_t block = Qwen35State::block_bytes(cfg);
+  const size_t rows = Qwen35State::row_bytes(cfg, depth + 1) * static_cast<size_t>(a.max_batch);
+  const int64_t context = cfg.max_position_embeddings > 0 ? cfg.max_position_embeddings : 32768;
+  const int64_t useful = a.max_batch * Qwen35State::blocks_for(context + depth + 1);
+  if (a.kv_memory_gib > 0) {
+    *budget = static_cast<uint64_t>(a.kv_memory_gib * double(1ull << 30));
+  } else {
+    const uint64_t avail = available_memory_bytes();
+    if (avail == 0) fail("cannot read the free memory; give --kv-memory");
+    // Half of what is free (CPU: the rest stays for the page cache and other processes; GPU:
+    // workspaces and CUDA graphs grow with the batch), no more than useful.
+    *budget = std::min<uint64_t>(avail / 2, rows + static_cast<uint64_t>(useful) * block);
+  }
+  if (*budget <= rows)
+    fail("--kv-memory: ", *budget >> 20, " MiB do not cover the ", a.max_batch,
+         " row slots' recurrent state (", rows >> 20, " MiB); lower --max-batch or raise it");
+  if (block == 0) return 0;
+  return std::min<int64_t>(useful, static_cast<int64_t>((*budget - rows) / block));
+}
+
+void run_serve(const ServeArgs& a) {
+  if (a.port < 0 || a.port > 65535) fail("--port must be in 0..65535, got ", a.port);
+  if (a.max_batch < 1 || a.max_batch > 4096) fail("--max-batch must be in 1..4096");
+  if (a.max_queue < 0) fail("--max-queue must not be negative");
+  if (a.kv_memory_gib < 0) fail("--kv-memory must not be negative");
+  if (a.prefill_budget < 1) fail("--prefill-budget must be at least 1 token");
+  if (a.default_max_tokens < 1) fail("--default-max-tokens must be at least 1");
+  if (a.d.depth < 0 || a.d.depth > 16) fail("--depth must be in 0..16, got ", a.d.depth);
+  apply_threads(a.threads);
+  apply_backend(a.backend);
+  auto model = Qwen35Model::load(a.model);
+  const auto tok = open_tokenizer(a.model);
+  const auto tmpl = ChatTemplate::load(a.model);
+  const std::string identity = a.d.draft == "none" ? "" : target_identity(*model, a.model);
+  const spec::TargetView target(*model, identity);
+  const auto drafter = open_drafter(a.d, target);
+
+  EngineOptions eo;
+  eo.spec.depth = a.d.depth;
+  eo.spec.verify = spec::parse_verify_mode(a.d.verify);
+  eo.max_rows = a.max_batch;
+  eo.max_queue = static_cast<size_t>(a.max_queue);
+  eo.prefill_budget = a.prefill_budget;
+  const int depth = drafter ? a.d.depth : 0;
+  uint64_t budget = 0;
+  eo.kv_blocks = pool_blocks(a, model->config(), depth, &budget);
+  if (eo.kv_blocks < 1) fail("the KV memory budget holds no block; raise --kv-memory");
+  BatchEngine engine(*model, drafter.get(), identity, eo);
+
+  server::ServerOptions so;
+  so.host = a.host;
+  so.port = a.port;
+  so.api_key = a.api_key;
+  so.served_model_name = a.served_model_name.empty()
+                             ? std::filesystem::path(a.model).lexically_normal().filename().string()
+                             : a.served_model_name;
+  if (so.served_model_name.empty()) so.served_model_name = "tandem";
+  so.default_max_tokens = a.default_max_tokens;
+  so.http_threads = std::max(64, a.max_batch + a.max_queue / 4 + 16);
+  so.draft_name = a.d.draft;
+
+  // Signals are taken by this thread alone (sigwait below): every thread started from here on
+  // inherits the mask. A client that hangs up must not kill the server with SIGPIPE.
+  sigset_t stop_signals;
+  sigemptyset(&stop_signals);
+  sigaddset(&stop_signals, SIGINT);
+  sigaddset(&stop_signals, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+  std::signal(SIGPIPE, SIG_IGN);
+
+  server::Server srv(engine, model->config(), tok ? &*tok : nullptr, tmpl ? &*tmpl : nullptr, so);
+  const int port = srv.start();
+  std::fprintf(stderr,
+               "tandem serve: model '%s' (%s), drafter %s depth %d, up to %d rows, KV pool %lld "
+               "blocks (%lld tokens, %.2f GiB budget), queue %d\n",
+               so.served_model_name.c_str(), ops::device_description().c_str(), a.d.draft.c_str(),
+               depth, a.max_batch, static_cast<long long>(eo.kv_blocks),
+               static_cast<long long>(engine.capacity_tokens()), double(budget) / (1ull << 30),
+               a.max_queue);
+  if (!tmpl) std::fprintf(stderr, "tandem serve: no chat template; /v1/chat/completions is off\n");
+  std::fprintf(stderr, "tandem serve: listening on http://%s:%d\n", a.host.c_str(), port);
+  std::fflush(stderr);
+  int sig = 0;
+  sigwait(&stop_signals, &sig);
+  std::fprintf(stderr, "tandem serve: %s, shutting down\n", sig == SIGINT ? "SIGINT" : "SIGTERM");
+  srv.stop();
+  srv.wait();
+  std::fprintf(stderr, "tandem serve: stopped\n");
+}
+
+}  // namespace
+
+void add_serve_command(CLI::App& app) {
+  auto a = std::make_shared<ServeArgs>();
+  CLI::App* sub = app.add_subcommand("serve", "OpenAI-compatible HTTP server");
+  sub->add_option("--model", a->model, "Hugging Face model directory")->required();
+  add_draft_options(sub, &a->d);
+  sub->add_option("--host", a->host, "Address to listen on")->capture_default_str();
+  sub->add_option("--port", a->port, "Port (0: any free port)")->capture_default_str();
+  sub->add_option("--max-batch", a->max_batch, "Requests generating at once")
+      ->capture_default_str();
+  sub->add_option("--kv-memory", a->kv_memory_gib,
+                  "GiB for the KV cache and row states (default: half the free memory, at most "
+                  "what max-batch rows at full context use)");
+  sub->add_option("--max-queue", a->max_queue,
+                  "Requests waiting for room; beyond it requests get 503")
+      ->capture_default_str();
+  sub->add_option("--prefill-budget", a->prefill_budget,
+                  "Prompt tokens prefilled per engine step, between decode rounds")
+      ->capture_default_str();
+  sub->add_option("--default-max-tokens", a->default_max_tokens,
+                  "max_tokens of chat requests that give none (capped by the context)")
+      ->capture_default_str();
+  sub->add_option("--api-key", a->api_key, "Require Authorization: Bearer KEY (not on /health)");
+  sub->add_option("--served-model-name", a->served_model_name,
+                  "Model name clients ask for (default: the model directory's name)");
+  sub->add_option("--threads", a->threads, "CPU threads (0 = all cores)");
+  sub->add_option("--backend", a->backend, "cpu, cuda or auto")->capture_default_str();
+  sub->callback([a] { run_serve(*a); });
+}
+
+}  // namespace tandem::cli

@@ -1,0 +1,108 @@
+#include "tandem/server/metrics.h"
+
+#include <cstdio>
+
+namespace tandem::server {
+
+namespace {
+
+std::string number(double v) {
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), "%.9g", v);
+  return buf;
+}
+
+void series(std::string* out, const std::string& name, const std::string& type,
+            const std::string& help) {
+  *out += "# HELP " + name + " " + help + "\n# TYPE " + name + " " + type + "\n";
+}
+
+}  // namespace
+
+Histogram::Histogram(std::vector<double> upper_bounds)
+    : bounds_(std::move(upper_bounds)), counts_(bounds_.size() + 1, 0) {}
+
+void Histogram::observe(double seconds) {
+  std::lock_guard lock(mu_);
+  size_t b = 0;
+  while (b < bounds_.size() && seconds > bounds_[b]) ++b;
+  ++counts_[b];
+  sum_ += seconds;
+  ++count_;
+}
+
+void Histogram::render(const std::string& name, const std::string& help, std::string* out) const {
+  std::lock_guard lock(mu_);
+  series(out, name, "histogram", help);
+  uint64_t cumulative = 0;
+  for (size_t b = 0; b < counts_.size(); ++b) {
+    cumulative += counts_[b];
+    const std::string le = b < bounds_.size() ? number(bounds_[b]) : "+Inf";
+    *out += name + "_bucket{le=\"" + le + "\"} " + std::to_string(cumulative) + "\n";
+  }
+  *out += name + "_sum " + number(sum_) + "\n";
+  *out += name + "_count " + std::to_string(count_) + "\n";
+}
+
+ServerMetrics::ServerMetrics()
+    : ttft_({0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40,
+             80}),
+      itl_({0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.2, 0.5,
+            1, 2.5}),
+      e2e_({0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160}) {
+  for (const char* o : {"ok", "cancelled", "error", "invalid", "overloaded"}) requests_[o] = 0;
+}
+
+void ServerMetrics::count_request(const std::string& outcome) {
+  std::lock_guard lock(mu_);
+  ++requests_[outcome];
+}
+
+std::string ServerMetrics::render(const EngineCounters& e, const std::string& drafter) const {
+  std::string out;
+  {
+    std::lock_guard lock(mu_);
+    series(&out, "tandem_requests_total", "counter",
+           "Generation requests by outcome (ok, cancelled, error, invalid, overloaded).");
+    for (const auto& [outcome, n] : requests_)
+      out += "tandem_requests_total{outcome=\"" + outcome + "\"} " + std::to_string(n) + "\n";
+  }
+  auto scalar = [&](const std::string& name, const std::string& type, const std::string& help,
+                    double v) {
+    series(&out, name, type, help);
+    out += name + " " + number(v) + "\n";
+  };
+  scalar("tandem_prompt_tokens_total", "counter", "Prompt tokens admitted.",
+         static_cast<double>(e.prompt_tokens));
+  scalar("tandem_generation_tokens_total", "counter", "Tokens generated.",
+         static_cast<double>(e.generated_tokens));
+  scalar("tandem_queue_depth", "gauge", "Requests waiting for admission.",
+         static_cast<double>(e.queued));
+  series(&out, "tandem_running_rows", "gauge", "Rows in the engine, by phase.");
+  out += "tandem_running_rows{phase=\"prefill\"} " + std::to_string(e.prefilling) + "\n";
+  out += "tandem_running_rows{phase=\"decode\"} " + std::to_string(e.decoding) + "\n";
+  scalar("tandem_kv_blocks_used", "gauge", "KV cache blocks held by rows.",
+         static_cast<double>(e.kv_blocks_used));
+  scalar("tandem_kv_blocks_total", "gauge", "KV cache blocks in the pool.",
+         static_cast<double>(e.kv_blocks_total));
+  scalar("tandem_rounds_total", "counter", "Speculative rounds (verify forwards).",
+         static_cast<double>(e.rounds));
+  scalar("tandem_prefill_forwards_total", "counter", "Prompt prefill forwards.",
+         static_cast<double>(e.prefill_forwards));
+  series(&out, "tandem_draft_tokens_total", "counter",
+         "Proposals drafted, per window position and drafter.");
+  for (size_t j = 0; j < e.drafted_by_position.size(); ++j)
+    out += "tandem_draft_tokens_total{drafter=\"" + drafter + "\",position=\"" + std::to_string(j) +
+           "\"} " + std::to_string(e.drafted_by_position[j]) + "\n";
+  series(&out, "tandem_accepted_tokens_total", "counter",
+         "Proposals accepted, per window position and drafter.");
+  for (size_t j = 0; j < e.accepted_by_position.size(); ++j)
+    out += "tandem_accepted_tokens_total{drafter=\"" + drafter + "\",position=\"" +
+           std::to_string(j) + "\"} " + std::to_string(e.accepted_by_position[j]) + "\n";
+  ttft_.render("tandem_time_to_first_token_seconds", "Time from arrival to the first token.", &out);
+  itl_.render("tandem_inter_token_latency_seconds", "Time between consecutive tokens.", &out);
+  e2e_.render("tandem_request_latency_seconds", "Time from arrival to the last token.", &out);
+  return out;
+}
+
+}  // namespace tandem::server
