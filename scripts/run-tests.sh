@@ -5,6 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/install-deps.sh
+./scripts/install-test-deps.sh
 ./scripts/build.sh
 jobs=$(nproc 2>/dev/null || echo 2)
 # Tests run in parallel, each with its own OpenMP team: idle OpenMP threads must sleep rather

@@ -85,7 +85,8 @@ std::optional<int64_t> get_int(const json& body, const char* name, int64_t lo, i
   if (!v->is_number_integer())
     bad_request(name, "'", name, "' must be an integer, got ", type_name(*v));
   if (v->is_number_unsigned() && v->get<uint64_t>() > static_cast<uint64_t>(hi))
-    bad_request(name, "'", name, "' must be at most ", hi);
+    bad_request(name, "'", name, "' must be an integer in [", lo, ", ", hi, "], got ",
+                v->get<uint64_t>());
   const int64_t x = v->get<int64_t>();
   if (x < lo || x > hi)
     bad_request(name, "'", name, "' must be an integer in [", lo, ", ", hi, "], got ", x);

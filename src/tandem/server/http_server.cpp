@@ -21,6 +21,10 @@ using nlohmann::json;
 using Clock = std::chrono::steady_clock;
 constexpr auto kPoll = std::chrono::milliseconds(50);
 
+// Serialises JSON that may carry client bytes (an echoed parse error): ill-formed UTF-8 becomes
+// U+FFFD instead of an exception.
+std::string dump(const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
+
 json error_body(const ApiError& e) {
   json err = {{"message", e.what()},
               {"type", e.type()},
@@ -31,7 +35,7 @@ json error_body(const ApiError& e) {
 
 void send_error(httplib::Response& res, const ApiError& e) {
   res.status = e.status();
-  res.set_content(error_body(e).dump(), "application/json");
+  res.set_content(dump(error_body(e)), "application/json");
 }
 
 std::string random_id(const char* prefix) {
@@ -127,6 +131,7 @@ struct Server::Impl {
     const SpecStats& s = o.speculation;
     json spec = {{"draft", opts.draft_name},
                  {"depth", engine.depth()},
+                 {"rounds", s.rounds},
                  {"drafted", s.drafted},
                  {"accepted", s.accepted},
                  {"accepted_by_position", s.accepted_by_position},
@@ -293,7 +298,7 @@ struct Server::Impl {
     }
     out["choices"] = json::array({choice});
     out["usage"] = usage(outcome);
-    res.set_content(out.dump(), "application/json");
+    res.set_content(dump(out), "application/json");
   }
 
   // Server-sent events: OpenAI's chunk objects, a final chunk with finish_reason, the usage
@@ -317,7 +322,7 @@ struct Server::Impl {
         [this, stream, st, base, chat, include_usage, top_logprobs, return_ids, echo, prompt_ids](
             size_t, httplib::DataSink& sink) mutable {
           auto send = [&](const json& j) {
-            const std::string s = "data: " + j.dump() + "\n\n";
+            const std::string s = "data: " + dump(j) + "\n\n";
             return sink.write(s.data(), s.size());
           };
           auto chunk = [&](json choice) {
@@ -471,7 +476,7 @@ struct Server::Impl {
         msg = "the request body is too large";
       else
         msg = "the request could not be served (HTTP " + std::to_string(r.status) + ")";
-      r.set_content(error_body(ApiError(r.status, msg)).dump(), "application/json");
+      r.set_content(dump(error_body(ApiError(r.status, msg))), "application/json");
       return httplib::Server::HandlerResponse::Handled;
     };
     http.set_error_handler(on_error);

@@ -1,0 +1,99 @@
+// Starts `tandem serve` on a free port for a test file and runs `tandem generate` as the
+// oracle. TANDEM_BINARY and TANDEM_SOURCE_DIR come from ctest.
+import { spawn, execFileSync } from 'node:child_process';
+import path from 'node:path';
+
+export const binary = process.env.TANDEM_BINARY;
+export const sourceDir = process.env.TANDEM_SOURCE_DIR;
+if (!binary || !sourceDir) throw new Error('set TANDEM_BINARY and TANDEM_SOURCE_DIR');
+export const demoModel = path.join(sourceDir, 'models', 'qwen35-demo');
+
+// Resolves once the server prints its address; `server.url`, `server.stop()`, `server.exited`.
+export async function startServer(args = []) {
+  const proc = spawn(binary, ['serve', '--model', demoModel, '--port', '0', '--threads', '2', ...args],
+                     { stdio: ['ignore', 'ignore', 'pipe'] });
+  let log = '';
+  const exited = new Promise((resolve) => proc.on('exit', (code, signal) => resolve({ code, signal })));
+  const url = await new Promise((resolve, reject) => {
+    const timer = setTimeout(() => reject(new Error('server did not start:\n' + log)), 60000);
+    proc.stderr.on('data', (d) => {
+      log += d.toString();
+      const m = log.match(/listening on (http:\/\/[^\s]+)/);
+      if (m) {
+        clearTimeout(timer);
+        resolve(m[1]);
+      }
+    });
+    exited.then(({ code }) => reject(new Error(`server exited (${code}) before listening:\n${log}`)));
+  });
+  return {
+    url,
+    proc,
+    exited,
+    log: () => log,
+    async stop() {
+      if (proc.exitCode === null && proc.signalCode === null) proc.kill('SIGTERM');
+      return exited;
+    },
+  };
+}
+
+// What `tandem generate` alone emits for these token ids and sampling parameters.
+export function generateAlone({ promptIds, maxTokens, temperature = 0, topP = 1, topK = 0, minP = 0, seed = 0,
+                                draft = 'none' }) {
+  const out = execFileSync(binary, [
+    'generate', '--model', demoModel, '--token-ids', promptIds.join(','), '--max-tokens', String(maxTokens),
+    '--temperature', String(temperature), '--top-p', String(topP), '--top-k', String(topK),
+    '--min-p', String(minP), '--seed', String(seed), '--draft', draft, '--json', '--threads', '1',
+  ], { encoding: 'utf8' });
+  return JSON.parse(out);
+}
+
+export async function postJson(url, route, body, headers = {}) {
+  const res = await fetch(url + route, {
+    method: 'POST',
+    headers: { 'content-type': 'application/json', ...headers },
+    body: typeof body === 'string' || body instanceof Uint8Array ? body : JSON.stringify(body),
+  });
+  const text = await res.text();
+  let json = null;
+  try {
+    json = JSON.parse(text);
+  } catch {}
+  return { status: res.status, json, text };
+}
+
+// Prometheus text -> { 'name{labels}': value }.
+export async function metrics(url, headers = {}) {
+  const res = await fetch(url + '/metrics', { headers });
+  const out = {};
+  for (const line of (await res.text()).split('\n')) {
+    if (!line || line.startsWith('#')) continue;
+    const i = line.lastIndexOf(' ');
+    out[line.slice(0, i)] = Number(line.slice(i + 1));
+  }
+  return out;
+}
+
+export const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
+
+// Server-sent events of a streamed response: the parsed `data:` objects, then '[DONE]'.
+export async function readEvents(res, onEvent = () => true) {
+  const decoder = new TextDecoder();
+  let buf = '';
+  const events = [];
+  for await (const chunk of res.body) {
+    buf += decoder.decode(chunk, { stream: true });
+    let i;
+    while ((i = buf.indexOf('\n\n')) >= 0) {
+      const block = buf.slice(0, i);
+      buf = buf.slice(i + 2);
+      if (!block.startsWith('data: ')) continue;
+      const data = block.slice(6);
+      const ev = data === '[DONE]' ? '[DONE]' : JSON.parse(data);
+      events.push(ev);
+      if (!onEvent(ev)) return events;
+    }
+  }
+  return events;
+}
