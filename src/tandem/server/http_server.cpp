@@ -409,6 +409,9 @@ struct Server::Impl {
 
   void install_routes() {
     http.set_payload_max_length(opts.max_body_bytes);
+    // Streams write one small chunk per round: Nagle's algorithm would hold them back for the
+    // client's delayed ACK (tens of ms), bunching tokens and inflating inter-token latency.
+    http.set_tcp_nodelay(true);
     const size_t threads = static_cast<size_t>(std::max(8, opts.http_threads));
     http.new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
     http.Post("/v1/chat/completions", [this](const httplib::Request& q, httplib::Response& r) {
