@@ -447,7 +447,10 @@ void BatchEngine::round() {
     windows_[r].push_back(row.result.tokens.back());
     windows_[r].insert(windows_[r].end(), proposals_[r].tokens.begin(), proposals_[r].tokens.end());
     tokens_.insert(tokens_.end(), windows_[r].begin(), windows_[r].end());
-    inputs_.push_back({row.slot, static_cast<int64_t>(windows_[r].size()), true});
+    // A window of the pending token alone has nothing to roll back: it runs as a plain decode
+    // row (same numbers), which spares the recurrent state's per-position copies.
+    const bool speculative = windows_[r].size() > 1;
+    inputs_.push_back({row.slot, static_cast<int64_t>(windows_[r].size()), speculative});
     need_logits = need_logits || row.needs_logits();
   }
   ForwardRequest verify{tokens_, inputs_, true, want_final_, want_prenorm_};
@@ -502,7 +505,7 @@ void BatchEngine::round() {
       const float* logits = need_logits ? out_.logits.data() + (t + j) * V : nullptr;
       if (!emit(row, outcome.emitted[j], logits)) break;
     }
-    keeps_.push_back({row.slot, 1 + outcome.accepted});
+    if (n > 1) keeps_.push_back({row.slot, 1 + outcome.accepted});
     verified_[r].accepted = outcome.accepted;
     verified_[r].next_pending = outcome.emitted.back();
     t += static_cast<int64_t>(n);
