@@ -213,6 +213,32 @@ TEST(ChatTemplateRender, StrftimeNowUsesTheClock) {
   EXPECT_EQ(now.render(ojson::array(), false).size(), 4u);
 }
 
+TEST(ChatTemplateRender, LongConversationsFitTheDefaultLimits) {
+  // The step budget must leave ample room for real conversations: 6000 messages with reasoning,
+  // tool calls and tool results through the Qwen3.5 template (Python takes about 0.1 s).
+  ChatTemplate ct = ChatTemplate::from_source(read_file(kFixtures / "qwen3_5.jinja"), std::nullopt,
+                                              "<|im_end|>", "qwen3_5");
+  ojson messages = ojson::array();
+  messages.push_back({{"role", "system"}, {"content", "You are helpful."}});
+  for (int i = 0; i < 2000; ++i) {
+    messages.push_back({{"role", "user"}, {"content", "Question " + std::to_string(i)}});
+    messages.push_back(
+        {{"role", "assistant"},
+         {"content", "<think>\nstep " + std::to_string(i) + "\n</think>\n\nAnswer."},
+         {"tool_calls",
+          {{{"type", "function"},
+            {"function",
+             {{"name", "get_weather"}, {"arguments", {{"city", "Paris"}, {"days", i}}}}}}}}});
+    messages.push_back({{"role", "tool"}, {"content", "result " + std::to_string(i)}});
+  }
+  const ojson tools =
+      ojson::parse(R"([{"type": "function", "function": {"name": "get_weather"}}])");
+  const std::string out = ct.render(messages, true, tools);
+  EXPECT_GT(out.size(), 400000u);
+  const std::string tail = "<|im_start|>assistant\n<think>\n";
+  EXPECT_EQ(out.substr(out.size() - tail.size()), tail);
+}
+
 TEST(ChatTemplateRender, PlainJsonArgumentsConvert) {
   // A server holding nlohmann::json (sorted keys) can pass it directly.
   const ChatTemplate ct =

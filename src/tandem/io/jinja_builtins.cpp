@@ -81,9 +81,13 @@ constexpr int64_t kMaxRangeItems = 100000;  // jinja2.sandbox.MAX_RANGE
 using FilterTable = std::vector<std::pair<std::string_view, FilterFn>>;
 using TestTable = std::vector<std::pair<std::string_view, TestFn>>;
 
-// jinja2's soft_str: strings (Markup included) as they are, anything else through str().
+// jinja2's soft_str: strings (Markup included) as they are, anything else through str(). The
+// string filters that call it walk the text once, which is charged here.
 Value soft_str(Interpreter& in, const Value& v) {
-  if (v.is_string()) return v;
+  if (v.is_string()) {
+    in.charge_bytes(v.as_string().size());
+    return v;
+  }
   return in.make_string(in.str(v));
 }
 

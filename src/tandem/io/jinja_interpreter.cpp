@@ -625,8 +625,8 @@ CallArgs Interpreter::eval_args(const ArgList& a, const ScopePtr& scope) {
 Value Interpreter::apply_filter(const std::string& name, const Value& operand, CallArgs& args) {
   const FilterFn fn = find_filter(name);
   if (!fn) raise("TemplateRuntimeError", "No filter named " + repr_string(name) + " found.");
-  // Filters walk their operand at least once.
-  step(1 + operand.weight());
+  // Filters that walk their operand charge for it themselves (iterate() and soft_str do).
+  step();
   return fn(*this, operand, args);
 }
 

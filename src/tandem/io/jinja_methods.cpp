@@ -27,8 +27,9 @@ class BoundMethod final : public HostObject {
   }
   bool callable() const override { return true; }
   Value call(Interpreter& in, CallArgs& args) override {
-    // Every method walks its object (decodes the string, scans the list) at least once.
-    in.step(self_.weight());
+    // String methods decode or scan their string; list and dict methods that walk charge
+    // through iterate() and make_seq().
+    if (self_.is_string()) in.charge_bytes(self_.as_string().size());
     return fn_(in, self_, args);
   }
 
