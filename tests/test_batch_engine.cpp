@@ -87,6 +87,7 @@ std::vector<GenerateRequest> mixed_requests() {
 struct DraftCase {
   const char* drafter;
   int64_t budget;
+  int64_t chunk = kPrefillChunkTokens;  // CPU prefill is chunk-invariant: any size agrees
 };
 
 class StaggeredJoins : public ::testing::TestWithParam<DraftCase> {};
@@ -102,6 +103,7 @@ TEST_P(StaggeredJoins, EveryRequestEqualsPlainDecodingAlone) {
   EngineOptions o;
   o.spec.depth = 3;
   o.prefill_budget = c.budget;
+  o.spec.prefill_chunk = c.chunk;
   o.max_rows = 4;
   o.kv_blocks = 400;
   BatchEngine engine(*d.model, drafter, "demo-target", o);
@@ -137,10 +139,11 @@ TEST_P(StaggeredJoins, EveryRequestEqualsPlainDecodingAlone) {
 INSTANTIATE_TEST_SUITE_P(Engine, StaggeredJoins,
                          ::testing::Values(DraftCase{"none", 256}, DraftCase{"mtp", 256},
                                            DraftCase{"ngram", 256}, DraftCase{"mtp", 512},
-                                           DraftCase{"mtp", 0}),
+                                           DraftCase{"mtp", 0}, DraftCase{"ngram", 128, 64}),
                          [](const auto& info) {
                            return std::string(info.param.drafter) + "_budget" +
-                                  std::to_string(info.param.budget);
+                                  std::to_string(info.param.budget) + "_chunk" +
+                                  std::to_string(info.param.chunk);
                          });
 
 // CPU kernels are chunk-invariant outright: a prompt's logits are bitwise the same whether it

@@ -150,6 +150,10 @@ void add_draft_options(CLI::App* sub, DraftArgs* a) {
   sub->add_option("--ngram-max", a->ngram.max_n, "Longest n-gram looked up")->capture_default_str();
   sub->add_option("--ngram-min", a->ngram.min_n, "Shortest n-gram looked up")
       ->capture_default_str();
+  sub->add_option("--prefill-chunk", a->prefill_chunk,
+                  "Prompt tokens per prefill forward, counted from the prompt's start (on CUDA, "
+                  "generate and serve agree byte for byte at the same value)")
+      ->capture_default_str();
   sub->add_option("--mtp-hidden", a->mtp_hidden,
                   "Target hidden fed to the MTP drafter: final (after the final norm) or prenorm")
       ->capture_default_str();

@@ -53,6 +53,7 @@ struct DraftArgs {
   std::string verify = "match";
   spec::NgramOptions ngram;
   std::string mtp_hidden = "final";
+  int64_t prefill_chunk = kPrefillChunkTokens;
 };
 void add_draft_options(CLI::App* sub, DraftArgs* a);
 // The drafter the options name (null for --draft none); Error for bad combinations.

@@ -77,6 +77,8 @@ BatchEngine::BatchEngine(const Qwen35Model& model, const spec::DraftProvider* dr
     fail("--depth must be in 0..16, got ", options_.spec.depth);
   if (options_.max_rows < 0) fail("the engine's row limit must be at least 1");
   if (options_.prefill_budget < 0) fail("the prefill budget must not be negative");
+  if (options_.spec.prefill_chunk < 1)
+    fail("the prefill chunk must be at least 1 token, got ", options_.spec.prefill_chunk);
   depth_ = drafter_ ? options_.spec.depth : 0;
   if (drafter_) {
     prefill_drafts_ = drafter_->open_rows(target_);
@@ -306,7 +308,7 @@ void BatchEngine::prefill_step() {
     for (size_t r = 0; r < prefilling_.size(); ++r) {
       Row& row = *prefilling_[r];
       const int64_t L = static_cast<int64_t>(row.req.gen.prompt.size());
-      const int64_t n = std::min(kPrefillChunkTokens, L - row.prefilled);
+      const int64_t n = std::min(options_.spec.prefill_chunk, L - row.prefilled);
       if (budget > 0 && used > 0 && used + n > budget) break;
       picked.push_back(r);
       counts.push_back(n);

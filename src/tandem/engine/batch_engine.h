@@ -9,7 +9,8 @@
 // drafter's own checkpoint (capture -> prepare_append), also all-or-nothing.
 //
 // Exactness (principle 2): a request's tokens depend only on its prompt, sampling parameters and
-// seed. Prompts are prefilled in chunks of kPrefillChunkTokens counted from the prompt's start,
+// seed. Prompts are prefilled in chunks of a fixed size (SpecOptions::prefill_chunk, by default
+// kPrefillChunkTokens) counted from the prompt's start,
 // one chunk per row per forward, whatever the budget or the neighbours; decode and verify
 // kernels are batch-invariant; sampling keys are (seed, output index). `tandem generate` runs
 // through this same engine, so serving and the command line agree byte for byte.

@@ -13,6 +13,11 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
 }
 }  // namespace
 
+Generator::Generator(const Qwen35Model& model, int64_t prefill_chunk)
+    : model_(model), prefill_chunk_(prefill_chunk) {
+  if (prefill_chunk_ < 1) fail("the prefill chunk must be at least 1 token, got ", prefill_chunk_);
+}
+
 const char* finish_reason_name(FinishReason r) {
   return r == FinishReason::Stop ? "stop" : "length";
 }
@@ -178,7 +183,7 @@ std::vector<GenerateResult> Generator::run(const std::vector<GenerateRequest>& r
     std::span<const float> logits(out.logits.data() + r * V, static_cast<size_t>(V));
     return sample_token(logits, requests[i].sampling, index);
   };
-  // Prompts run in chunks of kPrefillChunkTokens counted from their start, one chunk per row per
+  // Prompts run in chunks of prefill_chunk_ tokens counted from their start, one chunk per row per
   // forward, exactly as the batch engine prefills them: both compute a prompt's numbers alike.
   std::vector<int64_t> prefilled(B, 0);
   for (;;) {
@@ -188,7 +193,7 @@ std::vector<GenerateResult> Generator::run(const std::vector<GenerateRequest>& r
     for (size_t i = 0; i < B; ++i) {
       const int64_t L = static_cast<int64_t>(requests[i].prompt.size());
       if (prefilled[i] == L) continue;
-      const int64_t n = std::min(kPrefillChunkTokens, L - prefilled[i]);
+      const int64_t n = std::min(prefill_chunk_, L - prefilled[i]);
       tokens.insert(tokens.end(), requests[i].prompt.begin() + prefilled[i],
                     requests[i].prompt.begin() + prefilled[i] + n);
       rows.push_back({slots[i], n});

@@ -12,9 +12,11 @@
 
 namespace tandem {
 
-// Prompt tokens per prefill chunk. Every engine prefills a prompt in chunks of this many tokens
-// counted from the prompt's start, one chunk per row per forward, so a prompt's numbers never
-// depend on a token budget or on which prompts shared its forwards (DESIGN.md §7).
+// Prompt tokens per prefill chunk, by default. Every engine prefills a prompt in chunks of a
+// fixed size counted from the prompt's start, one chunk per row per forward, so a prompt's numbers
+// never depend on a token budget or on which prompts shared its forwards (DESIGN.md §7). The CPU
+// kernels are chunk-invariant outright; on CUDA a prompt's numbers depend on where its chunks
+// start, so two runs agree byte for byte when they use the same chunk size.
 inline constexpr int64_t kPrefillChunkTokens = 256;
 
 struct GenerateRequest {
@@ -55,7 +57,8 @@ bool append_token(const GenerateRequest& request, const Qwen35Config& cfg, int32
 
 class Generator {
  public:
-  explicit Generator(const Qwen35Model& model) : model_(model) {}
+  // prefill_chunk: see kPrefillChunkTokens (>= 1).
+  explicit Generator(const Qwen35Model& model, int64_t prefill_chunk = kPrefillChunkTokens);
   // Validates every request first (empty prompt, ids out of range, sampling parameters,
   // max_tokens < 1 → Error), then runs them all as one batch.
   std::vector<GenerateResult> run(const std::vector<GenerateRequest>& requests,
@@ -68,6 +71,7 @@ class Generator {
                      const std::function<void(size_t, int32_t)>& emit,
                      std::vector<GenerateResult>& results, GenerateStats& st) const;
   const Qwen35Model& model_;
+  int64_t prefill_chunk_;
 };
 
 }  // namespace tandem

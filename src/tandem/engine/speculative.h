@@ -17,6 +17,7 @@ namespace tandem {
 struct SpecOptions {
   int depth = 3;  // proposals per round (0 = plain decoding through the round machinery)
   spec::VerifyMode verify = spec::VerifyMode::Match;
+  int64_t prefill_chunk = kPrefillChunkTokens;  // prompt tokens per prefill forward and row
 };
 
 // Per-request speculation counters.

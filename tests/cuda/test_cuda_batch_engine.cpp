@@ -1,0 +1,120 @@
+// The batch engine on the GPU: requests joining a running speculative batch at different steps,
+// one prompt spanning three prefill chunks interleaved with decode rounds, every request's tokens
+// bitwise those of plain decoding alone. On CUDA a prompt's numbers depend on where its chunks
+// start (the first chunk runs the prompt attention kernel), so this holds because the engine and
+// the plain generator cut prompts at the same fixed boundaries.
+#include <gtest/gtest.h>
+
+#include <fstream>
+#include <sstream>
+
+#include "demo_model.h"
+#include "tandem/backend/ops.h"
+#include "tandem/engine/batch_engine.h"
+#include "tandem/engine/generator.h"
+
+namespace tandem {
+namespace {
+
+class OnCuda {
+ public:
+  OnCuda() : saved_(ops::backend()) { ops::set_backend(ops::Backend::Cuda); }
+  ~OnCuda() { ops::set_backend(saved_); }
+
+ private:
+  ops::Backend saved_;
+};
+
+test::DemoModel& demo() {
+  static test::DemoModel* d = [] {
+    OnCuda cuda;
+    return test::load_demo_model().release();
+  }();
+  return *d;
+}
+
+class Sink : public RequestSink {
+ public:
+  std::vector<int32_t> tokens;
+  std::optional<RequestOutcome> outcome;
+  bool on_token(const TokenOutput& t) override {
+    tokens.push_back(t.id);
+    return true;
+  }
+  void on_finish(const RequestOutcome& o) override { outcome = o; }
+};
+
+struct Case {
+  const char* drafter;
+  int64_t budget;
+  int64_t chunk = kPrefillChunkTokens;
+};
+
+class CudaStaggeredJoins : public ::testing::TestWithParam<Case> {
+ protected:
+  void SetUp() override {
+    if (!ops::cuda_available())
+      GTEST_FAIL() << "no usable CUDA device: the `cuda` tests run on a GPU machine only";
+  }
+};
+
+TEST_P(CudaStaggeredJoins, EveryRequestEqualsPlainDecodingAlone) {
+  OnCuda cuda;
+  const Case c = GetParam();
+  auto& d = demo();
+  std::ifstream in(test::kDemoDir + "/heldout_sample.py");
+  std::stringstream ss;
+  ss << in.rdbuf();
+  auto long_prompt = d.tok->encode(ss.str());
+  long_prompt.resize(600);
+  std::vector<GenerateRequest> reqs;
+  for (size_t i = 0; i < 6; ++i) {
+    GenerateRequest r;
+    r.prompt =
+        i == 2 ? long_prompt : d.tok->encode(test::kDemoPrompts[i % test::kDemoPrompts.size()]);
+    r.sampling.temperature = i % 3 == 0 ? 0.0f : 0.8f;
+    r.sampling.top_p = 0.9f;
+    r.sampling.seed = 17 + i;
+    r.max_tokens = 10 + 5 * static_cast<int64_t>(i);
+    reqs.push_back(r);
+  }
+  const spec::DraftProvider* drafter = std::string(c.drafter) == "mtp"     ? d.mtp.get()
+                                       : std::string(c.drafter) == "ngram" ? d.ngram.get()
+                                                                           : nullptr;
+  EngineOptions o;
+  o.spec.depth = 3;
+  o.prefill_budget = c.budget;
+  o.spec.prefill_chunk = c.chunk;
+  o.max_rows = 4;
+  o.kv_blocks = 400;
+  BatchEngine engine(*d.model, drafter, "demo-target", o);
+  std::vector<std::shared_ptr<Sink>> sinks;
+  size_t next = 0;
+  for (int step = 0;; ++step) {
+    if (next < reqs.size() && step % 2 == 0) {
+      sinks.push_back(std::make_shared<Sink>());
+      engine.submit({reqs[next++], -1}, sinks.back());
+    }
+    if (!engine.step() && next == reqs.size()) break;
+    ASSERT_LT(step, 3000);
+  }
+  Generator plain(*d.model, c.chunk);
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    ASSERT_TRUE(sinks[i]->outcome.has_value());
+    EXPECT_EQ(sinks[i]->outcome->end, RequestEnd::Finished) << sinks[i]->outcome->error;
+    EXPECT_EQ(sinks[i]->tokens, plain.run({reqs[i]}).at(0).tokens) << c.drafter << " " << i;
+  }
+  EXPECT_EQ(engine.counters().kv_blocks_used, 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(Engine, CudaStaggeredJoins,
+                         ::testing::Values(Case{"none", 256}, Case{"mtp", 256}, Case{"ngram", 512},
+                                           Case{"mtp", 0}, Case{"mtp", 128, 64}),
+                         [](const auto& info) {
+                           return std::string(info.param.drafter) + "_budget" +
+                                  std::to_string(info.param.budget) + "_chunk" +
+                                  std::to_string(info.param.chunk);
+                         });
+
+}  // namespace
+}  // namespace tandem
