@@ -506,6 +506,41 @@ const RenderCase kRenderCases[] = {
     {"markup_ops",
      "{{ ('<a>'|safe) ~ '<b>' }} {{ ('%s'|safe) % '<i>' }} {{ ('x'|safe).upper() }}",
      "<a><b> &lt;i&gt; X"},
+    {"lstrip_unicode_whitespace",
+     "a\n"
+     "　{% if true %}b{% endif %}\n"
+     "  {# c #}\n"
+     "c {% if true %}d{% endif %}",
+     "a\n"
+     "bc d"},
+    {"falsy_select_map",
+     "{{ none|select|list }} {{ 0|reject|list }} {{ ''|map('upper')|list }} {{ false|se"
+     "lectattr('x')|list }}",
+     "[] [] [] []"},
+    {"truncate_non_strings",
+     "{{ [1, 2]|truncate(5, true, '') }} {{ {'a': 1}|truncate(3, true, '') }} {{ undefi"
+     "ned_name|truncate(3) }}|",
+     "[1, 2] {'a': 1} |"},
+    {"undefined_is",
+     "{{ undefined_name is sequence }} {{ undefined_name is callable }} {{ undefined_na"
+     "me is iterable }} {{ undefined_name is mapping }} {{ '' % undefined_name }}|{{ '%"
+     "s' % undefined_name }}|",
+     "True True True False ||"},
+    {"groupby_repr",
+     "{{ users|groupby('age')|list }} {{ (users|groupby('age')|first).grouper }}",
+     "[(25, [{'name': 'Bob', 'age': 25, 'admin': False}]), (31, [{'name': 'ann', 'age':"
+     " 31, 'admin': True}, {'name': 'cy', 'age': 31}])] 25"},
+    {"casefold",
+     "{{ 'ΣΑΣ ﬁ Straße'.casefold() }} {{ 'ΣΑΣ'.lower() }}",
+     "σασ fi strasse σας"},
+    {"markup_methods",
+     "{{ ('a,b'|safe).split(',') }} {{ ('X'|safe|lower) is escaped }} {{ ('<b>'|e).uppe"
+     "r() }} {{ (' x '|safe|trim) is escaped }}",
+     "[Markup('a'), Markup('b')] True &LT;B&GT; True"},
+    {"reverse_kinds",
+     "{{ 'abc'|reverse }} {{ [1, 2]|reverse|list }} {{ {'a': 1, 'b': 2}|reverse|list }}"
+     " {{ undefined_name|reverse|list }} {{ l|map('string')|reverse }}",
+     "cba [2, 1] ['b', 'a'] [] ['2', '1', '3']"},
 };
 
 const ErrorCase kErrorCases[] = {
@@ -591,6 +626,26 @@ const ErrorCase kErrorCases[] = {
      "ValueError: slice step cannot be zero"},
     {"err_format_args", "{{ '%s %s' % ('a',) }}",
      "TypeError: not enough arguments for format string"},
+    {"err_percent_after_width", "{{ '%5%' % () }}",
+     "TypeError: not enough arguments for format string"},
+    {"err_format_char_index", "{{ 'é%z' % (1,) }}",
+     "ValueError: unsupported format character 'z' (0x7a) at index 2"},
+    {"err_unpack_non_iterable", "{% for a, b in [1] %}{% endfor %}",
+     "TypeError: cannot unpack non-iterable int object"},
+    {"err_reverse_int", "{{ 5|reverse }}",
+     "FilterArgumentError: argument must be iterable"},
+    {"err_multiply_str", "{{ 'a' * 'b' }}",
+     "TypeError: can't multiply sequence by non-int of type 'str'"},
+    {"err_float_undefined", "{{ undefined_name|float }}",
+     "UndefinedError: 'undefined_name' is undefined"},
+    {"err_filesize_string", "{{ 'abc'|filesizeformat }}",
+     "ValueError: could not convert string to float: 'abc'"},
+    {"err_truncate_bool", "{{ true|truncate(3) }}",
+     "TypeError: object of type 'bool' has no len()"},
+    {"err_unhashable_tuple", "{{ {(1, {}): 2} }}",
+     "TypeError: unhashable type: 'dict'"},
+    {"err_indent_list", "{{ [1]|indent }}",
+     "AttributeError: 'list' object has no attribute 'splitlines'"},
     {"syn_unknown_tag", "{% do x %}",
      "TemplateSyntaxError: Encountered unknown tag 'do'."},
     {"syn_endfor_alone", "{% endfor %}",

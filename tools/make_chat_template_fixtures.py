@@ -11,8 +11,8 @@ renders every case with tandem's interpreter and requires byte equality (or the 
 
 --unicode-tables mode: writes src/tandem/io/jinja_unicode_tables.h, the Unicode character data
 the interpreter needs to behave like Python's str (isspace, isprintable for repr, isalpha and
-friends, the Cased/Case_Ignorable properties for the final-sigma rule, and the full lower/upper/
-title case mappings), taken from this Python's unicodedata so that the tables and the jinja2
+friends, the Cased/Case_Ignorable properties for the final-sigma rule, the full lower/upper/
+title case mappings and casefold), taken from this Python's unicodedata so that the tables and the jinja2
 reference use the same Unicode version.
 
     python3 tools/make_chat_template_fixtures.py --unicode-tables
@@ -155,6 +155,15 @@ def write_unicode_tables():
         for i in range(0, len(specials), 4):
             out.append(" ".join(f"{{0x{a:X},{c_string(s)}}}," for a, s in specials[i:i + 4]))
         out.append("};")
+    # str.casefold() where it differs from lower() of the same single character ("ß" -> "ss").
+    folds = [(cp, chr(cp).casefold()) for cp in range(0x110000)
+             if not 0xD800 <= cp <= 0xDFFF and chr(cp).casefold() != chr(cp).lower()]
+    out.append("")
+    out.append("// str.casefold() of the characters whose fold differs from their lower(), sorted.")
+    out.append(f"constexpr CaseSpecial kFoldSpecials[{len(folds)}] = {{")
+    for i in range(0, len(folds), 4):
+        out.append(" ".join(f"{{0x{a:X},{c_string(m)}}}," for a, m in folds[i:i + 4]))
+    out.append("};")
     out.append("")
     out.append("}  // namespace tandem::jinja::unicode::tables")
     UNICODE_TABLES.write_text("\n".join(out) + "\n")

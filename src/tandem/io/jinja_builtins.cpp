@@ -98,6 +98,21 @@ int64_t need_int(const Value& v, const char* what) {
   return v.as_int();
 }
 
+std::optional<double> parse_py_float(std::string_view text);
+
+// Python float(x): numbers, and strings in Python's float syntax; ValueError / TypeError with
+// Python's messages otherwise, and the Undefined's own error for an Undefined.
+double py_float(Interpreter& in, const Value& v) {
+  if (v.is_number()) return v.as_double();
+  if (v.is_undefined()) v.raise_undefined();
+  if (v.is_string()) {
+    if (auto f = parse_py_float(v.as_string())) return *f;
+    raise("ValueError", "could not convert string to float: " + in.repr(v));
+  }
+  raise("TypeError",
+        "float() argument must be a string or a real number, not '" + v.type_name() + "'");
+}
+
 // Python's str.strip(chars) family on code points.
 std::string strip_chars(std::string_view s, const Value& chars, bool left, bool right) {
   std::u32string set;
@@ -116,6 +131,12 @@ std::string strip_chars(std::string_view s, const Value& chars, bool left, bool 
   if (right)
     while (e > b && drop(cps[e - 1])) --e;
   return unicode::encode(std::u32string_view(cps).substr(b, e - b));
+}
+
+// The result of a str method called on soft_str(v): Markup stays Markup (markupsafe wraps
+// lower(), strip(), center(), ...).
+Value same_kind(Interpreter& in, const Value& v, std::string s) {
+  return v.is_markup() ? in.make_markup(std::move(s)) : in.make_string(std::move(s));
 }
 
 Value ignore_case(Interpreter& in, const Value& v) {
@@ -221,7 +242,6 @@ Value f_abs(Interpreter&, const Value& v, CallArgs& a) {
     if (i == std::numeric_limits<int64_t>::min()) raise("OverflowError", "integer overflow");
     return Value(i < 0 ? -i : i);
   }
-  if (v.is_undefined()) v.raise_undefined();
   raise("TypeError", "bad operand type for abs(): '" + v.type_name() + "'");
 }
 
@@ -262,7 +282,7 @@ Value f_batch(Interpreter& in, const Value& v, CallArgs& a) {
 
 Value f_capitalize(Interpreter& in, const Value& v, CallArgs& a) {
   ArgBinder(std::string_view("capitalize"), a, {});
-  return in.make_string(unicode::capitalize(soft_str(in, v).as_string()));
+  return same_kind(in, v, unicode::capitalize(soft_str(in, v).as_string()));
 }
 
 // str.center / ljust / rjust.
@@ -290,7 +310,7 @@ std::string pad(Interpreter& in, const std::string& s, int64_t width, const std:
 Value f_center(Interpreter& in, const Value& v, CallArgs& a) {
   ArgBinder b("center", a, {"width"});
   const int64_t width = need_int(b.get_or(0, Value(80)), "");
-  return in.make_string(pad(in, soft_str(in, v).as_string(), width, " ", 'c'));
+  return same_kind(in, v, pad(in, soft_str(in, v).as_string(), width, " ", 'c'));
 }
 
 Value f_default(Interpreter&, const Value& v, CallArgs& a) {
@@ -339,9 +359,7 @@ Value f_forceescape(Interpreter& in, const Value& v, CallArgs& a) {
 Value f_filesizeformat(Interpreter& in, const Value& v, CallArgs& a) {
   ArgBinder b("filesizeformat", a, {"binary"});
   const bool binary = b.get_or(0, Value(false)).truthy();
-  CallArgs none;
-  const Value fv = in.apply_filter("float", v, none);
-  const double bytes = fv.as_double();
+  const double bytes = py_float(in, v);
   const double base = binary ? 1024 : 1000;
   static constexpr const char* kBinary[] = {"KiB", "MiB", "GiB", "TiB", "PiB", "EiB", "ZiB", "YiB"};
   static constexpr const char* kDecimal[] = {"kB", "MB", "GB", "TB", "PB", "EB", "ZB", "YB"};
@@ -388,8 +406,9 @@ Value f_first(Interpreter& in, const Value& v, CallArgs& a) {
 
 Value f_last(Interpreter& in, const Value& v, CallArgs& a) {
   ArgBinder(std::string_view("last"), a, {});
-  // next(iter(reversed(seq))): generators and Undefined are not reversible.
-  if (v.is_seq(SeqKind::kGenerator) || v.is_undefined() || v.is_seq(SeqKind::kDictValues) ||
+  // next(iter(reversed(seq))): a generator is not reversible; an Undefined is (it is empty).
+  if (v.is_undefined()) return Value::undefined("No last item, sequence was empty.");
+  if (v.is_seq(SeqKind::kGenerator) || v.is_seq(SeqKind::kDictValues) ||
       !(v.is_string() || v.is_seq() || v.is_dict()))
     raise("TypeError", "'" + v.type_name() + "' object is not reversible");
   std::vector<Value> items = in.iterate(v);
@@ -495,6 +514,7 @@ std::optional<double> to_float(const Value& v) {
 
 Value f_float(Interpreter&, const Value& v, CallArgs& a) {
   ArgBinder b("float", a, {"default"});
+  if (v.is_undefined()) v.raise_undefined();  // Undefined.__float__ raises
   if (auto f = to_float(v)) return Value(*f);
   return b.get_or(0, Value(0.0));
 }
@@ -513,6 +533,7 @@ Value f_int(Interpreter&, const Value& v, CallArgs& a) {
   ArgBinder b("int", a, {"default", "base"});
   const Value fallback = b.get_or(0, Value(0));
   const int64_t base = need_int(b.get_or(1, Value(10)), "");
+  if (v.is_undefined()) v.raise_undefined();  // Undefined.__int__ raises
   if (v.is_integral()) return Value(v.as_int());
   if (v.is_float()) {
     if (auto i = float_to_int(v.as_double())) return Value(*i);
@@ -584,6 +605,12 @@ Value f_indent(Interpreter& in, const Value& v, CallArgs& a) {
     in.check_string_size(static_cast<size_t>(std::max<int64_t>(0, n)));
     indention.assign(static_cast<size_t>(std::max<int64_t>(0, n)), ' ');
   }
+  // jinja2 starts with s += "\n": a list takes it (then has no splitlines), a tuple refuses it.
+  if (v.is_seq(SeqKind::kList))
+    raise("AttributeError", "'list' object has no attribute 'splitlines'");
+  if (v.is_seq(SeqKind::kTuple))
+    raise("TypeError", "can only concatenate tuple (not \"str\") to tuple");
+  if (v.is_undefined()) v.raise_undefined();
   if (!v.is_string())
     raise("TypeError", "unsupported operand type(s) for +=: '" + v.type_name() + "' and 'str'");
   // s += "\n" (so that splitlines keeps a trailing empty line), then indent every line.
@@ -661,15 +688,17 @@ Value f_list(Interpreter& in, const Value& v, CallArgs& a) {
 
 Value f_lower(Interpreter& in, const Value& v, CallArgs& a) {
   ArgBinder(std::string_view("lower"), a, {});
-  return in.make_string(unicode::lower(soft_str(in, v).as_string()));
+  return same_kind(in, v, unicode::lower(soft_str(in, v).as_string()));
 }
 
 Value f_upper(Interpreter& in, const Value& v, CallArgs& a) {
   ArgBinder(std::string_view("upper"), a, {});
-  return in.make_string(unicode::upper(soft_str(in, v).as_string()));
+  return same_kind(in, v, unicode::upper(soft_str(in, v).as_string()));
 }
 
 Value f_map(Interpreter& in, const Value& v, CallArgs& a) {
+  // jinja2's do_map starts with `if value:`: a falsy operand maps to nothing, unchecked.
+  if (!v.truthy()) return generator(in, {});
   std::vector<Value> items = in.iterate(v);
   std::vector<Value> out;
   if (a.args.empty()) {
@@ -728,6 +757,8 @@ Value f_min(Interpreter& in, const Value& v, CallArgs& a) {
 
 // select/reject/selectattr/rejectattr.
 Value select_reject(Interpreter& in, const Value& v, CallArgs& a, bool select, bool by_attr) {
+  // jinja2's select_or_reject starts with `if value:`: a falsy operand selects nothing.
+  if (!v.truthy()) return generator(in, {});
   std::vector<Value> items = in.iterate(v);
   size_t off = 0;
   std::optional<AttrGetter> getter;
@@ -781,20 +812,22 @@ Value f_replace(Interpreter& in, const Value& v, CallArgs& a) {
   return in.call(in.getattr(s, "replace"), margs);
 }
 
+// jinja2's do_reverse: a reversed string, else reversed(value) (an iterator), else for what
+// reversed() refuses (generators) a reversed list; FilterArgumentError for what does not iterate.
 Value f_reverse(Interpreter& in, const Value& v, CallArgs& a) {
   ArgBinder(std::string_view("reverse"), a, {});
   if (v.is_string()) {
     std::u32string cps = unicode::decode(v.as_string());
     std::reverse(cps.begin(), cps.end());
-    return in.make_string(unicode::encode(cps));
+    return v.is_markup() ? in.make_markup(unicode::encode(cps))
+                         : in.make_string(unicode::encode(cps));
   }
+  if (!(v.is_seq() || v.is_dict() || v.is_undefined()))
+    raise("FilterArgumentError", "argument must be iterable");
   std::vector<Value> items = in.iterate(v);
   std::reverse(items.begin(), items.end());
-  // reversed() gives an iterator; for what reversed() refuses (generators, Undefined) jinja2
-  // builds a reversed list instead.
-  const bool reversible = v.is_dict() || (v.is_seq() && v.as_seq().kind != SeqKind::kGenerator &&
-                                          v.as_seq().kind != SeqKind::kDictValues);
-  return reversible ? generator(in, std::move(items)) : in.make_seq(std::move(items));
+  if (v.is_seq(SeqKind::kGenerator)) return in.make_seq(std::move(items));
+  return generator(in, std::move(items));
 }
 
 // Python round(x, n) for a float: correctly rounded (ties to even on the exact binary value),
@@ -819,7 +852,6 @@ Value f_round(Interpreter&, const Value& v, CallArgs& a) {
   const std::string m = method.is_string() ? method.as_string() : "";
   if (m != "common" && m != "ceil" && m != "floor")
     raise("FilterArgumentError", "method must be common, ceil or floor");
-  if (v.is_undefined()) v.raise_undefined();
   if (!v.is_number())
     raise("TypeError", "type " + v.type_name() + " doesn't define __round__ method");
   if (m == "common") {
@@ -1041,31 +1073,33 @@ Value f_tojson(Interpreter& in, const Value& v, CallArgs& a) {
 
 Value f_trim(Interpreter& in, const Value& v, CallArgs& a) {
   ArgBinder b("trim", a, {"chars"});
-  return in.make_string(
-      strip_chars(soft_str(in, v).as_string(), b.get_or(0, Value::none()), true, true));
+  return same_kind(
+      in, v, strip_chars(soft_str(in, v).as_string(), b.get_or(0, Value::none()), true, true));
 }
 
+// jinja2's do_truncate works on the value itself (len(), slicing), not on its str().
 Value f_truncate(Interpreter& in, const Value& v, CallArgs& a) {
   ArgBinder b("truncate", a, {"length", "killwords", "end", "leeway"});
   const int64_t length = need_int(b.get_or(0, Value(255)), "");
   const bool killwords = b.get_or(1, Value(false)).truthy();
-  const std::string end = in.str(b.get_or(2, Value("...")));
+  const Value end = b.get_or(2, Value("..."));
   const Value leeway_v = b.get_or(3, Value::none());
   const int64_t leeway = leeway_v.is_none() ? 5 : need_int(leeway_v, "");
-  const auto end_len = static_cast<int64_t>(unicode::length(end));
+  const int64_t end_len = in.length(end);
   if (length < end_len)
     raise("AssertionError",
           "expected length >= " + std::to_string(end_len) + ", got " + std::to_string(length));
   if (leeway < 0) raise("AssertionError", "expected leeway >= 0, got " + std::to_string(leeway));
-  const std::string s = soft_str(in, v).as_string();
-  const std::u32string cps = unicode::decode(s);
-  if (static_cast<int64_t>(cps.size()) <= length + leeway) return soft_str(in, v);
-  std::u32string head = cps.substr(0, static_cast<size_t>(length - end_len));
-  if (!killwords) {
-    const size_t space = head.rfind(U' ');
-    if (space != std::u32string::npos) head = head.substr(0, space);
-  }
-  return in.make_string(unicode::encode(head) + end);
+  if (in.length(v) <= length + leeway) return v;
+  const Value head = in.slice(v, Value::none(), Value(length - end_len), Value::none());
+  if (killwords) return in.binary(BinOp::kAdd, head, end);
+  if (!v.is_string())
+    raise("AttributeError", "'" + v.type_name() + "' object has no attribute 'rsplit'");
+  const std::u32string cps = unicode::decode(head.as_string());
+  const size_t space = cps.rfind(U' ');
+  const std::string kept =
+      space == std::u32string::npos ? head.as_string() : unicode::encode(cps.substr(0, space));
+  return in.binary(BinOp::kAdd, in.make_string(kept), end);
 }
 
 Value f_unique(Interpreter& in, const Value& v, CallArgs& a) {
@@ -1075,7 +1109,7 @@ Value f_unique(Interpreter& in, const Value& v, CallArgs& a) {
   std::vector<Value> out, seen;
   for (Value& item : in.iterate(v)) {
     const Value key = getter(in, item);
-    if (!py_hashable(key)) raise("TypeError", "unhashable type: '" + key.type_name() + "'");
+    require_hashable(key);
     bool found = false;
     in.step(seen.size() / 16);
     for (const Value& s : seen)
@@ -1122,8 +1156,14 @@ Value f_urlencode(Interpreter& in, const Value& v, CallArgs& a) {
   }
   std::string out;
   for (const Value& p : pairs) {
+    // for k, v in pairs
+    if (!(p.is_string() || p.is_seq() || p.is_dict() || p.is_undefined()))
+      raise("TypeError", "cannot unpack non-iterable " + p.type_name() + " object");
     std::vector<Value> kv = in.iterate(p);
-    if (kv.size() != 2) raise("ValueError", "expected (key, value) pairs");
+    if (kv.size() < 2)
+      raise("ValueError",
+            "not enough values to unpack (expected 2, got " + std::to_string(kv.size()) + ")");
+    if (kv.size() > 2) raise("ValueError", "too many values to unpack (expected 2)");
     if (!out.empty()) out += '&';
     out += url_quote(in.str(kv[0]), true) + "=" + url_quote(in.str(kv[1]), true);
   }
@@ -1266,7 +1306,8 @@ bool t_number(Interpreter&, const Value& v, CallArgs&) {
 }
 // len(v) and v.__getitem__ both exist.
 bool t_sequence(Interpreter&, const Value& v, CallArgs&) {
-  if (v.is_string() || v.is_dict()) return true;
+  // Undefined has __len__ and __getitem__ (which raises, but only when called).
+  if (v.is_string() || v.is_dict() || v.is_undefined()) return true;
   if (!v.is_seq()) return false;
   const SeqKind k = v.as_seq().kind;
   return k == SeqKind::kList || k == SeqKind::kTuple || k == SeqKind::kRange;
@@ -1276,7 +1317,8 @@ bool t_iterable(Interpreter&, const Value& v, CallArgs&) {
   return v.is_object() && v.as_object().type_name() == "LoopContext";
 }
 bool t_callable(Interpreter&, const Value& v, CallArgs&) {
-  return v.is_object() && v.as_object().callable();
+  // Undefined has __call__ (which raises when called).
+  return v.is_undefined() || (v.is_object() && v.as_object().callable());
 }
 // `is`: identity. None and the booleans are singletons; CPython caches small ints; containers
 // and objects are the same object when they share storage.

@@ -486,6 +486,8 @@ void Interpreter::assign(const Target& t, Value v, const ScopePtr& scope) {
       scope->set(t.name, std::move(v));
       return;
     case Target::Kind::kTuple: {
+      if (!(v.is_undefined() || v.is_string() || v.is_seq() || v.is_dict()))
+        raise("TypeError", "cannot unpack non-iterable " + v.type_name() + " object");
       std::vector<Value> items = iterate(v);
       const size_t want = t.items.size();
       if (items.size() < want)
@@ -1021,7 +1023,7 @@ bool Interpreter::contains(const Value& container, const Value& item) {
       return unicode::find_substring<char>(container.as_string(), item.as_string()) !=
              std::string::npos;
     case Kind::kDict:
-      if (!py_hashable(item)) raise("TypeError", "unhashable type: '" + item.type_name() + "'");
+      require_hashable(item);
       step(item.weight() / 8);
       return container.as_dict().find(item) != nullptr;
     case Kind::kSeq: {
@@ -1051,6 +1053,8 @@ bool Interpreter::contains(const Value& container, const Value& item) {
 Value Interpreter::binary(BinOp op, const Value& a, const Value& b) {
   static constexpr const char* kSymbols[] = {"+", "-", "*", "/", "//", "%", "** or pow()"};
   if (a.is_undefined()) a.raise_undefined();
+  // str % x formats x without touching it first (an Undefined argument prints as "").
+  if (op == BinOp::kMod && a.is_string()) return percent_format(*this, a, b);
   if (b.is_undefined()) b.raise_undefined();
   auto unsupported = [&]() -> Value {
     raise("TypeError", std::string("unsupported operand type(s) for ") +
@@ -1136,10 +1140,14 @@ Value Interpreter::binary(BinOp op, const Value& a, const Value& b) {
           return make_seq(std::move(items), seq->as_seq().kind);
         }
       }
-      if ((a.is_string() || a.is_seq()) && b.is_float())
-        raise("TypeError", "can't multiply sequence by non-int of type 'float'");
-      if ((b.is_string() || b.is_seq()) && a.is_float())
-        raise("TypeError", "can't multiply sequence by non-int of type 'float'");
+      // str, list and tuple repeat only by an int (bool included).
+      auto repeatable = [](const Value& v) {
+        return v.is_string() || v.is_seq(SeqKind::kList) || v.is_seq(SeqKind::kTuple);
+      };
+      if (repeatable(a) && !b.is_integral())
+        raise("TypeError", "can't multiply sequence by non-int of type '" + b.type_name() + "'");
+      if (repeatable(b) && !a.is_integral())
+        raise("TypeError", "can't multiply sequence by non-int of type '" + a.type_name() + "'");
       return unsupported();
     }
     case BinOp::kDiv:
@@ -1176,7 +1184,6 @@ Value Interpreter::binary(BinOp op, const Value& a, const Value& b) {
         if (b.as_double() == 0.0) raise("ZeroDivisionError", "float modulo");
         return Value(py_fmod(a.as_double(), b.as_double()));
       }
-      if (a.is_string()) return percent_format(*this, a, b);
       return unsupported();
     case BinOp::kPow: {
       if (ints && b.as_int() >= 0) {

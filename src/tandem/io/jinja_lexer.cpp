@@ -218,8 +218,9 @@ class Lexer {
   }
 
   // jinja2's OptionalLStrip: the data before a tag loses all trailing whitespace when the tag
-  // opens with "-"; with lstrip_blocks it loses the spaces and tabs after its last newline
-  // (or all of it, at the start of a line) when the tag is a block or comment not opened with "+".
+  // opens with "-"; with lstrip_blocks it loses the whitespace after its last newline (or all of
+  // it, at the start of a line) when that is all whitespace and the tag is a block or comment
+  // not opened with "+".
   void emit_data(size_t begin, size_t end, char sign, bool is_variable) {
     std::string_view text(src_.data() + begin, end - begin);
     if (sign == '-') {
@@ -228,9 +229,10 @@ class Lexer {
       const size_t nl = text.rfind('\n');
       const size_t l_pos = nl == std::string_view::npos ? 0 : nl + 1;
       if (l_pos > 0 || line_starting_) {
+        // jinja2 3.1: whitespace_re.fullmatch(text, l_pos), i.e. Python whitespace (U+3000
+        // included) from the line start to the tag.
         const std::string_view tail = text.substr(l_pos);
-        if (std::all_of(tail.begin(), tail.end(), [](char c) { return c == ' ' || c == '\t'; }))
-          text = text.substr(0, l_pos);
+        if (skip_space(tail, 0) == tail.size()) text = text.substr(0, l_pos);
       }
     }
     if (!text.empty()) push(Tok::kData, static_cast<uint32_t>(begin)).text = std::string(text);

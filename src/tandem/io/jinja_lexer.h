@@ -9,8 +9,8 @@
 //     whitespace after it (Python's notion of whitespace, so U+3000 counts);
 //   - trim_blocks: one newline right after "%}" or "#}" is dropped (not after "}}", and not after
 //     "{% raw %}");
-//   - lstrip_blocks: spaces and tabs between the start of a line and "{%" or "{#" are dropped
-//     (not before "{{"); "{%+" turns both lstrip and trim off for that side.
+//   - lstrip_blocks: whitespace between the start of a line and "{%" or "{#" is dropped (not
+//     before "{{"); "{%+" turns both lstrip and trim off for that side.
 #pragma once
 
 #include <cstdint>

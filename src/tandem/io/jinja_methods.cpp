@@ -11,11 +11,40 @@
 
 #include "tandem/io/jinja_interpreter.h"
 #include "tandem/io/jinja_unicode.h"
+#include "tandem/io/utf8.h"
 
 namespace tandem::jinja {
 namespace {
 
 using MethodFn = Value (*)(Interpreter&, const Value& self, CallArgs& args);
+
+[[noreturn]] void not_supported(const Value& self, std::string_view name) {
+  raise("TemplateRuntimeError", self.type_name() + "." + std::string(name) +
+                                    "() is not supported by tandem's Jinja interpreter");
+}
+
+// Methods Python has that tandem does not implement (str.encode, ...): they exist, so that
+// attribute lookup behaves as in Python, and raise when called (BoundMethod names them).
+Value m_unsupported(Interpreter&, const Value&, CallArgs&) {
+  raise("TemplateRuntimeError", "this method is not supported by tandem's Jinja interpreter");
+}
+
+// markupsafe.Markup wraps the str methods that return text (and the text in lists and tuples
+// they return: split, partition) back into Markup. (It also escapes their str arguments, which
+// tandem does not do; templates call methods on |safe results rarely.)
+Value to_markup(Interpreter& in, Value v) {
+  if (v.is_string() && !v.is_markup()) return in.make_markup(v.as_string());
+  if (v.is_seq(SeqKind::kList) || v.is_seq(SeqKind::kTuple)) {
+    bool any = false;
+    for (const Value& x : v.as_seq().items) any |= x.is_string() && !x.is_markup();
+    if (!any) return v;
+    std::vector<Value> items = v.as_seq().items;
+    for (Value& x : items)
+      if (x.is_string() && !x.is_markup()) x = Value::markup(x.as_string());
+    return in.make_seq(std::move(items), v.as_seq().kind);
+  }
+  return v;
+}
 
 class BoundMethod final : public HostObject {
  public:
@@ -30,7 +59,10 @@ class BoundMethod final : public HostObject {
     // String methods decode or scan their string; list and dict methods that walk charge
     // through iterate() and make_seq().
     if (self_.is_string()) in.charge_bytes(self_.as_string().size());
-    return fn_(in, self_, args);
+    if (fn_ == m_unsupported) not_supported(self_, name_);
+    Value result = fn_(in, self_, args);
+    if (self_.is_markup()) result = to_markup(in, std::move(result));
+    return result;
   }
 
  private:
@@ -39,13 +71,9 @@ class BoundMethod final : public HostObject {
   MethodFn fn_;
 };
 
-[[noreturn]] void not_supported(const Value& self, std::string_view name) {
-  raise("TemplateRuntimeError", self.type_name() + "." + std::string(name) +
-                                    "() is not supported by tandem's Jinja interpreter");
-}
-
+// A str argument, or TypeError "<what> not <type>" (what: "must be str," as Python says).
 const std::string& str_arg(const Value& v, std::string_view what) {
-  if (!v.is_string()) raise("TypeError", std::string(what) + " must be str, not " + v.type_name());
+  if (!v.is_string()) raise("TypeError", std::string(what) + " not " + v.type_name());
   return v.as_string();
 }
 
@@ -74,14 +102,13 @@ size_t u32_rfind(const std::u32string& hay, const std::u32string& needle, size_t
 // ---------------------------------------------------------------------------------------------
 // str methods
 
-Value m_find_like(Interpreter& in, const Value& self, CallArgs& a, const char* name, bool reverse,
+Value m_find_like(Interpreter&, const Value& self, CallArgs& a, const char* name, bool reverse,
                   bool raise_missing) {
   ArgBinder b(name, a, {"sub", "start", "end"}, 1);
   const std::u32string hay = unicode::decode(self.as_string());
-  const std::u32string needle = unicode::decode(str_arg(b.get(0), "must be str; argument"));
+  const std::u32string needle = unicode::decode(str_arg(b.get(0), "must be str,"));
   size_t s = 0, e = 0;
   cp_range(b.get_or(1, Value::none()), b.get_or(2, Value::none()), hay.size(), s, e);
-  in.charge_bytes(hay.size() * std::max<size_t>(1, std::min<size_t>(needle.size(), 64)));
   const size_t pos = reverse ? u32_rfind(hay, needle, s, e) : u32_find(hay, needle, s, e);
   if (pos == std::u32string::npos) {
     if (raise_missing) raise("ValueError", "substring not found");
@@ -103,13 +130,12 @@ Value m_rindex(Interpreter& in, const Value& s, CallArgs& a) {
   return m_find_like(in, s, a, "rindex", true, true);
 }
 
-Value m_count(Interpreter& in, const Value& self, CallArgs& a) {
+Value m_count(Interpreter&, const Value& self, CallArgs& a) {
   ArgBinder b("count", a, {"sub", "start", "end"}, 1);
   const std::u32string hay = unicode::decode(self.as_string());
-  const std::u32string needle = unicode::decode(str_arg(b.get(0), "must be str; argument"));
+  const std::u32string needle = unicode::decode(str_arg(b.get(0), "must be str,"));
   size_t s = 0, e = 0;
   cp_range(b.get_or(1, Value::none()), b.get_or(2, Value::none()), hay.size(), s, e);
-  in.charge_bytes(hay.size() * std::max<size_t>(1, std::min<size_t>(needle.size(), 64)));
   if (s > e) return Value(static_cast<int64_t>(0));
   if (needle.empty()) return Value(static_cast<int64_t>(e - s + 1));
   int64_t n = 0;
@@ -305,8 +331,8 @@ Value m_splitlines(Interpreter& in, const Value& self, CallArgs& a) {
 
 Value m_replace(Interpreter& in, const Value& self, CallArgs& a) {
   ArgBinder b("replace", a, {"old", "new", "count"}, 2);
-  const std::string& old_s = str_arg(b.get(0), "replace() argument 1");
-  const std::string& new_s = str_arg(b.get(1), "replace() argument 2");
+  const std::string& old_s = str_arg(b.get(0), "replace() argument 1 must be str,");
+  const std::string& new_s = str_arg(b.get(1), "replace() argument 2 must be str,");
   const Value count_v = b.get_or(2, Value(-1));
   if (!count_v.is_integral())
     raise("TypeError", "'" + count_v.type_name() + "' object cannot be interpreted as an integer");
@@ -367,21 +393,6 @@ template <std::string (*F)(std::string_view)>
 Value case_method(Interpreter& in, const Value& self, CallArgs& a) {
   ArgBinder(std::string_view("method"), a, {});
   return in.make_string(F(self.as_string()));
-}
-
-std::string casefold(std::string_view s) {
-  // lower() plus the best-known fold: U+00DF (and U+1E9E) -> "ss".
-  std::string out = unicode::lower(s);
-  std::string r;
-  for (size_t i = 0; i < out.size(); ++i) {
-    if (out.compare(i, 2, "\xC3\x9F") == 0) {
-      r += "ss";
-      ++i;
-    } else {
-      r.push_back(out[i]);
-    }
-  }
-  return r;
 }
 
 template <bool (*P)(char32_t)>
@@ -472,7 +483,7 @@ Value m_zfill(Interpreter& in, const Value& self, CallArgs& a) {
 
 Value partition_like(Interpreter& in, const Value& self, CallArgs& a, bool reverse) {
   ArgBinder b(reverse ? "rpartition" : "partition", a, {"sep"}, 1);
-  const std::string& sep = str_arg(b.get(0), "must be str; argument");
+  const std::string& sep = str_arg(b.get(0), "must be str,");
   if (sep.empty()) raise("ValueError", "empty separator");
   const std::string& s = self.as_string();
   const size_t j =
@@ -494,7 +505,7 @@ Value m_rpartition(Interpreter& in, const Value& s, CallArgs& a) {
 
 Value m_removeprefix(Interpreter& in, const Value& self, CallArgs& a) {
   ArgBinder b("removeprefix", a, {"prefix"}, 1);
-  const std::string& p = str_arg(b.get(0), "removeprefix() argument");
+  const std::string& p = str_arg(b.get(0), "removeprefix() argument must be str,");
   const std::string& s = self.as_string();
   if (s.compare(0, p.size(), p) == 0) return in.make_string(s.substr(p.size()));
   return self;
@@ -502,7 +513,7 @@ Value m_removeprefix(Interpreter& in, const Value& self, CallArgs& a) {
 
 Value m_removesuffix(Interpreter& in, const Value& self, CallArgs& a) {
   ArgBinder b("removesuffix", a, {"suffix"}, 1);
-  const std::string& p = str_arg(b.get(0), "removesuffix() argument");
+  const std::string& p = str_arg(b.get(0), "removesuffix() argument must be str,");
   const std::string& s = self.as_string();
   if (!p.empty() && s.size() >= p.size() && s.compare(s.size() - p.size(), p.size(), p) == 0)
     return in.make_string(s.substr(0, s.size() - p.size()));
@@ -535,10 +546,6 @@ Value m_expandtabs(Interpreter& in, const Value& self, CallArgs& a) {
 
 Value m_format(Interpreter& in, const Value& self, CallArgs& a);
 
-Value m_unsupported_str(Interpreter&, const Value& self, CallArgs&) {
-  not_supported(self, "method");
-}
-
 struct MethodEntry {
   std::string_view name;
   MethodFn fn;
@@ -547,15 +554,15 @@ struct MethodEntry {
 // Every attribute of Python 3.11's str (those tandem does not implement raise when called).
 const MethodEntry kStrMethods[] = {
     {"capitalize", case_method<unicode::capitalize>},
-    {"casefold", case_method<casefold>},
+    {"casefold", case_method<unicode::casefold>},
     {"center", m_center},
     {"count", m_count},
-    {"encode", m_unsupported_str},
+    {"encode", m_unsupported},
     {"endswith", m_endswith},
     {"expandtabs", m_expandtabs},
     {"find", m_find},
     {"format", m_format},
-    {"format_map", m_unsupported_str},
+    {"format_map", m_unsupported},
     {"index", m_index},
     {"isalnum", char_predicate<unicode::is_alnum>},
     {"isalpha", char_predicate<unicode::is_alpha>},
@@ -573,7 +580,7 @@ const MethodEntry kStrMethods[] = {
     {"ljust", m_ljust},
     {"lower", case_method<unicode::lower>},
     {"lstrip", m_lstrip},
-    {"maketrans", m_unsupported_str},
+    {"maketrans", m_unsupported},
     {"partition", m_partition},
     {"removeprefix", m_removeprefix},
     {"removesuffix", m_removesuffix},
@@ -590,7 +597,7 @@ const MethodEntry kStrMethods[] = {
     {"strip", m_strip},
     {"swapcase", case_method<unicode::swapcase>},
     {"title", case_method<unicode::title>},
-    {"translate", m_unsupported_str},
+    {"translate", m_unsupported},
     {"upper", case_method<unicode::upper>},
     {"zfill", m_zfill},
 };
@@ -600,7 +607,7 @@ const MethodEntry kStrMethods[] = {
 
 Value m_dict_get(Interpreter&, const Value& self, CallArgs& a) {
   ArgBinder b("get", a, {"key", "default"}, 1);
-  if (!py_hashable(b.get(0))) raise("TypeError", "unhashable type: '" + b.get(0).type_name() + "'");
+  require_hashable(b.get(0));
   if (const Value* v = self.as_dict().find(b.get(0))) return *v;
   return b.get_or(1, Value::none());
 }
@@ -703,10 +710,6 @@ Value m_float_is_integer(Interpreter&, const Value& self, CallArgs& a) {
   ArgBinder(std::string_view("is_integer"), a, {});
   const double f = self.as_double();
   return Value(std::isfinite(f) && f == std::floor(f));
-}
-
-Value m_unsupported(Interpreter&, const Value& self, CallArgs&) {
-  not_supported(self, "method");
 }
 
 std::optional<Value> bound(const Value& self, std::string_view name, const MethodEntry* begin,
@@ -887,10 +890,15 @@ Value percent_format(Interpreter& in, const Value& format, const Value& args) {
   const bool markup = format.is_markup();
   std::vector<Value> positional;
   const Dict* mapping = nullptr;
+  // Python treats any non-tuple argument with __getitem__ (dict, list, ...) as a possible
+  // mapping: no "not all arguments converted" error for it.
+  bool mapping_like = false;
   if (args.is_seq(SeqKind::kTuple)) {
     positional = args.as_seq().items;
   } else {
     if (args.is_dict()) mapping = &args.as_dict();
+    mapping_like = args.is_dict() || args.is_seq(SeqKind::kList) || args.is_seq(SeqKind::kRange) ||
+                   args.is_undefined();
     positional.push_back(args);
   }
   size_t next_arg = 0;
@@ -915,6 +923,7 @@ Value percent_format(Interpreter& in, const Value& format, const Value& args) {
     if (i >= f.size()) raise("ValueError", "incomplete format");
     std::optional<Value> value;
     if (f[i] == '(') {
+      if (args.is_undefined()) args.raise_undefined();  // Undefined[key] raises
       if (!mapping) raise("TypeError", "format requires a mapping");
       int depth = 1;
       const size_t start = ++i;
@@ -978,7 +987,7 @@ Value percent_format(Interpreter& in, const Value& format, const Value& args) {
     while (i < f.size() && (f[i] == 'h' || f[i] == 'l' || f[i] == 'L')) ++i;
     if (i >= f.size()) raise("ValueError", "incomplete format");
     const char type = f[i++];
-    if (type == '%') {
+    if (type == '%' && i == pct + 2) {  // "%%"; a '%' after flags or a width is an error
       add("%");
       continue;
     }
@@ -1050,14 +1059,20 @@ Value percent_format(Interpreter& in, const Value& format, const Value& args) {
         break;
       }
       default: {
-        char buf[96];
-        std::snprintf(buf, sizeof(buf), "unsupported format character '%c' (0x%x) at index %zu",
-                      type, static_cast<unsigned>(static_cast<unsigned char>(type)), i - 1);
-        raise("ValueError", buf);
+        // Python reports the character and its index in code points.
+        uint32_t cp = static_cast<unsigned char>(type);
+        const size_t at = i - 1;
+        if (cp >= 0x80) utf8::decode(f, at, cp);
+        std::string ch;
+        unicode::append(cp, ch);
+        char buf[64];
+        std::snprintf(buf, sizeof(buf), "' (0x%x) at index %zu", static_cast<unsigned>(cp),
+                      unicode::length(std::string_view(f).substr(0, at)));
+        raise("ValueError", "unsupported format character '" + ch + buf);
       }
     }
   }
-  if (!mapping && next_arg < positional.size())
+  if (!mapping_like && next_arg < positional.size())
     raise("TypeError", "not all arguments converted during string formatting");
   return markup ? in.make_markup(std::move(out)) : in.make_string(std::move(out));
 }

@@ -217,6 +217,21 @@ std::string lower(std::string_view s) {
   return encode(out);
 }
 
+std::string casefold(std::string_view s) {
+  // Per character, without the final-sigma context of lower().
+  std::u32string out;
+  for (char32_t c : decode(s)) {
+    auto sp =
+        std::lower_bound(std::begin(tables::kFoldSpecials), std::end(tables::kFoldSpecials), c,
+                         [](const tables::CaseSpecial& x, char32_t v) { return x.cp < v; });
+    if (sp != std::end(tables::kFoldSpecials) && sp->cp == c)
+      out += decode(sp->utf8);
+    else
+      to_lower_full(c, out);
+  }
+  return encode(out);
+}
+
 std::string upper(std::string_view s) {
   if (is_ascii(s)) {
     std::string out(s);

@@ -45,10 +45,10 @@ bool is_word(char32_t c);
 // A line boundary of str.splitlines() (\r\n counts as one boundary; the caller handles it).
 bool is_line_break(char32_t c);
 
-// Python str.lower(), str.upper(), str.title(), str.capitalize(), str.swapcase(),
-// str.casefold() (casefold is approximated by lower(), which differs only for a few letters
-// such as U+00DF), with full case mappings ("ß".upper() == "SS") and the final-sigma rule.
+// Python str.lower(), str.upper(), str.title(), str.capitalize(), str.swapcase() and
+// str.casefold(), with full case mappings ("ß".upper() == "SS") and the final-sigma rule.
 std::string lower(std::string_view s);
+std::string casefold(std::string_view s);
 std::string upper(std::string_view s);
 std::string title(std::string_view s);
 std::string capitalize(std::string_view s);

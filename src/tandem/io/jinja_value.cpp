@@ -278,7 +278,7 @@ const Value* Dict::find(const Value& key) const {
 }
 
 void Dict::set(Value key, Value value) {
-  if (!py_hashable(key)) raise("TypeError", "unhashable type: '" + key.type_name() + "'");
+  require_hashable(key);
   depth = std::max({depth, key.depth() + 1, value.depth() + 1});
   weight += key.weight() + value.weight();
   size_t* slot = nullptr;
@@ -367,17 +367,7 @@ void repr_into(const Value& v, Writer& w, std::vector<const Namespace*>& active)
           w.put("]");
           return;
         case SeqKind::kTuple:
-          if (!s.field_names.empty()) {
-            w.put("_GroupTuple(");
-            for (size_t i = 0; i < s.items.size() && i < s.field_names.size(); ++i) {
-              if (i) w.put(", ");
-              w.put(s.field_names[i]);
-              w.put("=");
-              repr_into(s.items[i], w, active);
-            }
-            w.put(")");
-            return;
-          }
+          // (|groupby's _GroupTuple prints as a plain tuple: jinja2 overrides its repr.)
           w.put("(");
           repr_items(s.items, w, active);
           w.put(s.items.size() == 1 ? ",)" : ")");
@@ -719,6 +709,13 @@ bool py_hashable(const Value& v) {
     default:
       return true;
   }
+}
+
+void require_hashable(const Value& v) {
+  if (py_hashable(v)) return;
+  if (v.is_seq(SeqKind::kTuple))
+    for (const Value& item : v.as_seq().items) require_hashable(item);
+  raise("TypeError", "unhashable type: '" + v.type_name() + "'");
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -271,6 +271,9 @@ enum class Order : uint8_t { kLt, kLe, kGt, kGe };
 bool py_compare(Order op, const Value& a, const Value& b);
 // Whether v can be a dict key / set member (TypeError "unhashable type" otherwise).
 bool py_hashable(const Value& v);
+// Throws Python's TypeError "unhashable type: 'dict'" (naming the innermost culprit, as hashing
+// a tuple does) unless v is hashable.
+void require_hashable(const Value& v);
 
 // Python's json.dumps(v, ensure_ascii, indent, separators, sort_keys), which transformers
 // installs as the |tojson filter. `indent`: nullopt for None, else the string one level of
