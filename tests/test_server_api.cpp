@@ -10,7 +10,7 @@
 namespace tandem::server {
 namespace {
 
-using nlohmann::json;
+using json = nlohmann::ordered_json;
 
 int status_of(const json& body, bool chat = true) {
   try {

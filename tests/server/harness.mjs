@@ -1,6 +1,7 @@
 // Starts `tandem serve` on a free port for a test file and runs `tandem generate` as the
 // oracle. TANDEM_BINARY and TANDEM_SOURCE_DIR come from ctest.
-import { spawn, execFileSync } from 'node:child_process';
+import { spawn, execFile } from 'node:child_process';
+import { promisify } from 'node:util';
 import path from 'node:path';
 
 export const binary = process.env.TANDEM_BINARY;
@@ -38,15 +39,17 @@ export async function startServer(args = []) {
   };
 }
 
-// What `tandem generate` alone emits for these token ids and sampling parameters.
-export function generateAlone({ promptIds, maxTokens, temperature = 0, topP = 1, topK = 0, minP = 0, seed = 0,
+// What `tandem generate` alone emits for these token ids and sampling parameters. Asynchronous:
+// a test that blocked its event loop here would find its kept-alive connections closed by the
+// server's idle timeout behind the HTTP client's back.
+export async function generateAlone({ promptIds, maxTokens, temperature = 0, topP = 1, topK = 0, minP = 0, seed = 0,
                                 draft = 'none' }) {
-  const out = execFileSync(binary, [
+  const { stdout } = await promisify(execFile)(binary, [
     'generate', '--model', demoModel, '--token-ids', promptIds.join(','), '--max-tokens', String(maxTokens),
     '--temperature', String(temperature), '--top-p', String(topP), '--top-k', String(topK),
     '--min-p', String(minP), '--seed', String(seed), '--draft', draft, '--json', '--threads', '1',
   ], { encoding: 'utf8' });
-  return JSON.parse(out);
+  return JSON.parse(stdout);
 }
 
 export async function postJson(url, route, body, headers = {}) {

@@ -47,7 +47,7 @@ test('chat completion equals tandem generate of the templated prompt', async () 
   assert.equal(r.object, 'chat.completion');
   assert.equal(r.choices.length, 1);
   assert.equal(r.choices[0].message.role, 'assistant');
-  const want = generateAlone({ promptIds: r.prompt_token_ids, maxTokens: 40, temperature: 0.7, topP: 0.9, seed: 11 });
+  const want = await generateAlone({ promptIds: r.prompt_token_ids, maxTokens: 40, temperature: 0.7, topP: 0.9, seed: 11 });
   assert.deepEqual(r.choices[0].token_ids, want.tokens);
   assert.equal(r.choices[0].finish_reason, want.finish_reason);
   assert.equal(r.usage.prompt_tokens, r.prompt_token_ids.length);
@@ -79,7 +79,7 @@ test('streamed chat equals the whole response, with a usage chunk', async () => 
 test('completions, streamed and not, equal tandem generate', async () => {
   const r = await client.completions.create({ model, prompt: code, max_tokens: 25, temperature: 0, return_token_ids: true });
   assert.equal(r.object, 'text_completion');
-  const want = generateAlone({ promptIds: r.prompt_token_ids, maxTokens: 25 });
+  const want = await generateAlone({ promptIds: r.prompt_token_ids, maxTokens: 25 });
   assert.deepEqual(r.choices[0].token_ids, want.tokens);
   assert.equal(r.choices[0].text, want.text.replaceAll('<|endoftext|>', ''));
   checkSpeculation(r.usage, r.choices[0].finish_reason);
@@ -93,7 +93,7 @@ test('token-id prompts work without text', async () => {
   const ids = [326, 1439, 2205, 1810, 963];
   const r = await client.completions.create({ model, prompt: ids, max_tokens: 12, temperature: 0, return_token_ids: true });
   assert.deepEqual(r.prompt_token_ids, ids);
-  assert.deepEqual(r.choices[0].token_ids, generateAlone({ promptIds: ids, maxTokens: 12 }).tokens);
+  assert.deepEqual(r.choices[0].token_ids, (await generateAlone({ promptIds: ids, maxTokens: 12 })).tokens);
 });
 
 test('stop strings cut the text before the first match and finish with stop', async () => {

@@ -56,7 +56,7 @@ test('exactness under load: 36 staggered concurrent clients equal tandem generat
     }
     const results = await Promise.all(jobs);
     for (const [i, r] of results.entries()) {
-      const want = generateAlone({ promptIds: r.promptIds, maxTokens: r.body.max_tokens, temperature: r.body.temperature,
+      const want = await generateAlone({ promptIds: r.promptIds, maxTokens: r.body.max_tokens, temperature: r.body.temperature,
                                    topP: r.body.top_p, topK: r.body.top_k, seed: r.body.seed });
       assert.deepEqual(r.ids, want.tokens, `client ${i}`);
       assert.equal(r.finish, want.finish_reason, `client ${i}`);
@@ -224,7 +224,7 @@ test('a client that hangs up mid-stream frees its row; neighbours are unaffected
     assert.equal(m['tandem_requests_total{outcome="cancelled"}'], 1);
     const r = await n;
     assert.equal(r.status, 200);
-    const want = generateAlone({ promptIds: r.json.prompt_token_ids, maxTokens: 60, temperature: 0.7, seed: 9 });
+    const want = await generateAlone({ promptIds: r.json.prompt_token_ids, maxTokens: 60, temperature: 0.7, seed: 9 });
     assert.deepEqual(r.json.choices[0].token_ids, want.tokens);
     m = await metrics(server.url);
     assert.equal(m['tandem_running_rows{phase="decode"}'], 0);

@@ -2,6 +2,8 @@
 
 #include <cmath>
 #include <limits>
+#include <utility>
+#include <vector>
 
 #include "tandem/io/utf8.h"
 #include "tandem/server/api_error.h"
@@ -26,7 +28,7 @@ const char* ApiError::type() const {
 
 namespace {
 
-using nlohmann::json;
+using json = nlohmann::ordered_json;
 
 const char* type_name(const json& v) {
   switch (v.type()) {
@@ -77,8 +79,10 @@ std::optional<int64_t> get_int(const json& body, const char* name, int64_t lo, i
   // 3.0 is accepted as 3 (JSON does not distinguish), 3.5 is not.
   if (v->is_number_float()) {
     const double d = v->get<double>();
+    // `d >= hi + 1`, not `d > hi`: INT64_MAX rounds up to 2^63 as a double, and 2^63 passed the
+    // old test into a cast that overflows (undefined; found by fuzz/fuzz_api_request).
     if (!std::isfinite(d) || d != std::floor(d) || d < static_cast<double>(lo) ||
-        d > static_cast<double>(hi))
+        d >= static_cast<double>(hi) + 1.0)
       bad_request(name, "'", name, "' must be an integer in [", lo, ", ", hi, "], got ", d);
     return static_cast<int64_t>(d);
   }
@@ -107,9 +111,29 @@ void check_utf8(const std::string& s, const std::string& param) {
   if (!valid_utf8(s)) bad_request(param, "'", param, "' is not valid UTF-8");
 }
 
+// Far deeper than any real request (tool schemas nest a few levels), far shallower than what
+// overflows a thread's stack when nlohmann copies or compares recursively (~20,000 levels under
+// AddressSanitizer).
+constexpr size_t kMaxNesting = 256;
+
+// Whether `v` nests deeper than kMaxNesting; iterative, so it is safe on any parsed body.
+bool nests_too_deep(const json& v) {
+  std::vector<std::pair<const json*, size_t>> todo = {{&v, 1}};
+  while (!todo.empty()) {
+    const auto [node, depth] = todo.back();
+    todo.pop_back();
+    if (!node->is_structured()) continue;
+    if (depth > kMaxNesting) return true;
+    for (const json& child : *node) todo.emplace_back(&child, depth + 1);
+  }
+  return false;
+}
+
 // model, stream, sampling, stop, max tokens: what both endpoints share.
 void parse_common(const json& body, ApiRequest* r) {
   if (!body.is_object()) bad_request("", "the request body must be a JSON object");
+  if (nests_too_deep(body))
+    bad_request("", "the request body nests deeper than ", kMaxNesting, " levels");
   const json* model = field(body, "model");
   if (!model) bad_request("model", "you must provide a model parameter");
   if (!model->is_string()) bad_request("model", "'model' must be a string");
@@ -203,6 +227,14 @@ json message_content(const json& content, size_t i) {
 }
 
 }  // namespace
+
+nlohmann::ordered_json parse_request_body(std::string_view text) {
+  try {
+    return json::parse(text);
+  } catch (const json::exception& e) {
+    throw ApiError(400, std::string("the request body is not valid JSON: ") + e.what());
+  }
+}
 
 ApiRequest parse_chat_request(const json& body) {
   ApiRequest r;

@@ -150,12 +150,7 @@ struct Server::Impl {
   };
 
   Prepared prepare(const httplib::Request& req, ApiRequest::Kind kind) const {
-    json body;
-    try {
-      body = json::parse(req.body);
-    } catch (const json::parse_error& e) {
-      throw ApiError(400, std::string("the request body is not valid JSON: ") + e.what());
-    }
+    const nlohmann::ordered_json body = parse_request_body(req.body);
     Prepared p;
     p.api =
         kind == ApiRequest::Kind::Chat ? parse_chat_request(body) : parse_completion_request(body);
