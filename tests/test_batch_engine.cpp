@@ -340,6 +340,49 @@ TEST(BatchEngine, FailedJoinLeavesRunningRowsUntouched) {
   EXPECT_EQ(engine.counters().kv_blocks_used, 0);
 }
 
+// Plain greedy rounds are pipelined (the next step is queued before the host reads the last
+// one's tokens): joins, a cancellation, a consumer's stop and length limits interrupt the chain
+// at different points, and every request still gets its plain tokens. The model is left with no
+// pending copy (a Generator runs cleanly afterwards).
+TEST(BatchEngine, PipelinedGreedyRoundsKeepTokensThroughMembershipChanges) {
+  auto& d = demo();
+  EngineOptions o;
+  o.max_rows = 3;
+  o.kv_blocks = 300;
+  o.prefill_budget = 128;
+  BatchEngine engine(*d.model, nullptr, "demo-target", o);
+  std::vector<GenerateRequest> reqs;
+  for (size_t i = 0; i < 7; ++i) {
+    auto p = i == 3 ? long_prompt(300)
+                    : d.tok->encode(test::kDemoPrompts[i % test::kDemoPrompts.size()]);
+    reqs.push_back(request(p, 0.0f, 1, 5 + 6 * static_cast<int64_t>(i)));
+  }
+  std::vector<std::shared_ptr<Recorder>> sinks;
+  for (size_t i = 0; i < reqs.size(); ++i) sinks.push_back(std::make_shared<Recorder>());
+  sinks[1]->cancel_after = 6;
+  sinks[4]->stop_at = 9;
+  size_t next = 0;
+  for (int step = 0;; ++step) {
+    if (next < reqs.size() && step % 3 == 0) engine.submit({reqs[next], -1}, sinks[next]), ++next;
+    if (!engine.step() && next == reqs.size()) break;
+    ASSERT_LT(step, 5000);
+  }
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    const auto want = alone(reqs[i]);
+    ASSERT_TRUE(sinks[i]->outcome.has_value()) << i;
+    if (i == 1 || i == 4) {
+      ASSERT_LE(sinks[i]->tokens.size(), want.size());
+      EXPECT_TRUE(std::equal(sinks[i]->tokens.begin(), sinks[i]->tokens.end(), want.begin())) << i;
+    } else {
+      EXPECT_EQ(sinks[i]->tokens, want) << i;
+    }
+  }
+  EXPECT_EQ(sinks[1]->outcome->end, RequestEnd::Cancelled);
+  EXPECT_EQ(sinks[4]->tokens.size(), 9u);
+  EXPECT_EQ(engine.counters().kv_blocks_used, 0);
+  EXPECT_EQ(alone(reqs[0]), sinks[0]->tokens);
+}
+
 // Log-probabilities ride along without changing tokens: the chosen token's logprob is the
 // largest of the top list for greedy rows.
 TEST(BatchEngine, LogprobsDoNotChangeTokens) {

@@ -56,6 +56,7 @@ void fill_logprobs(std::span<const float> logits, int top_n, TokenOutput* t) {
 }  // namespace
 
 struct BatchEngine::Row {
+  uint64_t id = 0;  // unique for the engine's lifetime
   EngineRequest req;
   std::shared_ptr<RequestSink> sink;
   int slot = -1;
@@ -98,7 +99,9 @@ BatchEngine::BatchEngine(const Qwen35Model& model, const spec::DraftProvider* dr
   counters_.accepted_by_position.assign(static_cast<size_t>(depth_), 0);
 }
 
-BatchEngine::~BatchEngine() = default;
+BatchEngine::~BatchEngine() {
+  if (chained_) abandon_chain();
+}
 
 int64_t BatchEngine::tokens_needed(int64_t prompt_tokens, int64_t max_tokens) const {
   return prompt_tokens + max_tokens + depth_ + 1;
@@ -257,6 +260,7 @@ void BatchEngine::admit() {
       queue_.pop_front();
     }
     auto row = std::make_unique<Row>();
+    row->id = next_row_id_++;
     row->req = std::move(p.request);
     row->sink = std::move(p.sink);
     row->stats.accepted_by_position.assign(static_cast<size_t>(depth_), 0);
@@ -409,9 +413,85 @@ void BatchEngine::prefill_step() {
   }
 }
 
+bool BatchEngine::plain_greedy() const {
+  if (decode_drafts_ || options_.spec.verify != spec::VerifyMode::Match) return false;
+  for (const auto& r : decoding_)
+    if (r->needs_logits()) return false;
+  return true;
+}
+
+void BatchEngine::drain() {
+  if (!chained_) return;
+  chained_ = false;
+  model_.collect_argmax(&collected_);
+  TANDEM_CHECK(collected_.size() == chain_ids_.size(), "collected ", collected_.size(),
+               " tokens for ", chain_ids_.size(), " rows");
+  {
+    std::lock_guard lock(mu_);
+    ++counters_.rounds;
+  }
+  for (size_t k = 0; k < chain_ids_.size(); ++k)
+    for (auto& row : decoding_)
+      if (row->id == chain_ids_[k] && !row->done) {
+        ++row->stats.rounds;
+        ++row->stats.target_forwards;
+        emit(*row, collected_[k], nullptr);
+      }
+}
+
+void BatchEngine::pipelined_round() {
+  const auto t0 = std::chrono::steady_clock::now();
+  // A queued step continues only with exactly its rows; otherwise it is collected first.
+  bool same = chained_ && chain_ids_.size() == decoding_.size();
+  for (size_t r = 0; same && r < decoding_.size(); ++r) same = decoding_[r]->id == chain_ids_[r];
+  if (chained_ && !same) drain();
+  retire();
+  if (decoding_.empty()) return;
+  auto queue_step = [&](bool from_argmax) {
+    tokens_.clear();
+    inputs_.clear();
+    for (const auto& row : decoding_) {
+      if (!from_argmax) tokens_.push_back(row->result.tokens.back());
+      inputs_.push_back({row->slot, 1, false});
+    }
+    ForwardRequest fwd{tokens_, inputs_, false, false};
+    fwd.want_logits = false;
+    fwd.want_argmax = true;
+    fwd.defer_argmax = true;
+    fwd.tokens_from_argmax = from_argmax;
+    model_.forward(state_, fwd, &out_);
+  };
+  if (!chained_) {
+    queue_step(false);
+    chain_ids_.clear();
+    for (const auto& row : decoding_) chain_ids_.push_back(row->id);
+    chained_ = true;
+  }
+  // Step S is queued. S+1 follows before S's tokens are read unless S may end a row by length,
+  // a row is cancelled, or a prompt waits (it takes the next forward).
+  bool chain = prefilling_.empty();
+  for (const auto& row : decoding_)
+    if (row->done || row->sink->cancelled() ||
+        static_cast<int64_t>(row->result.tokens.size()) + 1 >= row->req.gen.max_tokens)
+      chain = false;
+  if (chain) {
+    std::lock_guard lock(mu_);
+    const bool room = options_.max_rows == 0 || prefilling_.size() + decoding_.size() <
+                                                    static_cast<size_t>(options_.max_rows);
+    if (!queue_.empty() && room) chain = false;
+  }
+  if (chain) queue_step(true);
+  drain();  // S's tokens: a row stopped by one of them has one extra token computed, dropped
+  chained_ = chain;
+  std::lock_guard lock(mu_);
+  counters_.decode_seconds += seconds_since(t0);
+}
+
 void BatchEngine::round() {
   const size_t R = decoding_.size();
   if (R == 0) return;
+  if (plain_greedy()) return pipelined_round();
+  drain();
   const Qwen35Config& cfg = model_.config();
   const int64_t V = cfg.vocab_size, H = cfg.hidden_size;
   const auto t0 = std::chrono::steady_clock::now();
@@ -465,8 +545,8 @@ void BatchEngine::round() {
   keeps_.clear();
   verified_.assign(R, {});
   int64_t t = 0;
-  std::vector<int64_t> drafted_pos(static_cast<size_t>(depth_), 0),
-      accepted_pos(static_cast<size_t>(depth_), 0);
+  drafted_pos_.assign(static_cast<size_t>(depth_), 0);
+  accepted_pos_.assign(static_cast<size_t>(depth_), 0);
   for (size_t r = 0; r < R; ++r) {
     Row& row = *decoding_[r];
     const size_t n = windows_[r].size();
@@ -497,11 +577,11 @@ void BatchEngine::round() {
     s.accepted += outcome.accepted;
     for (int j = 0; j < outcome.accepted; ++j) {
       ++s.accepted_by_position[static_cast<size_t>(j)];
-      ++accepted_pos[static_cast<size_t>(j)];
+      ++accepted_pos_[static_cast<size_t>(j)];
     }
     for (size_t j = 0; j + 1 < n; ++j) {
       ++s.drafted_by_position[j];
-      ++drafted_pos[j];
+      ++drafted_pos_[j];
     }
     for (size_t j = 0; j < outcome.emitted.size(); ++j) {
       const float* logits = need_logits ? out_.logits.data() + (t + j) * V : nullptr;
@@ -528,12 +608,29 @@ void BatchEngine::round() {
   ++counters_.rounds;
   counters_.decode_seconds += seconds_since(t0);
   for (int j = 0; j < depth_; ++j) {
-    counters_.drafted_by_position[static_cast<size_t>(j)] += drafted_pos[static_cast<size_t>(j)];
-    counters_.accepted_by_position[static_cast<size_t>(j)] += accepted_pos[static_cast<size_t>(j)];
+    counters_.drafted_by_position[static_cast<size_t>(j)] += drafted_pos_[static_cast<size_t>(j)];
+    counters_.accepted_by_position[static_cast<size_t>(j)] += accepted_pos_[static_cast<size_t>(j)];
   }
 }
 
 bool BatchEngine::step() {
+  // A queued plain step is collected before anything changes the rows or takes a forward.
+  if (chained_) {
+    bool change = !prefilling_.empty();
+    for (const auto& r : decoding_) change = change || r->sink->cancelled();
+    {
+      std::lock_guard lock(mu_);
+      change = change || !queue_.empty();
+    }
+    if (change) {
+      try {
+        drain();
+      } catch (const std::exception& e) {
+        abandon_chain();
+        fail_rows(decoding_, std::string("decode round failed: ") + e.what());
+      }
+    }
+  }
   for (auto* rows : {&prefilling_, &decoding_})
     for (auto& r : *rows)
       if (r->sink->cancelled()) finish(*r, RequestEnd::Cancelled);
@@ -548,12 +645,29 @@ bool BatchEngine::step() {
   try {
     round();
   } catch (const std::exception& e) {
+    abandon_chain();
     fail_rows(decoding_, std::string("decode round failed: ") + e.what());
   }
   retire();
+  // Every row of the queued step stopped on its last token: nothing continues it.
+  if (chained_ && decoding_.empty()) {
+    try {
+      drain();
+    } catch (const std::exception&) {
+      abandon_chain();
+    }
+  }
   publish_counters();
   std::lock_guard lock(mu_);
   return !prefilling_.empty() || !decoding_.empty() || !queue_.empty();
+}
+
+void BatchEngine::abandon_chain() {
+  chained_ = false;
+  try {
+    model_.drop_deferred_argmax();
+  } catch (...) {  // the error being handled already says what went wrong
+  }
 }
 
 void BatchEngine::run_to_completion() {
@@ -571,6 +685,7 @@ void BatchEngine::serve(const std::string& shutdown_reason) {
     }
     step();
   }
+  if (chained_) abandon_chain();
   std::deque<Pending> left;
   {
     std::lock_guard lock(mu_);

@@ -124,11 +124,27 @@ class BatchEngine {
   std::vector<RowKeep> keeps_;
   std::vector<spec::VerifyRow> verified_;
   std::vector<TokenProb> dist_scratch_;
+  std::vector<int64_t> drafted_pos_, accepted_pos_;  // this round's counts per window position
+  std::vector<int32_t> collected_;
+
+  // Plain greedy rounds (no drafter, every row greedy, no log-probabilities) are pipelined one
+  // deep, as Generator's greedy loop: step S+1 is queued taking S's tokens from device memory
+  // before the host reads S's, so the device never waits for the host's turnaround. `chained_`:
+  // a step is queued whose tokens were not collected yet; chain_ids_ are its rows (Row::id).
+  bool chained_ = false;
+  std::vector<uint64_t> chain_ids_;
+  uint64_t next_row_id_ = 0;
 
   void validate(const EngineRequest& r) const;
   void admit();
   void prefill_step();
   void round();
+  bool plain_greedy() const;
+  void pipelined_round();
+  // Collects the queued step's tokens and emits them to its rows that are still live.
+  void drain();
+  // After an error: forgets the queued step and its pending copies.
+  void abandon_chain();
   // Emits a token to a row's sink; returns whether the row goes on.
   bool emit(Row& row, int32_t id, const float* logits);
   void finish(Row& row, RequestEnd end, const std::string& error = {});
