@@ -541,6 +541,26 @@ const RenderCase kRenderCases[] = {
      "{{ 'abc'|reverse }} {{ [1, 2]|reverse|list }} {{ {'a': 1, 'b': 2}|reverse|list }}"
      " {{ undefined_name|reverse|list }} {{ l|map('string')|reverse }}",
      "cba [2, 1] ['b', 'a'] [] ['2', '1', '3']"},
+    {"for_else_after_continue",
+     "{% for x in [1, 2] %}{{ x }}{% continue %}{% else %}E{% endfor %} {% for x in [1,"
+     " 2] %}{{ x }}{% break %}{% else %}E{% endfor %} {% for x in [1, 2] %}{{ x }}{% if"
+     " x == 2 %}{% break %}{% endif %}{% else %}E{% endfor %}",
+     "12E 1E 12"},
+    {"macro_default_scoping",
+     "{% set c = 9 %}{% macro m(b=c, c=2) %}[{{ b }}{{ c }}]{% endmacro %}{{ m() }} {% "
+     "macro n(a, b=a ~ '!') %}{{ b }}{% endmacro %}{{ n('x') }} {% macro o(p, q=(none i"
+     "f q else 'w')) %}{{ q }}{% endmacro %}{{ o(1) }}",
+     "[2] x! w"},
+    {"frame_missing_names",
+     "{% set blk %}[{{ s }}]{% endset %}{{ blk }}{% set s = 7 %} {% macro m() %}{{ l }}"
+     "{% endmacro %}{{ m() }}{% set l = 'later' %}{{ m() }} {% for i in [1] %}{% for j "
+     "in [2] %}<{{ d }}>{% endfor %}{% set d = 'inner' %}{% endfor %}",
+     "[] later <>"},
+    {"frame_branch_stores",
+     "{% if false %}{% set s = 1 %}{% endif %}{% for i in [1] %}[{{ s }}]{% endfor %} {"
+     "% if true %}{% set u = 1 %}{% else %}{% set u = 2 %}{% endif %}{% for i in [1] %}"
+     "[{{ u }}]{% endfor %}",
+     "[Hello World] [1]"},
 };
 
 const ErrorCase kErrorCases[] = {
@@ -646,6 +666,14 @@ const ErrorCase kErrorCases[] = {
      "TypeError: unhashable type: 'dict'"},
     {"err_indent_list", "{{ [1]|indent }}",
      "AttributeError: 'list' object has no attribute 'splitlines'"},
+    {"err_slice_none", "{{ n[1:] }}",
+     "TypeError: 'NoneType' object is not subscriptable"},
+    {"err_slice_dict", "{{ d[1:] }}",
+     "TypeError: unhashable type: 'slice'"},
+    {"err_slice_bounds", "{{ l['a':] }}",
+     "TypeError: slice indices must be integers or None or have an __index__ method"},
+    {"err_slice_undefined", "{{ undefined_name[1:] }}",
+     "UndefinedError: 'undefined_name' is undefined"},
     {"syn_unknown_tag", "{% do x %}",
      "TemplateSyntaxError: Encountered unknown tag 'do'."},
     {"syn_endfor_alone", "{% endfor %}",

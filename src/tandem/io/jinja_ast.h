@@ -181,6 +181,12 @@ struct Target {
   uint32_t offset = 0;
 };
 
+// Names a frame starts with as Undefined (see the frame analysis in jinja_parser.cpp): jinja2
+// compiles each frame to Python locals, and a name whose first use in a frame is an assignment,
+// and which no enclosing frame uses, starts as "missing" even if the render variables define it.
+// Read from a nested frame before the assignment runs, it is Undefined, not the variable.
+using FrameNames = std::vector<std::string>;
+
 enum class StmtKind : uint8_t {
   kData,
   kOutput,
@@ -224,6 +230,7 @@ struct ForStmt final : Stmt {
   ExprPtr filter;  // for x in y if filter
   bool recursive = false;
   Body body, else_body;
+  FrameNames body_frame, else_frame;
 };
 
 struct IfStmt final : Stmt {
@@ -244,6 +251,7 @@ struct SetBlockStmt final : Stmt {
   Target target;
   ExprPtr filter;  // a FilterExpr chain whose innermost operand is null, or null
   Body body;
+  FrameNames frame;
 };
 
 // A macro, or the body of a {% call %} block (the `caller` macro).
@@ -256,6 +264,7 @@ struct MacroDef {
   // does the macro accept extra positional args, extra keyword args, or a caller.
   bool uses_varargs = false, uses_kwargs = false, uses_caller = false;
   uint32_t offset = 0;
+  FrameNames frame;
 };
 
 struct MacroStmt final : Stmt {
@@ -273,6 +282,7 @@ struct FilterBlockStmt final : Stmt {
   explicit FilterBlockStmt(uint32_t o) : Stmt(StmtKind::kFilterBlock, o) {}
   ExprPtr filter;  // FilterExpr chain, innermost operand null
   Body body;
+  FrameNames frame;
 };
 
 struct WithStmt final : Stmt {
@@ -280,6 +290,7 @@ struct WithStmt final : Stmt {
   std::vector<Target> targets;
   std::vector<ExprPtr> values;
   Body body;
+  FrameNames frame;
 };
 
 struct LoopControlStmt final : Stmt {
@@ -291,6 +302,7 @@ struct LoopControlStmt final : Stmt {
 struct ScopeStmt final : Stmt {
   explicit ScopeStmt(uint32_t o) : Stmt(StmtKind::kScope, o) {}
   Body body;
+  FrameNames frame;
 };
 
 }  // namespace tandem::jinja

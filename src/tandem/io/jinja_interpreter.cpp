@@ -184,7 +184,7 @@ Interpreter::~Interpreter() {
 std::string Interpreter::run() {
   std::string out;
   out_ = &out;
-  auto root = std::make_shared<Scope>(nullptr);
+  auto root = new_frame(nullptr, template_.frame);
   captured_scopes_.push_back(root);
   exec(template_.body, root);
   out_ = nullptr;
@@ -280,6 +280,12 @@ Value Interpreter::make_namespace(std::shared_ptr<Dict> attrs) {
   return Value::ns(std::move(n));
 }
 
+ScopePtr Interpreter::new_frame(const ScopePtr& parent, const FrameNames& missing) {
+  auto scope = std::make_shared<Scope>(parent);
+  for (const std::string& n : missing) scope->vars.emplace_back(n, Value::undefined_name(n));
+  return scope;
+}
+
 Value Interpreter::make_macro(const MacroDef& def, const ScopePtr& scope) {
   captured_scopes_.push_back(scope);
   return Value::object(std::make_shared<MacroObject>(def, scope));
@@ -363,7 +369,7 @@ Interpreter::Flow Interpreter::exec_stmt(const Stmt& s, const ScopePtr& scope) {
     }
     case StmtKind::kSetBlock: {
       const auto& set = static_cast<const SetBlockStmt&>(s);
-      Value content = make_string(capture(set.body, std::make_shared<Scope>(scope)));
+      Value content = make_string(capture(set.body, new_frame(scope, set.frame)));
       if (set.filter)
         content = eval_filter(static_cast<const FilterExpr&>(*set.filter), scope, &content);
       assign(set.target, std::move(content), scope);
@@ -390,14 +396,14 @@ Interpreter::Flow Interpreter::exec_stmt(const Stmt& s, const ScopePtr& scope) {
     }
     case StmtKind::kFilterBlock: {
       const auto& fb = static_cast<const FilterBlockStmt&>(s);
-      const Value content = make_string(capture(fb.body, std::make_shared<Scope>(scope)));
+      const Value content = make_string(capture(fb.body, new_frame(scope, fb.frame)));
       const Value result = eval_filter(static_cast<const FilterExpr&>(*fb.filter), scope, &content);
       write(str(result));
       break;
     }
     case StmtKind::kWith: {
       const auto& w = static_cast<const WithStmt&>(s);
-      auto inner = std::make_shared<Scope>(scope);
+      auto inner = new_frame(scope, w.frame);
       for (size_t i = 0; i < w.targets.size(); ++i)
         assign(w.targets[i], eval(*w.values[i], scope), inner);
       flow = exec(w.body, inner);
@@ -410,7 +416,8 @@ Interpreter::Flow Interpreter::exec_stmt(const Stmt& s, const ScopePtr& scope) {
       flow = Flow::kContinue;
       break;
     case StmtKind::kScope:
-      flow = exec(static_cast<const ScopeStmt&>(s).body, std::make_shared<Scope>(scope));
+      flow = exec(static_cast<const ScopeStmt&>(s).body,
+                  new_frame(scope, static_cast<const ScopeStmt&>(s).frame));
       break;
   }
   pos_ = saved_pos;
@@ -419,27 +426,32 @@ Interpreter::Flow Interpreter::exec_stmt(const Stmt& s, const ScopePtr& scope) {
 
 Interpreter::Flow Interpreter::exec_for(const ForStmt& f, const ScopePtr& scope,
                                         std::vector<Value> items, uint32_t depth) {
-  if (items.empty()) {
-    // The else block is outside the loop: break/continue there belong to an enclosing loop.
-    if (!f.else_body.empty()) return exec(f.else_body, std::make_shared<Scope>(scope));
-    return Flow::kNormal;
+  // jinja2 compiles {% else %} as a flag set before the loop and cleared at the end of the body,
+  // so the else block runs unless some iteration reached the end of the body: also when every
+  // iteration ended in {% continue %}, or the first one in {% break %}.
+  bool run_else = true;
+  if (!items.empty()) {
+    auto loop = std::make_shared<LoopObject>();
+    loop->self = loop;
+    loop->items = std::move(items);
+    loop->depth0 = depth;
+    loop->stmt = &f;
+    loop->outer = scope;
+    if (f.recursive) captured_scopes_.push_back(scope);
+    const Value loop_value = Value::object(loop);
+    for (size_t i = 0; i < loop->items.size(); ++i) {
+      step();
+      loop->index0 = i;
+      auto iteration = new_frame(scope, f.body_frame);
+      assign(f.target, loop->items[i], iteration);
+      iteration->set("loop", loop_value);
+      const Flow flow = exec(f.body, iteration);
+      if (flow == Flow::kNormal) run_else = false;
+      if (flow == Flow::kBreak) break;
+    }
   }
-  auto loop = std::make_shared<LoopObject>();
-  loop->self = loop;
-  loop->items = std::move(items);
-  loop->depth0 = depth;
-  loop->stmt = &f;
-  loop->outer = scope;
-  if (f.recursive) captured_scopes_.push_back(scope);
-  const Value loop_value = Value::object(loop);
-  for (size_t i = 0; i < loop->items.size(); ++i) {
-    step();
-    loop->index0 = i;
-    auto iteration = std::make_shared<Scope>(scope);
-    assign(f.target, loop->items[i], iteration);
-    iteration->set("loop", loop_value);
-    if (exec(f.body, iteration) == Flow::kBreak) break;
-  }
+  // The else block is outside the loop: break/continue there belong to an enclosing loop.
+  if (run_else && !f.else_body.empty()) return exec(f.else_body, new_frame(scope, f.else_frame));
   return Flow::kNormal;
 }
 
@@ -543,7 +555,7 @@ Value Interpreter::call_macro(const MacroObject& m, CallArgs& a) {
 
   // jinja2's Macro.__call__: positionals fill the parameters in order, keywords the rest;
   // leftovers go to varargs/kwargs when the body uses them, else they are errors.
-  auto scope = std::make_shared<Scope>(m.closure);
+  auto scope = new_frame(m.closure, def.frame);
   const size_t n_params = def.params.size();
   const size_t first_default = n_params - def.defaults.size();
   std::vector<std::pair<std::string, Value>> kwargs = std::move(a.kwargs);
@@ -586,16 +598,25 @@ Value Interpreter::call_macro(const MacroObject& m, CallArgs& a) {
     raise("TypeError", "macro " + repr_string(def.name) + " takes not more than " +
                            std::to_string(n_params) + " argument(s)");
   }
-  // Parameters are bound in order, so a default can refer to the parameters before it.
+  // Defaults are evaluated in parameter order in the macro's frame: a default sees the
+  // parameters before it, and a parameter still waiting for its value reads as Undefined (never
+  // as a variable of the same name outside the macro).
+  std::vector<bool> pending(n_params, false);
   for (size_t i = 0; i < n_params; ++i) {
     if (values[i]) {
       scope->set(def.params[i], std::move(*values[i]));
-    } else if (i >= first_default) {
-      scope->set(def.params[i], eval(*def.defaults[i - first_default], scope));
     } else {
+      scope->set(def.params[i], Value::undefined_name(def.params[i]));
+      pending[i] = true;
+    }
+  }
+  for (size_t i = 0; i < n_params; ++i) {
+    if (!pending[i]) continue;
+    if (i >= first_default)
+      scope->set(def.params[i], eval(*def.defaults[i - first_default], scope));
+    else
       scope->set(def.params[i],
                  Value::undefined("parameter " + repr_string(def.params[i]) + " was not provided"));
-    }
   }
   return make_string(capture(def.body, scope));
 }
@@ -889,12 +910,15 @@ Value Interpreter::slice(const Value& obj, const Value& start, const Value& stop
       obj.is_string() || (obj.is_seq() && (obj.as_seq().kind == SeqKind::kList ||
                                            obj.as_seq().kind == SeqKind::kTuple ||
                                            obj.as_seq().kind == SeqKind::kRange));
-  auto bound_ok = [](const Value& v) { return v.is_none() || v.is_integral(); };
-  if (!sliceable || !bound_ok(start) || !bound_ok(stop) || !bound_ok(step_v)) {
-    // TypeError inside jinja2's getitem: the result is Undefined.
-    return Value::undefined(obj.object_type_repr() + " has no element slice(" + repr(start) + ", " +
-                            repr(stop) + ", " + repr(step_v) + ")");
+  // jinja2 compiles x[a:b] to plain Python slicing (not through its getitem), so errors are
+  // Python's TypeErrors rather than an Undefined.
+  if (!sliceable) {
+    if (obj.is_dict()) raise("TypeError", "unhashable type: 'slice'");
+    raise("TypeError", "'" + obj.type_name() + "' object is not subscriptable");
   }
+  auto bound_ok = [](const Value& v) { return v.is_none() || v.is_integral(); };
+  if (!bound_ok(start) || !bound_ok(stop) || !bound_ok(step_v))
+    raise("TypeError", "slice indices must be integers or None or have an __index__ method");
   // slice.indices(len)
   const int64_t n = length(obj);
   const int64_t stride = step_v.is_none() ? 1 : step_v.as_int();

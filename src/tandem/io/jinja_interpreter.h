@@ -150,6 +150,8 @@ class Interpreter {
   Value lookup(const std::string& name, const ScopePtr& scope);
   void assign(const Target& t, Value v, const ScopePtr& scope);
   Value make_macro(const MacroDef& def, const ScopePtr& scope);
+  // A frame's scope, with the names it starts without (FrameNames) bound to Undefined.
+  ScopePtr new_frame(const ScopePtr& parent, const FrameNames& missing);
   std::string capture(const Body& body, const ScopePtr& scope);
   void write(std::string_view s);
   Value compare(CmpOp op, const Value& a, const Value& b);

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <initializer_list>
+#include <map>
 #include <set>
 
 #include "tandem/io/jinja_interpreter.h"
@@ -881,6 +882,11 @@ class Parser {
 
   // ---- post-parse checks --------------------------------------------------------------------
 
+ public:
+  // The names an expression reads.
+  static void collect_names(const Expr* e, std::set<std::string>& out) { find_names_expr(e, out); }
+
+ private:
   static void find_names_expr(const Expr* e, std::set<std::string>& out);
   static void find_names_args(const ArgList& a, std::set<std::string>& out) {
     for (const auto& x : a.args) find_names_expr(x.get(), out);
@@ -1200,6 +1206,224 @@ class NameChecker {
   const ParsedTemplate& t_;
 };
 
+// jinja2's idtracking (the symbol tables of its code generator), reduced to what decides how a
+// frame's variables start. Each frame (the template, a loop body, a macro body, ...) becomes a
+// Python function or block whose locals start as: a parameter; the render variable of that name
+// ("resolve"); the enclosing frame's variable ("alias"); or "missing" when the frame's first use
+// of the name is an assignment and no enclosing frame uses it. Only the last differs from a
+// plain lookup through the enclosing frames, so FrameNames lists just those names.
+class FrameAnalyzer {
+ public:
+  void template_frame(ParsedTemplate& t) { t.frame = frame(t.body, {}, nullptr); }
+
+ private:
+  enum class Load : uint8_t { kParam, kResolve, kAlias, kUndefined };
+
+  struct Symbols {
+    const Symbols* parent = nullptr;
+    std::map<std::string, Load> refs;
+    std::set<std::string> stores;
+
+    bool known(const std::string& n) const {
+      for (const Symbols* s = this; s; s = s->parent)
+        if (s->refs.count(n)) return true;
+      return false;
+    }
+    void load(const std::string& n) {
+      if (!known(n)) refs[n] = Load::kResolve;
+    }
+    void store(const std::string& n) {
+      stores.insert(n);
+      if (!refs.count(n)) refs[n] = parent && parent->known(n) ? Load::kAlias : Load::kUndefined;
+    }
+    void param(const std::string& n) {
+      stores.insert(n);
+      refs[n] = Load::kParam;
+    }
+  };
+
+  // Analyzes one frame and, with it complete, the frames nested in it; returns its names that
+  // start "missing".
+  FrameNames frame(Body& body, const std::vector<std::string>& params, const Symbols* parent,
+                   const std::vector<const Expr*>& own_exprs = {}) {
+    Symbols sym;
+    sym.parent = parent;
+    for (const auto& p : params) sym.param(p);
+    for (const Expr* e : own_exprs) expr(e, sym);
+    statements(body, sym);
+    nested(body, sym);
+    FrameNames names;
+    for (const auto& [n, load] : sym.refs)
+      if (load == Load::kUndefined) names.push_back(n);
+    return names;
+  }
+
+  void expr(const Expr* e, Symbols& sym) {
+    std::set<std::string> names;
+    Parser::collect_names(e, names);
+    for (const auto& n : names) sym.load(n);
+  }
+
+  void target(const Target& t, Symbols& sym) {
+    switch (t.kind) {
+      case Target::Kind::kName:
+        sym.store(t.name);
+        return;
+      case Target::Kind::kTuple:
+        for (const auto& item : t.items) target(item, sym);
+        return;
+      case Target::Kind::kNamespaceAttr:
+        sym.load(t.name);
+        return;
+    }
+  }
+
+  static void collect_targets(const Target& t, std::vector<std::string>& out) {
+    if (t.kind == Target::Kind::kName) out.push_back(t.name);
+    for (const auto& item : t.items) collect_targets(item, out);
+  }
+
+  // The frame's own statements, in order; nested frames' bodies are not part of it.
+  void statements(Body& body, Symbols& sym) {
+    for (auto& sp : body) {
+      Stmt& s = *sp;
+      switch (s.kind) {
+        case StmtKind::kData:
+        case StmtKind::kBreak:
+        case StmtKind::kContinue:
+        case StmtKind::kScope:
+          break;
+        case StmtKind::kOutput:
+          expr(static_cast<OutputStmt&>(s).expr.get(), sym);
+          break;
+        case StmtKind::kFor:
+          expr(static_cast<ForStmt&>(s).iter.get(), sym);
+          break;
+        case StmtKind::kIf: {
+          // Each branch on a copy; then names assigned in some branches but not all start as
+          // the render variable (or alias the enclosing frame's), not as missing.
+          auto& i = static_cast<IfStmt&>(s);
+          expr(i.branches[0].first.get(), sym);
+          std::vector<Symbols> branches;
+          branches.push_back(sym);
+          statements(i.branches[0].second, branches.back());
+          branches.push_back(sym);
+          for (size_t k = 1; k < i.branches.size(); ++k) {
+            expr(i.branches[k].first.get(), branches.back());
+            statements(i.branches[k].second, branches.back());
+          }
+          branches.push_back(sym);
+          statements(i.else_body, branches.back());
+          std::map<std::string, int> stored;
+          for (const auto& b : branches)
+            for (const auto& n : b.stores)
+              if (!sym.stores.count(n)) ++stored[n];
+          for (const auto& b : branches) {
+            for (const auto& [n, load] : b.refs) sym.refs[n] = load;
+            sym.stores.insert(b.stores.begin(), b.stores.end());
+          }
+          for (const auto& [n, count] : stored)
+            if (count != static_cast<int>(branches.size()))
+              sym.refs[n] = parent_knows(sym, n) ? Load::kAlias : Load::kResolve;
+          break;
+        }
+        case StmtKind::kSet: {
+          auto& set = static_cast<SetStmt&>(s);
+          expr(set.value.get(), sym);
+          target(set.target, sym);
+          break;
+        }
+        case StmtKind::kSetBlock:
+          target(static_cast<SetBlockStmt&>(s).target, sym);
+          break;
+        case StmtKind::kMacro:
+          sym.store(static_cast<MacroStmt&>(s).def.name);
+          break;
+        case StmtKind::kCallBlock:
+          expr(static_cast<CallBlockStmt&>(s).call.get(), sym);
+          break;
+        case StmtKind::kFilterBlock:
+          expr(static_cast<FilterBlockStmt&>(s).filter.get(), sym);
+          break;
+        case StmtKind::kWith:
+          for (const auto& v : static_cast<WithStmt&>(s).values) expr(v.get(), sym);
+          break;
+      }
+    }
+  }
+
+  static bool parent_knows(const Symbols& sym, const std::string& n) {
+    return sym.parent && sym.parent->known(n);
+  }
+
+  std::vector<std::string> macro_params(const MacroDef& def) {
+    std::vector<std::string> params = def.params;
+    if (def.uses_caller) params.push_back("caller");
+    if (def.uses_kwargs) params.push_back("kwargs");
+    if (def.uses_varargs) params.push_back("varargs");
+    return params;
+  }
+
+  void macro(MacroDef& def, const Symbols& sym) {
+    std::vector<const Expr*> defaults;
+    for (const auto& d : def.defaults) defaults.push_back(d.get());
+    def.frame = frame(def.body, macro_params(def), &sym, defaults);
+  }
+
+  // The frames nested in a frame's statements (looking through if branches, which belong to it).
+  void nested(Body& body, const Symbols& sym) {
+    for (auto& sp : body) {
+      Stmt& s = *sp;
+      switch (s.kind) {
+        case StmtKind::kFor: {
+          auto& f = static_cast<ForStmt&>(s);
+          std::vector<std::string> params{"loop"};
+          collect_targets(f.target, params);
+          f.body_frame = frame(f.body, params, &sym);
+          f.else_frame = frame(f.else_body, {}, &sym);
+          break;
+        }
+        case StmtKind::kIf: {
+          auto& i = static_cast<IfStmt&>(s);
+          for (auto& [test, b] : i.branches) nested(b, sym);
+          nested(i.else_body, sym);
+          break;
+        }
+        case StmtKind::kSetBlock: {
+          auto& sb = static_cast<SetBlockStmt&>(s);
+          sb.frame = frame(sb.body, {}, &sym, {sb.filter.get()});
+          break;
+        }
+        case StmtKind::kMacro:
+          macro(static_cast<MacroStmt&>(s).def, sym);
+          break;
+        case StmtKind::kCallBlock:
+          macro(static_cast<CallBlockStmt&>(s).caller, sym);
+          break;
+        case StmtKind::kFilterBlock: {
+          auto& fb = static_cast<FilterBlockStmt&>(s);
+          fb.frame = frame(fb.body, {}, &sym, {fb.filter.get()});
+          break;
+        }
+        case StmtKind::kWith: {
+          auto& w = static_cast<WithStmt&>(s);
+          std::vector<std::string> params;
+          for (const auto& t : w.targets) collect_targets(t, params);
+          w.frame = frame(w.body, params, &sym);
+          break;
+        }
+        case StmtKind::kScope: {
+          auto& sc = static_cast<ScopeStmt&>(s);
+          sc.frame = frame(sc.body, {}, &sym);
+          break;
+        }
+        default:
+          break;
+      }
+    }
+  }
+};
+
 }  // namespace
 
 std::unique_ptr<ParsedTemplate> parse_template(std::string_view source, std::string name) {
@@ -1208,6 +1432,7 @@ std::unique_ptr<ParsedTemplate> parse_template(std::string_view source, std::str
   t->source = normalize_source(source);
   t->body = Parser(t->source, t->name).parse();
   NameChecker(*t).body(t->body, false);
+  FrameAnalyzer().template_frame(*t);
   return t;
 }
 

@@ -18,6 +18,7 @@ struct ParsedTemplate {
   std::string name;
   std::string source;  // normalized (see normalize_source); node offsets refer to it
   Body body;
+  FrameNames frame;  // of the template's top level
 };
 
 // Parses a template. Throws tandem::Error "template 'name' line L col C: TemplateSyntaxError:
