@@ -27,9 +27,9 @@ float hash_uniform(uint64_t seed, uint64_t i) {
   return static_cast<float>(z >> 40) * (2.0f / 16777216.0f) - 1.0f;
 }
 
+#ifdef TANDEM_HAVE_CUDA
 constexpr int64_t kChunkRows = 1024;  // host conversion staging, rows at a time
 
-#ifdef TANDEM_HAVE_CUDA
 // Uploads a [rows, cols] matrix as bf16, kChunkRows rows at a time: fill(r0, nr, out) writes
 // rows r0..r0+nr-1 as fp32 into out, which upload_bf16 rounds and copies.
 template <class Fill>

@@ -208,8 +208,9 @@ WeightStore WeightStore::open(const std::string& dir, bool prefault) {
   }
 
   for (const auto& [path, names] : required) {
+    // Init-captures: clang before 16 cannot capture structured bindings.
     const auto& file = *std::find_if(ws.files_.begin(), ws.files_.end(),
-                                     [&](const auto& f) { return f->path() == path; });
+                                     [&p = path](const auto& f) { return f->path() == p; });
     for (const std::string& name : names) {
       if (file->find(name) == nullptr) {
         fail(index.string(), ": maps tensor '", name, "' to ", path, ", which has no such tensor (",
@@ -223,7 +224,7 @@ WeightStore WeightStore::open(const std::string& dir, bool prefault) {
       if (!inserted) {
         const std::string& other =
             std::find_if(ws.files_.begin(), ws.files_.end(),
-                         [&](auto& f) { return f->find(t.name) == it->second; })
+                         [&t, first = it->second](auto& f) { return f->find(t.name) == first; })
                 ->get()
                 ->path();
         fail("tensor '", t.name, "' appears in both ", other, " and ", file->path());
