@@ -235,7 +235,7 @@ Value generator(Interpreter& in, std::vector<Value> items) {
 // Filters
 
 Value f_abs(Interpreter&, const Value& v, CallArgs& a) {
-  ArgBinder(std::string_view("abs"), a, {});
+  no_args("abs", a);
   if (v.is_float()) return Value(std::fabs(v.as_double()));
   if (v.is_integral()) {
     const int64_t i = v.as_int();
@@ -281,7 +281,7 @@ Value f_batch(Interpreter& in, const Value& v, CallArgs& a) {
 }
 
 Value f_capitalize(Interpreter& in, const Value& v, CallArgs& a) {
-  ArgBinder(std::string_view("capitalize"), a, {});
+  no_args("capitalize", a);
   return same_kind(in, v, unicode::capitalize(soft_str(in, v).as_string()));
 }
 
@@ -346,13 +346,13 @@ Value f_dictsort(Interpreter& in, const Value& v, CallArgs& a) {
 }
 
 Value f_escape(Interpreter& in, const Value& v, CallArgs& a) {
-  ArgBinder(std::string_view("escape"), a, {});
+  no_args("escape", a);
   if (v.is_markup()) return v;
   return in.make_markup(html_escape(in.str(v)));
 }
 
 Value f_forceescape(Interpreter& in, const Value& v, CallArgs& a) {
-  ArgBinder(std::string_view("forceescape"), a, {});
+  no_args("forceescape", a);
   return in.make_markup(html_escape(in.str(v)));
 }
 
@@ -400,12 +400,12 @@ Value first_item(Interpreter& in, const Value& v) {
 }
 
 Value f_first(Interpreter& in, const Value& v, CallArgs& a) {
-  ArgBinder(std::string_view("first"), a, {});
+  no_args("first", a);
   return first_item(in, v);
 }
 
 Value f_last(Interpreter& in, const Value& v, CallArgs& a) {
-  ArgBinder(std::string_view("last"), a, {});
+  no_args("last", a);
   // next(iter(reversed(seq))): a generator is not reversible; an Undefined is (it is empty).
   if (v.is_undefined()) return Value::undefined("No last item, sequence was empty.");
   if (v.is_seq(SeqKind::kGenerator) || v.is_seq(SeqKind::kDictValues) ||
@@ -651,7 +651,7 @@ Value f_indent(Interpreter& in, const Value& v, CallArgs& a) {
 }
 
 Value f_items(Interpreter& in, const Value& v, CallArgs& a) {
-  ArgBinder(std::string_view("items"), a, {});
+  no_args("items", a);
   if (v.is_undefined()) return generator(in, {});
   if (!v.is_dict()) raise("TypeError", "Can only get item pairs from a mapping.");
   std::vector<Value> items;
@@ -677,22 +677,22 @@ Value f_join(Interpreter& in, const Value& v, CallArgs& a) {
 }
 
 Value f_length(Interpreter& in, const Value& v, CallArgs& a) {
-  ArgBinder(std::string_view("length"), a, {});
+  no_args("length", a);
   return Value(in.length(v));
 }
 
 Value f_list(Interpreter& in, const Value& v, CallArgs& a) {
-  ArgBinder(std::string_view("list"), a, {});
+  no_args("list", a);
   return in.make_seq(in.iterate(v));
 }
 
 Value f_lower(Interpreter& in, const Value& v, CallArgs& a) {
-  ArgBinder(std::string_view("lower"), a, {});
+  no_args("lower", a);
   return same_kind(in, v, unicode::lower(soft_str(in, v).as_string()));
 }
 
 Value f_upper(Interpreter& in, const Value& v, CallArgs& a) {
-  ArgBinder(std::string_view("upper"), a, {});
+  no_args("upper", a);
   return same_kind(in, v, unicode::upper(soft_str(in, v).as_string()));
 }
 
@@ -815,7 +815,7 @@ Value f_replace(Interpreter& in, const Value& v, CallArgs& a) {
 // jinja2's do_reverse: a reversed string, else reversed(value) (an iterator), else for what
 // reversed() refuses (generators) a reversed list; FilterArgumentError for what does not iterate.
 Value f_reverse(Interpreter& in, const Value& v, CallArgs& a) {
-  ArgBinder(std::string_view("reverse"), a, {});
+  no_args("reverse", a);
   if (v.is_string()) {
     std::u32string cps = unicode::decode(v.as_string());
     std::reverse(cps.begin(), cps.end());
@@ -881,7 +881,7 @@ Value f_round(Interpreter&, const Value& v, CallArgs& a) {
 }
 
 Value f_safe(Interpreter& in, const Value& v, CallArgs& a) {
-  ArgBinder(std::string_view("safe"), a, {});
+  no_args("safe", a);
   if (v.is_markup()) return v;
   return in.make_markup(v.is_string() ? v.as_string() : in.str(v));
 }
@@ -924,7 +924,7 @@ Value f_sort(Interpreter& in, const Value& v, CallArgs& a) {
 }
 
 Value f_string(Interpreter& in, const Value& v, CallArgs& a) {
-  ArgBinder(std::string_view("string"), a, {});
+  no_args("string", a);
   return soft_str(in, v);
 }
 
@@ -971,7 +971,7 @@ std::string html_unescape(std::string_view s) {
 }
 
 Value f_striptags(Interpreter& in, const Value& v, CallArgs& a) {
-  ArgBinder(std::string_view("striptags"), a, {});
+  no_args("striptags", a);
   std::string s = in.str(v);
   size_t start;
   while ((start = s.find("<!--")) != std::string::npos) {
@@ -1019,7 +1019,7 @@ Value f_sum(Interpreter& in, const Value& v, CallArgs& a) {
 // jinja2's do_title: the first character of each word (after -, whitespace, (, {, [ or <)
 // upper-cased, the rest lower-cased.
 Value f_title(Interpreter& in, const Value& v, CallArgs& a) {
-  ArgBinder(std::string_view("title"), a, {});
+  no_args("title", a);
   const std::u32string cps = unicode::decode(soft_str(in, v).as_string());
   auto is_sep = [](char32_t c) {
     return c == '-' || c == '(' || c == '{' || c == '[' || c == '<' || unicode::is_space(c);
@@ -1145,7 +1145,7 @@ std::string url_quote(const std::string& s, bool for_qs) {
 }
 
 Value f_urlencode(Interpreter& in, const Value& v, CallArgs& a) {
-  ArgBinder(std::string_view("urlencode"), a, {});
+  no_args("urlencode", a);
   if (v.is_string() || !(v.is_seq() || v.is_dict() || v.is_undefined()))
     return in.make_string(url_quote(in.str(v), false));
   std::vector<Value> pairs;
@@ -1171,7 +1171,7 @@ Value f_urlencode(Interpreter& in, const Value& v, CallArgs& a) {
 }
 
 Value f_wordcount(Interpreter& in, const Value& v, CallArgs& a) {
-  ArgBinder(std::string_view("wordcount"), a, {});
+  no_args("wordcount", a);
   int64_t n = 0;
   bool in_word = false;
   for (char32_t c : unicode::decode(soft_str(in, v).as_string())) {
@@ -1254,11 +1254,11 @@ bool number_mod_is(Interpreter& in, const Value& v, const Value& divisor, int64_
 }
 
 bool t_odd(Interpreter& in, const Value& v, CallArgs& a) {
-  ArgBinder(std::string_view("odd"), a, {});
+  no_args("odd", a);
   return number_mod_is(in, v, Value(2), 1);
 }
 bool t_even(Interpreter& in, const Value& v, CallArgs& a) {
-  ArgBinder(std::string_view("even"), a, {});
+  no_args("even", a);
   return number_mod_is(in, v, Value(2), 0);
 }
 bool t_divisibleby(Interpreter& in, const Value& v, CallArgs& a) {

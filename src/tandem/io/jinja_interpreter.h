@@ -192,6 +192,11 @@ class ArgBinder {
   std::vector<std::optional<Value>> values_;
 };
 
+// For builtins without parameters: TypeError if any argument was given.
+inline void no_args(std::string_view function, CallArgs& args) {
+  const ArgBinder none(function, args, {});
+}
+
 // Function tables of jinja_builtins.cpp / jinja_methods.cpp.
 using FilterFn = Value (*)(Interpreter&, const Value& operand, CallArgs& args);
 using TestFn = bool (*)(Interpreter&, const Value& operand, CallArgs& args);

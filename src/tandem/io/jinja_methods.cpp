@@ -391,42 +391,42 @@ Value m_join(Interpreter& in, const Value& self, CallArgs& a) {
 
 template <std::string (*F)(std::string_view)>
 Value case_method(Interpreter& in, const Value& self, CallArgs& a) {
-  ArgBinder(std::string_view("method"), a, {});
+  no_args("method", a);
   return in.make_string(F(self.as_string()));
 }
 
 template <bool (*P)(char32_t)>
 Value char_predicate(Interpreter&, const Value& self, CallArgs& a) {
-  ArgBinder(std::string_view("method"), a, {});
+  no_args("method", a);
   const std::u32string cps = unicode::decode(self.as_string());
   if (cps.empty()) return Value(false);
   return Value(std::all_of(cps.begin(), cps.end(), P));
 }
 
 Value m_isascii(Interpreter&, const Value& self, CallArgs& a) {
-  ArgBinder(std::string_view("isascii"), a, {});
+  no_args("isascii", a);
   return Value(unicode::is_ascii(self.as_string()));
 }
 Value m_isprintable(Interpreter&, const Value& self, CallArgs& a) {
-  ArgBinder(std::string_view("isprintable"), a, {});
+  no_args("isprintable", a);
   for (char32_t c : unicode::decode(self.as_string()))
     if (!unicode::is_printable(c)) return Value(false);
   return Value(true);
 }
 Value m_islower(Interpreter&, const Value& self, CallArgs& a) {
-  ArgBinder(std::string_view("islower"), a, {});
+  no_args("islower", a);
   return Value(unicode::str_is_lower(self.as_string()));
 }
 Value m_isupper(Interpreter&, const Value& self, CallArgs& a) {
-  ArgBinder(std::string_view("isupper"), a, {});
+  no_args("isupper", a);
   return Value(unicode::str_is_upper(self.as_string()));
 }
 Value m_istitle(Interpreter&, const Value& self, CallArgs& a) {
-  ArgBinder(std::string_view("istitle"), a, {});
+  no_args("istitle", a);
   return Value(unicode::str_is_title(self.as_string()));
 }
 Value m_isidentifier(Interpreter&, const Value& self, CallArgs& a) {
-  ArgBinder(std::string_view("isidentifier"), a, {});
+  no_args("isidentifier", a);
   const std::u32string cps = unicode::decode(self.as_string());
   if (cps.empty() || !(cps[0] == '_' || unicode::is_alpha(cps[0]))) return Value(false);
   return Value(std::all_of(cps.begin(), cps.end(),
@@ -613,7 +613,7 @@ Value m_dict_get(Interpreter&, const Value& self, CallArgs& a) {
 }
 
 Value dict_view(Interpreter& in, const Value& self, CallArgs& a, SeqKind kind) {
-  ArgBinder(std::string_view("view"), a, {});
+  no_args("view", a);
   std::vector<Value> items;
   items.reserve(self.as_dict().size());
   for (const auto& [k, v] : self.as_dict().entries) {
@@ -638,7 +638,7 @@ Value m_dict_values(Interpreter& in, const Value& s, CallArgs& a) {
 }
 
 Value m_dict_copy(Interpreter& in, const Value& self, CallArgs& a) {
-  ArgBinder(std::string_view("copy"), a, {});
+  no_args("copy", a);
   return in.make_dict(std::make_shared<Dict>(self.as_dict()));
 }
 
@@ -672,12 +672,12 @@ Value m_seq_index(Interpreter& in, const Value& self, CallArgs& a) {
 }
 
 Value m_list_copy(Interpreter& in, const Value& self, CallArgs& a) {
-  ArgBinder(std::string_view("copy"), a, {});
+  no_args("copy", a);
   return in.make_seq(self.as_seq().items);
 }
 
 Value m_int_bit_length(Interpreter&, const Value& self, CallArgs& a) {
-  ArgBinder(std::string_view("bit_length"), a, {});
+  no_args("bit_length", a);
   const int64_t v = self.as_int();
   uint64_t u = v < 0 ? static_cast<uint64_t>(-(v + 1)) + 1 : static_cast<uint64_t>(v);
   int64_t n = 0;
@@ -689,25 +689,25 @@ Value m_int_bit_length(Interpreter&, const Value& self, CallArgs& a) {
 }
 
 Value m_int_bit_count(Interpreter&, const Value& self, CallArgs& a) {
-  ArgBinder(std::string_view("bit_count"), a, {});
+  no_args("bit_count", a);
   const int64_t v = self.as_int();
   const uint64_t u = v < 0 ? static_cast<uint64_t>(-(v + 1)) + 1 : static_cast<uint64_t>(v);
   return Value(static_cast<int64_t>(__builtin_popcountll(u)));
 }
 
 Value m_num_conjugate(Interpreter&, const Value& self, CallArgs& a) {
-  ArgBinder(std::string_view("conjugate"), a, {});
+  no_args("conjugate", a);
   if (self.is_float()) return Value(self.as_double());
   return Value(self.as_int());
 }
 
 Value m_int_ratio(Interpreter& in, const Value& self, CallArgs& a) {
-  ArgBinder(std::string_view("as_integer_ratio"), a, {});
+  no_args("as_integer_ratio", a);
   return in.make_seq({Value(self.as_int()), Value(1)}, SeqKind::kTuple);
 }
 
 Value m_float_is_integer(Interpreter&, const Value& self, CallArgs& a) {
-  ArgBinder(std::string_view("is_integer"), a, {});
+  no_args("is_integer", a);
   const double f = self.as_double();
   return Value(std::isfinite(f) && f == std::floor(f));
 }
