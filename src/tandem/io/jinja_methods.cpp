@@ -1136,7 +1136,6 @@ std::string format_value(Interpreter& in, const Value& v, const std::string& spe
 
   std::string body;
   std::string sign_text;
-  bool numeric = false;
   if (v.is_string()) {
     if (type && type != 's')
       raise("ValueError",
@@ -1149,7 +1148,6 @@ std::string format_value(Interpreter& in, const Value& v, const std::string& spe
     body = unicode::encode(cps);
     if (!align) align = '<';
   } else if (v.is_number()) {
-    numeric = true;
     if (!align) align = '>';
     const bool as_int =
         v.is_integral() && (type == 0 || type == 'd' || type == 'b' || type == 'o' || type == 'x' ||
@@ -1245,7 +1243,6 @@ std::string format_value(Interpreter& in, const Value& v, const std::string& spe
     case '=':
       return sign_text + repeat(n) + body;
     default:
-      (void)numeric;
       return repeat(n) + sign_text + body;
   }
 }

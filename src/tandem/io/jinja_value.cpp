@@ -425,9 +425,8 @@ std::string repr_float(double f) {
   if (std::isinf(f)) return f < 0 ? "-inf" : "inf";
   // Shortest round-trip digits, then laid out as Python's float_repr_style 'short' does:
   // positional when -4 <= exponent < 16, scientific (at least two exponent digits) otherwise.
-  char buf[64];
-  auto [end, ec] = std::to_chars(buf, buf + sizeof(buf), f, std::chars_format::scientific);
-  (void)ec;
+  char buf[64];  // the longest shortest form of a double is 24 characters: never too small
+  const char* end = std::to_chars(buf, buf + sizeof(buf), f, std::chars_format::scientific).ptr;
   std::string_view sci(buf, static_cast<size_t>(end - buf));
   std::string out;
   size_t pos = 0;
