@@ -121,6 +121,14 @@ Entry parse_entry(const std::string& path, const std::string& name, const ojson&
     bad("shape ", shape_str(out.view.shape), " x ", dts, " needs ", need,
         " bytes, but data_offsets [", out.begin, ", ", out.end, ") hold ", got);
   }
+  // TensorView::numel() multiplies the dims in int64 from the left, so the nonzero ones must
+  // multiply within int64 even when a zero dim makes the tensor empty: [2^62, 3, 0] passes the
+  // byte count above and then overflowed numel() (undefined; fuzz/regressions/fuzz_safetensors).
+  int64_t elements = 1;
+  for (int64_t d : out.view.shape) {
+    if (d != 0 && __builtin_mul_overflow(elements, d, &elements))
+      bad("shape ", shape_str(out.view.shape), " has more than 2^63 - 1 elements");
+  }
   out.view.nbytes = static_cast<size_t>(got);
   return out;
 }

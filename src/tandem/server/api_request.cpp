@@ -80,7 +80,7 @@ std::optional<int64_t> get_int(const json& body, const char* name, int64_t lo, i
   if (v->is_number_float()) {
     const double d = v->get<double>();
     // `d >= hi + 1`, not `d > hi`: INT64_MAX rounds up to 2^63 as a double, and 2^63 passed the
-    // old test into a cast that overflows (undefined; found by fuzz/fuzz_api_request).
+    // old test into a cast that overflows (undefined; fuzz/regressions/fuzz_api_request).
     if (!std::isfinite(d) || d != std::floor(d) || d < static_cast<double>(lo) ||
         d >= static_cast<double>(hi) + 1.0)
       bad_request(name, "'", name, "' must be an integer in [", lo, ", ", hi, "], got ", d);
