@@ -8,7 +8,7 @@
 # Env: TANDEM (binary, default build/tandem), LEVELS (default 1,8,32,64), PROMPT (prompt tokens,
 # 128), GEN (tokens per request, 256), VOCAB (token ids are drawn below it; default: the model's
 # vocab_size), LONG (long prompt tokens, 8192; 0 skips), BATCH (bench batch, 32), PORT (8123),
-# REQS (requests per client, 2), LABEL.
+# REQS (requests per client, 2), RAMP (seconds over which clients start, 1), LABEL.
 set -euo pipefail
 model=$1
 out=$2
@@ -22,6 +22,7 @@ long=${LONG:-8192}
 batch=${BATCH:-32}
 port=${PORT:-8123}
 reqs=${REQS:-2}
+ramp=${RAMP:-1}
 label=${LABEL:-$(basename "$model")}
 vocab=${VOCAB:-$(python3 -c "import json,sys; c=json.load(open(sys.argv[1])); print(c.get('text_config', c)['vocab_size'])" "$model/config.json")}
 mkdir -p "$out"
@@ -46,7 +47,7 @@ name=$(python3 -c "import json,urllib.request; print(json.load(urllib.request.ur
 echo "== loadgen ($label, serve $*)"
 python3 "$here/loadgen.py" --url "http://127.0.0.1:$port" --model "$name" --concurrency "$levels" \
   --requests-per-client "$reqs" --prompt-tokens "$prompt" --max-tokens "$gen" --vocab "$vocab" \
-  --label "$label" --json | tee "$out/loadgen.jsonl"
+  --ramp "$ramp" --label "$label" --json | tee "$out/loadgen.jsonl"
 if [ "$long" != 0 ]; then
   echo "== 32 streams while a $long-token prompt is admitted"
   python3 "$here/loadgen.py" --url "http://127.0.0.1:$port" --model "$name" --concurrency 32 \
