@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs missing packages, builds, and runs every CPU test; then rebuilds the suite under
-# AddressSanitizer + UndefinedBehaviorSanitizer (build-asan/) and runs it again.
-# Set TANDEM_SKIP_SANITIZERS=1 to run only the first pass.
+# AddressSanitizer + UndefinedBehaviorSanitizer (build-asan/) and runs it again; then runs every
+# fuzz target for a bounded time. Set TANDEM_SKIP_SANITIZERS=1 to run only the first pass.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/install-deps.sh
@@ -20,4 +20,12 @@ if [ "${TANDEM_SKIP_SANITIZERS:-0}" != "1" ]; then
   # One OpenMP thread: libgomp's thread pool confuses LeakSanitizer's bookkeeping otherwise.
   OMP_NUM_THREADS=1 ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
     ctest --test-dir build-asan --output-on-failure -j "$jobs" -L cpu
+fi
+
+# Fuzz targets (libFuzzer, clang, ASan + UBSan) for what parses untrusted input: request bodies,
+# chat templates and messages, the tokenizer, safetensors headers. Each replays its regression
+# inputs, then fuzzes for a bounded time. TANDEM_SKIP_FUZZ=1 leaves this out; TANDEM_FUZZ_SECONDS
+# sets the time per target.
+if [ "${TANDEM_SKIP_FUZZ:-0}" != "1" ]; then
+  ./scripts/run-fuzz.sh "${TANDEM_FUZZ_SECONDS:-30}"
 fi
