@@ -275,17 +275,18 @@ void BatchEngine::admit() {
                                 : 0;
     try {
       // The join: target slot + blocks and the drafter's cold prefill row, all or nothing.
-      TargetJoin* target = nullptr;
+      // apply_changes destroys the prepared changes when it returns: keep the slot, not them.
+      int slot = -1;
       std::vector<spec::PrepareFn> changes;
       changes.push_back([&]() -> std::unique_ptr<spec::PreparedChange> {
         auto t = std::make_unique<TargetJoin>(state_, reserve);
-        target = t.get();
+        slot = t->slot();
         return t;
       });
       const spec::CheckpointPtr cold[1] = {nullptr};
       if (prefill_drafts_) changes.push_back([&] { return prefill_drafts_->prepare_append(cold); });
       spec::apply_changes(changes);
-      row->slot = target->slot();
+      row->slot = slot;
     } catch (const std::exception& e) {
       finish(*row, RequestEnd::Failed, std::string("admission failed: ") + e.what());
       continue;
