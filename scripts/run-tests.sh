@@ -8,17 +8,13 @@ cd "$(dirname "$0")/.."
 ./scripts/install-test-deps.sh
 ./scripts/build.sh
 jobs=$(nproc 2>/dev/null || echo 2)
-# Tests run in parallel, each with its own OpenMP team: idle OpenMP threads must sleep rather
-# than spin, or the teams starve each other on a small machine.
-export OMP_WAIT_POLICY=PASSIVE
 ctest --test-dir build --output-on-failure -j "$jobs" -L cpu
 if [ "${TANDEM_SKIP_SANITIZERS:-0}" != "1" ]; then
   # The sanitizer pass checks host code; the CUDA backend is left out of it (no GPU here).
   cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DTANDEM_SANITIZE=ON \
     -DTANDEM_CUDA=OFF >/dev/null
   cmake --build build-asan -j "$jobs"
-  # One OpenMP thread: libgomp's thread pool confuses LeakSanitizer's bookkeeping otherwise.
-  OMP_NUM_THREADS=1 ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
+  ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
     ctest --test-dir build-asan --output-on-failure -j "$jobs" -L cpu
 fi
 

@@ -1,12 +1,13 @@
 // Backend selection and dispatch: each op forwards to the active backend's implementation.
 #include "tandem/backend/ops.h"
 
-#include <omp.h>
+#include <sched.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <thread>
 #include <vector>
 
 #include "tandem/backend/cpu/cpu_ops.h"
@@ -74,8 +75,28 @@ void set_thread_count(int n) {
   g_threads = n;
 }
 
+namespace {
+// TANDEM_THREADS if set, else the CPUs this process may run on (its affinity mask, so taskset
+// and cpusets are honoured), read once.
+int default_thread_count() {
+  static const int n = [] {
+    if (const char* env = std::getenv("TANDEM_THREADS"); env && *env) {
+      char* end = nullptr;
+      const long v = std::strtol(env, &end, 10);
+      if (*end != '\0' || v < 1 || v > 4096)
+        fail("TANDEM_THREADS='", env, "': expected a thread count from 1 to 4096");
+      return static_cast<int>(v);
+    }
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof(set), &set) == 0) return std::max(1, CPU_COUNT(&set));
+    return std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+  }();
+  return n;
+}
+}  // namespace
+
 int thread_count() {
-  return g_threads > 0 ? g_threads : omp_get_max_threads();
+  return g_threads > 0 ? g_threads : default_thread_count();
 }
 
 WeightRef weight_ref(const TensorView& t) {

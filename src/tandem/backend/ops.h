@@ -8,8 +8,8 @@
 //  - Compute and accumulation are fp32. Every op computes a row's result with a reduction order
 //    that does not depend on how many rows are in the call (batch invariance, DESIGN.md §1.2):
 //    a token's numbers are the same alone, in a verify window, or next to other requests.
-//  - Ops parallelise internally (OpenMP threads, CUDA blocks) over independent outputs, never
-//    over a reduction.
+//  - Ops parallelise internally (the CPU thread pool of backend/cpu/thread_pool.h, CUDA blocks)
+//    over independent outputs, never over a reduction, so no number depends on the thread count.
 //  - Every pointer (activations, weights, states, positions, block tables) lives in the memory
 //    of the active backend: host memory on the CPU, device memory on CUDA. Buffers
 //    (backend/buffer.h) and WeightArena (backend/weight_arena.h) allocate in the right place.
@@ -77,7 +77,9 @@ double memory_bandwidth();
 // A name for reports: "cpu (N threads)" or the GPU's name.
 std::string device_description();
 
-// Threads used by every op. 0 = all hardware threads.
+// Threads used by every CPU op (the caller and thread_count() - 1 pool workers). 0 = the default:
+// TANDEM_THREADS from the environment if set, else every CPU the process may run on. Set it
+// before ops run; the pool is rebuilt at the next op when the count changes.
 void set_thread_count(int n);
 int thread_count();
 

@@ -1,7 +1,5 @@
 // Attention over a paged KV cache: one query token at a time, its softmax over its own prefix
 // in position order, so decode, verify windows and prefill give the same numbers per token.
-#include <omp.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -9,6 +7,7 @@
 
 #include "tandem/backend/cpu/cpu_ops.h"
 #include "tandem/backend/cpu/simd.h"
+#include "tandem/backend/cpu/thread_pool.h"
 #include "tandem/core/error.h"
 
 namespace tandem::cpu {
@@ -52,38 +51,44 @@ void attention(const KVLayerView& kv, const int32_t* block_table, const int64_t*
   const int64_t hd = kv.head_dim;
   const int64_t group = n_heads / kv.n_kv_heads;
   const int64_t work = n * n_heads;
-#pragma omp parallel num_threads(thread_count()) if (work * position_bound > 4096)
-  {
-    std::vector<float> scores(static_cast<size_t>(position_bound));
-#pragma omp for schedule(static)
-    for (int64_t w = 0; w < work; ++w) {
-      const int64_t t = w / n_heads;
-      const int64_t h = w % n_heads;
-      const int64_t kvh = h / group;
-      const int64_t len = positions[t] + 1;  // causal: positions 0..positions[t]
-      const float* qv = q + (t * n_heads + h) * hd;
-      float mx = -INFINITY;
-      for (int64_t p = 0; p < len; ++p) {
-        const float* kp = kv.key(block_table[p / kv.block_size], p % kv.block_size) + kvh * hd;
-        const float dot = dot_fixed(qv, kp, hd);
-        scores[p] = dot * scale;
-        mx = std::max(mx, scores[p]);
-      }
-      double sum = 0.0;
-      for (int64_t p = 0; p < len; ++p) {
-        scores[p] = std::exp(scores[p] - mx);
-        sum += scores[p];
-      }
-      const float inv = static_cast<float>(1.0 / sum);
-      float* o = out + (t * n_heads + h) * hd;
-      for (int64_t i = 0; i < hd; ++i) o[i] = 0.0f;
-      for (int64_t p = 0; p < len; ++p) {
-        const float* vp = kv.value(block_table[p / kv.block_size], p % kv.block_size) + kvh * hd;
-        const float wgt = scores[p] * inv;
-        for (int64_t i = 0; i < hd; ++i) o[i] += wgt * vp[i];
-      }
-    }
-  }
+  // Each (token, head) is independent; scores[0, len) is rewritten for each before use, so a
+  // thread's scratch carries nothing from one query (or call) to the next.
+  parallel_for(
+      work,
+      [&](int64_t w0, int64_t w1) {
+        thread_local std::vector<float> scratch;
+        if (scratch.size() < static_cast<size_t>(position_bound)) scratch.resize(position_bound);
+        float* const scores = scratch.data();
+        for (int64_t w = w0; w < w1; ++w) {
+          const int64_t t = w / n_heads;
+          const int64_t h = w % n_heads;
+          const int64_t kvh = h / group;
+          const int64_t len = positions[t] + 1;  // causal: positions 0..positions[t]
+          const float* qv = q + (t * n_heads + h) * hd;
+          float mx = -INFINITY;
+          for (int64_t p = 0; p < len; ++p) {
+            const float* kp = kv.key(block_table[p / kv.block_size], p % kv.block_size) + kvh * hd;
+            const float dot = dot_fixed(qv, kp, hd);
+            scores[p] = dot * scale;
+            mx = std::max(mx, scores[p]);
+          }
+          double sum = 0.0;
+          for (int64_t p = 0; p < len; ++p) {
+            scores[p] = std::exp(scores[p] - mx);
+            sum += scores[p];
+          }
+          const float inv = static_cast<float>(1.0 / sum);
+          float* o = out + (t * n_heads + h) * hd;
+          for (int64_t i = 0; i < hd; ++i) o[i] = 0.0f;
+          for (int64_t p = 0; p < len; ++p) {
+            const float* vp =
+                kv.value(block_table[p / kv.block_size], p % kv.block_size) + kvh * hd;
+            const float wgt = scores[p] * inv;
+            for (int64_t i = 0; i < hd; ++i) o[i] += wgt * vp[i];
+          }
+        }
+      },
+      work * position_bound > 4096);
 }
 
 }  // namespace tandem::cpu

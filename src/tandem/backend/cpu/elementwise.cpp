@@ -1,9 +1,8 @@
 // Norms, activations, gates and small helpers: memory-bound loops over rows.
-#include <omp.h>
-
 #include <cmath>
 
 #include "tandem/backend/cpu/cpu_ops.h"
+#include "tandem/backend/cpu/thread_pool.h"
 #include "tandem/backend/cpu/weight_element.h"
 #include "tandem/core/error.h"
 
@@ -44,31 +43,43 @@ void rms_norm(const float* x, int64_t m, int64_t d, const WeightRef& w, bool zer
               float eps, float* y) {
   check_float_weight(w, "rms_norm");
   TANDEM_CHECK(w.rows * w.cols == d, "rms_norm weight size");
-#pragma omp parallel for schedule(static) num_threads(thread_count()) if (m > 8)
-  for (int64_t r = 0; r < m; ++r) {
-    const float s = inv_rms(x + r * d, d, eps);
-    for (int64_t i = 0; i < d; ++i) {
-      const float wi = weight_element(w, i);
-      y[r * d + i] = (x[r * d + i] * s) * (zero_centred ? 1.0f + wi : wi);
-    }
-  }
+  parallel_for(
+      m,
+      [&](int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; ++r) {
+          const float s = inv_rms(x + r * d, d, eps);
+          for (int64_t i = 0; i < d; ++i) {
+            const float wi = weight_element(w, i);
+            y[r * d + i] = (x[r * d + i] * s) * (zero_centred ? 1.0f + wi : wi);
+          }
+        }
+      },
+      m > 8);
 }
 
 void gated_rms_norm(const float* x, const float* z, int64_t m, int64_t d, const WeightRef& w,
                     float eps, float* y) {
   check_float_weight(w, "gated_rms_norm");
   TANDEM_CHECK(w.rows * w.cols == d, "gated_rms_norm weight size");
-#pragma omp parallel for schedule(static) num_threads(thread_count()) if (m > 8)
-  for (int64_t r = 0; r < m; ++r) {
-    const float s = inv_rms(x + r * d, d, eps);
-    for (int64_t i = 0; i < d; ++i)
-      y[r * d + i] = weight_element(w, i) * (x[r * d + i] * s) * silu(z[r * d + i]);
-  }
+  parallel_for(
+      m,
+      [&](int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; ++r) {
+          const float s = inv_rms(x + r * d, d, eps);
+          for (int64_t i = 0; i < d; ++i)
+            y[r * d + i] = weight_element(w, i) * (x[r * d + i] * s) * silu(z[r * d + i]);
+        }
+      },
+      m > 8);
 }
 
 void swiglu(const float* gate, const float* up, int64_t n, float* out) {
-#pragma omp parallel for schedule(static) num_threads(thread_count()) if (n > 65536)
-  for (int64_t i = 0; i < n; ++i) out[i] = silu(gate[i]) * up[i];
+  parallel_for(
+      n,
+      [&](int64_t i0, int64_t i1) {
+        for (int64_t i = i0; i < i1; ++i) out[i] = silu(gate[i]) * up[i];
+      },
+      n > 65536);
 }
 
 void sigmoid_gate(float* x, const float* gate, int64_t n) {
@@ -104,24 +115,30 @@ void causal_conv_silu(const float* x, int64_t n, int64_t channels, int64_t kerne
                       const WeightRef& w, float* state, float* out, float* state_after) {
   check_float_weight(w, "causal_conv_silu");
   TANDEM_CHECK(w.rows == channels && w.cols == kernel, "conv weight shape");
+  // wc below holds one channel's taps (the loader accepts kernels of 1..16).
+  TANDEM_CHECK(kernel >= 1 && kernel <= 16, "conv kernel ", kernel, " outside 1..16");
   const int64_t hist = kernel - 1;
-#pragma omp parallel for schedule(static) num_threads(thread_count()) if (channels >= 256)
-  for (int64_t c = 0; c < channels; ++c) {
-    float* st = state + c * hist;
-    float wc[16];
-    for (int64_t j = 0; j < kernel; ++j) wc[j] = weight_element(w, c * kernel + j);
-    for (int64_t t = 0; t < n; ++t) {
-      const float xt = x[t * channels + c];
-      float acc = 0.0f;
-      for (int64_t j = 0; j < hist; ++j) acc += wc[j] * st[j];
-      acc += wc[hist] * xt;
-      for (int64_t j = 0; j + 1 < hist; ++j) st[j] = st[j + 1];
-      if (hist > 0) st[hist - 1] = xt;
-      out[t * channels + c] = silu(acc);
-      if (state_after)
-        for (int64_t j = 0; j < hist; ++j) state_after[(t * channels + c) * hist + j] = st[j];
-    }
-  }
+  parallel_for(
+      channels,
+      [&](int64_t c0, int64_t c1) {
+        for (int64_t c = c0; c < c1; ++c) {
+          float* st = state + c * hist;
+          float wc[16] = {};  // zeroed only so GCC sees every read initialised
+          for (int64_t j = 0; j < kernel; ++j) wc[j] = weight_element(w, c * kernel + j);
+          for (int64_t t = 0; t < n; ++t) {
+            const float xt = x[t * channels + c];
+            float acc = 0.0f;
+            for (int64_t j = 0; j < hist; ++j) acc += wc[j] * st[j];
+            acc += wc[hist] * xt;
+            for (int64_t j = 0; j + 1 < hist; ++j) st[j] = st[j + 1];
+            if (hist > 0) st[hist - 1] = xt;
+            out[t * channels + c] = silu(acc);
+            if (state_after)
+              for (int64_t j = 0; j < hist; ++j) state_after[(t * channels + c) * hist + j] = st[j];
+          }
+        }
+      },
+      channels >= 256);
 }
 
 }  // namespace tandem::cpu

@@ -5,12 +5,11 @@
 // the tile shape: so y[i, j] is bitwise the same for m = 1 (decode), m = k+1 (verify) or m = 512
 // (prefill). Weight conversion (bf16/f16 → f32) happens in registers; nothing is unpacked to
 // memory, so decode reads each weight byte once (the memory roofline).
-#include <omp.h>
-
 #include <algorithm>
 
 #include "tandem/backend/cpu/cpu_ops.h"
 #include "tandem/backend/cpu/simd.h"
+#include "tandem/backend/cpu/thread_pool.h"
 #include "tandem/core/error.h"
 
 namespace tandem::cpu {
@@ -172,17 +171,22 @@ void linear_typed(const float* x, int64_t m, const WeightRef& w, float* y) {
   // Small products (norm-sized projections, the DeltaNet gate projections) run on the calling
   // thread: a parallel region costs more than their arithmetic. Results do not depend on it.
   const bool parallel = static_cast<int64_t>(row_bytes) * n * std::max<int64_t>(m, 1) >= (64 << 10);
-#pragma omp parallel for schedule(static) num_threads(thread_count()) if (parallel)
-  for (int64_t t = 0; t < n_tiles; ++t) {
-    const int64_t r0 = t * tile_n;
-    const int nr = static_cast<int>(std::min<int64_t>(tile_n, n - r0));
-    const void* wrows[kMaxNR];
-    for (int j = 0; j < nr; ++j) wrows[j] = base + static_cast<size_t>(r0 + j) * row_bytes;
-    for (int64_t i0 = 0; i0 < m; i0 += tile_m) {
-      const int mr = static_cast<int>(std::min<int64_t>(tile_m, m - i0));
-      tile_any<WT>(mr, nr, x + i0 * k, k, wrows, y + i0 * n + r0, n);
-    }
-  }
+  // Tiles are fixed by n and m alone; a chunk of tiles is any contiguous run of them.
+  parallel_for(
+      n_tiles,
+      [&](int64_t t0, int64_t t1) {
+        for (int64_t t = t0; t < t1; ++t) {
+          const int64_t r0 = t * tile_n;
+          const int nr = static_cast<int>(std::min<int64_t>(tile_n, n - r0));
+          const void* wrows[kMaxNR];
+          for (int j = 0; j < nr; ++j) wrows[j] = base + static_cast<size_t>(r0 + j) * row_bytes;
+          for (int64_t i0 = 0; i0 < m; i0 += tile_m) {
+            const int mr = static_cast<int>(std::min<int64_t>(tile_m, m - i0));
+            tile_any<WT>(mr, nr, x + i0 * k, k, wrows, y + i0 * n + r0, n);
+          }
+        }
+      },
+      parallel);
 }
 
 }  // namespace

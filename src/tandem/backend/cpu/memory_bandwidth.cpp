@@ -1,7 +1,5 @@
 #include "tandem/backend/cpu/memory_bandwidth.h"
 
-#include <omp.h>
-
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
@@ -11,6 +9,7 @@
 #include <vector>
 
 #include "tandem/backend/cpu/simd.h"
+#include "tandem/backend/cpu/thread_pool.h"
 #include "tandem/backend/ops.h"
 
 namespace tandem::cpu {
@@ -40,25 +39,33 @@ float read_sum(const float* p, size_t n) {
 }  // namespace
 
 double measure_read_bandwidth(size_t bytes, int repeats, int threads) {
-  const int nt = threads > 0 ? threads : ops::thread_count();
+  // The op pool, or one of the asked-for size.
+  std::shared_ptr<ThreadPool> pool = process_pool();
+  if (threads > 0 && threads != pool->threads()) pool = std::make_shared<ThreadPool>(threads);
+  const int nt = pool->threads();
   const size_t n = bytes / sizeof(float);
   std::unique_ptr<float, decltype(&std::free)> buf(
       static_cast<float*>(std::aligned_alloc(64, n * sizeof(float))), &std::free);
   float* p = buf.get();
   // First touch from the threads that will read, so pages land near them.
-#pragma omp parallel for schedule(static) num_threads(nt)
-  for (size_t i = 0; i < n; ++i) p[i] = 1.0f;
+  pool->parallel_for(static_cast<int64_t>(n), [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) p[i] = 1.0f;
+  });
+  // One slice per thread, 64-float aligned; each slice's sum has its own slot.
+  const size_t per = (n / static_cast<size_t>(nt) + 63) & ~size_t{63};
+  std::vector<float> partial(static_cast<size_t>(nt));
   std::vector<double> rates;
   volatile float sink = 0;
   for (int r = 0; r < repeats; ++r) {
     const auto t0 = std::chrono::steady_clock::now();
+    pool->parallel_for(nt, [&](int64_t s0, int64_t s1) {
+      for (int64_t sl = s0; sl < s1; ++sl) {
+        const size_t begin = per * static_cast<size_t>(sl);
+        partial[sl] = begin < n ? read_sum(p + begin, std::min(per, n - begin)) : 0.0f;
+      }
+    });
     float total = 0;
-#pragma omp parallel num_threads(nt) reduction(+ : total)
-    {
-      const size_t per = (n / static_cast<size_t>(omp_get_num_threads()) + 63) & ~size_t{63};
-      const size_t begin = per * static_cast<size_t>(omp_get_thread_num());
-      if (begin < n) total += read_sum(p + begin, std::min(per, n - begin));
-    }
+    for (float v : partial) total += v;
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     sink = sink + total;
     rates.push_back(static_cast<double>(n * sizeof(float)) / s);

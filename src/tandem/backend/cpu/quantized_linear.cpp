@@ -3,12 +3,11 @@
 // Each thread dequantizes one weight row at a time into an fp32 buffer (a few KB: it stays in L1)
 // and dots it with every input row. A dot product walks k in 16 independent lanes and reduces
 // them with a fixed tree, so y[i, j] does not depend on m (batch invariance, DESIGN.md §1.2).
-#include <omp.h>
-
 #include <cstring>
 #include <vector>
 
 #include "tandem/backend/cpu/cpu_ops.h"
+#include "tandem/backend/cpu/thread_pool.h"
 #include "tandem/core/error.h"
 
 namespace tandem::cpu {
@@ -85,15 +84,16 @@ inline float dot16(const float* a, const float* b, int64_t k) {
 template <int Bits>
 void linear_bits(const float* x, int64_t m, const QuantWeightRef& w, float* y) {
   const int64_t n = w.rows, k = w.cols;
-#pragma omp parallel num_threads(thread_count())
-  {
-    std::vector<float> buf(static_cast<size_t>(k));
-#pragma omp for schedule(static)
-    for (int64_t r = 0; r < n; ++r) {
-      dequant_row<Bits>(w, r, buf.data());
-      for (int64_t i = 0; i < m; ++i) y[i * n + r] = dot16(x + i * k, buf.data(), k);
+  // Rows are independent; buf holds one dequantized row at a time (rewritten before use).
+  parallel_for(n, [&](int64_t r0, int64_t r1) {
+    thread_local std::vector<float> scratch;
+    if (scratch.size() < static_cast<size_t>(k)) scratch.resize(k);
+    float* const buf = scratch.data();
+    for (int64_t r = r0; r < r1; ++r) {
+      dequant_row<Bits>(w, r, buf);
+      for (int64_t i = 0; i < m; ++i) y[i * n + r] = dot16(x + i * k, buf, k);
     }
-  }
+  });
 }
 
 bool is_float(DType t) {
