@@ -6,9 +6,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/install-deps.sh
 pkgs=(clang-14 libclang-rt-14-dev)
-# clang finds OpenMP only through LLVM's runtime (g++ has libgomp built in): needed for as long
-# as the library asks for OpenMP.
-if grep -q 'find_package(OpenMP' CMakeLists.txt; then pkgs+=(libomp-14-dev); fi
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
