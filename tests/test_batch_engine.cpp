@@ -88,6 +88,7 @@ struct DraftCase {
   const char* drafter;
   int64_t budget;
   int64_t chunk = kPrefillChunkTokens;  // CPU prefill is chunk-invariant: any size agrees
+  int layers = 0;                       // layer-sliced prefill: layers per step (0 = whole)
 };
 
 class StaggeredJoins : public ::testing::TestWithParam<DraftCase> {};
@@ -104,6 +105,8 @@ TEST_P(StaggeredJoins, EveryRequestEqualsPlainDecodingAlone) {
   o.spec.depth = 3;
   o.prefill_budget = c.budget;
   o.spec.prefill_chunk = c.chunk;
+  o.prefill_layers = c.layers;
+  o.prefill_slice_ratio = 0;  // slice whenever a row decodes
   o.max_rows = 4;
   o.kv_blocks = 400;
   BatchEngine engine(*d.model, drafter, "demo-target", o);
@@ -136,15 +139,19 @@ TEST_P(StaggeredJoins, EveryRequestEqualsPlainDecodingAlone) {
   EXPECT_EQ(k.decoding + k.prefilling + k.queued, 0);
 }
 
-INSTANTIATE_TEST_SUITE_P(Engine, StaggeredJoins,
-                         ::testing::Values(DraftCase{"none", 256}, DraftCase{"mtp", 256},
-                                           DraftCase{"ngram", 256}, DraftCase{"mtp", 512},
-                                           DraftCase{"mtp", 0}, DraftCase{"ngram", 128, 64}),
-                         [](const auto& info) {
-                           return std::string(info.param.drafter) + "_budget" +
-                                  std::to_string(info.param.budget) + "_chunk" +
-                                  std::to_string(info.param.chunk);
-                         });
+INSTANTIATE_TEST_SUITE_P(
+    Engine, StaggeredJoins,
+    ::testing::Values(DraftCase{"none", 256}, DraftCase{"mtp", 256}, DraftCase{"ngram", 256},
+                      DraftCase{"mtp", 512}, DraftCase{"mtp", 0}, DraftCase{"ngram", 128, 64},
+                      // A chunk's layers spread over several steps.
+                      DraftCase{"none", 256, 64, 1}, DraftCase{"mtp", 128, 64, 3},
+                      DraftCase{"ngram", 0, 256, 2}),
+    [](const auto& info) {
+      return std::string(info.param.drafter) + "_budget" + std::to_string(info.param.budget) +
+             "_chunk" + std::to_string(info.param.chunk) +
+             (info.param.layers > 0 ? "_layers" + std::to_string(info.param.layers)
+                                    : std::string());
+    });
 
 // CPU kernels are chunk-invariant outright: a prompt's logits are bitwise the same whether it
 // runs in one forward or in chunks (the fixed chunk boundaries are what the GPU relies on).
@@ -224,6 +231,99 @@ TEST(BatchEngine, CancelledFailedAndStoppedNeighboursDoNotDisturbOthers) {
   EXPECT_EQ(k.failed, 1);
   EXPECT_EQ(k.finished, 4);
   EXPECT_EQ(k.kv_blocks_used, 0);
+}
+
+// Layer-sliced prefill: a row cancelled while its chunk's forward is halfway through the layers
+// waits for that forward to finish before its slot is freed (the forward still writes it), the
+// rows sharing the forward and the decoding rows keep their exact tokens, and the pool is whole
+// at the end. A prefill layer count the engine cannot use is refused up front.
+TEST(BatchEngine, CancellingARowMidSliceFinishesItsForwardFirst) {
+  auto& d = demo();
+  EngineOptions o;
+  o.spec.depth = 2;
+  o.spec.prefill_chunk = 64;
+  o.prefill_budget = 0;  // every prefilling row in one forward
+  o.prefill_layers = 1;
+  o.prefill_slice_ratio = 0;
+  o.max_rows = 8;
+  o.kv_blocks = 400;
+  BatchEngine engine(*d.model, d.mtp.get(), "demo-target", o);
+  auto first = request(demo().tok->encode(test::kDemoPrompts[0]), 0.0f, 3, 40);
+  auto longer = request(long_prompt(500), 0.7f, 4, 12);
+  auto victim = request(long_prompt(400), 0.0f, 5, 12);
+  std::vector<std::shared_ptr<Recorder>> sinks;
+  auto submit = [&](const GenerateRequest& g) {
+    sinks.push_back(std::make_shared<Recorder>());
+    EngineRequest er;
+    er.gen = g;
+    ASSERT_EQ(engine.submit(er, sinks.back()), BatchEngine::Submit::Queued);
+  };
+  submit(first);
+  while (sinks[0]->tokens.empty()) ASSERT_TRUE(engine.step());
+  submit(longer);
+  submit(victim);
+  // Slices of one layer: a 64-token chunk's forward spans one step per layer, so after a few
+  // steps the two long prompts are mid-forward.
+  for (int i = 0; i < 5; ++i) ASSERT_TRUE(engine.step());
+  EXPECT_TRUE(sinks[2]->tokens.empty());
+  sinks[2]->cancel = true;
+  engine.run_to_completion();
+  ASSERT_TRUE(sinks[2]->outcome.has_value());
+  EXPECT_EQ(sinks[2]->outcome->end, RequestEnd::Cancelled);
+  EXPECT_TRUE(sinks[2]->tokens.empty());
+  EXPECT_EQ(sinks[0]->tokens, alone(first));
+  EXPECT_EQ(sinks[1]->tokens, alone(longer));
+  const EngineCounters k = engine.counters();
+  EXPECT_EQ(k.cancelled, 1);
+  EXPECT_EQ(k.finished, 2);
+  EXPECT_EQ(k.kv_blocks_used, 0);
+
+  EngineOptions bad = o;
+  bad.prefill_layers = -1;
+  EXPECT_THROW(BatchEngine(*d.model, nullptr, "demo-target", bad), Error);
+}
+
+// The slicing policy, seen from the steps a prompt waits for its first token next to one decoding
+// row (demo model: 8 layers, one layer per step): a prompt longer than a chunk is sliced whatever
+// the ratio (8 chunks x 8 layers), a prompt that fits one chunk is not while too few rows decode
+// (one step), and is once the ratio allows it (8 steps). Tokens are plain decoding's throughout.
+TEST(BatchEngine, LongPromptsAreAlwaysSlicedShortOnesByRatio) {
+  auto& d = demo();
+  const int layers = d.model->layer_count();
+  auto steps_to_first_token = [&](const GenerateRequest& g, int ratio) {
+    EngineOptions o;
+    o.spec.prefill_chunk = 64;
+    o.prefill_budget = 64;
+    o.prefill_layers = 1;
+    o.prefill_slice_ratio = ratio;
+    o.max_rows = 4;
+    o.kv_blocks = 200;
+    BatchEngine engine(*d.model, nullptr, "demo-target", o);
+    auto busy = std::make_shared<Recorder>();
+    EngineRequest first;
+    first.gen = request(demo().tok->encode(test::kDemoPrompts[0]), 0.0f, 1, 200);
+    engine.submit(first, busy);
+    while (busy->tokens.empty()) engine.step();
+    auto sink = std::make_shared<Recorder>();
+    EngineRequest er;
+    er.gen = g;
+    engine.submit(er, sink);
+    int steps = 0;
+    while (sink->tokens.empty()) {
+      engine.step();
+      ++steps;
+    }
+    busy->cancel = true;
+    engine.run_to_completion();
+    EXPECT_EQ(sink->tokens, alone(g)) << "ratio " << ratio;
+    return steps;
+  };
+  const auto long_req = request(long_prompt(500), 0.0f, 2, 4);  // 8 chunks of <= 64
+  const auto short_req = request(demo().tok->encode(test::kDemoPrompts[2]), 0.0f, 3, 4);
+  ASSERT_LE(short_req.prompt.size(), 64u);
+  EXPECT_EQ(steps_to_first_token(long_req, 3), 8 * layers);
+  EXPECT_EQ(steps_to_first_token(short_req, 3), 1);
+  EXPECT_EQ(steps_to_first_token(short_req, 1), layers);
 }
 
 // The pool: a request that could never fit is refused at submit; a full queue says so; requests

@@ -636,6 +636,21 @@ TEST(Ops, RecurrentRowsEqualSingleRowCalls) {
   EXPECT_EQ(state[0], before);
 }
 
+// The prefill GEMM tile an engine derives from its chunk: the chunk rounded up to whole 16-row
+// m-tiles, never past the largest tile; a tile outside that set is refused, not used.
+TEST(Ops, PrefillGemmRowsFollowTheChunk) {
+  EXPECT_EQ(ops::prefill_gemm_rows(1), 16);
+  EXPECT_EQ(ops::prefill_gemm_rows(16), 16);
+  EXPECT_EQ(ops::prefill_gemm_rows(17), 32);
+  EXPECT_EQ(ops::prefill_gemm_rows(64), 64);
+  EXPECT_EQ(ops::prefill_gemm_rows(100), 112);
+  EXPECT_EQ(ops::prefill_gemm_rows(256), 256);
+  EXPECT_EQ(ops::prefill_gemm_rows(8192), ops::kMaxPrefillGemmRows);
+  EXPECT_THROW(ops::prefill_gemm_rows(0), Error);
+  for (const int64_t bad : {0, 8, 24, 272}) EXPECT_THROW(ops::set_prefill(true, bad), Error) << bad;
+  ops::set_prefill(false, 0);  // off: the tile is not looked at
+}
+
 TEST(Dtype, HalfConversionsRoundTrip) {
   for (float f : {0.0f, -0.0f, 1.0f, -2.5f, 65504.0f, 6.1035156e-05f, 5.9604645e-08f, 1e-6f,
                   3.14159f, 1e5f}) {

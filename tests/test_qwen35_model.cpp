@@ -120,6 +120,90 @@ TEST_F(RandomModel, RowsOfDifferentLengthsDoNotInfluenceEachOther) {
   EXPECT_EQ(0, std::memcmp(o.logits.data() + 1 * V, so.logits.data(), sizeof(float) * V));
 }
 
+// Layer-sliced prefill: a prompt forward run one or two layers at a time, with another row's
+// prompt and decode forwards on the same state between its slices, gives forward()'s logits,
+// hidden states and state bit for bit; misuse is refused with the reason.
+TEST_F(RandomModel, SlicedPromptForwardEqualsOneForward) {
+  const int64_t V = model_->config().vocab_size, H = model_->config().hidden_size;
+  const std::vector<std::vector<int32_t>> prompts = {sequence(19, 5), sequence(7, 6)};
+  const std::vector<int32_t> flat = [&] {
+    std::vector<int32_t> f = prompts[0];
+    f.insert(f.end(), prompts[1].begin(), prompts[1].end());
+    return f;
+  }();
+  // Reference: one forward, then one decode step per row.
+  Qwen35State ref(model_->config());
+  const std::vector<RowInput> ref_rows = {{ref.open_row(), 19}, {ref.open_row(), 7}};
+  ForwardRequest req{flat, ref_rows, false, true};
+  req.prompt = true;
+  ForwardOutput want;
+  model_->forward(ref, req, &want);
+  const std::vector<int32_t> next = {11, 12};
+  const std::vector<RowInput> ref_step = {{ref_rows[0].slot, 1}, {ref_rows[1].slot, 1}};
+  ForwardOutput want_next;
+  model_->forward(ref, {next, ref_step, false, false}, &want_next);
+
+  for (int slice : {1, 2, 3}) {
+    Qwen35State s(model_->config());
+    const int other = s.open_row();
+    const std::vector<RowInput> rows = {{s.open_row(), 19}, {s.open_row(), 7}};
+    Qwen35Model::PromptForward pf;
+    ForwardRequest sliced{flat, rows, false, true};
+    sliced.prompt = true;
+    model_->begin_prompt(s, sliced, &pf);
+    EXPECT_THROW(model_->begin_prompt(s, sliced, &pf), Error) << "begun twice";
+    ForwardOutput got, busy;
+    int slices = 0;
+    const int32_t tok = 9;
+    const RowInput other_prompt{other, 4}, other_step{other, 1};
+    const auto other_ids = sequence(4, 8);
+    for (bool done = false; !done; ++slices) {
+      done = model_->continue_prompt(s, pf, slice, &got);
+      // Another row of the same state runs between slices: a prompt, then decode steps.
+      if (slices == 0)
+        model_->forward(s, {other_ids, {&other_prompt, 1}, false, false}, &busy);
+      else
+        model_->forward(s, {{&tok, 1}, {&other_step, 1}, false, false}, &busy);
+    }
+    EXPECT_EQ(slices, (model_->layer_count() + slice - 1) / slice) << "slice " << slice;
+    EXPECT_FALSE(pf.active());
+    ASSERT_EQ(got.logits.size(), want.logits.size());
+    EXPECT_EQ(0, std::memcmp(got.logits.data(), want.logits.data(), sizeof(float) * 2 * V))
+        << "slice " << slice;
+    ASSERT_EQ(got.hidden.size(), want.hidden.size());
+    EXPECT_EQ(0, std::memcmp(got.hidden.data(), want.hidden.data(), sizeof(float) * 26 * H))
+        << "slice " << slice;
+    EXPECT_EQ(s.length(rows[0].slot), 19);
+    // The rows' state continues exactly as the one-forward rows' does.
+    const std::vector<RowInput> step = {{rows[0].slot, 1}, {rows[1].slot, 1}};
+    ForwardOutput got_next;
+    model_->forward(s, {next, step, false, false}, &got_next);
+    EXPECT_EQ(0,
+              std::memcmp(got_next.logits.data(), want_next.logits.data(), sizeof(float) * 2 * V))
+        << "slice " << slice;
+  }
+
+  // Misuse.
+  Qwen35State s(model_->config());
+  const RowInput r{s.open_row(), 3};
+  const auto ids = sequence(3, 9);
+  Qwen35Model::PromptForward pf;
+  ForwardOutput o;
+  EXPECT_THROW(model_->continue_prompt(s, pf, 1, &o), Error) << "not begun";
+  ForwardRequest plain{ids, {&r, 1}, false, false};
+  EXPECT_THROW(model_->begin_prompt(s, plain, &pf), Error) << "not a prompt forward";
+  plain.prompt = true;
+  model_->begin_prompt(s, plain, &pf);
+  EXPECT_THROW(model_->continue_prompt(s, pf, -1, &o), Error);
+  s.close_row(r.slot);
+  try {
+    model_->continue_prompt(s, pf, 1, &o);
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("was closed"), std::string::npos) << e.what();
+  }
+}
+
 TEST_F(RandomModel, OutOfRangeTokenIsRefusedBeforeStateChanges) {
   Qwen35State s(model_->config());
   const RowInput r{s.open_row(), 2};

@@ -48,6 +48,7 @@ struct Case {
   const char* drafter;
   int64_t budget;
   int64_t chunk = kPrefillChunkTokens;
+  int layers = 0;  // layer-sliced prefill: layers per step (0 = whole forwards)
 };
 
 class CudaStaggeredJoins : public ::testing::TestWithParam<Case> {
@@ -85,6 +86,8 @@ TEST_P(CudaStaggeredJoins, EveryRequestEqualsPlainDecodingAlone) {
   o.spec.depth = 3;
   o.prefill_budget = c.budget;
   o.spec.prefill_chunk = c.chunk;
+  o.prefill_layers = c.layers;
+  o.prefill_slice_ratio = 0;  // slice whenever a row decodes
   o.max_rows = 4;
   o.kv_blocks = 400;
   BatchEngine engine(*d.model, drafter, "demo-target", o);
@@ -109,11 +112,16 @@ TEST_P(CudaStaggeredJoins, EveryRequestEqualsPlainDecodingAlone) {
 
 INSTANTIATE_TEST_SUITE_P(Engine, CudaStaggeredJoins,
                          ::testing::Values(Case{"none", 256}, Case{"mtp", 256}, Case{"ngram", 512},
-                                           Case{"mtp", 0}, Case{"mtp", 128, 64}),
+                                           Case{"mtp", 0}, Case{"mtp", 128, 64},
+                                           Case{"none", 256, 64, 1}, Case{"mtp", 256, 256, 3},
+                                           Case{"ngram", 0, 64, 2}),
                          [](const auto& info) {
                            return std::string(info.param.drafter) + "_budget" +
                                   std::to_string(info.param.budget) + "_chunk" +
-                                  std::to_string(info.param.chunk);
+                                  std::to_string(info.param.chunk) +
+                                  (info.param.layers > 0
+                                       ? "_layers" + std::to_string(info.param.layers)
+                                       : std::string());
                          });
 
 }  // namespace

@@ -353,6 +353,58 @@ TEST_F(CudaModelTest, TokenLogitsAreBitwiseIndependentOfWindowAndBatch) {
 // The asynchronous copies of the pipelined decode loop keep stream order: an upload staged while
 // the previous one is still queued lands intact (two staging buffers, the third use waits for the
 // first), and a readback started before a later write returns the bytes from before it.
+// Layer-sliced prefill on the GPU: two prompts' forward (cuBLAS prompt GEMMs, the prompt
+// attention and recurrence layouts) run a few layers at a time, with another row's decode graphs
+// replayed between the slices, gives the one-forward logits and hidden states bit for bit, and
+// the rows decode on identically afterwards.
+TEST_F(CudaModelTest, SlicedPromptForwardEqualsOneForward) {
+  ScopedBackend cuda(ops::Backend::Cuda);
+  Demo& d = cuda_demo();
+  const Qwen35Model& m = *d.model;
+  const int64_t V = m.config().vocab_size, H = m.config().hidden_size;
+  const auto a = d.tok->encode(kPrompts[0]), b = d.tok->encode(kPrompts[1]);
+  std::vector<int32_t> flat = a;
+  flat.insert(flat.end(), b.begin(), b.end());
+  const int64_t T = static_cast<int64_t>(flat.size());
+  auto run = [&](int slice, ForwardOutput* got, std::vector<float>* next_logits) {
+    Qwen35State st(m.config());
+    ForwardOutput busy;
+    const int other = prefill_row(m, st, d.tok->encode(kPrompts[2]), &busy);
+    const std::vector<RowInput> rows = {{st.open_row(), static_cast<int64_t>(a.size())},
+                                        {st.open_row(), static_cast<int64_t>(b.size())}};
+    ForwardRequest req{flat, rows, false, true};
+    req.prompt = true;
+    req.prompt_gemm_rows = 64;
+    if (slice == 0) {
+      m.forward(st, req, got);
+    } else {
+      Qwen35Model::PromptForward pf;
+      m.begin_prompt(st, req, &pf);
+      const int32_t tok = 7;
+      const RowInput step{other, 1};
+      while (!m.continue_prompt(st, pf, slice, got))
+        m.forward(st, {std::span(&tok, 1), {&step, 1}, false, false}, &busy);
+    }
+    const std::vector<int32_t> next = {5, 6};
+    const std::vector<RowInput> steps = {{rows[0].slot, 1}, {rows[1].slot, 1}};
+    ForwardOutput o;
+    m.forward(st, {next, steps, false, false}, &o);
+    *next_logits = o.logits;
+  };
+  ForwardOutput want;
+  std::vector<float> want_next;
+  run(0, &want, &want_next);
+  for (int slice : {1, 3}) {
+    ForwardOutput got;
+    std::vector<float> got_next;
+    run(slice, &got, &got_next);
+    EXPECT_TRUE(same_bits(got.logits.data(), want.logits.data(), 2 * V)) << "slice " << slice;
+    ASSERT_EQ(got.hidden.size(), want.hidden.size());
+    EXPECT_TRUE(same_bits(got.hidden.data(), want.hidden.data(), T * H)) << "slice " << slice;
+    EXPECT_TRUE(same_bits(got_next.data(), want_next.data(), 2 * V)) << "slice " << slice;
+  }
+}
+
 TEST_F(CudaModelTest, StagedUploadsAndReadbacksKeepStreamOrder) {
   ScopedBackend cuda_backend(ops::Backend::Cuda);
   const size_t n = 1 << 16;

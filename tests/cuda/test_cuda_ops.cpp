@@ -24,11 +24,13 @@
 #include <random>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "cuda_test_util.h"
 #include "tandem/backend/cpu/cpu_ops.h"
 #include "tandem/backend/cuda/cuda_ops.h"
+#include "tandem/backend/ops.h"
 
 namespace tandem {
 namespace {
@@ -419,6 +421,36 @@ TEST_F(CudaLinearModes, PrefillModeMatchesCpu) {
   EXPECT_TRUE(near_blocks(all, cpu_linear_bf16(x, 100, w), 64, kLinearRel));
   EXPECT_TRUE(bitwise_equal(cuda_linear(dx, 99, 1, w), slice(all, 99 * 64, 64)))
       << "after set_prefill(false), m = 100 is not batch invariant";
+}
+
+// Every prefill GEMM tile an engine can pick (ops::prefill_gemm_rows: 16..256 rows) matches the
+// CPU, and within one tile size a row's bits do not depend on how many rows share the call or
+// where the row falls among the tiles: what lets a small chunk use a small tile and still give a
+// prompt the same numbers alone and next to other prompts.
+TEST_F(CudaLinearModes, EveryPrefillTileMatchesCpuAndIsBatchInvariant) {
+  std::mt19937 rng(23);
+  const LinearShape s{1024, 2048};
+  const Bf16Matrix w = bf16_matrix(s.n, s.k, rng);
+  const int64_t max_m = 300;
+  const auto x = randn(sz(max_m * s.k), rng);
+  const auto want = cpu_linear_bf16(x, max_m, w);
+  const DeviceBuffer<float> dx(x);
+  for (const int64_t chunk : {1, 16, 32, 50, 64, 128, 256, 1000}) {
+    const int64_t tile = ops::prefill_gemm_rows(chunk);
+    ASSERT_EQ(tile % 16, 0) << "chunk " << chunk;
+    ASSERT_GE(tile, std::min<int64_t>(chunk, ops::kMaxPrefillGemmRows)) << "chunk " << chunk;
+    cuda::set_prefill(true, tile);
+    const auto all = cuda_linear(dx, 0, max_m, w);
+    EXPECT_TRUE(near_blocks(all, want, sz(s.n), kLinearRel)) << "tile " << tile;
+    for (const auto& [first, m] :
+         {std::pair<int64_t, int64_t>{0, 1}, {7, 1}, {37, 5}, {tile - 1, 2}, {299, 1}, {100, 64}}) {
+      EXPECT_TRUE(
+          bitwise_equal(cuda_linear(dx, first, m, w), slice(all, sz(first * s.n), sz(m * s.n))))
+          << "tile " << tile << ": rows " << first << "+" << m << " differ from the same rows of a "
+          << max_m << "-row call";
+    }
+    cuda::set_prefill(false);
+  }
 }
 
 // gate_up_swiglu on the pair layout gives the bits of the gate and up linears followed by

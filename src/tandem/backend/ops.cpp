@@ -131,11 +131,20 @@ bool quant_bits_supported(int bits) {
 #define TANDEM_DISPATCH(call) return cpu::call
 #endif
 
-void set_prefill(bool on) {
+void set_prefill(bool on, int64_t gemm_rows) {
+  if (on && (gemm_rows < 16 || gemm_rows > kMaxPrefillGemmRows || gemm_rows % 16 != 0))
+    fail("set_prefill: the prefill GEMM tile must be a multiple of 16 in [16, ",
+         kMaxPrefillGemmRows, "] rows, got ", gemm_rows);
 #ifdef TANDEM_HAVE_CUDA
-  if (g_backend == Backend::Cuda) cuda::set_prefill(on);
+  if (g_backend == Backend::Cuda) cuda::set_prefill(on, gemm_rows);
 #endif
   (void)on;
+  (void)gemm_rows;
+}
+
+int64_t prefill_gemm_rows(int64_t chunk) {
+  if (chunk < 1) fail("prefill_gemm_rows: the prefill chunk must be at least 1, got ", chunk);
+  return std::min(kMaxPrefillGemmRows, (chunk + 15) / 16 * 16);
 }
 
 void* mem_alloc(Backend where, size_t bytes) {

@@ -48,9 +48,17 @@ bool cuda_available();  // compiled and a device is present
 Backend parse_backend(std::string_view name);
 
 // Prompt-prefill mode (set by a model for a forward of prompt tokens): on CUDA, linear uses a
-// faster tensor-core GEMM path with its own (still batch-invariant) reduction order. Decode and
-// verify forwards never set it. No effect on the CPU backend, whose linear is the same at every m.
-void set_prefill(bool on);
+// faster tensor-core GEMM path with its own (still batch-invariant) reduction order: cuBLAS over
+// tiles of exactly gemm_rows rows (a multiple of 16, 16..kMaxPrefillGemmRows), so a prompt
+// token's numbers depend on gemm_rows and on nothing else in the call. Engines derive gemm_rows
+// from their prefill chunk (prefill_gemm_rows), so a small chunk does not pay for a large tile.
+// Decode and verify forwards never set it. No effect on the CPU backend, whose linear is the same
+// at every m.
+inline constexpr int64_t kMaxPrefillGemmRows = 256;
+void set_prefill(bool on, int64_t gemm_rows = kMaxPrefillGemmRows);
+// The prefill GEMM tile for prompts prefilled `chunk` tokens at a time (chunk >= 1): the chunk
+// rounded up to a multiple of 16, at most kMaxPrefillGemmRows.
+int64_t prefill_gemm_rows(int64_t chunk);
 
 // Memory of the active backend (host on CPU). Copies are ordered with the ops; to_host waits.
 void* mem_alloc(Backend where, size_t bytes);

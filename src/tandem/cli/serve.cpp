@@ -27,6 +27,8 @@ struct ServeArgs {
   double kv_memory_gib = 0;  // 0: from free memory
   int max_queue = 256;
   int64_t prefill_budget = 256;
+  int prefill_layers = 4;
+  int prefill_slice_ratio = 3;
   int64_t default_max_tokens = 4096;
   std::string api_key;
   std::string served_model_name;
@@ -63,6 +65,9 @@ void run_serve(const ServeArgs& a) {
   if (a.max_queue < 0) fail("--max-queue must not be negative");
   if (a.kv_memory_gib < 0) fail("--kv-memory must not be negative");
   if (a.prefill_budget < 1) fail("--prefill-budget must be at least 1 token");
+  if (a.prefill_layers < 0) fail("--prefill-layers must not be negative, got ", a.prefill_layers);
+  if (a.prefill_slice_ratio < 0)
+    fail("--prefill-slice-ratio must not be negative, got ", a.prefill_slice_ratio);
   if (a.default_max_tokens < 1) fail("--default-max-tokens must be at least 1");
   if (a.d.depth < 0 || a.d.depth > 16) fail("--depth must be in 0..16, got ", a.d.depth);
   apply_threads(a.threads);
@@ -81,6 +86,8 @@ void run_serve(const ServeArgs& a) {
   eo.max_rows = a.max_batch;
   eo.max_queue = static_cast<size_t>(a.max_queue);
   eo.prefill_budget = a.prefill_budget;
+  eo.prefill_layers = a.prefill_layers;
+  eo.prefill_slice_ratio = a.prefill_slice_ratio;
   const int depth = drafter ? a.d.depth : 0;
   uint64_t budget = 0;
   eo.kv_blocks = pool_blocks(a, model->config(), depth, &budget);
@@ -147,6 +154,16 @@ void add_serve_command(CLI::App& app) {
       ->capture_default_str();
   sub->add_option("--prefill-budget", a->prefill_budget,
                   "Prompt tokens prefilled per engine step, between decode rounds")
+      ->capture_default_str();
+  sub->add_option("--prefill-layers", a->prefill_layers,
+                  "Layers of a prefill forward run per step while other requests decode (0 = "
+                  "the whole forward): lower keeps their inter-token latency flat while a long "
+                  "prompt is admitted, higher gives that prompt its first token sooner; the "
+                  "tokens are the same either way")
+      ->capture_default_str();
+  sub->add_option("--prefill-slice-ratio", a->prefill_slice_ratio,
+                  "Prompts that fit one chunk are sliced only while this many requests decode "
+                  "per request prefilling (0 = always; longer prompts are always sliced)")
       ->capture_default_str();
   sub->add_option("--default-max-tokens", a->default_max_tokens,
                   "max_tokens of chat requests that give none (capped by the context)")

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "tandem/backend/ops.h"
 #include "tandem/core/error.h"
 
 namespace tandem {
@@ -78,6 +79,10 @@ BatchEngine::BatchEngine(const Qwen35Model& model, const spec::DraftProvider* dr
     fail("--depth must be in 0..16, got ", options_.spec.depth);
   if (options_.max_rows < 0) fail("the engine's row limit must be at least 1");
   if (options_.prefill_budget < 0) fail("the prefill budget must not be negative");
+  if (options_.prefill_layers < 0)
+    fail("the prefill layers per step must not be negative, got ", options_.prefill_layers);
+  if (options_.prefill_slice_ratio < 0)
+    fail("the prefill slice ratio must not be negative, got ", options_.prefill_slice_ratio);
   if (options_.spec.prefill_chunk < 1)
     fail("the prefill chunk must be at least 1 token, got ", options_.spec.prefill_chunk);
   depth_ = drafter_ ? options_.spec.depth : 0;
@@ -219,6 +224,19 @@ bool BatchEngine::emit(Row& row, int32_t id, const float* logits) {
 }
 
 void BatchEngine::retire() {
+  // A finished row of the forward in flight (only an error path gets here: cancellations
+  // complete the forward first) would hand its slot back while the forward still writes it:
+  // the forward stops, and its other rows, whose state it left part-advanced, fail.
+  if (inflight_.active()) {
+    bool hit = false;
+    for (const auto& r : prefilling_) hit = hit || (r->done && in_flight(*r));
+    if (hit) {
+      for (auto& r : prefilling_)
+        if (in_flight(*r))
+          finish(*r, RequestEnd::Failed, "its prefill forward was interrupted by a neighbour");
+      inflight_.abandon();
+    }
+  }
   auto drop = [&](std::vector<std::unique_ptr<Row>>& rows, spec::DraftRows* drafts) {
     std::vector<int> keep;
     std::vector<std::unique_ptr<Row>> still;
@@ -299,119 +317,174 @@ void BatchEngine::admit() {
   }
 }
 
-void BatchEngine::prefill_step() {
-  const int64_t H = model_.config().hidden_size;
-  const int64_t V = model_.config().vocab_size;
+bool BatchEngine::in_flight(const Row& row) const {
+  if (!inflight_.active()) return false;
+  return std::find(inflight_ids_.begin(), inflight_ids_.end(), row.id) != inflight_ids_.end();
+}
+
+void BatchEngine::begin_prefill() {
   const int64_t budget = options_.prefill_budget;
-  while (!prefilling_.empty()) {
-    // Rows in join order, one chunk each, while the budget lasts (at least one chunk runs).
-    std::vector<size_t> picked;
-    std::vector<int64_t> counts;
-    int64_t used = 0;
-    tokens_.clear();
-    inputs_.clear();
-    for (size_t r = 0; r < prefilling_.size(); ++r) {
-      Row& row = *prefilling_[r];
-      const int64_t L = static_cast<int64_t>(row.req.gen.prompt.size());
-      const int64_t n = std::min(options_.spec.prefill_chunk, L - row.prefilled);
-      if (budget > 0 && used > 0 && used + n > budget) break;
-      picked.push_back(r);
-      counts.push_back(n);
-      used += n;
-      tokens_.insert(tokens_.end(), row.req.gen.prompt.begin() + row.prefilled,
-                     row.req.gen.prompt.begin() + row.prefilled + n);
-      inputs_.push_back({row.slot, n, false});
-    }
-    // Logits rows are the rows' last tokens; only rows finishing their prompt use theirs. Rows
-    // that need no logits on the host take the device's greedy token.
-    bool need_logits = false;
-    for (size_t k = 0; k < picked.size(); ++k) {
-      const Row& row = *prefilling_[picked[k]];
-      if (row.prefilled + counts[k] == static_cast<int64_t>(row.req.gen.prompt.size()) &&
-          row.needs_logits())
-        need_logits = true;
-    }
-    ForwardRequest fwd{tokens_, inputs_, false, want_final_, want_prenorm_};
-    fwd.prompt = true;
-    fwd.want_logits = need_logits;
-    fwd.want_argmax = !need_logits;
+  // Rows in join order, one chunk each, while the budget lasts (at least one chunk runs).
+  inflight_ids_.clear();
+  inflight_counts_.clear();
+  int64_t used = 0;
+  tokens_.clear();
+  inputs_.clear();
+  for (const auto& rp : prefilling_) {
+    const Row& row = *rp;
+    const int64_t L = static_cast<int64_t>(row.req.gen.prompt.size());
+    const int64_t n = std::min(options_.spec.prefill_chunk, L - row.prefilled);
+    if (budget > 0 && used > 0 && used + n > budget) break;
+    inflight_ids_.push_back(row.id);
+    inflight_counts_.push_back(n);
+    used += n;
+    tokens_.insert(tokens_.end(), row.req.gen.prompt.begin() + row.prefilled,
+                   row.req.gen.prompt.begin() + row.prefilled + n);
+    inputs_.push_back({row.slot, n, false});
+  }
+  // Logits rows are the rows' last tokens; only rows finishing their prompt use theirs. Rows
+  // that need no logits on the host take the device's greedy token.
+  inflight_logits_ = false;
+  inflight_long_ = false;
+  for (size_t k = 0; k < inflight_ids_.size(); ++k) {
+    const Row& row = *prefilling_[k];
+    if (static_cast<int64_t>(row.req.gen.prompt.size()) > options_.spec.prefill_chunk)
+      inflight_long_ = true;
+    if (row.prefilled + inflight_counts_[k] == static_cast<int64_t>(row.req.gen.prompt.size()) &&
+        row.needs_logits())
+      inflight_logits_ = true;
+  }
+  ForwardRequest fwd{tokens_, inputs_, false, want_final_, want_prenorm_};
+  fwd.prompt = true;
+  fwd.prompt_gemm_rows = ops::prefill_gemm_rows(options_.spec.prefill_chunk);
+  fwd.want_logits = inflight_logits_;
+  fwd.want_argmax = !inflight_logits_;
+  model_.begin_prompt(state_, fwd, &inflight_);
+}
+
+void BatchEngine::prefill_step() {
+  const int64_t budget = options_.prefill_budget;
+  while (inflight_.active() || !prefilling_.empty()) {
     const auto t0 = std::chrono::steady_clock::now();
-    model_.forward(state_, fwd, &out_);
-    if (prefill_drafts_) {
-      const float* hidden = want_prenorm_ ? out_.prenorm_hidden.data() : out_.hidden.data();
-      const bool tapped = want_final_ || want_prenorm_;
-      std::vector<spec::RowPrefill> pre(picked.size());
-      int64_t off = 0;
-      for (size_t k = 0; k < picked.size(); ++k) {
-        const Row& row = *prefilling_[picked[k]];
-        pre[k].row = static_cast<int>(picked[k]);
-        pre[k].tokens =
-            std::span(row.req.gen.prompt)
-                .subspan(static_cast<size_t>(row.prefilled), static_cast<size_t>(counts[k]));
-        pre[k].hidden = tapped ? hidden + off * H : nullptr;
-        pre[k].processed_before = row.prefilled;
-        off += counts[k];
-      }
-      prefill_drafts_->prefill(pre);
-    }
+    if (!inflight_.active()) begin_prefill();
+    // While rows decode, a forward of a long prompt's chunk, or of short prompts while enough
+    // rows decode, runs a slice of its layers per step (EngineOptions::prefill_slice_ratio).
+    const bool slice =
+        !decoding_.empty() &&
+        (inflight_long_ || decoding_.size() >= static_cast<size_t>(options_.prefill_slice_ratio) *
+                                                   prefilling_.size());
+    const int layers = slice ? options_.prefill_layers : 0;
+    const bool done = model_.continue_prompt(state_, inflight_, layers, &out_);
     {
       std::lock_guard lock(mu_);
-      ++counters_.prefill_forwards;
       counters_.prefill_seconds += seconds_since(t0);
     }
-    // Rows whose prompt is complete sample their first token, then move to the decoding group.
-    std::vector<size_t> ready;
-    for (size_t k = 0; k < picked.size(); ++k) {
-      Row& row = *prefilling_[picked[k]];
-      row.prefilled += counts[k];
-      ++row.stats.target_forwards;
-      if (row.prefilled < static_cast<int64_t>(row.req.gen.prompt.size())) continue;
-      const float* logits = need_logits ? out_.logits.data() + k * V : nullptr;
-      int32_t tok = 0;
-      try {
-        tok = need_logits ? sample_token({logits, static_cast<size_t>(V)}, row.req.gen.sampling, 0,
-                                         &dist_scratch_)
-                          : out_.argmax[k];
-      } catch (const std::exception& e) {
-        finish(row, RequestEnd::Failed, e.what());
-        continue;
-      }
-      if (emit(row, tok, logits)) ready.push_back(picked[k]);
-    }
-    if (!ready.empty()) {
-      // The move: each row's drafter state travels as its own checkpoint into the decoding
-      // group; only when that append commits does the row leave the prefill group.
-      try {
-        if (decode_drafts_) {
-          std::vector<spec::CheckpointPtr> ckpts;
-          for (size_t r : ready) ckpts.push_back(prefill_drafts_->capture(static_cast<int>(r)));
-          decode_drafts_->append(ckpts);
-        }
-      } catch (const std::exception& e) {
-        for (size_t r : ready)
-          finish(*prefilling_[r], RequestEnd::Failed,
-                 std::string("drafter refused the row: ") + e.what());
-        ready.clear();
-      }
-      // Rows move in join order, so their rows in the decoding group match decoding_.
-      std::vector<bool> moving(prefilling_.size(), false);
-      for (size_t r : ready) moving[r] = true;
-      std::vector<int> keep;
-      std::vector<std::unique_ptr<Row>> still;
-      for (size_t r = 0; r < prefilling_.size(); ++r) {
-        if (moving[r]) {
-          decoding_.push_back(std::move(prefilling_[r]));
-        } else {
-          keep.push_back(static_cast<int>(r));
-          still.push_back(std::move(prefilling_[r]));
-        }
-      }
-      if (prefill_drafts_ && !ready.empty()) prefill_drafts_->filter_rows(keep);
-      prefilling_.swap(still);
-    }
+    if (!done) return;
+    finish_prefill();
     retire();
     if (budget > 0) return;
   }
+}
+
+void BatchEngine::complete_prefill() {
+  if (!inflight_.active()) return;
+  const auto t0 = std::chrono::steady_clock::now();
+  model_.continue_prompt(state_, inflight_, 0, &out_);
+  {
+    std::lock_guard lock(mu_);
+    counters_.prefill_seconds += seconds_since(t0);
+  }
+  finish_prefill();
+}
+
+void BatchEngine::finish_prefill() {
+  const int64_t H = model_.config().hidden_size;
+  const int64_t V = model_.config().vocab_size;
+  // The forward's rows in prefilling_ (rows that joined or left meanwhile shifted the indices;
+  // none of the forward's own rows can have left).
+  std::vector<size_t> picked;
+  for (uint64_t id : inflight_ids_) {
+    size_t r = 0;
+    while (r < prefilling_.size() && prefilling_[r]->id != id) ++r;
+    TANDEM_CHECK(r < prefilling_.size(), "a row of the prefill forward left while it ran");
+    picked.push_back(r);
+  }
+  const std::vector<int64_t>& counts = inflight_counts_;
+  const bool need_logits = inflight_logits_;
+  if (prefill_drafts_) {
+    const float* hidden = want_prenorm_ ? out_.prenorm_hidden.data() : out_.hidden.data();
+    const bool tapped = want_final_ || want_prenorm_;
+    std::vector<spec::RowPrefill> pre(picked.size());
+    int64_t off = 0;
+    for (size_t k = 0; k < picked.size(); ++k) {
+      const Row& row = *prefilling_[picked[k]];
+      pre[k].row = static_cast<int>(picked[k]);
+      pre[k].tokens =
+          std::span(row.req.gen.prompt)
+              .subspan(static_cast<size_t>(row.prefilled), static_cast<size_t>(counts[k]));
+      pre[k].hidden = tapped ? hidden + off * H : nullptr;
+      pre[k].processed_before = row.prefilled;
+      off += counts[k];
+    }
+    prefill_drafts_->prefill(pre);
+  }
+  {
+    std::lock_guard lock(mu_);
+    ++counters_.prefill_forwards;
+  }
+  // Rows whose prompt is complete sample their first token, then move to the decoding group.
+  std::vector<size_t> ready;
+  for (size_t k = 0; k < picked.size(); ++k) {
+    Row& row = *prefilling_[picked[k]];
+    row.prefilled += counts[k];
+    ++row.stats.target_forwards;
+    if (row.prefilled < static_cast<int64_t>(row.req.gen.prompt.size())) continue;
+    if (row.sink->cancelled()) {  // cancelled while its forward ran: no first token
+      finish(row, RequestEnd::Cancelled);
+      continue;
+    }
+    const float* logits = need_logits ? out_.logits.data() + k * V : nullptr;
+    int32_t tok = 0;
+    try {
+      tok = need_logits ? sample_token({logits, static_cast<size_t>(V)}, row.req.gen.sampling, 0,
+                                       &dist_scratch_)
+                        : out_.argmax[k];
+    } catch (const std::exception& e) {
+      finish(row, RequestEnd::Failed, e.what());
+      continue;
+    }
+    if (emit(row, tok, logits)) ready.push_back(picked[k]);
+  }
+  if (ready.empty()) return;
+  // The move: each row's drafter state travels as its own checkpoint into the decoding group;
+  // only when that append commits does the row leave the prefill group.
+  try {
+    if (decode_drafts_) {
+      std::vector<spec::CheckpointPtr> ckpts;
+      for (size_t r : ready) ckpts.push_back(prefill_drafts_->capture(static_cast<int>(r)));
+      decode_drafts_->append(ckpts);
+    }
+  } catch (const std::exception& e) {
+    for (size_t r : ready)
+      finish(*prefilling_[r], RequestEnd::Failed,
+             std::string("drafter refused the row: ") + e.what());
+    return;
+  }
+  // Rows move in join order, so their rows in the decoding group match decoding_.
+  std::vector<bool> moving(prefilling_.size(), false);
+  for (size_t r : ready) moving[r] = true;
+  std::vector<int> keep;
+  std::vector<std::unique_ptr<Row>> still;
+  for (size_t r = 0; r < prefilling_.size(); ++r) {
+    if (moving[r]) {
+      decoding_.push_back(std::move(prefilling_[r]));
+    } else {
+      keep.push_back(static_cast<int>(r));
+      still.push_back(std::move(prefilling_[r]));
+    }
+  }
+  if (prefill_drafts_) prefill_drafts_->filter_rows(keep);
+  prefilling_.swap(still);
 }
 
 bool BatchEngine::plain_greedy() const {
@@ -632,6 +705,20 @@ bool BatchEngine::step() {
       }
     }
   }
+  // A cancelled row of the prefill forward in flight: the forward runs its remaining layers
+  // now, so the row's slot is free to close (one long step, only on cancellation).
+  if (inflight_.active()) {
+    bool cancel = false;
+    for (const auto& r : prefilling_) cancel = cancel || (in_flight(*r) && r->sink->cancelled());
+    if (cancel) {
+      try {
+        complete_prefill();
+      } catch (const std::exception& e) {
+        inflight_.abandon();
+        fail_rows(prefilling_, std::string("prefill failed: ") + e.what());
+      }
+    }
+  }
   for (auto* rows : {&prefilling_, &decoding_})
     for (auto& r : *rows)
       if (r->sink->cancelled()) finish(*r, RequestEnd::Cancelled);
@@ -640,6 +727,7 @@ bool BatchEngine::step() {
   try {
     prefill_step();
   } catch (const std::exception& e) {
+    inflight_.abandon();
     fail_rows(prefilling_, std::string("prefill failed: ") + e.what());
   }
   retire();
@@ -687,6 +775,7 @@ void BatchEngine::serve(const std::string& shutdown_reason) {
     step();
   }
   if (chained_) abandon_chain();
+  inflight_.abandon();  // its rows are all cancelled below
   std::deque<Pending> left;
   {
     std::lock_guard lock(mu_);

@@ -1,7 +1,9 @@
 // The continuously batched speculative engine (DESIGN.md §5.1, §7): one loop owns the target, the
 // drafter and every row's state. Requests are queued from any thread; between rounds the loop
 // admits them (their prompts prefilled in fixed chunks under a per-step token budget,
-// interleaved with decode rounds) and retires finished, cancelled and failed ones.
+// interleaved with decode rounds; while rows decode, a chunk's forward may itself be spread over
+// several steps a few layers at a time, EngineOptions::prefill_layers) and retires finished,
+// cancelled and failed ones.
 //
 // Membership changes are transactions (principle 4): a join opens the row's target state (slot +
 // every KV block it can ever need) and its drafter row together or not at all; a prompt whose
@@ -38,6 +40,20 @@ struct EngineOptions {
   int64_t kv_blocks = 0;       // fixed KV pool in blocks; 0 = grow on demand (no budget)
   size_t max_queue = 0;        // requests waiting for admission; 0 = no limit
   int64_t prefill_budget = 0;  // prompt tokens per step (at least one chunk runs); 0 = all
+  // Layers of a prefill forward run per step while other rows decode (layer-sliced prefill:
+  // Qwen35Model::PromptForward); 0 = the whole forward in one step. A chunk's cost is then spread
+  // over several rounds, so a long prompt raises the decoding rows' inter-token latency by a
+  // fraction of a chunk instead of a whole one; the numbers are the same either way. With no row
+  // decoding a forward always runs whole.
+  int prefill_layers = 0;
+  // Which forwards are sliced. A prompt longer than one chunk would stall the decoding rows once
+  // per chunk, so a forward holding one of its chunks is always sliced. A forward of prompts that
+  // fit one chunk each stalls them once per prompt: it is sliced only while at least this many
+  // rows decode per row prefilling, since a whole chunk delays each decoding row by a chunk
+  // (~2-3 rounds at 32 rows × 256 tokens on the H200) and a forward cut into S slices delays
+  // each prefilling row's first token by S - 1 rounds. So an admission burst (many short
+  // prompts, few streams yet) runs whole forwards. 0: slice whenever a row decodes.
+  int prefill_slice_ratio = 3;
   SpecOptions spec;
 };
 
@@ -127,6 +143,15 @@ class BatchEngine {
   std::vector<int64_t> drafted_pos_, accepted_pos_;  // this round's counts per window position
   std::vector<int32_t> collected_;
 
+  // The prefill forward in flight (layer-sliced: it may span several steps), its rows (Row::id,
+  // in forward order), their token counts and whether it copies logits to the host. Its rows
+  // stay in prefilling_ and are never retired while it runs: their slots are being written.
+  Qwen35Model::PromptForward inflight_;
+  std::vector<uint64_t> inflight_ids_;
+  std::vector<int64_t> inflight_counts_;
+  bool inflight_logits_ = false;
+  bool inflight_long_ = false;  // it holds a chunk of a prompt longer than one chunk
+
   // Plain greedy rounds (no drafter, every row greedy, no log-probabilities) are pipelined one
   // deep, as Generator's greedy loop: step S+1 is queued taking S's tokens from device memory
   // before the host reads S's, so the device never waits for the host's turnaround. `chained_`:
@@ -138,6 +163,14 @@ class BatchEngine {
   void validate(const EngineRequest& r) const;
   void admit();
   void prefill_step();
+  // Picks the next chunk of each prefilling row under the budget and begins their forward.
+  void begin_prefill();
+  // After the in-flight forward's last layer: drafter prefill, first tokens, moves to decoding.
+  void finish_prefill();
+  // Runs the in-flight forward's remaining layers now and finishes it (a row in it is being
+  // cancelled: its slot may be closed only after the forward stops writing it).
+  void complete_prefill();
+  bool in_flight(const Row& row) const;
   void round();
   bool plain_greedy() const;
   void pipelined_round();

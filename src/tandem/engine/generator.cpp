@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 
+#include "tandem/backend/ops.h"
 #include "tandem/core/error.h"
 
 namespace tandem {
@@ -202,6 +203,7 @@ std::vector<GenerateResult> Generator::run(const std::vector<GenerateRequest>& r
     if (rows.empty()) break;
     ForwardRequest prefill{tokens, rows, false, false};
     prefill.prompt = true;
+    prefill.prompt_gemm_rows = ops::prefill_gemm_rows(prefill_chunk_);
     prefill.want_logits = !greedy;
     prefill.want_argmax = greedy;
     model_.forward(state, prefill, &out);

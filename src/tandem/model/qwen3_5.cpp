@@ -183,7 +183,7 @@ void Qwen35Model::embed(std::span<const int32_t> ids, float* out) const {
   for (int32_t id : ids)
     if (id < 0 || id >= cfg_.vocab_size)
       fail("embed: token id ", id, " is out of range [0, ", cfg_.vocab_size, ")");
-  Workspace& w = ws_;
+  Workspace& w = *ws_;
   w.embed_ids.grow_to(static_cast<int64_t>(ids.size()));
   ops::copy_from_host(w.embed_ids.data(), ids.data(), sizeof(int32_t) * ids.size());
   ops::embed_rows(embed_, w.embed_ids.data(), static_cast<int64_t>(ids.size()), out);
@@ -237,9 +237,8 @@ uint64_t Qwen35Model::parameter_count() const {
   return n;
 }
 
-void Qwen35Model::forward(Qwen35State& st, const ForwardRequest& req, ForwardOutput* out) const {
+int64_t Qwen35Model::prepare_forward(Qwen35State& st, const ForwardRequest& req) const {
   const Qwen35Config& c = cfg_;
-  const int64_t H = c.hidden_size;
   int64_t T = 0;
   for (size_t i = 0; i < req.rows.size(); ++i) {
     const RowInput& r = req.rows[i];
@@ -285,7 +284,7 @@ void Qwen35Model::forward(Qwen35State& st, const ForwardRequest& req, ForwardOut
   for (const RowInput& r : req.rows)
     if (r.speculative) st.begin_window(r.slot, r.n_tokens);
 
-  Workspace& w = ws_;
+  Workspace& w = *ws_;
   const int64_t R = static_cast<int64_t>(req.rows.size());
   reserve_workspace(T, req.all_logits ? T : R, req.all_logits);
   // Host-side metadata, uploaded once per forward: ids, positions and KV slots, block tables.
@@ -372,7 +371,13 @@ void Qwen35Model::forward(Qwen35State& st, const ForwardRequest& req, ForwardOut
     w.segments.push_back(
         {w.tables + static_cast<int64_t>(i) * stride, st.length(r.slot), r.n_tokens, bounds[i]});
   }
+  return T;
+}
 
+void Qwen35Model::forward(Qwen35State& st, const ForwardRequest& req, ForwardOutput* out) const {
+  const int64_t T = prepare_forward(st, req);
+  Workspace& w = *ws_;
+  const int64_t R = static_cast<int64_t>(req.rows.size());
   if (req.prompt) {
     // Prompts come in every length: running them directly is cheaper than capturing.
     forward_body(st, req, T);
@@ -404,6 +409,15 @@ void Qwen35Model::forward(Qwen35State& st, const ForwardRequest& req, ForwardOut
     key.add(w.max_row_tokens);
     graphs_.run(key.value(), [&] { forward_body(st, req, T); });
   }
+  finish_forward(st, req, T, out, true);
+}
+
+void Qwen35Model::finish_forward(Qwen35State& st, const ForwardRequest& req, int64_t T,
+                                 ForwardOutput* out, bool track_argmax) const {
+  const Qwen35Config& c = cfg_;
+  const int64_t H = c.hidden_size;
+  const int64_t R = static_cast<int64_t>(req.rows.size());
+  Workspace& w = *ws_;
   for (const RowInput& r : req.rows) st.set_length(r.slot, st.length(r.slot) + r.n_tokens);
 
   auto to_host = [](std::vector<float>& dst, const float* src, int64_t n) {
@@ -425,10 +439,12 @@ void Qwen35Model::forward(Qwen35State& st, const ForwardRequest& req, ForwardOut
   else
     out->logits.clear();
   out->argmax.clear();
-  argmax_slots_.clear();
-  argmax_state_ = &st;
-  if (req.want_argmax && !req.all_logits)
-    for (const RowInput& r : req.rows) argmax_slots_.push_back(r.slot);
+  if (track_argmax) {
+    argmax_slots_.clear();
+    argmax_state_ = &st;
+    if (req.want_argmax && !req.all_logits)
+      for (const RowInput& r : req.rows) argmax_slots_.push_back(r.slot);
+  }
   if (req.want_argmax && req.defer_argmax) {
     DeferredArgmax& d = deferred_[(deferred_first_ + deferred_count_) % kMaxDeferred];
     d.rows = out->logits_rows;
@@ -463,7 +479,7 @@ void Qwen35Model::collect_argmax(std::vector<int32_t>* argmax) const {
 
 void Qwen35Model::reserve_workspace(int64_t T, int64_t R, bool all_logits) const {
   const Qwen35Config& c = cfg_;
-  Workspace& w = ws_;
+  Workspace& w = *ws_;
   const int64_t H = c.hidden_size, I = c.intermediate_size, V = c.vocab_size;
   const int64_t conv_dim = c.linear_conv_dim(), vd = c.linear_value_dim(),
                 nv = c.linear_num_value_heads;
@@ -490,15 +506,21 @@ void Qwen35Model::reserve_workspace(int64_t T, int64_t R, bool all_logits) const
 }
 
 void Qwen35Model::forward_body(Qwen35State& st, const ForwardRequest& req, int64_t T) const {
-  const Qwen35Config& c = cfg_;
-  const int64_t H = c.hidden_size;
-  const float eps = static_cast<float>(c.rms_norm_eps);
-  Workspace& w = ws_;
-  ops::set_prefill(req.prompt);
+  body_embed(req, T);
+  body_layers(st, req, T, 0, layers_.size());
+  body_head(req, T);
+}
+
+void Qwen35Model::body_embed(const ForwardRequest& req, int64_t T) const {
+  Workspace& w = *ws_;
   // tokens_from_argmax: the previous forward's greedy tokens, where its argmax left them (this
   // forward's argmax overwrites them only at its end, queued after this read).
   ops::embed_rows(embed_, req.tokens_from_argmax ? w.argmax.data() : w.ids, T, w.x.data());
+}
 
+void Qwen35Model::body_layers(Qwen35State& st, const ForwardRequest& req, int64_t T, size_t first,
+                              size_t end) const {
+  ops::set_prefill(req.prompt, req.prompt_gemm_rows);
   // Every sublayer reads the residual stream x through its input norm (folded into its first
   // projection where the weights are stacked) and adds its output projection into x.
   // The stacked input projection a layer starts with (empty where the checkpoint's weights are
@@ -506,7 +528,7 @@ void Qwen35Model::forward_body(Qwen35State& st, const ForwardRequest& req, int64
   auto first_projection = [](const Layer& L) -> const ops::WeightRef& {
     return L.kind == LayerKind::FullAttention ? L.attn.in_proj : L.delta.in_proj;
   };
-  for (size_t i = 0; i < layers_.size(); ++i) {
+  for (size_t i = first; i < end; ++i) {
     const Layer& L = layers_[i];
     if (L.kind == LayerKind::FullAttention)
       attention_layer(L, st, T, req.prompt);
@@ -515,7 +537,13 @@ void Qwen35Model::forward_body(Qwen35State& st, const ForwardRequest& req, int64
     mlp(L, T, i + 1 < layers_.size() ? first_projection(layers_[i + 1]) : lm_head_);
   }
   ops::set_prefill(false);
+}
 
+void Qwen35Model::body_head(const ForwardRequest& req, int64_t T) const {
+  const Qwen35Config& c = cfg_;
+  const int64_t H = c.hidden_size;
+  const float eps = static_cast<float>(c.rms_norm_eps);
+  Workspace& w = *ws_;
   // Final norm: every token when hidden states or all logits are wanted (into h), else only each
   // row's last token, gathered into `last` for one head GEMM.
   if (req.want_hidden || req.all_logits)
@@ -541,10 +569,79 @@ void Qwen35Model::forward_body(Qwen35State& st, const ForwardRequest& req, int64
   if (req.want_argmax) ops::argmax_rows(w.out.data(), rows, V, w.argmax.data());
 }
 
+// --- Layer-sliced prompt forwards ----------------------------------------------------------------
+
+struct Qwen35Model::PromptForward::Workspace {
+  Qwen35Model::Workspace ws;
+};
+
+Qwen35Model::PromptForward::PromptForward() = default;
+Qwen35Model::PromptForward::~PromptForward() = default;
+
+namespace {
+// Points the model's body at another workspace for one call (restored on exit, also on throw).
+template <class W>
+class WorkspaceSwap {
+ public:
+  WorkspaceSwap(W*& slot, W* other) : slot_(slot), saved_(slot) { slot_ = other; }
+  ~WorkspaceSwap() { slot_ = saved_; }
+  WorkspaceSwap(const WorkspaceSwap&) = delete;
+  WorkspaceSwap& operator=(const WorkspaceSwap&) = delete;
+
+ private:
+  W*& slot_;
+  W* saved_;
+};
+}  // namespace
+
+void Qwen35Model::begin_prompt(Qwen35State& st, const ForwardRequest& req,
+                               PromptForward* pf) const {
+  if (pf->active_)
+    fail("begin_prompt: this prompt forward is still running (layer ", pf->next_layer_, " of ",
+         layers_.size(), " is next)");
+  if (!req.prompt) fail("begin_prompt: the request is not a prompt forward (prompt = false)");
+  if (req.defer_argmax || req.tokens_from_argmax)
+    fail("begin_prompt: a sliced prompt forward takes host tokens and returns its argmax at once");
+  for (const RowInput& r : req.rows)
+    if (r.speculative) fail("begin_prompt: row slot ", r.slot, " is a speculative window");
+  if (!pf->ws_) pf->ws_ = std::make_unique<PromptForward::Workspace>();
+  pf->tokens_.assign(req.tokens.begin(), req.tokens.end());
+  pf->rows_.assign(req.rows.begin(), req.rows.end());
+  pf->req_ = req;
+  pf->req_.tokens = pf->tokens_;
+  pf->req_.rows = pf->rows_;
+  WorkspaceSwap<Workspace> use(ws_, &pf->ws_->ws);
+  pf->tokens_total_ = prepare_forward(st, pf->req_);
+  body_embed(pf->req_, pf->tokens_total_);
+  pf->next_layer_ = 0;
+  pf->active_ = true;
+}
+
+bool Qwen35Model::continue_prompt(Qwen35State& st, PromptForward& pf, int max_layers,
+                                  ForwardOutput* out) const {
+  if (!pf.active_) fail("continue_prompt: no prompt forward is running (begin_prompt first)");
+  if (max_layers < 0) fail("continue_prompt: max_layers must be >= 0, got ", max_layers);
+  for (const RowInput& r : pf.rows_)
+    if (!st.row_open(r.slot))
+      fail("continue_prompt: row slot ", r.slot, " was closed while its prompt forward ran");
+  WorkspaceSwap<Workspace> use(ws_, &pf.ws_->ws);
+  const size_t n = layers_.size();
+  const size_t first = static_cast<size_t>(pf.next_layer_);
+  const size_t end = max_layers == 0 ? n : std::min(n, first + static_cast<size_t>(max_layers));
+  body_layers(st, pf.req_, pf.tokens_total_, first, end);
+  pf.next_layer_ = static_cast<int>(end);
+  if (end < n) return false;
+  pf.active_ = false;
+  body_head(pf.req_, pf.tokens_total_);
+  // The argmax stays in the slice workspace: nothing may chain tokens_from_argmax off it.
+  finish_forward(st, pf.req_, pf.tokens_total_, out, false);
+  return true;
+}
+
 Qwen35Model::SublayerInput Qwen35Model::sublayer_input(const ops::WeightRef& norm, int64_t T,
                                                        bool stacked) const {
   const Qwen35Config& c = cfg_;
-  Workspace& w = ws_;
+  Workspace& w = *ws_;
   SublayerInput in{w.x.data(), {norm, true, static_cast<float>(c.rms_norm_eps)}, stacked};
   if (!stacked) {
     ops::rms_norm(w.x.data(), T, c.hidden_size, norm, true, in.norm.eps, w.h.data());
@@ -555,7 +652,7 @@ Qwen35Model::SublayerInput Qwen35Model::sublayer_input(const ops::WeightRef& nor
 
 void Qwen35Model::mlp(const Layer& L, int64_t T, const ops::WeightRef& next) const {
   const Qwen35Config& c = cfg_;
-  Workspace& w = ws_;
+  Workspace& w = *ws_;
   const bool stacked = L.gate_up.data != nullptr;
   const SublayerInput in = sublayer_input(L.post_norm, T, stacked);
   const ops::WeightRef tail = tail_prefetch(next);
@@ -569,7 +666,7 @@ void Qwen35Model::mlp(const Layer& L, int64_t T, const ops::WeightRef& next) con
 
 void Qwen35Model::attention_layer(const Layer& L, Qwen35State& st, int64_t T, bool prompt) const {
   const Qwen35Config& c = cfg_;
-  Workspace& w = ws_;
+  Workspace& w = *ws_;
   GatedAttentionShape shape;
   shape.n_heads = c.num_attention_heads;
   shape.n_kv_heads = c.num_key_value_heads;
@@ -600,7 +697,7 @@ void Qwen35Model::attention_layer(const Layer& L, Qwen35State& st, int64_t T, bo
 void Qwen35Model::delta_layer(const Layer& L, Qwen35State& st, const ForwardRequest& req,
                               int64_t T) const {
   const Qwen35Config& c = cfg_;
-  Workspace& w = ws_;
+  Workspace& w = *ws_;
   const int64_t conv_dim = c.linear_conv_dim(), kd = c.linear_key_dim(), vd = c.linear_value_dim(),
                 nv = c.linear_num_value_heads;
   float *qkv = w.a0.data(), *conv = w.a1.data(), *z = w.a2.data(), *b = w.a3.data(),
@@ -688,7 +785,7 @@ void Qwen35Model::commit_windows(Qwen35State& st, std::span<const RowKeep> rows)
   const Qwen35Config& c = cfg_;
   const int64_t conv_dim = c.linear_conv_dim(), vd = c.linear_value_dim();
   const int64_t conv_floats = st.conv_state_floats(), rec_floats = st.recurrent_state_floats();
-  Workspace& w = ws_;
+  Workspace& w = *ws_;
   for (const RowKeep& r : rows) {
     const int64_t n = st.window_size(r.slot), kept = r.kept;
     // Keeping the whole window: the live state already is the state after token n-1.

@@ -48,6 +48,9 @@ struct ForwardRequest {
   // Engines set it for the forward that processes prompts, in plain and speculative decoding
   // alike, so both compute prompt tokens identically.
   bool prompt = false;
+  // Rows of each prefill GEMM tile when `prompt` (ops::set_prefill): a prompt token's bits depend
+  // on it, so engines set ops::prefill_gemm_rows(their prefill chunk) and agree with each other.
+  int64_t prompt_gemm_rows = ops::kMaxPrefillGemmRows;
   // Greedy decoding without a host round trip per token. tokens_from_argmax: `tokens` is empty
   // and each row's one input token is the argmax the previous forward computed for it (the
   // previous forward had want_argmax, one logits row per row, and exactly these rows in this
@@ -81,6 +84,10 @@ class Qwen35Model {
   // memory (no files): benchmarks at real sizes. Weight scales follow write_random_qwen35.
   static std::unique_ptr<Qwen35Model> random(const Qwen35Config& cfg, uint64_t seed);
 
+  // Not copyable or movable: ws_ points into the model itself.
+  Qwen35Model(const Qwen35Model&) = delete;
+  Qwen35Model& operator=(const Qwen35Model&) = delete;
+
   const Qwen35Config& config() const { return cfg_; }
   const WeightStore& weights() const { return store_; }
   const std::string& prefix() const { return prefix_; }  // "model.language_model." or "model."
@@ -91,6 +98,49 @@ class Qwen35Model {
   // in the forward (batch invariance). On CUDA, `req.prompt` selects the prefill GEMM path, so a
   // prompt token's numbers differ (within bf16 rounding) from the same token decoded.
   void forward(Qwen35State& state, const ForwardRequest& req, ForwardOutput* out) const;
+
+  // A prompt forward run a few layers at a time (layer-sliced prefill): a serving engine spreads
+  // one chunk's layers over several steps, between the decode rounds of other rows, so no round
+  // waits for a whole chunk. The slices queue exactly the kernels forward() queues for the same
+  // request, in the same order, into a workspace of their own, so the results are forward()'s
+  // bit for bit. From begin_prompt until the slice that finishes it, the forward's rows must stay
+  // open and take no other forward; the state's other rows may run forwards and commits freely.
+  // Not copyable; dropping an unfinished one leaves its rows' recurrent state part-advanced
+  // (close those rows).
+  class PromptForward {
+   public:
+    PromptForward();
+    ~PromptForward();
+    PromptForward(const PromptForward&) = delete;
+    PromptForward& operator=(const PromptForward&) = delete;
+    bool active() const { return active_; }
+    int next_layer() const { return next_layer_; }
+    std::span<const RowInput> rows() const { return rows_; }
+    // Forgets an unfinished forward (after an error, or when its rows are being closed): their
+    // recurrent state is part-advanced, so those rows must be closed, not continued.
+    void abandon() { active_ = false; }
+
+   private:
+    friend class Qwen35Model;
+    struct Workspace;
+    std::unique_ptr<Workspace> ws_;
+    std::vector<int32_t> tokens_;
+    std::vector<RowInput> rows_;
+    ForwardRequest req_;  // its spans view tokens_ and rows_
+    int64_t tokens_total_ = 0;
+    int next_layer_ = 0;
+    bool active_ = false;
+  };
+  // Validates `req` (a prompt forward: req.prompt, no defer_argmax, no tokens_from_argmax, no
+  // speculative rows) as forward() does, reserves the rows' KV and stages the forward's metadata
+  // and embedding into pf. Throws before anything changes; pf must not be active.
+  void begin_prompt(Qwen35State& state, const ForwardRequest& req, PromptForward* pf) const;
+  // Runs the next max_layers layers of pf (0: all that remain). After the last layer it runs the
+  // head, appends the tokens to the rows, fills *out as forward() would and returns true (pf is
+  // then inactive); otherwise returns false and *out is untouched.
+  bool continue_prompt(Qwen35State& state, PromptForward& pf, int max_layers,
+                       ForwardOutput* out) const;
+  int layer_count() const { return static_cast<int>(layers_.size()); }
   // The argmax of the oldest forward run with defer_argmax whose tokens were not collected yet
   // (blocks until they are on the host). Throws if none is pending, or naming the logits row
   // that held NaN or +inf (the forward that took such a token as input has been queued already;
@@ -180,7 +230,9 @@ class Qwen35Model {
     std::vector<AttentionSegment> segments;
     GatedAttentionScratch attn;
   };
-  mutable Workspace ws_;
+  mutable Workspace own_ws_;
+  // The workspace the body runs in: own_ws_, or a PromptForward's while one of its slices runs.
+  mutable Workspace* ws_ = &own_ws_;
   mutable GraphCache graphs_;  // decode/verify forwards replayed as CUDA graphs
   // Deferred argmax copies (ForwardRequest::defer_argmax): a ring of kMaxDeferred readbacks,
   // collected oldest first.
@@ -204,6 +256,19 @@ class Qwen35Model {
   // The device work of a forward: embedding, layers, final norm and head into ws_.out. Only
   // queues ops (captured into a CUDA graph for decode/verify shapes).
   void forward_body(Qwen35State& st, const ForwardRequest& req, int64_t T) const;
+  // The parts of forward_body: the embedding, layers [first, end) (with the prefill mode of
+  // req.prompt on for their duration), and the final norm, head and argmax.
+  void body_embed(const ForwardRequest& req, int64_t T) const;
+  void body_layers(Qwen35State& st, const ForwardRequest& req, int64_t T, size_t first,
+                   size_t end) const;
+  void body_head(const ForwardRequest& req, int64_t T) const;
+  // forward()'s checks and set-up before the body (reserve, windows, metadata upload, segments)
+  // into *ws_; returns the forward's token count.
+  int64_t prepare_forward(Qwen35State& st, const ForwardRequest& req) const;
+  // forward()'s end: rows' lengths, outputs. track_argmax: ws_ is the model's own workspace and
+  // what it now holds may feed tokens_from_argmax.
+  void finish_forward(Qwen35State& st, const ForwardRequest& req, int64_t T, ForwardOutput* out,
+                      bool track_argmax) const;
   // Grows every workspace buffer the body uses for T tokens and R logits rows.
   void reserve_workspace(int64_t T, int64_t R, bool all_logits) const;
   // A sublayer: its input is rms_norm(ws_.x, L.input_norm), its output is added into ws_.x.

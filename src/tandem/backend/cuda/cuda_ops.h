@@ -14,9 +14,9 @@
 //  - Batch invariance (DESIGN.md principle 2): every op computes a row's (token's) result with a
 //    reduction order that depends only on that row's data and the weight shape, never on how
 //    many rows are in the call. Prompt prefill (set_prefill) takes a second, faster linear path
-//    (cuBLAS on fixed-size row chunks) and a gated delta rule layout suited to long token chains,
-//    both batch-invariant among prompt rows; a token's numbers therefore depend on whether it was
-//    a prompt token or a decoded/verified one, never on the batch.
+//    (cuBLAS on row tiles of one fixed size per forward) and a gated delta rule layout suited to
+//    long token chains, both batch-invariant among prompt rows; a token's numbers therefore depend
+//    on whether it was a prompt token or a decoded/verified one, never on the batch.
 #pragma once
 
 #include <cstddef>
@@ -79,9 +79,10 @@ uint64_t scratch_generation();
 void bump_scratch_generation();
 
 // --- Ops (signatures and semantics as in backend/ops.h) --------------------------------------
-// Prompt-prefill mode for linear and the gated delta rule (see header comment). Set by the model
-// per forward; default off.
-void set_prefill(bool on);
+// Prompt-prefill mode for linear and the gated delta rule (see header comment), with the rows of
+// every prefill GEMM tile (ops::set_prefill checks them). Set by the model per forward; default
+// off.
+void set_prefill(bool on, int64_t gemm_rows = 256);
 bool prefill_mode();
 
 void linear(const float* x, int64_t m, const ops::WeightRef& w, float* y);

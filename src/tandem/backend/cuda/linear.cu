@@ -31,10 +31,14 @@
 // (two 16-byte loads) and feeds mma j (0..3) with its elements 4j..4j+3, which the instruction
 // sees as k-slots {2t, 2t+1, 2t+8, 2t+9}; the A fragment takes x at the same four k.
 //
-// Prompt prefill (set_prefill(true)) uses cuBLAS (bf16 inputs, fp32 accumulation and output) in
-// chunks of exactly kPrefillChunk rows, the last one zero-padded: every GEMM has the same shape,
-// so cuBLAS picks the same algorithm and a row's result does not depend on the other prompts in
-// the batch or on where its tokens fall (rows of one GEMM tile share the K order).
+// Prompt prefill (set_prefill(true, rows)) uses cuBLAS (bf16 inputs, fp32 accumulation and
+// output) in tiles of exactly `rows` rows, the last one zero-padded: every GEMM of the forward
+// has the same shape, so cuBLAS picks the same algorithm and a row's result does not depend on
+// the other prompts in the batch or on where its tokens fall (rows of one GEMM tile share the K
+// order). The tile follows the engine's prefill chunk (16..256 rows): a 64-token chunk pays for a
+// 64-row GEMM, which streams the weights once like a 256-row one but does a quarter of the math,
+// so chunks interleaved with decode rounds stay short. A token's bits depend on the tile, so
+// engines that must agree (generate and serve) use the same chunk.
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -61,12 +65,12 @@ constexpr int kTileRows = 16;    // rows of one m-tile (the mma's m)
 constexpr int kMaxTiles = 4;     // m-tiles per pass
 constexpr int64_t kNarrowRows = 4;      // up to this many rows: bf16 inputs staged per block (F32X)
 constexpr int64_t kFoldedNormRows = 1;  // up to this many rows: an input norm folded into staging
-constexpr int64_t kPrefillChunk = 256;
 // Shared memory for the bf16 input rows of the in-register path at most; wider inputs take the
 // scratch path (the same arithmetic).
 constexpr size_t kNarrowSmemMax = size_t(128) << 10;
 
 bool g_prefill = false;
+int64_t g_prefill_rows = 256;  // rows of every prefill GEMM tile while g_prefill
 
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // .x (lo) in the low 16 bits
@@ -625,15 +629,14 @@ T* grow(T*& p, int64_t& size, int64_t n) {
   return p;
 }
 
-void gemm_chunk(const __nv_bfloat16* xb, const ops::WeightRef& w, float* y) {
+void gemm_tile(const __nv_bfloat16* xb, int64_t tile, const ops::WeightRef& w, float* y) {
   const float alpha = 1.0f, beta = 0.0f;
   const int K = static_cast<int>(w.cols), N = static_cast<int>(w.rows);
-  // Column-major view: yᵀ[N, chunk] = W[N, K] (stored as K x N col-major, transposed) · xᵀ[K,
-  // chunk].
-  const cublasStatus_t st =
-      cublasGemmEx(cublas(), CUBLAS_OP_T, CUBLAS_OP_N, N, static_cast<int>(kPrefillChunk), K,
-                   &alpha, w.data, CUDA_R_16BF, K, xb, CUDA_R_16BF, K, &beta, y, CUDA_R_32F, N,
-                   CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+  // Column-major view: yᵀ[N, tile] = W[N, K] (stored as K x N col-major, transposed) · xᵀ[K,
+  // tile].
+  const cublasStatus_t st = cublasGemmEx(
+      cublas(), CUBLAS_OP_T, CUBLAS_OP_N, N, static_cast<int>(tile), K, &alpha, w.data, CUDA_R_16BF,
+      K, xb, CUDA_R_16BF, K, &beta, y, CUDA_R_32F, N, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
   if (st != CUBLAS_STATUS_SUCCESS) fail("cuBLAS: cublasGemmEx failed (status ", int(st), ")");
 }
 
@@ -641,30 +644,30 @@ void linear_prefill(const float* x, int64_t m, const ops::WeightRef& w, const Sp
   static PrefillScratch s;
   if (out.accumulate && out.parts != 1) fail("cuda linear: accumulating into several slices");
   const int64_t K = w.cols, N = w.rows;
-  const int64_t chunks = (m + kPrefillChunk - 1) / kPrefillChunk;
-  __nv_bfloat16* xb = grow(s.xb, s.xb_size, chunks * kPrefillChunk * K);
-  const int64_t n = m * K, padded = chunks * kPrefillChunk * K;
+  const int64_t tile = g_prefill_rows;
+  const int64_t chunks = (m + tile - 1) / tile;
+  __nv_bfloat16* xb = grow(s.xb, s.xb_size, chunks * tile * K);
+  const int64_t n = m * K, padded = chunks * tile * K;
   launch("linear (bf16 convert)", to_bf16_kernel, static_cast<unsigned>((padded + 255) / 256), 256,
          0, x, n, padded, xb);
   if (out.parts == 1 && !out.accumulate) {
     for (int64_t c = 0; c < chunks; ++c) {
-      const int64_t rows = std::min(kPrefillChunk, m - c * kPrefillChunk);
-      const __nv_bfloat16* xc = xb + c * kPrefillChunk * K;
-      if (rows == kPrefillChunk) {
-        gemm_chunk(xc, w, out.dst[0] + c * kPrefillChunk * N);
+      const int64_t rows = std::min(tile, m - c * tile);
+      const __nv_bfloat16* xc = xb + c * tile * K;
+      if (rows == tile) {
+        gemm_tile(xc, tile, w, out.dst[0] + c * tile * N);
       } else {
-        float* tail = grow(s.tail, s.tail_size, kPrefillChunk * N);
-        gemm_chunk(xc, w, tail);
-        copy_rows(out.dst[0] + c * kPrefillChunk * N, N, tail, N, rows, N);
+        float* tail = grow(s.tail, s.tail_size, tile * N);
+        gemm_tile(xc, tile, w, tail);
+        copy_rows(out.dst[0] + c * tile * N, N, tail, N, rows, N);
       }
     }
     return;
   }
-  // Several slices or an accumulation: every chunk into one scratch [chunks · kPrefillChunk, N],
+  // Several slices or an accumulation: every chunk into one scratch [chunks · tile, N],
   // then one strided copy per slice, or one add_inplace of its first m rows.
-  float* full = grow(s.tail, s.tail_size, chunks * kPrefillChunk * N);
-  for (int64_t c = 0; c < chunks; ++c)
-    gemm_chunk(xb + c * kPrefillChunk * K, w, full + c * kPrefillChunk * N);
+  float* full = grow(s.tail, s.tail_size, chunks * tile * N);
+  for (int64_t c = 0; c < chunks; ++c) gemm_tile(xb + c * tile * K, tile, w, full + c * tile * N);
   if (out.accumulate) return cuda::add_inplace(out.dst[0], full, m * N);
   for (int p = 0; p < out.parts; ++p) {
     const int64_t width = out.start[p + 1] - out.start[p];
@@ -708,8 +711,9 @@ unsigned balanced_grid(Kernel kernel, int threads, int groups, size_t smem = 0) 
 
 }  // namespace
 
-void set_prefill(bool on) {
+void set_prefill(bool on, int64_t gemm_rows) {
   g_prefill = on;
+  if (on) g_prefill_rows = gemm_rows;
 }
 
 bool prefill_mode() {
