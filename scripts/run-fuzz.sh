@@ -32,7 +32,8 @@ build=build-fuzz
 if [ "${TANDEM_FUZZ_NO_BUILD:-0}" = 1 ]; then
   echo "run-fuzz: using the binaries in $build/ as they are"
 else
-  ./scripts/install-fuzz-deps.sh
+  # Debian's clang 14 and its compiler runtimes (libFuzzer, ASan, UBSan).
+  ./scripts/install-deps.sh clang-14 libclang-rt-14-dev
   # -O2 -g without NDEBUG: assertions (nlohmann's included) stay on while fuzzing.
   cmake -S . -B "$build" -G Ninja -DCMAKE_CXX_COMPILER=clang++-14 -DCMAKE_BUILD_TYPE=RelWithDebInfo \
     -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O2 -g" -DTANDEM_FUZZ=ON -DTANDEM_CUDA=OFF -DTANDEM_TESTS=OFF \

@@ -326,7 +326,6 @@ void BatchEngine::begin_prefill() {
   const int64_t budget = options_.prefill_budget;
   // Rows in join order, one chunk each, while the budget lasts (at least one chunk runs).
   inflight_ids_.clear();
-  inflight_counts_.clear();
   int64_t used = 0;
   tokens_.clear();
   inputs_.clear();
@@ -336,7 +335,6 @@ void BatchEngine::begin_prefill() {
     const int64_t n = std::min(options_.spec.prefill_chunk, L - row.prefilled);
     if (budget > 0 && used > 0 && used + n > budget) break;
     inflight_ids_.push_back(row.id);
-    inflight_counts_.push_back(n);
     used += n;
     tokens_.insert(tokens_.end(), row.req.gen.prompt.begin() + row.prefilled,
                    row.req.gen.prompt.begin() + row.prefilled + n);
@@ -350,7 +348,7 @@ void BatchEngine::begin_prefill() {
     const Row& row = *prefilling_[k];
     if (static_cast<int64_t>(row.req.gen.prompt.size()) > options_.spec.prefill_chunk)
       inflight_long_ = true;
-    if (row.prefilled + inflight_counts_[k] == static_cast<int64_t>(row.req.gen.prompt.size()) &&
+    if (row.prefilled + inputs_[k].n_tokens == static_cast<int64_t>(row.req.gen.prompt.size()) &&
         row.needs_logits())
       inflight_logits_ = true;
   }
@@ -362,39 +360,32 @@ void BatchEngine::begin_prefill() {
   model_.begin_prompt(state_, fwd, &inflight_);
 }
 
-void BatchEngine::prefill_step() {
-  const int64_t budget = options_.prefill_budget;
-  while (inflight_.active() || !prefilling_.empty()) {
-    const auto t0 = std::chrono::steady_clock::now();
-    if (!inflight_.active()) begin_prefill();
-    // While rows decode, a forward of a long prompt's chunk, or of short prompts while enough
-    // rows decode, runs a slice of its layers per step (EngineOptions::prefill_slice_ratio).
-    const bool slice =
-        !decoding_.empty() &&
-        (inflight_long_ || decoding_.size() >= static_cast<size_t>(options_.prefill_slice_ratio) *
-                                                   prefilling_.size());
-    const int layers = slice ? options_.prefill_layers : 0;
-    const bool done = model_.continue_prompt(state_, inflight_, layers, &out_);
-    {
-      std::lock_guard lock(mu_);
-      counters_.prefill_seconds += seconds_since(t0);
-    }
-    if (!done) return;
-    finish_prefill();
-    retire();
-    if (budget > 0) return;
-  }
-}
-
-void BatchEngine::complete_prefill() {
-  if (!inflight_.active()) return;
+bool BatchEngine::advance_prefill(bool whole) {
   const auto t0 = std::chrono::steady_clock::now();
-  model_.continue_prompt(state_, inflight_, 0, &out_);
+  if (!inflight_.active()) begin_prefill();
+  // While rows decode, a forward of a long prompt's chunk, or of short prompts while enough
+  // rows decode, runs a slice of its layers per step (EngineOptions::prefill_slice_ratio).
+  const bool slice =
+      !whole && !decoding_.empty() &&
+      (inflight_long_ ||
+       decoding_.size() >= static_cast<size_t>(options_.prefill_slice_ratio) * prefilling_.size());
+  const bool done =
+      model_.continue_prompt(state_, inflight_, slice ? options_.prefill_layers : 0, &out_);
   {
     std::lock_guard lock(mu_);
     counters_.prefill_seconds += seconds_since(t0);
   }
-  finish_prefill();
+  if (done) finish_prefill();
+  return done;
+}
+
+void BatchEngine::prefill_step() {
+  const int64_t budget = options_.prefill_budget;
+  while (inflight_.active() || !prefilling_.empty()) {
+    if (!advance_prefill(false)) return;
+    retire();
+    if (budget > 0) return;
+  }
 }
 
 void BatchEngine::finish_prefill() {
@@ -409,7 +400,7 @@ void BatchEngine::finish_prefill() {
     TANDEM_CHECK(r < prefilling_.size(), "a row of the prefill forward left while it ran");
     picked.push_back(r);
   }
-  const std::vector<int64_t>& counts = inflight_counts_;
+  const std::span<const RowInput> rows = inflight_.rows();  // [k].n_tokens: row k's chunk
   const bool need_logits = inflight_logits_;
   if (prefill_drafts_) {
     const float* hidden = want_prenorm_ ? out_.prenorm_hidden.data() : out_.hidden.data();
@@ -421,10 +412,10 @@ void BatchEngine::finish_prefill() {
       pre[k].row = static_cast<int>(picked[k]);
       pre[k].tokens =
           std::span(row.req.gen.prompt)
-              .subspan(static_cast<size_t>(row.prefilled), static_cast<size_t>(counts[k]));
+              .subspan(static_cast<size_t>(row.prefilled), static_cast<size_t>(rows[k].n_tokens));
       pre[k].hidden = tapped ? hidden + off * H : nullptr;
       pre[k].processed_before = row.prefilled;
-      off += counts[k];
+      off += rows[k].n_tokens;
     }
     prefill_drafts_->prefill(pre);
   }
@@ -436,7 +427,7 @@ void BatchEngine::finish_prefill() {
   std::vector<size_t> ready;
   for (size_t k = 0; k < picked.size(); ++k) {
     Row& row = *prefilling_[picked[k]];
-    row.prefilled += counts[k];
+    row.prefilled += rows[k].n_tokens;
     ++row.stats.target_forwards;
     if (row.prefilled < static_cast<int64_t>(row.req.gen.prompt.size())) continue;
     if (row.sink->cancelled()) {  // cancelled while its forward ran: no first token
@@ -712,7 +703,7 @@ bool BatchEngine::step() {
     for (const auto& r : prefilling_) cancel = cancel || (in_flight(*r) && r->sink->cancelled());
     if (cancel) {
       try {
-        complete_prefill();
+        advance_prefill(true);
       } catch (const std::exception& e) {
         inflight_.abandon();
         fail_rows(prefilling_, std::string("prefill failed: ") + e.what());

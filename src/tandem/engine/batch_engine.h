@@ -143,12 +143,12 @@ class BatchEngine {
   std::vector<int64_t> drafted_pos_, accepted_pos_;  // this round's counts per window position
   std::vector<int32_t> collected_;
 
-  // The prefill forward in flight (layer-sliced: it may span several steps), its rows (Row::id,
-  // in forward order), their token counts and whether it copies logits to the host. Its rows
-  // stay in prefilling_ and are never retired while it runs: their slots are being written.
+  // The prefill forward in flight (layer-sliced: it may span several steps; its RowInputs hold
+  // each row's chunk size), its rows (Row::id, in forward order) and whether it copies logits to
+  // the host. Its rows stay in prefilling_ and are never retired while it runs: their slots are
+  // being written.
   Qwen35Model::PromptForward inflight_;
   std::vector<uint64_t> inflight_ids_;
-  std::vector<int64_t> inflight_counts_;
   bool inflight_logits_ = false;
   bool inflight_long_ = false;  // it holds a chunk of a prompt longer than one chunk
 
@@ -167,9 +167,11 @@ class BatchEngine {
   void begin_prefill();
   // After the in-flight forward's last layer: drafter prefill, first tokens, moves to decoding.
   void finish_prefill();
-  // Runs the in-flight forward's remaining layers now and finishes it (a row in it is being
-  // cancelled: its slot may be closed only after the forward stops writing it).
-  void complete_prefill();
+  // Runs the next slice of the forward in flight (beginning one first when none runs), and
+  // finishes it after its last layer; returns whether it finished. whole: all its remaining
+  // layers now (a row in it is being cancelled: its slot may be closed only after the forward
+  // stops writing it).
+  bool advance_prefill(bool whole);
   bool in_flight(const Row& row) const;
   void round();
   bool plain_greedy() const;

@@ -69,8 +69,7 @@ constexpr int64_t kFoldedNormRows = 1;  // up to this many rows: an input norm f
 // scratch path (the same arithmetic).
 constexpr size_t kNarrowSmemMax = size_t(128) << 10;
 
-bool g_prefill = false;
-int64_t g_prefill_rows = 256;  // rows of every prefill GEMM tile while g_prefill
+int64_t g_prefill_rows = 0;  // rows of every prefill GEMM tile; 0: not in prefill mode
 
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // .x (lo) in the low 16 bits
@@ -645,13 +644,13 @@ void linear_prefill(const float* x, int64_t m, const ops::WeightRef& w, const Sp
   if (out.accumulate && out.parts != 1) fail("cuda linear: accumulating into several slices");
   const int64_t K = w.cols, N = w.rows;
   const int64_t tile = g_prefill_rows;
-  const int64_t chunks = (m + tile - 1) / tile;
-  __nv_bfloat16* xb = grow(s.xb, s.xb_size, chunks * tile * K);
-  const int64_t n = m * K, padded = chunks * tile * K;
+  const int64_t tiles = (m + tile - 1) / tile;
+  __nv_bfloat16* xb = grow(s.xb, s.xb_size, tiles * tile * K);
+  const int64_t n = m * K, padded = tiles * tile * K;
   launch("linear (bf16 convert)", to_bf16_kernel, static_cast<unsigned>((padded + 255) / 256), 256,
          0, x, n, padded, xb);
   if (out.parts == 1 && !out.accumulate) {
-    for (int64_t c = 0; c < chunks; ++c) {
+    for (int64_t c = 0; c < tiles; ++c) {
       const int64_t rows = std::min(tile, m - c * tile);
       const __nv_bfloat16* xc = xb + c * tile * K;
       if (rows == tile) {
@@ -664,10 +663,10 @@ void linear_prefill(const float* x, int64_t m, const ops::WeightRef& w, const Sp
     }
     return;
   }
-  // Several slices or an accumulation: every chunk into one scratch [chunks · tile, N],
-  // then one strided copy per slice, or one add_inplace of its first m rows.
-  float* full = grow(s.tail, s.tail_size, chunks * tile * N);
-  for (int64_t c = 0; c < chunks; ++c) gemm_tile(xb + c * tile * K, tile, w, full + c * tile * N);
+  // Several slices or an accumulation: every tile into one scratch [tiles · tile, N], then one
+  // strided copy per slice, or one add_inplace of its first m rows.
+  float* full = grow(s.tail, s.tail_size, tiles * tile * N);
+  for (int64_t c = 0; c < tiles; ++c) gemm_tile(xb + c * tile * K, tile, w, full + c * tile * N);
   if (out.accumulate) return cuda::add_inplace(out.dst[0], full, m * N);
   for (int p = 0; p < out.parts; ++p) {
     const int64_t width = out.start[p + 1] - out.start[p];
@@ -712,12 +711,11 @@ unsigned balanced_grid(Kernel kernel, int threads, int groups, size_t smem = 0) 
 }  // namespace
 
 void set_prefill(bool on, int64_t gemm_rows) {
-  g_prefill = on;
-  if (on) g_prefill_rows = gemm_rows;
+  g_prefill_rows = on ? gemm_rows : 0;
 }
 
 bool prefill_mode() {
-  return g_prefill;
+  return g_prefill_rows > 0;
 }
 
 namespace {
@@ -933,7 +931,7 @@ void linear_mma_bf16(const uint16_t* xs, int64_t m, const ops::WeightRef& w, con
 
 void linear_any(const float* x, int64_t m, const ops::WeightRef& w, const SplitOut& y,
                 InputNorm norm, const L2Prefetch& pf = {}) {
-  if (g_prefill) {
+  if (prefill_mode()) {
     if (norm) x = normalised_rows(x, m, w.cols, norm);
     return linear_prefill(x, m, w, y);
   }
@@ -977,7 +975,7 @@ void gate_up_swiglu(const float* x, int64_t m, const ops::WeightRef& gate_up, fl
   if (m == 0 || gate_up.rows == 0) return;
   check_weight(m, gate_up, {norm, nullptr});
   const int64_t I = gate_up.rows / 2;
-  if (!g_prefill && mma_path(x, gate_up)) {
+  if (!prefill_mode() && mma_path(x, gate_up)) {
     const ops::OutputSlice out{act, I};
     return linear_mma<true>(x, m, gate_up, split_out(&out, 1, I), {norm, nullptr});
   }
@@ -1001,7 +999,7 @@ void swiglu_mlp_add(const float* x, int64_t m, const ops::WeightRef& gate_up,
          "] gate/up weight");
   if (m == 0 || I == 0) return;
   check_weight(m, down, {});
-  if (g_prefill || down.cols % 16 != 0 || !mma_path(x, gate_up)) {
+  if (prefill_mode() || down.cols % 16 != 0 || !mma_path(x, gate_up)) {
     static float* act = nullptr;
     static int64_t act_size = 0;
     float* a = grow(act, act_size, m * I);
