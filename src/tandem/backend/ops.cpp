@@ -147,6 +147,10 @@ int64_t prefill_gemm_rows(int64_t chunk) {
   return std::min(kMaxPrefillGemmRows, (chunk + 15) / 16 * 16);
 }
 
+bool prefill_matches_decode() {
+  return backend() == Backend::Cpu;
+}
+
 void* mem_alloc(Backend where, size_t bytes) {
 #ifdef TANDEM_HAVE_CUDA
   if (where == Backend::Cuda) return cuda::alloc(bytes);

@@ -59,6 +59,12 @@ void set_prefill(bool on, int64_t gemm_rows = kMaxPrefillGemmRows);
 // The prefill GEMM tile for prompts prefilled `chunk` tokens at a time (chunk >= 1): the chunk
 // rounded up to a multiple of 16, at most kMaxPrefillGemmRows.
 int64_t prefill_gemm_rows(int64_t chunk);
+// Whether a prompt forward gives every token the same bits as decoding it one at a time, however
+// the prompt is chunked (the CPU: its kernels are the same at every m). Then any prefix's state is
+// what a cold prefill of a longer prompt reaches there, wherever it came from; otherwise (CUDA's
+// tensor-core prompt GEMMs and attention) only states at the fixed chunk boundaries of a prompt
+// prefill are (the prefix cache saves boundaries accordingly).
+bool prefill_matches_decode();
 
 // Memory of the active backend (host on CPU). Copies are ordered with the ops; to_host waits.
 void* mem_alloc(Backend where, size_t bytes);

@@ -24,7 +24,8 @@ struct ServeArgs {
   std::string host = "127.0.0.1";
   int port = 8000;
   int max_batch = 32;
-  double kv_memory_gib = 0;  // 0: from free memory
+  double kv_memory_gib = 0;      // 0: from free memory
+  double prefix_cache_gib = -1;  // < 0: an eighth of the KV budget; 0: off
   int max_queue = 256;
   int64_t prefill_budget = 256;
   int prefill_layers = 4;
@@ -64,6 +65,8 @@ void run_serve(const ServeArgs& a) {
   if (a.max_batch < 1 || a.max_batch > 4096) fail("--max-batch must be in 1..4096");
   if (a.max_queue < 0) fail("--max-queue must not be negative");
   if (a.kv_memory_gib < 0) fail("--kv-memory must not be negative");
+  if (a.prefix_cache_gib < 0 && a.prefix_cache_gib != -1)
+    fail("--prefix-cache-memory must not be negative");
   if (a.prefill_budget < 1) fail("--prefill-budget must be at least 1 token");
   if (a.prefill_layers < 0) fail("--prefill-layers must not be negative, got ", a.prefill_layers);
   if (a.prefill_slice_ratio < 0)
@@ -92,6 +95,9 @@ void run_serve(const ServeArgs& a) {
   uint64_t budget = 0;
   eo.kv_blocks = pool_blocks(a, model->config(), depth, &budget);
   if (eo.kv_blocks < 1) fail("the KV memory budget holds no block; raise --kv-memory");
+  eo.prefix_cache_bytes = a.prefix_cache_gib < 0
+                              ? static_cast<size_t>(budget / 8)
+                              : static_cast<size_t>(a.prefix_cache_gib * double(1ull << 30));
   BatchEngine engine(*model, drafter.get(), identity, eo);
 
   server::ServerOptions so;
@@ -119,11 +125,11 @@ void run_serve(const ServeArgs& a) {
   const int port = srv.start();
   std::fprintf(stderr,
                "tandem serve: model '%s' (%s), drafter %s depth %d, up to %d rows, KV pool %lld "
-               "blocks (%lld tokens, %.2f GiB budget), queue %d\n",
+               "blocks (%lld tokens, %.2f GiB budget), queue %d, prefix cache %.2f GiB\n",
                so.served_model_name.c_str(), ops::device_description().c_str(), a.d.draft.c_str(),
                depth, a.max_batch, static_cast<long long>(eo.kv_blocks),
                static_cast<long long>(engine.capacity_tokens()), double(budget) / (1ull << 30),
-               a.max_queue);
+               a.max_queue, double(eo.prefix_cache_bytes) / (1ull << 30));
   if (!tmpl) std::fprintf(stderr, "tandem serve: no chat template; /v1/chat/completions is off\n");
   std::fprintf(stderr, "tandem serve: listening on http://%s:%d\n", a.host.c_str(), port);
   std::fflush(stderr);
@@ -149,6 +155,10 @@ void add_serve_command(CLI::App& app) {
   sub->add_option("--kv-memory", a->kv_memory_gib,
                   "GiB for the KV cache and row states (default: half the free memory, at most "
                   "what max-batch rows at full context use)");
+  sub->add_option("--prefix-cache-memory", a->prefix_cache_gib,
+                  "GiB for saved prompt prefixes (recurrent snapshots, drafter checkpoints and "
+                  "the KV blocks they keep from the pool; default: an eighth of --kv-memory; "
+                  "0 = off). A request that starts with a saved prefix prefills only the rest");
   sub->add_option("--max-queue", a->max_queue,
                   "Requests waiting for room; beyond it requests get 503")
       ->capture_default_str();

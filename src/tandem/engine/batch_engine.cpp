@@ -10,6 +10,12 @@ namespace tandem {
 
 namespace {
 
+std::vector<int> all_but_last(int n) {
+  std::vector<int> keep(static_cast<size_t>(std::max(n - 1, 0)));
+  for (int i = 0; i + 1 < n; ++i) keep[static_cast<size_t>(i)] = i;
+  return keep;
+}
+
 double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
@@ -18,9 +24,13 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
 // ever need, so no round can run out of memory half-way. Dispose closes the slot again.
 class TargetJoin : public spec::PreparedChange {
  public:
-  TargetJoin(Qwen35State& state, int64_t reserve_tokens) : state_(state) {
+  // hit: a prefix-cache hit the row starts from (tokens 0: a cold row).
+  TargetJoin(Qwen35State& state, int64_t reserve_tokens, PrefixCache* cache,
+             const PrefixCache::Hit& hit)
+      : state_(state) {
     slot_ = state_.open_row();
     try {
+      if (hit.tokens > 0) cache->restore(hit, slot_);
       if (reserve_tokens > 0) state_.reserve(slot_, reserve_tokens);
     } catch (...) {
       state_.close_row(slot_);
@@ -62,6 +72,7 @@ struct BatchEngine::Row {
   std::shared_ptr<RequestSink> sink;
   int slot = -1;
   int64_t prefilled = 0;  // prompt tokens the target has processed
+  int64_t cached = 0;     // of which restored from the prefix cache
   GenerateResult result;  // generated tokens so far
   SpecStats stats;
   bool done = false;  // the outcome was sent; retire() drops the row
@@ -99,7 +110,11 @@ BatchEngine::BatchEngine(const Qwen35Model& model, const spec::DraftProvider* dr
     if (options_.max_rows == 0) fail("a fixed KV pool needs a row limit");
     state_.set_capacity({options_.max_rows, options_.kv_blocks, depth_ + 1});
   }
+  if (options_.prefix_cache_bytes > 0)
+    cache_ = std::make_unique<PrefixCache>(state_, options_.prefix_cache_bytes,
+                                           Qwen35State::block_bytes(model_.config()));
   counters_.kv_blocks_total = options_.kv_blocks;
+  counters_.prefix_max_bytes = static_cast<int64_t>(options_.prefix_cache_bytes);
   counters_.drafted_by_position.assign(static_cast<size_t>(depth_), 0);
   counters_.accepted_by_position.assign(static_cast<size_t>(depth_), 0);
 }
@@ -165,6 +180,13 @@ void BatchEngine::publish_counters() {
   counters_.prefilling = static_cast<int64_t>(prefilling_.size());
   counters_.decoding = static_cast<int64_t>(decoding_.size());
   if (state_.fixed()) counters_.kv_blocks_used = state_.total_blocks() - state_.free_block_count();
+  if (cache_) {
+    const PrefixCacheStats c = cache_->stats();
+    counters_.prefix_entries = c.entries;
+    counters_.prefix_evictions = c.evictions;
+    counters_.prefix_kv_blocks = c.kv_blocks;
+    counters_.prefix_bytes = static_cast<int64_t>(c.bytes);
+  }
 }
 
 void BatchEngine::finish(Row& row, RequestEnd end, const std::string& error) {
@@ -175,6 +197,7 @@ void BatchEngine::finish(Row& row, RequestEnd end, const std::string& error) {
   o.finish = row.result.finish;
   o.error = error;
   o.prompt_tokens = static_cast<int64_t>(row.req.gen.prompt.size());
+  o.cached_tokens = row.cached;
   o.generated_tokens = static_cast<int64_t>(row.result.tokens.size());
   o.speculation = row.stats;
   {
@@ -260,19 +283,30 @@ void BatchEngine::fail_rows(std::vector<std::unique_ptr<Row>>& rows, const std::
 }
 
 void BatchEngine::admit() {
+  const std::string draft_ns = prefill_drafts_ ? prefill_drafts_->ns() : std::string();
+  const bool draft_from_tokens = prefill_drafts_ && !prefill_drafts_->tap();
   for (;;) {
     Pending p;
+    PrefixCache::Hit hit;
     {
       std::lock_guard lock(mu_);
       if (queue_.empty()) return;
       const size_t rows = prefilling_.size() + decoding_.size();
       if (options_.max_rows > 0 && rows >= static_cast<size_t>(options_.max_rows)) return;
       const Pending& head = queue_.front();
+      if (!head.sink->cancelled() && cache_)
+        hit = cache_->lookup(head.request.gen.prompt, draft_ns, draft_from_tokens);
       if (state_.fixed() && !head.sink->cancelled()) {
-        const int64_t need = Qwen35State::blocks_for(tokens_needed(
-            static_cast<int64_t>(head.request.gen.prompt.size()), head.request.gen.max_tokens));
+        // The blocks below a hit are shared, not taken; the pool's blocks that only the cache
+        // holds are given back to admit the head if need be.
+        const int64_t need = Qwen35State::blocks_for(
+                                 tokens_needed(static_cast<int64_t>(head.request.gen.prompt.size()),
+                                               head.request.gen.max_tokens)) -
+                             hit.tokens / Qwen35State::kBlockSize;
         // The head waits for room (first come, first served); it fits an empty pool (submit).
-        if (state_.attention_layers() > 0 && need > state_.free_block_count()) return;
+        if (state_.attention_layers() > 0 && need > state_.free_block_count() &&
+            !(cache_ && cache_->make_room(need, hit.entry)))
+          return;
       }
       p = std::move(queue_.front());
       queue_.pop_front();
@@ -297,21 +331,41 @@ void BatchEngine::admit() {
       int slot = -1;
       std::vector<spec::PrepareFn> changes;
       changes.push_back([&]() -> std::unique_ptr<spec::PreparedChange> {
-        auto t = std::make_unique<TargetJoin>(state_, reserve);
+        auto t = std::make_unique<TargetJoin>(state_, reserve, cache_.get(), hit);
         slot = t->slot();
         return t;
       });
-      const spec::CheckpointPtr cold[1] = {nullptr};
-      if (prefill_drafts_) changes.push_back([&] { return prefill_drafts_->prepare_append(cold); });
+      // A hit restores the drafter's checkpoint of the same boundary with the target's state.
+      const spec::CheckpointPtr from[1] = {hit.draft};
+      if (prefill_drafts_) changes.push_back([&] { return prefill_drafts_->prepare_append(from); });
       spec::apply_changes(changes);
       row->slot = slot;
+      // An attachment of another namespace: a drafter that needs only the tokens rebuilds its
+      // state from them (lookup offers no such hit to one that needs the target's hiddens).
+      if (prefill_drafts_ && hit.tokens > 0 && !hit.draft) {
+        const spec::RowPrefill pre{
+            prefill_drafts_->row_count() - 1,
+            std::span(row->req.gen.prompt).first(static_cast<size_t>(hit.tokens)), nullptr, 0};
+        try {
+          prefill_drafts_->prefill({&pre, 1});
+        } catch (...) {
+          state_.close_row(slot);
+          prefill_drafts_->filter_rows(all_but_last(prefill_drafts_->row_count()));
+          throw;
+        }
+      }
     } catch (const std::exception& e) {
       finish(*row, RequestEnd::Failed, std::string("admission failed: ") + e.what());
       continue;
     }
+    row->prefilled = row->cached = hit.tokens;
     {
       std::lock_guard lock(mu_);
       counters_.prompt_tokens += static_cast<int64_t>(row->req.gen.prompt.size());
+      if (cache_) {
+        ++(hit.tokens > 0 ? counters_.prefix_hits : counters_.prefix_misses);
+        counters_.prefix_tokens_reused += hit.tokens;
+      }
     }
     prefilling_.push_back(std::move(row));
   }
@@ -332,7 +386,9 @@ void BatchEngine::begin_prefill() {
   for (const auto& rp : prefilling_) {
     const Row& row = *rp;
     const int64_t L = static_cast<int64_t>(row.req.gen.prompt.size());
-    const int64_t n = std::min(options_.spec.prefill_chunk, L - row.prefilled);
+    // Chunks end on the fixed grid counted from the prompt's start, also after a cache hit.
+    const int64_t C = options_.spec.prefill_chunk;
+    const int64_t n = std::min(C - row.prefilled % C, L - row.prefilled);
     if (budget > 0 && used > 0 && used + n > budget) break;
     inflight_ids_.push_back(row.id);
     used += n;
@@ -429,6 +485,7 @@ void BatchEngine::finish_prefill() {
     Row& row = *prefilling_[picked[k]];
     row.prefilled += rows[k].n_tokens;
     ++row.stats.target_forwards;
+    save_boundary(row, picked[k]);
     if (row.prefilled < static_cast<int64_t>(row.req.gen.prompt.size())) continue;
     if (row.sink->cancelled()) {  // cancelled while its forward ran: no first token
       finish(row, RequestEnd::Cancelled);
@@ -476,6 +533,23 @@ void BatchEngine::finish_prefill() {
   }
   if (prefill_drafts_) prefill_drafts_->filter_rows(keep);
   prefilling_.swap(still);
+}
+
+void BatchEngine::save_boundary(const Row& row, size_t prefill_index) {
+  if (!cache_) return;
+  const int64_t p = row.prefilled;
+  const int64_t L = static_cast<int64_t>(row.req.gen.prompt.size());
+  const bool on_grid = p % options_.spec.prefill_chunk == 0;
+  if (!on_grid && !(p == L && ops::prefill_matches_decode())) return;
+  try {
+    spec::CheckpointPtr draft;
+    if (prefill_drafts_) draft = prefill_drafts_->capture(static_cast<int>(prefill_index));
+    cache_->insert(std::span(row.req.gen.prompt).first(static_cast<size_t>(p)), row.slot,
+                   std::move(draft));
+  } catch (const std::exception&) {
+    // A boundary that cannot be saved (a drafter that refuses to capture, no memory) is a
+    // missed optimisation, never a failed request.
+  }
 }
 
 bool BatchEngine::plain_greedy() const {

@@ -28,6 +28,7 @@
 #include <string>
 #include <vector>
 
+#include "tandem/engine/prefix_cache.h"
 #include "tandem/engine/request_sink.h"
 #include "tandem/engine/speculative.h"
 #include "tandem/model/qwen3_5.h"
@@ -54,6 +55,11 @@ struct EngineOptions {
   // each prefilling row's first token by S - 1 rounds. So an admission burst (many short
   // prompts, few streams yet) runs whole forwards. 0: slice whenever a row decodes.
   int prefill_slice_ratio = 3;
+  // The prefix cache's byte budget (PrefixCache); 0 = no cache. Saved boundaries: every multiple
+  // of the prefill chunk a prompt's prefill reaches (the state a cold prefill of any longer prompt
+  // has there, on every backend), and, where prompt forwards equal decoding
+  // (ops::prefill_matches_decode: the CPU), the end of each prompt too.
+  size_t prefix_cache_bytes = 0;
   SpecOptions spec;
 };
 
@@ -66,6 +72,11 @@ struct EngineCounters {
   int64_t finished = 0, cancelled = 0, failed = 0;
   double prefill_seconds = 0, decode_seconds = 0;  // time in prefill forwards and in rounds
   std::vector<int64_t> drafted_by_position, accepted_by_position;  // [depth]
+  // Prefix cache: admissions that reused a saved prefix or found none (none counted when the
+  // cache is off), prompt tokens not prefilled thanks to it, and its contents.
+  int64_t prefix_hits = 0, prefix_misses = 0, prefix_tokens_reused = 0;
+  int64_t prefix_entries = 0, prefix_evictions = 0, prefix_kv_blocks = 0;
+  int64_t prefix_bytes = 0, prefix_max_bytes = 0;
 };
 
 class BatchEngine {
@@ -119,6 +130,7 @@ class BatchEngine {
   bool want_final_ = false, want_prenorm_ = false;
 
   Qwen35State state_;
+  std::unique_ptr<PrefixCache> cache_;  // after state_: it releases its blocks into it
   // Drafter rows of the prompts being prefilled, and of the rows decoding: a row's index in
   // prefilling_ / decoding_ is its row in the matching group.
   std::unique_ptr<spec::DraftRows> prefill_drafts_, decode_drafts_;
@@ -173,6 +185,9 @@ class BatchEngine {
   // stops writing it).
   bool advance_prefill(bool whole);
   bool in_flight(const Row& row) const;
+  // After a prefill chunk: saves the row's state in the prefix cache when its length is a
+  // boundary (EngineOptions::prefix_cache_bytes). prefill_index: its row in prefill_drafts_.
+  void save_boundary(const Row& row, size_t prefill_index);
   void round();
   bool plain_greedy() const;
   void pipelined_round();

@@ -33,6 +33,7 @@ struct RequestOutcome {
   FinishReason finish = FinishReason::Length;
   std::string error;
   int64_t prompt_tokens = 0;
+  int64_t cached_tokens = 0;     // prompt tokens restored from the prefix cache, not prefilled
   int64_t generated_tokens = 0;  // tokens handed to on_token
   SpecStats speculation;
 };

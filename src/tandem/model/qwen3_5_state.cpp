@@ -29,6 +29,7 @@ void Qwen35State::set_capacity(const Capacity& cap) {
     free_blocks_.clear();
     for (int64_t b = cap.blocks - 1; b >= 0; --b) free_blocks_.push_back(static_cast<int32_t>(b));
     n_blocks_ = cap.blocks;
+    holders_.resize(static_cast<size_t>(n_blocks_));
   }
   rows_.resize(static_cast<size_t>(cap.rows));
   linear_state_.resize(static_cast<size_t>(cap.rows));
@@ -90,7 +91,7 @@ int Qwen35State::open_row() {
 void Qwen35State::close_row(int slot) {
   Row& r = rows_.at(slot);
   TANDEM_CHECK(r.open, "close_row on a closed slot");
-  free_blocks_.insert(free_blocks_.end(), r.blocks.begin(), r.blocks.end());
+  release_blocks(r.blocks);
   r.blocks.clear();
   r.open = false;
   r.length = 0;
@@ -108,6 +109,62 @@ void Qwen35State::grow_pool(int64_t min_free) {
   for (int64_t b = n_blocks_ + add - 1; b >= n_blocks_; --b)
     free_blocks_.push_back(static_cast<int32_t>(b));
   n_blocks_ += add;
+  holders_.resize(static_cast<size_t>(n_blocks_), 0);
+}
+
+void Qwen35State::retain_blocks(std::span<const int32_t> blocks) {
+  for (int32_t b : blocks) {
+    TANDEM_CHECK(b >= 0 && b < n_blocks_ && holders_[static_cast<size_t>(b)] > 0,
+                 "retain of block ", b, ", which nobody holds");
+    ++holders_[static_cast<size_t>(b)];
+  }
+}
+
+void Qwen35State::release_blocks(std::span<const int32_t> blocks) {
+  for (int32_t b : blocks) {
+    int32_t& h = holders_.at(static_cast<size_t>(b));
+    TANDEM_CHECK(h > 0, "release of free block ", b);
+    if (--h == 0) free_blocks_.push_back(b);
+  }
+}
+
+int32_t Qwen35State::copy_block(int32_t src) {
+  TANDEM_CHECK(src >= 0 && src < n_blocks_ && holders_[static_cast<size_t>(src)] > 0,
+               "copy of block ", src, ", which nobody holds");
+  if (free_blocks_.empty()) {
+    if (fixed_)
+      fail("out of KV blocks: copying a shared block needs one, none of ", n_blocks_, " is free");
+    grow_pool(1);
+  }
+  const int32_t dst = free_blocks_.back();
+  free_blocks_.pop_back();
+  holders_[static_cast<size_t>(dst)] = 1;
+  const int64_t floats_per_block = 2 * kBlockSize * kv_heads_ * head_dim_;
+  for (auto& pool : kv_pools_)
+    ops::copy(pool.data() + dst * floats_per_block, pool.data() + src * floats_per_block,
+              sizeof(float) * static_cast<size_t>(floats_per_block));
+  return dst;
+}
+
+void Qwen35State::attach_prefix(int slot, std::span<const int32_t> blocks, int64_t length,
+                                const float* linear) {
+  Row& r = rows_.at(slot);
+  TANDEM_CHECK(r.open && r.length == 0 && r.blocks.empty() && r.window_n == 0,
+               "attach_prefix needs an empty open row");
+  const int64_t full = length / kBlockSize;
+  const bool tail = length % kBlockSize != 0;
+  TANDEM_CHECK(n_attn_ == 0 || static_cast<int64_t>(blocks.size()) == full + tail,
+               "attach_prefix: ", blocks.size(), " blocks for ", length, " tokens");
+  if (n_attn_ > 0) {
+    // The copy first: it is the only step that can fail.
+    const int32_t own = tail ? copy_block(blocks[static_cast<size_t>(full)]) : -1;
+    retain_blocks(blocks.first(static_cast<size_t>(full)));
+    r.blocks.assign(blocks.begin(), blocks.begin() + full);
+    if (tail) r.blocks.push_back(own);
+  }
+  ops::copy(linear_state_[slot].data(), linear,
+            sizeof(float) * static_cast<size_t>(linear_state_floats()));
+  r.length = length;
 }
 
 void Qwen35State::reserve(int slot, int64_t new_length) {
@@ -124,6 +181,7 @@ void Qwen35State::reserve(int slot, int64_t new_length) {
   }
   for (int64_t i = 0; i < missing; ++i) {
     r.blocks.push_back(free_blocks_.back());
+    holders_[static_cast<size_t>(free_blocks_.back())] = 1;
     free_blocks_.pop_back();
   }
 }

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <span>
 #include <vector>
 
 #include "tandem/backend/buffer.h"
@@ -70,6 +71,29 @@ class Qwen35State {
   // Makes room for `new_length` tokens in the row's KV (takes free blocks; grows the pool unless
   // its capacity is fixed, in which case a shortfall throws Error and changes nothing).
   void reserve(int slot, int64_t new_length);
+
+  // --- Shared prefixes (the prefix cache) ---
+  // A KV block is held by reference: by the rows whose tables list it and by whoever retained it
+  // (a prefix-cache entry). It returns to the free list when the last holder lets go. A row only
+  // ever writes positions at or past its length, and a shared prefix covers whole blocks below
+  // the length of every row that lists them, so a shared block is never written again.
+  //
+  // Starts an empty open row (length 0, no blocks) at `length` tokens: the first length / 16
+  // blocks of `blocks` are shared with their holders; when length is not a multiple of 16 the
+  // block holding its tail is copied into a block of the row's own (the row will write the rest
+  // of it). `linear` ([linear_layers][conv | recurrent], backend memory) becomes the row's state.
+  // Throws Error, changing nothing, if the copy needs a block a fixed pool does not have.
+  void attach_prefix(int slot, std::span<const int32_t> blocks, int64_t length,
+                     const float* linear);
+  void retain_blocks(std::span<const int32_t> blocks);
+  void release_blocks(std::span<const int32_t> blocks);
+  // A new block, held once by the caller, with block `src`'s keys and values in every layer.
+  // Throws Error when a fixed pool has no free block.
+  int32_t copy_block(int32_t src);
+  int32_t block_holders(int32_t block) const { return holders_.at(static_cast<size_t>(block)); }
+  // Floats of one row's linear state ([linear_layers][conv | recurrent]) and the state itself.
+  int64_t linear_state_floats() const { return n_linear_ * (conv_floats_ + rec_floats_); }
+  const float* linear_state(int slot) const { return linear_state_.at(slot).data(); }
   // Marks tokens as processed; called by the model after a forward wrote them.
   void set_length(int slot, int64_t n) { rows_.at(slot).length = n; }
   const std::vector<int32_t>& block_table(int slot) const { return rows_.at(slot).blocks; }
@@ -131,6 +155,7 @@ class Qwen35State {
   std::vector<Buffer<float>> kv_pools_;  // per attention layer
   int64_t n_blocks_ = 0;
   std::vector<int32_t> free_blocks_;
+  std::vector<int32_t> holders_;             // per block: rows listing it + retains; 0 = free
   std::vector<Buffer<float>> linear_state_;  // per slot: [n_linear][conv | recurrent]
 
   void grow_pool(int64_t min_free);

@@ -23,7 +23,9 @@ constexpr auto kPoll = std::chrono::milliseconds(50);
 
 // Serialises JSON that may carry client bytes (an echoed parse error): ill-formed UTF-8 becomes
 // U+FFFD instead of an exception.
-std::string dump(const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
+std::string dump(const json& j) {
+  return j.dump(-1, ' ', false, json::error_handler_t::replace);
+}
 
 json error_body(const ApiError& e) {
   json err = {{"message", e.what()},
@@ -139,6 +141,7 @@ struct Server::Impl {
     return {{"prompt_tokens", o.prompt_tokens},
             {"completion_tokens", o.generated_tokens},
             {"total_tokens", o.prompt_tokens + o.generated_tokens},
+            {"prompt_tokens_details", {{"cached_tokens", o.cached_tokens}}},
             {"speculation", spec}};
   }
 

@@ -81,7 +81,7 @@ std::string ServerMetrics::render(const EngineCounters& e, const std::string& dr
   series(&out, "tandem_running_rows", "gauge", "Rows in the engine, by phase.");
   out += "tandem_running_rows{phase=\"prefill\"} " + std::to_string(e.prefilling) + "\n";
   out += "tandem_running_rows{phase=\"decode\"} " + std::to_string(e.decoding) + "\n";
-  scalar("tandem_kv_blocks_used", "gauge", "KV cache blocks held by rows.",
+  scalar("tandem_kv_blocks_used", "gauge", "KV cache blocks held by rows and the prefix cache.",
          static_cast<double>(e.kv_blocks_used));
   scalar("tandem_kv_blocks_total", "gauge", "KV cache blocks in the pool.",
          static_cast<double>(e.kv_blocks_total));
@@ -89,6 +89,26 @@ std::string ServerMetrics::render(const EngineCounters& e, const std::string& dr
          static_cast<double>(e.rounds));
   scalar("tandem_prefill_forwards_total", "counter", "Prompt prefill forwards.",
          static_cast<double>(e.prefill_forwards));
+  series(&out, "tandem_prefix_cache_requests_total", "counter",
+         "Admissions by prefix-cache result (tier: memory).");
+  out += "tandem_prefix_cache_requests_total{tier=\"memory\",result=\"hit\"} " +
+         std::to_string(e.prefix_hits) + "\n";
+  out += "tandem_prefix_cache_requests_total{tier=\"memory\",result=\"miss\"} " +
+         std::to_string(e.prefix_misses) + "\n";
+  scalar("tandem_prefix_cache_reused_tokens_total", "counter",
+         "Prompt tokens restored from the prefix cache instead of prefilled.",
+         static_cast<double>(e.prefix_tokens_reused));
+  scalar("tandem_prefix_cache_entries", "gauge", "Saved prefix boundaries.",
+         static_cast<double>(e.prefix_entries));
+  scalar("tandem_prefix_cache_bytes", "gauge",
+         "Bytes the prefix cache holds (snapshots, drafter checkpoints, its KV blocks).",
+         static_cast<double>(e.prefix_bytes));
+  scalar("tandem_prefix_cache_max_bytes", "gauge", "The prefix cache's byte budget.",
+         static_cast<double>(e.prefix_max_bytes));
+  scalar("tandem_prefix_cache_kv_blocks", "gauge", "KV blocks the prefix cache holds.",
+         static_cast<double>(e.prefix_kv_blocks));
+  scalar("tandem_prefix_cache_evictions_total", "counter", "Prefix-cache entries evicted.",
+         static_cast<double>(e.prefix_evictions));
   series(&out, "tandem_draft_tokens_total", "counter",
          "Proposals drafted, per window position and drafter.");
   for (size_t j = 0; j < e.drafted_by_position.size(); ++j)

@@ -1,0 +1,212 @@
+#include "tandem/engine/prefix_cache.h"
+
+#include <xxhash.h>
+
+#include <algorithm>
+#include <memory>
+
+#include "tandem/backend/ops.h"
+#include "tandem/core/error.h"
+
+namespace tandem {
+
+namespace {
+
+uint64_t hash_tokens(std::span<const int32_t> tokens) {
+  return XXH3_64bits(tokens.data(), tokens.size_bytes());
+}
+
+size_t checkpoint_bytes(const spec::Checkpoint* c) {
+  if (!c) return 0;
+  size_t n = c->tokens.size() * sizeof(int32_t);
+  for (const auto& [name, t] : c->tensors) n += t.data.size() * sizeof(float);
+  return n;
+}
+
+struct HashState {
+  XXH3_state_t* s = XXH3_createState();
+  HashState() {
+    if (!s) fail("prefix cache: out of memory for a hash state");
+    XXH3_64bits_reset(s);
+  }
+  ~HashState() { XXH3_freeState(s); }
+};
+
+}  // namespace
+
+PrefixCache::PrefixCache(Qwen35State& state, size_t max_bytes, size_t kv_block_bytes)
+    : state_(state), max_bytes_(max_bytes), block_bytes_(kv_block_bytes) {}
+
+PrefixCache::~PrefixCache() {
+  for (auto& [id, e] : entries_) state_.release_blocks(e.blocks);
+}
+
+uint64_t PrefixCache::find(std::span<const int32_t> tokens, uint64_t hash) const {
+  const auto [lo, hi] = by_hash_.equal_range(hash);
+  for (auto it = lo; it != hi; ++it) {
+    const Entry& e = entries_.at(it->second);
+    if (std::equal(e.tokens.begin(), e.tokens.end(), tokens.begin(), tokens.end()))
+      return it->second;
+  }
+  return 0;
+}
+
+PrefixCache::Hit PrefixCache::lookup(std::span<const int32_t> prompt, const std::string& draft_ns,
+                                     bool draft_from_tokens) {
+  const int64_t limit = static_cast<int64_t>(prompt.size()) - 1;
+  // Every saved length up to the limit, with the hash of the prompt's prefix of that length (one
+  // streaming pass); then the longest usable one.
+  std::vector<std::pair<int64_t, uint64_t>> candidates;
+  HashState h;
+  int64_t hashed = 0;
+  for (const auto& [len, count] : lengths_) {
+    if (len > limit) break;
+    XXH3_64bits_update(h.s, prompt.data() + hashed,
+                       static_cast<size_t>(len - hashed) * sizeof(int32_t));
+    hashed = len;
+    candidates.emplace_back(len, XXH3_64bits_digest(h.s));
+  }
+  for (auto c = candidates.rbegin(); c != candidates.rend(); ++c) {
+    const auto [lo, hi] = by_hash_.equal_range(c->second);
+    for (auto it = lo; it != hi; ++it) {
+      Entry& e = entries_.at(it->second);
+      if (static_cast<int64_t>(e.tokens.size()) != c->first ||
+          !std::equal(e.tokens.begin(), e.tokens.end(), prompt.begin()))
+        continue;
+      Hit hit;
+      if (!draft_ns.empty()) {
+        if (e.draft && e.draft->ns == draft_ns) {
+          hit.draft = e.draft;
+        } else if (!draft_from_tokens) {
+          continue;  // the drafter would need the prefix's hiddens: not usable
+        }
+      }
+      hit.tokens = c->first;
+      hit.entry = it->second;
+      e.last_use = ++clock_;
+      return hit;
+    }
+  }
+  return {};
+}
+
+void PrefixCache::restore(const Hit& hit, int slot) {
+  const Entry& e = entries_.at(hit.entry);
+  TANDEM_CHECK(static_cast<int64_t>(e.tokens.size()) == hit.tokens, "prefix cache: hit of ",
+               hit.tokens, " tokens on an entry of ", e.tokens.size());
+  state_.attach_prefix(slot, e.blocks, hit.tokens, e.linear.data());
+}
+
+bool PrefixCache::insert(std::span<const int32_t> tokens, int slot, spec::CheckpointPtr draft) {
+  const int64_t length = static_cast<int64_t>(tokens.size());
+  TANDEM_CHECK(length >= 1 && state_.length(slot) == length, "prefix cache: row slot ", slot,
+               " covers ", state_.length(slot), " tokens, not the ", length, " given");
+  TANDEM_CHECK(!draft || draft->processed_tokens == length, "prefix cache: the drafter's ",
+               "checkpoint covers ", draft ? draft->processed_tokens : 0, " tokens, not ", length);
+  const uint64_t hash = hash_tokens(tokens);
+  if (const uint64_t id = find(tokens, hash)) {
+    entries_.at(id).last_use = ++clock_;
+    return true;
+  }
+  const size_t own = sizeof(float) * static_cast<size_t>(state_.linear_state_floats()) +
+                     checkpoint_bytes(draft.get());
+  const int64_t full = length / Qwen35State::kBlockSize;
+  const bool tail = length % Qwen35State::kBlockSize != 0;
+  const bool has_kv = state_.attention_layers() > 0;
+  // What the entry would add to the budget: its own bytes and the blocks no entry holds yet
+  // (fewer are held after each eviction, so it is counted again each time).
+  auto added = [&] {
+    size_t n = own;
+    if (!has_kv) return n;
+    const auto& table = state_.block_table(slot);
+    for (int64_t b = 0; b < full; ++b)
+      n += block_uses_.count(table[static_cast<size_t>(b)]) ? 0 : block_bytes_;
+    return n + (tail ? block_bytes_ : 0);
+  };
+  if (own + static_cast<size_t>(full + tail) * (has_kv ? block_bytes_ : 0) > max_bytes_)
+    return false;
+  while (bytes() + added() > max_bytes_ && !entries_.empty()) evict(oldest(0));
+
+  Entry e;
+  e.tokens.assign(tokens.begin(), tokens.end());
+  if (has_kv) {
+    const auto& table = state_.block_table(slot);
+    try {
+      e.blocks.assign(table.begin(), table.begin() + full);
+      if (tail) e.blocks.push_back(state_.copy_block(table[static_cast<size_t>(full)]));
+    } catch (const Error&) {
+      return false;  // a fixed pool with no block to spare: the boundary is not saved
+    }
+    state_.retain_blocks(std::span(e.blocks).first(static_cast<size_t>(full)));
+  }
+  e.linear.grow_to(state_.linear_state_floats());
+  ops::copy(e.linear.data(), state_.linear_state(slot),
+            sizeof(float) * static_cast<size_t>(state_.linear_state_floats()));
+  e.draft = std::move(draft);
+  e.own_bytes = own;
+  e.last_use = ++clock_;
+  for (int32_t b : e.blocks) ++block_uses_[b];
+  own_bytes_ += own;
+  ++lengths_[length];
+  const uint64_t id = next_id_++;
+  by_hash_.emplace(hash, id);
+  entries_.emplace(id, std::move(e));
+  return true;
+}
+
+void PrefixCache::evict(uint64_t id) {
+  auto it = entries_.find(id);
+  TANDEM_CHECK(it != entries_.end(), "prefix cache: evicting unknown entry ", id);
+  Entry& e = it->second;
+  state_.release_blocks(e.blocks);
+  for (int32_t b : e.blocks)
+    if (--block_uses_.at(b) == 0) block_uses_.erase(b);
+  own_bytes_ -= e.own_bytes;
+  const int64_t length = static_cast<int64_t>(e.tokens.size());
+  if (--lengths_.at(length) == 0) lengths_.erase(length);
+  const auto [lo, hi] = by_hash_.equal_range(hash_tokens(e.tokens));
+  for (auto h = lo; h != hi; ++h)
+    if (h->second == id) {
+      by_hash_.erase(h);
+      break;
+    }
+  entries_.erase(it);
+  ++evictions_;
+}
+
+uint64_t PrefixCache::oldest(uint64_t keep) const {
+  uint64_t best = 0, best_use = 0;
+  for (const auto& [id, e] : entries_)
+    if (id != keep && (best == 0 || e.last_use < best_use)) {
+      best = id;
+      best_use = e.last_use;
+    }
+  return best;
+}
+
+bool PrefixCache::make_room(int64_t blocks, uint64_t keep) {
+  while (state_.free_block_count() < blocks) {
+    const uint64_t id = oldest(keep);
+    if (id == 0) return false;
+    evict(id);
+  }
+  return true;
+}
+
+PrefixCacheStats PrefixCache::stats() const {
+  PrefixCacheStats s;
+  s.entries = static_cast<int64_t>(entries_.size());
+  s.evictions = evictions_;
+  s.kv_blocks = static_cast<int64_t>(block_uses_.size());
+  s.bytes = bytes();
+  s.max_bytes = max_bytes_;
+  return s;
+}
+
+std::vector<int64_t> PrefixCache::boundaries() const {
+  std::vector<int64_t> out;
+  for (const auto& [len, count] : lengths_) out.insert(out.end(), static_cast<size_t>(count), len);
+  return out;
+}
+
+}  // namespace tandem

@@ -1,0 +1,114 @@
+// The live prefix cache of a hybrid target (DESIGN.md §7): prompt prefixes whose state was saved
+// at a boundary, reusable by a later request that starts with the same tokens.
+//
+// A Qwen3.5 row's state at a boundary is its KV up to the boundary plus its Gated DeltaNet conv +
+// recurrent state there, which summarises the whole prefix and cannot be cut back: a prefix is
+// reusable only up to a boundary where that state was saved. An entry holds
+//  - the KV blocks below the boundary, shared by reference with the rows that wrote them and with
+//    the rows restored from it (Qwen35State::retain_blocks; no copy), and a copy of the block
+//    holding the boundary's tail when the boundary is not block-aligned;
+//  - a copy of the row's linear state at the boundary (backend memory);
+//  - the drafter's checkpoint for exactly that boundary (spec::Checkpoint), under its namespace,
+//    so a hit restores target and drafter together and the first round drafts at full strength.
+// Which boundaries are saved is the engine's rule (BatchEngine): the cache stores what it is given.
+//
+// Restoring copies what the row will change (linear state, tail block) and shares the rest, so an
+// entry can be evicted at any time without touching a running row: "in use" never pins an entry.
+// Eviction is least-recently-used under a byte budget that counts snapshots, checkpoints and each
+// KV block the entries hold once (a block shared by nested prefixes of one prompt costs once).
+//
+// Not thread-safe: the engine loop owns it, like the state whose blocks it holds.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <span>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "tandem/backend/buffer.h"
+#include "tandem/model/qwen3_5_state.h"
+#include "tandem/spec/checkpoint.h"
+
+namespace tandem {
+
+struct PrefixCacheStats {
+  int64_t entries = 0;
+  int64_t evictions = 0;
+  int64_t kv_blocks = 0;  // distinct KV blocks the entries hold
+  size_t bytes = 0;       // snapshots + checkpoints + kv_blocks × block bytes
+  size_t max_bytes = 0;
+};
+
+class PrefixCache {
+ public:
+  // `state` must outlive the cache; its block and slot layout is the one the entries refer to.
+  PrefixCache(Qwen35State& state, size_t max_bytes, size_t kv_block_bytes);
+  ~PrefixCache();  // releases every block the entries hold
+  PrefixCache(const PrefixCache&) = delete;
+  PrefixCache& operator=(const PrefixCache&) = delete;
+
+  // What a request can reuse. tokens == 0: a miss.
+  struct Hit {
+    int64_t tokens = 0;
+    uint64_t entry = 0;
+    // The drafter's state at the boundary; null when the entry's attachment is of another
+    // drafter namespace (or none) and the caller's drafter rebuilds its state from tokens.
+    spec::CheckpointPtr draft;
+  };
+  // The longest saved prefix of `prompt` that leaves at least one token to prefill (the first
+  // sampled token needs the last prompt token's logits). draft_ns: the caller's drafter namespace
+  // ("" for none, which uses any entry). An entry whose attachment is of another namespace is used
+  // for the target alone when `draft_from_tokens` (the drafter needs nothing but the tokens:
+  // n-gram), and skipped otherwise (it needs the target's hiddens at every prefix token, which
+  // only a prefill of the prefix gives). Marks the entry used (LRU).
+  Hit lookup(std::span<const int32_t> prompt, const std::string& draft_ns, bool draft_from_tokens);
+
+  // Starts the empty open row `slot` at the hit's boundary (Qwen35State::attach_prefix). Throws
+  // Error, changing nothing, when a fixed pool lacks the block a non-aligned tail copies into.
+  void restore(const Hit& hit, int slot);
+
+  // Saves row `slot`'s state at its current length, which must equal tokens.size(), with the
+  // drafter's checkpoint for it (null without a drafter; otherwise its processed_tokens must be
+  // tokens.size()). An existing entry of the same tokens is only marked used. Evicts
+  // least-recently-used entries to stay within the budget; an entry larger than the whole budget,
+  // or one whose tail copy finds no free block, is not saved. Returns whether an entry is there.
+  bool insert(std::span<const int32_t> tokens, int slot, spec::CheckpointPtr draft);
+
+  // Evicts least-recently-used entries (never `keep`) until the state has `blocks` free blocks;
+  // returns whether it has. Blocks still listed by rows or by kept entries are not freed by this.
+  bool make_room(int64_t blocks, uint64_t keep = 0);
+
+  PrefixCacheStats stats() const;
+  // The saved boundaries' lengths, ascending (tests, reports).
+  std::vector<int64_t> boundaries() const;
+
+ private:
+  struct Entry {
+    std::vector<int32_t> tokens;
+    std::vector<int32_t> blocks;  // ceil(length / 16), each held once by the entry
+    Buffer<float> linear;         // [linear_layers][conv | recurrent] at the boundary
+    spec::CheckpointPtr draft;
+    size_t own_bytes = 0;  // linear + draft
+    uint64_t last_use = 0;
+  };
+
+  Qwen35State& state_;
+  size_t max_bytes_, block_bytes_;
+  uint64_t next_id_ = 1, clock_ = 0;
+  std::unordered_map<uint64_t, Entry> entries_;
+  std::unordered_multimap<uint64_t, uint64_t> by_hash_;  // hash of the tokens -> entry id
+  std::map<int64_t, int64_t> lengths_;                   // entry length -> how many entries
+  std::unordered_map<int32_t, int64_t> block_uses_;      // block -> entries holding it
+  size_t own_bytes_ = 0;
+  int64_t evictions_ = 0;
+
+  size_t bytes() const { return own_bytes_ + block_uses_.size() * block_bytes_; }
+  uint64_t find(std::span<const int32_t> tokens, uint64_t hash) const;
+  void evict(uint64_t id);
+  // The least recently used entry other than `keep`; 0 when there is none.
+  uint64_t oldest(uint64_t keep) const;
+};
+
+}  // namespace tandem

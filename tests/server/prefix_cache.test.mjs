@@ -1,0 +1,93 @@
+// The prefix cache through the HTTP API: a multi-turn chat whose every turn resends the whole
+// conversation. Turn n+1 reuses the prefix saved at the end of turn n's prompt
+// (usage.prompt_tokens_details.cached_tokens), and every response — tokens and speculation
+// statistics, so the drafter's acceptance after a hit too — equals a server without the cache.
+import { test, before, after } from 'node:test';
+import assert from 'node:assert/strict';
+import OpenAI from 'openai';
+import { startServer, metrics } from './harness.mjs';
+
+const model = 'qwen35-demo';
+let hot, cold;
+
+before(async () => {
+  const common = ['--draft', 'mtp', '--depth', '3', '--max-batch', '4'];
+  [hot, cold] = await Promise.all([startServer(common), startServer([...common, '--prefix-cache-memory', '0'])]);
+});
+after(async () => {
+  for (const s of [hot, cold]) assert.equal((await s.stop()).code, 0);
+});
+
+const client = (s) => new OpenAI({ baseURL: s.url + '/v1', apiKey: 'unused', maxRetries: 0 });
+
+const isPrefix = (a, b) => a.length <= b.length && a.every((t, i) => t === b[i]);
+
+test('multi-turn chat: each turn reuses the last, responses equal a server without the cache', async () => {
+  const questions = [
+    'def read_config(path):\n    """Read a JSON configuration file."""\n',
+    'class Cache:\n    def __init__(self, size):\n',
+    'for i in range(10):\n    print(i)\n',
+    'def main():\n',
+  ];
+  const messages = [{ role: 'system', content: 'You write Python.' }];
+  let previous = null;
+  let hits = 0;
+  for (const [turn, q] of questions.entries()) {
+    messages.push({ role: 'user', content: q });
+    const args = { model, messages, max_tokens: 24, temperature: turn % 2 ? 0.8 : 0, seed: 40 + turn,
+                   return_token_ids: true };
+    const [h, c] = await Promise.all([client(hot).chat.completions.create(args),
+                                      client(cold).chat.completions.create(args)]);
+    assert.deepEqual(h.prompt_token_ids, c.prompt_token_ids);
+    assert.deepEqual(h.choices[0].token_ids, c.choices[0].token_ids, `turn ${turn}`);
+    assert.equal(h.choices[0].message.content, c.choices[0].message.content);
+    assert.deepEqual(h.usage.speculation, c.usage.speculation, `turn ${turn}: speculation`);
+    assert.equal(c.usage.prompt_tokens_details.cached_tokens, 0);
+    // The longest saved boundary is the previous turn's prompt end when this prompt extends it.
+    const cached = h.usage.prompt_tokens_details.cached_tokens;
+    if (previous && isPrefix(previous, h.prompt_token_ids) && previous.length < h.prompt_token_ids.length) {
+      assert.equal(cached, previous.length, `turn ${turn}`);
+      ++hits;
+    } else if (!previous) {
+      assert.equal(cached, 0);
+    }
+    assert.ok(cached < h.usage.prompt_tokens);
+    previous = h.prompt_token_ids;
+    messages.push({ role: 'assistant', content: h.choices[0].message.content });
+  }
+  assert.ok(hits >= 2, `only ${hits} turns extended the previous prompt`);
+
+  const m = await metrics(hot.url);
+  assert.ok(m['tandem_prefix_cache_requests_total{tier="memory",result="hit"}'] >= hits);
+  assert.ok(m['tandem_prefix_cache_reused_tokens_total'] > 0);
+  assert.ok(m['tandem_prefix_cache_entries'] >= questions.length);
+  assert.ok(m['tandem_prefix_cache_bytes'] > 0);
+  assert.ok(m['tandem_prefix_cache_bytes'] <= m['tandem_prefix_cache_max_bytes']);
+  const off = await metrics(cold.url);
+  assert.equal(off['tandem_prefix_cache_requests_total{tier="memory",result="hit"}'], 0);
+  assert.equal(off['tandem_prefix_cache_max_bytes'], 0);
+});
+
+test('concurrent requests sharing a long system prompt reuse it and equal the server without the cache', async () => {
+  // Longer than one 256-token prefill chunk: its first chunk's end is a saved boundary.
+  const system = 'You write Python. ' + 'Keep functions short and name things for what they are. '.repeat(30);
+  const users = ['def add(a, b):\n', 'def parse(line):\n', 'import os\n', 'class Point:\n', 'def main():\n', 'x = [\n'];
+  const ask = (s, u, i) => client(s).chat.completions.create({
+    model, messages: [{ role: 'system', content: system }, { role: 'user', content: u }],
+    max_tokens: 12, temperature: i % 2 ? 0.7 : 0, seed: i, return_token_ids: true,
+  });
+  // One first, so that its boundaries are saved; then the rest at once.
+  const first = await ask(hot, users[0], 0);
+  assert.ok(first.usage.prompt_tokens > 300);
+  const rest = await Promise.all(users.slice(1).map((u, i) => ask(hot, u, i + 1)));
+  const want = await Promise.all(users.map((u, i) => ask(cold, u, i)));
+  for (const [i, r] of [first, ...rest].entries()) {
+    assert.deepEqual(r.choices[0].token_ids, want[i].choices[0].token_ids, `request ${i}`);
+    assert.deepEqual(r.usage.speculation, want[i].usage.speculation, `request ${i}`);
+  }
+  for (const r of rest) {
+    const shared = first.prompt_token_ids.findIndex((t, k) => t !== r.prompt_token_ids[k]);
+    assert.ok(shared >= 256);
+    assert.equal(r.usage.prompt_tokens_details.cached_tokens, 256);
+  }
+});
