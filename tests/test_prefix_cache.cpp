@@ -300,7 +300,8 @@ class CachedPrefixes : public ::testing::TestWithParam<CacheCase> {};
 
 // A request after another with the same leading tokens (a longer prompt; the next turn of a chat:
 // the previous prompt, its answer and a new message) reuses the saved prefix and gets exactly the
-// tokens and the speculation statistics of a cold engine.
+// tokens of a cold engine, and, where the drafter's checkpoint is the one a prefill gives, its
+// speculation statistics too.
 TEST_P(CachedPrefixes, HitEqualsColdEngineTokensAndAcceptance) {
   const CacheCase c = GetParam();
   const spec::DraftProvider* drafter = drafter_named(c.drafter);
@@ -311,8 +312,10 @@ TEST_P(CachedPrefixes, HitEqualsColdEngineTokensAndAcceptance) {
   std::vector<int32_t> answer;
   const RequestOutcome o1 = serve(cached, first_turn, &answer);
   EXPECT_EQ(o1.cached_tokens, 0);
-  // Boundaries: each 64-token chunk, and on the CPU the prompt's end.
-  EXPECT_EQ(cached.counters().prefix_entries, 5);
+  // Boundaries: each 64-token chunk, and on the CPU the prompt's end and the finished turn (the
+  // prompt and the answer tokens the target processed: all but the last, still pending).
+  EXPECT_EQ(cached.counters().prefix_entries, 6);
+  const int64_t turn_end = 300 + static_cast<int64_t>(answer.size()) - 1;
 
   std::vector<int32_t> next_prompt = first_turn.prompt;
   next_prompt.insert(next_prompt.end(), answer.begin(), answer.end());
@@ -321,7 +324,7 @@ TEST_P(CachedPrefixes, HitEqualsColdEngineTokensAndAcceptance) {
       request(next_prompt, c.temperature, 6, 16),        // the next turn
       request(first(text, 560), c.temperature, 7, 16),   // a longer prompt: the first's end
       request(first(text, 200), c.temperature, 8, 10)};  // a shorter one: a grid boundary
-  const std::vector<int64_t> reused = {300, 300, 192};
+  const std::vector<int64_t> reused = {turn_end, 300, 192};
   for (size_t i = 0; i < later.size(); ++i) {
     std::vector<int32_t> hot, cold;
     const RequestOutcome oh = serve(cached, later[i], &hot);
@@ -330,6 +333,12 @@ TEST_P(CachedPrefixes, HitEqualsColdEngineTokensAndAcceptance) {
     EXPECT_EQ(oh.cached_tokens, reused[i]) << i;
     EXPECT_EQ(oc.cached_tokens, 0);
     EXPECT_EQ(hot, cold) << c.drafter << " request " << i;
+    // The drafter resumes from its checkpoint at the boundary. At a prefill boundary that is the
+    // state a cold prefill reaches, so it drafts exactly as on the cold engine. At a turn's end
+    // MTP holds the rows it kept while decoding (computed from its own draft chain, not from the
+    // target's hiddens a prefill feeds it): the state of the same conversation uninterrupted,
+    // which may draft differently from a cold prefill of the same tokens.
+    if (i == 0 && std::string(c.drafter) == "mtp") continue;
     EXPECT_EQ(oh.speculation.accepted_by_position, oc.speculation.accepted_by_position) << i;
     EXPECT_EQ(oh.speculation.drafted_by_position, oc.speculation.drafted_by_position) << i;
     EXPECT_EQ(oh.speculation.rounds, oc.speculation.rounds) << i;
@@ -337,7 +346,7 @@ TEST_P(CachedPrefixes, HitEqualsColdEngineTokensAndAcceptance) {
   const EngineCounters k = cached.counters();
   EXPECT_EQ(k.prefix_hits, 3);
   EXPECT_EQ(k.prefix_misses, 1);
-  EXPECT_EQ(k.prefix_tokens_reused, 300 + 300 + 192);
+  EXPECT_EQ(k.prefix_tokens_reused, turn_end + 300 + 192);
   EXPECT_GT(k.prefix_bytes, 0);
   // Blocks are held by the cache only; the rows gave theirs back.
   EXPECT_EQ(k.kv_blocks_used, k.prefix_kv_blocks);

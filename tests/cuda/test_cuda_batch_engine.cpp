@@ -124,5 +124,58 @@ INSTANTIATE_TEST_SUITE_P(Engine, CudaStaggeredJoins,
                                        : std::string());
                          });
 
+// The prefix cache on the GPU: only the chunk grid's boundaries are saved (a prompt's end is not:
+// CUDA's prompt forwards differ from decoding), and a request resumed from one gets the tokens of
+// plain decoding alone, with every drafter.
+class CudaCachedPrefixes : public ::testing::TestWithParam<const char*> {
+ protected:
+  void SetUp() override {
+    if (!ops::cuda_available())
+      GTEST_FAIL() << "no usable CUDA device: the `cuda` tests run on a GPU machine only";
+  }
+};
+
+TEST_P(CudaCachedPrefixes, GridBoundaryHitEqualsPlainDecodingAlone) {
+  OnCuda cuda;
+  auto& d = demo();
+  std::ifstream in(test::kDemoDir + "/heldout_sample.py");
+  std::stringstream ss;
+  ss << in.rdbuf();
+  auto text = d.tok->encode(ss.str());
+  text.resize(450);
+  const spec::DraftProvider* drafter = std::string(GetParam()) == "mtp"     ? d.mtp.get()
+                                       : std::string(GetParam()) == "ngram" ? d.ngram.get()
+                                                                            : nullptr;
+  EngineOptions o;
+  o.spec.depth = 3;
+  o.spec.prefill_chunk = 64;
+  o.prefill_budget = 128;
+  o.max_rows = 4;
+  o.kv_blocks = 200;
+  o.prefix_cache_bytes = size_t{1} << 30;
+  BatchEngine engine(*d.model, drafter, "demo-target", o);
+  Generator plain(*d.model, 64);
+  auto run = [&](std::vector<int32_t> prompt, float temperature, uint64_t seed) {
+    GenerateRequest r;
+    r.prompt = std::move(prompt);
+    r.sampling.temperature = temperature;
+    r.sampling.top_p = 0.9f;
+    r.sampling.seed = seed;
+    r.max_tokens = 16;
+    auto sink = std::make_shared<Sink>();
+    engine.submit({r, -1}, sink);
+    engine.run_to_completion();
+    EXPECT_TRUE(sink->outcome.has_value());
+    EXPECT_EQ(sink->tokens, plain.run({r}).at(0).tokens) << GetParam();
+    return sink->outcome->cached_tokens;
+  };
+  EXPECT_EQ(run({text.begin(), text.begin() + 300}, 0.0f, 1), 0);
+  EXPECT_EQ(engine.counters().prefix_entries, 4);  // 64, 128, 192, 256: not the prompt's end
+  EXPECT_EQ(run(text, 0.8f, 2), 256);
+  EXPECT_EQ(run({text.begin(), text.begin() + 200}, 0.0f, 3), 192);
+}
+
+INSTANTIATE_TEST_SUITE_P(Engine, CudaCachedPrefixes, ::testing::Values("none", "mtp", "ngram"));
+
 }  // namespace
 }  // namespace tandem

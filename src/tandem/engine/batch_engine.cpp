@@ -75,7 +75,8 @@ struct BatchEngine::Row {
   int64_t cached = 0;     // of which restored from the prefix cache
   GenerateResult result;  // generated tokens so far
   SpecStats stats;
-  bool done = false;  // the outcome was sent; retire() drops the row
+  bool done = false;                      // the outcome was sent; retire() drops the row
+  RequestEnd end = RequestEnd::Finished;  // once done
   bool needs_logits() const { return !req.gen.sampling.greedy() || req.top_logprobs >= 0; }
 };
 
@@ -192,6 +193,7 @@ void BatchEngine::publish_counters() {
 void BatchEngine::finish(Row& row, RequestEnd end, const std::string& error) {
   if (row.done) return;
   row.done = true;
+  row.end = end;
   RequestOutcome o;
   o.end = end;
   o.finish = row.result.finish;
@@ -265,6 +267,7 @@ void BatchEngine::retire() {
     std::vector<std::unique_ptr<Row>> still;
     for (size_t r = 0; r < rows.size(); ++r) {
       if (rows[r]->done) {
+        if (&rows == &decoding_) save_turn(*rows[r], r);
         if (rows[r]->slot >= 0) state_.close_row(rows[r]->slot);
       } else {
         keep.push_back(static_cast<int>(r));
@@ -549,6 +552,27 @@ void BatchEngine::save_boundary(const Row& row, size_t prefill_index) {
   } catch (const std::exception&) {
     // A boundary that cannot be saved (a drafter that refuses to capture, no memory) is a
     // missed optimisation, never a failed request.
+  }
+}
+
+void BatchEngine::save_turn(const Row& row, size_t decode_index) {
+  // Where decoding a token gives it the bits a prompt prefill would (the CPU), the state a
+  // finished request leaves is the one a cold prefill of its prompt + answer reaches: the next
+  // turn of a chat starts there. Elsewhere only the prefill grid's boundaries are exact.
+  if (!cache_ || !ops::prefill_matches_decode() || row.end != RequestEnd::Finished) return;
+  const int64_t P = static_cast<int64_t>(row.req.gen.prompt.size());
+  const int64_t length = state_.length(row.slot);
+  const int64_t answered = length - P;
+  // Tokens a stop string dropped were processed but never emitted: no token list to key them.
+  if (answered < 1 || answered > static_cast<int64_t>(row.result.tokens.size())) return;
+  std::vector<int32_t> tokens = row.req.gen.prompt;
+  tokens.insert(tokens.end(), row.result.tokens.begin(), row.result.tokens.begin() + answered);
+  try {
+    spec::CheckpointPtr draft;
+    if (decode_drafts_) draft = decode_drafts_->capture(static_cast<int>(decode_index));
+    cache_->insert(tokens, row.slot, std::move(draft));
+  } catch (const std::exception&) {
+    // As in save_boundary: a turn that cannot be saved is only a missed optimisation.
   }
 }
 

@@ -188,6 +188,9 @@ class BatchEngine {
   // After a prefill chunk: saves the row's state in the prefix cache when its length is a
   // boundary (EngineOptions::prefix_cache_bytes). prefill_index: its row in prefill_drafts_.
   void save_boundary(const Row& row, size_t prefill_index);
+  // When a decoding row retires finished: saves its state (prompt + the answer tokens the target
+  // processed) as a boundary, where decoding equals prefill (ops::prefill_matches_decode).
+  void save_turn(const Row& row, size_t decode_index);
   void round();
   bool plain_greedy() const;
   void pipelined_round();

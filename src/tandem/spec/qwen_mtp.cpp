@@ -292,12 +292,12 @@ std::unique_ptr<PreparedChange> QwenMtpRows::prepare_append(std::span<const Chec
         row.blocks = take_blocks((len + kBlockSize - 1) / kBlockSize);
         row.length = len;
         const ops::KVLayerView kv = kv_view();
-        for (int64_t p = 0; p < len; ++p) {
+        // A block's keys (and its values) are contiguous: one copy each per block.
+        for (int64_t p = 0; p < len; p += kBlockSize) {
           const int32_t b = row.blocks[static_cast<size_t>(p / kBlockSize)];
-          ops::copy_from_host(kv.key(b, p % kBlockSize), keys.data.data() + p * kvf,
-                              sizeof(float) * kvf);
-          ops::copy_from_host(kv.value(b, p % kBlockSize), values.data.data() + p * kvf,
-                              sizeof(float) * kvf);
+          const size_t bytes = sizeof(float) * kvf * std::min(kBlockSize, len - p);
+          ops::copy_from_host(kv.key(b, 0), keys.data.data() + p * kvf, bytes);
+          ops::copy_from_host(kv.value(b, 0), values.data.data() + p * kvf, bytes);
         }
         row.h_true = c->tensors.at("h_true").data;
         row.has_hidden = true;
@@ -556,11 +556,11 @@ CheckpointPtr QwenMtpRows::capture(int row) const {
   kv.block_size = kBlockSize;
   kv.n_kv_heads = kv_heads_;
   kv.head_dim = head_dim_;
-  for (int64_t p = 0; p < r.length; ++p) {
+  for (int64_t p = 0; p < r.length; p += kBlockSize) {  // one copy of keys, one of values per block
     const int32_t b = r.blocks[static_cast<size_t>(p / kBlockSize)];
-    ops::copy_to_host(keys.data.data() + p * kvf, kv.key(b, p % kBlockSize), sizeof(float) * kvf);
-    ops::copy_to_host(values.data.data() + p * kvf, kv.value(b, p % kBlockSize),
-                      sizeof(float) * kvf);
+    const size_t bytes = sizeof(float) * kvf * std::min(kBlockSize, r.length - p);
+    ops::copy_to_host(keys.data.data() + p * kvf, kv.key(b, 0), bytes);
+    ops::copy_to_host(values.data.data() + p * kvf, kv.value(b, 0), bytes);
   }
   c->tensors["kv_keys"] = std::move(keys);
   c->tensors["kv_values"] = std::move(values);
