@@ -159,8 +159,9 @@ def main():
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--workloads", default="conversation,shared")
     args = p.parse_args()
-    for w in args.workloads.split(","):
-        rng = random.Random(args.seed)
+    for i, w in enumerate(args.workloads.split(",")):
+        # Each workload its own tokens, so that one does not hit what the other saved.
+        rng = random.Random(args.seed * 1000 + i)
         r = conversation(args, rng) if w == "conversation" else shared_system_prompt(args, rng)
         print(json.dumps(r), flush=True)
 

@@ -289,6 +289,40 @@ TEST(PrefixCache, EvictsLeastRecentlyUsedUnderTheBudget) {
   st.close_row(slot);
 }
 
+TEST(PrefixCache, ReusedEntriesOutliveOneOffsUnderPressure) {
+  auto& d = demo();
+  Qwen35State st(d.model->config());
+  const size_t block = Qwen35State::block_bytes(d.model->config());
+  const size_t linear = sizeof(float) * static_cast<size_t>(st.linear_state_floats());
+  const auto text = sample_tokens(200);
+  // Room for two 32-token entries of separate rows (2 blocks each), not three.
+  PrefixCache cache(st, 2 * linear + 4 * block, block);
+  auto save = [&](size_t from) {
+    const std::vector<int32_t> p(text.begin() + static_cast<std::ptrdiff_t>(from),
+                                 text.begin() + static_cast<std::ptrdiff_t>(from + 32));
+    const int slot = prefilled_row(st, p);
+    EXPECT_TRUE(cache.insert(p, slot, nullptr));
+    st.close_row(slot);
+    return p;
+  };
+  const auto shared = save(0);
+  // A request reuses the first entry: it now outranks entries nobody reused, however recent.
+  std::vector<int32_t> longer = shared;
+  longer.push_back(5);
+  const auto hit = cache.lookup(longer, "", false);
+  ASSERT_EQ(hit.tokens, 32);
+  const int slot = st.open_row();
+  cache.restore(hit, slot);
+  st.close_row(slot);
+  save(50);
+  const auto third = save(100);  // evicts the one-off at 50, not the older reused entry
+  EXPECT_EQ(cache.stats().evictions, 1);
+  EXPECT_EQ(cache.lookup(longer, "", false).tokens, 32);
+  std::vector<int32_t> third_longer = third;
+  third_longer.push_back(5);
+  EXPECT_EQ(cache.lookup(third_longer, "", false).tokens, 32);
+}
+
 // --- The engine with the cache: exactness --------------------------------------------------------
 
 struct CacheCase {

@@ -15,6 +15,7 @@ const servers = {};
 
 before(async () => {
   const started = await Promise.all(['mtp', 'ngram'].flatMap((draft) => {
+    // The cached servers run at the default budget: what a user gets.
     const common = ['--draft', draft, '--depth', '3', '--max-batch', '4'];
     return [startServer(common), startServer([...common, '--prefix-cache-memory', '0'])];
   }));

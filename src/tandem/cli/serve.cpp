@@ -95,8 +95,10 @@ void run_serve(const ServeArgs& a) {
   uint64_t budget = 0;
   eo.kv_blocks = pool_blocks(a, model->config(), depth, &budget);
   if (eo.kv_blocks < 1) fail("the KV memory budget holds no block; raise --kv-memory");
+  // The default: an eighth of the KV budget, at least 256 MiB (a small model's or a small batch's
+  // KV budget would otherwise leave room for a handful of boundaries).
   eo.prefix_cache_bytes = a.prefix_cache_gib < 0
-                              ? static_cast<size_t>(budget / 8)
+                              ? static_cast<size_t>(std::max<uint64_t>(budget / 8, 256ull << 20))
                               : static_cast<size_t>(a.prefix_cache_gib * double(1ull << 30));
   BatchEngine engine(*model, drafter.get(), identity, eo);
 
@@ -155,10 +157,11 @@ void add_serve_command(CLI::App& app) {
   sub->add_option("--kv-memory", a->kv_memory_gib,
                   "GiB for the KV cache and row states (default: half the free memory, at most "
                   "what max-batch rows at full context use)");
-  sub->add_option("--prefix-cache-memory", a->prefix_cache_gib,
-                  "GiB for saved prompt prefixes (recurrent snapshots, drafter checkpoints and "
-                  "the KV blocks they keep from the pool; default: an eighth of --kv-memory; "
-                  "0 = off). A request that starts with a saved prefix prefills only the rest");
+  sub->add_option(
+      "--prefix-cache-memory", a->prefix_cache_gib,
+      "GiB for saved prompt prefixes (recurrent snapshots, drafter checkpoints and "
+      "the KV blocks they keep from the pool; default: an eighth of --kv-memory, at least 0.25; "
+      "0 = off). A request that starts with a saved prefix prefills only the rest");
   sub->add_option("--max-queue", a->max_queue,
                   "Requests waiting for room; beyond it requests get 503")
       ->capture_default_str();

@@ -91,10 +91,11 @@ PrefixCache::Hit PrefixCache::lookup(std::span<const int32_t> prompt, const std:
 }
 
 void PrefixCache::restore(const Hit& hit, int slot) {
-  const Entry& e = entries_.at(hit.entry);
+  Entry& e = entries_.at(hit.entry);
   TANDEM_CHECK(static_cast<int64_t>(e.tokens.size()) == hit.tokens, "prefix cache: hit of ",
                hit.tokens, " tokens on an entry of ", e.tokens.size());
   state_.attach_prefix(slot, e.blocks, hit.tokens, e.linear.data());
+  ++e.hits;
 }
 
 bool PrefixCache::insert(std::span<const int32_t> tokens, int slot, spec::CheckpointPtr draft) {
@@ -176,11 +177,16 @@ void PrefixCache::evict(uint64_t id) {
 
 uint64_t PrefixCache::oldest(uint64_t keep) const {
   uint64_t best = 0, best_use = 0;
-  for (const auto& [id, e] : entries_)
-    if (id != keep && (best == 0 || e.last_use < best_use)) {
+  bool best_reused = true;
+  for (const auto& [id, e] : entries_) {
+    if (id == keep) continue;
+    const bool reused = e.hits > 0;
+    if (best == 0 || (!reused && best_reused) || (reused == best_reused && e.last_use < best_use)) {
       best = id;
       best_use = e.last_use;
+      best_reused = reused;
     }
+  }
   return best;
 }
 

@@ -15,7 +15,8 @@
 // Restoring copies what the row will change (linear state, tail block) and shares the rest, so an
 // entry can be evicted at any time without touching a running row: "in use" never pins an entry.
 // Eviction is least-recently-used under a byte budget that counts snapshots, checkpoints and each
-// KV block the entries hold once (a block shared by nested prefixes of one prompt costs once).
+// KV block the entries hold once (a block shared by nested prefixes of one prompt costs once);
+// entries some request reused go after those none did (oldest()).
 //
 // Not thread-safe: the engine loop owns it, like the state whose blocks it holds.
 #pragma once
@@ -92,6 +93,7 @@ class PrefixCache {
     spec::CheckpointPtr draft;
     size_t own_bytes = 0;  // linear + draft
     uint64_t last_use = 0;
+    int64_t hits = 0;  // requests restored from it
   };
 
   Qwen35State& state_;
@@ -107,7 +109,10 @@ class PrefixCache {
   size_t bytes() const { return own_bytes_ + block_uses_.size() * block_bytes_; }
   uint64_t find(std::span<const int32_t> tokens, uint64_t hash) const;
   void evict(uint64_t id);
-  // The least recently used entry other than `keep`; 0 when there is none.
+  // The entry to evict next, other than `keep` (0 when there is none): the least recently used
+  // of those no request has reused yet, else the least recently used. A prompt's end or a
+  // finished turn that nobody continues is saved as often as a shared system prompt is reused;
+  // plain LRU would let a stream of such one-off entries push out the prefix everyone shares.
   uint64_t oldest(uint64_t keep) const;
 };
 
