@@ -109,3 +109,34 @@ test('concurrent requests sharing a long system prompt reuse it and equal the se
     assert.equal(r.usage.prompt_tokens_details.cached_tokens, 256);
   }
 });
+
+test('disk tier: a restarted server reads the prefixes the last one saved', async () => {
+  const fs = await import('node:fs');
+  const os = await import('node:os');
+  const path = await import('node:path');
+  const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'tandem-prefix-'));
+  const args = ['--draft', 'mtp', '--depth', '3', '--max-batch', '4', '--prefix-cache-dir', dir];
+  const code = 'import json\n\n\ndef load(path):\n    with open(path) as f:\n        return json.load(f)\n'.repeat(4);
+  const first = { model, prompt: code, max_tokens: 8, temperature: 0, return_token_ids: true };
+  const longer = { ...first, prompt: code + 'def save(path, data):\n', max_tokens: 16, temperature: 0.7, seed: 3 };
+  try {
+    let s = await startServer([...args, '--prefix-cache-persist']);
+    const r1 = await client(s).completions.create(first);
+    assert.equal((await s.stop()).code, 0);
+    assert.ok(fs.readdirSync(dir).some((f) => f.endsWith('.tpc')), 'the shutdown wrote the cache');
+    // A file that is not a whole prefix-cache file is a miss and is removed.
+    fs.writeFileSync(path.join(dir, 'broken.tpc'), 'TANDEMPC and nothing else');
+    s = await startServer(args);
+    const hot = await client(s).completions.create(longer);
+    const m = await metrics(s.url);
+    assert.equal((await s.stop()).code, 0);
+    const want = await client(servers.mtp.cold).completions.create(longer);
+    assert.deepEqual(hot.choices[0].token_ids, want.choices[0].token_ids);
+    assert.equal(hot.usage.prompt_tokens_details.cached_tokens, r1.usage.prompt_tokens);
+    assert.equal(m['tandem_prefix_cache_requests_total{tier="disk",result="hit"}'], 1);
+    assert.equal(m['tandem_prefix_cache_disk_removed_total'], 1);
+    assert.ok(!fs.existsSync(path.join(dir, 'broken.tpc')));
+  } finally {
+    fs.rmSync(dir, { recursive: true, force: true });
+  }
+});

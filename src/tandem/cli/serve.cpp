@@ -1,5 +1,6 @@
 // tandem serve: the OpenAI-compatible server over the continuously batched speculative engine.
 #include <pthread.h>
+#include <xxhash.h>
 
 #include <csignal>
 #include <cstdio>
@@ -26,6 +27,8 @@ struct ServeArgs {
   int max_batch = 32;
   double kv_memory_gib = 0;      // 0: from free memory
   double prefix_cache_gib = -1;  // < 0: an eighth of the KV budget; 0: off
+  std::string prefix_cache_dir;
+  bool prefix_cache_persist = false;
   int max_queue = 256;
   int64_t prefill_budget = 256;
   int prefill_layers = 4;
@@ -78,7 +81,10 @@ void run_serve(const ServeArgs& a) {
   auto model = Qwen35Model::load(a.model);
   const auto tok = open_tokenizer(a.model);
   const auto tmpl = ChatTemplate::load(a.model);
-  const std::string identity = a.d.draft == "none" ? "" : target_identity(*model, a.model);
+  // The artifact identity keys drafter checkpoints and prefix-cache files (computed once per
+  // weight file's metadata, memoized).
+  const std::string identity =
+      a.d.draft == "none" && a.prefix_cache_dir.empty() ? "" : target_identity(*model, a.model);
   const spec::TargetView target(*model, identity);
   const auto drafter = open_drafter(a.d, target);
 
@@ -100,6 +106,21 @@ void run_serve(const ServeArgs& a) {
   eo.prefix_cache_bytes = a.prefix_cache_gib < 0
                               ? static_cast<size_t>(std::max<uint64_t>(budget / 8, 256ull << 20))
                               : static_cast<size_t>(a.prefix_cache_gib * double(1ull << 30));
+  if (!a.prefix_cache_dir.empty()) {
+    if (eo.prefix_cache_bytes == 0) fail("--prefix-cache-dir needs --prefix-cache-memory above 0");
+    eo.prefix_cache_dir = a.prefix_cache_dir;
+    eo.prefix_cache_persist = a.prefix_cache_persist;
+    const std::string tok_path = a.model + "/tokenizer.json";
+    if (std::filesystem::exists(tok_path)) {
+      const std::string text = read_text_file(tok_path);
+      char buf[17];
+      std::snprintf(buf, sizeof(buf), "%016llx",
+                    static_cast<unsigned long long>(XXH3_64bits(text.data(), text.size())));
+      eo.tokenizer_hash = buf;
+    }
+  } else if (a.prefix_cache_persist) {
+    fail("--prefix-cache-persist needs --prefix-cache-dir");
+  }
   BatchEngine engine(*model, drafter.get(), identity, eo);
 
   server::ServerOptions so;
@@ -162,6 +183,11 @@ void add_serve_command(CLI::App& app) {
       "GiB for saved prompt prefixes (recurrent snapshots, drafter checkpoints and "
       "the KV blocks they keep from the pool; default: an eighth of --kv-memory, at least 0.25; "
       "0 = off). A request that starts with a saved prefix prefills only the rest");
+  sub->add_option("--prefix-cache-dir", a->prefix_cache_dir,
+                  "Folder for the prefix cache's disk tier: entries evicted from memory are "
+                  "written there (one file each) and read back by this or a restarted server");
+  sub->add_flag("--prefix-cache-persist", a->prefix_cache_persist,
+                "On shutdown, write every cached prefix to --prefix-cache-dir");
   sub->add_option("--max-queue", a->max_queue,
                   "Requests waiting for room; beyond it requests get 503")
       ->capture_default_str();

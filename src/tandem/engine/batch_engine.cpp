@@ -114,6 +114,15 @@ BatchEngine::BatchEngine(const Qwen35Model& model, const spec::DraftProvider* dr
   if (options_.prefix_cache_bytes > 0)
     cache_ = std::make_unique<PrefixCache>(state_, options_.prefix_cache_bytes,
                                            Qwen35State::block_bytes(model_.config()));
+  if (!options_.prefix_cache_dir.empty()) {
+    if (!cache_) fail("a prefix-cache folder needs a prefix cache (its memory budget is 0)");
+    if (target_.identity().empty())
+      fail("a prefix-cache folder needs the target's artifact identity to key its files");
+    disk_ = std::make_unique<PrefixDisk>(
+        options_.prefix_cache_dir,
+        PrefixDiskKey{target_.identity(), options_.tokenizer_hash, state_.kv_scheme()});
+    cache_->attach_disk(disk_.get());
+  }
   counters_.kv_blocks_total = options_.kv_blocks;
   counters_.prefix_max_bytes = static_cast<int64_t>(options_.prefix_cache_bytes);
   counters_.drafted_by_position.assign(static_cast<size_t>(depth_), 0);
@@ -122,6 +131,13 @@ BatchEngine::BatchEngine(const Qwen35Model& model, const spec::DraftProvider* dr
 
 BatchEngine::~BatchEngine() {
   if (chained_) abandon_chain();
+  if (cache_ && options_.prefix_cache_persist) {
+    try {
+      cache_->persist_all();
+    } catch (const std::exception&) {
+      // Shutting down: what could not be written is only not kept.
+    }
+  }
 }
 
 int64_t BatchEngine::tokens_needed(int64_t prompt_tokens, int64_t max_tokens) const {
@@ -187,6 +203,9 @@ void BatchEngine::publish_counters() {
     counters_.prefix_evictions = c.evictions;
     counters_.prefix_kv_blocks = c.kv_blocks;
     counters_.prefix_bytes = static_cast<int64_t>(c.bytes);
+    counters_.prefix_disk_files = c.disk_files;
+    counters_.prefix_disk_writes = c.disk_writes;
+    counters_.prefix_disk_removed = c.disk_removed;
   }
 }
 
@@ -367,6 +386,7 @@ void BatchEngine::admit() {
       counters_.prompt_tokens += static_cast<int64_t>(row->req.gen.prompt.size());
       if (cache_) {
         ++(hit.tokens > 0 ? counters_.prefix_hits : counters_.prefix_misses);
+        counters_.prefix_disk_hits += hit.from_disk;
         counters_.prefix_tokens_reused += hit.tokens;
       }
     }

@@ -60,6 +60,13 @@ struct EngineOptions {
   // has there, on every backend), and, where prompt forwards equal decoding
   // (ops::prefill_matches_decode: the CPU), the end of each prompt too.
   size_t prefix_cache_bytes = 0;
+  // The prefix cache's disk tier (PrefixDisk): a folder ("" = none), the hash of the tokenizer
+  // the prompts' ids come from (part of the files' key with the target identity and KV scheme),
+  // and whether every entry is written there when the engine is destroyed (a clean shutdown);
+  // otherwise only evicted ones are. Needs prefix_cache_bytes and a target identity.
+  std::string prefix_cache_dir;
+  std::string tokenizer_hash;
+  bool prefix_cache_persist = false;
   SpecOptions spec;
 };
 
@@ -77,6 +84,8 @@ struct EngineCounters {
   int64_t prefix_hits = 0, prefix_misses = 0, prefix_tokens_reused = 0;
   int64_t prefix_entries = 0, prefix_evictions = 0, prefix_kv_blocks = 0;
   int64_t prefix_bytes = 0, prefix_max_bytes = 0;
+  int64_t prefix_disk_hits = 0, prefix_disk_files = 0, prefix_disk_writes = 0;
+  int64_t prefix_disk_removed = 0;
 };
 
 class BatchEngine {
@@ -130,7 +139,8 @@ class BatchEngine {
   bool want_final_ = false, want_prenorm_ = false;
 
   Qwen35State state_;
-  std::unique_ptr<PrefixCache> cache_;  // after state_: it releases its blocks into it
+  std::unique_ptr<PrefixDisk> disk_;
+  std::unique_ptr<PrefixCache> cache_;  // after state_ and disk_: it uses both until destroyed
   // Drafter rows of the prompts being prefilled, and of the rows decoding: a row's index in
   // prefilling_ / decoding_ is its row in the matching group.
   std::unique_ptr<spec::DraftRows> prefill_drafts_, decode_drafts_;

@@ -53,6 +53,24 @@ uint64_t PrefixCache::find(std::span<const int32_t> tokens, uint64_t hash) const
 
 PrefixCache::Hit PrefixCache::lookup(std::span<const int32_t> prompt, const std::string& draft_ns,
                                      bool draft_from_tokens) {
+  Hit hit = lookup_memory(prompt, draft_ns, draft_from_tokens);
+  if (!disk_) return hit;
+  // A longer prefix on disk: read it back, then look again (its attachment may not suit).
+  const PrefixDisk::Found found = disk_->find(prompt, hit.tokens);
+  if (found.tokens == 0) return hit;
+  std::optional<PrefixRecord> r = disk_->read(found.path);
+  if (!r) return hit;
+  // Loading may evict entries (the memory hit among them): look again either way.
+  const bool loaded = load(std::move(*r));
+  if (!loaded) disk_->remove(found.path);
+  disk_loads_ += loaded;
+  Hit again = lookup_memory(prompt, draft_ns, draft_from_tokens);
+  again.from_disk = loaded && again.tokens == found.tokens;
+  return again;
+}
+
+PrefixCache::Hit PrefixCache::lookup_memory(std::span<const int32_t> prompt,
+                                            const std::string& draft_ns, bool draft_from_tokens) {
   const int64_t limit = static_cast<int64_t>(prompt.size()) - 1;
   // Every saved length up to the limit, with the hash of the prompt's prefix of that length (one
   // streaming pass); then the longest usable one.
@@ -144,21 +162,104 @@ bool PrefixCache::insert(std::span<const int32_t> tokens, int slot, spec::Checkp
   ops::copy(e.linear.data(), state_.linear_state(slot),
             sizeof(float) * static_cast<size_t>(state_.linear_state_floats()));
   e.draft = std::move(draft);
+  return add_entry(std::move(e), own);
+}
+
+bool PrefixCache::add_entry(Entry&& e, size_t own) {
   e.own_bytes = own;
   e.last_use = ++clock_;
   for (int32_t b : e.blocks) ++block_uses_[b];
   own_bytes_ += own;
-  ++lengths_[length];
+  ++lengths_[static_cast<int64_t>(e.tokens.size())];
   const uint64_t id = next_id_++;
-  by_hash_.emplace(hash, id);
+  by_hash_.emplace(hash_tokens(e.tokens), id);
   entries_.emplace(id, std::move(e));
   return true;
+}
+
+PrefixRecord PrefixCache::record(const Entry& e) const {
+  PrefixRecord r;
+  r.tokens = e.tokens;
+  const int64_t length = static_cast<int64_t>(e.tokens.size());
+  const int64_t layers = state_.attention_layers();
+  const ops::KVLayerView kv0 = state_.kv_layer(0);
+  const int64_t kvf = kv0.n_kv_heads * kv0.head_dim;
+  r.keys.resize(static_cast<size_t>(layers));
+  r.values.resize(static_cast<size_t>(layers));
+  for (int64_t l = 0; l < layers; ++l) {
+    const ops::KVLayerView kv = state_.kv_layer(static_cast<int>(l));
+    auto& k = r.keys[static_cast<size_t>(l)];
+    auto& v = r.values[static_cast<size_t>(l)];
+    k.resize(static_cast<size_t>(length * kvf));
+    v.resize(static_cast<size_t>(length * kvf));
+    for (int64_t p = 0; p < length; p += Qwen35State::kBlockSize) {
+      const int32_t b = e.blocks[static_cast<size_t>(p / Qwen35State::kBlockSize)];
+      const size_t bytes =
+          sizeof(float) * static_cast<size_t>(kvf * std::min(Qwen35State::kBlockSize, length - p));
+      ops::copy_to_host(k.data() + p * kvf, kv.key(b, 0), bytes);
+      ops::copy_to_host(v.data() + p * kvf, kv.value(b, 0), bytes);
+    }
+  }
+  r.linear.resize(static_cast<size_t>(state_.linear_state_floats()));
+  ops::copy_to_host(r.linear.data(), e.linear.data(), sizeof(float) * r.linear.size());
+  r.draft = e.draft;
+  return r;
+}
+
+bool PrefixCache::load(PrefixRecord&& r) {
+  const int64_t length = static_cast<int64_t>(r.tokens.size());
+  const int64_t layers = state_.attention_layers();
+  if (length < 1 || static_cast<int64_t>(r.keys.size()) != layers ||
+      static_cast<int64_t>(r.values.size()) != layers ||
+      static_cast<int64_t>(r.linear.size()) != state_.linear_state_floats() ||
+      (r.draft && r.draft->processed_tokens != length))
+    return false;
+  const int64_t kvf = layers > 0 ? state_.kv_layer(0).n_kv_heads * state_.kv_layer(0).head_dim : 0;
+  for (int64_t l = 0; l < layers; ++l)
+    if (static_cast<int64_t>(r.keys[static_cast<size_t>(l)].size()) != length * kvf ||
+        static_cast<int64_t>(r.values[static_cast<size_t>(l)].size()) != length * kvf)
+      return false;
+  const int64_t nblocks = layers > 0 ? Qwen35State::blocks_for(length) : 0;
+  const size_t own = sizeof(float) * r.linear.size() + checkpoint_bytes(r.draft.get());
+  if (own + static_cast<size_t>(nblocks) * block_bytes_ > max_bytes_) return false;
+  while (bytes() + own + static_cast<size_t>(nblocks) * block_bytes_ > max_bytes_ &&
+         !entries_.empty())
+    evict(oldest(0));
+  if (state_.fixed() && state_.free_block_count() < nblocks && !make_room(nblocks)) return false;
+  Entry e;
+  try {
+    e.blocks = state_.take_blocks(nblocks);
+  } catch (const Error&) {
+    return false;
+  }
+  for (int64_t l = 0; l < layers; ++l) {
+    const ops::KVLayerView kv = state_.kv_layer(static_cast<int>(l));
+    for (int64_t p = 0; p < length; p += Qwen35State::kBlockSize) {
+      const int32_t b = e.blocks[static_cast<size_t>(p / Qwen35State::kBlockSize)];
+      const size_t bytes =
+          sizeof(float) * static_cast<size_t>(kvf * std::min(Qwen35State::kBlockSize, length - p));
+      ops::copy_from_host(kv.key(b, 0), r.keys[static_cast<size_t>(l)].data() + p * kvf, bytes);
+      ops::copy_from_host(kv.value(b, 0), r.values[static_cast<size_t>(l)].data() + p * kvf, bytes);
+    }
+  }
+  e.linear.grow_to(state_.linear_state_floats());
+  ops::copy_from_host(e.linear.data(), r.linear.data(), sizeof(float) * r.linear.size());
+  e.tokens = std::move(r.tokens);
+  e.draft = std::move(r.draft);
+  return add_entry(std::move(e), own);
+}
+
+void PrefixCache::persist_all() {
+  if (!disk_) return;
+  for (const auto& [id, e] : entries_) disk_writes_ += disk_->write(record(e));
 }
 
 void PrefixCache::evict(uint64_t id) {
   auto it = entries_.find(id);
   TANDEM_CHECK(it != entries_.end(), "prefix cache: evicting unknown entry ", id);
   Entry& e = it->second;
+  // The disk tier keeps what memory lets go (a failed write only loses the entry, as without it).
+  if (disk_) disk_writes_ += disk_->write(record(e));
   state_.release_blocks(e.blocks);
   for (int32_t b : e.blocks)
     if (--block_uses_.at(b) == 0) block_uses_.erase(b);
@@ -206,6 +307,12 @@ PrefixCacheStats PrefixCache::stats() const {
   s.kv_blocks = static_cast<int64_t>(block_uses_.size());
   s.bytes = bytes();
   s.max_bytes = max_bytes_;
+  if (disk_) {
+    s.disk_files = disk_->files();
+    s.disk_removed = disk_->removed();
+  }
+  s.disk_writes = disk_writes_;
+  s.disk_loads = disk_loads_;
   return s;
 }
 

@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "tandem/backend/buffer.h"
+#include "tandem/engine/prefix_disk.h"
 #include "tandem/model/qwen3_5_state.h"
 #include "tandem/spec/checkpoint.h"
 
@@ -37,6 +38,7 @@ namespace tandem {
 struct PrefixCacheStats {
   int64_t entries = 0;
   int64_t evictions = 0;
+  int64_t disk_files = 0, disk_writes = 0, disk_loads = 0, disk_removed = 0;
   int64_t kv_blocks = 0;  // distinct KV blocks the entries hold
   size_t bytes = 0;       // snapshots + checkpoints + kv_blocks × block bytes
   size_t max_bytes = 0;
@@ -57,13 +59,15 @@ class PrefixCache {
     // The drafter's state at the boundary; null when the entry's attachment is of another
     // drafter namespace (or none) and the caller's drafter rebuilds its state from tokens.
     spec::CheckpointPtr draft;
+    bool from_disk = false;  // the entry was read back from the disk tier for this lookup
   };
   // The longest saved prefix of `prompt` that leaves at least one token to prefill (the first
   // sampled token needs the last prompt token's logits). draft_ns: the caller's drafter namespace
   // ("" for none, which uses any entry). An entry whose attachment is of another namespace is used
   // for the target alone when `draft_from_tokens` (the drafter needs nothing but the tokens:
   // n-gram), and skipped otherwise (it needs the target's hiddens at every prefix token, which
-  // only a prefill of the prefix gives). Marks the entry used (LRU).
+  // only a prefill of the prefix gives). Marks the entry used (LRU). With a disk tier, a longer
+  // prefix found there is read back into memory first (an unusable file is a miss, removed).
   Hit lookup(std::span<const int32_t> prompt, const std::string& draft_ns, bool draft_from_tokens);
 
   // Starts the empty open row `slot` at the hit's boundary (Qwen35State::attach_prefix). Throws
@@ -80,6 +84,12 @@ class PrefixCache {
   // Evicts least-recently-used entries (never `keep`) until the state has `blocks` free blocks;
   // returns whether it has. Blocks still listed by rows or by kept entries are not freed by this.
   bool make_room(int64_t blocks, uint64_t keep = 0);
+
+  // The disk tier (may be null; must outlive the cache): evicted entries are written to it, and
+  // lookups read longer prefixes back from it.
+  void attach_disk(PrefixDisk* disk) { disk_ = disk; }
+  // Writes every entry to the disk tier (a server shutting down with --prefix-cache-persist).
+  void persist_all();
 
   PrefixCacheStats stats() const;
   // The saved boundaries' lengths, ascending (tests, reports).
@@ -105,9 +115,19 @@ class PrefixCache {
   std::unordered_map<int32_t, int64_t> block_uses_;      // block -> entries holding it
   size_t own_bytes_ = 0;
   int64_t evictions_ = 0;
+  PrefixDisk* disk_ = nullptr;
+  int64_t disk_writes_ = 0, disk_loads_ = 0;
 
   size_t bytes() const { return own_bytes_ + block_uses_.size() * block_bytes_; }
   uint64_t find(std::span<const int32_t> tokens, uint64_t hash) const;
+  Hit lookup_memory(std::span<const int32_t> prompt, const std::string& draft_ns,
+                    bool draft_from_tokens);
+  // An entry's state on the host, for the disk tier.
+  PrefixRecord record(const Entry& e) const;
+  // Adds a record read from disk as an entry holding fresh blocks; false (nothing added) when it
+  // does not fit this state's layout or budget, or the pool has no blocks for it.
+  bool load(PrefixRecord&& r);
+  bool add_entry(Entry&& e, size_t own);
   void evict(uint64_t id);
   // The entry to evict next, other than `keep` (0 when there is none): the least recently used
   // of those no request has reused yet, else the least recently used. A prompt's end or a

@@ -146,6 +146,29 @@ int32_t Qwen35State::copy_block(int32_t src) {
   return dst;
 }
 
+std::vector<int32_t> Qwen35State::take_blocks(int64_t n) {
+  if (static_cast<int64_t>(free_blocks_.size()) < n) {
+    if (fixed_)
+      fail("out of KV blocks: ", n, " needed, ", free_blocks_.size(), " of ", n_blocks_,
+           " are free");
+    grow_pool(n - static_cast<int64_t>(free_blocks_.size()));
+  }
+  std::vector<int32_t> out;
+  for (int64_t i = 0; i < n; ++i) {
+    out.push_back(free_blocks_.back());
+    holders_[static_cast<size_t>(free_blocks_.back())] = 1;
+    free_blocks_.pop_back();
+  }
+  return out;
+}
+
+std::string Qwen35State::kv_scheme() const {
+  return "f32 block=" + std::to_string(kBlockSize) + " attention=" + std::to_string(n_attn_) + "x" +
+         std::to_string(kv_heads_) + "x" + std::to_string(head_dim_) +
+         " linear=" + std::to_string(n_linear_) + "x" + std::to_string(conv_floats_) + "+" +
+         std::to_string(rec_floats_);
+}
+
 void Qwen35State::attach_prefix(int slot, std::span<const int32_t> blocks, int64_t length,
                                 const float* linear) {
   Row& r = rows_.at(slot);

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "tandem/backend/buffer.h"
@@ -90,6 +91,12 @@ class Qwen35State {
   // A new block, held once by the caller, with block `src`'s keys and values in every layer.
   // Throws Error when a fixed pool has no free block.
   int32_t copy_block(int32_t src);
+  // n free blocks, each held once by the caller (contents unspecified). Throws Error, taking
+  // none, when a fixed pool has fewer free.
+  std::vector<int32_t> take_blocks(int64_t n);
+  // The layout a saved state must have to be restored here: dtype, block size, layer and head
+  // shapes (the prefix cache's disk files are keyed by it).
+  std::string kv_scheme() const;
   int32_t block_holders(int32_t block) const { return holders_.at(static_cast<size_t>(block)); }
   // Floats of one row's linear state ([linear_layers][conv | recurrent]) and the state itself.
   int64_t linear_state_floats() const { return n_linear_ * (conv_floats_ + rec_floats_); }

@@ -90,11 +90,21 @@ std::string ServerMetrics::render(const EngineCounters& e, const std::string& dr
   scalar("tandem_prefill_forwards_total", "counter", "Prompt prefill forwards.",
          static_cast<double>(e.prefill_forwards));
   series(&out, "tandem_prefix_cache_requests_total", "counter",
-         "Admissions by prefix-cache result (tier: memory).");
+         "Admissions by prefix-cache result (memory: hit or miss; disk: hits read back from it).");
   out += "tandem_prefix_cache_requests_total{tier=\"memory\",result=\"hit\"} " +
          std::to_string(e.prefix_hits) + "\n";
   out += "tandem_prefix_cache_requests_total{tier=\"memory\",result=\"miss\"} " +
          std::to_string(e.prefix_misses) + "\n";
+  out += "tandem_prefix_cache_requests_total{tier=\"disk\",result=\"hit\"} " +
+         std::to_string(e.prefix_disk_hits) + "\n";
+  scalar("tandem_prefix_cache_disk_files", "gauge", "Prefix-cache files in the disk tier's folder.",
+         static_cast<double>(e.prefix_disk_files));
+  scalar("tandem_prefix_cache_disk_writes_total", "counter",
+         "Prefix-cache entries written to the disk tier.",
+         static_cast<double>(e.prefix_disk_writes));
+  scalar("tandem_prefix_cache_disk_removed_total", "counter",
+         "Disk-tier files removed as corrupt, truncated or written under another key.",
+         static_cast<double>(e.prefix_disk_removed));
   scalar("tandem_prefix_cache_reused_tokens_total", "counter",
          "Prompt tokens restored from the prefix cache instead of prefilled.",
          static_cast<double>(e.prefix_tokens_reused));

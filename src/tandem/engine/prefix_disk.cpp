@@ -1,0 +1,328 @@
+#include "tandem/engine/prefix_disk.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+#include <xxhash.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <system_error>
+
+#include "tandem/core/error.h"
+
+namespace tandem {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+namespace {
+
+constexpr char kMagic[8] = {'T', 'A', 'N', 'D', 'E', 'M', 'P', 'C'};
+constexpr const char* kSuffix = ".tpc";
+constexpr uint64_t kMaxHeaderBytes = uint64_t{64} << 20;
+
+std::string hex64(uint64_t h) {
+  char buf[17];
+  std::snprintf(buf, sizeof(buf), "%016llx", static_cast<unsigned long long>(h));
+  return buf;
+}
+
+// A section to write: bytes at `data`.
+struct Section {
+  std::string name, dtype;
+  std::vector<int64_t> shape;
+  const void* data;
+  size_t bytes;
+};
+
+// A whole file in memory, read back; the header parsed. Throws Error on anything malformed.
+struct Parsed {
+  json header;
+  std::string bytes;
+  size_t payload = 0;  // offset of the first section
+};
+
+Parsed parse(const std::string& path, bool whole) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) fail(path, ": cannot open");
+  char magic[8];
+  uint32_t version = 0;
+  uint64_t header_len = 0;
+  in.read(magic, 8);
+  in.read(reinterpret_cast<char*>(&version), sizeof(version));
+  in.read(reinterpret_cast<char*>(&header_len), sizeof(header_len));
+  if (!in || std::memcmp(magic, kMagic, 8) != 0) fail(path, ": not a tandem prefix-cache file");
+  if (version != PrefixDisk::kFormatVersion)
+    fail(path, ": format version ", version, ", this build reads ", PrefixDisk::kFormatVersion);
+  if (header_len == 0 || header_len > kMaxHeaderBytes) fail(path, ": bad header length");
+  Parsed p;
+  std::string header(header_len, '\0');
+  in.read(header.data(), static_cast<std::streamsize>(header_len));
+  if (!in) fail(path, ": truncated header");
+  p.header = json::parse(header);  // throws on malformed JSON
+  p.payload = 8 + sizeof(version) + sizeof(header_len) + header_len;
+  if (whole) {
+    in.seekg(0, std::ios::end);
+    const auto size = static_cast<size_t>(in.tellg());
+    p.bytes.resize(size);
+    in.seekg(0);
+    in.read(p.bytes.data(), static_cast<std::streamsize>(size));
+    if (!in) fail(path, ": read failed");
+  }
+  return p;
+}
+
+// The bytes of a section, checked against its header entry (bounds, size, dtype, hash).
+std::string_view section(const Parsed& p, const std::string& name, const char* dtype,
+                         int64_t* elements) {
+  for (const json& s : p.header.at("sections")) {
+    if (s.at("name").get<std::string>() != name) continue;
+    if (s.at("dtype").get<std::string>() != dtype) fail("section ", name, ": dtype");
+    int64_t n = 1;
+    for (const json& d : s.at("shape")) {
+      const int64_t v = d.get<int64_t>();
+      if (v < 0 || v > (int64_t{1} << 40)) fail("section ", name, ": shape");
+      n *= v;
+    }
+    const uint64_t off = s.at("offset").get<uint64_t>(), size = s.at("bytes").get<uint64_t>();
+    if (size != static_cast<uint64_t>(n) * 4) fail("section ", name, ": size");
+    const uint64_t room = p.bytes.size() > p.payload ? p.bytes.size() - p.payload : 0;
+    if (off > room || size > room - off)
+      fail("section ", name, ": past the end of the file (truncated?)");
+    const std::string_view bytes(p.bytes.data() + p.payload + off, size);
+    if (hex64(XXH3_64bits(bytes.data(), bytes.size())) != s.at("xxh3").get<std::string>())
+      fail("section ", name, ": content hash mismatch");
+    *elements = n;
+    return bytes;
+  }
+  fail("no section ", name);
+}
+
+template <class T>
+std::vector<T> section_values(const Parsed& p, const std::string& name, const char* dtype) {
+  int64_t n = 0;
+  const std::string_view b = section(p, name, dtype, &n);
+  std::vector<T> v(static_cast<size_t>(n));
+  std::memcpy(v.data(), b.data(), b.size());
+  return v;
+}
+
+bool key_matches(const json& h, const PrefixDiskKey& key) {
+  return h.value("target_identity", "") == key.target_identity &&
+         h.value("tokenizer_hash", "") == key.tokenizer_hash &&
+         h.value("kv_scheme", "") == key.kv_scheme;
+}
+
+std::atomic<uint64_t> g_tmp_counter{0};
+
+}  // namespace
+
+PrefixDisk::PrefixDisk(std::string dir, PrefixDiskKey key)
+    : dir_(std::move(dir)), key_(std::move(key)) {
+  std::error_code ec;
+  fs::create_directories(dir_, ec);
+  if (ec) fail("--prefix-cache-dir ", dir_, ": cannot create: ", ec.message());
+  fs::directory_iterator it(dir_, ec);
+  if (ec) fail("--prefix-cache-dir ", dir_, ": cannot list: ", ec.message());
+  for (const auto& e : it) {
+    const std::string path = e.path().string();
+    if (!e.is_regular_file() || e.path().extension() != kSuffix) continue;
+    try {
+      // The header and the token ids only: a restart does not read every cached state.
+      Parsed p = parse(path, false);
+      if (!key_matches(p.header, key_)) fail(path, ": written under another key");
+      // A whole file ends where its last section does (a truncated one is caught here; a
+      // corrupt section when it is read).
+      uint64_t end = 0, tokens_end = 0;
+      for (const json& sec : p.header.at("sections")) {
+        const uint64_t e = sec.at("offset").get<uint64_t>() + sec.at("bytes").get<uint64_t>();
+        end = std::max(end, e);
+        if (sec.at("name").get<std::string>() == "tokens") tokens_end = e;
+      }
+      if (p.payload + end != fs::file_size(path)) fail(path, ": size differs from its header's");
+      p.bytes.resize(p.payload + tokens_end);
+      std::ifstream in(path, std::ios::binary);
+      in.read(p.bytes.data(), static_cast<std::streamsize>(p.bytes.size()));
+      if (!in) fail(path, ": read failed");
+      index_.push_back({path, section_values<int32_t>(p, "tokens", "i32")});
+    } catch (const std::exception&) {
+      drop(path);
+    }
+  }
+}
+
+void PrefixDisk::drop(const std::string& path) {
+  std::error_code ec;
+  fs::remove(path, ec);
+  index_.erase(std::remove_if(index_.begin(), index_.end(),
+                              [&](const Indexed& i) { return i.path == path; }),
+               index_.end());
+  ++removed_;
+}
+
+std::string PrefixDisk::file_name(std::span<const int32_t> tokens) const {
+  XXH3_state_t* s = XXH3_createState();
+  XXH3_64bits_reset(s);
+  for (const std::string* part : {&key_.target_identity, &key_.tokenizer_hash, &key_.kv_scheme})
+    XXH3_64bits_update(s, part->data(), part->size() + 1);  // with the terminator: unambiguous
+  XXH3_64bits_update(s, tokens.data(), tokens.size_bytes());
+  const uint64_t h = XXH3_64bits_digest(s);
+  XXH3_freeState(s);
+  return (fs::path(dir_) / (hex64(h) + "-" + std::to_string(tokens.size()) + kSuffix)).string();
+}
+
+bool PrefixDisk::write(const PrefixRecord& r) {
+  std::vector<Section> sections;
+  const int64_t n = static_cast<int64_t>(r.tokens.size());
+  sections.push_back({"tokens", "i32", {n}, r.tokens.data(), r.tokens.size() * 4});
+  for (size_t l = 0; l < r.keys.size(); ++l) {
+    sections.push_back({"kv." + std::to_string(l) + ".keys",
+                        "f32",
+                        {static_cast<int64_t>(r.keys[l].size())},
+                        r.keys[l].data(),
+                        r.keys[l].size() * 4});
+    sections.push_back({"kv." + std::to_string(l) + ".values",
+                        "f32",
+                        {static_cast<int64_t>(r.values[l].size())},
+                        r.values[l].data(),
+                        r.values[l].size() * 4});
+  }
+  sections.push_back({"linear",
+                      "f32",
+                      {static_cast<int64_t>(r.linear.size())},
+                      r.linear.data(),
+                      r.linear.size() * 4});
+  json header = {{"format", kFormatVersion},
+                 {"target_identity", key_.target_identity},
+                 {"tokenizer_hash", key_.tokenizer_hash},
+                 {"kv_scheme", key_.kv_scheme},
+                 {"tokens", n},
+                 {"attention_layers", r.keys.size()}};
+  if (r.draft) {
+    const spec::Checkpoint& c = *r.draft;
+    json tensors = json::array();
+    for (const auto& [name, t] : c.tensors) {
+      tensors.push_back(name);
+      sections.push_back(
+          {"draft.tensor." + name, "f32", t.shape, t.data.data(), t.data.size() * 4});
+    }
+    sections.push_back({"draft.tokens",
+                        "i32",
+                        {static_cast<int64_t>(c.tokens.size())},
+                        c.tokens.data(),
+                        c.tokens.size() * 4});
+    header["draft"] = {{"schema", c.schema},
+                       {"ns", c.ns},
+                       {"processed_tokens", c.processed_tokens},
+                       {"metadata", c.metadata},
+                       {"tensors", tensors}};
+  }
+  json list = json::array();
+  uint64_t offset = 0;
+  for (const Section& s : sections) {
+    list.push_back({{"name", s.name},
+                    {"dtype", s.dtype},
+                    {"shape", s.shape},
+                    {"offset", offset},
+                    {"bytes", s.bytes},
+                    {"xxh3", hex64(XXH3_64bits(s.data, s.bytes))}});
+    offset += s.bytes;
+  }
+  header["sections"] = list;
+  const std::string head = header.dump();
+  const std::string path = file_name(r.tokens);
+  const std::string tmp = path + ".tmp." + std::to_string(::getpid()) + "." +
+                          std::to_string(g_tmp_counter.fetch_add(1));
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) return false;
+  bool ok = true;
+  auto put = [&](const void* p, size_t bytes) {
+    const char* c = static_cast<const char*>(p);
+    while (ok && bytes > 0) {
+      const ssize_t w = ::write(fd, c, bytes);
+      if (w <= 0) {
+        ok = false;
+        break;
+      }
+      c += w;
+      bytes -= static_cast<size_t>(w);
+    }
+  };
+  const uint32_t version = kFormatVersion;
+  const uint64_t head_len = head.size();
+  put(kMagic, 8);
+  put(&version, sizeof(version));
+  put(&head_len, sizeof(head_len));
+  put(head.data(), head.size());
+  for (const Section& s : sections) put(s.data, s.bytes);
+  ok = ok && ::fsync(fd) == 0;
+  ok = ::close(fd) == 0 && ok;
+  ok = ok && ::rename(tmp.c_str(), path.c_str()) == 0;
+  if (!ok) {
+    ::unlink(tmp.c_str());
+    return false;
+  }
+  if (std::none_of(index_.begin(), index_.end(), [&](const Indexed& i) { return i.path == path; }))
+    index_.push_back({path, r.tokens});
+  return true;
+}
+
+PrefixDisk::Found PrefixDisk::find(std::span<const int32_t> prompt, int64_t longer_than) const {
+  Found best;
+  best.tokens = longer_than;
+  for (const Indexed& i : index_) {
+    const int64_t n = static_cast<int64_t>(i.tokens.size());
+    if (n <= best.tokens || n > static_cast<int64_t>(prompt.size()) - 1) continue;
+    if (std::equal(i.tokens.begin(), i.tokens.end(), prompt.begin())) best = {n, i.path};
+  }
+  if (best.path.empty()) best.tokens = 0;
+  return best;
+}
+
+std::optional<PrefixRecord> PrefixDisk::read(const std::string& path) {
+  try {
+    const Parsed p = parse(path, true);
+    if (!key_matches(p.header, key_)) fail(path, ": written under another key");
+    PrefixRecord r;
+    r.tokens = section_values<int32_t>(p, "tokens", "i32");
+    if (static_cast<int64_t>(r.tokens.size()) != p.header.at("tokens").get<int64_t>())
+      fail(path, ": token count");
+    const auto layers = p.header.at("attention_layers").get<size_t>();
+    if (layers > 4096) fail(path, ": attention layers");
+    for (size_t l = 0; l < layers; ++l) {
+      r.keys.push_back(section_values<float>(p, "kv." + std::to_string(l) + ".keys", "f32"));
+      r.values.push_back(section_values<float>(p, "kv." + std::to_string(l) + ".values", "f32"));
+    }
+    r.linear = section_values<float>(p, "linear", "f32");
+    if (p.header.contains("draft")) {
+      const json& d = p.header.at("draft");
+      auto c = std::make_shared<spec::Checkpoint>();
+      c->schema = d.at("schema").get<std::string>();
+      c->ns = d.at("ns").get<std::string>();
+      c->processed_tokens = d.at("processed_tokens").get<int64_t>();
+      c->metadata = d.at("metadata");
+      for (const json& name : d.at("tensors")) {
+        const std::string n = name.get<std::string>();
+        spec::CheckpointTensor t;
+        for (const json& s : p.header.at("sections"))
+          if (s.at("name").get<std::string>() == "draft.tensor." + n)
+            t.shape = s.at("shape").get<std::vector<int64_t>>();
+        t.data = section_values<float>(p, "draft.tensor." + n, "f32");
+        c->tensors[n] = std::move(t);
+      }
+      c->tokens = section_values<int32_t>(p, "draft.tokens", "i32");
+      r.draft = std::move(c);
+    }
+    return r;
+  } catch (const std::exception&) {
+    drop(path);
+    return std::nullopt;
+  }
+}
+
+}  // namespace tandem

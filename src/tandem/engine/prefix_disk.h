@@ -1,0 +1,90 @@
+// The prefix cache's disk tier: one self-describing file per saved boundary, so that saved prompt
+// prefixes survive a restart (DESIGN.md §7).
+//
+// A file is "TANDEMPC", a format version, a JSON header and its sections:
+//   header: the key it was written under (target artifact identity, tokenizer hash, KV scheme),
+//           the boundary's token count, the drafter attachment's schema / namespace / processed
+//           tokens / metadata, and per section its name, dtype, shape, offset, size and content
+//           hash (XXH3-64);
+//   sections: the token ids, per attention layer the keys and the values of every position, the
+//           Gated DeltaNet state, the drafter checkpoint's tensors and token history.
+// Writes go to a temporary name in the same folder, are flushed to the disk and renamed, so a
+// reader (another process, a restart) sees a whole file or none; two writers of the same boundary
+// write the same name and content. A restarted server finds the files by reading their headers;
+// a file that is corrupt, truncated or written under another key is a miss and is removed, never
+// an error or a wrong answer.
+//
+// Not thread-safe: one engine loop uses one PrefixDisk; several processes may share the folder.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "tandem/spec/checkpoint.h"
+
+namespace tandem {
+
+// What a file must have been written under to be used.
+struct PrefixDiskKey {
+  std::string target_identity;  // artifact identity of the weights and config
+  std::string tokenizer_hash;   // of the tokenizer the token ids came from ("" = none)
+  std::string kv_scheme;        // layout of the state: dtype, block size, layer and head shapes
+};
+
+// One boundary's state on the host.
+struct PrefixRecord {
+  std::vector<int32_t> tokens;
+  std::vector<std::vector<float>> keys, values;  // per attention layer: [tokens, kv heads, dim]
+  std::vector<float> linear;                     // [linear layers][conv | recurrent]
+  spec::CheckpointPtr draft;                     // the drafter's checkpoint; may be null
+};
+
+class PrefixDisk {
+ public:
+  // Creates `dir` if needed and indexes the files written under `key`; removes the others and
+  // every unreadable one. Throws Error when the folder cannot be created or listed.
+  PrefixDisk(std::string dir, PrefixDiskKey key);
+
+  // Writes the record (temporary name, flush, rename) and indexes it. Returns false, leaving no
+  // file behind, when the disk refuses (full, read-only): the boundary stays in memory only.
+  bool write(const PrefixRecord& record);
+
+  // The longest indexed prefix of `prompt` longer than `longer_than` tokens and leaving at least
+  // one token to prefill; 0 tokens when there is none.
+  struct Found {
+    int64_t tokens = 0;
+    std::string path;
+  };
+  Found find(std::span<const int32_t> prompt, int64_t longer_than) const;
+
+  // Reads a file `find` returned and checks every section against its header. A file that fails
+  // is removed (from the folder and the index) and nullopt returned.
+  std::optional<PrefixRecord> read(const std::string& path);
+
+  // Removes a file whose contents turned out unusable after reading (a caller's check failed).
+  void remove(const std::string& path) { drop(path); }
+
+  int64_t files() const { return static_cast<int64_t>(index_.size()); }
+  int64_t removed() const { return removed_; }  // files dropped as unusable since construction
+  const std::string& dir() const { return dir_; }
+
+  static constexpr uint32_t kFormatVersion = 1;
+
+ private:
+  struct Indexed {
+    std::string path;
+    std::vector<int32_t> tokens;
+  };
+  std::string dir_;
+  PrefixDiskKey key_;
+  std::vector<Indexed> index_;
+  int64_t removed_ = 0;
+
+  void drop(const std::string& path);
+  std::string file_name(std::span<const int32_t> tokens) const;
+};
+
+}  // namespace tandem
