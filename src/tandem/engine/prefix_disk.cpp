@@ -108,7 +108,8 @@ std::vector<T> section_values(const Parsed& p, const std::string& name, const ch
   int64_t n = 0;
   const std::string_view b = section(p, name, dtype, &n);
   std::vector<T> v(static_cast<size_t>(n));
-  std::memcpy(v.data(), b.data(), b.size());
+  if (!b.empty())
+    std::memcpy(v.data(), b.data(), b.size());  // an empty vector's data() may be null
   return v;
 }
 
