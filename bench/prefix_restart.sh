@@ -18,21 +18,22 @@ tandem=${TANDEM:-build/tandem}
 port=${PORT:-8140}
 dir=$(mktemp -d)
 here=$(cd "$(dirname "$0")" && pwd)
-trap 'rm -rf "$dir"' EXIT
+pid=
+trap '[ -n "$pid" ] && kill "$pid" 2>/dev/null; rm -rf "$dir"' EXIT
 
-start() {  # start LOG args...: returns when listening; prints the seconds it took
+start() {  # start LOG args...: returns when listening; $started: the seconds it took
   local log=$1
   shift
   local t0
   t0=$(date +%s.%N)
-  "$tandem" serve --model "$model" --port "$port" "$@" >"$log" 2>&1 &
+  "$tandem" serve --model "$model" --port "$port" --served-model-name bench "$@" >"$log" 2>&1 &
   pid=$!
   for _ in $(seq 600); do
     grep -q listening "$log" && break
     sleep 0.05
   done
   grep -q listening "$log" || { cat "$log" >&2; exit 1; }
-  python3 -c "print($(date +%s.%N) - $t0)"
+  started=$(python3 -c "print($(date +%s.%N) - $t0)")
 }
 
 ask() {  # ask SEED_OF_USER_TOKENS: prints TTFT ms and cached tokens
@@ -47,26 +48,28 @@ if user_seed >= 0:
     u = random.Random(user_seed)
     prompt += [u.randrange(vocab) for _ in range(64)]
 ttft, _, cached = stream(f"http://127.0.0.1:{port}", {
-    "model": "m", "prompt": prompt, "max_tokens": 4, "temperature": 0, "stream": True,
+    "model": "bench", "prompt": prompt, "max_tokens": 4, "temperature": 0, "stream": True,
     "stream_options": {"include_usage": True}, "return_token_ids": True, "ignore_eos": True})
 print(f"{ttft * 1e3:.1f} {cached}")
 PY
 }
 
 export HERE=$here
-start "$dir/a.log" --prefix-cache-dir "$dir/cache" --prefix-cache-persist "$@" >/dev/null
+start "$dir/a.log" --prefix-cache-dir "$dir/cache" --prefix-cache-persist "$@"
 ask -1 >/dev/null
 kill -INT "$pid"
 wait "$pid" || true
 files=$(find "$dir/cache" -name '*.tpc' | wc -l)
 bytes=$(du -sb "$dir/cache" | cut -f1)
 
-warm_start=$(start "$dir/b.log" --prefix-cache-dir "$dir/cache" "$@")
+start "$dir/b.log" --prefix-cache-dir "$dir/cache" "$@"
+warm_start=$started
 read -r warm_ttft warm_cached < <(ask 1)
 kill -INT "$pid"
 wait "$pid" || true
 
-cold_start=$(start "$dir/c.log" --prefix-cache-memory 0 "$@")
+start "$dir/c.log" --prefix-cache-memory 0 "$@"
+cold_start=$started
 read -r cold_ttft cold_cached < <(ask 1)
 kill -INT "$pid"
 wait "$pid" || true
