@@ -24,14 +24,6 @@ test::DemoModel& demo() {
   return *f;
 }
 
-// A fresh folder per test.
-std::string fresh_dir(const std::string& name) {
-  const fs::path p =
-      fs::temp_directory_path() / ("tandem_prefix_disk_" + name + "_" + std::to_string(::getpid()));
-  fs::remove_all(p);
-  return p.string();
-}
-
 const PrefixDiskKey kKey{"target-a", "tok-1", "f32 block=16 test"};
 
 PrefixRecord sample_record(size_t tokens) {
@@ -58,7 +50,8 @@ std::vector<fs::path> files_in(const std::string& dir) {
 }
 
 TEST(PrefixDisk, RecordsRoundTripAndARestartFindsThem) {
-  const std::string dir = fresh_dir("roundtrip");
+  const testing::ScratchDir dir_scratch("roundtrip");
+  const std::string dir = dir_scratch.file("cache");
   {
     PrefixDisk disk(dir, kKey);
     EXPECT_EQ(disk.files(), 0);
@@ -87,11 +80,11 @@ TEST(PrefixDisk, RecordsRoundTripAndARestartFindsThem) {
   EXPECT_EQ(r->draft->tensors.at("h_true").shape, (std::vector<int64_t>{2, 2}));
   EXPECT_EQ(r->draft->tensors.at("h_true").data, want.draft->tensors.at("h_true").data);
   EXPECT_EQ(r->draft->tokens, want.draft->tokens);
-  fs::remove_all(dir);
 }
 
 TEST(PrefixDisk, CorruptTruncatedAndForeignFilesAreMissesAndRemoved) {
-  const std::string dir = fresh_dir("corrupt");
+  const testing::ScratchDir dir_scratch("corrupt");
+  const std::string dir = dir_scratch.file("cache");
   std::string path;
   {
     PrefixDisk disk(dir, kKey);
@@ -123,13 +116,13 @@ TEST(PrefixDisk, CorruptTruncatedAndForeignFilesAreMissesAndRemoved) {
   // changed), then copied in: a folder serves one model, another's files are removed.
   PrefixDiskKey other = kKey;
   other.target_identity = "target-b";
-  const std::string elsewhere = fresh_dir("corrupt_other");
+  const testing::ScratchDir elsewhere_scratch("corrupt_other");
+  const std::string elsewhere = elsewhere_scratch.file("cache");
   {
     PrefixDisk disk(elsewhere, other);
     ASSERT_TRUE(disk.write(sample_record(28)));
   }
   for (const auto& f : files_in(elsewhere)) fs::copy_file(f, fs::path(dir) / f.filename());
-  fs::remove_all(elsewhere);
   const auto files = files_in(dir);
   ASSERT_EQ(files.size(), 3u);
   for (const auto& f : files)
@@ -143,11 +136,11 @@ TEST(PrefixDisk, CorruptTruncatedAndForeignFilesAreMissesAndRemoved) {
   EXPECT_EQ(disk.find(sample_record(40).tokens, 0).tokens, 20);
   EXPECT_TRUE(fs::exists(fs::path(dir) / "notes.txt"));
   EXPECT_EQ(files_in(dir).size(), 2u);
-  fs::remove_all(dir);
 }
 
 TEST(PrefixDisk, ConcurrentWritersLeaveWholeFiles) {
-  const std::string dir = fresh_dir("writers");
+  const testing::ScratchDir dir_scratch("writers");
+  const std::string dir = dir_scratch.file("cache");
   std::vector<std::thread> writers;
   for (int w = 0; w < 4; ++w)
     writers.emplace_back([&] {
@@ -162,7 +155,6 @@ TEST(PrefixDisk, ConcurrentWritersLeaveWholeFiles) {
   const auto found = disk.find(sample_record(40).tokens, 0);
   ASSERT_EQ(found.tokens, 32);
   EXPECT_TRUE(disk.read(found.path).has_value());
-  fs::remove_all(dir);
 }
 
 // --- A restarted engine ------------------------------------------------------------------------
@@ -229,7 +221,8 @@ TEST(PrefixDiskEngine, ARestartedEngineResumesFromTheDiskWithEveryDrafter) {
     const spec::DraftProvider* wd = std::string(writer) == "mtp" ? d.mtp.get() : d.ngram.get();
     for (const char* reader : {"mtp", "ngram"}) {
       const spec::DraftProvider* rd = std::string(reader) == "mtp" ? d.mtp.get() : d.ngram.get();
-      const std::string dir = fresh_dir(std::string("engine_") + writer + "_" + reader);
+      const testing::ScratchDir dir_scratch(std::string("engine_") + writer + "_" + reader);
+      const std::string dir = dir_scratch.file("cache");
       {
         BatchEngine a(*d.model, wd, "demo-target", disk_options(dir, /*persist=*/true));
         serve(a, first, 0.8f, &ignored);
@@ -249,7 +242,6 @@ TEST(PrefixDiskEngine, ARestartedEngineResumesFromTheDiskWithEveryDrafter) {
         EXPECT_EQ(oh.speculation.accepted_by_position, oc.speculation.accepted_by_position);
         EXPECT_EQ(oh.speculation.rounds, oc.speculation.rounds);
       }
-      fs::remove_all(dir);
     }
   }
 }
@@ -257,7 +249,8 @@ TEST(PrefixDiskEngine, ARestartedEngineResumesFromTheDiskWithEveryDrafter) {
 TEST(PrefixDiskEngine, AnotherTargetIdentityFindsNothingAndEvictedEntriesSpillToDisk) {
   auto& d = demo();
   const auto text = sample_tokens(450);
-  const std::string dir = fresh_dir("identity");
+  const testing::ScratchDir dir_scratch("identity");
+  const std::string dir = dir_scratch.file("cache");
   std::vector<int32_t> ignored, hot, cold_tokens;
   {
     BatchEngine a(*d.model, d.ngram.get(), "demo-target", disk_options(dir, true));
@@ -289,7 +282,6 @@ TEST(PrefixDiskEngine, AnotherTargetIdentityFindsNothingAndEvictedEntriesSpillTo
   serve(c, text, 0.0f, &cold_tokens);
   EXPECT_EQ(hot, cold_tokens);
   EXPECT_GE(oh.cached_tokens, 256);
-  fs::remove_all(dir);
 }
 
 }  // namespace

@@ -1,6 +1,5 @@
 // tandem serve: the OpenAI-compatible server over the continuously batched speculative engine.
 #include <pthread.h>
-#include <xxhash.h>
 
 #include <csignal>
 #include <cstdio>
@@ -12,6 +11,7 @@
 #include "tandem/cli/common.h"
 #include "tandem/core/error.h"
 #include "tandem/engine/batch_engine.h"
+#include "tandem/io/artifact_identity.h"
 #include "tandem/io/chat_template.h"
 #include "tandem/server/http_server.h"
 
@@ -111,13 +111,8 @@ void run_serve(const ServeArgs& a) {
     eo.prefix_cache_dir = a.prefix_cache_dir;
     eo.prefix_cache_persist = a.prefix_cache_persist;
     const std::string tok_path = a.model + "/tokenizer.json";
-    if (std::filesystem::exists(tok_path)) {
-      const std::string text = read_text_file(tok_path);
-      char buf[17];
-      std::snprintf(buf, sizeof(buf), "%016llx",
-                    static_cast<unsigned long long>(XXH3_64bits(text.data(), text.size())));
-      eo.tokenizer_hash = buf;
-    }
+    if (std::filesystem::exists(tok_path))
+      eo.tokenizer_hash = artifact_identity("tokenizer", {tok_path});
   } else if (a.prefix_cache_persist) {
     fail("--prefix-cache-persist needs --prefix-cache-dir");
   }

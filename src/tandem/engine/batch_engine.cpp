@@ -564,11 +564,16 @@ void BatchEngine::save_boundary(const Row& row, size_t prefill_index) {
   const int64_t L = static_cast<int64_t>(row.req.gen.prompt.size());
   const bool on_grid = p % options_.spec.prefill_chunk == 0;
   if (!on_grid && !(p == L && ops::prefill_matches_decode())) return;
+  save_state(std::span(row.req.gen.prompt).first(static_cast<size_t>(p)), row.slot,
+             prefill_drafts_.get(), prefill_index);
+}
+
+void BatchEngine::save_state(std::span<const int32_t> tokens, int slot, spec::DraftRows* drafts,
+                             size_t draft_row) {
   try {
     spec::CheckpointPtr draft;
-    if (prefill_drafts_) draft = prefill_drafts_->capture(static_cast<int>(prefill_index));
-    cache_->insert(std::span(row.req.gen.prompt).first(static_cast<size_t>(p)), row.slot,
-                   std::move(draft));
+    if (drafts) draft = drafts->capture(static_cast<int>(draft_row));
+    cache_->insert(tokens, slot, std::move(draft));
   } catch (const std::exception&) {
     // A boundary that cannot be saved (a drafter that refuses to capture, no memory) is a
     // missed optimisation, never a failed request.
@@ -587,13 +592,7 @@ void BatchEngine::save_turn(const Row& row, size_t decode_index) {
   if (answered < 1 || answered > static_cast<int64_t>(row.result.tokens.size())) return;
   std::vector<int32_t> tokens = row.req.gen.prompt;
   tokens.insert(tokens.end(), row.result.tokens.begin(), row.result.tokens.begin() + answered);
-  try {
-    spec::CheckpointPtr draft;
-    if (decode_drafts_) draft = decode_drafts_->capture(static_cast<int>(decode_index));
-    cache_->insert(tokens, row.slot, std::move(draft));
-  } catch (const std::exception&) {
-    // As in save_boundary: a turn that cannot be saved is only a missed optimisation.
-  }
+  save_state(tokens, row.slot, decode_drafts_.get(), decode_index);
 }
 
 bool BatchEngine::plain_greedy() const {

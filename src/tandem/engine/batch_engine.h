@@ -201,6 +201,10 @@ class BatchEngine {
   // When a decoding row retires finished: saves its state (prompt + the answer tokens the target
   // processed) as a boundary, where decoding equals prefill (ops::prefill_matches_decode).
   void save_turn(const Row& row, size_t decode_index);
+  // Both save through here: the drafter's checkpoint of row `draft_row` of `drafts` (null: none)
+  // with the target state of `slot` at tokens.size(); a failure only skips the boundary.
+  void save_state(std::span<const int32_t> tokens, int slot, spec::DraftRows* drafts,
+                  size_t draft_row);
   void round();
   bool plain_greedy() const;
   void pipelined_round();

@@ -23,6 +23,16 @@ size_t checkpoint_bytes(const spec::Checkpoint* c) {
   return n;
 }
 
+// fn(block, first position, floats) for each block of a length-token prefix's KV, in order: a
+// block's keys (and its values) are contiguous, so each is one copy.
+template <class Fn>
+void for_each_block_run(std::span<const int32_t> blocks, int64_t length, int64_t kv_token_floats,
+                        Fn fn) {
+  for (int64_t p = 0; p < length; p += Qwen35State::kBlockSize)
+    fn(blocks[static_cast<size_t>(p / Qwen35State::kBlockSize)], p,
+       kv_token_floats * std::min(Qwen35State::kBlockSize, length - p));
+}
+
 struct HashState {
   XXH3_state_t* s = XXH3_createState();
   HashState() {
@@ -182,8 +192,7 @@ PrefixRecord PrefixCache::record(const Entry& e) const {
   r.tokens = e.tokens;
   const int64_t length = static_cast<int64_t>(e.tokens.size());
   const int64_t layers = state_.attention_layers();
-  const ops::KVLayerView kv0 = state_.kv_layer(0);
-  const int64_t kvf = kv0.n_kv_heads * kv0.head_dim;
+  const int64_t kvf = state_.kv_token_floats();
   r.keys.resize(static_cast<size_t>(layers));
   r.values.resize(static_cast<size_t>(layers));
   for (int64_t l = 0; l < layers; ++l) {
@@ -192,13 +201,10 @@ PrefixRecord PrefixCache::record(const Entry& e) const {
     auto& v = r.values[static_cast<size_t>(l)];
     k.resize(static_cast<size_t>(length * kvf));
     v.resize(static_cast<size_t>(length * kvf));
-    for (int64_t p = 0; p < length; p += Qwen35State::kBlockSize) {
-      const int32_t b = e.blocks[static_cast<size_t>(p / Qwen35State::kBlockSize)];
-      const size_t bytes =
-          sizeof(float) * static_cast<size_t>(kvf * std::min(Qwen35State::kBlockSize, length - p));
-      ops::copy_to_host(k.data() + p * kvf, kv.key(b, 0), bytes);
-      ops::copy_to_host(v.data() + p * kvf, kv.value(b, 0), bytes);
-    }
+    for_each_block_run(e.blocks, length, kvf, [&](int32_t b, int64_t p, int64_t floats) {
+      ops::copy_to_host(k.data() + p * kvf, kv.key(b, 0), sizeof(float) * floats);
+      ops::copy_to_host(v.data() + p * kvf, kv.value(b, 0), sizeof(float) * floats);
+    });
   }
   r.linear.resize(static_cast<size_t>(state_.linear_state_floats()));
   ops::copy_to_host(r.linear.data(), e.linear.data(), sizeof(float) * r.linear.size());
@@ -214,7 +220,7 @@ bool PrefixCache::load(PrefixRecord&& r) {
       static_cast<int64_t>(r.linear.size()) != state_.linear_state_floats() ||
       (r.draft && r.draft->processed_tokens != length))
     return false;
-  const int64_t kvf = layers > 0 ? state_.kv_layer(0).n_kv_heads * state_.kv_layer(0).head_dim : 0;
+  const int64_t kvf = state_.kv_token_floats();
   for (int64_t l = 0; l < layers; ++l)
     if (static_cast<int64_t>(r.keys[static_cast<size_t>(l)].size()) != length * kvf ||
         static_cast<int64_t>(r.values[static_cast<size_t>(l)].size()) != length * kvf)
@@ -228,19 +234,18 @@ bool PrefixCache::load(PrefixRecord&& r) {
   if (state_.fixed() && state_.free_block_count() < nblocks && !make_room(nblocks)) return false;
   Entry e;
   try {
-    e.blocks = state_.take_blocks(nblocks);
+    state_.take_blocks(nblocks, &e.blocks);
   } catch (const Error&) {
     return false;
   }
   for (int64_t l = 0; l < layers; ++l) {
     const ops::KVLayerView kv = state_.kv_layer(static_cast<int>(l));
-    for (int64_t p = 0; p < length; p += Qwen35State::kBlockSize) {
-      const int32_t b = e.blocks[static_cast<size_t>(p / Qwen35State::kBlockSize)];
-      const size_t bytes =
-          sizeof(float) * static_cast<size_t>(kvf * std::min(Qwen35State::kBlockSize, length - p));
-      ops::copy_from_host(kv.key(b, 0), r.keys[static_cast<size_t>(l)].data() + p * kvf, bytes);
-      ops::copy_from_host(kv.value(b, 0), r.values[static_cast<size_t>(l)].data() + p * kvf, bytes);
-    }
+    const float* k = r.keys[static_cast<size_t>(l)].data();
+    const float* v = r.values[static_cast<size_t>(l)].data();
+    for_each_block_run(e.blocks, length, kvf, [&](int32_t b, int64_t p, int64_t floats) {
+      ops::copy_from_host(kv.key(b, 0), k + p * kvf, sizeof(float) * floats);
+      ops::copy_from_host(kv.value(b, 0), v + p * kvf, sizeof(float) * floats);
+    });
   }
   e.linear.grow_to(state_.linear_state_floats());
   ops::copy_from_host(e.linear.data(), r.linear.data(), sizeof(float) * r.linear.size());

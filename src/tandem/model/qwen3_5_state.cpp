@@ -131,14 +131,9 @@ void Qwen35State::release_blocks(std::span<const int32_t> blocks) {
 int32_t Qwen35State::copy_block(int32_t src) {
   TANDEM_CHECK(src >= 0 && src < n_blocks_ && holders_[static_cast<size_t>(src)] > 0,
                "copy of block ", src, ", which nobody holds");
-  if (free_blocks_.empty()) {
-    if (fixed_)
-      fail("out of KV blocks: copying a shared block needs one, none of ", n_blocks_, " is free");
-    grow_pool(1);
-  }
-  const int32_t dst = free_blocks_.back();
-  free_blocks_.pop_back();
-  holders_[static_cast<size_t>(dst)] = 1;
+  std::vector<int32_t> taken;
+  take_blocks(1, &taken);
+  const int32_t dst = taken[0];
   const int64_t floats_per_block = 2 * kBlockSize * kv_heads_ * head_dim_;
   for (auto& pool : kv_pools_)
     ops::copy(pool.data() + dst * floats_per_block, pool.data() + src * floats_per_block,
@@ -146,20 +141,18 @@ int32_t Qwen35State::copy_block(int32_t src) {
   return dst;
 }
 
-std::vector<int32_t> Qwen35State::take_blocks(int64_t n) {
+void Qwen35State::take_blocks(int64_t n, std::vector<int32_t>* out) {
   if (static_cast<int64_t>(free_blocks_.size()) < n) {
     if (fixed_)
       fail("out of KV blocks: ", n, " needed, ", free_blocks_.size(), " of ", n_blocks_,
            " are free");
     grow_pool(n - static_cast<int64_t>(free_blocks_.size()));
   }
-  std::vector<int32_t> out;
   for (int64_t i = 0; i < n; ++i) {
-    out.push_back(free_blocks_.back());
+    out->push_back(free_blocks_.back());
     holders_[static_cast<size_t>(free_blocks_.back())] = 1;
     free_blocks_.pop_back();
   }
-  return out;
 }
 
 std::string Qwen35State::kv_scheme() const {
@@ -196,17 +189,10 @@ void Qwen35State::reserve(int slot, int64_t new_length) {
   const int64_t need = (new_length + kBlockSize - 1) / kBlockSize;
   const int64_t missing = need - static_cast<int64_t>(r.blocks.size());
   if (missing <= 0 || n_attn_ == 0) return;
-  if (static_cast<int64_t>(free_blocks_.size()) < missing) {
-    if (fixed_)
-      fail("out of KV blocks: row slot ", slot, " needs ", missing, " more for ", new_length,
-           " tokens, ", free_blocks_.size(), " of ", n_blocks_, " are free");
-    grow_pool(missing);
-  }
-  for (int64_t i = 0; i < missing; ++i) {
-    r.blocks.push_back(free_blocks_.back());
-    holders_[static_cast<size_t>(free_blocks_.back())] = 1;
-    free_blocks_.pop_back();
-  }
+  if (fixed_ && static_cast<int64_t>(free_blocks_.size()) < missing)
+    fail("out of KV blocks: row slot ", slot, " needs ", missing, " more for ", new_length,
+         " tokens, ", free_blocks_.size(), " of ", n_blocks_, " are free");
+  take_blocks(missing, &r.blocks);
 }
 
 ops::KVLayerView Qwen35State::kv_layer(int attn_layer) {

@@ -91,9 +91,9 @@ class Qwen35State {
   // A new block, held once by the caller, with block `src`'s keys and values in every layer.
   // Throws Error when a fixed pool has no free block.
   int32_t copy_block(int32_t src);
-  // n free blocks, each held once by the caller (contents unspecified). Throws Error, taking
-  // none, when a fixed pool has fewer free.
-  std::vector<int32_t> take_blocks(int64_t n);
+  // Appends n free blocks to *out, each held once by the caller (contents unspecified); grows
+  // the pool unless it is fixed. Throws Error, taking none, when a fixed pool has fewer free.
+  void take_blocks(int64_t n, std::vector<int32_t>* out);
   // The layout a saved state must have to be restored here: dtype, block size, layer and head
   // shapes (the prefix cache's disk files are keyed by it).
   std::string kv_scheme() const;
@@ -113,6 +113,7 @@ class Qwen35State {
   int64_t conv_state_floats() const { return conv_floats_; }
   int64_t recurrent_state_floats() const { return rec_floats_; }
   int64_t attention_layers() const { return n_attn_; }
+  int64_t kv_token_floats() const { return kv_heads_ * head_dim_; }  // one token's keys (or values)
   int64_t linear_layers() const { return n_linear_; }
 
   // --- Speculative windows (driven by Qwen35Model::forward / commit_windows) ---
