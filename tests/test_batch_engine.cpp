@@ -398,6 +398,10 @@ class FailingRows : public spec::DraftRows {
     return inner_->prepare_append(from);
   }
   void filter_rows(std::span<const int> keep) override { inner_->filter_rows(keep); }
+  void adopt_prefix(int row, std::span<const int32_t> tokens) override {
+    inner_->adopt_prefix(row, tokens);
+  }
+  bool adopts_exactly() const override { return inner_->adopts_exactly(); }
   void prefill(std::span<const spec::RowPrefill> rows) override { inner_->prefill(rows); }
   void draft(std::span<const spec::RowDraft> rows, std::vector<spec::DraftProposal>* out) override {
     inner_->draft(rows, out);

@@ -192,8 +192,8 @@ TEST(PrefixCache, LongestSavedPrefixLeavingOneTokenWithTheRightAttachment) {
   diverged[60] = diverged[60] == 7 ? 8 : 7;
   EXPECT_EQ(cache.lookup(diverged, "mtp-ns", false).tokens, 48);
 
-  // Another drafter namespace: usable for the target alone by a drafter that needs only tokens,
-  // not by one that needs the prefix's hiddens; no drafter uses any entry.
+  // Another drafter namespace: usable for the target alone by a drafter that adopts the prefix
+  // without changing the output, skipped otherwise; no drafter uses any entry.
   const auto hit = cache.lookup(prompt, "mtp-ns", false);
   ASSERT_TRUE(hit.draft);
   EXPECT_EQ(hit.draft->processed_tokens, 70);
@@ -202,6 +202,15 @@ TEST(PrefixCache, LongestSavedPrefixLeavingOneTokenWithTheRightAttachment) {
   EXPECT_EQ(tokens_only.tokens, 70);
   EXPECT_FALSE(tokens_only.draft);
   EXPECT_EQ(cache.lookup(prompt, "", false).tokens, 70);
+  // The same boundary saved again by the other drafter gives the entry its checkpoint.
+  const int again = prefilled_row(st, first(prompt, 70));
+  ASSERT_TRUE(cache.insert(first(prompt, 70), again, checkpoint("other-ns", 70)));
+  st.close_row(again);
+  EXPECT_EQ(cache.boundaries(), (std::vector<int64_t>{48, 70}));
+  const auto upgraded = cache.lookup(prompt, "other-ns", false);
+  EXPECT_EQ(upgraded.tokens, 70);
+  ASSERT_TRUE(upgraded.draft);
+  EXPECT_EQ(upgraded.draft->ns, "other-ns");
 
   // A checkpoint of another length is a bug of the caller, refused.
   const int slot3 = prefilled_row(st, first(prompt, 80));

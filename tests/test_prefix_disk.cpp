@@ -6,12 +6,14 @@
 
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <sstream>
 #include <thread>
 
 #include "demo_model.h"
 #include "tandem/engine/batch_engine.h"
 #include "tandem/engine/prefix_disk.h"
+#include "tandem/spec/qwen_mtp_split.h"
 #include "test_util.h"
 
 namespace tandem {
@@ -214,33 +216,56 @@ TEST(PrefixDiskEngine, ARestartedEngineResumesFromTheDiskWithEveryDrafter) {
   auto& d = demo();
   const auto text = sample_tokens(450);
   const std::vector<int32_t> first(text.begin(), text.begin() + 300);
+  // Other drafter namespaces for the same checkpoint: the MTP layer tapping the pre-norm hidden,
+  // and the same layer split out as a companion directory.
+  const testing::ScratchDir companion_dir("companion");
+  const std::string companion_path = companion_dir.file("mtp");
+  spec::write_mtp_companion(test::kDemoDir, companion_path);
+  const auto prenorm = spec::QwenMtpProvider::from_target(*d.target, spec::HiddenTap::PreNorm);
+  const auto companion = spec::QwenMtpProvider::from_companion(companion_path);
+  const std::map<std::string, const spec::DraftProvider*> drafters = {
+      {"mtp", d.mtp.get()},
+      {"ngram", d.ngram.get()},
+      {"mtp-prenorm", prenorm.get()},
+      {"companion", companion.get()}};
+  const std::vector<std::pair<std::string, std::string>> pairs = {
+      {"mtp", "mtp"},         {"mtp", "ngram"},     {"ngram", "ngram"},  {"ngram", "mtp"},
+      {"mtp", "mtp-prenorm"}, {"mtp", "companion"}, {"companion", "mtp"}};
   std::vector<int32_t> cold_tokens, hot_tokens, ignored;
   EngineOptions cold = disk_options("", false);
   cold.prefix_cache_bytes = 0;
-  for (const char* writer : {"mtp", "ngram"}) {
-    const spec::DraftProvider* wd = std::string(writer) == "mtp" ? d.mtp.get() : d.ngram.get();
-    for (const char* reader : {"mtp", "ngram"}) {
-      const spec::DraftProvider* rd = std::string(reader) == "mtp" ? d.mtp.get() : d.ngram.get();
-      const testing::ScratchDir dir_scratch(std::string("engine_") + writer + "_" + reader);
+  for (const auto& [writer, reader] : pairs) {
+    for (const spec::VerifyMode mode : {spec::VerifyMode::Match, spec::VerifyMode::Rejection}) {
+      const bool match = mode == spec::VerifyMode::Match;
+      SCOPED_TRACE(writer + " -> " + reader + (match ? " (match)" : " (rejection)"));
+      const testing::ScratchDir dir_scratch("engine_" + writer + "_" + reader);
       const std::string dir = dir_scratch.file("cache");
+      EngineOptions wo = disk_options(dir, /*persist=*/true), ro = disk_options(dir, false);
+      EngineOptions co = cold;
+      wo.spec.verify = ro.spec.verify = co.spec.verify = mode;
       {
-        BatchEngine a(*d.model, wd, "demo-target", disk_options(dir, /*persist=*/true));
+        BatchEngine a(*d.model, drafters.at(writer), "demo-target", wo);
         serve(a, first, 0.8f, &ignored);
       }  // a clean shutdown writes every entry
-      BatchEngine b(*d.model, rd, "demo-target", disk_options(dir, false));
+      BatchEngine b(*d.model, drafters.at(reader), "demo-target", ro);
       const RequestOutcome oh = serve(b, text, 0.8f, &hot_tokens);
-      BatchEngine c(*d.model, rd, "demo-target", cold);
+      BatchEngine c(*d.model, drafters.at(reader), "demo-target", co);
       const RequestOutcome oc = serve(c, text, 0.8f, &cold_tokens);
-      EXPECT_EQ(hot_tokens, cold_tokens) << writer << " -> " << reader;
+      EXPECT_EQ(hot_tokens, cold_tokens);
       // The prompt's end (300) is the longest boundary the longer prompt shares. Its attachment
-      // serves the same drafter; n-gram rebuilds its history from the tokens of another's; MTP
-      // cannot use an n-gram attachment and finds nothing shorter it can use (all are n-gram's).
-      const bool usable = std::string(writer) == reader || std::string(reader) == "ngram";
-      EXPECT_EQ(oh.cached_tokens, usable ? 300 : 0) << writer << " -> " << reader;
+      // serves the same drafter. Another namespace's is adopted from the tokens: exactly by
+      // n-gram; by MTP with its history starting there, which match verification allows and
+      // rejection sampling (whose output follows the proposals) does not.
+      const bool same = writer == reader;
+      const bool usable = same || reader == "ngram" || match;
+      EXPECT_EQ(oh.cached_tokens, usable ? 300 : 0);
       EXPECT_EQ(b.counters().prefix_disk_hits, usable ? 1 : 0);
-      if (usable) {
+      if (same || reader == "ngram") {
         EXPECT_EQ(oh.speculation.accepted_by_position, oc.speculation.accepted_by_position);
         EXPECT_EQ(oh.speculation.rounds, oc.speculation.rounds);
+      } else if (usable) {
+        // The adopted MTP row drafts from the boundary on (the demo MTP layer accepts ~60%).
+        EXPECT_GT(oh.speculation.accepted, 0);
       }
     }
   }

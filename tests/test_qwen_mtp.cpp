@@ -519,6 +519,56 @@ TEST(QwenMtpCheckpoint, RestoreRefusesMismatches) {
   EXPECT_EQ(restore(*demo().mtp, r.start)->mtp_rows(0), 9);
 }
 
+// A row that adopts a cached prefix (no checkpoint of its namespace) holds rows from the boundary
+// on, at rotary positions counted from it: it drafts exactly as a cold row given only the tokens
+// after the boundary, and its checkpoint says where its history starts.
+TEST(QwenMtpCommit, AdoptedPrefixStartsTheHistoryAtTheBoundary) {
+  const auto tokens = ref_ids("tokens_1");
+  const auto h = target_hidden(tokens);
+  const int64_t H = demo().H;
+  auto adopted = open_rows(*demo().mtp, 1);
+  adopted->adopt_prefix(0, std::span(tokens).first(12));
+  EXPECT_FALSE(adopted->adopts_exactly());
+  EXPECT_THROW(adopted->adopt_prefix(0, std::span(tokens).first(12)), Error);
+  const RowPrefill wrong{0, std::span(tokens).first(12), h.data(), 0};
+  EXPECT_NE(error_of([&] {
+              adopted->prefill({&wrong, 1});
+            }).find("covers 12 tokens"),
+            std::string::npos);
+  // One token: no (token, hidden) pair yet, only the hidden to continue from.
+  const RowPrefill one{0, std::span(tokens).subspan(12, 1), h.data() + 12 * H, 12};
+  adopted->prefill({&one, 1});
+  EXPECT_EQ(adopted->mtp_rows(0), 0);
+  const RowPrefill more{0, std::span(tokens).subspan(13, 15), h.data() + 13 * H, 13};
+  adopted->prefill({&more, 1});
+  EXPECT_EQ(adopted->mtp_rows(0), 15);
+
+  // Its checkpoint covers 28 tokens from token 12 and restores to the same row.
+  const CheckpointPtr c = adopted->capture(0);
+  EXPECT_EQ(c->processed_tokens, 28);
+  EXPECT_EQ(c->history_from, 12);
+  auto restored = restore(*demo().mtp, c);
+  expect_same_checkpoint(*restored->capture(0), *c);
+
+  auto shifted = open_rows(*demo().mtp, 1);
+  const RowPrefill same{0, std::span(tokens).subspan(12, 16), h.data() + 12 * H, 0};
+  shifted->prefill({&same, 1});
+  const RowDraft d = greedy(tokens[28], 4);
+  for (QwenMtpRows* rows : {adopted.get(), restored.get()}) {
+    std::vector<DraftProposal> a, b;
+    rows->draft({&d, 1}, &a);
+    shifted->draft({&d, 1}, &b);
+    EXPECT_EQ(a[0].tokens, b[0].tokens);
+    for (int j = 0; j < 4; ++j) {
+      const auto la = rows->last_draft_logits(0, j), lb = shifted->last_draft_logits(0, j);
+      EXPECT_TRUE(std::equal(la.begin(), la.end(), lb.begin(), lb.end())) << "step " << j;
+    }
+    // A fresh reference row for the next comparison.
+    shifted = open_rows(*demo().mtp, 1);
+    shifted->prefill({&same, 1});
+  }
+}
+
 // filter_rows keeps the listed rows in the listed order, states intact; released rows' KV
 // blocks are reused by rows appended later.
 TEST(QwenMtpCheckpoint, FilterRowsKeepsStatesInOrder) {

@@ -306,7 +306,9 @@ void BatchEngine::fail_rows(std::vector<std::unique_ptr<Row>>& rows, const std::
 
 void BatchEngine::admit() {
   const std::string draft_ns = prefill_drafts_ ? prefill_drafts_->ns() : std::string();
-  const bool draft_from_tokens = prefill_drafts_ && !prefill_drafts_->tap();
+  // Another namespace's boundary serves when the drafter adopts it without changing the output.
+  const bool adopt_other = prefill_drafts_ && (prefill_drafts_->adopts_exactly() ||
+                                               options_.spec.verify == spec::VerifyMode::Match);
   for (;;) {
     Pending p;
     PrefixCache::Hit hit;
@@ -317,7 +319,7 @@ void BatchEngine::admit() {
       if (options_.max_rows > 0 && rows >= static_cast<size_t>(options_.max_rows)) return;
       const Pending& head = queue_.front();
       if (!head.sink->cancelled() && cache_)
-        hit = cache_->lookup(head.request.gen.prompt, draft_ns, draft_from_tokens);
+        hit = cache_->lookup(head.request.gen.prompt, draft_ns, adopt_other);
       if (state_.fixed() && !head.sink->cancelled()) {
         // The blocks below a hit are shared, not taken; the pool's blocks that only the cache
         // holds are given back to admit the head if need be.
@@ -362,14 +364,12 @@ void BatchEngine::admit() {
       if (prefill_drafts_) changes.push_back([&] { return prefill_drafts_->prepare_append(from); });
       spec::apply_changes(changes);
       row->slot = slot;
-      // An attachment of another namespace: a drafter that needs only the tokens rebuilds its
-      // state from them (lookup offers no such hit to one that needs the target's hiddens).
+      // A boundary without this drafter's state: the drafter adopts it from the tokens.
       if (prefill_drafts_ && hit.tokens > 0 && !hit.draft) {
-        const spec::RowPrefill pre{
-            prefill_drafts_->row_count() - 1,
-            std::span(row->req.gen.prompt).first(static_cast<size_t>(hit.tokens)), nullptr, 0};
         try {
-          prefill_drafts_->prefill({&pre, 1});
+          prefill_drafts_->adopt_prefix(
+              prefill_drafts_->row_count() - 1,
+              std::span(row->req.gen.prompt).first(static_cast<size_t>(hit.tokens)));
         } catch (...) {
           state_.close_row(slot);
           prefill_drafts_->filter_rows(all_but_last(prefill_drafts_->row_count()));
@@ -573,6 +573,9 @@ void BatchEngine::save_state(std::span<const int32_t> tokens, int slot, spec::Dr
   try {
     spec::CheckpointPtr draft;
     if (drafts) draft = drafts->capture(static_cast<int>(draft_row));
+    // A drafter state that starts after token 0 is not what a cold prefill gives: the boundary is
+    // kept for the target alone.
+    if (draft && draft->history_from > 0) draft = nullptr;
     cache_->insert(tokens, slot, std::move(draft));
   } catch (const std::exception&) {
     // A boundary that cannot be saved (a drafter that refuses to capture, no memory) is a

@@ -62,8 +62,8 @@ uint64_t PrefixCache::find(std::span<const int32_t> tokens, uint64_t hash) const
 }
 
 PrefixCache::Hit PrefixCache::lookup(std::span<const int32_t> prompt, const std::string& draft_ns,
-                                     bool draft_from_tokens) {
-  Hit hit = lookup_memory(prompt, draft_ns, draft_from_tokens);
+                                     bool adopt_other) {
+  Hit hit = lookup_memory(prompt, draft_ns, adopt_other);
   if (!disk_) return hit;
   // A longer prefix on disk: read it back, then look again (its attachment may not suit).
   const PrefixDisk::Found found = disk_->find(prompt, hit.tokens);
@@ -74,13 +74,13 @@ PrefixCache::Hit PrefixCache::lookup(std::span<const int32_t> prompt, const std:
   const bool loaded = load(std::move(*r));
   if (!loaded) disk_->remove(found.path);
   disk_loads_ += loaded;
-  Hit again = lookup_memory(prompt, draft_ns, draft_from_tokens);
+  Hit again = lookup_memory(prompt, draft_ns, adopt_other);
   again.from_disk = loaded && again.tokens == found.tokens;
   return again;
 }
 
 PrefixCache::Hit PrefixCache::lookup_memory(std::span<const int32_t> prompt,
-                                            const std::string& draft_ns, bool draft_from_tokens) {
+                                            const std::string& draft_ns, bool adopt_other) {
   const int64_t limit = static_cast<int64_t>(prompt.size()) - 1;
   // Every saved length up to the limit, with the hash of the prompt's prefix of that length (one
   // streaming pass); then the longest usable one.
@@ -105,8 +105,8 @@ PrefixCache::Hit PrefixCache::lookup_memory(std::span<const int32_t> prompt,
       if (!draft_ns.empty()) {
         if (e.draft && e.draft->ns == draft_ns) {
           hit.draft = e.draft;
-        } else if (!draft_from_tokens) {
-          continue;  // the drafter would need the prefix's hiddens: not usable
+        } else if (!adopt_other) {
+          continue;
         }
       }
       hit.tokens = c->first;
@@ -134,7 +134,15 @@ bool PrefixCache::insert(std::span<const int32_t> tokens, int slot, spec::Checkp
                "checkpoint covers ", draft ? draft->processed_tokens : 0, " tokens, not ", length);
   const uint64_t hash = hash_tokens(tokens);
   if (const uint64_t id = find(tokens, hash)) {
-    entries_.at(id).last_use = ++clock_;
+    Entry& e = entries_.at(id);
+    e.last_use = ++clock_;
+    if (draft && !(e.draft && e.draft->ns == draft->ns)) {
+      const size_t before = checkpoint_bytes(e.draft.get());
+      e.draft = std::move(draft);
+      const size_t after = checkpoint_bytes(e.draft.get());
+      e.own_bytes = e.own_bytes - before + after;
+      own_bytes_ = own_bytes_ - before + after;
+    }
     return true;
   }
   const size_t own = sizeof(float) * static_cast<size_t>(state_.linear_state_floats()) +

@@ -57,18 +57,19 @@ class PrefixCache {
     int64_t tokens = 0;
     uint64_t entry = 0;
     // The drafter's state at the boundary; null when the entry's attachment is of another
-    // drafter namespace (or none) and the caller's drafter rebuilds its state from tokens.
+    // drafter namespace (or none): the caller's drafter adopts the prefix from its tokens
+    // (DraftRows::adopt_prefix).
     spec::CheckpointPtr draft;
     bool from_disk = false;  // the entry was read back from the disk tier for this lookup
   };
   // The longest saved prefix of `prompt` that leaves at least one token to prefill (the first
   // sampled token needs the last prompt token's logits). draft_ns: the caller's drafter namespace
-  // ("" for none, which uses any entry). An entry whose attachment is of another namespace is used
-  // for the target alone when `draft_from_tokens` (the drafter needs nothing but the tokens:
-  // n-gram), and skipped otherwise (it needs the target's hiddens at every prefix token, which
-  // only a prefill of the prefix gives). Marks the entry used (LRU). With a disk tier, a longer
-  // prefix found there is read back into memory first (an unusable file is a miss, removed).
-  Hit lookup(std::span<const int32_t> prompt, const std::string& draft_ns, bool draft_from_tokens);
+  // ("" for none, which uses any entry). An entry without an attachment of that namespace is used
+  // for the target alone when `adopt_other` (the drafter adopts the prefix without changing the
+  // output: it needs only tokens, or verification does not depend on proposals), and skipped
+  // otherwise. Marks the entry used (LRU). With a disk tier, a longer prefix found there is read
+  // back into memory first (an unusable file is a miss, removed).
+  Hit lookup(std::span<const int32_t> prompt, const std::string& draft_ns, bool adopt_other);
 
   // Starts the empty open row `slot` at the hit's boundary (Qwen35State::attach_prefix). Throws
   // Error, changing nothing, when a fixed pool lacks the block a non-aligned tail copies into.
@@ -76,7 +77,8 @@ class PrefixCache {
 
   // Saves row `slot`'s state at its current length, which must equal tokens.size(), with the
   // drafter's checkpoint for it (null without a drafter; otherwise its processed_tokens must be
-  // tokens.size()). An existing entry of the same tokens is only marked used. Evicts
+  // tokens.size()). An existing entry of the same tokens is marked used, and takes the
+  // checkpoint when it has none of that namespace. Evicts
   // least-recently-used entries to stay within the budget; an entry larger than the whole budget,
   // or one whose tail copy finds no free block, is not saved. Returns whether an entry is there.
   bool insert(std::span<const int32_t> tokens, int slot, spec::CheckpointPtr draft);
@@ -120,8 +122,7 @@ class PrefixCache {
 
   size_t bytes() const { return own_bytes_ + block_uses_.size() * block_bytes_; }
   uint64_t find(std::span<const int32_t> tokens, uint64_t hash) const;
-  Hit lookup_memory(std::span<const int32_t> prompt, const std::string& draft_ns,
-                    bool draft_from_tokens);
+  Hit lookup_memory(std::span<const int32_t> prompt, const std::string& draft_ns, bool adopt_other);
   // An entry's state on the host, for the disk tier.
   PrefixRecord record(const Entry& e) const;
   // Adds a record read from disk as an entry holding fresh blocks; false (nothing added) when it

@@ -24,6 +24,10 @@ struct Checkpoint {
   nlohmann::json metadata;       // schema-specific scalars
   std::map<std::string, CheckpointTensor> tensors;
   std::vector<int32_t> tokens;  // token history, for drafters that keep one
+  // The state knows the tokens from here on only: a row that adopted a cached prefix without a
+  // checkpoint of its namespace (DraftRows::adopt_prefix) starts its history there. Such a state
+  // is not the one a cold prefill reaches, so the prefix cache never keeps it.
+  int64_t history_from = 0;
 };
 
 using CheckpointPtr = std::shared_ptr<const Checkpoint>;

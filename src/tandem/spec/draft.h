@@ -106,6 +106,15 @@ class DraftRows {
   // Keeps the listed rows, in the listed order; the others are released.
   virtual void filter_rows(std::span<const int> keep) = 0;
 
+  // Row `row` (just appended cold) joins at a cached prefix boundary whose drafter state is
+  // missing or of another namespace: the target restored `tokens`, the drafter rebuilds what the
+  // tokens alone allow, and the next prefill continues after them.
+  virtual void adopt_prefix(int row, std::span<const int32_t> tokens) = 0;
+  // Whether adopt_prefix reaches the state a cold prefill of the same tokens would (a drafter
+  // that needs only tokens); otherwise its history starts at the boundary, so its proposals
+  // differ — harmless where output does not depend on proposals (match verification).
+  virtual bool adopts_exactly() const = 0;
+
   virtual void prefill(std::span<const RowPrefill> rows) = 0;
   // rows.size() == row_count(); out[b] receives row b's proposals.
   virtual void draft(std::span<const RowDraft> rows, std::vector<DraftProposal>* out) = 0;

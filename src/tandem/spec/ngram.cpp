@@ -163,6 +163,12 @@ class NgramRows : public DraftRows {
     }
   }
 
+  void adopt_prefix(int row, std::span<const int32_t> tokens) override {
+    const RowPrefill p{row, tokens, nullptr, 0};
+    prefill({&p, 1});
+  }
+  bool adopts_exactly() const override { return true; }
+
   void draft(std::span<const RowDraft> rows, std::vector<DraftProposal>* out) override {
     TANDEM_CHECK(static_cast<int>(rows.size()) == row_count());
     for (size_t b = 0; b < rows.size(); ++b) {

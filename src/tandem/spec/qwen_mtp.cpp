@@ -271,14 +271,14 @@ std::unique_ptr<PreparedChange> QwenMtpRows::prepare_append(std::span<const Chec
   for (const CheckpointPtr& c : from) {
     if (!c) continue;
     check_checkpoint(*c, "qwen-mtp", kQwenMtpSchema, ns_, c->processed_tokens);
-    if (c->processed_tokens < 1)
-      fail("qwen-mtp: checkpoint covers ", c->processed_tokens,
-           " tokens; a qwen-mtp state needs at least one processed token");
+    if (c->history_from < 0 || c->processed_tokens < c->history_from + 1)
+      fail("qwen-mtp: checkpoint covers ", c->processed_tokens, " tokens from token ",
+           c->history_from, "; a qwen-mtp state needs at least one processed token");
     const int64_t r = checkpoint_rows(*c);
     checkpoint_tensor(*c, "kv_keys", {r, kv_heads_, head_dim_});
     checkpoint_tensor(*c, "kv_values", {r, kv_heads_, head_dim_});
     checkpoint_tensor(*c, "h_true", {H_});
-    check_checkpoint(*c, "qwen-mtp", kQwenMtpSchema, ns_, r + 1);
+    check_checkpoint(*c, "qwen-mtp", kQwenMtpSchema, ns_, c->history_from + r + 1);
   }
   auto built = std::make_shared<std::vector<Row>>();
   built->reserve(static_cast<size_t>(n));
@@ -291,6 +291,7 @@ std::unique_ptr<PreparedChange> QwenMtpRows::prepare_append(std::span<const Chec
         const int64_t len = keys.shape.front();
         row.blocks = take_blocks((len + kBlockSize - 1) / kBlockSize);
         row.length = len;
+        row.base = c->history_from;
         const ops::KVLayerView kv = kv_view();
         // A block's keys (and its values) are contiguous: one copy each per block.
         for (int64_t p = 0; p < len; p += kBlockSize) {
@@ -339,6 +340,14 @@ void QwenMtpRows::filter_rows(std::span<const int> keep) {
   rows_ = std::move(next);
 }
 
+void QwenMtpRows::adopt_prefix(int row, std::span<const int32_t> tokens) {
+  if (row < 0 || row >= row_count()) fail("qwen-mtp adopt_prefix: row ", row, " does not exist");
+  Row& r = rows_[static_cast<size_t>(row)];
+  if (r.has_hidden || r.length != 0 || r.base != 0)
+    fail("qwen-mtp adopt_prefix: row ", row, " is not a cold row");
+  r.base = static_cast<int64_t>(tokens.size());
+}
+
 void QwenMtpRows::prefill(std::span<const RowPrefill> rows) {
   std::vector<bool> seen(rows_.size(), false);
   for (const RowPrefill& p : rows) {
@@ -353,14 +362,11 @@ void QwenMtpRows::prefill(std::span<const RowPrefill> rows) {
     for (int32_t id : p.tokens)
       if (id < 0 || id >= V_)
         fail("qwen-mtp prefill: token id ", id, " is out of range [0, ", V_, ")");
-    if (p.processed_before == 0) {
-      if (r.has_hidden || r.length != 0)
-        fail("qwen-mtp prefill: row ", p.row, " already covers ", r.length + 1,
-             " tokens but the prefill starts at token 0");
-    } else if (!r.has_hidden || r.length != p.processed_before - 1) {
-      fail("qwen-mtp prefill: row ", p.row, " covers ", r.has_hidden ? r.length + 1 : 0,
-           " tokens but the prefill continues after ", p.processed_before);
-    }
+    const int64_t covered = r.base + (r.has_hidden ? r.length + 1 : 0);
+    if (covered != p.processed_before)
+      fail("qwen-mtp prefill: row ", p.row, " covers ", covered, " tokens but the prefill ",
+           p.processed_before == 0 ? "starts at token 0"
+                                   : "continues after " + std::to_string(p.processed_before));
   }
   ids_.clear();
   hid_.clear();
@@ -371,7 +377,7 @@ void QwenMtpRows::prefill(std::span<const RowPrefill> rows) {
     const int64_t n = static_cast<int64_t>(p.tokens.size());
     int64_t count = 0;
     // A continuing row first pairs its first new token with the hidden before it.
-    if (p.processed_before > 0) {
+    if (r.has_hidden) {
       gather(p.tokens[0], r.h_true.data());
       ++count;
     }
@@ -379,10 +385,12 @@ void QwenMtpRows::prefill(std::span<const RowPrefill> rows) {
       gather(p.tokens[static_cast<size_t>(j + 1)], p.hidden + j * H_);
       ++count;
     }
+    // An adopted row given a single token has no (token, hidden) pair yet.
+    if (count == 0) continue;
     row_ids.push_back(p.row);
     counts.push_back(count);
   }
-  run_block(row_ids, counts);
+  if (!row_ids.empty()) run_block(row_ids, counts);
   for (const RowPrefill& p : rows) {
     Row& r = rows_[static_cast<size_t>(p.row)];
     const float* last = p.hidden + (static_cast<int64_t>(p.tokens.size()) - 1) * H_;
@@ -542,7 +550,8 @@ CheckpointPtr QwenMtpRows::capture(int row) const {
   if (!r.has_hidden) fail("qwen-mtp capture: row ", row, " was never prefilled");
   if (r.drafted) fail("qwen-mtp capture: row ", row, " has an uncommitted draft");
   auto c = std::make_shared<Checkpoint>();
-  c->processed_tokens = r.length + 1;
+  c->processed_tokens = r.base + r.length + 1;
+  c->history_from = r.base;
   c->schema = kQwenMtpSchema;
   c->ns = ns_;
   c->metadata = json{{"hidden_size", H_}, {"kv_heads", kv_heads_}, {"head_dim", head_dim_}};

@@ -4,7 +4,8 @@
 // Row convention: MTP row p (rotary position p) is built from (token_{p+1}, h_p) and predicts
 // token_{p+2}, where h_p is the target's hidden at position p at the drafter's tap. Between
 // rounds every prefilled row holds exactly (target processed tokens - 1) MTP rows, plus h_true =
-// the target's hidden at processed - 1 (the position whose next token is pending).
+// the target's hidden at processed - 1 (the position whose next token is pending). A row that
+// adopted a cached prefix of `base` tokens holds processed - 1 - base rows, from position base.
 #pragma once
 
 #include <memory>
@@ -81,6 +82,11 @@ class QwenMtpRows : public DraftRows {
   // Cold row (processed_before = 0): rows 0..n-2 from (tokens[p+1], hidden[p]). A row continuing
   // (processed_before = P > 0, e.g. restored) first adds row P-1 from (tokens[0], h_true).
   // Either way h_true becomes hidden[n-1].
+  // The row's history starts at the boundary (its MTP rows before it would need the target's
+  // hiddens there, which the cache does not keep): rotary positions count from the boundary,
+  // which leaves attention scores as they would be (rotary embeddings are relative).
+  void adopt_prefix(int row, std::span<const int32_t> tokens) override;
+  bool adopts_exactly() const override { return false; }
   void prefill(std::span<const RowPrefill> rows) override;
   void draft(std::span<const RowDraft> rows, std::vector<DraftProposal>* out) override;
   void commit(std::span<const VerifyRow> rows) override;
@@ -94,7 +100,8 @@ class QwenMtpRows : public DraftRows {
  private:
   struct Row {
     std::vector<int32_t> blocks;  // KV blocks in position order
-    int64_t length = 0;           // committed MTP rows
+    int64_t base = 0;             // target tokens before the row's history (adopt_prefix)
+    int64_t length = 0;           // committed MTP rows, the first one at rotary position 0
     bool has_hidden = false;      // h_true is set (the row was prefilled or restored)
     std::vector<float> h_true;    // [H]
     // The round in flight (between draft and commit).
