@@ -332,6 +332,44 @@ TEST(PrefixCache, ReusedEntriesOutliveOneOffsUnderPressure) {
   EXPECT_EQ(cache.lookup(third_longer, "", false).tokens, 32);
 }
 
+TEST(PrefixCache, SupersededAncestorsGoBeforeOtherOneOffs) {
+  auto& d = demo();
+  Qwen35State st(d.model->config());
+  const size_t block = Qwen35State::block_bytes(d.model->config());
+  const size_t linear = sizeof(float) * static_cast<size_t>(st.linear_state_floats());
+  const auto text = sample_tokens(300);
+  auto part = [&](size_t from, size_t n) {
+    return std::vector<int32_t>(text.begin() + static_cast<std::ptrdiff_t>(from),
+                                text.begin() + static_cast<std::ptrdiff_t>(from + n));
+  };
+  // Room for three snapshots and plenty of blocks.
+  PrefixCache cache(st, 3 * linear + 16 * block, block);
+  auto save = [&](const std::vector<int32_t>& p) {
+    const int slot = prefilled_row(st, p);
+    EXPECT_TRUE(cache.insert(p, slot, nullptr));
+    st.close_row(slot);
+  };
+  const auto other = part(200, 32);
+  save(other);          // the oldest, on its own
+  save(part(0, 32));    // an ancestor ...
+  save(part(0, 48));    // ... that this one supersedes
+  save(part(100, 32));  // needs room: the superseded ancestor goes, not the older entry
+  EXPECT_EQ(cache.stats().evictions, 1);
+  EXPECT_EQ(cache.boundaries(), (std::vector<int64_t>{32, 32, 48}));
+  auto extended = [](std::vector<int32_t> p) {
+    p.push_back(5);
+    return p;
+  };
+  EXPECT_EQ(cache.lookup(extended(other), "", false).tokens, 32);
+  EXPECT_EQ(cache.lookup(extended(part(0, 48)), "", false).tokens, 48);
+  EXPECT_EQ(cache.lookup(extended(part(0, 40)), "", false).tokens, 0);
+  // Nothing is superseded now: plain LRU among one-offs (the lookups just used the other two).
+  save(part(150, 32));
+  EXPECT_EQ(cache.stats().evictions, 2);
+  EXPECT_EQ(cache.lookup(extended(other), "", false).tokens, 32);
+  EXPECT_EQ(cache.lookup(extended(part(100, 32)), "", false).tokens, 0);
+}
+
 // --- The engine with the cache: exactness --------------------------------------------------------
 
 struct CacheCase {

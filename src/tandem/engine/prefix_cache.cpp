@@ -61,6 +61,28 @@ uint64_t PrefixCache::find(std::span<const int32_t> tokens, uint64_t hash) const
   return 0;
 }
 
+std::vector<std::pair<int64_t, uint64_t>> PrefixCache::prefix_hashes(
+    std::span<const int32_t> tokens, int64_t limit) const {
+  // One streaming pass over the tokens, a digest at each saved length.
+  std::vector<std::pair<int64_t, uint64_t>> out;
+  HashState h;
+  int64_t hashed = 0;
+  for (const auto& [len, count] : lengths_) {
+    if (len > limit) break;
+    XXH3_64bits_update(h.s, tokens.data() + hashed,
+                       static_cast<size_t>(len - hashed) * sizeof(int32_t));
+    hashed = len;
+    out.emplace_back(len, XXH3_64bits_digest(h.s));
+  }
+  return out;
+}
+
+template <class Fn>
+void PrefixCache::for_each_ancestor(std::span<const int32_t> tokens, Fn fn) {
+  for (const auto& [len, hash] : prefix_hashes(tokens, static_cast<int64_t>(tokens.size()) - 1))
+    if (const uint64_t id = find(tokens.first(static_cast<size_t>(len)), hash)) fn(entries_.at(id));
+}
+
 PrefixCache::Hit PrefixCache::lookup(std::span<const int32_t> prompt, const std::string& draft_ns,
                                      bool adopt_other) {
   Hit hit = lookup_memory(prompt, draft_ns, adopt_other);
@@ -81,19 +103,7 @@ PrefixCache::Hit PrefixCache::lookup(std::span<const int32_t> prompt, const std:
 
 PrefixCache::Hit PrefixCache::lookup_memory(std::span<const int32_t> prompt,
                                             const std::string& draft_ns, bool adopt_other) {
-  const int64_t limit = static_cast<int64_t>(prompt.size()) - 1;
-  // Every saved length up to the limit, with the hash of the prompt's prefix of that length (one
-  // streaming pass); then the longest usable one.
-  std::vector<std::pair<int64_t, uint64_t>> candidates;
-  HashState h;
-  int64_t hashed = 0;
-  for (const auto& [len, count] : lengths_) {
-    if (len > limit) break;
-    XXH3_64bits_update(h.s, prompt.data() + hashed,
-                       static_cast<size_t>(len - hashed) * sizeof(int32_t));
-    hashed = len;
-    candidates.emplace_back(len, XXH3_64bits_digest(h.s));
-  }
+  const auto candidates = prefix_hashes(prompt, static_cast<int64_t>(prompt.size()) - 1);
   for (auto c = candidates.rbegin(); c != candidates.rend(); ++c) {
     const auto [lo, hi] = by_hash_.equal_range(c->second);
     for (auto it = lo; it != hi; ++it) {
@@ -186,6 +196,11 @@ bool PrefixCache::insert(std::span<const int32_t> tokens, int slot, spec::Checkp
 bool PrefixCache::add_entry(Entry&& e, size_t own) {
   e.own_bytes = own;
   e.last_use = ++clock_;
+  for_each_ancestor(e.tokens, [](Entry& a) { ++a.descendants; });
+  e.descendants = 0;
+  for (const auto& [id, other] : entries_)
+    e.descendants += other.tokens.size() > e.tokens.size() &&
+                     std::equal(e.tokens.begin(), e.tokens.end(), other.tokens.begin());
   for (int32_t b : e.blocks) ++block_uses_[b];
   own_bytes_ += own;
   ++lengths_[static_cast<int64_t>(e.tokens.size())];
@@ -277,6 +292,7 @@ void PrefixCache::evict(uint64_t id) {
   for (int32_t b : e.blocks)
     if (--block_uses_.at(b) == 0) block_uses_.erase(b);
   own_bytes_ -= e.own_bytes;
+  for_each_ancestor(e.tokens, [](Entry& a) { --a.descendants; });
   const int64_t length = static_cast<int64_t>(e.tokens.size());
   if (--lengths_.at(length) == 0) lengths_.erase(length);
   const auto [lo, hi] = by_hash_.equal_range(hash_tokens(e.tokens));
@@ -290,15 +306,14 @@ void PrefixCache::evict(uint64_t id) {
 }
 
 uint64_t PrefixCache::oldest(uint64_t keep) const {
-  uint64_t best = 0, best_use = 0;
-  bool best_reused = true;
+  auto rank = [](const Entry& e) { return e.hits > 0 ? 2 : e.descendants > 0 ? 0 : 1; };
+  uint64_t best = 0;
+  const Entry* b = nullptr;
   for (const auto& [id, e] : entries_) {
     if (id == keep) continue;
-    const bool reused = e.hits > 0;
-    if (best == 0 || (!reused && best_reused) || (reused == best_reused && e.last_use < best_use)) {
+    if (!b || rank(e) < rank(*b) || (rank(e) == rank(*b) && e.last_use < b->last_use)) {
       best = id;
-      best_use = e.last_use;
-      best_reused = reused;
+      b = &e;
     }
   }
   return best;

@@ -105,7 +105,8 @@ class PrefixCache {
     spec::CheckpointPtr draft;
     size_t own_bytes = 0;  // linear + draft
     uint64_t last_use = 0;
-    int64_t hits = 0;  // requests restored from it
+    int64_t hits = 0;         // requests restored from it
+    int64_t descendants = 0;  // other entries whose tokens extend this entry's
   };
 
   Qwen35State& state_;
@@ -122,6 +123,12 @@ class PrefixCache {
 
   size_t bytes() const { return own_bytes_ + block_uses_.size() * block_bytes_; }
   uint64_t find(std::span<const int32_t> tokens, uint64_t hash) const;
+  // (length, hash of tokens' first `length`) for each saved length up to `limit`, ascending.
+  std::vector<std::pair<int64_t, uint64_t>> prefix_hashes(std::span<const int32_t> tokens,
+                                                          int64_t limit) const;
+  // fn(entry) for each entry whose tokens are a proper prefix of `tokens`.
+  template <class Fn>
+  void for_each_ancestor(std::span<const int32_t> tokens, Fn fn);
   Hit lookup_memory(std::span<const int32_t> prompt, const std::string& draft_ns, bool adopt_other);
   // An entry's state on the host, for the disk tier.
   PrefixRecord record(const Entry& e) const;
@@ -130,10 +137,16 @@ class PrefixCache {
   bool load(PrefixRecord&& r);
   bool add_entry(Entry&& e, size_t own);
   void evict(uint64_t id);
-  // The entry to evict next, other than `keep` (0 when there is none): the least recently used
-  // of those no request has reused yet, else the least recently used. A prompt's end or a
-  // finished turn that nobody continues is saved as often as a shared system prompt is reused;
-  // plain LRU would let a stream of such one-off entries push out the prefix everyone shares.
+  // The entry to evict next, other than `keep` (0 when there is none), least recently used
+  // within the first non-empty class of:
+  //  1. superseded ancestors never reused: a longer entry extends them, so every prompt that
+  //     runs through it takes the longer one, and only a prompt diverging in between loses;
+  //  2. other entries never reused;
+  //  3. entries reused at least once.
+  // A prompt's end or a finished turn that nobody continues is saved as often as a shared system
+  // prompt is reused; plain LRU would let a stream of such one-off entries push out the prefix
+  // everyone shares, and the grid boundaries a long prompt leaves behind its end crowd out
+  // other prompts' ends.
   uint64_t oldest(uint64_t keep) const;
 };
 
