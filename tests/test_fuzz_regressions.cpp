@@ -18,6 +18,7 @@
 #include "../fuzz/fuzz_api_request.cpp"
 #include "../fuzz/fuzz_chat_messages.cpp"
 #include "../fuzz/fuzz_chat_template.cpp"
+#include "../fuzz/fuzz_prefix_file.cpp"
 #include "../fuzz/fuzz_safetensors.cpp"
 #include "../fuzz/fuzz_tokenizer.cpp"
 
@@ -77,6 +78,10 @@ TEST(FuzzRegressions, ChatTemplate) {
 
 TEST(FuzzRegressions, ChatMessages) {
   EXPECT_GT(replay("fuzz_chat_messages", chat_messages::run_one), 0u);
+}
+
+TEST(FuzzRegressions, PrefixFile) {
+  EXPECT_GT(replay("fuzz_prefix_file", prefix_file::run_one), 0u);
 }
 
 // The status and parameter a request body is refused with; 200 if both parsers accept it.

@@ -471,6 +471,34 @@ TEST(Ops, PagedAttentionMatchesDenseCausalAttention) {
       Error);
 }
 
+// attention_rows: rows with their own block tables in one call; each query's bits are those of
+// its row's attention() call, and a skipped query's output is untouched.
+TEST(Ops, AttentionRowsEqualsEachRowsAttention) {
+  const int64_t bs = 4, nkv = 2, hd = 8, nh = 4, stride = 3;
+  std::mt19937 rng(9);
+  std::vector<float> pool = random_vec(static_cast<size_t>(10 * 2 * bs * nkv * hd), rng);
+  const ops::KVLayerView kv{pool.data(), bs, nkv, hd};
+  const std::vector<int32_t> tables = {5, 1, 7, /* row 1 */ 2, 9, 0, /* row 2 */ 3, 8, 4};
+  // Row 0: positions 9, 10; row 2 (skipped): 0, 1; row 1: 4, 5, 6.
+  const std::vector<int64_t> pos = {9, 10, 0, 1, 4, 5, 6}, rows = {0, 0, -1, -1, 1, 1, 1};
+  const int64_t T = 7, qf = nh * hd;
+  const auto q = random_vec(static_cast<size_t>(T * qf), rng);
+  const auto gate = random_vec(q.size(), rng, 3.0f);
+  const float scale = 0.35f;
+  for (const bool gated : {false, true}) {
+    std::vector<float> got(q.size(), -7.0f);
+    ops::attention_rows(kv, tables.data(), stride, rows.data(), pos.data(), T, 12, q.data(), nh,
+                        scale, got.data(), gated ? gate.data() : nullptr);
+    std::vector<float> want(q.size(), -7.0f);
+    ops::attention(kv, tables.data(), pos.data(), 2, 12, q.data(), nh, scale, want.data(),
+                   gated ? gate.data() : nullptr);
+    ops::attention(kv, tables.data() + stride, pos.data() + 4, 3, 12, q.data() + 4 * qf, nh,
+                   scale, want.data() + 4 * qf, gated ? gate.data() + 4 * qf : nullptr);
+    EXPECT_EQ(0, std::memcmp(got.data(), want.data(), got.size() * sizeof(float)))
+        << (gated ? "gated" : "ungated");
+  }
+}
+
 TEST(Ops, CausalConvCarriesStateAcrossCalls) {
   const int64_t C = 5, K = 4, n = 7;
   std::mt19937 rng(5);

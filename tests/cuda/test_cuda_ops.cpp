@@ -1480,6 +1480,82 @@ using CudaBatchInvariance = CudaTest;
 // (the KV of all 8 positions is written first); so do the 8 in shuffled order, and calls under
 // other position bounds (a bound sizes the grid and scratch only, which a graph captured at one
 // bound and replayed at later positions relies on).
+// attention_rows: the queries of several rows (different lengths, windows, block tables; one
+// row skipped) in one launch give bitwise what each row's attention() call gives alone, with and
+// without the output gate, and match the CPU op; a skipped query's output is left untouched.
+TEST_F(CudaBatchInvariance, AttentionRowsEqualsEachRowAlone) {
+  std::mt19937 rng(404);
+  const int64_t nh = 16, nkv = 4, hd = 256, row = nkv * hd, qrow = nh * hd;
+  const std::vector<int64_t> lens = {1, 17, 300, 1000, 40, 16, 5};
+  const std::vector<int64_t> wins = {1, 4, 1, 2, 8, 2, 3};
+  const int64_t skipped = 5;  // a prompt's first chunk in the model: attention_prompt serves it
+  const int64_t R = static_cast<int64_t>(lens.size());
+  int64_t stride = 0, blocks = 0;
+  for (const int64_t l : lens) {
+    stride = std::max(stride, (l + kBlockSize - 1) / kBlockSize);
+    blocks += (l + kBlockSize - 1) / kBlockSize;
+  }
+  std::vector<int32_t> ids(sz(blocks + 3));
+  std::iota(ids.begin(), ids.end(), 0);
+  std::shuffle(ids.begin(), ids.end(), rng);
+  std::vector<int32_t> tables(sz(R * stride), 0);
+  int64_t next = 0;
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t b = 0; b < (lens[sz(r)] + kBlockSize - 1) / kBlockSize; ++b)
+      tables[sz(r * stride + b)] = ids[sz(next++)];
+  std::vector<float> pool = randn(sz(static_cast<int64_t>(ids.size()) * 2 * kBlockSize * row), rng);
+  const DeviceBuffer<float> dpool(pool);
+  const DeviceBuffer<int32_t> dtables(tables);
+  const ops::KVLayerView host_view{pool.data(), kBlockSize, nkv, hd};
+  const ops::KVLayerView dev_view{dpool.get(), kBlockSize, nkv, hd};
+  std::vector<int64_t> pos, query_rows;
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t j = lens[sz(r)] - wins[sz(r)]; j < lens[sz(r)]; ++j) {
+      pos.push_back(j);
+      query_rows.push_back(r == skipped ? -1 : r);
+    }
+  const int64_t T = static_cast<int64_t>(pos.size()), bound = 1024;
+  const auto q = randn(sz(T * qrow), rng);
+  const auto gate = randn(q.size(), rng, 3.0f);
+  const DeviceBuffer<float> dq(q), dgate(gate);
+  const DeviceBuffer<int64_t> dpos(pos), drows(query_rows);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  for (const bool gated : {false, true}) {
+    DeviceBuffer<float> out = nan_buffer(q.size());
+    cuda::attention_rows(dev_view, dtables.get(), stride, drows.get(), dpos.get(), T, bound,
+                         dq.get(), nh, scale, out.get(), gated ? dgate.get() : nullptr);
+    const auto got = out.download();
+    int64_t t0 = 0;
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t n = wins[sz(r)];
+      const std::string what = "row " + std::to_string(r) + (gated ? " gated" : "");
+      const auto mine = slice(got, sz(t0 * qrow), sz(n * qrow));
+      if (r == skipped) {
+        EXPECT_TRUE(std::all_of(mine.begin(), mine.end(), [](float x) { return std::isnan(x); }))
+            << what << ": a skipped query was written";
+      } else {
+        // Alone, under the row's own bound, with its own table.
+        const DeviceBuffer<int32_t> table(
+            std::vector<int32_t>(tables.begin() + r * stride, tables.begin() + (r + 1) * stride));
+        const DeviceBuffer<int64_t> rpos(slice(pos, sz(t0), sz(n)));
+        const DeviceBuffer<float> rq(slice(q, sz(t0 * qrow), sz(n * qrow)));
+        const DeviceBuffer<float> rg(slice(gate, sz(t0 * qrow), sz(n * qrow)));
+        DeviceBuffer<float> alone = nan_buffer(sz(n * qrow));
+        cuda::attention(dev_view, table.get(), rpos.get(), n, lens[sz(r)], rq.get(), nh, scale,
+                        alone.get(), gated ? rg.get() : nullptr);
+        EXPECT_TRUE(bitwise_equal(mine, alone.download())) << what << ": batched vs alone";
+        if (!gated) {
+          std::vector<float> want(sz(n * qrow));
+          cpu::attention(host_view, tables.data() + r * stride, pos.data() + t0, n, bound,
+                         q.data() + t0 * qrow, nh, scale, want.data());
+          EXPECT_TRUE(near_blocks(mine, want, sz(hd), kAttnRel)) << what << ": vs the CPU op";
+        }
+      }
+      t0 += n;
+    }
+  }
+}
+
 TEST_F(CudaBatchInvariance, AttentionQueriesAreBitwiseIndependentOfTheWindowAndBound) {
   struct Case {
     int64_t n_heads, n_kv_heads, head_dim, start;

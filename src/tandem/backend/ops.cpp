@@ -454,6 +454,27 @@ void attention(const KVLayerView& kv, const int32_t* block_table, const int64_t*
   cpu::attention(kv, block_table, positions, n, position_bound, q, n_heads, scale, out);
   if (gate) cpu::sigmoid_gate(out, gate, n * n_heads * kv.head_dim);
 }
+void attention_rows(const KVLayerView& kv, const int32_t* tables, int64_t table_stride,
+                    const int64_t* query_rows, const int64_t* positions, int64_t n,
+                    int64_t position_bound, const float* q, int64_t n_heads, float scale,
+                    float* out, const float* gate) {
+#ifdef TANDEM_HAVE_CUDA
+  if (g_backend == Backend::Cuda)
+    return cuda::attention_rows(kv, tables, table_stride, query_rows, positions, n, position_bound,
+                                q, n_heads, scale, out, gate);
+#endif
+  // Runs of consecutive queries of one row, each one attention() call.
+  const int64_t qf = n_heads * kv.head_dim;
+  for (int64_t t0 = 0; t0 < n;) {
+    int64_t t1 = t0 + 1;
+    while (t1 < n && query_rows[t1] == query_rows[t0]) ++t1;
+    if (query_rows[t0] >= 0)
+      attention(kv, tables + query_rows[t0] * table_stride, positions + t0, t1 - t0,
+                position_bound, q + t0 * qf, n_heads, scale, out + t0 * qf,
+                gate ? gate + t0 * qf : nullptr);
+    t0 = t1;
+  }
+}
 void attention_prompt(const KVLayerView& kv, const int32_t* block_table, const int64_t* positions,
                       int64_t n, const float* q, const float* k, const float* v, int64_t n_heads,
                       float scale, float* out) {

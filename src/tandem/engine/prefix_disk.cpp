@@ -40,6 +40,25 @@ struct Section {
   size_t bytes;
 };
 
+// Header numbers are whole numbers in range: nlohmann converts a float (2e21) or an unsigned
+// above INT64_MAX to an integer type without a check, so each is checked here first.
+uint64_t as_count(const json& v, const char* what) {
+  if (v.is_number_unsigned()) return v.get<uint64_t>();
+  fail("header field ", what, ": not a whole number >= 0");
+}
+int64_t as_int(const json& v, const char* what) {
+  if (v.is_number_unsigned() && v.get<uint64_t>() <= static_cast<uint64_t>(INT64_MAX))
+    return static_cast<int64_t>(v.get<uint64_t>());
+  if (v.is_number_integer() && !v.is_number_unsigned()) return v.get<int64_t>();
+  fail("header field ", what, ": not a 64-bit whole number");
+}
+std::vector<int64_t> as_shape(const json& v, const char* what) {
+  if (!v.is_array()) fail("header field ", what, ": not an array");
+  std::vector<int64_t> shape;
+  for (const json& d : v) shape.push_back(as_int(d, what));
+  return shape;
+}
+
 // A whole file in memory, read back; the header parsed. Throws Error on anything malformed.
 struct Parsed {
   json header;
@@ -83,13 +102,15 @@ std::string_view section(const Parsed& p, const std::string& name, const char* d
   for (const json& s : p.header.at("sections")) {
     if (s.at("name").get<std::string>() != name) continue;
     if (s.at("dtype").get<std::string>() != dtype) fail("section ", name, ": dtype");
+    // Elements, kept below 2^40 so that the byte count cannot overflow either.
     int64_t n = 1;
     for (const json& d : s.at("shape")) {
-      const int64_t v = d.get<int64_t>();
-      if (v < 0 || v > (int64_t{1} << 40)) fail("section ", name, ": shape");
-      n *= v;
+      const int64_t v = as_int(d, "shape");
+      if (v < 0 || __builtin_mul_overflow(n, v, &n) || n > (int64_t{1} << 40))
+        fail("section ", name, ": shape");
     }
-    const uint64_t off = s.at("offset").get<uint64_t>(), size = s.at("bytes").get<uint64_t>();
+    const uint64_t off = as_count(s.at("offset"), "offset");
+    const uint64_t size = as_count(s.at("bytes"), "bytes");
     if (size != static_cast<uint64_t>(n) * 4) fail("section ", name, ": size");
     const uint64_t room = p.bytes.size() > p.payload ? p.bytes.size() - p.payload : 0;
     if (off > room || size > room - off)
@@ -141,7 +162,10 @@ PrefixDisk::PrefixDisk(std::string dir, PrefixDiskKey key)
       // corrupt section when it is read).
       uint64_t end = 0, tokens_end = 0;
       for (const json& sec : p.header.at("sections")) {
-        const uint64_t e = sec.at("offset").get<uint64_t>() + sec.at("bytes").get<uint64_t>();
+        uint64_t e = 0;
+        if (__builtin_add_overflow(as_count(sec.at("offset"), "offset"),
+                                   as_count(sec.at("bytes"), "bytes"), &e))
+          fail(path, ": a section ends past 2^64");
         end = std::max(end, e);
         if (sec.at("name").get<std::string>() == "tokens") tokens_end = e;
       }
@@ -291,11 +315,11 @@ std::optional<PrefixRecord> PrefixDisk::read(const std::string& path) {
     if (!key_matches(p.header, key_)) fail(path, ": written under another key");
     PrefixRecord r;
     r.tokens = section_values<int32_t>(p, "tokens", "i32");
-    if (static_cast<int64_t>(r.tokens.size()) != p.header.at("tokens").get<int64_t>())
+    if (static_cast<int64_t>(r.tokens.size()) != as_int(p.header.at("tokens"), "tokens"))
       fail(path, ": token count");
-    const auto layers = p.header.at("attention_layers").get<size_t>();
+    const uint64_t layers = as_count(p.header.at("attention_layers"), "attention_layers");
     if (layers > 4096) fail(path, ": attention layers");
-    for (size_t l = 0; l < layers; ++l) {
+    for (uint64_t l = 0; l < layers; ++l) {
       r.keys.push_back(section_values<float>(p, "kv." + std::to_string(l) + ".keys", "f32"));
       r.values.push_back(section_values<float>(p, "kv." + std::to_string(l) + ".values", "f32"));
     }
@@ -305,14 +329,14 @@ std::optional<PrefixRecord> PrefixDisk::read(const std::string& path) {
       auto c = std::make_shared<spec::Checkpoint>();
       c->schema = d.at("schema").get<std::string>();
       c->ns = d.at("ns").get<std::string>();
-      c->processed_tokens = d.at("processed_tokens").get<int64_t>();
+      c->processed_tokens = as_int(d.at("processed_tokens"), "processed_tokens");
       c->metadata = d.at("metadata");
       for (const json& name : d.at("tensors")) {
         const std::string n = name.get<std::string>();
         spec::CheckpointTensor t;
         for (const json& s : p.header.at("sections"))
           if (s.at("name").get<std::string>() == "draft.tensor." + n)
-            t.shape = s.at("shape").get<std::vector<int64_t>>();
+            t.shape = as_shape(s.at("shape"), "shape");
         t.data = section_values<float>(p, "draft.tensor." + n, "f32");
         c->tensors[n] = std::move(t);
       }

@@ -1,5 +1,6 @@
 #include "tandem/model/gated_attention.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "tandem/core/error.h"
@@ -28,7 +29,8 @@ std::vector<float> rope_inv_freq(double theta, int64_t rotary_dim) {
 void gated_attention(const GatedAttentionShape& s, const ops::WeightRef& q_norm,
                      const ops::WeightRef& k_norm, const float* inv_freq, const int64_t* positions,
                      std::span<const AttentionSegment> segments, const ops::KVLayerView& kv,
-                     GatedAttentionScratch& x, const int64_t* kv_slots) {
+                     GatedAttentionScratch& x, const int64_t* kv_slots,
+                     const AttentionRows* rows) {
   const float* qg = x.qg.data();
   const float* v = x.v.data();
   float *q = x.q.data(), *gate = x.gate.data(), *k = x.k.data(), *o = x.o.data();
@@ -51,12 +53,23 @@ void gated_attention(const GatedAttentionShape& s, const ops::WeightRef& q_norm,
   }
   ops::qk_norm_rope(prep, qg, q_norm, k_norm, positions, inv_freq, q, gate, k);
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  for (const AttentionSegment& seg : segments)
+    if (seg.n > 0 && seg.position_bound < seg.start + seg.n)
+      fail("gated_attention: position bound ", seg.position_bound, " is below the segment's end ",
+           seg.start + seg.n);
+  // With the keys already written, the segments that attend over the cache do it in one call.
+  const bool batched = rows != nullptr && kv_slots != nullptr;
+  if (batched) {
+    int64_t bound = 0;
+    for (const AttentionSegment& seg : segments)
+      if (seg.n > 0 && !(s.prompt && seg.start == 0)) bound = std::max(bound, seg.position_bound);
+    if (bound > 0)
+      ops::attention_rows(kv, rows->tables, rows->table_stride, rows->query_rows, positions, T,
+                          bound, q, nh, scale, o, gate);
+  }
   int64_t t0 = 0;
   for (const AttentionSegment& seg : segments) {
     if (seg.n == 0) continue;
-    if (seg.position_bound < seg.start + seg.n)
-      fail("gated_attention: position bound ", seg.position_bound, " is below the segment's end ",
-           seg.start + seg.n);
     const int64_t* pos = positions + t0;
     if (!kv_slots)
       ops::kv_write(kv, seg.block_table, pos, seg.n, k + t0 * nkv * hd, v + t0 * nkv * hd);
@@ -67,7 +80,7 @@ void gated_attention(const GatedAttentionShape& s, const ops::WeightRef& q_norm,
       ops::attention_prompt(kv, seg.block_table, pos, seg.n, q + t0 * nh * hd, k + t0 * nkv * hd,
                             v + t0 * nkv * hd, nh, scale, out);
       ops::sigmoid_gate(out, g, seg.n * nh * hd);
-    } else {
+    } else if (!batched) {
       ops::attention(kv, seg.block_table, pos, seg.n, seg.position_bound, q + t0 * nh * hd, nh,
                      scale, out, g);
     }

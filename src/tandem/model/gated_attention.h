@@ -23,6 +23,16 @@ struct AttentionSegment {
   int64_t position_bound = 0;
 };
 
+// The segments' queries in one attention call (ops::attention_rows): segment i's block table is
+// at tables + i · table_stride, and query_rows [T] (backend memory) holds each token's segment,
+// -1 for the tokens of a segment that ops::attention_prompt serves (GatedAttentionShape::prompt,
+// start 0).
+struct AttentionRows {
+  const int32_t* tables = nullptr;
+  int64_t table_stride = 0;
+  const int64_t* query_rows = nullptr;
+};
+
 // The position_bound of a row whose block table reserves `kv_capacity` positions: rounded up to
 // a multiple of kPositionBoundStep, so it (and a graph keyed on it) changes once per that many
 // positions, not per block.
@@ -56,10 +66,12 @@ std::vector<float> rope_inv_freq(double theta, int64_t rotary_dim);
 // from it, so only `positions` changes between replays of a captured step. kv_slots (optional,
 // backend memory, [T]): each token's physical KV slot (block · block_size + offset, see
 // ops::QkNormRope); given, the query/key pass writes the keys and values itself and no kv_write
-// runs (one launch fewer per layer and segment).
+// runs (one launch fewer per layer and segment). rows (optional, with kv_slots): every segment
+// not served by attention_prompt attends in one call, bitwise as it would alone.
 void gated_attention(const GatedAttentionShape& shape, const ops::WeightRef& q_norm,
                      const ops::WeightRef& k_norm, const float* inv_freq, const int64_t* positions,
                      std::span<const AttentionSegment> segments, const ops::KVLayerView& kv,
-                     GatedAttentionScratch& x, const int64_t* kv_slots = nullptr);
+                     GatedAttentionScratch& x, const int64_t* kv_slots = nullptr,
+                     const AttentionRows* rows = nullptr);
 
 }  // namespace tandem

@@ -289,8 +289,9 @@ int64_t Qwen35Model::prepare_forward(Qwen35State& st, const ForwardRequest& req)
   reserve_workspace(T, req.all_logits ? T : R, req.all_logits);
   // Host-side metadata, uploaded once per forward: ids, positions and KV slots, block tables.
   // pos holds [T] positions, then [T] physical KV slots (the attention layers' key/value
-  // writes, ops::QkNormRope).
-  w.pos_host.resize(static_cast<size_t>(2 * T));
+  // writes, ops::QkNormRope), then [T] each token's row for the attention of all rows at once
+  // (ops::attention_rows; -1 for a prompt's first chunk, which attention_prompt serves).
+  w.pos_host.resize(static_cast<size_t>(3 * T));
   // Block tables go into fixed-stride slots (stride = the largest position bound in blocks), so
   // a row's table address changes only when a bound does, not with every new block: decode
   // graphs stay valid for kPositionBoundStep positions.
@@ -299,13 +300,16 @@ int64_t Qwen35Model::prepare_forward(Qwen35State& st, const ForwardRequest& req)
   int64_t stride = 1;
   {
     int64_t t = 0;
-    for (const RowInput& r : req.rows) {
+    for (size_t i = 0; i < req.rows.size(); ++i) {
+      const RowInput& r = req.rows[i];
       const std::vector<int32_t>& bt = st.block_table(r.slot);
+      const bool prompt_start = req.prompt && st.length(r.slot) == 0;
       for (int64_t j = 0; j < r.n_tokens; ++j, ++t) {
         const int64_t p = st.length(r.slot) + j;
         w.pos_host[t] = p;
         w.pos_host[T + t] = int64_t{bt[p / Qwen35State::kBlockSize]} * Qwen35State::kBlockSize +
                             p % Qwen35State::kBlockSize;
+        w.pos_host[2 * T + t] = prompt_start ? -1 : static_cast<int64_t>(i);
       }
       const int64_t capacity = static_cast<int64_t>(bt.size()) * Qwen35State::kBlockSize;
       bounds.push_back(attention_position_bound(capacity));
@@ -313,6 +317,7 @@ int64_t Qwen35Model::prepare_forward(Qwen35State& st, const ForwardRequest& req)
     }
   }
   w.tables_host.assign(static_cast<size_t>(R * stride), 0);
+  w.table_stride = stride;
   for (size_t i = 0; i < req.rows.size(); ++i) {
     const std::vector<int32_t>& bt = st.block_table(req.rows[i].slot);
     std::copy(bt.begin(), bt.end(), w.tables_host.begin() + static_cast<int64_t>(i) * stride);
@@ -688,8 +693,9 @@ void Qwen35Model::attention_layer(const Layer& L, Qwen35State& st, int64_t T, bo
     ops::linear(in.x, T, L.attn.k_proj, x.k.data());
     ops::linear(in.x, T, L.attn.v_proj, x.v.data());
   }
+  const AttentionRows rows{w.tables, w.table_stride, w.pos + 2 * T};
   gated_attention(shape, L.attn.q_norm, L.attn.k_norm, inv_freq_.data(), w.pos, w.segments,
-                  st.kv_layer(L.index_in_kind), x, w.pos + T);
+                  st.kv_layer(L.index_in_kind), x, w.pos + T, &rows);
   const ops::WeightRef tail = tail_prefetch(L.gate_up);
   ops::linear_add(x.o.data(), T, L.attn.o_proj, w.x.data(), nullptr, &tail);
 }

@@ -181,7 +181,8 @@ constexpr int log2_int(int v) {
 // Every order above is fixed by the query's position alone.
 template <int KV4, int G>
 __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
-    attention_kernel(PagedKV kv, const int64_t* positions, int64_t position_bound,
+    attention_kernel(PagedKV kv, const int32_t* tables, int64_t table_stride,
+                     const int64_t* query_rows, const int64_t* positions, int64_t position_bound,
                      int64_t first_query, int64_t n_heads, int64_t group, int64_t head_dim,
                      const float* q, float score_scale, int64_t slots, int64_t m_offset,
                      int64_t l_offset, float* out, const float* gate) {
@@ -211,9 +212,14 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
   const int64_t out_base = (t * n_heads + h0) * head_dim;  // [G, head_dim] of out and q
   const int64_t vec = head_dim / 4;                        // float4s per head
 
-  // The position, the partition and the first round's block-table reads come before the wait:
-  // positions and block tables are uploaded before the forward's first kernel (check.cuh), so
-  // only the query rows (the kernel before this one writes them) wait for it.
+  // The row, the position, the partition and the first round's block-table reads come before
+  // the wait: rows, positions and block tables are uploaded before the forward's first kernel
+  // (check.cuh), so only the query rows (the kernel before this one writes them) wait for it.
+  if (query_rows) {  // attention_rows: the query's own row's table
+    const int64_t row = query_rows[t];
+    if (row < 0) return;  // a skipped query (whole block, before any barrier)
+    kv.block_table = tables + row * table_stride;
+  }
   const int64_t pos = positions[t];
   if (pos < 0 || pos >= position_bound) {
     // The caller broke its bound: NaN marks the output, and no counter moves.
@@ -472,22 +478,27 @@ void kv_write(const ops::KVLayerView& kv, const int32_t* block_table, const int6
          block_table, kv.block_size, kv.n_kv_heads * kv.head_dim, positions, k, v);
 }
 
-void attention(const ops::KVLayerView& kv, const int32_t* block_table, const int64_t* positions,
-               int64_t n, int64_t position_bound, const float* q, int64_t n_heads, float scale,
-               float* out, const float* gate) {
-  if (n < 0) fail("attention: bad query count ", n);
+namespace {
+
+// attention() and attention_rows(): query t reads block_table, or with query_rows its row's
+// table at tables + query_rows[t] * table_stride.
+void launch_attention(const char* op, const ops::KVLayerView& kv, const int32_t* block_table,
+                      const int32_t* tables, int64_t table_stride, const int64_t* query_rows,
+                      const int64_t* positions, int64_t n, int64_t position_bound, const float* q,
+                      int64_t n_heads, float scale, float* out, const float* gate) {
+  if (n < 0) fail(op, ": bad query count ", n);
   if (n == 0) return;
-  check_kv_view(kv, "attention");
+  check_kv_view(kv, op);
   if (position_bound < 1 || position_bound > (int64_t(1) << 31))
-    fail("attention: position bound ", position_bound, " is outside [1, 2^31]");
+    fail(op, ": position bound ", position_bound, " is outside [1, 2^31]");
   const int64_t head_dim = kv.head_dim;
   if (head_dim > kMaxHeadDim || head_dim % 4 != 0)
-    fail("attention: head_dim ", head_dim,
-         " is not a multiple of 4 up to the CUDA kernel's maximum ", kMaxHeadDim);
+    fail(op, ": head_dim ", head_dim, " is not a multiple of 4 up to the CUDA kernel's maximum ",
+         kMaxHeadDim);
   if (n_heads < kv.n_kv_heads || n_heads % kv.n_kv_heads != 0)
-    fail("attention: ", n_heads, " query heads is not a multiple of ", kv.n_kv_heads, " kv heads");
+    fail(op, ": ", n_heads, " query heads is not a multiple of ", kv.n_kv_heads, " kv heads");
   if (!aligned16(kv.pool) || !aligned16(q) || !aligned16(out) || (gate && !aligned16(gate)))
-    fail("attention: the KV pool, q, out and gate must be 16-byte aligned (float4 access)");
+    fail(op, ": the KV pool, q, out and gate must be 16-byte aligned (float4 access)");
 
   const int64_t group = n_heads / kv.n_kv_heads;
   const int chunk_heads = group % 4 == 0 ? 4 : group % 2 == 0 ? 2 : 1;
@@ -495,15 +506,16 @@ void attention(const ops::KVLayerView& kv, const int32_t* block_table, const int
   const int64_t slots = max_partitions(position_bound);
   const int64_t floats_per_query = n_chunks * slots * chunk_heads * (head_dim + 2);
   if (floats_per_query > kScratchFloats)
-    fail("attention: position bound ", position_bound, " needs ", floats_per_query,
+    fail(op, ": position bound ", position_bound, " needs ", floats_per_query,
          " floats of partial results per query, over the ", kScratchFloats, " reserved");
   if (n_chunks > std::min<int64_t>(kMaxGridY, kMaxCounters))
-    fail("attention: ", n_heads, " query heads exceed the kernel's grid");
+    fail(op, ": ", n_heads, " query heads exceed the kernel's grid");
   const int64_t per_launch =
       std::min({kScratchFloats / floats_per_query, kMaxGridY, kMaxCounters / n_chunks});
 
-  using Kernel = void (*)(PagedKV, const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t,
-                          const float*, float, int64_t, int64_t, int64_t, float*, const float*);
+  using Kernel = void (*)(PagedKV, const int32_t*, int64_t, const int64_t*, const int64_t*,
+                          int64_t, int64_t, int64_t, int64_t, int64_t, const float*, float,
+                          int64_t, int64_t, int64_t, float*, const float*);
   const bool wide = head_dim > 128;
   const Kernel kernel = chunk_heads == 4 ? (wide ? attention_kernel<2, 4> : attention_kernel<1, 4>)
                         : chunk_heads == 2
@@ -519,9 +531,29 @@ void attention(const ops::KVLayerView& kv, const int32_t* block_table, const int
     const int64_t l_offset = m_offset + queries * n_chunks * slots * chunk_heads;
     const dim3 grid(static_cast<unsigned>(slots), static_cast<unsigned>(queries),
                     static_cast<unsigned>(n_chunks));
-    launch("attention", kernel, grid, kThreads, 0, paged, positions, position_bound, first, n_heads,
-           group, head_dim, q, score_scale, slots, m_offset, l_offset, out, gate);
+    launch(op, kernel, grid, kThreads, 0, paged, tables, table_stride, query_rows, positions,
+           position_bound, first, n_heads, group, head_dim, q, score_scale, slots, m_offset,
+           l_offset, out, gate);
   }
+}
+
+}  // namespace
+
+void attention(const ops::KVLayerView& kv, const int32_t* block_table, const int64_t* positions,
+               int64_t n, int64_t position_bound, const float* q, int64_t n_heads, float scale,
+               float* out, const float* gate) {
+  launch_attention("attention", kv, block_table, nullptr, 0, nullptr, positions, n,
+                   position_bound, q, n_heads, scale, out, gate);
+}
+
+void attention_rows(const ops::KVLayerView& kv, const int32_t* tables, int64_t table_stride,
+                    const int64_t* query_rows, const int64_t* positions, int64_t n,
+                    int64_t position_bound, const float* q, int64_t n_heads, float scale,
+                    float* out, const float* gate) {
+  if (tables == nullptr || query_rows == nullptr || table_stride < 0)
+    fail("attention_rows: tables and query_rows are required, table_stride >= 0");
+  launch_attention("attention_rows", kv, nullptr, tables, table_stride, query_rows, positions, n,
+                   position_bound, q, n_heads, scale, out, gate);
 }
 
 TANDEM_CUDA_TRACE_UNIT(attention)

@@ -128,6 +128,10 @@ void kv_write(const ops::KVLayerView& kv, const int32_t* block_table, const int6
 void attention(const ops::KVLayerView& kv, const int32_t* block_table, const int64_t* positions,
                int64_t n, int64_t position_bound, const float* q, int64_t n_heads, float scale,
                float* out, const float* gate = nullptr);
+void attention_rows(const ops::KVLayerView& kv, const int32_t* tables, int64_t table_stride,
+                    const int64_t* query_rows, const int64_t* positions, int64_t n,
+                    int64_t position_bound, const float* q, int64_t n_heads, float scale,
+                    float* out, const float* gate);
 void causal_conv_silu(const float* x, int64_t n, int64_t channels, int64_t kernel,
                       const ops::WeightRef& w, float* state, float* out, float* state_after);
 void gated_delta_rule(const float* q, const float* k, const float* v, const float* a,
