@@ -19,7 +19,7 @@ port=${PORT:-8140}
 dir=$(mktemp -d)
 here=$(cd "$(dirname "$0")" && pwd)
 pid=
-trap '[ -n "$pid" ] && kill "$pid" 2>/dev/null; rm -rf "$dir"' EXIT
+trap 'if [ -n "$pid" ]; then kill "$pid" 2>/dev/null || true; fi; rm -rf "$dir"' EXIT
 
 start() {  # start LOG args...: returns when listening; $started: the seconds it took
   local log=$1

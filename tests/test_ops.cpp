@@ -492,8 +492,8 @@ TEST(Ops, AttentionRowsEqualsEachRowsAttention) {
     std::vector<float> want(q.size(), -7.0f);
     ops::attention(kv, tables.data(), pos.data(), 2, 12, q.data(), nh, scale, want.data(),
                    gated ? gate.data() : nullptr);
-    ops::attention(kv, tables.data() + stride, pos.data() + 4, 3, 12, q.data() + 4 * qf, nh,
-                   scale, want.data() + 4 * qf, gated ? gate.data() + 4 * qf : nullptr);
+    ops::attention(kv, tables.data() + stride, pos.data() + 4, 3, 12, q.data() + 4 * qf, nh, scale,
+                   want.data() + 4 * qf, gated ? gate.data() + 4 * qf : nullptr);
     EXPECT_EQ(0, std::memcmp(got.data(), want.data(), got.size() * sizeof(float)))
         << (gated ? "gated" : "ungated");
   }

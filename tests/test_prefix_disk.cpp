@@ -54,14 +54,20 @@ std::vector<fs::path> files_in(const std::string& dir) {
 TEST(PrefixDisk, RecordsRoundTripAndARestartFindsThem) {
   const testing::ScratchDir dir_scratch("roundtrip");
   const std::string dir = dir_scratch.file("cache");
+  int64_t written = 0;
   {
     PrefixDisk disk(dir, kKey);
     EXPECT_EQ(disk.files(), 0);
     ASSERT_TRUE(disk.write(sample_record(20)));
     ASSERT_TRUE(disk.write(sample_record(32)));
+    written = disk.bytes();
   }
   PrefixDisk disk(dir, kKey);  // a restart: found by their headers
   EXPECT_EQ(disk.files(), 2);
+  int64_t on_disk = 0;
+  for (const auto& f : fs::directory_iterator(dir)) on_disk += static_cast<int64_t>(f.file_size());
+  EXPECT_EQ(disk.bytes(), on_disk);
+  EXPECT_EQ(written, on_disk);
   std::vector<int32_t> prompt = sample_record(40).tokens;
   const auto found = disk.find(prompt, 0);
   EXPECT_EQ(found.tokens, 32);

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "tandem/backend/cuda/cuda_ops.h"
+#include "tandem/backend/ops.h"
 #include "tandem/core/dtype.h"
 #include "tandem/core/error.h"
 
@@ -86,6 +87,19 @@ class DeviceBuffer {
 inline DeviceBuffer<float> nan_buffer(size_t n) {
   return DeviceBuffer<float>(std::vector<float>(n, std::numeric_limits<float>::quiet_NaN()));
 }
+
+// Makes `b` the active backend for the scope. Models, states and drafters must be used under the
+// backend they were created with.
+class ScopedBackend {
+ public:
+  explicit ScopedBackend(ops::Backend b) : prev_(ops::backend()) { ops::set_backend(b); }
+  ~ScopedBackend() { ops::set_backend(prev_); }
+  ScopedBackend(const ScopedBackend&) = delete;
+  ScopedBackend& operator=(const ScopedBackend&) = delete;
+
+ private:
+  ops::Backend prev_;
+};
 
 // Every CUDA test derives from this. These tests only run on GPU machines, so a missing device
 // is a failure with a clear message, not a silent skip. Each test leaves linear in its default

@@ -14,6 +14,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "cuda/cuda_test_util.h"
 #include "demo_model.h"
 #include "tandem/backend/buffer.h"
 #include "tandem/backend/cuda/cuda_ops.h"
@@ -31,19 +32,10 @@
 namespace tandem {
 namespace {
 
+using testing::ScopedBackend;
+
 const std::string kFixtures = TANDEM_FIXTURES_DIR;
 const std::string& kDemo = test::kDemoDir;
-
-// Makes `b` the active backend for the scope. Models, states and drafters must be used under the
-// backend they were created with.
-class ScopedBackend {
- public:
-  explicit ScopedBackend(ops::Backend b) : prev_(ops::backend()) { ops::set_backend(b); }
-  ~ScopedBackend() { ops::set_backend(prev_); }
-
- private:
-  ops::Backend prev_;
-};
 
 class CudaModelTest : public ::testing::Test {
  protected:

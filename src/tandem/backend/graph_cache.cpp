@@ -7,6 +7,16 @@
 
 namespace tandem {
 
+size_t GraphKey::hash() const {
+  // FNV-1a style mixing of the words: only chooses the bucket; equality compares the words.
+  uint64_t h = 0xcbf29ce484222325ull;
+  for (const uint64_t v : words_) {
+    h = (h ^ v) * 0x100000001b3ull;
+    h ^= h >> 29;
+  }
+  return static_cast<size_t>(h);
+}
+
 GraphCache::~GraphCache() {
   clear();
 }
@@ -19,21 +29,36 @@ void GraphCache::clear() {
   graphs_.clear();
 }
 
-void GraphCache::run(uint64_t key, const std::function<void()>& body) {
+void GraphCache::evict_least_recent() {
+  auto victim = graphs_.begin();
+  for (auto it = graphs_.begin(); it != graphs_.end(); ++it)
+    if (it->second.last_run < victim->second.last_run) victim = it;
+  if (victim == graphs_.end()) return;
+#ifdef TANDEM_HAVE_CUDA
+  if (victim->second.exec) cuda::graph_destroy(victim->second.exec);
+#endif
+  graphs_.erase(victim);
+  ++evictions_;
+}
+
+void GraphCache::run(const GraphKey& key, const std::function<void()>& body) {
 #ifdef TANDEM_HAVE_CUDA
   if (ops::backend() == ops::Backend::Cuda && ops::graphs_enabled()) {
     // Internal scratch of the CUDA ops may have moved since a graph was captured; whether
     // kernels overlap (PDL) is baked into the captured edges.
-    key = KeyHasher().add(key).add(cuda::scratch_generation()).add(cuda::pdl_enabled()).value();
-    auto it = graphs_.find(key);
+    GraphKey full = key;
+    full.add(cuda::scratch_generation()).add(static_cast<uint64_t>(cuda::pdl_enabled()));
+    auto it = graphs_.find(full);
     if (it == graphs_.end()) {
-      if (graphs_.size() >= kMaxGraphs) clear();
-      it = graphs_.emplace(key, Entry{}).first;
+      if (graphs_.size() >= kMaxGraphs) evict_least_recent();
+      it = graphs_.emplace(std::move(full), Entry{}).first;
     }
     Entry& e = it->second;
+    e.last_run = ++clock_;
     if (e.exec) return cuda::graph_launch(e.exec);
     if (++e.seen < 2) return body();
     e.exec = cuda::graph_capture(body);
+    ++captures_;
     return cuda::graph_launch(e.exec);
   }
 #endif

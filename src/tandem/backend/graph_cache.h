@@ -7,13 +7,32 @@
 // live in device memory (token ids, positions, block tables) may change between replays; the
 // caller refreshes them with copies queued before run(). A key is captured the second time it is
 // seen, so that the first run sizes every buffer and internal scratch (capture must not allocate).
+// Keys are compared word for word (GraphKey), never by hash alone.
 #pragma once
 
 #include <cstdint>
 #include <functional>
 #include <unordered_map>
+#include <vector>
 
 namespace tandem {
+
+// A graph's name: every word that shapes its launches, compared in full (a hash only picks the
+// bucket), so two different forwards can never share a graph.
+class GraphKey {
+ public:
+  GraphKey& add(uint64_t v) {
+    words_.push_back(v);
+    return *this;
+  }
+  GraphKey& add(const void* p) { return add(reinterpret_cast<uintptr_t>(p)); }
+  const std::vector<uint64_t>& words() const { return words_; }
+  bool operator==(const GraphKey& o) const { return words_ == o.words_; }
+  size_t hash() const;
+
+ private:
+  std::vector<uint64_t> words_;
+};
 
 class GraphCache {
  public:
@@ -25,33 +44,31 @@ class GraphCache {
   // Queues `body`'s work on the active backend's stream: directly, by capturing it, or by
   // replaying the graph captured for `key`. `body` must only queue ops (no host synchronization,
   // no allocation once warmed up, same calls for the same key).
-  void run(uint64_t key, const std::function<void()>& body);
+  void run(const GraphKey& key, const std::function<void()>& body);
   void clear();
   size_t size() const { return graphs_.size(); }
+  int64_t captures() const { return captures_; }    // graphs captured since construction
+  int64_t evictions() const { return evictions_; }  // graphs dropped to make room
 
-  static constexpr size_t kMaxGraphs = 64;  // more distinct shapes: start over
+  // Distinct forwards kept at once (batch sizes × window shapes × position-bound steps); past it
+  // the least recently run graph is dropped, never the whole table, so a server whose ragged
+  // windows keep producing new shapes keeps the ones it replays.
+  static constexpr size_t kMaxGraphs = 256;
 
  private:
+  struct Hash {
+    size_t operator()(const GraphKey& k) const { return k.hash(); }
+  };
   struct Entry {
     int seen = 0;
     void* exec = nullptr;  // cudaGraphExec_t once captured
+    uint64_t last_run = 0;
   };
-  std::unordered_map<uint64_t, Entry> graphs_;
-};
+  std::unordered_map<GraphKey, Entry, Hash> graphs_;
+  uint64_t clock_ = 0;
+  int64_t captures_ = 0, evictions_ = 0;
 
-// Incremental key building: FNV-1a style mixing of 64-bit words.
-class KeyHasher {
- public:
-  KeyHasher& add(uint64_t v) {
-    h_ = (h_ ^ v) * 0x100000001b3ull;
-    h_ ^= h_ >> 29;
-    return *this;
-  }
-  KeyHasher& add(const void* p) { return add(reinterpret_cast<uintptr_t>(p)); }
-  uint64_t value() const { return h_; }
-
- private:
-  uint64_t h_ = 0xcbf29ce484222325ull;
+  void evict_least_recent();
 };
 
 }  // namespace tandem

@@ -469,9 +469,8 @@ void attention_rows(const KVLayerView& kv, const int32_t* tables, int64_t table_
     int64_t t1 = t0 + 1;
     while (t1 < n && query_rows[t1] == query_rows[t0]) ++t1;
     if (query_rows[t0] >= 0)
-      attention(kv, tables + query_rows[t0] * table_stride, positions + t0, t1 - t0,
-                position_bound, q + t0 * qf, n_heads, scale, out + t0 * qf,
-                gate ? gate + t0 * qf : nullptr);
+      attention(kv, tables + query_rows[t0] * table_stride, positions + t0, t1 - t0, position_bound,
+                q + t0 * qf, n_heads, scale, out + t0 * qf, gate ? gate + t0 * qf : nullptr);
     t0 = t1;
   }
 }

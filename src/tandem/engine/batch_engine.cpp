@@ -206,6 +206,7 @@ void BatchEngine::publish_counters() {
     counters_.prefix_disk_files = c.disk_files;
     counters_.prefix_disk_writes = c.disk_writes;
     counters_.prefix_disk_removed = c.disk_removed;
+    counters_.prefix_disk_bytes = c.disk_bytes;
   }
 }
 

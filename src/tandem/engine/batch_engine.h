@@ -86,6 +86,7 @@ struct EngineCounters {
   int64_t prefix_bytes = 0, prefix_max_bytes = 0;
   int64_t prefix_disk_hits = 0, prefix_disk_files = 0, prefix_disk_writes = 0;
   int64_t prefix_disk_removed = 0;
+  int64_t prefix_disk_bytes = 0;  // of the files in the disk tier's folder
 };
 
 class BatchEngine {

@@ -39,6 +39,7 @@ struct PrefixCacheStats {
   int64_t entries = 0;
   int64_t evictions = 0;
   int64_t disk_files = 0, disk_writes = 0, disk_loads = 0, disk_removed = 0;
+  int64_t disk_bytes = 0;
   int64_t kv_blocks = 0;  // distinct KV blocks the entries hold
   size_t bytes = 0;       // snapshots + checkpoints + kv_blocks × block bytes
   size_t max_bytes = 0;
@@ -119,6 +120,11 @@ class PrefixCache {
   size_t own_bytes_ = 0;
   int64_t evictions_ = 0;
   PrefixDisk* disk_ = nullptr;
+  // Backend staging of load(): positions 0..n-1, the entry's block table, one layer's keys and
+  // values (grown, reused).
+  Buffer<int64_t> load_pos_;
+  Buffer<int32_t> load_table_;
+  Buffer<float> load_k_, load_v_;
   int64_t disk_writes_ = 0, disk_loads_ = 0;
 
   size_t bytes() const { return own_bytes_ + block_uses_.size() * block_bytes_; }

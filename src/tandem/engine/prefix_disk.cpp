@@ -59,46 +59,46 @@ std::vector<int64_t> as_shape(const json& v, const char* what) {
   return shape;
 }
 
-// A whole file in memory, read back; the header parsed. Throws Error on anything malformed.
+// An open file with its header parsed; sections are read from it on demand. Throws Error on
+// anything malformed.
 struct Parsed {
   json header;
-  std::string bytes;
-  size_t payload = 0;  // offset of the first section
+  std::ifstream in;
+  uint64_t payload = 0;  // offset of the first section
+  uint64_t size = 0;     // of the whole file
 };
 
-Parsed parse(const std::string& path, bool whole) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) fail(path, ": cannot open");
+Parsed parse(const std::string& path) {
+  Parsed p;
+  p.in.open(path, std::ios::binary);
+  if (!p.in) fail(path, ": cannot open");
   char magic[8];
   uint32_t version = 0;
   uint64_t header_len = 0;
-  in.read(magic, 8);
-  in.read(reinterpret_cast<char*>(&version), sizeof(version));
-  in.read(reinterpret_cast<char*>(&header_len), sizeof(header_len));
-  if (!in || std::memcmp(magic, kMagic, 8) != 0) fail(path, ": not a tandem prefix-cache file");
+  p.in.read(magic, 8);
+  p.in.read(reinterpret_cast<char*>(&version), sizeof(version));
+  p.in.read(reinterpret_cast<char*>(&header_len), sizeof(header_len));
+  if (!p.in || std::memcmp(magic, kMagic, 8) != 0) fail(path, ": not a tandem prefix-cache file");
   if (version != PrefixDisk::kFormatVersion)
     fail(path, ": format version ", version, ", this build reads ", PrefixDisk::kFormatVersion);
-  if (header_len == 0 || header_len > kMaxHeaderBytes) fail(path, ": bad header length");
-  Parsed p;
-  std::string header(header_len, '\0');
-  in.read(header.data(), static_cast<std::streamsize>(header_len));
-  if (!in) fail(path, ": truncated header");
-  p.header = json::parse(header);  // throws on malformed JSON
+  std::error_code ec;
+  p.size = fs::file_size(path, ec);
+  if (ec) fail(path, ": cannot stat");
   p.payload = 8 + sizeof(version) + sizeof(header_len) + header_len;
-  if (whole) {
-    in.seekg(0, std::ios::end);
-    const auto size = static_cast<size_t>(in.tellg());
-    p.bytes.resize(size);
-    in.seekg(0);
-    in.read(p.bytes.data(), static_cast<std::streamsize>(size));
-    if (!in) fail(path, ": read failed");
-  }
+  if (header_len == 0 || header_len > kMaxHeaderBytes || p.payload > p.size)
+    fail(path, ": bad header length");
+  std::string header(header_len, '\0');
+  p.in.read(header.data(), static_cast<std::streamsize>(header_len));
+  if (!p.in) fail(path, ": truncated header");
+  p.header = json::parse(header);  // throws on malformed JSON
   return p;
 }
 
-// The bytes of a section, checked against its header entry (bounds, size, dtype, hash).
-std::string_view section(const Parsed& p, const std::string& name, const char* dtype,
-                         int64_t* elements) {
+// A section's values, read straight into their vector and checked against the section's header
+// entry (dtype, shape, bounds, size, content hash).
+template <class T>
+std::vector<T> section_values(Parsed& p, const std::string& name, const char* dtype) {
+  static_assert(sizeof(T) == 4, "sections hold 4-byte elements");
   for (const json& s : p.header.at("sections")) {
     if (s.at("name").get<std::string>() != name) continue;
     if (s.at("dtype").get<std::string>() != dtype) fail("section ", name, ": dtype");
@@ -112,26 +112,20 @@ std::string_view section(const Parsed& p, const std::string& name, const char* d
     const uint64_t off = as_count(s.at("offset"), "offset");
     const uint64_t size = as_count(s.at("bytes"), "bytes");
     if (size != static_cast<uint64_t>(n) * 4) fail("section ", name, ": size");
-    const uint64_t room = p.bytes.size() > p.payload ? p.bytes.size() - p.payload : 0;
+    const uint64_t room = p.size - p.payload;
     if (off > room || size > room - off)
       fail("section ", name, ": past the end of the file (truncated?)");
-    const std::string_view bytes(p.bytes.data() + p.payload + off, size);
-    if (hex64(XXH3_64bits(bytes.data(), bytes.size())) != s.at("xxh3").get<std::string>())
+    std::vector<T> v(static_cast<size_t>(n));
+    if (size > 0) {  // an empty vector's data() may be null
+      p.in.seekg(static_cast<std::streamoff>(p.payload + off));
+      p.in.read(reinterpret_cast<char*>(v.data()), static_cast<std::streamsize>(size));
+      if (!p.in) fail("section ", name, ": read failed");
+    }
+    if (hex64(XXH3_64bits(v.data(), size)) != s.at("xxh3").get<std::string>())
       fail("section ", name, ": content hash mismatch");
-    *elements = n;
-    return bytes;
+    return v;
   }
   fail("no section ", name);
-}
-
-template <class T>
-std::vector<T> section_values(const Parsed& p, const std::string& name, const char* dtype) {
-  int64_t n = 0;
-  const std::string_view b = section(p, name, dtype, &n);
-  std::vector<T> v(static_cast<size_t>(n));
-  if (!b.empty())
-    std::memcpy(v.data(), b.data(), b.size());  // an empty vector's data() may be null
-  return v;
 }
 
 bool key_matches(const json& h, const PrefixDiskKey& key) {
@@ -156,29 +150,30 @@ PrefixDisk::PrefixDisk(std::string dir, PrefixDiskKey key)
     if (!e.is_regular_file() || e.path().extension() != kSuffix) continue;
     try {
       // The header and the token ids only: a restart does not read every cached state.
-      Parsed p = parse(path, false);
+      Parsed p = parse(path);
       if (!key_matches(p.header, key_)) fail(path, ": written under another key");
       // A whole file ends where its last section does (a truncated one is caught here; a
       // corrupt section when it is read).
-      uint64_t end = 0, tokens_end = 0;
+      uint64_t end = 0;
       for (const json& sec : p.header.at("sections")) {
         uint64_t e = 0;
         if (__builtin_add_overflow(as_count(sec.at("offset"), "offset"),
                                    as_count(sec.at("bytes"), "bytes"), &e))
           fail(path, ": a section ends past 2^64");
         end = std::max(end, e);
-        if (sec.at("name").get<std::string>() == "tokens") tokens_end = e;
       }
-      if (p.payload + end != fs::file_size(path)) fail(path, ": size differs from its header's");
-      p.bytes.resize(p.payload + tokens_end);
-      std::ifstream in(path, std::ios::binary);
-      in.read(p.bytes.data(), static_cast<std::streamsize>(p.bytes.size()));
-      if (!in) fail(path, ": read failed");
-      index_.push_back({path, section_values<int32_t>(p, "tokens", "i32")});
+      if (p.payload + end != p.size) fail(path, ": size differs from its header's");
+      index_.push_back({path, section_values<int32_t>(p, "tokens", "i32"), p.size});
     } catch (const std::exception&) {
       drop(path);
     }
   }
+}
+
+int64_t PrefixDisk::bytes() const {
+  uint64_t n = 0;
+  for (const Indexed& i : index_) n += i.bytes;
+  return static_cast<int64_t>(n);
 }
 
 void PrefixDisk::drop(const std::string& path) {
@@ -292,8 +287,13 @@ bool PrefixDisk::write(const PrefixRecord& r) {
     ::unlink(tmp.c_str());
     return false;
   }
-  if (std::none_of(index_.begin(), index_.end(), [&](const Indexed& i) { return i.path == path; }))
-    index_.push_back({path, r.tokens});
+  const uint64_t size = sizeof(kMagic) + sizeof(version) + sizeof(head_len) + head.size() + offset;
+  auto same =
+      std::find_if(index_.begin(), index_.end(), [&](const Indexed& i) { return i.path == path; });
+  if (same == index_.end())
+    index_.push_back({path, r.tokens, size});
+  else
+    same->bytes = size;
   return true;
 }
 
@@ -311,7 +311,7 @@ PrefixDisk::Found PrefixDisk::find(std::span<const int32_t> prompt, int64_t long
 
 std::optional<PrefixRecord> PrefixDisk::read(const std::string& path) {
   try {
-    const Parsed p = parse(path, true);
+    Parsed p = parse(path);
     if (!key_matches(p.header, key_)) fail(path, ": written under another key");
     PrefixRecord r;
     r.tokens = section_values<int32_t>(p, "tokens", "i32");

@@ -68,6 +68,7 @@ class PrefixDisk {
   void remove(const std::string& path) { drop(path); }
 
   int64_t files() const { return static_cast<int64_t>(index_.size()); }
+  int64_t bytes() const;                        // of the indexed files
   int64_t removed() const { return removed_; }  // files dropped as unusable since construction
   const std::string& dir() const { return dir_; }
 
@@ -77,6 +78,7 @@ class PrefixDisk {
   struct Indexed {
     std::string path;
     std::vector<int32_t> tokens;
+    uint64_t bytes = 0;  // the file's size
   };
   std::string dir_;
   PrefixDiskKey key_;

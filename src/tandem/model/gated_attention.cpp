@@ -29,8 +29,7 @@ std::vector<float> rope_inv_freq(double theta, int64_t rotary_dim) {
 void gated_attention(const GatedAttentionShape& s, const ops::WeightRef& q_norm,
                      const ops::WeightRef& k_norm, const float* inv_freq, const int64_t* positions,
                      std::span<const AttentionSegment> segments, const ops::KVLayerView& kv,
-                     GatedAttentionScratch& x, const int64_t* kv_slots,
-                     const AttentionRows* rows) {
+                     GatedAttentionScratch& x, const int64_t* kv_slots, const AttentionRows* rows) {
   const float* qg = x.qg.data();
   const float* v = x.v.data();
   float *q = x.q.data(), *gate = x.gate.data(), *k = x.k.data(), *o = x.o.data();

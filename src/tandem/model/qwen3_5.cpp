@@ -388,7 +388,7 @@ void Qwen35Model::forward(Qwen35State& st, const ForwardRequest& req, ForwardOut
     forward_body(st, req, T);
   } else {
     // Everything the captured launches bake in: shapes, flags, and every address they touch.
-    KeyHasher key;
+    GraphKey key;
     key.add(T).add(R).add(req.all_logits).add(req.want_hidden).add(req.want_argmax);
     key.add(req.tokens_from_argmax);
     key.add(static_cast<uint64_t>(st.rollback())).add(&st);
@@ -412,7 +412,7 @@ void Qwen35Model::forward(Qwen35State& st, const ForwardRequest& req, ForwardOut
       key.add(p);
     key.add(w.ids).add(w.pos).add(w.argmax.data()).add(w.recurrent_rows);
     key.add(w.max_row_tokens);
-    graphs_.run(key.value(), [&] { forward_body(st, req, T); });
+    graphs_.run(key, [&] { forward_body(st, req, T); });
   }
   finish_forward(st, req, T, out, true);
 }

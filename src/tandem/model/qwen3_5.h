@@ -217,10 +217,10 @@ class Qwen35Model {
     Buffer<int32_t> argmax;      // [logits rows]
     // A forward's metadata, one block in backend memory filled by one upload (meta_upload):
     Buffer<uint8_t> meta;
-    int32_t* ids = nullptr;                       // [T] token ids
-    int64_t* pos = nullptr;  // [T] positions, then [T] physical KV slots, then [T] token rows
-    int32_t* tables = nullptr;                    // the rows' block tables, fixed stride
-    int64_t table_stride = 0;                     // int32s between two rows' tables
+    int32_t* ids = nullptr;     // [T] token ids
+    int64_t* pos = nullptr;     // [T] positions, then [T] physical KV slots, then [T] token rows
+    int32_t* tables = nullptr;  // the rows' block tables, fixed stride
+    int64_t table_stride = 0;   // int32s between two rows' tables
     ops::RecurrentRow* recurrent_rows = nullptr;  // [linear layers][rows] state descriptors
     StagedUpload meta_upload;
     int64_t max_row_tokens = 0;

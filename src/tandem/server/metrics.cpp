@@ -99,6 +99,9 @@ std::string ServerMetrics::render(const EngineCounters& e, const std::string& dr
          std::to_string(e.prefix_disk_hits) + "\n";
   scalar("tandem_prefix_cache_disk_files", "gauge", "Prefix-cache files in the disk tier's folder.",
          static_cast<double>(e.prefix_disk_files));
+  scalar("tandem_prefix_cache_disk_bytes", "gauge",
+         "Bytes of the prefix-cache files in the disk tier's folder.",
+         static_cast<double>(e.prefix_disk_bytes));
   scalar("tandem_prefix_cache_disk_writes_total", "counter",
          "Prefix-cache entries written to the disk tier.",
          static_cast<double>(e.prefix_disk_writes));

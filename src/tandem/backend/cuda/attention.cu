@@ -513,9 +513,9 @@ void launch_attention(const char* op, const ops::KVLayerView& kv, const int32_t*
   const int64_t per_launch =
       std::min({kScratchFloats / floats_per_query, kMaxGridY, kMaxCounters / n_chunks});
 
-  using Kernel = void (*)(PagedKV, const int32_t*, int64_t, const int64_t*, const int64_t*,
-                          int64_t, int64_t, int64_t, int64_t, int64_t, const float*, float,
-                          int64_t, int64_t, int64_t, float*, const float*);
+  using Kernel = void (*)(PagedKV, const int32_t*, int64_t, const int64_t*, const int64_t*, int64_t,
+                          int64_t, int64_t, int64_t, int64_t, const float*, float, int64_t, int64_t,
+                          int64_t, float*, const float*);
   const bool wide = head_dim > 128;
   const Kernel kernel = chunk_heads == 4 ? (wide ? attention_kernel<2, 4> : attention_kernel<1, 4>)
                         : chunk_heads == 2
@@ -542,8 +542,8 @@ void launch_attention(const char* op, const ops::KVLayerView& kv, const int32_t*
 void attention(const ops::KVLayerView& kv, const int32_t* block_table, const int64_t* positions,
                int64_t n, int64_t position_bound, const float* q, int64_t n_heads, float scale,
                float* out, const float* gate) {
-  launch_attention("attention", kv, block_table, nullptr, 0, nullptr, positions, n,
-                   position_bound, q, n_heads, scale, out, gate);
+  launch_attention("attention", kv, block_table, nullptr, 0, nullptr, positions, n, position_bound,
+                   q, n_heads, scale, out, gate);
 }
 
 void attention_rows(const ops::KVLayerView& kv, const int32_t* tables, int64_t table_stride,

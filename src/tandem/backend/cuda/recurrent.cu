@@ -187,6 +187,14 @@ constexpr int kDeltaPrefillLanes = 4;  // ... and in prompt prefill
 constexpr int kMaxDk = 256;
 constexpr unsigned kFullMask = 0xffffffffu;
 
+// Blocks per SM the decode kernel is compiled for. Its token is latency-bound, so resident warps
+// are what hides the state's round trip: at dk = 128, L = 8 (Qwen3.5's shape) the registers are
+// capped so that 5 blocks fit, 96 registers without spills (uncapped it took 164: 3 blocks); 6
+// would spill. Other shapes keep the compiler's choice. Registers never change a value.
+constexpr int delta_decode_min_blocks(int dk_padded, int lanes) {
+  return dk_padded == 128 && lanes == 8 ? 5 : 1;
+}
+
 constexpr int delta_chunk_tokens(int dk_padded) {
   return dk_padded <= 128 ? 16 : 8;  // keeps two chunks within 48 KiB of static shared memory
 }
@@ -548,7 +556,7 @@ __global__ void __launch_bounds__(kDeltaThreads, 1)
 // kernel, and only this layer's delta rule writes the state, one forward earlier), so their two
 // dependent round trips overlap the conv (check.cuh's rule for loads before the wait).
 template <int DK, int L>
-__global__ void __launch_bounds__(kDeltaThreads, 1)
+__global__ void __launch_bounds__(kDeltaThreads, delta_decode_min_blocks(DK, L))
     gated_delta_rule_decode_kernel(const DeltaArgs g, const ops::RecurrentRow* __restrict__ rows) {
   constexpr int ROWS = DK / L;                                     // of the column, per lane
   constexpr int COLS = kDeltaThreads / L;                          // columns per block
@@ -574,6 +582,33 @@ __global__ void __launch_bounds__(kDeltaThreads, 1)
   const float4* q4 = reinterpret_cast<const float4*>(g.q + t * g.qk_stride + kh * g.dk);
   const float4* k4 = reinterpret_cast<const float4*>(g.k + t * g.qk_stride + kh * g.dk);
   const int f4 = g.dk / 4;  // float4s of a vector; those past it are delta_normalise's zero rows
+  // ‖q‖², ‖k‖² first: lanes 0..G-1 take q, lanes G..2G-1 take k (the rest repeat them, unused).
+  // Their F float4s are summed as squared_norm does (per component, m in order), in halves of
+  // the float4s so that they and the state column are not all in registers at once (the kernel
+  // is latency-bound: registers are the warps in flight).
+  const bool is_q = (lane / G) % 2 == 0;
+  const float4* x4 = is_q ? q4 : k4;
+  float nacc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  constexpr int kHalf = F > 1 ? F / 2 : 1;
+#pragma unroll
+  for (int m0 = 0; m0 < F; m0 += kHalf) {
+    float4 r[kHalf];
+#pragma unroll
+    for (int m = 0; m < kHalf; ++m) {
+      const int f = G * (m0 + m) + lane % G;
+      r[m] = f < f4 ? x4[f] : zero;
+    }
+#pragma unroll
+    for (int m = 0; m < kHalf; ++m) {
+      nacc[0] = fmaf(r[m].x, r[m].x, nacc[0]);
+      nacc[1] = fmaf(r[m].y, r[m].y, nacc[1]);
+      nacc[2] = fmaf(r[m].z, r[m].z, nacc[2]);
+      nacc[3] = fmaf(r[m].w, r[m].w, nacc[3]);
+    }
+  }
+  const float norm2 = column_sum<G>((nacc[0] + nacc[1]) + (nacc[2] + nacc[3]));
+  const float inv = (is_q ? g.q_scale : 1.0f) / sqrtf(norm2 + 1e-6f);
+  const float inv_q = __shfl_sync(kFullMask, inv, 0), inv_k = __shfl_sync(kFullMask, inv, G);
   float kk[ROWS], qq[ROWS];
 #pragma unroll
   for (int m = 0; m < ROWS / 4; ++m) {
@@ -582,17 +617,6 @@ __global__ void __launch_bounds__(kDeltaThreads, 1)
     kk[4 * m] = kr.x, kk[4 * m + 1] = kr.y, kk[4 * m + 2] = kr.z, kk[4 * m + 3] = kr.w;
     qq[4 * m] = qr.x, qq[4 * m + 1] = qr.y, qq[4 * m + 2] = qr.z, qq[4 * m + 3] = qr.w;
   }
-  // ‖q‖², ‖k‖²: lanes 0..G-1 take q, lanes G..2G-1 take k (the rest repeat them, unused).
-  const bool is_q = (lane / G) % 2 == 0;
-  const float4* x4 = is_q ? q4 : k4;
-  float4 r[F];
-#pragma unroll
-  for (int m = 0; m < F; ++m) {
-    const int f = G * m + lane % G;
-    r[m] = f < f4 ? x4[f] : zero;
-  }
-  const float inv = (is_q ? g.q_scale : 1.0f) / sqrtf(squared_norm<G, F>(r) + 1e-6f);
-  const float inv_q = __shfl_sync(kFullMask, inv, 0), inv_k = __shfl_sync(kFullMask, inv, G);
 #pragma unroll
   for (int r = 0; r < ROWS; ++r) {
     kk[r] = kk[r] * inv_k;
