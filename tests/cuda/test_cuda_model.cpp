@@ -338,6 +338,82 @@ TEST_F(CudaModelTest, TokenLogitsAreBitwiseIndependentOfWindowAndBatch) {
   }
 }
 
+// A token's logits next to 1, 7, 31 and 255 other rows: decoded one step at a time with every
+// row taking one token, and in a verify window of 4 while the others take one token, they are
+// bitwise those of the token alone. Together the batches pass through every m-tile count of the
+// projections (1, 2 and 4 tiles, and several passes), one attention launch for all rows and one
+// delta-rule launch; the row sits mid-batch, never at a tile's start.
+TEST_F(CudaModelTest, TokenLogitsAreBitwiseTheSameNextTo1To255OtherRows) {
+  ScopedBackend cuda(ops::Backend::Cuda);
+  Demo& d = cuda_demo();
+  const Qwen35Model& m = *d.model;
+  const int64_t V = m.config().vocab_size;
+  const std::vector<int32_t> p0 = d.tok->encode(kPrompts[0]), p1 = d.tok->encode(kPrompts[1]),
+                             p2 = d.tok->encode(kPrompts[2]);
+  const std::vector<int32_t> x = {d.tok->encode("    with")[0], 17, 942, 3};
+  std::vector<float> steps_alone;
+  {
+    Qwen35State st(m.config());
+    ForwardOutput out;
+    const int slot = prefill_row(m, st, p0, &out);
+    steps_alone = decode_steps(m, st, slot, x);
+  }
+  // Other rows' tokens: anything in range, different per row and step.
+  auto other_token = [&](int64_t row, int64_t step) {
+    return static_cast<int32_t>((101 + 37 * row + 11 * step) % V);
+  };
+  for (const int others : {1, 7, 31, 255}) {
+    const int mid = (others + 1) / 2;  // the row under test
+    auto open_rows = [&](Qwen35State& st) {
+      std::vector<int> slots;
+      ForwardOutput out;
+      for (int r = 0; r <= others; ++r)
+        slots.push_back(prefill_row(m, st, r == mid ? p0 : r % 2 ? p1 : p2, &out));
+      return slots;
+    };
+    {  // one token per row and step
+      Qwen35State st(m.config());
+      const std::vector<int> slots = open_rows(st);
+      ForwardOutput out;
+      for (int j = 0; j < 4; ++j) {
+        std::vector<int32_t> toks;
+        std::vector<RowInput> rows;
+        for (int r = 0; r <= others; ++r) {
+          toks.push_back(r == mid ? x[static_cast<size_t>(j)] : other_token(r, j));
+          rows.push_back({slots[static_cast<size_t>(r)], 1});
+        }
+        m.forward(st, {toks, rows, false, false}, &out);
+        ASSERT_EQ(out.logits.size(), static_cast<size_t>((others + 1) * V));
+        EXPECT_TRUE(same_bits(out.logits.data() + mid * V, steps_alone.data() + j * V, V))
+            << "step " << j << " next to " << others << " other rows";
+      }
+    }
+    {  // the row's verify window of 4 next to rows taking one token each
+      Qwen35State st(m.config());
+      const std::vector<int> slots = open_rows(st);
+      std::vector<int32_t> toks;
+      std::vector<RowInput> rows;
+      int64_t at = 0;
+      for (int r = 0; r <= others; ++r) {
+        if (r == mid) {
+          at = static_cast<int64_t>(toks.size());
+          toks.insert(toks.end(), x.begin(), x.end());
+          rows.push_back({slots[static_cast<size_t>(r)], 4, true});
+        } else {
+          toks.push_back(other_token(r, 0));
+          rows.push_back({slots[static_cast<size_t>(r)], 1});
+        }
+      }
+      ForwardOutput out;
+      m.forward(st, {toks, rows, true, false}, &out);
+      ASSERT_EQ(out.logits.size(), toks.size() * static_cast<size_t>(V));
+      for (int j = 0; j < 4; ++j)
+        EXPECT_TRUE(same_bits(out.logits.data() + (at + j) * V, steps_alone.data() + j * V, V))
+            << "window token " << j << " next to " << others << " other rows";
+    }
+  }
+}
+
 // Overlapped kernel launches (PDL) and graph replay change when kernels start, never what they
 // compute: a prompt and eight decode steps (captured and replayed after the first ones) give the
 // same logits bits with PDL on or off and with graphs on or off. A kernel that touched another's
