@@ -52,7 +52,10 @@ struct Measured {
 Measured measure(const Qwen35Model& model, const spec::DraftProvider* drafter,
                  const std::string& identity, int depth, const std::vector<GenerateRequest>& reqs,
                  int batch, int repeats) {
-  SpeculativeGenerator gen(model, drafter, identity, {depth, spec::VerifyMode::Match});
+  // The probe stays off: this measures each drafter at the depth asked, whatever it accepts.
+  SpecOptions opts{depth, spec::VerifyMode::Match};
+  opts.health_probe = false;
+  SpeculativeGenerator gen(model, drafter, identity, opts);
   Measured m;
   m.draft = drafter ? drafter->id() : "none";
   m.depth = drafter ? depth : 0;

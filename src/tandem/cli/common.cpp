@@ -154,6 +154,9 @@ void add_draft_options(CLI::App* sub, DraftArgs* a) {
                   "Prompt tokens per prefill forward, counted from the prompt's start (on CUDA, "
                   "generate and serve agree byte for byte at the same value)")
       ->capture_default_str();
+  sub->add_flag("--no-drafter-probe", a->no_drafter_probe,
+                "Keep drafting when the drafter's first proposals stop being accepted (by default "
+                "a collapsed drafter is reported once and rounds propose nothing from then on)");
   sub->add_option("--mtp-hidden", a->mtp_hidden,
                   "Target hidden fed to the MTP drafter: final (after the final norm) or prenorm")
       ->capture_default_str();

@@ -54,6 +54,7 @@ struct DraftArgs {
   spec::NgramOptions ngram;
   std::string mtp_hidden = "final";
   int64_t prefill_chunk = kPrefillChunkTokens;
+  bool no_drafter_probe = false;
 };
 void add_draft_options(CLI::App* sub, DraftArgs* a);
 // The drafter the options name (null for --draft none); Error for bad combinations.

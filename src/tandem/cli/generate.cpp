@@ -71,6 +71,7 @@ void run_generate(const GenerateArgs& a) {
   opts.depth = a.d.depth;
   opts.verify = spec::parse_verify_mode(a.d.verify);
   opts.prefill_chunk = a.d.prefill_chunk;
+  opts.health_probe = !a.d.no_drafter_probe;
   if (a.d.depth < 0 || a.d.depth > 16) fail("--depth must be in 0..16, got ", a.d.depth);
 
   const std::string identity = a.d.draft == "none" ? "" : target_identity(*model, a.model);

@@ -92,6 +92,7 @@ void run_serve(const ServeArgs& a) {
   eo.spec.depth = a.d.depth;
   eo.spec.verify = spec::parse_verify_mode(a.d.verify);
   eo.spec.prefill_chunk = a.d.prefill_chunk;
+  eo.spec.health_probe = !a.d.no_drafter_probe;
   eo.max_rows = a.max_batch;
   eo.max_queue = static_cast<size_t>(a.max_queue);
   eo.prefill_budget = a.prefill_budget;

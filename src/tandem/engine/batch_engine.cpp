@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 
 #include "tandem/backend/ops.h"
 #include "tandem/core/error.h"
@@ -98,6 +99,8 @@ BatchEngine::BatchEngine(const Qwen35Model& model, const spec::DraftProvider* dr
   if (options_.spec.prefill_chunk < 1)
     fail("the prefill chunk must be at least 1 token, got ", options_.spec.prefill_chunk);
   depth_ = drafter_ ? options_.spec.depth : 0;
+  draft_depth_ = depth_;
+  health_ = spec::DrafterHealth(options_.spec.health);
   if (drafter_) {
     prefill_drafts_ = drafter_->open_rows(target_);
     decode_drafts_ = drafter_->open_rows(target_);
@@ -691,7 +694,7 @@ void BatchEngine::round() {
       const Row& row = *decoding_[r];
       const int64_t room = row.req.gen.max_tokens - static_cast<int64_t>(row.result.tokens.size());
       drafts_[r].pending = row.result.tokens.back();
-      drafts_[r].depth = static_cast<int>(std::min<int64_t>(depth_, room - 1));
+      drafts_[r].depth = static_cast<int>(std::min<int64_t>(draft_depth_, room - 1));
       drafts_[r].sampling = row.req.gen.sampling;
       drafts_[r].first_index = row.result.tokens.size();
       drafts_[r].want_distribution = rejection;
@@ -778,6 +781,19 @@ void BatchEngine::round() {
     verified_[r].next_pending = outcome.emitted.back();
     t += static_cast<int64_t>(n);
   }
+  // The health probe: a drafter whose first proposals stopped being accepted drafts no more
+  // (depth 0 keeps it aligned). Only what rounds propose changes, never what they emit.
+  if (options_.spec.health_probe && draft_depth_ > 0 && !drafted_pos_.empty() &&
+      health_.record(drafted_pos_[0], accepted_pos_[0])) {
+    draft_depth_ = 0;
+    const std::string msg = spec::drafter_collapse_message(drafter_->id(), health_);
+    if (options_.on_warning)
+      options_.on_warning(msg);
+    else
+      std::fprintf(stderr, "tandem: warning: %s\n", msg.c_str());
+    std::lock_guard lock(mu_);
+    counters_.drafter_disabled = 1;
+  }
   // 4. Commit: the target keeps pending + accepted proposals; the drafter follows.
   model_.commit_windows(state_, keeps_);
   if (decode_drafts_) {
@@ -793,6 +809,7 @@ void BatchEngine::round() {
   std::lock_guard lock(mu_);
   ++counters_.rounds;
   counters_.decode_seconds += seconds_since(t0);
+  counters_.drafter_first_acceptance = health_.acceptance();
   for (int j = 0; j < depth_; ++j) {
     counters_.drafted_by_position[static_cast<size_t>(j)] += drafted_pos_[static_cast<size_t>(j)];
     counters_.accepted_by_position[static_cast<size_t>(j)] += accepted_pos_[static_cast<size_t>(j)];

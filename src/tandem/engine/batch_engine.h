@@ -22,6 +22,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -68,6 +69,8 @@ struct EngineOptions {
   std::string tokenizer_hash;
   bool prefix_cache_persist = false;
   SpecOptions spec;
+  // Where the engine's warnings go (a collapsed drafter); null: standard error.
+  std::function<void(const std::string&)> on_warning;
 };
 
 // A snapshot of the engine's counters (Prometheus /metrics, tests).
@@ -87,6 +90,10 @@ struct EngineCounters {
   int64_t prefix_disk_hits = 0, prefix_disk_files = 0, prefix_disk_writes = 0;
   int64_t prefix_disk_removed = 0;
   int64_t prefix_disk_bytes = 0;  // of the files in the disk tier's folder
+  // The drafter health probe: 1 once the drafter collapsed (rounds propose nothing since), and
+  // the first-proposal acceptance over the probe's window.
+  int64_t drafter_disabled = 0;
+  double drafter_first_acceptance = 0.0;
 };
 
 class BatchEngine {
@@ -136,7 +143,9 @@ class BatchEngine {
   const spec::DraftProvider* drafter_;
   spec::TargetView target_;
   EngineOptions options_;
-  int depth_ = 0;
+  int depth_ = 0;        // configured proposals per round (reservations, stats)
+  int draft_depth_ = 0;  // proposals rounds ask for: depth_, or 0 once the drafter collapsed
+  spec::DrafterHealth health_;
   bool want_final_ = false, want_prenorm_ = false;
 
   Qwen35State state_;

@@ -11,6 +11,7 @@
 #include "tandem/engine/generator.h"
 #include "tandem/spec/accept.h"
 #include "tandem/spec/draft.h"
+#include "tandem/spec/drafter_health.h"
 
 namespace tandem {
 
@@ -18,6 +19,10 @@ struct SpecOptions {
   int depth = 3;  // proposals per round (0 = plain decoding through the round machinery)
   spec::VerifyMode verify = spec::VerifyMode::Match;
   int64_t prefill_chunk = kPrefillChunkTokens;  // prompt tokens per prefill forward and row
+  // The drafter health probe (spec::DrafterHealth): a drafter whose first proposals stop being
+  // accepted is reported once (EngineOptions::on_warning) and rounds propose nothing from then on.
+  bool health_probe = true;
+  spec::DrafterHealthOptions health = {};
 };
 
 // Per-request speculation counters.

@@ -99,6 +99,13 @@ std::string ServerMetrics::render(const EngineCounters& e, const std::string& dr
          std::to_string(e.prefix_disk_hits) + "\n";
   scalar("tandem_prefix_cache_disk_files", "gauge", "Prefix-cache files in the disk tier's folder.",
          static_cast<double>(e.prefix_disk_files));
+  scalar("tandem_drafter_disabled", "gauge",
+         "1 once the drafter health probe found the drafter's proposals no longer accepted "
+         "(rounds propose nothing since).",
+         static_cast<double>(e.drafter_disabled));
+  scalar("tandem_drafter_first_acceptance", "gauge",
+         "Share of the drafter's recent first proposals that were accepted (the probe's window).",
+         e.drafter_first_acceptance);
   scalar("tandem_prefix_cache_disk_bytes", "gauge",
          "Bytes of the prefix-cache files in the disk tier's folder.",
          static_cast<double>(e.prefix_disk_bytes));
