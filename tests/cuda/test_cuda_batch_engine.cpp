@@ -12,6 +12,7 @@
 #include "tandem/backend/ops.h"
 #include "tandem/engine/batch_engine.h"
 #include "tandem/engine/generator.h"
+#include "tandem/spec/qwen_mtp.h"
 
 namespace tandem {
 namespace {
@@ -176,6 +177,48 @@ TEST_P(CudaCachedPrefixes, GridBoundaryHitEqualsPlainDecodingAlone) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Engine, CudaCachedPrefixes, ::testing::Values("none", "mtp", "ngram"));
+
+// The drafter health probe on the GPU: random MTP weights (a drafter that no longer fits its
+// target, as a wrong hidden tap or a damaged quantization leaves it) are reported once and stop
+// drafting, with plain decoding's output; the demo's own MTP layer is never reported.
+TEST(CudaDrafterHealth, TheProbeCatchesABrokenDrafterOnly) {
+  if (!ops::cuda_available())
+    GTEST_FAIL() << "no usable CUDA device: the `cuda` tests run on a GPU machine only";
+  OnCuda cuda;
+  auto& d = demo();
+  const auto broken = spec::QwenMtpProvider::random(*d.target, 5);
+  Generator plain(*d.model, 64);
+  const std::vector<const spec::DraftProvider*> drafters = {broken.get(), d.mtp.get()};
+  for (const spec::DraftProvider* drafter : drafters) {
+    EngineOptions o;
+    o.max_rows = 4;
+    std::vector<std::string> warnings;
+    o.on_warning = [&](const std::string& w) { warnings.push_back(w); };
+    BatchEngine engine(*d.model, drafter, "demo-target", o);
+    std::vector<GenerateRequest> reqs;
+    std::vector<std::shared_ptr<Sink>> sinks;
+    for (int r = 0; r < 4; ++r) {
+      GenerateRequest g;
+      g.prompt =
+          d.tok->encode(test::kDemoPrompts[static_cast<size_t>(r) % test::kDemoPrompts.size()]);
+      g.sampling.temperature = r % 2 ? 0.8f : 0.0f;
+      g.sampling.seed = 7 + static_cast<uint64_t>(r);
+      g.max_tokens = 96;
+      g.ignore_eos = true;
+      reqs.push_back(g);
+      sinks.push_back(std::make_shared<Sink>());
+      engine.submit({g, -1}, sinks.back());
+    }
+    engine.run_to_completion();
+    for (int r = 0; r < 4; ++r)
+      EXPECT_EQ(sinks[static_cast<size_t>(r)]->tokens,
+                plain.run({reqs[static_cast<size_t>(r)]}).at(0).tokens)
+          << "request " << r;
+    const bool is_broken = drafter == broken.get();
+    EXPECT_EQ(warnings.size(), is_broken ? 1u : 0u);
+    EXPECT_EQ(engine.counters().drafter_disabled, is_broken ? 1 : 0);
+  }
+}
 
 }  // namespace
 }  // namespace tandem
