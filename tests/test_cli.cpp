@@ -252,10 +252,11 @@ TEST(CliSpeculative, DraftersGiveThePlainOutputAndReportStats) {
   const CliRun plain = run(base, false);
   ASSERT_EQ(plain.code, 0) << plain.out;
   const auto want = nlohmann::json::parse(plain.out)["tokens"];
-  for (const std::string extra : {" --draft mtp --depth 3", " --draft ngram --depth 2",
-                                  " --draft ngram --ngram-max 4 --ngram-min 2 --depth 4",
-                                  " --draft mtp --depth 2 --mtp-hidden final",
-                                  " --draft mtp --depth 2 --mtp-hidden prenorm"}) {
+  for (const std::string extra :
+       {" --draft mtp --depth 3", " --draft mtp --depth auto", " --draft ngram --depth 2",
+        " --draft ngram --ngram-max 4 --ngram-min 2 --depth 4",
+        " --draft mtp --depth 2 --mtp-hidden final",
+        " --draft mtp --depth 2 --mtp-hidden prenorm"}) {
     const CliRun r = run(base + extra, false);
     ASSERT_EQ(r.code, 0) << extra << ": " << r.out;
     const auto j = nlohmann::json::parse(r.out);
@@ -308,6 +309,7 @@ TEST(CliSpeculative, BadSpeculationSettingsAreRefused) {
   const std::string m = "generate --model " + kDemoModel + " --token-ids 5,6 ";
   expect_error(run(m + "--draft eagle"), "--draft");
   expect_error(run(m + "--draft mtp --depth 99"), "--depth");
+  expect_error(run(m + "--draft mtp --depth deep"), "auto or a whole number");
   expect_error(run(m + "--draft mtp --verify maybe"), "--verify");
   expect_error(run(m + "--draft ngram --ngram-min 3 --ngram-max 2"), "--ngram");
   expect_error(run(m + "--draft mtp --draft-model /nonexistent/drafter"), "/nonexistent/drafter");

@@ -44,21 +44,24 @@ std::vector<std::string> split_list(const std::string& s) {
 
 struct Measured {
   std::string draft;
-  int depth = 0;
+  int depth = 0;  // fixed, or the most an adaptive round proposes
+  bool automatic = false;
   double tokens_per_second = 0;  // generated tokens / wall time of all groups (median run)
   SpecStats total;               // summed over requests
 };
 
 Measured measure(const Qwen35Model& model, const spec::DraftProvider* drafter,
-                 const std::string& identity, int depth, const std::vector<GenerateRequest>& reqs,
-                 int batch, int repeats) {
+                 const std::string& identity, DepthArg depth,
+                 const std::vector<GenerateRequest>& reqs, int batch, int repeats) {
   // The probe stays off: this measures each drafter at the depth asked, whatever it accepts.
-  SpecOptions opts{depth, spec::VerifyMode::Match};
+  SpecOptions opts{depth.depth, spec::VerifyMode::Match};
   opts.health_probe = false;
+  opts.auto_depth = depth.automatic;
   SpeculativeGenerator gen(model, drafter, identity, opts);
   Measured m;
   m.draft = drafter ? drafter->id() : "none";
-  m.depth = drafter ? depth : 0;
+  m.depth = drafter ? depth.depth : 0;
+  m.automatic = drafter && depth.automatic;
   std::vector<double> rates;
   for (int rep = 0; rep <= repeats; ++rep) {  // rep 0 warms up
     SpecStats sum;
@@ -116,7 +119,7 @@ void run_bench_spec(const BenchSpecArgs& a) {
   std::vector<Measured> rows;
   std::fprintf(stderr, "bench-spec: %zu prompts, batch %d, %lld tokens each, %d threads\n",
                reqs.size(), a.batch, static_cast<long long>(a.max_tokens), ops::thread_count());
-  rows.push_back(measure(*model, nullptr, identity, 0, reqs, a.batch, a.repeats));
+  rows.push_back(measure(*model, nullptr, identity, DepthArg{}, reqs, a.batch, a.repeats));
   const double base = rows[0].tokens_per_second;
   for (const std::string& d : split_list(a.drafts)) {
     std::unique_ptr<spec::DraftProvider> drafter;
@@ -127,9 +130,9 @@ void run_bench_spec(const BenchSpecArgs& a) {
     else
       fail("--drafts: unknown drafter '", d, "' (mtp, ngram)");
     for (const std::string& ds : split_list(a.depths)) {
-      const int depth = std::stoi(ds);
+      const DepthArg depth = parse_depth(ds);
       rows.push_back(measure(*model, drafter.get(), identity, depth, reqs, a.batch, a.repeats));
-      std::fprintf(stderr, "bench-spec: %s depth %d: %.1f tok/s\n", d.c_str(), depth,
+      std::fprintf(stderr, "bench-spec: %s depth %s: %.1f tok/s\n", d.c_str(), ds.c_str(),
                    rows.back().tokens_per_second);
     }
   }
@@ -146,7 +149,7 @@ void run_bench_spec(const BenchSpecArgs& a) {
                            : 0.0);
     if (a.json) {
       out.push_back({{"draft", m.draft},
-                     {"depth", m.depth},
+                     {"depth", m.automatic ? nlohmann::json("auto") : nlohmann::json(m.depth)},
                      {"tokens_per_second", m.tokens_per_second},
                      {"speedup", m.tokens_per_second / base},
                      {"mean_accepted_length", m.total.mean_accepted_length()},
@@ -162,7 +165,8 @@ void run_bench_spec(const BenchSpecArgs& a) {
       std::snprintf(buf, sizeof buf, "%s%.2f", pos.empty() ? "" : " ", p);
       pos += buf;
     }
-    std::printf("%-6s %5d %10.1f %7.2fx %6.2f %8.2f  %s\n", m.draft.c_str(), m.depth,
+    const std::string depth = m.automatic ? "auto" : std::to_string(m.depth);
+    std::printf("%-6s %5s %10.1f %7.2fx %6.2f %8.2f  %s\n", m.draft.c_str(), depth.c_str(),
                 m.tokens_per_second, m.tokens_per_second / base, m.total.mean_accepted_length(),
                 m.total.tokens_per_target_forward(), pos.c_str());
   }
@@ -179,7 +183,8 @@ void add_bench_spec_command(CLI::App& app) {
   sub->add_option("--prompts-file", a->prompts_file, "JSONL with a \"prompt\" per line")
       ->required();
   sub->add_option("--drafts", a->drafts, "Drafters to compare: mtp,ngram")->capture_default_str();
-  sub->add_option("--depths", a->depths, "Depths to compare")->capture_default_str();
+  sub->add_option("--depths", a->depths, "Depths to compare (numbers, or auto for adaptive rounds)")
+      ->capture_default_str();
   sub->add_option("--batch", a->batch, "Requests per batch")->capture_default_str();
   sub->add_option("--max-tokens", a->max_tokens, "Tokens per request")->capture_default_str();
   sub->add_option("--temperature", a->temperature, "Sampling temperature")->capture_default_str();

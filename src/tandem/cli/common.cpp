@@ -144,7 +144,10 @@ void add_draft_options(CLI::App* sub, DraftArgs* a) {
   sub->add_option("--draft", a->draft, "Drafter: none, mtp or ngram")->capture_default_str();
   sub->add_option("--draft-model", a->draft_model,
                   "Companion MTP drafter directory (default: the model's own mtp.* layer)");
-  sub->add_option("--depth", a->depth, "Proposals per round")->capture_default_str();
+  sub->add_option("--depth", a->depth,
+                  "Proposals per round: auto (each round picks 0..4 from the running acceptance "
+                  "and measured round times) or a fixed 0..16")
+      ->capture_default_str();
   sub->add_option("--verify", a->verify, "match (lossless bytes) or rejection")
       ->capture_default_str();
   sub->add_option("--ngram-max", a->ngram.max_n, "Longest n-gram looked up")->capture_default_str();
@@ -160,6 +163,31 @@ void add_draft_options(CLI::App* sub, DraftArgs* a) {
   sub->add_option("--mtp-hidden", a->mtp_hidden,
                   "Target hidden fed to the MTP drafter: final (after the final norm) or prenorm")
       ->capture_default_str();
+}
+
+DepthArg parse_depth(const std::string& s) {
+  if (s == "auto") return {kAutoMaxDepth, true};
+  size_t used = 0;
+  int depth = -1;
+  try {
+    depth = std::stoi(s, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (used != s.size() || depth < 0 || depth > 16)
+    fail("--depth must be auto or a whole number in 0..16, got '", s, "'");
+  return {depth, false};
+}
+
+SpecOptions spec_options(const DraftArgs& a) {
+  const DepthArg d = parse_depth(a.depth);
+  SpecOptions o;
+  o.depth = d.depth;
+  o.auto_depth = d.automatic;
+  o.verify = spec::parse_verify_mode(a.verify);
+  o.prefill_chunk = a.prefill_chunk;
+  o.health_probe = !a.no_drafter_probe;
+  return o;
 }
 
 std::unique_ptr<spec::DraftProvider> open_drafter(const DraftArgs& a,

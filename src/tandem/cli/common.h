@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "tandem/engine/generator.h"
+#include "tandem/engine/speculative.h"
 #include "tandem/io/tokenizer.h"
 #include "tandem/model/qwen3_5.h"
 #include "tandem/spec/draft.h"
@@ -49,7 +50,7 @@ std::vector<GenerateRequest> read_prompts_file(const std::string& path, const Ge
 struct DraftArgs {
   std::string draft = "none";
   std::optional<std::string> draft_model;
-  int depth = 3;
+  std::string depth = "auto";  // parse_depth
   std::string verify = "match";
   spec::NgramOptions ngram;
   std::string mtp_hidden = "final";
@@ -57,6 +58,15 @@ struct DraftArgs {
   bool no_drafter_probe = false;
 };
 void add_draft_options(CLI::App* sub, DraftArgs* a);
+// --depth: "auto" (adaptive, at most kAutoMaxDepth proposals a round) or a fixed 0..16.
+inline constexpr int kAutoMaxDepth = 4;
+struct DepthArg {
+  int depth = 0;  // fixed depth, or the most an adaptive round proposes
+  bool automatic = false;
+};
+DepthArg parse_depth(const std::string& s);
+// The spec options --depth, --verify, --prefill-chunk and --no-drafter-probe give.
+SpecOptions spec_options(const DraftArgs& a);
 // The drafter the options name (null for --draft none); Error for bad combinations.
 std::unique_ptr<spec::DraftProvider> open_drafter(const DraftArgs& a,
                                                   const spec::TargetView& target);

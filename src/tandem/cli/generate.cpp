@@ -67,12 +67,7 @@ void run_generate(const GenerateArgs& a) {
     base.prompt = resolve_input("prompt", a.prompt, a.prompt_file, a.token_ids, tok);
     reqs.push_back(base);
   }
-  SpecOptions opts;
-  opts.depth = a.d.depth;
-  opts.verify = spec::parse_verify_mode(a.d.verify);
-  opts.prefill_chunk = a.d.prefill_chunk;
-  opts.health_probe = !a.d.no_drafter_probe;
-  if (a.d.depth < 0 || a.d.depth > 16) fail("--depth must be in 0..16, got ", a.d.depth);
+  const SpecOptions opts = spec_options(a.d);
 
   const std::string identity = a.d.draft == "none" ? "" : target_identity(*model, a.model);
   const spec::TargetView target(*model, identity);
@@ -102,7 +97,11 @@ void run_generate(const GenerateArgs& a) {
       j["finish_reason"] = finish_reason_name(results[i].finish);
       j["stats"] = stats_json(stats, sstats[i], results[i]);
       j["stats"]["draft"] = a.d.draft;
-      j["stats"]["depth"] = drafter ? a.d.depth : 0;
+      // A number for a fixed depth, "auto" for adaptive rounds.
+      const DepthArg depth = parse_depth(a.d.depth);
+      j["stats"]["depth"] = !drafter          ? nlohmann::json(0)
+                            : depth.automatic ? nlohmann::json("auto")
+                                              : nlohmann::json(depth.depth);
       std::cout << j.dump() << "\n";
     }
     return;
@@ -121,8 +120,8 @@ void run_generate(const GenerateArgs& a) {
                stats.prefill_tokens_per_second(), stats.decode_tokens_per_second(),
                ops::device_description().c_str());
   if (drafter)
-    std::fprintf(stderr, " | %s depth %d: %.0f%% of drafts accepted, %.2f tokens per round",
-                 a.d.draft.c_str(), a.d.depth, 100 * sstats[0].acceptance_rate(),
+    std::fprintf(stderr, " | %s depth %s: %.0f%% of drafts accepted, %.2f tokens per round",
+                 a.d.draft.c_str(), a.d.depth.c_str(), 100 * sstats[0].acceptance_rate(),
                  sstats[0].mean_accepted_length());
   std::fprintf(stderr, "]\n");
 }

@@ -75,7 +75,7 @@ void run_serve(const ServeArgs& a) {
   if (a.prefill_slice_ratio < 0)
     fail("--prefill-slice-ratio must not be negative, got ", a.prefill_slice_ratio);
   if (a.default_max_tokens < 1) fail("--default-max-tokens must be at least 1");
-  if (a.d.depth < 0 || a.d.depth > 16) fail("--depth must be in 0..16, got ", a.d.depth);
+  const SpecOptions spec = spec_options(a.d);
   apply_threads(a.threads);
   apply_backend(a.backend);
   auto model = Qwen35Model::load(a.model);
@@ -89,16 +89,13 @@ void run_serve(const ServeArgs& a) {
   const auto drafter = open_drafter(a.d, target);
 
   EngineOptions eo;
-  eo.spec.depth = a.d.depth;
-  eo.spec.verify = spec::parse_verify_mode(a.d.verify);
-  eo.spec.prefill_chunk = a.d.prefill_chunk;
-  eo.spec.health_probe = !a.d.no_drafter_probe;
+  eo.spec = spec;
   eo.max_rows = a.max_batch;
   eo.max_queue = static_cast<size_t>(a.max_queue);
   eo.prefill_budget = a.prefill_budget;
   eo.prefill_layers = a.prefill_layers;
   eo.prefill_slice_ratio = a.prefill_slice_ratio;
-  const int depth = drafter ? a.d.depth : 0;
+  const int depth = drafter ? spec.depth : 0;
   uint64_t budget = 0;
   eo.kv_blocks = pool_blocks(a, model->config(), depth, &budget);
   if (eo.kv_blocks < 1) fail("the KV memory budget holds no block; raise --kv-memory");

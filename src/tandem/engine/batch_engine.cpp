@@ -101,6 +101,8 @@ BatchEngine::BatchEngine(const Qwen35Model& model, const spec::DraftProvider* dr
   depth_ = drafter_ ? options_.spec.depth : 0;
   draft_depth_ = depth_;
   health_ = spec::DrafterHealth(options_.spec.health);
+  if (options_.spec.auto_depth && depth_ > 0)
+    policy_.emplace(spec::DepthPolicyOptions{.max_depth = depth_});
   if (drafter_) {
     prefill_drafts_ = drafter_->open_rows(target_);
     decode_drafts_ = drafter_->open_rows(target_);
@@ -686,7 +688,11 @@ void BatchEngine::round() {
   const auto t0 = std::chrono::steady_clock::now();
   const bool rejection = options_.spec.verify == spec::VerifyMode::Rejection;
 
-  // 1. Draft. A row never drafts past its max_tokens: a round emits at most depth + 1.
+  // 1. Draft. A row never drafts past its max_tokens: a round emits at most depth + 1. With
+  // adaptive depth the policy picks this round's depth (never above what the probe allows).
+  int round_depth = draft_depth_;
+  if (policy_ && round_depth > 0)
+    round_depth = std::min(round_depth, policy_->choose(static_cast<int64_t>(R)));
   proposals_.assign(R, {});
   if (decode_drafts_) {
     drafts_.resize(R);
@@ -694,7 +700,7 @@ void BatchEngine::round() {
       const Row& row = *decoding_[r];
       const int64_t room = row.req.gen.max_tokens - static_cast<int64_t>(row.result.tokens.size());
       drafts_[r].pending = row.result.tokens.back();
-      drafts_[r].depth = static_cast<int>(std::min<int64_t>(draft_depth_, room - 1));
+      drafts_[r].depth = static_cast<int>(std::min<int64_t>(round_depth, room - 1));
       drafts_[r].sampling = row.req.gen.sampling;
       drafts_[r].first_index = row.result.tokens.size();
       drafts_[r].want_distribution = rejection;
@@ -806,9 +812,12 @@ void BatchEngine::round() {
     }
     decode_drafts_->commit(verified_);
   }
+  const double seconds = seconds_since(t0);
+  if (policy_)
+    policy_->record(static_cast<int64_t>(R), round_depth, seconds, drafted_pos_, accepted_pos_);
   std::lock_guard lock(mu_);
   ++counters_.rounds;
-  counters_.decode_seconds += seconds_since(t0);
+  counters_.decode_seconds += seconds;
   counters_.drafter_first_acceptance = health_.acceptance();
   for (int j = 0; j < depth_; ++j) {
     counters_.drafted_by_position[static_cast<size_t>(j)] += drafted_pos_[static_cast<size_t>(j)];

@@ -146,6 +146,7 @@ class BatchEngine {
   int depth_ = 0;        // configured proposals per round (reservations, stats)
   int draft_depth_ = 0;  // proposals rounds ask for: depth_, or 0 once the drafter collapsed
   spec::DrafterHealth health_;
+  std::optional<spec::DepthPolicy> policy_;  // with SpecOptions::auto_depth and a drafter
   bool want_final_ = false, want_prenorm_ = false;
 
   Qwen35State state_;

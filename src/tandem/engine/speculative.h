@@ -10,6 +10,7 @@
 
 #include "tandem/engine/generator.h"
 #include "tandem/spec/accept.h"
+#include "tandem/spec/depth_policy.h"
 #include "tandem/spec/draft.h"
 #include "tandem/spec/drafter_health.h"
 
@@ -23,6 +24,9 @@ struct SpecOptions {
   // accepted is reported once (EngineOptions::on_warning) and rounds propose nothing from then on.
   bool health_probe = true;
   spec::DrafterHealthOptions health = {};
+  // Adaptive depth (spec::DepthPolicy): each round proposes 0..depth tokens, whichever the running
+  // acceptance and the measured round times say emits the most tokens per second.
+  bool auto_depth = false;
 };
 
 // Per-request speculation counters.

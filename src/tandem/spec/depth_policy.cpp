@@ -1,0 +1,135 @@
+#include "tandem/spec/depth_policy.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+
+#include "tandem/core/error.h"
+
+namespace tandem::spec {
+
+namespace {
+
+// Each position's estimate leans on a prior worth `kPriorProposals` proposals: position j's
+// prior is kPriorDecay times position j-1's estimate (0.6 for position 0), so positions a round
+// rarely reaches are judged by the ones it does, a little pessimistically.
+constexpr double kPriorProposals = 8.0;
+constexpr double kPriorFirst = 0.6;
+constexpr double kPriorDecay = 0.85;
+// An unmeasured depth costs this share of a round more per extra token than its measured
+// neighbour (verify windows and draft steps both grow with the depth).
+constexpr double kPriorSlope = 0.10;
+
+}  // namespace
+
+DepthPolicy::DepthPolicy(DepthPolicyOptions options) : options_(options) {
+  if (options_.max_depth < 1 || options_.max_depth > 16)
+    fail("depth policy: max depth must be in 1..16, got ", options_.max_depth);
+  if (!(options_.cost_smoothing > 0.0 && options_.cost_smoothing <= 1.0))
+    fail("depth policy: cost smoothing must be in (0, 1]");
+  if (options_.acceptance_window < 1 || options_.explore_every < 2)
+    fail("depth policy: acceptance window >= 1 and explore_every >= 2 required");
+  positions_.resize(static_cast<size_t>(options_.max_depth));
+}
+
+int DepthPolicy::bucket_of(int64_t rows) {
+  int b = 0;
+  while ((int64_t{1} << b) < rows) ++b;
+  return b;
+}
+
+double DepthPolicy::acceptance(int position) const {
+  TANDEM_CHECK(position >= 0 && position < options_.max_depth, "position ", position);
+  double prior = kPriorFirst;
+  double a = 0.0;
+  for (int j = 0; j <= position; ++j) {
+    const Position& p = positions_[static_cast<size_t>(j)];
+    a = (p.accepted + kPriorProposals * prior) / (p.drafted + kPriorProposals);
+    prior = kPriorDecay * a;
+  }
+  return a;
+}
+
+double DepthPolicy::expected_tokens(int depth) const {
+  double e = 1.0;
+  for (int j = 0; j < depth; ++j) e += acceptance(j);
+  return e;
+}
+
+std::optional<double> DepthPolicy::estimate(const Bucket& b, int depth) const {
+  if (b.cost[static_cast<size_t>(depth)]) return b.cost[static_cast<size_t>(depth)];
+  // The nearest measured depth (the shallower on a tie), scaled by the prior slope.
+  for (int d = 1; d <= options_.max_depth; ++d) {
+    for (const int k : {depth - d, depth + d}) {
+      if (k < 0 || k > options_.max_depth || !b.cost[static_cast<size_t>(k)]) continue;
+      const double scale = 1.0 + kPriorSlope * static_cast<double>(depth - k);
+      return *b.cost[static_cast<size_t>(k)] * std::max(0.5, scale);
+    }
+  }
+  return std::nullopt;
+}
+
+std::optional<double> DepthPolicy::cost(int64_t rows, int depth) const {
+  TANDEM_CHECK(depth >= 0 && depth <= options_.max_depth, "depth ", depth);
+  const auto it = buckets_.find(bucket_of(rows));
+  if (it == buckets_.end()) return std::nullopt;
+  return estimate(it->second, depth);
+}
+
+int DepthPolicy::best(int64_t rows) const {
+  const auto it = buckets_.find(bucket_of(rows));
+  // Nothing measured for this many rows: start in the middle, where both neighbours get measured
+  // soon.
+  if (it == buckets_.end()) return (options_.max_depth + 1) / 2;
+  int best = 0;
+  double best_rate = 0.0;
+  for (int k = 0; k <= options_.max_depth; ++k) {
+    const std::optional<double> c = estimate(it->second, k);
+    if (!c || *c <= 0.0) continue;
+    const double rate = expected_tokens(k) / *c;
+    if (rate > best_rate * (1.0 + 1e-9)) {  // ties keep the shallower depth
+      best = k;
+      best_rate = rate;
+    }
+  }
+  return best;
+}
+
+int DepthPolicy::choose(int64_t rows) {
+  TANDEM_CHECK(rows >= 1, "depth policy: a round of ", rows, " rows");
+  const int k = best(rows);
+  Bucket& b = buckets_[bucket_of(rows)];
+  if (b.cost.empty()) b.cost.resize(static_cast<size_t>(options_.max_depth + 1));
+  if (++b.rounds % options_.explore_every != 0) return k;
+  // Explore a neighbour: alternately the deeper and the shallower one.
+  const bool deeper = (b.rounds / options_.explore_every) % 2 == 1;
+  if (deeper && k < options_.max_depth) return k + 1;
+  if (k > 0) return k - 1;
+  return k + 1;
+}
+
+void DepthPolicy::record(int64_t rows, int depth, double seconds, std::span<const int64_t> drafted,
+                         std::span<const int64_t> accepted) {
+  TANDEM_CHECK(depth >= 0 && depth <= options_.max_depth, "depth policy: depth ", depth);
+  TANDEM_CHECK(drafted.size() == accepted.size(), "depth policy: counts of different lengths");
+  Bucket& b = buckets_[bucket_of(rows)];
+  if (b.cost.empty()) b.cost.resize(static_cast<size_t>(options_.max_depth + 1));
+  if (seconds > 0.0) {
+    std::optional<double>& c = b.cost[static_cast<size_t>(depth)];
+    c = c ? (1.0 - options_.cost_smoothing) * *c + options_.cost_smoothing * seconds : seconds;
+  }
+  const double window = static_cast<double>(options_.acceptance_window);
+  for (size_t j = 0; j < drafted.size() && j < positions_.size(); ++j) {
+    if (drafted[j] <= 0) continue;
+    Position& p = positions_[j];
+    p.drafted += static_cast<double>(drafted[j]);
+    p.accepted += static_cast<double>(accepted[j]);
+    if (p.drafted > window) {  // fade older rounds so the estimate follows the recent ones
+      const double scale = window / p.drafted;
+      p.drafted *= scale;
+      p.accepted *= scale;
+    }
+  }
+}
+
+}  // namespace tandem::spec

@@ -1,0 +1,69 @@
+// Adaptive speculation depth (issue 19, `--depth auto`): each round proposes the number of
+// tokens k (0..max) that maximises the expected tokens emitted per second,
+//
+//   rate(k) = E_k / cost(rows, k),   E_k = 1 + Σ_{j<k} a_j,
+//
+// where a_j is the running share of proposals at window position j that were accepted (accepting
+// position j needs every earlier one, so a_j already is the chance of reaching it) and cost is
+// the measured time of a round of that many rows at that depth. k = 0 when no depth beats plain
+// rounds. The policy only decides how many tokens a round proposes: output never depends on it.
+//
+// Costs are learnt online, per (rows rounded up to a power of two, depth), as exponential moving
+// averages of measured round times; an unmeasured depth is estimated from the nearest measured
+// one of the same row bucket, a tenth of a round dearer per extra token (optimistic, so it gets
+// tried). Acceptance follows a window of recent proposals, each position leaning on a prior
+// drawn from the position before it (so depths rarely run are judged by the ones that are). Every
+// `explore_every` rounds a bucket runs a neighbour of its best depth once, so both estimates stay
+// current as contexts grow and acceptance drifts.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <span>
+#include <vector>
+
+namespace tandem::spec {
+
+struct DepthPolicyOptions {
+  int max_depth = 4;
+  double cost_smoothing = 0.25;  // weight of a new measurement in a cost's moving average
+  // Proposals per position the acceptance estimate follows (older rounds fade out).
+  int64_t acceptance_window = 256;
+  int explore_every = 16;  // rounds between exploration rounds of one row bucket
+};
+
+class DepthPolicy {
+ public:
+  explicit DepthPolicy(DepthPolicyOptions options = {});
+
+  // The depth for the next round of `rows` rows (0..max_depth).
+  int choose(int64_t rows);
+  // What a round of `rows` rows at `depth` did: its wall time and, per window position j <
+  // depth, how many proposals were drafted and accepted.
+  void record(int64_t rows, int depth, double seconds, std::span<const int64_t> drafted,
+              std::span<const int64_t> accepted);
+
+  double acceptance(int position) const;    // a_j: the estimate in use (prior included)
+  double expected_tokens(int depth) const;  // E_k per row and round
+  // The estimated round time at (rows, depth); nullopt before any round of that row bucket.
+  std::optional<double> cost(int64_t rows, int depth) const;
+  // The depth choose() would pick now, without exploring.
+  int best(int64_t rows) const;
+
+ private:
+  DepthPolicyOptions options_;
+  struct Position {
+    double drafted = 0, accepted = 0;  // decayed counts
+  };
+  std::vector<Position> positions_;
+  struct Bucket {
+    std::vector<std::optional<double>> cost;  // [depth]
+    int64_t rounds = 0;
+  };
+  std::map<int, Bucket> buckets_;
+  static int bucket_of(int64_t rows);
+  std::optional<double> estimate(const Bucket& b, int depth) const;
+};
+
+}  // namespace tandem::spec

@@ -1,0 +1,197 @@
+// The adaptive depth policy against simulated drafters and cost models: it settles on the depth
+// that maximises tokens per second, picks 0 when speculation cannot pay, and follows a change.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+#include <vector>
+
+#include "demo_model.h"
+#include "tandem/core/error.h"
+#include "tandem/engine/batch_engine.h"
+#include "tandem/spec/depth_policy.h"
+
+namespace tandem {
+namespace {
+
+using spec::DepthPolicy;
+using spec::DepthPolicyOptions;
+
+// A simulated engine: each of `rows` rows accepts proposal j with probability p given the
+// earlier ones were accepted; a round at depth k takes cost(k) seconds.
+struct Sim {
+  double p;
+  std::vector<double> cost;  // [depth]
+  int64_t rows;
+};
+
+// Expected tokens per second of depth k.
+double rate(const Sim& s, int k) {
+  double e = 1, reach = 1;
+  for (int j = 0; j < k; ++j) e += (reach *= s.p);
+  return e / s.cost[static_cast<size_t>(k)];
+}
+
+// The depth with the best expected tokens per second (ties: the shallower).
+int optimum(const Sim& s, int max_depth) {
+  int best = 0;
+  for (int k = 1; k <= max_depth; ++k)
+    if (rate(s, k) > rate(s, best) * (1 + 1e-9)) best = k;
+  return best;
+}
+
+// Whether depth k runs within 3% of the best rate (near-ties are a coin flip under noise).
+bool near_best(const Sim& s, int k, int max_depth) {
+  return rate(s, k) >= 0.97 * rate(s, optimum(s, max_depth));
+}
+
+// Runs `rounds` rounds; returns how many of the last 100 chose a depth within 3% of the best.
+int run(DepthPolicy& policy, const Sim& s, int rounds, int max_depth, std::mt19937& rng) {
+  std::uniform_real_distribution<double> u(0, 1);
+  int hits = 0;
+  for (int r = 0; r < rounds; ++r) {
+    const int k = policy.choose(s.rows);
+    std::vector<int64_t> drafted(static_cast<size_t>(k), s.rows), accepted(static_cast<size_t>(k));
+    for (int64_t row = 0; row < s.rows; ++row)
+      for (int j = 0; j < k && u(rng) < s.p; ++j) ++accepted[static_cast<size_t>(j)];
+    // Measured times wobble by ±5%.
+    const double t = s.cost[static_cast<size_t>(k)] * (0.95 + 0.1 * u(rng));
+    policy.record(s.rows, k, t, drafted, accepted);
+    if (r >= rounds - 100) hits += near_best(s, k, max_depth);
+  }
+  return hits;
+}
+
+TEST(DepthPolicy, SettlesOnTheFastestDepthForManyDraftersAndCosts) {
+  struct Case {
+    double p, slope;
+  };
+  // Cheap verify windows and a good drafter: the deepest; steep costs: shallow; a drafter that
+  // is rarely right: none.
+  for (const Case c : {Case{0.8, 0.05}, Case{0.8, 0.5}, Case{0.6, 0.2}, Case{0.3, 0.1},
+                       Case{0.05, 0.1}, Case{0.9, 1.5}}) {
+    const int max_depth = 4;
+    Sim s{c.p, {}, 8};
+    for (int k = 0; k <= max_depth; ++k) s.cost.push_back(0.01 * (1 + c.slope * k));
+    DepthPolicy policy(DepthPolicyOptions{max_depth});
+    std::mt19937 rng(3);
+    const int hits = run(policy, s, 600, max_depth, rng);
+    // Exploration takes one round in 16.
+    EXPECT_GE(hits, 85) << "p " << c.p << " slope " << c.slope << ": optimum "
+                        << optimum(s, max_depth) << ", settled on " << policy.best(s.rows);
+    EXPECT_TRUE(near_best(s, policy.best(s.rows), max_depth))
+        << "p " << c.p << " slope " << c.slope << ": optimum " << optimum(s, max_depth)
+        << ", settled on " << policy.best(s.rows);
+  }
+}
+
+TEST(DepthPolicy, FollowsADrafterThatStopsBeingRight) {
+  const int max_depth = 4;
+  Sim s{0.85, {}, 4};
+  for (int k = 0; k <= max_depth; ++k) s.cost.push_back(0.02 * (1 + 0.1 * k));
+  DepthPolicy policy(DepthPolicyOptions{max_depth});
+  std::mt19937 rng(5);
+  EXPECT_GE(run(policy, s, 400, max_depth, rng), 85);
+  EXPECT_GE(policy.best(s.rows), 3);
+  s.p = 0.02;  // the text changed: proposals stop matching
+  EXPECT_GE(run(policy, s, 600, max_depth, rng), 85);
+  EXPECT_EQ(policy.best(s.rows), 0);
+}
+
+TEST(DepthPolicy, RowBucketsKeepTheirOwnCosts) {
+  // One row: verify windows are nearly free; 64 rows: each token of depth costs a whole round.
+  DepthPolicy policy(DepthPolicyOptions{3});
+  std::mt19937 rng(7);
+  Sim one{0.7, {1.0, 1.05, 1.1, 1.15}, 1}, many{0.7, {1.0, 2.0, 3.0, 4.0}, 64};
+  for (int i = 0; i < 6; ++i) {
+    run(policy, one, 100, 3, rng);
+    run(policy, many, 100, 3, rng);
+  }
+  EXPECT_EQ(policy.best(1), optimum(one, 3));
+  EXPECT_EQ(policy.best(64), optimum(many, 3));
+  EXPECT_EQ(optimum(many, 3), 0);
+  EXPECT_EQ(optimum(one, 3), 3);
+  EXPECT_FALSE(policy.cost(1000, 0).has_value());  // a bucket never run
+}
+
+TEST(DepthPolicy, BadOptionsAndRecordsAreRefused) {
+  EXPECT_THROW(DepthPolicy(DepthPolicyOptions{0}), Error);
+  EXPECT_THROW(DepthPolicy(DepthPolicyOptions{4, 0.0}), Error);
+  DepthPolicy p;
+  const std::vector<int64_t> two = {1, 1}, one = {1};
+  EXPECT_THROW(p.record(1, 9, 0.1, two, two), Error);
+  EXPECT_THROW(p.record(1, 2, 0.1, two, one), Error);
+  EXPECT_THROW(p.choose(0), Error);
+}
+
+// --- --depth auto in the engine ---------------------------------------------------------------
+
+class Recorder : public RequestSink {
+ public:
+  std::vector<int32_t> tokens;
+  RequestOutcome outcome;
+  bool on_token(const TokenOutput& t) override {
+    tokens.push_back(t.id);
+    return true;
+  }
+  void on_finish(const RequestOutcome& o) override { outcome = o; }
+};
+
+test::DemoModel& demo() {
+  static test::DemoModel* d = test::load_demo_model().release();
+  return *d;
+}
+
+// `rows` demo prompts at once, 96 tokens each at temperature t; per request its tokens and stats.
+std::vector<Recorder> serve(const spec::DraftProvider* drafter, bool automatic, int rows, float t) {
+  auto& d = demo();
+  EngineOptions o;
+  o.spec.depth = 4;
+  o.spec.auto_depth = automatic;
+  o.max_rows = rows;
+  BatchEngine engine(*d.model, drafter, "demo-target", o);
+  std::vector<std::shared_ptr<Recorder>> sinks;
+  for (int r = 0; r < rows; ++r) {
+    EngineRequest er;
+    er.gen.prompt =
+        d.tok->encode(test::kDemoPrompts[static_cast<size_t>(r) % test::kDemoPrompts.size()]);
+    er.gen.max_tokens = 96;
+    er.gen.ignore_eos = true;
+    er.gen.sampling.temperature = t;
+    er.gen.sampling.seed = 21 + static_cast<uint64_t>(r);
+    sinks.push_back(std::make_shared<Recorder>());
+    EXPECT_EQ(engine.submit(er, sinks.back()), BatchEngine::Submit::Queued);
+  }
+  engine.run_to_completion();
+  std::vector<Recorder> out;
+  for (const auto& k : sinks) out.push_back(*k);
+  return out;
+}
+
+TEST(AutoDepth, IsLosslessWithEveryDrafterAndProposesVaryingDepths) {
+  auto& d = demo();
+  for (const spec::DraftProvider* drafter : {d.mtp.get(), d.ngram.get()}) {
+    for (const float t : {0.0f, 0.8f}) {
+      for (const int rows : {1, 4}) {
+        SCOPED_TRACE(drafter->id() + " T " + std::to_string(t) + " rows " + std::to_string(rows));
+        const auto plain = serve(nullptr, false, rows, t);
+        const auto adaptive = serve(drafter, true, rows, t);
+        int64_t first = 0, deepest = 0;
+        for (int r = 0; r < rows; ++r) {
+          EXPECT_EQ(adaptive[static_cast<size_t>(r)].tokens, plain[static_cast<size_t>(r)].tokens)
+              << "request " << r;
+          const SpecStats& s = adaptive[static_cast<size_t>(r)].outcome.speculation;
+          ASSERT_EQ(s.drafted_by_position.size(), 4u);
+          first += s.drafted_by_position[0];
+          deepest += s.drafted_by_position[3];
+        }
+        // Rounds ran at different depths: the policy starts in the middle and explores.
+        EXPECT_GT(first, 0);
+        EXPECT_LT(deepest, first);
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace tandem
