@@ -11,7 +11,7 @@ model=models/qwen35-demo
 prompt='def read_config(path):
     """Read a JSON configuration file and return it as a dict."""
 '
-echo "== tandem generate --model $model --draft mtp --depth auto --backend auto"
+echo "== tandem generate --model $model --draft mtp --depth 3 --backend auto"
 printf '%s' "$prompt"
 ./build/tandem generate --model "$model" --prompt "$prompt" --max-tokens 96 --temperature 0.6 --top-p 0.9 \
-  --seed 1 --draft mtp --depth auto --backend auto
+  --seed 1 --draft mtp --depth 3 --backend auto

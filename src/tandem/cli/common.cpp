@@ -145,8 +145,8 @@ void add_draft_options(CLI::App* sub, DraftArgs* a) {
   sub->add_option("--draft-model", a->draft_model,
                   "Companion MTP drafter directory (default: the model's own mtp.* layer)");
   sub->add_option("--depth", a->depth,
-                  "Proposals per round: auto (each round picks 0..4 from the running acceptance "
-                  "and measured round times) or a fixed 0..16")
+                  "Proposals per round: a fixed 0..16, or auto (each round picks 0..4 from the "
+                  "running acceptance and measured round times)")
       ->capture_default_str();
   sub->add_option("--verify", a->verify, "match (lossless bytes) or rejection")
       ->capture_default_str();

@@ -50,7 +50,7 @@ std::vector<GenerateRequest> read_prompts_file(const std::string& path, const Ge
 struct DraftArgs {
   std::string draft = "none";
   std::optional<std::string> draft_model;
-  std::string depth = "auto";  // parse_depth
+  std::string depth = "3";  // parse_depth
   std::string verify = "match";
   spec::NgramOptions ngram;
   std::string mtp_hidden = "final";
