@@ -85,6 +85,34 @@ TEST(DepthPolicy, SettlesOnTheFastestDepthForManyDraftersAndCosts) {
   }
 }
 
+// A short run (one engine of a few requests: ~30 rounds) on a machine where every proposed token
+// costs most of a round: the policy must get close to the best rate within those rounds.
+TEST(DepthPolicy, ShortRunsOnSteepCostsStayNearTheBestRate) {
+  const int max_depth = 4;
+  for (const double slope : {0.6, 1.0}) {
+    Sim s{0.85, {}, 8};
+    for (int k = 0; k <= max_depth; ++k) s.cost.push_back(0.01 * (1 + slope * k));
+    double got = 0, best = 0;
+    for (uint32_t seed = 1; seed <= 20; ++seed) {
+      DepthPolicy policy(DepthPolicyOptions{max_depth});
+      std::mt19937 rng(seed);
+      std::uniform_real_distribution<double> u(0, 1);
+      for (int r = 0; r < 30; ++r) {
+        const int k = policy.choose(s.rows);
+        std::vector<int64_t> drafted(static_cast<size_t>(k), s.rows),
+            accepted(static_cast<size_t>(k));
+        for (int64_t row = 0; row < s.rows; ++row)
+          for (int j = 0; j < k && u(rng) < s.p; ++j) ++accepted[static_cast<size_t>(j)];
+        policy.record(s.rows, k, s.cost[static_cast<size_t>(k)] * (0.95 + 0.1 * u(rng)), drafted,
+                      accepted);
+        got += rate(s, k);
+        best += rate(s, optimum(s, max_depth));
+      }
+    }
+    EXPECT_GE(got / best, 0.93) << "slope " << slope;
+  }
+}
+
 TEST(DepthPolicy, FollowsADrafterThatStopsBeingRight) {
   const int max_depth = 4;
   Sim s{0.85, {}, 4};

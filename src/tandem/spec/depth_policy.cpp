@@ -58,15 +58,26 @@ double DepthPolicy::expected_tokens(int depth) const {
 
 std::optional<double> DepthPolicy::estimate(const Bucket& b, int depth) const {
   if (b.cost[static_cast<size_t>(depth)]) return b.cost[static_cast<size_t>(depth)];
-  // The nearest measured depth (the shallower on a tie), scaled by the prior slope.
-  for (int d = 1; d <= options_.max_depth; ++d) {
-    for (const int k : {depth - d, depth + d}) {
-      if (k < 0 || k > options_.max_depth || !b.cost[static_cast<size_t>(k)]) continue;
-      const double scale = 1.0 + kPriorSlope * static_cast<double>(depth - k);
-      return *b.cost[static_cast<size_t>(k)] * std::max(0.5, scale);
-    }
+  // Measured depths of the bucket: with two or more, the least-squares line through them (a
+  // round's cost grows about linearly with its proposals: window tokens and draft steps);
+  // with one, that cost and the prior slope.
+  double n = 0, sx = 0, sy = 0, sxx = 0, sxy = 0, lowest = 0;
+  int nearest = -1;
+  for (int k = 0; k <= options_.max_depth; ++k) {
+    const std::optional<double>& c = b.cost[static_cast<size_t>(k)];
+    if (!c) continue;
+    n += 1, sx += k, sy += *c, sxx += double(k) * k, sxy += k * *c;
+    lowest = nearest < 0 ? *c : std::min(lowest, *c);
+    if (nearest < 0 || std::abs(k - depth) < std::abs(nearest - depth)) nearest = k;
   }
-  return std::nullopt;
+  if (nearest < 0) return std::nullopt;
+  if (n >= 2) {
+    const double slope = (n * sxy - sx * sy) / (n * sxx - sx * sx);
+    const double at = (sy - slope * sx) / n + slope * depth;
+    return std::max(0.5 * lowest, at);
+  }
+  const double scale = 1.0 + kPriorSlope * static_cast<double>(depth - nearest);
+  return *b.cost[static_cast<size_t>(nearest)] * std::max(0.5, scale);
 }
 
 std::optional<double> DepthPolicy::cost(int64_t rows, int depth) const {

@@ -9,12 +9,13 @@
 // rounds. The policy only decides how many tokens a round proposes: output never depends on it.
 //
 // Costs are learnt online, per (rows rounded up to a power of two, depth), as exponential moving
-// averages of measured round times; an unmeasured depth is estimated from the nearest measured
-// one of the same row bucket, a tenth of a round dearer per extra token (optimistic, so it gets
-// tried). Acceptance follows a window of recent proposals, each position leaning on a prior
-// drawn from the position before it (so depths rarely run are judged by the ones that are). Every
-// `explore_every` rounds a bucket runs a neighbour of its best depth once, so both estimates stay
-// current as contexts grow and acceptance drifts.
+// averages of measured round times. An unmeasured depth is estimated along the least-squares
+// line through the bucket's measured depths (a round's cost grows about linearly with its
+// proposals); with only one measured, from it, a tenth of a round dearer per extra token
+// (optimistic, so it gets tried). Acceptance follows a window of recent proposals, each position
+// leaning on a prior drawn from the position before it (so depths rarely run are judged by the ones
+// that are). Every `explore_every` rounds a bucket runs a neighbour of its best depth once, so both
+// estimates stay current as contexts grow and acceptance drifts.
 #pragma once
 
 #include <cstdint>
