@@ -26,7 +26,6 @@ class GraphKey {
     return *this;
   }
   GraphKey& add(const void* p) { return add(reinterpret_cast<uintptr_t>(p)); }
-  const std::vector<uint64_t>& words() const { return words_; }
   bool operator==(const GraphKey& o) const { return words_ == o.words_; }
   size_t hash() const;
 

@@ -98,10 +98,9 @@ void run_generate(const GenerateArgs& a) {
       j["stats"] = stats_json(stats, sstats[i], results[i]);
       j["stats"]["draft"] = a.d.draft;
       // A number for a fixed depth, "auto" for adaptive rounds.
-      const DepthArg depth = parse_depth(a.d.depth);
       j["stats"]["depth"] = !drafter          ? nlohmann::json(0)
-                            : depth.automatic ? nlohmann::json("auto")
-                                              : nlohmann::json(depth.depth);
+                            : opts.auto_depth ? nlohmann::json("auto")
+                                              : nlohmann::json(opts.depth);
       std::cout << j.dump() << "\n";
     }
     return;

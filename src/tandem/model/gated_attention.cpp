@@ -61,7 +61,8 @@ void gated_attention(const GatedAttentionShape& s, const ops::WeightRef& q_norm,
   if (batched) {
     int64_t bound = 0;
     for (const AttentionSegment& seg : segments)
-      if (seg.n > 0 && !(s.prompt && seg.start == 0)) bound = std::max(bound, seg.position_bound);
+      if (seg.n > 0 && !served_by_prompt_attention(s.prompt, seg.start))
+        bound = std::max(bound, seg.position_bound);
     if (bound > 0)
       ops::attention_rows(kv, rows->tables, rows->table_stride, rows->query_rows, positions, T,
                           bound, q, nh, scale, o, gate);
@@ -75,7 +76,7 @@ void gated_attention(const GatedAttentionShape& s, const ops::WeightRef& q_norm,
     // The output gate: in the attention's own pass, or after the prompt kernels.
     float* out = o + t0 * nh * hd;
     const float* g = gate + t0 * nh * hd;
-    if (s.prompt && seg.start == 0) {
+    if (served_by_prompt_attention(s.prompt, seg.start)) {
       ops::attention_prompt(kv, seg.block_table, pos, seg.n, q + t0 * nh * hd, k + t0 * nkv * hd,
                             v + t0 * nkv * hd, nh, scale, out);
       ops::sigmoid_gate(out, g, seg.n * nh * hd);

@@ -23,10 +23,15 @@ struct AttentionSegment {
   int64_t position_bound = 0;
 };
 
+// Whether a segment's queries go to ops::attention_prompt (a prompt's first chunk, attending to
+// its own keys only) rather than to attention over the cache.
+constexpr bool served_by_prompt_attention(bool prompt, int64_t segment_start) {
+  return prompt && segment_start == 0;
+}
+
 // The segments' queries in one attention call (ops::attention_rows): segment i's block table is
 // at tables + i · table_stride, and query_rows [T] (backend memory) holds each token's segment,
-// -1 for the tokens of a segment that ops::attention_prompt serves (GatedAttentionShape::prompt,
-// start 0).
+// -1 for the tokens of a segment served_by_prompt_attention.
 struct AttentionRows {
   const int32_t* tables = nullptr;
   int64_t table_stride = 0;

@@ -303,7 +303,7 @@ int64_t Qwen35Model::prepare_forward(Qwen35State& st, const ForwardRequest& req)
     for (size_t i = 0; i < req.rows.size(); ++i) {
       const RowInput& r = req.rows[i];
       const std::vector<int32_t>& bt = st.block_table(r.slot);
-      const bool prompt_start = req.prompt && st.length(r.slot) == 0;
+      const bool prompt_start = served_by_prompt_attention(req.prompt, st.length(r.slot));
       for (int64_t j = 0; j < r.n_tokens; ++j, ++t) {
         const int64_t p = st.length(r.slot) + j;
         w.pos_host[t] = p;

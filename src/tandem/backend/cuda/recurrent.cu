@@ -315,9 +315,10 @@ __device__ void delta_stage(Chunk& ch, const DeltaArgs& g, int64_t kh, int64_t v
 // on which kernel ran it.
 // ‖x‖² of a vector whose F float4s r (those of one of its G lanes) are summed by component, then
 // over the G lanes (every lane of the warp joins the shuffles).
-template <int G, int F>
-__device__ __forceinline__ float squared_norm(const float4 (&r)[F]) {
-  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+// Adds the squares of F float4s to four running sums, one per component, float4s in order: the
+// accumulation both squared_norm and the decode kernel's streamed norms run, so they agree bitwise.
+template <int F>
+__device__ __forceinline__ void add_squares(float (&acc)[4], const float4 (&r)[F]) {
 #pragma unroll
   for (int m = 0; m < F; ++m) {
     acc[0] = fmaf(r[m].x, r[m].x, acc[0]);
@@ -325,7 +326,17 @@ __device__ __forceinline__ float squared_norm(const float4 (&r)[F]) {
     acc[2] = fmaf(r[m].z, r[m].z, acc[2]);
     acc[3] = fmaf(r[m].w, r[m].w, acc[3]);
   }
+}
+// The vector's squared norm from each of its G lanes' four sums.
+template <int G>
+__device__ __forceinline__ float join_squares(const float (&acc)[4]) {
   return column_sum<G>((acc[0] + acc[1]) + (acc[2] + acc[3]));
+}
+template <int G, int F>
+__device__ __forceinline__ float squared_norm(const float4 (&r)[F]) {
+  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  add_squares<F>(acc, r);
+  return join_squares<G>(acc);
 }
 __device__ __forceinline__ float delta_decay(float A, float a, float bias) {
   return expf(A * softplus(a + bias));
@@ -583,7 +594,7 @@ __global__ void __launch_bounds__(kDeltaThreads, delta_decode_min_blocks(DK, L))
   const float4* k4 = reinterpret_cast<const float4*>(g.k + t * g.qk_stride + kh * g.dk);
   const int f4 = g.dk / 4;  // float4s of a vector; those past it are delta_normalise's zero rows
   // ‖q‖², ‖k‖² first: lanes 0..G-1 take q, lanes G..2G-1 take k (the rest repeat them, unused).
-  // Their F float4s are summed as squared_norm does (per component, m in order), in halves of
+  // Their F float4s are summed as squared_norm does (add_squares, then join_squares), in halves of
   // the float4s so that they and the state column are not all in registers at once (the kernel
   // is latency-bound: registers are the warps in flight).
   const bool is_q = (lane / G) % 2 == 0;
@@ -598,16 +609,9 @@ __global__ void __launch_bounds__(kDeltaThreads, delta_decode_min_blocks(DK, L))
       const int f = G * (m0 + m) + lane % G;
       r[m] = f < f4 ? x4[f] : zero;
     }
-#pragma unroll
-    for (int m = 0; m < kHalf; ++m) {
-      nacc[0] = fmaf(r[m].x, r[m].x, nacc[0]);
-      nacc[1] = fmaf(r[m].y, r[m].y, nacc[1]);
-      nacc[2] = fmaf(r[m].z, r[m].z, nacc[2]);
-      nacc[3] = fmaf(r[m].w, r[m].w, nacc[3]);
-    }
+    add_squares<kHalf>(nacc, r);
   }
-  const float norm2 = column_sum<G>((nacc[0] + nacc[1]) + (nacc[2] + nacc[3]));
-  const float inv = (is_q ? g.q_scale : 1.0f) / sqrtf(norm2 + 1e-6f);
+  const float inv = (is_q ? g.q_scale : 1.0f) / sqrtf(join_squares<G>(nacc) + 1e-6f);
   const float inv_q = __shfl_sync(kFullMask, inv, 0), inv_k = __shfl_sync(kFullMask, inv, G);
   float kk[ROWS], qq[ROWS];
 #pragma unroll
