@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "demo_model.h"
+#include "recording_sink.h"
 #include "tandem/core/error.h"
 #include "tandem/engine/batch_engine.h"
 #include "tandem/spec/depth_policy.h"
@@ -154,16 +155,7 @@ TEST(DepthPolicy, BadOptionsAndRecordsAreRefused) {
 
 // --- --depth auto in the engine ---------------------------------------------------------------
 
-class Recorder : public RequestSink {
- public:
-  std::vector<int32_t> tokens;
-  RequestOutcome outcome;
-  bool on_token(const TokenOutput& t) override {
-    tokens.push_back(t.id);
-    return true;
-  }
-  void on_finish(const RequestOutcome& o) override { outcome = o; }
-};
+using Recorder = test::RecordingSink;
 
 test::DemoModel& demo() {
   static test::DemoModel* d = test::load_demo_model().release();
@@ -208,7 +200,8 @@ TEST(AutoDepth, IsLosslessWithEveryDrafterAndProposesVaryingDepths) {
         for (int r = 0; r < rows; ++r) {
           EXPECT_EQ(adaptive[static_cast<size_t>(r)].tokens, plain[static_cast<size_t>(r)].tokens)
               << "request " << r;
-          const SpecStats& s = adaptive[static_cast<size_t>(r)].outcome.speculation;
+          const SpecStats s =
+              adaptive[static_cast<size_t>(r)].outcome.value_or(RequestOutcome{}).speculation;
           ASSERT_EQ(s.drafted_by_position.size(), 4u);
           first += s.drafted_by_position[0];
           deepest += s.drafted_by_position[3];

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "demo_model.h"
+#include "recording_sink.h"
 #include "tandem/engine/batch_engine.h"
 #include "tandem/spec/drafter_health.h"
 #include "tandem/spec/qwen_mtp.h"
@@ -66,16 +67,7 @@ test::DemoModel& demo() {
   return *d;
 }
 
-class Recorder : public RequestSink {
- public:
-  std::vector<int32_t> tokens;
-  RequestOutcome outcome;
-  bool on_token(const TokenOutput& t) override {
-    tokens.push_back(t.id);
-    return true;
-  }
-  void on_finish(const RequestOutcome& o) override { outcome = o; }
-};
+using Recorder = test::RecordingSink;
 
 struct Served {
   std::vector<std::vector<int32_t>> tokens;
@@ -110,7 +102,7 @@ Served serve(const spec::DraftProvider* drafter, int rows, float t, bool probe,
   engine.run_to_completion();
   for (const auto& k : sinks) {
     s.tokens.push_back(k->tokens);
-    s.stats.push_back(k->outcome.speculation);
+    s.stats.push_back(k->outcome.value_or(RequestOutcome{}).speculation);
   }
   s.counters = engine.counters();
   return s;

@@ -9,6 +9,7 @@
 #include <sstream>
 
 #include "demo_model.h"
+#include "recording_sink.h"
 #include "tandem/core/error.h"
 #include "tandem/engine/batch_engine.h"
 #include "tandem/engine/generator.h"
@@ -48,16 +49,7 @@ GenerateRequest request(std::vector<int32_t> prompt, float temperature, uint64_t
   return r;
 }
 
-class Recorder : public RequestSink {
- public:
-  std::vector<int32_t> tokens;
-  std::optional<RequestOutcome> outcome;
-  bool on_token(const TokenOutput& t) override {
-    tokens.push_back(t.id);
-    return true;
-  }
-  void on_finish(const RequestOutcome& o) override { outcome = o; }
-};
+using Recorder = test::RecordingSink;
 
 const spec::DraftProvider* drafter_named(const std::string& name) {
   return name == "mtp" ? demo().mtp.get() : name == "ngram" ? demo().ngram.get() : nullptr;

@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "demo_model.h"
+#include "recording_sink.h"
 #include "tandem/engine/batch_engine.h"
 #include "tandem/engine/prefix_disk.h"
 #include "tandem/spec/qwen_mtp_split.h"
@@ -176,16 +177,7 @@ std::vector<int32_t> sample_tokens(size_t n) {
   return ids;
 }
 
-class Recorder : public RequestSink {
- public:
-  std::vector<int32_t> tokens;
-  std::optional<RequestOutcome> outcome;
-  bool on_token(const TokenOutput& t) override {
-    tokens.push_back(t.id);
-    return true;
-  }
-  void on_finish(const RequestOutcome& o) override { outcome = o; }
-};
+using Recorder = test::RecordingSink;
 
 RequestOutcome serve(BatchEngine& engine, const std::vector<int32_t>& prompt, float temperature,
                      std::vector<int32_t>* tokens) {

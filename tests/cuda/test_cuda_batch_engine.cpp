@@ -9,6 +9,7 @@
 #include <sstream>
 
 #include "demo_model.h"
+#include "recording_sink.h"
 #include "tandem/backend/ops.h"
 #include "tandem/engine/batch_engine.h"
 #include "tandem/engine/generator.h"
@@ -34,16 +35,7 @@ test::DemoModel& demo() {
   return *d;
 }
 
-class Sink : public RequestSink {
- public:
-  std::vector<int32_t> tokens;
-  std::optional<RequestOutcome> outcome;
-  bool on_token(const TokenOutput& t) override {
-    tokens.push_back(t.id);
-    return true;
-  }
-  void on_finish(const RequestOutcome& o) override { outcome = o; }
-};
+using Sink = test::RecordingSink;
 
 struct Case {
   const char* drafter;

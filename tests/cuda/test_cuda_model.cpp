@@ -273,6 +273,26 @@ std::vector<float> decode_steps(const Qwen35Model& m, Qwen35State& st, int slot,
   return all;
 }
 
+// The batch-invariance tests' row under test: prompt p0 prefilled alone (its last token's logits)
+// then x decoded one token per forward (every step's logits); p1, p2 are its neighbours' prompts.
+struct Alone {
+  std::vector<int32_t> p0, p1, p2, x;
+  std::vector<float> prompt_logits, step_logits;
+};
+Alone decoded_alone(Demo& d) {
+  Alone a;
+  a.p0 = d.tok->encode(kPrompts[0]);
+  a.p1 = d.tok->encode(kPrompts[1]);
+  a.p2 = d.tok->encode(kPrompts[2]);
+  a.x = {d.tok->encode("    with")[0], 17, 942, 3};
+  Qwen35State st(d.model->config());
+  ForwardOutput out;
+  const int slot = prefill_row(*d.model, st, a.p0, &out);
+  a.prompt_logits = out.logits;
+  a.step_logits = decode_steps(*d.model, st, slot, a.x);
+  return a;
+}
+
 // One row: prompt prefill, then tokens x[0..3] decoded one per forward; the logits of every step.
 // The same row: prompt prefill, then x[0..3] as ONE verify window (all logits): rows equal.
 // The same row batched with two other rows (prefilled together, decoded together): equal again.
@@ -281,19 +301,10 @@ TEST_F(CudaModelTest, TokenLogitsAreBitwiseIndependentOfWindowAndBatch) {
   Demo& d = cuda_demo();
   const Qwen35Model& m = *d.model;
   const int64_t V = m.config().vocab_size;
-  const std::vector<int32_t> p0 = d.tok->encode(kPrompts[0]), p1 = d.tok->encode(kPrompts[1]),
-                             p2 = d.tok->encode(kPrompts[2]);
-  const std::vector<int32_t> x = {d.tok->encode("    with")[0], 17, 942, 3};
-
   // Alone, one token per forward.
-  std::vector<float> prompt_alone, steps_alone;
-  {
-    Qwen35State st(m.config());
-    ForwardOutput out;
-    const int slot = prefill_row(m, st, p0, &out);
-    prompt_alone = out.logits;
-    steps_alone = decode_steps(m, st, slot, x);
-  }
+  const Alone alone = decoded_alone(d);
+  const std::vector<int32_t>&p0 = alone.p0, &p1 = alone.p1, &p2 = alone.p2, &x = alone.x;
+  const std::vector<float>&prompt_alone = alone.prompt_logits, &steps_alone = alone.step_logits;
   // Alone, one verify window of 4 tokens.
   {
     Qwen35State st(m.config());
@@ -348,16 +359,9 @@ TEST_F(CudaModelTest, TokenLogitsAreBitwiseTheSameNextTo1To255OtherRows) {
   Demo& d = cuda_demo();
   const Qwen35Model& m = *d.model;
   const int64_t V = m.config().vocab_size;
-  const std::vector<int32_t> p0 = d.tok->encode(kPrompts[0]), p1 = d.tok->encode(kPrompts[1]),
-                             p2 = d.tok->encode(kPrompts[2]);
-  const std::vector<int32_t> x = {d.tok->encode("    with")[0], 17, 942, 3};
-  std::vector<float> steps_alone;
-  {
-    Qwen35State st(m.config());
-    ForwardOutput out;
-    const int slot = prefill_row(m, st, p0, &out);
-    steps_alone = decode_steps(m, st, slot, x);
-  }
+  const Alone alone = decoded_alone(d);
+  const std::vector<int32_t>&p0 = alone.p0, &p1 = alone.p1, &p2 = alone.p2, &x = alone.x;
+  const std::vector<float>& steps_alone = alone.step_logits;
   // Other rows' tokens: anything in range, different per row and step.
   auto other_token = [&](int64_t row, int64_t step) {
     return static_cast<int32_t>((101 + 37 * row + 11 * step) % V);
