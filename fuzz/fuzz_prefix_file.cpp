@@ -47,12 +47,15 @@ PrefixRecord sample_record() {
   PrefixRecord r;
   for (int32_t i = 0; i < 20; ++i) r.tokens.push_back(100 + 7 * i);
   for (int l = 0; l < 2; ++l) {
-    r.keys.emplace_back(20 * 4);
-    r.values.emplace_back(20 * 4);
+    std::vector<float> k(20 * 4), v(20 * 4);
     for (size_t i = 0; i < 80; ++i) {
-      r.keys.back()[i] = 0.25f * static_cast<float>(i) - static_cast<float>(l);
-      r.values.back()[i] = -0.5f * static_cast<float>(i) + static_cast<float>(l);
+      k[i] = 0.25f * static_cast<float>(i) - static_cast<float>(l);
+      v[i] = -0.5f * static_cast<float>(i) + static_cast<float>(l);
     }
+    r.keys.emplace_back(sizeof(float) * k.size());
+    r.values.emplace_back(sizeof(float) * v.size());
+    std::memcpy(r.keys.back().data(), k.data(), sizeof(float) * k.size());
+    std::memcpy(r.values.back().data(), v.data(), sizeof(float) * v.size());
   }
   r.linear.assign(16, 0.125f);
   auto c = std::make_shared<spec::Checkpoint>();
@@ -142,12 +145,9 @@ void check_record(const PrefixRecord& r) {
 bool same_floats(const std::vector<float>& a, const std::vector<float>& b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
 }
-bool same_layers(const std::vector<std::vector<float>>& a,
-                 const std::vector<std::vector<float>>& b) {
-  if (a.size() != b.size()) return false;
-  for (size_t i = 0; i < a.size(); ++i)
-    if (!same_floats(a[i], b[i])) return false;
-  return true;
+bool same_layers(const std::vector<std::vector<std::byte>>& a,
+                 const std::vector<std::vector<std::byte>>& b) {
+  return a == b;
 }
 
 bool same_record(const PrefixRecord& a, const PrefixRecord& b) {

@@ -499,6 +499,79 @@ TEST(Ops, AttentionRowsEqualsEachRowsAttention) {
   }
 }
 
+// bf16 KV storage: kv_write rounds each key and value to nearest even, kv_write_stored copies
+// stored rows as they are, and attention over a bf16 pool is bitwise attention over an fp32
+// pool holding the same (rounded) values.
+TEST(Ops, Bf16KvStoresRoundedValuesAndAttentionReadsThemExactly) {
+  const int64_t bs = 4, nkv = 2, hd = 8, nh = 4, row = nkv * hd, L = 11;
+  std::mt19937 rng(21);
+  std::vector<uint16_t> pool16(static_cast<size_t>(4 * 2 * bs * row), 0);
+  std::vector<float> pool32(static_cast<size_t>(4 * 2 * bs * row), 0.0f);
+  const ops::KVLayerView kv16{pool16.data(), bs, nkv, hd, DType::BF16};
+  const ops::KVLayerView kv32{pool32.data(), bs, nkv, hd, DType::F32};
+  EXPECT_EQ(kv16.row_bytes(), static_cast<size_t>(row) * 2);
+  const std::vector<int32_t> table = {2, 0, 3};
+  std::vector<int64_t> pos(static_cast<size_t>(L));
+  for (int64_t p = 0; p < L; ++p) pos[static_cast<size_t>(p)] = p;
+  auto k = random_vec(static_cast<size_t>(L * row), rng);
+  auto v = random_vec(k.size(), rng);
+  k[0] = 1.0f + 1.0f / 256;  // halfway between two bf16 values: rounds to the even one, 1.0
+  k[1] = 1.0f + 3.0f / 256;  // ... and up, to 1 + 4/256
+  ops::kv_write(kv16, table.data(), pos.data(), L, k.data(), v.data());
+  std::vector<float> k_rounded(k.size()), v_rounded(v.size());
+  for (size_t i = 0; i < k.size(); ++i) {
+    k_rounded[i] = bf16_to_f32(f32_to_bf16(k[i]));
+    v_rounded[i] = bf16_to_f32(f32_to_bf16(v[i]));
+  }
+  EXPECT_EQ(k_rounded[0], 1.0f);
+  EXPECT_EQ(k_rounded[1], 1.0f + 4.0f / 256);
+  ops::kv_write(kv32, table.data(), pos.data(), L, k_rounded.data(), v_rounded.data());
+  for (int64_t p = 0; p < L; ++p) {
+    const auto* key = reinterpret_cast<const uint16_t*>(kv16.key(table[p / bs], p % bs));
+    const auto* value = reinterpret_cast<const uint16_t*>(kv16.value(table[p / bs], p % bs));
+    for (int64_t i = 0; i < row; ++i) {
+      ASSERT_EQ(key[i], f32_to_bf16(k[p * row + i])) << "key of position " << p;
+      ASSERT_EQ(value[i], f32_to_bf16(v[p * row + i])) << "value of position " << p;
+    }
+  }
+  const auto q = random_vec(static_cast<size_t>(L * nh * hd), rng);
+  std::vector<float> got(q.size()), want(q.size());
+  ops::attention(kv16, table.data(), pos.data(), L, L, q.data(), nh, 0.3f, got.data());
+  ops::attention(kv32, table.data(), pos.data(), L, L, q.data(), nh, 0.3f, want.data());
+  EXPECT_EQ(0, std::memcmp(got.data(), want.data(), got.size() * sizeof(float)));
+
+  // Stored rows restored into other blocks: the same bits, no second rounding.
+  std::vector<uint16_t> keys(static_cast<size_t>(L * row)), values(keys.size());
+  for (int64_t p = 0; p < L; ++p) {
+    std::memcpy(keys.data() + p * row, kv16.key(table[p / bs], p % bs), kv16.row_bytes());
+    std::memcpy(values.data() + p * row, kv16.value(table[p / bs], p % bs), kv16.row_bytes());
+  }
+  const std::vector<int32_t> other = {1, 3, 0};
+  ops::kv_write_stored(kv16, other.data(), pos.data(), L, keys.data(), values.data());
+  std::vector<float> restored(q.size());
+  ops::attention(kv16, other.data(), pos.data(), L, L, q.data(), nh, 0.3f, restored.data());
+  EXPECT_EQ(0, std::memcmp(restored.data(), got.data(), got.size() * sizeof(float)));
+}
+
+TEST(Ops, KvStorageOtherThanF32OrBf16IsRefused) {
+  std::vector<float> pool(64), k(8), v(8);
+  const ops::KVLayerView kv{pool.data(), 2, 2, 4, DType::F16};
+  const int64_t pos[] = {0};
+  EXPECT_THROW(ops::check_kv_dtype(kv.dtype, "test"), Error);
+  std::vector<float> q(8), qg(16), gate(8), kk(8);
+  const std::vector<float> ones(4, 1.0f);
+  const ops::WeightRef norm{DType::F32, ones.data(), 1, 4};
+  ops::QkNormRope s;
+  s.n_tokens = 1, s.n_heads = 1, s.n_kv_heads = 1, s.head_dim = 4, s.rotary_dim = 4;
+  const ops::KVLayerView one_head{pool.data(), 2, 1, 4, DType::F16};
+  const int64_t slots[] = {0};
+  s.kv = &one_head, s.kv_slots = slots, s.v = v.data();
+  const float inv_freq[] = {1.0f, 0.5f};
+  EXPECT_THROW(
+      ops::qk_norm_rope(s, qg.data(), norm, norm, pos, inv_freq, q.data(), gate.data(), kk.data()),
+      Error);
+}
+
 TEST(Ops, CausalConvCarriesStateAcrossCalls) {
   const int64_t C = 5, K = 4, n = 7;
   std::mt19937 rng(5);

@@ -93,10 +93,9 @@ TEST(PrefixBlocks, SharedBlocksReturnToThePoolWithTheirLastHolder) {
   EXPECT_EQ(st.free_block_count(), 3);
   // Fill the tail block with recognisable keys so that the copy can be checked.
   ops::KVLayerView kv = st.kv_layer(0);
-  const int64_t kvf = kv.n_kv_heads * kv.head_dim;
   for (int64_t p = 32; p < 40; ++p)
-    for (int64_t i = 0; i < kvf; ++i)
-      kv.key(blocks[2], p % 16)[i] = static_cast<float>(p * 1000 + i);
+    for (size_t i = 0; i < kv.row_bytes(); ++i)
+      kv.key(blocks[2], p % 16)[i] = static_cast<std::byte>(p * 7 + static_cast<int64_t>(i));
 
   st.retain_blocks(std::span(blocks).first(2));  // a cache entry holds the two full blocks
   const int b = st.open_row();
@@ -109,7 +108,7 @@ TEST(PrefixBlocks, SharedBlocksReturnToThePoolWithTheirLastHolder) {
   const int32_t own = st.block_table(b)[2];
   EXPECT_NE(own, blocks[2]) << "the tail block is written by the new row: it must be a copy";
   for (int64_t p = 32; p < 40; ++p)
-    EXPECT_EQ(0, std::memcmp(kv.key(own, p % 16), kv.key(blocks[2], p % 16), kvf * sizeof(float)));
+    EXPECT_EQ(0, std::memcmp(kv.key(own, p % 16), kv.key(blocks[2], p % 16), kv.row_bytes()));
   EXPECT_EQ(st.linear_state(b)[0], 0.5f);
   EXPECT_EQ(st.block_holders(blocks[0]), 3);  // row a, the entry, row b
   EXPECT_EQ(st.free_block_count(), 2);

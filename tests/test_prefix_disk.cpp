@@ -4,6 +4,7 @@
 // miss and removed.
 #include <gtest/gtest.h>
 
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -27,13 +28,22 @@ test::DemoModel& demo() {
   return *f;
 }
 
-const PrefixDiskKey kKey{"target-a", "tok-1", "f32 block=16 test"};
+const PrefixDiskKey kKey{"target-a", "tok-1", "kv=bf16 block=16 test", DType::BF16};
+
+// n bf16 KV elements of value x, as the KV stores them.
+std::vector<std::byte> bf16_elements(size_t n, float x) {
+  std::vector<std::byte> out(2 * n);
+  const uint16_t h = f32_to_bf16(x);
+  for (size_t i = 0; i < n; ++i) std::memcpy(out.data() + 2 * i, &h, 2);
+  return out;
+}
 
 PrefixRecord sample_record(size_t tokens) {
   PrefixRecord r;
   for (size_t i = 0; i < tokens; ++i) r.tokens.push_back(static_cast<int32_t>(7 * i + 3));
-  r.keys = {std::vector<float>(tokens * 4, 1.5f), std::vector<float>(tokens * 4, -2.0f)};
-  r.values = {std::vector<float>(tokens * 4, 0.25f), std::vector<float>(tokens * 4, 3.0f)};
+  r.kv_dtype = DType::BF16;
+  r.keys = {bf16_elements(tokens * 4, 1.5f), bf16_elements(tokens * 4, -2.0f)};
+  r.values = {bf16_elements(tokens * 4, 0.25f), bf16_elements(tokens * 4, 3.0f)};
   r.linear = {1, 2, 3, 4, 5};
   auto c = std::make_shared<spec::Checkpoint>();
   c->processed_tokens = static_cast<int64_t>(tokens);
@@ -283,6 +293,20 @@ TEST(PrefixDiskEngine, AnotherTargetIdentityFindsNothingAndEvictedEntriesSpillTo
     // Same config, other weights (one byte changed gives another artifact identity): its files
     // are removed, never used.
     BatchEngine other(*d.model, d.ngram.get(), "demo-target-changed", disk_options(dir, false));
+    const RequestOutcome o = serve(other, text, 0.0f, &hot);
+    EXPECT_EQ(o.cached_tokens, 0);
+    EXPECT_GT(other.counters().prefix_disk_removed, 0);
+  }
+  {
+    // The same model with fp32 KV: the files hold bf16 keys and values (the default), another
+    // state layout under the key's KV scheme, so they are removed, never read as fp32.
+    {
+      BatchEngine a(*d.model, d.ngram.get(), "demo-target", disk_options(dir, true));
+      serve(a, std::vector<int32_t>(text.begin(), text.begin() + 300), 0.0f, &ignored);
+    }
+    EngineOptions f32 = disk_options(dir, false);
+    f32.kv_dtype = DType::F32;
+    BatchEngine other(*d.model, d.ngram.get(), "demo-target", f32);
     const RequestOutcome o = serve(other, text, 0.0f, &hot);
     EXPECT_EQ(o.cached_tokens, 0);
     EXPECT_GT(other.counters().prefix_disk_removed, 0);

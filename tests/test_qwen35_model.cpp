@@ -204,6 +204,23 @@ TEST_F(RandomModel, SlicedPromptForwardEqualsOneForward) {
   }
 }
 
+// bf16 KV (the default) holds half the bytes of fp32 KV per block; other storage is refused.
+TEST_F(RandomModel, Bf16KvBlocksHoldHalfTheBytesOfFp32Ones) {
+  const Qwen35Config& cfg = model_->config();
+  EXPECT_EQ(2 * Qwen35State::block_bytes(cfg), Qwen35State::block_bytes(cfg, DType::F32));
+  Qwen35State bf16(cfg), f32(cfg, RecurrentRollback::PerPositionStates, DType::F32);
+  EXPECT_EQ(bf16.kv_dtype(), DType::BF16);
+  EXPECT_NE(bf16.kv_scheme(), f32.kv_scheme());
+  EXPECT_EQ(2 * bf16.kv_token_bytes(), f32.kv_token_bytes());
+  for (Qwen35State* s : {&bf16, &f32}) {
+    s->open_row();
+    s->reserve(0, 40);
+  }
+  EXPECT_LT(bf16.bytes(), f32.bytes());
+  EXPECT_THROW(Qwen35State(cfg, RecurrentRollback::PerPositionStates, DType::F16), Error);
+  EXPECT_THROW(Qwen35State::block_bytes(cfg, DType::I32), Error);
+}
+
 TEST_F(RandomModel, OutOfRangeTokenIsRefusedBeforeStateChanges) {
   Qwen35State s(model_->config());
   const RowInput r{s.open_row(), 2};

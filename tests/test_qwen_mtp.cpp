@@ -69,9 +69,10 @@ std::vector<float> ref_floats(const std::string& name) {
   return to_f32(*t);
 }
 
-// The target's final-normed hidden at every position of `tokens` (one fresh forward).
+// The target's final-normed hidden at every position of `tokens` (one fresh forward). fp32 KV:
+// the PyTorch reference's hiddens are fp32 throughout.
 std::vector<float> target_hidden(std::span<const int32_t> tokens) {
-  Qwen35State st(demo().model->config());
+  Qwen35State st(demo().model->config(), RecurrentRollback::PerPositionStates, DType::F32);
   const RowInput row{st.open_row(), static_cast<int64_t>(tokens.size())};
   ForwardOutput out;
   demo().model->forward(st, {tokens, {&row, 1}, false, true}, &out);
@@ -384,7 +385,7 @@ TEST(QwenMtpCommit, SpeculativeLoopKeepsAlignmentAndRestoresIdentically) {
   rows->prefill({&pre, 1});
   // Greedy target continuation decides acceptance; the hiddens come from full recomputes.
   auto target_greedy = [&](const std::vector<int32_t>& s) {
-    Qwen35State st(demo().model->config());
+    Qwen35State st(demo().model->config(), RecurrentRollback::PerPositionStates, DType::F32);
     const RowInput row{st.open_row(), static_cast<int64_t>(s.size())};
     ForwardOutput o;
     demo().model->forward(st, {s, {&row, 1}, true, true}, &o);

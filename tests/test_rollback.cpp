@@ -96,7 +96,7 @@ void expect_same_state(Qwen35State& a, int sa, Qwen35State& b, int sb, const std
   }
   for (int l = 0; l < a.attention_layers(); ++l) {
     const ops::KVLayerView ka = a.kv_layer(l), kb = b.kv_layer(l);
-    const size_t row = sizeof(float) * ka.n_kv_heads * ka.head_dim;
+    const size_t row = ka.row_bytes();
     const auto& ta = a.block_table(sa);
     const auto& tb = b.block_table(sb);
     for (int64_t p = 0; p < a.length(sa); ++p) {

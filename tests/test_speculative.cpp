@@ -97,6 +97,24 @@ INSTANTIATE_TEST_SUITE_P(Drafters, Lossless, ::testing::ValuesIn(cases()),
                                   std::to_string(static_cast<int>(i.param.temperature * 10));
                          });
 
+// fp32 KV storage (--kv-dtype f32) is as lossless as the bf16 default: speculative rounds read
+// the keys and values plain decoding stored, whatever their storage.
+TEST(LosslessFp32Kv, SpeculativeEqualsPlainWithFp32Kv) {
+  Fixture& f = demo();
+  std::vector<GenerateRequest> reqs;
+  for (size_t p = 0; p < kPrompts.size(); ++p) reqs.push_back(request(kPrompts[p], 0.7f, p, 24));
+  Generator plain_gen(*f.model, kPrefillChunkTokens, DType::F32);
+  const std::vector<const spec::DraftProvider*> drafters = {f.mtp.get(), f.ngram.get()};
+  for (const spec::DraftProvider* drafter : drafters) {
+    SpeculativeGenerator spec_gen(*f.model, drafter, "demo-target", {3, spec::VerifyMode::Match},
+                                  DType::F32);
+    const auto got = spec_gen.run(reqs);
+    for (size_t i = 0; i < reqs.size(); ++i)
+      EXPECT_EQ(got[i].tokens, plain_gen.run({reqs[i]}).at(0).tokens)
+          << drafter->id() << " request " << i;
+  }
+}
+
 // Rows that stop on EOS mid-window: a model whose generation_config makes a frequent token EOS.
 TEST(LosslessEos, RowsStoppingOnEosMidWindowMatchPlainDecoding) {
   testing::ScratchDir dir("spec-eos");

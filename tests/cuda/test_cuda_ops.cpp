@@ -970,20 +970,26 @@ constexpr int64_t kBlockSize = 16;
 
 // One layer's paged KV pool on host and device, holding the same bytes, and one row's block
 // table of shuffled, non-contiguous block ids. Unwritten slots hold large garbage (±1000): an
-// attention that reads past its causal prefix gets a visibly wrong answer.
+// attention that reads past its causal prefix gets a visibly wrong answer. T: the stored
+// element, float (fp32 KV) or uint16_t (bf16 KV).
+template <class T = float>
 struct PagedKV {
+  static constexpr DType kDType = std::is_same_v<T, float> ? DType::F32 : DType::BF16;
   int64_t n_kv_heads = 0, head_dim = 0, n_blocks = 0;
-  std::vector<float> host;
-  DeviceBuffer<float> dev;
+  std::vector<T> host;
+  DeviceBuffer<T> dev;
   std::vector<int32_t> table;
   DeviceBuffer<int32_t> dev_table;
-  ops::KVLayerView host_view() { return {host.data(), kBlockSize, n_kv_heads, head_dim}; }
-  ops::KVLayerView dev_view() const { return {dev.get(), kBlockSize, n_kv_heads, head_dim}; }
+  ops::KVLayerView host_view() { return {host.data(), kBlockSize, n_kv_heads, head_dim, kDType}; }
+  ops::KVLayerView dev_view() const {
+    return {dev.get(), kBlockSize, n_kv_heads, head_dim, kDType};
+  }
   int64_t row() const { return n_kv_heads * head_dim; }
 };
 
-PagedKV make_paged_kv(int64_t len, int64_t n_kv_heads, int64_t head_dim, std::mt19937& rng) {
-  PagedKV kv;
+template <class T = float>
+PagedKV<T> make_paged_kv(int64_t len, int64_t n_kv_heads, int64_t head_dim, std::mt19937& rng) {
+  PagedKV<T> kv;
   kv.n_kv_heads = n_kv_heads;
   kv.head_dim = head_dim;
   const int64_t used = std::max<int64_t>(1, (len + kBlockSize - 1) / kBlockSize);
@@ -993,9 +999,14 @@ PagedKV make_paged_kv(int64_t len, int64_t n_kv_heads, int64_t head_dim, std::mt
   std::shuffle(ids.begin(), ids.end(), rng);
   kv.table.assign(ids.begin(), ids.begin() + used);
   if (used >= 2 && kv.table[1] == kv.table[0] + 1) std::swap(kv.table[0], kv.table[1]);
-  kv.host =
+  const auto garbage =
       uniform(sz(kv.n_blocks * 2 * kBlockSize * n_kv_heads * head_dim), rng, -1000.0f, 1000.0f);
-  kv.dev = DeviceBuffer<float>(kv.host);
+  if constexpr (std::is_same_v<T, float>) {
+    kv.host = garbage;
+  } else {
+    for (const float x : garbage) kv.host.push_back(f32_to_bf16(x));
+  }
+  kv.dev = DeviceBuffer<T>(kv.host);
   kv.dev_table = DeviceBuffer<int32_t>(kv.table);
   return kv;
 }
@@ -1010,7 +1021,8 @@ std::vector<int64_t> position_range(int64_t from, int64_t to) {
 
 // Writes the k, v rows of `pos` on both sides: token j of the call is the row of position
 // pos[j] (k, v hold one row per position 0..len-1).
-void write_kv(PagedKV& kv, const std::vector<float>& k, const std::vector<float>& v,
+template <class T>
+void write_kv(PagedKV<T>& kv, const std::vector<float>& k, const std::vector<float>& v,
               const std::vector<int64_t>& pos) {
   if (pos.empty()) return;
   std::vector<float> kj, vj;
@@ -1032,8 +1044,8 @@ TEST_F(CudaOps, QkNormRopeWritesTheKVOfKvWrite) {
   std::mt19937 rng(63);
   const int64_t T = 5, nh = 16, nkv = 4, hd = 256, rot = 64;
   const std::vector<int64_t> pos = {40, 41, 17, 3, 63};
-  PagedKV fused = make_paged_kv(64, nkv, hd, rng);
-  PagedKV parts;
+  PagedKV<> fused = make_paged_kv(64, nkv, hd, rng);
+  PagedKV<> parts;
   parts.n_kv_heads = nkv;
   parts.head_dim = hd;
   parts.n_blocks = fused.n_blocks;
@@ -1089,8 +1101,8 @@ TEST_F(CudaOps, QkNormRopeWritesTheKVOfKvWrite) {
   for (int64_t t = 0; t < T; ++t) {
     const int64_t p = pos[sz(t)], row = nkv * hd;
     const int32_t block = fused.table[sz(p / kBlockSize)];
-    const float* hk = host_view.key(block, p % kBlockSize);
-    const float* hv = host_view.value(block, p % kBlockSize);
+    const auto* hk = reinterpret_cast<const float*>(host_view.key(block, p % kBlockSize));
+    const auto* hv = reinterpret_cast<const float*>(host_view.value(block, p % kBlockSize));
     const float* dvp = pool.data() + (hv - fused.host.data());
     if (slots[sz(t)] < 0) continue;
     EXPECT_TRUE(std::equal(hv, hv + row, v.begin() + t * row)) << "host value row " << t;
@@ -1100,8 +1112,10 @@ TEST_F(CudaOps, QkNormRopeWritesTheKVOfKvWrite) {
 }
 
 // cuda::attention of queries q [pos.size(), n_heads, head_dim] at positions `pos`.
-std::vector<float> cuda_attention(const PagedKV& kv, const std::vector<int64_t>& pos, int64_t bound,
-                                  const std::vector<float>& q, int64_t n_heads, float scale) {
+template <class T>
+std::vector<float> cuda_attention(const PagedKV<T>& kv, const std::vector<int64_t>& pos,
+                                  int64_t bound, const std::vector<float>& q, int64_t n_heads,
+                                  float scale) {
   const DeviceBuffer<float> dq(q);
   const DeviceBuffer<int64_t> dpos(pos);
   DeviceBuffer<float> out = nan_buffer(q.size());
@@ -1129,12 +1143,14 @@ std::string attn_name(const ::testing::TestParamInfo<AttnCase>& p) {
 
 using CudaAttention = CudaParamTest<AttnCase>;
 
-TEST_P(CudaAttention, KvWriteAndAttentionMatchCpu) {
-  const AttnCase c = GetParam();
+// kv_write on both backends leaves the same pool bits, and attention matches the CPU op; the
+// output gate gives the ungated bits followed by sigmoid_gate. T: the KV's stored element.
+template <class T>
+void check_kv_write_and_attention(const AttnCase& c) {
   std::mt19937 rng(static_cast<uint32_t>(71 + c.start * 13 + c.n + c.head_dim));
   const int64_t len = c.start + c.n;
   const int64_t bound = c.bound != 0 ? c.bound : len;
-  PagedKV kv = make_paged_kv(len, c.n_kv_heads, c.head_dim, rng);
+  PagedKV<T> kv = make_paged_kv<T>(len, c.n_kv_heads, c.head_dim, rng);
   const auto k = randn(sz(len * kv.row()), rng);
   const auto v = randn(sz(len * kv.row()), rng);
   auto q = randn(sz(c.n * c.n_heads * c.head_dim), rng);
@@ -1162,6 +1178,7 @@ TEST_P(CudaAttention, KvWriteAndAttentionMatchCpu) {
   cpu::attention(kv.host_view(), kv.table.data(), pos.data(), c.n, bound, q.data(), c.n_heads,
                  scale, want.data());
   const std::vector<float> got = cuda_attention(kv, pos, bound, q, c.n_heads, scale);
+  // bf16 KV: the CPU's widening is exact, so both sides attend over the same values.
   EXPECT_TRUE(near_blocks(got, want, sz(c.head_dim), kAttnRel));
 
   // With the output gate: the bits of the ungated result followed by sigmoid_gate.
@@ -1172,6 +1189,43 @@ TEST_P(CudaAttention, KvWriteAndAttentionMatchCpu) {
   cuda::attention(kv.dev_view(), kv.dev_table.get(), dpos.get(), c.n, bound, dq.get(), c.n_heads,
                   scale, gated.get(), gate.get());
   EXPECT_TRUE(bitwise_equal(gated.download(), want_gated.download())) << "with the output gate";
+}
+
+TEST_P(CudaAttention, KvWriteAndAttentionMatchCpu) {
+  check_kv_write_and_attention<float>(GetParam());
+}
+
+TEST_P(CudaAttention, Bf16KvWriteAndAttentionMatchCpu) {
+  check_kv_write_and_attention<uint16_t>(GetParam());
+}
+
+// kv_write_stored: bf16 rows saved from one pool and restored into other blocks of another are
+// the same bits, and attention over them is bitwise the original's.
+TEST_F(CudaOps, KvWriteStoredRestoresTheSavedBf16Bits) {
+  std::mt19937 rng(77);
+  const int64_t nh = 16, nkv = 4, hd = 256, len = 37;
+  PagedKV<uint16_t> a = make_paged_kv<uint16_t>(len, nkv, hd, rng);
+  PagedKV<uint16_t> b = make_paged_kv<uint16_t>(len, nkv, hd, rng);
+  const auto k = randn(sz(len * a.row()), rng), v = randn(sz(len * a.row()), rng);
+  const auto pos = position_range(0, len);
+  write_kv(a, k, v, pos);
+  std::vector<uint16_t> keys, values;  // the saved rows, position order
+  for (const int64_t p : pos) {
+    const size_t at =
+        sz(((int64_t{a.table[sz(p / kBlockSize)]} * 2) * kBlockSize + p % kBlockSize) * a.row());
+    keys.insert(keys.end(), a.host.begin() + at, a.host.begin() + at + sz(a.row()));
+    values.insert(values.end(), a.host.begin() + at + sz(kBlockSize * a.row()),
+                  a.host.begin() + at + sz((kBlockSize + 1) * a.row()));
+  }
+  const DeviceBuffer<uint16_t> dk(keys), dv(values);
+  const DeviceBuffer<int64_t> dpos(pos);
+  cuda::kv_write_stored(b.dev_view(), b.dev_table.get(), dpos.get(), len, dk.get(), dv.get());
+  cpu::kv_write_stored(b.host_view(), b.table.data(), pos.data(), len, keys.data(), values.data());
+  EXPECT_TRUE(bitwise_equal(b.dev.download(), b.host)) << "pools after kv_write_stored";
+  const auto q = randn(sz(4 * nh * hd), rng);
+  const std::vector<int64_t> last = position_range(len - 4, len);
+  EXPECT_TRUE(bitwise_equal(cuda_attention(b, last, len, q, nh, 0.0625f),
+                            cuda_attention(a, last, len, q, nh, 0.0625f)));
 }
 
 // GQA 16 query / 4 kv heads at head_dim 256, 24 / 4 (groups of 6: chunks of 2 heads), 8 / 2 and

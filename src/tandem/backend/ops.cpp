@@ -425,6 +425,7 @@ void qk_norm_rope(const QkNormRope& s, const float* qg, const WeightRef& q_norm,
       fail("qk_norm_rope: the KV target holds ", s.kv->n_kv_heads, " heads of ", s.kv->head_dim,
            " (block size ", s.kv->block_size, "), the keys ", s.n_kv_heads, " heads of ",
            s.head_dim);
+    check_kv_dtype(s.kv->dtype, "qk_norm_rope");
   }
 #ifdef TANDEM_HAVE_CUDA
   if (g_backend == Backend::Cuda)
@@ -439,9 +440,17 @@ void qk_norm_rope(const QkNormRope& s, const float* qg, const WeightRef& q_norm,
   cpu::rope(k, T, nkv, hd, s.rotary_dim, positions, inv_freq);
   if (s.kv) cpu::kv_write_slots(*s.kv, s.kv_slots, T, k, s.v);
 }
+void check_kv_dtype(DType dtype, const char* what) {
+  if (dtype != DType::F32 && dtype != DType::BF16)
+    fail(what, ": KV storage must be f32 or bf16, got ", dtype_name(dtype));
+}
 void kv_write(const KVLayerView& kv, const int32_t* block_table, const int64_t* positions,
               int64_t n, const float* k, const float* v) {
   TANDEM_DISPATCH(kv_write(kv, block_table, positions, n, k, v));
+}
+void kv_write_stored(const KVLayerView& kv, const int32_t* block_table, const int64_t* positions,
+                     int64_t n, const void* k, const void* v) {
+  TANDEM_DISPATCH(kv_write_stored(kv, block_table, positions, n, k, v));
 }
 void attention(const KVLayerView& kv, const int32_t* block_table, const int64_t* positions,
                int64_t n, int64_t position_bound, const float* q, int64_t n_heads, float scale,

@@ -223,25 +223,42 @@ void qk_norm_rope(const QkNormRope& s, const float* qg, const WeightRef& q_norm,
 // Paged KV for one full-attention layer. Keys and values of position p of a row live in block
 // `block_table[p / block_size]` at slot `p % block_size`; a block holds
 // [block_size, n_kv_heads, head_dim] keys followed by the same for values.
+// Storage is bf16 (the default: half the memory and bandwidth) or fp32 (`--kv-dtype f32`).
+// Whatever it is, attention computes in fp32 on the stored values, and kv_write rounds fp32
+// keys and values to nearest even on the way in; every reader of a stored row sees the same
+// values, so decoding, verify windows and a cache restore agree bitwise under either storage.
 struct KVLayerView {
-  float* pool = nullptr;  // [n_blocks, 2, block_size, n_kv_heads, head_dim]
+  void* pool = nullptr;  // [n_blocks, 2, block_size, n_kv_heads, head_dim] of `dtype`
   int64_t block_size = 0;
   int64_t n_kv_heads = 0;
   int64_t head_dim = 0;
-  float* key(int32_t block, int64_t slot) const {
-    return pool + ((static_cast<int64_t>(block) * 2) * block_size + slot) * n_kv_heads * head_dim;
+  DType dtype = DType::F32;                                       // F32 or BF16
+  int64_t row_elements() const { return n_kv_heads * head_dim; }  // one position's keys
+  size_t row_bytes() const { return static_cast<size_t>(row_elements()) * dtype_size(dtype); }
+  // Where position `slot` of `block` keeps its keys (values): row_bytes() bytes; the rows of a
+  // block's slots are contiguous.
+  std::byte* key(int32_t block, int64_t slot) const {
+    return static_cast<std::byte*>(pool) +
+           static_cast<size_t>((static_cast<int64_t>(block) * 2) * block_size + slot) * row_bytes();
   }
-  float* value(int32_t block, int64_t slot) const {
-    return pool +
-           ((static_cast<int64_t>(block) * 2 + 1) * block_size + slot) * n_kv_heads * head_dim;
+  std::byte* value(int32_t block, int64_t slot) const {
+    return static_cast<std::byte*>(pool) +
+           static_cast<size_t>((static_cast<int64_t>(block) * 2 + 1) * block_size + slot) *
+               row_bytes();
   }
 };
+// Throws Error unless dtype is a KV storage type (F32 or BF16).
+void check_kv_dtype(DType dtype, const char* what);
 
 // Writes k, v [n, n_kv_heads, head_dim] of one row: token j at position positions[j].
 // positions [n] and block_table are backend memory (device on CUDA), so a captured decode step can
 // be replayed at a later position by refreshing `positions` alone.
 void kv_write(const KVLayerView& kv, const int32_t* block_table, const int64_t* positions,
               int64_t n, const float* k, const float* v);
+// kv_write of rows already in the pool's storage type (kv.dtype; row_bytes() each), copied as
+// they are: the restore of saved KV (the prefix cache's disk tier), which must not round twice.
+void kv_write_stored(const KVLayerView& kv, const int32_t* block_table, const int64_t* positions,
+                     int64_t n, const void* k, const void* v);
 
 // Causal attention of one row's n query tokens over its cached keys/values: query j attends to
 // positions 0..positions[j]. q: [n, n_heads, head_dim], out: [n, n_heads, head_dim].

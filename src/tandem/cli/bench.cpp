@@ -42,6 +42,7 @@ struct BenchArgs {
   int repeats = 5;
   int threads = 0;
   std::string step_output = "tokens";  // what a timed forward hands to the host, see time_steps
+  std::string kv_dtype = "bf16";
   bool json = false;
 };
 
@@ -94,10 +95,10 @@ std::vector<int64_t> parse_windows(const std::string& s) {
 // `logits` false, the greedy token of each (argmax on the device, as greedy decoding and greedy
 // verification run); true, the logits themselves (as sampling at T > 0 runs, a vocab-sized PCIe
 // copy per token).
-Spread time_steps(const Qwen35Model& model, int batch, int64_t k, int64_t context, int repeats,
-                  bool logits) {
+Spread time_steps(const Qwen35Model& model, DType kv_dtype, int batch, int64_t k, int64_t context,
+                  int repeats, bool logits) {
   const Qwen35Config& cfg = model.config();
-  Qwen35State state(cfg);
+  Qwen35State state(cfg, RecurrentRollback::PerPositionStates, kv_dtype);
   std::vector<int> slots;
   std::vector<int32_t> tokens;
   std::vector<RowInput> rows;
@@ -189,7 +190,7 @@ Spread time_mtp_step(const spec::TargetView& target, const spec::QwenMtpProvider
 }
 
 // Seconds of one prefill forward of `n` tokens in one row (median of `repeats`).
-Spread time_prefill(const Qwen35Model& model, int64_t n, int repeats) {
+Spread time_prefill(const Qwen35Model& model, DType kv_dtype, int64_t n, int repeats) {
   const Qwen35Config& cfg = model.config();
   std::mt19937 rng(7);
   std::uniform_int_distribution<int32_t> pick(0, static_cast<int32_t>(cfg.vocab_size - 1));
@@ -197,7 +198,7 @@ Spread time_prefill(const Qwen35Model& model, int64_t n, int repeats) {
   std::vector<double> times;
   for (int r = 0; r < repeats + 1; ++r) {
     for (auto& t : tokens) t = pick(rng);
-    Qwen35State state(cfg);
+    Qwen35State state(cfg, RecurrentRollback::PerPositionStates, kv_dtype);
     const int slot = state.open_row();
     const RowInput row{slot, n};
     ForwardOutput out;
@@ -213,6 +214,7 @@ Spread time_prefill(const Qwen35Model& model, int64_t n, int repeats) {
 }
 
 void run_bench(const BenchArgs& a) {
+  const DType kv_dtype = parse_kv_dtype(a.kv_dtype);
   apply_threads(a.threads);
   apply_backend(a.backend);
   if (a.prompt_tokens < 1 || a.gen_tokens < 2 || a.batch < 1 || a.repeats < 1)
@@ -244,7 +246,7 @@ void run_bench(const BenchArgs& a) {
                ops::device_description().c_str());
   const double bw = ops::memory_bandwidth();
 
-  Generator gen(*model);
+  Generator gen(*model, kPrefillChunkTokens, kv_dtype);
   std::vector<double> prefill, decode;
   for (int r = 0; r <= a.repeats; ++r) {  // run 0 is a warm-up
     std::mt19937 rng(1234 + r);
@@ -270,11 +272,12 @@ void run_bench(const BenchArgs& a) {
   std::fprintf(stderr,
                "bench: timing decode steps and verify windows (context %lld, %s to the host)\n",
                static_cast<long long>(a.step_context), a.step_output.c_str());
-  const Spread step = time_steps(*model, a.batch, 1, a.step_context, a.step_repeats, step_logits);
+  const Spread step =
+      time_steps(*model, kv_dtype, a.batch, 1, a.step_context, a.step_repeats, step_logits);
   std::vector<Spread> window_times;
   for (int64_t k : windows)
     window_times.push_back(
-        time_steps(*model, a.batch, k, a.step_context, a.step_repeats, step_logits));
+        time_steps(*model, kv_dtype, a.batch, k, a.step_context, a.step_repeats, step_logits));
   // The MTP drafter's round cost, where the config declares the layer: the checkpoint's own
   // (skipped when its tensors are absent), or a random one beside a random-weight model.
   Spread mtp_step;
@@ -299,7 +302,7 @@ void run_bench(const BenchArgs& a) {
   if (a.long_prefill > 0) {
     std::fprintf(stderr, "bench: timing a %lld-token prefill\n",
                  static_cast<long long>(a.long_prefill));
-    long_pf = time_prefill(*model, a.long_prefill, std::max(1, a.repeats / 2));
+    long_pf = time_prefill(*model, kv_dtype, a.long_prefill, std::max(1, a.repeats / 2));
   }
   // Matrix FLOPs of a prefill token: 2 per weight of every projection (the head runs once per
   // row, not per token); attention's QK/PV add 4·ctx·heads·head_dim per layer on average ctx/2.
@@ -313,14 +316,19 @@ void run_bench(const BenchArgs& a) {
                                    static_cast<double>(a.long_prefill) *
                                    static_cast<double>(a.long_prefill) *
                                    static_cast<double>(cfg.num_attention_heads * cfg.head_dim);
-  // One decode step reads every weight once for the whole batch, plus each row's KV prefix.
+  // One decode step reads every weight once for the whole batch, plus each row's KV prefix, and
+  // reads and writes each row's Gated DeltaNet state (fp32: 100 MB per row at the 9B shape).
   int64_t n_attn = 0;
   for (LayerKind k : cfg.layer_types) n_attn += k == LayerKind::FullAttention;
   const double mean_ctx = static_cast<double>(a.prompt_tokens) + a.gen_tokens / 2.0;
   const double kv_bytes_per_row =
-      mean_ctx * static_cast<double>(n_attn * 2 * cfg.num_key_value_heads * cfg.head_dim * 4);
-  const double step_bytes =
-      static_cast<double>(model->decode_weight_bytes()) + a.batch * kv_bytes_per_row;
+      mean_ctx * static_cast<double>(n_attn * 2 * cfg.num_key_value_heads * cfg.head_dim) *
+      static_cast<double>(dtype_size(kv_dtype));
+  const Qwen35State probe(cfg);
+  const double state_bytes_per_row =
+      2.0 * static_cast<double>(probe.linear_state_floats()) * sizeof(float);
+  const double step_bytes = static_cast<double>(model->decode_weight_bytes()) +
+                            a.batch * (kv_bytes_per_row + state_bytes_per_row);
   const double roofline_tps = bw / step_bytes * a.batch;
   const double fraction = dc.median / roofline_tps;
 
@@ -338,6 +346,7 @@ void run_bench(const BenchArgs& a) {
     j["prefill_tokens_per_second"] = to_json(pf);
     j["decode_tokens_per_second"] = to_json(dc);
     j["memory_read_bandwidth_gb_per_s"] = bw / 1e9;
+    j["kv_dtype"] = a.kv_dtype;
     j["decode_bytes_per_step"] = step_bytes;
     j["decode_weight_bytes"] = model->decode_weight_bytes();
     j["roofline_decode_tokens_per_second"] = roofline_tps;
@@ -375,8 +384,9 @@ void run_bench(const BenchArgs& a) {
   std::printf("prefill          %.1f tok/s (min %.1f, max %.1f)\n", pf.median, pf.min, pf.max);
   std::printf("decode           %.1f tok/s (min %.1f, max %.1f)\n", dc.median, dc.min, dc.max);
   std::printf("memory           %.2f GB/s measured\n", bw / 1e9);
-  std::printf("bytes per step   %.2f MB (weights %.2f MB + KV)\n", step_bytes / 1e6,
-              static_cast<double>(model->decode_weight_bytes()) / 1e6);
+  std::printf("bytes per step   %.2f MB (weights %.2f MB + KV (%s) + recurrent state in and out)\n",
+              step_bytes / 1e6, static_cast<double>(model->decode_weight_bytes()) / 1e6,
+              a.kv_dtype.c_str());
   std::printf("roofline         %.1f tok/s -> %.0f%% reached\n", roofline_tps, 100 * fraction);
   std::printf("decode step      %.3f ms (min %.3f, max %.3f), batch %d, context %lld, %s out\n",
               step.median * 1e3, step.min * 1e3, step.max * 1e3, a.batch,
@@ -425,6 +435,7 @@ void add_bench_command(CLI::App& app) {
   sub->add_option("--batch", a->batch, "Rows decoded together")->capture_default_str();
   sub->add_option("--repeats", a->repeats, "Timed runs (after one warm-up)")->capture_default_str();
   sub->add_option("--threads", a->threads, "CPU threads (0 = all cores)");
+  add_kv_dtype_option(sub, &a->kv_dtype);
   sub->add_flag("--json", a->json, "Print JSON");
   sub->callback([a] { run_bench(*a); });
 }

@@ -30,6 +30,7 @@ struct BenchSpecArgs {
   int threads = 0;
   std::string backend = "auto";
   float temperature = 0.0f;
+  std::string kv_dtype = "bf16";
   bool json = false;
 };
 
@@ -50,14 +51,14 @@ struct Measured {
   SpecStats total;               // summed over requests
 };
 
-Measured measure(const Qwen35Model& model, const spec::DraftProvider* drafter,
+Measured measure(const Qwen35Model& model, DType kv_dtype, const spec::DraftProvider* drafter,
                  const std::string& identity, DepthArg depth,
                  const std::vector<GenerateRequest>& reqs, int batch, int repeats) {
   // The probe stays off: this measures each drafter at the depth asked, whatever it accepts.
   SpecOptions opts{depth.depth, spec::VerifyMode::Match};
   opts.health_probe = false;
   opts.auto_depth = depth.automatic;
-  SpeculativeGenerator gen(model, drafter, identity, opts);
+  SpeculativeGenerator gen(model, drafter, identity, opts, kv_dtype);
   Measured m;
   m.draft = drafter ? drafter->id() : "none";
   m.depth = drafter ? depth.depth : 0;
@@ -99,6 +100,7 @@ Measured measure(const Qwen35Model& model, const spec::DraftProvider* drafter,
 }
 
 void run_bench_spec(const BenchSpecArgs& a) {
+  const DType kv_dtype = parse_kv_dtype(a.kv_dtype);
   apply_threads(a.threads);
   apply_backend(a.backend);
   if (a.batch < 1 || a.repeats < 1 || a.max_tokens < 1)
@@ -119,7 +121,8 @@ void run_bench_spec(const BenchSpecArgs& a) {
   std::vector<Measured> rows;
   std::fprintf(stderr, "bench-spec: %zu prompts, batch %d, %lld tokens each, %d threads\n",
                reqs.size(), a.batch, static_cast<long long>(a.max_tokens), ops::thread_count());
-  rows.push_back(measure(*model, nullptr, identity, DepthArg{}, reqs, a.batch, a.repeats));
+  rows.push_back(
+      measure(*model, kv_dtype, nullptr, identity, DepthArg{}, reqs, a.batch, a.repeats));
   const double base = rows[0].tokens_per_second;
   for (const std::string& d : split_list(a.drafts)) {
     std::unique_ptr<spec::DraftProvider> drafter;
@@ -131,7 +134,8 @@ void run_bench_spec(const BenchSpecArgs& a) {
       fail("--drafts: unknown drafter '", d, "' (mtp, ngram)");
     for (const std::string& ds : split_list(a.depths)) {
       const DepthArg depth = parse_depth(ds);
-      rows.push_back(measure(*model, drafter.get(), identity, depth, reqs, a.batch, a.repeats));
+      rows.push_back(
+          measure(*model, kv_dtype, drafter.get(), identity, depth, reqs, a.batch, a.repeats));
       std::fprintf(stderr, "bench-spec: %s depth %s: %.1f tok/s\n", d.c_str(), ds.c_str(),
                    rows.back().tokens_per_second);
     }
@@ -190,6 +194,7 @@ void add_bench_spec_command(CLI::App& app) {
   sub->add_option("--temperature", a->temperature, "Sampling temperature")->capture_default_str();
   sub->add_option("--repeats", a->repeats, "Timed runs (after a warm-up)")->capture_default_str();
   sub->add_option("--threads", a->threads, "CPU threads (0 = all cores)");
+  add_kv_dtype_option(sub, &a->kv_dtype);
   sub->add_option("--backend", a->backend, "cpu, cuda or auto (cuda when a GPU is present)")
       ->capture_default_str();
   sub->add_flag("--json", a->json, "Print JSON");

@@ -140,6 +140,19 @@ std::vector<GenerateRequest> read_prompts_file(const std::string& path, const Ge
   return reqs;
 }
 
+void add_kv_dtype_option(CLI::App* sub, std::string* value) {
+  sub->add_option("--kv-dtype", *value,
+                  "KV cache storage: bf16 (half the memory and bandwidth) or f32; attention "
+                  "computes in fp32 either way")
+      ->capture_default_str();
+}
+
+DType parse_kv_dtype(const std::string& s) {
+  if (s == "bf16") return DType::BF16;
+  if (s == "f32") return DType::F32;
+  fail("--kv-dtype must be bf16 or f32, got '", s, "'");
+}
+
 void add_draft_options(CLI::App* sub, DraftArgs* a) {
   sub->add_option("--draft", a->draft, "Drafter: none, mtp or ngram")->capture_default_str();
   sub->add_option("--draft-model", a->draft_model,

@@ -46,6 +46,11 @@ std::string target_identity(const Qwen35Model& model, const std::string& dir);
 std::vector<GenerateRequest> read_prompts_file(const std::string& path, const GenerateRequest& base,
                                                const std::optional<Tokenizer>& tok);
 
+// --kv-dtype bf16|f32: how the KV cache stores keys and values (every command that runs the
+// model has it; bf16 by default). parse_kv_dtype throws Error naming the bad value.
+void add_kv_dtype_option(CLI::App* sub, std::string* value);
+DType parse_kv_dtype(const std::string& s);
+
 // The drafter options `generate` and `serve` share.
 struct DraftArgs {
   std::string draft = "none";

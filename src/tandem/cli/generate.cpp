@@ -28,6 +28,7 @@ struct GenerateArgs {
   int threads = 0;
   std::string backend = "auto";
   bool json = false;
+  std::string kv_dtype = "bf16";
   DraftArgs d;
 };
 
@@ -51,6 +52,7 @@ nlohmann::json stats_json(const GenerateStats& st, const SpecStats& s, const Gen
 
 void run_generate(const GenerateArgs& a) {
   apply_threads(a.threads);
+  const DType kv_dtype = parse_kv_dtype(a.kv_dtype);
   apply_backend(a.backend);
   auto model = Qwen35Model::load(a.model);
   const auto tok = open_tokenizer(a.model);
@@ -72,7 +74,7 @@ void run_generate(const GenerateArgs& a) {
   const std::string identity = a.d.draft == "none" ? "" : target_identity(*model, a.model);
   const spec::TargetView target(*model, identity);
   const auto drafter = open_drafter(a.d, target);
-  SpeculativeGenerator gen(*model, drafter.get(), identity, opts);
+  SpeculativeGenerator gen(*model, drafter.get(), identity, opts, kv_dtype);
 
   // Text streams only for a single request without --json.
   const bool stream_text = tok && !a.json && reqs.size() == 1;
@@ -149,6 +151,7 @@ void add_generate_command(CLI::App& app) {
       ->capture_default_str();
   sub->add_flag("--json", a->json, "Print one JSON object instead of streaming text");
   add_draft_options(sub, &a->d);
+  add_kv_dtype_option(sub, &a->kv_dtype);
   sub->callback([a] { run_generate(*a); });
 }
 

@@ -18,6 +18,7 @@ struct ScoreArgs {
   std::optional<std::string> text, text_file, token_ids;
   int top_k = 5;
   int threads = 0;
+  std::string kv_dtype = "bf16";
   std::string backend = "auto";
   bool json = false;
 };
@@ -26,12 +27,13 @@ void run_score(const ScoreArgs& a) {
   apply_threads(a.threads);
   apply_backend(a.backend);
   if (a.top_k < 0) fail("--top-k must be >= 0");
+  const DType kv_dtype = parse_kv_dtype(a.kv_dtype);
   auto model = Qwen35Model::load(a.model);
   const auto tok = open_tokenizer(a.model);
   const auto ids = resolve_input("text", a.text, a.text_file, a.token_ids, tok);
   const int64_t V = model->config().vocab_size;
 
-  Qwen35State state(model->config());
+  Qwen35State state(model->config(), RecurrentRollback::PerPositionStates, kv_dtype);
   const int slot = state.open_row();
   const RowInput row{slot, static_cast<int64_t>(ids.size())};
   ForwardOutput out;
@@ -78,6 +80,7 @@ void add_score_command(CLI::App& app) {
   sub->add_option("--top-k", a->top_k, "Largest logits to report per position")
       ->capture_default_str();
   sub->add_option("--threads", a->threads, "CPU threads (0 = all cores)");
+  add_kv_dtype_option(sub, &a->kv_dtype);
   sub->add_option("--backend", a->backend, "cpu, cuda or auto (cuda when a GPU is present)")
       ->capture_default_str();
   sub->add_flag("--json", a->json, "Print JSON");

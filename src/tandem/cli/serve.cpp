@@ -38,12 +38,14 @@ struct ServeArgs {
   std::string served_model_name;
   int threads = 0;
   std::string backend = "auto";
+  std::string kv_dtype = "bf16";
 };
 
 // The KV pool in blocks: the budget less every row slot's recurrent state, in whole blocks, and
 // never more than max_batch rows at the full context could use.
-int64_t pool_blocks(const ServeArgs& a, const Qwen35Config& cfg, int depth, uint64_t* budget) {
-  const size_t block = Qwen35State::block_bytes(cfg);
+int64_t pool_blocks(const ServeArgs& a, const Qwen35Config& cfg, int depth, DType kv_dtype,
+                    uint64_t* budget) {
+  const size_t block = Qwen35State::block_bytes(cfg, kv_dtype);
   const size_t rows = Qwen35State::row_bytes(cfg, depth + 1) * static_cast<size_t>(a.max_batch);
   const int64_t context = cfg.max_position_embeddings > 0 ? cfg.max_position_embeddings : 32768;
   const int64_t useful = a.max_batch * Qwen35State::blocks_for(context + depth + 1);
@@ -76,6 +78,7 @@ void run_serve(const ServeArgs& a) {
     fail("--prefill-slice-ratio must not be negative, got ", a.prefill_slice_ratio);
   if (a.default_max_tokens < 1) fail("--default-max-tokens must be at least 1");
   const SpecOptions spec = spec_options(a.d);
+  const DType kv_dtype = parse_kv_dtype(a.kv_dtype);
   apply_threads(a.threads);
   apply_backend(a.backend);
   auto model = Qwen35Model::load(a.model);
@@ -97,7 +100,8 @@ void run_serve(const ServeArgs& a) {
   eo.prefill_slice_ratio = a.prefill_slice_ratio;
   const int depth = drafter ? spec.depth : 0;
   uint64_t budget = 0;
-  eo.kv_blocks = pool_blocks(a, model->config(), depth, &budget);
+  eo.kv_dtype = kv_dtype;
+  eo.kv_blocks = pool_blocks(a, model->config(), depth, kv_dtype, &budget);
   if (eo.kv_blocks < 1) fail("the KV memory budget holds no block; raise --kv-memory");
   // The default: an eighth of the KV budget, at least 256 MiB (a small model's or a small batch's
   // KV budget would otherwise leave room for a handful of boundaries).
@@ -164,6 +168,7 @@ void add_serve_command(CLI::App& app) {
   CLI::App* sub = app.add_subcommand("serve", "OpenAI-compatible HTTP server");
   sub->add_option("--model", a->model, "Hugging Face model directory")->required();
   add_draft_options(sub, &a->d);
+  add_kv_dtype_option(sub, &a->kv_dtype);
   sub->add_option("--host", a->host, "Address to listen on")->capture_default_str();
   sub->add_option("--port", a->port, "Port (0: any free port)")->capture_default_str();
   sub->add_option("--max-batch", a->max_batch, "Requests generating at once")

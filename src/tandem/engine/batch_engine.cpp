@@ -87,7 +87,7 @@ BatchEngine::BatchEngine(const Qwen35Model& model, const spec::DraftProvider* dr
       drafter_(drafter),
       target_(model, std::move(target_identity)),
       options_(options),
-      state_(model.config()) {
+      state_(model.config(), RecurrentRollback::PerPositionStates, options_.kv_dtype) {
   if (options_.spec.depth < 0 || options_.spec.depth > 16)
     fail("--depth must be in 0..16, got ", options_.spec.depth);
   if (options_.max_rows < 0) fail("the engine's row limit must be at least 1");
@@ -117,15 +117,16 @@ BatchEngine::BatchEngine(const Qwen35Model& model, const spec::DraftProvider* dr
     state_.set_capacity({options_.max_rows, options_.kv_blocks, depth_ + 1});
   }
   if (options_.prefix_cache_bytes > 0)
-    cache_ = std::make_unique<PrefixCache>(state_, options_.prefix_cache_bytes,
-                                           Qwen35State::block_bytes(model_.config()));
+    cache_ =
+        std::make_unique<PrefixCache>(state_, options_.prefix_cache_bytes,
+                                      Qwen35State::block_bytes(model_.config(), state_.kv_dtype()));
   if (!options_.prefix_cache_dir.empty()) {
     if (!cache_) fail("a prefix-cache folder needs a prefix cache (its memory budget is 0)");
     if (target_.identity().empty())
       fail("a prefix-cache folder needs the target's artifact identity to key its files");
-    disk_ = std::make_unique<PrefixDisk>(
-        options_.prefix_cache_dir,
-        PrefixDiskKey{target_.identity(), options_.tokenizer_hash, state_.kv_scheme()});
+    disk_ = std::make_unique<PrefixDisk>(options_.prefix_cache_dir,
+                                         PrefixDiskKey{target_.identity(), options_.tokenizer_hash,
+                                                       state_.kv_scheme(), state_.kv_dtype()});
     cache_->attach_disk(disk_.get());
   }
   counters_.kv_blocks_total = options_.kv_blocks;

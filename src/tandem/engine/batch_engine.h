@@ -38,9 +38,10 @@
 namespace tandem {
 
 struct EngineOptions {
-  int max_rows = 0;            // rows admitted at once (prefilling + decoding); 0 = no limit
-  int64_t kv_blocks = 0;       // fixed KV pool in blocks; 0 = grow on demand (no budget)
-  size_t max_queue = 0;        // requests waiting for admission; 0 = no limit
+  int max_rows = 0;       // rows admitted at once (prefilling + decoding); 0 = no limit
+  int64_t kv_blocks = 0;  // fixed KV pool in blocks; 0 = grow on demand (no budget)
+  DType kv_dtype = Qwen35State::kDefaultKvDType;  // KV storage: BF16 or F32 (--kv-dtype)
+  size_t max_queue = 0;                           // requests waiting for admission; 0 = no limit
   int64_t prefill_budget = 0;  // prompt tokens per step (at least one chunk runs); 0 = all
   // Layers of a prefill forward run per step while other rows decode (layer-sliced prefill:
   // Qwen35Model::PromptForward); 0 = the whole forward in one step. A chunk's cost is then spread

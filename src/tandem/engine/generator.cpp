@@ -14,8 +14,9 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
 }
 }  // namespace
 
-Generator::Generator(const Qwen35Model& model, int64_t prefill_chunk)
-    : model_(model), prefill_chunk_(prefill_chunk) {
+Generator::Generator(const Qwen35Model& model, int64_t prefill_chunk, DType kv_dtype)
+    : model_(model), prefill_chunk_(prefill_chunk), kv_dtype_(kv_dtype) {
+  ops::check_kv_dtype(kv_dtype_, "Generator");
   if (prefill_chunk_ < 1) fail("the prefill chunk must be at least 1 token, got ", prefill_chunk_);
 }
 
@@ -154,7 +155,7 @@ std::vector<GenerateResult> Generator::run(const std::vector<GenerateRequest>& r
   std::vector<GenerateResult> results(B);
   if (B == 0) return results;
 
-  Qwen35State state(cfg);
+  Qwen35State state(cfg, RecurrentRollback::PerPositionStates, kv_dtype_);
   std::vector<int> slots(B);
   for (size_t i = 0; i < B; ++i) slots[i] = state.open_row();
 

@@ -57,8 +57,9 @@ bool append_token(const GenerateRequest& request, const Qwen35Config& cfg, int32
 
 class Generator {
  public:
-  // prefill_chunk: see kPrefillChunkTokens (>= 1).
-  explicit Generator(const Qwen35Model& model, int64_t prefill_chunk = kPrefillChunkTokens);
+  // prefill_chunk: see kPrefillChunkTokens (>= 1). kv_dtype: the KV's storage (Qwen35State).
+  explicit Generator(const Qwen35Model& model, int64_t prefill_chunk = kPrefillChunkTokens,
+                     DType kv_dtype = Qwen35State::kDefaultKvDType);
   // Validates every request first (empty prompt, ids out of range, sampling parameters,
   // max_tokens < 1 → Error), then runs them all as one batch.
   std::vector<GenerateResult> run(const std::vector<GenerateRequest>& requests,
@@ -72,6 +73,7 @@ class Generator {
                      std::vector<GenerateResult>& results, GenerateStats& st) const;
   const Qwen35Model& model_;
   int64_t prefill_chunk_;
+  DType kv_dtype_;
 };
 
 }  // namespace tandem

@@ -23,14 +23,13 @@ size_t checkpoint_bytes(const spec::Checkpoint* c) {
   return n;
 }
 
-// fn(block, first position, floats) for each block of a length-token prefix's KV, in order: a
-// block's keys (and its values) are contiguous, so each is one copy.
+// fn(block, first position, positions) for each block of a length-token prefix's KV, in order:
+// a block's keys (and its values) are contiguous, so each is one copy.
 template <class Fn>
-void for_each_block_run(std::span<const int32_t> blocks, int64_t length, int64_t kv_token_floats,
-                        Fn fn) {
+void for_each_block_run(std::span<const int32_t> blocks, int64_t length, Fn fn) {
   for (int64_t p = 0; p < length; p += Qwen35State::kBlockSize)
     fn(blocks[static_cast<size_t>(p / Qwen35State::kBlockSize)], p,
-       kv_token_floats * std::min(Qwen35State::kBlockSize, length - p));
+       std::min(Qwen35State::kBlockSize, length - p));
 }
 
 struct HashState {
@@ -215,18 +214,19 @@ PrefixRecord PrefixCache::record(const Entry& e) const {
   r.tokens = e.tokens;
   const int64_t length = static_cast<int64_t>(e.tokens.size());
   const int64_t layers = state_.attention_layers();
-  const int64_t kvf = state_.kv_token_floats();
+  const size_t row = state_.kv_token_bytes();
+  r.kv_dtype = state_.kv_dtype();
   r.keys.resize(static_cast<size_t>(layers));
   r.values.resize(static_cast<size_t>(layers));
   for (int64_t l = 0; l < layers; ++l) {
     const ops::KVLayerView kv = state_.kv_layer(static_cast<int>(l));
     auto& k = r.keys[static_cast<size_t>(l)];
     auto& v = r.values[static_cast<size_t>(l)];
-    k.resize(static_cast<size_t>(length * kvf));
-    v.resize(static_cast<size_t>(length * kvf));
-    for_each_block_run(e.blocks, length, kvf, [&](int32_t b, int64_t p, int64_t floats) {
-      ops::copy_to_host(k.data() + p * kvf, kv.key(b, 0), sizeof(float) * floats);
-      ops::copy_to_host(v.data() + p * kvf, kv.value(b, 0), sizeof(float) * floats);
+    k.resize(static_cast<size_t>(length) * row);
+    v.resize(static_cast<size_t>(length) * row);
+    for_each_block_run(e.blocks, length, [&](int32_t b, int64_t p, int64_t n) {
+      ops::copy_to_host(k.data() + p * row, kv.key(b, 0), row * static_cast<size_t>(n));
+      ops::copy_to_host(v.data() + p * row, kv.value(b, 0), row * static_cast<size_t>(n));
     });
   }
   r.linear.resize(static_cast<size_t>(state_.linear_state_floats()));
@@ -241,12 +241,12 @@ bool PrefixCache::load(PrefixRecord&& r) {
   if (length < 1 || static_cast<int64_t>(r.keys.size()) != layers ||
       static_cast<int64_t>(r.values.size()) != layers ||
       static_cast<int64_t>(r.linear.size()) != state_.linear_state_floats() ||
-      (r.draft && r.draft->processed_tokens != length))
+      (r.draft && r.draft->processed_tokens != length) || r.kv_dtype != state_.kv_dtype())
     return false;
-  const int64_t kvf = state_.kv_token_floats();
+  const size_t kv_bytes = static_cast<size_t>(length) * state_.kv_token_bytes();  // per layer
   for (int64_t l = 0; l < layers; ++l)
-    if (static_cast<int64_t>(r.keys[static_cast<size_t>(l)].size()) != length * kvf ||
-        static_cast<int64_t>(r.values[static_cast<size_t>(l)].size()) != length * kvf)
+    if (r.keys[static_cast<size_t>(l)].size() != kv_bytes ||
+        r.values[static_cast<size_t>(l)].size() != kv_bytes)
       return false;
   const int64_t nblocks = layers > 0 ? Qwen35State::blocks_for(length) : 0;
   const size_t own = sizeof(float) * r.linear.size() + checkpoint_bytes(r.draft.get());
@@ -262,23 +262,22 @@ bool PrefixCache::load(PrefixRecord&& r) {
     return false;
   }
   if (layers > 0) {
-    // Each layer's keys and values go up in one copy each and kv_write scatters them into the
-    // entry's blocks: two large copies per layer, not two per block (on a GPU a small copy costs
-    // more in latency than in bytes).
+    // Each layer's keys and values go up in one copy each and kv_write_stored scatters them into
+    // the entry's blocks: two large copies per layer, not two per block (on a GPU a small copy
+    // costs more in latency than in bytes).
     std::vector<int64_t> pos(static_cast<size_t>(length));
     for (int64_t p = 0; p < length; ++p) pos[static_cast<size_t>(p)] = p;
     load_pos_.grow_to(length);
     load_table_.grow_to(nblocks);
-    load_k_.grow_to(length * kvf);
-    load_v_.grow_to(length * kvf);
+    load_k_.grow_to(static_cast<int64_t>(kv_bytes));
+    load_v_.grow_to(static_cast<int64_t>(kv_bytes));
     ops::copy_from_host(load_pos_.data(), pos.data(), sizeof(int64_t) * pos.size());
     ops::copy_from_host(load_table_.data(), e.blocks.data(), sizeof(int32_t) * e.blocks.size());
     for (int64_t l = 0; l < layers; ++l) {
-      const size_t bytes = sizeof(float) * static_cast<size_t>(length * kvf);
-      ops::copy_from_host(load_k_.data(), r.keys[static_cast<size_t>(l)].data(), bytes);
-      ops::copy_from_host(load_v_.data(), r.values[static_cast<size_t>(l)].data(), bytes);
-      ops::kv_write(state_.kv_layer(static_cast<int>(l)), load_table_.data(), load_pos_.data(),
-                    length, load_k_.data(), load_v_.data());
+      ops::copy_from_host(load_k_.data(), r.keys[static_cast<size_t>(l)].data(), kv_bytes);
+      ops::copy_from_host(load_v_.data(), r.values[static_cast<size_t>(l)].data(), kv_bytes);
+      ops::kv_write_stored(state_.kv_layer(static_cast<int>(l)), load_table_.data(),
+                           load_pos_.data(), length, load_k_.data(), load_v_.data());
     }
   }
   e.linear.grow_to(state_.linear_state_floats());

@@ -124,7 +124,7 @@ class PrefixCache {
   // values (grown, reused).
   Buffer<int64_t> load_pos_;
   Buffer<int32_t> load_table_;
-  Buffer<float> load_k_, load_v_;
+  Buffer<std::byte> load_k_, load_v_;
   int64_t disk_writes_ = 0, disk_loads_ = 0;
 
   size_t bytes() const { return own_bytes_ + block_uses_.size() * block_bytes_; }

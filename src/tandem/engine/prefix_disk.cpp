@@ -59,6 +59,11 @@ std::vector<int64_t> as_shape(const json& v, const char* what) {
   return shape;
 }
 
+// The section dtype of KV stored as `t` (F32 or BF16).
+const char* kv_section_dtype(DType t) {
+  return t == DType::BF16 ? "bf16" : "f32";
+}
+
 // An open file with its header parsed; sections are read from it on demand. Throws Error on
 // anything malformed.
 struct Parsed {
@@ -95,10 +100,11 @@ Parsed parse(const std::string& path) {
 }
 
 // A section's values, read straight into their vector and checked against the section's header
-// entry (dtype, shape, bounds, size, content hash).
+// entry (dtype, shape, bounds, size, content hash). Elements are element_bytes each (a multiple
+// of sizeof(T): bf16 sections read as bytes).
 template <class T>
-std::vector<T> section_values(Parsed& p, const std::string& name, const char* dtype) {
-  static_assert(sizeof(T) == 4, "sections hold 4-byte elements");
+std::vector<T> section_values(Parsed& p, const std::string& name, const char* dtype,
+                              size_t element_bytes = sizeof(T)) {
   for (const json& s : p.header.at("sections")) {
     if (s.at("name").get<std::string>() != name) continue;
     if (s.at("dtype").get<std::string>() != dtype) fail("section ", name, ": dtype");
@@ -111,11 +117,11 @@ std::vector<T> section_values(Parsed& p, const std::string& name, const char* dt
     }
     const uint64_t off = as_count(s.at("offset"), "offset");
     const uint64_t size = as_count(s.at("bytes"), "bytes");
-    if (size != static_cast<uint64_t>(n) * 4) fail("section ", name, ": size");
+    if (size != static_cast<uint64_t>(n) * element_bytes) fail("section ", name, ": size");
     const uint64_t room = p.size - p.payload;
     if (off > room || size > room - off)
       fail("section ", name, ": past the end of the file (truncated?)");
-    std::vector<T> v(static_cast<size_t>(n));
+    std::vector<T> v(static_cast<size_t>(size / sizeof(T)));
     if (size > 0) {  // an empty vector's data() may be null
       p.in.seekg(static_cast<std::streamoff>(p.payload + off));
       p.in.read(reinterpret_cast<char*>(v.data()), static_cast<std::streamsize>(size));
@@ -197,20 +203,24 @@ std::string PrefixDisk::file_name(std::span<const int32_t> tokens) const {
 }
 
 bool PrefixDisk::write(const PrefixRecord& r) {
+  TANDEM_CHECK(r.kv_dtype == key_.kv_dtype, "prefix disk: a record of ", dtype_name(r.kv_dtype),
+               " KV written under a ", dtype_name(key_.kv_dtype), " key");
   std::vector<Section> sections;
   const int64_t n = static_cast<int64_t>(r.tokens.size());
   sections.push_back({"tokens", "i32", {n}, r.tokens.data(), r.tokens.size() * 4});
+  const char* kv_dtype = kv_section_dtype(r.kv_dtype);
+  const size_t kv_element = dtype_size(r.kv_dtype);
   for (size_t l = 0; l < r.keys.size(); ++l) {
     sections.push_back({"kv." + std::to_string(l) + ".keys",
-                        "f32",
-                        {static_cast<int64_t>(r.keys[l].size())},
+                        kv_dtype,
+                        {static_cast<int64_t>(r.keys[l].size() / kv_element)},
                         r.keys[l].data(),
-                        r.keys[l].size() * 4});
+                        r.keys[l].size()});
     sections.push_back({"kv." + std::to_string(l) + ".values",
-                        "f32",
-                        {static_cast<int64_t>(r.values[l].size())},
+                        kv_dtype,
+                        {static_cast<int64_t>(r.values[l].size() / kv_element)},
                         r.values[l].data(),
-                        r.values[l].size() * 4});
+                        r.values[l].size()});
   }
   sections.push_back({"linear",
                       "f32",
@@ -319,9 +329,15 @@ std::optional<PrefixRecord> PrefixDisk::read(const std::string& path) {
       fail(path, ": token count");
     const uint64_t layers = as_count(p.header.at("attention_layers"), "attention_layers");
     if (layers > 4096) fail(path, ": attention layers");
+    // The KV's storage is part of the key; the sections must say the same.
+    r.kv_dtype = key_.kv_dtype;
+    const char* kv_dtype = kv_section_dtype(r.kv_dtype);
+    const size_t kv_element = dtype_size(r.kv_dtype);
     for (uint64_t l = 0; l < layers; ++l) {
-      r.keys.push_back(section_values<float>(p, "kv." + std::to_string(l) + ".keys", "f32"));
-      r.values.push_back(section_values<float>(p, "kv." + std::to_string(l) + ".values", "f32"));
+      r.keys.push_back(
+          section_values<std::byte>(p, "kv." + std::to_string(l) + ".keys", kv_dtype, kv_element));
+      r.values.push_back(section_values<std::byte>(p, "kv." + std::to_string(l) + ".values",
+                                                   kv_dtype, kv_element));
     }
     r.linear = section_values<float>(p, "linear", "f32");
     if (p.header.contains("draft")) {

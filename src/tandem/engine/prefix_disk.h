@@ -17,12 +17,14 @@
 // Not thread-safe: one engine loop uses one PrefixDisk; several processes may share the folder.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <optional>
 #include <span>
 #include <string>
 #include <vector>
 
+#include "tandem/core/dtype.h"
 #include "tandem/spec/checkpoint.h"
 
 namespace tandem {
@@ -32,14 +34,18 @@ struct PrefixDiskKey {
   std::string target_identity;  // artifact identity of the weights and config
   std::string tokenizer_hash;   // of the tokenizer the token ids came from ("" = none)
   std::string kv_scheme;        // layout of the state: dtype, block size, layer and head shapes
+  DType kv_dtype = DType::F32;  // how the KV stores keys and values (part of kv_scheme)
 };
 
 // One boundary's state on the host.
 struct PrefixRecord {
   std::vector<int32_t> tokens;
-  std::vector<std::vector<float>> keys, values;  // per attention layer: [tokens, kv heads, dim]
-  std::vector<float> linear;                     // [linear layers][conv | recurrent]
-  spec::CheckpointPtr draft;                     // the drafter's checkpoint; may be null
+  // Per attention layer: [tokens, kv heads, dim] elements of kv_dtype (F32 or BF16), as the KV
+  // stores them, so a restore writes the very bits that were saved.
+  DType kv_dtype = DType::F32;
+  std::vector<std::vector<std::byte>> keys, values;
+  std::vector<float> linear;  // [linear layers][conv | recurrent]
+  spec::CheckpointPtr draft;  // the drafter's checkpoint; may be null
 };
 
 class PrefixDisk {

@@ -23,11 +23,13 @@ double SpecStats::acceptance_rate() const {
 
 SpeculativeGenerator::SpeculativeGenerator(const Qwen35Model& model,
                                            const spec::DraftProvider* drafter,
-                                           std::string target_identity, SpecOptions options)
+                                           std::string target_identity, SpecOptions options,
+                                           DType kv_dtype)
     : model_(model),
       drafter_(drafter),
       target_(model, std::move(target_identity)),
-      options_(options) {
+      options_(options),
+      kv_dtype_(kv_dtype) {
   if (options_.depth < 0 || options_.depth > 16) fail("--depth must be in 0..16");
 }
 
@@ -44,6 +46,7 @@ std::vector<GenerateResult> SpeculativeGenerator::run(const std::vector<Generate
   // chunk prefilled before the first round (no budget), the pool grown on demand.
   EngineOptions eo;
   eo.spec = options_;
+  eo.kv_dtype = kv_dtype_;
   BatchEngine engine(model_, drafter_, target_.identity(), eo);
 
   class Collect : public RequestSink {

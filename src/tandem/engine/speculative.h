@@ -47,8 +47,10 @@ struct SpecStats {
 class SpeculativeGenerator {
  public:
   // `drafter` may be null: rounds then carry no proposals (a plain decode step each).
+  // kv_dtype: the KV's storage (EngineOptions::kv_dtype).
   SpeculativeGenerator(const Qwen35Model& model, const spec::DraftProvider* drafter,
-                       std::string target_identity, SpecOptions options);
+                       std::string target_identity, SpecOptions options,
+                       DType kv_dtype = Qwen35State::kDefaultKvDType);
 
   // Same contract as Generator::run; `spec_stats` (optional) receives one entry per request.
   std::vector<GenerateResult> run(const std::vector<GenerateRequest>& requests,
@@ -61,6 +63,7 @@ class SpeculativeGenerator {
   const spec::DraftProvider* drafter_;
   spec::TargetView target_;
   SpecOptions options_;
+  DType kv_dtype_;
 };
 
 }  // namespace tandem

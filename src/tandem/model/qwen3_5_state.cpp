@@ -6,8 +6,9 @@
 
 namespace tandem {
 
-Qwen35State::Qwen35State(const Qwen35Config& cfg, RecurrentRollback rollback)
-    : rollback_(rollback) {
+Qwen35State::Qwen35State(const Qwen35Config& cfg, RecurrentRollback rollback, DType kv_dtype)
+    : rollback_(rollback), kv_dtype_(kv_dtype) {
+  ops::check_kv_dtype(kv_dtype, "Qwen35State");
   for (LayerKind k : cfg.layer_types) (k == LayerKind::FullAttention ? n_attn_ : n_linear_)++;
   kv_heads_ = cfg.num_key_value_heads;
   head_dim_ = cfg.head_dim;
@@ -43,11 +44,12 @@ void Qwen35State::set_capacity(const Capacity& cap) {
   fixed_ = true;
 }
 
-size_t Qwen35State::block_bytes(const Qwen35Config& cfg) {
+size_t Qwen35State::block_bytes(const Qwen35Config& cfg, DType kv_dtype) {
+  ops::check_kv_dtype(kv_dtype, "Qwen35State::block_bytes");
   int64_t n_attn = 0;
   for (LayerKind k : cfg.layer_types) n_attn += k == LayerKind::FullAttention;
   return static_cast<size_t>(n_attn * 2 * kBlockSize * cfg.num_key_value_heads * cfg.head_dim) *
-         sizeof(float);
+         dtype_size(kv_dtype);
 }
 
 size_t Qwen35State::row_bytes(const Qwen35Config& cfg, int64_t window_tokens,
@@ -104,8 +106,8 @@ bool Qwen35State::row_open(int slot) const {
 
 void Qwen35State::grow_pool(int64_t min_free) {
   const int64_t add = std::max<int64_t>({min_free, n_blocks_, 16});
-  const int64_t floats_per_block = 2 * kBlockSize * kv_heads_ * head_dim_;
-  for (auto& pool : kv_pools_) pool.grow_to((n_blocks_ + add) * floats_per_block);
+  const int64_t per_block = 2 * kBlockSize * static_cast<int64_t>(kv_token_bytes());
+  for (auto& pool : kv_pools_) pool.grow_to((n_blocks_ + add) * per_block);
   for (int64_t b = n_blocks_ + add - 1; b >= n_blocks_; --b)
     free_blocks_.push_back(static_cast<int32_t>(b));
   n_blocks_ += add;
@@ -134,10 +136,10 @@ int32_t Qwen35State::copy_block(int32_t src) {
   std::vector<int32_t> taken;
   take_blocks(1, &taken);
   const int32_t dst = taken[0];
-  const int64_t floats_per_block = 2 * kBlockSize * kv_heads_ * head_dim_;
+  const int64_t per_block = 2 * kBlockSize * static_cast<int64_t>(kv_token_bytes());
   for (auto& pool : kv_pools_)
-    ops::copy(pool.data() + dst * floats_per_block, pool.data() + src * floats_per_block,
-              sizeof(float) * static_cast<size_t>(floats_per_block));
+    ops::copy(pool.data() + dst * per_block, pool.data() + src * per_block,
+              static_cast<size_t>(per_block));
   return dst;
 }
 
@@ -156,10 +158,11 @@ void Qwen35State::take_blocks(int64_t n, std::vector<int32_t>* out) {
 }
 
 std::string Qwen35State::kv_scheme() const {
-  return "f32 block=" + std::to_string(kBlockSize) + " attention=" + std::to_string(n_attn_) + "x" +
-         std::to_string(kv_heads_) + "x" + std::to_string(head_dim_) +
-         " linear=" + std::to_string(n_linear_) + "x" + std::to_string(conv_floats_) + "+" +
-         std::to_string(rec_floats_);
+  return std::string(kv_dtype_ == DType::BF16 ? "kv=bf16" : "kv=f32") +
+         " state=f32 block=" + std::to_string(kBlockSize) +
+         " attention=" + std::to_string(n_attn_) + "x" + std::to_string(kv_heads_) + "x" +
+         std::to_string(head_dim_) + " linear=" + std::to_string(n_linear_) + "x" +
+         std::to_string(conv_floats_) + "+" + std::to_string(rec_floats_);
 }
 
 void Qwen35State::attach_prefix(int slot, std::span<const int32_t> blocks, int64_t length,
@@ -198,6 +201,7 @@ void Qwen35State::reserve(int slot, int64_t new_length) {
 ops::KVLayerView Qwen35State::kv_layer(int attn_layer) {
   ops::KVLayerView v;
   v.pool = kv_pools_.at(attn_layer).data();
+  v.dtype = kv_dtype_;
   v.block_size = kBlockSize;
   v.n_kv_heads = kv_heads_;
   v.head_dim = head_dim_;
@@ -289,7 +293,7 @@ float* Qwen35State::window_b(int slot, int linear_layer) {
 
 size_t Qwen35State::bytes() const {
   size_t n = 0;
-  for (const auto& p : kv_pools_) n += static_cast<size_t>(p.size()) * sizeof(float);
+  for (const auto& p : kv_pools_) n += static_cast<size_t>(p.size());
   for (const auto& s : linear_state_) n += static_cast<size_t>(s.size()) * sizeof(float);
   for (const Row& r : rows_) n += static_cast<size_t>(r.window.size()) * sizeof(float);
   return n;

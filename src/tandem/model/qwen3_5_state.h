@@ -36,9 +36,14 @@ class Qwen35State {
   // PerPositionStates is the default: cheaper per verify round once windows are rejected more
   // than ~1 round in 5 (measured on CPU, bench/rollback_bench.cpp, BENCHMARKS.md), at the price
   // of window-size x recurrent state of memory per row (SnapshotReplay: 1x).
+  // kv_dtype: how the KV stores keys and values (ops::KVLayerView): BF16 (the default, half the
+  // memory and bandwidth) or F32. Conv and recurrent states are fp32 either way.
   explicit Qwen35State(const Qwen35Config& cfg,
-                       RecurrentRollback rollback = RecurrentRollback::PerPositionStates);
+                       RecurrentRollback rollback = RecurrentRollback::PerPositionStates,
+                       DType kv_dtype = kDefaultKvDType);
+  static constexpr DType kDefaultKvDType = DType::BF16;
   RecurrentRollback rollback() const { return rollback_; }
+  DType kv_dtype() const { return kv_dtype_; }
 
   // A pool sized once (a server's memory budget, DESIGN.md §7). After set_capacity nothing the
   // state holds grows or moves: open_row throws when every slot is taken, reserve throws (before
@@ -54,7 +59,7 @@ class Qwen35State {
   bool fixed() const { return fixed_; }
   // Bytes one KV block and one row slot (state + its largest window buffer) hold: what a memory
   // budget divides into.
-  static size_t block_bytes(const Qwen35Config& cfg);
+  static size_t block_bytes(const Qwen35Config& cfg, DType kv_dtype = kDefaultKvDType);
   static size_t row_bytes(const Qwen35Config& cfg, int64_t window_tokens,
                           RecurrentRollback rollback = RecurrentRollback::PerPositionStates);
   static int64_t blocks_for(int64_t tokens) { return (tokens + kBlockSize - 1) / kBlockSize; }
@@ -113,7 +118,11 @@ class Qwen35State {
   int64_t conv_state_floats() const { return conv_floats_; }
   int64_t recurrent_state_floats() const { return rec_floats_; }
   int64_t attention_layers() const { return n_attn_; }
-  int64_t kv_token_floats() const { return kv_heads_ * head_dim_; }  // one token's keys (or values)
+  // One position's keys (or values) of one layer: elements, and bytes as stored.
+  int64_t kv_token_elements() const { return kv_heads_ * head_dim_; }
+  size_t kv_token_bytes() const {
+    return static_cast<size_t>(kv_token_elements()) * dtype_size(kv_dtype_);
+  }
   int64_t linear_layers() const { return n_linear_; }
 
   // --- Speculative windows (driven by Qwen35Model::forward / commit_windows) ---
@@ -155,12 +164,13 @@ class Qwen35State {
     Buffer<float> window;                    // per-slot speculative buffer, layout per `rollback_`
   };
   RecurrentRollback rollback_;
+  DType kv_dtype_;
   bool fixed_ = false;
   int64_t max_window_ = 0;  // fixed pool: the window buffers' size in tokens
   int64_t n_attn_ = 0, n_linear_ = 0, kv_heads_ = 0, head_dim_ = 0;
   int64_t conv_floats_ = 0, rec_floats_ = 0, conv_dim_ = 0, n_v_heads_ = 0;
   std::vector<Row> rows_;
-  std::vector<Buffer<float>> kv_pools_;  // per attention layer
+  std::vector<Buffer<std::byte>> kv_pools_;  // per attention layer, elements of kv_dtype_
   int64_t n_blocks_ = 0;
   std::vector<int32_t> free_blocks_;
   std::vector<int32_t> holders_;             // per block: rows listing it + retains; 0 = free

@@ -142,7 +142,10 @@ QwenMtpRows::QwenMtpRows(std::shared_ptr<const QwenMtpBlock> block, const Target
 
 ops::KVLayerView QwenMtpRows::kv_view() {
   ops::KVLayerView v;
+  // The drafter's one layer keeps fp32 KV, whatever the target's: its checkpoints are fp32
+  // tensors, and one layer's KV is a small part of the target's.
   v.pool = pool_.data();
+  v.dtype = DType::F32;
   v.block_size = kBlockSize;
   v.n_kv_heads = kv_heads_;
   v.head_dim = head_dim_;
@@ -561,7 +564,8 @@ CheckpointPtr QwenMtpRows::capture(int row) const {
   keys.data.resize(static_cast<size_t>(r.length * kvf));
   values.data.resize(static_cast<size_t>(r.length * kvf));
   ops::KVLayerView kv;
-  kv.pool = const_cast<float*>(pool_.data());  // read only
+  kv.pool = const_cast<float*>(pool_.data());  // read only; fp32 as in kv_view()
+  kv.dtype = DType::F32;
   kv.block_size = kBlockSize;
   kv.n_kv_heads = kv_heads_;
   kv.head_dim = head_dim_;

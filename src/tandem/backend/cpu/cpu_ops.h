@@ -20,6 +20,8 @@ void rope(float* x, int64_t n_tokens, int64_t n_heads, int64_t head_dim, int64_t
           const int64_t* positions, const float* inv_freq);
 void kv_write(const ops::KVLayerView& kv, const int32_t* block_table, const int64_t* positions,
               int64_t n, const float* k, const float* v);
+void kv_write_stored(const ops::KVLayerView& kv, const int32_t* block_table,
+                     const int64_t* positions, int64_t n, const void* k, const void* v);
 // kv_write at physical slots (block · block_size + offset) instead of a block table and positions
 // (qk_norm_rope's KV target); negative slots are skipped.
 void kv_write_slots(const ops::KVLayerView& kv, const int64_t* slots, int64_t n, const float* k,

@@ -1,4 +1,5 @@
-// Paged-KV causal attention (GQA) and the KV write, fp32 throughout.
+// Paged-KV causal attention (GQA) and the KV write. Arithmetic is fp32 throughout; the KV is
+// stored in fp32 or bf16 (kv_element.cuh: bf16 values are widened exactly as they are loaded).
 //
 // Positions are device memory. A query at position P (read from `positions`) attends to
 // positions 0..P; the host knows only an upper bound on P (position_bound), which sizes the grid
@@ -31,6 +32,7 @@
 #include "tandem/backend/cuda/activation.cuh"
 #include "tandem/backend/cuda/check.cuh"
 #include "tandem/backend/cuda/cuda_ops.h"
+#include "tandem/backend/cuda/kv_element.cuh"
 #include "tandem/core/error.h"
 
 namespace tandem::cuda {
@@ -90,13 +92,15 @@ int64_t max_partitions(int64_t bound) {
   return most;
 }
 
-// The read side of a KVLayerView, with the block table, for kernels.
+// The read side of a KVLayerView, with the block table, for kernels. T: the stored element
+// (float, or uint16_t holding bf16).
+template <class T>
 struct PagedKV {
-  const float* pool;
+  const T* pool;
   const int32_t* block_table;
   uint32_t block_size;
-  int64_t row;  // n_kv_heads * head_dim floats per position
-  // Float offset of position p's key row in pool; its value row is block_size * row further.
+  int64_t row;  // n_kv_heads * head_dim elements per position
+  // Element offset of position p's key row in pool; its value row is block_size * row further.
   // Positions fit 32 bits (checked on the host), which keeps the division cheap.
   __device__ int64_t key_offset(uint32_t p) const {
     const int64_t block = __ldg(block_table + p / block_size);
@@ -179,9 +183,9 @@ constexpr int log2_int(int v) {
 //  3. The last block of (t, c) merges the query's partitions in partition order:
 //     M = max m_s, w_s = exp2(m_s - M), out = (Σ_s w_s · acc_s) / (Σ_s w_s · l_s).
 // Every order above is fixed by the query's position alone.
-template <int KV4, int G>
+template <int KV4, int G, class T>
 __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
-    attention_kernel(PagedKV kv, const int32_t* tables, int64_t table_stride,
+    attention_kernel(PagedKV<T> kv, const int32_t* tables, int64_t table_stride,
                      const int64_t* query_rows, const int64_t* positions, int64_t position_bound,
                      int64_t first_query, int64_t n_heads, int64_t group, int64_t head_dim,
                      const float* q, float score_scale, int64_t slots, int64_t m_offset,
@@ -281,9 +285,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
     for (int u = 0; u < R; ++u)
 #pragma unroll
       for (int k = 0; k < KV4; ++k) {
-        const float* kp = kv.pool + off[u] + 4 * (lane + 32 * k);
-        kr[u][k] = live[k] ? ldg4(kp) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        vr[u][k] = live[k] ? ldg4(kp + value_shift) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        const T* kp = kv.pool + off[u] + 4 * (lane + 32 * k);
+        kr[u][k] = live[k] ? load_kv4(kp) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        vr[u][k] = live[k] ? load_kv4(kp + value_shift) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
       }
     // The next round's block-table reads go out with this round's rows.
     if (r0 + kRoundRows < plen) row_offsets(r0 + kRoundRows);
@@ -437,22 +441,41 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
   *reinterpret_cast<float4*>(out + out_base + og * head_dim + oi) = r;
 }
 
-// One block per token; threads copy the token's key and value rows (n_kv_heads · head_dim) to
-// its position, read from `positions`.
-__global__ void kv_write_kernel(float* pool, const int32_t* block_table, int64_t block_size,
-                                int64_t row, const int64_t* positions, const float* k,
-                                const float* v) {
+// One block per token; threads store the token's key and value rows (n_kv_heads · head_dim
+// fp32 values) at its position, read from `positions`, in the pool's storage (bf16: rounded).
+__global__ void kv_write_kernel(void* pool, bool bf16, const int32_t* block_table,
+                                int64_t block_size, int64_t row, const int64_t* positions,
+                                const float* k, const float* v) {
   pdl_wait();
   pdl_release();
   const int64_t t = blockIdx.x;
   const int64_t p = positions[t];
   if (p < 0) return;  // the caller's bug; better no write than one before the pool
   const int64_t block = block_table[p / block_size];
-  float* kd = pool + (block * 2 * block_size + p % block_size) * row;
-  float* vd = kd + block_size * row;
+  const int64_t kd = (block * 2 * block_size + p % block_size) * row;
+  const int64_t vd = kd + block_size * row;
   for (int64_t i = threadIdx.x; i < row; i += kKvWriteThreads) {
-    kd[i] = k[t * row + i];
-    vd[i] = v[t * row + i];
+    store_kv(pool, kd + i, k[t * row + i], bf16);
+    store_kv(pool, vd + i, v[t * row + i], bf16);
+  }
+}
+
+// kv_write_kernel for rows already in the pool's storage: `words` 32-bit words per row (a row
+// of either storage is a whole number of them: head_dim is even, checked on the host).
+__global__ void kv_write_stored_kernel(uint32_t* pool, const int32_t* block_table,
+                                       int64_t block_size, int64_t words, const int64_t* positions,
+                                       const uint32_t* k, const uint32_t* v) {
+  pdl_wait();
+  pdl_release();
+  const int64_t t = blockIdx.x;
+  const int64_t p = positions[t];
+  if (p < 0) return;
+  const int64_t block = block_table[p / block_size];
+  uint32_t* kd = pool + (block * 2 * block_size + p % block_size) * words;
+  uint32_t* vd = kd + block_size * words;
+  for (int64_t i = threadIdx.x; i < words; i += kKvWriteThreads) {
+    kd[i] = k[t * words + i];
+    vd[i] = v[t * words + i];
   }
 }
 
@@ -461,6 +484,7 @@ void check_kv_view(const ops::KVLayerView& kv, const char* op) {
   if (kv.block_size < 1 || kv.n_kv_heads < 1 || kv.head_dim < 1)
     fail(op, ": bad KV layout: block_size ", kv.block_size, ", n_kv_heads ", kv.n_kv_heads,
          ", head_dim ", kv.head_dim);
+  ops::check_kv_dtype(kv.dtype, op);
 }
 
 bool aligned16(const void* p) {
@@ -475,7 +499,21 @@ void kv_write(const ops::KVLayerView& kv, const int32_t* block_table, const int6
   if (n == 0) return;
   check_kv_view(kv, "kv_write");
   launch("kv_write", kv_write_kernel, grid_blocks(n, "kv_write"), kKvWriteThreads, 0, kv.pool,
-         block_table, kv.block_size, kv.n_kv_heads * kv.head_dim, positions, k, v);
+         kv.dtype == DType::BF16, block_table, kv.block_size, kv.row_elements(), positions, k, v);
+}
+
+void kv_write_stored(const ops::KVLayerView& kv, const int32_t* block_table,
+                     const int64_t* positions, int64_t n, const void* k, const void* v) {
+  if (n < 0) fail("kv_write_stored: bad token count ", n);
+  if (n == 0) return;
+  check_kv_view(kv, "kv_write_stored");
+  if (kv.row_bytes() % 4 != 0 || !aligned16(kv.pool) || !aligned16(k) || !aligned16(v))
+    fail("kv_write_stored: rows of ", kv.row_bytes(),
+         " bytes; rows must be whole 32-bit words and the pool, k and v 16-byte aligned");
+  launch("kv_write_stored", kv_write_stored_kernel, grid_blocks(n, "kv_write_stored"),
+         kKvWriteThreads, 0, static_cast<uint32_t*>(kv.pool), block_table, kv.block_size,
+         static_cast<int64_t>(kv.row_bytes() / 4), positions, static_cast<const uint32_t*>(k),
+         static_cast<const uint32_t*>(v));
 }
 
 namespace {
@@ -513,28 +551,35 @@ void launch_attention(const char* op, const ops::KVLayerView& kv, const int32_t*
   const int64_t per_launch =
       std::min({kScratchFloats / floats_per_query, kMaxGridY, kMaxCounters / n_chunks});
 
-  using Kernel = void (*)(PagedKV, const int32_t*, int64_t, const int64_t*, const int64_t*, int64_t,
-                          int64_t, int64_t, int64_t, int64_t, const float*, float, int64_t, int64_t,
-                          int64_t, float*, const float*);
-  const bool wide = head_dim > 128;
-  const Kernel kernel = chunk_heads == 4 ? (wide ? attention_kernel<2, 4> : attention_kernel<1, 4>)
-                        : chunk_heads == 2
-                            ? (wide ? attention_kernel<2, 2> : attention_kernel<1, 2>)
-                            : (wide ? attention_kernel<2, 1> : attention_kernel<1, 1>);
-  const PagedKV paged{kv.pool, block_table, static_cast<uint32_t>(kv.block_size),
-                      kv.n_kv_heads * head_dim};
   // Softmax in base 2: exp(x · scale) = exp2(x · scale · log2(e)).
   const float score_scale = scale * 1.44269504088896340736f;
-  for (int64_t first = 0; first < n; first += per_launch) {
-    const int64_t queries = std::min(per_launch, n - first);
-    const int64_t m_offset = queries * n_chunks * slots * chunk_heads * head_dim;
-    const int64_t l_offset = m_offset + queries * n_chunks * slots * chunk_heads;
-    const dim3 grid(static_cast<unsigned>(slots), static_cast<unsigned>(queries),
-                    static_cast<unsigned>(n_chunks));
-    launch(op, kernel, grid, kThreads, 0, paged, tables, table_stride, query_rows, positions,
-           position_bound, first, n_heads, group, head_dim, q, score_scale, slots, m_offset,
-           l_offset, out, gate);
-  }
+  const bool wide = head_dim > 128;
+  auto run = [&](auto element) {
+    using T = decltype(element);
+    using Kernel = void (*)(PagedKV<T>, const int32_t*, int64_t, const int64_t*, const int64_t*,
+                            int64_t, int64_t, int64_t, int64_t, int64_t, const float*, float,
+                            int64_t, int64_t, int64_t, float*, const float*);
+    const Kernel kernel =
+        chunk_heads == 4   ? (wide ? attention_kernel<2, 4, T> : attention_kernel<1, 4, T>)
+        : chunk_heads == 2 ? (wide ? attention_kernel<2, 2, T> : attention_kernel<1, 2, T>)
+                           : (wide ? attention_kernel<2, 1, T> : attention_kernel<1, 1, T>);
+    const PagedKV<T> paged{static_cast<const T*>(kv.pool), block_table,
+                           static_cast<uint32_t>(kv.block_size), kv.row_elements()};
+    for (int64_t first = 0; first < n; first += per_launch) {
+      const int64_t queries = std::min(per_launch, n - first);
+      const int64_t m_offset = queries * n_chunks * slots * chunk_heads * head_dim;
+      const int64_t l_offset = m_offset + queries * n_chunks * slots * chunk_heads;
+      const dim3 grid(static_cast<unsigned>(slots), static_cast<unsigned>(queries),
+                      static_cast<unsigned>(n_chunks));
+      launch(op, kernel, grid, kThreads, 0, paged, tables, table_stride, query_rows, positions,
+             position_bound, first, n_heads, group, head_dim, q, score_scale, slots, m_offset,
+             l_offset, out, gate);
+    }
+  };
+  if (kv.dtype == DType::BF16)
+    run(uint16_t{});
+  else
+    run(float{});
 }
 
 }  // namespace

@@ -125,6 +125,8 @@ void qk_norm_rope(const ops::QkNormRope& s, const float* qg, const ops::WeightRe
                   float* q, float* gate, float* k);
 void kv_write(const ops::KVLayerView& kv, const int32_t* block_table, const int64_t* positions,
               int64_t n, const float* k, const float* v);
+void kv_write_stored(const ops::KVLayerView& kv, const int32_t* block_table,
+                     const int64_t* positions, int64_t n, const void* k, const void* v);
 void attention(const ops::KVLayerView& kv, const int32_t* block_table, const int64_t* positions,
                int64_t n, int64_t position_bound, const float* q, int64_t n_heads, float scale,
                float* out, const float* gate = nullptr);

@@ -8,6 +8,7 @@
 #include "tandem/backend/cuda/activation.cuh"
 #include "tandem/backend/cuda/check.cuh"
 #include "tandem/backend/cuda/cuda_ops.h"
+#include "tandem/backend/cuda/kv_element.cuh"
 #include "tandem/backend/cuda/row_norm.cuh"
 #include "tandem/core/error.h"
 
@@ -286,12 +287,13 @@ __global__ void rope_kernel(float* x, int64_t n_tokens, int64_t n_heads, int64_t
 // rope pairs with rope_kernel's arithmetic; query blocks also copy the head's gate. k is
 // rewritten in place (each block owns its head). Requires head_dim <= kMaxQkHeadDim.
 // With a KV target (kv.pool set), a key block also writes its head's key and value rows to the
-// token's slot in the paged KV, the words kv_write would write.
+// token's slot in the paged KV, the values kv_write would store.
 constexpr int64_t kMaxQkHeadDim = 512;
 
 // Where qk_norm_rope writes keys and values as well (pool == nullptr: nowhere).
 struct KvTarget {
-  float* pool;
+  void* pool;
+  bool bf16;  // the pool's storage (else fp32)
   int64_t block_size;
   const int64_t* slots;  // physical slot per token: block · block_size + offset
   const float* v;        // [T, n_kv_heads, head_dim]
@@ -327,14 +329,14 @@ __global__ void __launch_bounds__(kNormThreads)
     sn[j] = sinf(angle);
   }
   // A key block's rows in the paged KV (null: none).
-  float *kd = nullptr, *vd = nullptr;
+  // kd, vd: element offsets of the key and value head rows in kv.pool (-1: none).
+  int64_t kd = -1, vd = -1;
   const float* vs = nullptr;
   if (!is_q && kv.pool) {
     const int64_t slot = kv.slots[t];
     if (slot >= 0) {
       const int64_t j = h - n_heads, row = n_kv_heads * hd;
-      kd = kv.pool + ((slot / kv.block_size) * 2 * kv.block_size + slot % kv.block_size) * row +
-           j * hd;
+      kd = ((slot / kv.block_size) * 2 * kv.block_size + slot % kv.block_size) * row + j * hd;
       vd = kd + kv.block_size * row;
       vs = kv.v + (t * n_kv_heads + j) * hd;
     }
@@ -361,12 +363,15 @@ __global__ void __launch_bounds__(kNormThreads)
       rotate_pair(a, b, cs[j], sn[j]);
       out[i] = a;
       out[i + half] = b;
-      if (kd) kd[i] = a, kd[i + half] = b;
+      if (kd >= 0) {
+        store_kv(kv.pool, kd + i, a, kv.bf16);
+        store_kv(kv.pool, kd + i + half, b, kv.bf16);
+      }
     } else if (i >= 2 * half) {
       out[i] = y[i];
-      if (kd) kd[i] = y[i];
+      if (kd >= 0) store_kv(kv.pool, kd + i, y[i], kv.bf16);
     }
-    if (vd) vd[i] = vs[i];
+    if (vd >= 0) store_kv(kv.pool, vd + i, vs[i], kv.bf16);
   }
 }
 
@@ -487,8 +492,9 @@ void qk_norm_rope(const ops::QkNormRope& s, const float* qg, const ops::WeightRe
     fail("qk_norm_rope: head_dim ", s.head_dim, " exceeds the CUDA kernel's ", kMaxQkHeadDim);
   const int64_t blocks = s.n_tokens * (s.n_heads + s.n_kv_heads);
   if (blocks == 0) return;
-  const KvTarget kv = s.kv ? KvTarget{s.kv->pool, s.kv->block_size, s.kv_slots, s.v}
-                           : KvTarget{nullptr, 0, nullptr, nullptr};
+  const KvTarget kv =
+      s.kv ? KvTarget{s.kv->pool, s.kv->dtype == DType::BF16, s.kv->block_size, s.kv_slots, s.v}
+           : KvTarget{nullptr, false, 0, nullptr, nullptr};
   launch("qk_norm_rope", qk_norm_rope_kernel, grid_blocks(blocks, "qk_norm_rope"), kNormThreads, 0,
          qg, q, gate, k, s.n_heads, s.n_kv_heads, s.head_dim, s.rotary_dim / 2,
          static_cast<const float*>(q_norm.data), static_cast<const float*>(k_norm.data),

@@ -149,15 +149,18 @@ void check_conv_weight(const ops::WeightRef& w, int64_t channels, int64_t kernel
 // value columns j = C·tile + 0..C-1 of head vh, all dk rows of each: columns evolve independently
 // in the delta rule, so blocks never share state. Lane = L·c + s (column c of the warp's 32 / L,
 // row part s) keeps ROWS = DK/L of the column's rows in registers: rows i = 4L·m + 4s + e
-// (m < ROWS/4, e < 4), i.e. float4 number L·m + s of a row vector. DK is dk padded up (64, 128 or
-// 256); padded rows hold 0 and their k̂, q̂ are 0, so they add exact zeros. At dk = dv = 128 and
-// 32 value heads, L = 8 gives 1024 warps, two per H200 warp scheduler: a decode step's token is
-// latency-bound (one token's arithmetic between a state load and a store), and the eighth of a
-// column per lane halves each warp's instruction chain and doubles the warps that hide it. A
-// prompt is a long chain of tokens per block, where the extra shuffle level of every sum costs
-// more than the parallelism gains (4096 tokens: 1.38 ms per layer at L = 8, 1.20 at L = 4). Both
-// are batch invariant; prompt tokens, like prompt linears, simply have numbers of their own. The
-// batched kernel adds the row as grid dimension z.
+// (m < ROWS/4, e < 4), i.e. float4 number L·m + s of a row vector. The state enters the registers
+// before a row's first token and leaves after its last (DeltaStateTile): at L = 8, where a lane's
+// own rows would use half of every memory sector they touch, as 16-byte row segments of the
+// block's tile through shared memory; at L = 4, and for per-token state_after, lane by lane. DK is
+// dk padded up (64, 128 or 256); padded rows hold 0 and their k̂, q̂ are 0, so they add exact zeros
+// (and are never stored). At dk = dv = 128 and 32 value heads, L = 8 gives 1024 warps, two per H200
+// warp scheduler: a decode step's token is latency-bound (one token's arithmetic between a state
+// load and a store), and the eighth of a column per lane halves each warp's instruction chain and
+// doubles the warps that hide it. A prompt is a long chain of tokens per block, where the extra
+// shuffle level of every sum costs more than the parallelism gains (4096 tokens: 1.38 ms per layer
+// at L = 8, 1.20 at L = 4). Both are batch invariant; prompt tokens, like prompt linears, simply
+// have numbers of their own. The batched kernel adds the row as grid dimension z.
 //
 // Time split. Tokens go in chunks of TOKENS (16; 8 at DK 256), double-buffered in shared memory.
 // For chunk c the block (A) waits for its cp.async copies (raw q, k of key head vh / group, the
@@ -189,8 +192,10 @@ constexpr unsigned kFullMask = 0xffffffffu;
 
 // Blocks per SM the decode kernel is compiled for. Its token is latency-bound, so resident warps
 // are what hides the state's round trip: at dk = 128, L = 8 (Qwen3.5's shape) the registers are
-// capped so that 5 blocks fit, 96 registers without spills (uncapped it took 164: 3 blocks); 6
-// would spill. Other shapes keep the compiler's choice. Registers never change a value.
+// capped so that 5 blocks fit, at most 96 registers without spills (uncapped it took 164: 3
+// blocks). 6 blocks (80 registers) spilled while each lane loaded its own state entries; since the
+// state goes through DeltaStateTile they compile without spills too (not yet measured). Other
+// shapes keep the compiler's choice. Registers never change a value.
 constexpr int delta_decode_min_blocks(int dk_padded, int lanes) {
   return dk_padded == 128 && lanes == 8 ? 5 : 1;
 }
@@ -367,20 +372,155 @@ __device__ __forceinline__ float delta_token(float (&Sr)[ROWS], const float (&kk
   return (oacc[0] + oacc[1]) + (oacc[2] + oacc[3]);
 }
 
-// A lane's ROWS entries of its column j of a head's state S [dk, dv]: rows 4L·m + 4s + e (see
-// the work split above); padding rows and columns past dv read as 0.
-template <int ROWS, int L>
-__device__ __forceinline__ void load_state_column(float (&Sr)[ROWS], const float* S,
-                                                  const DeltaArgs& g, int s, int64_t j,
-                                                  bool column) {
-#pragma unroll
-  for (int m = 0; m < ROWS / 4; ++m)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int i = 4 * L * m + 4 * s + e;
-      Sr[4 * m + e] = column && i < g.dk ? S[i * g.dv + j] : 0.0f;
-    }
+// Component e of v (e is a constant once the loops are unrolled: registers, never local memory).
+__device__ __forceinline__ float component(const float4& v, int e) {
+  return e == 0 ? v.x : e == 1 ? v.y : e == 2 ? v.z : v.w;
 }
+
+// A block's tile of a head's state (all DK rows of its COLS columns) and how it travels between
+// global memory and the lanes' registers, Sr[4m + e] = row 4(L·m + s) + e of the lane's column:
+// the initial load and the final store (delta_rule_row's per-token state_after stays per lane).
+// Direct (the fallback, and L = 4): each lane loads and stores its own entries, one float each.
+// A warp's lanes cover 32 / L columns, so at L = 8 an instruction touches 8 rows × 16 bytes, half
+// of every 32-byte sector. Staged (L = 8, where a warp's columns fill less than a sector; needs
+// 16-byte rows: dv % 4 == 0, S and after 16-byte aligned): the block moves the tile in slots of
+// 16 bytes (4 columns of a row, see slot()) through shared memory, where it lies column by column,
+// tile[c·kStride + i], so that a lane's four rows 4(L·m + s) + 0..3 are one float4 (a quarter
+// warp, one column's s = 0..7, reads or writes 128 contiguous bytes: no bank conflict). __ldca and
+// __stwb are the default cache policies, spelled out so that each slot is one 16-byte instruction
+// (a plain float4 store was split into four in some unrolled copies). `staged` is uniform over
+// the block, whose every thread must then call to_lanes and store (they hold barriers). Every
+// value travels unchanged: the route never changes a result.
+template <int DK, int L>
+struct DeltaStateTile {
+  static constexpr int ROWS = DK / L;             // a lane's entries
+  static constexpr int COLS = kDeltaThreads / L;  // the block's columns
+  static constexpr int kSlots = ROWS / 4;         // a thread's slots: DK·COLS/4 per block
+  static constexpr int kStride = DK + 4;          // floats between the tile's columns
+  static constexpr int kFloats = COLS * kStride;  // the tile's shared memory, in floats
+  static constexpr bool kStaged = (32 / L) * sizeof(float) < 32;
+  static_assert(!kStaged || (DK % 16 == 0 && COLS % 8 == 0 && kStride % 8 == 4),
+                "slot() needs 16-row groups, pairs of slots per row and kStride % 8 == 4");
+
+  // dk and dv are read from g where used: copies would hold registers through a token loop.
+  const DeltaArgs& g;
+  float* S;      // the head's state [dk, dv], from the block's first column
+  float* after;  // the same in state_after, or null: store() writes both
+  int ncols;     // the block's columns below dv
+  int s, col;    // the lane's row part and column in the block
+  bool staged;   // uniform over the block
+
+  __device__ DeltaStateTile(const DeltaArgs& g_, float* state, float* state_after, int64_t col0,
+                            int s_, int col_)
+      : g(g_),
+        S(state + col0),
+        after(state_after ? state_after + col0 : nullptr),
+        ncols(static_cast<int>(min64(COLS, g_.dv - col0))),
+        s(s_),
+        col(col_) {
+    const auto aligned16 = [](const float* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+    staged = kStaged && g.dv % 4 == 0 && aligned16(S) && (after == nullptr || aligned16(after));
+  }
+
+  // Slot r of this thread: float4 f (columns 4f .. 4f+3) of row i. The 32 slots of a warp's r are
+  // 16 rows × 2 float4s: one whole 32-byte sector of each row, and, as kStride ≡ 4 (mod 8), 32
+  // distinct banks for each float the slots move to or from the tile.
+  __device__ static void slot(int r, int& i, int& f) {
+    const int q = threadIdx.x + kDeltaThreads * r;
+    const int group = q / 32;  // of 16 rows × 2 float4s
+    f = 2 * (group % (COLS / 8)) + q % 2;
+    i = 16 * (group / (COLS / 8)) + q / 2 % 16;
+  }
+
+  // Issues the global loads (no shared memory, no barrier: the decode kernel runs it before
+  // pdl_wait): v gets this thread's slots (staged) or the lane's entries, v[m] = Sr[4m .. 4m+3]
+  // (direct). Rows past dk and columns past dv read as 0.
+  __device__ void load(float4 (&v)[kSlots]) const {
+    const float4 zero = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    if (staged) {
+#pragma unroll
+      for (int r = 0; r < kSlots; ++r) {
+        int i, f;
+        slot(r, i, f);
+        v[r] = i < g.dk && 4 * f < ncols
+                   ? __ldca(reinterpret_cast<const float4*>(S + i * g.dv + 4 * f))
+                   : zero;
+      }
+    } else {
+#pragma unroll
+      for (int m = 0; m < kSlots; ++m) {
+        float x[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int i = 4 * (L * m + s) + e;
+          x[e] = col < ncols && i < g.dk ? S[i * g.dv + col] : 0.0f;
+        }
+        v[m] = make_float4(x[0], x[1], x[2], x[3]);
+      }
+    }
+  }
+
+  // The lane's entries from what load() left in v. Staged: through `tile` (kFloats floats,
+  // 16-byte aligned), a barrier between the slots' writes and the lanes' reads; the tile may then
+  // be rewritten only after another barrier, or by store(), where each lane writes exactly the
+  // words it read here.
+  __device__ void to_lanes(const float4 (&v)[kSlots], float (&Sr)[ROWS], float* tile) const {
+    if (staged) {
+#pragma unroll
+      for (int r = 0; r < kSlots; ++r) {
+        int i, f;
+        slot(r, i, f);
+#pragma unroll
+        for (int x = 0; x < 4; ++x) tile[(4 * f + x) * kStride + i] = component(v[r], x);
+      }
+      __syncthreads();
+    }
+#pragma unroll
+    for (int m = 0; m < kSlots; ++m) {
+      const float4 x =
+          staged ? reinterpret_cast<const float4*>(tile + col * kStride)[L * m + s] : v[m];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) Sr[4 * m + e] = component(x, e);
+    }
+  }
+
+  // Stores the lane's entries to S (and after), rows below dk and columns below dv only. Staged:
+  // the lanes' float4s go into `tile`, then a barrier, then every thread stores its slots; no
+  // other thread may still read the tile (what to_lanes read is rewritten by the same lane).
+  __device__ void store(const float (&Sr)[ROWS], float* tile) const {
+    // Recomputed from an opaque dv: the row addresses are not kept live from load() (DK/8 64-bit
+    // registers through a token loop).
+    const int64_t dv = opaque(g.dv);
+    if (staged) {
+#pragma unroll
+      for (int m = 0; m < kSlots; ++m)
+        reinterpret_cast<float4*>(tile + col * kStride)[L * m + s] =
+            make_float4(Sr[4 * m], Sr[4 * m + 1], Sr[4 * m + 2], Sr[4 * m + 3]);
+      __syncthreads();
+#pragma unroll
+      for (int r = 0; r < kSlots; ++r) {
+        int i, f;
+        slot(r, i, f);
+        if (i >= g.dk || 4 * f >= ncols) continue;
+        const float* t = tile + 4 * f * kStride + i;
+        const float4 x = make_float4(t[0], t[kStride], t[2 * kStride], t[3 * kStride]);
+        __stwb(reinterpret_cast<float4*>(S + i * dv + 4 * f), x);
+        if (after) __stwb(reinterpret_cast<float4*>(after + i * dv + 4 * f), x);
+      }
+    } else {
+#pragma unroll
+      for (int m = 0; m < kSlots; ++m)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int i = 4 * (L * m + s) + e;
+          if (col < ncols && i < g.dk) {
+            S[i * dv + col] = Sr[4 * m + e];
+            if (after) after[i * dv + col] = Sr[4 * m + e];
+          }
+        }
+    }
+  }
+};
 
 // L2-normalises the first `count` tokens' q and k in place (G lanes per vector, see the order
 // above) and replaces raw a, b with decay and beta. Every lane runs the shuffles.
@@ -425,7 +565,12 @@ __device__ __forceinline__ void delta_rule_row(DeltaChunks<DK, L>& ch, const Del
   constexpr int ROWS = DK / L;             // of the column, per lane
   constexpr int COLS = kDeltaThreads / L;  // columns per block
   using Chunk = DeltaChunk<DK, TOKENS, COLS>;
+  using Tile = DeltaStateTile<DK, L>;
   static_assert(sizeof(Chunk) % sizeof(float4) == 0, "chunks must stay 16-byte aligned");
+  // The state tile borrows a chunk buffer: ch[1] for the load (free until chunk 1's copies), the
+  // buffer the last chunk left free for the store.
+  static_assert(!Tile::kStaged || Tile::kFloats * sizeof(float) <= sizeof(Chunk),
+                "the state tile must fit in a chunk buffer");
 
   const int tid = threadIdx.x;
   const int lane = tid % 32;
@@ -440,21 +585,30 @@ __device__ __forceinline__ void delta_rule_row(DeltaChunks<DK, L>& ch, const Del
   const int64_t end = row.first + row.n;  // tokens first .. end-1, absolute in the call
   const float A = -expf(g.A_log[vh]);
   const float bias = g.dt_bias[vh];
-  // The state loads go out first: they overlap the shared-memory set-up below.
-  float* S = row.state + vh * g.dk * g.dv;  // [dk, dv] of this head
-  float Sr[ROWS];
-  load_state_column<ROWS, L>(Sr, S, g, s, j, column);
+  // The state loads go out first: they overlap the shared-memory set-up and chunk 0's copies.
+  const Tile st(g, row.state + vh * g.dk * g.dv, nullptr, col0, s, col);
+  float4 sv[Tile::kSlots];
+  st.load(sv);
 
   // Padding rows (dk < DK) must read as zeros. Nothing else unwritten is used: tokens past a
   // chunk's count are never read, and a column past dv only feeds its own lanes, which store
   // nothing. Uniform over the block.
-  if (g.dk < DK) {
-    float4* z = reinterpret_cast<float4*>(ch);
-    for (int i = tid; i < int(sizeof(ch) / sizeof(float4)); i += kDeltaThreads)
+  const auto zero = [&](Chunk& c) {
+    float4* z = reinterpret_cast<float4*>(&c);
+    for (int i = tid; i < int(sizeof(Chunk) / sizeof(float4)); i += kDeltaThreads)
       z[i] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  };
+  if (g.dk < DK) {
+    zero(ch[0]);
     __syncthreads();  // the zeros land before any copy into the same words
   }
   delta_stage(ch[0], g, kh, vh, col0, ncols, row.first, static_cast<int>(min64(TOKENS, row.n)));
+  float Sr[ROWS];
+  st.to_lanes(sv, Sr, reinterpret_cast<float*>(&ch[1]));
+  if (g.dk < DK) {
+    __syncthreads();  // every lane has read its entries from ch[1] before the zeros overwrite them
+    zero(ch[1]);      // barrier (A) below orders them before chunk 1's copies
+  }
 
   float o_part = 0.0f;   // this lane's share of token o_token's output, not yet reduced
   int64_t o_token = -1;  // none yet (absolute token index)
@@ -509,15 +663,10 @@ __device__ __forceinline__ void delta_rule_row(DeltaChunks<DK, L>& ch, const Del
   }
   const float o_last = column_sum<L>(o_part);
   if (s == 0 && column) g.out[(o_token * g.n_v_heads + vh) * g.dv + j] = o_last;
-
-  const int64_t dv = opaque(g.dv);
-#pragma unroll
-  for (int m = 0; m < ROWS / 4; ++m)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int i = 4 * L * m + 4 * s + e;
-      if (column && i < g.dk) S[i * dv + j] = Sr[4 * m + e];
-    }
+  // ch[buf] is the buffer the last chunk did not use: nothing is copied into it any more, and
+  // every thread has finished reading it (as chunk or as the loaded tile) before barrier (A) of
+  // the last chunk.
+  st.store(Sr, reinterpret_cast<float*>(&ch[buf]));
 }
 
 // One row, from arguments. state_after is a template flag so the usual token loop carries no
@@ -555,17 +704,21 @@ __global__ void __launch_bounds__(kDeltaThreads, 1)
 
 // Decode steps: every row of the call holds one token (max_n == 1). The same grid, lanes and
 // per-token arithmetic as delta_rule_row on a single token, hence the same bits, without its chunk
-// machinery (no shared-memory staging, no barrier): each lane reads its own rows of q and k and
-// its column's v, a and b straight from memory (L2: the conv has just written them). The squared
-// norms of q and k are taken by the first 2G lanes of every warp in delta_normalise's order (G
-// lanes per vector summing float4s G·m + lane, the same xor shuffles) and broadcast.
+// machinery (no staged tokens, no cp.async; only the state tile's two barriers): each lane reads
+// its own rows of q and k and its column's v, a and b straight from memory (L2: the conv has just
+// written them). The squared norms of q and k are taken by the first 2G lanes of every warp in
+// delta_normalise's order (G lanes per vector summing float4s G·m + lane, the same xor shuffles)
+// and broadcast.
 // Why a kernel of its own: a decode step's delta rule is one token of latency-bound arithmetic;
 // the chunked kernel's staging, two barriers and cp.async waits are fixed cost on that path. On
 // the H200 a batch-1 step got 46 µs faster (~1.9 µs per layer, BENCHMARKS.md).
-// The row's descriptor and its state column are loaded before the kernel waits on the conv: no
-// kernel of the running forward writes them (the descriptors were uploaded before its first
-// kernel, and only this layer's delta rule writes the state, one forward earlier), so their two
-// dependent round trips overlap the conv (check.cuh's rule for loads before the wait).
+// The row's descriptor and its state (DeltaStateTile::load: the thread's 16-byte slots of the
+// block's tile, into registers) are loaded before the kernel waits on the conv: no kernel of the
+// running forward writes them (the descriptors were uploaded before its first kernel, and only
+// this layer's delta rule writes the state, one forward earlier), so their two dependent round
+// trips overlap the conv (check.cuh's rule for loads before the wait). The slots go through shared
+// memory to the lanes only after q, k, v, a and b are requested; the store returns them the same
+// way (with state_after's copy, when the row keeps one).
 template <int DK, int L>
 __global__ void __launch_bounds__(kDeltaThreads, delta_decode_min_blocks(DK, L))
     gated_delta_rule_decode_kernel(const DeltaArgs g, const ops::RecurrentRow* __restrict__ rows) {
@@ -573,6 +726,8 @@ __global__ void __launch_bounds__(kDeltaThreads, delta_decode_min_blocks(DK, L))
   constexpr int COLS = kDeltaThreads / L;                          // columns per block
   constexpr int G = kDeltaThreads / (2 * delta_chunk_tokens(DK));  // delta_normalise's lanes
   constexpr int F = DK / 4 / G;                                    // float4s per vector lane
+  using Tile = DeltaStateTile<DK, L>;
+  __shared__ float4 tile[Tile::kStaged ? Tile::kFloats / 4 : 1];
   const ops::RecurrentRow row = rows[blockIdx.z];
   if (row.n <= 0) return;  // an idle row
   const int tid = threadIdx.x;
@@ -581,12 +736,15 @@ __global__ void __launch_bounds__(kDeltaThreads, delta_decode_min_blocks(DK, L))
   const int col = (tid / 32) * (32 / L) + lane / L;
   const int64_t vh = blockIdx.y;
   const int64_t kh = vh / (g.n_v_heads / g.n_k_heads);
-  const int64_t j = int64_t(blockIdx.x) * COLS + col;
+  const int64_t col0 = int64_t(blockIdx.x) * COLS;
+  const int64_t j = col0 + col;
   const bool column = j < g.dv;
   const int64_t t = row.first_token;
-  float* S = row.state + vh * g.dk * g.dv;  // [dk, dv] of this head
-  float Sr[ROWS];
-  load_state_column<ROWS, L>(Sr, S, g, s, j, column);
+  const int64_t head = vh * g.dk * g.dv;  // [dk, dv] of this head in state and state_after
+  const Tile st(g, row.state + head, row.state_after ? row.state_after + head : nullptr, col0, s,
+                col);
+  float4 sv[Tile::kSlots];
+  st.load(sv);
   pdl_wait();
   pdl_release();
   const float4 zero = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
@@ -630,20 +788,13 @@ __global__ void __launch_bounds__(kDeltaThreads, delta_decode_min_blocks(DK, L))
   const float decay = delta_decay(A, g.a[t * g.n_v_heads + vh], g.dt_bias[vh]);
   const float beta = delta_beta(g.b[t * g.n_v_heads + vh]);
   const float vj = column ? g.v[t * g.v_stride + vh * g.dv + j] : 0.0f;
+  // Only now the state goes to the lanes (through the tile when staged): every load above is
+  // already in flight when the tile's writes wait for the state and the barrier for the block.
+  float Sr[ROWS];
+  st.to_lanes(sv, Sr, reinterpret_cast<float*>(tile));
   const float o = column_sum<L>(delta_token<ROWS, L>(Sr, kk, qq, decay, beta, vj));
-  if (!column) return;  // after the shuffles, which every lane joins
-  if (s == 0) g.out[(t * g.n_v_heads + vh) * g.dv + j] = o;
-  float* after = row.state_after ? row.state_after + vh * g.dk * g.dv : nullptr;
-#pragma unroll
-  for (int m = 0; m < ROWS / 4; ++m)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int i = 4 * L * m + 4 * s + e;
-      if (i < g.dk) {
-        S[i * g.dv + j] = Sr[4 * m + e];
-        if (after) after[i * g.dv + j] = Sr[4 * m + e];
-      }
-    }
+  if (s == 0 && column) g.out[(t * g.n_v_heads + vh) * g.dv + j] = o;
+  st.store(Sr, reinterpret_cast<float*>(tile));  // every lane: a barrier when staged
 }
 
 // The shape and weight checks both delta entries make.
