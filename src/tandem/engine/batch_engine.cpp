@@ -612,6 +612,13 @@ bool BatchEngine::plain_greedy() const {
   return true;
 }
 
+void BatchEngine::retire_drafter() {
+  prefill_drafts_.reset();
+  decode_drafts_.reset();
+  want_final_ = want_prenorm_ = false;
+  policy_.reset();
+}
+
 void BatchEngine::drain() {
   if (!chained_) return;
   chained_ = false;
@@ -621,6 +628,7 @@ void BatchEngine::drain() {
   {
     std::lock_guard lock(mu_);
     ++counters_.rounds;
+    ++counters_.pipelined_rounds;
   }
   for (size_t k = 0; k < chain_ids_.size(); ++k)
     for (auto& row : decoding_)
@@ -798,6 +806,7 @@ void BatchEngine::round() {
       options_.on_warning(msg);
     else
       std::fprintf(stderr, "tandem: warning: %s\n", msg.c_str());
+    retire_drafter();
     std::lock_guard lock(mu_);
     counters_.drafter_disabled = 1;
   }

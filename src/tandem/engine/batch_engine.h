@@ -79,6 +79,9 @@ struct EngineCounters {
   int64_t queued = 0, prefilling = 0, decoding = 0;
   int64_t kv_blocks_used = 0, kv_blocks_total = 0;  // total 0: the pool grows on demand
   int64_t rounds = 0, prefill_forwards = 0;
+  // Of the rounds, those run as plain greedy steps queued ahead of the host (no drafter, or a
+  // retired one, and greedy rows only): the fastest plain path.
+  int64_t pipelined_rounds = 0;
   int64_t prompt_tokens = 0, generated_tokens = 0;
   int64_t finished = 0, cancelled = 0, failed = 0;
   double prefill_seconds = 0, decode_seconds = 0;  // time in prefill forwards and in rounds
@@ -91,8 +94,9 @@ struct EngineCounters {
   int64_t prefix_disk_hits = 0, prefix_disk_files = 0, prefix_disk_writes = 0;
   int64_t prefix_disk_removed = 0;
   int64_t prefix_disk_bytes = 0;  // of the files in the disk tier's folder
-  // The drafter health probe: 1 once the drafter collapsed (rounds propose nothing since), and
-  // the first-proposal acceptance over the probe's window.
+  // The drafter health probe: 1 once the drafter collapsed (its rows are released and the
+  // engine runs as without a drafter since), and the first-proposal acceptance over the probe's
+  // window.
   int64_t drafter_disabled = 0;
   double drafter_first_acceptance = 0.0;
 };
@@ -218,6 +222,10 @@ class BatchEngine {
   void save_state(std::span<const int32_t> tokens, int slot, spec::DraftRows* drafts,
                   size_t draft_row);
   void round();
+  // The health probe found the drafter collapsed: its rows are released (no more drafting,
+  // committing or hidden taps) and the engine runs as without a drafter from then on, greedy
+  // rows in pipelined plain rounds, so a collapsed drafter costs no more than none.
+  void retire_drafter();
   bool plain_greedy() const;
   void pipelined_round();
   // Collects the queued step's tokens and emits them to its rows that are still live.

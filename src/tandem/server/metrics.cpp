@@ -101,8 +101,11 @@ std::string ServerMetrics::render(const EngineCounters& e, const std::string& dr
          static_cast<double>(e.prefix_disk_files));
   scalar("tandem_drafter_disabled", "gauge",
          "1 once the drafter health probe found the drafter's proposals no longer accepted "
-         "(rounds propose nothing since).",
+         "(the engine decodes without it since).",
          static_cast<double>(e.drafter_disabled));
+  scalar("tandem_pipelined_rounds_total", "counter",
+         "Rounds run as plain greedy steps queued ahead of the host (no drafter or a retired one).",
+         static_cast<double>(e.pipelined_rounds));
   scalar("tandem_drafter_first_acceptance", "gauge",
          "Share of the drafter's recent first proposals that were accepted (the probe's window).",
          e.drafter_first_acceptance);
