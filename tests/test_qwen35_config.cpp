@@ -242,9 +242,14 @@ TEST(Qwen35Config, MalformedJson) {
 
 TEST(Qwen35Config, ModelTypeErrors) {
   json j = nested_config();
+  j["model_type"] = "glm_moe_dsa";
+  EXPECT_HAS(parse_error(j), std::string("unsupported model_type 'glm_moe_dsa' in ") + kSrc +
+                                 " (expected qwen3_5, qwen3_5_text, qwen3_5_moe or "
+                                 "qwen3_5_moe_text)");
+  // A MoE outer config around a dense text config is another model.
   j["model_type"] = "qwen3_5_moe";
-  EXPECT_HAS(parse_error(j), std::string("unsupported model_type 'qwen3_5_moe' in ") + kSrc +
-                                 " (expected qwen3_5 or qwen3_5_text)");
+  EXPECT_HAS(parse_error(j), "text_config.model_type: unsupported text model 'qwen3_5_text' "
+                             "(expected qwen3_5_moe_text)");
   j.erase("model_type");
   EXPECT_HAS(parse_error(j), "missing required field model_type");
 

@@ -378,6 +378,35 @@ void swiglu_mlp_add(const float* x, int64_t m, const WeightRef& gate_up, const W
   gate_up_swiglu(x, m, gate_up, act.data(), norm);
   linear_add(act.data(), m, down, y);
 }
+void route_top_k(const float* logits, int64_t E, int64_t k, bool renormalise, int32_t* ids,
+                 float* weights) {
+  cpu::route_top_k(logits, E, k, renormalise, ids, weights);
+}
+void moe_mlp_add(const float* x, int64_t T, const MoeWeights& w, float* y,
+                 std::vector<int32_t>* routed_ids, std::vector<float>* routed_weights) {
+  const int64_t E = w.router.rows, H = w.router.cols;
+  if (E < 1 || w.top_k < 1 || w.top_k > E || static_cast<int64_t>(w.gate.size()) != E ||
+      static_cast<int64_t>(w.up.size()) != E || static_cast<int64_t>(w.down.size()) != E)
+    fail("moe_mlp_add: ", w.gate.size(), "/", w.up.size(), "/", w.down.size(),
+         " expert weights, top ", w.top_k, " of a router over ", E, " experts");
+  for (int64_t e = 0; e < E; ++e) {
+    const WeightRef &g = w.gate[static_cast<size_t>(e)], &u = w.up[static_cast<size_t>(e)],
+                    &d = w.down[static_cast<size_t>(e)];
+    if (g.cols != H || u.cols != H || u.rows != g.rows || d.rows != H || d.cols != g.rows)
+      fail("moe_mlp_add: expert ", e, " is gate [", g.rows, " x ", g.cols, "], up [", u.rows, " x ",
+           u.cols, "], down [", d.rows, " x ", d.cols, "] for hidden size ", H);
+  }
+  if (w.shared_gate.rows != 1 || w.shared_gate.cols != H || w.shared_gate_proj.cols != H ||
+      w.shared_up_proj.rows != w.shared_gate_proj.rows || w.shared_down_proj.rows != H ||
+      w.shared_down_proj.cols != w.shared_gate_proj.rows)
+    fail("moe_mlp_add: the shared expert's shapes do not fit hidden size ", H);
+  if (x == y) fail("moe_mlp_add: y must not alias x");
+#ifdef TANDEM_HAVE_CUDA
+  if (g_backend == Backend::Cuda)
+    fail("moe_mlp_add: mixture-of-experts layers run on the CPU backend only so far");
+#endif
+  cpu::moe_mlp_add(x, T, w, y, routed_ids, routed_weights);
+}
 void embed_rows(const WeightRef& table, const int32_t* ids, int64_t n, float* out) {
   TANDEM_DISPATCH(embed_rows(table, ids, n, out));
 }

@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "tandem/core/dtype.h"
 #include "tandem/core/tensor.h"
@@ -163,6 +164,36 @@ void gate_up_swiglu(const float* x, int64_t m, const WeightRef& gate_up, float* 
 // prefetch (optional): as linear_split's, issued by the down projection.
 void swiglu_mlp_add(const float* x, int64_t m, const WeightRef& gate_up, const WeightRef& down,
                     float* y, const RowNorm* norm = nullptr, const WeightRef* prefetch = nullptr);
+
+// A mixture-of-experts MLP (Qwen3.5-MoE): a router over E experts, each a SwiGLU MLP, and a
+// shared expert scaled by a sigmoid gate. Shapes: router [E, H]; expert e: gate[e], up[e]
+// [I, H], down[e] [H, I]; shared: gate/up [Is, H], down [H, Is]; shared_gate [1, H]. The refs
+// may view slices of one fused tensor (transformers' experts.gate_up_proj / down_proj).
+struct MoeWeights {
+  WeightRef router;
+  std::vector<WeightRef> gate, up, down;  // per expert
+  WeightRef shared_gate_proj, shared_up_proj, shared_down_proj, shared_gate;
+  int64_t top_k = 0;
+  bool renormalise = true;  // norm_topk_prob
+};
+
+// One token's routing from its router logits [E]: softmax in fp32, the top k experts by
+// probability (equal probabilities: the lower expert id wins), their probabilities renormalised
+// to sum to 1 when `renormalise`. ids and weights [k] in descending probability order.
+void route_top_k(const float* logits, int64_t E, int64_t k, bool renormalise, int32_t* ids,
+                 float* weights);
+
+// y[T, H] += moe(x) for normalised input rows x [T, H] (y must not alias x):
+//   moe(x_t) = Σ_{e chosen for t, ascending e} w_{t,e} · down_e(silu(gate_e x_t) ⊙ up_e x_t)
+//            + sigmoid(shared_gate · x_t) · shared(x_t)
+// added to y_t as one term (the experts' sum, then the gated shared expert, then the residual:
+// transformers' order). A token's value depends on its own routing only: each expert's product
+// of a row is the same whichever other tokens share the expert (batch invariance), and its
+// experts are summed in a fixed order. routing (optional): [T, top_k] ids and weights as
+// route_top_k gives them. CPU only so far: CUDA throws.
+void moe_mlp_add(const float* x, int64_t T, const MoeWeights& w, float* y,
+                 std::vector<int32_t>* routed_ids = nullptr,
+                 std::vector<float>* routed_weights = nullptr);
 
 // out[i, :] = table[ids[i], :] converted to fp32. ids must be in range (checked by caller).
 void embed_rows(const WeightRef& table, const int32_t* ids, int64_t n, float* out);

@@ -11,6 +11,7 @@ void add_make_random_model_command(CLI::App& app) {
   struct Args {
     std::string config, out, dtype = "bf16";
     uint64_t seed = 0;
+    bool per_expert = false;
   };
   auto a = std::make_shared<Args>();
   CLI::App* sub = app.add_subcommand("make-random-model",
@@ -19,6 +20,9 @@ void add_make_random_model_command(CLI::App& app) {
   sub->add_option("--out", a->out, "Output directory")->required();
   sub->add_option("--dtype", a->dtype, "f32, bf16 or f16")->capture_default_str();
   sub->add_option("--seed", a->seed, "Random seed")->capture_default_str();
+  sub->add_flag("--per-expert-tensors", a->per_expert,
+                "Qwen3.5-MoE: one tensor per expert projection instead of transformers' fused "
+                "experts.gate_up_proj / down_proj");
   sub->callback([a] {
     DType t;
     if (a->dtype == "f32")
@@ -29,7 +33,7 @@ void add_make_random_model_command(CLI::App& app) {
       t = DType::F16;
     else
       fail("--dtype must be f32, bf16 or f16, got '", a->dtype, "'");
-    write_random_qwen35(a->config, a->out, t, a->seed);
+    write_random_qwen35(a->config, a->out, t, a->seed, a->per_expert);
     std::fprintf(stderr, "wrote %s\n", a->out.c_str());
   });
 }

@@ -69,6 +69,17 @@ std::unique_ptr<Qwen35Model> Qwen35Model::load(const std::string& dir, const Loa
   if (!m->cfg_.tie_word_embeddings && !store.find("lm_head.weight"))
     fail("tensor 'lm_head.weight' not found in ", store.dir(),
          " (config says tie_word_embeddings=false)");
+  if (m->cfg_.moe()) {
+    if (ops::backend() == ops::Backend::Cuda)
+      fail(dir, ": Qwen3.5-MoE (", m->cfg_.model_type,
+           ") runs on the CPU backend only so far; use --backend cpu");
+    const std::string first = prefix + "layers.0.mlp.experts.";
+    m->fused_experts_ = store.find(first + "gate_up_proj") != nullptr;
+    if (!m->fused_experts_ && !store.find(first + "0.gate_proj.weight"))
+      fail("no experts in ", store.dir(), ": expected '", first,
+           "gate_up_proj' (fused, as transformers writes them) or '", first,
+           "0.gate_proj.weight' (one tensor per expert)");
+  }
   WeightArena& arena = m->arena_;
   m->bind_weights(
       [&](const std::string& name, const std::vector<int64_t>& shape, Role role) {
@@ -97,9 +108,13 @@ void Qwen35Model::bind_weights(const WeightSource& get, const std::string& prefi
     L.kind = c.layer_types[static_cast<size_t>(i)];
     L.input_norm = get(p + "input_layernorm.weight", {H}, Role::Vector);
     L.post_norm = get(p + "post_attention_layernorm.weight", {H}, Role::Vector);
-    L.gate_proj = get(p + "mlp.gate_proj.weight", {c.intermediate_size, H}, Role::Matrix);
-    L.up_proj = get(p + "mlp.up_proj.weight", {c.intermediate_size, H}, Role::Matrix);
-    L.down_proj = get(p + "mlp.down_proj.weight", {H, c.intermediate_size}, Role::Matrix);
+    if (c.moe()) {
+      bind_moe(get, p + "mlp.", &L.moe);
+    } else {
+      L.gate_proj = get(p + "mlp.gate_proj.weight", {c.intermediate_size, H}, Role::Matrix);
+      L.up_proj = get(p + "mlp.up_proj.weight", {c.intermediate_size, H}, Role::Matrix);
+      L.down_proj = get(p + "mlp.down_proj.weight", {H, c.intermediate_size}, Role::Matrix);
+    }
     if (L.kind == LayerKind::FullAttention) {
       L.index_in_kind = n_attn++;
       const std::string a = p + "self_attn.";
@@ -124,7 +139,7 @@ void Qwen35Model::bind_weights(const WeightSource& get, const std::string& prefi
       L.delta.out_proj = get(a + "out_proj.weight", {H, c.linear_value_dim()}, Role::Matrix);
     }
     if (ops::backend() == ops::Backend::Cuda) {
-      if (c.intermediate_size % ops::kGateUpGroup == 0)
+      if (!c.moe() && c.intermediate_size % ops::kGateUpGroup == 0)
         L.gate_up = arena_.interleave_rows(&L.gate_proj, &L.up_proj, ops::kGateUpGroup);
       if (L.kind == LayerKind::FullAttention)
         L.attn.in_proj = arena_.stack_rows({&L.attn.q_proj, &L.attn.k_proj, &L.attn.v_proj});
@@ -139,11 +154,57 @@ void Qwen35Model::bind_weights(const WeightSource& get, const std::string& prefi
   ops::copy_from_host(inv_freq_.data(), f.data(), sizeof(float) * f.size());
 }
 
+void Qwen35Model::bind_moe(const WeightSource& get, const std::string& p,
+                           ops::MoeWeights* moe) const {
+  const Qwen35Config& c = cfg_;
+  const int64_t E = c.num_experts, I = c.moe_intermediate_size, H = c.hidden_size;
+  const int64_t Is = c.shared_expert_intermediate_size;
+  moe->router = get(p + "gate.weight", {E, H}, Role::Matrix);
+  moe->top_k = c.num_experts_per_tok;
+  moe->renormalise = c.norm_topk_prob;
+  moe->gate.assign(static_cast<size_t>(E), {});
+  moe->up.assign(static_cast<size_t>(E), {});
+  moe->down.assign(static_cast<size_t>(E), {});
+  // Rows [first, first + rows) of a fused [E · r, cols] tensor, as a [rows, cols] weight.
+  auto rows_of = [](const ops::WeightRef& w, int64_t first, int64_t rows, int64_t cols) {
+    ops::WeightRef v = w;
+    v.data = static_cast<const std::byte*>(w.data) +
+             static_cast<size_t>(first * cols) * dtype_size(w.dtype);
+    v.rows = rows;
+    v.cols = cols;
+    return v;
+  };
+  if (fused_experts_) {
+    const ops::WeightRef gate_up = get(p + "experts.gate_up_proj", {E, 2 * I, H}, Role::Matrix);
+    const ops::WeightRef down = get(p + "experts.down_proj", {E, H, I}, Role::Matrix);
+    for (int64_t e = 0; e < E; ++e) {
+      // transformers chunks gate_up_proj[e] into gate (its first I rows) and up (the next I).
+      moe->gate[static_cast<size_t>(e)] = rows_of(gate_up, 2 * I * e, I, H);
+      moe->up[static_cast<size_t>(e)] = rows_of(gate_up, 2 * I * e + I, I, H);
+      moe->down[static_cast<size_t>(e)] = rows_of(down, H * e, H, I);
+    }
+  } else {
+    for (int64_t e = 0; e < E; ++e) {
+      const std::string x = p + "experts." + std::to_string(e) + ".";
+      moe->gate[static_cast<size_t>(e)] = get(x + "gate_proj.weight", {I, H}, Role::Matrix);
+      moe->up[static_cast<size_t>(e)] = get(x + "up_proj.weight", {I, H}, Role::Matrix);
+      moe->down[static_cast<size_t>(e)] = get(x + "down_proj.weight", {H, I}, Role::Matrix);
+    }
+  }
+  moe->shared_gate_proj = get(p + "shared_expert.gate_proj.weight", {Is, H}, Role::Matrix);
+  moe->shared_up_proj = get(p + "shared_expert.up_proj.weight", {Is, H}, Role::Matrix);
+  moe->shared_down_proj = get(p + "shared_expert.down_proj.weight", {H, Is}, Role::Matrix);
+  moe->shared_gate = get(p + "shared_expert_gate.weight", {1, H}, Role::Matrix);
+}
+
 std::unique_ptr<Qwen35Model> Qwen35Model::random(const Qwen35Config& cfg, uint64_t seed) {
   std::unique_ptr<Qwen35Model> m(new Qwen35Model());
   m->cfg_ = cfg;
   if (cfg.linear_conv_kernel_dim < 1 || cfg.linear_conv_kernel_dim > 16)
     fail("config: linear_conv_kernel_dim must be in 1..16, got ", cfg.linear_conv_kernel_dim);
+  if (cfg.moe() && ops::backend() == ops::Backend::Cuda)
+    fail("config: Qwen3.5-MoE (", cfg.model_type,
+         ") runs on the CPU backend only so far; use --backend cpu");
   uint64_t tensor = 0;
   WeightArena& arena = m->arena_;
   auto source = [&](const std::string& name, const std::vector<int64_t>& shape, Role role) {
@@ -175,7 +236,7 @@ std::unique_ptr<Qwen35Model> Qwen35Model::random(const Qwen35Config& cfg, uint64
     w.cols = n / shape[0];
     return w;
   };
-  m->bind_weights(source, cfg.model_type == "qwen3_5" ? "model.language_model." : "model.");
+  m->bind_weights(source, cfg.weight_prefix());
   return m;
 }
 
@@ -200,7 +261,15 @@ void Qwen35Model::for_each_layer_weight(
   for (const Layer& L : layers_) {
     for (const ops::WeightRef* w :
          {&L.input_norm, &L.post_norm, &L.gate_proj, &L.up_proj, &L.down_proj})
-      fn(*w);
+      if (w->data) fn(*w);
+    if (cfg_.moe()) {
+      const ops::MoeWeights& m = L.moe;
+      for (const ops::WeightRef* w :
+           {&m.router, &m.shared_gate_proj, &m.shared_up_proj, &m.shared_down_proj, &m.shared_gate})
+        fn(*w);
+      for (const auto* experts : {&m.gate, &m.up, &m.down})
+        for (const ops::WeightRef& w : *experts) fn(w);
+    }
     if (L.kind == LayerKind::FullAttention) {
       for (const ops::WeightRef* w : {&L.attn.q_proj, &L.attn.k_proj, &L.attn.v_proj,
                                       &L.attn.o_proj, &L.attn.q_norm, &L.attn.k_norm})
@@ -215,10 +284,21 @@ void Qwen35Model::for_each_layer_weight(
 }
 
 uint64_t Qwen35Model::decode_weight_bytes() const {
+  auto bytes = [](const ops::WeightRef& w) {
+    return static_cast<uint64_t>(w.rows * w.cols) * dtype_size(w.dtype);
+  };
   uint64_t n = 0;
-  for_each_layer_weight([&](const ops::WeightRef& w) {
-    n += static_cast<uint64_t>(w.rows * w.cols) * dtype_size(w.dtype);
-  });
+  for_each_layer_weight([&](const ops::WeightRef& w) { n += bytes(w); });
+  // A token reads top_k of a layer's experts: the others' bytes are not part of its step.
+  if (cfg_.moe()) {
+    for (const Layer& L : layers_) {
+      uint64_t experts = 0;
+      for (const auto* ws : {&L.moe.gate, &L.moe.up, &L.moe.down})
+        for (const ops::WeightRef& w : *ws) experts += bytes(w);
+      n -= experts - experts / static_cast<uint64_t>(cfg_.num_experts) *
+                         static_cast<uint64_t>(cfg_.num_experts_per_tok);
+    }
+  }
   return n;
 }
 
@@ -658,6 +738,10 @@ Qwen35Model::SublayerInput Qwen35Model::sublayer_input(const ops::WeightRef& nor
 void Qwen35Model::mlp(const Layer& L, int64_t T, const ops::WeightRef& next) const {
   const Qwen35Config& c = cfg_;
   Workspace& w = *ws_;
+  if (c.moe()) {
+    const SublayerInput in = sublayer_input(L.post_norm, T, false);
+    return ops::moe_mlp_add(in.x, T, L.moe, w.x.data());
+  }
   const bool stacked = L.gate_up.data != nullptr;
   const SublayerInput in = sublayer_input(L.post_norm, T, stacked);
   const ops::WeightRef tail = tail_prefetch(next);

@@ -193,6 +193,8 @@ class Qwen35Model {
     // ops::gate_up_swiglu's pair layout (one launch computes the MLP activation); gate_proj and
     // up_proj then keep their shapes but no data. Null on the CPU, which keeps the mapped tensors.
     ops::WeightRef gate_up;
+    // Qwen3.5-MoE: the layer's MLP is this mixture of experts (gate/up/down_proj unused).
+    ops::MoeWeights moe;
     AttnWeights attn;
     DeltaWeights delta;
   };
@@ -254,6 +256,11 @@ class Qwen35Model {
   using WeightSource = std::function<ops::WeightRef(const std::string& name,
                                                     const std::vector<int64_t>& shape, Role)>;
   void bind_weights(const WeightSource& source, const std::string& prefix);
+  // A layer's mixture of experts under `p` ("...layers.N.mlp."): the router, the experts (views
+  // of transformers' fused experts.gate_up_proj / down_proj when fused_experts_, else one tensor
+  // per projection and expert) and the gated shared expert.
+  void bind_moe(const WeightSource& get, const std::string& p, ops::MoeWeights* moe) const;
+  bool fused_experts_ = false;
   // The device work of a forward: embedding, layers, final norm and head into ws_.out. Only
   // queues ops (captured into a CUDA graph for decode/verify shapes).
   void forward_body(Qwen35State& st, const ForwardRequest& req, int64_t T) const;

@@ -128,30 +128,55 @@ Qwen35Config parse_qwen35_config(const std::string& json_text, const std::string
   const Fields outer(root, source_name, "");
   c.model_type = outer.opt_string("model_type", "");
   if (c.model_type.empty()) fail(source_name, ": missing required field model_type");
-  if (c.model_type != "qwen3_5" && c.model_type != "qwen3_5_text") {
+  const bool nested = c.model_type == "qwen3_5" || c.model_type == "qwen3_5_moe";
+  const bool moe = c.model_type == "qwen3_5_moe" || c.model_type == "qwen3_5_moe_text";
+  if (!nested && !moe && c.model_type != "qwen3_5_text") {
     fail("unsupported model_type '", c.model_type, "' in ", source_name,
-         " (expected qwen3_5 or qwen3_5_text)");
+         " (expected qwen3_5, qwen3_5_text, qwen3_5_moe or qwen3_5_moe_text)");
   }
   const json* text_obj = &root;
   std::string prefix;
-  if (c.model_type == "qwen3_5") {
+  if (nested) {
     text_obj = outer.opt_object("text_config");
     if (text_obj == nullptr) {
-      fail(source_name, ": model_type qwen3_5 needs a text_config object with the text model");
+      fail(source_name, ": model_type ", c.model_type,
+           " needs a text_config object with the text model");
     }
     prefix = "text_config.";
   }
   const Fields t(*text_obj, source_name, prefix);
-  if (c.model_type == "qwen3_5") {
-    const std::string inner = t.opt_string("model_type", "qwen3_5_text");
-    if (inner != "qwen3_5_text") {
-      t.bad("model_type", "unsupported text model '", inner, "' (expected qwen3_5_text)");
+  if (nested) {
+    const std::string want = c.model_type + "_text";
+    const std::string inner = t.opt_string("model_type", want);
+    if (inner != want) {
+      t.bad("model_type", "unsupported text model '", inner, "' (expected ", want, ")");
     }
   }
 
   c.vocab_size = t.req_pos_int("vocab_size");
   c.hidden_size = t.req_pos_int("hidden_size");
-  c.intermediate_size = t.req_pos_int("intermediate_size");
+  if (moe) {
+    c.num_experts = t.req_pos_int("num_experts");
+    c.num_experts_per_tok = t.req_pos_int("num_experts_per_tok");
+    if (c.num_experts_per_tok > c.num_experts) {
+      t.bad("num_experts_per_tok", c.num_experts_per_tok, " exceeds num_experts (", c.num_experts,
+            ")");
+    }
+    c.moe_intermediate_size = t.req_pos_int("moe_intermediate_size");
+    c.shared_expert_intermediate_size = t.req_pos_int("shared_expert_intermediate_size");
+    c.norm_topk_prob = t.opt_bool("norm_topk_prob", true);
+    // Every layer is sparse in Qwen3.5-MoE; a config that keeps dense layers describes another
+    // graph.
+    if (const json* dense = t.get("mlp_only_layers");
+        dense && !(dense->is_array() && dense->empty()))
+      t.bad("mlp_only_layers", "dense layers in a Qwen3.5-MoE model are not supported, got ",
+            dense->dump());
+    if (t.opt_pos_int("decoder_sparse_step", 1) != 1)
+      t.bad("decoder_sparse_step", "only 1 (every layer sparse) is supported");
+    c.intermediate_size = t.opt_pos_int("intermediate_size", c.moe_intermediate_size);
+  } else {
+    c.intermediate_size = t.req_pos_int("intermediate_size");
+  }
   c.num_hidden_layers = t.req_pos_int("num_hidden_layers");
   c.max_position_embeddings = t.req_pos_int("max_position_embeddings");
   c.num_attention_heads = t.req_pos_int("num_attention_heads");

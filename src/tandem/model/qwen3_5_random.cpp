@@ -48,7 +48,7 @@ struct Builder {
 }  // namespace
 
 void write_random_qwen35(const std::string& config_path, const std::string& out_dir, DType dtype,
-                         uint64_t seed) {
+                         uint64_t seed, bool per_expert_tensors) {
   if (dtype != DType::F32 && dtype != DType::BF16 && dtype != DType::F16)
     fail("random model: dtype must be f32, bf16 or f16");
   std::ifstream in(config_path, std::ios::binary);
@@ -60,10 +60,10 @@ void write_random_qwen35(const std::string& config_path, const std::string& out_
   const fs::path model_path = fs::path(out_dir) / "model.safetensors";
   if (fs::exists(model_path)) fail(model_path.string(), " already exists; not overwriting");
 
-  const std::string p = c.model_type == "qwen3_5" ? "model.language_model." : "model.";
+  const std::string p = c.weight_prefix();
   const int64_t H = c.hidden_size;
   Builder b{dtype, std::mt19937_64(seed), {}, {}};
-  b.storage.reserve(static_cast<size_t>(16 * c.num_hidden_layers + 8));
+  b.storage.reserve(static_cast<size_t>((16 + 3 * c.num_experts) * c.num_hidden_layers + 8));
   b.add(p + "embed_tokens.weight", {c.vocab_size, H}, -1.0f, 1.0f);
   b.add(p + "norm.weight", {H}, -0.1f, 0.1f);
   if (!c.tie_word_embeddings) b.linear("lm_head.weight", c.vocab_size, H);
@@ -71,9 +71,33 @@ void write_random_qwen35(const std::string& config_path, const std::string& out_
     const std::string l = p + "layers." + std::to_string(i) + ".";
     b.add(l + "input_layernorm.weight", {H}, -0.1f, 0.1f);
     b.add(l + "post_attention_layernorm.weight", {H}, -0.1f, 0.1f);
-    b.linear(l + "mlp.gate_proj.weight", c.intermediate_size, H);
-    b.linear(l + "mlp.up_proj.weight", c.intermediate_size, H);
-    b.linear(l + "mlp.down_proj.weight", H, c.intermediate_size);
+    if (c.moe()) {
+      const int64_t E = c.num_experts, I = c.moe_intermediate_size;
+      const int64_t Is = c.shared_expert_intermediate_size;
+      // Router logits of O(1) spread, so that routing decisions have clear margins.
+      b.add(l + "mlp.gate.weight", {E, H}, -2.0f / std::sqrt(static_cast<float>(H)),
+            2.0f / std::sqrt(static_cast<float>(H)));
+      if (per_expert_tensors) {
+        for (int64_t e = 0; e < E; ++e) {
+          const std::string x = l + "mlp.experts." + std::to_string(e) + ".";
+          b.linear(x + "gate_proj.weight", I, H);
+          b.linear(x + "up_proj.weight", I, H);
+          b.linear(x + "down_proj.weight", H, I);
+        }
+      } else {
+        const float a = 1.0f / std::sqrt(static_cast<float>(H)), d = 1.0f / std::sqrt(float(I));
+        b.add(l + "mlp.experts.gate_up_proj", {E, 2 * I, H}, -a, a);
+        b.add(l + "mlp.experts.down_proj", {E, H, I}, -d, d);
+      }
+      b.linear(l + "mlp.shared_expert.gate_proj.weight", Is, H);
+      b.linear(l + "mlp.shared_expert.up_proj.weight", Is, H);
+      b.linear(l + "mlp.shared_expert.down_proj.weight", H, Is);
+      b.linear(l + "mlp.shared_expert_gate.weight", 1, H);
+    } else {
+      b.linear(l + "mlp.gate_proj.weight", c.intermediate_size, H);
+      b.linear(l + "mlp.up_proj.weight", c.intermediate_size, H);
+      b.linear(l + "mlp.down_proj.weight", H, c.intermediate_size);
+    }
     if (c.layer_types[static_cast<size_t>(i)] == LayerKind::FullAttention) {
       const std::string a = l + "self_attn.";
       b.linear(a + "q_proj.weight", c.num_attention_heads * c.head_dim * 2, H);

@@ -12,9 +12,12 @@ namespace tandem {
 
 // Writes `out_dir/config.json` (a copy of `config_path`) and `out_dir/model.safetensors` with
 // every tensor a Qwen3.5 text model needs, random values of a realistic scale, in `dtype`
-// (F32, BF16 or F16). Prefix follows the config form: `model.language_model.` for qwen3_5,
-// `model.` for qwen3_5_text. Creates out_dir; refuses to overwrite an existing model file.
+// (F32, BF16 or F16). Prefix follows the config form: `model.language_model.` for qwen3_5 and
+// qwen3_5_moe, `model.` for the flat forms. A Qwen3.5-MoE config gets its router, experts and
+// shared expert per layer, the experts fused (experts.gate_up_proj [E, 2I, H], experts.down_proj
+// [E, H, I], as transformers writes them) or, with per_expert_tensors, one tensor per projection
+// and expert. Creates out_dir; refuses to overwrite an existing model file.
 void write_random_qwen35(const std::string& config_path, const std::string& out_dir, DType dtype,
-                         uint64_t seed);
+                         uint64_t seed, bool per_expert_tensors = false);
 
 }  // namespace tandem

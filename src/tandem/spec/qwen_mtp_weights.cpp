@@ -188,6 +188,10 @@ QwenMtpConfig mtp_config_from_target(const Qwen35Config& t, const std::string& s
   if (t.mtp_num_hidden_layers > 1)
     fail(source, ": mtp_num_hidden_layers = ", t.mtp_num_hidden_layers,
          " is not supported (the qwen-mtp drafter runs exactly one MTP layer)");
+  if (t.moe())
+    fail(source,
+         ": the MTP layer of a Qwen3.5-MoE checkpoint is a mixture of experts, which the "
+         "qwen-mtp drafter does not run yet; use --draft ngram");
   QwenMtpConfig c;
   c.hidden_size = t.hidden_size;
   c.vocab_size = t.vocab_size;

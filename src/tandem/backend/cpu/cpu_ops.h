@@ -14,6 +14,10 @@ void rms_norm(const float* x, int64_t m, int64_t d, const ops::WeightRef& w, boo
 void gated_rms_norm(const float* x, const float* z, int64_t m, int64_t d, const ops::WeightRef& w,
                     float eps, float* y);
 void swiglu(const float* gate, const float* up, int64_t n, float* out);
+void route_top_k(const float* logits, int64_t E, int64_t k, bool renormalise, int32_t* ids,
+                 float* weights);
+void moe_mlp_add(const float* x, int64_t T, const ops::MoeWeights& w, float* y,
+                 std::vector<int32_t>* routed_ids, std::vector<float>* routed_weights);
 void sigmoid_gate(float* x, const float* gate, int64_t n);
 void add_inplace(float* x, const float* y, int64_t n);
 void rope(float* x, int64_t n_tokens, int64_t n_heads, int64_t head_dim, int64_t rotary_dim,

@@ -1,0 +1,423 @@
+// Qwen3.5-MoE (qwen3_5_moe) on the CPU: config parsing, routing as transformers computes it,
+// both published expert layouts, the mixture against a plain reference, batch invariance, and
+// lossless speculation, on random-weight checkpoints written in the published layout.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <random>
+
+#include "tandem/backend/cpu/cpu_ops.h"
+#include "tandem/core/error.h"
+#include "tandem/engine/generator.h"
+#include "tandem/engine/speculative.h"
+#include "tandem/io/safetensors.h"
+#include "tandem/model/qwen3_5.h"
+#include "tandem/model/qwen3_5_random.h"
+#include "tandem/spec/ngram.h"
+#include "tandem/spec/qwen_mtp_weights.h"
+#include "test_util.h"
+
+namespace tandem {
+namespace {
+
+using tandem::testing::ScratchDir;
+using tandem::testing::write_text;
+
+const char* kConfig = R"({
+  "model_type": "qwen3_5_moe",
+  "tie_word_embeddings": false,
+  "text_config": {
+    "model_type": "qwen3_5_moe_text", "vocab_size": 97, "hidden_size": 48,
+    "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+    "layer_types": ["linear_attention", "full_attention", "linear_attention", "full_attention"],
+    "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 8,
+    "linear_value_head_dim": 12, "linear_conv_kernel_dim": 4, "rms_norm_eps": 1e-6,
+    "num_experts": 8, "num_experts_per_tok": 3, "moe_intermediate_size": 24,
+    "shared_expert_intermediate_size": 40,
+    "hidden_act": "silu", "max_position_embeddings": 4096, "eos_token_id": 1,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                        "partial_rotary_factor": 0.5}
+  }
+})";
+
+// The same checkpoint with one tensor per expert projection: slices of the fused tensors, so
+// both layouts hold the very same values.
+void write_per_expert_copy(const std::string& src_dir, const std::string& dst_dir,
+                           const Qwen35Config& c) {
+  const auto f = SafetensorsFile::open(src_dir + "/model.safetensors");
+  std::vector<TensorToWrite> out;
+  const int64_t E = c.num_experts, I = c.moe_intermediate_size, H = c.hidden_size;
+  for (const TensorView& t : f->tensors()) {
+    const auto* bytes = static_cast<const std::byte*>(t.data);
+    const size_t es = dtype_size(t.dtype);
+    const std::string suffix_gu = "mlp.experts.gate_up_proj", suffix_d = "mlp.experts.down_proj";
+    auto ends = [&](const std::string& s) {
+      return t.name.size() >= s.size() &&
+             t.name.compare(t.name.size() - s.size(), s.size(), s) == 0;
+    };
+    if (ends(suffix_gu)) {
+      const std::string base = t.name.substr(0, t.name.size() - std::string("gate_up_proj").size());
+      for (int64_t e = 0; e < E; ++e) {
+        const size_t at = static_cast<size_t>(e * 2 * I * H) * es,
+                     n = static_cast<size_t>(I * H) * es;
+        out.push_back(
+            {base + std::to_string(e) + ".gate_proj.weight", t.dtype, {I, H}, {bytes + at, n}});
+        out.push_back(
+            {base + std::to_string(e) + ".up_proj.weight", t.dtype, {I, H}, {bytes + at + n, n}});
+      }
+    } else if (ends(suffix_d)) {
+      const std::string base = t.name.substr(0, t.name.size() - std::string("down_proj").size());
+      for (int64_t e = 0; e < E; ++e) {
+        const size_t n = static_cast<size_t>(H * I) * es;
+        out.push_back({base + std::to_string(e) + ".down_proj.weight",
+                       t.dtype,
+                       {H, I},
+                       {bytes + static_cast<size_t>(e) * n, n}});
+      }
+    } else {
+      out.push_back({t.name, t.dtype, t.shape, {bytes, t.nbytes}});
+    }
+  }
+  std::filesystem::create_directories(dst_dir);
+  std::filesystem::copy_file(src_dir + "/config.json", dst_dir + "/config.json");
+  write_safetensors(dst_dir + "/model.safetensors", out, {{"format", "pt"}});
+}
+
+class MoeModel : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    dir_ = new ScratchDir("qwen35-moe");
+    write_text(dir_->file("source_config.json"), kConfig);
+    write_random_qwen35(dir_->file("source_config.json"), dir_->file("fused"), DType::BF16, 11);
+    model_ = Qwen35Model::load(dir_->file("fused")).release();
+  }
+  static void TearDownTestSuite() {
+    delete model_;
+    delete dir_;
+  }
+  static ScratchDir* dir_;
+  static Qwen35Model* model_;
+};
+ScratchDir* MoeModel::dir_ = nullptr;
+Qwen35Model* MoeModel::model_ = nullptr;
+
+std::vector<int32_t> sequence(int n, int seed) {
+  std::vector<int32_t> v(static_cast<size_t>(n));
+  for (int i = 0; i < n; ++i) v[static_cast<size_t>(i)] = (seed * 31 + i * 17) % 97;
+  return v;
+}
+
+std::vector<float> prefill_logits(const Qwen35Model& m, const std::vector<int32_t>& ids) {
+  Qwen35State st(m.config());
+  const RowInput row{st.open_row(), static_cast<int64_t>(ids.size())};
+  ForwardOutput out;
+  m.forward(st, {ids, {&row, 1}, true, false}, &out);
+  return out.logits;
+}
+
+TEST(MoeConfig, NestedAndFlatFormsParseAndBadFieldsAreNamed) {
+  const Qwen35Config c = parse_qwen35_config(kConfig, "cfg");
+  EXPECT_TRUE(c.moe());
+  EXPECT_EQ(c.num_experts, 8);
+  EXPECT_EQ(c.num_experts_per_tok, 3);
+  EXPECT_EQ(c.moe_intermediate_size, 24);
+  EXPECT_EQ(c.shared_expert_intermediate_size, 40);
+  EXPECT_TRUE(c.norm_topk_prob);
+  EXPECT_EQ(c.weight_prefix(), "model.language_model.");
+  const Qwen35Config flat = parse_qwen35_config(
+      R"({"model_type": "qwen3_5_moe_text", "vocab_size": 16, "hidden_size": 8,
+          "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
+          "head_dim": 8, "layer_types": ["full_attention"], "max_position_embeddings": 64,
+          "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 8,
+          "shared_expert_intermediate_size": 8, "norm_topk_prob": false})",
+      "flat");
+  EXPECT_EQ(flat.weight_prefix(), "model.");
+  EXPECT_FALSE(flat.norm_topk_prob);
+  auto error_of = [](const std::string& from, const std::string& to) {
+    std::string text = kConfig;
+    const size_t at = text.find(from);
+    EXPECT_NE(at, std::string::npos) << from;
+    text.replace(at, from.size(), to);
+    try {
+      parse_qwen35_config(text, "cfg");
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_NE(error_of("\"num_experts_per_tok\": 3", "\"num_experts_per_tok\": 9")
+                .find("num_experts_per_tok: 9 exceeds num_experts (8)"),
+            std::string::npos);
+  EXPECT_NE(error_of("\"num_experts\": 8,", "").find("num_experts"), std::string::npos);
+  EXPECT_NE(error_of("\"moe_intermediate_size\": 24,", "").find("moe_intermediate_size"),
+            std::string::npos);
+  EXPECT_NE(error_of("\"eos_token_id\": 1", "\"eos_token_id\": 1, \"mlp_only_layers\": [0]")
+                .find("mlp_only_layers"),
+            std::string::npos);
+  EXPECT_NE(error_of("\"model_type\": \"qwen3_5_moe_text\"", "\"model_type\": \"qwen3_5_text\"")
+                .find("expected qwen3_5_moe_text"),
+            std::string::npos);
+}
+
+// transformers: softmax over every expert in fp32, topk, the chosen probabilities renormalised.
+TEST(MoeRouting, SoftmaxTopKRenormalisedAndTiesGoToTheLowerExpert) {
+  const std::vector<float> logits = {0.5f, 2.0f, -1.0f, 2.0f, 1.0f, 2.0f};
+  int32_t ids[3];
+  float w[3];
+  ops::route_top_k(logits.data(), 6, 3, true, ids, w);
+  // Three equal maxima at experts 1, 3 and 5: the lower ids first, weights a third each.
+  EXPECT_EQ(ids[0], 1);
+  EXPECT_EQ(ids[1], 3);
+  EXPECT_EQ(ids[2], 5);
+  for (float x : w) EXPECT_NEAR(x, 1.0f / 3, 1e-6f);
+  ops::route_top_k(logits.data(), 6, 2, true, ids, w);
+  EXPECT_EQ(ids[0], 1);
+  EXPECT_EQ(ids[1], 3);
+  // Without renormalisation the weights are the softmax probabilities themselves.
+  double z = 0;
+  for (float l : logits) z += std::exp(static_cast<double>(l));
+  ops::route_top_k(logits.data(), 6, 2, false, ids, w);
+  EXPECT_NEAR(w[0], std::exp(2.0) / z, 1e-6);
+  const std::vector<float> skew = {3.0f, 0.0f, 1.0f, -2.0f};
+  ops::route_top_k(skew.data(), 4, 2, true, ids, w);
+  EXPECT_EQ(ids[0], 0);
+  EXPECT_EQ(ids[1], 2);
+  EXPECT_NEAR(w[0], std::exp(3.0) / (std::exp(3.0) + std::exp(1.0)), 1e-6);
+  EXPECT_NEAR(w[0] + w[1], 1.0f, 1e-6f);
+  EXPECT_THROW(ops::route_top_k(skew.data(), 4, 5, true, ids, w), Error);
+}
+
+// The mixture against a plain double-precision reference of the same definition, with the
+// routing it recorded.
+TEST(MoeOp, MatchesAPlainReferenceAndReportsItsRouting) {
+  const int64_t T = 5, H = 16, E = 6, K = 2, I = 8, Is = 12;
+  std::mt19937 rng(3);
+  std::normal_distribution<float> nd(0.0f, 0.5f);
+  auto values = [&](int64_t n) {
+    std::vector<float> v(static_cast<size_t>(n));
+    for (float& x : v) x = nd(rng);
+    return v;
+  };
+  auto ref = [](const std::vector<float>& v, int64_t rows, int64_t cols) {
+    return ops::WeightRef{DType::F32, v.data(), rows, cols};
+  };
+  const auto router = values(E * H), sg = values(H), sgp = values(Is * H), sup = values(Is * H),
+             sdn = values(H * Is);
+  std::vector<std::vector<float>> gate, up, down;
+  ops::MoeWeights w;
+  w.router = ref(router, E, H);
+  w.top_k = K;
+  for (int64_t e = 0; e < E; ++e) {
+    gate.push_back(values(I * H));
+    up.push_back(values(I * H));
+    down.push_back(values(H * I));
+  }
+  for (int64_t e = 0; e < E; ++e) {
+    w.gate.push_back(ref(gate[static_cast<size_t>(e)], I, H));
+    w.up.push_back(ref(up[static_cast<size_t>(e)], I, H));
+    w.down.push_back(ref(down[static_cast<size_t>(e)], H, I));
+  }
+  w.shared_gate_proj = ref(sgp, Is, H);
+  w.shared_up_proj = ref(sup, Is, H);
+  w.shared_down_proj = ref(sdn, H, Is);
+  w.shared_gate = ref(sg, 1, H);
+  const auto x = values(T * H);
+  std::vector<float> y = values(T * H);
+  const std::vector<float> residual = y;
+  std::vector<int32_t> ids;
+  std::vector<float> weights;
+  ops::moe_mlp_add(x.data(), T, w, y.data(), &ids, &weights);
+  ASSERT_EQ(ids.size(), static_cast<size_t>(T * K));
+  auto dot = [](const float* a, const float* b, int64_t n) {
+    double s = 0;
+    for (int64_t i = 0; i < n; ++i) s += static_cast<double>(a[i]) * b[i];
+    return s;
+  };
+  auto mlp = [&](const float* xt, const std::vector<float>& g, const std::vector<float>& u,
+                 const std::vector<float>& d, int64_t inner, std::vector<double>& out) {
+    std::vector<double> act(static_cast<size_t>(inner));
+    for (int64_t i = 0; i < inner; ++i) {
+      const double gv = dot(xt, g.data() + i * H, H), uv = dot(xt, u.data() + i * H, H);
+      act[static_cast<size_t>(i)] = gv / (1 + std::exp(-gv)) * uv;
+    }
+    out.assign(static_cast<size_t>(H), 0.0);
+    for (int64_t o = 0; o < H; ++o)
+      for (int64_t i = 0; i < inner; ++i)
+        out[static_cast<size_t>(o)] +=
+            act[static_cast<size_t>(i)] * d[static_cast<size_t>(o * inner + i)];
+  };
+  for (int64_t t = 0; t < T; ++t) {
+    const float* xt = x.data() + t * H;
+    std::vector<float> logits(static_cast<size_t>(E));
+    for (int64_t e = 0; e < E; ++e)
+      logits[static_cast<size_t>(e)] = static_cast<float>(dot(xt, router.data() + e * H, H));
+    int32_t want_ids[K];
+    float want_w[K];
+    ops::route_top_k(logits.data(), E, K, true, want_ids, want_w);
+    for (int64_t j = 0; j < K; ++j) {
+      EXPECT_EQ(ids[static_cast<size_t>(t * K + j)], want_ids[j]) << "token " << t;
+      EXPECT_NEAR(weights[static_cast<size_t>(t * K + j)], want_w[j], 1e-5);
+    }
+    std::vector<double> want(static_cast<size_t>(H), 0.0), part;
+    for (int64_t j = 0; j < K; ++j) {
+      const auto e = static_cast<size_t>(want_ids[j]);
+      mlp(xt, gate[e], up[e], down[e], I, part);
+      for (int64_t i = 0; i < H; ++i)
+        want[static_cast<size_t>(i)] += want_w[j] * part[static_cast<size_t>(i)];
+    }
+    mlp(xt, sgp, sup, sdn, Is, part);
+    const double g = 1 / (1 + std::exp(-dot(xt, sg.data(), H)));
+    for (int64_t i = 0; i < H; ++i) {
+      const double expect = residual[static_cast<size_t>(t * H + i)] +
+                            want[static_cast<size_t>(i)] + g * part[static_cast<size_t>(i)];
+      EXPECT_NEAR(y[static_cast<size_t>(t * H + i)], expect, 1e-4) << "token " << t << " dim " << i;
+    }
+  }
+  // Misuse is named.
+  ops::MoeWeights bad = w;
+  bad.top_k = E + 1;
+  EXPECT_THROW(ops::moe_mlp_add(x.data(), T, bad, y.data()), Error);
+  bad = w;
+  bad.down.pop_back();
+  EXPECT_THROW(ops::moe_mlp_add(x.data(), T, bad, y.data()), Error);
+  EXPECT_THROW(ops::moe_mlp_add(y.data(), T, w, y.data()), Error);
+}
+
+TEST_F(MoeModel, FusedAndPerExpertLayoutsGiveTheSameBits) {
+  write_per_expert_copy(dir_->file("fused"), dir_->file("per_expert"), model_->config());
+  const auto per_expert = Qwen35Model::load(dir_->file("per_expert"));
+  const auto ids = sequence(19, 2);
+  const auto a = prefill_logits(*model_, ids), b = prefill_logits(*per_expert, ids);
+  ASSERT_EQ(a.size(), b.size());
+  EXPECT_EQ(0, std::memcmp(a.data(), b.data(), a.size() * sizeof(float)));
+  EXPECT_EQ(model_->parameter_count(), per_expert->parameter_count());
+}
+
+TEST_F(MoeModel, PrefillEqualsDecodeAndRowsDoNotInfluenceEachOther) {
+  const auto ids = sequence(21, 3);
+  const auto whole = prefill_logits(*model_, ids);
+  const int64_t V = model_->config().vocab_size;
+  Qwen35State st(model_->config());
+  const int slot = st.open_row();
+  for (size_t p = 0; p < ids.size(); ++p) {
+    const RowInput row{slot, 1};
+    ForwardOutput out;
+    model_->forward(st, {std::span(ids).subspan(p, 1), {&row, 1}, true, false}, &out);
+    ASSERT_EQ(0, std::memcmp(out.logits.data(), whole.data() + p * V, V * sizeof(float)))
+        << "position " << p;
+  }
+  // Three rows of different lengths in one forward: each row's logits are those of the row alone,
+  // though their tokens share experts.
+  const std::vector<std::vector<int32_t>> seqs = {sequence(7, 1), sequence(13, 5), sequence(3, 9)};
+  Qwen35State batch(model_->config());
+  std::vector<RowInput> rows;
+  std::vector<int32_t> all;
+  for (const auto& s : seqs) {
+    rows.push_back({batch.open_row(), static_cast<int64_t>(s.size())});
+    all.insert(all.end(), s.begin(), s.end());
+  }
+  ForwardOutput out;
+  model_->forward(batch, {all, rows, true, false}, &out);
+  int64_t t = 0;
+  for (const auto& s : seqs) {
+    const auto alone = prefill_logits(*model_, s);
+    EXPECT_EQ(0,
+              std::memcmp(out.logits.data() + t * V, alone.data(), alone.size() * sizeof(float)));
+    t += static_cast<int64_t>(s.size());
+  }
+}
+
+TEST_F(MoeModel, NgramSpeculationIsLosslessAloneAndBatched) {
+  spec::NgramOptions o;
+  spec::NgramProvider ngram(o);
+  std::vector<GenerateRequest> reqs;
+  for (int i = 0; i < 4; ++i) {
+    GenerateRequest r;
+    // Repetitive prompts give the n-gram drafter proposals to verify.
+    for (int rep = 0; rep < 3; ++rep)
+      for (int32_t id : sequence(6, i)) r.prompt.push_back(id);
+    r.max_tokens = 24;
+    r.ignore_eos = true;
+    r.sampling.temperature = i % 2 ? 0.8f : 0.0f;
+    r.sampling.seed = 5 + static_cast<uint64_t>(i);
+    reqs.push_back(r);
+  }
+  Generator plain(*model_);
+  SpeculativeGenerator spec(*model_, &ngram, "moe-target", {3, spec::VerifyMode::Match});
+  std::vector<SpecStats> stats;
+  const auto batched = spec.run(reqs, {}, nullptr, &stats);
+  int64_t drafted = 0;
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    const auto want = plain.run({reqs[i]}).at(0).tokens;
+    EXPECT_EQ(batched[i].tokens, want) << "request " << i << " batched";
+    EXPECT_EQ(spec.run({reqs[i]}).at(0).tokens, want) << "request " << i << " alone";
+    drafted += stats[i].drafted;
+  }
+  EXPECT_GT(drafted, 0) << "no proposal was verified: the test would not exercise rollback";
+}
+
+TEST_F(MoeModel, DecodeBytesCountTheChosenExpertsOnly) {
+  const Qwen35Config& c = model_->config();
+  const int64_t expert = 3 * c.moe_intermediate_size * c.hidden_size * 2;  // bf16 gate+up+down
+  uint64_t all = 0;
+  // The whole checkpoint's matrices minus the embedding (not streamed per step) vs the bytes a
+  // step reads: the difference is (E - k) experts per layer.
+  const uint64_t step = model_->decode_weight_bytes();
+  all = step + static_cast<uint64_t>((c.num_experts - c.num_experts_per_tok) * expert *
+                                     c.num_hidden_layers);
+  uint64_t bound = 0;
+  for (const std::string& n : model_->weights().names())
+    if (n != c.weight_prefix() + "embed_tokens.weight") bound += model_->weights().get(n).nbytes;
+  EXPECT_EQ(all, bound);
+}
+
+TEST(MoeLoad, MissingExpertsAndMisshapenTensorsAreNamedAndMtpIsRefused) {
+  ScratchDir dir("qwen35-moe-bad");
+  write_text(dir.file("source_config.json"), kConfig);
+  write_random_qwen35(dir.file("source_config.json"), dir.file("good"), DType::BF16, 3);
+  const Qwen35Config c = load_qwen35_config(dir.file("good"));
+  // Drop or reshape one tensor of a copy.
+  auto variant = [&](const std::string& name, const std::string& drop, bool reshape) {
+    const auto f = SafetensorsFile::open(dir.file("good") + "/model.safetensors");
+    std::vector<TensorToWrite> out;
+    for (const TensorView& t : f->tensors()) {
+      if (t.name == drop && !reshape) continue;
+      TensorToWrite w{t.name, t.dtype, t.shape, {static_cast<const std::byte*>(t.data), t.nbytes}};
+      if (t.name == drop) w.shape = {t.numel()};
+      out.push_back(w);
+    }
+    std::filesystem::create_directories(dir.file(name));
+    std::filesystem::copy_file(dir.file("good") + "/config.json", dir.file(name) + "/config.json");
+    write_safetensors(dir.file(name) + "/model.safetensors", out, {{"format", "pt"}});
+    try {
+      Qwen35Model::load(dir.file(name));
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  const std::string p = c.weight_prefix() + "layers.";
+  const std::string no_experts = variant("no_experts", p + "0.mlp.experts.gate_up_proj", false);
+  EXPECT_NE(no_experts.find("no experts"), std::string::npos) << no_experts;
+  EXPECT_NE(no_experts.find("0.gate_proj.weight"), std::string::npos) << no_experts;
+  const std::string down = variant("no_down", p + "2.mlp.experts.down_proj", false);
+  EXPECT_NE(down.find("layers.2.mlp.experts.down_proj"), std::string::npos) << down;
+  const std::string shape = variant("bad_router", p + "1.mlp.gate.weight", true);
+  EXPECT_NE(shape.find("layers.1.mlp.gate.weight"), std::string::npos) << shape;
+  EXPECT_NE(shape.find("expected shape"), std::string::npos) << shape;
+  const std::string shared = variant("no_shared", p + "3.mlp.shared_expert_gate.weight", false);
+  EXPECT_NE(shared.find("shared_expert_gate.weight"), std::string::npos) << shared;
+  Qwen35Config with_mtp = c;
+  with_mtp.mtp_num_hidden_layers = 1;
+  try {
+    spec::mtp_config_from_target(with_mtp, "moe/config.json");
+    ADD_FAILURE() << "the MoE MTP layer was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("--draft ngram"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace tandem
