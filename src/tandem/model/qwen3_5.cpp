@@ -463,7 +463,18 @@ void Qwen35Model::forward(Qwen35State& st, const ForwardRequest& req, ForwardOut
   const int64_t T = prepare_forward(st, req);
   Workspace& w = *ws_;
   const int64_t R = static_cast<int64_t>(req.rows.size());
-  if (req.prompt) {
+  if (req.want_routing) {
+    if (!cfg_.moe()) fail("forward: want_routing on a model without experts");
+    out->routing.clear();
+    w.routing = &out->routing;
+    try {
+      forward_body(st, req, T);
+    } catch (...) {
+      w.routing = nullptr;
+      throw;
+    }
+    w.routing = nullptr;
+  } else if (req.prompt) {
     // Prompts come in every length: running them directly is cheaper than capturing.
     forward_body(st, req, T);
   } else {
@@ -740,7 +751,11 @@ void Qwen35Model::mlp(const Layer& L, int64_t T, const ops::WeightRef& next) con
   Workspace& w = *ws_;
   if (c.moe()) {
     const SublayerInput in = sublayer_input(L.post_norm, T, false);
-    return ops::moe_mlp_add(in.x, T, L.moe, w.x.data());
+    if (!w.routing) return ops::moe_mlp_add(in.x, T, L.moe, w.x.data());
+    std::vector<int32_t> ids;
+    ops::moe_mlp_add(in.x, T, L.moe, w.x.data(), &ids);
+    w.routing->insert(w.routing->end(), ids.begin(), ids.end());
+    return;
   }
   const bool stacked = L.gate_up.data != nullptr;
   const SublayerInput in = sublayer_input(L.post_norm, T, stacked);

@@ -59,6 +59,8 @@ struct ForwardRequest {
   // forward first. So a step can be queued before the host has seen the previous step's token.
   bool tokens_from_argmax = false;
   bool defer_argmax = false;
+  // Qwen3.5-MoE: record every layer's routing (ForwardOutput::routing), for tests and tools.
+  bool want_routing = false;
 };
 
 struct ForwardOutput {
@@ -67,6 +69,9 @@ struct ForwardOutput {
   std::vector<int32_t> argmax;        // [logits_rows] when want_argmax
   std::vector<float> hidden;          // [Σ n_tokens, hidden] when requested
   std::vector<float> prenorm_hidden;  // [Σ n_tokens, hidden] when requested
+  // [layers, Σ n_tokens, experts per token]: the experts each token was routed to, in
+  // descending routing probability, when want_routing.
+  std::vector<int32_t> routing;
 };
 
 class Qwen35Model {
@@ -218,6 +223,7 @@ class Qwen35Model {
     Buffer<int32_t> embed_ids;   // ids of embed() calls (drafters)
     Buffer<int32_t> argmax;      // [logits rows]
     // A forward's metadata, one block in backend memory filled by one upload (meta_upload):
+    std::vector<int32_t>* routing = nullptr;  // where mlp() appends routing, when recorded
     Buffer<uint8_t> meta;
     int32_t* ids = nullptr;     // [T] token ids
     int64_t* pos = nullptr;     // [T] positions, then [T] physical KV slots, then [T] token rows
