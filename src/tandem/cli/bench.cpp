@@ -327,8 +327,15 @@ void run_bench(const BenchArgs& a) {
   const Qwen35State probe(cfg);
   const double state_bytes_per_row =
       2.0 * static_cast<double>(probe.linear_state_floats()) * sizeof(float);
-  const double step_bytes = static_cast<double>(model->decode_weight_bytes()) +
-                            a.batch * (kv_bytes_per_row + state_bytes_per_row);
+  // Of a mixture of experts a step reads the union of its rows' experts: for routing spread
+  // evenly, a layer's expert is touched by none of B rows with probability (1 - k/E)^B.
+  double weight_bytes = static_cast<double>(model->decode_weight_bytes());
+  if (cfg.moe()) {
+    const double share = static_cast<double>(cfg.num_experts_per_tok) / cfg.num_experts;
+    const double touched = 1.0 - std::pow(1.0 - share, a.batch);
+    weight_bytes += (touched - share) * static_cast<double>(model->expert_weight_bytes());
+  }
+  const double step_bytes = weight_bytes + a.batch * (kv_bytes_per_row + state_bytes_per_row);
   const double roofline_tps = bw / step_bytes * a.batch;
   const double fraction = dc.median / roofline_tps;
 
@@ -348,7 +355,7 @@ void run_bench(const BenchArgs& a) {
     j["memory_read_bandwidth_gb_per_s"] = bw / 1e9;
     j["kv_dtype"] = a.kv_dtype;
     j["decode_bytes_per_step"] = step_bytes;
-    j["decode_weight_bytes"] = model->decode_weight_bytes();
+    j["decode_weight_bytes"] = weight_bytes;
     j["roofline_decode_tokens_per_second"] = roofline_tps;
     j["roofline_fraction"] = fraction;
     j["step_context"] = a.step_context;
@@ -385,8 +392,7 @@ void run_bench(const BenchArgs& a) {
   std::printf("decode           %.1f tok/s (min %.1f, max %.1f)\n", dc.median, dc.min, dc.max);
   std::printf("memory           %.2f GB/s measured\n", bw / 1e9);
   std::printf("bytes per step   %.2f MB (weights %.2f MB + KV (%s) + recurrent state in and out)\n",
-              step_bytes / 1e6, static_cast<double>(model->decode_weight_bytes()) / 1e6,
-              a.kv_dtype.c_str());
+              step_bytes / 1e6, weight_bytes / 1e6, a.kv_dtype.c_str());
   std::printf("roofline         %.1f tok/s -> %.0f%% reached\n", roofline_tps, 100 * fraction);
   std::printf("decode step      %.3f ms (min %.3f, max %.3f), batch %d, context %lld, %s out\n",
               step.median * 1e3, step.min * 1e3, step.max * 1e3, a.batch,

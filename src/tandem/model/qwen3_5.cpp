@@ -291,14 +291,19 @@ uint64_t Qwen35Model::decode_weight_bytes() const {
   for_each_layer_weight([&](const ops::WeightRef& w) { n += bytes(w); });
   // A token reads top_k of a layer's experts: the others' bytes are not part of its step.
   if (cfg_.moe()) {
-    for (const Layer& L : layers_) {
-      uint64_t experts = 0;
-      for (const auto* ws : {&L.moe.gate, &L.moe.up, &L.moe.down})
-        for (const ops::WeightRef& w : *ws) experts += bytes(w);
-      n -= experts - experts / static_cast<uint64_t>(cfg_.num_experts) *
-                         static_cast<uint64_t>(cfg_.num_experts_per_tok);
-    }
+    const uint64_t experts = expert_weight_bytes();
+    n -= experts - experts / static_cast<uint64_t>(cfg_.num_experts) *
+                       static_cast<uint64_t>(cfg_.num_experts_per_tok);
   }
+  return n;
+}
+
+uint64_t Qwen35Model::expert_weight_bytes() const {
+  uint64_t n = 0;
+  for (const Layer& L : layers_)
+    for (const auto* ws : {&L.moe.gate, &L.moe.up, &L.moe.down})
+      for (const ops::WeightRef& w : *ws)
+        n += static_cast<uint64_t>(w.rows * w.cols) * dtype_size(w.dtype);
   return n;
 }
 

@@ -175,8 +175,12 @@ class Qwen35Model {
   // The backend memory holding the model's weights (0 for a CPU model of mapped files).
   uint64_t placed_weight_bytes() const { return arena_.bytes(); }
 
-  // Bytes of weights one decode step reads (every layer + the head; the embedding row is noise).
+  // Bytes of weights one decode step of one row reads (every layer + the head; the embedding row
+  // is noise; of a mixture of experts, the top_k experts a token is routed to).
   uint64_t decode_weight_bytes() const;
+  // Bytes of all routed experts of all layers (0 for a dense model): a step of several rows reads
+  // the union of the experts its tokens are routed to.
+  uint64_t expert_weight_bytes() const;
   uint64_t parameter_count() const;
 
  private:
