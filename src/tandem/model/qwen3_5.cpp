@@ -6,6 +6,7 @@
 
 #include "tandem/core/error.h"
 #include "tandem/model/gated_attention.h"
+#include "tandem/model/moe_weights.h"
 
 namespace tandem {
 
@@ -156,45 +157,10 @@ void Qwen35Model::bind_weights(const WeightSource& get, const std::string& prefi
 
 void Qwen35Model::bind_moe(const WeightSource& get, const std::string& p,
                            ops::MoeWeights* moe) const {
-  const Qwen35Config& c = cfg_;
-  const int64_t E = c.num_experts, I = c.moe_intermediate_size, H = c.hidden_size;
-  const int64_t Is = c.shared_expert_intermediate_size;
-  moe->router = get(p + "gate.weight", {E, H}, Role::Matrix);
-  moe->top_k = c.num_experts_per_tok;
-  moe->renormalise = c.norm_topk_prob;
-  moe->gate.assign(static_cast<size_t>(E), {});
-  moe->up.assign(static_cast<size_t>(E), {});
-  moe->down.assign(static_cast<size_t>(E), {});
-  // Rows [first, first + rows) of a fused [E · r, cols] tensor, as a [rows, cols] weight.
-  auto rows_of = [](const ops::WeightRef& w, int64_t first, int64_t rows, int64_t cols) {
-    ops::WeightRef v = w;
-    v.data = static_cast<const std::byte*>(w.data) +
-             static_cast<size_t>(first * cols) * dtype_size(w.dtype);
-    v.rows = rows;
-    v.cols = cols;
-    return v;
-  };
-  if (fused_experts_) {
-    const ops::WeightRef gate_up = get(p + "experts.gate_up_proj", {E, 2 * I, H}, Role::Matrix);
-    const ops::WeightRef down = get(p + "experts.down_proj", {E, H, I}, Role::Matrix);
-    for (int64_t e = 0; e < E; ++e) {
-      // transformers chunks gate_up_proj[e] into gate (its first I rows) and up (the next I).
-      moe->gate[static_cast<size_t>(e)] = rows_of(gate_up, 2 * I * e, I, H);
-      moe->up[static_cast<size_t>(e)] = rows_of(gate_up, 2 * I * e + I, I, H);
-      moe->down[static_cast<size_t>(e)] = rows_of(down, H * e, H, I);
-    }
-  } else {
-    for (int64_t e = 0; e < E; ++e) {
-      const std::string x = p + "experts." + std::to_string(e) + ".";
-      moe->gate[static_cast<size_t>(e)] = get(x + "gate_proj.weight", {I, H}, Role::Matrix);
-      moe->up[static_cast<size_t>(e)] = get(x + "up_proj.weight", {I, H}, Role::Matrix);
-      moe->down[static_cast<size_t>(e)] = get(x + "down_proj.weight", {H, I}, Role::Matrix);
-    }
-  }
-  moe->shared_gate_proj = get(p + "shared_expert.gate_proj.weight", {Is, H}, Role::Matrix);
-  moe->shared_up_proj = get(p + "shared_expert.up_proj.weight", {Is, H}, Role::Matrix);
-  moe->shared_down_proj = get(p + "shared_expert.down_proj.weight", {H, Is}, Role::Matrix);
-  moe->shared_gate = get(p + "shared_expert_gate.weight", {1, H}, Role::Matrix);
+  *moe = bind_moe_weights(cfg_, p, fused_experts_,
+                          [&](const std::string& name, const std::vector<int64_t>& shape) {
+                            return get(name, shape, Role::Matrix);
+                          });
 }
 
 std::unique_ptr<Qwen35Model> Qwen35Model::random(const Qwen35Config& cfg, uint64_t seed) {

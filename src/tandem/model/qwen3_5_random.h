@@ -16,7 +16,8 @@ namespace tandem {
 // qwen3_5_moe, `model.` for the flat forms. A Qwen3.5-MoE config gets its router, experts and
 // shared expert per layer, the experts fused (experts.gate_up_proj [E, 2I, H], experts.down_proj
 // [E, H, I], as transformers writes them) or, with per_expert_tensors, one tensor per projection
-// and expert. Creates out_dir; refuses to overwrite an existing model file.
+// and expert. With mtp_num_hidden_layers >= 1 the native MTP layer (mtp.*) is written too, its
+// MLP of the target's kind. Creates out_dir; refuses to overwrite an existing model file.
 void write_random_qwen35(const std::string& config_path, const std::string& out_dir, DType dtype,
                          uint64_t seed, bool per_expert_tensors = false);
 

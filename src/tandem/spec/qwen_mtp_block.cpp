@@ -77,9 +77,14 @@ void QwenMtpBlock::forward(const float* embeds, const float* hidden,
   gated_attention(shape, w_.q_norm, w_.k_norm, inv_freq_.data(), ws.pos.data(), segs, kv, x);
   w_.o_proj.apply(x.o.data(), T, ws.h.data());
 
-  // SwiGLU MLP (the residual add fused with its norm).
+  // SwiGLU MLP, or the mixture of experts (the residual add fused with its norm).
   ops::add_rms_norm(ws.x.data(), ws.h.data(), T, H, w_.post_attention_layernorm, zc, eps,
                     ws.h.data());
+  if (c.moe.moe()) {
+    ops::moe_mlp_add(ws.h.data(), T, w_.moe, ws.x.data());  // adds into the residual stream
+    ops::rms_norm(ws.x.data(), T, H, w_.norm, zc, eps, out);
+    return;
+  }
   grow_to(ws.g, T * I);
   grow_to(ws.u, T * I);
   w_.gate_proj.apply(ws.h.data(), T, ws.g.data());

@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "tandem/core/error.h"
+#include "tandem/model/moe_weights.h"
 
 namespace tandem::spec {
 
@@ -154,6 +155,7 @@ uint64_t QwenMtpWeights::bytes() const {
   for (const MtpLinear* l :
        {&fc, &q_proj, &k_proj, &v_proj, &o_proj, &gate_proj, &up_proj, &down_proj})
     n += l->bytes();
+  if (cfg.moe.moe()) n += moe_weight_bytes(moe);
   return n;
 }
 
@@ -188,10 +190,6 @@ QwenMtpConfig mtp_config_from_target(const Qwen35Config& t, const std::string& s
   if (t.mtp_num_hidden_layers > 1)
     fail(source, ": mtp_num_hidden_layers = ", t.mtp_num_hidden_layers,
          " is not supported (the qwen-mtp drafter runs exactly one MTP layer)");
-  if (t.moe())
-    fail(source,
-         ": the MTP layer of a Qwen3.5-MoE checkpoint is a mixture of experts, which the "
-         "qwen-mtp drafter does not run yet; use --draft ngram");
   QwenMtpConfig c;
   c.hidden_size = t.hidden_size;
   c.vocab_size = t.vocab_size;
@@ -203,6 +201,14 @@ QwenMtpConfig mtp_config_from_target(const Qwen35Config& t, const std::string& s
   c.rope_theta = t.rope_theta;
   c.rms_norm_eps = t.rms_norm_eps;
   c.norms_zero_centred = true;
+  if (t.moe()) {
+    c.moe.num_experts = t.num_experts;
+    c.moe.num_experts_per_tok = t.num_experts_per_tok;
+    c.moe.moe_intermediate_size = t.moe_intermediate_size;
+    c.moe.shared_expert_intermediate_size = t.shared_expert_intermediate_size;
+    c.moe.norm_topk_prob = t.norm_topk_prob;
+    c.moe.hidden_size = t.hidden_size;
+  }
   check_attention_shape(c, source);
   return c;
 }
@@ -282,6 +288,24 @@ QwenMtpWeights bind_mtp_weights(const QwenMtpConfig& c, WeightStore store,
   w.k_proj = bind_linear(c, s, l0 + "self_attn.k_proj", nkv * hd, H);
   w.v_proj = bind_linear(c, s, l0 + "self_attn.v_proj", nkv * hd, H);
   w.o_proj = bind_linear(c, s, l0 + "self_attn.o_proj", H, nh * hd);
+  if (c.moe.moe()) {
+    if (c.quant_bits != 0)
+      fail(s.dir(), ": a quantized mixture-of-experts MTP layer is not supported");
+    const std::string m = l0 + "mlp.";
+    const bool fused = s.find(m + "experts.gate_up_proj") != nullptr;
+    w.moe = bind_moe_weights(
+        c.moe, m, fused, [&](const std::string& name, const std::vector<int64_t>& shape) {
+          const TensorView& t = s.get(name);
+          if (t.shape != shape)
+            fail("tensor '", name, "' in ", s.dir(), ": expected shape ", shape_str(shape),
+                 ", got ", shape_str(t.shape));
+          if (!is_float(t.dtype))
+            fail("tensor '", name, "' in ", s.dir(), ": dtype ", dtype_name(t.dtype),
+                 " is not supported (expected F32, BF16 or F16)");
+          return ops::weight_ref(t);
+        });
+    return w;
+  }
   w.gate_proj = bind_linear(c, s, l0 + "mlp.gate_proj", I, H);
   w.up_proj = bind_linear(c, s, l0 + "mlp.up_proj", I, H);
   w.down_proj = bind_linear(c, s, l0 + "mlp.down_proj", H, I);
@@ -332,9 +356,20 @@ QwenMtpWeights random_mtp_weights(const QwenMtpConfig& c, uint64_t seed) {
   w.k_proj = linear(nkv * hd, H);
   w.v_proj = linear(nkv * hd, H);
   w.o_proj = linear(H, nh * hd);
-  w.gate_proj = linear(I, H);
-  w.up_proj = linear(I, H);
-  w.down_proj = linear(H, I);
+  if (c.moe.moe()) {
+    w.moe = bind_moe_weights(
+        c.moe, "", false, [&](const std::string& name, const std::vector<int64_t>& shape) {
+          // Router logits of O(1) spread, as write_random_qwen35 draws them.
+          const float scale = name == "gate.weight"
+                                  ? 2.0f / std::sqrt(static_cast<float>(shape[1]))
+                                  : 1.0f / std::sqrt(static_cast<float>(shape[1]));
+          return arena.random_matrix(shape[0], shape[1], base + tensor++, scale);
+        });
+  } else {
+    w.gate_proj = linear(I, H);
+    w.up_proj = linear(I, H);
+    w.down_proj = linear(H, I);
+  }
   return w;
 }
 

@@ -36,6 +36,9 @@ struct QwenMtpConfig {
   int64_t block_size = 0;          // companion's suggested drafting depth + 1 (0: none given)
   int quant_bits = 0;              // 0: dense projections
   int64_t quant_group_size = 0;
+  // Qwen3.5-MoE: the block's MLP is a mixture of experts of the target's shape (these fields as
+  // in Qwen35Config; the dense MLP of intermediate_size when moe.num_experts is 0).
+  Qwen35Config moe;
 };
 
 // A projection: dense, or MLX-affine quantized.
@@ -63,6 +66,7 @@ struct QwenMtpWeights {
   ops::WeightRef pre_fc_norm_embedding, pre_fc_norm_hidden, input_layernorm,
       post_attention_layernorm, q_norm, k_norm, norm;
   MtpLinear fc, q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj;
+  ops::MoeWeights moe;  // cfg.moe.moe(): the MLP (gate/up/down_proj unused)
 
   uint64_t bytes() const;
 };

@@ -1,0 +1,72 @@
+#include "tandem/model/moe_weights.h"
+
+#include <cstddef>
+
+namespace tandem {
+
+namespace {
+
+// Rows [first, first + rows) of a fused tensor holding `cols` elements per row, as a weight.
+ops::WeightRef rows_of(const ops::WeightRef& w, int64_t first, int64_t rows, int64_t cols) {
+  ops::WeightRef v = w;
+  v.data = static_cast<const std::byte*>(w.data) +
+           static_cast<size_t>(first * cols) * dtype_size(w.dtype);
+  v.rows = rows;
+  v.cols = cols;
+  return v;
+}
+
+uint64_t bytes_of(const ops::WeightRef& w) {
+  return static_cast<uint64_t>(w.rows * w.cols) * dtype_size(w.dtype);
+}
+
+}  // namespace
+
+ops::MoeWeights bind_moe_weights(const Qwen35Config& c, const std::string& p, bool fused,
+                                 const MoeTensorSource& get) {
+  const int64_t E = c.num_experts, I = c.moe_intermediate_size, H = c.hidden_size;
+  const int64_t Is = c.shared_expert_intermediate_size;
+  ops::MoeWeights m;
+  m.router = get(p + "gate.weight", {E, H});
+  m.top_k = c.num_experts_per_tok;
+  m.renormalise = c.norm_topk_prob;
+  m.gate.resize(static_cast<size_t>(E));
+  m.up.resize(static_cast<size_t>(E));
+  m.down.resize(static_cast<size_t>(E));
+  if (fused) {
+    const ops::WeightRef gate_up = get(p + "experts.gate_up_proj", {E, 2 * I, H});
+    const ops::WeightRef down = get(p + "experts.down_proj", {E, H, I});
+    for (int64_t e = 0; e < E; ++e) {
+      const auto i = static_cast<size_t>(e);
+      // transformers chunks gate_up_proj[e] into gate (its first I rows) and up (the next I).
+      m.gate[i] = rows_of(gate_up, 2 * I * e, I, H);
+      m.up[i] = rows_of(gate_up, 2 * I * e + I, I, H);
+      m.down[i] = rows_of(down, H * e, H, I);
+    }
+  } else {
+    for (int64_t e = 0; e < E; ++e) {
+      const auto i = static_cast<size_t>(e);
+      const std::string x = p + "experts." + std::to_string(e) + ".";
+      m.gate[i] = get(x + "gate_proj.weight", {I, H});
+      m.up[i] = get(x + "up_proj.weight", {I, H});
+      m.down[i] = get(x + "down_proj.weight", {H, I});
+    }
+  }
+  m.shared_gate_proj = get(p + "shared_expert.gate_proj.weight", {Is, H});
+  m.shared_up_proj = get(p + "shared_expert.up_proj.weight", {Is, H});
+  m.shared_down_proj = get(p + "shared_expert.down_proj.weight", {H, Is});
+  m.shared_gate = get(p + "shared_expert_gate.weight", {1, H});
+  return m;
+}
+
+uint64_t moe_weight_bytes(const ops::MoeWeights& m) {
+  uint64_t n = 0;
+  for (const ops::WeightRef* w :
+       {&m.router, &m.shared_gate_proj, &m.shared_up_proj, &m.shared_down_proj, &m.shared_gate})
+    n += bytes_of(*w);
+  for (const auto* experts : {&m.gate, &m.up, &m.down})
+    for (const ops::WeightRef& w : *experts) n += bytes_of(w);
+  return n;
+}
+
+}  // namespace tandem

@@ -1,0 +1,29 @@
+// Binding a Qwen3.5-MoE mixture of experts (a target layer's MLP, or the MTP layer's) from its
+// published tensors under "<...>.mlp.": the router `gate.weight` [E, H], the experts fused as
+// transformers writes them (`experts.gate_up_proj` [E, 2I, H]: gate rows then up rows per
+// expert; `experts.down_proj` [E, H, I]) or one tensor per projection and expert
+// (`experts.{e}.{gate,up,down}_proj.weight`), and the shared expert with its sigmoid gate.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "tandem/backend/ops.h"
+#include "tandem/model/qwen3_5_config.h"
+
+namespace tandem {
+
+// The tensor `name`, which must have `shape` (the caller checks and names mismatches).
+using MoeTensorSource =
+    std::function<ops::WeightRef(const std::string& name, const std::vector<int64_t>& shape)>;
+
+// prefix: "...mlp.". fused: the experts come as the two fused tensors (else one per expert).
+ops::MoeWeights bind_moe_weights(const Qwen35Config& c, const std::string& prefix, bool fused,
+                                 const MoeTensorSource& get);
+
+// Bytes of every weight the mixture holds (router, experts, shared expert and gate).
+uint64_t moe_weight_bytes(const ops::MoeWeights& m);
+
+}  // namespace tandem
