@@ -38,32 +38,40 @@ const float* load_row(const KVLayerView& kv, const std::byte* src, int64_t n, fl
   return scratch;
 }
 
+// fn(t, key row, value row) for token t = 0..n-1 at positions[t] through block_table; a
+// negative position is the caller's bug, named with op.
+template <class Fn>
+void for_each_position(const KVLayerView& kv, const int32_t* block_table, const int64_t* positions,
+                       int64_t n, const char* op, Fn fn) {
+  for (int64_t t = 0; t < n; ++t) {
+    const int64_t p = positions[t];
+    if (p < 0) fail(op, ": token ", t, " has negative position ", p);
+    const int32_t block = block_table[p / kv.block_size];
+    const int64_t slot = p % kv.block_size;
+    fn(t, kv.key(block, slot), kv.value(block, slot));
+  }
+}
+
 }  // namespace
 
 void kv_write(const KVLayerView& kv, const int32_t* block_table, const int64_t* positions,
               int64_t n, const float* k, const float* v) {
   const int64_t row = kv.row_elements();
-  for (int64_t t = 0; t < n; ++t) {
-    const int64_t p = positions[t];
-    if (p < 0) fail("kv_write: token ", t, " has negative position ", p);
-    const int32_t block = block_table[p / kv.block_size];
-    const int64_t slot = p % kv.block_size;
-    store_row(kv, kv.key(block, slot), k + t * row);
-    store_row(kv, kv.value(block, slot), v + t * row);
-  }
+  for_each_position(kv, block_table, positions, n, "kv_write",
+                    [&](int64_t t, std::byte* key, std::byte* value) {
+                      store_row(kv, key, k + t * row);
+                      store_row(kv, value, v + t * row);
+                    });
 }
 
 void kv_write_stored(const KVLayerView& kv, const int32_t* block_table, const int64_t* positions,
                      int64_t n, const void* k, const void* v) {
   const size_t row = kv.row_bytes();
-  for (int64_t t = 0; t < n; ++t) {
-    const int64_t p = positions[t];
-    if (p < 0) fail("kv_write_stored: token ", t, " has negative position ", p);
-    const int32_t block = block_table[p / kv.block_size];
-    const int64_t slot = p % kv.block_size;
-    std::memcpy(kv.key(block, slot), static_cast<const std::byte*>(k) + t * row, row);
-    std::memcpy(kv.value(block, slot), static_cast<const std::byte*>(v) + t * row, row);
-  }
+  for_each_position(kv, block_table, positions, n, "kv_write_stored",
+                    [&](int64_t t, std::byte* key, std::byte* value) {
+                      std::memcpy(key, static_cast<const std::byte*>(k) + t * row, row);
+                      std::memcpy(value, static_cast<const std::byte*>(v) + t * row, row);
+                    });
 }
 
 void kv_write_slots(const KVLayerView& kv, const int64_t* slots, int64_t n, const float* k,

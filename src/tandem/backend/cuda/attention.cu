@@ -441,6 +441,16 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
   *reinterpret_cast<float4*>(out + out_base + og * head_dim + oi) = r;
 }
 
+// Position p's key row in a pool of rows of `row` elements: its block from the table, then its
+// slot (the value row follows block_size rows later). -1 for a negative position (the caller's
+// bug; better no write than one before the pool).
+__device__ inline int64_t key_row_offset(const int32_t* block_table, int64_t block_size,
+                                         int64_t row, int64_t p) {
+  if (p < 0) return -1;
+  const int64_t block = block_table[p / block_size];
+  return (block * 2 * block_size + p % block_size) * row;
+}
+
 // One block per token; threads store the token's key and value rows (n_kv_heads · head_dim
 // fp32 values) at its position, read from `positions`, in the pool's storage (bf16: rounded).
 __global__ void kv_write_kernel(void* pool, bool bf16, const int32_t* block_table,
@@ -449,10 +459,8 @@ __global__ void kv_write_kernel(void* pool, bool bf16, const int32_t* block_tabl
   pdl_wait();
   pdl_release();
   const int64_t t = blockIdx.x;
-  const int64_t p = positions[t];
-  if (p < 0) return;  // the caller's bug; better no write than one before the pool
-  const int64_t block = block_table[p / block_size];
-  const int64_t kd = (block * 2 * block_size + p % block_size) * row;
+  const int64_t kd = key_row_offset(block_table, block_size, row, positions[t]);
+  if (kd < 0) return;
   const int64_t vd = kd + block_size * row;
   for (int64_t i = threadIdx.x; i < row; i += kKvWriteThreads) {
     store_kv(pool, kd + i, k[t * row + i], bf16);
@@ -468,10 +476,9 @@ __global__ void kv_write_stored_kernel(uint32_t* pool, const int32_t* block_tabl
   pdl_wait();
   pdl_release();
   const int64_t t = blockIdx.x;
-  const int64_t p = positions[t];
-  if (p < 0) return;
-  const int64_t block = block_table[p / block_size];
-  uint32_t* kd = pool + (block * 2 * block_size + p % block_size) * words;
+  const int64_t off = key_row_offset(block_table, block_size, words, positions[t]);
+  if (off < 0) return;
+  uint32_t* kd = pool + off;
   uint32_t* vd = kd + block_size * words;
   for (int64_t i = threadIdx.x; i < words; i += kKvWriteThreads) {
     kd[i] = k[t * words + i];
