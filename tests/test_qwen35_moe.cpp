@@ -191,8 +191,11 @@ TEST(MoeRouting, SoftmaxTopKRenormalisedAndTiesGoToTheLowerExpert) {
 }
 
 // The mixture against a plain double-precision reference of the same definition, with the
-// routing it recorded.
-TEST(MoeOp, MatchesAPlainReferenceAndReportsItsRouting) {
+// routing it recorded; with a shared expert and without one.
+class MoeOp : public ::testing::TestWithParam<bool> {};
+
+TEST_P(MoeOp, MatchesAPlainReferenceAndReportsItsRouting) {
+  const bool with_shared = GetParam();
   const int64_t T = 5, H = 16, E = 6, K = 2, I = 8, Is = 12;
   std::mt19937 rng(3);
   std::normal_distribution<float> nd(0.0f, 0.5f);
@@ -220,10 +223,12 @@ TEST(MoeOp, MatchesAPlainReferenceAndReportsItsRouting) {
     w.up.push_back(ref(up[static_cast<size_t>(e)], I, H));
     w.down.push_back(ref(down[static_cast<size_t>(e)], H, I));
   }
-  w.shared_gate_proj = ref(sgp, Is, H);
-  w.shared_up_proj = ref(sup, Is, H);
-  w.shared_down_proj = ref(sdn, H, Is);
-  w.shared_gate = ref(sg, 1, H);
+  if (with_shared) {
+    w.shared_gate_proj = ref(sgp, Is, H);
+    w.shared_up_proj = ref(sup, Is, H);
+    w.shared_down_proj = ref(sdn, H, Is);
+    w.shared_gate = ref(sg, 1, H);
+  }
   const auto x = values(T * H);
   std::vector<float> y = values(T * H);
   const std::vector<float> residual = y;
@@ -269,7 +274,7 @@ TEST(MoeOp, MatchesAPlainReferenceAndReportsItsRouting) {
         want[static_cast<size_t>(i)] += want_w[j] * part[static_cast<size_t>(i)];
     }
     mlp(xt, sgp, sup, sdn, Is, part);
-    const double g = 1 / (1 + std::exp(-dot(xt, sg.data(), H)));
+    const double g = with_shared ? 1 / (1 + std::exp(-dot(xt, sg.data(), H))) : 0.0;
     for (int64_t i = 0; i < H; ++i) {
       const double expect = residual[static_cast<size_t>(t * H + i)] +
                             want[static_cast<size_t>(i)] + g * part[static_cast<size_t>(i)];
@@ -284,6 +289,46 @@ TEST(MoeOp, MatchesAPlainReferenceAndReportsItsRouting) {
   bad.down.pop_back();
   EXPECT_THROW(ops::moe_mlp_add(x.data(), T, bad, y.data()), Error);
   EXPECT_THROW(ops::moe_mlp_add(y.data(), T, w, y.data()), Error);
+}
+
+INSTANTIATE_TEST_SUITE_P(SharedExpert, MoeOp, ::testing::Values(true, false),
+                         [](const ::testing::TestParamInfo<bool>& i) {
+                           return i.param ? std::string("with") : std::string("without");
+                         });
+
+// shared_expert_intermediate_size 0: no shared expert; the model loads without its tensors and
+// decodes as the rest of the suite checks (prefill == decode, lossless n-gram rounds).
+TEST(MoeNoShared, AModelWithoutASharedExpertLoadsAndDecodesConsistently) {
+  ScratchDir dir("qwen35-moe-noshared");
+  std::string config = kConfig;
+  const std::string from = "\"shared_expert_intermediate_size\": 40";
+  config.replace(config.find(from), from.size(), "\"shared_expert_intermediate_size\": 0");
+  write_text(dir.file("source_config.json"), config);
+  write_random_qwen35(dir.file("source_config.json"), dir.file("model"), DType::BF16, 9);
+  const auto model = Qwen35Model::load(dir.file("model"));
+  EXPECT_FALSE(model->weights().find(model->config().weight_prefix() +
+                                     "layers.0.mlp.shared_expert_gate.weight"));
+  const auto ids = sequence(17, 4);
+  const auto whole = prefill_logits(*model, ids);
+  const int64_t V = model->config().vocab_size;
+  Qwen35State st(model->config());
+  const int slot = st.open_row();
+  for (size_t p = 0; p < ids.size(); ++p) {
+    const RowInput row{slot, 1};
+    ForwardOutput out;
+    model->forward(st, {std::span(ids).subspan(p, 1), {&row, 1}, true, false}, &out);
+    ASSERT_EQ(0, std::memcmp(out.logits.data(), whole.data() + p * V, V * sizeof(float)))
+        << "position " << p;
+  }
+  spec::NgramProvider ngram(spec::NgramOptions{});
+  GenerateRequest r;
+  for (int rep = 0; rep < 3; ++rep)
+    for (int32_t id : sequence(6, 2)) r.prompt.push_back(id);
+  r.max_tokens = 20;
+  r.ignore_eos = true;
+  Generator plain(*model);
+  SpeculativeGenerator spec_gen(*model, &ngram, "moe-target", {3, spec::VerifyMode::Match});
+  EXPECT_EQ(spec_gen.run({r}).at(0).tokens, plain.run({r}).at(0).tokens);
 }
 
 TEST_F(MoeModel, FusedAndPerExpertLayoutsGiveTheSameBits) {

@@ -396,9 +396,11 @@ void moe_mlp_add(const float* x, int64_t T, const MoeWeights& w, float* y,
       fail("moe_mlp_add: expert ", e, " is gate [", g.rows, " x ", g.cols, "], up [", u.rows, " x ",
            u.cols, "], down [", d.rows, " x ", d.cols, "] for hidden size ", H);
   }
-  if (w.shared_gate.rows != 1 || w.shared_gate.cols != H || w.shared_gate_proj.cols != H ||
-      w.shared_up_proj.rows != w.shared_gate_proj.rows || w.shared_down_proj.rows != H ||
-      w.shared_down_proj.cols != w.shared_gate_proj.rows)
+  const bool shared = w.shared_gate_proj.rows > 0;  // else no shared expert
+  if (shared &&
+      (w.shared_gate.rows != 1 || w.shared_gate.cols != H || w.shared_gate_proj.cols != H ||
+       w.shared_up_proj.rows != w.shared_gate_proj.rows || w.shared_down_proj.rows != H ||
+       w.shared_down_proj.cols != w.shared_gate_proj.rows))
     fail("moe_mlp_add: the shared expert's shapes do not fit hidden size ", H);
   if (x == y) fail("moe_mlp_add: y must not alias x");
 #ifdef TANDEM_HAVE_CUDA

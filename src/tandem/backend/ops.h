@@ -168,7 +168,8 @@ void swiglu_mlp_add(const float* x, int64_t m, const WeightRef& gate_up, const W
 // A mixture-of-experts MLP (Qwen3.5-MoE): a router over E experts, each a SwiGLU MLP, and a
 // shared expert scaled by a sigmoid gate. Shapes: router [E, H]; expert e: gate[e], up[e]
 // [I, H], down[e] [H, I]; shared: gate/up [Is, H], down [H, Is]; shared_gate [1, H]. The refs
-// may view slices of one fused tensor (transformers' experts.gate_up_proj / down_proj).
+// may view slices of one fused tensor (transformers' experts.gate_up_proj / down_proj). No
+// shared expert: the four shared refs empty (0 rows).
 struct MoeWeights {
   WeightRef router;
   std::vector<WeightRef> gate, up, down;  // per expert
@@ -185,7 +186,7 @@ void route_top_k(const float* logits, int64_t E, int64_t k, bool renormalise, in
 
 // y[T, H] += moe(x) for normalised input rows x [T, H] (y must not alias x):
 //   moe(x_t) = Σ_{e chosen for t, ascending e} w_{t,e} · down_e(silu(gate_e x_t) ⊙ up_e x_t)
-//            + sigmoid(shared_gate · x_t) · shared(x_t)
+//            + sigmoid(shared_gate · x_t) · shared(x_t)      (when there is a shared expert)
 // added to y_t as one term (the experts' sum, then the gated shared expert, then the residual:
 // transformers' order). A token's value depends on its own routing only: each expert's product
 // of a row is the same whichever other tokens share the expert (batch invariance), and its

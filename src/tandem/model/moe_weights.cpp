@@ -52,6 +52,7 @@ ops::MoeWeights bind_moe_weights(const Qwen35Config& c, const std::string& p, bo
       m.down[i] = get(x + "down_proj.weight", {H, I});
     }
   }
+  if (Is == 0) return m;  // no shared expert: whatever empty tensors a checkpoint has are unused
   m.shared_gate_proj = get(p + "shared_expert.gate_proj.weight", {Is, H});
   m.shared_up_proj = get(p + "shared_expert.up_proj.weight", {Is, H});
   m.shared_down_proj = get(p + "shared_expert.down_proj.weight", {H, Is});

@@ -2,7 +2,8 @@
 // published tensors under "<...>.mlp.": the router `gate.weight` [E, H], the experts fused as
 // transformers writes them (`experts.gate_up_proj` [E, 2I, H]: gate rows then up rows per
 // expert; `experts.down_proj` [E, H, I]) or one tensor per projection and expert
-// (`experts.{e}.{gate,up,down}_proj.weight`), and the shared expert with its sigmoid gate.
+// (`experts.{e}.{gate,up,down}_proj.weight`), and the shared expert with its sigmoid gate (none
+// when shared_expert_intermediate_size is 0).
 #pragma once
 
 #include <cstdint>

@@ -163,7 +163,12 @@ Qwen35Config parse_qwen35_config(const std::string& json_text, const std::string
             ")");
     }
     c.moe_intermediate_size = t.req_pos_int("moe_intermediate_size");
-    c.shared_expert_intermediate_size = t.req_pos_int("shared_expert_intermediate_size");
+    // 0: no shared expert (transformers' module then has no features and adds zero).
+    c.shared_expert_intermediate_size =
+        t.as_int("shared_expert_intermediate_size", t.require("shared_expert_intermediate_size"));
+    if (c.shared_expert_intermediate_size < 0)
+      t.bad("shared_expert_intermediate_size", "must be >= 0, got ",
+            c.shared_expert_intermediate_size);
     c.norm_topk_prob = t.opt_bool("norm_topk_prob", true);
     // Every layer is sparse in Qwen3.5-MoE; a config that keeps dense layers describes another
     // graph.

@@ -41,8 +41,8 @@ struct Qwen35Config {
   int64_t mtp_num_hidden_layers = 0;
   // Mixture of experts (qwen3_5_moe): every layer's MLP (and the MTP layer's) is a router over
   // num_experts experts of moe_intermediate_size, num_experts_per_tok chosen per token, plus a
-  // shared expert of shared_expert_intermediate_size scaled by its sigmoid gate. num_experts 0:
-  // the dense MLP of intermediate_size.
+  // shared expert of shared_expert_intermediate_size scaled by its sigmoid gate (0: none).
+  // num_experts 0: the dense MLP of intermediate_size.
   int64_t num_experts = 0;
   int64_t num_experts_per_tok = 0;
   int64_t moe_intermediate_size = 0;

@@ -87,10 +87,12 @@ void write_random_qwen35(const std::string& config_path, const std::string& out_
         b.add(m + "experts.gate_up_proj", {E, 2 * I, H}, -a, a);
         b.add(m + "experts.down_proj", {E, H, I}, -d, d);
       }
-      b.linear(m + "shared_expert.gate_proj.weight", Is, H);
-      b.linear(m + "shared_expert.up_proj.weight", Is, H);
-      b.linear(m + "shared_expert.down_proj.weight", H, Is);
-      b.linear(m + "shared_expert_gate.weight", 1, H);
+      if (Is > 0) {
+        b.linear(m + "shared_expert.gate_proj.weight", Is, H);
+        b.linear(m + "shared_expert.up_proj.weight", Is, H);
+        b.linear(m + "shared_expert.down_proj.weight", H, Is);
+        b.linear(m + "shared_expert_gate.weight", 1, H);
+      }
     } else {
       b.linear(m + "gate_proj.weight", c.intermediate_size, H);
       b.linear(m + "up_proj.weight", c.intermediate_size, H);

@@ -84,14 +84,20 @@ void moe_mlp_add(const float* x, int64_t T, const MoeWeights& w, float* y,
     for (int64_t r = 0; r < n; ++r)
       std::copy_n(down.data() + r * H, H, out.data() + rows[static_cast<size_t>(r)] * H);
   }
-  // 3. The shared expert and its gate, over all tokens.
-  std::vector<float> sg(static_cast<size_t>(T)), sh_gate(static_cast<size_t>(T * Is)),
-      sh_up(sh_gate.size()), shared(static_cast<size_t>(T * H));
-  cpu::linear(x, T, w.shared_gate, sg.data());
-  cpu::linear(x, T, w.shared_gate_proj, sh_gate.data());
-  cpu::linear(x, T, w.shared_up_proj, sh_up.data());
-  cpu::swiglu(sh_gate.data(), sh_up.data(), T * Is, sh_gate.data());
-  cpu::linear(sh_gate.data(), T, w.shared_down_proj, shared.data());
+  // 3. The shared expert and its gate, over all tokens (none: nothing is added for it).
+  const bool has_shared = Is > 0;
+  std::vector<float> sg, sh_gate, sh_up, shared;
+  if (has_shared) {
+    sg.resize(static_cast<size_t>(T));
+    sh_gate.resize(static_cast<size_t>(T * Is));
+    sh_up.resize(sh_gate.size());
+    shared.resize(static_cast<size_t>(T * H));
+    cpu::linear(x, T, w.shared_gate, sg.data());
+    cpu::linear(x, T, w.shared_gate_proj, sh_gate.data());
+    cpu::linear(x, T, w.shared_up_proj, sh_up.data());
+    cpu::swiglu(sh_gate.data(), sh_up.data(), T * Is, sh_gate.data());
+    cpu::linear(sh_gate.data(), T, w.shared_down_proj, shared.data());
+  }
   // 4. Per token: the experts in ascending id, then the gated shared expert, then the residual.
   std::vector<float> acc(static_cast<size_t>(H));
   std::vector<int64_t> by_id(static_cast<size_t>(k));
@@ -106,9 +112,13 @@ void moe_mlp_add(const float* x, int64_t T, const MoeWeights& w, float* y,
       const float* o = out.data() + (t * k + j) * H;
       for (int64_t i = 0; i < H; ++i) acc[static_cast<size_t>(i)] += wt * o[i];
     }
+    float* yt = y + t * H;
+    if (!has_shared) {
+      for (int64_t i = 0; i < H; ++i) yt[i] += acc[static_cast<size_t>(i)];
+      continue;
+    }
     const float g = 1.0f / (1.0f + std::exp(-sg[static_cast<size_t>(t)]));
     const float* s = shared.data() + t * H;
-    float* yt = y + t * H;
     for (int64_t i = 0; i < H; ++i) yt[i] += acc[static_cast<size_t>(i)] + g * s[i];
   }
   if (routed_ids) *routed_ids = std::move(ids);
