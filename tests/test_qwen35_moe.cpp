@@ -8,8 +8,10 @@
 #include <filesystem>
 #include <random>
 
+#include "recording_sink.h"
 #include "tandem/backend/cpu/cpu_ops.h"
 #include "tandem/core/error.h"
+#include "tandem/engine/batch_engine.h"
 #include "tandem/engine/generator.h"
 #include "tandem/engine/speculative.h"
 #include "tandem/io/safetensors.h"
@@ -499,6 +501,43 @@ TEST(MoeMtp, TheMixtureOfExpertsMtpLayerDraftsLosslessly) {
       EXPECT_GT(drafted, 0);
     }
   }
+}
+
+// The serving engine on a MoE target: a prompt that extends a saved prefix reuses it (the prefix
+// cache holds KV and recurrent state, which experts do not change) and gets the tokens a cold
+// engine gives, with n-gram drafting on.
+TEST_F(MoeModel, ThePrefixCacheServesAMoeTargetExactly) {
+  spec::NgramProvider ngram(spec::NgramOptions{});
+  EngineOptions o;
+  o.spec.depth = 3;
+  o.spec.prefill_chunk = 16;
+  o.max_rows = 4;
+  o.prefix_cache_bytes = size_t(64) << 20;
+  EngineOptions cold = o;
+  cold.prefix_cache_bytes = 0;
+  auto serve = [](BatchEngine& engine, const std::vector<int32_t>& prompt) {
+    EngineRequest er;
+    er.gen.prompt = prompt;
+    er.gen.max_tokens = 10;
+    er.gen.ignore_eos = true;
+    er.gen.sampling.temperature = 0.7f;
+    er.gen.sampling.top_p = 0.9f;
+    er.gen.sampling.seed = 8;
+    auto sink = std::make_shared<test::RecordingSink>();
+    EXPECT_EQ(engine.submit(er, sink), BatchEngine::Submit::Queued);
+    engine.run_to_completion();
+    return std::make_pair(sink->tokens, sink->outcome.value_or(RequestOutcome{}));
+  };
+  std::vector<int32_t> first = sequence(40, 6), longer = first;
+  for (int32_t id : sequence(9, 7)) longer.push_back(id);
+  BatchEngine warm(*model_, &ngram, "moe-target", o);
+  serve(warm, first);
+  const auto [hot_tokens, hot] = serve(warm, longer);
+  EXPECT_GE(hot.cached_tokens, 32);  // the chunk boundaries the first prompt reached
+  BatchEngine fresh(*model_, &ngram, "moe-target", cold);
+  const auto [cold_tokens, cold_outcome] = serve(fresh, longer);
+  EXPECT_EQ(cold_outcome.cached_tokens, 0);
+  EXPECT_EQ(hot_tokens, cold_tokens);
 }
 
 // --- Parity with transformers (tests/fixtures/qwen35_moe_*, tools/make_qwen35_moe_fixtures.py) --
