@@ -33,6 +33,7 @@ struct WeightRef {
   const void* data = nullptr;
   int64_t rows = 0;
   int64_t cols = 0;
+  uint64_t bytes() const { return static_cast<uint64_t>(rows * cols) * dtype_size(dtype); }
 };
 WeightRef weight_ref(const TensorView& t);  // 1-D tensors become rows = 1
 

@@ -92,7 +92,7 @@ void apply_backend(const std::string& name, const std::string& config_path) {
     }
     if (moe) {
       ops::set_backend(ops::Backend::Cpu);
-      if (ops::parse_backend("auto") != ops::Backend::Cpu)
+      if (ops::cuda_available())
         std::fprintf(stderr, "backend: cpu (Qwen3.5-MoE runs on the CPU backend only so far)\n");
       return;
     }

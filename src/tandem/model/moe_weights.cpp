@@ -16,10 +16,6 @@ ops::WeightRef rows_of(const ops::WeightRef& w, int64_t first, int64_t rows, int
   return v;
 }
 
-uint64_t bytes_of(const ops::WeightRef& w) {
-  return static_cast<uint64_t>(w.rows * w.cols) * dtype_size(w.dtype);
-}
-
 }  // namespace
 
 ops::MoeWeights bind_moe_weights(const Qwen35Config& c, const std::string& p, bool fused,
@@ -60,13 +56,18 @@ ops::MoeWeights bind_moe_weights(const Qwen35Config& c, const std::string& p, bo
   return m;
 }
 
-uint64_t moe_weight_bytes(const ops::MoeWeights& m) {
+uint64_t moe_expert_bytes(const ops::MoeWeights& m) {
   uint64_t n = 0;
+  for (const auto* experts : {&m.gate, &m.up, &m.down})
+    for (const ops::WeightRef& w : *experts) n += w.bytes();
+  return n;
+}
+
+uint64_t moe_weight_bytes(const ops::MoeWeights& m) {
+  uint64_t n = moe_expert_bytes(m);
   for (const ops::WeightRef* w :
        {&m.router, &m.shared_gate_proj, &m.shared_up_proj, &m.shared_down_proj, &m.shared_gate})
-    n += bytes_of(*w);
-  for (const auto* experts : {&m.gate, &m.up, &m.down})
-    for (const ops::WeightRef& w : *experts) n += bytes_of(w);
+    n += w->bytes();
   return n;
 }
 

@@ -24,7 +24,9 @@ using MoeTensorSource =
 ops::MoeWeights bind_moe_weights(const Qwen35Config& c, const std::string& prefix, bool fused,
                                  const MoeTensorSource& get);
 
-// Bytes of every weight the mixture holds (router, experts, shared expert and gate).
+// Bytes of every weight the mixture holds (router, experts, shared expert and gate), and of its
+// routed experts alone.
 uint64_t moe_weight_bytes(const ops::MoeWeights& m);
+uint64_t moe_expert_bytes(const ops::MoeWeights& m);
 
 }  // namespace tandem

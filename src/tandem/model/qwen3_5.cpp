@@ -110,7 +110,10 @@ void Qwen35Model::bind_weights(const WeightSource& get, const std::string& prefi
     L.input_norm = get(p + "input_layernorm.weight", {H}, Role::Vector);
     L.post_norm = get(p + "post_attention_layernorm.weight", {H}, Role::Vector);
     if (c.moe()) {
-      bind_moe(get, p + "mlp.", &L.moe);
+      L.moe = bind_moe_weights(c, p + "mlp.", fused_experts_,
+                               [&](const std::string& name, const std::vector<int64_t>& shape) {
+                                 return get(name, shape, Role::Matrix);
+                               });
     } else {
       L.gate_proj = get(p + "mlp.gate_proj.weight", {c.intermediate_size, H}, Role::Matrix);
       L.up_proj = get(p + "mlp.up_proj.weight", {c.intermediate_size, H}, Role::Matrix);
@@ -153,14 +156,6 @@ void Qwen35Model::bind_weights(const WeightSource& get, const std::string& prefi
   const std::vector<float> f = rope_inv_freq(c.rope_theta, c.rotary_dim);
   inv_freq_.grow_to(static_cast<int64_t>(f.size()));
   ops::copy_from_host(inv_freq_.data(), f.data(), sizeof(float) * f.size());
-}
-
-void Qwen35Model::bind_moe(const WeightSource& get, const std::string& p,
-                           ops::MoeWeights* moe) const {
-  *moe = bind_moe_weights(cfg_, p, fused_experts_,
-                          [&](const std::string& name, const std::vector<int64_t>& shape) {
-                            return get(name, shape, Role::Matrix);
-                          });
 }
 
 std::unique_ptr<Qwen35Model> Qwen35Model::random(const Qwen35Config& cfg, uint64_t seed) {
@@ -250,11 +245,8 @@ void Qwen35Model::for_each_layer_weight(
 }
 
 uint64_t Qwen35Model::decode_weight_bytes() const {
-  auto bytes = [](const ops::WeightRef& w) {
-    return static_cast<uint64_t>(w.rows * w.cols) * dtype_size(w.dtype);
-  };
   uint64_t n = 0;
-  for_each_layer_weight([&](const ops::WeightRef& w) { n += bytes(w); });
+  for_each_layer_weight([&](const ops::WeightRef& w) { n += w.bytes(); });
   // A token reads top_k of a layer's experts: the others' bytes are not part of its step.
   if (cfg_.moe()) {
     const uint64_t experts = expert_weight_bytes();
@@ -266,10 +258,7 @@ uint64_t Qwen35Model::decode_weight_bytes() const {
 
 uint64_t Qwen35Model::expert_weight_bytes() const {
   uint64_t n = 0;
-  for (const Layer& L : layers_)
-    for (const auto* ws : {&L.moe.gate, &L.moe.up, &L.moe.down})
-      for (const ops::WeightRef& w : *ws)
-        n += static_cast<uint64_t>(w.rows * w.cols) * dtype_size(w.dtype);
+  for (const Layer& L : layers_) n += moe_expert_bytes(L.moe);
   return n;
 }
 

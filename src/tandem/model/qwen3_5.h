@@ -266,10 +266,8 @@ class Qwen35Model {
   using WeightSource = std::function<ops::WeightRef(const std::string& name,
                                                     const std::vector<int64_t>& shape, Role)>;
   void bind_weights(const WeightSource& source, const std::string& prefix);
-  // A layer's mixture of experts under `p` ("...layers.N.mlp."): the router, the experts (views
-  // of transformers' fused experts.gate_up_proj / down_proj when fused_experts_, else one tensor
-  // per projection and expert) and the gated shared expert.
-  void bind_moe(const WeightSource& get, const std::string& p, ops::MoeWeights* moe) const;
+  // Qwen3.5-MoE: the checkpoint's experts come fused (transformers' experts.gate_up_proj /
+  // down_proj), else one tensor per projection and expert (bind_moe_weights).
   bool fused_experts_ = false;
   // The device work of a forward: embedding, layers, final norm and head into ws_.out. Only
   // queues ops (captured into a CUDA graph for decode/verify shapes).

@@ -128,10 +128,6 @@ MtpLinear bind_linear(const QwenMtpConfig& c, const WeightStore& s, const std::s
   return l;
 }
 
-uint64_t ref_bytes(const ops::WeightRef& w) {
-  return static_cast<uint64_t>(w.rows * w.cols) * dtype_size(w.dtype);
-}
-
 }  // namespace
 
 void MtpLinear::apply(const float* x, int64_t m, float* y) const {
@@ -142,16 +138,16 @@ void MtpLinear::apply(const float* x, int64_t m, float* y) const {
 }
 
 uint64_t MtpLinear::bytes() const {
-  if (!quant) return ref_bytes(dense);
+  if (!quant) return dense.bytes();
   return static_cast<uint64_t>(quant->rows * quant->cols * quant->bits / 8) +
-         ref_bytes(quant->scales) + ref_bytes(quant->biases);
+         quant->scales.bytes() + quant->biases.bytes();
 }
 
 uint64_t QwenMtpWeights::bytes() const {
   uint64_t n = 0;
   for (const ops::WeightRef* w : {&pre_fc_norm_embedding, &pre_fc_norm_hidden, &input_layernorm,
                                   &post_attention_layernorm, &q_norm, &k_norm, &norm})
-    n += ref_bytes(*w);
+    n += w->bytes();
   for (const MtpLinear* l :
        {&fc, &q_proj, &k_proj, &v_proj, &o_proj, &gate_proj, &up_proj, &down_proj})
     n += l->bytes();
