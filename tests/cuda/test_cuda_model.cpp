@@ -293,6 +293,18 @@ Alone decoded_alone(Demo& d) {
   return a;
 }
 
+// The CUDA model keeps gate and up as one stacked pair weight; its parameter count (and bench's
+// weight bytes per step, from the same walk) still counts them, as on the CPU.
+TEST_F(CudaModelTest, RandomModelCountsEveryWeightAsOnTheCpu) {
+  const Qwen35Config cfg = Qwen35Model::load(kDemo)->config();
+  uint64_t counts[2] = {0, 0};
+  for (ops::Backend b : {ops::Backend::Cpu, ops::Backend::Cuda}) {
+    ScopedBackend scope(b);
+    counts[b == ops::Backend::Cuda] = Qwen35Model::random(cfg, 7)->parameter_count();
+  }
+  EXPECT_EQ(counts[1], counts[0]);
+}
+
 // One row: prompt prefill, then tokens x[0..3] decoded one per forward; the logits of every step.
 // The same row: prompt prefill, then x[0..3] as ONE verify window (all logits): rows equal.
 // The same row batched with two other rows (prefilled together, decoded together): equal again.

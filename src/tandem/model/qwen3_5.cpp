@@ -220,9 +220,14 @@ void Qwen35Model::for_each_layer_weight(
   fn(final_norm_);
   fn(lm_head_);
   for (const Layer& L : layers_) {
-    for (const ops::WeightRef* w :
-         {&L.input_norm, &L.post_norm, &L.gate_proj, &L.up_proj, &L.down_proj})
-      if (w->data) fn(*w);
+    // On CUDA gate and up live on only as the stacked pair weight (their own refs are released).
+    for (const ops::WeightRef* w : {&L.input_norm, &L.post_norm, &L.down_proj}) fn(*w);
+    if (L.gate_up.data) {
+      fn(L.gate_up);
+    } else {
+      fn(L.gate_proj);
+      fn(L.up_proj);
+    }
     if (cfg_.moe()) {
       const ops::MoeWeights& m = L.moe;
       for (const ops::WeightRef* w :
