@@ -5,7 +5,7 @@ Run on a machine with torch + transformers (no network needed):
 
     python3 tools/make_qwen35_moe_fixtures.py --out tests/fixtures
 
-Two checkpoints of different shapes, the same text model class (Qwen3_5MoeForCausalLM), in the
+Three checkpoints of different shapes, the same text model class (Qwen3_5MoeForCausalLM), in the
 layouts tandem must load:
 
   qwen35_moe_fused       flat config (model_type qwen3_5_moe_text), float32, one file, experts
@@ -15,6 +15,11 @@ layouts tandem must load:
                          under model.language_model.), bfloat16, two shards + index, one tensor
                          per expert projection (mlp.experts.{e}.{gate,up,down}_proj.weight);
                          6 experts, 3 per token.
+  qwen35_moe_no_shared   flat, float32, fused; no shared expert (shared_expert_intermediate_size
+                         0: transformers keeps zero-size shared-expert tensors and the gate, which
+                         add nothing) and norm_topk_prob false in its config, which
+                         transformers' qwen3_5_moe router ignores (it always renormalises the
+                         chosen probabilities); 4 experts, 1 per token.
 
 The weights are drawn at realistic scales (projections ~1/sqrt(fan_in), router logits of O(1)
 spread so routing has clear margins). References are computed in fp32 on the CPU from exactly the
@@ -47,7 +52,8 @@ from safetensors.torch import save_file  # noqa: E402
 import transformers  # noqa: E402
 
 
-def text_config(experts: int, top_k: int, vocab: int = 160) -> dict:
+def text_config(experts: int, top_k: int, shared: int = 48, norm_topk: bool = True,
+                vocab: int = 160) -> dict:
     return {
         "model_type": "qwen3_5_moe_text",
         "vocab_size": vocab, "hidden_size": 64, "num_hidden_layers": 4,
@@ -56,7 +62,8 @@ def text_config(experts: int, top_k: int, vocab: int = 160) -> dict:
         "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
         "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4,
         "num_experts": experts, "num_experts_per_tok": top_k,
-        "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48,
+        "moe_intermediate_size": 32, "shared_expert_intermediate_size": shared,
+        "norm_topk_prob": norm_topk,
         "rms_norm_eps": 1e-6, "hidden_act": "silu", "max_position_embeddings": 4096,
         "tie_word_embeddings": False, "eos_token_id": 1, "bos_token_id": 0,
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
@@ -107,17 +114,27 @@ def route_hooks(model, sink: list):
 
 
 def make(out: Path, name: str, experts: int, top_k: int, dtype: str, nested: bool,
-         per_expert: bool, shards: int, seed: int) -> None:
+         per_expert: bool, shards: int, seed: int, shared: int = 48, norm_topk: bool = True) -> None:
     d = out / name
     d.mkdir(parents=True, exist_ok=True)
-    tc = text_config(experts, top_k)
+    tc = text_config(experts, top_k, shared, norm_topk)
     cfg = transformers.Qwen3_5MoeTextConfig(**{k: v for k, v in tc.items() if k != "model_type"})
+    for key in ("shared_expert_intermediate_size", "norm_topk_prob"):
+        if getattr(cfg, key, None) != tc[key]:
+            sys.exit(f"{name}: transformers' config does not keep {key}={tc[key]}")
     torch.manual_seed(seed)
     try:
         model = transformers.Qwen3_5MoeForCausalLM._from_config(cfg, attn_implementation="eager")
     except (TypeError, ValueError):
         model = transformers.Qwen3_5MoeForCausalLM(cfg)
     model = model.eval().float()
+    if shared == 0:  # the block must really add nothing besides its routed experts
+        block = model.model.layers[0].mlp
+        probe = torch.randn(3, tc["hidden_size"])
+        with torch.no_grad():
+            extra = block.shared_expert(probe) if hasattr(block, "shared_expert") else torch.zeros(1)
+        if extra.abs().max() != 0:
+            sys.exit(f"{name}: a shared expert of intermediate size 0 still adds to the output")
     randomize(model, seed)
     if dtype == "bfloat16":  # the reference sees exactly the rounded weights
         with torch.no_grad():
@@ -201,6 +218,7 @@ def make(out: Path, name: str, experts: int, top_k: int, dtype: str, nested: boo
         "description": __doc__.split("\n")[0] + f" ({name}); see tools/make_qwen35_moe_fixtures.py",
         "seed": seed, "dtype": dtype, "nested": nested, "per_expert_tensors": per_expert,
         "shards": shards, "num_experts": experts, "num_experts_per_tok": top_k,
+        "shared_expert_intermediate_size": shared, "norm_topk_prob": norm_topk,
         "tie_threshold": 1e-3, "routing_margin_threshold": 1e-4,
         "min_greedy_gap": min(min(ref[f"greedy_gap_{i}"].tolist()) for i in range(2)),
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
@@ -216,6 +234,8 @@ def main() -> None:
     torch.set_num_threads(max(1, min(8, os.cpu_count() or 1)))
     make(a.out, "qwen35_moe_fused", 8, 2, "float32", nested=False, per_expert=False, shards=1, seed=71)
     make(a.out, "qwen35_moe_per_expert", 6, 3, "bfloat16", nested=True, per_expert=True, shards=2, seed=73)
+    make(a.out, "qwen35_moe_no_shared", 4, 1, "float32", nested=False, per_expert=False, shards=1, seed=79,
+         shared=0, norm_topk=False)
 
 
 if __name__ == "__main__":

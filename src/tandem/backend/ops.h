@@ -176,7 +176,7 @@ struct MoeWeights {
   std::vector<WeightRef> gate, up, down;  // per expert
   WeightRef shared_gate_proj, shared_up_proj, shared_down_proj, shared_gate;
   int64_t top_k = 0;
-  bool renormalise = true;  // norm_topk_prob
+  bool renormalise = true;  // the top-k probabilities rescaled to sum to 1
 };
 
 // One token's routing from its router logits [E]: softmax in fp32, the top k experts by

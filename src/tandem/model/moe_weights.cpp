@@ -25,7 +25,9 @@ ops::MoeWeights bind_moe_weights(const Qwen35Config& c, const std::string& p, bo
   ops::MoeWeights m;
   m.router = get(p + "gate.weight", {E, H});
   m.top_k = c.num_experts_per_tok;
-  m.renormalise = c.norm_topk_prob;
+  // transformers' Qwen3_5MoeTopKRouter always renormalises the top-k probabilities; a config's
+  // norm_topk_prob (qwen3_moe's switch) is ignored there (fixture qwen35_moe_no_shared).
+  m.renormalise = true;
   m.gate.resize(static_cast<size_t>(E));
   m.up.resize(static_cast<size_t>(E));
   m.down.resize(static_cast<size_t>(E));

@@ -169,7 +169,8 @@ Qwen35Config parse_qwen35_config(const std::string& json_text, const std::string
     if (c.shared_expert_intermediate_size < 0)
       t.bad("shared_expert_intermediate_size", "must be >= 0, got ",
             c.shared_expert_intermediate_size);
-    c.norm_topk_prob = t.opt_bool("norm_topk_prob", true);
+    // norm_topk_prob is not read: transformers' qwen3_5_moe router renormalises the chosen
+    // experts' probabilities whatever the config says (moe_weights.cpp), and so does tandem.
     // Every layer is sparse in Qwen3.5-MoE; a config that keeps dense layers describes another
     // graph.
     if (const json* dense = t.get("mlp_only_layers");

@@ -47,7 +47,6 @@ struct Qwen35Config {
   int64_t num_experts_per_tok = 0;
   int64_t moe_intermediate_size = 0;
   int64_t shared_expert_intermediate_size = 0;
-  bool norm_topk_prob = true;          // the chosen experts' probabilities renormalised to sum to 1
   std::vector<int64_t> eos_token_ids;  // config.json, then generation_config.json if present
   // "qwen3_5" / "qwen3_5_moe" (nested text_config) or "qwen3_5_text" / "qwen3_5_moe_text" (flat)
   std::string model_type;

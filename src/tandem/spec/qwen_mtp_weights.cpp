@@ -202,7 +202,6 @@ QwenMtpConfig mtp_config_from_target(const Qwen35Config& t, const std::string& s
     c.moe.num_experts_per_tok = t.num_experts_per_tok;
     c.moe.moe_intermediate_size = t.moe_intermediate_size;
     c.moe.shared_expert_intermediate_size = t.shared_expert_intermediate_size;
-    c.moe.norm_topk_prob = t.norm_topk_prob;
     c.moe.hidden_size = t.hidden_size;
   }
   check_attention_shape(c, source);
