@@ -404,8 +404,15 @@ void moe_mlp_add(const float* x, int64_t T, const MoeWeights& w, float* y,
     fail("moe_mlp_add: the shared expert's shapes do not fit hidden size ", H);
   if (x == y) fail("moe_mlp_add: y must not alias x");
 #ifdef TANDEM_HAVE_CUDA
-  if (g_backend == Backend::Cuda)
-    fail("moe_mlp_add: mixture-of-experts layers run on the CPU backend only so far");
+  if (g_backend == Backend::Cuda) {
+    const int64_t I = w.gate.front().rows;
+    if (w.experts_gate_up.rows != 2 * I * E || w.experts_gate_up.cols != H ||
+        w.experts_down.rows != H * E || w.experts_down.cols != I)
+      fail("moe_mlp_add: the CUDA backend needs the experts stacked (stack_moe_experts): gate/up [",
+           w.experts_gate_up.rows, " x ", w.experts_gate_up.cols, "], down [", w.experts_down.rows,
+           " x ", w.experts_down.cols, "] for ", E, " experts of [", I, " x ", H, "]");
+    return cuda::moe_mlp_add(x, T, w, y, routed_ids, routed_weights);
+  }
 #endif
   cpu::moe_mlp_add(x, T, w, y, routed_ids, routed_weights);
 }

@@ -175,6 +175,10 @@ struct MoeWeights {
   WeightRef router;
   std::vector<WeightRef> gate, up, down;  // per expert
   WeightRef shared_gate_proj, shared_up_proj, shared_down_proj, shared_gate;
+  // The CUDA backend's grouped products read every expert at a fixed stride: gate then up rows of
+  // expert e at rows 2I·e of experts_gate_up [E·2I, H], its down at rows H·e of experts_down
+  // [E·H, I] (the per-expert refs above view the same bytes). Empty on the CPU.
+  WeightRef experts_gate_up, experts_down;
   int64_t top_k = 0;
   bool renormalise = true;  // the top-k probabilities rescaled to sum to 1
 };
@@ -192,7 +196,8 @@ void route_top_k(const float* logits, int64_t E, int64_t k, bool renormalise, in
 // transformers' order). A token's value depends on its own routing only: each expert's product
 // of a row is the same whichever other tokens share the expert (batch invariance), and its
 // experts are summed in a fixed order. routing (optional): [T, top_k] ids and weights as
-// route_top_k gives them. CPU only so far: CUDA throws.
+// route_top_k gives them (on CUDA: copied to the host, a synchronisation; tests and --json
+// routing only). CUDA needs experts_gate_up / experts_down (stack_moe_experts).
 void moe_mlp_add(const float* x, int64_t T, const MoeWeights& w, float* y,
                  std::vector<int32_t>* routed_ids = nullptr,
                  std::vector<float>* routed_weights = nullptr);

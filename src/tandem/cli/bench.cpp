@@ -216,7 +216,7 @@ Spread time_prefill(const Qwen35Model& model, DType kv_dtype, int64_t n, int rep
 void run_bench(const BenchArgs& a) {
   const DType kv_dtype = parse_kv_dtype(a.kv_dtype);
   apply_threads(a.threads);
-  apply_backend(a.backend, a.random_weights.empty() ? a.model + "/config.json" : a.random_weights);
+  apply_backend(a.backend);
   if (a.prompt_tokens < 1 || a.gen_tokens < 2 || a.batch < 1 || a.repeats < 1)
     fail("bench: need --prompt-tokens >= 1, --gen-tokens >= 2, --batch >= 1, --repeats >= 1");
   if (a.model.empty() == a.random_weights.empty())

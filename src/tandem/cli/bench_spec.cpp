@@ -102,7 +102,7 @@ Measured measure(const Qwen35Model& model, DType kv_dtype, const spec::DraftProv
 void run_bench_spec(const BenchSpecArgs& a) {
   const DType kv_dtype = parse_kv_dtype(a.kv_dtype);
   apply_threads(a.threads);
-  apply_backend(a.backend, a.model + "/config.json");
+  apply_backend(a.backend);
   if (a.batch < 1 || a.repeats < 1 || a.max_tokens < 1)
     fail("bench-spec: need --batch >= 1, --repeats >= 1, --max-tokens >= 1");
   auto model = Qwen35Model::load(a.model);

@@ -80,23 +80,7 @@ void apply_threads(int threads) {
   ops::set_thread_count(threads);
 }
 
-void apply_backend(const std::string& name, const std::string& config_path) {
-  // auto on a GPU machine: a Qwen3.5-MoE model still runs on the CPU (its CUDA kernels are not
-  // written yet), so auto picks the CPU for it rather than failing at load. An unreadable config
-  // is left for the loader to report.
-  if (name == "auto" && !config_path.empty() && std::filesystem::exists(config_path)) {
-    bool moe = false;
-    try {
-      moe = parse_qwen35_config(read_text_file(config_path), config_path).moe();
-    } catch (const Error&) {
-    }
-    if (moe) {
-      ops::set_backend(ops::Backend::Cpu);
-      if (ops::cuda_available())
-        std::fprintf(stderr, "backend: cpu (Qwen3.5-MoE runs on the CPU backend only so far)\n");
-      return;
-    }
-  }
+void apply_backend(const std::string& name) {
   const ops::Backend b = ops::parse_backend(name);
   ops::set_backend(b);
 #ifdef TANDEM_HAVE_CUDA

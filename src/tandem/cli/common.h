@@ -35,9 +35,8 @@ std::vector<int32_t> resolve_input(const std::string& what, const std::optional<
 
 void apply_threads(int threads);
 // --backend cpu|cuda|auto: selects the backend for everything that follows (before any model is
-// loaded) and names the device on stderr. config_path (optional): the model's config.json; auto
-// picks the CPU for a Qwen3.5-MoE model (CPU only so far), saying so when a GPU was available.
-void apply_backend(const std::string& name, const std::string& config_path = "");
+// loaded) and names the device on stderr.
+void apply_backend(const std::string& name);
 
 // The model's artifact identity: config fingerprint + content hash of its weight files.
 std::string target_identity(const Qwen35Model& model, const std::string& dir);

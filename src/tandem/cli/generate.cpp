@@ -53,7 +53,7 @@ nlohmann::json stats_json(const GenerateStats& st, const SpecStats& s, const Gen
 void run_generate(const GenerateArgs& a) {
   apply_threads(a.threads);
   const DType kv_dtype = parse_kv_dtype(a.kv_dtype);
-  apply_backend(a.backend, a.model + "/config.json");
+  apply_backend(a.backend);
   auto model = Qwen35Model::load(a.model);
   const auto tok = open_tokenizer(a.model);
   GenerateRequest base;

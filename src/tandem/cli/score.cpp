@@ -25,7 +25,7 @@ struct ScoreArgs {
 
 void run_score(const ScoreArgs& a) {
   apply_threads(a.threads);
-  apply_backend(a.backend, a.model + "/config.json");
+  apply_backend(a.backend);
   if (a.top_k < 0) fail("--top-k must be >= 0");
   const DType kv_dtype = parse_kv_dtype(a.kv_dtype);
   auto model = Qwen35Model::load(a.model);

@@ -80,7 +80,7 @@ void run_serve(const ServeArgs& a) {
   const SpecOptions spec = spec_options(a.d);
   const DType kv_dtype = parse_kv_dtype(a.kv_dtype);
   apply_threads(a.threads);
-  apply_backend(a.backend, a.model + "/config.json");
+  apply_backend(a.backend);
   auto model = Qwen35Model::load(a.model);
   const auto tok = open_tokenizer(a.model);
   const auto tmpl = ChatTemplate::load(a.model);

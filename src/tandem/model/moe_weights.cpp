@@ -58,6 +58,39 @@ ops::MoeWeights bind_moe_weights(const Qwen35Config& c, const std::string& p, bo
   return m;
 }
 
+namespace {
+
+// Whether parts[0], parts[1], ... lie back to back in memory (one block's rows, in order).
+bool contiguous(const std::vector<ops::WeightRef*>& parts) {
+  const auto* next = static_cast<const char*>(parts.front()->data);
+  for (const ops::WeightRef* p : parts) {
+    if (p->data != next) return false;
+    next += p->bytes();
+  }
+  return true;
+}
+
+ops::WeightRef stacked_view(const std::vector<ops::WeightRef*>& parts) {
+  ops::WeightRef w = *parts.front();
+  w.rows = 0;
+  for (const ops::WeightRef* p : parts) w.rows += p->rows;
+  return w;
+}
+
+}  // namespace
+
+void stack_moe_experts(WeightArena& arena, ops::MoeWeights* m) {
+  std::vector<ops::WeightRef*> gate_up, down;
+  for (size_t e = 0; e < m->gate.size(); ++e) {
+    gate_up.push_back(&m->gate[e]);
+    gate_up.push_back(&m->up[e]);
+    down.push_back(&m->down[e]);
+  }
+  if (gate_up.empty()) fail("stack_moe_experts: a mixture without experts");
+  m->experts_gate_up = contiguous(gate_up) ? stacked_view(gate_up) : arena.stack_rows(gate_up);
+  m->experts_down = contiguous(down) ? stacked_view(down) : arena.stack_rows(down);
+}
+
 uint64_t moe_expert_bytes(const ops::MoeWeights& m) {
   uint64_t n = 0;
   for (const auto* experts : {&m.gate, &m.up, &m.down})

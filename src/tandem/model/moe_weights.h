@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "tandem/backend/ops.h"
+#include "tandem/backend/weight_arena.h"
 #include "tandem/model/qwen3_5_config.h"
 
 namespace tandem {
@@ -23,6 +24,11 @@ using MoeTensorSource =
 // prefix: "...mlp.". fused: the experts come as the two fused tensors (else one per expert).
 ops::MoeWeights bind_moe_weights(const Qwen35Config& c, const std::string& prefix, bool fused,
                                  const MoeTensorSource& get);
+
+// The CUDA layout of the experts (ops::MoeWeights::experts_gate_up / experts_down): views of the
+// fused tensors where they already are (a fused checkpoint keeps gate then up rows per expert),
+// else one stacked copy in `arena`, each expert's own block released (no weight is held twice).
+void stack_moe_experts(WeightArena& arena, ops::MoeWeights* m);
 
 // Bytes of every weight the mixture holds (router, experts, shared expert and gate), and of its
 // routed experts alone.

@@ -71,9 +71,6 @@ std::unique_ptr<Qwen35Model> Qwen35Model::load(const std::string& dir, const Loa
     fail("tensor 'lm_head.weight' not found in ", store.dir(),
          " (config says tie_word_embeddings=false)");
   if (m->cfg_.moe()) {
-    if (ops::backend() == ops::Backend::Cuda)
-      fail(dir, ": Qwen3.5-MoE (", m->cfg_.model_type,
-           ") runs on the CPU backend only so far; use --backend cpu");
     const std::string first = prefix + "layers.0.mlp.experts.";
     m->fused_experts_ = store.find(first + "gate_up_proj") != nullptr;
     if (!m->fused_experts_ && !store.find(first + "0.gate_proj.weight"))
@@ -143,6 +140,7 @@ void Qwen35Model::bind_weights(const WeightSource& get, const std::string& prefi
       L.delta.out_proj = get(a + "out_proj.weight", {H, c.linear_value_dim()}, Role::Matrix);
     }
     if (ops::backend() == ops::Backend::Cuda) {
+      if (c.moe()) stack_moe_experts(arena_, &L.moe);
       if (!c.moe() && c.intermediate_size % ops::kGateUpGroup == 0)
         L.gate_up = arena_.interleave_rows(&L.gate_proj, &L.up_proj, ops::kGateUpGroup);
       if (L.kind == LayerKind::FullAttention)
@@ -163,9 +161,6 @@ std::unique_ptr<Qwen35Model> Qwen35Model::random(const Qwen35Config& cfg, uint64
   m->cfg_ = cfg;
   if (cfg.linear_conv_kernel_dim < 1 || cfg.linear_conv_kernel_dim > 16)
     fail("config: linear_conv_kernel_dim must be in 1..16, got ", cfg.linear_conv_kernel_dim);
-  if (cfg.moe() && ops::backend() == ops::Backend::Cuda)
-    fail("config: Qwen3.5-MoE (", cfg.model_type,
-         ") runs on the CPU backend only so far; use --backend cpu");
   uint64_t tensor = 0;
   WeightArena& arena = m->arena_;
   auto source = [&](const std::string& name, const std::vector<int64_t>& shape, Role role) {

@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "tandem/core/error.h"
+#include "tandem/model/moe_weights.h"
 
 namespace tandem::spec {
 
@@ -15,10 +16,23 @@ QwenMtpBlock::QwenMtpBlock(QwenMtpWeights w) : w_(std::move(w)) {
   inv_freq_.grow_to(static_cast<int64_t>(f.size()));
   ops::copy_from_host(inv_freq_.data(), f.data(), sizeof(float) * f.size());
   // The CPU computes on the mapped tensors; random weights were created where they are used.
-  if (ops::backend() == ops::Backend::Cpu || w_.placed) return;
+  if (ops::backend() == ops::Backend::Cpu) return;
+  if (w_.placed) {
+    if (c.moe.moe()) stack_moe_experts(w_.arena, &w_.moe);
+    return;
+  }
   for (ops::WeightRef* v : {&w_.pre_fc_norm_embedding, &w_.pre_fc_norm_hidden, &w_.input_layernorm,
                             &w_.post_attention_layernorm, &w_.q_norm, &w_.k_norm, &w_.norm})
     *v = arena_.vector(*v);
+  if (c.moe.moe()) {
+    ops::MoeWeights& m = w_.moe;
+    for (ops::WeightRef* r :
+         {&m.router, &m.shared_gate_proj, &m.shared_up_proj, &m.shared_down_proj, &m.shared_gate})
+      if (r->rows > 0) *r = arena_.matrix(*r);
+    for (auto* experts : {&m.gate, &m.up, &m.down})
+      for (ops::WeightRef& r : *experts) r = arena_.matrix(r);
+    stack_moe_experts(arena_, &m);
+  }
   for (MtpLinear* l : {&w_.fc, &w_.q_proj, &w_.k_proj, &w_.v_proj, &w_.o_proj, &w_.gate_proj,
                        &w_.up_proj, &w_.down_proj}) {
     if (l->quant) {

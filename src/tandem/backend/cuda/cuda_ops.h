@@ -101,6 +101,18 @@ void gate_up_swiglu(const float* x, int64_t m, const ops::WeightRef& gate_up, fl
 void swiglu_mlp_add(const float* x, int64_t m, const ops::WeightRef& gate_up,
                     const ops::WeightRef& down, float* y, const ops::RowNorm* norm = nullptr,
                     const ops::WeightRef* prefetch = nullptr);
+// y[rows, N] = the rows of x [rows, K] grouped by expert, each group times its expert's weight:
+// group g (g < groups) is rows start[g] .. start[g + 1] with expert expert[g] of the `experts`
+// weights stacked in `stacked` [experts · N, K] (bf16). start [groups + 1] and expert [groups]
+// are device arrays (written by an earlier kernel); groups beyond the used ones have no rows.
+// max_rows bounds every group's rows; each row's value is the one cuda::linear of its expert's
+// weight gives it, whatever its group's size (batch invariance).
+void linear_grouped(const float* x, int64_t rows, int64_t max_rows, const ops::WeightRef& stacked,
+                    int64_t experts, int64_t groups, const int32_t* expert, const int32_t* start,
+                    float* y);
+// ops::moe_mlp_add on the device (moe.cu); w.experts_gate_up / experts_down must be set.
+void moe_mlp_add(const float* x, int64_t T, const ops::MoeWeights& w, float* y,
+                 std::vector<int32_t>* routed_ids, std::vector<float>* routed_weights);
 void embed_rows(const ops::WeightRef& table, const int32_t* ids, int64_t n, float* out);
 void rms_norm(const float* x, int64_t m, int64_t d, const ops::WeightRef& w, bool zero_centred,
               float eps, float* y);

@@ -323,7 +323,8 @@ TANDEM_CUDA_TRACE_UNIT(device)
 // Every unit that defines kernels names itself with TANDEM_CUDA_TRACE_UNIT and is listed here; a
 // unit missing from the list would simply be absent from the timeline.
 #define TANDEM_CUDA_TRACE_UNITS(X) \
-  X(attention) X(attention_prompt) X(device) X(elementwise) X(linear) X(recurrent) X(sampling)
+  X(attention)                     \
+  X(attention_prompt) X(device) X(elementwise) X(linear) X(moe) X(recurrent) X(sampling)
 #define TANDEM_DECLARE_UNIT(name)                                 \
   void trace_collect_##name(std::vector<KernelMark>&, uint64_t&); \
   void trace_clear_##name();

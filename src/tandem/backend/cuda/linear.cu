@@ -134,6 +134,16 @@ struct L2Prefetch {
 };
 constexpr unsigned kPrefetchPiece = 16384;  // bytes per bulk prefetch
 
+// The rows of a grouped product (linear_grouped, a mixture's experts): block row g = blockIdx.y
+// multiplies rows start[g] .. start[g + 1] of the inputs by stacked weight expert[g] (at
+// w + expert[g]·N·K) into the same rows of the output; a group without rows returns at once.
+// Both arrays are written by an earlier kernel, so they are read after pdl_wait(); plain
+// products pass an empty GroupRows.
+struct GroupRows {
+  const int32_t* expert;
+  const int32_t* start;
+};
+
 // This block's share of pf, issued as its last act: pieces dealt round-robin over the grid's
 // blocks, so the blocks that finish first (the projection's tail, when HBM has spare bandwidth)
 // fetch slices of the whole range. Bulk prefetches hold no registers and complete on their own.
@@ -344,7 +354,7 @@ __device__ __forceinline__ uint2 load_x4(const void* xin, const uint16_t* x_smem
 template <int Warps, int Tiles, int NT, bool SwiGLU>
 __device__ __forceinline__ void finish_group(float (&partial)[Warps][Tiles][NT][32][4],
                                              const float (&c)[Tiles][NT][4], int warp, int lane,
-                                             int row0, int m, int n_base, int N,
+                                             int row0, int m, int n_base, int N, int row_base,
                                              const SplitOut& y) {
   const int g = lane / 4, t = lane % 4;
 #pragma unroll
@@ -375,12 +385,12 @@ __device__ __forceinline__ void finish_group(float (&partial)[Warps][Tiles][NT][
         const int col = n_base / 2 + pr * 8 + 2 * t;
         const int r_lo = row0 + i * 16 + g, r_hi = r_lo + 8;
         if (r_lo < m) {
-          if (col < half) y.store(r_lo, col, silu(gs[0]) * us[0]);
-          if (col + 1 < half) y.store(r_lo, col + 1, silu(gs[1]) * us[1]);
+          if (col < half) y.store(row_base + r_lo, col, silu(gs[0]) * us[0]);
+          if (col + 1 < half) y.store(row_base + r_lo, col + 1, silu(gs[1]) * us[1]);
         }
         if (r_hi < m) {
-          if (col < half) y.store(r_hi, col, silu(gs[2]) * us[2]);
-          if (col + 1 < half) y.store(r_hi, col + 1, silu(gs[3]) * us[3]);
+          if (col < half) y.store(row_base + r_hi, col, silu(gs[2]) * us[2]);
+          if (col + 1 < half) y.store(row_base + r_hi, col + 1, silu(gs[3]) * us[3]);
         }
       }
     }
@@ -394,12 +404,12 @@ __device__ __forceinline__ void finish_group(float (&partial)[Warps][Tiles][NT][
         const int col = n_base + nt * 8 + 2 * t;
         const int r_lo = row0 + i * 16 + g, r_hi = r_lo + 8;
         if (r_lo < m) {
-          if (col < N) y.store(r_lo, col, sum[0]);
-          if (col + 1 < N) y.store(r_lo, col + 1, sum[1]);
+          if (col < N) y.store(row_base + r_lo, col, sum[0]);
+          if (col + 1 < N) y.store(row_base + r_lo, col + 1, sum[1]);
         }
         if (r_hi < m) {
-          if (col < N) y.store(r_hi, col, sum[2]);
-          if (col + 1 < N) y.store(r_hi, col + 1, sum[3]);
+          if (col < N) y.store(row_base + r_hi, col, sum[2]);
+          if (col + 1 < N) y.store(row_base + r_hi, col + 1, sum[3]);
         }
       }
     }
@@ -426,11 +436,15 @@ __device__ __forceinline__ void finish_group(float (&partial)[Warps][Tiles][NT][
 // minimum of one block per SM, which lets ptxas give it ~124 registers instead of ~100: 32 rows
 // ran 14% faster on the H200 (BENCHMARKS.md). The other tile counts keep ptxas's default budget
 // (0: no minimum), which measured best for them (one tile: batch 1; four: 64-row windows).
-template <int Warps, int Tiles, int NT, bool F32X = false, bool SwiGLU = false>
+// Grouped: see GroupRows; m is then the largest group's row count, which sized the staging, and
+// every group's rows are one call's rows to the arithmetic above. (A template flag, so that the
+// plain products compile exactly as they would without it.)
+template <int Warps, int Tiles, int NT, bool F32X = false, bool SwiGLU = false,
+          bool Grouped = false>
 __global__ void __launch_bounds__(Warps * 32, Tiles == 2 ? 1 : 0)
     linear_mma_wide_kernel(const void* __restrict__ xin, int m, const uint16_t* __restrict__ w,
                            int N, int K, const SplitOut y, const RowNormArgs norm,
-                           const L2Prefetch pf) {
+                           const L2Prefetch pf, const GroupRows gr) {
   static_assert(!SwiGLU || NT % 2 == 0, "SwiGLU pairs need an even number of n-tiles");
   constexpr int U = NT >= 4 ? 1 : 4 / NT;  // chunks per step: weights stay at 8·NT·U registers
   constexpr bool kPipelined = Tiles == 1;
@@ -468,8 +482,8 @@ __global__ void __launch_bounds__(Warps * 32, Tiles == 2 ? 1 : 0)
   };
   // Weights never change: with the inputs already in bf16 (no staging registers to make room
   // for), the first group's first loads are issued before waiting on the previous kernel, so
-  // their latency overlaps the wait.
-  constexpr bool kEarlyWeights = kPipelined && !F32X;
+  // their latency overlaps the wait. Not for a grouped product: most experts get no rows.
+  constexpr bool kEarlyWeights = kPipelined && !F32X && !Grouped;
   uint4 cur[U][NT][2];  // kPipelined: the weights being multiplied
   if constexpr (kEarlyWeights) {
     if (blockIdx.x < groups) {
@@ -482,6 +496,17 @@ __global__ void __launch_bounds__(Warps * 32, Tiles == 2 ? 1 : 0)
     if (norm_chunked(norm, K)) load_norm_chunks(norm, K, norm_w);
   pdl_wait();
   pdl_release();
+  int row_base = 0;
+  if constexpr (Grouped) {  // uniform across the block
+    row_base = gr.start[blockIdx.y];
+    m = gr.start[blockIdx.y + 1] - row_base;
+    if (m <= 0) return;
+    w += static_cast<size_t>(gr.expert[blockIdx.y]) * N * K;
+    xin = F32X ? static_cast<const void*>(static_cast<const float*>(xin) +
+                                          static_cast<size_t>(row_base) * K)
+               : static_cast<const void*>(static_cast<const uint16_t*>(xin) +
+                                          static_cast<size_t>(row_base) * K);
+  }
   extern __shared__ uint2 x_smem_raw[];
   const uint16_t* x_smem = reinterpret_cast<const uint16_t*>(x_smem_raw);
   if constexpr (F32X)
@@ -543,7 +568,8 @@ __global__ void __launch_bounds__(Warps * 32, Tiles == 2 ? 1 : 0)
         }
       }
 
-      finish_group<Warps, Tiles, NT, SwiGLU>(partial, c, warp, lane, row0, m, n_base, N, y);
+      finish_group<Warps, Tiles, NT, SwiGLU>(partial, c, warp, lane, row0, m, n_base, N, row_base,
+                                             y);
     }
   }
   prefetch_l2_share(pf);
@@ -874,7 +900,7 @@ void linear_mma_warps(const float* x, int64_t m, const ops::WeightRef& w, const 
       row_norm = {static_cast<const float*>(norm.row->w.data), norm.row->eps,
                   norm.row->zero_centred};
     launch("linear", kernel, balanced_grid(kernel, kThreads, (N + 15) / 16, staged), kThreads,
-           staged, x, M, wp, N, K, y, row_norm, pf);
+           staged, x, M, wp, N, K, y, row_norm, pf, GroupRows{nullptr, nullptr});
     return;
   }
   // Batches: a bf16 copy of the inputs first.
@@ -895,7 +921,7 @@ void linear_mma_bf16_rows(const uint16_t* xs, int64_t m, const ops::WeightRef& w
   auto launch_wide = [&](auto kernel, int cols_per_block) {
     launch("linear", kernel,
            balanced_grid(kernel, kThreads, (N + cols_per_block - 1) / cols_per_block), kThreads, 0,
-           xs, M, wp, N, K, y, RowNormArgs{nullptr, 0.0f, false}, pf);
+           xs, M, wp, N, K, y, RowNormArgs{nullptr, 0.0f, false}, pf, GroupRows{nullptr, nullptr});
   };
   // Wide weights (4 warps) take 4 n-tiles per warp, narrow ones 2 (to keep more blocks).
   constexpr int NT = Warps == 4 ? 4 : 2;
@@ -927,6 +953,47 @@ void linear_mma(const float* x, int64_t m, const ops::WeightRef& w, const SplitO
 void linear_mma_bf16(const uint16_t* xs, int64_t m, const ops::WeightRef& w, const SplitOut& y,
                      const L2Prefetch& pf) {
   with_warps(w, [&](auto W) { linear_mma_bf16_rows<decltype(W)::value, false>(xs, m, w, y, pf); });
+}
+
+// The grouped product (GroupRows), on the tensor-core kernels of linear_mma_warps: every group
+// takes the path a call of max_rows rows would (staged fp32 rows up to kNarrowRows, else a bf16
+// copy and the m-tiles of max_rows), so a row's value is the one a plain linear of that expert
+// gives it whatever its group's size.
+template <int Warps>
+void linear_grouped_warps(const float* x, int64_t rows, int64_t max_rows,
+                          const ops::WeightRef& expert, int64_t groups, const GroupRows& gr,
+                          const SplitOut& y) {
+  constexpr int kThreads = Warps * 32;
+  const int N = static_cast<int>(expert.rows), K = static_cast<int>(expert.cols);
+  const int M = static_cast<int>(max_rows);
+  const auto* wp = static_cast<const uint16_t*>(expert.data);
+  auto grid = [&](auto kernel, int cols_per_block, size_t smem) {
+    return dim3(balanced_grid(kernel, kThreads, (N + cols_per_block - 1) / cols_per_block, smem),
+                static_cast<unsigned>(groups));
+  };
+  const size_t staged = sizeof(uint16_t) * static_cast<size_t>(max_rows * staged_row_stride(K));
+  if (max_rows <= kNarrowRows && staged <= kNarrowSmemMax) {
+    const auto kernel = linear_mma_wide_kernel<Warps, 1, 2, true, false, true>;
+    allow_dynamic_smem(kernel, staged);
+    launch("linear_grouped", kernel, grid(kernel, 16, staged), kThreads, staged, x, M, wp, N, K, y,
+           RowNormArgs{nullptr, 0.0f, false}, L2Prefetch{}, gr);
+    return;
+  }
+  uint16_t* xs = bf16_rows(rows * K);
+  launch("linear_grouped (bf16 convert)", to_bf16_kernel,
+         static_cast<unsigned>((rows * K + 255) / 256), 256, 0, x, rows * K, rows * K,
+         reinterpret_cast<__nv_bfloat16*>(xs));
+  constexpr int NT = Warps == 4 ? 4 : 2;
+  auto go = [&](auto kernel) {
+    launch("linear_grouped", kernel, grid(kernel, 8 * NT, 0), kThreads, 0, xs, M, wp, N, K, y,
+           RowNormArgs{nullptr, 0.0f, false}, L2Prefetch{}, gr);
+  };
+  if (max_rows <= kTileRows)
+    go(linear_mma_wide_kernel<Warps, 1, NT, false, false, true>);
+  else if (max_rows <= 2 * kTileRows)
+    go(linear_mma_wide_kernel<Warps, 2, NT, false, false, true>);
+  else
+    go(linear_mma_wide_kernel<Warps, kMaxTiles, NT, false, false, true>);
 }
 
 void linear_any(const float* x, int64_t m, const ops::WeightRef& w, const SplitOut& y,
@@ -1020,6 +1087,29 @@ void swiglu_mlp_add(const float* x, int64_t m, const ops::WeightRef& gate_up,
   const ops::OutputSlice residual{y, down.rows};
   linear_mma_bf16(a, m, down, split_out(&residual, 1, down.rows, /*accumulate=*/true),
                   l2_prefetch(prefetch, m));
+}
+
+void linear_grouped(const float* x, int64_t rows, int64_t max_rows, const ops::WeightRef& stacked,
+                    int64_t experts, int64_t groups, const int32_t* expert, const int32_t* start,
+                    float* y) {
+  if (experts < 1 || stacked.rows % experts != 0)
+    fail("linear_grouped: ", stacked.rows, " stacked rows do not split into ", experts, " experts");
+  if (groups < 1 || groups > experts)
+    fail("linear_grouped: ", groups, " groups of ", experts, " experts");
+  if (rows == 0 || stacked.rows == 0) return;
+  if (max_rows < 1 || max_rows > rows)
+    fail("linear_grouped: a group of up to ", max_rows, " of ", rows, " rows");
+  ops::WeightRef one = stacked;  // expert 0's rows: the shape every group multiplies by
+  one.rows = stacked.rows / experts;
+  check_weight(rows, one, {});
+  if (!mma_path(x, one))
+    fail("linear_grouped: rows of ", one.cols, " need a multiple of 16 (the tensor-core path)");
+  const ops::OutputSlice all{y, one.rows};
+  const SplitOut out = split_out(&all, 1, one.rows);
+  const GroupRows gr{expert, start};
+  with_warps(one, [&](auto W) {
+    linear_grouped_warps<decltype(W)::value>(x, rows, max_rows, one, groups, gr, out);
+  });
 }
 
 TANDEM_CUDA_TRACE_UNIT(linear)
