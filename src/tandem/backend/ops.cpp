@@ -382,6 +382,11 @@ void route_top_k(const float* logits, int64_t E, int64_t k, bool renormalise, in
                  float* weights) {
   cpu::route_top_k(logits, E, k, renormalise, ids, weights);
 }
+void route_noaux_tc(const float* logits, const float* bias, int64_t E, int64_t k, int64_t n_group,
+                    int64_t topk_group, bool renormalise, float scale, int32_t* ids,
+                    float* weights) {
+  cpu::route_noaux_tc(logits, bias, E, k, n_group, topk_group, renormalise, scale, ids, weights);
+}
 void moe_mlp_add(const float* x, int64_t T, const MoeWeights& w, float* y,
                  std::vector<int32_t>* routed_ids, std::vector<float>* routed_weights) {
   const int64_t E = w.router.rows, H = w.router.cols;

@@ -189,6 +189,19 @@ struct MoeWeights {
 void route_top_k(const float* logits, int64_t E, int64_t k, bool renormalise, int32_t* ids,
                  float* weights);
 
+// One token's GLM-5 / DeepSeek-V3 routing ("noaux_tc", transformers' GlmMoeDsa router) from its
+// router logits [E] and e_score_correction_bias [E], E experts in n_group equal groups:
+//   score = sigmoid(logit) in fp32; choice = score + bias;
+//   a group's worth = the sum of its two best choices; the best topk_group groups are kept;
+//   choice = 0 for the experts of the other groups (transformers' masked_fill with 0, so a kept
+//   expert whose biased score is negative can lose to a dropped one: reproduced, not fixed);
+//   the k best choices are the experts (ids in descending choice); their weights are the
+//   unbiased scores, divided by their sum (+ 1e-20) when `renormalise`, times `scale`.
+// Equal values (group worths, choices) go to the lower index. CPU arithmetic on host memory.
+void route_noaux_tc(const float* logits, const float* bias, int64_t E, int64_t k, int64_t n_group,
+                    int64_t topk_group, bool renormalise, float scale, int32_t* ids,
+                    float* weights);
+
 // y[T, H] += moe(x) for normalised input rows x [T, H] (y must not alias x):
 //   moe(x_t) = Σ_{e chosen for t, ascending e} w_{t,e} · down_e(silu(gate_e x_t) ⊙ up_e x_t)
 //            + sigmoid(shared_gate · x_t) · shared(x_t)      (when there is a shared expert)

@@ -16,6 +16,9 @@ void gated_rms_norm(const float* x, const float* z, int64_t m, int64_t d, const 
 void swiglu(const float* gate, const float* up, int64_t n, float* out);
 void route_top_k(const float* logits, int64_t E, int64_t k, bool renormalise, int32_t* ids,
                  float* weights);
+void route_noaux_tc(const float* logits, const float* bias, int64_t E, int64_t k, int64_t n_group,
+                    int64_t topk_group, bool renormalise, float scale, int32_t* ids,
+                    float* weights);
 void moe_mlp_add(const float* x, int64_t T, const ops::MoeWeights& w, float* y,
                  std::vector<int32_t>* routed_ids, std::vector<float>* routed_weights);
 void sigmoid_gate(float* x, const float* gate, int64_t n);

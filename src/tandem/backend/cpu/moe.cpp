@@ -48,6 +48,57 @@ void route_top_k(const float* logits, int64_t E, int64_t k, bool renormalise, in
   }
 }
 
+void route_noaux_tc(const float* logits, const float* bias, int64_t E, int64_t k, int64_t n_group,
+                    int64_t topk_group, bool renormalise, float scale, int32_t* ids,
+                    float* weights) {
+  if (E < 1 || n_group < 1 || E % n_group != 0 || topk_group < 1 || topk_group > n_group)
+    fail("route_noaux_tc: ", E, " experts in ", n_group, " groups, top ", topk_group, " groups");
+  const int64_t per = E / n_group;
+  if (n_group > 1 && per < 2) fail("route_noaux_tc: groups of ", per, " expert (need two)");
+  if (k < 1 || k > topk_group * per)
+    fail("route_noaux_tc: top ", k, " of the ", topk_group * per, " experts of the kept groups");
+  std::vector<float> score(static_cast<size_t>(E)), choice(static_cast<size_t>(E));
+  for (int64_t e = 0; e < E; ++e) {
+    const auto i = static_cast<size_t>(e);
+    score[i] = 1.0f / (1.0f + std::exp(-logits[e]));
+    choice[i] = score[i] + bias[e];
+  }
+  // Larger value first, the lower index on equal values: a total order, so the choice never
+  // depends on a sort's stability.
+  auto ranked = [](const std::vector<float>& v, int64_t n) {
+    std::vector<int32_t> order(v.size());
+    std::iota(order.begin(), order.end(), 0);
+    std::partial_sort(order.begin(), order.begin() + n, order.end(), [&](int32_t a, int32_t b) {
+      const float va = v[static_cast<size_t>(a)], vb = v[static_cast<size_t>(b)];
+      return va > vb || (va == vb && a < b);
+    });
+    order.resize(static_cast<size_t>(n));
+    return order;
+  };
+  if (n_group > 1) {
+    std::vector<float> worth(static_cast<size_t>(n_group));
+    for (int64_t g = 0; g < n_group; ++g) {
+      const std::vector<float> members(choice.begin() + g * per, choice.begin() + (g + 1) * per);
+      const auto best = ranked(members, 2);
+      worth[static_cast<size_t>(g)] =
+          members[static_cast<size_t>(best[0])] + members[static_cast<size_t>(best[1])];
+    }
+    std::vector<bool> kept(static_cast<size_t>(n_group), false);
+    for (const int32_t g : ranked(worth, topk_group)) kept[static_cast<size_t>(g)] = true;
+    for (int64_t e = 0; e < E; ++e)
+      if (!kept[static_cast<size_t>(e / per)]) choice[static_cast<size_t>(e)] = 0.0f;
+  }
+  const auto top = ranked(choice, k);
+  float sum = 0.0f;
+  for (const int32_t e : top) sum += score[static_cast<size_t>(e)];
+  for (int64_t j = 0; j < k; ++j) {
+    const int32_t e = top[static_cast<size_t>(j)];
+    const float w = score[static_cast<size_t>(e)];
+    ids[j] = e;
+    weights[j] = (renormalise ? w / (sum + 1e-20f) : w) * scale;
+  }
+}
+
 void moe_mlp_add(const float* x, int64_t T, const MoeWeights& w, float* y,
                  std::vector<int32_t>* routed_ids, std::vector<float>* routed_weights) {
   if (T <= 0) return;

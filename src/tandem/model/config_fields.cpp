@@ -1,0 +1,30 @@
+#include "tandem/model/config_fields.h"
+
+#include <algorithm>
+
+namespace tandem::config {
+
+json parse_json(const std::string& text, const std::string& source_name) {
+  try {
+    return json::parse(text);
+  } catch (const json::exception& e) {
+    fail(source_name, ": not valid JSON: ", e.what());
+  }
+}
+
+void append_eos(const Fields& f, std::vector<int64_t>* out) {
+  const json* v = f.get("eos_token_id");
+  if (v == nullptr) return;
+  auto add = [&](const json& x) {
+    const int64_t id = f.as_int("eos_token_id", x);
+    if (id < 0) f.bad("eos_token_id", "token ids must be non-negative, got ", id);
+    if (std::find(out->begin(), out->end(), id) == out->end()) out->push_back(id);
+  };
+  if (v->is_array()) {
+    for (const json& x : *v) add(x);
+  } else {
+    add(*v);
+  }
+}
+
+}  // namespace tandem::config

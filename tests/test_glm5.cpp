@@ -1,0 +1,243 @@
+// GLM-5 (glm_moe_dsa) foundations: the config as transformers' GlmMoeDsaConfig reads it, with
+// named errors, and the noaux_tc router (ops::route_noaux_tc) against hand-worked cases and a
+// repeated-argmax reference.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "tandem/backend/ops.h"
+#include "tandem/core/error.h"
+#include "tandem/model/glm5_config.h"
+
+namespace tandem {
+namespace {
+
+// The published GLM-5 shape's config.json fields (as zai-org writes them, DeepSeek style).
+const char* kGlm5 = R"({
+  "architectures": ["GlmMoeDsaForCausalLM"], "model_type": "glm_moe_dsa",
+  "vocab_size": 154880, "hidden_size": 6144, "intermediate_size": 12288,
+  "moe_intermediate_size": 2048, "num_hidden_layers": 78, "num_attention_heads": 64,
+  "num_key_value_heads": 64, "q_lora_rank": 2048, "kv_lora_rank": 512, "qk_nope_head_dim": 192,
+  "qk_rope_head_dim": 64, "v_head_dim": 256, "n_routed_experts": 256, "num_experts_per_tok": 8,
+  "n_shared_experts": 1, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 2.5,
+  "norm_topk_prob": true, "topk_method": "noaux_tc", "scoring_func": "sigmoid",
+  "first_k_dense_replace": 3, "index_topk": 2048, "index_head_dim": 128, "index_n_heads": 32,
+  "rms_norm_eps": 1e-05, "rope_theta": 1000000, "rope_interleave": true,
+  "max_position_embeddings": 202752, "num_nextn_predict_layers": 1, "eos_token_id": [154820, 154827],
+  "tie_word_embeddings": false,
+  "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                          "weight_block_size": [128, 128]}
+})";
+
+std::string with(std::string text, const std::string& from, const std::string& to) {
+  const size_t at = text.find(from);
+  EXPECT_NE(at, std::string::npos) << from;
+  if (at != std::string::npos) text.replace(at, from.size(), to);
+  return text;
+}
+
+void expect_error(const std::string& text, const std::string& words) {
+  try {
+    parse_glm5_config(text, "glm/config.json");
+    ADD_FAILURE() << "accepted; expected an error mentioning: " << words;
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(words), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("glm/config.json"), std::string::npos) << e.what();
+  }
+}
+
+TEST(Glm5Config, ThePublishedShapeParses) {
+  const Glm5Config c = parse_glm5_config(kGlm5, "glm/config.json");
+  EXPECT_EQ(c.hidden_size, 6144);
+  EXPECT_EQ(c.q_lora_rank, 2048);
+  EXPECT_EQ(c.kv_lora_rank, 512);
+  EXPECT_EQ(c.qk_head_dim(), 256);
+  EXPECT_EQ(c.n_routed_experts, 256);
+  EXPECT_EQ(c.num_experts_per_tok, 8);
+  EXPECT_DOUBLE_EQ(c.routed_scaling_factor, 2.5);
+  ASSERT_EQ(c.sparse_layers.size(), 78u);
+  EXPECT_FALSE(c.sparse_layers[2]);
+  EXPECT_TRUE(c.sparse_layers[3]);
+  EXPECT_EQ(c.index_topk, 2048);
+  EXPECT_DOUBLE_EQ(c.rope_theta, 1e6);
+  EXPECT_EQ(c.num_nextn_predict_layers, 1);
+  EXPECT_EQ(c.eos_token_ids, (std::vector<int64_t>{154820, 154827}));
+  EXPECT_TRUE(c.fp8());
+  EXPECT_EQ(c.fp8_block_rows, 128);
+  EXPECT_EQ(c.fp8_block_cols, 128);
+  // transformers' own spelling of the dense/sparse pattern, and an unquantized release.
+  std::string small = with(kGlm5, R"("num_hidden_layers": 78)", R"("num_hidden_layers": 3)");
+  small = with(small, R"("first_k_dense_replace": 3)",
+               R"("mlp_layer_types": ["dense", "sparse", "sparse"])");
+  const Glm5Config s = parse_glm5_config(small, "small");
+  EXPECT_EQ(s.sparse_layers, (std::vector<bool>{false, true, true}));
+  const std::string plain =
+      with(kGlm5, R"("quantization_config": {)", R"("no_quantization_config": {)");
+  EXPECT_FALSE(parse_glm5_config(plain, "plain").fp8());
+}
+
+TEST(Glm5Config, BadFieldsAreNamed) {
+  expect_error(with(kGlm5, R"("model_type": "glm_moe_dsa")", R"("model_type": "glm4_moe")"),
+               "unsupported model_type 'glm4_moe'");
+  expect_error(with(kGlm5, R"("kv_lora_rank": 512, )", ""), "kv_lora_rank");
+  expect_error(with(kGlm5, R"("n_group": 1)", R"("n_group": 3)"), "n_group");
+  expect_error(with(kGlm5, R"("topk_group": 1)", R"("topk_group": 2)"), "topk_group");
+  expect_error(with(kGlm5, R"("num_experts_per_tok": 8)", R"("num_experts_per_tok": 300)"),
+               "num_experts_per_tok");
+  expect_error(with(kGlm5, R"("topk_method": "noaux_tc")", R"("topk_method": "greedy")"),
+               "topk_method");
+  expect_error(with(kGlm5, R"("scoring_func": "sigmoid")", R"("scoring_func": "softmax")"),
+               "scoring_func");
+  expect_error(with(kGlm5, R"("first_k_dense_replace": 3)", R"("first_k_dense_replace": 79)"),
+               "first_k_dense_replace");
+  expect_error(with(kGlm5, R"("first_k_dense_replace": 3)", R"("mlp_layer_types": ["dense"])"),
+               "mlp_layer_types");
+  expect_error(with(kGlm5, R"("quant_method": "fp8")", R"("quant_method": "awq")"),
+               "quantization_config.quant_method");
+  expect_error(with(kGlm5, R"("weight_block_size": [128, 128])", R"("weight_block_size": [128])"),
+               "quantization_config.weight_block_size");
+  expect_error(with(kGlm5, R"("qk_rope_head_dim": 64)", R"("qk_rope_head_dim": 63)"),
+               "qk_rope_head_dim");
+  expect_error("[1, 2]", "JSON object");
+}
+
+// A reference written another way: sigmoid scores, group worths from the best and second-best
+// member found by scans, groups and then experts taken by repeated argmax (the first maximum
+// wins, i.e. the lower index), masked choices set to zero.
+void reference(const std::vector<float>& logits, const std::vector<float>& bias, int64_t k,
+               int64_t n_group, int64_t topk_group, bool renormalise, float scale,
+               std::vector<int32_t>* ids, std::vector<float>* weights) {
+  const auto E = static_cast<int64_t>(logits.size());
+  const int64_t per = E / n_group;
+  std::vector<float> score(logits.size()), choice(logits.size());
+  for (size_t e = 0; e < logits.size(); ++e) {
+    score[e] = 1.0f / (1.0f + std::exp(-logits[e]));
+    choice[e] = score[e] + bias[e];
+  }
+  auto argmax = [](const std::vector<float>& v, const std::vector<bool>& taken) {
+    int64_t best = -1;
+    for (size_t i = 0; i < v.size(); ++i)
+      if (!taken[i] && (best < 0 || v[i] > v[static_cast<size_t>(best)]))
+        best = static_cast<int64_t>(i);
+    return best;
+  };
+  if (n_group > 1) {
+    std::vector<float> worth;
+    for (int64_t g = 0; g < n_group; ++g) {
+      std::vector<float> m(choice.begin() + g * per, choice.begin() + (g + 1) * per);
+      std::vector<bool> taken(m.size(), false);
+      const int64_t a = argmax(m, taken);
+      taken[static_cast<size_t>(a)] = true;
+      const int64_t b = argmax(m, taken);
+      worth.push_back(m[static_cast<size_t>(a)] + m[static_cast<size_t>(b)]);
+    }
+    std::vector<bool> taken(worth.size(), false);
+    for (int64_t j = 0; j < topk_group; ++j)
+      taken[static_cast<size_t>(argmax(worth, taken))] = true;
+    for (int64_t e = 0; e < E; ++e)
+      if (!taken[static_cast<size_t>(e / per)]) choice[static_cast<size_t>(e)] = 0.0f;
+  }
+  std::vector<bool> taken(choice.size(), false);
+  ids->clear();
+  weights->clear();
+  float sum = 0.0f;
+  for (int64_t j = 0; j < k; ++j) {
+    const int64_t e = argmax(choice, taken);
+    taken[static_cast<size_t>(e)] = true;
+    ids->push_back(static_cast<int32_t>(e));
+    sum += score[static_cast<size_t>(e)];
+  }
+  for (const int32_t e : *ids) {
+    const float w = score[static_cast<size_t>(e)];
+    weights->push_back((renormalise ? w / (sum + 1e-20f) : w) * scale);
+  }
+}
+
+struct Routed {
+  std::vector<int32_t> ids;
+  std::vector<float> weights;
+};
+Routed route(const std::vector<float>& logits, const std::vector<float>& bias, int64_t k,
+             int64_t n_group, int64_t topk_group, bool renormalise, float scale) {
+  Routed r{std::vector<int32_t>(static_cast<size_t>(k)),
+           std::vector<float>(static_cast<size_t>(k))};
+  ops::route_noaux_tc(logits.data(), bias.data(), static_cast<int64_t>(logits.size()), k, n_group,
+                      topk_group, renormalise, scale, r.ids.data(), r.weights.data());
+  return r;
+}
+
+// Worked by hand: 8 experts in 4 groups of 2, keep 2 groups, 2 experts. The bias moves the choice
+// (expert 1's raw score is the highest, but its group loses), weights stay the unbiased scores.
+TEST(NoauxTcRouting, GroupsThenExpertsByBiasedScoreWeightedByRawScore) {
+  const std::vector<float> logits = {0.0f, 3.0f, -1.0f, -1.0f, 1.0f, 1.0f, 0.5f, 0.5f};
+  const std::vector<float> bias = {-2.0f, -2.0f, 0.0f, 0.0f, 0.0f, 0.1f, 0.0f, 0.0f};
+  // choices: group 0: 0.5-2, 0.953-2 -> worth -2.547; group 1: 0.269, 0.269 -> 0.538;
+  // group 2: 0.731, 0.831 -> 1.562; group 3: 0.622, 0.622 -> 1.245. Kept: groups 2 and 3.
+  const Routed r = route(logits, bias, 2, 4, 2, true, 2.5f);
+  EXPECT_EQ(r.ids, (std::vector<int32_t>{5, 4}));
+  const float s = 1.0f / (1.0f + std::exp(-1.0f));
+  EXPECT_FLOAT_EQ(r.weights[0], s / (2 * s + 1e-20f) * 2.5f);
+  EXPECT_FLOAT_EQ(r.weights[1], s / (2 * s + 1e-20f) * 2.5f);
+  // Without renormalisation the weights are the scores themselves (times the scale).
+  const Routed raw = route(logits, bias, 2, 4, 2, false, 1.0f);
+  EXPECT_FLOAT_EQ(raw.weights[0], s);
+}
+
+// transformers fills the dropped groups' choices with 0, not -inf: when every kept expert's
+// biased score is negative, dropped experts (choice 0) are taken first, lower ids first.
+TEST(NoauxTcRouting, DroppedGroupsScoreZeroAsInTransformers) {
+  const std::vector<float> logits = {0.0f, 0.0f, 2.0f, 2.0f};
+  const std::vector<float> bias = {-5.0f, -5.0f, -1.5f, -1.5f};
+  // groups: {0,1} worth 2·(0.5-5) = -9; {2,3} worth 2·(0.881-1.5) = -1.24 -> kept.
+  // choices: 0, 0 (dropped) and -0.619, -0.619 (kept): the dropped ones win.
+  const Routed r = route(logits, bias, 2, 2, 1, true, 1.0f);
+  EXPECT_EQ(r.ids, (std::vector<int32_t>{0, 1}));
+}
+
+// Equal choices and equal group worths go to the lower index.
+TEST(NoauxTcRouting, TiesGoToTheLowerIndex) {
+  const std::vector<float> logits(8, 0.25f), bias(8, 0.0f);
+  EXPECT_EQ(route(logits, bias, 3, 4, 2, true, 1.0f).ids, (std::vector<int32_t>{0, 1, 2}));
+  EXPECT_EQ(route(logits, bias, 3, 1, 1, true, 1.0f).ids, (std::vector<int32_t>{0, 1, 2}));
+}
+
+TEST(NoauxTcRouting, MatchesTheReferenceOnRandomTokens) {
+  std::mt19937 rng(17);
+  std::normal_distribution<float> d(0.0f, 1.5f);
+  struct Shape {
+    int64_t E, k, n_group, topk_group;
+  };
+  for (const Shape& sh :
+       {Shape{16, 4, 4, 2}, Shape{32, 8, 8, 4}, Shape{64, 6, 1, 1}, Shape{12, 3, 3, 1}}) {
+    for (int t = 0; t < 200; ++t) {
+      std::vector<float> logits, bias;
+      for (int64_t e = 0; e < sh.E; ++e) {
+        logits.push_back(d(rng));
+        bias.push_back(0.3f * d(rng));
+      }
+      const bool renorm = t % 2 == 0;
+      std::vector<int32_t> ids;
+      std::vector<float> weights;
+      reference(logits, bias, sh.k, sh.n_group, sh.topk_group, renorm, 2.5f, &ids, &weights);
+      const Routed r = route(logits, bias, sh.k, sh.n_group, sh.topk_group, renorm, 2.5f);
+      ASSERT_EQ(r.ids, ids) << "E " << sh.E << " token " << t;
+      for (size_t j = 0; j < ids.size(); ++j) EXPECT_FLOAT_EQ(r.weights[j], weights[j]);
+    }
+  }
+}
+
+TEST(NoauxTcRouting, BadShapesAreRefused) {
+  const std::vector<float> v(8, 0.0f);
+  int32_t ids[8];
+  float w[8];
+  EXPECT_THROW(ops::route_noaux_tc(v.data(), v.data(), 8, 2, 3, 1, true, 1.0f, ids, w), Error);
+  EXPECT_THROW(ops::route_noaux_tc(v.data(), v.data(), 8, 2, 4, 5, true, 1.0f, ids, w), Error);
+  EXPECT_THROW(ops::route_noaux_tc(v.data(), v.data(), 8, 5, 4, 2, true, 1.0f, ids, w), Error);
+  EXPECT_THROW(ops::route_noaux_tc(v.data(), v.data(), 8, 2, 8, 2, true, 1.0f, ids, w), Error);
+}
+
+}  // namespace
+}  // namespace tandem
