@@ -566,5 +566,12 @@ void linear_quantized(const float* x, int64_t m, const QuantWeightRef& w, float*
         "dequantizes them at load)");
   cpu::linear_quantized(x, m, w, y);
 }
+void linear_fp8(const float* x, int64_t m, const Fp8WeightRef& w, float* y) {
+  if (g_backend != Backend::Cpu)
+    fail(
+        "linear_fp8: fp8 weights run on the CPU backend only so far (the CUDA kernels are issue "
+        "21's next step)");
+  cpu::linear_fp8(x, m, w, y);
+}
 
 }  // namespace tandem::ops

@@ -424,9 +424,25 @@ struct QuantWeightRef {
 };
 bool quant_bits_supported(int bits);
 
+// A matrix [rows, cols] of fp8 e4m3 weights in blocks of block_rows x block_cols, each scaled by
+// one value of scale_inv [ceil(rows / block_rows), ceil(cols / block_cols)] (F32 or BF16): weight
+// = fp8 · scale_inv[r / block_rows][c / block_cols] (the published GLM-5 / DeepSeek-V3
+// "weight_scale_inv"; the last blocks of a row or column may be partial).
+struct Fp8WeightRef {
+  const uint8_t* data = nullptr;
+  int64_t rows = 0;
+  int64_t cols = 0;
+  WeightRef scale_inv;
+  int64_t block_rows = 0;
+  int64_t block_cols = 0;
+};
+
 // y[m, w.rows] = x[m, w.cols] · dequant(w)ᵀ. Each weight row is dequantized once per call into an
 // fp32 buffer and dotted with every input row in a fixed order (batch invariant; exact fp32 math
 // on the dequantized values).
 void linear_quantized(const float* x, int64_t m, const QuantWeightRef& w, float* y);
+// The same for fp8 block-scaled weights (CPU: each row dequantized exactly, in fp32, then dotted;
+// batch invariant). CUDA throws for now.
+void linear_fp8(const float* x, int64_t m, const Fp8WeightRef& w, float* y);
 
 }  // namespace tandem::ops

@@ -1,5 +1,8 @@
 #include "tandem/core/dtype.h"
 
+#include <cmath>
+#include <limits>
+
 namespace tandem {
 
 size_t dtype_size(DType t) {
@@ -18,6 +21,7 @@ size_t dtype_size(DType t) {
     case DType::U8:
     case DType::I8:
     case DType::BOOL:
+    case DType::F8_E4M3:
       return 1;
   }
   return 0;
@@ -47,6 +51,8 @@ std::string_view dtype_name(DType t) {
       return "I8";
     case DType::I16:
       return "I16";
+    case DType::F8_E4M3:
+      return "F8_E4M3";
   }
   return "?";
 }
@@ -58,7 +64,7 @@ bool dtype_from_safetensors(std::string_view s, DType* out) {
   } kTable[] = {{"F32", DType::F32}, {"F16", DType::F16},   {"BF16", DType::BF16},
                 {"I32", DType::I32}, {"I64", DType::I64},   {"U32", DType::U32},
                 {"U8", DType::U8},   {"BOOL", DType::BOOL}, {"F64", DType::F64},
-                {"I8", DType::I8},   {"I16", DType::I16}};
+                {"I8", DType::I8},   {"I16", DType::I16},   {"F8_E4M3", DType::F8_E4M3}};
   for (const auto& e : kTable) {
     if (e.name == s) {
       *out = e.t;
@@ -66,6 +72,14 @@ bool dtype_from_safetensors(std::string_view s, DType* out) {
     }
   }
   return false;
+}
+
+float fp8_e4m3_to_f32(uint8_t v) {
+  const float sign = v & 0x80u ? -1.0f : 1.0f;
+  const int exp = (v >> 3) & 0xf, mant = v & 0x7;
+  if (exp == 0xf && mant == 0x7) return std::numeric_limits<float>::quiet_NaN();
+  if (exp == 0) return sign * std::ldexp(static_cast<float>(mant), -9);
+  return sign * std::ldexp(static_cast<float>(8 + mant), exp - 10);
 }
 
 float f16_to_f32(uint16_t h) {

@@ -8,7 +8,8 @@
 
 namespace tandem {
 
-enum class DType : uint8_t { F32, F16, BF16, I32, I64, U32, U8, BOOL, F64, I8, I16 };
+// F8_E4M3: OCP fp8 e4m3 ("fn": no infinities; S.1111.111 is NaN), GLM-5's published weights.
+enum class DType : uint8_t { F32, F16, BF16, I32, I64, U32, U8, BOOL, F64, I8, I16, F8_E4M3 };
 
 size_t dtype_size(DType t);
 std::string_view dtype_name(DType t);
@@ -33,5 +34,7 @@ inline uint16_t f32_to_bf16(float f) {
 
 float f16_to_f32(uint16_t h);
 uint16_t f32_to_f16(float f);
+// Exact: every e4m3 value is a float (bias 7; exponent 0 is subnormal, m · 2^-9).
+float fp8_e4m3_to_f32(uint8_t v);
 
 }  // namespace tandem

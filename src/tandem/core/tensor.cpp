@@ -30,6 +30,11 @@ std::vector<float> to_f32(const TensorView& t) {
       for (int64_t i = 0; i < n; ++i) out[i] = f16_to_f32(p[i]);
       break;
     }
+    case DType::F8_E4M3: {
+      const auto* p = static_cast<const uint8_t*>(t.data);
+      for (int64_t i = 0; i < n; ++i) out[i] = fp8_e4m3_to_f32(p[i]);
+      break;
+    }
     default:
       fail("tensor ", t.name, ": dtype ", dtype_name(t.dtype), " is not a float type");
   }

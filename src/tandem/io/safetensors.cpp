@@ -28,7 +28,7 @@ constexpr uint64_t kMaxHeaderBytes = 100ull * 1000 * 1000;
 std::string supported_dtypes() {
   std::string s;
   for (DType t : {DType::F32, DType::F16, DType::BF16, DType::F64, DType::I64, DType::I32,
-                  DType::I16, DType::I8, DType::U32, DType::U8, DType::BOOL}) {
+                  DType::I16, DType::I8, DType::U32, DType::U8, DType::BOOL, DType::F8_E4M3}) {
     if (!s.empty()) s += ", ";
     s += dtype_name(t);
   }

@@ -58,4 +58,7 @@ namespace tandem::cpu {
 // Rows r0..r0+n-1 of an MLX-affine quantized weight, dequantized to fp32 [n, cols] (the values
 // linear_quantized multiplies with).
 void dequantize_rows(const ops::QuantWeightRef& w, int64_t r0, int64_t n, float* out);
+void linear_fp8(const float* x, int64_t m, const ops::Fp8WeightRef& w, float* y);
+// Rows r0 .. r0 + n of an fp8 block-scaled weight, dequantized into out [n, cols].
+void dequantize_fp8_rows(const ops::Fp8WeightRef& w, int64_t r0, int64_t n, float* out);
 }  // namespace tandem::cpu

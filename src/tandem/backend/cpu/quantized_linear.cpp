@@ -1,8 +1,10 @@
-// y = x · dequant(w)ᵀ for MLX affine-quantized weights (companion drafters ship them).
+// y = x · dequant(w)ᵀ for quantized weights: MLX affine groups (companion drafters ship them)
+// and fp8 e4m3 blocks with one scale each (GLM-5's published release).
 //
 // Each thread dequantizes one weight row at a time into an fp32 buffer (a few KB: it stays in L1)
 // and dots it with every input row. A dot product walks k in 16 independent lanes and reduces
 // them with a fixed tree, so y[i, j] does not depend on m (batch invariance, DESIGN.md §1.2).
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -81,19 +83,51 @@ inline float dot16(const float* a, const float* b, int64_t k) {
   return acc[0];
 }
 
-template <int Bits>
-void linear_bits(const float* x, int64_t m, const QuantWeightRef& w, float* y) {
-  const int64_t n = w.rows, k = w.cols;
-  // Rows are independent; buf holds one dequantized row at a time (rewritten before use).
+// y[m, n] = x[m, k] · Wᵀ with weight row r produced by dequant(r, buf) into buf [k]. Rows are
+// independent; buf holds one dequantized row at a time (rewritten before use).
+template <class Dequant>
+void linear_rows(const float* x, int64_t m, int64_t n, int64_t k, float* y,
+                 const Dequant& dequant) {
   parallel_for(n, [&](int64_t r0, int64_t r1) {
     thread_local std::vector<float> scratch;
     if (scratch.size() < static_cast<size_t>(k)) scratch.resize(k);
     float* const buf = scratch.data();
     for (int64_t r = r0; r < r1; ++r) {
-      dequant_row<Bits>(w, r, buf);
+      dequant(r, buf);
       for (int64_t i = 0; i < m; ++i) y[i * n + r] = dot16(x + i * k, buf, k);
     }
   });
+}
+
+template <int Bits>
+void linear_bits(const float* x, int64_t m, const QuantWeightRef& w, float* y) {
+  linear_rows(x, m, w.rows, w.cols, y,
+              [&](int64_t r, float* buf) { dequant_row<Bits>(w, r, buf); });
+}
+
+// fp8 row r: each block's scale times the exact e4m3 values.
+void fp8_row(const Fp8WeightRef& w, int64_t r, float* out) {
+  const int64_t blocks = (w.cols + w.block_cols - 1) / w.block_cols;
+  const uint8_t* row = w.data + r * w.cols;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const float s = load_scalar(w.scale_inv, (r / w.block_rows) * blocks + b);
+    const int64_t c1 = std::min(w.cols, (b + 1) * w.block_cols);
+    for (int64_t c = b * w.block_cols; c < c1; ++c) out[c] = fp8_e4m3_to_f32(row[c]) * s;
+  }
+}
+
+void check_fp8(const Fp8WeightRef& w, const char* op) {
+  if (w.block_rows < 1 || w.block_cols < 1)
+    fail(op, ": fp8 blocks of ", w.block_rows, " x ", w.block_cols);
+  const int64_t br = (w.rows + w.block_rows - 1) / w.block_rows;
+  const int64_t bc = (w.cols + w.block_cols - 1) / w.block_cols;
+  if (w.scale_inv.dtype != DType::F32 && w.scale_inv.dtype != DType::BF16)
+    fail(op, ": scale_inv dtype ", dtype_name(w.scale_inv.dtype),
+         " is not supported (F32 or BF16)");
+  if (w.scale_inv.rows * w.scale_inv.cols != br * bc)
+    fail(op, ": scale_inv holds ", w.scale_inv.rows * w.scale_inv.cols, " values, expected ", br,
+         " x ", bc, " for [", w.rows, " x ", w.cols, "] in blocks of ", w.block_rows, " x ",
+         w.block_cols);
 }
 
 bool is_float(DType t) {
@@ -137,6 +171,17 @@ void linear_quantized(const float* x, int64_t m, const QuantWeightRef& w, float*
 }  // namespace tandem::cpu
 
 namespace tandem::cpu {
+
+void linear_fp8(const float* x, int64_t m, const ops::Fp8WeightRef& w, float* y) {
+  check_fp8(w, "linear_fp8");
+  if (m <= 0 || w.rows == 0) return;
+  linear_rows(x, m, w.rows, w.cols, y, [&](int64_t r, float* buf) { fp8_row(w, r, buf); });
+}
+
+void dequantize_fp8_rows(const ops::Fp8WeightRef& w, int64_t r0, int64_t n, float* out) {
+  check_fp8(w, "dequantize_fp8_rows");
+  for (int64_t r = r0; r < r0 + n; ++r) fp8_row(w, r, out + (r - r0) * w.cols);
+}
 
 void dequantize_rows(const ops::QuantWeightRef& w, int64_t r0, int64_t n, float* out) {
   if (!ops::quant_bits_supported(w.bits))
