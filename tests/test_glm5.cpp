@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <random>
 #include <string>
 #include <vector>
@@ -237,6 +238,102 @@ TEST(NoauxTcRouting, BadShapesAreRefused) {
   EXPECT_THROW(ops::route_noaux_tc(v.data(), v.data(), 8, 2, 4, 5, true, 1.0f, ids, w), Error);
   EXPECT_THROW(ops::route_noaux_tc(v.data(), v.data(), 8, 5, 4, 2, true, 1.0f, ids, w), Error);
   EXPECT_THROW(ops::route_noaux_tc(v.data(), v.data(), 8, 2, 8, 2, true, 1.0f, ids, w), Error);
+}
+
+// A GLM-5 mixture (noaux_tc routing with groups and a routed scale, a shared expert added
+// without a gate) through ops::moe_mlp_add against a plain double-precision reference built on
+// route_noaux_tc; each token's row is bitwise the same alone.
+TEST(Glm5Mixture, NoauxTcRoutingAndAnUngatedSharedExpert) {
+  const int64_t T = 6, H = 16, E = 8, K = 3, I = 8, Is = 12, G = 4, TG = 2;
+  const float scale = 2.5f;
+  std::mt19937 rng(9);
+  std::normal_distribution<float> nd(0.0f, 0.5f);
+  auto values = [&](int64_t n) {
+    std::vector<float> v(static_cast<size_t>(n));
+    for (float& x : v) x = nd(rng);
+    return v;
+  };
+  auto ref = [](const std::vector<float>& v, int64_t rows, int64_t cols) {
+    return ops::WeightRef{DType::F32, v.data(), rows, cols};
+  };
+  const auto router = values(E * H), bias = values(E), sgp = values(Is * H), sup = values(Is * H),
+             sdn = values(H * Is);
+  std::vector<std::vector<float>> gate, up, down;
+  for (int64_t e = 0; e < E; ++e) {
+    gate.push_back(values(I * H));
+    up.push_back(values(I * H));
+    down.push_back(values(H * I));
+  }
+  ops::MoeWeights w;
+  w.router = ref(router, E, H);
+  w.top_k = K;
+  w.routing = ops::MoeRouting::NoauxTc;
+  w.score_bias = ref(bias, 1, E);
+  w.n_group = G;
+  w.topk_group = TG;
+  w.routed_scale = scale;
+  for (int64_t e = 0; e < E; ++e) {
+    w.gate.push_back(ref(gate[static_cast<size_t>(e)], I, H));
+    w.up.push_back(ref(up[static_cast<size_t>(e)], I, H));
+    w.down.push_back(ref(down[static_cast<size_t>(e)], H, I));
+  }
+  w.shared_gate_proj = ref(sgp, Is, H);
+  w.shared_up_proj = ref(sup, Is, H);
+  w.shared_down_proj = ref(sdn, H, Is);
+  const auto x = values(T * H);
+  std::vector<float> y = values(T * H);
+  const std::vector<float> residual = y;
+  std::vector<int32_t> ids;
+  ops::moe_mlp_add(x.data(), T, w, y.data(), &ids);
+  auto dot = [](const float* a, const float* b, int64_t n) {
+    double s = 0;
+    for (int64_t i = 0; i < n; ++i) s += static_cast<double>(a[i]) * b[i];
+    return s;
+  };
+  auto mlp = [&](const float* xt, const std::vector<float>& g, const std::vector<float>& u,
+                 const std::vector<float>& d, int64_t inner) {
+    std::vector<double> act(static_cast<size_t>(inner)), out(static_cast<size_t>(H), 0.0);
+    for (int64_t i = 0; i < inner; ++i) {
+      const double gv = dot(xt, g.data() + i * H, H), uv = dot(xt, u.data() + i * H, H);
+      act[static_cast<size_t>(i)] = gv / (1 + std::exp(-gv)) * uv;
+    }
+    for (int64_t o = 0; o < H; ++o)
+      for (int64_t i = 0; i < inner; ++i)
+        out[static_cast<size_t>(o)] +=
+            act[static_cast<size_t>(i)] * d[static_cast<size_t>(o * inner + i)];
+    return out;
+  };
+  for (int64_t t = 0; t < T; ++t) {
+    const float* xt = x.data() + t * H;
+    std::vector<float> logits(static_cast<size_t>(E));
+    for (int64_t e = 0; e < E; ++e)
+      logits[static_cast<size_t>(e)] = static_cast<float>(dot(xt, router.data() + e * H, H));
+    int32_t want_ids[K];
+    float want_w[K];
+    ops::route_noaux_tc(logits.data(), bias.data(), E, K, G, TG, true, scale, want_ids, want_w);
+    std::vector<double> want(static_cast<size_t>(H), 0.0);
+    for (int64_t j = 0; j < K; ++j) {
+      EXPECT_EQ(ids[static_cast<size_t>(t * K + j)], want_ids[j]) << "token " << t;
+      const auto e = static_cast<size_t>(want_ids[j]);
+      const auto part = mlp(xt, gate[e], up[e], down[e], I);
+      for (int64_t i = 0; i < H; ++i)
+        want[static_cast<size_t>(i)] += want_w[j] * part[static_cast<size_t>(i)];
+    }
+    const auto shared = mlp(xt, sgp, sup, sdn, Is);
+    for (int64_t i = 0; i < H; ++i)
+      EXPECT_NEAR(y[static_cast<size_t>(t * H + i)],
+                  residual[static_cast<size_t>(t * H + i)] + want[static_cast<size_t>(i)] +
+                      shared[static_cast<size_t>(i)],
+                  1e-4)
+          << "token " << t << " dim " << i;
+    std::vector<float> alone(residual.begin() + t * H, residual.begin() + (t + 1) * H);
+    ops::moe_mlp_add(xt, 1, w, alone.data());
+    EXPECT_EQ(0, std::memcmp(alone.data(), y.data() + t * H, sizeof(float) * H)) << "token " << t;
+  }
+  // A correction bias of the wrong size is named.
+  ops::MoeWeights bad = w;
+  bad.score_bias = ref(bias, 1, E - 1);
+  EXPECT_THROW(ops::moe_mlp_add(x.data(), T, bad, y.data()), Error);
 }
 
 }  // namespace

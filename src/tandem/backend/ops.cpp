@@ -402,14 +402,26 @@ void moe_mlp_add(const float* x, int64_t T, const MoeWeights& w, float* y,
            u.cols, "], down [", d.rows, " x ", d.cols, "] for hidden size ", H);
   }
   const bool shared = w.shared_gate_proj.rows > 0;  // else no shared expert
+  const bool gated = w.shared_gate.rows > 0;        // else the shared expert is added as it is
   if (shared &&
-      (w.shared_gate.rows != 1 || w.shared_gate.cols != H || w.shared_gate_proj.cols != H ||
-       w.shared_up_proj.rows != w.shared_gate_proj.rows || w.shared_down_proj.rows != H ||
-       w.shared_down_proj.cols != w.shared_gate_proj.rows))
+      ((gated && (w.shared_gate.rows != 1 || w.shared_gate.cols != H)) ||
+       w.shared_gate_proj.cols != H || w.shared_up_proj.rows != w.shared_gate_proj.rows ||
+       w.shared_down_proj.rows != H || w.shared_down_proj.cols != w.shared_gate_proj.rows))
     fail("moe_mlp_add: the shared expert's shapes do not fit hidden size ", H);
+  if (w.routing == MoeRouting::NoauxTc) {
+    if (w.score_bias.dtype != DType::F32 || w.score_bias.rows * w.score_bias.cols != E)
+      fail("moe_mlp_add: noaux_tc routing needs an F32 correction bias of ", E, " values, got ",
+           w.score_bias.rows * w.score_bias.cols, " ", dtype_name(w.score_bias.dtype));
+    if (w.n_group < 1 || E % w.n_group != 0 || w.topk_group < 1 || w.topk_group > w.n_group)
+      fail("moe_mlp_add: ", E, " experts in ", w.n_group, " groups, top ", w.topk_group);
+  }
   if (x == y) fail("moe_mlp_add: y must not alias x");
 #ifdef TANDEM_HAVE_CUDA
   if (g_backend == Backend::Cuda) {
+    if (w.routing != MoeRouting::SoftmaxTopK || (shared && !gated))
+      fail(
+          "moe_mlp_add: GLM-5's noaux_tc routing and ungated shared experts run on the CPU only "
+          "so far");
     const int64_t I = w.gate.front().rows;
     if (w.experts_gate_up.rows != 2 * I * E || w.experts_gate_up.cols != H ||
         w.experts_down.rows != H * E || w.experts_down.cols != I)

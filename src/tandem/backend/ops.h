@@ -166,11 +166,16 @@ void gate_up_swiglu(const float* x, int64_t m, const WeightRef& gate_up, float* 
 void swiglu_mlp_add(const float* x, int64_t m, const WeightRef& gate_up, const WeightRef& down,
                     float* y, const RowNorm* norm = nullptr, const WeightRef* prefetch = nullptr);
 
-// A mixture-of-experts MLP (Qwen3.5-MoE): a router over E experts, each a SwiGLU MLP, and a
-// shared expert scaled by a sigmoid gate. Shapes: router [E, H]; expert e: gate[e], up[e]
-// [I, H], down[e] [H, I]; shared: gate/up [Is, H], down [H, Is]; shared_gate [1, H]. The refs
-// may view slices of one fused tensor (transformers' experts.gate_up_proj / down_proj). No
-// shared expert: the four shared refs empty (0 rows).
+// How a mixture picks a token's experts: Qwen3.5-MoE's softmax top-k (route_top_k), or GLM-5 /
+// DeepSeek-V3's noaux_tc (route_noaux_tc: sigmoid scores, a correction bias, expert groups, a
+// routed scale).
+enum class MoeRouting { SoftmaxTopK, NoauxTc };
+
+// A mixture-of-experts MLP: a router over E experts, each a SwiGLU MLP, and a shared expert,
+// scaled by a sigmoid gate (Qwen3.5-MoE) or added as it is (GLM-5: shared_gate empty). Shapes:
+// router [E, H]; expert e: gate[e], up[e] [I, H], down[e] [H, I]; shared: gate/up [Is, H], down
+// [H, Is]; shared_gate [1, H]. The refs may view slices of one fused tensor (transformers'
+// experts.gate_up_proj / down_proj). No shared expert: the shared refs empty (0 rows).
 struct MoeWeights {
   WeightRef router;
   std::vector<WeightRef> gate, up, down;  // per expert
@@ -181,6 +186,11 @@ struct MoeWeights {
   WeightRef experts_gate_up, experts_down;
   int64_t top_k = 0;
   bool renormalise = true;  // the top-k probabilities rescaled to sum to 1
+  MoeRouting routing = MoeRouting::SoftmaxTopK;
+  // NoauxTc: e_score_correction_bias [E] (F32), the expert groups, the routed weights' scale.
+  WeightRef score_bias;
+  int64_t n_group = 1, topk_group = 1;
+  float routed_scale = 1.0f;
 };
 
 // One token's routing from its router logits [E]: softmax in fp32, the top k experts by
@@ -204,7 +214,8 @@ void route_noaux_tc(const float* logits, const float* bias, int64_t E, int64_t k
 
 // y[T, H] += moe(x) for normalised input rows x [T, H] (y must not alias x):
 //   moe(x_t) = Σ_{e chosen for t, ascending e} w_{t,e} · down_e(silu(gate_e x_t) ⊙ up_e x_t)
-//            + sigmoid(shared_gate · x_t) · shared(x_t)      (when there is a shared expert)
+//            + sigmoid(shared_gate · x_t) · shared(x_t)      (when there is a shared expert;
+//                                                             without shared_gate: + shared(x_t))
 // added to y_t as one term (the experts' sum, then the gated shared expert, then the residual:
 // transformers' order). A token's value depends on its own routing only: each expert's product
 // of a row is the same whichever other tokens share the expert (batch invariance), and its

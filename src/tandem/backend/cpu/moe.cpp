@@ -109,9 +109,15 @@ void moe_mlp_add(const float* x, int64_t T, const MoeWeights& w, float* y,
   cpu::linear(x, T, w.router, logits.data());
   std::vector<int32_t> ids(static_cast<size_t>(T * k));
   std::vector<float> weights(static_cast<size_t>(T * k));
-  for (int64_t t = 0; t < T; ++t)
-    route_top_k(logits.data() + t * E, E, k, w.renormalise, ids.data() + t * k,
-                weights.data() + t * k);
+  for (int64_t t = 0; t < T; ++t) {
+    if (w.routing == ops::MoeRouting::NoauxTc)
+      route_noaux_tc(logits.data() + t * E, static_cast<const float*>(w.score_bias.data), E, k,
+                     w.n_group, w.topk_group, w.renormalise, w.routed_scale, ids.data() + t * k,
+                     weights.data() + t * k);
+    else
+      route_top_k(logits.data() + t * E, E, k, w.renormalise, ids.data() + t * k,
+                  weights.data() + t * k);
+  }
   // 2. Each routed expert once over its rows. out[t·k + j] is token t's j-th choice's output.
   std::vector<std::vector<int64_t>> rows_of(static_cast<size_t>(E));  // entries t·k + j
   for (int64_t i = 0; i < T * k; ++i)
@@ -136,14 +142,14 @@ void moe_mlp_add(const float* x, int64_t T, const MoeWeights& w, float* y,
       std::copy_n(down.data() + r * H, H, out.data() + rows[static_cast<size_t>(r)] * H);
   }
   // 3. The shared expert and its gate, over all tokens (none: nothing is added for it).
-  const bool has_shared = Is > 0;
+  const bool has_shared = Is > 0, gated = w.shared_gate.rows > 0;
   std::vector<float> sg, sh_gate, sh_up, shared;
   if (has_shared) {
     sg.resize(static_cast<size_t>(T));
     sh_gate.resize(static_cast<size_t>(T * Is));
     sh_up.resize(sh_gate.size());
     shared.resize(static_cast<size_t>(T * H));
-    cpu::linear(x, T, w.shared_gate, sg.data());
+    if (gated) cpu::linear(x, T, w.shared_gate, sg.data());
     cpu::linear(x, T, w.shared_gate_proj, sh_gate.data());
     cpu::linear(x, T, w.shared_up_proj, sh_up.data());
     cpu::swiglu(sh_gate.data(), sh_up.data(), T * Is, sh_gate.data());
@@ -168,8 +174,12 @@ void moe_mlp_add(const float* x, int64_t T, const MoeWeights& w, float* y,
       for (int64_t i = 0; i < H; ++i) yt[i] += acc[static_cast<size_t>(i)];
       continue;
     }
-    const float g = 1.0f / (1.0f + std::exp(-sg[static_cast<size_t>(t)]));
     const float* s = shared.data() + t * H;
+    if (!gated) {  // GLM-5: the shared expert's output added as it is
+      for (int64_t i = 0; i < H; ++i) yt[i] += acc[static_cast<size_t>(i)] + s[i];
+      continue;
+    }
+    const float g = 1.0f / (1.0f + std::exp(-sg[static_cast<size_t>(t)]));
     for (int64_t i = 0; i < H; ++i) yt[i] += acc[static_cast<size_t>(i)] + g * s[i];
   }
   if (routed_ids) *routed_ids = std::move(ids);
