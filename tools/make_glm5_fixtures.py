@@ -1,0 +1,248 @@
+#!/usr/bin/env python3
+"""Tiny random-weight GLM-5 (glm_moe_dsa) checkpoints with fp32 transformers references, for tandem's tests.
+
+Run on a machine with torch + transformers >= 5 (no network needed):
+
+    python3 tools/make_glm5_fixtures.py --out tests/fixtures
+
+Two checkpoints of one tiny shape (3 decoder layers, the first dense; MLA with a query LoRA; 8
+experts in 4 groups, 2 kept, 2 per token, one shared expert; a DSA indexer keeping 8 positions,
+so the reference prompts of 20+ tokens exercise sparse attention):
+
+  glm5_bf16   bf16 weights (e_score_correction_bias in fp32, as published), one file.
+  glm5_fp8    the same weights quantized as the published release is: every matrix in fp8 e4m3
+              with one fp32 `weight_scale_inv` per 16 x 16 block (`quantization_config` with
+              `weight_block_size` [16, 16]; the published block is 128 x 128, which would be one
+              block per tiny matrix). Its reference is computed from the dequantized values.
+
+References (fp32, CPU, from exactly the values written): for two prompts, greedy_i (8 tokens, a
+full forward per step) with greedy_gap_i, tokens_i = prompt_i + greedy_i, logits_i [len, vocab] of
+ONE forward over tokens_i, routing_i [sparse layers, len, k] (expert ids as transformers picks
+them) with routing_margin_i (k-th minus (k+1)-th biased choice), and index_i [layers, len, topk]
+(the indexer's selected positions; -1 where a query has fewer positions than topk).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import torch  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
+import transformers  # noqa: E402
+
+BLOCK = 16
+E4M3_MAX = 448.0
+
+
+def config() -> dict:
+    return {
+        "architectures": ["GlmMoeDsaForCausalLM"], "model_type": "glm_moe_dsa",
+        "vocab_size": 160, "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,
+        "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 4,
+        "q_lora_rank": 32, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
+        "v_head_dim": 16, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1,
+        "n_group": 4, "topk_group": 2, "routed_scaling_factor": 2.5, "norm_topk_prob": True,
+        "mlp_layer_types": ["dense", "sparse", "sparse"], "index_topk": 8, "index_head_dim": 16,
+        "index_n_heads": 2, "rms_norm_eps": 1e-5, "max_position_embeddings": 4096,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, "rope_interleave": True,
+        "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 1,
+    }
+
+
+def randomize(model, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            shape = tuple(p.shape)
+            if name.endswith("e_score_correction_bias"):
+                v = 0.1 * torch.randn(shape, generator=g)
+            elif "norm" in name and p.dim() == 1:
+                v = 1.0 + 0.1 * torch.randn(shape, generator=g)
+            elif name.endswith("embed_tokens.weight"):
+                v = torch.randn(shape, generator=g)
+            elif name.endswith("mlp.gate.weight"):
+                v = torch.randn(shape, generator=g) * (2.0 / math.sqrt(shape[-1]))
+            else:
+                v = torch.randn(shape, generator=g) / math.sqrt(shape[-1])
+            p.copy_(v.to(p.dtype))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.1 * torch.randn(tuple(b.shape), generator=g))
+
+
+def quantize_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 codes and per-block scale_inv such that w ~= codes * scale_inv (block-wise)."""
+    rows, cols = w.shape
+    br, bc = (rows + BLOCK - 1) // BLOCK, (cols + BLOCK - 1) // BLOCK
+    scale = torch.empty(br, bc, dtype=torch.float32)
+    q = torch.empty(rows, cols, dtype=torch.float8_e4m3fn)
+    for i in range(br):
+        for j in range(bc):
+            blk = w[i * BLOCK:(i + 1) * BLOCK, j * BLOCK:(j + 1) * BLOCK].float()
+            s = max(float(blk.abs().max()) / E4M3_MAX, 1e-12)
+            scale[i, j] = s
+            q[i * BLOCK:(i + 1) * BLOCK, j * BLOCK:(j + 1) * BLOCK] = (blk / s).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    rows, cols = q.shape
+    s = scale.repeat_interleave(BLOCK, 0)[:rows].repeat_interleave(BLOCK, 1)[:, :cols]
+    return q.float() * s
+
+
+def record_hooks(model, routing: list, index: list):
+    """Captures each sparse layer's expert choice and each layer's indexer selection."""
+    handles = []
+    for li, layer in enumerate(model.model.layers):
+        mlp = layer.mlp
+        if hasattr(mlp, "route_tokens_to_experts"):
+            original = mlp.route_tokens_to_experts
+
+            def routed(router_logits, _orig=original, _li=li):
+                out = _orig(router_logits)
+                routing.append((_li, out[0].to(torch.int32).clone(), router_logits.detach().float().clone()))
+                return out
+
+            mlp.route_tokens_to_experts = routed
+            handles.append(("route", mlp, original))
+        indexer = layer.self_attn.indexer
+
+        def hook(module, args, output, _li=li):
+            index.append((_li, output.to(torch.int64).clone()))
+
+        handles.append(("hook", indexer.register_forward_hook(hook), None))
+    return handles
+
+
+def remove(handles) -> None:
+    for kind, obj, original in handles:
+        if kind == "route":
+            obj.route_tokens_to_experts = original
+        else:
+            obj.remove()
+
+
+def margins(mlp, router_logits: torch.Tensor, k: int) -> torch.Tensor:
+    """k-th minus (k+1)-th biased choice among the kept groups, per token (noaux_tc)."""
+    scores = router_logits.sigmoid()
+    choice = scores + mlp.gate.e_score_correction_bias.float()
+    top = torch.topk(choice, k + 1, dim=-1).values
+    return top[:, k - 1] - top[:, k]
+
+
+def make(out: Path, name: str, fp8: bool, seed: int) -> None:
+    d = out / name
+    d.mkdir(parents=True, exist_ok=True)
+    cfg_dict = config()
+    cfg = transformers.GlmMoeDsaConfig(**{k: v for k, v in cfg_dict.items() if k not in ("architectures", "model_type")})
+    torch.manual_seed(seed)
+    try:
+        model = transformers.GlmMoeDsaForCausalLM._from_config(cfg, attn_implementation="eager")
+    except (TypeError, ValueError):
+        model = transformers.GlmMoeDsaForCausalLM(cfg)
+    model = model.eval().float()
+    randomize(model, seed)
+    tensors = {}
+    with torch.no_grad():
+        for n, p in model.state_dict().items():
+            t = p.detach().clone()
+            keep_fp32 = n.endswith("e_score_correction_bias")
+            if keep_fp32:
+                tensors[n] = t.float().contiguous()
+                continue
+            t = t.to(torch.bfloat16)
+            if fp8 and t.dim() == 2 and "embed_tokens" not in n and "lm_head" not in n and "weights_proj" not in n:
+                q, s = quantize_fp8(t.float())
+                tensors[n] = q.contiguous()
+                tensors[n.replace(".weight", ".weight_scale_inv")] = s.contiguous()
+                value = dequantize_fp8(q, s)
+            else:
+                tensors[n] = t.contiguous()
+                value = t.float()
+            # The reference sees exactly the values written.
+            target = dict(model.named_parameters()).get(n)
+            if target is None:
+                target = dict(model.named_buffers()).get(n)
+            if target is None:
+                sys.exit(f"{name}: no parameter or buffer named {n}")
+            target.copy_(value.to(target.dtype).reshape(target.shape))
+    save_file(tensors, str(d / "model.safetensors"), metadata={"format": "pt"})
+    config_json = dict(cfg_dict)
+    if fp8:
+        config_json["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
+                                              "activation_scheme": "dynamic",
+                                              "weight_block_size": [BLOCK, BLOCK]}
+    (d / "config.json").write_text(json.dumps(config_json, indent=1))
+
+    g = torch.Generator().manual_seed(seed + 1)
+    prompts = [torch.randint(4, cfg_dict["vocab_size"], (n,), generator=g).tolist() for n in (20, 27)]
+    ref = {}
+    k = cfg_dict["num_experts_per_tok"]
+    topk = cfg_dict["index_topk"]
+    with torch.no_grad():
+        for i, prompt in enumerate(prompts):
+            seq = list(prompt)
+            gaps = []
+            for _ in range(8):
+                logits = model(torch.tensor([seq]), use_cache=False).logits[0, -1].float()
+                top2 = torch.topk(logits, 2).values
+                gaps.append(float(top2[0] - top2[1]))
+                seq.append(int(torch.argmax(logits)))
+            routing, index = [], []
+            handles = record_hooks(model, routing, index)
+            logits = model(torch.tensor([seq]), use_cache=False).logits[0].float()
+            remove(handles)
+            routing.sort(key=lambda x: x[0])
+            index.sort(key=lambda x: x[0])
+            sparse = [li for li, t in enumerate(cfg_dict["mlp_layer_types"]) if t == "sparse"]
+            if [r[0] for r in routing] != sparse:
+                sys.exit(f"{name}: captured routing of layers {[r[0] for r in routing]}, expected {sparse}")
+            if len(index) != cfg_dict["num_hidden_layers"]:
+                sys.exit(f"{name}: captured {len(index)} index selections for {cfg_dict['num_hidden_layers']} layers")
+            n = len(seq)
+            sel = torch.full((len(index), n, topk), -1, dtype=torch.int64)
+            for j, (_, idx) in enumerate(index):
+                idx = idx.reshape(n, -1)
+                sel[j, :, : idx.shape[1]] = idx
+            ref[f"prompt_{i}"] = torch.tensor(prompt, dtype=torch.int64)
+            ref[f"tokens_{i}"] = torch.tensor(seq, dtype=torch.int64)
+            ref[f"greedy_{i}"] = torch.tensor(seq[len(prompt):], dtype=torch.int64)
+            ref[f"greedy_gap_{i}"] = torch.tensor(gaps, dtype=torch.float32)
+            ref[f"logits_{i}"] = logits.contiguous()
+            ref[f"routing_{i}"] = torch.stack([r[1].reshape(n, k) for r in routing]).contiguous()
+            ref[f"routing_margin_{i}"] = torch.stack(
+                [margins(model.model.layers[li].mlp, rl, k) for li, _, rl in routing]).contiguous()
+            ref[f"index_{i}"] = sel.contiguous()
+    save_file(ref, str(d / "reference.safetensors"))
+    (d / "reference.json").write_text(json.dumps({
+        "description": __doc__.split("\n")[0] + f" ({name}); see tools/make_glm5_fixtures.py",
+        "seed": seed, "fp8": fp8, "fp8_block": BLOCK if fp8 else None,
+        "min_greedy_gap": min(min(ref[f"greedy_gap_{i}"].tolist()) for i in range(2)),
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+    }, indent=1))
+    print(f"wrote {d}: {len(tensors)} tensors, prompts {[len(p) for p in prompts]}, "
+          f"greedy {[ref[f'greedy_{i}'].tolist() for i in range(2)]}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent.parent / "tests" / "fixtures")
+    a = ap.parse_args()
+    torch.set_num_threads(max(1, min(8, os.cpu_count() or 1)))
+    if not hasattr(transformers, "GlmMoeDsaForCausalLM"):
+        sys.exit(f"transformers {transformers.__version__} has no GlmMoeDsaForCausalLM (glm_moe_dsa)")
+    make(a.out, "glm5_bf16", fp8=False, seed=91)
+    make(a.out, "glm5_fp8", fp8=True, seed=91)
+
+
+if __name__ == "__main__":
+    main()
