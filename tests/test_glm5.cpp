@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "moe_reference.h"
 #include "tandem/backend/ops.h"
 #include "tandem/core/error.h"
 #include "tandem/model/glm5_config.h"
@@ -247,15 +248,8 @@ TEST(Glm5Mixture, NoauxTcRoutingAndAnUngatedSharedExpert) {
   const int64_t T = 6, H = 16, E = 8, K = 3, I = 8, Is = 12, G = 4, TG = 2;
   const float scale = 2.5f;
   std::mt19937 rng(9);
-  std::normal_distribution<float> nd(0.0f, 0.5f);
-  auto values = [&](int64_t n) {
-    std::vector<float> v(static_cast<size_t>(n));
-    for (float& x : v) x = nd(rng);
-    return v;
-  };
-  auto ref = [](const std::vector<float>& v, int64_t rows, int64_t cols) {
-    return ops::WeightRef{DType::F32, v.data(), rows, cols};
-  };
+  auto values = [&](int64_t n) { return test::normal_values(n, rng); };
+  const auto& ref = test::f32_ref;
   const auto router = values(E * H), bias = values(E), sgp = values(Is * H), sup = values(Is * H),
              sdn = values(H * Is);
   std::vector<std::vector<float>> gate, up, down;
@@ -285,24 +279,10 @@ TEST(Glm5Mixture, NoauxTcRoutingAndAnUngatedSharedExpert) {
   const std::vector<float> residual = y;
   std::vector<int32_t> ids;
   ops::moe_mlp_add(x.data(), T, w, y.data(), &ids);
-  auto dot = [](const float* a, const float* b, int64_t n) {
-    double s = 0;
-    for (int64_t i = 0; i < n; ++i) s += static_cast<double>(a[i]) * b[i];
-    return s;
-  };
+  using test::dot;
   auto mlp = [&](const float* xt, const std::vector<float>& g, const std::vector<float>& u,
-                 const std::vector<float>& d, int64_t inner) {
-    std::vector<double> act(static_cast<size_t>(inner)), out(static_cast<size_t>(H), 0.0);
-    for (int64_t i = 0; i < inner; ++i) {
-      const double gv = dot(xt, g.data() + i * H, H), uv = dot(xt, u.data() + i * H, H);
-      act[static_cast<size_t>(i)] = gv / (1 + std::exp(-gv)) * uv;
-    }
-    for (int64_t o = 0; o < H; ++o)
-      for (int64_t i = 0; i < inner; ++i)
-        out[static_cast<size_t>(o)] +=
-            act[static_cast<size_t>(i)] * d[static_cast<size_t>(o * inner + i)];
-    return out;
-  };
+                 const std::vector<float>& d,
+                 int64_t inner) { return test::swiglu_mlp(xt, g, u, d, H, inner); };
   for (int64_t t = 0; t < T; ++t) {
     const float* xt = x.data() + t * H;
     std::vector<float> logits(static_cast<size_t>(E));

@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <random>
 
+#include "moe_reference.h"
 #include "recording_sink.h"
 #include "tandem/backend/cpu/cpu_ops.h"
 #include "tandem/core/error.h"
@@ -198,15 +199,8 @@ TEST_P(MoeOp, MatchesAPlainReferenceAndReportsItsRouting) {
   const bool with_shared = GetParam();
   const int64_t T = 5, H = 16, E = 6, K = 2, I = 8, Is = 12;
   std::mt19937 rng(3);
-  std::normal_distribution<float> nd(0.0f, 0.5f);
-  auto values = [&](int64_t n) {
-    std::vector<float> v(static_cast<size_t>(n));
-    for (float& x : v) x = nd(rng);
-    return v;
-  };
-  auto ref = [](const std::vector<float>& v, int64_t rows, int64_t cols) {
-    return ops::WeightRef{DType::F32, v.data(), rows, cols};
-  };
+  auto values = [&](int64_t n) { return test::normal_values(n, rng); };
+  const auto& ref = test::f32_ref;
   const auto router = values(E * H), sg = values(H), sgp = values(Is * H), sup = values(Is * H),
              sdn = values(H * Is);
   std::vector<std::vector<float>> gate, up, down;
@@ -236,24 +230,10 @@ TEST_P(MoeOp, MatchesAPlainReferenceAndReportsItsRouting) {
   std::vector<float> weights;
   ops::moe_mlp_add(x.data(), T, w, y.data(), &ids, &weights);
   ASSERT_EQ(ids.size(), static_cast<size_t>(T * K));
-  auto dot = [](const float* a, const float* b, int64_t n) {
-    double s = 0;
-    for (int64_t i = 0; i < n; ++i) s += static_cast<double>(a[i]) * b[i];
-    return s;
-  };
+  using test::dot;
   auto mlp = [&](const float* xt, const std::vector<float>& g, const std::vector<float>& u,
-                 const std::vector<float>& d, int64_t inner, std::vector<double>& out) {
-    std::vector<double> act(static_cast<size_t>(inner));
-    for (int64_t i = 0; i < inner; ++i) {
-      const double gv = dot(xt, g.data() + i * H, H), uv = dot(xt, u.data() + i * H, H);
-      act[static_cast<size_t>(i)] = gv / (1 + std::exp(-gv)) * uv;
-    }
-    out.assign(static_cast<size_t>(H), 0.0);
-    for (int64_t o = 0; o < H; ++o)
-      for (int64_t i = 0; i < inner; ++i)
-        out[static_cast<size_t>(o)] +=
-            act[static_cast<size_t>(i)] * d[static_cast<size_t>(o * inner + i)];
-  };
+                 const std::vector<float>& d, int64_t inner,
+                 std::vector<double>& out) { out = test::swiglu_mlp(xt, g, u, d, H, inner); };
   for (int64_t t = 0; t < T; ++t) {
     const float* xt = x.data() + t * H;
     std::vector<float> logits(static_cast<size_t>(E));
