@@ -3,6 +3,7 @@
 // repeated-argmax reference.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -314,6 +315,66 @@ TEST(Glm5Mixture, NoauxTcRoutingAndAnUngatedSharedExpert) {
   ops::MoeWeights bad = w;
   bad.score_bias = ref(bias, 1, E - 1);
   EXPECT_THROW(ops::moe_mlp_add(x.data(), T, bad, y.data()), Error);
+}
+
+// The DSA indexer's choice against a double-precision full sort: every position up to the
+// query's own when there are at most topk of them (dense), else the topk best-scored ones
+// (compared where the topk-th and the next score are apart); padding -1; a query's choice the
+// same alone and among others.
+TEST(DsaSelect, ChoosesTheBestEarlierPositionsOrAllOfThem) {
+  const int64_t heads = 3, D = 16, ctx = 40, topk = 8;
+  std::mt19937 rng(21);
+  const auto keys = test::normal_values(ctx * D, rng);
+  std::vector<int64_t> pos;
+  for (int64_t p = 0; p < ctx; p += 3) pos.push_back(p);
+  const auto n = static_cast<int64_t>(pos.size());
+  const auto q = test::normal_values(n * heads * D, rng), w = test::normal_values(n * heads, rng);
+  std::vector<int32_t> out(static_cast<size_t>(n * topk));
+  ops::dsa_select(q.data(), w.data(), n, heads, D, keys.data(), ctx, pos.data(), topk, out.data());
+  int64_t compared = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t len = pos[static_cast<size_t>(i)] + 1;
+    std::vector<std::pair<double, int32_t>> scored;
+    for (int64_t p = 0; p < len; ++p) {
+      double s = 0;
+      for (int64_t h = 0; h < heads; ++h)
+        s += w[static_cast<size_t>(i * heads + h)] *
+             test::dot(q.data() + (i * heads + h) * D, keys.data() + p * D, D) / std::sqrt(D);
+      scored.push_back({-s, static_cast<int32_t>(p)});
+    }
+    std::sort(scored.begin(), scored.end());
+    const int32_t* got = out.data() + i * topk;
+    if (len <= topk) {  // dense: all earlier positions, then padding
+      std::vector<int32_t> all(got, got + len);
+      std::sort(all.begin(), all.end());
+      for (int64_t p = 0; p < len; ++p) EXPECT_EQ(all[static_cast<size_t>(p)], p) << "query " << i;
+      for (int64_t j = len; j < topk; ++j) EXPECT_EQ(got[j], -1);
+      continue;
+    }
+    if (scored[static_cast<size_t>(topk - 1)].first - scored[static_cast<size_t>(topk)].first >
+        -1e-4)
+      continue;  // a near-tie at the boundary may go either way in fp32
+    for (int64_t j = 0; j < topk; ++j)
+      EXPECT_EQ(got[j], scored[static_cast<size_t>(j)].second) << "query " << i << " rank " << j;
+    ++compared;
+  }
+  EXPECT_GT(compared, 3);
+  // The last query alone gives the same choice.
+  std::vector<int32_t> alone(static_cast<size_t>(topk));
+  const int64_t last = n - 1;
+  ops::dsa_select(q.data() + last * heads * D, w.data() + last * heads, 1, heads, D, keys.data(),
+                  ctx, pos.data() + last, topk, alone.data());
+  EXPECT_TRUE(std::equal(alone.begin(), alone.end(), out.begin() + last * topk));
+  // Equal scores go to the lower position; a query past the keys is refused.
+  const std::vector<float> same_keys(static_cast<size_t>(ctx * D), 1.0f);
+  std::vector<int32_t> ties(static_cast<size_t>(topk));
+  const int64_t at = 20;
+  ops::dsa_select(q.data(), w.data(), 1, heads, D, same_keys.data(), ctx, &at, topk, ties.data());
+  for (int64_t j = 0; j < topk; ++j) EXPECT_EQ(ties[static_cast<size_t>(j)], j);
+  const int64_t beyond = ctx;
+  EXPECT_THROW(ops::dsa_select(q.data(), w.data(), 1, heads, D, keys.data(), ctx, &beyond, topk,
+                               ties.data()),
+               Error);
 }
 
 }  // namespace

@@ -382,6 +382,10 @@ void route_top_k(const float* logits, int64_t E, int64_t k, bool renormalise, in
                  float* weights) {
   cpu::route_top_k(logits, E, k, renormalise, ids, weights);
 }
+void dsa_select(const float* q, const float* w, int64_t n, int64_t heads, int64_t D,
+                const float* keys, int64_t ctx, const int64_t* pos, int64_t topk, int32_t* out) {
+  cpu::dsa_select(q, w, n, heads, D, keys, ctx, pos, topk, out);
+}
 void route_noaux_tc(const float* logits, const float* bias, int64_t E, int64_t k, int64_t n_group,
                     int64_t topk_group, bool renormalise, float scale, int32_t* ids,
                     float* weights) {

@@ -226,6 +226,16 @@ void moe_mlp_add(const float* x, int64_t T, const MoeWeights& w, float* y,
                  std::vector<int32_t>* routed_ids = nullptr,
                  std::vector<float>* routed_weights = nullptr);
 
+// GLM-5's DSA indexer choice (transformers' GlmMoeDsaIndexer) for n queries: q [n, heads, D]
+// (rotated), w [n, heads] (the head weights, weights_proj · heads^-1/2), keys [ctx, D] (the
+// rotated, normed index keys of positions 0 .. ctx-1). Query i at position pos[i] < ctx scores
+// every position p <= pos[i] as Σ_h w[i,h] · (q[i,h] · keys[p]) · D^-1/2 and keeps the best
+// min(topk, pos[i] + 1): out [n, topk] holds their positions by descending score (the lower
+// position on equal scores), -1 after them. With pos[i] + 1 <= topk the choice is every earlier
+// position (dense attention). CPU arithmetic on host memory.
+void dsa_select(const float* q, const float* w, int64_t n, int64_t heads, int64_t D,
+                const float* keys, int64_t ctx, const int64_t* pos, int64_t topk, int32_t* out);
+
 // out[i, :] = table[ids[i], :] converted to fp32. ids must be in range (checked by caller).
 void embed_rows(const WeightRef& table, const int32_t* ids, int64_t n, float* out);
 
