@@ -12,6 +12,7 @@
 
 #include "moe_reference.h"
 #include "tandem/backend/ops.h"
+#include "tandem/core/dtype.h"
 #include "tandem/core/error.h"
 #include "tandem/model/glm5_config.h"
 
@@ -374,6 +375,90 @@ TEST(DsaSelect, ChoosesTheBestEarlierPositionsOrAllOfThem) {
   const int64_t beyond = ctx;
   EXPECT_THROW(ops::dsa_select(q.data(), w.data(), 1, heads, D, keys.data(), ctx, &beyond, topk,
                                ties.data()),
+               Error);
+}
+
+// MLA over a latent cache: the decode (absorbed) and prefill (expanded) forms both match a
+// double-precision attention over explicitly formed keys and values, with every earlier position
+// and with a DSA selection; bf16 kv_b gives what its fp32 widening gives.
+TEST(MlaAttention, AbsorbedAndExpandedFormsMatchTheAttention) {
+  const int64_t H = 3, dn = 8, dr = 4, dv = 6, R = 12, ctx = 20, n = 4, topk = 5;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(dn + dr));
+  std::mt19937 rng(31);
+  const auto q_nope = test::normal_values(n * H * dn, rng),
+             q_pe = test::normal_values(n * H * dr, rng);
+  const auto latent = test::normal_values(ctx * (R + dr), rng);
+  const auto kv_b = test::normal_values(H * (dn + dv) * R, rng);
+  const ops::WeightRef w = test::f32_ref(kv_b, H * (dn + dv), R);
+  const std::vector<int64_t> pos = {3, 9, 15, 19};
+  std::vector<int32_t> allowed(static_cast<size_t>(n * topk), -1);
+  for (int64_t i = 0; i < n; ++i)  // every other earlier position, at most topk, unsorted
+    for (int64_t j = 0, p = pos[static_cast<size_t>(i)]; j < topk && p >= 0; ++j, p -= 2)
+      allowed[static_cast<size_t>(i * topk + j)] = static_cast<int32_t>(p);
+  auto reference = [&](const int32_t* sel) {
+    std::vector<double> out(static_cast<size_t>(n * H * dv), 0.0);
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t h = 0; h < H; ++h) {
+        std::vector<int64_t> cols;
+        for (int64_t p = 0; p <= pos[static_cast<size_t>(i)]; ++p) {
+          bool ok = sel == nullptr;
+          for (int64_t j = 0; sel && j < topk; ++j) ok = ok || sel[i * topk + j] == p;
+          if (ok) cols.push_back(p);
+        }
+        std::vector<double> score;
+        double mx = -1e300;
+        for (const int64_t p : cols) {
+          const float* lat = latent.data() + p * (R + dr);
+          double s = 0;
+          for (int64_t d = 0; d < dn; ++d)
+            s += q_nope[static_cast<size_t>((i * H + h) * dn + d)] *
+                 test::dot(kv_b.data() + (h * (dn + dv) + d) * R, lat, R);
+          s += test::dot(q_pe.data() + (i * H + h) * dr, lat + R, dr);
+          score.push_back(s * scale);
+          mx = std::max(mx, score.back());
+        }
+        double sum = 0;
+        for (double& s : score) sum += (s = std::exp(s - mx));
+        for (size_t j = 0; j < cols.size(); ++j) {
+          const float* lat = latent.data() + cols[j] * (R + dr);
+          for (int64_t d = 0; d < dv; ++d)
+            out[static_cast<size_t>((i * H + h) * dv + d)] +=
+                score[j] / sum * test::dot(kv_b.data() + (h * (dn + dv) + dn + d) * R, lat, R);
+        }
+      }
+    return out;
+  };
+  const int32_t* const selections[] = {nullptr, allowed.data()};
+  for (const int32_t* sel : selections) {
+    const auto want = reference(sel);
+    for (const bool absorbed : {true, false}) {
+      std::vector<float> got(want.size());
+      ops::mla_attention(q_nope.data(), q_pe.data(), n, H, dn, dr, dv, latent.data(), ctx, R, w,
+                         pos.data(), sel, topk, scale, absorbed, got.data());
+      for (size_t k = 0; k < want.size(); ++k)
+        EXPECT_NEAR(got[k], want[k], 1e-4)
+            << (absorbed ? "absorbed" : "expanded") << " " << k << (sel ? " with a selection" : "");
+    }
+  }
+  // A bf16 kv_b computes with its widened values.
+  std::vector<uint16_t> bits;
+  std::vector<float> widened;
+  for (const float v : kv_b) {
+    bits.push_back(f32_to_bf16(v));
+    widened.push_back(bf16_to_f32(bits.back()));
+  }
+  std::vector<float> a(static_cast<size_t>(n * H * dv)), b(a.size());
+  ops::mla_attention(q_nope.data(), q_pe.data(), n, H, dn, dr, dv, latent.data(), ctx, R,
+                     ops::WeightRef{DType::BF16, bits.data(), H * (dn + dv), R}, pos.data(),
+                     nullptr, topk, scale, true, a.data());
+  ops::mla_attention(q_nope.data(), q_pe.data(), n, H, dn, dr, dv, latent.data(), ctx, R,
+                     test::f32_ref(widened, H * (dn + dv), R), pos.data(), nullptr, topk, scale,
+                     true, b.data());
+  EXPECT_EQ(a, b);
+  // A kv_b of another shape is named.
+  EXPECT_THROW(ops::mla_attention(q_nope.data(), q_pe.data(), n, H, dn, dr, dv, latent.data(), ctx,
+                                  R, test::f32_ref(kv_b, H * (dn + dv), R - 1), pos.data(), nullptr,
+                                  topk, scale, true, a.data()),
                Error);
 }
 

@@ -382,6 +382,13 @@ void route_top_k(const float* logits, int64_t E, int64_t k, bool renormalise, in
                  float* weights) {
   cpu::route_top_k(logits, E, k, renormalise, ids, weights);
 }
+void mla_attention(const float* q_nope, const float* q_pe, int64_t n, int64_t H, int64_t dn,
+                   int64_t dr, int64_t dv, const float* latent, int64_t ctx, int64_t R,
+                   const WeightRef& kv_b, const int64_t* pos, const int32_t* allowed, int64_t topk,
+                   float scale, bool absorbed, float* out) {
+  cpu::mla_attention(q_nope, q_pe, n, H, dn, dr, dv, latent, ctx, R, kv_b, pos, allowed, topk,
+                     scale, absorbed, out);
+}
 void dsa_select(const float* q, const float* w, int64_t n, int64_t heads, int64_t D,
                 const float* keys, int64_t ctx, const int64_t* pos, int64_t topk, int32_t* out) {
   cpu::dsa_select(q, w, n, heads, D, keys, ctx, pos, topk, out);

@@ -236,6 +236,20 @@ void moe_mlp_add(const float* x, int64_t T, const MoeWeights& w, float* y,
 void dsa_select(const float* q, const float* w, int64_t n, int64_t heads, int64_t D,
                 const float* keys, int64_t ctx, const int64_t* pos, int64_t topk, int32_t* out);
 
+// GLM-5's multi-head latent attention (MLA) for n queries of one row over its latent cache:
+// q_nope [n, H, dn], q_pe [n, H, dr] (rotated); latent [ctx, R + dr], per position the normed
+// compressed key/value (R) then the rotated rotary key all heads share (dr); kv_b [H·(dn + dv), R]
+// (kv_b_proj: head h's dn key rows, then its dv value rows). Query i at position pos[i] attends
+// to the positions p <= pos[i] in allowed[i, :topk] (the DSA choice, -1 padded), or to all of them
+// when allowed is null, with scores (q_nope·k_nope + q_pe·k_pe) · scale. out [n, H, dv].
+// absorbed: the decode form (the key projection folded into the query, the value projection
+// applied once to the weighted latents); else the prefill form (keys and values formed per
+// position and head). Both equal the attention within fp32 rounding. CPU arithmetic.
+void mla_attention(const float* q_nope, const float* q_pe, int64_t n, int64_t H, int64_t dn,
+                   int64_t dr, int64_t dv, const float* latent, int64_t ctx, int64_t R,
+                   const WeightRef& kv_b, const int64_t* pos, const int32_t* allowed, int64_t topk,
+                   float scale, bool absorbed, float* out);
+
 // out[i, :] = table[ids[i], :] converted to fp32. ids must be in range (checked by caller).
 void embed_rows(const WeightRef& table, const int32_t* ids, int64_t n, float* out);
 

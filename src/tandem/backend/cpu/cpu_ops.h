@@ -16,6 +16,10 @@ void gated_rms_norm(const float* x, const float* z, int64_t m, int64_t d, const 
 void swiglu(const float* gate, const float* up, int64_t n, float* out);
 void route_top_k(const float* logits, int64_t E, int64_t k, bool renormalise, int32_t* ids,
                  float* weights);
+void mla_attention(const float* q_nope, const float* q_pe, int64_t n, int64_t H, int64_t dn,
+                   int64_t dr, int64_t dv, const float* latent, int64_t ctx, int64_t R,
+                   const ops::WeightRef& kv_b, const int64_t* pos, const int32_t* allowed,
+                   int64_t topk, float scale, bool absorbed, float* out);
 void dsa_select(const float* q, const float* w, int64_t n, int64_t heads, int64_t D,
                 const float* keys, int64_t ctx, const int64_t* pos, int64_t topk, int32_t* out);
 void route_noaux_tc(const float* logits, const float* bias, int64_t E, int64_t k, int64_t n_group,

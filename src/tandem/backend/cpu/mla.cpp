@@ -1,0 +1,133 @@
+// GLM-5's multi-head latent attention on the CPU (ops::mla_attention). The cache holds, per
+// position, the normed compressed key/value latent (R values) and the rotated rotary key shared by
+// all heads (dr values); kv_b_proj [H·(dn + dv), R] turns a latent into head h's key (its first dn
+// rows) and value (the next dv rows).
+//
+// Two evaluation orders of the same attention:
+//  - expanded (prompt prefill): every position's per-head key and value are formed from its
+//    latent, then scores, softmax and the weighted sum of values as usual;
+//  - absorbed (decode and verify): the key projection is folded into the query (W_ukᵀ q_nope, one
+//    R-vector per head) and the value projection is applied once to the weighted sum of latents,
+//    so a step reads each cached latent once instead of expanding it per head.
+// Both sum positions in ascending order and a query's result depends on its own inputs only.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "tandem/backend/cpu/cpu_ops.h"
+#include "tandem/backend/cpu/thread_pool.h"
+#include "tandem/core/error.h"
+
+namespace tandem::cpu {
+
+namespace {
+
+// Row r of a float matrix (F32, BF16 or F16) as fp32 values.
+void weight_row(const ops::WeightRef& w, int64_t r, float* out) {
+  const char* base = static_cast<const char*>(w.data) + r * w.cols * dtype_size(w.dtype);
+  for (int64_t c = 0; c < w.cols; ++c) {
+    if (w.dtype == DType::F32) {
+      std::memcpy(out + c, base + c * 4, 4);
+    } else {
+      uint16_t h;
+      std::memcpy(&h, base + c * 2, 2);
+      out[c] = w.dtype == DType::BF16 ? bf16_to_f32(h) : f16_to_f32(h);
+    }
+  }
+}
+
+float dot(const float* a, const float* b, int64_t n) {
+  float s = 0.0f;
+  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+}  // namespace
+
+void mla_attention(const float* q_nope, const float* q_pe, int64_t n, int64_t H, int64_t dn,
+                   int64_t dr, int64_t dv, const float* latent, int64_t ctx, int64_t R,
+                   const ops::WeightRef& kv_b, const int64_t* pos, const int32_t* allowed,
+                   int64_t topk, float scale, bool absorbed, float* out) {
+  if (kv_b.rows != H * (dn + dv) || kv_b.cols != R)
+    fail("mla_attention: kv_b is [", kv_b.rows, " x ", kv_b.cols, "], expected [", H * (dn + dv),
+         " x ", R, "] for ", H, " heads of ", dn, " + ", dv);
+  if (kv_b.dtype != DType::F32 && kv_b.dtype != DType::BF16 && kv_b.dtype != DType::F16)
+    fail("mla_attention: kv_b dtype ", dtype_name(kv_b.dtype), " (expected F32, BF16 or F16)");
+  for (int64_t i = 0; i < n; ++i)
+    if (pos[i] < 0 || pos[i] >= ctx)
+      fail("mla_attention: query ", i, " at position ", pos[i], " outside the ", ctx, " cached");
+  const int64_t L = R + dr;  // one cached position
+  // Every head's key and value rows of kv_b as fp32, [H][dn + dv][R].
+  std::vector<float> wkv(static_cast<size_t>(H * (dn + dv) * R));
+  for (int64_t r = 0; r < H * (dn + dv); ++r) weight_row(kv_b, r, wkv.data() + r * R);
+  parallel_for(n * H, [&](int64_t b, int64_t e) {
+    std::vector<int64_t> cols;
+    std::vector<float> score, qlat(static_cast<size_t>(R)), acc, key(static_cast<size_t>(dn));
+    for (int64_t job = b; job < e; ++job) {
+      const int64_t i = job / H, h = job % H;
+      const float* qn = q_nope + (i * H + h) * dn;
+      const float* qp = q_pe + (i * H + h) * dr;
+      const float* wk = wkv.data() + h * (dn + dv) * R;  // [dn][R]
+      const float* wv = wk + dn * R;                     // [dv][R]
+      cols.clear();
+      if (allowed) {
+        for (int64_t j = 0; j < topk; ++j) {
+          const int32_t p = allowed[i * topk + j];
+          if (p >= 0 && p <= pos[i]) cols.push_back(p);
+        }
+        std::sort(cols.begin(), cols.end());
+      } else {
+        for (int64_t p = 0; p <= pos[i]; ++p) cols.push_back(p);
+      }
+      float* o = out + (i * H + h) * dv;
+      if (cols.empty()) {
+        std::fill(o, o + dv, 0.0f);
+        continue;
+      }
+      if (absorbed) {  // q_lat = W_ukᵀ q_nope
+        std::fill(qlat.begin(), qlat.end(), 0.0f);
+        for (int64_t d = 0; d < dn; ++d)
+          for (int64_t c = 0; c < R; ++c) qlat[static_cast<size_t>(c)] += qn[d] * wk[d * R + c];
+      }
+      score.resize(cols.size());
+      float mx = -INFINITY;
+      for (size_t j = 0; j < cols.size(); ++j) {
+        const float* lat = latent + cols[j] * L;
+        float s;
+        if (absorbed) {
+          s = dot(qlat.data(), lat, R);
+        } else {
+          for (int64_t d = 0; d < dn; ++d) key[static_cast<size_t>(d)] = dot(wk + d * R, lat, R);
+          s = dot(qn, key.data(), dn);
+        }
+        s = (s + dot(qp, lat + R, dr)) * scale;
+        score[j] = s;
+        mx = std::max(mx, s);
+      }
+      float sum = 0.0f;
+      for (float& s : score) {
+        s = std::exp(s - mx);
+        sum += s;
+      }
+      if (absorbed) {  // Σ p · latent, then W_uv
+        acc.assign(static_cast<size_t>(R), 0.0f);
+        for (size_t j = 0; j < cols.size(); ++j) {
+          const float* lat = latent + cols[j] * L;
+          const float p = score[j] / sum;
+          for (int64_t c = 0; c < R; ++c) acc[static_cast<size_t>(c)] += p * lat[c];
+        }
+        for (int64_t d = 0; d < dv; ++d) o[d] = dot(wv + d * R, acc.data(), R);
+      } else {  // Σ p · (W_uv latent)
+        std::fill(o, o + dv, 0.0f);
+        for (size_t j = 0; j < cols.size(); ++j) {
+          const float* lat = latent + cols[j] * L;
+          const float p = score[j] / sum;
+          for (int64_t d = 0; d < dv; ++d) o[d] += p * dot(wv + d * R, lat, R);
+        }
+      }
+    }
+  });
+}
+
+}  // namespace tandem::cpu
