@@ -4,9 +4,9 @@
 // queries of the call: batch invariant like every op of the forward.
 #include <algorithm>
 #include <cmath>
-#include <numeric>
 #include <vector>
 
+#include "tandem/backend/cpu/best_indices.h"
 #include "tandem/backend/cpu/cpu_ops.h"
 #include "tandem/backend/cpu/thread_pool.h"
 #include "tandem/core/error.h"
@@ -23,7 +23,6 @@ void dsa_select(const float* q, const float* w, int64_t n, int64_t heads, int64_
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   parallel_for(n, [&](int64_t i0, int64_t i1) {
     std::vector<float> score;
-    std::vector<int32_t> order;
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t len = pos[i] + 1;
       score.assign(static_cast<size_t>(len), 0.0f);
@@ -39,13 +38,7 @@ void dsa_select(const float* q, const float* w, int64_t n, int64_t heads, int64_
         score[static_cast<size_t>(p)] = s;
       }
       const int64_t keep = std::min(topk, len);
-      order.resize(static_cast<size_t>(len));
-      std::iota(order.begin(), order.end(), 0);
-      std::partial_sort(
-          order.begin(), order.begin() + keep, order.end(), [&](int32_t a, int32_t b) {
-            const float sa = score[static_cast<size_t>(a)], sb = score[static_cast<size_t>(b)];
-            return sa > sb || (sa == sb && a < b);
-          });
+      const std::vector<int32_t> order = best_indices(score.data(), len, keep);
       int32_t* o = out + i * topk;
       for (int64_t j = 0; j < topk; ++j) o[j] = j < keep ? order[static_cast<size_t>(j)] : -1;
     }

@@ -12,30 +12,16 @@
 // Both sum positions in ascending order and a query's result depends on its own inputs only.
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <vector>
 
 #include "tandem/backend/cpu/cpu_ops.h"
 #include "tandem/backend/cpu/thread_pool.h"
+#include "tandem/backend/cpu/weight_element.h"
 #include "tandem/core/error.h"
 
 namespace tandem::cpu {
 
 namespace {
-
-// Row r of a float matrix (F32, BF16 or F16) as fp32 values.
-void weight_row(const ops::WeightRef& w, int64_t r, float* out) {
-  const char* base = static_cast<const char*>(w.data) + r * w.cols * dtype_size(w.dtype);
-  for (int64_t c = 0; c < w.cols; ++c) {
-    if (w.dtype == DType::F32) {
-      std::memcpy(out + c, base + c * 4, 4);
-    } else {
-      uint16_t h;
-      std::memcpy(&h, base + c * 2, 2);
-      out[c] = w.dtype == DType::BF16 ? bf16_to_f32(h) : f16_to_f32(h);
-    }
-  }
-}
 
 float dot(const float* a, const float* b, int64_t n) {
   float s = 0.0f;
@@ -58,9 +44,17 @@ void mla_attention(const float* q_nope, const float* q_pe, int64_t n, int64_t H,
     if (pos[i] < 0 || pos[i] >= ctx)
       fail("mla_attention: query ", i, " at position ", pos[i], " outside the ", ctx, " cached");
   const int64_t L = R + dr;  // one cached position
-  // Every head's key and value rows of kv_b as fp32, [H][dn + dv][R].
-  std::vector<float> wkv(static_cast<size_t>(H * (dn + dv) * R));
-  for (int64_t r = 0; r < H * (dn + dv); ++r) weight_row(kv_b, r, wkv.data() + r * R);
+  // kv_b as fp32 [H][dn + dv][R]: used in place when it is aligned F32, else widened once per
+  // call (safetensors does not align tensors).
+  std::vector<float> widened;
+  const float* wkv = static_cast<const float*>(kv_b.data);
+  if (kv_b.dtype != DType::F32 || reinterpret_cast<uintptr_t>(kv_b.data) % alignof(float) != 0) {
+    widened.resize(static_cast<size_t>(kv_b.rows * R));
+    for (int64_t i = 0; i < kv_b.rows * R; ++i)
+      widened[static_cast<size_t>(i)] = ops::weight_element(kv_b, i);
+    wkv = widened.data();
+  }
+  // A (query, head) pair per job: a decode step's single query still spreads over the heads.
   parallel_for(n * H, [&](int64_t b, int64_t e) {
     std::vector<int64_t> cols;
     std::vector<float> score, qlat(static_cast<size_t>(R)), acc, key(static_cast<size_t>(dn));
@@ -68,8 +62,8 @@ void mla_attention(const float* q_nope, const float* q_pe, int64_t n, int64_t H,
       const int64_t i = job / H, h = job % H;
       const float* qn = q_nope + (i * H + h) * dn;
       const float* qp = q_pe + (i * H + h) * dr;
-      const float* wk = wkv.data() + h * (dn + dv) * R;  // [dn][R]
-      const float* wv = wk + dn * R;                     // [dv][R]
+      const float* wk = wkv + h * (dn + dv) * R;  // [dn][R]
+      const float* wv = wk + dn * R;              // [dv][R]
       cols.clear();
       if (allowed) {
         for (int64_t j = 0; j < topk; ++j) {

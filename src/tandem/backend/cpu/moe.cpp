@@ -11,6 +11,7 @@
 #include <numeric>
 #include <vector>
 
+#include "tandem/backend/cpu/best_indices.h"
 #include "tandem/backend/cpu/cpu_ops.h"
 #include "tandem/core/error.h"
 
@@ -31,14 +32,7 @@ void route_top_k(const float* logits, int64_t E, int64_t k, bool renormalise, in
     sum += p[static_cast<size_t>(e)];
   }
   for (float& v : p) v /= sum;
-  std::vector<int32_t> order(static_cast<size_t>(E));
-  std::iota(order.begin(), order.end(), 0);
-  // A total order: larger probability first, the lower id on a tie, so the choice never depends
-  // on the sort's stability or the scan direction.
-  std::partial_sort(order.begin(), order.begin() + k, order.end(), [&](int32_t a, int32_t b) {
-    const float pa = p[static_cast<size_t>(a)], pb = p[static_cast<size_t>(b)];
-    return pa > pb || (pa == pb && a < b);
-  });
+  const std::vector<int32_t> order = best_indices(p.data(), E, k);
   float top = 0.0f;
   for (int64_t j = 0; j < k; ++j) top += p[static_cast<size_t>(order[static_cast<size_t>(j)])];
   for (int64_t j = 0; j < k; ++j) {
@@ -63,32 +57,20 @@ void route_noaux_tc(const float* logits, const float* bias, int64_t E, int64_t k
     score[i] = 1.0f / (1.0f + std::exp(-logits[e]));
     choice[i] = score[i] + bias[e];
   }
-  // Larger value first, the lower index on equal values: a total order, so the choice never
-  // depends on a sort's stability.
-  auto ranked = [](const std::vector<float>& v, int64_t n) {
-    std::vector<int32_t> order(v.size());
-    std::iota(order.begin(), order.end(), 0);
-    std::partial_sort(order.begin(), order.begin() + n, order.end(), [&](int32_t a, int32_t b) {
-      const float va = v[static_cast<size_t>(a)], vb = v[static_cast<size_t>(b)];
-      return va > vb || (va == vb && a < b);
-    });
-    order.resize(static_cast<size_t>(n));
-    return order;
-  };
   if (n_group > 1) {
     std::vector<float> worth(static_cast<size_t>(n_group));
     for (int64_t g = 0; g < n_group; ++g) {
-      const std::vector<float> members(choice.begin() + g * per, choice.begin() + (g + 1) * per);
-      const auto best = ranked(members, 2);
-      worth[static_cast<size_t>(g)] =
-          members[static_cast<size_t>(best[0])] + members[static_cast<size_t>(best[1])];
+      const float* members = choice.data() + g * per;
+      const auto best = best_indices(members, per, 2);
+      worth[static_cast<size_t>(g)] = members[best[0]] + members[best[1]];
     }
     std::vector<bool> kept(static_cast<size_t>(n_group), false);
-    for (const int32_t g : ranked(worth, topk_group)) kept[static_cast<size_t>(g)] = true;
+    for (const int32_t g : best_indices(worth.data(), n_group, topk_group))
+      kept[static_cast<size_t>(g)] = true;
     for (int64_t e = 0; e < E; ++e)
       if (!kept[static_cast<size_t>(e / per)]) choice[static_cast<size_t>(e)] = 0.0f;
   }
-  const auto top = ranked(choice, k);
+  const auto top = best_indices(choice.data(), E, k);
   float sum = 0.0f;
   for (const int32_t e : top) sum += score[static_cast<size_t>(e)];
   for (int64_t j = 0; j < k; ++j) {
