@@ -99,10 +99,8 @@ uint64_t moe_expert_bytes(const ops::MoeWeights& m) {
 }
 
 uint64_t moe_weight_bytes(const ops::MoeWeights& m) {
-  uint64_t n = moe_expert_bytes(m);
-  for (const ops::WeightRef* w :
-       {&m.router, &m.shared_gate_proj, &m.shared_up_proj, &m.shared_down_proj, &m.shared_gate})
-    n += w->bytes();
+  uint64_t n = 0;
+  for_each_moe_matrix(m, [&](const ops::WeightRef& w) { n += w.bytes(); });
   return n;
 }
 

@@ -30,6 +30,18 @@ ops::MoeWeights bind_moe_weights(const Qwen35Config& c, const std::string& prefi
 // else one stacked copy in `arena`, each expert's own block released (no weight is held twice).
 void stack_moe_experts(WeightArena& arena, ops::MoeWeights* m);
 
+// fn(ref) on every matrix the mixture holds: the router, the shared expert and its gate (empty
+// refs when there is none), then each expert's gate, up and down. Not the CUDA stacked views,
+// which alias the experts.
+template <class MoeW, class Fn>
+void for_each_moe_matrix(MoeW& m, Fn&& fn) {
+  for (auto* w :
+       {&m.router, &m.shared_gate_proj, &m.shared_up_proj, &m.shared_down_proj, &m.shared_gate})
+    fn(*w);
+  for (auto* experts : {&m.gate, &m.up, &m.down})
+    for (auto& w : *experts) fn(w);
+}
+
 // Bytes of every weight the mixture holds (router, experts, shared expert and gate), and of its
 // routed experts alone.
 uint64_t moe_weight_bytes(const ops::MoeWeights& m);

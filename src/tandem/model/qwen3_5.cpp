@@ -223,14 +223,7 @@ void Qwen35Model::for_each_layer_weight(
       fn(L.gate_proj);
       fn(L.up_proj);
     }
-    if (cfg_.moe()) {
-      const ops::MoeWeights& m = L.moe;
-      for (const ops::WeightRef* w :
-           {&m.router, &m.shared_gate_proj, &m.shared_up_proj, &m.shared_down_proj, &m.shared_gate})
-        fn(*w);
-      for (const auto* experts : {&m.gate, &m.up, &m.down})
-        for (const ops::WeightRef& w : *experts) fn(w);
-    }
+    if (cfg_.moe()) for_each_moe_matrix(L.moe, fn);
     if (L.kind == LayerKind::FullAttention) {
       for (const ops::WeightRef* w : {&L.attn.q_proj, &L.attn.k_proj, &L.attn.v_proj,
                                       &L.attn.o_proj, &L.attn.q_norm, &L.attn.k_norm})
@@ -711,10 +704,9 @@ void Qwen35Model::mlp(const Layer& L, int64_t T, const ops::WeightRef& next) con
   Workspace& w = *ws_;
   if (c.moe()) {
     const SublayerInput in = sublayer_input(L.post_norm, T, false);
-    if (!w.routing) return ops::moe_mlp_add(in.x, T, L.moe, w.x.data());
     std::vector<int32_t> ids;
-    ops::moe_mlp_add(in.x, T, L.moe, w.x.data(), &ids);
-    w.routing->insert(w.routing->end(), ids.begin(), ids.end());
+    ops::moe_mlp_add(in.x, T, L.moe, w.x.data(), w.routing ? &ids : nullptr);
+    if (w.routing) w.routing->insert(w.routing->end(), ids.begin(), ids.end());
     return;
   }
   const bool stacked = L.gate_up.data != nullptr;

@@ -25,13 +25,10 @@ QwenMtpBlock::QwenMtpBlock(QwenMtpWeights w) : w_(std::move(w)) {
                             &w_.post_attention_layernorm, &w_.q_norm, &w_.k_norm, &w_.norm})
     *v = arena_.vector(*v);
   if (c.moe.moe()) {
-    ops::MoeWeights& m = w_.moe;
-    for (ops::WeightRef* r :
-         {&m.router, &m.shared_gate_proj, &m.shared_up_proj, &m.shared_down_proj, &m.shared_gate})
-      if (r->rows > 0) *r = arena_.matrix(*r);
-    for (auto* experts : {&m.gate, &m.up, &m.down})
-      for (ops::WeightRef& r : *experts) r = arena_.matrix(r);
-    stack_moe_experts(arena_, &m);
+    for_each_moe_matrix(w_.moe, [&](ops::WeightRef& r) {
+      if (r.rows > 0) r = arena_.matrix(r);
+    });
+    stack_moe_experts(arena_, &w_.moe);
   }
   for (MtpLinear* l : {&w_.fc, &w_.q_proj, &w_.k_proj, &w_.v_proj, &w_.o_proj, &w_.gate_proj,
                        &w_.up_proj, &w_.down_proj}) {
