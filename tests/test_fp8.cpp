@@ -1,6 +1,6 @@
 // fp8 e4m3 weights (GLM-5's published release): the exact decode of every code, block-scaled
-// dequantization with partial edge blocks, and the CPU product on them (ops::linear_fp8), which
-// must equal the product on the dequantized weights and be batch invariant.
+// dequantization with partial edge blocks, and the CPU product on them (ops::linear with F8_E4M3
+// weights), which must equal the product on the dequantized weights and be batch invariant.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "tandem/backend/cpu/cpu_ops.h"
+#include "tandem/backend/cpu/weight_element.h"
 #include "tandem/backend/ops.h"
 #include "tandem/core/dtype.h"
 #include "tandem/core/error.h"
@@ -50,10 +51,26 @@ TEST(Fp8E4M3, EveryCodeDecodesExactly) {
   EXPECT_EQ(t, DType::F8_E4M3);
 }
 
+// Encoding: every finite code round-trips; values between two codes go to the nearer (ties to the
+// even code); magnitudes past 448 saturate.
+TEST(Fp8E4M3, EncodesToTheNearestCode) {
+  for (int c = 0; c < 256; ++c) {
+    if ((c & 0x7f) == 0x7f) continue;  // NaN
+    const auto v = static_cast<uint8_t>(c);
+    EXPECT_EQ(f32_to_fp8_e4m3(fp8_e4m3_to_f32(v)), v) << "code " << c;
+  }
+  EXPECT_EQ(f32_to_fp8_e4m3(1.0625f), 0x38);  // halfway between 1 (even) and 1.125
+  EXPECT_EQ(f32_to_fp8_e4m3(1.1875f), 0x3a);  // halfway between 1.125 and 1.25 (even)
+  EXPECT_EQ(f32_to_fp8_e4m3(1.07f), 0x39);    // nearer 1.125
+  EXPECT_EQ(f32_to_fp8_e4m3(1000.0f), 0x7e);  // saturates at 448
+  EXPECT_EQ(f32_to_fp8_e4m3(-1000.0f), 0xfe);
+  EXPECT_EQ(f32_to_fp8_e4m3(std::ldexp(1.0f, -12)), 0x00);  // below half the smallest subnormal
+}
+
 struct Fp8Matrix {
   std::vector<uint8_t> codes;
   std::vector<float> scales;
-  ops::Fp8WeightRef ref;
+  ops::WeightRef ref;
   Fp8Matrix(int64_t rows, int64_t cols, int64_t br, int64_t bc, std::mt19937& rng) {
     std::uniform_int_distribution<int> code(0, 255);
     std::uniform_real_distribution<float> scale(0.001f, 0.01f);
@@ -64,15 +81,14 @@ struct Fp8Matrix {
     }
     const int64_t nbr = (rows + br - 1) / br, nbc = (cols + bc - 1) / bc;
     for (int64_t i = 0; i < nbr * nbc; ++i) scales.push_back(scale(rng));
+    ref.dtype = DType::F8_E4M3;
     ref.data = codes.data();
     ref.rows = rows;
     ref.cols = cols;
-    ref.block_rows = br;
-    ref.block_cols = bc;
-    ref.scale_inv.data = scales.data();
-    ref.scale_inv.dtype = DType::F32;
-    ref.scale_inv.rows = nbr;
-    ref.scale_inv.cols = nbc;
+    ref.scales.data = scales.data();
+    ref.scales.dtype = DType::F32;
+    ref.scales.block_rows = br;
+    ref.scales.block_cols = bc;
   }
 };
 
@@ -108,7 +124,7 @@ TEST(Fp8Weights, ProductMatchesTheDequantizedWeightsAndIsBatchInvariant) {
   std::vector<float> x(static_cast<size_t>(m * cols));
   for (float& v : x) v = d(rng);
   std::vector<float> y(static_cast<size_t>(m * rows));
-  ops::linear_fp8(x.data(), m, w.ref, y.data());
+  ops::linear(x.data(), m, w.ref, y.data());
   for (int64_t i = 0; i < m; ++i) {
     for (int64_t r = 0; r < rows; ++r) {
       double want = 0, mag = 0;
@@ -121,28 +137,38 @@ TEST(Fp8Weights, ProductMatchesTheDequantizedWeightsAndIsBatchInvariant) {
       EXPECT_NEAR(y[static_cast<size_t>(i * rows + r)], want, 1e-5 * mag + 1e-12);
     }
     std::vector<float> alone(static_cast<size_t>(rows));
-    ops::linear_fp8(x.data() + i * cols, 1, w.ref, alone.data());
+    ops::linear(x.data() + i * cols, 1, w.ref, alone.data());
     EXPECT_EQ(0, std::memcmp(alone.data(), y.data() + i * rows, alone.size() * sizeof(float)))
         << "row " << i;
   }
 }
 
-TEST(Fp8Weights, MisshapenScalesAreNamed) {
+// Every element the scalar reader gives (mla_attention reads kv_b_proj through it) is the
+// dequantized value.
+TEST(Fp8Weights, ElementsReadAsTheirDequantizedValues) {
+  std::mt19937 rng(6);
+  const int64_t rows = 40, cols = 72;
+  const Fp8Matrix w(rows, cols, 16, 32, rng);
+  std::vector<float> dense(static_cast<size_t>(rows * cols));
+  cpu::dequantize_fp8_rows(w.ref, 0, rows, dense.data());
+  for (int64_t i = 0; i < rows * cols; ++i)
+    ASSERT_EQ(ops::weight_element(w.ref, i), dense[static_cast<size_t>(i)]) << i;
+}
+
+TEST(Fp8Weights, MissingScalesAreNamed) {
   std::mt19937 rng(5);
   Fp8Matrix w(64, 64, 32, 32, rng);
-  w.ref.scale_inv.cols = 1;  // 2 values for a 2 x 2 grid of blocks
   std::vector<float> y(64), x(64, 1.0f);
+  w.ref.scales.block_rows = 0;
   try {
-    ops::linear_fp8(x.data(), 1, w.ref, y.data());
-    ADD_FAILURE() << "accepted a scale grid of the wrong size";
+    ops::linear(x.data(), 1, w.ref, y.data());
+    ADD_FAILURE() << "accepted fp8 weights without block scales";
   } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("scale_inv holds 2 values, expected 2 x 2"),
-              std::string::npos)
-        << e.what();
+    EXPECT_NE(std::string(e.what()).find("without block scales"), std::string::npos) << e.what();
   }
-  w.ref.scale_inv.cols = 2;
-  w.ref.block_rows = 0;
-  EXPECT_THROW(ops::linear_fp8(x.data(), 1, w.ref, y.data()), Error);
+  w.ref.scales.block_rows = 32;
+  w.ref.scales.dtype = DType::I32;
+  EXPECT_THROW(ops::linear(x.data(), 1, w.ref, y.data()), Error);
 }
 
 }  // namespace

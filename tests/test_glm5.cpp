@@ -318,7 +318,8 @@ TEST(Glm5Mixture, NoauxTcRoutingAndAnUngatedSharedExpert) {
   EXPECT_THROW(ops::moe_mlp_add(x.data(), T, bad, y.data()), Error);
 }
 
-// The DSA indexer's choice against a double-precision full sort: every position up to the
+// The DSA indexer's choice against a double-precision full sort (each head's score through a ReLU
+// before the head weights, as transformers computes it): every position up to the
 // query's own when there are at most topk of them (dense), else the topk best-scored ones
 // (compared where the topk-th and the next score are apart); padding -1; a query's choice the
 // same alone and among others.
@@ -340,7 +341,8 @@ TEST(DsaSelect, ChoosesTheBestEarlierPositionsOrAllOfThem) {
       double s = 0;
       for (int64_t h = 0; h < heads; ++h)
         s += w[static_cast<size_t>(i * heads + h)] *
-             test::dot(q.data() + (i * heads + h) * D, keys.data() + p * D, D) / std::sqrt(D);
+             std::max(0.0, test::dot(q.data() + (i * heads + h) * D, keys.data() + p * D, D) /
+                               std::sqrt(D));
       scored.push_back({-s, static_cast<int32_t>(p)});
     }
     std::sort(scored.begin(), scored.end());

@@ -6,14 +6,22 @@ Run on a machine with torch + transformers >= 5 (no network needed):
     python3 tools/make_glm5_fixtures.py --out tests/fixtures
 
 Two checkpoints of one tiny shape (3 decoder layers, the first dense; MLA with a query LoRA; 8
-experts in 4 groups, 2 kept, 2 per token, one shared expert; a DSA indexer keeping 8 positions,
-so the reference prompts of 20+ tokens exercise sparse attention):
+experts in 4 groups, 2 kept, 2 per token, one shared expert; a DSA indexer of 8 heads keeping 8
+positions, so the reference prompts of 20+ tokens exercise sparse attention; 8 heads make exact
+ties between index scores, which a ReLU per head invites, improbable):
 
   glm5_bf16   bf16 weights (e_score_correction_bias in fp32, as published), one file.
-  glm5_fp8    the same weights quantized as the published release is: every matrix in fp8 e4m3
-              with one fp32 `weight_scale_inv` per 16 x 16 block (`quantization_config` with
+  glm5_fp8    the same weights quantized as the published release is: every Linear matrix in fp8
+              e4m3 with one fp32 `weight_scale_inv` per 16 x 16 block (`quantization_config` with
               `weight_block_size` [16, 16]; the published block is 128 x 128, which would be one
-              block per tiny matrix). Its reference is computed from the dequantized values.
+              block per tiny matrix), experts one tensor per expert and projection; the router,
+              the indexer's weights_proj, the embedding and the head stay bf16, as published.
+              Its reference is computed from the dequantized values.
+
+The rotary layout follows the installed transformers: versions with
+apply_rotary_pos_emb_interleave rotate adjacent pairs in the attention and the indexer, older ones
+rotate halves; config.json's rope_interleave and indexer_rope_interleave say which, so tandem
+(which follows the config) is compared with what transformers actually ran.
 
 References (fp32, CPU, from exactly the values written): for two prompts, greedy_i (8 tokens, a
 full forward per step) with greedy_gap_i, tokens_i = prompt_i + greedy_i, logits_i [len, vocab] of
@@ -51,7 +59,7 @@ def config() -> dict:
         "v_head_dim": 16, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1,
         "n_group": 4, "topk_group": 2, "routed_scaling_factor": 2.5, "norm_topk_prob": True,
         "mlp_layer_types": ["dense", "sparse", "sparse"], "index_topk": 8, "index_head_dim": 16,
-        "index_n_heads": 2, "rms_norm_eps": 1e-5, "max_position_embeddings": 4096,
+        "index_n_heads": 8, "rms_norm_eps": 1e-5, "max_position_embeddings": 4096,
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, "rope_interleave": True,
         "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 1,
     }
@@ -139,10 +147,26 @@ def margins(mlp, router_logits: torch.Tensor, k: int) -> torch.Tensor:
     return top[:, k - 1] - top[:, k]
 
 
+def rope_layout() -> bool:
+    """Whether the installed glm_moe_dsa rotates interleaved pairs (newer transformers)."""
+    import inspect
+    from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as mod
+    return "apply_rotary_pos_emb_interleave" in inspect.getsource(mod)
+
+
+def keep_bf16(name: str) -> bool:
+    """Tensors the published fp8 release keeps in bf16 (not nn.Linear weights of the blocks)."""
+    return ("embed_tokens" in name or "lm_head" in name or "weights_proj" in name
+            or name.endswith("mlp.gate.weight"))
+
+
 def make(out: Path, name: str, fp8: bool, seed: int) -> None:
     d = out / name
     d.mkdir(parents=True, exist_ok=True)
     cfg_dict = config()
+    interleave = rope_layout()
+    cfg_dict["rope_interleave"] = interleave
+    cfg_dict["indexer_rope_interleave"] = interleave
     cfg = transformers.GlmMoeDsaConfig(**{k: v for k, v in cfg_dict.items() if k not in ("architectures", "model_type")})
     torch.manual_seed(seed)
     try:
@@ -160,7 +184,23 @@ def make(out: Path, name: str, fp8: bool, seed: int) -> None:
                 tensors[n] = t.float().contiguous()
                 continue
             t = t.to(torch.bfloat16)
-            if fp8 and t.dim() == 2 and "embed_tokens" not in n and "lm_head" not in n and "weights_proj" not in n:
+            if fp8 and t.dim() == 3 and n.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                # Fused experts, written one quantized tensor per expert and projection.
+                base = n[: n.rindex(".")]
+                inner = cfg_dict["moe_intermediate_size"]
+                value = torch.empty(t.shape, dtype=torch.float32)
+                for e in range(t.shape[0]):
+                    if n.endswith("gate_up_proj"):
+                        parts = [("gate_proj", t[e, :inner], slice(0, inner)),
+                                 ("up_proj", t[e, inner:], slice(inner, 2 * inner))]
+                    else:
+                        parts = [("down_proj", t[e], slice(None))]
+                    for proj, w, rows in parts:
+                        q, sc = quantize_fp8(w.float())
+                        tensors[f"{base}.{e}.{proj}.weight"] = q.contiguous()
+                        tensors[f"{base}.{e}.{proj}.weight_scale_inv"] = sc.contiguous()
+                        value[e, rows] = dequantize_fp8(q, sc)
+            elif fp8 and t.dim() == 2 and not keep_bf16(n):
                 q, s = quantize_fp8(t.float())
                 tensors[n] = q.contiguous()
                 tensors[n.replace(".weight", ".weight_scale_inv")] = s.contiguous()
@@ -227,6 +267,7 @@ def make(out: Path, name: str, fp8: bool, seed: int) -> None:
         "description": __doc__.split("\n")[0] + f" ({name}); see tools/make_glm5_fixtures.py",
         "seed": seed, "fp8": fp8, "fp8_block": BLOCK if fp8 else None,
         "min_greedy_gap": min(min(ref[f"greedy_gap_{i}"].tolist()) for i in range(2)),
+        "rope_interleave": interleave,
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
     }, indent=1))
     print(f"wrote {d}: {len(tensors)} tensors, prompts {[len(p) for p in prompts]}, "

@@ -267,6 +267,9 @@ std::string device_description() {
 }
 
 void linear(const float* x, int64_t m, const WeightRef& w, float* y) {
+  if (w.dtype == DType::F8_E4M3 && g_backend != Backend::Cpu)
+    fail("linear: fp8 weights run on the CPU backend only so far (the CUDA kernels are issue 21's ",
+         "next step)");
   TANDEM_DISPATCH(linear(x, m, w, y));
 }
 void linear_add(const float* x, int64_t m, const WeightRef& w, float* y, const GatedNorm* norm,
@@ -388,6 +391,14 @@ void mla_attention(const float* q_nope, const float* q_pe, int64_t n, int64_t H,
                    float scale, bool absorbed, float* out) {
   cpu::mla_attention(q_nope, q_pe, n, H, dn, dr, dv, latent, ctx, R, kv_b, pos, allowed, topk,
                      scale, absorbed, out);
+}
+void rope_slice(float* x, int64_t n_tokens, int64_t n_heads, int64_t head_stride, int64_t offset,
+                int64_t dim, const int64_t* positions, const float* inv_freq, bool interleaved) {
+  cpu::rope_slice(x, n_tokens, n_heads, head_stride, offset, dim, positions, inv_freq, interleaved);
+}
+void layer_norm(const float* x, int64_t m, int64_t d, const WeightRef& w, const WeightRef& b,
+                float eps, float* y) {
+  cpu::layer_norm(x, m, d, w, b, eps, y);
 }
 void dsa_select(const float* q, const float* w, int64_t n, int64_t heads, int64_t D,
                 const float* keys, int64_t ctx, const int64_t* pos, int64_t topk, int32_t* out) {
@@ -588,13 +599,6 @@ void linear_quantized(const float* x, int64_t m, const QuantWeightRef& w, float*
         "linear_quantized: quantized weights run on the CPU backend only (the CUDA backend "
         "dequantizes them at load)");
   cpu::linear_quantized(x, m, w, y);
-}
-void linear_fp8(const float* x, int64_t m, const Fp8WeightRef& w, float* y) {
-  if (g_backend != Backend::Cpu)
-    fail(
-        "linear_fp8: fp8 weights run on the CPU backend only so far (the CUDA kernels are issue "
-        "21's next step)");
-  cpu::linear_fp8(x, m, w, y);
 }
 
 }  // namespace tandem::ops

@@ -26,13 +26,26 @@
 
 namespace tandem::ops {
 
-// A borrowed 1-D or 2-D weight: `rows` x `cols`, row-major, any float storage dtype.
+// The block scales of an fp8 e4m3 weight (GLM-5 / DeepSeek-V3's published "weight_scale_inv"):
+// weight[r][c] = e4m3(code[r][c]) · scale_inv[r / block_rows][c / block_cols], scale_inv
+// row-major [ceil(rows / block_rows), ceil(cols / block_cols)] of F32 or BF16 (the last blocks of
+// a row or column may be partial). Loaders check the scale tensor's shape against the weight's.
+struct BlockScales {
+  const void* data = nullptr;
+  DType dtype = DType::F32;
+  int64_t block_rows = 0;
+  int64_t block_cols = 0;
+};
+
+// A borrowed 1-D or 2-D weight: `rows` x `cols`, row-major, any float storage dtype, or fp8 e4m3
+// codes with their block scales (F8_E4M3: `scales` set; the CPU backend only so far).
 // `data` may be unaligned (safetensors does not align tensor data).
 struct WeightRef {
   DType dtype = DType::F32;
   const void* data = nullptr;
   int64_t rows = 0;
   int64_t cols = 0;
+  BlockScales scales;  // F8_E4M3 only
   uint64_t bytes() const { return static_cast<uint64_t>(rows * cols) * dtype_size(dtype); }
 };
 WeightRef weight_ref(const TensorView& t);  // 1-D tensors become rows = 1
@@ -99,7 +112,8 @@ std::string device_description();
 void set_thread_count(int n);
 int thread_count();
 
-// y[m, w.rows] = x[m, w.cols] · wᵀ
+// y[m, w.rows] = x[m, w.cols] · wᵀ. fp8 weights (F8_E4M3, CPU): each row dequantized exactly into
+// fp32, then dotted in the same fixed order (batch invariant).
 void linear(const float* x, int64_t m, const WeightRef& w, float* y);
 
 // The DeltaNet's gated per-head norm a projection may apply to its input rows first
@@ -229,7 +243,7 @@ void moe_mlp_add(const float* x, int64_t T, const MoeWeights& w, float* y,
 // GLM-5's DSA indexer choice (transformers' GlmMoeDsaIndexer) for n queries: q [n, heads, D]
 // (rotated), w [n, heads] (the head weights, weights_proj · heads^-1/2), keys [ctx, D] (the
 // rotated, normed index keys of positions 0 .. ctx-1). Query i at position pos[i] < ctx scores
-// every position p <= pos[i] as Σ_h w[i,h] · (q[i,h] · keys[p]) · D^-1/2 and keeps the best
+// every position p <= pos[i] as Σ_h w[i,h] · relu((q[i,h] · keys[p]) · D^-1/2) and keeps the best
 // min(topk, pos[i] + 1): out [n, topk] holds their positions by descending score (the lower
 // position on equal scores), -1 after them. With pos[i] + 1 <= topk the choice is every earlier
 // position (dense attention). CPU arithmetic on host memory.
@@ -282,6 +296,19 @@ void add_inplace(float* x, const float* y, int64_t n);
 // head: x[n_tokens, n_heads, head_dim], positions[n_tokens]. inv_freq[rotary_dim / 2].
 void rope(float* x, int64_t n_tokens, int64_t n_heads, int64_t head_dim, int64_t rotary_dim,
           const int64_t* positions, const float* inv_freq);
+
+// Rotary embedding of a slice of every head, in either pair layout: x[n_tokens, n_heads,
+// head_stride], the `dim` values at `offset` of each head rotated by positions[t] · inv_freq[i]
+// (inv_freq[dim / 2]), pair i being (x[2i], x[2i + 1]) when `interleaved` (DeepSeek's layout,
+// GLM-5's attention and indexer as transformers runs them) or (x[i], x[i + dim / 2]) (NeoX, as
+// rope). CPU only so far (GLM-5's ops).
+void rope_slice(float* x, int64_t n_tokens, int64_t n_heads, int64_t head_stride, int64_t offset,
+                int64_t dim, const int64_t* positions, const float* inv_freq, bool interleaved);
+
+// LayerNorm over the last axis of x[m, d] (GLM-5's indexer key norm): y = (x − mean) ·
+// rsqrt(var + eps) · w + b with the population variance. In place is allowed. CPU only so far.
+void layer_norm(const float* x, int64_t m, int64_t d, const WeightRef& w, const WeightRef& b,
+                float eps, float* y);
 
 // Gated attention's query/key preparation for T tokens in one pass: from the projection
 // qg [T, n_heads, 2·head_dim] ([query | gate] per head) and k [T, n_kv_heads, head_dim],
@@ -459,25 +486,9 @@ struct QuantWeightRef {
 };
 bool quant_bits_supported(int bits);
 
-// A matrix [rows, cols] of fp8 e4m3 weights in blocks of block_rows x block_cols, each scaled by
-// one value of scale_inv [ceil(rows / block_rows), ceil(cols / block_cols)] (F32 or BF16): weight
-// = fp8 · scale_inv[r / block_rows][c / block_cols] (the published GLM-5 / DeepSeek-V3
-// "weight_scale_inv"; the last blocks of a row or column may be partial).
-struct Fp8WeightRef {
-  const uint8_t* data = nullptr;
-  int64_t rows = 0;
-  int64_t cols = 0;
-  WeightRef scale_inv;
-  int64_t block_rows = 0;
-  int64_t block_cols = 0;
-};
-
 // y[m, w.rows] = x[m, w.cols] · dequant(w)ᵀ. Each weight row is dequantized once per call into an
 // fp32 buffer and dotted with every input row in a fixed order (batch invariant; exact fp32 math
 // on the dequantized values).
 void linear_quantized(const float* x, int64_t m, const QuantWeightRef& w, float* y);
-// The same for fp8 block-scaled weights (CPU: each row dequantized exactly, in fp32, then dotted;
-// batch invariant). CUDA throws for now.
-void linear_fp8(const float* x, int64_t m, const Fp8WeightRef& w, float* y);
 
 }  // namespace tandem::ops

@@ -82,6 +82,23 @@ float fp8_e4m3_to_f32(uint8_t v) {
   return sign * std::ldexp(static_cast<float>(8 + mant), exp - 10);
 }
 
+uint8_t f32_to_fp8_e4m3(float f) {
+  if (std::isnan(f)) return 0x7f;
+  const uint8_t sign = std::signbit(f) ? 0x80 : 0x00;
+  const float a = std::fabs(f);
+  // Codes 0x00..0x7e are the non-negative finite values in increasing order: take the nearest.
+  int lo = 0, hi = 0x7e;
+  if (a >= fp8_e4m3_to_f32(0x7e)) return static_cast<uint8_t>(sign | 0x7e);
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) / 2;
+    (fp8_e4m3_to_f32(static_cast<uint8_t>(mid)) <= a ? lo : hi) = mid;
+  }
+  const float dl = a - fp8_e4m3_to_f32(static_cast<uint8_t>(lo));
+  const float dh = fp8_e4m3_to_f32(static_cast<uint8_t>(hi)) - a;
+  const int code = dl < dh ? lo : dh < dl ? hi : (lo % 2 == 0 ? lo : hi);
+  return static_cast<uint8_t>(sign | code);
+}
+
 float f16_to_f32(uint16_t h) {
   const uint32_t sign = (h & 0x8000u) << 16;
   uint32_t exp = (h >> 10) & 0x1fu;

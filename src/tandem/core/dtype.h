@@ -36,5 +36,7 @@ float f16_to_f32(uint16_t h);
 uint16_t f32_to_f16(float f);
 // Exact: every e4m3 value is a float (bias 7; exponent 0 is subnormal, m · 2^-9).
 float fp8_e4m3_to_f32(uint8_t v);
+// The e4m3 code nearest to f (saturating at ±448, ties to the even code; NaN to the NaN code).
+uint8_t f32_to_fp8_e4m3(float f);
 
 }  // namespace tandem

@@ -1,6 +1,9 @@
 #include "tandem/model/config_fields.h"
 
 #include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
 
 namespace tandem::config {
 
@@ -25,6 +28,23 @@ void append_eos(const Fields& f, std::vector<int64_t>* out) {
   } else {
     add(*v);
   }
+}
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) fail("cannot read ", path);
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+void append_generation_eos(const std::string& dir, std::vector<int64_t>* out) {
+  const std::string path = (std::filesystem::path(dir) / "generation_config.json").string();
+  std::error_code ec;
+  if (!std::filesystem::exists(path, ec)) return;
+  const json g = parse_json(read_file(path), path);
+  if (!g.is_object()) fail(path, ": expected a JSON object, got ", g.type_name());
+  append_eos(Fields(g, path, ""), out);
 }
 
 }  // namespace tandem::config

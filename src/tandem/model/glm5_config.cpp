@@ -1,6 +1,7 @@
 #include "tandem/model/glm5_config.h"
 
 #include <algorithm>
+#include <filesystem>
 
 #include "tandem/core/error.h"
 #include "tandem/model/config_fields.h"
@@ -34,6 +35,47 @@ std::vector<bool> sparse_layers(const Fields& f, int64_t layers) {
     f.bad("first_k_dense_replace", "must be in 0..", layers, ", got ", dense);
   for (int64_t i = 0; i < dense; ++i) sparse[static_cast<size_t>(i)] = false;
   return sparse;
+}
+
+// Which layers run the DSA indexer ("full") and which reuse the previous layer's choice
+// ("shared"), as transformers derives them: indexer_types, else index_topk_pattern ("FSS..."),
+// else every layer i with max(i - index_skip_topk_offset + 1, 0) % index_topk_freq == 0 runs it
+// (freq 1 by default: all). Layer 0 has nothing to reuse and always runs it.
+std::vector<bool> shared_index_layers(const Fields& f, int64_t layers) {
+  std::vector<bool> shared(static_cast<size_t>(layers), false);
+  auto from_list = [&](const char* key, const json& list) {
+    if (static_cast<int64_t>(list.size()) != layers)
+      f.bad(key, "expected ", layers, " entries, got ", list.size());
+    for (size_t i = 0; i < list.size(); ++i) {
+      const json& t = list[i];
+      if (t == "full" || t == "F") continue;
+      if (t != "shared" && t != "S")
+        f.bad(key, "entry ", i, " must be \"full\" or \"shared\", got ", t.dump());
+      shared[i] = true;
+    }
+  };
+  if (const json* types = f.get("indexer_types")) {
+    if (!types->is_array()) f.bad("indexer_types", "expected a list, got ", types->dump());
+    from_list("indexer_types", *types);
+  } else if (const json* pattern = f.get("index_topk_pattern")) {
+    json list = json::array();
+    if (pattern->is_string()) {
+      for (char ch : pattern->get<std::string>()) list.push_back(std::string(1, ch));
+    } else if (pattern->is_array()) {
+      list = *pattern;
+    } else {
+      f.bad("index_topk_pattern", "expected a string or a list, got ", pattern->dump());
+    }
+    from_list("index_topk_pattern", list);
+  } else {
+    const int64_t freq = std::max<int64_t>(f.opt_pos_int("index_topk_freq", 1), 1);
+    const json* off = f.get("index_skip_topk_offset");
+    const int64_t offset = off ? f.as_int("index_skip_topk_offset", *off) : 2;
+    for (int64_t i = 0; i < layers; ++i)
+      shared[static_cast<size_t>(i)] = std::max<int64_t>(i - offset + 1, 0) % freq != 0;
+  }
+  if (layers > 0) shared[0] = false;
+  return shared;
 }
 
 }  // namespace
@@ -97,6 +139,11 @@ Glm5Config parse_glm5_config(const std::string& json_text, const std::string& so
   c.index_topk = f.req_pos_int("index_topk");
   c.index_head_dim = f.req_pos_int("index_head_dim");
   c.index_n_heads = f.req_pos_int("index_n_heads");
+  c.shared_index_layers = shared_index_layers(f, c.num_hidden_layers);
+  c.indexer_rope_interleave = f.opt_bool("indexer_rope_interleave", true);
+  if (c.q_lora_rank == 0)
+    f.bad("q_lora_rank", "the DSA indexer reads the query LoRA's normed latent; a model without ",
+          "one (q_lora_rank null) is not supported");
   if (c.index_head_dim < c.qk_rope_head_dim)
     f.bad("index_head_dim", c.index_head_dim, " is smaller than its rotary part (",
           c.qk_rope_head_dim, ")");
@@ -136,6 +183,13 @@ Glm5Config parse_glm5_config(const std::string& json_text, const std::string& so
     c.fp8_block_rows = qf.positive("weight_block_size", qf.as_int("weight_block_size", block[0]));
     c.fp8_block_cols = qf.positive("weight_block_size", qf.as_int("weight_block_size", block[1]));
   }
+  return c;
+}
+
+Glm5Config load_glm5_config(const std::string& dir) {
+  const std::string path = (std::filesystem::path(dir) / "config.json").string();
+  Glm5Config c = parse_glm5_config(config::read_file(path), path);
+  config::append_generation_eos(dir, &c.eos_token_ids);
   return c;
 }
 

@@ -2,7 +2,7 @@
 // transformers' GlmMoeDsaConfig reads it: DeepSeek-V3.2-style multi-head latent attention (MLA,
 // optional query LoRA), the DSA indexer's shape, a mixture of experts with sigmoid ("noaux_tc")
 // routing behind a few dense layers, the NextN (MTP) layers, and the FP8 block quantization of the
-// published weights. Only the config so far: the model itself is issue 21's next steps.
+// published weights.
 #pragma once
 
 #include <cstdint>
@@ -42,6 +42,10 @@ struct Glm5Config {
   int64_t index_topk = 0;
   int64_t index_head_dim = 0;
   int64_t index_n_heads = 0;
+  // Per decoder layer: true where the layer reuses the previous layer's choice instead of running
+  // its own indexer (transformers' indexer_types "shared"; never layer 0).
+  std::vector<bool> shared_index_layers;
+  bool indexer_rope_interleave = true;  // the indexer's rotary pairs are interleaved
   double rms_norm_eps = 1e-5;
   double rope_theta = 10000.0;
   bool rope_interleave = true;  // the main attention's rotary pairs are interleaved
@@ -58,5 +62,7 @@ struct Glm5Config {
 
 // Throws Error naming source_name and the field on anything unsupported or inconsistent.
 Glm5Config parse_glm5_config(const std::string& json_text, const std::string& source_name);
+// dir/config.json, plus the eos ids of dir/generation_config.json when there is one.
+Glm5Config load_glm5_config(const std::string& dir);
 
 }  // namespace tandem

@@ -307,6 +307,8 @@ int64_t Qwen35Model::prepare_forward(Qwen35State& st, const ForwardRequest& req)
     fail("forward: rows cover ", T, " tokens but ", req.tokens.size(), " were given");
   }
   if (req.defer_argmax && !req.want_argmax) fail("forward: defer_argmax without want_argmax");
+  if (req.want_index_selection)
+    fail("forward: want_index_selection on a model without a DSA indexer (qwen3_5)");
   if (req.defer_argmax && deferred_count_ == kMaxDeferred)
     fail("forward: ", kMaxDeferred, " deferred argmax copies are pending; collect_argmax first");
   for (size_t i = 0; i < req.tokens.size(); ++i)

@@ -15,64 +15,12 @@
 #include "tandem/backend/staged_upload.h"
 #include "tandem/backend/weight_arena.h"
 #include "tandem/io/weight_store.h"
+#include "tandem/model/forward.h"
 #include "tandem/model/gated_attention.h"
 #include "tandem/model/qwen3_5_config.h"
 #include "tandem/model/qwen3_5_state.h"
 
 namespace tandem {
-
-// One row's slice of a forward: `n_tokens` new tokens appended after the row's current length.
-struct RowInput {
-  int slot = 0;
-  int64_t n_tokens = 0;
-  // A verify window: the state keeps what it needs to cut the row back to any prefix of these
-  // tokens (Qwen35Model::commit_windows). Until that commit, the row covers all n_tokens.
-  bool speculative = false;
-};
-
-// After a speculative forward: keep the first `kept` (1..n_tokens) tokens of the row's window.
-struct RowKeep {
-  int slot = 0;
-  int64_t kept = 0;
-};
-
-struct ForwardRequest {
-  std::span<const int32_t> tokens;  // Σ n_tokens ids, rows in order
-  std::span<const RowInput> rows;
-  bool all_logits = false;           // false: only each row's last token gets logits
-  bool want_hidden = false;          // final-normed hidden of every token
-  bool want_prenorm_hidden = false;  // the last layer's output before the final norm, every token
-  bool want_logits = true;           // copy the logits to the host
-  bool want_argmax = false;  // greedy token of every logits row, computed where the logits are
-  // Prompt tokens: the CUDA backend takes its prefill GEMM path (see Qwen35Model::forward).
-  // Engines set it for the forward that processes prompts, in plain and speculative decoding
-  // alike, so both compute prompt tokens identically.
-  bool prompt = false;
-  // Rows of each prefill GEMM tile when `prompt` (ops::set_prefill): a prompt token's bits depend
-  // on it, so engines set ops::prefill_gemm_rows(their prefill chunk) and agree with each other.
-  int64_t prompt_gemm_rows = ops::kMaxPrefillGemmRows;
-  // Greedy decoding without a host round trip per token. tokens_from_argmax: `tokens` is empty
-  // and each row's one input token is the argmax the previous forward computed for it (the
-  // previous forward had want_argmax, one logits row per row, and exactly these rows in this
-  // order; the ids never leave the device). defer_argmax (with want_argmax): out->argmax stays
-  // empty and the tokens are read back asynchronously; collect_argmax() returns them, oldest
-  // forward first. So a step can be queued before the host has seen the previous step's token.
-  bool tokens_from_argmax = false;
-  bool defer_argmax = false;
-  // Qwen3.5-MoE: record every layer's routing (ForwardOutput::routing), for tests and tools.
-  bool want_routing = false;
-};
-
-struct ForwardOutput {
-  std::vector<float> logits;  // [logits_rows, vocab] when want_logits
-  int64_t logits_rows = 0;
-  std::vector<int32_t> argmax;        // [logits_rows] when want_argmax
-  std::vector<float> hidden;          // [Σ n_tokens, hidden] when requested
-  std::vector<float> prenorm_hidden;  // [Σ n_tokens, hidden] when requested
-  // [layers, Σ n_tokens, experts per token]: the experts each token was routed to, in
-  // descending routing probability, when want_routing.
-  std::vector<int32_t> routing;
-};
 
 class Qwen35Model {
  public:

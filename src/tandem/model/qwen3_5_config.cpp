@@ -2,9 +2,7 @@
 
 #include <algorithm>
 #include <filesystem>
-#include <fstream>
 #include <nlohmann/json.hpp>
-#include <sstream>
 
 #include "tandem/core/error.h"
 #include "tandem/model/config_fields.h"
@@ -16,14 +14,6 @@ using json = nlohmann::json;
 using config::append_eos;
 using config::Fields;
 using config::parse_json;
-
-std::string read_file(const std::filesystem::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  if (!in) fail("cannot read ", p.string());
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
 
 }  // namespace
 
@@ -217,15 +207,8 @@ Qwen35Config parse_qwen35_config(const std::string& json_text, const std::string
 Qwen35Config load_qwen35_config(const std::string& dir) {
   const std::filesystem::path d(dir);
   const std::string config_path = (d / "config.json").string();
-  Qwen35Config c = parse_qwen35_config(read_file(config_path), config_path);
-  const std::filesystem::path gen = d / "generation_config.json";
-  std::error_code ec;
-  if (std::filesystem::exists(gen, ec)) {
-    const std::string gen_path = gen.string();
-    const json g = parse_json(read_file(gen), gen_path);
-    if (!g.is_object()) fail(gen_path, ": expected a JSON object, got ", g.type_name());
-    append_eos(Fields(g, gen_path, ""), &c.eos_token_ids);
-  }
+  Qwen35Config c = parse_qwen35_config(config::read_file(config_path), config_path);
+  config::append_generation_eos(dir, &c.eos_token_ids);
   return c;
 }
 

@@ -31,6 +31,10 @@ void sigmoid_gate(float* x, const float* gate, int64_t n);
 void add_inplace(float* x, const float* y, int64_t n);
 void rope(float* x, int64_t n_tokens, int64_t n_heads, int64_t head_dim, int64_t rotary_dim,
           const int64_t* positions, const float* inv_freq);
+void rope_slice(float* x, int64_t n_tokens, int64_t n_heads, int64_t head_stride, int64_t offset,
+                int64_t dim, const int64_t* positions, const float* inv_freq, bool interleaved);
+void layer_norm(const float* x, int64_t m, int64_t d, const ops::WeightRef& w,
+                const ops::WeightRef& b, float eps, float* y);
 void kv_write(const ops::KVLayerView& kv, const int32_t* block_table, const int64_t* positions,
               int64_t n, const float* k, const float* v);
 void kv_write_stored(const ops::KVLayerView& kv, const int32_t* block_table,
@@ -64,7 +68,10 @@ namespace tandem::cpu {
 // Rows r0..r0+n-1 of an MLX-affine quantized weight, dequantized to fp32 [n, cols] (the values
 // linear_quantized multiplies with).
 void dequantize_rows(const ops::QuantWeightRef& w, int64_t r0, int64_t n, float* out);
-void linear_fp8(const float* x, int64_t m, const ops::Fp8WeightRef& w, float* y);
+// linear's fp8 path (w.dtype F8_E4M3 with its block scales).
+void linear_fp8(const float* x, int64_t m, const ops::WeightRef& w, float* y);
 // Rows r0 .. r0 + n of an fp8 block-scaled weight, dequantized into out [n, cols].
-void dequantize_fp8_rows(const ops::Fp8WeightRef& w, int64_t r0, int64_t n, float* out);
+void dequantize_fp8_rows(const ops::WeightRef& w, int64_t r0, int64_t n, float* out);
+// Element i (row-major) of an fp8 block-scaled weight.
+float fp8_element(const ops::WeightRef& w, int64_t i);
 }  // namespace tandem::cpu

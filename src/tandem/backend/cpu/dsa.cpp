@@ -33,7 +33,7 @@ void dsa_select(const float* q, const float* w, int64_t n, int64_t heads, int64_
           const float* qh = q + (i * heads + h) * D;
           float d = 0.0f;
           for (int64_t c = 0; c < D; ++c) d += qh[c] * k[c];
-          s += w[i * heads + h] * (d * scale);
+          s += w[i * heads + h] * std::max(0.0f, d * scale);
         }
         score[static_cast<size_t>(p)] = s;
       }

@@ -111,6 +111,51 @@ void rope(float* x, int64_t n_tokens, int64_t n_heads, int64_t head_dim, int64_t
   }
 }
 
+void rope_slice(float* x, int64_t n_tokens, int64_t n_heads, int64_t head_stride, int64_t offset,
+                int64_t dim, const int64_t* positions, const float* inv_freq, bool interleaved) {
+  TANDEM_CHECK(dim % 2 == 0 && offset >= 0 && offset + dim <= head_stride, "rope_slice: ", dim,
+               " values at ", offset, " of heads of ", head_stride);
+  const int64_t half = dim / 2;
+  for (int64_t t = 0; t < n_tokens; ++t) {
+    const float pos = static_cast<float>(positions[t]);
+    for (int64_t i = 0; i < half; ++i) {
+      const float angle = pos * inv_freq[i];
+      const float c = std::cos(angle);
+      const float s = std::sin(angle);
+      // The pair frequency i rotates: adjacent values, or one from each half.
+      const int64_t ia = interleaved ? 2 * i : i;
+      const int64_t ib = interleaved ? 2 * i + 1 : i + half;
+      for (int64_t h = 0; h < n_heads; ++h) {
+        float* v = x + (t * n_heads + h) * head_stride + offset;
+        const float a = v[ia];
+        const float b = v[ib];
+        v[ia] = a * c - b * s;
+        v[ib] = b * c + a * s;
+      }
+    }
+  }
+}
+
+void layer_norm(const float* x, int64_t m, int64_t d, const WeightRef& w, const WeightRef& b,
+                float eps, float* y) {
+  check_float_weight(w, "layer_norm");
+  check_float_weight(b, "layer_norm");
+  TANDEM_CHECK(w.rows * w.cols == d && b.rows * b.cols == d, "layer_norm: weight and bias of ",
+               w.rows * w.cols, " and ", b.rows * b.cols, " values for rows of ", d);
+  for (int64_t r = 0; r < m; ++r) {
+    const float* xr = x + r * d;
+    float* yr = y + r * d;
+    float mean = 0.0f;
+    for (int64_t i = 0; i < d; ++i) mean += xr[i];
+    mean /= static_cast<float>(d);
+    float var = 0.0f;
+    for (int64_t i = 0; i < d; ++i) var += (xr[i] - mean) * (xr[i] - mean);
+    const float inv = 1.0f / std::sqrt(var / static_cast<float>(d) + eps);
+    for (int64_t i = 0; i < d; ++i)
+      yr[i] = (xr[i] - mean) * inv * weight_element(w, i) + weight_element(b, i);
+  }
+}
+
 void causal_conv_silu(const float* x, int64_t n, int64_t channels, int64_t kernel,
                       const WeightRef& w, float* state, float* out, float* state_after) {
   check_float_weight(w, "causal_conv_silu");

@@ -203,6 +203,9 @@ void linear(const float* x, int64_t m, const WeightRef& w, float* y) {
     case DType::F16:
       linear_typed<DType::F16>(x, m, w, y);
       break;
+    case DType::F8_E4M3:
+      linear_fp8(x, m, w, y);
+      break;
     default:
       fail("linear: unsupported weight dtype ", dtype_name(w.dtype));
   }

@@ -38,8 +38,10 @@ void mla_attention(const float* q_nope, const float* q_pe, int64_t n, int64_t H,
   if (kv_b.rows != H * (dn + dv) || kv_b.cols != R)
     fail("mla_attention: kv_b is [", kv_b.rows, " x ", kv_b.cols, "], expected [", H * (dn + dv),
          " x ", R, "] for ", H, " heads of ", dn, " + ", dv);
-  if (kv_b.dtype != DType::F32 && kv_b.dtype != DType::BF16 && kv_b.dtype != DType::F16)
-    fail("mla_attention: kv_b dtype ", dtype_name(kv_b.dtype), " (expected F32, BF16 or F16)");
+  if (kv_b.dtype != DType::F32 && kv_b.dtype != DType::BF16 && kv_b.dtype != DType::F16 &&
+      kv_b.dtype != DType::F8_E4M3)
+    fail("mla_attention: kv_b dtype ", dtype_name(kv_b.dtype),
+         " (expected F32, BF16, F16 or block-scaled F8_E4M3)");
   for (int64_t i = 0; i < n; ++i)
     if (pos[i] < 0 || pos[i] >= ctx)
       fail("mla_attention: query ", i, " at position ", pos[i], " outside the ", ctx, " cached");

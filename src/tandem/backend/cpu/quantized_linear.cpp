@@ -105,29 +105,31 @@ void linear_bits(const float* x, int64_t m, const QuantWeightRef& w, float* y) {
               [&](int64_t r, float* buf) { dequant_row<Bits>(w, r, buf); });
 }
 
+float fp8_scale(const BlockScales& s, int64_t i) {
+  WeightRef v;
+  v.dtype = s.dtype;
+  v.data = s.data;
+  return load_scalar(v, i);
+}
+
 // fp8 row r: each block's scale times the exact e4m3 values.
-void fp8_row(const Fp8WeightRef& w, int64_t r, float* out) {
-  const int64_t blocks = (w.cols + w.block_cols - 1) / w.block_cols;
-  const uint8_t* row = w.data + r * w.cols;
+void fp8_row(const WeightRef& w, int64_t r, float* out) {
+  const int64_t blocks = (w.cols + w.scales.block_cols - 1) / w.scales.block_cols;
+  const auto* row = static_cast<const uint8_t*>(w.data) + r * w.cols;
   for (int64_t b = 0; b < blocks; ++b) {
-    const float s = load_scalar(w.scale_inv, (r / w.block_rows) * blocks + b);
-    const int64_t c1 = std::min(w.cols, (b + 1) * w.block_cols);
-    for (int64_t c = b * w.block_cols; c < c1; ++c) out[c] = fp8_e4m3_to_f32(row[c]) * s;
+    const float s = fp8_scale(w.scales, (r / w.scales.block_rows) * blocks + b);
+    const int64_t c1 = std::min(w.cols, (b + 1) * w.scales.block_cols);
+    for (int64_t c = b * w.scales.block_cols; c < c1; ++c) out[c] = fp8_e4m3_to_f32(row[c]) * s;
   }
 }
 
-void check_fp8(const Fp8WeightRef& w, const char* op) {
-  if (w.block_rows < 1 || w.block_cols < 1)
-    fail(op, ": fp8 blocks of ", w.block_rows, " x ", w.block_cols);
-  const int64_t br = (w.rows + w.block_rows - 1) / w.block_rows;
-  const int64_t bc = (w.cols + w.block_cols - 1) / w.block_cols;
-  if (w.scale_inv.dtype != DType::F32 && w.scale_inv.dtype != DType::BF16)
-    fail(op, ": scale_inv dtype ", dtype_name(w.scale_inv.dtype),
-         " is not supported (F32 or BF16)");
-  if (w.scale_inv.rows * w.scale_inv.cols != br * bc)
-    fail(op, ": scale_inv holds ", w.scale_inv.rows * w.scale_inv.cols, " values, expected ", br,
-         " x ", bc, " for [", w.rows, " x ", w.cols, "] in blocks of ", w.block_rows, " x ",
-         w.block_cols);
+void check_fp8(const WeightRef& w, const char* op) {
+  if (w.dtype != DType::F8_E4M3) fail(op, ": weight dtype ", dtype_name(w.dtype), " is not fp8");
+  if (!w.scales.data || w.scales.block_rows < 1 || w.scales.block_cols < 1)
+    fail(op, ": fp8 weight [", w.rows, " x ", w.cols, "] without block scales (blocks of ",
+         w.scales.block_rows, " x ", w.scales.block_cols, ")");
+  if (w.scales.dtype != DType::F32 && w.scales.dtype != DType::BF16)
+    fail(op, ": scale_inv dtype ", dtype_name(w.scales.dtype), " is not supported (F32 or BF16)");
 }
 
 bool is_float(DType t) {
@@ -172,15 +174,22 @@ void linear_quantized(const float* x, int64_t m, const QuantWeightRef& w, float*
 
 namespace tandem::cpu {
 
-void linear_fp8(const float* x, int64_t m, const ops::Fp8WeightRef& w, float* y) {
-  check_fp8(w, "linear_fp8");
+void linear_fp8(const float* x, int64_t m, const ops::WeightRef& w, float* y) {
+  check_fp8(w, "linear");
   if (m <= 0 || w.rows == 0) return;
   linear_rows(x, m, w.rows, w.cols, y, [&](int64_t r, float* buf) { fp8_row(w, r, buf); });
 }
 
-void dequantize_fp8_rows(const ops::Fp8WeightRef& w, int64_t r0, int64_t n, float* out) {
+void dequantize_fp8_rows(const ops::WeightRef& w, int64_t r0, int64_t n, float* out) {
   check_fp8(w, "dequantize_fp8_rows");
   for (int64_t r = r0; r < r0 + n; ++r) fp8_row(w, r, out + (r - r0) * w.cols);
+}
+
+float fp8_element(const ops::WeightRef& w, int64_t i) {
+  const int64_t r = i / w.cols, c = i % w.cols;
+  const int64_t blocks = (w.cols + w.scales.block_cols - 1) / w.scales.block_cols;
+  const float s = fp8_scale(w.scales, (r / w.scales.block_rows) * blocks + c / w.scales.block_cols);
+  return fp8_e4m3_to_f32(static_cast<const uint8_t*>(w.data)[i]) * s;
 }
 
 void dequantize_rows(const ops::QuantWeightRef& w, int64_t r0, int64_t n, float* out) {

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "tandem/backend/cpu/cpu_ops.h"
 #include "tandem/backend/ops.h"
 
 namespace tandem::ops {
@@ -23,6 +24,8 @@ inline float weight_element(const WeightRef& w, int64_t i) {
       std::memcpy(&h, static_cast<const uint16_t*>(w.data) + i, sizeof h);
       return w.dtype == DType::BF16 ? bf16_to_f32(h) : f16_to_f32(h);
     }
+    case DType::F8_E4M3:
+      return cpu::fp8_element(w, i);
     default:
       return NAN;
   }

@@ -1,0 +1,112 @@
+// The GLM-5 target model (transformers' glm_moe_dsa), written against the backend op set, on the
+// CPU backend so far: multi-head latent attention (MLA) over a latent KV cache, the DSA indexer
+// choosing the positions each query attends to, dense MLPs in the first layers and mixtures of
+// experts with noaux_tc routing and a shared expert after them. Weights stay in their stored dtype
+// inside the memory-mapped safetensors files: bf16 (or f32 / f16), or the published fp8 e4m3
+// with block scales (`weight_scale_inv`), dequantised row by row as the products stream them.
+//
+// Attention forms: a prompt forward (ForwardRequest::prompt) forms every cached position's
+// per-head keys and values (MLA's expanded form); decode and verify forwards fold the key
+// projection into the query and apply the value projection once (the absorbed form). The two
+// agree within fp32 rounding. A token's numbers never depend on the other rows or tokens of its
+// forward, so a verify window gives decoding's bits and speculation stays byte-identical.
+//
+// The NextN (MTP) layer model.layers.{num_hidden_layers} is not part of the target: it stays in
+// weights() for its drafter.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "tandem/backend/ops.h"
+#include "tandem/io/weight_store.h"
+#include "tandem/model/forward.h"
+#include "tandem/model/glm5_config.h"
+#include "tandem/model/glm5_state.h"
+
+namespace tandem {
+
+class Glm5Model {
+ public:
+  struct LoadOptions {
+    bool prefault = true;
+  };
+  // Loads config.json and the weights of a Hugging Face glm_moe_dsa directory, checking every
+  // tensor the target needs (shape, dtype, the fp8 scales' grid). Experts come fused
+  // (`mlp.experts.gate_up_proj` / `down_proj`, as transformers writes them) or one tensor per
+  // expert (`mlp.experts.{e}.{gate,up,down}_proj.weight`, as the published checkpoints store
+  // them; fp8 experts only so). Throws Error naming the file and tensor on anything else, and
+  // when the active backend is not the CPU.
+  static std::unique_ptr<Glm5Model> load(const std::string& dir, const LoadOptions& opts);
+  static std::unique_ptr<Glm5Model> load(const std::string& dir) { return load(dir, {}); }
+
+  Glm5Model(const Glm5Model&) = delete;
+  Glm5Model& operator=(const Glm5Model&) = delete;
+
+  const Glm5Config& config() const { return cfg_; }
+  const WeightStore& weights() const { return store_; }
+
+  // Runs the rows' new tokens through the model, appending them to each row's caches; outputs
+  // go to host memory. Rows must be open, listed once, without an open speculative window, and
+  // token ids in [0, vocab): violations throw Error before any state changes. Not supported
+  // (refused): tokens_from_argmax and defer_argmax (the device-resident greedy loop).
+  void forward(Glm5State& state, const ForwardRequest& req, ForwardOutput* out) const;
+
+  // Cuts speculative rows back to the kept prefix of their last window (a truncation of the
+  // caches). All-or-nothing: every row is checked (open, window open, 1 <= kept <= window,
+  // listed once) before any changes.
+  void commit_windows(Glm5State& state, std::span<const RowKeep> rows) const;
+
+  // out[n, H] = embedding rows of ids (checked to be in range).
+  void embed(std::span<const int32_t> ids, float* out) const;
+  // out[n, V] = the head applied to hidden[n, H] (no norm applied here).
+  void head(const float* hidden, int64_t n, float* out) const;
+
+  // Weights of the target (embedding, layers, final norm, head; not the NextN layer).
+  uint64_t parameter_count() const { return parameters_; }
+
+ private:
+  struct Attention {
+    ops::WeightRef q_a_proj, q_a_norm, q_b_proj;     // the query LoRA
+    ops::WeightRef kv_a_proj, kv_a_norm, kv_b_proj;  // the latent and its expansion
+    ops::WeightRef o_proj;
+    // The DSA indexer (layers that run their own; empty where the layer reuses the previous
+    // layer's choice).
+    ops::WeightRef index_wq_b, index_wk, index_k_norm, index_k_norm_bias, index_weights_proj;
+  };
+  struct Layer {
+    ops::WeightRef input_norm, post_norm;
+    Attention attn;
+    bool sparse = false;
+    bool shared_index = false;
+    ops::WeightRef gate_proj, up_proj, down_proj;  // dense layers
+    ops::MoeWeights moe;                           // sparse layers
+  };
+
+  Glm5Config cfg_;
+  WeightStore store_;
+  ops::WeightRef embed_, final_norm_, lm_head_;
+  std::vector<Layer> layers_;
+  std::vector<float> inv_freq_;                   // [qk_rope_head_dim / 2]
+  std::vector<std::vector<float>> score_biases_;  // each sparse layer's bias, widened to fp32
+  uint64_t parameters_ = 0;
+
+  Glm5Model() = default;
+  void bind_weights();
+  // A matrix or vector of the checkpoint with exactly `shape`; fp8 matrices with their scales.
+  ops::WeightRef tensor(const std::string& name, const std::vector<int64_t>& shape);
+  ops::MoeWeights bind_mixture(const std::string& prefix);
+
+  // The tokens of one forward, laid out for the layers.
+  struct Batch;
+  void attention(const Layer& L, size_t layer, Glm5State& st, const Batch& b,
+                 std::vector<int32_t>& selection, std::vector<float>& x, bool record,
+                 ForwardOutput* out) const;
+  void mlp(const Layer& L, const Batch& b, std::vector<float>& x, ForwardOutput* out,
+           bool record) const;
+};
+
+}  // namespace tandem

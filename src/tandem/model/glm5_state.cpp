@@ -1,0 +1,73 @@
+#include "tandem/model/glm5_state.h"
+
+#include "tandem/core/error.h"
+
+namespace tandem {
+
+Glm5State::Glm5State(const Glm5Config& cfg, int max_rows)
+    : latent_width_(cfg.kv_lora_rank + cfg.qk_rope_head_dim),
+      index_width_(cfg.index_head_dim),
+      layers_(cfg.num_hidden_layers) {
+  if (max_rows < 1) fail("Glm5State: max_rows must be >= 1, got ", max_rows);
+  rows_.resize(static_cast<size_t>(max_rows));
+}
+
+int Glm5State::open_row() {
+  for (size_t i = 0; i < rows_.size(); ++i) {
+    Row& r = rows_[i];
+    if (r.open) continue;
+    r = Row{};
+    r.open = true;
+    r.latent.resize(static_cast<size_t>(layers_));
+    r.index_keys.resize(static_cast<size_t>(layers_));
+    return static_cast<int>(i);
+  }
+  fail("Glm5State: all ", rows_.size(), " row slots are open");
+}
+
+Glm5State::Row& Glm5State::row(int slot) {
+  return const_cast<Row&>(static_cast<const Glm5State*>(this)->row(slot));
+}
+
+const Glm5State::Row& Glm5State::row(int slot) const {
+  if (slot < 0 || slot >= max_rows())
+    fail("Glm5State: row slot ", slot, " is out of range [0, ", max_rows(), ")");
+  const Row& r = rows_[static_cast<size_t>(slot)];
+  if (!r.open) fail("Glm5State: row slot ", slot, " is not open");
+  return r;
+}
+
+void Glm5State::close_row(int slot) {
+  row(slot) = Row{};
+}
+
+bool Glm5State::row_open(int slot) const {
+  return slot >= 0 && slot < max_rows() && rows_[static_cast<size_t>(slot)].open;
+}
+
+int64_t Glm5State::length(int slot) const {
+  return row(slot).length;
+}
+
+int64_t Glm5State::window(int slot) const {
+  return row(slot).window;
+}
+
+uint64_t Glm5State::bytes() const {
+  uint64_t n = 0;
+  for (const Row& r : rows_) {
+    for (const auto& v : r.latent) n += v.size() * sizeof(float);
+    for (const auto& v : r.index_keys) n += v.size() * sizeof(float);
+  }
+  return n;
+}
+
+void Glm5State::truncate(Row& r, int64_t length) const {
+  for (auto& v : r.latent)
+    if (!v.empty()) v.resize(static_cast<size_t>(length * latent_width_));
+  for (auto& v : r.index_keys)
+    if (!v.empty()) v.resize(static_cast<size_t>(length * index_width_));
+  r.length = length;
+}
+
+}  // namespace tandem

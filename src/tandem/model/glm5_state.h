@@ -1,0 +1,55 @@
+// The per-row caches of a GLM-5 model (Glm5Model), in host memory:
+//  - per decoder layer, the latent KV cache multi-head latent attention reads: per position the
+//    normed compressed key/value latent (kv_lora_rank values) then the rotated rotary key all
+//    heads share (qk_rope_head_dim values) — not per-head keys and values;
+//  - per layer that runs the DSA indexer, the index keys: per position index_head_dim values,
+//    normed and rotated.
+// Both grow by one entry per position and are never rewritten, so cutting a speculative window
+// back to a prefix is a truncation, and the state then equals one that never saw the rejected
+// tokens.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "tandem/model/glm5_config.h"
+
+namespace tandem {
+
+class Glm5State {
+ public:
+  Glm5State(const Glm5Config& cfg, int max_rows);
+
+  int max_rows() const { return static_cast<int>(rows_.size()); }
+  // Opens the lowest free slot (length 0); throws Error when all max_rows are open.
+  int open_row();
+  void close_row(int slot);  // throws Error naming a slot that is not open
+  bool row_open(int slot) const;
+  // Positions the row holds, its open speculative window included.
+  int64_t length(int slot) const;
+  // Tokens of the row's uncommitted speculative window (0: none).
+  int64_t window(int slot) const;
+  // Bytes the caches of all rows hold.
+  uint64_t bytes() const;
+
+ private:
+  friend class Glm5Model;
+  struct Row {
+    bool open = false;
+    int64_t length = 0;
+    int64_t window = 0;
+    std::vector<std::vector<float>> latent;      // [layer] -> [length, latent_width]
+    std::vector<std::vector<float>> index_keys;  // [layer] -> [length, index_width]; shared: empty
+  };
+  Row& row(int slot);  // throws Error naming a slot that is out of range or not open
+  const Row& row(int slot) const;
+  // Drops positions from `length` on (a speculative window's rejected tail).
+  void truncate(Row& r, int64_t length) const;
+
+  int64_t latent_width_ = 0;  // kv_lora_rank + qk_rope_head_dim
+  int64_t index_width_ = 0;   // index_head_dim
+  int64_t layers_ = 0;
+  std::vector<Row> rows_;
+};
+
+}  // namespace tandem
