@@ -105,7 +105,31 @@ TEST(Glm5Config, BadFieldsAreNamed) {
                "quantization_config.weight_block_size");
   expect_error(with(kGlm5, R"("qk_rope_head_dim": 64)", R"("qk_rope_head_dim": 63)"),
                "qk_rope_head_dim");
+  expect_error(with(kGlm5, R"("first_k_dense_replace": 3)",
+                    R"("first_k_dense_replace": 3, "indexer_types": ["full", "sparse"])"),
+               "indexer_types");
+  expect_error(with(kGlm5, R"("q_lora_rank": 2048)", R"("q_lora_rank": null)"), "q_lora_rank");
   expect_error("[1, 2]", "JSON object");
+}
+
+// Which layers reuse the previous layer's DSA choice: indexer_types, else index_topk_pattern,
+// else every layer past index_skip_topk_offset whose distance is not a multiple of
+// index_topk_freq; layer 0 always runs its own indexer.
+TEST(Glm5Config, SharedIndexLayersFollowTransformersRules) {
+  auto shared = [](const std::string& extra) {
+    std::string text = with(kGlm5, R"("num_hidden_layers": 78)", R"("num_hidden_layers": 6)");
+    text = with(text, R"("first_k_dense_replace": 3)", R"("first_k_dense_replace": 3)" + extra);
+    const std::vector<bool> s = parse_glm5_config(text, "glm/config.json").shared_index_layers;
+    std::string out;
+    for (bool b : s) out += b ? 'S' : 'F';
+    return out;
+  };
+  EXPECT_EQ(shared(""), "FFFFFF");
+  EXPECT_EQ(shared(R"(, "indexer_types": ["shared", "full", "shared", "shared", "full", "full"])"),
+            "FFSSFF");
+  EXPECT_EQ(shared(R"(, "index_topk_pattern": "FSSFSS")"), "FSSFSS");
+  EXPECT_EQ(shared(R"(, "index_topk_freq": 2)"), "FFSFSF");
+  EXPECT_EQ(shared(R"(, "index_topk_freq": 3, "index_skip_topk_offset": 1)"), "FSSFSS");
 }
 
 // A reference written another way: sigmoid scores, group worths from the best and second-best
