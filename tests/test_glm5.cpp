@@ -134,7 +134,7 @@ TEST(Glm5Config, SharedIndexLayersFollowTransformersRules) {
 
 // A reference written another way: sigmoid scores, group worths from the best and second-best
 // member found by scans, groups and then experts taken by repeated argmax (the first maximum
-// wins, i.e. the lower index), masked choices set to zero.
+// wins, i.e. the lower index), masked choices set to -inf.
 void reference(const std::vector<float>& logits, const std::vector<float>& bias, int64_t k,
                int64_t n_group, int64_t topk_group, bool renormalise, float scale,
                std::vector<int32_t>* ids, std::vector<float>* weights) {
@@ -166,7 +166,7 @@ void reference(const std::vector<float>& logits, const std::vector<float>& bias,
     for (int64_t j = 0; j < topk_group; ++j)
       taken[static_cast<size_t>(argmax(worth, taken))] = true;
     for (int64_t e = 0; e < E; ++e)
-      if (!taken[static_cast<size_t>(e / per)]) choice[static_cast<size_t>(e)] = 0.0f;
+      if (!taken[static_cast<size_t>(e / per)]) choice[static_cast<size_t>(e)] = -INFINITY;
   }
   std::vector<bool> taken(choice.size(), false);
   ids->clear();
@@ -214,15 +214,14 @@ TEST(NoauxTcRouting, GroupsThenExpertsByBiasedScoreWeightedByRawScore) {
   EXPECT_FLOAT_EQ(raw.weights[0], s);
 }
 
-// transformers fills the dropped groups' choices with 0, not -inf: when every kept expert's
-// biased score is negative, dropped experts (choice 0) are taken first, lower ids first.
-TEST(NoauxTcRouting, DroppedGroupsScoreZeroAsInTransformers) {
+// Experts of dropped groups are out even when every kept expert's biased score is negative
+// (transformers' masked_fill with -inf; its earlier DeepSeek-V3 code filled 0, which let them in).
+TEST(NoauxTcRouting, DroppedGroupsAreNeverChosen) {
   const std::vector<float> logits = {0.0f, 0.0f, 2.0f, 2.0f};
   const std::vector<float> bias = {-5.0f, -5.0f, -1.5f, -1.5f};
   // groups: {0,1} worth 2·(0.5-5) = -9; {2,3} worth 2·(0.881-1.5) = -1.24 -> kept.
-  // choices: 0, 0 (dropped) and -0.619, -0.619 (kept): the dropped ones win.
   const Routed r = route(logits, bias, 2, 2, 1, true, 1.0f);
-  EXPECT_EQ(r.ids, (std::vector<int32_t>{0, 1}));
+  EXPECT_EQ(r.ids, (std::vector<int32_t>{2, 3}));
 }
 
 // Equal choices and equal group worths go to the lower index.

@@ -108,43 +108,49 @@ def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def record_hooks(model, routing: list, index: list):
-    """Captures each sparse layer's expert choice and each layer's indexer selection."""
+    """Captures each sparse layer's expert choice (the router's output: logits, weights, ids) and
+    each indexer's selection."""
     handles = []
     for li, layer in enumerate(model.model.layers):
         mlp = layer.mlp
-        if hasattr(mlp, "route_tokens_to_experts"):
-            original = mlp.route_tokens_to_experts
+        if hasattr(mlp, "experts"):
+            def routed(module, args, output, _li=li):
+                logits, _, ids = output
+                routing.append((_li, ids.to(torch.int32).clone(), logits.detach().float().clone()))
 
-            def routed(router_logits, _orig=original, _li=li):
-                out = _orig(router_logits)
-                routing.append((_li, out[0].to(torch.int32).clone(), router_logits.detach().float().clone()))
-                return out
+            handles.append(mlp.gate.register_forward_hook(routed))
+        indexer = getattr(layer.self_attn, "indexer", None)
+        if indexer is not None:
+            def hook(module, args, output, _li=li):
+                index.append((_li, output.to(torch.int64).clone()))
 
-            mlp.route_tokens_to_experts = routed
-            handles.append(("route", mlp, original))
-        indexer = layer.self_attn.indexer
-
-        def hook(module, args, output, _li=li):
-            index.append((_li, output.to(torch.int64).clone()))
-
-        handles.append(("hook", indexer.register_forward_hook(hook), None))
+            handles.append(indexer.register_forward_hook(hook))
     return handles
 
 
 def remove(handles) -> None:
-    for kind, obj, original in handles:
-        if kind == "route":
-            obj.route_tokens_to_experts = original
-        else:
-            obj.remove()
+    for h in handles:
+        h.remove()
 
 
-def margins(mlp, router_logits: torch.Tensor, k: int) -> torch.Tensor:
-    """k-th minus (k+1)-th biased choice among the kept groups, per token (noaux_tc)."""
-    scores = router_logits.sigmoid()
-    choice = scores + mlp.gate.e_score_correction_bias.float()
-    top = torch.topk(choice, k + 1, dim=-1).values
-    return top[:, k - 1] - top[:, k]
+def margins(gate, router_logits: torch.Tensor, k: int, n_group: int, topk_group: int) -> torch.Tensor:
+    """Per token, how far the routing is from a tie: the smaller of the k-th minus (k+1)-th
+    biased choice among the kept groups and the topk_group-th minus next group worth (noaux_tc)."""
+    choice = router_logits.sigmoid() + gate.e_score_correction_bias.float()
+    groups = choice.view(choice.shape[0], n_group, -1)
+    worth = groups.topk(2, dim=-1).values.sum(-1)
+    inf = torch.full((choice.shape[0],), float("inf"))
+    if n_group > topk_group:
+        w = worth.topk(topk_group + 1, dim=-1).values
+        group_margin = w[:, topk_group - 1] - w[:, topk_group]
+    else:
+        group_margin = inf
+    kept = torch.zeros_like(worth, dtype=torch.bool)
+    kept.scatter_(1, worth.topk(topk_group, dim=-1).indices, True)
+    masked = choice.masked_fill(~kept.repeat_interleave(groups.shape[-1], dim=1), float("-inf"))
+    top = masked.topk(k + 1, dim=-1).values
+    expert_margin = torch.where(torch.isinf(top[:, k]), inf, top[:, k - 1] - top[:, k])
+    return torch.minimum(group_margin, expert_margin)
 
 
 def rope_layout() -> bool:
@@ -260,7 +266,8 @@ def make(out: Path, name: str, fp8: bool, seed: int) -> None:
             ref[f"logits_{i}"] = logits.contiguous()
             ref[f"routing_{i}"] = torch.stack([r[1].reshape(n, k) for r in routing]).contiguous()
             ref[f"routing_margin_{i}"] = torch.stack(
-                [margins(model.model.layers[li].mlp, rl, k) for li, _, rl in routing]).contiguous()
+                [margins(model.model.layers[li].mlp.gate, rl, k, cfg_dict["n_group"],
+                         cfg_dict["topk_group"]) for li, _, rl in routing]).contiguous()
             ref[f"index_{i}"] = sel.contiguous()
     save_file(ref, str(d / "reference.safetensors"))
     (d / "reference.json").write_text(json.dumps({

@@ -217,8 +217,7 @@ void route_top_k(const float* logits, int64_t E, int64_t k, bool renormalise, in
 // router logits [E] and e_score_correction_bias [E], E experts in n_group equal groups:
 //   score = sigmoid(logit) in fp32; choice = score + bias;
 //   a group's worth = the sum of its two best choices; the best topk_group groups are kept;
-//   choice = 0 for the experts of the other groups (transformers' masked_fill with 0, so a kept
-//   expert whose biased score is negative can lose to a dropped one: reproduced, not fixed);
+//   the other groups' experts are out (transformers 5.17's masked_fill with -inf);
 //   the k best choices are the experts (ids in descending choice); their weights are the
 //   unbiased scores, divided by their sum (+ 1e-20) when `renormalise`, times `scale`.
 // Equal values (group worths, choices) go to the lower index. CPU arithmetic on host memory.

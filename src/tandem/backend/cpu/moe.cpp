@@ -68,7 +68,7 @@ void route_noaux_tc(const float* logits, const float* bias, int64_t E, int64_t k
     for (const int32_t g : best_indices(worth.data(), n_group, topk_group))
       kept[static_cast<size_t>(g)] = true;
     for (int64_t e = 0; e < E; ++e)
-      if (!kept[static_cast<size_t>(e / per)]) choice[static_cast<size_t>(e)] = 0.0f;
+      if (!kept[static_cast<size_t>(e / per)]) choice[static_cast<size_t>(e)] = -INFINITY;
   }
   const auto top = best_indices(choice.data(), E, k);
   float sum = 0.0f;
