@@ -64,7 +64,7 @@ int main(int argc, char** argv) {
   for (auto [N, K, swiglu] : shapes) {
     Dev w(sizeof(uint16_t) * N * K), x(sizeof(float) * 64 * K), y(sizeof(float) * 64 * N);
     cuda::fill_random_bf16(static_cast<uint16_t*>(w.p), N * K, 1, 0.02f);
-    ops::WeightRef ref{DType::BF16, w.p, N, K};
+    ops::WeightRef ref{DType::BF16, w.p, N, K, {}};
     for (int64_t m : {1, 4, 8, 16, 32}) {
       const double us = median_us(
           [&] {
@@ -89,7 +89,7 @@ int main(int argc, char** argv) {
     cuda::fill_random_bf16(static_cast<uint16_t*>(w.p), N * K, 1, 0.02f);
     cuda::fill_random_f32(x.f(), 4 * K, 2, 0.0f, 1.0f);
     cuda::fill_random_f32(nw.f(), K, 3, 0.0f, 0.1f);
-    const ops::WeightRef ref{DType::BF16, w.p, N, K}, norm_w{DType::F32, nw.p, 1, K};
+    const ops::WeightRef ref{DType::BF16, w.p, N, K, {}}, norm_w{DType::F32, nw.p, 1, K, {}};
     const ops::RowNorm norm{norm_w, true, 1e-6f};
     auto project = [&](const float* in, int64_t m, const ops::RowNorm* n) {
       if (swiglu) {
@@ -123,8 +123,9 @@ int main(int argc, char** argv) {
     cuda::fill_random_bf16(static_cast<uint16_t*>(dn.p), H * I, 5, 0.01f);
     cuda::fill_random_f32(x.f(), 4 * H, 6, 0.0f, 1.0f);
     cuda::fill_random_f32(nw.f(), H, 7, 0.0f, 0.1f);
-    const ops::WeightRef gate_up{DType::BF16, gu.p, 2 * I, H}, down{DType::BF16, dn.p, H, I};
-    const ops::RowNorm norm{{DType::F32, nw.p, 1, H}, true, 1e-6f};
+    const ops::WeightRef gate_up{DType::BF16, gu.p, 2 * I, H, {}},
+        down{DType::BF16, dn.p, H, I, {}};
+    const ops::RowNorm norm{{DType::F32, nw.p, 1, H, {}}, true, 1e-6f};
     for (int64_t m : {1, 4}) {
       const double fused =
           median_us([&] { cuda::swiglu_mlp_add(x.f(), m, gate_up, down, x.f(), &norm); }, repeats);
@@ -180,7 +181,7 @@ int main(int argc, char** argv) {
         alog(sizeof(float) * nv), dtb(sizeof(float) * nv);
     cuda::fill_random_f32(q.f(), n * nk * d, 1, 0, 1);
     cuda::fill_random_f32(k.f(), n * nk * d, 2, 0, 1);
-    ops::WeightRef A{DType::F32, alog.p, 1, nv}, B{DType::F32, dtb.p, 1, nv};
+    ops::WeightRef A{DType::F32, alog.p, 1, nv, {}}, B{DType::F32, dtb.p, 1, nv, {}};
     const ops::DeltaHeads h{nk, nv, d, d};
     for (int64_t t : {1, 4, 8}) {
       const double us = median_us(
@@ -206,7 +207,7 @@ int main(int argc, char** argv) {
   {
     Dev x(sizeof(float) * 16 * 12288), y(sizeof(float) * 16 * 12288), w(sizeof(float) * 8192),
         st(sizeof(float) * 8192 * 3), cw(sizeof(float) * 8192 * 4);
-    ops::WeightRef nw{DType::F32, w.p, 1, 4096}, cwr{DType::F32, cw.p, 8192, 4};
+    ops::WeightRef nw{DType::F32, w.p, 1, 4096, {}}, cwr{DType::F32, cw.p, 8192, 4, {}};
     std::printf(
         "  rms_norm 1x4096: %6.1f us\n",
         median_us([&] { cuda::rms_norm(x.f(), 1, 4096, nw, true, 1e-6f, y.f()); }, repeats));

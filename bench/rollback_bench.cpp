@@ -94,8 +94,8 @@ void kernel_costs(const Qwen35Config& c, int64_t n_linear, int repeats) {
   const int64_t conv_floats = conv_dim * (K - 1), rec_floats = nv * heads.dk * heads.dv;
   std::vector<float> conv_w(static_cast<size_t>(conv_dim * K), 0.1f), A_log(nv, 0.5f),
       dt_bias(nv, 0.1f);
-  const ops::WeightRef w_conv{DType::F32, conv_w.data(), conv_dim, K},
-      w_A{DType::F32, A_log.data(), 1, nv}, w_dt{DType::F32, dt_bias.data(), 1, nv};
+  const ops::WeightRef w_conv{DType::F32, conv_w.data(), conv_dim, K, {}},
+      w_A{DType::F32, A_log.data(), 1, nv, {}}, w_dt{DType::F32, dt_bias.data(), 1, nv, {}};
   std::vector<float> x(static_cast<size_t>(n * conv_dim)), ab(static_cast<size_t>(2 * n * nv));
   for (size_t i = 0; i < x.size(); ++i) x[i] = static_cast<float>((i * 2654435761u) % 1000) / 1e3f;
   for (size_t i = 0; i < ab.size(); ++i) ab[i] = static_cast<float>(i % 7) / 7.0f;

@@ -28,7 +28,7 @@ inline std::unique_ptr<DemoModel> load_demo_model() {
   auto d = std::make_unique<DemoModel>();
   d->model = Qwen35Model::load(kDemoDir);
   d->tok = std::make_unique<Tokenizer>(Tokenizer::load(kDemoDir + "/tokenizer.json"));
-  d->target = std::make_unique<spec::TargetView>(*d->model, "demo-target");
+  d->target = std::make_unique<spec::QwenTargetView>(*d->model, "demo-target");
   d->mtp = spec::QwenMtpProvider::from_target(*d->target);
   d->ngram = std::make_unique<spec::NgramProvider>(spec::NgramOptions{1, 3});
   return d;

@@ -21,7 +21,7 @@ inline std::vector<float> normal_values(int64_t n, std::mt19937& rng) {
 
 // An F32 [rows, cols] view of host values (v must outlive it).
 inline ops::WeightRef f32_ref(const std::vector<float>& v, int64_t rows, int64_t cols) {
-  return ops::WeightRef{DType::F32, v.data(), rows, cols};
+  return ops::WeightRef{DType::F32, v.data(), rows, cols, {}};
 }
 
 inline double dot(const float* a, const float* b, int64_t n) {

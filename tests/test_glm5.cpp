@@ -474,7 +474,7 @@ TEST(MlaAttention, AbsorbedAndExpandedFormsMatchTheAttention) {
   }
   std::vector<float> a(static_cast<size_t>(n * H * dv)), b(a.size());
   ops::mla_attention(q_nope.data(), q_pe.data(), n, H, dn, dr, dv, latent.data(), ctx, R,
-                     ops::WeightRef{DType::BF16, bits.data(), H * (dn + dv), R}, pos.data(),
+                     ops::WeightRef{DType::BF16, bits.data(), H * (dn + dv), R, {}}, pos.data(),
                      nullptr, topk, scale, true, a.data());
   ops::mla_attention(q_nope.data(), q_pe.data(), n, H, dn, dr, dv, latent.data(), ctx, R,
                      test::f32_ref(widened, H * (dn + dv), R), pos.data(), nullptr, topk, scale,

@@ -19,7 +19,7 @@ const Qwen35Model& any_model() {
 
 std::unique_ptr<DraftRows> open(const NgramOptions& o, int cold_rows) {
   NgramProvider p(o);
-  auto rows = p.open_rows(TargetView(any_model(), "test-target"));
+  auto rows = p.open_rows(QwenTargetView(any_model(), "test-target"));
   std::vector<CheckpointPtr> none(cold_rows);
   rows->prepare_append(none)->commit();
   return rows;
@@ -116,7 +116,7 @@ TEST(Ngram, ProviderIdentity) {
   EXPECT_EQ(p.id(), "ngram");
   EXPECT_EQ(p.weights_bytes(), 0u);
   EXPECT_EQ(p.checkpoint_namespace(), "ngram-history-v1:n=2-5");
-  auto rows = p.open_rows(TargetView(any_model(), "t"));
+  auto rows = p.open_rows(QwenTargetView(any_model(), "t"));
   EXPECT_EQ(rows->ns(), p.checkpoint_namespace());
   EXPECT_EQ(rows->prefill_mode(), PrefillMode::Full);
   EXPECT_FALSE(rows->tap().has_value());
@@ -222,7 +222,7 @@ TEST(Ngram, IncrementalMatchesBruteForce) {
 
 TEST(Ngram, CaptureRestoreContinuesIdentically) {
   NgramProvider prov({1, 3});
-  const TargetView target(any_model(), "t");
+  const QwenTargetView target(any_model(), "t");
   auto a = prov.open_rows(target);
   std::vector<CheckpointPtr> cold(1);
   a->prepare_append(cold)->commit();
@@ -273,7 +273,7 @@ TEST(Ngram, RestoreThenPrefillRest) {
   // A checkpoint of a prompt prefix, restored and prefilled with the rest, equals a row that
   // prefilled the whole prompt (the prefix-cache case).
   NgramProvider prov({1, 3});
-  const TargetView target(any_model(), "t");
+  const QwenTargetView target(any_model(), "t");
   const std::vector<int32_t> head = {1, 2, 3, 4};
   const std::vector<int32_t> rest = {1, 2, 5, 1};
   auto a = prov.open_rows(target);
@@ -302,7 +302,7 @@ TEST(Ngram, RestoreThenPrefillRest) {
 
 TEST(Ngram, MismatchedCheckpointsRefused) {
   NgramProvider prov({1, 3});
-  const TargetView target(any_model(), "t");
+  const QwenTargetView target(any_model(), "t");
   auto rows = prov.open_rows(target);
   auto good = std::make_shared<Checkpoint>();
   good->schema = "ngram-history-v1";

@@ -34,7 +34,7 @@ StoredWeight make_weight(DType dtype, int64_t rows, int64_t cols, std::mt19937& 
   if (dtype == DType::F32) {
     w.f32.resize(n);
     for (size_t i = 0; i < n; ++i) w.values[i] = w.f32[i] = nd(rng);
-    w.ref = {dtype, w.f32.data(), rows, cols};
+    w.ref = {dtype, w.f32.data(), rows, cols, {}};
   } else {
     w.half.resize(n);
     for (size_t i = 0; i < n; ++i) {
@@ -42,7 +42,7 @@ StoredWeight make_weight(DType dtype, int64_t rows, int64_t cols, std::mt19937& 
       w.half[i] = dtype == DType::BF16 ? f32_to_bf16(v) : f32_to_f16(v);
       w.values[i] = dtype == DType::BF16 ? bf16_to_f32(w.half[i]) : f16_to_f32(w.half[i]);
     }
-    w.ref = {dtype, w.half.data(), rows, cols};
+    w.ref = {dtype, w.half.data(), rows, cols, {}};
   }
   return w;
 }
@@ -178,7 +178,7 @@ TEST(Ops, GateUpSwigluIsTheTwoProjectionsThenSwiglu) {
       for (const StoredWeight* part : {&gate, &up})
         pairs.insert(pairs.end(), part->half.begin() + blk * G * k,
                      part->half.begin() + (blk + 1) * G * k);
-    const ops::WeightRef gate_up{DType::BF16, pairs.data(), 2 * I, k};
+    const ops::WeightRef gate_up{DType::BF16, pairs.data(), 2 * I, k, {}};
     const auto x = random_vec(static_cast<size_t>(m * k), rng, 2.0f);
     std::vector<float> g(static_cast<size_t>(m * I)), u(g.size()), want(g.size()), got(g.size());
     ops::linear(x.data(), m, gate.ref, g.data());
@@ -560,7 +560,7 @@ TEST(Ops, KvStorageOtherThanF32OrBf16IsRefused) {
   EXPECT_THROW(ops::check_kv_dtype(kv.dtype, "test"), Error);
   std::vector<float> q(8), qg(16), gate(8), kk(8);
   const std::vector<float> ones(4, 1.0f);
-  const ops::WeightRef norm{DType::F32, ones.data(), 1, 4};
+  const ops::WeightRef norm{DType::F32, ones.data(), 1, 4, {}};
   ops::QkNormRope s;
   s.n_tokens = 1, s.n_heads = 1, s.n_kv_heads = 1, s.head_dim = 4, s.rotary_dim = 4;
   const ops::KVLayerView one_head{pool.data(), 2, 1, 4, DType::F16};

@@ -56,8 +56,8 @@ QuantMatrix make(int64_t rows, int64_t cols, int bits, int64_t gs, std::mt19937&
 QuantWeightRef ref(const QuantMatrix& m, int64_t rows, int64_t cols, int bits, int64_t gs) {
   QuantWeightRef w;
   w.packed = m.packed.data();
-  w.scales = {DType::BF16, m.scales.data(), rows, cols / gs};
-  w.biases = {DType::BF16, m.biases.data(), rows, cols / gs};
+  w.scales = {DType::BF16, m.scales.data(), rows, cols / gs, {}};
+  w.biases = {DType::BF16, m.biases.data(), rows, cols / gs, {}};
   w.rows = rows;
   w.cols = cols;
   w.group_size = gs;
@@ -77,7 +77,7 @@ TEST(QuantizedLinear, MatchesDequantizedDense) {
     const QuantWeightRef w = ref(q, rows, cols, c.bits, c.group);
     std::vector<float> got(static_cast<size_t>(m * rows)), want(got.size());
     linear_quantized(x.data(), m, w, got.data());
-    linear(x.data(), m, WeightRef{DType::F32, q.dense.data(), rows, cols}, want.data());
+    linear(x.data(), m, WeightRef{DType::F32, q.dense.data(), rows, cols, {}}, want.data());
     for (size_t i = 0; i < got.size(); ++i)
       ASSERT_NEAR(got[i], want[i], 1e-4 * (1 + std::fabs(want[i])))
           << c.bits << "-bit, group " << c.group << ", element " << i;

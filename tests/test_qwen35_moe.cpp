@@ -450,7 +450,7 @@ TEST(MoeMtp, TheMixtureOfExpertsMtpLayerDraftsLosslessly) {
   for (const char* layout : {"fused", "split"}) {
     SCOPED_TRACE(layout);
     const auto model = Qwen35Model::load(dir.file(layout));
-    const spec::TargetView target(*model, "moe-target");
+    const spec::QwenTargetView target(*model, "moe-target");
     const auto own = spec::QwenMtpProvider::from_target(target, spec::HiddenTap::FinalNormed);
     const auto drawn = spec::QwenMtpProvider::random(target, 4);
     std::vector<GenerateRequest> reqs;

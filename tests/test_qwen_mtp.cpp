@@ -42,7 +42,7 @@ Demo& demo() {
   static Demo* d = [] {
     auto* d = new Demo();
     d->model = Qwen35Model::load(kDemo);
-    d->target = std::make_unique<TargetView>(*d->model, "demo");
+    d->target = std::make_unique<QwenTargetView>(*d->model, "demo");
     d->mtp = QwenMtpProvider::from_target(*d->target);
     d->ref = SafetensorsFile::open(kRefDir + "/reference.safetensors");
     std::ifstream f(kRefDir + "/reference.json");
@@ -604,7 +604,7 @@ TEST(QwenMtpCheckpoint, NamespaceDependsOnTheTap) {
 
 TEST(QwenMtp, CheckpointWithoutMtpLayerIsRefused) {
   auto model = Qwen35Model::load(std::string(TANDEM_FIXTURES_DIR) + "/qwen35_gqa_f16");
-  const TargetView view(*model, "x");
+  const QwenTargetView view(*model, "x");
   const std::string msg = error_of([&] { QwenMtpProvider::from_target(view); });
   EXPECT_NE(msg.find("has no MTP layer (mtp_num_hidden_layers = 0)"), std::string::npos) << msg;
   EXPECT_NE(msg.find("--draft-model"), std::string::npos) << msg;

@@ -57,7 +57,7 @@ Tiny& tiny() {
   static Tiny* t = [] {
     auto* x = new Tiny;
     x->model = tiny_model();
-    x->target = std::make_unique<TargetView>(*x->model, "tiny-random");
+    x->target = std::make_unique<QwenTargetView>(*x->model, "tiny-random");
     return x;
   }();
   return *t;
@@ -233,7 +233,7 @@ TEST(RandomMtp, NamespaceNamesShapeSeedAndTap) {
   json other = tiny_config(1);
   other["intermediate_size"] = 96;
   auto wider = Qwen35Model::random(parse_qwen35_config(other.dump(), "wider.json"), 7);
-  const TargetView wider_target(*wider, "wider");
+  const QwenTargetView wider_target(*wider, "wider");
   EXPECT_NE(ns, QwenMtpProvider::random(wider_target, 1)->checkpoint_namespace());
 
   // The namespace guards checkpoints: a state restores into a drafter with the same weights and
@@ -255,7 +255,7 @@ TEST(RandomMtp, NamespaceNamesShapeSeedAndTap) {
 
 TEST(RandomMtp, RefusesTargetsWithoutExactlyOneMtpLayer) {
   auto none = tiny_model(0);
-  const TargetView t0(*none, "no-mtp");
+  const QwenTargetView t0(*none, "no-mtp");
   try {
     QwenMtpProvider::random(t0, 1);
     FAIL() << "built an MTP layer for a config that declares none";
@@ -265,7 +265,7 @@ TEST(RandomMtp, RefusesTargetsWithoutExactlyOneMtpLayer) {
         << e.what();
   }
   auto two = tiny_model(2);
-  const TargetView t2(*two, "two-mtp");
+  const QwenTargetView t2(*two, "two-mtp");
   try {
     QwenMtpProvider::random(t2, 1);
     FAIL() << "built a drafter for two MTP layers";

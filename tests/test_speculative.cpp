@@ -127,7 +127,7 @@ TEST(LosslessEos, RowsStoppingOnEosMidWindowMatchPlainDecoding) {
   testing::write_text((m / "generation_config.json").string(),
                       "{\"eos_token_id\": [0, " + std::to_string(newline) + "]}");
   auto model = Qwen35Model::load(m.string());
-  spec::TargetView target(*model, "eos-target");
+  spec::QwenTargetView target(*model, "eos-target");
   auto mtp = spec::QwenMtpProvider::from_target(target);
   std::vector<GenerateRequest> reqs;
   for (size_t p = 0; p < kPrompts.size(); ++p) {

@@ -286,7 +286,7 @@ std::vector<float> run_parallel_ops() {
   // linear: bf16 [300, 256] (150 KB), decode- and prefill-shaped m.
   const int64_t n = 300, k = 256;
   const auto wbits = to_bf16(random_floats(n * k, rng));
-  const ops::WeightRef w{DType::BF16, wbits.data(), n, k};
+  const ops::WeightRef w{DType::BF16, wbits.data(), n, k, {}};
   for (int64_t m : {1, 3, 9}) {
     const auto x = random_floats(m * k, rng);
     std::vector<float> y(m * n);
@@ -302,8 +302,8 @@ std::vector<float> run_parallel_ops() {
     const auto biases = random_floats(n * (k / 64), rng, -0.1f, 0.1f);
     ops::QuantWeightRef q;
     q.packed = packed.data();
-    q.scales = {DType::F32, scales.data(), n, k / 64};
-    q.biases = {DType::F32, biases.data(), n, k / 64};
+    q.scales = {DType::F32, scales.data(), n, k / 64, {}};
+    q.biases = {DType::F32, biases.data(), n, k / 64, {}};
     q.rows = n;
     q.cols = k;
     q.group_size = 64;
@@ -319,7 +319,7 @@ std::vector<float> run_parallel_ops() {
     const int64_t m = 17, d = 128;
     const auto x = random_floats(m * d, rng), z = random_floats(m * d, rng);
     const auto g = random_floats(d, rng);
-    const ops::WeightRef gw{DType::F32, g.data(), 1, d};
+    const ops::WeightRef gw{DType::F32, g.data(), 1, d, {}};
     std::vector<float> y(m * d), yg(m * d);
     ops::rms_norm(x.data(), m, d, gw, true, 1e-6f, y.data());
     ops::gated_rms_norm(x.data(), z.data(), m, d, gw, 1e-6f, yg.data());
@@ -341,7 +341,7 @@ std::vector<float> run_parallel_ops() {
     const auto x = random_floats(T * C, rng), cw = random_floats(C * K, rng);
     auto state = random_floats(C * (K - 1), rng);
     std::vector<float> out(T * C), after(T * C * (K - 1));
-    ops::causal_conv_silu(x.data(), T, C, K, {DType::F32, cw.data(), C, K}, state.data(),
+    ops::causal_conv_silu(x.data(), T, C, K, {DType::F32, cw.data(), C, K, {}}, state.data(),
                           out.data(), after.data());
     keep(out);
     keep(after);
@@ -360,9 +360,9 @@ std::vector<float> run_parallel_ops() {
     auto state = random_floats(h.n_v_heads * h.dk * h.dv, rng, -0.1f, 0.1f);
     std::vector<float> out(T * h.n_v_heads * h.dv), after(T * h.n_v_heads * h.dk * h.dv);
     ops::gated_delta_rule(q.data(), kk.data(), v.data(), a.data(), b.data(),
-                          {DType::F32, A_log.data(), 1, h.n_v_heads},
-                          {DType::F32, dt.data(), 1, h.n_v_heads}, T, h, state.data(), out.data(),
-                          after.data());
+                          {DType::F32, A_log.data(), 1, h.n_v_heads, {}},
+                          {DType::F32, dt.data(), 1, h.n_v_heads, {}}, T, h, state.data(),
+                          out.data(), after.data());
     keep(out);
     keep(after);
     keep(state);

@@ -272,7 +272,7 @@ TEST_F(CudaMoeModel, TokenLogitsAreBitwiseIndependentOfWindowAndBatch) {
 TEST_F(CudaMoeModel, SpeculationIsLosslessWithBothDrafters) {
   ScopedBackend cuda(ops::Backend::Cuda);
   const auto model = Qwen35Model::load(dir_->file("fused"));
-  const spec::TargetView target(*model, "moe-target");
+  const spec::QwenTargetView target(*model, "moe-target");
   const auto own = spec::QwenMtpProvider::from_target(target, spec::HiddenTap::FinalNormed);
   const auto drawn = spec::QwenMtpProvider::random(target, 4);
   spec::NgramProvider ngram(spec::NgramOptions{});

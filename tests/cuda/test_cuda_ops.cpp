@@ -73,8 +73,8 @@ struct F32Weight {
   int64_t rows = 0, cols = 0;
   std::vector<float> host;
   DeviceBuffer<float> dev;
-  ops::WeightRef host_ref() const { return {DType::F32, host.data(), rows, cols}; }
-  ops::WeightRef dev_ref() const { return {DType::F32, dev.get(), rows, cols}; }
+  ops::WeightRef host_ref() const { return {DType::F32, host.data(), rows, cols, {}}; }
+  ops::WeightRef dev_ref() const { return {DType::F32, dev.get(), rows, cols, {}}; }
 };
 F32Weight f32_weight(std::vector<float> values, int64_t rows, int64_t cols) {
   F32Weight w;
@@ -91,8 +91,8 @@ struct Bf16Matrix {
   int64_t rows = 0, cols = 0;
   std::vector<uint16_t> host;
   DeviceBuffer<uint16_t> dev;
-  ops::WeightRef host_ref() const { return {DType::BF16, host.data(), rows, cols}; }
-  ops::WeightRef dev_ref() const { return {DType::BF16, dev.get(), rows, cols}; }
+  ops::WeightRef host_ref() const { return {DType::BF16, host.data(), rows, cols, {}}; }
+  ops::WeightRef dev_ref() const { return {DType::BF16, dev.get(), rows, cols, {}}; }
 };
 Bf16Matrix bf16_matrix(int64_t rows, int64_t cols, std::mt19937& rng) {
   Bf16Matrix w;
@@ -387,7 +387,7 @@ TEST_F(CudaLinearModes, RoundsActivationsToBf16NearestEven) {
   DeviceBuffer<uint16_t> dw(wh);
   DeviceBuffer<float> dx(x);
   DeviceBuffer<float> dy = nan_buffer(12);
-  cuda::linear(dx.get(), 4, {DType::BF16, dw.get(), 3, k}, dy.get());
+  cuda::linear(dx.get(), 4, {DType::BF16, dw.get(), 3, k, {}}, dy.get());
   const auto y = dy.download();
   for (int64_t i = 0; i < 4; ++i)
     for (int64_t j = 0; j < 3; ++j)
@@ -470,7 +470,7 @@ TEST_F(CudaLinearModes, GateUpSwigluIsTheTwoLinearsThenSwiglu) {
         pairs.insert(pairs.end(), part->host.begin() + blk * G * s.k,
                      part->host.begin() + (blk + 1) * G * s.k);
     const DeviceBuffer<uint16_t> dpairs(pairs);
-    const ops::WeightRef gate_up{DType::BF16, dpairs.get(), 2 * I, s.k};
+    const ops::WeightRef gate_up{DType::BF16, dpairs.get(), 2 * I, s.k, {}};
     for (bool prefill : {false, true}) {
       for (int64_t m : {1, 3, 5, 40, 257}) {
         const auto x = randn(sz(m * s.k), rng);
@@ -499,7 +499,7 @@ TEST_F(CudaLinearModes, RejectsNonBf16Weights) {
   cuda::fill_zero(w.get(), w.bytes());
   cuda::fill_zero(x.get(), x.bytes());
   try {
-    cuda::linear(x.get(), 2, {DType::F32, w.get(), 64, 32}, y.get());
+    cuda::linear(x.get(), 2, {DType::F32, w.get(), 64, 32, {}}, y.get());
     ADD_FAILURE() << "linear accepted an F32 weight";
   } catch (const tandem::Error& e) {
     EXPECT_TRUE(contains_nocase(e.what(), "BF16")) << "error does not name the dtype: " << e.what();
@@ -1469,7 +1469,7 @@ TEST_F(CudaOps, ZeroSizedCallsAreNoOps) {
   DeviceBuffer<float> y(sentinel), x(sentinel);
   DeviceBuffer<uint16_t> w(std::vector<uint16_t>(64 * 64, f32_to_bf16(1.0f)));
   const F32Weight nw = f32_weight(std::vector<float>(64, 1.0f), 1, 64);
-  EXPECT_NO_THROW(cuda::linear(x.get(), 0, {DType::BF16, w.get(), 64, 64}, y.get()));
+  EXPECT_NO_THROW(cuda::linear(x.get(), 0, {DType::BF16, w.get(), 64, 64, {}}, y.get()));
   EXPECT_NO_THROW(cuda::rms_norm(x.get(), 0, 64, nw.dev_ref(), true, 1e-6f, y.get()));
   EXPECT_NO_THROW(cuda::swiglu(x.get(), x.get(), 0, y.get()));
   EXPECT_NO_THROW(cuda::sigmoid_gate(y.get(), x.get(), 0));
@@ -1484,7 +1484,7 @@ TEST_F(CudaOps, VectorOpsRejectNonF32Weights) {
   cuda::fill_zero(x.get(), x.bytes());
   DeviceBuffer<uint16_t> w(std::vector<uint16_t>(64, f32_to_bf16(1.0f)));
   try {
-    cuda::rms_norm(x.get(), 4, 64, {DType::BF16, w.get(), 1, 64}, false, 1e-6f, y.get());
+    cuda::rms_norm(x.get(), 4, 64, {DType::BF16, w.get(), 1, 64, {}}, false, 1e-6f, y.get());
     ADD_FAILURE() << "rms_norm accepted a BF16 weight";
   } catch (const tandem::Error& e) {
     EXPECT_TRUE(contains_nocase(e.what(), "F32")) << "error does not name the dtype: " << e.what();
@@ -2269,7 +2269,7 @@ TEST_F(CudaTest, LinearSplitEqualsLinearColumns) {
     for (size_t i = 0; i < wh.size(); ++i) wh[i] = f32_to_bf16(wf[i]);
   }
   DeviceBuffer<uint16_t> w(wh);
-  const ops::WeightRef ref{DType::BF16, w.get(), N, K};
+  const ops::WeightRef ref{DType::BF16, w.get(), N, K, {}};
   for (bool prefill : {false, true}) {
     cuda::set_prefill(prefill);
     for (int64_t m : {1, 4, 9, 40, 300}) {
@@ -2319,7 +2319,7 @@ TEST_F(CudaTest, ProjectionPrefetchChangesNoValue) {
   const ops::WeightRef whole = p.dev_ref();
   // 2 bytes past a 16-byte boundary, ending mid-row: the fetch keeps to whole 16-byte pieces
   // inside the range.
-  const ops::WeightRef odd{DType::BF16, p.dev.get() + 1, 7, 333};
+  const ops::WeightRef odd{DType::BF16, p.dev.get() + 1, 7, 333, {}};
   const std::vector<ops::WeightRef> hints = {whole, ops::leading_rows(whole, 0.5),
                                              ops::leading_rows(whole, 0.0), odd};
   for (bool prefill : {false, true}) {
@@ -2378,7 +2378,7 @@ TEST_F(CudaTest, DeltaRuleReadsStridedQkvLikePacked) {
   const std::vector<float> state0 = randn(sz(3 * nv * d * d), rng, 0.1f);
   DeviceBuffer<float> dconv(conv), dq(q), dk(k), dv(v), da(a), db(b);
   DeviceBuffer<float> alog(uniform(sz(nv), rng, 0.0f, 2.0f)), dtb(uniform(sz(nv), rng, 0.5f, 1.5f));
-  const ops::WeightRef A{DType::F32, alog.get(), 1, nv}, B{DType::F32, dtb.get(), 1, nv};
+  const ops::WeightRef A{DType::F32, alog.get(), 1, nv, {}}, B{DType::F32, dtb.get(), 1, nv, {}};
   std::vector<std::vector<float>> outs, states;
   for (bool strided : {false, true}) {
     DeviceBuffer<float> st(state0), out(sz(T * vd)), after(sz(5 * nv * d * d));

@@ -142,9 +142,9 @@ Spread time_steps(const Qwen35Model& model, DType kv_dtype, int batch, int64_t k
 // block over each row's pending token plus the target head, and its commit) with `provider`'s
 // layer (the checkpoint's own, or a random one). The rows first hold `context` tokens of target
 // hiddens.
-Spread time_mtp_step(const spec::TargetView& target, const spec::QwenMtpProvider& provider,
+Spread time_mtp_step(const spec::QwenTargetView& target, const spec::QwenMtpProvider& provider,
                      int batch, int64_t context, int repeats) {
-  const Qwen35Config& cfg = target.config();
+  const Qwen35Config& cfg = *target.qwen35_config();
   const int64_t H = cfg.hidden_size;
   auto rows = provider.open_rows(target);
   std::vector<spec::CheckpointPtr> cold(static_cast<size_t>(batch));
@@ -281,7 +281,7 @@ void run_bench(const BenchArgs& a) {
   // The MTP drafter's round cost, where the config declares the layer: the checkpoint's own
   // (skipped when its tensors are absent), or a random one beside a random-weight model.
   Spread mtp_step;
-  const spec::TargetView target(*model, "bench");
+  const spec::QwenTargetView target(*model, "bench");
   std::unique_ptr<spec::QwenMtpProvider> mtp;
   const char* mtp_weights = "";
   if (cfg.mtp_num_hidden_layers > 0) {

@@ -116,7 +116,7 @@ void run_bench_spec(const BenchSpecArgs& a) {
   for (size_t i = 0; i < reqs.size(); ++i) reqs[i].sampling.seed = i;
 
   const std::string identity = target_identity(*model, a.model);
-  const spec::TargetView target(*model, identity);
+  const spec::QwenTargetView target(*model, identity);
 
   std::vector<Measured> rows;
   std::fprintf(stderr, "bench-spec: %zu prompts, batch %d, %lld tokens each, %d threads\n",

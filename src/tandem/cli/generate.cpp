@@ -72,7 +72,7 @@ void run_generate(const GenerateArgs& a) {
   const SpecOptions opts = spec_options(a.d);
 
   const std::string identity = a.d.draft == "none" ? "" : target_identity(*model, a.model);
-  const spec::TargetView target(*model, identity);
+  const spec::QwenTargetView target(*model, identity);
   const auto drafter = open_drafter(a.d, target);
   SpeculativeGenerator gen(*model, drafter.get(), identity, opts, kv_dtype);
 

@@ -88,7 +88,7 @@ void run_serve(const ServeArgs& a) {
   // weight file's metadata, memoized).
   const std::string identity =
       a.d.draft == "none" && a.prefix_cache_dir.empty() ? "" : target_identity(*model, a.model);
-  const spec::TargetView target(*model, identity);
+  const spec::QwenTargetView target(*model, identity);
   const auto drafter = open_drafter(a.d, target);
 
   EngineOptions eo;

@@ -146,7 +146,7 @@ class BatchEngine {
 
   const Qwen35Model& model_;
   const spec::DraftProvider* drafter_;
-  spec::TargetView target_;
+  spec::QwenTargetView target_;
   EngineOptions options_;
   int depth_ = 0;        // configured proposals per round (reservations, stats)
   int draft_depth_ = 0;  // proposals rounds ask for: depth_, or 0 once the drafter collapsed

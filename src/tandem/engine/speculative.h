@@ -61,7 +61,7 @@ class SpeculativeGenerator {
  private:
   const Qwen35Model& model_;
   const spec::DraftProvider* drafter_;
-  spec::TargetView target_;
+  spec::QwenTargetView target_;
   SpecOptions options_;
   DType kv_dtype_;
 };

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "tandem/core/sampler.h"
+#include "tandem/model/glm5.h"
 #include "tandem/model/qwen3_5.h"
 #include "tandem/spec/checkpoint.h"
 #include "tandem/spec/prepared_change.h"
@@ -34,27 +35,75 @@ enum class HiddenTap {
 // `tail_split`: the last prompt token is not prefilled; it heads the first verify window.
 enum class PrefillMode { Full, TailSplit };
 
-// What a drafter may use of the target, and nothing else.
+// What a drafter may use of the target, and nothing else (DESIGN.md 5.4: the seam is
+// model-agnostic; every target implements it). Drafters hold a reference: a view outlives the
+// drafter rows opened against it.
 class TargetView {
  public:
-  TargetView(const Qwen35Model& model, std::string identity)
-      : model_(model), identity_(std::move(identity)) {}
+  explicit TargetView(std::string identity) : identity_(std::move(identity)) {}
+  virtual ~TargetView() = default;
+  TargetView(const TargetView&) = delete;
+  TargetView& operator=(const TargetView&) = delete;
+
   const std::string& identity() const { return identity_; }
-  const Qwen35Config& config() const { return model_.config(); }
-  int64_t hidden_size() const { return model_.config().hidden_size; }
-  int64_t vocab_size() const { return model_.config().vocab_size; }
-  int64_t layer_count() const { return model_.config().num_hidden_layers; }
-  // The target's checkpoint, for drafters shipped inside it (`mtp.*`).
-  const WeightStore& weights() const { return model_.weights(); }
+  virtual int64_t hidden_size() const = 0;
+  virtual int64_t vocab_size() const = 0;
+  virtual int64_t layer_count() const = 0;
+  // The target's checkpoint, for drafters shipped inside it (`mtp.*`, GLM-5's NextN layer).
+  virtual const WeightStore& weights() const = 0;
   // out[n, H] = embedding rows of ids (host ids, in range; out in the backend's memory).
-  void embed(std::span<const int32_t> ids, float* out) const { model_.embed(ids, out); }
+  virtual void embed(std::span<const int32_t> ids, float* out) const = 0;
   // out[n, V] = the target's head applied to already-normed hidden[n, H] (backend memory).
-  void logits(const float* hidden, int64_t n, float* out) const { model_.head(hidden, n, out); }
-  bool can_tap(HiddenTap) const { return true; }
+  virtual void logits(const float* hidden, int64_t n, float* out) const = 0;
+  virtual bool can_tap(HiddenTap tap) const = 0;
+  // The target's family config, for drafters built for one family (their block copies its
+  // shapes); null when the target is of another family, which such a drafter refuses.
+  virtual const Qwen35Config* qwen35_config() const { return nullptr; }
+  virtual const Glm5Config* glm5_config() const { return nullptr; }
+
+ private:
+  std::string identity_;
+};
+
+// A Qwen3.5 target (dense or MoE) as drafters see it. Borrows the model, which must outlive it.
+class QwenTargetView final : public TargetView {
+ public:
+  QwenTargetView(const Qwen35Model& model, std::string identity)
+      : TargetView(std::move(identity)), model_(model) {}
+  int64_t hidden_size() const override { return model_.config().hidden_size; }
+  int64_t vocab_size() const override { return model_.config().vocab_size; }
+  int64_t layer_count() const override { return model_.config().num_hidden_layers; }
+  const WeightStore& weights() const override { return model_.weights(); }
+  void embed(std::span<const int32_t> ids, float* out) const override { model_.embed(ids, out); }
+  void logits(const float* hidden, int64_t n, float* out) const override {
+    model_.head(hidden, n, out);
+  }
+  bool can_tap(HiddenTap) const override { return true; }
+  const Qwen35Config* qwen35_config() const override { return &model_.config(); }
 
  private:
   const Qwen35Model& model_;
-  std::string identity_;
+};
+
+// A GLM-5 target as drafters see it: it taps the final-normed hidden only (the NextN layer's
+// input). Borrows the model, which must outlive it.
+class Glm5TargetView final : public TargetView {
+ public:
+  Glm5TargetView(const Glm5Model& model, std::string identity)
+      : TargetView(std::move(identity)), model_(model) {}
+  int64_t hidden_size() const override { return model_.config().hidden_size; }
+  int64_t vocab_size() const override { return model_.config().vocab_size; }
+  int64_t layer_count() const override { return model_.config().num_hidden_layers; }
+  const WeightStore& weights() const override { return model_.weights(); }
+  void embed(std::span<const int32_t> ids, float* out) const override { model_.embed(ids, out); }
+  void logits(const float* hidden, int64_t n, float* out) const override {
+    model_.head(hidden, n, out);
+  }
+  bool can_tap(HiddenTap tap) const override { return tap == HiddenTap::FinalNormed; }
+  const Glm5Config* glm5_config() const override { return &model_.config(); }
+
+ private:
+  const Glm5Model& model_;
 };
 
 // One row's prompt, handed to prefill: the tokens the target processed for it and the target's

@@ -47,6 +47,15 @@ json mtp_config_object(const QwenMtpConfig& c) {
 // fill and random_mtp_weights' streams): bump the version when the draw changes.
 constexpr const char* kRandomDraw = "random-v1";
 
+// The Qwen3.5 config of the target the MTP layer is built for; other families are refused.
+const Qwen35Config& qwen_target(const TargetView& target, const std::string& source) {
+  const Qwen35Config* c = target.qwen35_config();
+  if (!c)
+    fail("qwen-mtp drafter ", source, ": the target is not a Qwen3.5 model (the drafter's ",
+         "layer is built from a Qwen3.5 config)");
+  return *c;
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
@@ -55,7 +64,9 @@ constexpr const char* kRandomDraw = "random-v1";
 std::unique_ptr<QwenMtpProvider> QwenMtpProvider::from_target(const TargetView& target,
                                                               HiddenTap tap) {
   const WeightStore& store = target.weights();
-  const QwenMtpConfig cfg = mtp_config_from_target(target.config(), store.dir() + "/config.json");
+  const std::string config_path = store.dir() + "/config.json";
+  const QwenMtpConfig cfg =
+      mtp_config_from_target(qwen_target(target, store.dir() + " (mtp.*)"), config_path);
   std::unique_ptr<QwenMtpProvider> p(new QwenMtpProvider());
   p->tap_ = tap;
   p->source_ = store.dir() + " (mtp.*)";
@@ -89,11 +100,12 @@ std::unique_ptr<QwenMtpProvider> QwenMtpProvider::from_companion(const std::stri
 std::unique_ptr<QwenMtpProvider> QwenMtpProvider::random(const TargetView& target, uint64_t seed,
                                                          HiddenTap tap) {
   const std::string source = "random weights (seed " + std::to_string(seed) + ")";
-  if (target.config().mtp_num_hidden_layers < 1)
+  const Qwen35Config& tc = qwen_target(target, source);
+  if (tc.mtp_num_hidden_layers < 1)
     fail("qwen-mtp drafter ", source,
          ": the target's config declares no MTP layer (mtp_num_hidden_layers = ",
-         target.config().mtp_num_hidden_layers, "), so there is no shape to build");
-  const QwenMtpConfig cfg = mtp_config_from_target(target.config(), "qwen-mtp drafter " + source);
+         tc.mtp_num_hidden_layers, "), so there is no shape to build");
+  const QwenMtpConfig cfg = mtp_config_from_target(tc, "qwen-mtp drafter " + source);
   std::unique_ptr<QwenMtpProvider> p(new QwenMtpProvider());
   p->tap_ = tap;
   p->source_ = source;
@@ -113,6 +125,7 @@ int QwenMtpProvider::suggested_depth() const {
 
 std::unique_ptr<DraftRows> QwenMtpProvider::open_rows(const TargetView& target) const {
   const QwenMtpConfig& c = config();
+  qwen_target(target, source_);
   if (target.hidden_size() != c.hidden_size)
     fail("qwen-mtp drafter ", source_, ": hidden size ", c.hidden_size,
          " does not match the target's ", target.hidden_size(),

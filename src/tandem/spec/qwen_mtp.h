@@ -112,7 +112,7 @@ class QwenMtpRows : public DraftRows {
   };
 
   std::shared_ptr<const QwenMtpBlock> block_;
-  TargetView target_;  // a copy: it only borrows the model, which outlives every drafter
+  const TargetView& target_;  // outlives the rows (TargetView's contract)
   std::string ns_;
   HiddenTap tap_;
   int64_t H_ = 0, V_ = 0, kv_heads_ = 0, head_dim_ = 0;
