@@ -25,6 +25,7 @@
 #include "tandem/io/weight_store.h"
 #include "tandem/model/forward.h"
 #include "tandem/model/glm5_config.h"
+#include "tandem/model/glm5_layer.h"
 #include "tandem/model/glm5_state.h"
 
 namespace tandem {
@@ -66,47 +67,18 @@ class Glm5Model {
   void head(const float* hidden, int64_t n, float* out) const;
 
   // Weights of the target (embedding, layers, final norm, head; not the NextN layer).
-  uint64_t parameter_count() const { return parameters_; }
+  uint64_t parameter_count() const { return tensors_->parameters(); }
 
  private:
-  struct Attention {
-    ops::WeightRef q_a_proj, q_a_norm, q_b_proj;     // the query LoRA
-    ops::WeightRef kv_a_proj, kv_a_norm, kv_b_proj;  // the latent and its expansion
-    ops::WeightRef o_proj;
-    // The DSA indexer (layers that run their own; empty where the layer reuses the previous
-    // layer's choice).
-    ops::WeightRef index_wq_b, index_wk, index_k_norm, index_k_norm_bias, index_weights_proj;
-  };
-  struct Layer {
-    ops::WeightRef input_norm, post_norm;
-    Attention attn;
-    bool sparse = false;
-    bool shared_index = false;
-    ops::WeightRef gate_proj, up_proj, down_proj;  // dense layers
-    ops::MoeWeights moe;                           // sparse layers
-  };
-
   Glm5Config cfg_;
   WeightStore store_;
+  std::unique_ptr<Glm5Tensors> tensors_;  // binds store_; owns what binding converted
   ops::WeightRef embed_, final_norm_, lm_head_;
-  std::vector<Layer> layers_;
-  std::vector<float> inv_freq_;                   // [qk_rope_head_dim / 2]
-  std::vector<std::vector<float>> score_biases_;  // each sparse layer's bias, widened to fp32
-  uint64_t parameters_ = 0;
+  std::vector<Glm5Layer> layers_;
+  std::vector<float> inv_freq_;  // [qk_rope_head_dim / 2]
 
   Glm5Model() = default;
   void bind_weights();
-  // A matrix or vector of the checkpoint with exactly `shape`; fp8 matrices with their scales.
-  ops::WeightRef tensor(const std::string& name, const std::vector<int64_t>& shape);
-  ops::MoeWeights bind_mixture(const std::string& prefix);
-
-  // The tokens of one forward, laid out for the layers.
-  struct Batch;
-  void attention(const Layer& L, size_t layer, Glm5State& st, const Batch& b,
-                 std::vector<int32_t>& selection, std::vector<float>& x, bool record,
-                 ForwardOutput* out) const;
-  void mlp(const Layer& L, const Batch& b, std::vector<float>& x, ForwardOutput* out,
-           bool record) const;
 };
 
 }  // namespace tandem

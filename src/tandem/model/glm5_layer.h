@@ -1,0 +1,89 @@
+// One GLM-5 decoder layer — multi-head latent attention with its DSA indexer, then a dense MLP or
+// a noaux_tc mixture of experts — with the checkpoint binding it needs. Shared by the target's
+// layers (Glm5Model) and the NextN drafter layer, which is the same layer without an indexer.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "tandem/backend/ops.h"
+#include "tandem/io/weight_store.h"
+#include "tandem/model/glm5_config.h"
+
+namespace tandem {
+
+// Binds a GLM-5 checkpoint's tensors: exact shapes, float dtypes or fp8 matrices with their
+// `weight_scale_inv` block scales (errors name the file and tensor). Owns what binding
+// converts (the routers' correction biases, widened to fp32) and counts the bound parameters.
+class Glm5Tensors {
+ public:
+  Glm5Tensors(const Glm5Config& cfg, const WeightStore& store) : cfg_(cfg), store_(store) {}
+  Glm5Tensors(const Glm5Tensors&) = delete;
+  Glm5Tensors& operator=(const Glm5Tensors&) = delete;
+
+  ops::WeightRef tensor(const std::string& name, const std::vector<int64_t>& shape);
+  // A mixture under prefix ("...mlp."): router and bias, experts fused or per expert, the
+  // shared experts.
+  ops::MoeWeights mixture(const std::string& prefix);
+  uint64_t parameters() const { return parameters_; }
+
+ private:
+  const Glm5Config& cfg_;
+  const WeightStore& store_;
+  std::vector<std::vector<float>> score_biases_;  // heap buffers: stable when the outer grows
+  uint64_t parameters_ = 0;
+};
+
+struct Glm5Layer {
+  ops::WeightRef input_norm, post_norm;
+  ops::WeightRef q_a_proj, q_a_norm, q_b_proj;     // the query LoRA
+  ops::WeightRef kv_a_proj, kv_a_norm, kv_b_proj;  // the latent and its expansion
+  ops::WeightRef o_proj;
+  // The DSA indexer: runs where `indexer` (its weights bound); otherwise the layer reuses the
+  // choice the previous layer made (shared), or attends to every position (no DSA: the NextN
+  // layer).
+  bool indexer = false;
+  bool dsa = true;
+  ops::WeightRef index_wq_b, index_wk, index_k_norm, index_k_norm_bias, index_weights_proj;
+  bool sparse = false;
+  ops::WeightRef gate_proj, up_proj, down_proj;  // dense
+  ops::MoeWeights moe;                           // sparse
+};
+
+// The layer under prefix ("model.layers.{i}."): with_indexer binds its indexer; dsa = false
+// makes it attend to every position.
+Glm5Layer bind_glm5_layer(Glm5Tensors& t, const Glm5Config& c, const std::string& prefix,
+                          bool sparse, bool with_indexer, bool dsa);
+
+// The tokens of one forward through a layer: rows of consecutive tokens.
+struct Glm5Tokens {
+  struct Row {
+    int64_t first = 0;  // index of the row's first token in the forward
+    int64_t n = 0;
+    int64_t start = 0;  // the row's first token's position (its cache length before)
+  };
+  std::vector<Row> rows;
+  std::vector<int64_t> pos;  // [T] each token's position
+  int64_t T = 0;
+  bool prompt = false;  // MLA's expanded form (else absorbed)
+};
+
+// A row's caches for one layer, appended to by the forward: the latent entries [len, R + dr] and,
+// where the layer runs its indexer, the index keys [len, index_head_dim].
+struct Glm5RowCache {
+  std::vector<float>* latent = nullptr;
+  std::vector<float>* index_keys = nullptr;
+};
+
+// x[T, H] += attention(rms_norm(x)), then x += mlp(rms_norm(x)), appending each row's new
+// positions to its caches (caches[i] for tokens.rows[i]). selection [T, index_topk]: the DSA
+// choice this layer makes (overwritten) or reuses (read). routing / index_record (optional):
+// appended with the mixture's expert ids and the DSA choice.
+void glm5_layer_forward(const Glm5Config& c, const Glm5Layer& L, const float* inv_freq,
+                        const Glm5Tokens& tokens, std::span<const Glm5RowCache> caches,
+                        std::vector<int32_t>& selection, std::vector<float>& x,
+                        std::vector<int32_t>* routing, std::vector<int32_t>* index_record);
+
+}  // namespace tandem
