@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "fixture_reference.h"
 #include "tandem/core/dtype.h"
 #include "tandem/io/safetensors.h"
 #include "tandem/model/glm5.h"
@@ -19,29 +20,7 @@
 namespace tandem {
 namespace {
 
-struct Reference {
-  std::shared_ptr<const SafetensorsFile> file;
-  std::vector<int64_t> ints(const std::string& name) const {
-    const TensorView* t = file->find(name);
-    EXPECT_NE(t, nullptr) << name;
-    std::vector<int64_t> out;
-    if (!t) return out;
-    for (int64_t i = 0; i < t->numel(); ++i)
-      out.push_back(t->dtype == DType::I64 ? static_cast<const int64_t*>(t->data)[i]
-                                           : static_cast<const int32_t*>(t->data)[i]);
-    return out;
-  }
-  std::vector<int32_t> ids(const std::string& name) const {
-    std::vector<int32_t> out;
-    for (int64_t v : ints(name)) out.push_back(static_cast<int32_t>(v));
-    return out;
-  }
-  std::vector<float> floats(const std::string& name) const {
-    const TensorView* t = file->find(name);
-    EXPECT_NE(t, nullptr) << name;
-    return t ? to_f32(*t) : std::vector<float>{};
-  }
-};
+using Reference = testing::FixtureReference;
 
 double max_abs(const std::vector<float>& v) {
   double m = 0;

@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <random>
 
+#include "fixture_reference.h"
 #include "moe_reference.h"
 #include "recording_sink.h"
 #include "tandem/backend/cpu/cpu_ops.h"
@@ -520,25 +521,7 @@ TEST_F(MoeModel, ThePrefixCacheServesAMoeTargetExactly) {
 
 // --- Parity with transformers (tests/fixtures/qwen35_moe_*, tools/make_qwen35_moe_fixtures.py) --
 
-struct MoeReference {
-  std::shared_ptr<const SafetensorsFile> file;
-  std::vector<int32_t> ids(const std::string& name) const {
-    const TensorView* t = file->find(name);
-    EXPECT_NE(t, nullptr) << name;
-    std::vector<int32_t> out;
-    if (!t) return out;
-    for (int64_t i = 0; i < t->numel(); ++i)
-      out.push_back(t->dtype == DType::I64
-                        ? static_cast<int32_t>(static_cast<const int64_t*>(t->data)[i])
-                        : static_cast<const int32_t*>(t->data)[i]);
-    return out;
-  }
-  std::vector<float> floats(const std::string& name) const {
-    const TensorView* t = file->find(name);
-    EXPECT_NE(t, nullptr) << name;
-    return t ? to_f32(*t) : std::vector<float>{};
-  }
-};
+using MoeReference = testing::FixtureReference;
 
 class MoeParity : public ::testing::TestWithParam<std::string> {};
 

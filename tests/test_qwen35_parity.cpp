@@ -8,6 +8,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "fixture_reference.h"
 #include "tandem/engine/generator.h"
 #include "tandem/io/safetensors.h"
 #include "tandem/model/qwen3_5.h"
@@ -21,24 +22,8 @@ const std::string kFixtures = TANDEM_FIXTURES_DIR;
 // (fp32 KV: under 1e-3, the bound the fp32 tests hold).
 constexpr double kBf16KvTolerance = 1e-2;
 
-struct Reference {
-  std::shared_ptr<const SafetensorsFile> file;
+struct Reference : testing::FixtureReference {
   double tie_threshold = 1e-3;
-
-  std::vector<int32_t> ids(const std::string& name) const {
-    const TensorView* t = file->find(name);
-    EXPECT_NE(t, nullptr) << name;
-    std::vector<int32_t> out;
-    if (!t) return out;
-    const auto* p = static_cast<const int64_t*>(t->data);
-    for (int64_t i = 0; i < t->numel(); ++i) out.push_back(static_cast<int32_t>(p[i]));
-    return out;
-  }
-  std::vector<float> floats(const std::string& name) const {
-    const TensorView* t = file->find(name);
-    EXPECT_NE(t, nullptr) << name;
-    return t ? to_f32(*t) : std::vector<float>{};
-  }
 };
 
 Reference load_reference(const std::string& dir) {

@@ -3,7 +3,9 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "tandem/backend/ops.h"
@@ -68,5 +70,11 @@ struct ForwardOutput {
   // descending index score, -1 padded), when want_index_selection.
   std::vector<int32_t> index_selection;
 };
+
+// A forward's rows as every target checks them: each open, with tokens, listed once, and without
+// an uncommitted speculative window (open_window(slot) describes the row's window, "" when it
+// has none). Throws Error naming the row; returns the rows' total tokens.
+int64_t check_forward_rows(std::span<const RowInput> rows, const std::function<bool(int)>& is_open,
+                           const std::function<std::string(int)>& open_window);
 
 }  // namespace tandem

@@ -60,16 +60,13 @@ void Glm5Model::forward(Glm5State& st, const ForwardRequest& req, ForwardOutput*
          "defer_argmax are not supported)");
   Glm5Tokens b;
   b.prompt = req.prompt;
+  check_forward_rows(
+      req.rows, [&](int slot) { return st.row_open(slot); },
+      [&](int slot) {
+        return st.window(slot) > 0 ? std::to_string(st.window(slot)) + " tokens" : std::string();
+      });
   std::vector<int> slots;
-  for (size_t i = 0; i < req.rows.size(); ++i) {
-    const RowInput& r = req.rows[i];
-    if (!st.row_open(r.slot)) fail("forward: row slot ", r.slot, " is not open");
-    if (r.n_tokens <= 0) fail("forward: row slot ", r.slot, " has no tokens");
-    for (size_t j = 0; j < i; ++j)
-      if (req.rows[j].slot == r.slot) fail("forward: row slot ", r.slot, " is listed twice");
-    if (st.window(r.slot) > 0)
-      fail("forward: row slot ", r.slot, " has an uncommitted speculative window (",
-           st.window(r.slot), " tokens); commit_windows first");
+  for (const RowInput& r : req.rows) {
     b.rows.push_back({b.T, r.n_tokens, st.length(r.slot)});
     slots.push_back(r.slot);
     b.T += r.n_tokens;

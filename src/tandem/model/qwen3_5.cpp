@@ -272,21 +272,14 @@ uint64_t Qwen35Model::parameter_count() const {
 
 int64_t Qwen35Model::prepare_forward(Qwen35State& st, const ForwardRequest& req) const {
   const Qwen35Config& c = cfg_;
-  int64_t T = 0;
-  for (size_t i = 0; i < req.rows.size(); ++i) {
-    const RowInput& r = req.rows[i];
-    if (!st.row_open(r.slot)) fail("forward: row slot ", r.slot, " is not open");
-    if (r.n_tokens <= 0) fail("forward: row slot ", r.slot, " has no tokens");
-    for (size_t j = 0; j < i; ++j)
-      if (req.rows[j].slot == r.slot) fail("forward: row slot ", r.slot, " is listed twice");
-    // The window's rollback records describe the state it started from; another forward would
-    // invalidate them, so the round must commit first (DESIGN.md §1.4: a round is a transaction).
-    if (st.window_open(r.slot))
-      fail("forward: row slot ", r.slot, " has an uncommitted speculative window (",
-           st.window_size(r.slot), " tokens from position ", st.window_start(r.slot),
-           "); call commit_windows before the next forward");
-    T += r.n_tokens;
-  }
+  const int64_t T = check_forward_rows(
+      req.rows, [&](int slot) { return st.row_open(slot); },
+      [&](int slot) {
+        return st.window_open(slot)
+                   ? std::to_string(st.window_size(slot)) + " tokens from position " +
+                         std::to_string(st.window_start(slot))
+                   : std::string();
+      });
   if (req.tokens_from_argmax) {
     if (!req.tokens.empty())
       fail("forward: tokens_from_argmax takes no host tokens, got ", req.tokens.size());

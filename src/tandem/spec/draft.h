@@ -65,10 +65,12 @@ class TargetView {
   std::string identity_;
 };
 
-// A Qwen3.5 target (dense or MoE) as drafters see it. Borrows the model, which must outlive it.
-class QwenTargetView final : public TargetView {
+// A view of a loaded model of either family (Qwen35Model, Glm5Model): everything but the taps
+// and the family config. Borrows the model, which must outlive it.
+template <class Model>
+class ModelTargetView : public TargetView {
  public:
-  QwenTargetView(const Qwen35Model& model, std::string identity)
+  ModelTargetView(const Model& model, std::string identity)
       : TargetView(std::move(identity)), model_(model) {}
   int64_t hidden_size() const override { return model_.config().hidden_size; }
   int64_t vocab_size() const override { return model_.config().vocab_size; }
@@ -78,32 +80,25 @@ class QwenTargetView final : public TargetView {
   void logits(const float* hidden, int64_t n, float* out) const override {
     model_.head(hidden, n, out);
   }
-  bool can_tap(HiddenTap) const override { return true; }
-  const Qwen35Config* qwen35_config() const override { return &model_.config(); }
 
- private:
-  const Qwen35Model& model_;
+ protected:
+  const Model& model_;
 };
 
-// A GLM-5 target as drafters see it: it taps the final-normed hidden only (the NextN layer's
-// input). Borrows the model, which must outlive it.
-class Glm5TargetView final : public TargetView {
+// A Qwen3.5 target (dense or MoE): it taps either hidden.
+class QwenTargetView final : public ModelTargetView<Qwen35Model> {
  public:
-  Glm5TargetView(const Glm5Model& model, std::string identity)
-      : TargetView(std::move(identity)), model_(model) {}
-  int64_t hidden_size() const override { return model_.config().hidden_size; }
-  int64_t vocab_size() const override { return model_.config().vocab_size; }
-  int64_t layer_count() const override { return model_.config().num_hidden_layers; }
-  const WeightStore& weights() const override { return model_.weights(); }
-  void embed(std::span<const int32_t> ids, float* out) const override { model_.embed(ids, out); }
-  void logits(const float* hidden, int64_t n, float* out) const override {
-    model_.head(hidden, n, out);
-  }
+  using ModelTargetView::ModelTargetView;
+  bool can_tap(HiddenTap) const override { return true; }
+  const Qwen35Config* qwen35_config() const override { return &model_.config(); }
+};
+
+// A GLM-5 target: it taps the final-normed hidden only (the NextN layer's input).
+class Glm5TargetView final : public ModelTargetView<Glm5Model> {
+ public:
+  using ModelTargetView::ModelTargetView;
   bool can_tap(HiddenTap tap) const override { return tap == HiddenTap::FinalNormed; }
   const Glm5Config* glm5_config() const override { return &model_.config(); }
-
- private:
-  const Glm5Model& model_;
 };
 
 // One row's prompt, handed to prefill: the tokens the target processed for it and the target's

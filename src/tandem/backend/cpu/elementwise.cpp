@@ -90,27 +90,6 @@ void add_inplace(float* x, const float* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) x[i] += y[i];
 }
 
-void rope(float* x, int64_t n_tokens, int64_t n_heads, int64_t head_dim, int64_t rotary_dim,
-          const int64_t* positions, const float* inv_freq) {
-  const int64_t half = rotary_dim / 2;
-  for (int64_t t = 0; t < n_tokens; ++t) {
-    const float pos = static_cast<float>(positions[t]);
-    for (int64_t i = 0; i < half; ++i) {
-      // Angles in fp32 as the reference computes them (inv_freq · position, then cos/sin).
-      const float angle = pos * inv_freq[i];
-      const float c = std::cos(angle);
-      const float s = std::sin(angle);
-      for (int64_t h = 0; h < n_heads; ++h) {
-        float* v = x + (t * n_heads + h) * head_dim;
-        const float a = v[i];
-        const float b = v[i + half];
-        v[i] = a * c - b * s;
-        v[i + half] = b * c + a * s;
-      }
-    }
-  }
-}
-
 void rope_slice(float* x, int64_t n_tokens, int64_t n_heads, int64_t head_stride, int64_t offset,
                 int64_t dim, const int64_t* positions, const float* inv_freq, bool interleaved) {
   TANDEM_CHECK(dim % 2 == 0 && offset >= 0 && offset + dim <= head_stride, "rope_slice: ", dim,
@@ -119,6 +98,7 @@ void rope_slice(float* x, int64_t n_tokens, int64_t n_heads, int64_t head_stride
   for (int64_t t = 0; t < n_tokens; ++t) {
     const float pos = static_cast<float>(positions[t]);
     for (int64_t i = 0; i < half; ++i) {
+      // Angles in fp32 as the reference computes them (inv_freq · position, then cos/sin).
       const float angle = pos * inv_freq[i];
       const float c = std::cos(angle);
       const float s = std::sin(angle);
@@ -134,6 +114,11 @@ void rope_slice(float* x, int64_t n_tokens, int64_t n_heads, int64_t head_stride
       }
     }
   }
+}
+
+void rope(float* x, int64_t n_tokens, int64_t n_heads, int64_t head_dim, int64_t rotary_dim,
+          const int64_t* positions, const float* inv_freq) {
+  rope_slice(x, n_tokens, n_heads, head_dim, 0, rotary_dim, positions, inv_freq, false);
 }
 
 void layer_norm(const float* x, int64_t m, int64_t d, const WeightRef& w, const WeightRef& b,
