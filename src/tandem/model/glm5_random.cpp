@@ -100,8 +100,18 @@ void write_random_glm5(const std::string& config_path, const std::string& out_di
   b.add("model.embed_tokens.weight", {c.vocab_size, H}, -1.0f, 1.0f);
   b.add("model.norm.weight", {H}, 0.9f, 1.1f);
   if (!c.tie_word_embeddings) b.linear("lm_head.weight", c.vocab_size, H, false);
-  for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+  // Layers 0 .. N-1 are the target's; layer N (with num_nextn_predict_layers) is the NextN
+  // drafter layer: a mixture, attention without an indexer, plus its own norms and projection.
+  const int64_t n_layers = c.num_hidden_layers + std::min<int64_t>(c.num_nextn_predict_layers, 1);
+  for (int64_t i = 0; i < n_layers; ++i) {
     const std::string l = "model.layers." + std::to_string(i) + ".";
+    const bool nextn = i == c.num_hidden_layers;
+    if (nextn) {
+      b.add(l + "enorm.weight", {H}, 0.9f, 1.1f);
+      b.add(l + "hnorm.weight", {H}, 0.9f, 1.1f);
+      b.linear(l + "eh_proj.weight", H, 2 * H);
+      b.add(l + "shared_head.norm.weight", {H}, 0.9f, 1.1f);
+    }
     b.add(l + "input_layernorm.weight", {H}, 0.9f, 1.1f);
     b.add(l + "post_attention_layernorm.weight", {H}, 0.9f, 1.1f);
     const std::string a = l + "self_attn.";
@@ -112,14 +122,16 @@ void write_random_glm5(const std::string& config_path, const std::string& out_di
     b.add(a + "kv_a_layernorm.weight", {R}, 0.9f, 1.1f);
     b.linear(a + "kv_b_proj.weight", nh * (dn + dv), R);
     b.linear(a + "o_proj.weight", H, nh * dv);
-    const std::string x = a + "indexer.";
-    b.linear(x + "wq_b.weight", c.index_n_heads * Di, c.q_lora_rank);
-    b.linear(x + "wk.weight", Di, H);
-    b.add(x + "k_norm.weight", {Di}, 0.9f, 1.1f);
-    b.add(x + "k_norm.bias", {Di}, -0.1f, 0.1f);
-    b.linear(x + "weights_proj.weight", c.index_n_heads, H, false);
+    if (!nextn && !c.shared_index_layers[static_cast<size_t>(i)]) {
+      const std::string x = a + "indexer.";
+      b.linear(x + "wq_b.weight", c.index_n_heads * Di, c.q_lora_rank);
+      b.linear(x + "wk.weight", Di, H);
+      b.add(x + "k_norm.weight", {Di}, 0.9f, 1.1f);
+      b.add(x + "k_norm.bias", {Di}, -0.1f, 0.1f);
+      b.linear(x + "weights_proj.weight", c.index_n_heads, H, false);
+    }
     const std::string m = l + "mlp.";
-    if (!c.sparse_layers[static_cast<size_t>(i)]) {
+    if (!nextn && !c.sparse_layers[static_cast<size_t>(i)]) {
       b.linear(m + "gate_proj.weight", c.intermediate_size, H);
       b.linear(m + "up_proj.weight", c.intermediate_size, H);
       b.linear(m + "down_proj.weight", H, c.intermediate_size);

@@ -17,7 +17,10 @@ namespace tandem {
 // block scales (`weight_scale_inv`), the router, the indexer's weights_proj, the embedding and
 // the head in `dtype`, as the published release does. Experts come fused (experts.gate_up_proj /
 // down_proj, bf16 only) or, with per_expert_tensors (always with fp8), one tensor per projection
-// and expert. Creates out_dir; refuses to overwrite an existing model file.
+// and expert. With num_nextn_predict_layers >= 1 the NextN drafter layer model.layers.{N} is
+// written too (its norms and eh_proj, attention without an indexer, a mixture). Layers that
+// reuse the previous layer's DSA choice get no indexer, as transformers builds them. Creates
+// out_dir; refuses to overwrite an existing model file.
 void write_random_glm5(const std::string& config_path, const std::string& out_dir, DType dtype,
                        uint64_t seed, bool per_expert_tensors = false);
 
