@@ -12,11 +12,13 @@
 #include "tandem/backend/cpu/cpu_ops.h"
 #include "tandem/backend/cuda/cuda_ops.h"
 #include "tandem/backend/ops.h"
+#include "tandem/backend/weight_arena.h"
 #include "tandem/core/dtype.h"
 #include "tandem/core/tensor.h"
 #include "tandem/engine/generator.h"
 #include "tandem/engine/speculative.h"
 #include "tandem/io/safetensors.h"
+#include "tandem/model/moe_weights.h"
 #include "tandem/model/qwen3_5.h"
 #include "tandem/model/qwen3_5_random.h"
 #include "tandem/spec/ngram.h"
@@ -52,9 +54,21 @@ struct Bf16Values {
   }
 };
 
+// Overwrites v with values on a grid of 0.5 in [-lim, lim] (lim a multiple of 0.5). Products of
+// two are multiples of 0.25, so a short row's dot product is exact in fp32 whatever the order of
+// its sum: router logits from such rows and inputs are the same bits on the CPU and the GPU, and
+// equal logits (exact ties) are common.
+void set_grid_values(Bf16Values& v, float lim, std::mt19937& rng) {
+  std::uniform_int_distribution<int> d(0, static_cast<int>(4 * lim));
+  for (size_t i = 0; i < v.values.size(); ++i) {
+    v.values[i] = -lim + 0.5f * static_cast<float>(d(rng));
+    v.bits[i] = f32_to_bf16(v.values[i]);
+  }
+}
+
 // One mixture: E experts of [I, H] gate/up and [H, I] down, top k, shared expert of Is (0: none).
 // The same values feed the CPU op (fp32 refs on the host) and the CUDA op (bf16 on the device,
-// experts stacked as stack_moe_experts lays them out).
+// experts stacked as stack_moe_experts lays them out; `stacked`: every stack it makes).
 struct TestMixture {
   int64_t E, k, H, I, Is;
   Bf16Values router, gate_up, down, sh_gate, sh_up, sh_down, sh_g;
@@ -116,6 +130,31 @@ struct TestMixture {
     }
     return m;
   }
+  // The CUDA weights as a model binds them: each tensor placed by `arena`, then
+  // stack_moe_experts (the experts' views, the shared gate and up in the pair layout, the router
+  // with the shared gate as its last row).
+  ops::MoeWeights stacked(WeightArena& arena) {
+    auto place = [&](Bf16Values& v, int64_t rows, int64_t cols) {
+      return arena.matrix(ref(v.bits.data(), DType::BF16, rows, cols));
+    };
+    ops::MoeWeights m;
+    m.top_k = k;
+    m.router = place(router, E, H);
+    const ops::WeightRef gu = place(gate_up, E * 2 * I, H), dn = place(down, E * H, I);
+    for (int64_t e = 0; e < E; ++e) {
+      m.gate.push_back(rows_of(gu, 2 * I * e, I));
+      m.up.push_back(rows_of(gu, 2 * I * e + I, I));
+      m.down.push_back(rows_of(dn, H * e, H));
+    }
+    if (Is > 0) {
+      m.shared_gate_proj = place(sh_gate, Is, H);
+      m.shared_up_proj = place(sh_up, Is, H);
+      m.shared_down_proj = place(sh_down, H, Is);
+      m.shared_gate = place(sh_g, 1, H);
+    }
+    stack_moe_experts(arena, &m);
+    return m;
+  }
 };
 
 // Inputs that are bf16 values (the GPU rounds a product's inputs to bf16; these are exact).
@@ -126,10 +165,22 @@ std::vector<float> bf16_rows(int64_t n, std::mt19937& rng) {
 // y = y0 + moe(x) on the device for the T rows of x.
 std::vector<float> cuda_moe(const ops::MoeWeights& w, const std::vector<float>& x,
                             const std::vector<float>& y0, int64_t T,
-                            std::vector<int32_t>* ids = nullptr) {
+                            std::vector<int32_t>* ids = nullptr,
+                            std::vector<float>* weights = nullptr) {
   DeviceBuffer<float> dx(x), dy(y0);
-  ops::moe_mlp_add(dx.get(), T, w, dy.get(), ids);
+  ops::moe_mlp_add(dx.get(), T, w, dy.get(), ids, weights);
   return dy.download();
+}
+
+// The largest |got - want| over the largest |want - y0| (the size of what the op added).
+double relative_error(const std::vector<float>& got, const std::vector<float>& want,
+                      const std::vector<float>& y0) {
+  double scale = 0, worst = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    scale = std::max(scale, std::fabs(double(want[i] - y0[i])));
+    worst = std::max(worst, std::fabs(double(got[i] - want[i])));
+  }
+  return worst / scale;
 }
 
 // The op against the CPU op on the same values, with and without a shared expert, at decode,
@@ -167,6 +218,100 @@ TEST_F(CudaMoe, OpMatchesTheCpuOpAndEachTokenIsBitwiseItsOwn) {
       }
     }
   }
+}
+
+// Routing many tokens over 256 experts, top 8, against the CPU op: every token's experts equal,
+// in the same order, with exact ties between probabilities (grid-valued router rows and inputs
+// give the same logits on both; experts 2j and 2j + 1 share a router row for j < 16; every
+// seventh token is zero, so all 256 experts tie and 0..7 win), weights and outputs within
+// tolerance. Both router layouts: alone, and with the shared gate as its last row (E + 1 logits
+// per token). Up to 2400 pairs are grouped in up to 32 runs (a wrong grouping would show in the
+// outputs), and a token's row is bitwise its own alone.
+TEST_F(CudaMoe, RoutingOfManyTokensMatchesTheCpuIncludingTies) {
+  ScopedBackend cuda(ops::Backend::Cuda);
+  std::mt19937 rng(11);
+  TestMixture mix(256, 8, 64, 16, 16, rng);
+  const int64_t H = mix.H, k = mix.k;
+  set_grid_values(mix.router, 1.0f, rng);
+  for (int64_t e = 0; e < 32; e += 2)
+    for (int64_t c = 0; c < H; ++c) {
+      const auto from = static_cast<size_t>(e * H + c), to = static_cast<size_t>((e + 1) * H + c);
+      mix.router.bits[to] = mix.router.bits[from];
+      mix.router.values[to] = mix.router.values[from];
+    }
+  WeightArena arena;
+  const ops::MoeWeights separate = mix.weights(true), stacked = mix.stacked(arena);
+  const ops::MoeWeights on_cpu = mix.weights(false);
+  ASSERT_EQ(stacked.router_shared_gate.rows, mix.E + 1);
+  for (const int64_t T : {1, 5, 64, 300}) {
+    Bf16Values xv(static_cast<size_t>(T * H), 1.0f, rng);
+    set_grid_values(xv, 2.0f, rng);
+    std::vector<float> x = xv.values;
+    for (int64_t t = 3; t < T; t += 7) std::fill_n(x.begin() + t * H, H, 0.0f);
+    const auto y0 = bf16_rows(T * H, rng);
+    std::vector<float> want = y0, want_w;
+    std::vector<int32_t> want_ids;
+    cpu::moe_mlp_add(x.data(), T, on_cpu, want.data(), &want_ids, &want_w);
+    for (int64_t t = 3; t < T; t += 7)
+      for (int64_t j = 0; j < k; ++j)
+        ASSERT_EQ(want_ids[static_cast<size_t>(t * k + j)], j) << "the CPU's rule on a full tie";
+    for (const ops::MoeWeights* w : {&separate, &stacked}) {
+      SCOPED_TRACE(std::string(w == &stacked ? "stacked" : "separate") + " router, T " +
+                   std::to_string(T));
+      std::vector<int32_t> ids;
+      std::vector<float> wts;
+      const auto got = cuda_moe(*w, x, y0, T, &ids, &wts);
+      EXPECT_EQ(ids, want_ids);
+      ASSERT_EQ(wts.size(), want_w.size());
+      for (size_t i = 0; i < wts.size(); ++i) EXPECT_NEAR(wts[i], want_w[i], 1e-5f) << "pair " << i;
+      EXPECT_LT(relative_error(got, want, y0), 2e-2);
+      for (const int64_t t : {int64_t{0}, T / 2, T - 1}) {
+        const std::vector<float> xt(x.begin() + t * H, x.begin() + (t + 1) * H);
+        const std::vector<float> yt(y0.begin() + t * H, y0.begin() + (t + 1) * H);
+        const auto alone = cuda_moe(*w, xt, yt, 1);
+        EXPECT_EQ(0, std::memcmp(alone.data(), got.data() + t * H, sizeof(float) * H))
+            << "token " << t << " differs from the token alone";
+      }
+    }
+  }
+}
+
+// The shared expert as stack_moe_experts lays it out (gate and up as one pair-layout product
+// with the SwiGLU in its epilogue, the gate logit as the router's last row) against the CPU op
+// within tolerance, and bitwise the separate products' result on the GPU. A second stacking
+// changes nothing.
+TEST_F(CudaMoe, StackedSharedExpertMatchesTheCpuAndTheSeparateProducts) {
+  ScopedBackend cuda(ops::Backend::Cuda);
+  std::mt19937 rng(9);
+  TestMixture mix(8, 3, 64, 32, 48, rng);
+  WeightArena arena;
+  ops::MoeWeights stacked = mix.stacked(arena);
+  const ops::MoeWeights separate = mix.weights(true), on_cpu = mix.weights(false);
+  ASSERT_EQ(stacked.shared_gate_up.rows, 2 * mix.Is);
+  ASSERT_EQ(stacked.router_shared_gate.rows, mix.E + 1);
+  EXPECT_EQ(stacked.shared_gate_proj.data, nullptr) << "gate and up live on only interleaved";
+  const void* gate_row =
+      static_cast<const char*>(stacked.router_shared_gate.data) + mix.E * mix.H * sizeof(uint16_t);
+  EXPECT_EQ(stacked.shared_gate.data, gate_row) << "the gate is the router's last row";
+  for (const int64_t T : {1, 3, 6, 20, 40}) {
+    SCOPED_TRACE("T " + std::to_string(T));
+    const auto x = bf16_rows(T * mix.H, rng);
+    const auto y0 = bf16_rows(T * mix.H, rng);
+    std::vector<int32_t> ids, want_ids;
+    const auto got = cuda_moe(stacked, x, y0, T, &ids);
+    std::vector<float> want = y0;
+    cpu::moe_mlp_add(x.data(), T, on_cpu, want.data(), &want_ids, nullptr);
+    EXPECT_EQ(ids, want_ids);
+    EXPECT_LT(relative_error(got, want, y0), 2e-2);
+    const auto apart = cuda_moe(separate, x, y0, T);
+    EXPECT_EQ(0, std::memcmp(got.data(), apart.data(), sizeof(float) * got.size()))
+        << "the stacked products differ from the separate ones";
+  }
+  const ops::MoeWeights before = stacked;
+  stack_moe_experts(arena, &stacked);
+  EXPECT_EQ(stacked.shared_gate_up.data, before.shared_gate_up.data);
+  EXPECT_EQ(stacked.router_shared_gate.data, before.router_shared_gate.data);
+  EXPECT_EQ(stacked.experts_gate_up.data, before.experts_gate_up.data);
 }
 
 // A model config for the model tests: experts whose inner size is a multiple of 16 (the

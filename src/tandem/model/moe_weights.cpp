@@ -89,6 +89,14 @@ void stack_moe_experts(WeightArena& arena, ops::MoeWeights* m) {
   if (gate_up.empty()) fail("stack_moe_experts: a mixture without experts");
   m->experts_gate_up = contiguous(gate_up) ? stacked_view(gate_up) : arena.stack_rows(gate_up);
   m->experts_down = contiguous(down) ? stacked_view(down) : arena.stack_rows(down);
+  // The shared expert's small products, each a kernel launch and a pass over the input at batch
+  // 1: gate and up become one, and the gate logit rides along with the router's.
+  if (m->shared_gate_proj.rows == 0) return;
+  if (!m->shared_gate_up.data && m->shared_gate_proj.rows % ops::kGateUpGroup == 0)
+    m->shared_gate_up =
+        arena.interleave_rows(&m->shared_gate_proj, &m->shared_up_proj, ops::kGateUpGroup);
+  if (!m->router_shared_gate.data && m->shared_gate.rows == 1)
+    m->router_shared_gate = arena.stack_rows({&m->router, &m->shared_gate});
 }
 
 uint64_t moe_expert_bytes(const ops::MoeWeights& m) {

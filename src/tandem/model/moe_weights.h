@@ -25,14 +25,18 @@ using MoeTensorSource =
 ops::MoeWeights bind_moe_weights(const Qwen35Config& c, const std::string& prefix, bool fused,
                                  const MoeTensorSource& get);
 
-// The CUDA layout of the experts (ops::MoeWeights::experts_gate_up / experts_down): views of the
-// fused tensors where they already are (a fused checkpoint keeps gate then up rows per expert),
-// else one stacked copy in `arena`, each expert's own block released (no weight is held twice).
+// The CUDA layout of the mixture, made once at bind time (a second call changes nothing):
+//  - the experts (ops::MoeWeights::experts_gate_up / experts_down): views of the fused tensors
+//    where they already are (a fused checkpoint keeps gate then up rows per expert), else one
+//    stacked copy in `arena`, each expert's own block released (no weight is held twice);
+//  - the shared expert's gate and up interleaved into one pair-layout weight (shared_gate_up;
+//    when its inner size is a multiple of ops::kGateUpGroup), and its gate row stacked under the
+//    router (router_shared_gate), their own blocks released.
 void stack_moe_experts(WeightArena& arena, ops::MoeWeights* m);
 
 // fn(ref) on every matrix the mixture holds: the router, the shared expert and its gate (empty
-// refs when there is none), then each expert's gate, up and down. Not the CUDA stacked views,
-// which alias the experts.
+// refs when there is none), then each expert's gate, up and down. Not the CUDA stacked weights,
+// which hold the same values (the shared gate and up keep their shapes, so byte counts hold).
 template <class MoeW, class Fn>
 void for_each_moe_matrix(MoeW& m, Fn&& fn) {
   for (auto* w :

@@ -2,24 +2,33 @@
 // products and the per-token combination, all on the stream (no host round trip, so a decode
 // step with MoE layers is captured into a CUDA graph like any other).
 //
-//   1. router logits [T, E] = x · routerᵀ (cuda::linear);
-//   2. moe_route_kernel: per token, softmax in fp32, the top k by probability (the lower expert
-//      id on equal probabilities), renormalised — route_top_k's rule;
+//   1. router logits [T, E] = x · routerᵀ (cuda::linear); with the shared expert's gate stacked
+//      as the router's last row (stack_moe_experts), [T, E + 1], the gate logits in column E;
+//   2. moe_route_kernel: one warp per token, softmax in fp32, the top k by probability (the
+//      lower expert id on equal probabilities), renormalised — route_top_k's rule;
 //   3. moe_group_kernel: the T·k (token, choice) pairs grouped by expert, experts ascending and
-//      pairs in order within an expert ("pair rows");
+//      pairs in order within an expert ("pair rows"), by counts per run of pairs and block-wide
+//      scans;
 //   4. the input rows gathered in pair-row order; linear_grouped multiplies each expert's rows by
 //      its gate/up rows [2I, H], moe_swiglu_kernel forms silu(gate) · up, and linear_grouped
 //      multiplies them by each expert's down [H, I];
-//   5. the shared expert (gate, up, SwiGLU, down) and its gate logit over all tokens;
-//   6. moe_combine_kernel: per token, its experts' outputs weighted and summed in ascending
-//      expert id, then + sigmoid(gate) · shared, added to y (cpu::moe_mlp_add's order).
+//   5. the shared expert over all tokens: gate and up as one product with the SwiGLU in its
+//      epilogue (gate_up_swiglu, when stacked in its pair layout), then down;
+//   6. moe_combine_kernel: per token and 256 columns, its experts' outputs weighted and summed in
+//      ascending expert id, then + sigmoid(gate) · shared, added to y (cpu::moe_mlp_add's order).
 //
 // Batch invariance: a pair row's products are the ones cuda::linear of its expert computes for
-// that row alone (linear_grouped), whichever other rows share the expert; the combination's order
-// depends on the token's own routing only. So speculation's verify windows give decoding's bits.
+// that row alone (linear_grouped), whichever other rows share the expert; the routing's
+// reductions have an order fixed by E, and the combination's depends on the token's own routing
+// only. So speculation's verify windows give decoding's bits. The stacked router and shared
+// gate/up give the separate products' bits (gate_up_swiglu's epilogue is swiglu's, and a
+// column's arithmetic in cuda::linear depends on K and on the warps per block, which are the
+// same for the stacked and the separate weights below 8192 rows: Qwen3.5's are far below).
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
+#include <type_traits>
 
 #include "tandem/backend/cuda/activation.cuh"
 #include "tandem/backend/cuda/check.cuh"
@@ -30,9 +39,13 @@ namespace tandem::cuda {
 
 namespace {
 
-constexpr int kRouteThreads = 256;
-constexpr int kGroupThreads = 1024;
-constexpr int kMaxTopK = 32;
+constexpr int kRouteWarps = 4;        // tokens per routing block, one warp each
+constexpr int kMaxExperts = 32 * 32;  // a routing lane holds up to 32 experts' values
+constexpr int kGroupThreads = 1024;   // one thread per expert in the grouping's scan
+constexpr int kGroupSmem = 48 << 10;  // the grouping's per-chunk counts, at most
+constexpr int kCombineThreads = 256;  // hidden-size columns per combining block
+constexpr int kMaxTopK = 32;          // a token's choices fit in one warp
+static_assert(kMaxExperts <= kGroupThreads, "the grouping scans one expert per thread");
 
 // (probability, expert) ordered as route_top_k orders them: larger probability first, the lower
 // id on a tie. Ties between equal keys never arise (ids differ).
@@ -44,6 +57,8 @@ __device__ __forceinline__ bool before(const Candidate& a, const Candidate& b) {
   return a.p > b.p || (a.p == b.p && a.e < b.e);
 }
 
+// A butterfly: every lane ends with the warp's best (`before` is a total order, so the result
+// does not depend on the pairing).
 __device__ __forceinline__ Candidate warp_best(Candidate c) {
   for (int offset = 16; offset > 0; offset /= 2) {
     Candidate o{__shfl_xor_sync(0xffffffffu, c.p, offset),
@@ -53,114 +68,188 @@ __device__ __forceinline__ Candidate warp_best(Candidate c) {
   return c;
 }
 
-// Grid: one block per token. probs (dynamic shared memory) holds the token's E probabilities.
-// The softmax's max and sum are reduced in a fixed tree (shape of E only); the top k are chosen
-// one at a time, each the best remaining candidate under `before`.
-__global__ void __launch_bounds__(kRouteThreads)
-    moe_route_kernel(const float* __restrict__ logits, int E, int k, bool renormalise,
-                     int32_t* __restrict__ ids, float* __restrict__ weights) {
+// Grid: ceil(T / kRouteWarps) blocks of kRouteWarps warps; warp w of block b routes token
+// b·kRouteWarps + w, whose logits start at logits + t·ld. Lane l holds the values of experts
+// l + 32j, j < PerLane (E <= 32·PerLane; PerLane is chosen from E alone).
+// Softmax in fp32: the max and the sum are each lane's values in ascending j, then a butterfly
+// over the lanes (xor 16, 8, .., 1), which leaves the same bits in every lane (a + b = b + a at
+// each stage); the order depends on E only, never on T. The top k are chosen one at a time,
+// each the best remaining candidate under `before` (route_top_k's rule), and renormalised by
+// their sum in the order chosen, as route_top_k sums them.
+// A NaN probability counts as -1, below every probability, so k distinct experts are always
+// chosen (the grouping relies on it: no expert gets more rows than there are tokens).
+template <int PerLane>
+__global__ void __launch_bounds__(kRouteWarps * 32)
+    moe_route_kernel(const float* __restrict__ logits, int64_t ld, int T, int E, int k,
+                     bool renormalise, int32_t* __restrict__ ids, float* __restrict__ weights) {
+  // Below every probability and below a NaN's -1: experts past E, and the ones already chosen.
+  constexpr float kOut = -2.0f;
   pdl_wait();
   pdl_release();
-  extern __shared__ float probs[];
-  __shared__ float s_red[kRouteThreads / 32];
-  __shared__ Candidate s_best[kRouteThreads / 32];
-  __shared__ float s_top[kMaxTopK];
-  __shared__ int s_id[kMaxTopK];
-  const float* l = logits + static_cast<size_t>(blockIdx.x) * E;
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const int t = blockIdx.x * kRouteWarps + threadIdx.x / 32;
+  if (t >= T) return;  // the whole warp
+  const float* l = logits + static_cast<size_t>(t) * ld;
+  float p[PerLane];
   float mx = -INFINITY;
-  for (int e = threadIdx.x; e < E; e += kRouteThreads) mx = fmaxf(mx, l[e]);
+#pragma unroll
+  for (int j = 0; j < PerLane; ++j) {
+    const int e = lane + 32 * j;
+    p[j] = e < E ? l[e] : -INFINITY;
+    mx = fmaxf(mx, p[j]);
+  }
   for (int offset = 16; offset > 0; offset /= 2)
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, offset));
-  if (lane == 0) s_red[warp] = mx;
-  __syncthreads();
-  mx = s_red[0];
-  for (int w = 1; w < kRouteThreads / 32; ++w) mx = fmaxf(mx, s_red[w]);
-  __syncthreads();
   float sum = 0.0f;
-  for (int e = threadIdx.x; e < E; e += kRouteThreads) {
-    probs[e] = expf(l[e] - mx);
-    sum += probs[e];
+#pragma unroll
+  for (int j = 0; j < PerLane; ++j) {
+    p[j] = lane + 32 * j < E ? expf(p[j] - mx) : 0.0f;
+    sum += p[j];
   }
   for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
-  if (lane == 0) s_red[warp] = sum;
-  __syncthreads();
-  sum = 0.0f;
-  for (int w = 0; w < kRouteThreads / 32; ++w) sum += s_red[w];
-  for (int e = threadIdx.x; e < E; e += kRouteThreads) probs[e] /= sum;
-  __syncthreads();
-  for (int j = 0; j < k; ++j) {
-    Candidate c{-1.0f, E};
-    for (int e = threadIdx.x; e < E; e += kRouteThreads) {
-      const Candidate o{probs[e], e};
+#pragma unroll
+  for (int j = 0; j < PerLane; ++j) {
+    const float q = p[j] / sum;
+    p[j] = lane + 32 * j >= E ? kOut : isnan(q) ? -1.0f : q;
+  }
+  float top = 0.0f, my_p = 0.0f;  // lane j < k keeps choice j
+  int my_e = 0;
+  for (int r = 0; r < k; ++r) {
+    // k <= E, so an expert not yet chosen (p >= -1) always beats every kOut.
+    Candidate c{p[0], lane};
+#pragma unroll
+    for (int j = 1; j < PerLane; ++j) {
+      const Candidate o{p[j], lane + 32 * j};
       if (before(o, c)) c = o;
     }
     c = warp_best(c);
-    if (lane == 0) s_best[warp] = c;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      Candidate b = s_best[0];
-      for (int w = 1; w < kRouteThreads / 32; ++w)
-        if (before(s_best[w], b)) b = s_best[w];
-      s_top[j] = b.p;
-      s_id[j] = b.e;
-      probs[b.e] = -1.0f;  // taken (probabilities are >= 0)
+#pragma unroll
+    for (int j = 0; j < PerLane; ++j)
+      if (lane + 32 * j == c.e) p[j] = kOut;
+    top += c.p;
+    if (lane == r) {
+      my_p = c.p;
+      my_e = c.e;
     }
-    __syncthreads();
   }
-  if (threadIdx.x == 0) {
-    float top = 0.0f;
-    for (int j = 0; j < k; ++j) top += s_top[j];
-    for (int j = 0; j < k; ++j) {
-      ids[blockIdx.x * k + j] = s_id[j];
-      weights[blockIdx.x * k + j] = renormalise ? s_top[j] / top : s_top[j];
-    }
+  if (lane < k) {
+    ids[static_cast<size_t>(t) * k + lane] = my_e;
+    weights[static_cast<size_t>(t) * k + lane] = renormalise ? my_p / top : my_p;
   }
 }
 
-// One block. pairs = T·k routed (token, choice) pairs, ids[i] the expert of pair i. Writes:
+// Calls f(std::integral_constant<int, PerLane>{}) with the fewest experts per routing lane that
+// cover E (a power of two, so few instantiations).
+template <class F>
+void with_per_lane(int64_t E, F&& f) {
+  if (E <= 32)
+    f(std::integral_constant<int, 1>{});
+  else if (E <= 64)
+    f(std::integral_constant<int, 2>{});
+  else if (E <= 128)
+    f(std::integral_constant<int, 4>{});
+  else if (E <= 256)
+    f(std::integral_constant<int, 8>{});
+  else if (E <= 512)
+    f(std::integral_constant<int, 16>{});
+  else
+    f(std::integral_constant<int, 32>{});
+}
+
+// The block-wide exclusive scan of one int2 per thread (kGroupThreads threads, component-wise);
+// *total receives the sums. Every thread calls it; it ends with the block synchronised.
+__device__ __forceinline__ int2 block_exclusive_scan(int2 v, int2* total) {
+  __shared__ int2 s_warp[kGroupThreads / 32];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  int2 inc = v;
+  for (int offset = 1; offset < 32; offset *= 2) {
+    const int x = __shfl_up_sync(0xffffffffu, inc.x, offset);
+    const int y = __shfl_up_sync(0xffffffffu, inc.y, offset);
+    if (lane >= offset) inc = make_int2(inc.x + x, inc.y + y);
+  }
+  if (lane == 31) s_warp[warp] = inc;
+  __syncthreads();
+  if (warp == 0) {
+    const int2 w = s_warp[lane];
+    int2 wi = w;
+    for (int offset = 1; offset < 32; offset *= 2) {
+      const int x = __shfl_up_sync(0xffffffffu, wi.x, offset);
+      const int y = __shfl_up_sync(0xffffffffu, wi.y, offset);
+      if (lane >= offset) wi = make_int2(wi.x + x, wi.y + y);
+    }
+    s_warp[lane] = make_int2(wi.x - w.x, wi.y - w.y);
+    if (lane == 31) *total = wi;
+  }
+  __syncthreads();
+  const int2 base = s_warp[warp];
+  return make_int2(base.x + inc.x - v.x, base.y + inc.y - v.y);
+}
+
+// One block of kGroupThreads (E <= kGroupThreads). pairs = T·k routed (token, choice) pairs,
+// ids[i] the expert of pair i = t·k + j. Writes:
 //   expert[g], start[g] for the used experts in ascending id (g < used), start[g] = pairs for
 //   used <= g <= groups (empty groups);
 //   row_of[i]: pair i's row in expert order; token_of[r]: the token of pair row r.
-// Counting is a scan per expert (deterministic: no atomics), fine for decode-sized pair counts.
+// The rows are a stable sort of the pairs by expert: experts ascending, pairs in order within
+// one. The pairs are cut into `chunks` runs of consecutive pairs, run c walked by warp c:
+//   1. hist[c][e] = the pairs of run c routed to e (shared atomics: a count, in any order);
+//   2. thread e scans its column over the runs: hist[c][e] = e's pairs in runs before c, and
+//      count[e] their total;
+//   3. a block-wide exclusive scan over the experts of (count[e], count[e] > 0) gives e's first
+//      row and, if used, its group; hist[c][e] += e's first row;
+//   4. warp c walks its run 32 pairs at a time: lanes with the same expert rank themselves by
+//      lane (match_any), row = hist[c][e] + rank, and the lowest of them advances hist[c][e].
+// The result depends on ids alone, never on the chunking.
 __global__ void __launch_bounds__(kGroupThreads)
     moe_group_kernel(const int32_t* __restrict__ ids, int pairs, int k, int E, int groups,
-                     int32_t* __restrict__ expert, int32_t* __restrict__ start,
+                     int chunks, int32_t* __restrict__ expert, int32_t* __restrict__ start,
                      int32_t* __restrict__ row_of, int32_t* __restrict__ token_of) {
   pdl_wait();
   pdl_release();
-  extern __shared__ int32_t s_count[];  // [E], then the first row of each expert [E]
-  int32_t* s_first = s_count + E;
-  for (int e = threadIdx.x; e < E; e += kGroupThreads) {
-    int n = 0;
-    for (int i = 0; i < pairs; ++i) n += ids[i] == e;
-    s_count[e] = n;
-  }
+  extern __shared__ int32_t s_hist[];  // [chunks][E]
+  __shared__ int2 s_total;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  for (int i = threadIdx.x; i < chunks * E; i += kGroupThreads) s_hist[i] = 0;
   __syncthreads();
-  if (threadIdx.x == 0) {
-    int row = 0, g = 0;
-    for (int e = 0; e < E; ++e) {
-      s_first[e] = row;
-      if (s_count[e] == 0) continue;
-      if (g < groups) {
-        expert[g] = e;
-        start[g] = row;
-      }
-      ++g;
-      row += s_count[e];
+  const int per_chunk = (pairs + chunks - 1) / chunks;
+  const int c0 = warp * per_chunk, c1 = min(pairs, c0 + per_chunk);
+  int32_t* hist = s_hist + warp * E;  // this warp's run (warp < chunks)
+  if (warp < chunks)
+    for (int i = c0 + lane; i < c1; i += 32) atomicAdd(&hist[ids[i]], 1);
+  __syncthreads();
+  const int e = threadIdx.x;
+  int count = 0;
+  if (e < E)
+    for (int c = 0; c < chunks; ++c) {
+      const int n = s_hist[c * E + e];
+      s_hist[c * E + e] = count;
+      count += n;
     }
-    for (; g <= groups; ++g) start[g] = row;
+  const int2 before_e = block_exclusive_scan(make_int2(count, count > 0 ? 1 : 0), &s_total);
+  if (e < E) {
+    for (int c = 0; c < chunks; ++c) s_hist[c * E + e] += before_e.x;
+    if (count > 0) {
+      expert[before_e.y] = e;
+      start[before_e.y] = before_e.x;
+    }
   }
+  for (int g = s_total.y + threadIdx.x; g <= groups; g += kGroupThreads) start[g] = pairs;
   __syncthreads();
-  for (int e = threadIdx.x; e < E; e += kGroupThreads) {
-    if (s_count[e] == 0) continue;
-    int r = s_first[e];
-    for (int i = 0; i < pairs; ++i)
-      if (ids[i] == e) {
-        row_of[i] = r;
-        token_of[r] = i / k;
-        ++r;
-      }
+  if (warp >= chunks) return;
+  for (int base = c0; base < c1; base += 32) {  // uniform across the warp
+    const int i = base + lane;
+    const int mine = i < c1 ? ids[i] : -1;
+    const unsigned peers = __match_any_sync(0xffffffffu, mine);
+    const unsigned lower = peers & ((1u << lane) - 1u);
+    int row = 0;
+    if (i < c1) {
+      row = hist[mine] + __popc(lower);
+      row_of[i] = row;
+      token_of[row] = i / k;
+    }
+    __syncwarp();
+    if (i < c1 && lower == 0) hist[mine] += __popc(peers);
+    __syncwarp();
   }
 }
 
@@ -191,34 +280,39 @@ __global__ void moe_swiglu_kernel(const float* __restrict__ h, int64_t rows, int
   }
 }
 
-// Grid: one block per token. y[t] += Σ (its choices in ascending expert id) w · out[row] and,
-// with a shared expert, + sigmoid(gate[t]) · shared[t], as one term.
-__global__ void moe_combine_kernel(const int32_t* __restrict__ ids, const float* __restrict__ wts,
-                                   const int32_t* __restrict__ row_of,
-                                   const float* __restrict__ out, const float* __restrict__ shared,
-                                   const float* __restrict__ gate, int k, int64_t H,
-                                   float* __restrict__ y) {
+// Grid (T, ceil(H / kCombineThreads)): block (t, b) adds to y[t] its columns b·kCombineThreads
+// .. (b + 1)·kCombineThreads - 1, each Σ (the token's choices in ascending expert id) w · out[row]
+// and, with a shared expert, + sigmoid(gate logit) · shared[t], as one term (cpu::moe_mlp_add's
+// order). The gate logit of token t is gate[t · gate_ld]. A token's ids are distinct (routing),
+// so a choice's place in id order is the number of its choices with a lower id.
+__global__ void __launch_bounds__(kCombineThreads)
+    moe_combine_kernel(const int32_t* __restrict__ ids, const float* __restrict__ wts,
+                       const int32_t* __restrict__ row_of, const float* __restrict__ out,
+                       const float* __restrict__ shared, const float* __restrict__ gate,
+                       int64_t gate_ld, int k, int64_t H, float* __restrict__ y) {
   pdl_wait();
   pdl_release();
-  const int t = blockIdx.x;
-  int order[kMaxTopK];
-  for (int j = 0; j < k; ++j) order[j] = j;
-  for (int a = 1; a < k; ++a)  // insertion sort by expert id (k is small)
-    for (int b = a; b > 0 && ids[t * k + order[b]] < ids[t * k + order[b - 1]]; --b) {
-      const int s = order[b];
-      order[b] = order[b - 1];
-      order[b - 1] = s;
-    }
-  const float g = shared ? 1.0f / (1.0f + expf(-gate[t])) : 0.0f;
-  float* yt = y + static_cast<int64_t>(t) * H;
-  for (int64_t i = threadIdx.x; i < H; i += blockDim.x) {
-    float acc = 0.0f;
-    for (int j = 0; j < k; ++j) {
-      const int p = t * k + order[j];
-      acc += wts[p] * out[static_cast<int64_t>(row_of[p]) * H + i];
-    }
-    yt[i] += shared ? acc + g * shared[static_cast<int64_t>(t) * H + i] : acc;
+  __shared__ float s_w[kMaxTopK];
+  __shared__ int32_t s_row[kMaxTopK];
+  const int64_t t = blockIdx.x;
+  const int32_t* tid = ids + t * k;
+  if (threadIdx.x < k) {
+    const int j = threadIdx.x, e = tid[j];
+    int place = 0;
+    for (int q = 0; q < k; ++q) place += tid[q] < e;
+    s_w[place] = wts[t * k + j];
+    s_row[place] = row_of[t * k + j];
   }
+  __syncthreads();
+  const int64_t i = static_cast<int64_t>(blockIdx.y) * kCombineThreads + threadIdx.x;
+  if (i >= H) return;
+  float acc = 0.0f;
+  for (int j = 0; j < k; ++j) acc += s_w[j] * out[static_cast<int64_t>(s_row[j]) * H + i];
+  float& yt = y[t * H + i];
+  if (shared)
+    yt += acc + sigmoid(gate[t * gate_ld]) * shared[t * H + i];
+  else
+    yt += acc;
 }
 
 // Scratch of one call, grown to the largest seen (calls are stream-ordered). Growing bumps the
@@ -247,11 +341,22 @@ void moe_mlp_add(const float* x, int64_t T, const ops::MoeWeights& w, float* y,
   const int64_t E = w.router.rows, H = w.router.cols, k = w.top_k;
   const int64_t I = w.experts_down.cols, Is = w.shared_gate_proj.rows;
   if (k > kMaxTopK) fail("moe_mlp_add: top ", k, " experts (at most ", kMaxTopK, " on CUDA)");
+  if (E > kMaxExperts) fail("moe_mlp_add: ", E, " experts (at most ", kMaxExperts, " on CUDA)");
   const int64_t P = T * k;                // pair rows
   const int64_t groups = std::min(E, P);  // experts a call can use
-  if (P > INT32_MAX || E > 8192) fail("moe_mlp_add: ", T, " tokens x top ", k, " of ", E);
+  if (P > INT32_MAX) fail("moe_mlp_add: ", T, " tokens x top ", k, " of ", E);
+  // The shared expert's gate logit as the router's last row (stack_moe_experts): one product.
+  const bool gate_row = Is > 0 && w.router_shared_gate.rows == E + 1;
+  if (gate_row && w.router_shared_gate.cols != H)
+    fail("moe_mlp_add: the stacked router is [", w.router_shared_gate.rows, " x ",
+         w.router_shared_gate.cols, "], expected [", E + 1, " x ", H, "]");
+  const bool fused_gate_up = Is > 0 && w.shared_gate_up.rows == 2 * Is;
+  if (fused_gate_up && w.shared_gate_up.cols != H)
+    fail("moe_mlp_add: the shared expert's gate/up is [", w.shared_gate_up.rows, " x ",
+         w.shared_gate_up.cols, "], expected [", 2 * Is, " x ", H, "]");
+  const int64_t ld = gate_row ? E + 1 : E;  // floats per token of the router's output
   static MoeScratch s;
-  float* logits = s.get<float>(0, T * E);
+  float* logits = s.get<float>(0, T * ld);
   auto* ids = s.get<int32_t>(1, P);
   float* wts = s.get<float>(2, P);
   auto* expert = s.get<int32_t>(3, groups);
@@ -262,35 +367,55 @@ void moe_mlp_add(const float* x, int64_t T, const ops::MoeWeights& w, float* y,
   float* h = s.get<float>(8, P * 2 * I);
   float* act = s.get<float>(9, P * I);
   float* out = s.get<float>(10, P * H);
-  cuda::linear(x, T, w.router, logits);
-  launch("moe_route", moe_route_kernel, grid_blocks(T, "moe_route"), kRouteThreads,
-         sizeof(float) * static_cast<size_t>(E), logits, static_cast<int>(E), static_cast<int>(k),
-         w.renormalise, ids, wts);
+  cuda::linear(x, T, gate_row ? w.router_shared_gate : w.router, logits);
+  with_per_lane(E, [&](auto per_lane) {
+    launch("moe_route", moe_route_kernel<decltype(per_lane)::value>,
+           grid_blocks(ceil_div(T, kRouteWarps), "moe_route"), kRouteWarps * 32, 0, logits, ld,
+           static_cast<int>(T), static_cast<int>(E), static_cast<int>(k), w.renormalise, ids, wts);
+  });
+  // Runs of at least 32 pairs, one per warp, as many as the per-run counts fit in kGroupSmem.
+  const int64_t chunks = std::max<int64_t>(
+      1, std::min({int64_t{kGroupThreads / 32}, kGroupSmem / (4 * E), ceil_div(P, 32)}));
   launch("moe_group", moe_group_kernel, 1, kGroupThreads,
-         2 * sizeof(int32_t) * static_cast<size_t>(E), ids, static_cast<int>(P),
-         static_cast<int>(k), static_cast<int>(E), static_cast<int>(groups), expert, start, row_of,
-         token_of);
+         sizeof(int32_t) * static_cast<size_t>(chunks * E), ids, static_cast<int>(P),
+         static_cast<int>(k), static_cast<int>(E), static_cast<int>(groups),
+         static_cast<int>(chunks), expert, start, row_of, token_of);
   launch("moe_gather", moe_gather_kernel, grid_stride_blocks(P * H, 256), 256, 0, x, token_of, P, H,
          xg);
   // A token picks an expert once, so no group has more rows than there are tokens.
   linear_grouped(xg, P, T, w.experts_gate_up, E, groups, expert, start, h);
   launch("moe_swiglu", moe_swiglu_kernel, grid_stride_blocks(P * I, 256), 256, 0, h, P, I, act);
   linear_grouped(act, P, T, w.experts_down, E, groups, expert, start, out);
-  float* shared = nullptr;
-  float* gate = nullptr;
+  const float* shared = nullptr;
+  const float* gate = nullptr;
+  int64_t gate_ld = 1;
   if (Is > 0) {
-    float* sg = s.get<float>(11, 2 * T * Is + T * H + T);  // gate, up | shared | gate logit
-    float* su = sg + T * Is;
-    shared = su + T * Is;
-    gate = shared + T * H;
-    cuda::linear(x, T, w.shared_gate_proj, sg);
-    cuda::linear(x, T, w.shared_up_proj, su);
-    cuda::swiglu(sg, su, T * Is, sg);
-    cuda::linear(sg, T, w.shared_down_proj, shared);
-    cuda::linear(x, T, w.shared_gate, gate);
+    // activations [T, Is] | up (unfused only) [T, Is] | shared [T, H] | gate logit [T]
+    float* sa = s.get<float>(11, 2 * T * Is + T * H + T);
+    float* su = sa + T * Is;
+    float* sh = su + T * Is;
+    if (fused_gate_up) {
+      cuda::gate_up_swiglu(x, T, w.shared_gate_up, sa);
+    } else {
+      cuda::linear(x, T, w.shared_gate_proj, sa);
+      cuda::linear(x, T, w.shared_up_proj, su);
+      cuda::swiglu(sa, su, T * Is, sa);
+    }
+    cuda::linear(sa, T, w.shared_down_proj, sh);
+    shared = sh;
+    if (gate_row) {
+      gate = logits + E;
+      gate_ld = ld;
+    } else {
+      float* g = sh + T * H;
+      cuda::linear(x, T, w.shared_gate, g);
+      gate = g;
+    }
   }
-  launch("moe_combine", moe_combine_kernel, grid_blocks(T, "moe_combine"), 256, 0, ids, wts, row_of,
-         out, shared, gate, static_cast<int>(k), H, y);
+  launch("moe_combine", moe_combine_kernel,
+         dim3(grid_blocks(T, "moe_combine"), static_cast<unsigned>(ceil_div(H, kCombineThreads))),
+         kCombineThreads, 0, ids, wts, row_of, out, shared, gate, gate_ld, static_cast<int>(k), H,
+         y);
   if (routed_ids) {
     routed_ids->resize(static_cast<size_t>(P));
     copy_to_host(routed_ids->data(), ids, sizeof(int32_t) * static_cast<size_t>(P));
