@@ -69,20 +69,8 @@ TEST_P(Glm5Parity, LogitsRoutingIndexAndGreedyMatchTransformers) {
     // (k+1)-th biased choices are apart.
     const auto want_routing = ref.ids("routing_" + s);
     const auto margin = ref.floats("routing_margin_" + s);
-    ASSERT_EQ(out.routing.size(), static_cast<size_t>(sparse * n * K));
-    ASSERT_EQ(want_routing.size(), out.routing.size());
-    for (int64_t l = 0; l < sparse; ++l)
-      for (int64_t t = 0; t < n; ++t) {
-        if (margin[static_cast<size_t>(l * n + t)] <= 1e-4) continue;
-        std::vector<int32_t> got(out.routing.begin() + (l * n + t) * K,
-                                 out.routing.begin() + (l * n + t + 1) * K);
-        std::vector<int32_t> exp(want_routing.begin() + (l * n + t) * K,
-                                 want_routing.begin() + (l * n + t + 1) * K);
-        std::sort(got.begin(), got.end());
-        std::sort(exp.begin(), exp.end());
-        EXPECT_EQ(got, exp) << "prompt " << i << " sparse layer " << l << " token " << t;
-        ++routed;
-      }
+    routed += testing::expect_same_routing(out.routing, want_routing, margin, sparse, n, K, 1e-4f,
+                                           GetParam() + " prompt " + s);
 
     // The DSA choice: the same set of earlier positions (transformers pads a query with fewer
     // than index_topk positions with later ones, which its causal mask removes).

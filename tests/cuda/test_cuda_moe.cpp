@@ -102,6 +102,28 @@ struct TestMixture {
     v.rows = rows;
     return v;
   }
+  // The mixture over tensors placed by place(values, rows, cols): the experts as views of one
+  // gate/up tensor (*gu) and one down tensor (*dn).
+  template <class Place>
+  ops::MoeWeights assemble(Place&& place, ops::WeightRef* gu, ops::WeightRef* dn) {
+    ops::MoeWeights m;
+    m.top_k = k;
+    m.router = place(router, E, H);
+    *gu = place(gate_up, E * 2 * I, H);
+    *dn = place(down, E * H, I);
+    for (int64_t e = 0; e < E; ++e) {
+      m.gate.push_back(rows_of(*gu, 2 * I * e, I));
+      m.up.push_back(rows_of(*gu, 2 * I * e + I, I));
+      m.down.push_back(rows_of(*dn, H * e, H));
+    }
+    if (Is > 0) {
+      m.shared_gate_proj = place(sh_gate, Is, H);
+      m.shared_up_proj = place(sh_up, Is, H);
+      m.shared_down_proj = place(sh_down, H, Is);
+      m.shared_gate = place(sh_g, 1, H);
+    }
+    return m;
+  }
   ops::MoeWeights weights(bool cuda) {
     const DType dt = cuda ? DType::BF16 : DType::F32;
     auto place = [&](Bf16Values& v, int64_t rows, int64_t cols) {
@@ -109,24 +131,11 @@ struct TestMixture {
       dev.emplace_back(v.bits);
       return ref(dev.back().get(), dt, rows, cols);
     };
-    ops::MoeWeights m;
-    m.top_k = k;
-    m.router = place(router, E, H);
-    const ops::WeightRef gu = place(gate_up, E * 2 * I, H), dn = place(down, E * H, I);
-    for (int64_t e = 0; e < E; ++e) {
-      m.gate.push_back(rows_of(gu, 2 * I * e, I));
-      m.up.push_back(rows_of(gu, 2 * I * e + I, I));
-      m.down.push_back(rows_of(dn, H * e, H));
-    }
+    ops::WeightRef gu, dn;
+    ops::MoeWeights m = assemble(place, &gu, &dn);
     if (cuda) {
       m.experts_gate_up = gu;
       m.experts_down = dn;
-    }
-    if (Is > 0) {
-      m.shared_gate_proj = place(sh_gate, Is, H);
-      m.shared_up_proj = place(sh_up, Is, H);
-      m.shared_down_proj = place(sh_down, H, Is);
-      m.shared_gate = place(sh_g, 1, H);
     }
     return m;
   }
@@ -137,21 +146,8 @@ struct TestMixture {
     auto place = [&](Bf16Values& v, int64_t rows, int64_t cols) {
       return arena.matrix(ref(v.bits.data(), DType::BF16, rows, cols));
     };
-    ops::MoeWeights m;
-    m.top_k = k;
-    m.router = place(router, E, H);
-    const ops::WeightRef gu = place(gate_up, E * 2 * I, H), dn = place(down, E * H, I);
-    for (int64_t e = 0; e < E; ++e) {
-      m.gate.push_back(rows_of(gu, 2 * I * e, I));
-      m.up.push_back(rows_of(gu, 2 * I * e + I, I));
-      m.down.push_back(rows_of(dn, H * e, H));
-    }
-    if (Is > 0) {
-      m.shared_gate_proj = place(sh_gate, Is, H);
-      m.shared_up_proj = place(sh_up, Is, H);
-      m.shared_down_proj = place(sh_down, H, Is);
-      m.shared_gate = place(sh_g, 1, H);
-    }
+    ops::WeightRef gu, dn;
+    ops::MoeWeights m = assemble(place, &gu, &dn);
     stack_moe_experts(arena, &m);
     return m;
   }
