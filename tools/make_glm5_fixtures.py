@@ -23,6 +23,9 @@ apply_rotary_pos_emb_interleave rotate adjacent pairs in the attention and the i
 rotate halves; config.json's rope_interleave and indexer_rope_interleave say which, so tandem
 (which follows the config) is compared with what transformers actually ran.
 
+A third checkpoint, glm5_shared_index (bf16, another seed), has indexer_types [full, shared,
+full]: its second layer has no indexer and attends where the first chose.
+
 References (fp32, CPU, from exactly the values written): for two prompts, greedy_i (8 tokens, a
 full forward per step) with greedy_gap_i, tokens_i = prompt_i + greedy_i, logits_i [len, vocab] of
 ONE forward over tokens_i, routing_i [sparse layers, len, k] (expert ids as transformers picks
@@ -166,10 +169,12 @@ def keep_bf16(name: str) -> bool:
             or name.endswith("mlp.gate.weight"))
 
 
-def make(out: Path, name: str, fp8: bool, seed: int) -> None:
+def make(out: Path, name: str, fp8: bool, seed: int, indexer_types: list | None = None) -> None:
     d = out / name
     d.mkdir(parents=True, exist_ok=True)
     cfg_dict = config()
+    if indexer_types is not None:
+        cfg_dict["indexer_types"] = indexer_types
     interleave = rope_layout()
     cfg_dict["rope_interleave"] = interleave
     cfg_dict["indexer_rope_interleave"] = interleave
@@ -252,13 +257,21 @@ def make(out: Path, name: str, fp8: bool, seed: int) -> None:
             sparse = [li for li, t in enumerate(cfg_dict["mlp_layer_types"]) if t == "sparse"]
             if [r[0] for r in routing] != sparse:
                 sys.exit(f"{name}: captured routing of layers {[r[0] for r in routing]}, expected {sparse}")
-            if len(index) != cfg_dict["num_hidden_layers"]:
-                sys.exit(f"{name}: captured {len(index)} index selections for {cfg_dict['num_hidden_layers']} layers")
+            layers = cfg_dict["num_hidden_layers"]
+            shared = [t == "shared" for t in cfg_dict.get("indexer_types", ["full"] * layers)]
+            full = [li for li in range(layers) if not shared[li]]
+            if [x[0] for x in index] != full:
+                sys.exit(f"{name}: captured index selections of layers {[x[0] for x in index]}, expected {full}")
             n = len(seq)
-            sel = torch.full((len(index), n, topk), -1, dtype=torch.int64)
-            for j, (_, idx) in enumerate(index):
-                idx = idx.reshape(n, -1)
-                sel[j, :, : idx.shape[1]] = idx
+            # Every layer's choice: its own indexer's, or (shared layers) the previous layer's.
+            sel = torch.full((layers, n, topk), -1, dtype=torch.int64)
+            captured = dict(index)
+            for li in range(layers):
+                if shared[li]:
+                    sel[li] = sel[li - 1]
+                else:
+                    idx = captured[li].reshape(n, -1)
+                    sel[li, :, : idx.shape[1]] = idx
             ref[f"prompt_{i}"] = torch.tensor(prompt, dtype=torch.int64)
             ref[f"tokens_{i}"] = torch.tensor(seq, dtype=torch.int64)
             ref[f"greedy_{i}"] = torch.tensor(seq[len(prompt):], dtype=torch.int64)
@@ -290,6 +303,8 @@ def main() -> None:
         sys.exit(f"transformers {transformers.__version__} has no GlmMoeDsaForCausalLM (glm_moe_dsa)")
     make(a.out, "glm5_bf16", fp8=False, seed=91)
     make(a.out, "glm5_fp8", fp8=True, seed=91)
+    # Layer 1 reuses layer 0's DSA choice (transformers' indexer_types "shared").
+    make(a.out, "glm5_shared_index", fp8=False, seed=92, indexer_types=["full", "shared", "full"])
 
 
 if __name__ == "__main__":
