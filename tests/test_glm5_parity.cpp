@@ -1,5 +1,6 @@
 // GLM-5 (glm_moe_dsa) against transformers: tiny random checkpoints, bf16 and fp8 with 16 x 16
-// block scales (tests/fixtures/glm5_*, made by tools/make_glm5_fixtures.py on the GPU machine),
+// block scales, and one whose second layer reuses the first's DSA choice (tests/fixtures/glm5_*,
+// made by tools/make_glm5_fixtures.py on the GPU machine),
 // with prompts longer than index_topk so the DSA indexer drops positions. Checked: logits of one
 // prompt forward (expanded MLA) and of token-by-token decoding (absorbed MLA) within 1e-3 of the
 // logit scale, every sparse layer's experts and every layer's DSA choice equal to transformers'
@@ -139,7 +140,8 @@ TEST_P(Glm5Parity, LogitsRoutingIndexAndGreedyMatchTransformers) {
   EXPECT_GT(tie_free, 0);
 }
 
-INSTANTIATE_TEST_SUITE_P(Fixtures, Glm5Parity, ::testing::Values("glm5_bf16", "glm5_fp8"),
+INSTANTIATE_TEST_SUITE_P(Fixtures, Glm5Parity,
+                         ::testing::Values("glm5_bf16", "glm5_fp8", "glm5_shared_index"),
                          [](const auto& info) { return info.param; });
 
 }  // namespace
