@@ -15,6 +15,7 @@
 #include "tandem/cli/commands.h"
 #include "tandem/cli/common.h"
 #include "tandem/core/error.h"
+#include "tandem/io/json_file.h"
 #include "tandem/engine/generator.h"
 #include "tandem/model/qwen3_5_config.h"
 #include "tandem/model/qwen3_5_state.h"

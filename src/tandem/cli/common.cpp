@@ -11,6 +11,7 @@
 #include "tandem/backend/ops.h"
 #include "tandem/core/error.h"
 #include "tandem/io/artifact_identity.h"
+#include "tandem/io/json_file.h"
 #include "tandem/spec/qwen_mtp.h"
 #ifdef TANDEM_HAVE_CUDA
 #include "tandem/backend/cuda/cuda_ops.h"
@@ -39,14 +40,6 @@ std::vector<int32_t> parse_token_ids(const std::string& s) {
     i = j + 1;
   }
   return ids;
-}
-
-std::string read_text_file(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  if (!f) fail("cannot read ", path);
-  std::ostringstream ss;
-  ss << f.rdbuf();
-  return ss.str();
 }
 
 std::optional<Tokenizer> open_tokenizer(const std::string& model_dir) {

@@ -21,7 +21,6 @@ namespace tandem::cli {
 
 // Parses "1,2,3" (spaces allowed). Throws Error naming the bad element.
 std::vector<int32_t> parse_token_ids(const std::string& s);
-std::string read_text_file(const std::string& path);
 
 // The tokenizer of a model directory, if it has tokenizer.json.
 std::optional<Tokenizer> open_tokenizer(const std::string& model_dir);

@@ -16,6 +16,7 @@
 #include <thread>
 
 #include "tandem/core/error.h"
+#include "tandem/io/json_file.h"
 
 namespace tandem {
 namespace {
@@ -24,15 +25,6 @@ namespace fs = std::filesystem;
 
 constexpr uint64_t kProgressThreshold = 256ull << 20;  // below this, loading is quick and quiet
 constexpr size_t kPrefaultChunk = 64ull << 20;         // unit of work handed to a prefault thread
-
-std::string read_text_file(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  if (!in) fail("cannot read ", p.string());
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  if (in.bad()) fail("cannot read ", p.string());
-  return ss.str();
-}
 
 // Shard names come from a JSON file; keep them inside the model directory.
 bool is_safe_relative(const std::string& name) {

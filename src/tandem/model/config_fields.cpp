@@ -2,8 +2,8 @@
 
 #include <algorithm>
 #include <filesystem>
-#include <fstream>
-#include <sstream>
+
+#include "tandem/io/json_file.h"
 
 namespace tandem::config {
 
@@ -30,19 +30,11 @@ void append_eos(const Fields& f, std::vector<int64_t>* out) {
   }
 }
 
-std::string read_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) fail("cannot read ", path);
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
 void append_generation_eos(const std::string& dir, std::vector<int64_t>* out) {
   const std::string path = (std::filesystem::path(dir) / "generation_config.json").string();
   std::error_code ec;
   if (!std::filesystem::exists(path, ec)) return;
-  const json g = parse_json(read_file(path), path);
+  const json g = parse_json(read_text_file(path), path);
   if (!g.is_object()) fail(path, ": expected a JSON object, got ", g.type_name());
   append_eos(Fields(g, path, ""), out);
 }

@@ -93,9 +93,6 @@ json parse_json(const std::string& text, const std::string& source_name);
 // eos_token_id is an int, a list of ints, or null; appends new ids to `out` in order.
 void append_eos(const Fields& f, std::vector<int64_t>* out);
 
-// The whole file (an error names it).
-std::string read_file(const std::string& path);
-
 // Appends the eos ids of dir/generation_config.json, when there is one (Hugging Face checkpoints
 // often name their end-of-turn tokens there only).
 void append_generation_eos(const std::string& dir, std::vector<int64_t>* out);

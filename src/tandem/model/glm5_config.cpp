@@ -4,6 +4,7 @@
 #include <filesystem>
 
 #include "tandem/core/error.h"
+#include "tandem/io/json_file.h"
 #include "tandem/model/config_fields.h"
 
 namespace tandem {
@@ -188,7 +189,7 @@ Glm5Config parse_glm5_config(const std::string& json_text, const std::string& so
 
 Glm5Config load_glm5_config(const std::string& dir) {
   const std::string path = (std::filesystem::path(dir) / "config.json").string();
-  Glm5Config c = parse_glm5_config(config::read_file(path), path);
+  Glm5Config c = parse_glm5_config(read_text_file(path), path);
   config::append_generation_eos(dir, &c.eos_token_ids);
   return c;
 }

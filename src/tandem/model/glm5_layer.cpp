@@ -4,6 +4,7 @@
 
 #include "tandem/backend/cpu/weight_element.h"
 #include "tandem/core/error.h"
+#include "tandem/model/moe_weights.h"
 
 namespace tandem {
 
@@ -74,38 +75,17 @@ ops::MoeWeights Glm5Tensors::mixture(const std::string& p) {
   m.topk_group = c.topk_group;
   m.routed_scale = static_cast<float>(c.routed_scaling_factor);
   const std::string ex = p + "experts.";
-  if (store_.find(ex + "gate_up_proj")) {
-    const ops::WeightRef gu = tensor(ex + "gate_up_proj", {E, 2 * I, H});
-    const ops::WeightRef dn = tensor(ex + "down_proj", {E, H, I});
-    if (gu.dtype == DType::F8_E4M3 || dn.dtype == DType::F8_E4M3)
-      fail("tensor '", ex, "gate_up_proj' in ", store_.dir(),
-           ": fp8 experts must come one tensor per expert and projection, as the published "
-           "checkpoints store them");
-    const size_t es = dtype_size(gu.dtype);
-    auto rows_of = [&](const ops::WeightRef& w, int64_t row0, int64_t rows, int64_t cols) {
-      ops::WeightRef v = w;
-      v.data = static_cast<const uint8_t*>(w.data) + static_cast<size_t>(row0 * cols) * es;
-      v.rows = rows;
-      v.cols = cols;
-      return v;
-    };
-    for (int64_t e = 0; e < E; ++e) {
-      m.gate.push_back(rows_of(gu, e * 2 * I, I, H));
-      m.up.push_back(rows_of(gu, e * 2 * I + I, I, H));
-      m.down.push_back(rows_of(dn, e * H, H, I));
-    }
-  } else {
-    if (!store_.find(ex + "0.gate_proj.weight"))
-      fail("no experts in ", store_.dir(), ": expected '", ex,
-           "gate_up_proj' (fused, as transformers writes them) or '", ex,
-           "0.gate_proj.weight' (one tensor per expert)");
-    for (int64_t e = 0; e < E; ++e) {
-      const std::string q = ex + std::to_string(e) + ".";
-      m.gate.push_back(tensor(q + "gate_proj.weight", {I, H}));
-      m.up.push_back(tensor(q + "up_proj.weight", {I, H}));
-      m.down.push_back(tensor(q + "down_proj.weight", {H, I}));
-    }
-  }
+  const bool fused = store_.find(ex + "gate_up_proj") != nullptr;
+  if (!fused && !store_.find(ex + "0.gate_proj.weight"))
+    fail("no experts in ", store_.dir(), ": expected '", ex,
+         "gate_up_proj' (fused, as transformers writes them) or '", ex,
+         "0.gate_proj.weight' (one tensor per expert)");
+  bind_routed_experts(
+      ex, E, I, H, fused,
+      [&](const std::string& name, const std::vector<int64_t>& shape) {
+        return tensor(name, shape);
+      },
+      &m);
   if (c.n_shared_experts > 0) {
     const int64_t Is = I * c.n_shared_experts;
     m.shared_gate_proj = tensor(p + "shared_experts.gate_proj.weight", {Is, H});

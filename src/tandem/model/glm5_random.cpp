@@ -7,6 +7,7 @@
 #include <random>
 
 #include "tandem/core/error.h"
+#include "tandem/io/json_file.h"
 #include "tandem/io/safetensors.h"
 #include "tandem/model/config_fields.h"
 #include "tandem/model/glm5_config.h"
@@ -85,7 +86,7 @@ void write_random_glm5(const std::string& config_path, const std::string& out_di
                        uint64_t seed, bool per_expert_tensors) {
   if (dtype != DType::F32 && dtype != DType::BF16 && dtype != DType::F16)
     fail("random model: dtype must be f32, bf16 or f16");
-  const Glm5Config c = parse_glm5_config(config::read_file(config_path), config_path);
+  const Glm5Config c = parse_glm5_config(read_text_file(config_path), config_path);
   namespace fs = std::filesystem;
   fs::create_directories(out_dir);
   const fs::path model_path = fs::path(out_dir) / "model.safetensors";

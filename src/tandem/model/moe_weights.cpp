@@ -18,6 +18,32 @@ ops::WeightRef rows_of(const ops::WeightRef& w, int64_t first, int64_t rows, int
 
 }  // namespace
 
+void bind_routed_experts(const std::string& p, int64_t E, int64_t I, int64_t H, bool fused,
+                         const MoeTensorSource& get, ops::MoeWeights* m) {
+  m->gate.resize(static_cast<size_t>(E));
+  m->up.resize(static_cast<size_t>(E));
+  m->down.resize(static_cast<size_t>(E));
+  if (fused) {
+    const ops::WeightRef gate_up = get(p + "gate_up_proj", {E, 2 * I, H});
+    const ops::WeightRef down = get(p + "down_proj", {E, H, I});
+    for (int64_t e = 0; e < E; ++e) {
+      const auto i = static_cast<size_t>(e);
+      // transformers chunks gate_up_proj[e] into gate (its first I rows) and up (the next I).
+      m->gate[i] = rows_of(gate_up, 2 * I * e, I, H);
+      m->up[i] = rows_of(gate_up, 2 * I * e + I, I, H);
+      m->down[i] = rows_of(down, H * e, H, I);
+    }
+    return;
+  }
+  for (int64_t e = 0; e < E; ++e) {
+    const auto i = static_cast<size_t>(e);
+    const std::string x = p + std::to_string(e) + ".";
+    m->gate[i] = get(x + "gate_proj.weight", {I, H});
+    m->up[i] = get(x + "up_proj.weight", {I, H});
+    m->down[i] = get(x + "down_proj.weight", {H, I});
+  }
+}
+
 ops::MoeWeights bind_moe_weights(const Qwen35Config& c, const std::string& p, bool fused,
                                  const MoeTensorSource& get) {
   const int64_t E = c.num_experts, I = c.moe_intermediate_size, H = c.hidden_size;
@@ -28,28 +54,7 @@ ops::MoeWeights bind_moe_weights(const Qwen35Config& c, const std::string& p, bo
   // transformers' Qwen3_5MoeTopKRouter always renormalises the top-k probabilities; a config's
   // norm_topk_prob (qwen3_moe's switch) is ignored there (fixture qwen35_moe_no_shared).
   m.renormalise = true;
-  m.gate.resize(static_cast<size_t>(E));
-  m.up.resize(static_cast<size_t>(E));
-  m.down.resize(static_cast<size_t>(E));
-  if (fused) {
-    const ops::WeightRef gate_up = get(p + "experts.gate_up_proj", {E, 2 * I, H});
-    const ops::WeightRef down = get(p + "experts.down_proj", {E, H, I});
-    for (int64_t e = 0; e < E; ++e) {
-      const auto i = static_cast<size_t>(e);
-      // transformers chunks gate_up_proj[e] into gate (its first I rows) and up (the next I).
-      m.gate[i] = rows_of(gate_up, 2 * I * e, I, H);
-      m.up[i] = rows_of(gate_up, 2 * I * e + I, I, H);
-      m.down[i] = rows_of(down, H * e, H, I);
-    }
-  } else {
-    for (int64_t e = 0; e < E; ++e) {
-      const auto i = static_cast<size_t>(e);
-      const std::string x = p + "experts." + std::to_string(e) + ".";
-      m.gate[i] = get(x + "gate_proj.weight", {I, H});
-      m.up[i] = get(x + "up_proj.weight", {I, H});
-      m.down[i] = get(x + "down_proj.weight", {H, I});
-    }
-  }
+  bind_routed_experts(p + "experts.", E, I, H, fused, get, &m);
   if (Is == 0) return m;  // no shared expert: whatever empty tensors a checkpoint has are unused
   m.shared_gate_proj = get(p + "shared_expert.gate_proj.weight", {Is, H});
   m.shared_up_proj = get(p + "shared_expert.up_proj.weight", {Is, H});

@@ -21,6 +21,13 @@ namespace tandem {
 using MoeTensorSource =
     std::function<ops::WeightRef(const std::string& name, const std::vector<int64_t>& shape)>;
 
+// The E routed experts under `prefix` ("...mlp.experts.") into m->gate, up and down: fused as
+// transformers writes them (`gate_up_proj` [E, 2I, H], gate rows then up rows per expert;
+// `down_proj` [E, H, I]), viewed per expert, or one tensor per projection and expert
+// (`{e}.{gate,up,down}_proj.weight`). Shared by Qwen3.5-MoE and GLM-5.
+void bind_routed_experts(const std::string& prefix, int64_t E, int64_t I, int64_t H, bool fused,
+                         const MoeTensorSource& get, ops::MoeWeights* m);
+
 // prefix: "...mlp.". fused: the experts come as the two fused tensors (else one per expert).
 ops::MoeWeights bind_moe_weights(const Qwen35Config& c, const std::string& prefix, bool fused,
                                  const MoeTensorSource& get);

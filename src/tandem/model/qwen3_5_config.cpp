@@ -5,6 +5,7 @@
 #include <nlohmann/json.hpp>
 
 #include "tandem/core/error.h"
+#include "tandem/io/json_file.h"
 #include "tandem/model/config_fields.h"
 
 namespace tandem {
@@ -207,7 +208,7 @@ Qwen35Config parse_qwen35_config(const std::string& json_text, const std::string
 Qwen35Config load_qwen35_config(const std::string& dir) {
   const std::filesystem::path d(dir);
   const std::string config_path = (d / "config.json").string();
-  Qwen35Config c = parse_qwen35_config(config::read_file(config_path), config_path);
+  Qwen35Config c = parse_qwen35_config(read_text_file(config_path), config_path);
   config::append_generation_eos(dir, &c.eos_token_ids);
   return c;
 }

@@ -7,6 +7,7 @@
 #include <random>
 
 #include "tandem/core/error.h"
+#include "tandem/io/json_file.h"
 #include "tandem/io/safetensors.h"
 #include "tandem/model/qwen3_5_config.h"
 
@@ -51,10 +52,7 @@ void write_random_qwen35(const std::string& config_path, const std::string& out_
                          uint64_t seed, bool per_expert_tensors) {
   if (dtype != DType::F32 && dtype != DType::BF16 && dtype != DType::F16)
     fail("random model: dtype must be f32, bf16 or f16");
-  std::ifstream in(config_path, std::ios::binary);
-  if (!in) fail("cannot read ", config_path);
-  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  const Qwen35Config c = parse_qwen35_config(text, config_path);
+  const Qwen35Config c = parse_qwen35_config(read_text_file(config_path), config_path);
   namespace fs = std::filesystem;
   fs::create_directories(out_dir);
   const fs::path model_path = fs::path(out_dir) / "model.safetensors";
