@@ -1,11 +1,7 @@
 // The Qwen MTP drafter (DESIGN.md §5.4): the checkpoint's own multi-token-prediction layer (or a
 // companion directory holding it) proposes tokens by chaining its one decoder block.
 //
-// Row convention: MTP row p (rotary position p) is built from (token_{p+1}, h_p) and predicts
-// token_{p+2}, where h_p is the target's hidden at position p at the drafter's tap. Between
-// rounds every prefilled row holds exactly (target processed tokens - 1) MTP rows, plus h_true =
-// the target's hidden at processed - 1 (the position whose next token is pending). A row that
-// adopted a cached prefix of `base` tokens holds processed - 1 - base rows, from position base.
+// The rows follow MtpRows' convention (spec/mtp_rows.h).
 #pragma once
 
 #include <memory>
@@ -13,6 +9,7 @@
 #include <vector>
 
 #include "tandem/spec/draft.h"
+#include "tandem/spec/mtp_rows.h"
 #include "tandem/spec/qwen_mtp_block.h"
 
 namespace tandem::spec {
@@ -63,94 +60,47 @@ class QwenMtpProvider : public DraftProvider {
   std::shared_ptr<const QwenMtpBlock> block_;
 };
 
-// One MTP state per batch row: its own paged KV for the MTP attention layer, the last true target
-// hidden, and the proposals of the round in flight.
-class QwenMtpRows : public DraftRows {
+// One MTP state per batch row (the convention of MtpRows): its own paged KV for the MTP attention
+// layer.
+class QwenMtpRows : public MtpRows {
  public:
   static constexpr int64_t kBlockSize = 16;
 
   QwenMtpRows(std::shared_ptr<const QwenMtpBlock> block, const TargetView& target, std::string ns,
               HiddenTap tap);
 
-  const std::string& ns() const override { return ns_; }
-  PrefillMode prefill_mode() const override { return PrefillMode::Full; }
-  std::optional<HiddenTap> tap() const override { return tap_; }
-  int row_count() const override { return static_cast<int>(rows_.size()); }
-
-  std::unique_ptr<PreparedChange> prepare_append(std::span<const CheckpointPtr> from) override;
-  void filter_rows(std::span<const int> keep) override;
-  // Cold row (processed_before = 0): rows 0..n-2 from (tokens[p+1], hidden[p]). A row continuing
-  // (processed_before = P > 0, e.g. restored) first adds row P-1 from (tokens[0], h_true).
-  // Either way h_true becomes hidden[n-1].
-  // The row's history starts at the boundary (its MTP rows before it would need the target's
-  // hiddens there, which the cache does not keep): rotary positions count from the boundary,
-  // which leaves attention scores as they would be (rotary embeddings are relative).
-  void adopt_prefix(int row, std::span<const int32_t> tokens) override;
-  bool adopts_exactly() const override { return false; }
-  void prefill(std::span<const RowPrefill> rows) override;
-  void draft(std::span<const RowDraft> rows, std::vector<DraftProposal>* out) override;
-  void commit(std::span<const VerifyRow> rows) override;
-  CheckpointPtr capture(int row) const override;
-
-  // Diagnostics (tests, tools): the MTP rows a row holds, and the logits its last draft call
-  // computed for proposal `step` ([V], valid until the next draft call).
-  int64_t mtp_rows(int row) const { return rows_.at(row).length; }
-  std::span<const float> last_draft_logits(int row, int step) const;
-
  private:
-  struct Row {
+  struct KvHistory : History {
     std::vector<int32_t> blocks;  // KV blocks in position order
-    int64_t base = 0;             // target tokens before the row's history (adopt_prefix)
-    int64_t length = 0;           // committed MTP rows, the first one at rotary position 0
-    bool has_hidden = false;      // h_true is set (the row was prefilled or restored)
-    std::vector<float> h_true;    // [H]
-    // The round in flight (between draft and commit).
-    bool drafted = false;
-    int32_t pending = 0;
-    std::vector<int32_t> proposals;
-    int64_t round_start = 0;  // length when the round's draft began
   };
 
   std::shared_ptr<const QwenMtpBlock> block_;
-  const TargetView& target_;  // outlives the rows (TargetView's contract)
-  std::string ns_;
-  HiddenTap tap_;
-  int64_t H_ = 0, V_ = 0, kv_heads_ = 0, head_dim_ = 0;
+  int64_t kv_heads_ = 0, head_dim_ = 0;
 
-  std::vector<Row> rows_;
   Buffer<float> pool_;  // [n_blocks, 2, kBlockSize, kv_heads, head_dim], backend memory
   int64_t n_blocks_ = 0;
   std::vector<int32_t> free_blocks_;
 
-  // Scratch (grown, reused). Buffers are backend memory; vectors are host staging.
+  // Scratch (grown, reused).
   QwenMtpBlock::Workspace ws_;
-  Buffer<float> emb_, hid_dev_, out_;
-  Buffer<int32_t> argmax_dev_;
-  Buffer<int32_t> tables_dev_;  // the block tables of run_block's rows, concatenated
-  std::vector<float> hid_, out_host_;
-  std::vector<int32_t> ids_, tables_host_;
-  std::vector<float> chain_;  // [rows, H] each row's last step output (host)
-  // Per draft step: the logits [active rows, V] in backend memory, and a host copy made when
-  // sampling needs it (or a diagnostic asks).
-  std::vector<Buffer<float>> step_logits_dev_;
-  mutable std::vector<std::vector<float>> step_logits_;
-  mutable std::vector<bool> step_logits_on_host_;
-  std::vector<std::vector<int>> step_rows_;  // per draft step: the active rows, in order
-  int64_t outstanding_appends_ = 0;          // rows of prepared, not yet committed appends
-  std::vector<TokenProb> dist_;
+  Buffer<int32_t> tables_dev_;  // the block tables of forward_block's rows, concatenated
+  std::vector<int32_t> tables_host_;
 
-  ops::KVLayerView kv_view();
-  void copy_step_logits(int step) const;  // the host copy of a draft step's logits
+  std::unique_ptr<History> new_history() override;
+  void release_history(History& h) override;
+  void truncate_history(History&, int64_t) override {}  // blocks stay reserved for reuse
+  int64_t check_history(const Checkpoint& c) const override;
+  std::unique_ptr<History> restore_history(const Checkpoint& c, int64_t length) override;
+  void save_history(const History& h, int64_t length, Checkpoint& c) const override;
+  void forward_block(const float* embeds, const float* hidden, std::span<History* const> rows,
+                     std::span<const int64_t> lengths, std::span<const int64_t> counts,
+                     float* out) override;
+
+  ops::KVLayerView kv_view() const;
   int64_t floats_per_block() const { return 2 * kBlockSize * kv_heads_ * head_dim_; }
   // Takes `n` free blocks (growing the pool) without giving them to any row.
   std::vector<int32_t> take_blocks(int64_t n);
-  void reserve(Row& r, int64_t length);
-  // Runs the block over the tokens gathered in ids_ / hid_ (rows in `row_ids` order, counts[i]
-  // tokens for row_ids[i]), appending them to each row's KV at its length; out_ receives the
-  // block outputs [Σ counts, H].
-  void run_block(const std::vector<int>& row_ids, const std::vector<int64_t>& counts);
-  // Appends one (token, hidden) pair to the gather buffers.
-  void gather(int32_t id, const float* hidden);
+  void reserve(KvHistory& h, int64_t length);
 };
 
 }  // namespace tandem::spec

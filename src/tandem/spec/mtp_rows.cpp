@@ -1,0 +1,389 @@
+#include "tandem/spec/mtp_rows.h"
+
+#include <algorithm>
+#include <cstring>
+#include <functional>
+
+#include "tandem/backend/ops.h"
+#include "tandem/core/error.h"
+
+namespace tandem::spec {
+
+namespace {
+
+const char* tap_name(HiddenTap t) {
+  return t == HiddenTap::FinalNormed ? "final-normed" : "pre-norm";
+}
+
+// A prepared append: rows fully built (caches written into storage no row owns yet); commit only
+// moves them in (capacity reserved while preparing, so it cannot throw).
+class AppendChange : public PreparedChange {
+ public:
+  AppendChange(std::function<void()> commit, std::function<void()> dispose)
+      : commit_(std::move(commit)), dispose_(std::move(dispose)) {}
+  ~AppendChange() override { dispose(); }
+  void commit() noexcept override {
+    if (done_) return;
+    done_ = true;
+    commit_();
+  }
+  void dispose() noexcept override {
+    if (done_) return;
+    done_ = true;
+    dispose_();
+  }
+
+ private:
+  std::function<void()> commit_, dispose_;
+  bool done_ = false;
+};
+
+}  // namespace
+
+MtpRows::MtpRows(const TargetView& target, std::string who, std::string schema, std::string ns,
+                 HiddenTap tap, int64_t hidden_size, int64_t vocab_size)
+    : target_(target),
+      H_(hidden_size),
+      V_(vocab_size),
+      who_(std::move(who)),
+      schema_(std::move(schema)),
+      ns_(std::move(ns)),
+      tap_(tap) {}
+
+void MtpRows::gather(int32_t id, const float* hidden) {
+  ids_.push_back(id);
+  hid_.insert(hid_.end(), hidden, hidden + H_);
+}
+
+void MtpRows::run_block(const std::vector<int>& row_ids, const std::vector<int64_t>& counts) {
+  const int64_t T = static_cast<int64_t>(ids_.size());
+  TANDEM_CHECK(static_cast<int64_t>(hid_.size()) == T * H_);
+  std::vector<History*> histories;
+  std::vector<int64_t> lengths;
+  for (int b : row_ids) {
+    Row& r = rows_[static_cast<size_t>(b)];
+    histories.push_back(r.history.get());
+    lengths.push_back(r.length);
+  }
+  emb_.grow_to(T * H_);
+  out_.grow_to(T * H_);
+  hid_dev_.grow_to(T * H_);
+  ops::copy_from_host(hid_dev_.data(), hid_.data(), sizeof(float) * static_cast<size_t>(T * H_));
+  target_.embed(ids_, emb_.data());
+  forward_block(emb_.data(), hid_dev_.data(), histories, lengths, counts, out_.data());
+  for (size_t i = 0; i < row_ids.size(); ++i)
+    rows_[static_cast<size_t>(row_ids[i])].length += counts[i];
+}
+
+std::unique_ptr<PreparedChange> MtpRows::prepare_append(std::span<const CheckpointPtr> from) {
+  const int64_t n = static_cast<int64_t>(from.size());
+  // Validate everything first: nothing is allocated for a refused batch.
+  std::vector<int64_t> lengths;
+  for (const CheckpointPtr& c : from) {
+    if (!c) {
+      lengths.push_back(0);
+      continue;
+    }
+    check_checkpoint(*c, who_, schema_, ns_, c->processed_tokens);
+    if (c->history_from < 0 || c->processed_tokens < c->history_from + 1)
+      fail(who_, ": checkpoint covers ", c->processed_tokens, " tokens from token ",
+           c->history_from, "; a ", who_, " state needs at least one processed token");
+    const auto h = c->tensors.find("h_true");
+    if (h == c->tensors.end() || h->second.shape != std::vector<int64_t>{H_} ||
+        static_cast<int64_t>(h->second.data.size()) != H_)
+      fail(who_, ": checkpoint (", schema_, ") needs an 'h_true' tensor of shape [", H_, "]");
+    const int64_t rows = check_history(*c);
+    check_checkpoint(*c, who_, schema_, ns_, c->history_from + rows + 1);
+    lengths.push_back(rows);
+  }
+  auto built = std::make_shared<std::vector<Row>>();
+  built->reserve(static_cast<size_t>(n));
+  try {
+    for (int64_t i = 0; i < n; ++i) {
+      const CheckpointPtr& c = from[static_cast<size_t>(i)];
+      Row row;
+      if (c) {
+        row.history = restore_history(*c, lengths[static_cast<size_t>(i)]);
+        row.length = lengths[static_cast<size_t>(i)];
+        row.base = c->history_from;
+        row.h_true = c->tensors.at("h_true").data;
+        row.has_hidden = true;
+      } else {
+        row.history = new_history();
+      }
+      built->push_back(std::move(row));
+    }
+    rows_.reserve(rows_.size() + static_cast<size_t>(outstanding_appends_ + n));
+  } catch (...) {
+    for (Row& r : *built) release_history(*r.history);
+    throw;
+  }
+  outstanding_appends_ += n;
+  return std::make_unique<AppendChange>(
+      [this, built, n] {
+        for (Row& r : *built) rows_.push_back(std::move(r));
+        outstanding_appends_ -= n;
+      },
+      [this, built, n] {
+        for (Row& r : *built) release_history(*r.history);
+        outstanding_appends_ -= n;
+      });
+}
+
+void MtpRows::filter_rows(std::span<const int> keep) {
+  std::vector<bool> kept(rows_.size(), false);
+  for (int k : keep) {
+    if (k < 0 || k >= row_count()) fail(who_, " filter_rows: row ", k, " does not exist");
+    if (kept[static_cast<size_t>(k)]) fail(who_, " filter_rows: row ", k, " listed twice");
+    kept[static_cast<size_t>(k)] = true;
+  }
+  std::vector<Row> next;
+  // Keep room for prepared appends: their commit must not allocate.
+  next.reserve(keep.size() + static_cast<size_t>(outstanding_appends_));
+  for (size_t i = 0; i < rows_.size(); ++i)
+    if (!kept[i]) release_history(*rows_[i].history);
+  for (int k : keep) next.push_back(std::move(rows_[static_cast<size_t>(k)]));
+  rows_ = std::move(next);
+}
+
+void MtpRows::adopt_prefix(int row, std::span<const int32_t> tokens) {
+  if (row < 0 || row >= row_count()) fail(who_, " adopt_prefix: row ", row, " does not exist");
+  Row& r = rows_[static_cast<size_t>(row)];
+  if (r.has_hidden || r.length != 0 || r.base != 0)
+    fail(who_, " adopt_prefix: row ", row, " is not a cold row");
+  r.base = static_cast<int64_t>(tokens.size());
+}
+
+void MtpRows::prefill(std::span<const RowPrefill> rows) {
+  std::vector<bool> seen(rows_.size(), false);
+  for (const RowPrefill& p : rows) {
+    if (p.row < 0 || p.row >= row_count()) fail(who_, " prefill: row ", p.row, " does not exist");
+    if (seen[static_cast<size_t>(p.row)]) fail(who_, " prefill: row ", p.row, " listed twice");
+    seen[static_cast<size_t>(p.row)] = true;
+    const Row& r = rows_[static_cast<size_t>(p.row)];
+    if (r.drafted) fail(who_, " prefill: row ", p.row, " has an uncommitted draft");
+    if (p.tokens.empty()) fail(who_, " prefill: row ", p.row, " has no tokens");
+    if (p.hidden == nullptr)
+      fail(who_, " prefill: row ", p.row, " needs the target's ", tap_name(tap_), " hiddens");
+    for (int32_t id : p.tokens)
+      if (id < 0 || id >= V_)
+        fail(who_, " prefill: token id ", id, " is out of range [0, ", V_, ")");
+    const int64_t covered = r.base + (r.has_hidden ? r.length + 1 : 0);
+    if (covered != p.processed_before)
+      fail(who_, " prefill: row ", p.row, " covers ", covered, " tokens but the prefill ",
+           p.processed_before == 0 ? "starts at token 0"
+                                   : "continues after " + std::to_string(p.processed_before));
+  }
+  ids_.clear();
+  hid_.clear();
+  std::vector<int> row_ids;
+  std::vector<int64_t> counts;
+  for (const RowPrefill& p : rows) {
+    const Row& r = rows_[static_cast<size_t>(p.row)];
+    const int64_t n = static_cast<int64_t>(p.tokens.size());
+    int64_t count = 0;
+    // A continuing row first pairs its first new token with the hidden before it.
+    if (r.has_hidden) {
+      gather(p.tokens[0], r.h_true.data());
+      ++count;
+    }
+    for (int64_t j = 0; j + 1 < n; ++j) {
+      gather(p.tokens[static_cast<size_t>(j + 1)], p.hidden + j * H_);
+      ++count;
+    }
+    // An adopted row given a single token has no (token, hidden) pair yet.
+    if (count == 0) continue;
+    row_ids.push_back(p.row);
+    counts.push_back(count);
+  }
+  if (!row_ids.empty()) run_block(row_ids, counts);
+  for (const RowPrefill& p : rows) {
+    Row& r = rows_[static_cast<size_t>(p.row)];
+    const float* last = p.hidden + (static_cast<int64_t>(p.tokens.size()) - 1) * H_;
+    r.h_true.assign(last, last + H_);
+    r.has_hidden = true;
+  }
+}
+
+void MtpRows::draft(std::span<const RowDraft> rows, std::vector<DraftProposal>* out) {
+  if (static_cast<int>(rows.size()) != row_count())
+    fail(who_, " draft: ", rows.size(), " row inputs for ", row_count(), " rows");
+  int max_depth = 0;
+  for (size_t b = 0; b < rows.size(); ++b) {
+    const Row& r = rows_[b];
+    if (!r.has_hidden) fail(who_, " draft: row ", b, " was never prefilled");
+    if (r.drafted) fail(who_, " draft: row ", b, " has a draft that was never committed");
+    if (rows[b].depth < 0) fail(who_, " draft: row ", b, " depth ", rows[b].depth, " < 0");
+    if (rows[b].pending < 0 || rows[b].pending >= V_)
+      fail(who_, " draft: pending token ", rows[b].pending, " is out of range [0, ", V_, ")");
+    rows[b].sampling.validate();
+    max_depth = std::max(max_depth, rows[b].depth);
+  }
+  out->assign(rows.size(), DraftProposal{});
+  for (size_t b = 0; b < rows.size(); ++b) {
+    Row& r = rows_[b];
+    r.drafted = true;
+    r.pending = rows[b].pending;
+    r.proposals.clear();
+    r.round_start = r.length;
+  }
+  if (static_cast<int64_t>(chain_.size()) < row_count() * H_)
+    chain_.resize(static_cast<size_t>(row_count() * H_));
+  if (static_cast<int>(step_logits_.size()) < max_depth) {
+    step_logits_.resize(static_cast<size_t>(max_depth));
+    step_logits_dev_.resize(static_cast<size_t>(max_depth));
+    step_rows_.resize(static_cast<size_t>(max_depth));
+  }
+  step_logits_on_host_.assign(step_logits_.size(), false);
+  for (auto& s : step_rows_) s.clear();
+  // Step j: every row still drafting adds MTP row round_start + j from (pending, h_true) at
+  // j = 0, else (d_{j-1}, out_{j-1}); one block call and one head call for all of them.
+  for (int j = 0; j < max_depth; ++j) {
+    std::vector<int>& active = step_rows_[static_cast<size_t>(j)];
+    ids_.clear();
+    hid_.clear();
+    for (size_t b = 0; b < rows.size(); ++b) {
+      if (rows[b].depth <= j) continue;
+      const Row& r = rows_[b];
+      if (j == 0)
+        gather(r.pending, r.h_true.data());
+      else
+        gather(r.proposals.back(), chain_.data() + b * H_);
+      active.push_back(static_cast<int>(b));
+    }
+    const int64_t A = static_cast<int64_t>(active.size());
+    run_block(active, std::vector<int64_t>(active.size(), 1));
+    Buffer<float>& logits_dev = step_logits_dev_[static_cast<size_t>(j)];
+    logits_dev.grow_to(A * V_);
+    target_.logits(out_.data(), A, logits_dev.data());
+    // Greedy rows that need no distribution take the argmax where the logits are: A ids cross to
+    // the host instead of A x V logits.
+    bool greedy = true;
+    for (int b : active) {
+      const RowDraft& in = rows[static_cast<size_t>(b)];
+      greedy = greedy && in.sampling.greedy() && !in.want_distribution;
+    }
+    std::vector<int32_t> picked;
+    if (greedy) {
+      argmax_dev_.grow_to(A);
+      ops::argmax_rows(logits_dev.data(), A, V_, argmax_dev_.data());
+      picked.resize(static_cast<size_t>(A));
+      ops::copy_to_host(picked.data(), argmax_dev_.data(), sizeof(int32_t) * picked.size());
+      for (int64_t a = 0; a < A; ++a)
+        if (picked[static_cast<size_t>(a)] < 0)
+          fail(who_, " draft: logits of row ", active[static_cast<size_t>(a)],
+               " hold NaN or +inf, or only -inf");
+    } else {
+      copy_step_logits(j);
+    }
+    const std::vector<float>& logits = step_logits_[static_cast<size_t>(j)];
+    out_host_.resize(static_cast<size_t>(A * H_));
+    ops::copy_to_host(out_host_.data(), out_.data(), sizeof(float) * out_host_.size());
+    for (int64_t a = 0; a < A; ++a) {
+      const int b = active[static_cast<size_t>(a)];
+      const RowDraft& in = rows[static_cast<size_t>(b)];
+      const std::span<const float> l =
+          greedy ? std::span<const float>()
+                 : std::span<const float>(logits.data() + a * V_, static_cast<size_t>(V_));
+      const int32_t d =
+          greedy ? picked[static_cast<size_t>(a)]
+                 : sample_token(l, in.sampling, in.first_index + static_cast<uint64_t>(j), &dist_);
+      rows_[static_cast<size_t>(b)].proposals.push_back(d);
+      (*out)[static_cast<size_t>(b)].tokens.push_back(d);
+      if (in.want_distribution) {
+        (*out)[static_cast<size_t>(b)].q.emplace_back();
+        filtered_distribution(l, in.sampling, &(*out)[static_cast<size_t>(b)].q.back());
+      }
+      std::memcpy(chain_.data() + b * H_, out_host_.data() + a * H_, sizeof(float) * H_);
+    }
+  }
+}
+
+void MtpRows::commit(std::span<const VerifyRow> rows) {
+  if (static_cast<int>(rows.size()) != row_count())
+    fail(who_, " commit: ", rows.size(), " verify rows for ", row_count(), " rows");
+  for (size_t b = 0; b < rows.size(); ++b) {
+    const Row& r = rows_[b];
+    const VerifyRow& v = rows[b];
+    if (!r.drafted) fail(who_, " commit: row ", b, " has no draft to commit");
+    const size_t k = r.proposals.size();
+    if (v.window.size() != k + 1)
+      fail(who_, " commit: row ", b, " window has ", v.window.size(),
+           " tokens but the draft proposed ", k, " (expected pending + proposals)");
+    if (v.window[0] != r.pending ||
+        !std::equal(r.proposals.begin(), r.proposals.end(), v.window.begin() + 1))
+      fail(who_, " commit: row ", b, " window is not [pending, proposals] of its last draft");
+    if (v.accepted < 0 || static_cast<size_t>(v.accepted) > k)
+      fail(who_, " commit: row ", b, " accepted ", v.accepted, " of ", k, " proposals");
+    if (v.hidden == nullptr) fail(who_, " commit: row ", b, " has no verify hiddens");
+  }
+  // Afterwards rows = target processed - 1.
+  ids_.clear();
+  hid_.clear();
+  std::vector<int> row_ids;
+  for (size_t b = 0; b < rows.size(); ++b) {
+    Row& r = rows_[b];
+    const VerifyRow& v = rows[b];
+    const int64_t k = static_cast<int64_t>(r.proposals.size());
+    const int64_t a = v.accepted;
+    if (k == 0) {
+      r.length = r.round_start;
+      gather(r.pending, r.h_true.data());
+      row_ids.push_back(static_cast<int>(b));
+    } else {
+      r.length = r.round_start + std::min(a + 1, k);
+      if (a == k) {
+        gather(r.proposals.back(), v.hidden + (k - 1) * H_);
+        row_ids.push_back(static_cast<int>(b));
+      }
+    }
+    truncate_history(*r.history, r.length);
+  }
+  if (!row_ids.empty()) run_block(row_ids, std::vector<int64_t>(row_ids.size(), 1));
+  for (size_t b = 0; b < rows.size(); ++b) {
+    Row& r = rows_[b];
+    const float* h = rows[b].hidden + static_cast<int64_t>(rows[b].accepted) * H_;
+    r.h_true.assign(h, h + H_);
+    r.drafted = false;
+    r.proposals.clear();
+  }
+}
+
+CheckpointPtr MtpRows::capture(int row) const {
+  if (row < 0 || row >= row_count()) fail(who_, " capture: row ", row, " does not exist");
+  const Row& r = rows_[static_cast<size_t>(row)];
+  if (!r.has_hidden) fail(who_, " capture: row ", row, " was never prefilled");
+  if (r.drafted) fail(who_, " capture: row ", row, " has an uncommitted draft");
+  auto c = std::make_shared<Checkpoint>();
+  c->processed_tokens = r.base + r.length + 1;
+  c->history_from = r.base;
+  c->schema = schema_;
+  c->ns = ns_;
+  save_history(*r.history, r.length, *c);
+  c->tensors["h_true"] = CheckpointTensor{{H_}, r.h_true};
+  return c;
+}
+
+void MtpRows::copy_step_logits(int step) const {
+  const size_t j = static_cast<size_t>(step);
+  if (step_logits_on_host_[j]) return;
+  const int64_t n = static_cast<int64_t>(step_rows_[j].size()) * V_;
+  if (static_cast<int64_t>(step_logits_[j].size()) < n)
+    step_logits_[j].resize(static_cast<size_t>(n));
+  ops::copy_to_host(step_logits_[j].data(), step_logits_dev_[j].data(),
+                    sizeof(float) * static_cast<size_t>(n));
+  step_logits_on_host_[j] = true;
+}
+
+std::span<const float> MtpRows::last_draft_logits(int row, int step) const {
+  if (step < 0 || step >= static_cast<int>(step_rows_.size()))
+    fail(who_, ": the last draft has no step ", step);
+  const std::vector<int>& active = step_rows_[static_cast<size_t>(step)];
+  const auto it = std::find(active.begin(), active.end(), row);
+  if (it == active.end()) fail(who_, ": row ", row, " drafted no proposal at step ", step);
+  const int64_t a = it - active.begin();
+  copy_step_logits(step);
+  return {step_logits_[static_cast<size_t>(step)].data() + a * V_, static_cast<size_t>(V_)};
+}
+
+}  // namespace tandem::spec

@@ -1,0 +1,126 @@
+// The rows of a multi-token-prediction drafter (DESIGN.md §5.4): one block, chained on its own
+// output, proposes tokens from the target's hidden states. Qwen3.5's `mtp.*` layer and GLM-5's
+// NextN layer follow the same row convention and differ only in their block and the cache it
+// keeps, so this class owns the convention and a subclass supplies the block and its cache.
+//
+// Row convention: MTP row p (rotary position p) is built from (token_{p+1}, h_p) and predicts
+// token_{p+2}, where h_p is the target's hidden at position p at the drafter's tap. Between
+// rounds every prefilled row holds exactly (target processed tokens - 1) MTP rows, plus h_true =
+// the target's hidden at processed - 1 (the position whose next token is pending). A row that
+// adopted a cached prefix of `base` tokens holds processed - 1 - base rows, from position base.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "tandem/backend/buffer.h"
+#include "tandem/spec/draft.h"
+
+namespace tandem::spec {
+
+class MtpRows : public DraftRows {
+ public:
+  const std::string& ns() const override { return ns_; }
+  PrefillMode prefill_mode() const override { return PrefillMode::Full; }
+  std::optional<HiddenTap> tap() const override { return tap_; }
+  int row_count() const override { return static_cast<int>(rows_.size()); }
+
+  std::unique_ptr<PreparedChange> prepare_append(std::span<const CheckpointPtr> from) override;
+  void filter_rows(std::span<const int> keep) override;
+  // The row's history starts at the boundary (its MTP rows before it would need the target's
+  // hiddens there, which the prefix cache does not keep): rotary positions count from the
+  // boundary, which leaves attention scores as they would be (rotary embeddings are relative).
+  void adopt_prefix(int row, std::span<const int32_t> tokens) override;
+  bool adopts_exactly() const override { return false; }
+  // Cold row (processed_before = 0): rows 0..n-2 from (tokens[p+1], hidden[p]). A row continuing
+  // (processed_before = P > 0, e.g. restored) first adds row P-1 from (tokens[0], h_true).
+  // Either way h_true becomes hidden[n-1].
+  void prefill(std::span<const RowPrefill> rows) override;
+  void draft(std::span<const RowDraft> rows, std::vector<DraftProposal>* out) override;
+  // Keeps the drafted rows of pending + accepted proposals, then appends what is still missing:
+  // the last proposal's row from the verified (true) hidden when all were accepted, or the
+  // pending token's row when nothing was drafted.
+  void commit(std::span<const VerifyRow> rows) override;
+  CheckpointPtr capture(int row) const override;
+
+  // Diagnostics (tests, tools): the MTP rows a row holds, and the logits its last draft call
+  // computed for proposal `step` ([V], valid until the next draft call).
+  int64_t mtp_rows(int row) const { return rows_.at(static_cast<size_t>(row)).length; }
+  std::span<const float> last_draft_logits(int row, int step) const;
+
+ protected:
+  // A row's cache of its MTP rows, kept by the subclass's block (paged KV, a latent cache). The
+  // class tracks the length; a history holds at least that many rows.
+  struct History {
+    virtual ~History() = default;
+  };
+
+  // who: the drafter's name in messages ("qwen-mtp"); schema: its checkpoints' schema.
+  MtpRows(const TargetView& target, std::string who, std::string schema, std::string ns,
+          HiddenTap tap, int64_t hidden_size, int64_t vocab_size);
+
+  virtual std::unique_ptr<History> new_history() = 0;
+  // Returns a row's storage to the subclass (the row is dropped); called once per history.
+  virtual void release_history(History& h) = 0;
+  // Drops the rows from `length` on.
+  virtual void truncate_history(History& h, int64_t length) = 0;
+  // Checks a checkpoint's cache tensors (schema, namespace and h_true are checked here) and
+  // returns the MTP rows they hold; throws Error naming what is wrong.
+  virtual int64_t check_history(const Checkpoint& c) const = 0;
+  virtual std::unique_ptr<History> restore_history(const Checkpoint& c, int64_t length) = 0;
+  // Adds the cache tensors (and any metadata) of the first `length` rows to a checkpoint.
+  virtual void save_history(const History& h, int64_t length, Checkpoint& c) const = 0;
+  // Runs the block over T = Σ counts new rows: rows[i] (holding lengths[i] rows) gets counts[i]
+  // rows appended to its history. embeds, hidden, out: [T, H] in backend memory, rows in order.
+  virtual void forward_block(const float* embeds, const float* hidden,
+                             std::span<History* const> rows, std::span<const int64_t> lengths,
+                             std::span<const int64_t> counts, float* out) = 0;
+
+  const TargetView& target_;  // outlives the rows (TargetView's contract)
+  int64_t H_ = 0, V_ = 0;
+
+ private:
+  struct Row {
+    std::unique_ptr<History> history;
+    int64_t base = 0;           // target tokens before the row's history (adopt_prefix)
+    int64_t length = 0;         // committed MTP rows, the first one at rotary position 0
+    bool has_hidden = false;    // h_true is set (the row was prefilled or restored)
+    std::vector<float> h_true;  // [H]
+    // The round in flight (between draft and commit).
+    bool drafted = false;
+    int32_t pending = 0;
+    std::vector<int32_t> proposals;
+    int64_t round_start = 0;  // length when the round's draft began
+  };
+
+  std::string who_, schema_, ns_;
+  HiddenTap tap_;
+  std::vector<Row> rows_;
+  int64_t outstanding_appends_ = 0;  // rows of prepared, not yet committed appends
+
+  // Scratch (grown, reused). Buffers are backend memory; vectors are host staging.
+  Buffer<float> emb_, hid_dev_, out_;
+  Buffer<int32_t> argmax_dev_;
+  std::vector<float> hid_, out_host_;
+  std::vector<int32_t> ids_;
+  std::vector<float> chain_;  // [rows, H] each row's last step output (host)
+  // Per draft step: the logits [active rows, V] in backend memory, and a host copy made when
+  // sampling needs it (or a diagnostic asks).
+  std::vector<Buffer<float>> step_logits_dev_;
+  mutable std::vector<std::vector<float>> step_logits_;
+  mutable std::vector<bool> step_logits_on_host_;
+  std::vector<std::vector<int>> step_rows_;  // per draft step: the active rows, in order
+  std::vector<TokenProb> dist_;
+
+  void copy_step_logits(int step) const;  // the host copy of a draft step's logits
+  // Appends one (token, hidden) pair to the gather buffers.
+  void gather(int32_t id, const float* hidden);
+  // Runs the block over the pairs gathered in ids_ / hid_ (rows in `row_ids` order, counts[i]
+  // pairs for row_ids[i]), appending them to each row's history; out_ receives [Σ counts, H].
+  void run_block(const std::vector<int>& row_ids, const std::vector<int64_t>& counts);
+};
+
+}  // namespace tandem::spec
