@@ -28,6 +28,7 @@ ops::WeightRef Glm5Tensors::tensor(const std::string& name, const std::vector<in
          shape_str(t.shape));
   ops::WeightRef w = ops::weight_ref(t);
   parameters_ += static_cast<uint64_t>(t.numel());
+  bytes_ += w.bytes();
   if (is_float(t.dtype)) return w;
   if (t.dtype != DType::F8_E4M3 || shape.size() != 2)
     fail("tensor '", name, "' in ", store_.dir(), ": dtype ", dtype_name(t.dtype),
@@ -49,6 +50,7 @@ ops::WeightRef Glm5Tensors::tensor(const std::string& name, const std::vector<in
   if (s->dtype != DType::F32 && s->dtype != DType::BF16)
     fail("tensor '", scale_name, "' in ", store_.dir(), ": dtype ", dtype_name(s->dtype),
          " is not supported (expected F32 or BF16)");
+  bytes_ += static_cast<uint64_t>(s->numel()) * dtype_size(s->dtype);
   w.scales.data = s->data;
   w.scales.dtype = s->dtype;
   w.scales.block_rows = cfg_.fp8_block_rows;

@@ -28,12 +28,14 @@ class Glm5Tensors {
   // shared experts.
   ops::MoeWeights mixture(const std::string& prefix);
   uint64_t parameters() const { return parameters_; }
+  uint64_t bytes() const { return bytes_; }  // as stored, fp8 scales included
 
  private:
   const Glm5Config& cfg_;
   const WeightStore& store_;
   std::vector<std::vector<float>> score_biases_;  // heap buffers: stable when the outer grows
   uint64_t parameters_ = 0;
+  uint64_t bytes_ = 0;
 };
 
 struct Glm5Layer {

@@ -29,6 +29,8 @@ class GlmMtpBlock {
 
   const Glm5Config& config() const { return cfg_; }
   uint64_t parameter_count() const { return tensors_->parameters(); }
+  uint64_t weights_bytes() const { return tensors_->bytes(); }
+  int64_t latent_width() const { return cfg_.kv_lora_rank + cfg_.qk_rope_head_dim; }
 
   // embeds, hidden: [T, H] (the target's raw embedding rows of the tokens, and the target's
   // hiddens), rows of `tokens` in order; each row's new positions are appended to its cache

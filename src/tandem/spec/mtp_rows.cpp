@@ -179,8 +179,12 @@ void MtpRows::prefill(std::span<const RowPrefill> rows) {
   std::vector<int> row_ids;
   std::vector<int64_t> counts;
   for (const RowPrefill& p : rows) {
-    const Row& r = rows_[static_cast<size_t>(p.row)];
+    Row& r = rows_[static_cast<size_t>(p.row)];
     const int64_t n = static_cast<int64_t>(p.tokens.size());
+    if (!prefill_history_ && r.length == 0) {
+      r.base = p.processed_before + n - 1;
+      continue;
+    }
     int64_t count = 0;
     // A continuing row first pairs its first new token with the hidden before it.
     if (r.has_hidden) {

@@ -37,7 +37,9 @@ class MtpRows : public DraftRows {
   bool adopts_exactly() const override { return false; }
   // Cold row (processed_before = 0): rows 0..n-2 from (tokens[p+1], hidden[p]). A row continuing
   // (processed_before = P > 0, e.g. restored) first adds row P-1 from (tokens[0], h_true).
-  // Either way h_true becomes hidden[n-1].
+  // Either way h_true becomes hidden[n-1]. Without prefill_history, a row that holds no MTP rows
+  // yet runs no block: its history starts at the prefill's last token, as adopt_prefix starts it
+  // at a boundary (the seeds' convention for GLM's NextN layer).
   void prefill(std::span<const RowPrefill> rows) override;
   void draft(std::span<const RowDraft> rows, std::vector<DraftProposal>* out) override;
   // Keeps the drafted rows of pending + accepted proposals, then appends what is still missing:
@@ -81,6 +83,7 @@ class MtpRows : public DraftRows {
 
   const TargetView& target_;  // outlives the rows (TargetView's contract)
   int64_t H_ = 0, V_ = 0;
+  bool prefill_history_ = true;  // prefill builds MTP rows for the prompt (see prefill)
 
  private:
   struct Row {
