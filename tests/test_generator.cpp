@@ -26,7 +26,7 @@ GenerateResult step_by_step(const Qwen35Model& m, const GenerateRequest& r) {
   m.forward(st, f, &out);
   GenerateResult res;
   int32_t tok = out.argmax.at(0);
-  while (!append_token(r, m.config(), tok, &res)) {
+  while (!append_token(r, m.config().eos_token_ids, tok, &res)) {
     rows = {{slot, 1}};
     const std::vector<int32_t> in = {tok};
     ForwardRequest s{in, rows, false, false};

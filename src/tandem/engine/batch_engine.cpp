@@ -6,6 +6,7 @@
 
 #include "tandem/backend/ops.h"
 #include "tandem/core/error.h"
+#include "tandem/engine/qwen_engine_target.h"
 
 namespace tandem {
 
@@ -26,26 +27,26 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
 class TargetJoin : public spec::PreparedChange {
  public:
   // hit: a prefix-cache hit the row starts from (tokens 0: a cold row).
-  TargetJoin(Qwen35State& state, int64_t reserve_tokens, PrefixCache* cache,
+  TargetJoin(EngineTarget& target, int64_t reserve_tokens, PrefixCache* cache,
              const PrefixCache::Hit& hit)
-      : state_(state) {
-    slot_ = state_.open_row();
+      : target_(target) {
+    slot_ = target_.open_row();
     try {
       if (hit.tokens > 0) cache->restore(hit, slot_);
-      if (reserve_tokens > 0) state_.reserve(slot_, reserve_tokens);
+      if (reserve_tokens > 0) target_.reserve(slot_, reserve_tokens);
     } catch (...) {
-      state_.close_row(slot_);
+      target_.close_row(slot_);
       throw;
     }
   }
   int slot() const { return slot_; }
   void commit() noexcept override { committed_ = true; }
   void dispose() noexcept override {
-    if (!committed_) state_.close_row(slot_);
+    if (!committed_) target_.close_row(slot_);
   }
 
  private:
-  Qwen35State& state_;
+  EngineTarget& target_;
   int slot_ = -1;
   bool committed_ = false;
 };
@@ -83,11 +84,13 @@ struct BatchEngine::Row {
 
 BatchEngine::BatchEngine(const Qwen35Model& model, const spec::DraftProvider* drafter,
                          std::string target_identity, EngineOptions options)
-    : model_(model),
-      drafter_(drafter),
-      target_(model, std::move(target_identity)),
-      options_(options),
-      state_(model.config(), RecurrentRollback::PerPositionStates, options_.kv_dtype) {
+    : BatchEngine(
+          std::make_unique<QwenEngineTarget>(model, std::move(target_identity), options.kv_dtype),
+          drafter, options) {}
+
+BatchEngine::BatchEngine(std::unique_ptr<EngineTarget> target, const spec::DraftProvider* drafter,
+                         EngineOptions options)
+    : target_(std::move(target)), drafter_(drafter), options_(options) {
   if (options_.spec.depth < 0 || options_.spec.depth > 16)
     fail("--depth must be in 0..16, got ", options_.spec.depth);
   if (options_.max_rows < 0) fail("the engine's row limit must be at least 1");
@@ -104,8 +107,8 @@ BatchEngine::BatchEngine(const Qwen35Model& model, const spec::DraftProvider* dr
   if (options_.spec.auto_depth && depth_ > 0)
     policy_.emplace(spec::DepthPolicyOptions{.max_depth = depth_});
   if (drafter_) {
-    prefill_drafts_ = drafter_->open_rows(target_);
-    decode_drafts_ = drafter_->open_rows(target_);
+    prefill_drafts_ = drafter_->open_rows(target_->view());
+    decode_drafts_ = drafter_->open_rows(target_->view());
     if (prefill_drafts_->prefill_mode() != spec::PrefillMode::Full)
       fail("drafter '", drafter_->id(), "': only full-prompt prefill is supported");
     const auto tap = prefill_drafts_->tap();
@@ -114,19 +117,22 @@ BatchEngine::BatchEngine(const Qwen35Model& model, const spec::DraftProvider* dr
   }
   if (options_.kv_blocks > 0) {
     if (options_.max_rows == 0) fail("a fixed KV pool needs a row limit");
-    state_.set_capacity({options_.max_rows, options_.kv_blocks, depth_ + 1});
+    target_->set_fixed_pool(options_.max_rows, options_.kv_blocks, depth_ + 1);
   }
-  if (options_.prefix_cache_bytes > 0)
-    cache_ =
-        std::make_unique<PrefixCache>(state_, options_.prefix_cache_bytes,
-                                      Qwen35State::block_bytes(model_.config(), state_.kv_dtype()));
+  Qwen35State* paged = target_->paged_state();
+  if (options_.prefix_cache_bytes > 0) {
+    if (!paged) fail("the prefix cache is not supported for this target (its state is not paged)");
+    cache_ = std::make_unique<PrefixCache>(*paged, options_.prefix_cache_bytes,
+                                           target_->kv_block_bytes());
+  }
   if (!options_.prefix_cache_dir.empty()) {
     if (!cache_) fail("a prefix-cache folder needs a prefix cache (its memory budget is 0)");
-    if (target_.identity().empty())
+    const std::string& identity = target_->view().identity();
+    if (identity.empty())
       fail("a prefix-cache folder needs the target's artifact identity to key its files");
     disk_ = std::make_unique<PrefixDisk>(options_.prefix_cache_dir,
-                                         PrefixDiskKey{target_.identity(), options_.tokenizer_hash,
-                                                       state_.kv_scheme(), state_.kv_dtype()});
+                                         PrefixDiskKey{identity, options_.tokenizer_hash,
+                                                       paged->kv_scheme(), paged->kv_dtype()});
     cache_->attach_disk(disk_.get());
   }
   counters_.kv_blocks_total = options_.kv_blocks;
@@ -151,16 +157,15 @@ int64_t BatchEngine::tokens_needed(int64_t prompt_tokens, int64_t max_tokens) co
 }
 
 int64_t BatchEngine::capacity_tokens() const {
-  return state_.fixed() ? state_.total_blocks() * Qwen35State::kBlockSize : 0;
+  return target_->fixed() ? target_->total_blocks() * target_->block_tokens() : 0;
 }
 
 void BatchEngine::validate(const EngineRequest& r) const {
-  const Qwen35Config& cfg = model_.config();
+  const int64_t V = target_->vocab_size();
   const GenerateRequest& g = r.gen;
   if (g.prompt.empty()) fail("the prompt is empty");
   for (int32_t id : g.prompt)
-    if (id < 0 || id >= cfg.vocab_size)
-      fail("prompt token id ", id, " is out of range [0, ", cfg.vocab_size, ")");
+    if (id < 0 || id >= V) fail("prompt token id ", id, " is out of range [0, ", V, ")");
   if (g.max_tokens < 1) fail("max_tokens must be at least 1, got ", g.max_tokens);
   g.sampling.validate();
   if (r.top_logprobs < -1 || r.top_logprobs > 20)
@@ -202,7 +207,7 @@ void BatchEngine::publish_counters() {
   counters_.queued = static_cast<int64_t>(queue_.size());
   counters_.prefilling = static_cast<int64_t>(prefilling_.size());
   counters_.decoding = static_cast<int64_t>(decoding_.size());
-  if (state_.fixed()) counters_.kv_blocks_used = state_.total_blocks() - state_.free_block_count();
+  if (target_->fixed()) counters_.kv_blocks_used = target_->total_blocks() - target_->free_blocks();
   if (cache_) {
     const PrefixCacheStats c = cache_->stats();
     counters_.prefix_entries = c.entries;
@@ -246,10 +251,9 @@ bool BatchEngine::emit(Row& row, int32_t id, const float* logits) {
   t.index = row.result.tokens.size();
   if (row.req.top_logprobs >= 0) {
     TANDEM_CHECK(logits != nullptr, "log-probabilities without logits");
-    fill_logprobs({logits, static_cast<size_t>(model_.config().vocab_size)}, row.req.top_logprobs,
-                  &t);
+    fill_logprobs({logits, static_cast<size_t>(target_->vocab_size())}, row.req.top_logprobs, &t);
   }
-  const bool ended = append_token(row.req.gen, model_.config(), id, &row.result);
+  const bool ended = append_token(row.req.gen, target_->eos_token_ids(), id, &row.result);
   ++row.stats.emitted;
   {
     std::lock_guard lock(mu_);
@@ -278,14 +282,14 @@ void BatchEngine::retire() {
   // A finished row of the forward in flight (only an error path gets here: cancellations
   // complete the forward first) would hand its slot back while the forward still writes it:
   // the forward stops, and its other rows, whose state it left part-advanced, fail.
-  if (inflight_.active()) {
+  if (target_->prompt_active()) {
     bool hit = false;
     for (const auto& r : prefilling_) hit = hit || (r->done && in_flight(*r));
     if (hit) {
       for (auto& r : prefilling_)
         if (in_flight(*r))
           finish(*r, RequestEnd::Failed, "its prefill forward was interrupted by a neighbour");
-      inflight_.abandon();
+      target_->abandon_prompt();
     }
   }
   auto drop = [&](std::vector<std::unique_ptr<Row>>& rows, spec::DraftRows* drafts) {
@@ -294,7 +298,7 @@ void BatchEngine::retire() {
     for (size_t r = 0; r < rows.size(); ++r) {
       if (rows[r]->done) {
         if (&rows == &decoding_) save_turn(*rows[r], r);
-        if (rows[r]->slot >= 0) state_.close_row(rows[r]->slot);
+        if (rows[r]->slot >= 0) target_->close_row(rows[r]->slot);
       } else {
         keep.push_back(static_cast<int>(r));
         still.push_back(std::move(rows[r]));
@@ -327,15 +331,15 @@ void BatchEngine::admit() {
       const Pending& head = queue_.front();
       if (!head.sink->cancelled() && cache_)
         hit = cache_->lookup(head.request.gen.prompt, draft_ns, adopt_other);
-      if (state_.fixed() && !head.sink->cancelled()) {
+      if (target_->fixed() && !head.sink->cancelled()) {
         // The blocks below a hit are shared, not taken; the pool's blocks that only the cache
         // holds are given back to admit the head if need be.
-        const int64_t need = Qwen35State::blocks_for(
-                                 tokens_needed(static_cast<int64_t>(head.request.gen.prompt.size()),
-                                               head.request.gen.max_tokens)) -
-                             hit.tokens / Qwen35State::kBlockSize;
+        const int64_t need =
+            target_->blocks_for(tokens_needed(static_cast<int64_t>(head.request.gen.prompt.size()),
+                                              head.request.gen.max_tokens)) -
+            hit.tokens / target_->block_tokens();
         // The head waits for room (first come, first served); it fits an empty pool (submit).
-        if (state_.attention_layers() > 0 && need > state_.free_block_count() &&
+        if (target_->has_kv() && need > target_->free_blocks() &&
             !(cache_ && cache_->make_room(need, hit.entry)))
           return;
       }
@@ -352,7 +356,7 @@ void BatchEngine::admit() {
       finish(*row, RequestEnd::Cancelled);
       continue;
     }
-    const int64_t reserve = state_.fixed()
+    const int64_t reserve = target_->fixed()
                                 ? tokens_needed(static_cast<int64_t>(row->req.gen.prompt.size()),
                                                 row->req.gen.max_tokens)
                                 : 0;
@@ -362,7 +366,7 @@ void BatchEngine::admit() {
       int slot = -1;
       std::vector<spec::PrepareFn> changes;
       changes.push_back([&]() -> std::unique_ptr<spec::PreparedChange> {
-        auto t = std::make_unique<TargetJoin>(state_, reserve, cache_.get(), hit);
+        auto t = std::make_unique<TargetJoin>(*target_, reserve, cache_.get(), hit);
         slot = t->slot();
         return t;
       });
@@ -378,7 +382,7 @@ void BatchEngine::admit() {
               prefill_drafts_->row_count() - 1,
               std::span(row->req.gen.prompt).first(static_cast<size_t>(hit.tokens)));
         } catch (...) {
-          state_.close_row(slot);
+          target_->close_row(slot);
           prefill_drafts_->filter_rows(all_but_last(prefill_drafts_->row_count()));
           throw;
         }
@@ -402,7 +406,7 @@ void BatchEngine::admit() {
 }
 
 bool BatchEngine::in_flight(const Row& row) const {
-  if (!inflight_.active()) return false;
+  if (!target_->prompt_active()) return false;
   return std::find(inflight_ids_.begin(), inflight_ids_.end(), row.id) != inflight_ids_.end();
 }
 
@@ -443,20 +447,19 @@ void BatchEngine::begin_prefill() {
   fwd.prompt_gemm_rows = ops::prefill_gemm_rows(options_.spec.prefill_chunk);
   fwd.want_logits = inflight_logits_;
   fwd.want_argmax = !inflight_logits_;
-  model_.begin_prompt(state_, fwd, &inflight_);
+  target_->begin_prompt(fwd);
 }
 
 bool BatchEngine::advance_prefill(bool whole) {
   const auto t0 = std::chrono::steady_clock::now();
-  if (!inflight_.active()) begin_prefill();
+  if (!target_->prompt_active()) begin_prefill();
   // While rows decode, a forward of a long prompt's chunk, or of short prompts while enough
   // rows decode, runs a slice of its layers per step (EngineOptions::prefill_slice_ratio).
   const bool slice =
       !whole && !decoding_.empty() &&
       (inflight_long_ ||
        decoding_.size() >= static_cast<size_t>(options_.prefill_slice_ratio) * prefilling_.size());
-  const bool done =
-      model_.continue_prompt(state_, inflight_, slice ? options_.prefill_layers : 0, &out_);
+  const bool done = target_->continue_prompt(slice ? options_.prefill_layers : 0, &out_);
   {
     std::lock_guard lock(mu_);
     counters_.prefill_seconds += seconds_since(t0);
@@ -467,7 +470,7 @@ bool BatchEngine::advance_prefill(bool whole) {
 
 void BatchEngine::prefill_step() {
   const int64_t budget = options_.prefill_budget;
-  while (inflight_.active() || !prefilling_.empty()) {
+  while (target_->prompt_active() || !prefilling_.empty()) {
     if (!advance_prefill(false)) return;
     retire();
     if (budget > 0) return;
@@ -475,8 +478,8 @@ void BatchEngine::prefill_step() {
 }
 
 void BatchEngine::finish_prefill() {
-  const int64_t H = model_.config().hidden_size;
-  const int64_t V = model_.config().vocab_size;
+  const int64_t H = target_->hidden_size();
+  const int64_t V = target_->vocab_size();
   // The forward's rows in prefilling_ (rows that joined or left meanwhile shifted the indices;
   // none of the forward's own rows can have left).
   std::vector<size_t> picked;
@@ -486,7 +489,7 @@ void BatchEngine::finish_prefill() {
     TANDEM_CHECK(r < prefilling_.size(), "a row of the prefill forward left while it ran");
     picked.push_back(r);
   }
-  const std::span<const RowInput> rows = inflight_.rows();  // [k].n_tokens: row k's chunk
+  const std::span<const RowInput> rows = target_->prompt_rows();  // [k].n_tokens: row k's chunk
   const bool need_logits = inflight_logits_;
   if (prefill_drafts_) {
     const float* hidden = want_prenorm_ ? out_.prenorm_hidden.data() : out_.hidden.data();
@@ -596,7 +599,7 @@ void BatchEngine::save_turn(const Row& row, size_t decode_index) {
   // turn of a chat starts there. Elsewhere only the prefill grid's boundaries are exact.
   if (!cache_ || !ops::prefill_matches_decode() || row.end != RequestEnd::Finished) return;
   const int64_t P = static_cast<int64_t>(row.req.gen.prompt.size());
-  const int64_t length = state_.length(row.slot);
+  const int64_t length = target_->length(row.slot);
   const int64_t answered = length - P;
   // Tokens a stop string dropped were processed but never emitted: no token list to key them.
   if (answered < 1 || answered > static_cast<int64_t>(row.result.tokens.size())) return;
@@ -606,7 +609,9 @@ void BatchEngine::save_turn(const Row& row, size_t decode_index) {
 }
 
 bool BatchEngine::plain_greedy() const {
-  if (decode_drafts_ || options_.spec.verify != spec::VerifyMode::Match) return false;
+  if (!target_->pipelines_greedy() || decode_drafts_ ||
+      options_.spec.verify != spec::VerifyMode::Match)
+    return false;
   for (const auto& r : decoding_)
     if (r->needs_logits()) return false;
   return true;
@@ -622,7 +627,7 @@ void BatchEngine::retire_drafter() {
 void BatchEngine::drain() {
   if (!chained_) return;
   chained_ = false;
-  model_.collect_argmax(&collected_);
+  target_->collect_argmax(&collected_);
   TANDEM_CHECK(collected_.size() == chain_ids_.size(), "collected ", collected_.size(),
                " tokens for ", chain_ids_.size(), " rows");
   {
@@ -659,7 +664,7 @@ void BatchEngine::pipelined_round() {
     fwd.want_argmax = true;
     fwd.defer_argmax = true;
     fwd.tokens_from_argmax = from_argmax;
-    model_.forward(state_, fwd, &out_);
+    target_->forward(fwd, &out_);
   };
   if (!chained_) {
     queue_step(false);
@@ -692,8 +697,7 @@ void BatchEngine::round() {
   if (R == 0) return;
   if (plain_greedy()) return pipelined_round();
   drain();
-  const Qwen35Config& cfg = model_.config();
-  const int64_t V = cfg.vocab_size, H = cfg.hidden_size;
+  const int64_t V = target_->vocab_size(), H = target_->hidden_size();
   const auto t0 = std::chrono::steady_clock::now();
   const bool rejection = options_.spec.verify == spec::VerifyMode::Rejection;
 
@@ -742,7 +746,7 @@ void BatchEngine::round() {
   ForwardRequest verify{tokens_, inputs_, true, want_final_, want_prenorm_};
   verify.want_logits = need_logits;
   verify.want_argmax = !need_logits;
-  model_.forward(state_, verify, &out_);
+  target_->forward(verify, &out_);
 
   // 3. Accept walk per row, emitting as it goes (EOS, max tokens and stop strings end a request
   // mid-window). A row that fails here ends alone; its window is discarded with its slot.
@@ -811,7 +815,7 @@ void BatchEngine::round() {
     counters_.drafter_disabled = 1;
   }
   // 4. Commit: the target keeps pending + accepted proposals; the drafter follows.
-  model_.commit_windows(state_, keeps_);
+  target_->commit_windows(keeps_);
   if (decode_drafts_) {
     const float* hidden = want_prenorm_ ? out_.prenorm_hidden.data() : out_.hidden.data();
     const bool tapped = want_final_ || want_prenorm_;
@@ -855,14 +859,14 @@ bool BatchEngine::step() {
   }
   // A cancelled row of the prefill forward in flight: the forward runs its remaining layers
   // now, so the row's slot is free to close (one long step, only on cancellation).
-  if (inflight_.active()) {
+  if (target_->prompt_active()) {
     bool cancel = false;
     for (const auto& r : prefilling_) cancel = cancel || (in_flight(*r) && r->sink->cancelled());
     if (cancel) {
       try {
         advance_prefill(true);
       } catch (const std::exception& e) {
-        inflight_.abandon();
+        target_->abandon_prompt();
         fail_rows(prefilling_, std::string("prefill failed: ") + e.what());
       }
     }
@@ -875,7 +879,7 @@ bool BatchEngine::step() {
   try {
     prefill_step();
   } catch (const std::exception& e) {
-    inflight_.abandon();
+    target_->abandon_prompt();
     fail_rows(prefilling_, std::string("prefill failed: ") + e.what());
   }
   retire();
@@ -902,7 +906,7 @@ bool BatchEngine::step() {
 void BatchEngine::abandon_chain() {
   chained_ = false;
   try {
-    model_.drop_deferred_argmax();
+    target_->drop_deferred_argmax();
   } catch (...) {  // the error being handled already says what went wrong
   }
 }
@@ -923,7 +927,7 @@ void BatchEngine::serve(const std::string& shutdown_reason) {
     step();
   }
   if (chained_) abandon_chain();
-  inflight_.abandon();  // its rows are all cancelled below
+  target_->abandon_prompt();  // its rows are all cancelled below
   std::deque<Pending> left;
   {
     std::lock_guard lock(mu_);

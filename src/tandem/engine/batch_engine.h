@@ -29,6 +29,7 @@
 #include <string>
 #include <vector>
 
+#include "tandem/engine/engine_target.h"
 #include "tandem/engine/prefix_cache.h"
 #include "tandem/engine/request_sink.h"
 #include "tandem/engine/speculative.h"
@@ -107,6 +108,10 @@ class BatchEngine {
   // engine. With a fixed pool (options.kv_blocks > 0) options.max_rows must be set.
   BatchEngine(const Qwen35Model& model, const spec::DraftProvider* drafter,
               std::string target_identity, EngineOptions options);
+  // Any target (QwenEngineTarget, Glm5EngineTarget). Options the target cannot serve (a fixed
+  // pool, the prefix cache) are refused with an Error naming them.
+  BatchEngine(std::unique_ptr<EngineTarget> target, const spec::DraftProvider* drafter,
+              EngineOptions options);
   ~BatchEngine();
   BatchEngine(const BatchEngine&) = delete;
   BatchEngine& operator=(const BatchEngine&) = delete;
@@ -144,9 +149,8 @@ class BatchEngine {
     std::shared_ptr<RequestSink> sink;
   };
 
-  const Qwen35Model& model_;
+  std::unique_ptr<EngineTarget> target_;  // the model's state; before the cache that shares it
   const spec::DraftProvider* drafter_;
-  spec::QwenTargetView target_;
   EngineOptions options_;
   int depth_ = 0;        // configured proposals per round (reservations, stats)
   int draft_depth_ = 0;  // proposals rounds ask for: depth_, or 0 once the drafter collapsed
@@ -154,9 +158,8 @@ class BatchEngine {
   std::optional<spec::DepthPolicy> policy_;  // with SpecOptions::auto_depth and a drafter
   bool want_final_ = false, want_prenorm_ = false;
 
-  Qwen35State state_;
   std::unique_ptr<PrefixDisk> disk_;
-  std::unique_ptr<PrefixCache> cache_;  // after state_ and disk_: it uses both until destroyed
+  std::unique_ptr<PrefixCache> cache_;  // after target_ and disk_: it uses both until destroyed
   // Drafter rows of the prompts being prefilled, and of the rows decoding: a row's index in
   // prefilling_ / decoding_ is its row in the matching group.
   std::unique_ptr<spec::DraftRows> prefill_drafts_, decode_drafts_;
@@ -181,11 +184,10 @@ class BatchEngine {
   std::vector<int64_t> drafted_pos_, accepted_pos_;  // this round's counts per window position
   std::vector<int32_t> collected_;
 
-  // The prefill forward in flight (layer-sliced: it may span several steps; its RowInputs hold
-  // each row's chunk size), its rows (Row::id, in forward order) and whether it copies logits to
-  // the host. Its rows stay in prefilling_ and are never retired while it runs: their slots are
-  // being written.
-  Qwen35Model::PromptForward inflight_;
+  // The prefill forward in flight is the target's (EngineTarget::begin_prompt; layer-sliced: it
+  // may span several steps; its RowInputs hold each row's chunk size); here are its rows (Row::id,
+  // in forward order) and whether it copies logits to the host. Its rows stay in prefilling_ and
+  // are never retired while it runs: their slots are being written.
   std::vector<uint64_t> inflight_ids_;
   bool inflight_logits_ = false;
   bool inflight_long_ = false;  // it holds a chunk of a prompt longer than one chunk

@@ -32,23 +32,23 @@ double GenerateStats::decode_tokens_per_second() const {
   return decode_seconds > 0 ? static_cast<double>(decode_tokens) / decode_seconds : 0.0;
 }
 
-void validate_requests(const std::vector<GenerateRequest>& requests, const Qwen35Config& cfg) {
+void validate_requests(const std::vector<GenerateRequest>& requests, int64_t vocab_size) {
   for (size_t i = 0; i < requests.size(); ++i) {
     const GenerateRequest& r = requests[i];
     if (r.prompt.empty()) fail("request ", i, ": the prompt is empty");
     for (int32_t id : r.prompt)
-      if (id < 0 || id >= cfg.vocab_size)
-        fail("request ", i, ": token id ", id, " is out of range [0, ", cfg.vocab_size, ")");
+      if (id < 0 || id >= vocab_size)
+        fail("request ", i, ": token id ", id, " is out of range [0, ", vocab_size, ")");
     if (r.max_tokens < 1) fail("request ", i, ": max_tokens must be at least 1");
     r.sampling.validate();
   }
 }
 
-bool append_token(const GenerateRequest& request, const Qwen35Config& cfg, int32_t token,
-                  GenerateResult* result) {
+bool append_token(const GenerateRequest& request, std::span<const int64_t> eos_token_ids,
+                  int32_t token, GenerateResult* result) {
   result->tokens.push_back(token);
-  const bool eos = std::find(cfg.eos_token_ids.begin(), cfg.eos_token_ids.end(), token) !=
-                   cfg.eos_token_ids.end();
+  const bool eos =
+      std::find(eos_token_ids.begin(), eos_token_ids.end(), token) != eos_token_ids.end();
   if (!request.ignore_eos && eos) {
     result->finish = FinishReason::Stop;
     return true;
@@ -150,7 +150,7 @@ void Generator::decode_greedy(const std::vector<GenerateRequest>& requests, Qwen
 std::vector<GenerateResult> Generator::run(const std::vector<GenerateRequest>& requests,
                                            const TokenCallback& on_token, GenerateStats* stats) {
   const Qwen35Config& cfg = model_.config();
-  validate_requests(requests, cfg);
+  validate_requests(requests, cfg.vocab_size);
   const size_t B = requests.size();
   std::vector<GenerateResult> results(B);
   if (B == 0) return results;
@@ -162,7 +162,7 @@ std::vector<GenerateResult> Generator::run(const std::vector<GenerateRequest>& r
   std::vector<bool> live(B, true);
   // Emits the token sampled for request i; returns whether the request continues.
   auto emit = [&](size_t i, int32_t tok) {
-    if (append_token(requests[i], cfg, tok, &results[i])) live[i] = false;
+    if (append_token(requests[i], cfg.eos_token_ids, tok, &results[i])) live[i] = false;
     if (on_token) on_token(i, tok);
   };
 

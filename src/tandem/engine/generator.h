@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -48,12 +49,13 @@ using TokenCallback = std::function<void(size_t, int32_t)>;
 
 // Checks every request against the model before any work starts: empty prompt, ids out of range,
 // max_tokens < 1, invalid sampling parameters → Error naming the request.
-void validate_requests(const std::vector<GenerateRequest>& requests, const Qwen35Config& cfg);
+void validate_requests(const std::vector<GenerateRequest>& requests, int64_t vocab_size);
 
 // Appends an emitted token to `result` and applies the stop rules (EOS unless ignore_eos, then
 // max_tokens), setting result->finish. Returns whether the request has finished.
-bool append_token(const GenerateRequest& request, const Qwen35Config& cfg, int32_t token,
-                  GenerateResult* result);
+// eos_token_ids: the model's (its config's eos_token_ids).
+bool append_token(const GenerateRequest& request, std::span<const int64_t> eos_token_ids,
+                  int32_t token, GenerateResult* result);
 
 class Generator {
  public:

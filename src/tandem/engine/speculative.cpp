@@ -37,7 +37,7 @@ std::vector<GenerateResult> SpeculativeGenerator::run(const std::vector<Generate
                                                       const TokenCallback& on_token,
                                                       GenerateStats* stats,
                                                       std::vector<SpecStats>* spec_stats) {
-  validate_requests(requests, model_.config());
+  validate_requests(requests, model_.config().vocab_size);
   const size_t B = requests.size();
   std::vector<GenerateResult> results(B);
   std::vector<SpecStats> sstats(B);

@@ -7,8 +7,9 @@ namespace tandem {
 Glm5State::Glm5State(const Glm5Config& cfg, int max_rows)
     : latent_width_(cfg.kv_lora_rank + cfg.qk_rope_head_dim),
       index_width_(cfg.index_head_dim),
-      layers_(cfg.num_hidden_layers) {
-  if (max_rows < 1) fail("Glm5State: max_rows must be >= 1, got ", max_rows);
+      layers_(cfg.num_hidden_layers),
+      grows_(max_rows == 0) {
+  if (max_rows < 0) fail("Glm5State: max_rows must be >= 0, got ", max_rows);
   rows_.resize(static_cast<size_t>(max_rows));
 }
 
@@ -22,7 +23,9 @@ int Glm5State::open_row() {
     r.index_keys.resize(static_cast<size_t>(layers_));
     return static_cast<int>(i);
   }
-  fail("Glm5State: all ", rows_.size(), " row slots are open");
+  if (!grows_) fail("Glm5State: all ", rows_.size(), " row slots are open");
+  rows_.emplace_back();
+  return open_row();
 }
 
 Glm5State::Row& Glm5State::row(int slot) {

@@ -18,9 +18,10 @@ namespace tandem {
 
 class Glm5State {
  public:
+  // max_rows = 0: slots are added as rows open (no limit).
   Glm5State(const Glm5Config& cfg, int max_rows);
 
-  int max_rows() const { return static_cast<int>(rows_.size()); }
+  int max_rows() const { return static_cast<int>(rows_.size()); }  // slots so far
   // Opens the lowest free slot (length 0); throws Error when all max_rows are open.
   int open_row();
   void close_row(int slot);  // throws Error naming a slot that is not open
@@ -49,6 +50,7 @@ class Glm5State {
   int64_t latent_width_ = 0;  // kv_lora_rank + qk_rope_head_dim
   int64_t index_width_ = 0;   // index_head_dim
   int64_t layers_ = 0;
+  bool grows_ = false;  // constructed with max_rows = 0
   std::vector<Row> rows_;
 };
 

@@ -1,0 +1,74 @@
+// What the batch engine needs of a target model: its forwards, the rows of the state they append
+// to, and the seam its drafters read. One EngineTarget owns one state, used by one engine.
+//
+// Implementations: QwenEngineTarget (Qwen3.5 dense and MoE: paged KV with an optional fixed
+// pool, layer-sliced prompt forwards, pipelined greedy steps, the prefix cache) and
+// Glm5EngineTarget (GLM-5: per-row latent caches that grow on demand; prompt forwards run
+// whole). Capabilities a target lacks are reported (fixed_pool_supported, pipelines_greedy,
+// paged_state), and the engine refuses options that need them.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "tandem/model/forward.h"
+#include "tandem/spec/draft.h"
+
+namespace tandem {
+
+class Qwen35State;
+
+class EngineTarget {
+ public:
+  virtual ~EngineTarget() = default;
+
+  // The seam drafters are opened against (DESIGN.md 5.4); named by the target's identity.
+  virtual const spec::TargetView& view() const = 0;
+  virtual std::span<const int64_t> eos_token_ids() const = 0;
+  int64_t vocab_size() const { return view().vocab_size(); }
+  int64_t hidden_size() const { return view().hidden_size(); }
+
+  // Rows. open_row throws Error when no slot is free.
+  virtual int open_row() = 0;
+  virtual void close_row(int slot) = 0;
+  virtual int64_t length(int slot) const = 0;  // tokens the row holds
+
+  // A fixed pool of KV blocks (EngineOptions::kv_blocks): every row's blocks are reserved at
+  // admission, so no round runs out of memory half-way.
+  virtual bool fixed_pool_supported() const { return false; }
+  virtual void set_fixed_pool(int max_rows, int64_t blocks, int64_t max_window);
+  virtual bool fixed() const { return false; }
+  virtual int64_t block_tokens() const { return 0; }  // tokens per KV block
+  virtual int64_t total_blocks() const { return 0; }
+  virtual int64_t free_blocks() const { return 0; }
+  virtual int64_t blocks_for(int64_t /*tokens*/) const { return 0; }
+  virtual bool has_kv() const { return true; }  // false: no layer keeps a per-token cache
+  virtual void reserve(int /*slot*/, int64_t /*tokens*/) {}
+
+  // Forwards (ForwardRequest's contract; host outputs in `out`).
+  virtual void forward(const ForwardRequest& req, ForwardOutput* out) = 0;
+  virtual void commit_windows(std::span<const RowKeep> rows) = 0;
+
+  // A prompt forward that may run a few layers per call (layer-sliced prefill). begin copies
+  // the request; continue runs up to max_layers layers (0: all that remain) and returns true
+  // after the last one, with `out` filled. A target without slicing runs it whole.
+  virtual void begin_prompt(const ForwardRequest& req) = 0;
+  virtual bool continue_prompt(int max_layers, ForwardOutput* out) = 0;
+  virtual bool prompt_active() const = 0;
+  virtual std::span<const RowInput> prompt_rows() const = 0;  // of the forward in flight
+  virtual void abandon_prompt() = 0;
+
+  // Greedy steps queued ahead of the host (ForwardRequest::defer_argmax, tokens_from_argmax).
+  virtual bool pipelines_greedy() const { return false; }
+  virtual void collect_argmax(std::vector<int32_t>* argmax);
+  virtual void drop_deferred_argmax() {}
+
+  // The paged state the prefix cache shares blocks of, and the bytes of one of its KV blocks;
+  // null: the target has no prefix cache.
+  virtual Qwen35State* paged_state() { return nullptr; }
+  virtual size_t kv_block_bytes() const { return 0; }
+};
+
+}  // namespace tandem
