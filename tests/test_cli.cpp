@@ -78,6 +78,26 @@ TEST(Cli, GenerateJsonMatchesReferenceGreedyContinuation) {
   EXPECT_GT(j["stats"]["decode_tokens_per_second"].get<double>(), 0.0);
 }
 
+TEST(Cli, Glm5GeneratesTransformersGreedyContinuationWithAndWithoutSpeculation) {
+  // A GLM-5 checkpoint is recognised by its model_type and runs on the CPU; n-gram speculation
+  // emits the same tokens; its checkpoint has no NextN layer, which --draft mtp names.
+  const std::string model = kFixtures + "/glm5_bf16";
+  const auto prompt = ref_ids("glm5_bf16", "prompt_0");
+  const auto greedy = ref_ids("glm5_bf16", "greedy_0");
+  for (const std::string draft : {"none", "ngram"}) {
+    const CliRun r = run("generate --model " + model + " --token-ids " + join(prompt) +
+                             " --max-tokens 8 --ignore-eos --json --draft " + draft,
+                         false);
+    ASSERT_EQ(r.code, 0) << r.out;
+    const auto j = nlohmann::json::parse(r.out);
+    EXPECT_EQ(j["tokens"].get<std::vector<int64_t>>(), greedy) << draft;
+  }
+  expect_error(run("generate --model " + model + " --token-ids 1,2,3 --draft mtp"),
+               "num_nextn_predict_layers = 0");
+  expect_error(run("generate --model " + model + " --token-ids 1,2,3 --backend cuda"),
+               "CPU backend only");
+}
+
 TEST(Cli, SampledGenerationIsReproducibleBySeed) {
   const std::string base = "generate --model " + kFixtures +
                            "/qwen35_tied --token-ids 3,4,5 --max-tokens 12 --ignore-eos "

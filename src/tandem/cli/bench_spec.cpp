@@ -13,6 +13,7 @@
 #include "tandem/core/error.h"
 #include "tandem/engine/speculative.h"
 #include "tandem/io/artifact_identity.h"
+#include "tandem/spec/glm_mtp.h"
 #include "tandem/spec/ngram.h"
 #include "tandem/spec/qwen_mtp.h"
 
@@ -51,14 +52,14 @@ struct Measured {
   SpecStats total;               // summed over requests
 };
 
-Measured measure(const Qwen35Model& model, DType kv_dtype, const spec::DraftProvider* drafter,
-                 const std::string& identity, DepthArg depth,
-                 const std::vector<GenerateRequest>& reqs, int batch, int repeats) {
+Measured measure(const LoadedTarget& target, DType kv_dtype, const spec::DraftProvider* drafter,
+                 DepthArg depth, const std::vector<GenerateRequest>& reqs, int batch, int repeats) {
   // The probe stays off: this measures each drafter at the depth asked, whatever it accepts.
   SpecOptions opts{depth.depth, spec::VerifyMode::Match};
   opts.health_probe = false;
   opts.auto_depth = depth.automatic;
-  SpeculativeGenerator gen(model, drafter, identity, opts, kv_dtype);
+  SpeculativeGenerator gen(target.engine_target(kv_dtype), target.view->vocab_size(), drafter,
+                           opts);
   Measured m;
   m.draft = drafter ? drafter->id() : "none";
   m.depth = drafter ? depth.depth : 0;
@@ -102,10 +103,10 @@ Measured measure(const Qwen35Model& model, DType kv_dtype, const spec::DraftProv
 void run_bench_spec(const BenchSpecArgs& a) {
   const DType kv_dtype = parse_kv_dtype(a.kv_dtype);
   apply_threads(a.threads);
-  apply_backend(a.backend);
+  apply_backend(backend_for(a.model, a.backend));
   if (a.batch < 1 || a.repeats < 1 || a.max_tokens < 1)
     fail("bench-spec: need --batch >= 1, --repeats >= 1, --max-tokens >= 1");
-  auto model = Qwen35Model::load(a.model);
+  const LoadedTarget target = load_target(a.model, true);
   const auto tok = open_tokenizer(a.model);
   if (!tok) fail("bench-spec: ", a.model, " has no tokenizer.json");
   GenerateRequest shape;
@@ -115,27 +116,27 @@ void run_bench_spec(const BenchSpecArgs& a) {
   auto reqs = read_prompts_file(a.prompts_file, shape, tok);
   for (size_t i = 0; i < reqs.size(); ++i) reqs[i].sampling.seed = i;
 
-  const std::string identity = target_identity(*model, a.model);
-  const spec::QwenTargetView target(*model, identity);
-
   std::vector<Measured> rows;
   std::fprintf(stderr, "bench-spec: %zu prompts, batch %d, %lld tokens each, %d threads\n",
                reqs.size(), a.batch, static_cast<long long>(a.max_tokens), ops::thread_count());
-  rows.push_back(
-      measure(*model, kv_dtype, nullptr, identity, DepthArg{}, reqs, a.batch, a.repeats));
+  rows.push_back(measure(target, kv_dtype, nullptr, DepthArg{}, reqs, a.batch, a.repeats));
   const double base = rows[0].tokens_per_second;
   for (const std::string& d : split_list(a.drafts)) {
     std::unique_ptr<spec::DraftProvider> drafter;
-    if (d == "mtp")
-      drafter = spec::QwenMtpProvider::from_target(target);
+    if (d == "mtp" && target.glm)
+      drafter = spec::GlmMtpProvider::from_target(*target.view);
+    else if (d == "mtp-empty" && target.glm)
+      drafter = spec::GlmMtpProvider::from_target(*target.view, spec::GlmMtpHistory::Empty);
+    else if (d == "mtp")
+      drafter = spec::QwenMtpProvider::from_target(*target.view);
     else if (d == "ngram")
       drafter = std::make_unique<spec::NgramProvider>(spec::NgramOptions{});
     else
-      fail("--drafts: unknown drafter '", d, "' (mtp, ngram)");
+      fail("--drafts: unknown drafter '", d, "' (mtp, ngram; GLM-5 also mtp-empty)");
     for (const std::string& ds : split_list(a.depths)) {
       const DepthArg depth = parse_depth(ds);
-      rows.push_back(
-          measure(*model, kv_dtype, drafter.get(), identity, depth, reqs, a.batch, a.repeats));
+      rows.push_back(measure(target, kv_dtype, drafter.get(), depth, reqs, a.batch, a.repeats));
+      rows.back().draft = d;  // as listed: mtp and mtp-empty share a drafter id
       std::fprintf(stderr, "bench-spec: %s depth %s: %.1f tok/s\n", d.c_str(), ds.c_str(),
                    rows.back().tokens_per_second);
     }

@@ -10,8 +10,11 @@
 
 #include "tandem/backend/ops.h"
 #include "tandem/core/error.h"
+#include "tandem/engine/glm5_engine_target.h"
+#include "tandem/engine/qwen_engine_target.h"
 #include "tandem/io/artifact_identity.h"
 #include "tandem/io/json_file.h"
+#include "tandem/spec/glm_mtp.h"
 #include "tandem/spec/qwen_mtp.h"
 #ifdef TANDEM_HAVE_CUDA
 #include "tandem/backend/cuda/cuda_ops.h"
@@ -83,9 +86,50 @@ void apply_backend(const std::string& name) {
 }
 
 // The target's artifact identity: config fingerprint + content hash of its weight files.
-std::string target_identity(const Qwen35Model& model, const std::string& dir) {
+std::string target_identity(const WeightStore& weights, const std::string& dir) {
   const auto cfg = nlohmann::json::parse(read_text_file(dir + "/config.json"));
-  return artifact_identity(config_fingerprint(cfg), model.weights().files());
+  return artifact_identity(config_fingerprint(cfg), weights.files());
+}
+
+bool is_glm5_dir(const std::string& dir) {
+  const auto path = std::filesystem::path(dir) / "config.json";
+  if (!std::filesystem::exists(path)) return false;  // the loader names the missing file
+  const nlohmann::json cfg = read_json_file(path.string());
+  return cfg.is_object() && cfg.value("model_type", std::string()) == "glm_moe_dsa";
+}
+
+std::string backend_for(const std::string& dir, const std::string& requested) {
+  if (!is_glm5_dir(dir)) return requested;
+  if (requested == "cuda")
+    fail("--backend cuda: GLM-5 (glm_moe_dsa) models run on the CPU backend only so far");
+  return "cpu";
+}
+
+LoadedTarget load_target(const std::string& dir, bool with_identity) {
+  LoadedTarget t;
+  if (is_glm5_dir(dir)) {
+    t.glm = Glm5Model::load(dir);
+    const std::string identity = with_identity ? target_identity(t.glm->weights(), dir) : "";
+    t.view = std::make_unique<spec::Glm5TargetView>(*t.glm, identity);
+  } else {
+    t.qwen = Qwen35Model::load(dir);
+    const std::string identity = with_identity ? target_identity(t.qwen->weights(), dir) : "";
+    t.view = std::make_unique<spec::QwenTargetView>(*t.qwen, identity);
+  }
+  return t;
+}
+
+EngineTargetFactory LoadedTarget::engine_target(DType kv_dtype) const {
+  const std::string identity = view->identity();
+  if (glm)
+    return [m = glm.get(), identity] { return std::make_unique<Glm5EngineTarget>(*m, identity); };
+  return [m = qwen.get(), identity, kv_dtype] {
+    return std::make_unique<QwenEngineTarget>(*m, identity, kv_dtype);
+  };
+}
+
+int64_t LoadedTarget::max_position_embeddings() const {
+  return glm ? glm->config().max_position_embeddings : qwen->config().max_position_embeddings;
 }
 
 // One JSON object per line: {"prompt": ...} or {"token_ids": [...]}, optional "seed",
@@ -215,6 +259,15 @@ std::unique_ptr<spec::DraftProvider> open_drafter(const DraftArgs& a,
       tap = spec::HiddenTap::PreNorm;
     else
       fail("--mtp-hidden must be 'final' or 'prenorm', got '", a.mtp_hidden, "'");
+    if (target.glm5_config()) {
+      if (a.draft_model)
+        fail(
+            "--draft-model: GLM-5 drafts with the NextN layer inside its checkpoint; companion "
+            "directories are Qwen3.5 MTP layers");
+      if (tap != spec::HiddenTap::FinalNormed)
+        fail("--mtp-hidden prenorm: GLM-5's NextN layer reads the final-normed hidden");
+      return spec::GlmMtpProvider::from_target(target);
+    }
     if (a.draft_model) return spec::QwenMtpProvider::from_companion(*a.draft_model, tap);
     return spec::QwenMtpProvider::from_target(target, tap);
   }

@@ -9,6 +9,7 @@
 #include "tandem/engine/generator.h"
 #include "tandem/engine/speculative.h"
 #include "tandem/io/tokenizer.h"
+#include "tandem/model/glm5.h"
 #include "tandem/model/qwen3_5.h"
 #include "tandem/spec/draft.h"
 #include "tandem/spec/ngram.h"
@@ -38,7 +39,25 @@ void apply_threads(int threads);
 void apply_backend(const std::string& name);
 
 // The model's artifact identity: config fingerprint + content hash of its weight files.
-std::string target_identity(const Qwen35Model& model, const std::string& dir);
+std::string target_identity(const WeightStore& weights, const std::string& dir);
+
+// A target model of either family, chosen by config.json's model_type: glm_moe_dsa is GLM-5
+// (CPU backend), anything else goes to the Qwen3.5 loader, which names what it refuses.
+struct LoadedTarget {
+  std::unique_ptr<Qwen35Model> qwen;
+  std::unique_ptr<Glm5Model> glm;
+  std::unique_ptr<spec::TargetView> view;  // named by the identity load_target computed
+  // Opens a fresh engine state of the model per call (kv_dtype: Qwen's KV storage).
+  EngineTargetFactory engine_target(DType kv_dtype) const;
+  int64_t max_position_embeddings() const;
+};
+bool is_glm5_dir(const std::string& dir);
+// with_identity: compute the artifact identity (drafter checkpoints, prefix-cache files need
+// it); otherwise the view's identity is empty.
+LoadedTarget load_target(const std::string& dir, bool with_identity);
+// --backend for a model directory: GLM-5 runs on the CPU only, so "auto" means cpu there and
+// "cuda" is refused with a message that says so.
+std::string backend_for(const std::string& dir, const std::string& requested);
 
 // JSONL requests, one object per line: {"prompt": ...} or {"token_ids": [...]}, optional "seed",
 // "temperature", "max_tokens" overriding `base`; blank lines skipped; errors name file:line.

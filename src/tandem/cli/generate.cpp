@@ -53,8 +53,8 @@ nlohmann::json stats_json(const GenerateStats& st, const SpecStats& s, const Gen
 void run_generate(const GenerateArgs& a) {
   apply_threads(a.threads);
   const DType kv_dtype = parse_kv_dtype(a.kv_dtype);
-  apply_backend(a.backend);
-  auto model = Qwen35Model::load(a.model);
+  apply_backend(backend_for(a.model, a.backend));
+  const LoadedTarget target = load_target(a.model, a.d.draft != "none");
   const auto tok = open_tokenizer(a.model);
   GenerateRequest base;
   base.sampling = a.sampling;
@@ -71,10 +71,9 @@ void run_generate(const GenerateArgs& a) {
   }
   const SpecOptions opts = spec_options(a.d);
 
-  const std::string identity = a.d.draft == "none" ? "" : target_identity(*model, a.model);
-  const spec::QwenTargetView target(*model, identity);
-  const auto drafter = open_drafter(a.d, target);
-  SpeculativeGenerator gen(*model, drafter.get(), identity, opts, kv_dtype);
+  const auto drafter = open_drafter(a.d, *target.view);
+  SpeculativeGenerator gen(target.engine_target(kv_dtype), target.view->vocab_size(), drafter.get(),
+                           opts);
 
   // Text streams only for a single request without --json.
   const bool stream_text = tok && !a.json && reqs.size() == 1;

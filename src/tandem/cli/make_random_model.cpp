@@ -3,6 +3,8 @@
 
 #include "tandem/cli/commands.h"
 #include "tandem/core/error.h"
+#include "tandem/io/json_file.h"
+#include "tandem/model/glm5_random.h"
 #include "tandem/model/qwen3_5_random.h"
 
 namespace tandem::cli {
@@ -15,25 +17,34 @@ void add_make_random_model_command(CLI::App& app) {
   };
   auto a = std::make_shared<Args>();
   CLI::App* sub = app.add_subcommand("make-random-model",
-                                     "Write a random-weight Qwen3.5 checkpoint for a config.json");
+                                     "Write a random-weight checkpoint for a config.json "
+                                     "(Qwen3.5 dense or MoE, or GLM-5)");
   sub->add_option("--config", a->config, "config.json giving the shape")->required();
   sub->add_option("--out", a->out, "Output directory")->required();
-  sub->add_option("--dtype", a->dtype, "f32, bf16 or f16")->capture_default_str();
+  sub->add_option("--dtype", a->dtype, "f32, bf16 or f16 (GLM-5 also fp8: e4m3 with block scales)")
+      ->capture_default_str();
   sub->add_option("--seed", a->seed, "Random seed")->capture_default_str();
   sub->add_flag("--per-expert-tensors", a->per_expert,
-                "Qwen3.5-MoE: one tensor per expert projection instead of transformers' fused "
-                "experts.gate_up_proj / down_proj");
+                "Mixtures of experts: one tensor per expert projection instead of transformers' "
+                "fused experts.gate_up_proj / down_proj");
   sub->callback([a] {
+    const nlohmann::json cfg = read_json_file(a->config);
+    const bool glm = cfg.is_object() && cfg.value("model_type", std::string()) == "glm_moe_dsa";
     DType t;
-    if (a->dtype == "f32")
+    if (a->dtype == "fp8" && glm)
+      t = DType::F8_E4M3;
+    else if (a->dtype == "f32")
       t = DType::F32;
     else if (a->dtype == "bf16")
       t = DType::BF16;
     else if (a->dtype == "f16")
       t = DType::F16;
     else
-      fail("--dtype must be f32, bf16 or f16, got '", a->dtype, "'");
-    write_random_qwen35(a->config, a->out, t, a->seed, a->per_expert);
+      fail("--dtype must be f32, bf16 or f16", glm ? " or fp8" : "", ", got '", a->dtype, "'");
+    if (glm)
+      write_random_glm5(a->config, a->out, t, a->seed, a->per_expert);
+    else
+      write_random_qwen35(a->config, a->out, t, a->seed, a->per_expert);
     std::fprintf(stderr, "wrote %s\n", a->out.c_str());
   });
 }

@@ -80,16 +80,14 @@ void run_serve(const ServeArgs& a) {
   const SpecOptions spec = spec_options(a.d);
   const DType kv_dtype = parse_kv_dtype(a.kv_dtype);
   apply_threads(a.threads);
-  apply_backend(a.backend);
-  auto model = Qwen35Model::load(a.model);
-  const auto tok = open_tokenizer(a.model);
-  const auto tmpl = ChatTemplate::load(a.model);
+  apply_backend(backend_for(a.model, a.backend));
   // The artifact identity keys drafter checkpoints and prefix-cache files (computed once per
   // weight file's metadata, memoized).
-  const std::string identity =
-      a.d.draft == "none" && a.prefix_cache_dir.empty() ? "" : target_identity(*model, a.model);
-  const spec::QwenTargetView target(*model, identity);
-  const auto drafter = open_drafter(a.d, target);
+  const LoadedTarget target =
+      load_target(a.model, a.d.draft != "none" || !a.prefix_cache_dir.empty());
+  const auto tok = open_tokenizer(a.model);
+  const auto tmpl = ChatTemplate::load(a.model);
+  const auto drafter = open_drafter(a.d, *target.view);
 
   EngineOptions eo;
   eo.spec = spec;
@@ -101,13 +99,21 @@ void run_serve(const ServeArgs& a) {
   const int depth = drafter ? spec.depth : 0;
   uint64_t budget = 0;
   eo.kv_dtype = kv_dtype;
-  eo.kv_blocks = pool_blocks(a, model->config(), depth, kv_dtype, &budget);
-  if (eo.kv_blocks < 1) fail("the KV memory budget holds no block; raise --kv-memory");
-  // The default: an eighth of the KV budget, at least 256 MiB (a small model's or a small batch's
-  // KV budget would otherwise leave room for a handful of boundaries).
-  eo.prefix_cache_bytes = a.prefix_cache_gib < 0
-                              ? static_cast<size_t>(std::max<uint64_t>(budget / 8, 256ull << 20))
-                              : static_cast<size_t>(a.prefix_cache_gib * double(1ull << 30));
+  if (target.qwen) {
+    eo.kv_blocks = pool_blocks(a, target.qwen->config(), depth, kv_dtype, &budget);
+    if (eo.kv_blocks < 1) fail("the KV memory budget holds no block; raise --kv-memory");
+    // The default: an eighth of the KV budget, at least 256 MiB (a small model's or a small
+    // batch's KV budget would otherwise leave room for a handful of boundaries).
+    eo.prefix_cache_bytes = a.prefix_cache_gib < 0
+                                ? static_cast<size_t>(std::max<uint64_t>(budget / 8, 256ull << 20))
+                                : static_cast<size_t>(a.prefix_cache_gib * double(1ull << 30));
+  } else {
+    // GLM-5's latent caches grow per row (no fixed pool) and have no prefix cache yet.
+    if (a.kv_memory_gib > 0) fail("--kv-memory: GLM-5's caches grow on demand (no fixed pool)");
+    if (a.prefix_cache_gib > 0 || !a.prefix_cache_dir.empty())
+      fail("--prefix-cache-memory / --prefix-cache-dir: GLM-5 has no prefix cache yet");
+    eo.prefix_cache_bytes = 0;
+  }
   if (!a.prefix_cache_dir.empty()) {
     if (eo.prefix_cache_bytes == 0) fail("--prefix-cache-dir needs --prefix-cache-memory above 0");
     eo.prefix_cache_dir = a.prefix_cache_dir;
@@ -118,7 +124,7 @@ void run_serve(const ServeArgs& a) {
   } else if (a.prefix_cache_persist) {
     fail("--prefix-cache-persist needs --prefix-cache-dir");
   }
-  BatchEngine engine(*model, drafter.get(), identity, eo);
+  BatchEngine engine(target.engine_target(kv_dtype)(), drafter.get(), eo);
 
   server::ServerOptions so;
   so.host = a.host;
@@ -141,7 +147,8 @@ void run_serve(const ServeArgs& a) {
   pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
   std::signal(SIGPIPE, SIG_IGN);
 
-  server::Server srv(engine, model->config(), tok ? &*tok : nullptr, tmpl ? &*tmpl : nullptr, so);
+  server::Server srv(engine, {target.view->vocab_size(), target.max_position_embeddings()},
+                     tok ? &*tok : nullptr, tmpl ? &*tmpl : nullptr, so);
   const int port = srv.start();
   std::fprintf(stderr,
                "tandem serve: model '%s' (%s), drafter %s depth %d, up to %d rows, KV pool %lld "

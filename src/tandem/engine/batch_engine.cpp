@@ -130,9 +130,9 @@ BatchEngine::BatchEngine(std::unique_ptr<EngineTarget> target, const spec::Draft
     const std::string& identity = target_->view().identity();
     if (identity.empty())
       fail("a prefix-cache folder needs the target's artifact identity to key its files");
-    disk_ = std::make_unique<PrefixDisk>(options_.prefix_cache_dir,
-                                         PrefixDiskKey{identity, options_.tokenizer_hash,
-                                                       paged->kv_scheme(), paged->kv_dtype()});
+    disk_ = std::make_unique<PrefixDisk>(
+        options_.prefix_cache_dir,
+        PrefixDiskKey{identity, options_.tokenizer_hash, paged->kv_scheme(), paged->kv_dtype()});
     cache_->attach_disk(disk_.get());
   }
   counters_.kv_blocks_total = options_.kv_blocks;

@@ -2,8 +2,7 @@
 
 namespace tandem {
 
-QwenEngineTarget::QwenEngineTarget(const Qwen35Model& model, std::string identity,
-                                   DType kv_dtype)
+QwenEngineTarget::QwenEngineTarget(const Qwen35Model& model, std::string identity, DType kv_dtype)
     : model_(model),
       view_(model, std::move(identity)),
       state_(model.config(), RecurrentRollback::PerPositionStates, kv_dtype) {}

@@ -5,6 +5,7 @@
 
 #include "tandem/core/error.h"
 #include "tandem/engine/batch_engine.h"
+#include "tandem/engine/qwen_engine_target.h"
 
 namespace tandem {
 
@@ -25,11 +26,18 @@ SpeculativeGenerator::SpeculativeGenerator(const Qwen35Model& model,
                                            const spec::DraftProvider* drafter,
                                            std::string target_identity, SpecOptions options,
                                            DType kv_dtype)
-    : model_(model),
+    : SpeculativeGenerator(
+          [&model, identity = std::move(target_identity), kv_dtype] {
+            return std::make_unique<QwenEngineTarget>(model, identity, kv_dtype);
+          },
+          model.config().vocab_size, drafter, options) {}
+
+SpeculativeGenerator::SpeculativeGenerator(EngineTargetFactory make_target, int64_t vocab_size,
+                                           const spec::DraftProvider* drafter, SpecOptions options)
+    : make_target_(std::move(make_target)),
+      vocab_size_(vocab_size),
       drafter_(drafter),
-      target_(model, std::move(target_identity)),
-      options_(options),
-      kv_dtype_(kv_dtype) {
+      options_(options) {
   if (options_.depth < 0 || options_.depth > 16) fail("--depth must be in 0..16");
 }
 
@@ -37,7 +45,7 @@ std::vector<GenerateResult> SpeculativeGenerator::run(const std::vector<Generate
                                                       const TokenCallback& on_token,
                                                       GenerateStats* stats,
                                                       std::vector<SpecStats>* spec_stats) {
-  validate_requests(requests, model_.config().vocab_size);
+  validate_requests(requests, vocab_size_);
   const size_t B = requests.size();
   std::vector<GenerateResult> results(B);
   std::vector<SpecStats> sstats(B);
@@ -46,8 +54,7 @@ std::vector<GenerateResult> SpeculativeGenerator::run(const std::vector<Generate
   // chunk prefilled before the first round (no budget), the pool grown on demand.
   EngineOptions eo;
   eo.spec = options_;
-  eo.kv_dtype = kv_dtype_;
-  BatchEngine engine(model_, drafter_, target_.identity(), eo);
+  BatchEngine engine(make_target_(), drafter_, eo);
 
   class Collect : public RequestSink {
    public:

@@ -4,10 +4,12 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "tandem/engine/engine_target.h"
 #include "tandem/engine/generator.h"
 #include "tandem/spec/accept.h"
 #include "tandem/spec/depth_policy.h"
@@ -44,6 +46,9 @@ struct SpecStats {
   double acceptance_rate() const;  // accepted / drafted
 };
 
+// Opens a fresh target state (QwenEngineTarget, Glm5EngineTarget) for one run.
+using EngineTargetFactory = std::function<std::unique_ptr<EngineTarget>()>;
+
 class SpeculativeGenerator {
  public:
   // `drafter` may be null: rounds then carry no proposals (a plain decode step each).
@@ -51,6 +56,9 @@ class SpeculativeGenerator {
   SpeculativeGenerator(const Qwen35Model& model, const spec::DraftProvider* drafter,
                        std::string target_identity, SpecOptions options,
                        DType kv_dtype = Qwen35State::kDefaultKvDType);
+  // Any target; vocab_size: the target's, which requests are checked against.
+  SpeculativeGenerator(EngineTargetFactory make_target, int64_t vocab_size,
+                       const spec::DraftProvider* drafter, SpecOptions options);
 
   // Same contract as Generator::run; `spec_stats` (optional) receives one entry per request.
   std::vector<GenerateResult> run(const std::vector<GenerateRequest>& requests,
@@ -59,11 +67,10 @@ class SpeculativeGenerator {
                                   std::vector<SpecStats>* spec_stats = nullptr);
 
  private:
-  const Qwen35Model& model_;
+  EngineTargetFactory make_target_;
+  int64_t vocab_size_ = 0;
   const spec::DraftProvider* drafter_;
-  spec::QwenTargetView target_;
   SpecOptions options_;
-  DType kv_dtype_;
 };
 
 }  // namespace tandem

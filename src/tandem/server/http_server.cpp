@@ -61,7 +61,7 @@ const char* finish_name(const RequestOutcome& o) {
 
 struct Server::Impl {
   BatchEngine& engine;
-  const Qwen35Config& cfg;
+  const ModelLimits limits;
   const Tokenizer* tok;
   const ChatTemplate* chat_template;
   ServerOptions opts;
@@ -71,9 +71,8 @@ struct Server::Impl {
   std::atomic<bool> stopping{false};
   int64_t created = static_cast<int64_t>(std::time(nullptr));
 
-  Impl(BatchEngine& e, const Qwen35Config& c, const Tokenizer* t, const ChatTemplate* ct,
-       ServerOptions o)
-      : engine(e), cfg(c), tok(t), chat_template(ct), opts(std::move(o)) {}
+  Impl(BatchEngine& e, ModelLimits c, const Tokenizer* t, const ChatTemplate* ct, ServerOptions o)
+      : engine(e), limits(c), tok(t), chat_template(ct), opts(std::move(o)) {}
 
   void check_auth(const httplib::Request& req) const {
     if (opts.api_key.empty()) return;
@@ -186,12 +185,12 @@ struct Server::Impl {
     } else {
       ids = a.prompt_ids;
       for (int32_t id : ids)
-        if (id >= cfg.vocab_size)
-          bad_request("prompt", "token id ", id, " is out of range [0, ", cfg.vocab_size, ")");
+        if (id >= limits.vocab_size)
+          bad_request("prompt", "token id ", id, " is out of range [0, ", limits.vocab_size, ")");
       if (a.echo && tok) p.prompt_text = tok->decode(ids);
     }
     if (ids.empty()) bad_request("prompt", "the prompt has no tokens");
-    const int64_t context = cfg.max_position_embeddings;
+    const int64_t context = limits.max_position_embeddings;
     const int64_t n = static_cast<int64_t>(ids.size());
     if (context > 0 && n >= context)
       throw ApiError(400,
@@ -428,7 +427,7 @@ struct Server::Impl {
                 {"object", "model"},
                 {"created", created},
                 {"owned_by", "tandem"},
-                {"max_model_len", cfg.max_position_embeddings}};
+                {"max_model_len", limits.max_position_embeddings}};
       r.set_content(json{{"object", "list"}, {"data", json::array({m})}}.dump(),
                     "application/json");
     });
@@ -495,9 +494,9 @@ struct Server::Impl {
   }
 };
 
-Server::Server(BatchEngine& engine, const Qwen35Config& cfg, const Tokenizer* tok,
+Server::Server(BatchEngine& engine, ModelLimits limits, const Tokenizer* tok,
                const ChatTemplate* chat_template, ServerOptions options)
-    : impl_(std::make_unique<Impl>(engine, cfg, tok, chat_template, std::move(options))) {
+    : impl_(std::make_unique<Impl>(engine, limits, tok, chat_template, std::move(options))) {
   impl_->install_routes();
 }
 

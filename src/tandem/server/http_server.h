@@ -11,7 +11,6 @@
 #include "tandem/engine/batch_engine.h"
 #include "tandem/io/chat_template.h"
 #include "tandem/io/tokenizer.h"
-#include "tandem/model/qwen3_5_config.h"
 
 namespace tandem::server {
 
@@ -26,11 +25,18 @@ struct ServerOptions {
   std::string draft_name = "none";    // for usage.speculation and /metrics
 };
 
+// What the server checks requests against: token ids below vocab_size, prompt + max_tokens
+// within the context (max_position_embeddings; 0: unchecked).
+struct ModelLimits {
+  int64_t vocab_size = 0;
+  int64_t max_position_embeddings = 0;
+};
+
 class Server {
  public:
   // Everything passed in must outlive the server. `tok` and `chat_template` may be null: chat
   // requests are then refused with 400, completions accept token ids only.
-  Server(BatchEngine& engine, const Qwen35Config& cfg, const Tokenizer* tok,
+  Server(BatchEngine& engine, ModelLimits limits, const Tokenizer* tok,
          const ChatTemplate* chat_template, ServerOptions options);
   ~Server();
   Server(const Server&) = delete;
