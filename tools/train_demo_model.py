@@ -528,8 +528,9 @@ def lr_at(step: int, progress: float, peak: float, warmup: int, min_ratio: float
     return peak * warm * cos
 
 
-def losses(model, mtp, window):
-    logits, mtp_logits = joint_forward(model, mtp, window)
+def losses(model, mtp, window, forward=None):
+    """forward: the (logits, MTP logits) function (default joint_forward; the GLM demo passes its own)."""
+    logits, mtp_logits = (forward or joint_forward)(model, mtp, window)
     v = logits.shape[-1]
     loss_main = F.cross_entropy(logits.float().reshape(-1, v), window[:, 1:].reshape(-1))
     loss_mtp = F.cross_entropy(mtp_logits.float().reshape(-1, v), window[:, 2:].reshape(-1))
@@ -663,9 +664,9 @@ def train(model, mtp, train_ids: torch.Tensor, val_windows: torch.Tensor, args, 
                 shipped_epoch=restored["epoch"] if restored else tokens_seen / n)
 
 
-def validate(model, mtp, val_windows, use_autocast, args, step, epoch, t0, val_history, best):
+def validate(model, mtp, val_windows, use_autocast, args, step, epoch, t0, val_history, best, forward=None):
     """Validation loss (objective = CE + mtp_weight * MTP CE); keeps a copy of the best weights."""
-    vm = quick_val(model, mtp, val_windows, use_autocast)
+    vm = quick_val(model, mtp, val_windows, use_autocast, forward=forward)
     obj = vm["loss"] + args.mtp_weight * vm["mtp_loss"]
     vm.update(step=step, epoch=round(epoch, 3), objective=obj, elapsed_s=round(time.time() - t0, 1))
     val_history.append(vm)
@@ -682,7 +683,7 @@ def validate(model, mtp, val_windows, use_autocast, args, step, epoch, t0, val_h
 
 
 @torch.no_grad()
-def quick_val(model, mtp, windows, use_autocast, batch: int = 16) -> dict:
+def quick_val(model, mtp, windows, use_autocast, batch: int = 16, forward=None) -> dict:
     model.eval()
     mtp.eval()
     ctx = torch.autocast(device_type="cuda", dtype=torch.bfloat16) if use_autocast else _nullctx()
@@ -690,7 +691,7 @@ def quick_val(model, mtp, windows, use_autocast, batch: int = 16) -> dict:
     for i in range(0, windows.shape[0], batch):
         w = windows[i:i + batch]
         with ctx:
-            lm, lt = losses(model, mtp, w)
+            lm, lt = losses(model, mtp, w, forward)
         tot_m += lm.item() * w.shape[0]
         tot_t += lt.item() * w.shape[0]
     return {"loss": tot_m / windows.shape[0], "mtp_loss": tot_t / windows.shape[0]}
@@ -712,7 +713,7 @@ def eval_windows(stream: torch.Tensor, seq: int, max_tokens: int) -> torch.Tenso
 
 @torch.no_grad()
 def evaluate(model, mtp, windows: torch.Tensor, batch: int = 16, use_autocast: bool = False,
-             late_from: int = 64) -> dict:
+             late_from: int = 64, forward=None) -> dict:
     """Teacher-forced metrics over windows [K, L+1]:
       ppl          exp(mean CE) of the target's next-token prediction (L predictions per window)
       top1         argmax target logits at p == x_{p+1}
@@ -720,7 +721,8 @@ def evaluate(model, mtp, windows: torch.Tensor, batch: int = 16, use_autocast: b
       mtp_agree    argmax MTP row p == argmax target logits at p+1 (the target's greedy choice for
                    x_{p+2} given the true prefix): the depth-1 acceptance at temperature 0
       *_late       the same over positions p >= late_from only
-    Argmax ties resolve to the lowest id (torch.argmax), as in the engine."""
+    Argmax ties resolve to the lowest id (torch.argmax), as in the engine. forward: the (logits, MTP
+    logits) function (default joint_forward)."""
     model.eval()
     mtp.eval()
     s = dict(nll=0.0, n=0, top1=0, mtp_nll=0.0, mtp_n=0, mtp_top1=0, agree=0, agree_late=0, n_late=0,
@@ -729,7 +731,7 @@ def evaluate(model, mtp, windows: torch.Tensor, batch: int = 16, use_autocast: b
     for i in range(0, windows.shape[0], batch):
         w = windows[i:i + batch]
         with ctx:
-            logits, mtp_logits = joint_forward(model, mtp, w)
+            logits, mtp_logits = (forward or joint_forward)(model, mtp, w)
         logits, mtp_logits = logits.float(), mtp_logits.float()
         v = logits.shape[-1]
         tgt = w[:, 1:]
@@ -919,6 +921,14 @@ def oracle_check(out: Path, model2, mtp2, window: torch.Tensor, tok) -> dict:
     except Exception as exc:  # noqa: BLE001
         print(f"  WARNING: transformers could not load the exported model: {exc!r}")
         res["model_error"] = repr(exc)
+    res.update(tokenizer_oracle_check(out, tok))
+    return res
+
+
+def tokenizer_oracle_check(out: Path, tok) -> dict:
+    """Non-fatal: does transformers' AutoTokenizer load the exported tokenizer files and agree with
+    `tok` (a tokenizers.Tokenizer), chat template included?"""
+    res = {}
     try:
         from transformers import AutoTokenizer
         ht = AutoTokenizer.from_pretrained(str(out))
