@@ -13,6 +13,7 @@
 #include "tandem/engine/batch_engine.h"
 #include "tandem/engine/glm5_engine_target.h"
 #include "tandem/engine/speculative.h"
+#include "tandem/io/tokenizer.h"
 #include "tandem/model/glm5.h"
 #include "tandem/model/glm5_random.h"
 #include "tandem/spec/glm_mtp.h"
@@ -147,6 +148,44 @@ INSTANTIATE_TEST_SUITE_P(Drafters, Glm5Lossless,
                                             std::to_string(std::get<1>(i.param)) + "_T" +
                                             std::to_string(int(std::get<2>(i.param) * 10));
                          });
+
+// The bundled GLM-5 demo model (models/glm5-demo, trained with its NextN layer): on held-out
+// code prompts its drafter is accepted as its training measured (teacher-forced agreement 0.67;
+// a wrong hidden or a broken commit drops it near 0), and the output is plain decoding's.
+TEST(Glm5Demo, TheTrainedNextNDraftsLosslesslyAndIsAccepted) {
+  const std::string dir = std::string(TANDEM_SOURCE_DIR) + "/models/glm5-demo";
+  const auto model = Glm5Model::load(dir);
+  const spec::Glm5TargetView view(*model, "glm5-demo");
+  const auto drafter = spec::GlmMtpProvider::from_target(view);
+  const Tokenizer tok = Tokenizer::load(dir + "/tokenizer.json");
+  std::vector<GenerateRequest> reqs;
+  for (const char* text :
+       {"def read_config(path):\n    \"\"\"Read a JSON configuration file.\"\"\"\n",
+        "import os\nimport sys\n\n\nclass Cache:\n    def __init__(self, size):\n"}) {
+    GenerateRequest r;
+    r.prompt = tok.encode(text);
+    r.max_tokens = 40;
+    r.ignore_eos = true;
+    reqs.push_back(r);
+  }
+  reqs[1].sampling.temperature = 0.7f;
+  reqs[1].sampling.seed = 5;
+  SpecOptions opts;
+  opts.depth = 3;
+  SpeculativeGenerator gen([&] { return std::make_unique<Glm5EngineTarget>(*model, "glm5-demo"); },
+                           model->config().vocab_size, drafter.get(), opts);
+  std::vector<SpecStats> stats;
+  const std::vector<GenerateResult> got = gen.run(reqs, {}, nullptr, &stats);
+  int64_t drafted = 0, accepted = 0;
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    EXPECT_EQ(got[i].tokens, plain_decode(*model, reqs[i])) << "request " << i;
+    drafted += stats[i].drafted_by_position.at(0);
+    accepted += stats[i].accepted_by_position.at(0);
+  }
+  ASSERT_GT(drafted, 10);
+  EXPECT_GT(static_cast<double>(accepted) / static_cast<double>(drafted), 0.5)
+      << accepted << " of " << drafted << " first proposals accepted";
+}
 
 TEST(Glm5Engine, OptionsTheTargetCannotServeAreRefused) {
   const Glm5Fixture& f = fixture();

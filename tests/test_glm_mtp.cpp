@@ -14,7 +14,9 @@
 #include <string>
 #include <vector>
 
+#include "fixture_reference.h"
 #include "tandem/core/error.h"
+#include "tandem/io/safetensors.h"
 #include "tandem/io/weight_store.h"
 #include "tandem/model/glm5.h"
 #include "tandem/model/glm5_random.h"
@@ -425,6 +427,75 @@ TEST_F(GlmMtpRowsTest, TargetsOfAnotherFamilyOrWithoutNextNAreRefused) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("vocabulary"), std::string::npos) << e.what();
   }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Parity with the NextN layer in PyTorch (tools/glm_nextn.py; tests/fixtures/glm5_nextn, written by
+// tools/make_glm_nextn_fixture.py with transformers 5.17 running the target)
+
+double worst_relative(const float* got, const std::vector<float>& want, size_t offset, size_t n) {
+  double scale = 0, worst = 0;
+  for (size_t i = 0; i < n; ++i) scale = std::max(scale, double(std::fabs(want[offset + i])));
+  for (size_t i = 0; i < n; ++i)
+    worst = std::max(worst, std::fabs(double(got[i]) - want[offset + i]) / scale);
+  return worst;
+}
+
+TEST(GlmMtpParity, TheNextNLayerMatchesPyTorchOnTheTargetsHiddens) {
+  const std::string dir = std::string(TANDEM_FIXTURES_DIR) + "/glm5_nextn";
+  const auto target = Glm5Model::load(dir);
+  const Glm5TargetView view(*target, "glm5-nextn-fixture");
+  const testing::FixtureReference ref{SafetensorsFile::open(dir + "/reference.safetensors")};
+  const std::vector<int32_t> prompt = ref.ids("prompt");
+  const std::vector<float> hidden = ref.floats("hidden"), want_out = ref.floats("nextn_out");
+  const std::vector<float> want_logits = ref.floats("nextn_logits");
+  const std::vector<float> gap = ref.floats("nextn_logit_gap");
+  const int64_t L = static_cast<int64_t>(prompt.size()), H = target->config().hidden_size;
+  const int64_t V = target->config().vocab_size;
+  ASSERT_EQ(static_cast<int64_t>(hidden.size()), L * H);
+  ASSERT_GT(L, target->config().index_topk) << "the target's indexer must drop positions";
+
+  // The target's final-normed hiddens (the drafter's input) are transformers'.
+  EXPECT_LT(worst_relative(target_hidden(*target, prompt).data(), hidden, 0, hidden.size()), 1e-4);
+
+  // The layer over the reference hiddens: row p from (prompt[p+1], hidden[p]) at position p.
+  const auto provider = GlmMtpProvider::from_target(view);
+  const GlmMtpBlock& block = provider->block();
+  std::vector<float> emb(static_cast<size_t>((L - 1) * H)), cache;
+  target->embed(std::span<const int32_t>(prompt).subspan(1), emb.data());
+  const std::vector<float> out = run(block, emb.data(), hidden.data(), L - 1, 0, cache);
+  EXPECT_LT(worst_relative(out.data(), want_out, 0, want_out.size()), 1e-4);
+  std::vector<float> logits(static_cast<size_t>((L - 1) * V));
+  target->head(out.data(), L - 1, logits.data());
+  int64_t tie_free = 0;
+  for (int64_t p = 0; p + 1 < L; ++p) {
+    const size_t at = static_cast<size_t>(p * V);
+    EXPECT_LT(worst_relative(logits.data() + at, want_logits, at, static_cast<size_t>(V)), 1e-4)
+        << "row " << p;
+    if (gap[static_cast<size_t>(p)] < 1e-3f) continue;  // a near-tie may go either way
+    ++tie_free;
+    const auto top = [&](const float* l) { return std::max_element(l, l + V) - l; };
+    EXPECT_EQ(top(logits.data() + at), top(want_logits.data() + at)) << "row " << p;
+  }
+  EXPECT_GT(tie_free, L / 2);
+
+  // The drafter: a prompt of L-1 tokens builds rows 0..L-3; drafting after prompt[L-1] (pending)
+  // computes row L-2 from (prompt[L-1], hidden[L-2]).
+  std::unique_ptr<DraftRows> rows = provider->open_rows(view);
+  rows->append(std::vector<CheckpointPtr>{nullptr});
+  const RowPrefill pre{0, std::span<const int32_t>(prompt).first(static_cast<size_t>(L - 1)),
+                       hidden.data(), 0};
+  rows->prefill({&pre, 1});
+  RowDraft d;
+  d.pending = prompt.back();
+  d.depth = 1;
+  std::vector<DraftProposal> proposals;
+  rows->draft({&d, 1}, &proposals);
+  const auto& mtp = dynamic_cast<const MtpRows&>(*rows);
+  const size_t last = static_cast<size_t>((L - 2) * V);
+  EXPECT_LT(
+      worst_relative(mtp.last_draft_logits(0, 0).data(), want_logits, last, static_cast<size_t>(V)),
+      1e-4);
 }
 
 }  // namespace
