@@ -56,72 +56,115 @@ void mla_attention(const float* q_nope, const float* q_pe, int64_t n, int64_t H,
       widened[static_cast<size_t>(i)] = ops::weight_element(kv_b, i);
     wkv = widened.data();
   }
-  // A (query, head) pair per job: a decode step's single query still spreads over the heads.
+  // The positions a query attends to, ascending: its DSA choice, or every one up to its own.
+  auto attended = [&](int64_t i, std::vector<int64_t>& cols) {
+    cols.clear();
+    if (allowed) {
+      for (int64_t j = 0; j < topk; ++j) {
+        const int32_t p = allowed[i * topk + j];
+        if (p >= 0 && p <= pos[i]) cols.push_back(p);
+      }
+      std::sort(cols.begin(), cols.end());
+    } else {
+      for (int64_t p = 0; p <= pos[i]; ++p) cols.push_back(p);
+    }
+  };
+  // softmax(score) in place; returns the sum of the exponentials.
+  auto exponentiate = [](std::vector<float>& score, float mx) {
+    float sum = 0.0f;
+    for (float& s : score) {
+      s = std::exp(s - mx);
+      sum += s;
+    }
+    return sum;
+  };
+
+  if (!absorbed) {
+    // Expanded: one head per job. The head's key and value of every position the queries can
+    // reach are formed once (keys [P][dn], values [P][dv]), not once per query: a prompt's cost
+    // grows with its length, not its square. Each element is the same dot product either way.
+    int64_t P = 0;
+    for (int64_t i = 0; i < n; ++i) P = std::max(P, pos[i] + 1);
+    parallel_for(H, [&](int64_t b, int64_t e) {
+      std::vector<int64_t> cols;
+      std::vector<float> score, keys(static_cast<size_t>(P * dn)),
+          values(static_cast<size_t>(P * dv));
+      for (int64_t h = b; h < e; ++h) {
+        const float* wk = wkv + h * (dn + dv) * R;  // [dn][R]
+        const float* wv = wk + dn * R;              // [dv][R]
+        for (int64_t p = 0; p < P; ++p) {
+          const float* lat = latent + p * L;
+          for (int64_t d = 0; d < dn; ++d)
+            keys[static_cast<size_t>(p * dn + d)] = dot(wk + d * R, lat, R);
+          for (int64_t d = 0; d < dv; ++d)
+            values[static_cast<size_t>(p * dv + d)] = dot(wv + d * R, lat, R);
+        }
+        for (int64_t i = 0; i < n; ++i) {
+          const float* qn = q_nope + (i * H + h) * dn;
+          const float* qp = q_pe + (i * H + h) * dr;
+          float* o = out + (i * H + h) * dv;
+          attended(i, cols);
+          std::fill(o, o + dv, 0.0f);
+          if (cols.empty()) continue;
+          score.resize(cols.size());
+          float mx = -INFINITY;
+          for (size_t j = 0; j < cols.size(); ++j) {
+            const float* lat = latent + cols[j] * L;
+            const float s =
+                (dot(qn, keys.data() + cols[j] * dn, dn) + dot(qp, lat + R, dr)) * scale;
+            score[j] = s;
+            mx = std::max(mx, s);
+          }
+          const float sum = exponentiate(score, mx);
+          for (size_t j = 0; j < cols.size(); ++j) {
+            const float p = score[j] / sum;
+            const float* v = values.data() + cols[j] * dv;
+            for (int64_t d = 0; d < dv; ++d) o[d] += p * v[d];
+          }
+        }
+      }
+    });
+    return;
+  }
+
+  // Absorbed: a (query, head) pair per job, so a decode step's single query still spreads over
+  // the heads.
   parallel_for(n * H, [&](int64_t b, int64_t e) {
     std::vector<int64_t> cols;
-    std::vector<float> score, qlat(static_cast<size_t>(R)), acc, key(static_cast<size_t>(dn));
+    std::vector<float> score, qlat(static_cast<size_t>(R)), acc;
     for (int64_t job = b; job < e; ++job) {
       const int64_t i = job / H, h = job % H;
       const float* qn = q_nope + (i * H + h) * dn;
       const float* qp = q_pe + (i * H + h) * dr;
       const float* wk = wkv + h * (dn + dv) * R;  // [dn][R]
       const float* wv = wk + dn * R;              // [dv][R]
-      cols.clear();
-      if (allowed) {
-        for (int64_t j = 0; j < topk; ++j) {
-          const int32_t p = allowed[i * topk + j];
-          if (p >= 0 && p <= pos[i]) cols.push_back(p);
-        }
-        std::sort(cols.begin(), cols.end());
-      } else {
-        for (int64_t p = 0; p <= pos[i]; ++p) cols.push_back(p);
-      }
+      attended(i, cols);
       float* o = out + (i * H + h) * dv;
       if (cols.empty()) {
         std::fill(o, o + dv, 0.0f);
         continue;
       }
-      if (absorbed) {  // q_lat = W_ukᵀ q_nope
-        std::fill(qlat.begin(), qlat.end(), 0.0f);
-        for (int64_t d = 0; d < dn; ++d)
-          for (int64_t c = 0; c < R; ++c) qlat[static_cast<size_t>(c)] += qn[d] * wk[d * R + c];
-      }
+      // q_lat = W_ukᵀ q_nope
+      std::fill(qlat.begin(), qlat.end(), 0.0f);
+      for (int64_t d = 0; d < dn; ++d)
+        for (int64_t c = 0; c < R; ++c) qlat[static_cast<size_t>(c)] += qn[d] * wk[d * R + c];
       score.resize(cols.size());
       float mx = -INFINITY;
       for (size_t j = 0; j < cols.size(); ++j) {
         const float* lat = latent + cols[j] * L;
-        float s;
-        if (absorbed) {
-          s = dot(qlat.data(), lat, R);
-        } else {
-          for (int64_t d = 0; d < dn; ++d) key[static_cast<size_t>(d)] = dot(wk + d * R, lat, R);
-          s = dot(qn, key.data(), dn);
-        }
-        s = (s + dot(qp, lat + R, dr)) * scale;
+        const float s = (dot(qlat.data(), lat, R) + dot(qp, lat + R, dr)) * scale;
         score[j] = s;
         mx = std::max(mx, s);
       }
-      float sum = 0.0f;
-      for (float& s : score) {
-        s = std::exp(s - mx);
-        sum += s;
+      const float sum = exponentiate(score, mx);
+      // Σ p · latent, then W_uv
+      acc.assign(static_cast<size_t>(R), 0.0f);
+      for (size_t j = 0; j < cols.size(); ++j) {
+        const float* lat = latent + cols[j] * L;
+        const float p = score[j] / sum;
+        for (int64_t c = 0; c < R; ++c) acc[static_cast<size_t>(c)] += p * lat[c];
       }
-      if (absorbed) {  // Σ p · latent, then W_uv
-        acc.assign(static_cast<size_t>(R), 0.0f);
-        for (size_t j = 0; j < cols.size(); ++j) {
-          const float* lat = latent + cols[j] * L;
-          const float p = score[j] / sum;
-          for (int64_t c = 0; c < R; ++c) acc[static_cast<size_t>(c)] += p * lat[c];
-        }
-        for (int64_t d = 0; d < dv; ++d) o[d] = dot(wv + d * R, acc.data(), R);
-      } else {  // Σ p · (W_uv latent)
-        std::fill(o, o + dv, 0.0f);
-        for (size_t j = 0; j < cols.size(); ++j) {
-          const float* lat = latent + cols[j] * L;
-          const float p = score[j] / sum;
-          for (int64_t d = 0; d < dv; ++d) o[d] += p * dot(wv + d * R, lat, R);
-        }
-      }
+      for (int64_t d = 0; d < dv; ++d) o[d] = dot(wv + d * R, acc.data(), R);
     }
   });
 }
