@@ -58,6 +58,18 @@ ops::WeightRef Glm5Tensors::tensor(const std::string& name, const std::vector<in
   return w;
 }
 
+ops::WeightRef Glm5Tensors::widened(const ops::WeightRef& w) {
+  std::vector<float>& v = widened_.emplace_back(static_cast<size_t>(w.rows * w.cols));
+  for (int64_t i = 0; i < w.rows * w.cols; ++i)
+    v[static_cast<size_t>(i)] = ops::weight_element(w, i);
+  ops::WeightRef f;
+  f.dtype = DType::F32;
+  f.data = v.data();
+  f.rows = w.rows;
+  f.cols = w.cols;
+  return f;
+}
+
 ops::MoeWeights Glm5Tensors::mixture(const std::string& p) {
   const Glm5Config& c = cfg_;
   const int64_t H = c.hidden_size, E = c.n_routed_experts, I = c.moe_intermediate_size;
@@ -111,7 +123,9 @@ Glm5Layer bind_glm5_layer(Glm5Tensors& t, const Glm5Config& c, const std::string
   L.q_b_proj = t.tensor(a + "q_b_proj.weight", {nh * (dn + dr), c.q_lora_rank});
   L.kv_a_proj = t.tensor(a + "kv_a_proj_with_mqa.weight", {R + dr, H});
   L.kv_a_norm = t.tensor(a + "kv_a_layernorm.weight", {R});
-  L.kv_b_proj = t.tensor(a + "kv_b_proj.weight", {nh * (dn + dv), R});
+  // Every attention call reads kv_b whole (it expands or absorbs the latent for each head): kept
+  // in fp32 rather than widened per call.
+  L.kv_b_proj = t.widened(t.tensor(a + "kv_b_proj.weight", {nh * (dn + dv), R}));
   L.o_proj = t.tensor(a + "o_proj.weight", {H, nh * dv});
   L.dsa = dsa;
   L.indexer = dsa && with_indexer;

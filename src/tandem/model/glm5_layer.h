@@ -27,13 +27,17 @@ class Glm5Tensors {
   // A mixture under prefix ("...mlp."): router and bias, experts fused or per expert, the
   // shared experts.
   ops::MoeWeights mixture(const std::string& prefix);
+  // An fp32 copy of `w` (its stored values exactly; fp8 dequantised by its block scales), owned
+  // here: for weights every call reads whole, which would otherwise be widened per call.
+  ops::WeightRef widened(const ops::WeightRef& w);
   uint64_t parameters() const { return parameters_; }
   uint64_t bytes() const { return bytes_; }  // as stored, fp8 scales included
 
  private:
   const Glm5Config& cfg_;
   const WeightStore& store_;
-  std::vector<std::vector<float>> score_biases_;  // heap buffers: stable when the outer grows
+  // Heap buffers: stable when the outer vector grows.
+  std::vector<std::vector<float>> score_biases_, widened_;
   uint64_t parameters_ = 0;
   uint64_t bytes_ = 0;
 };
