@@ -9,6 +9,7 @@
 #include <tuple>
 #include <vector>
 
+#include "recording_sink.h"
 #include "tandem/core/sampler.h"
 #include "tandem/engine/batch_engine.h"
 #include "tandem/engine/glm5_engine_target.h"
@@ -187,6 +188,46 @@ TEST(Glm5Demo, TheTrainedNextNDraftsLosslesslyAndIsAccepted) {
       << accepted << " of " << drafted << " first proposals accepted";
 }
 
+// Prompts sharing a prefix: a later request restores the earlier one's state at the prefill
+// grid's boundary (target caches and the NextN drafter's checkpoint) and still emits exactly
+// what plain decoding of its own prompt emits.
+TEST(Glm5Engine, APrefixCacheHitContinuesLikeAColdPrefill) {
+  const Glm5Fixture& f = fixture();
+  const auto drafter = spec::GlmMtpProvider::from_target(*f.view);
+  for (const bool with_drafter : {false, true}) {
+    SCOPED_TRACE(with_drafter ? "glm-mtp" : "no drafter");
+    EngineOptions eo;
+    eo.spec.depth = 2;
+    eo.spec.prefill_chunk = 8;
+    eo.spec.health_probe = false;
+    eo.prefix_cache_bytes = size_t{64} << 20;
+    BatchEngine engine(std::make_unique<Glm5EngineTarget>(*f.model, "glm5-spec-target"),
+                       with_drafter ? drafter.get() : nullptr, eo);
+    const std::vector<int32_t> shared = {3, 17, 22, 8, 8, 31, 29, 5, 37, 12, 30, 14, 2, 9, 9, 6};
+    std::vector<GenerateRequest> reqs(3);
+    for (size_t i = 0; i < reqs.size(); ++i) {
+      reqs[i].prompt = shared;
+      reqs[i].prompt.push_back(static_cast<int32_t>(20 + i));
+      reqs[i].prompt.push_back(static_cast<int32_t>(30 - i));
+      reqs[i].max_tokens = 12;
+      reqs[i].ignore_eos = true;
+      reqs[i].sampling.temperature = i == 2 ? 0.7f : 0.0f;
+      reqs[i].sampling.seed = i;
+    }
+    for (size_t i = 0; i < reqs.size(); ++i) {  // one after the other: each finds the last's
+      auto sink = std::make_shared<test::RecordingSink>();
+      EngineRequest er;
+      er.gen = reqs[i];
+      engine.submit(er, sink);
+      engine.run_to_completion();
+      EXPECT_EQ(sink->tokens, plain_decode(*f.model, reqs[i])) << "request " << i;
+    }
+    const EngineCounters c = engine.counters();
+    EXPECT_EQ(c.prefix_hits, 2);
+    EXPECT_EQ(c.prefix_tokens_reused, 2 * 16);  // the grid boundary below each prompt's end
+  }
+}
+
 TEST(Glm5Engine, OptionsTheTargetCannotServeAreRefused) {
   const Glm5Fixture& f = fixture();
   EngineOptions eo;
@@ -200,11 +241,12 @@ TEST(Glm5Engine, OptionsTheTargetCannotServeAreRefused) {
   }
   eo.kv_blocks = 0;
   eo.prefix_cache_bytes = 1 << 20;
+  eo.prefix_cache_dir = "/tmp";
   try {
     BatchEngine e(std::make_unique<Glm5EngineTarget>(*f.model, "x"), nullptr, eo);
-    ADD_FAILURE() << "a prefix cache was accepted";
+    ADD_FAILURE() << "a prefix-cache folder was accepted";
   } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("prefix cache"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("no disk tier"), std::string::npos) << e.what();
   }
 }
 

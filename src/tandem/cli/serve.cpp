@@ -108,11 +108,14 @@ void run_serve(const ServeArgs& a) {
                                 ? static_cast<size_t>(std::max<uint64_t>(budget / 8, 256ull << 20))
                                 : static_cast<size_t>(a.prefix_cache_gib * double(1ull << 30));
   } else {
-    // GLM-5's latent caches grow per row (no fixed pool) and have no prefix cache yet.
+    // GLM-5's latent caches grow per row (no fixed pool); its prefix cache keeps copies of them
+    // in memory (256 MiB unless told), with no disk tier.
     if (a.kv_memory_gib > 0) fail("--kv-memory: GLM-5's caches grow on demand (no fixed pool)");
-    if (a.prefix_cache_gib > 0 || !a.prefix_cache_dir.empty())
-      fail("--prefix-cache-memory / --prefix-cache-dir: GLM-5 has no prefix cache yet");
-    eo.prefix_cache_bytes = 0;
+    if (!a.prefix_cache_dir.empty())
+      fail("--prefix-cache-dir: GLM-5's prefix cache has no disk tier yet");
+    eo.prefix_cache_bytes = a.prefix_cache_gib < 0
+                                ? size_t{256} << 20
+                                : static_cast<size_t>(a.prefix_cache_gib * double(1ull << 30));
   }
   if (!a.prefix_cache_dir.empty()) {
     if (eo.prefix_cache_bytes == 0) fail("--prefix-cache-dir needs --prefix-cache-memory above 0");

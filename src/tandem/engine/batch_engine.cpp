@@ -27,8 +27,7 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
 class TargetJoin : public spec::PreparedChange {
  public:
   // hit: a prefix-cache hit the row starts from (tokens 0: a cold row).
-  TargetJoin(EngineTarget& target, int64_t reserve_tokens, PrefixCache* cache,
-             const PrefixCache::Hit& hit)
+  TargetJoin(EngineTarget& target, int64_t reserve_tokens, PrefixStore* cache, const PrefixHit& hit)
       : target_(target) {
     slot_ = target_.open_row();
     try {
@@ -119,21 +118,23 @@ BatchEngine::BatchEngine(std::unique_ptr<EngineTarget> target, const spec::Draft
     if (options_.max_rows == 0) fail("a fixed KV pool needs a row limit");
     target_->set_fixed_pool(options_.max_rows, options_.kv_blocks, depth_ + 1);
   }
-  Qwen35State* paged = target_->paged_state();
   if (options_.prefix_cache_bytes > 0) {
-    if (!paged) fail("the prefix cache is not supported for this target (its state is not paged)");
-    cache_ = std::make_unique<PrefixCache>(*paged, options_.prefix_cache_bytes,
-                                           target_->kv_block_bytes());
+    cache_ = target_->open_prefix_cache(options_.prefix_cache_bytes);
+    if (!cache_) fail("the prefix cache is not supported for this target");
   }
   if (!options_.prefix_cache_dir.empty()) {
     if (!cache_) fail("a prefix-cache folder needs a prefix cache (its memory budget is 0)");
+    Qwen35State* paged = target_->paged_state();
+    auto* paged_cache = dynamic_cast<PrefixCache*>(cache_.get());
+    if (!paged || !paged_cache)
+      fail("a prefix-cache folder is not supported for this target (its cache has no disk tier)");
     const std::string& identity = target_->view().identity();
     if (identity.empty())
       fail("a prefix-cache folder needs the target's artifact identity to key its files");
     disk_ = std::make_unique<PrefixDisk>(
         options_.prefix_cache_dir,
         PrefixDiskKey{identity, options_.tokenizer_hash, paged->kv_scheme(), paged->kv_dtype()});
-    cache_->attach_disk(disk_.get());
+    paged_cache->attach_disk(disk_.get());
   }
   counters_.kv_blocks_total = options_.kv_blocks;
   counters_.prefix_max_bytes = static_cast<int64_t>(options_.prefix_cache_bytes);
@@ -322,7 +323,7 @@ void BatchEngine::admit() {
                                                options_.spec.verify == spec::VerifyMode::Match);
   for (;;) {
     Pending p;
-    PrefixCache::Hit hit;
+    PrefixHit hit;
     {
       std::lock_guard lock(mu_);
       if (queue_.empty()) return;
@@ -573,7 +574,7 @@ void BatchEngine::save_boundary(const Row& row, size_t prefill_index) {
   const int64_t p = row.prefilled;
   const int64_t L = static_cast<int64_t>(row.req.gen.prompt.size());
   const bool on_grid = p % options_.spec.prefill_chunk == 0;
-  if (!on_grid && !(p == L && ops::prefill_matches_decode())) return;
+  if (!on_grid && !(p == L && target_->prompt_matches_decode())) return;
   save_state(std::span(row.req.gen.prompt).first(static_cast<size_t>(p)), row.slot,
              prefill_drafts_.get(), prefill_index);
 }
@@ -597,7 +598,7 @@ void BatchEngine::save_turn(const Row& row, size_t decode_index) {
   // Where decoding a token gives it the bits a prompt prefill would (the CPU), the state a
   // finished request leaves is the one a cold prefill of its prompt + answer reaches: the next
   // turn of a chat starts there. Elsewhere only the prefill grid's boundaries are exact.
-  if (!cache_ || !ops::prefill_matches_decode() || row.end != RequestEnd::Finished) return;
+  if (!cache_ || !target_->prompt_matches_decode() || row.end != RequestEnd::Finished) return;
   const int64_t P = static_cast<int64_t>(row.req.gen.prompt.size());
   const int64_t length = target_->length(row.slot);
   const int64_t answered = length - P;

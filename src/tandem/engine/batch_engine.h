@@ -61,7 +61,7 @@ struct EngineOptions {
   // The prefix cache's byte budget (PrefixCache); 0 = no cache. Saved boundaries: every multiple
   // of the prefill chunk a prompt's prefill reaches (the state a cold prefill of any longer prompt
   // has there, on every backend), and, where prompt forwards equal decoding
-  // (ops::prefill_matches_decode: the CPU), the end of each prompt too.
+  // (EngineTarget::prompt_matches_decode: Qwen3.5 on the CPU), the end of each prompt too.
   size_t prefix_cache_bytes = 0;
   // The prefix cache's disk tier (PrefixDisk): a folder ("" = none), the hash of the tokenizer
   // the prompts' ids come from (part of the files' key with the target identity and KV scheme),
@@ -159,7 +159,7 @@ class BatchEngine {
   bool want_final_ = false, want_prenorm_ = false;
 
   std::unique_ptr<PrefixDisk> disk_;
-  std::unique_ptr<PrefixCache> cache_;  // after target_ and disk_: it uses both until destroyed
+  std::unique_ptr<PrefixStore> cache_;  // after target_ and disk_: it uses both until destroyed
   // Drafter rows of the prompts being prefilled, and of the rows decoding: a row's index in
   // prefilling_ / decoding_ is its row in the matching group.
   std::unique_ptr<spec::DraftRows> prefill_drafts_, decode_drafts_;
@@ -217,7 +217,7 @@ class BatchEngine {
   // boundary (EngineOptions::prefix_cache_bytes). prefill_index: its row in prefill_drafts_.
   void save_boundary(const Row& row, size_t prefill_index);
   // When a decoding row retires finished: saves its state (prompt + the answer tokens the target
-  // processed) as a boundary, where decoding equals prefill (ops::prefill_matches_decode).
+  // processed) as a boundary, where decoding equals prefill (EngineTarget::prompt_matches_decode).
   void save_turn(const Row& row, size_t decode_index);
   // Both save through here: the drafter's checkpoint of row `draft_row` of `drafts` (null: none)
   // with the target state of `slot` at tokens.size(); a failure only skips the boundary.

@@ -10,9 +10,11 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <vector>
 
+#include "tandem/engine/prefix_store.h"
 #include "tandem/model/forward.h"
 #include "tandem/spec/draft.h"
 
@@ -65,10 +67,14 @@ class EngineTarget {
   virtual void collect_argmax(std::vector<int32_t>* argmax);
   virtual void drop_deferred_argmax() {}
 
-  // The paged state the prefix cache shares blocks of, and the bytes of one of its KV blocks;
-  // null: the target has no prefix cache.
+  // Whether a prompt forward gives each token the bits decoding gives it (then a prompt's end
+  // and a finished turn are boundaries a cold prefill reaches too; otherwise only the prefill
+  // chunk grid is).
+  virtual bool prompt_matches_decode() const = 0;
+  // A prefix cache over this target's state (PrefixStore) with a byte budget; null: none.
+  virtual std::unique_ptr<PrefixStore> open_prefix_cache(size_t /*max_bytes*/) { return nullptr; }
+  // The paged state a prefix cache's disk tier keys its files by; null: no disk tier.
   virtual Qwen35State* paged_state() { return nullptr; }
-  virtual size_t kv_block_bytes() const { return 0; }
 };
 
 }  // namespace tandem

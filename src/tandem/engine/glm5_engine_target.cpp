@@ -1,11 +1,16 @@
 #include "tandem/engine/glm5_engine_target.h"
 
 #include "tandem/core/error.h"
+#include "tandem/engine/glm5_prefix_cache.h"
 
 namespace tandem {
 
 Glm5EngineTarget::Glm5EngineTarget(const Glm5Model& model, std::string identity)
     : model_(model), view_(model, std::move(identity)), state_(model.config(), 0) {}
+
+std::unique_ptr<PrefixStore> Glm5EngineTarget::open_prefix_cache(size_t max_bytes) {
+  return std::make_unique<Glm5PrefixCache>(state_, max_bytes);
+}
 
 void Glm5EngineTarget::begin_prompt(const ForwardRequest& req) {
   TANDEM_CHECK(!active_, "a prompt forward is already in flight");

@@ -1,6 +1,7 @@
 // A GLM-5 target for the batch engine: the model and its per-row latent caches, which grow on
-// demand (no fixed pool, no prefix cache yet). Prompt forwards run whole, and greedy steps are
-// not queued ahead of the host: the CPU backend gains nothing from either.
+// demand (no fixed pool). Prompt forwards run whole, and greedy steps are
+// not queued ahead of the host: the CPU backend gains nothing from either. Its prefix cache
+// (Glm5PrefixCache) keeps copies of the caches at the prefill grid's boundaries.
 #pragma once
 
 #include <string>
@@ -35,6 +36,10 @@ class Glm5EngineTarget final : public EngineTarget {
   bool prompt_active() const override { return active_; }
   std::span<const RowInput> prompt_rows() const override { return rows_; }
   void abandon_prompt() override { active_ = false; }
+
+  // The prompt form (MLA expanded) and decoding (absorbed) agree within rounding, not bitwise.
+  bool prompt_matches_decode() const override { return false; }
+  std::unique_ptr<PrefixStore> open_prefix_cache(size_t max_bytes) override;
 
  private:
   const Glm5Model& model_;

@@ -16,13 +16,6 @@ uint64_t hash_tokens(std::span<const int32_t> tokens) {
   return XXH3_64bits(tokens.data(), tokens.size_bytes());
 }
 
-size_t checkpoint_bytes(const spec::Checkpoint* c) {
-  if (!c) return 0;
-  size_t n = c->tokens.size() * sizeof(int32_t);
-  for (const auto& [name, t] : c->tensors) n += t.data.size() * sizeof(float);
-  return n;
-}
-
 // fn(block, first position, positions) for each block of a length-token prefix's KV, in order:
 // a block's keys (and its values) are contiguous, so each is one copy.
 template <class Fn>
@@ -359,6 +352,13 @@ std::vector<int64_t> PrefixCache::boundaries() const {
   std::vector<int64_t> out;
   for (const auto& [len, count] : lengths_) out.insert(out.end(), static_cast<size_t>(count), len);
   return out;
+}
+
+size_t checkpoint_bytes(const spec::Checkpoint* c) {
+  if (!c) return 0;
+  size_t n = c->tokens.size() * sizeof(int32_t);
+  for (const auto& [name, t] : c->tensors) n += t.data.size() * sizeof(float);
+  return n;
 }
 
 }  // namespace tandem

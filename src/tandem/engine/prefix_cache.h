@@ -30,39 +30,21 @@
 
 #include "tandem/backend/buffer.h"
 #include "tandem/engine/prefix_disk.h"
+#include "tandem/engine/prefix_store.h"
 #include "tandem/model/qwen3_5_state.h"
 #include "tandem/spec/checkpoint.h"
 
 namespace tandem {
 
-struct PrefixCacheStats {
-  int64_t entries = 0;
-  int64_t evictions = 0;
-  int64_t disk_files = 0, disk_writes = 0, disk_loads = 0, disk_removed = 0;
-  int64_t disk_bytes = 0;
-  int64_t kv_blocks = 0;  // distinct KV blocks the entries hold
-  size_t bytes = 0;       // snapshots + checkpoints + kv_blocks × block bytes
-  size_t max_bytes = 0;
-};
-
-class PrefixCache {
+class PrefixCache final : public PrefixStore {
  public:
+  using Hit = PrefixHit;
   // `state` must outlive the cache; its block and slot layout is the one the entries refer to.
   PrefixCache(Qwen35State& state, size_t max_bytes, size_t kv_block_bytes);
   ~PrefixCache();  // releases every block the entries hold
   PrefixCache(const PrefixCache&) = delete;
   PrefixCache& operator=(const PrefixCache&) = delete;
 
-  // What a request can reuse. tokens == 0: a miss.
-  struct Hit {
-    int64_t tokens = 0;
-    uint64_t entry = 0;
-    // The drafter's state at the boundary; null when the entry's attachment is of another
-    // drafter namespace (or none): the caller's drafter adopts the prefix from its tokens
-    // (DraftRows::adopt_prefix).
-    spec::CheckpointPtr draft;
-    bool from_disk = false;  // the entry was read back from the disk tier for this lookup
-  };
   // The longest saved prefix of `prompt` that leaves at least one token to prefill (the first
   // sampled token needs the last prompt token's logits). draft_ns: the caller's drafter namespace
   // ("" for none, which uses any entry). An entry without an attachment of that namespace is used
@@ -70,11 +52,12 @@ class PrefixCache {
   // output: it needs only tokens, or verification does not depend on proposals), and skipped
   // otherwise. Marks the entry used (LRU). With a disk tier, a longer prefix found there is read
   // back into memory first (an unusable file is a miss, removed).
-  Hit lookup(std::span<const int32_t> prompt, const std::string& draft_ns, bool adopt_other);
+  Hit lookup(std::span<const int32_t> prompt, const std::string& draft_ns,
+             bool adopt_other) override;
 
   // Starts the empty open row `slot` at the hit's boundary (Qwen35State::attach_prefix). Throws
   // Error, changing nothing, when a fixed pool lacks the block a non-aligned tail copies into.
-  void restore(const Hit& hit, int slot);
+  void restore(const Hit& hit, int slot) override;
 
   // Saves row `slot`'s state at its current length, which must equal tokens.size(), with the
   // drafter's checkpoint for it (null without a drafter; otherwise its processed_tokens must be
@@ -82,21 +65,21 @@ class PrefixCache {
   // checkpoint when it has none of that namespace. Evicts
   // least-recently-used entries to stay within the budget; an entry larger than the whole budget,
   // or one whose tail copy finds no free block, is not saved. Returns whether an entry is there.
-  bool insert(std::span<const int32_t> tokens, int slot, spec::CheckpointPtr draft);
+  bool insert(std::span<const int32_t> tokens, int slot, spec::CheckpointPtr draft) override;
 
   // Evicts least-recently-used entries (never `keep`) until the state has `blocks` free blocks;
   // returns whether it has. Blocks still listed by rows or by kept entries are not freed by this.
-  bool make_room(int64_t blocks, uint64_t keep = 0);
+  bool make_room(int64_t blocks, uint64_t keep = 0) override;
 
   // The disk tier (may be null; must outlive the cache): evicted entries are written to it, and
   // lookups read longer prefixes back from it.
   void attach_disk(PrefixDisk* disk) { disk_ = disk; }
   // Writes every entry to the disk tier (a server shutting down with --prefix-cache-persist).
-  void persist_all();
+  void persist_all() override;
 
-  PrefixCacheStats stats() const;
+  PrefixCacheStats stats() const override;
   // The saved boundaries' lengths, ascending (tests, reports).
-  std::vector<int64_t> boundaries() const;
+  std::vector<int64_t> boundaries() const override;
 
  private:
   struct Entry {

@@ -55,10 +55,9 @@ class QwenEngineTarget final : public EngineTarget {
   void collect_argmax(std::vector<int32_t>* argmax) override { model_.collect_argmax(argmax); }
   void drop_deferred_argmax() override { model_.drop_deferred_argmax(); }
 
+  bool prompt_matches_decode() const override { return ops::prefill_matches_decode(); }
+  std::unique_ptr<PrefixStore> open_prefix_cache(size_t max_bytes) override;
   Qwen35State* paged_state() override { return &state_; }
-  size_t kv_block_bytes() const override {
-    return Qwen35State::block_bytes(model_.config(), state_.kv_dtype());
-  }
 
  private:
   const Qwen35Model& model_;

@@ -65,6 +65,39 @@ uint64_t Glm5State::bytes() const {
   return n;
 }
 
+uint64_t Glm5State::RowSnapshot::bytes() const {
+  uint64_t n = 0;
+  for (const auto& v : latent) n += v.size() * sizeof(float);
+  for (const auto& v : index_keys) n += v.size() * sizeof(float);
+  return n;
+}
+
+Glm5State::RowSnapshot Glm5State::snapshot(int slot) const {
+  const Row& r = row(slot);
+  if (r.window > 0)
+    fail("Glm5State: row slot ", slot, " has an uncommitted window of ", r.window, " tokens");
+  return {r.length, r.latent, r.index_keys};
+}
+
+void Glm5State::restore(int slot, const RowSnapshot& s) {
+  Row& r = row(slot);
+  if (r.length != 0 || r.window != 0) fail("Glm5State: row slot ", slot, " is not empty");
+  if (static_cast<int64_t>(s.latent.size()) != layers_ ||
+      static_cast<int64_t>(s.index_keys.size()) != layers_)
+    fail("Glm5State: a snapshot of ", s.latent.size(), " layers for a state of ", layers_);
+  for (int64_t l = 0; l < layers_; ++l) {
+    const auto& lat = s.latent[static_cast<size_t>(l)];
+    const auto& idx = s.index_keys[static_cast<size_t>(l)];
+    if (static_cast<int64_t>(lat.size()) != s.length * latent_width_ ||
+        (!idx.empty() && static_cast<int64_t>(idx.size()) != s.length * index_width_))
+      fail("Glm5State: snapshot layer ", l, " does not hold ", s.length, " positions");
+  }
+  std::vector<std::vector<float>> latent = s.latent, index_keys = s.index_keys;  // may throw
+  r.latent.swap(latent);
+  r.index_keys.swap(index_keys);
+  r.length = s.length;
+}
+
 void Glm5State::truncate(Row& r, int64_t length) const {
   for (auto& v : r.latent)
     if (!v.empty()) v.resize(static_cast<size_t>(length * latent_width_));

@@ -33,6 +33,19 @@ class Glm5State {
   // Bytes the caches of all rows hold.
   uint64_t bytes() const;
 
+  // A row's caches at a length, copied out (a prefix cache's entry). Since the caches only grow
+  // and are never rewritten, any length up to the row's is a state the row had.
+  struct RowSnapshot {
+    int64_t length = 0;
+    std::vector<std::vector<float>> latent, index_keys;  // [layer] -> [length, width]
+    uint64_t bytes() const;
+  };
+  // Throws Error for a row that is not open or has an uncommitted window.
+  RowSnapshot snapshot(int slot) const;
+  // Starts the open, empty row `slot` from a snapshot taken of a state with the same layout;
+  // throws Error (changing nothing) otherwise.
+  void restore(int slot, const RowSnapshot& s);
+
  private:
   friend class Glm5Model;
   struct Row {
