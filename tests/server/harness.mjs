@@ -8,10 +8,11 @@ export const binary = process.env.TANDEM_BINARY;
 export const sourceDir = process.env.TANDEM_SOURCE_DIR;
 if (!binary || !sourceDir) throw new Error('set TANDEM_BINARY and TANDEM_SOURCE_DIR');
 export const demoModel = path.join(sourceDir, 'models', 'qwen35-demo');
+export const glmDemoModel = path.join(sourceDir, 'models', 'glm5-demo');
 
 // Resolves once the server prints its address; `server.url`, `server.stop()`, `server.exited`.
-export async function startServer(args = []) {
-  const proc = spawn(binary, ['serve', '--model', demoModel, '--port', '0', '--threads', '2', ...args],
+export async function startServer(args = [], model = demoModel) {
+  const proc = spawn(binary, ['serve', '--model', model, '--port', '0', '--threads', '2', ...args],
                      { stdio: ['ignore', 'ignore', 'pipe'] });
   let log = '';
   const exited = new Promise((resolve) => proc.on('exit', (code, signal) => resolve({ code, signal })));
@@ -43,9 +44,9 @@ export async function startServer(args = []) {
 // a test that blocked its event loop here would find its kept-alive connections closed by the
 // server's idle timeout behind the HTTP client's back.
 export async function generateAlone({ promptIds, maxTokens, temperature = 0, topP = 1, topK = 0, minP = 0, seed = 0,
-                                draft = 'none' }) {
+                                draft = 'none', model = demoModel }) {
   const { stdout } = await promisify(execFile)(binary, [
-    'generate', '--model', demoModel, '--token-ids', promptIds.join(','), '--max-tokens', String(maxTokens),
+    'generate', '--model', model, '--token-ids', promptIds.join(','), '--max-tokens', String(maxTokens),
     '--temperature', String(temperature), '--top-p', String(topP), '--top-k', String(topK),
     '--min-p', String(minP), '--seed', String(seed), '--draft', draft, '--json', '--threads', '1',
   ], { encoding: 'utf8' });

@@ -153,13 +153,16 @@ void run_serve(const ServeArgs& a) {
   server::Server srv(engine, {target.view->vocab_size(), target.max_position_embeddings()},
                      tok ? &*tok : nullptr, tmpl ? &*tmpl : nullptr, so);
   const int port = srv.start();
+  char kv[128] = "caches grow per row (no fixed pool)";
+  if (eo.kv_blocks > 0)
+    std::snprintf(kv, sizeof kv, "KV pool %lld blocks (%lld tokens, %.2f GiB budget)",
+                  static_cast<long long>(eo.kv_blocks),
+                  static_cast<long long>(engine.capacity_tokens()), double(budget) / (1ull << 30));
   std::fprintf(stderr,
-               "tandem serve: model '%s' (%s), drafter %s depth %d, up to %d rows, KV pool %lld "
-               "blocks (%lld tokens, %.2f GiB budget), queue %d, prefix cache %.2f GiB\n",
+               "tandem serve: model '%s' (%s), drafter %s depth %d, up to %d rows, %s, queue %d, "
+               "prefix cache %.2f GiB\n",
                so.served_model_name.c_str(), ops::device_description().c_str(), a.d.draft.c_str(),
-               depth, a.max_batch, static_cast<long long>(eo.kv_blocks),
-               static_cast<long long>(engine.capacity_tokens()), double(budget) / (1ull << 30),
-               a.max_queue, double(eo.prefix_cache_bytes) / (1ull << 30));
+               depth, a.max_batch, kv, a.max_queue, double(eo.prefix_cache_bytes) / (1ull << 30));
   if (!tmpl) std::fprintf(stderr, "tandem serve: no chat template; /v1/chat/completions is off\n");
   std::fprintf(stderr, "tandem serve: listening on http://%s:%d\n", a.host.c_str(), port);
   std::fflush(stderr);
