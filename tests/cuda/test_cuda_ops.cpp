@@ -366,6 +366,74 @@ INSTANTIATE_TEST_SUITE_P(Shapes, CudaLinear,
                                            LinearShape{17, 100}, LinearShape{64, 12288}),
                          linear_name);
 
+// fp8 e4m3 weights with block scales (GLM-5's published layout): the CUDA kernel decodes each
+// weight exactly and scales it as the CPU does, so only the fp32 summation order differs; and a
+// row's outputs are the same bits alone or among 16 others.
+struct Fp8Shape {
+  int64_t n, k, block_rows, block_cols;
+  bool bf16_scales;
+};
+void PrintTo(const Fp8Shape& s, std::ostream* os) {
+  *os << "N " << s.n << " K " << s.k << " blocks " << s.block_rows << "x" << s.block_cols
+      << (s.bf16_scales ? " bf16" : " f32") << " scales";
+}
+
+using CudaLinearFp8 = CudaParamTest<Fp8Shape>;
+
+TEST_P(CudaLinearFp8, MatchesCpuAndIsBatchInvariant) {
+  const Fp8Shape p = GetParam();
+  std::mt19937 rng(static_cast<uint32_t>(77 + p.n * 3 + p.k));
+  std::vector<uint8_t> codes(sz(p.n * p.k));
+  std::uniform_int_distribution<int> byte(0, 255);
+  for (uint8_t& c : codes) {
+    do c = static_cast<uint8_t>(byte(rng));
+    while ((c & 0x7f) == 0x7f);  // e4m3's NaN codes
+  }
+  const int64_t grid =
+      ((p.n + p.block_rows - 1) / p.block_rows) * ((p.k + p.block_cols - 1) / p.block_cols);
+  std::vector<float> scales = uniform(sz(grid), rng, 0.001f, 0.02f);
+  std::vector<uint16_t> scales_bf16 = to_bf16(scales);
+  if (p.bf16_scales) scales = round_bf16(scales);
+  ops::WeightRef host;
+  host.dtype = DType::F8_E4M3;
+  host.data = codes.data();
+  host.rows = p.n;
+  host.cols = p.k;
+  host.scales = {p.bf16_scales ? static_cast<const void*>(scales_bf16.data())
+                               : static_cast<const void*>(scales.data()),
+                 p.bf16_scales ? DType::BF16 : DType::F32, p.block_rows, p.block_cols};
+  const int64_t m = 17;
+  const auto x = randn(sz(m * p.k), rng);
+  std::vector<float> want(sz(m * p.n));
+  cpu::linear(x.data(), m, host, want.data());
+
+  const DeviceBuffer<uint8_t> dcodes(codes);
+  const DeviceBuffer<float> dscales(scales);
+  const DeviceBuffer<uint16_t> dscales_bf16(scales_bf16);
+  ops::WeightRef dev = host;
+  dev.data = dcodes.get();
+  dev.scales.data = p.bf16_scales ? static_cast<const void*>(dscales_bf16.get())
+                                  : static_cast<const void*>(dscales.get());
+  const DeviceBuffer<float> dx(x);
+  DeviceBuffer<float> dy = nan_buffer(sz(m * p.n));
+  cuda::linear(dx.get(), m, dev, dy.get());
+  const std::vector<float> got = dy.download();
+  EXPECT_TRUE(near_blocks(got, want, sz(p.n), kElemRel));
+  for (int64_t row : {int64_t{0}, int64_t{9}, m - 1}) {
+    DeviceBuffer<float> one = nan_buffer(sz(p.n));
+    cuda::linear(dx.get() + row * p.k, 1, dev, one.get());
+    EXPECT_TRUE(bitwise_equal(one.download(), slice(got, sz(row * p.n), sz(p.n)))) << "row " << row;
+  }
+}
+
+// GLM-5's 128 x 128 blocks; blocks that split rows and columns unevenly; K not a multiple of 4
+// (the unaligned tail path) and N not a multiple of the block's 8 columns.
+INSTANTIATE_TEST_SUITE_P(Shapes, CudaLinearFp8,
+                         ::testing::Values(Fp8Shape{256, 384, 128, 128, false},
+                                           Fp8Shape{96, 1024, 128, 128, true},
+                                           Fp8Shape{40, 200, 16, 32, false},
+                                           Fp8Shape{33, 70, 8, 16, true}));
+
 using CudaLinearModes = CudaTest;
 
 // The CUDA linear rounds each activation to bf16 (round to nearest even) before multiplying.

@@ -267,9 +267,6 @@ std::string device_description() {
 }
 
 void linear(const float* x, int64_t m, const WeightRef& w, float* y) {
-  if (w.dtype == DType::F8_E4M3 && g_backend != Backend::Cpu)
-    fail("linear: fp8 weights run on the CPU backend only so far (the CUDA kernels are issue 21's ",
-         "next step)");
   TANDEM_DISPATCH(linear(x, m, w, y));
 }
 void linear_add(const float* x, int64_t m, const WeightRef& w, float* y, const GatedNorm* norm,

@@ -86,6 +86,9 @@ void set_prefill(bool on, int64_t gemm_rows = ops::kMaxPrefillGemmRows);
 bool prefill_mode();
 
 void linear(const float* x, int64_t m, const ops::WeightRef& w, float* y);
+// linear for fp8 e4m3 weights with block scales (linear_fp8.cu): weights decoded exactly and
+// scaled as the CPU does, fp32 activations and sums; batch-invariant. linear() routes fp8 here.
+void linear_fp8(const float* x, int64_t m, const ops::WeightRef& w, float* y);
 // norm (optional): decode-shaped calls (m <= 4, K a multiple of 16) normalise the rows while
 // staging them, in rms_norm's order; every other call runs rms_norm into a scratch buffer first.
 void linear_split(const float* x, int64_t m, const ops::WeightRef& w,

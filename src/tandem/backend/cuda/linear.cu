@@ -1021,6 +1021,7 @@ void linear_split(const float* x, int64_t m, const ops::WeightRef& w,
 }
 
 void linear(const float* x, int64_t m, const ops::WeightRef& w, float* y) {
+  if (w.dtype == DType::F8_E4M3) return linear_fp8(x, m, w, y);
   const ops::OutputSlice all{y, w.rows};
   cuda::linear_split(x, m, w, &all, 1, nullptr);
 }
