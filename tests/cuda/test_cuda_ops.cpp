@@ -434,6 +434,77 @@ INSTANTIATE_TEST_SUITE_P(Shapes, CudaLinearFp8,
                                            Fp8Shape{40, 200, 16, 32, false},
                                            Fp8Shape{33, 70, 8, 16, true}));
 
+// GLM-5's multi-head latent attention: the CUDA op (absorbed order, online softmax) against the
+// CPU's absorbed order, with and without a DSA choice (unsorted, with -1 padding and positions
+// past the query's), kv_b in f32 and bf16; a query's outputs are the same bits alone.
+struct MlaShape {
+  int64_t H, dn, dr, dv, R, ctx, topk;  // topk 0: every position up to the query's
+  bool bf16;
+};
+void PrintTo(const MlaShape& s, std::ostream* os) {
+  *os << "H " << s.H << " dn " << s.dn << " dr " << s.dr << " dv " << s.dv << " R " << s.R
+      << " ctx " << s.ctx << " topk " << s.topk << (s.bf16 ? " bf16" : " f32");
+}
+
+using CudaMla = CudaParamTest<MlaShape>;
+
+TEST_P(CudaMla, MatchesCpuAbsorbedAndIsBatchInvariant) {
+  const MlaShape p = GetParam();
+  std::mt19937 rng(static_cast<uint32_t>(11 + p.H * 7 + p.R + p.ctx + p.topk));
+  const std::vector<int64_t> pos = {0, 3, p.ctx / 2, p.ctx - 2, p.ctx - 1};
+  const int64_t n = static_cast<int64_t>(pos.size());
+  const auto qn = randn(sz(n * p.H * p.dn), rng, 0.3f);
+  const auto qp = randn(sz(n * p.H * p.dr), rng, 0.3f);
+  const auto latent = randn(sz(p.ctx * (p.R + p.dr)), rng);
+  auto kv = randn(sz(p.H * (p.dn + p.dv) * p.R), rng, 0.1f);
+  if (p.bf16) kv = round_bf16(kv);
+  const std::vector<uint16_t> kv16 = to_bf16(kv);
+  std::vector<int32_t> allowed;
+  if (p.topk > 0) {
+    std::uniform_int_distribution<int32_t> any(-1, static_cast<int32_t>(p.ctx - 1));
+    for (int64_t j = 0; j < n * p.topk; ++j) allowed.push_back(any(rng));
+  }
+  ops::WeightRef w;
+  w.dtype = DType::F32;
+  w.data = kv.data();
+  w.rows = p.H * (p.dn + p.dv);
+  w.cols = p.R;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(p.dn + p.dr));
+  std::vector<float> want(sz(n * p.H * p.dv));
+  cpu::mla_attention(qn.data(), qp.data(), n, p.H, p.dn, p.dr, p.dv, latent.data(), p.ctx, p.R, w,
+                     pos.data(), p.topk ? allowed.data() : nullptr, p.topk, scale, true,
+                     want.data());
+
+  const DeviceBuffer<float> dqn(qn), dqp(qp), dlat(latent), dkv(kv);
+  const DeviceBuffer<uint16_t> dkv16(kv16);
+  const DeviceBuffer<int64_t> dpos(pos);
+  const DeviceBuffer<int32_t> dallowed(p.topk ? allowed : std::vector<int32_t>{0});
+  ops::WeightRef dw = w;
+  dw.dtype = p.bf16 ? DType::BF16 : DType::F32;
+  dw.data = p.bf16 ? static_cast<const void*>(dkv16.get()) : static_cast<const void*>(dkv.get());
+  auto run = [&](int64_t first, int64_t count) {
+    DeviceBuffer<float> out = nan_buffer(sz(count * p.H * p.dv));
+    cuda::mla_attention(dqn.get() + first * p.H * p.dn, dqp.get() + first * p.H * p.dr, count, p.H,
+                        p.dn, p.dr, p.dv, dlat.get(), p.ctx, p.R, dw, dpos.get() + first,
+                        p.topk ? dallowed.get() + first * p.topk : nullptr, p.topk, scale, true,
+                        out.get());
+    return out.download();
+  };
+  const std::vector<float> got = run(0, n);
+  EXPECT_TRUE(near_blocks(got, want, sz(p.dv), kAttnRel));
+  for (int64_t q = 0; q < n; ++q)
+    EXPECT_TRUE(bitwise_equal(run(q, 1), slice(got, sz(q * p.H * p.dv), sz(p.H * p.dv))))
+        << "query " << q;
+}
+
+// A small shape with a choice of 8 and without; GLM-5's head (dn 192, dr 64, dv 256, latent 512)
+// with its choice of 2048 over a shorter context and more positions than one chunk.
+INSTANTIATE_TEST_SUITE_P(Shapes, CudaMla,
+                         ::testing::Values(MlaShape{4, 32, 16, 32, 64, 40, 8, false},
+                                           MlaShape{4, 32, 16, 32, 64, 40, 0, true},
+                                           MlaShape{2, 192, 64, 256, 512, 600, 0, true},
+                                           MlaShape{2, 192, 64, 256, 512, 700, 2048, false}));
+
 using CudaLinearModes = CudaTest;
 
 // The CUDA linear rounds each activation to bf16 (round to nearest even) before multiplying.

@@ -386,8 +386,8 @@ void mla_attention(const float* q_nope, const float* q_pe, int64_t n, int64_t H,
                    int64_t dr, int64_t dv, const float* latent, int64_t ctx, int64_t R,
                    const WeightRef& kv_b, const int64_t* pos, const int32_t* allowed, int64_t topk,
                    float scale, bool absorbed, float* out) {
-  cpu::mla_attention(q_nope, q_pe, n, H, dn, dr, dv, latent, ctx, R, kv_b, pos, allowed, topk,
-                     scale, absorbed, out);
+  TANDEM_DISPATCH(mla_attention(q_nope, q_pe, n, H, dn, dr, dv, latent, ctx, R, kv_b, pos, allowed,
+                                topk, scale, absorbed, out));
 }
 void rope_slice(float* x, int64_t n_tokens, int64_t n_heads, int64_t head_stride, int64_t offset,
                 int64_t dim, const int64_t* positions, const float* inv_freq, bool interleaved) {

@@ -263,7 +263,8 @@ void dsa_select(const float* q, const float* w, int64_t n, int64_t heads, int64_
 // when allowed is null, with scores (q_nope·k_nope + q_pe·k_pe) · scale. out [n, H, dv].
 // absorbed: the decode form (the key projection folded into the query, the value projection
 // applied once to the weighted latents); else the prefill form (keys and values formed per
-// position and head). Both equal the attention within fp32 rounding. CPU arithmetic.
+// position and head). Both equal the attention within fp32 rounding. CUDA evaluates both in the
+// absorbed order (kv_b F32 or BF16 there; pos and allowed in device memory).
 void mla_attention(const float* q_nope, const float* q_pe, int64_t n, int64_t H, int64_t dn,
                    int64_t dr, int64_t dv, const float* latent, int64_t ctx, int64_t R,
                    const WeightRef& kv_b, const int64_t* pos, const int32_t* allowed, int64_t topk,

@@ -89,6 +89,11 @@ void linear(const float* x, int64_t m, const ops::WeightRef& w, float* y);
 // linear for fp8 e4m3 weights with block scales (linear_fp8.cu): weights decoded exactly and
 // scaled as the CPU does, fp32 activations and sums; batch-invariant. linear() routes fp8 here.
 void linear_fp8(const float* x, int64_t m, const ops::WeightRef& w, float* y);
+// ops::mla_attention (mla.cu): both orders evaluated in the absorbed one.
+void mla_attention(const float* q_nope, const float* q_pe, int64_t n, int64_t H, int64_t dn,
+                   int64_t dr, int64_t dv, const float* latent, int64_t ctx, int64_t R,
+                   const ops::WeightRef& kv_b, const int64_t* pos, const int32_t* allowed,
+                   int64_t topk, float scale, bool absorbed, float* out);
 // norm (optional): decode-shaped calls (m <= 4, K a multiple of 16) normalise the rows while
 // staging them, in rms_norm's order; every other call runs rms_norm into a scratch buffer first.
 void linear_split(const float* x, int64_t m, const ops::WeightRef& w,
