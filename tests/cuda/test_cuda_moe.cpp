@@ -216,6 +216,54 @@ TEST_F(CudaMoe, OpMatchesTheCpuOpAndEachTokenIsBitwiseItsOwn) {
   }
 }
 
+// GLM-5's mixtures on CUDA: noaux_tc routing (sigmoid scores, a correction bias, groups) and a
+// shared expert without a gate, against the CPU op: the same experts in the same order, weights
+// within fp32 rounding, outputs within bf16 tolerance, a token's row bitwise its own alone.
+// Grid-valued router rows and inputs make the router logits exact on both sides.
+TEST_F(CudaMoe, NoauxTcRoutingAndAnUngatedSharedExpertMatchTheCpu) {
+  ScopedBackend cuda(ops::Backend::Cuda);
+  std::mt19937 rng(23);
+  TestMixture mix(16, 4, 64, 32, 48, rng);
+  set_grid_values(mix.router, 1.0f, rng);
+  std::vector<float> bias(16);
+  std::normal_distribution<float> nd(0.0f, 0.05f);
+  for (float& b : bias) b = nd(rng);
+  const DeviceBuffer<float> dbias(bias);
+  auto glm = [&](ops::MoeWeights m, const float* b) {
+    m.routing = ops::MoeRouting::NoauxTc;
+    m.n_group = 4;
+    m.topk_group = 2;
+    m.routed_scale = 2.5f;
+    m.score_bias = TestMixture::ref(b, DType::F32, 1, 16);
+    m.shared_gate = {};
+    return m;
+  };
+  const ops::MoeWeights on_gpu = glm(mix.weights(true), dbias.get());
+  const ops::MoeWeights on_cpu = glm(mix.weights(false), bias.data());
+  for (const int64_t T : {1, 5, 33}) {
+    Bf16Values xv(static_cast<size_t>(T * mix.H), 1.0f, rng);
+    set_grid_values(xv, 1.0f, rng);
+    const std::vector<float>& x = xv.values;
+    const auto y0 = bf16_rows(T * mix.H, rng);
+    std::vector<int32_t> ids, want_ids;
+    std::vector<float> wts, want_wts;
+    const auto got = cuda_moe(on_gpu, x, y0, T, &ids, &wts);
+    std::vector<float> want = y0;
+    cpu::moe_mlp_add(x.data(), T, on_cpu, want.data(), &want_ids, &want_wts);
+    ASSERT_EQ(ids, want_ids) << "T " << T;
+    for (size_t i = 0; i < wts.size(); ++i)
+      EXPECT_NEAR(wts[i], want_wts[i], 1e-6 * std::fabs(want_wts[i]) + 1e-7) << i;
+    EXPECT_LT(relative_error(got, want, y0), 2e-2) << "T " << T;
+    for (int64_t t = 0; t < T; t += 4) {
+      const std::vector<float> xt(x.begin() + t * mix.H, x.begin() + (t + 1) * mix.H);
+      const std::vector<float> yt(y0.begin() + t * mix.H, y0.begin() + (t + 1) * mix.H);
+      const auto alone = cuda_moe(on_gpu, xt, yt, 1);
+      EXPECT_EQ(0, std::memcmp(alone.data(), got.data() + t * mix.H, sizeof(float) * mix.H))
+          << "token " << t << " of " << T;
+    }
+  }
+}
+
 // Routing many tokens over 256 experts, top 8, against the CPU op: every token's experts equal,
 // in the same order, with exact ties between probabilities (grid-valued router rows and inputs
 // give the same logits on both; experts 2j and 2j + 1 share a router row for j < 16; every

@@ -437,10 +437,6 @@ void moe_mlp_add(const float* x, int64_t T, const MoeWeights& w, float* y,
   if (x == y) fail("moe_mlp_add: y must not alias x");
 #ifdef TANDEM_HAVE_CUDA
   if (g_backend == Backend::Cuda) {
-    if (w.routing != MoeRouting::SoftmaxTopK || (shared && !gated))
-      fail(
-          "moe_mlp_add: GLM-5's noaux_tc routing and ungated shared experts run on the CPU only "
-          "so far");
     const int64_t I = w.gate.front().rows;
     if (w.experts_gate_up.rows != 2 * I * E || w.experts_gate_up.cols != H ||
         w.experts_down.rows != H * E || w.experts_down.cols != I)

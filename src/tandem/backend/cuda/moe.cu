@@ -5,7 +5,8 @@
 //   1. router logits [T, E] = x · routerᵀ (cuda::linear); with the shared expert's gate stacked
 //      as the router's last row (stack_moe_experts), [T, E + 1], the gate logits in column E;
 //   2. moe_route_kernel: one warp per token, softmax in fp32, the top k by probability (the
-//      lower expert id on equal probabilities), renormalised — route_top_k's rule;
+//      lower expert id on equal probabilities), renormalised — route_top_k's rule; or, for
+//      GLM-5's mixtures, moe_route_noaux_kernel — route_noaux_tc's rule;
 //   3. moe_group_kernel: the T·k (token, choice) pairs grouped by expert, experts ascending and
 //      pairs in order within an expert ("pair rows"), by counts per run of pairs and block-wide
 //      scans;
@@ -15,7 +16,8 @@
 //   5. the shared expert over all tokens: gate and up as one product with the SwiGLU in its
 //      epilogue (gate_up_swiglu, when stacked in its pair layout), then down;
 //   6. moe_combine_kernel: per token and 256 columns, its experts' outputs weighted and summed in
-//      ascending expert id, then + sigmoid(gate) · shared, added to y (cpu::moe_mlp_add's order).
+//      ascending expert id, then + sigmoid(gate) · shared (+ shared where it has no gate: GLM-5),
+//      added to y (cpu::moe_mlp_add's order).
 //
 // Batch invariance: a pair row's products are the ones cuda::linear of its expert computes for
 // that row alone (linear_grouped), whichever other rows share the expert; the routing's
@@ -135,6 +137,90 @@ __global__ void __launch_bounds__(kRouteWarps * 32)
   if (lane < k) {
     ids[static_cast<size_t>(t) * k + lane] = my_e;
     weights[static_cast<size_t>(t) * k + lane] = renormalise ? my_p / top : my_p;
+  }
+}
+
+// GLM-5 / DeepSeek-V3's noaux_tc routing (route_noaux_tc's rule), one warp per token as above:
+// score = sigmoid(logit), choice = score + bias; a group's worth is the sum of its best two
+// choices (best first); the topk_group best groups are kept (lower group on a tie), the other
+// groups' experts drop out; the k best choices are the experts, weighted by their unbiased scores
+// (renormalised by their sum in the order chosen, + 1e-20) times `scale`. Every comparison is
+// `before`'s (lower id on a tie) and every sum's order depends on E and the groups alone.
+template <int PerLane>
+__global__ void __launch_bounds__(kRouteWarps * 32)
+    moe_route_noaux_kernel(const float* __restrict__ logits, int64_t ld, int T, int E, int k,
+                           int n_group, int topk_group, bool renormalise, float scale,
+                           const float* __restrict__ bias, int32_t* __restrict__ ids,
+                           float* __restrict__ weights) {
+  pdl_wait();
+  pdl_release();
+  const int lane = threadIdx.x % 32;
+  const int t = blockIdx.x * kRouteWarps + threadIdx.x / 32;
+  if (t >= T) return;  // the whole warp
+  const float* l = logits + static_cast<size_t>(t) * ld;
+  const int per = E / n_group;
+  float score[PerLane], choice[PerLane];
+#pragma unroll
+  for (int j = 0; j < PerLane; ++j) {
+    const int e = lane + 32 * j;
+    score[j] = e < E ? 1.0f / (1.0f + expf(-l[e])) : 0.0f;
+    choice[j] = e < E ? score[j] + bias[e] : -INFINITY;
+  }
+  // The best of the candidates `in` accepts (experts outside it count as -inf, past E as well).
+  auto best_of = [&](auto in) {
+    Candidate c{-INFINITY, 0x7fffffff};
+#pragma unroll
+    for (int j = 0; j < PerLane; ++j) {
+      const int e = lane + 32 * j;
+      const Candidate o{e < E && in(e) ? choice[j] : -INFINITY, e < E ? e : 0x7fffffff};
+      if (before(o, c)) c = o;
+    }
+    return warp_best(c);
+  };
+  if (n_group > 1) {
+    unsigned kept = 0;        // bit g: group g stays
+    float worth = -INFINITY;  // lane g < n_group holds group g's
+    for (int g = 0; g < n_group; ++g) {
+      const Candidate a = best_of([&](int e) { return e / per == g; });
+      const Candidate b = best_of([&](int e) { return e / per == g && e != a.e; });
+      if (lane == g) worth = a.p + b.p;
+    }
+    for (int r = 0; r < topk_group; ++r) {
+      Candidate c{lane < n_group && !((kept >> lane) & 1u) ? worth : -INFINITY,
+                  lane < n_group ? lane : 0x7fffffff};
+      c = warp_best(c);
+      kept |= 1u << c.e;
+    }
+#pragma unroll
+    for (int j = 0; j < PerLane; ++j) {
+      const int e = lane + 32 * j;
+      if (e < E && !((kept >> (e / per)) & 1u)) choice[j] = -INFINITY;
+    }
+  }
+  float top = 0.0f, my_s = 0.0f;  // lane j < k keeps choice j
+  int my_e = 0;
+  unsigned taken = 0;  // bit j: this lane's expert lane + 32j was chosen
+  for (int r = 0; r < k; ++r) {
+    // Each lane judges its own experts (e = lane + 32j), so bit e / 32 of its own mask.
+    const Candidate c = best_of([&](int e) { return !((taken >> (e / 32)) & 1u); });
+    float s = 0.0f;
+#pragma unroll
+    for (int j = 0; j < PerLane; ++j)
+      if (lane + 32 * j == c.e) {
+        s = score[j];
+        taken |= 1u << j;
+      }
+    s = __shfl_sync(0xffffffffu, s, c.e % 32);
+    top += s;
+    if (lane == r) {
+      my_s = s;
+      my_e = c.e;
+    }
+  }
+  if (lane < k) {
+    const float w = renormalise ? my_s / (top + 1e-20f) : my_s;
+    ids[static_cast<size_t>(t) * k + lane] = my_e;
+    weights[static_cast<size_t>(t) * k + lane] = w * scale;
   }
 }
 
@@ -309,10 +395,12 @@ __global__ void __launch_bounds__(kCombineThreads)
   float acc = 0.0f;
   for (int j = 0; j < k; ++j) acc += s_w[j] * out[static_cast<int64_t>(s_row[j]) * H + i];
   float& yt = y[t * H + i];
-  if (shared)
-    yt += acc + sigmoid(gate[t * gate_ld]) * shared[t * H + i];
-  else
+  if (!shared)
     yt += acc;
+  else if (gate)
+    yt += acc + sigmoid(gate[t * gate_ld]) * shared[t * H + i];
+  else  // GLM-5: the shared experts' output added as it is
+    yt += acc + shared[t * H + i];
 }
 
 // Scratch of one call, grown to the largest seen (calls are stream-ordered). Growing bumps the
@@ -368,11 +456,29 @@ void moe_mlp_add(const float* x, int64_t T, const ops::MoeWeights& w, float* y,
   float* act = s.get<float>(9, P * I);
   float* out = s.get<float>(10, P * H);
   cuda::linear(x, T, gate_row ? w.router_shared_gate : w.router, logits);
-  with_per_lane(E, [&](auto per_lane) {
-    launch("moe_route", moe_route_kernel<decltype(per_lane)::value>,
-           grid_blocks(ceil_div(T, kRouteWarps), "moe_route"), kRouteWarps * 32, 0, logits, ld,
-           static_cast<int>(T), static_cast<int>(E), static_cast<int>(k), w.renormalise, ids, wts);
-  });
+  if (w.routing == ops::MoeRouting::NoauxTc) {
+    const int64_t per = w.n_group > 0 ? E / w.n_group : 0;
+    if (w.n_group < 1 || w.n_group > 32 || E % w.n_group != 0 || (w.n_group > 1 && per < 2) ||
+        w.topk_group < 1 || w.topk_group > w.n_group || k > w.topk_group * per)
+      fail("moe_mlp_add: noaux_tc routing of top ", k, " over ", E, " experts in ", w.n_group,
+           " groups keeping ", w.topk_group, " (CUDA: at most 32 groups of at least 2)");
+    if (w.score_bias.dtype != DType::F32 || w.score_bias.rows * w.score_bias.cols != E)
+      fail("moe_mlp_add: noaux_tc needs an F32 score bias of ", E, " values");
+    with_per_lane(E, [&](auto per_lane) {
+      launch("moe_route_noaux", moe_route_noaux_kernel<decltype(per_lane)::value>,
+             grid_blocks(ceil_div(T, kRouteWarps), "moe_route_noaux"), kRouteWarps * 32, 0, logits,
+             ld, static_cast<int>(T), static_cast<int>(E), static_cast<int>(k),
+             static_cast<int>(w.n_group), static_cast<int>(w.topk_group), w.renormalise,
+             w.routed_scale, static_cast<const float*>(w.score_bias.data), ids, wts);
+    });
+  } else {
+    with_per_lane(E, [&](auto per_lane) {
+      launch("moe_route", moe_route_kernel<decltype(per_lane)::value>,
+             grid_blocks(ceil_div(T, kRouteWarps), "moe_route"), kRouteWarps * 32, 0, logits, ld,
+             static_cast<int>(T), static_cast<int>(E), static_cast<int>(k), w.renormalise, ids,
+             wts);
+    });
+  }
   // Runs of at least 32 pairs, one per warp, as many as the per-run counts fit in kGroupSmem.
   const int64_t chunks = std::max<int64_t>(
       1, std::min({int64_t{kGroupThreads / 32}, kGroupSmem / (4 * E), ceil_div(P, 32)}));
@@ -406,7 +512,7 @@ void moe_mlp_add(const float* x, int64_t T, const ops::MoeWeights& w, float* y,
     if (gate_row) {
       gate = logits + E;
       gate_ld = ld;
-    } else {
+    } else if (w.shared_gate.rows > 0) {
       float* g = sh + T * H;
       cuda::linear(x, T, w.shared_gate, g);
       gate = g;
