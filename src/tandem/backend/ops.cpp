@@ -399,7 +399,7 @@ void layer_norm(const float* x, int64_t m, int64_t d, const WeightRef& w, const 
 }
 void dsa_select(const float* q, const float* w, int64_t n, int64_t heads, int64_t D,
                 const float* keys, int64_t ctx, const int64_t* pos, int64_t topk, int32_t* out) {
-  cpu::dsa_select(q, w, n, heads, D, keys, ctx, pos, topk, out);
+  TANDEM_DISPATCH(dsa_select(q, w, n, heads, D, keys, ctx, pos, topk, out));
 }
 void route_noaux_tc(const float* logits, const float* bias, int64_t E, int64_t k, int64_t n_group,
                     int64_t topk_group, bool renormalise, float scale, int32_t* ids,

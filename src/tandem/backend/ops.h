@@ -251,7 +251,7 @@ void moe_mlp_add(const float* x, int64_t T, const MoeWeights& w, float* y,
 // every position p <= pos[i] as Σ_h w[i,h] · relu((q[i,h] · keys[p]) · D^-1/2) and keeps the best
 // min(topk, pos[i] + 1): out [n, topk] holds their positions by descending score (the lower
 // position on equal scores), -1 after them. With pos[i] + 1 <= topk the choice is every earlier
-// position (dense attention). CPU arithmetic on host memory.
+// position (dense attention). CUDA: pos in device memory, each query sorting the whole context.
 void dsa_select(const float* q, const float* w, int64_t n, int64_t heads, int64_t D,
                 const float* keys, int64_t ctx, const int64_t* pos, int64_t topk, int32_t* out);
 
