@@ -4,8 +4,8 @@
 // Implementations: QwenEngineTarget (Qwen3.5 dense and MoE: paged KV with an optional fixed
 // pool, layer-sliced prompt forwards, pipelined greedy steps, the prefix cache) and
 // Glm5EngineTarget (GLM-5: per-row latent caches that grow on demand; prompt forwards run
-// whole). Capabilities a target lacks are reported (fixed_pool_supported, pipelines_greedy,
-// paged_state), and the engine refuses options that need them.
+// whole). Capabilities a target lacks are refused by name (set_fixed_pool, open_prefix_cache) or
+// reported (pipelines_greedy, paged_state).
 #pragma once
 
 #include <cstddef>
@@ -39,7 +39,6 @@ class EngineTarget {
 
   // A fixed pool of KV blocks (EngineOptions::kv_blocks): every row's blocks are reserved at
   // admission, so no round runs out of memory half-way.
-  virtual bool fixed_pool_supported() const { return false; }
   virtual void set_fixed_pool(int max_rows, int64_t blocks, int64_t max_window);
   virtual bool fixed() const { return false; }
   virtual int64_t block_tokens() const { return 0; }  // tokens per KV block

@@ -22,7 +22,6 @@ class QwenEngineTarget final : public EngineTarget {
   void close_row(int slot) override { state_.close_row(slot); }
   int64_t length(int slot) const override { return state_.length(slot); }
 
-  bool fixed_pool_supported() const override { return true; }
   void set_fixed_pool(int max_rows, int64_t blocks, int64_t max_window) override {
     state_.set_capacity({max_rows, blocks, max_window});
   }

@@ -31,6 +31,10 @@ enum class HiddenTap {
   PreNorm,      // the last decoder layer's output before the final norm (mlx-bun's convention)
 };
 
+inline const char* hidden_tap_name(HiddenTap t) {
+  return t == HiddenTap::FinalNormed ? "final-normed" : "pre-norm";
+}
+
 // `full`: the target prefills the whole prompt and samples the first token from it.
 // `tail_split`: the last prompt token is not prefilled; it heads the first verify window.
 enum class PrefillMode { Full, TailSplit };

@@ -11,10 +11,6 @@ namespace tandem::spec {
 
 namespace {
 
-const char* tap_name(HiddenTap t) {
-  return t == HiddenTap::FinalNormed ? "final-normed" : "pre-norm";
-}
-
 // A prepared append: rows fully built (caches written into storage no row owns yet); commit only
 // moves them in (capacity reserved while preparing, so it cannot throw).
 class AppendChange : public PreparedChange {
@@ -164,7 +160,8 @@ void MtpRows::prefill(std::span<const RowPrefill> rows) {
     if (r.drafted) fail(who_, " prefill: row ", p.row, " has an uncommitted draft");
     if (p.tokens.empty()) fail(who_, " prefill: row ", p.row, " has no tokens");
     if (p.hidden == nullptr)
-      fail(who_, " prefill: row ", p.row, " needs the target's ", tap_name(tap_), " hiddens");
+      fail(who_, " prefill: row ", p.row, " needs the target's ", hidden_tap_name(tap_),
+           " hiddens");
     for (int32_t id : p.tokens)
       if (id < 0 || id >= V_)
         fail(who_, " prefill: token id ", id, " is out of range [0, ", V_, ")");

@@ -13,14 +13,10 @@ namespace {
 
 using json = nlohmann::json;
 
-const char* tap_name(HiddenTap t) {
-  return t == HiddenTap::FinalNormed ? "final-normed" : "pre-norm";
-}
-
 // Everything that changes what a drafter state means beyond the weights: where the layer came
 // from (norm layout) and which target hidden it consumes.
 std::string mtp_fingerprint(const json& config, const char* source, HiddenTap tap) {
-  return config_fingerprint(config) + "|qwen-mtp:" + source + "|tap:" + tap_name(tap);
+  return config_fingerprint(config) + "|qwen-mtp:" + source + "|tap:" + hidden_tap_name(tap);
 }
 
 // The graph-shaping numbers of an MTP block as a config object under config.json's field names
@@ -146,7 +142,7 @@ std::unique_ptr<DraftRows> QwenMtpProvider::open_rows(const TargetView& target) 
          " does not match the target's ", target.vocab_size(),
          " (it drafts through the target's embedding and head, so they must agree)");
   if (!target.can_tap(tap_))
-    fail("qwen-mtp drafter ", source_, ": the target cannot provide the ", tap_name(tap_),
+    fail("qwen-mtp drafter ", source_, ": the target cannot provide the ", hidden_tap_name(tap_),
          " hidden state this drafter consumes");
   return std::make_unique<QwenMtpRows>(block_, target, ns_, tap_);
 }
