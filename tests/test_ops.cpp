@@ -746,9 +746,13 @@ TEST(Ops, PrefillGemmRowsFollowTheChunk) {
   EXPECT_EQ(ops::prefill_gemm_rows(64), 64);
   EXPECT_EQ(ops::prefill_gemm_rows(100), 112);
   EXPECT_EQ(ops::prefill_gemm_rows(256), 256);
+  EXPECT_EQ(ops::prefill_gemm_rows(4000), 4000);
+  EXPECT_EQ(ops::prefill_gemm_rows(4096), 4096);
   EXPECT_EQ(ops::prefill_gemm_rows(8192), ops::kMaxPrefillGemmRows);
+  EXPECT_EQ(ops::kMaxPrefillGemmRows, 4096);
   EXPECT_THROW(ops::prefill_gemm_rows(0), Error);
-  for (const int64_t bad : {0, 8, 24, 272}) EXPECT_THROW(ops::set_prefill(true, bad), Error) << bad;
+  for (const int64_t bad : {0, 8, 24, 4104, 4112})
+    EXPECT_THROW(ops::set_prefill(true, bad), Error) << bad;
   ops::set_prefill(false, 0);  // off: the tile is not looked at
 }
 

@@ -595,7 +595,7 @@ TEST_F(CudaLinearModes, PrefillModeMatchesCpu) {
       << "after set_prefill(false), m = 100 is not batch invariant";
 }
 
-// Every prefill GEMM tile an engine can pick (ops::prefill_gemm_rows: 16..256 rows) matches the
+// Every prefill GEMM tile an engine can pick (ops::prefill_gemm_rows: 16..4096 rows) matches the
 // CPU, and within one tile size a row's bits do not depend on how many rows share the call or
 // where the row falls among the tiles: what lets a small chunk use a small tile and still give a
 // prompt the same numbers alone and next to other prompts.
@@ -607,15 +607,19 @@ TEST_F(CudaLinearModes, EveryPrefillTileMatchesCpuAndIsBatchInvariant) {
   const auto x = randn(sz(max_m * s.k), rng);
   const auto want = cpu_linear_bf16(x, max_m, w);
   const DeviceBuffer<float> dx(x);
-  for (const int64_t chunk : {1, 16, 32, 50, 64, 128, 256, 1000}) {
+  for (const int64_t chunk : {1, 16, 32, 50, 64, 128, 256, 1000, 4096, 9000}) {
     const int64_t tile = ops::prefill_gemm_rows(chunk);
     ASSERT_EQ(tile % 16, 0) << "chunk " << chunk;
     ASSERT_GE(tile, std::min<int64_t>(chunk, ops::kMaxPrefillGemmRows)) << "chunk " << chunk;
     cuda::set_prefill(true, tile);
     const auto all = cuda_linear(dx, 0, max_m, w);
     EXPECT_TRUE(near_blocks(all, want, sz(s.n), kLinearRel)) << "tile " << tile;
-    for (const auto& [first, m] :
-         {std::pair<int64_t, int64_t>{0, 1}, {7, 1}, {37, 5}, {tile - 1, 2}, {299, 1}, {100, 64}}) {
+    for (const auto& [first, m] : {std::pair<int64_t, int64_t>{0, 1},
+                                   {7, 1},
+                                   {37, 5},
+                                   {std::min(tile, max_m - 1) - 1, 2},
+                                   {299, 1},
+                                   {100, 64}}) {
       EXPECT_TRUE(
           bitwise_equal(cuda_linear(dx, first, m, w), slice(all, sz(first * s.n), sz(m * s.n))))
           << "tile " << tile << ": rows " << first << "+" << m << " differ from the same rows of a "
@@ -2369,6 +2373,32 @@ TEST_F(CudaBatchInvariance, RecurrentRowsEqualSingleRowCalls) {
       run_rows(B);
       expect_rows_near_cpu(B, what);
       expect_rows_equal_single_calls(B, what);
+    }
+  }
+}
+
+// Prompt-length rows, which causal_conv_silu_rows splits into token chunks (one block per 64
+// tokens of a row): rows longer than a chunk, exactly one chunk, one token past it, shorter than
+// the conv window, idle, with and without per-token states. Every row's outputs and final states
+// must be bitwise the single-row op's, whose one thread walks all of the row's tokens.
+TEST_F(CudaBatchInvariance, LongRowsEqualSingleRowCalls) {
+  const std::vector<int64_t> n = {200, 2, 0, 130, 64, 65};
+  const RowsLayout layouts[] = {
+      rows_layout(n, {false, true, false, true, false, false}, {3, 0, 4, 2, 1, 5}),
+      rows_layout(n, {false, false, true, false, true, true}, {0, 1, 2, 3, 4, 5})};
+  for (const RecurrentShape& s : {kRowsShapes[0], kRowsShapes[1]}) {
+    for (bool prefill : {false, true}) {
+      std::mt19937 rng(static_cast<uint32_t>(307 + s.channels + prefill));
+      RecurrentBatch B = recurrent_batch(s, layouts[0].tokens, 6, rng);
+      for (size_t i = 0; i < std::size(layouts); ++i) {
+        const std::string what = shape_name(s) + ", layout " + std::to_string(i) + ", prefill " +
+                                 std::to_string(prefill);
+        load(B, layouts[i], rng);
+        cuda::set_prefill(prefill);
+        run_rows(B);
+        expect_rows_equal_single_calls(B, what);
+        cuda::set_prefill(false);
+      }
     }
   }
 }

@@ -64,14 +64,18 @@ bool cuda_available();  // compiled and a device is present
 Backend parse_backend(std::string_view name);
 
 // Prompt-prefill mode (set by a model for a forward of prompt tokens): on CUDA, linear uses a
-// faster tensor-core GEMM path with its own (still batch-invariant) reduction order: cuBLAS over
-// tiles of exactly gemm_rows rows (a multiple of 16, 16..kMaxPrefillGemmRows), so a prompt
-// token's numbers depend on gemm_rows and on nothing else in the call. Engines derive gemm_rows
-// from their prefill chunk (prefill_gemm_rows), so a small chunk does not pay for a large tile.
+// faster tensor-core GEMM path with its own (still batch-invariant) reduction order: one cuBLASLt
+// product per projection over all of the call's rows, with the algorithm tuned for products of
+// gemm_rows rows (a multiple of 16, 16..kMaxPrefillGemmRows) and kept per weight shape, so a
+// prompt token's numbers depend on gemm_rows and on nothing else in the call. Engines derive
+// gemm_rows from their prefill chunk (prefill_gemm_rows), so a small chunk runs an algorithm
+// suited to it.
 // Decode and verify forwards never set it. No effect on the CPU backend, whose linear is the same
 // at every m.
-inline constexpr int64_t kMaxPrefillGemmRows = 256;
-void set_prefill(bool on, int64_t gemm_rows = kMaxPrefillGemmRows);
+inline constexpr int64_t kMaxPrefillGemmRows = 4096;
+// The tile of the engines' default prefill chunk (256 tokens), for forwards that name none.
+inline constexpr int64_t kDefaultPrefillGemmRows = 256;
+void set_prefill(bool on, int64_t gemm_rows = kDefaultPrefillGemmRows);
 // The prefill GEMM tile for prompts prefilled `chunk` tokens at a time (chunk >= 1): the chunk
 // rounded up to a multiple of 16, at most kMaxPrefillGemmRows.
 int64_t prefill_gemm_rows(int64_t chunk);

@@ -34,8 +34,9 @@ struct BenchArgs {
   std::string random_weights;  // config.json of a random-weight model
   std::string backend = "auto";
   std::string windows = "2,4,8";
-  int64_t step_context = 512;  // tokens each row holds before the timed steps
-  int64_t long_prefill = 0;    // prompt length of the long-prefill timing (0: skip)
+  int64_t step_context = 512;      // tokens each row holds before the timed steps
+  int64_t long_prefill = 0;        // prompt length of the long-prefill timing (0: skip)
+  int64_t long_prefill_chunk = 0;  // the engine chunk its GEMM tile follows (0: the whole prompt)
   int step_repeats = 20;
   int64_t prompt_tokens = 128;
   int64_t gen_tokens = 64;
@@ -191,7 +192,10 @@ Spread time_mtp_step(const spec::QwenTargetView& target, const spec::QwenMtpProv
 }
 
 // Seconds of one prefill forward of `n` tokens in one row (median of `repeats`).
-Spread time_prefill(const Qwen35Model& model, DType kv_dtype, int64_t n, int repeats) {
+// One forward of an n-token prompt, its GEMM tile the one an engine prefilling `chunk` tokens at a
+// time uses.
+Spread time_prefill(const Qwen35Model& model, DType kv_dtype, int64_t n, int64_t chunk,
+                    int repeats) {
   const Qwen35Config& cfg = model.config();
   std::mt19937 rng(7);
   std::uniform_int_distribution<int32_t> pick(0, static_cast<int32_t>(cfg.vocab_size - 1));
@@ -207,6 +211,7 @@ Spread time_prefill(const Qwen35Model& model, DType kv_dtype, int64_t n, int rep
     const double t0 = now_seconds();
     ForwardRequest req{tokens, std::span<const RowInput>(&row, 1), false, false};
     req.prompt = true;
+    req.prompt_gemm_rows = ops::prefill_gemm_rows(chunk);
     model.forward(state, req, &out);
     ops::synchronize();
     if (r > 0) times.push_back(now_seconds() - t0);
@@ -222,8 +227,10 @@ void run_bench(const BenchArgs& a) {
     fail("bench: need --prompt-tokens >= 1, --gen-tokens >= 2, --batch >= 1, --repeats >= 1");
   if (a.model.empty() == a.random_weights.empty())
     fail("bench: give exactly one of --model DIR or --random-weights CONFIG.json");
-  if (a.step_context < 1 || a.step_repeats < 1 || a.long_prefill < 0)
-    fail("bench: need --step-context >= 1, --step-repeats >= 1, --long-prefill >= 0");
+  if (a.step_context < 1 || a.step_repeats < 1 || a.long_prefill < 0 || a.long_prefill_chunk < 0)
+    fail(
+        "bench: need --step-context >= 1, --step-repeats >= 1, --long-prefill >= 0, "
+        "--long-prefill-chunk >= 0");
   const std::vector<int64_t> windows = parse_windows(a.windows);
   if (a.step_output != "tokens" && a.step_output != "logits")
     fail("bench: --step-output must be tokens or logits, got '", a.step_output, "'");
@@ -300,10 +307,12 @@ void run_bench(const BenchArgs& a) {
     mtp_step = time_mtp_step(target, *mtp, a.batch, a.step_context, a.step_repeats);
   }
   Spread long_pf;
+  const int64_t long_chunk = a.long_prefill_chunk > 0 ? a.long_prefill_chunk : a.long_prefill;
   if (a.long_prefill > 0) {
     std::fprintf(stderr, "bench: timing a %lld-token prefill\n",
                  static_cast<long long>(a.long_prefill));
-    long_pf = time_prefill(*model, kv_dtype, a.long_prefill, std::max(1, a.repeats / 2));
+    long_pf =
+        time_prefill(*model, kv_dtype, a.long_prefill, long_chunk, std::max(1, a.repeats / 2));
   }
   // Matrix FLOPs of a prefill token: 2 per weight of every projection (the head runs once per
   // row, not per token); attention's QK/PV add 4·ctx·heads·head_dim per layer on average ctx/2.
@@ -375,6 +384,7 @@ void run_bench(const BenchArgs& a) {
     }
     if (a.long_prefill > 0) {
       j["long_prefill_tokens"] = a.long_prefill;
+      j["long_prefill_chunk"] = long_chunk;
       j["long_prefill_seconds"] = to_json(long_pf);
       j["long_prefill_tokens_per_second"] = static_cast<double>(a.long_prefill) / long_pf.median;
       j["long_prefill_tflops"] = prefill_flops / long_pf.median / 1e12;
@@ -408,10 +418,12 @@ void run_bench(const BenchArgs& a) {
                 mtp_step.median * 1e3, mtp_step.min * 1e3, mtp_step.max * 1e3,
                 mtp_step.median / step.median, mtp_weights);
   if (a.long_prefill > 0)
-    std::printf("prefill %lld      %.1f tok/s (%.3f s, min %.3f, max %.3f), %.1f TFLOP/s\n",
-                static_cast<long long>(a.long_prefill),
-                static_cast<double>(a.long_prefill) / long_pf.median, long_pf.median, long_pf.min,
-                long_pf.max, prefill_flops / long_pf.median / 1e12);
+    std::printf(
+        "prefill %lld      %.1f tok/s (%.3f s, min %.3f, max %.3f), %.1f TFLOP/s, "
+        "chunk %lld\n",
+        static_cast<long long>(a.long_prefill),
+        static_cast<double>(a.long_prefill) / long_pf.median, long_pf.median, long_pf.min,
+        long_pf.max, prefill_flops / long_pf.median / 1e12, static_cast<long long>(long_chunk));
 }
 
 }  // namespace
@@ -436,6 +448,10 @@ void add_bench_command(CLI::App& app) {
       ->capture_default_str();
   sub->add_option("--long-prefill", a->long_prefill,
                   "Prompt length of the prefill timing (0: skip)")
+      ->capture_default_str();
+  sub->add_option("--long-prefill-chunk", a->long_prefill_chunk,
+                  "Prefill chunk whose GEMM tile the prefill timing uses, as generate and serve "
+                  "with --prefill-chunk (0: the whole prompt)")
       ->capture_default_str();
   sub->add_option("--prompt-tokens", a->prompt_tokens, "Prompt length")->capture_default_str();
   sub->add_option("--gen-tokens", a->gen_tokens, "Tokens generated per run")->capture_default_str();

@@ -41,7 +41,7 @@ struct ForwardRequest {
   bool prompt = false;
   // Rows of each prefill GEMM tile when `prompt` (ops::set_prefill): a prompt token's bits depend
   // on it, so engines set ops::prefill_gemm_rows(their prefill chunk) and agree with each other.
-  int64_t prompt_gemm_rows = ops::kMaxPrefillGemmRows;
+  int64_t prompt_gemm_rows = ops::kDefaultPrefillGemmRows;
   // Greedy decoding without a host round trip per token. tokens_from_argmax: `tokens` is empty
   // and each row's one input token is the argmax the previous forward computed for it (the
   // previous forward had want_argmax, one logits row per row, and exactly these rows in this

@@ -82,7 +82,7 @@ void bump_scratch_generation();
 // Prompt-prefill mode for linear and the gated delta rule (see header comment), with the rows of
 // every prefill GEMM tile (ops::set_prefill checks them). Set by the model per forward; default
 // off.
-void set_prefill(bool on, int64_t gemm_rows = ops::kMaxPrefillGemmRows);
+void set_prefill(bool on, int64_t gemm_rows = ops::kDefaultPrefillGemmRows);
 bool prefill_mode();
 
 void linear(const float* x, int64_t m, const ops::WeightRef& w, float* y);

@@ -31,21 +31,24 @@
 // (two 16-byte loads) and feeds mma j (0..3) with its elements 4j..4j+3, which the instruction
 // sees as k-slots {2t, 2t+1, 2t+8, 2t+9}; the A fragment takes x at the same four k.
 //
-// Prompt prefill (set_prefill(true, rows)) uses cuBLAS (bf16 inputs, fp32 accumulation and
-// output) in tiles of exactly `rows` rows, the last one zero-padded: every GEMM of the forward
-// has the same shape, so cuBLAS picks the same algorithm and a row's result does not depend on
-// the other prompts in the batch or on where its tokens fall (rows of one GEMM tile share the K
-// order). The tile follows the engine's prefill chunk (16..256 rows): a 64-token chunk pays for a
-// 64-row GEMM, which streams the weights once like a 256-row one but does a quarter of the math,
-// so chunks interleaved with decode rounds stay short. A token's bits depend on the tile, so
-// engines that must agree (generate and serve) use the same chunk.
-#include <cublas_v2.h>
+// Prompt prefill (set_prefill(true, tile)) uses cuBLASLt (bf16 inputs, fp32 accumulation and
+// output) with one algorithm per (weight shape, tile): the heuristic's first choice for a product
+// of `tile` rows among those that do not split K, kept for the process. Every row of such a
+// product is computed alike wherever it falls and however many rows share the call, so a
+// projection of a 4,096-token prompt is one product that streams the weight once, and a prompt
+// token's numbers depend on the tile and on nothing else in the call. The tile follows the
+// engine's prefill chunk (16..4096 rows): engines that must agree (generate and serve) use the same
+// chunk. The input norm writes the bf16 rows the product reads in one pass, and the MLP's SwiGLU
+// writes its activations in bf16 for the down projection, as in decode.
+#include <cublasLt.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstdlib>
+#include <map>
 #include <string_view>
+#include <tuple>
 #include <type_traits>
 #include <unordered_map>
 
@@ -579,8 +582,9 @@ __global__ void __launch_bounds__(Warps * 32, Tiles == 2 ? 1 : 0)
 // gate_up_swiglu (row 16·(c / 8) + c % 8 is gate c, 8 rows further is up c): the path for
 // outputs computed whole first (prompt prefill, K not a multiple of 16). Same arithmetic as the
 // fused epilogue.
+template <class Out>
 __global__ void swiglu_pairs_kernel(const float* __restrict__ y, int64_t m, int64_t I,
-                                    float* __restrict__ act) {
+                                    Out* __restrict__ act) {
   pdl_wait();
   pdl_release();
   const int64_t n = m * I;
@@ -588,7 +592,11 @@ __global__ void swiglu_pairs_kernel(const float* __restrict__ y, int64_t m, int6
        e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t r = e / I, c = e % I;
     const float* row = y + r * 2 * I + (c / 8) * 16 + c % 8;
-    act[e] = silu(row[0]) * row[8];
+    const float v = silu(row[0]) * row[8];
+    if constexpr (std::is_same_v<Out, float>)
+      act[e] = v;
+    else
+      act[e] = __float2bfloat16_rn(v);
   }
 }
 
@@ -624,24 +632,167 @@ __global__ void to_bf16_kernel(const float* __restrict__ x, int64_t n, int64_t p
   if (i < padded) out[i] = __float2bfloat16_rn(i < n ? x[i] : 0.0f);
 }
 
-cublasHandle_t cublas() {
-  static cublasHandle_t h = [] {
-    cublasHandle_t handle;
-    if (cublasCreate(&handle) != CUBLAS_STATUS_SUCCESS) fail("cuBLAS: cublasCreate failed");
+// out[i] = bf16(x[i]), four values per thread (x and out 16- and 8-byte aligned, n a multiple of
+// 4): the same rounding as to_bf16_kernel, at the memory roofline for prompt-sized inputs.
+__global__ void to_bf16_x4_kernel(const float4* __restrict__ x, int64_t n4,
+                                  uint2* __restrict__ out) {
+  pdl_wait();
+  pdl_release();
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n4;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const float4 v = x[i];
+    out[i] = make_uint2(pack_bf16(v.x, v.y), pack_bf16(v.z, v.w));
+  }
+}
+
+// The columns of full [m, N] to out's slices, four at a time (every slice start and N a multiple
+// of 4, every destination 16-byte aligned): one launch for all slices, where a copy per slice
+// moved its narrow slices (DeltaNet's a and b are 32 columns) a few bytes per row per block.
+__global__ void scatter_slices_x4_kernel(const float4* __restrict__ full, int64_t m, int n4,
+                                         SplitOut out) {
+  pdl_wait();
+  pdl_release();
+  for (int64_t r = blockIdx.y; r < m; r += gridDim.y) {
+    for (int c4 = blockIdx.x * blockDim.x + threadIdx.x; c4 < n4; c4 += gridDim.x * blockDim.x) {
+      const int col = 4 * c4;
+      int q = 0;
+#pragma unroll
+      for (int p = 1; p < kMaxSlices; ++p)
+        if (p < out.parts && col >= out.start[p]) q = p;
+      const int width = out.start[q + 1] - out.start[q];
+      float* d = out.dst[q] + r * width + (col - out.start[q]);
+      *reinterpret_cast<float4*>(d) = full[r * n4 + c4];
+    }
+  }
+}
+
+cublasLtHandle_t cublas_lt() {
+  static cublasLtHandle_t h = [] {
+    cublasLtHandle_t handle;
+    if (cublasLtCreate(&handle) != CUBLAS_STATUS_SUCCESS) fail("cuBLASLt: cublasLtCreate failed");
     return handle;
   }();
-  cublasSetStream(h, static_cast<cudaStream_t>(stream()));
   return h;
 }
 
-// Prefill scratch, grown to the largest prompt seen: the bf16 copy of the inputs (a whole number
-// of chunks, padding rows zero) and the fp32 output of a partial last chunk.
+// --- Prompt prefill: one cuBLASLt product per projection ----------------------------------------
+//
+// yᵀ[N, m] = W[N, K] · xᵀ[K, m] in cuBLASLt's column-major terms: W is a K x N column-major
+// matrix taken transposed, x a K x m one, y an N x m fp32 one (row-major [m, N]); fp32
+// accumulation. The algorithm is fixed per (N, K, tile): cuBLASLt's first heuristic choice for
+// an m of `tile` rows among the configurations without a split of K (no reduction across
+// blocks), asked once and kept. In such a configuration each output element is one block's
+// accumulation over all of K in an order set by the configuration alone, so a row's result does
+// not depend on how many rows the call has or where the row falls: any number of rows runs in one
+// call, which streams each weight once instead of once per tile. The GPU tests check this
+// invariance on every projection shape they run.
+
+constexpr size_t kLtWorkspaceBytes = size_t(32) << 20;
+constexpr int kLtCandidates = 8;
+
+struct LtLayouts {
+  cublasLtMatrixLayout_t w = nullptr, x = nullptr, y = nullptr;
+  LtLayouts(int64_t N, int64_t K, int64_t m) {
+    bool ok = cublasLtMatrixLayoutCreate(&w, CUDA_R_16BF, K, N, K) == CUBLAS_STATUS_SUCCESS &&
+              cublasLtMatrixLayoutCreate(&x, CUDA_R_16BF, K, m, K) == CUBLAS_STATUS_SUCCESS &&
+              cublasLtMatrixLayoutCreate(&y, CUDA_R_32F, N, m, N) == CUBLAS_STATUS_SUCCESS;
+    if (!ok) fail("cuBLASLt: matrix layouts for [", N, " x ", K, "] and ", m, " rows");
+  }
+  ~LtLayouts() {
+    cublasLtMatrixLayoutDestroy(w);
+    cublasLtMatrixLayoutDestroy(x);
+    cublasLtMatrixLayoutDestroy(y);
+  }
+  LtLayouts(const LtLayouts&) = delete;
+  LtLayouts& operator=(const LtLayouts&) = delete;
+};
+
+// The matmul description every prefill product shares: fp32 compute and scale, W transposed.
+cublasLtMatmulDesc_t prefill_matmul_desc() {
+  static cublasLtMatmulDesc_t d = [] {
+    cublasLtMatmulDesc_t desc;
+    if (cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F) != CUBLAS_STATUS_SUCCESS)
+      fail("cuBLASLt: cublasLtMatmulDescCreate failed");
+    const cublasOperation_t t = CUBLAS_OP_T;
+    if (cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &t, sizeof t) !=
+        CUBLAS_STATUS_SUCCESS)
+      fail("cuBLASLt: setting the transposed weight");
+    return desc;
+  }();
+  return d;
+}
+
+void* lt_workspace() {
+  static void* ws = cuda::alloc(kLtWorkspaceBytes);
+  return ws;
+}
+
+// The algorithm of (N, K, tile), chosen on the first call and kept: keyed exactly, so two
+// shapes never share an entry.
+const cublasLtMatmulAlgo_t& prefill_algo(int64_t N, int64_t K, int64_t tile) {
+  static std::map<std::tuple<int64_t, int64_t, int64_t>, cublasLtMatmulAlgo_t> chosen;
+  const auto key = std::make_tuple(N, K, tile);
+  if (auto it = chosen.find(key); it != chosen.end()) return it->second;
+  cublasLtMatmulPreference_t pref;
+  if (cublasLtMatmulPreferenceCreate(&pref) != CUBLAS_STATUS_SUCCESS)
+    fail("cuBLASLt: cublasLtMatmulPreferenceCreate failed");
+  const uint64_t ws = kLtWorkspaceBytes;
+  const uint32_t no_reduction = CUBLASLT_REDUCTION_SCHEME_NONE, align = 16;
+  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws,
+                                       sizeof ws);
+  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK,
+                                       &no_reduction, sizeof no_reduction);
+  for (auto attr :
+       {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+        CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES})
+    cublasLtMatmulPreferenceSetAttribute(pref, attr, &align, sizeof align);
+  const LtLayouts l(N, K, tile);
+  cublasLtMatmulHeuristicResult_t found[kLtCandidates];
+  int n = 0;
+  const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(
+      cublas_lt(), prefill_matmul_desc(), l.w, l.x, l.y, l.y, pref, kLtCandidates, found, &n);
+  cublasLtMatmulPreferenceDestroy(pref);
+  if (st != CUBLAS_STATUS_SUCCESS) n = 0;
+  for (int i = 0; i < n; ++i) {
+    int32_t splits = 0;
+    size_t written = 0;
+    cublasLtMatmulAlgoConfigGetAttribute(&found[i].algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &splits,
+                                         sizeof splits, &written);
+    if (found[i].state == CUBLAS_STATUS_SUCCESS && splits <= 1)
+      return chosen.emplace(key, found[i].algo).first->second;
+  }
+  fail("cuBLASLt: no single-pass algorithm for a [", N, " x ", K, "] bf16 weight at ", tile,
+       " rows (heuristic status ", int(st), ", ", n, " candidates)");
+}
+
+// y[m, N] (= y + x·Wᵀ when accumulate) from bf16 rows xb [m, K], in one product.
+void prefill_product(const __nv_bfloat16* xb, int64_t m, const ops::WeightRef& w, float* y,
+                     bool accumulate) {
+  const int64_t N = w.rows, K = w.cols;
+  const cublasLtMatmulAlgo_t& algo = prefill_algo(N, K, g_prefill_rows);
+  const LtLayouts l(N, K, m);
+  const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
+  const cublasStatus_t st = cublasLtMatmul(cublas_lt(), prefill_matmul_desc(), &alpha, w.data, l.w,
+                                           xb, l.x, &beta, y, l.y, y, l.y, &algo, lt_workspace(),
+                                           kLtWorkspaceBytes, static_cast<cudaStream_t>(stream()));
+  if (st != CUBLAS_STATUS_SUCCESS)
+    fail("cuBLASLt: the prefill product of a [", N, " x ", K, "] weight and ", m,
+         " rows failed (status ", int(st), ")");
+}
+
+// Prefill scratch, grown to the largest prompt seen: the bf16 copy of the inputs and the fp32
+// output of a split projection.
 struct PrefillScratch {
   __nv_bfloat16* xb = nullptr;
   int64_t xb_size = 0;
-  float* tail = nullptr;
-  int64_t tail_size = 0;
+  float* full = nullptr;
+  int64_t full_size = 0;
 };
+
+PrefillScratch& prefill_scratch() {
+  static PrefillScratch s;
+  return s;
+}
 
 template <class T>
 T* grow(T*& p, int64_t& size, int64_t n) {
@@ -654,49 +805,49 @@ T* grow(T*& p, int64_t& size, int64_t n) {
   return p;
 }
 
-void gemm_tile(const __nv_bfloat16* xb, int64_t tile, const ops::WeightRef& w, float* y) {
-  const float alpha = 1.0f, beta = 0.0f;
-  const int K = static_cast<int>(w.cols), N = static_cast<int>(w.rows);
-  // Column-major view: yᵀ[N, tile] = W[N, K] (stored as K x N col-major, transposed) · xᵀ[K,
-  // tile].
-  const cublasStatus_t st = cublasGemmEx(
-      cublas(), CUBLAS_OP_T, CUBLAS_OP_N, N, static_cast<int>(tile), K, &alpha, w.data, CUDA_R_16BF,
-      K, xb, CUDA_R_16BF, K, &beta, y, CUDA_R_32F, N, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
-  if (st != CUBLAS_STATUS_SUCCESS) fail("cuBLAS: cublasGemmEx failed (status ", int(st), ")");
+bool aligned16(const void* p) {
+  return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 }
 
-void linear_prefill(const float* x, int64_t m, const ops::WeightRef& w, const SplitOut& out) {
-  static PrefillScratch s;
+// A projection of bf16 rows into `out`: straight into a single aligned destination (adding
+// into it for linear_add), else into scratch and then a copy per slice. The product is the same
+// either way, so the route does not change a bit.
+void prefill_linear_bf16(const __nv_bfloat16* xb, int64_t m, const ops::WeightRef& w,
+                         const SplitOut& out) {
   if (out.accumulate && out.parts != 1) fail("cuda linear: accumulating into several slices");
-  const int64_t K = w.cols, N = w.rows;
-  const int64_t tile = g_prefill_rows;
-  const int64_t tiles = (m + tile - 1) / tile;
-  __nv_bfloat16* xb = grow(s.xb, s.xb_size, tiles * tile * K);
-  const int64_t n = m * K, padded = tiles * tile * K;
-  launch("linear (bf16 convert)", to_bf16_kernel, static_cast<unsigned>((padded + 255) / 256), 256,
-         0, x, n, padded, xb);
-  if (out.parts == 1 && !out.accumulate) {
-    for (int64_t c = 0; c < tiles; ++c) {
-      const int64_t rows = std::min(tile, m - c * tile);
-      const __nv_bfloat16* xc = xb + c * tile * K;
-      if (rows == tile) {
-        gemm_tile(xc, tile, w, out.dst[0] + c * tile * N);
-      } else {
-        float* tail = grow(s.tail, s.tail_size, tile * N);
-        gemm_tile(xc, tile, w, tail);
-        copy_rows(out.dst[0] + c * tile * N, N, tail, N, rows, N);
-      }
-    }
+  if (out.bf16) fail("cuda linear: bf16 outputs are not a prefill route");
+  const int64_t N = w.rows;
+  if (out.parts == 1 && aligned16(out.dst[0]))
+    return prefill_product(xb, m, w, out.dst[0], out.accumulate);
+  PrefillScratch& s = prefill_scratch();
+  float* full = grow(s.full, s.full_size, m * N);
+  prefill_product(xb, m, w, full, false);
+  if (out.accumulate) return cuda::add_inplace(out.dst[0], full, m * N);
+  bool by4 = N % 4 == 0;
+  for (int p = 0; p < out.parts; ++p) by4 = by4 && out.start[p] % 4 == 0 && aligned16(out.dst[p]);
+  if (by4) {
+    const int n4 = static_cast<int>(N / 4);
+    const dim3 grid(static_cast<unsigned>((n4 + 255) / 256),
+                    static_cast<unsigned>(std::min<int64_t>(m, 65535)));
+    launch("linear (slices)", scatter_slices_x4_kernel, grid, 256, 0,
+           reinterpret_cast<const float4*>(full), m, n4, out);
     return;
   }
-  // Several slices or an accumulation: every tile into one scratch [tiles · tile, N], then one
-  // strided copy per slice, or one add_inplace of its first m rows.
-  float* full = grow(s.tail, s.tail_size, tiles * tile * N);
-  for (int64_t c = 0; c < tiles; ++c) gemm_tile(xb + c * tile * K, tile, w, full + c * tile * N);
-  if (out.accumulate) return cuda::add_inplace(out.dst[0], full, m * N);
   for (int p = 0; p < out.parts; ++p) {
     const int64_t width = out.start[p + 1] - out.start[p];
     copy_rows(out.dst[p], width, full + out.start[p], N, m, width);
+  }
+}
+
+// fp32 rows [m, K] to bf16 in `out` (K a multiple of 4 and aligned rows: four at a time).
+void rows_to_bf16(const float* x, int64_t m, int64_t K, __nv_bfloat16* out) {
+  const int64_t n = m * K;
+  if (K % 4 == 0 && aligned16(x)) {
+    launch("linear (bf16 convert)", to_bf16_x4_kernel, grid_stride_blocks(n / 4, 256), 256, 0,
+           reinterpret_cast<const float4*>(x), n / 4, reinterpret_cast<uint2*>(out));
+  } else {
+    launch("linear (bf16 convert)", to_bf16_kernel, static_cast<unsigned>((n + 255) / 256), 256, 0,
+           x, n, n, out);
   }
 }
 
@@ -836,6 +987,19 @@ void normalised_rows_bf16(const float* x, int64_t m, int64_t K, InputNorm norm, 
     const ops::GatedNorm& g = *norm.gated;
     gated_rms_norm_bf16(x, g.z, m * (K / g.head_dim()), g.head_dim(), g.w, g.eps, out);
   }
+}
+
+// Prompt prefill of fp32 rows: normalised or converted to bf16 in one pass (the values the
+// product reads), then one product.
+void linear_prefill(const float* x, int64_t m, const ops::WeightRef& w, const SplitOut& out,
+                    InputNorm norm) {
+  PrefillScratch& s = prefill_scratch();
+  __nv_bfloat16* xb = grow(s.xb, s.xb_size, m * w.cols);
+  if (norm)
+    normalised_rows_bf16(x, m, w.cols, norm, reinterpret_cast<uint16_t*>(xb));
+  else
+    rows_to_bf16(x, m, w.cols, xb);
+  prefill_linear_bf16(xb, m, w, out);
 }
 
 // Whether a block applies the norm while it stages the rows (stage_rows): an RMSNorm of a single
@@ -998,10 +1162,7 @@ void linear_grouped_warps(const float* x, int64_t rows, int64_t max_rows,
 
 void linear_any(const float* x, int64_t m, const ops::WeightRef& w, const SplitOut& y,
                 InputNorm norm, const L2Prefetch& pf = {}) {
-  if (prefill_mode()) {
-    if (norm) x = normalised_rows(x, m, w.cols, norm);
-    return linear_prefill(x, m, w, y);
-  }
+  if (prefill_mode()) return linear_prefill(x, m, w, y, norm);
   if (mma_path(x, w)) return linear_mma<false>(x, m, w, y, norm, pf);
   if (norm) x = normalised_rows(x, m, w.cols, norm);
   const int N = static_cast<int>(w.rows), K = static_cast<int>(w.cols), M = static_cast<int>(m);
@@ -1053,8 +1214,8 @@ void gate_up_swiglu(const float* x, int64_t m, const ops::WeightRef& gate_up, fl
   float* y = grow(full, full_size, m * 2 * I);
   const ops::OutputSlice all{y, 2 * I};
   linear_any(x, m, gate_up, split_out(&all, 1, 2 * I), {norm, nullptr});
-  launch("gate_up_swiglu", swiglu_pairs_kernel, grid_stride_blocks(m * I, 256), 256, 0, y, m, I,
-         act);
+  launch("gate_up_swiglu", swiglu_pairs_kernel<float>, grid_stride_blocks(m * I, 256), 256, 0, y, m,
+         I, act);
 }
 
 void swiglu_mlp_add(const float* x, int64_t m, const ops::WeightRef& gate_up,
@@ -1067,6 +1228,23 @@ void swiglu_mlp_add(const float* x, int64_t m, const ops::WeightRef& gate_up,
          "] gate/up weight");
   if (m == 0 || I == 0) return;
   check_weight(m, down, {});
+  if (prefill_mode() && gate_up.cols % 4 == 0 && I % 4 == 0) {
+    // Prompt prefill: the activations go to the down projection as the bf16 values it would
+    // round them to, as in decode (bitwise gate_up_swiglu, then linear_add).
+    check_weight(m, gate_up, {norm, nullptr});
+    PrefillScratch& s = prefill_scratch();
+    __nv_bfloat16* xb = grow(s.xb, s.xb_size, m * std::max(gate_up.cols, I));
+    if (norm)
+      normalised_rows_bf16(x, m, gate_up.cols, {norm, nullptr}, reinterpret_cast<uint16_t*>(xb));
+    else
+      rows_to_bf16(x, m, gate_up.cols, xb);
+    float* full = grow(s.full, s.full_size, m * 2 * I);
+    prefill_product(xb, m, gate_up, full, false);
+    launch("gate_up_swiglu", swiglu_pairs_kernel<__nv_bfloat16>, grid_stride_blocks(m * I, 256),
+           256, 0, full, m, I, xb);
+    const ops::OutputSlice residual{y, down.rows};
+    return prefill_linear_bf16(xb, m, down, split_out(&residual, 1, down.rows, true));
+  }
   if (prefill_mode() || down.cols % 16 != 0 || !mma_path(x, gate_up)) {
     static float* act = nullptr;
     static int64_t act_size = 0;

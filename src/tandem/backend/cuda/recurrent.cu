@@ -30,6 +30,8 @@ __device__ inline float softplus(float x) {
 
 constexpr int kConvThreads = 128;
 constexpr int kMaxConvKernel = 16;
+// Tokens per block when causal_conv_silu_rows splits long rows (prompts); >= kMaxConvKernel - 1.
+constexpr int64_t kConvChunk = 64;
 
 // Both launch paths below run one row's channel through conv_silu_channel; only where the row's
 // pointers and n come from differs (kernel arguments, or a device descriptor in the batched
@@ -57,11 +59,19 @@ struct ConvChannel {
     for (int j = 0; j < H; ++j) win[j] = state[c * H + j];
   }
 
-  __device__ __forceinline__ void run(const float* x, int64_t n, int64_t channels, int64_t c,
-                                      float* state, float* out, float* state_after) {
+  // Moves the window to the K-1 inputs before token `begin` (begin >= K-1: all of them in x),
+  // for a block that starts a row's tokens part way (causal_conv_silu_rows' token chunks).
+  __device__ __forceinline__ void seek(const float* x, int64_t begin, int64_t channels, int64_t c) {
+#pragma unroll
+    for (int j = 0; j < H; ++j) win[j] = x[(begin - H + j) * channels + c];
+  }
+
+  // Tokens begin .. end-1 of the row; the window must hold the inputs before `begin`.
+  __device__ __forceinline__ void run(const float* x, int64_t begin, int64_t end, int64_t channels,
+                                      int64_t c, float* out, float* state_after) {
     // Unrolled so later tokens' x loads issue early; every copy runs the same fmaf sequence.
 #pragma unroll 4
-    for (int64_t t = 0; t < n; ++t) {
+    for (int64_t t = begin; t < end; ++t) {
       const float xt = x[t * channels + c];
       float acc = 0.0f;
 #pragma unroll
@@ -79,6 +89,9 @@ struct ConvChannel {
         for (int j = 0; j < H; ++j) dst[j] = win[j];
       }
     }
+  }
+
+  __device__ __forceinline__ void store(float* state, int64_t c) const {
 #pragma unroll
     for (int j = 0; j < H; ++j) state[c * H + j] = win[j];
   }
@@ -95,31 +108,45 @@ __global__ void __launch_bounds__(kConvThreads)
   pdl_wait();
   pdl_release();
   if (c >= channels) return;
-  ch.run(x, n, channels, c, state, out, state_after);
+  ch.run(x, 0, n, channels, c, out, state_after);
+  ch.store(state, c);
 }
 
-// Rows from device descriptors: grid (channel blocks, rows); block (i, r) runs channel block i of
-// row rows[r] on tokens first_token .. first_token + n - 1 of x and out. Rows own disjoint tokens
-// and states, so blocks of different rows never touch the same word. The descriptor, uploaded
-// before the forward's first kernel, is read before the wait too.
+// Rows from device descriptors: grid (channel blocks, rows, token chunks); block (i, r, z) runs
+// channel block i of row rows[r] on the row's tokens z·chunk .. (z+1)·chunk - 1 of x and out
+// (chunk 0: all of them, z = 0). Rows own disjoint tokens and states, so blocks of different rows
+// never touch the same word. A long prompt's tokens are split into chunks because one thread per
+// channel walking 4096 tokens in order leaves most of the GPU idle (64 blocks at 8192 channels);
+// every output is still the same fmaf sequence over the same window, so the bits do not depend on
+// the split. A block that starts part way reads its window from x, and only the row's first
+// block reads and writes the conv state (the final window from x when other blocks ran the tail),
+// so no block reads a state word another writes. The descriptor, uploaded before the forward's
+// first kernel, is read before the wait too.
 template <int K>
 __global__ void __launch_bounds__(kConvThreads)
     causal_conv_silu_rows_kernel(const float* x, int64_t channels, const float* __restrict__ w,
-                                 const ops::RecurrentRow* __restrict__ rows, float* out) {
+                                 const ops::RecurrentRow* __restrict__ rows, int64_t chunk,
+                                 float* out) {
   // w and rows are only read here (the descriptors never alias a state); saying so keeps the
   // row's pointers in registers instead of a spill at the larger tap counts. x is not restrict:
-  // out may alias it.
+  // out may alias it when the rows are not split into chunks.
+  constexpr int H = K - 1;
   const int64_t c = blockIdx.x * int64_t(kConvThreads) + threadIdx.x;
   const ops::RecurrentRow row = rows[blockIdx.y];
-  const bool live = c < channels && row.n > 0;  // an idle row: its state stays as it is
+  const int64_t begin = chunk * blockIdx.z;
+  const int64_t end = chunk == 0 ? row.n : min(row.n, begin + chunk);
+  const bool live = c < channels && begin < end;  // an idle row: its state stays as it is
   ConvChannel<K> ch;
   if (live) ch.load(w, row.conv_state, c);
   pdl_wait();
   pdl_release();
   if (!live) return;
-  const int64_t t0 = row.first_token;
-  ch.run(x + t0 * channels, row.n, channels, c, row.conv_state, out + t0 * channels,
-         row.conv_after);
+  const float* xr = x + row.first_token * channels;
+  if (begin > 0) ch.seek(xr, begin, channels, c);
+  ch.run(xr, begin, end, channels, c, out + row.first_token * channels, row.conv_after);
+  if (begin > 0) return;
+  if (end < row.n) ch.seek(xr, row.n, channels, c);  // later blocks ran the tail: n > chunk >= H
+  ch.store(row.conv_state, c);
 }
 
 // Calls launch_with(std::integral_constant<int, kernel>{}): the tap count is a template argument so
@@ -888,11 +915,18 @@ void causal_conv_silu_rows(const float* x, int64_t channels, int64_t kernel,
   check_rows(rows, n_rows, max_n, "causal_conv_silu_rows");
   if (n_rows == 0 || max_n == 0 || channels == 0) return;
   const auto* wd = static_cast<const float*>(w.data);
+  // Rows of at most kConvChunk tokens (decode steps, verify windows) run whole in one block,
+  // whatever max_n is below that, so a captured graph's grid holds for any rows up to its bound.
+  const int64_t chunk = max_n > kConvChunk ? kConvChunk : 0;
+  const int64_t chunks = chunk == 0 ? 1 : ceil_div(max_n, chunk);
+  if (chunks > 1 && out == x)
+    fail("causal_conv_silu_rows: out aliases x, but rows of ", max_n, " tokens run in chunks");
+  if (chunks > 65535) fail("causal_conv_silu_rows: ", max_n, " tokens per row exceed the grid");
   const dim3 grid(grid_blocks(ceil_div(channels, kConvThreads), "causal_conv_silu_rows"),
-                  static_cast<unsigned>(n_rows));
+                  static_cast<unsigned>(n_rows), static_cast<unsigned>(chunks));
   with_conv_taps(kernel, "causal_conv_silu_rows", [&](auto taps) {
     launch("causal_conv_silu_rows", causal_conv_silu_rows_kernel<decltype(taps)::value>, grid,
-           kConvThreads, 0, x, channels, wd, rows, out);
+           kConvThreads, 0, x, channels, wd, rows, chunk, out);
   });
 }
 
