@@ -191,9 +191,8 @@ Spread time_mtp_step(const spec::QwenTargetView& target, const spec::QwenMtpProv
   return spread(times);
 }
 
-// Seconds of one prefill forward of `n` tokens in one row (median of `repeats`).
-// One forward of an n-token prompt, its GEMM tile the one an engine prefilling `chunk` tokens at a
-// time uses.
+// Seconds of one prefill forward of `n` tokens in one row (median of `repeats`), its GEMM tile the
+// one an engine prefilling `chunk` tokens at a time uses.
 Spread time_prefill(const Qwen35Model& model, DType kv_dtype, int64_t n, int64_t chunk,
                     int repeats) {
   const Qwen35Config& cfg = model.config();

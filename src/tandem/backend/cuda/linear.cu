@@ -989,17 +989,22 @@ void normalised_rows_bf16(const float* x, int64_t m, int64_t K, InputNorm norm, 
   }
 }
 
-// Prompt prefill of fp32 rows: normalised or converted to bf16 in one pass (the values the
-// product reads), then one product.
+// Prompt prefill's input rows [m, K]: normalised or converted to bf16 in one pass (the values a
+// product reads) into the prefill scratch, which holds at least `capacity` values.
+__nv_bfloat16* prefill_rows_bf16(const float* x, int64_t m, int64_t K, InputNorm norm,
+                                 int64_t capacity) {
+  PrefillScratch& s = prefill_scratch();
+  __nv_bfloat16* xb = grow(s.xb, s.xb_size, std::max(m * K, capacity));
+  if (norm)
+    normalised_rows_bf16(x, m, K, norm, reinterpret_cast<uint16_t*>(xb));
+  else
+    rows_to_bf16(x, m, K, xb);
+  return xb;
+}
+
 void linear_prefill(const float* x, int64_t m, const ops::WeightRef& w, const SplitOut& out,
                     InputNorm norm) {
-  PrefillScratch& s = prefill_scratch();
-  __nv_bfloat16* xb = grow(s.xb, s.xb_size, m * w.cols);
-  if (norm)
-    normalised_rows_bf16(x, m, w.cols, norm, reinterpret_cast<uint16_t*>(xb));
-  else
-    rows_to_bf16(x, m, w.cols, xb);
-  prefill_linear_bf16(xb, m, w, out);
+  prefill_linear_bf16(prefill_rows_bf16(x, m, w.cols, norm, 0), m, w, out);
 }
 
 // Whether a block applies the norm while it stages the rows (stage_rows): an RMSNorm of a single
@@ -1230,14 +1235,11 @@ void swiglu_mlp_add(const float* x, int64_t m, const ops::WeightRef& gate_up,
   check_weight(m, down, {});
   if (prefill_mode() && gate_up.cols % 4 == 0 && I % 4 == 0) {
     // Prompt prefill: the activations go to the down projection as the bf16 values it would
-    // round them to, as in decode (bitwise gate_up_swiglu, then linear_add).
+    // round them to, as in decode (bitwise gate_up_swiglu, then linear_add); they overwrite the
+    // input rows in the scratch once the gate/up product has read them.
     check_weight(m, gate_up, {norm, nullptr});
+    __nv_bfloat16* xb = prefill_rows_bf16(x, m, gate_up.cols, {norm, nullptr}, m * I);
     PrefillScratch& s = prefill_scratch();
-    __nv_bfloat16* xb = grow(s.xb, s.xb_size, m * std::max(gate_up.cols, I));
-    if (norm)
-      normalised_rows_bf16(x, m, gate_up.cols, {norm, nullptr}, reinterpret_cast<uint16_t*>(xb));
-    else
-      rows_to_bf16(x, m, gate_up.cols, xb);
     float* full = grow(s.full, s.full_size, m * 2 * I);
     prefill_product(xb, m, gate_up, full, false);
     launch("gate_up_swiglu", swiglu_pairs_kernel<__nv_bfloat16>, grid_stride_blocks(m * I, 256),
