@@ -387,7 +387,7 @@ class FailingRows : public spec::DraftRows {
       : inner_(std::move(inner)), owner_(owner) {}
   const std::string& ns() const override { return inner_->ns(); }
   spec::PrefillMode prefill_mode() const override { return inner_->prefill_mode(); }
-  std::optional<spec::HiddenTap> tap() const override { return inner_->tap(); }
+  spec::HiddenTaps taps() const override { return inner_->taps(); }
   int row_count() const override { return inner_->row_count(); }
   std::unique_ptr<spec::PreparedChange> prepare_append(
       std::span<const spec::CheckpointPtr> from) override {

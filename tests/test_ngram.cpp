@@ -119,7 +119,7 @@ TEST(Ngram, ProviderIdentity) {
   auto rows = p.open_rows(QwenTargetView(any_model(), "t"));
   EXPECT_EQ(rows->ns(), p.checkpoint_namespace());
   EXPECT_EQ(rows->prefill_mode(), PrefillMode::Full);
-  EXPECT_FALSE(rows->tap().has_value());
+  EXPECT_TRUE(rows->taps().empty());
   EXPECT_EQ(rows->row_count(), 0);
 }
 

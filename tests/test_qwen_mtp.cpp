@@ -598,7 +598,7 @@ TEST(QwenMtpCheckpoint, NamespaceDependsOnTheTap) {
   auto pre = QwenMtpProvider::from_target(*demo().target, HiddenTap::PreNorm);
   EXPECT_NE(pre->checkpoint_namespace(), demo().mtp->checkpoint_namespace());
   EXPECT_EQ(pre->tap(), HiddenTap::PreNorm);
-  EXPECT_EQ(*pre->open_rows(*demo().target)->tap(), HiddenTap::PreNorm);
+  EXPECT_EQ(pre->open_rows(*demo().target)->taps().hidden, HiddenTap::PreNorm);
   EXPECT_GT(demo().mtp->weights_bytes(), 3000000u);  // 1.72M parameters in bf16
 }
 

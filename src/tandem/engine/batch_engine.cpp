@@ -110,9 +110,9 @@ BatchEngine::BatchEngine(std::unique_ptr<EngineTarget> target, const spec::Draft
     decode_drafts_ = drafter_->open_rows(target_->view());
     if (prefill_drafts_->prefill_mode() != spec::PrefillMode::Full)
       fail("drafter '", drafter_->id(), "': only full-prompt prefill is supported");
-    const auto tap = prefill_drafts_->tap();
-    want_final_ = tap == spec::HiddenTap::FinalNormed;
-    want_prenorm_ = tap == spec::HiddenTap::PreNorm;
+    taps_ = prefill_drafts_->taps();
+    want_final_ = taps_.hidden == spec::HiddenTap::FinalNormed;
+    want_prenorm_ = taps_.hidden == spec::HiddenTap::PreNorm;
   }
   if (options_.kv_blocks > 0) {
     if (options_.max_rows == 0) fail("a fixed KV pool needs a row limit");
@@ -444,6 +444,7 @@ void BatchEngine::begin_prefill() {
       inflight_logits_ = true;
   }
   ForwardRequest fwd{tokens_, inputs_, false, want_final_, want_prenorm_};
+  fwd.tap_layers = taps_.layers;
   fwd.prompt = true;
   fwd.prompt_gemm_rows = ops::prefill_gemm_rows(options_.spec.prefill_chunk);
   fwd.want_logits = inflight_logits_;
@@ -493,8 +494,8 @@ void BatchEngine::finish_prefill() {
   const std::span<const RowInput> rows = target_->prompt_rows();  // [k].n_tokens: row k's chunk
   const bool need_logits = inflight_logits_;
   if (prefill_drafts_) {
-    const float* hidden = want_prenorm_ ? out_.prenorm_hidden.data() : out_.hidden.data();
-    const bool tapped = want_final_ || want_prenorm_;
+    const float* hidden = tapped_rows();
+    const int64_t width = taps_.width(H);
     std::vector<spec::RowPrefill> pre(picked.size());
     int64_t off = 0;
     for (size_t k = 0; k < picked.size(); ++k) {
@@ -503,7 +504,7 @@ void BatchEngine::finish_prefill() {
       pre[k].tokens =
           std::span(row.req.gen.prompt)
               .subspan(static_cast<size_t>(row.prefilled), static_cast<size_t>(rows[k].n_tokens));
-      pre[k].hidden = tapped ? hidden + off * H : nullptr;
+      pre[k].hidden = hidden ? hidden + off * width : nullptr;
       pre[k].processed_before = row.prefilled;
       off += rows[k].n_tokens;
     }
@@ -609,6 +610,13 @@ void BatchEngine::save_turn(const Row& row, size_t decode_index) {
   save_state(tokens, row.slot, decode_drafts_.get(), decode_index);
 }
 
+const float* BatchEngine::tapped_rows() const {
+  if (!taps_.layers.empty()) return out_.layer_taps.data();
+  if (want_prenorm_) return out_.prenorm_hidden.data();
+  if (want_final_) return out_.hidden.data();
+  return nullptr;
+}
+
 bool BatchEngine::plain_greedy() const {
   if (!target_->pipelines_greedy() || decode_drafts_ ||
       options_.spec.verify != spec::VerifyMode::Match)
@@ -622,6 +630,7 @@ void BatchEngine::retire_drafter() {
   prefill_drafts_.reset();
   decode_drafts_.reset();
   want_final_ = want_prenorm_ = false;
+  taps_ = {};
   policy_.reset();
 }
 
@@ -745,6 +754,7 @@ void BatchEngine::round() {
     need_logits = need_logits || row.needs_logits();
   }
   ForwardRequest verify{tokens_, inputs_, true, want_final_, want_prenorm_};
+  verify.tap_layers = taps_.layers;
   verify.want_logits = need_logits;
   verify.want_argmax = !need_logits;
   target_->forward(verify, &out_);
@@ -818,11 +828,11 @@ void BatchEngine::round() {
   // 4. Commit: the target keeps pending + accepted proposals; the drafter follows.
   target_->commit_windows(keeps_);
   if (decode_drafts_) {
-    const float* hidden = want_prenorm_ ? out_.prenorm_hidden.data() : out_.hidden.data();
-    const bool tapped = want_final_ || want_prenorm_;
+    const float* hidden = tapped_rows();
+    const int64_t width = taps_.width(H);
     int64_t off = 0;
     for (size_t r = 0; r < R; ++r) {
-      verified_[r].hidden = tapped ? hidden + off * H : nullptr;
+      verified_[r].hidden = hidden ? hidden + off * width : nullptr;
       off += static_cast<int64_t>(windows_[r].size());
     }
     decode_drafts_->commit(verified_);

@@ -156,7 +156,11 @@ class BatchEngine {
   int draft_depth_ = 0;  // proposals rounds ask for: depth_, or 0 once the drafter collapsed
   spec::DrafterHealth health_;
   std::optional<spec::DepthPolicy> policy_;  // with SpecOptions::auto_depth and a drafter
+  // What the drafter reads of the target's forwards (spec::HiddenTaps), and where the last
+  // forward's output holds it: [tokens, taps_.width(H)], or null without taps.
   bool want_final_ = false, want_prenorm_ = false;
+  spec::HiddenTaps taps_;
+  const float* tapped_rows() const;
 
   std::unique_ptr<PrefixDisk> disk_;
   std::unique_ptr<PrefixStore> cache_;  // after target_ and disk_: it uses both until destroyed

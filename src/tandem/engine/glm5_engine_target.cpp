@@ -16,9 +16,11 @@ void Glm5EngineTarget::begin_prompt(const ForwardRequest& req) {
   TANDEM_CHECK(!active_, "a prompt forward is already in flight");
   tokens_.assign(req.tokens.begin(), req.tokens.end());
   rows_.assign(req.rows.begin(), req.rows.end());
+  tap_layers_.assign(req.tap_layers.begin(), req.tap_layers.end());
   req_ = req;
   req_.tokens = tokens_;
   req_.rows = rows_;
+  req_.tap_layers = tap_layers_;
   active_ = true;
 }
 

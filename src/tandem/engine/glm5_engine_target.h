@@ -45,10 +45,12 @@ class Glm5EngineTarget final : public EngineTarget {
   const Glm5Model& model_;
   spec::Glm5TargetView view_;
   Glm5State state_;
-  // The prompt forward begun and not yet run: its request, whose spans view tokens_ and rows_.
+  // The prompt forward begun and not yet run: its request, whose spans view tokens_, rows_ and
+  // tap_layers_.
   bool active_ = false;
   std::vector<int32_t> tokens_;
   std::vector<RowInput> rows_;
+  std::vector<int> tap_layers_;
   ForwardRequest req_;
 };
 

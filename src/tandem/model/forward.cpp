@@ -24,4 +24,12 @@ int64_t check_forward_rows(std::span<const RowInput> rows, const std::function<b
   return T;
 }
 
+void check_tap_layers(std::span<const int> tap_layers, int64_t layers) {
+  for (size_t i = 0; i < tap_layers.size(); ++i)
+    if (tap_layers[i] < 0 || tap_layers[i] >= layers)
+      fail("forward: tap layer ", tap_layers[i], " (entry ", i,
+           " of tap_layers) is out of range [0, ", layers,
+           "): a tap is the input of one of the model's decoder layers");
+}
+
 }  // namespace tandem

@@ -55,6 +55,11 @@ struct ForwardRequest {
   bool want_routing = false;
   // GLM-5: record every layer's DSA choice (ForwardOutput::index_selection), for tests and tools.
   bool want_index_selection = false;
+  // Layer taps of every token (ForwardOutput::layer_taps): the residual stream entering each
+  // listed decoder layer, 0 <= layer < num_hidden_layers (transformers' output_hidden_states
+  // entry `layer`; entry 0 is the embedding output), what projected-context drafters read. The
+  // viewed array must outlive the forward (a layer-sliced prompt forward copies it).
+  std::span<const int> tap_layers = {};
 };
 
 struct ForwardOutput {
@@ -63,6 +68,9 @@ struct ForwardOutput {
   std::vector<int32_t> argmax;        // [logits_rows] when want_argmax
   std::vector<float> hidden;          // [Σ n_tokens, hidden] when requested
   std::vector<float> prenorm_hidden;  // [Σ n_tokens, hidden] when requested
+  // [Σ n_tokens, tap_layers.size() · hidden]: per token, the listed layers' inputs in the listed
+  // order; empty without tap_layers.
+  std::vector<float> layer_taps;
   // [sparse layers, Σ n_tokens, experts per token]: the experts each token was routed to, in
   // the router's order (descending probability or choice score), when want_routing.
   std::vector<int32_t> routing;
@@ -76,5 +84,8 @@ struct ForwardOutput {
 // has none). Throws Error naming the row; returns the rows' total tokens.
 int64_t check_forward_rows(std::span<const RowInput> rows, const std::function<bool(int)>& is_open,
                            const std::function<std::string(int)>& open_window);
+
+// Throws Error naming the entry unless every tap layer is in [0, layers).
+void check_tap_layers(std::span<const int> tap_layers, int64_t layers);
 
 }  // namespace tandem

@@ -73,6 +73,7 @@ void Glm5Model::forward(Glm5State& st, const ForwardRequest& req, ForwardOutput*
   }
   if (b.T != static_cast<int64_t>(req.tokens.size()))
     fail("forward: rows cover ", b.T, " tokens but ", req.tokens.size(), " were given");
+  check_tap_layers(req.tap_layers, static_cast<int64_t>(layers_.size()));
   for (const Glm5Tokens::Row& r : b.rows)
     for (int64_t j = 0; j < r.n; ++j) b.pos.push_back(r.start + j);
   const int64_t T = b.T, H = cfg_.hidden_size, V = cfg_.vocab_size;
@@ -81,9 +82,16 @@ void Glm5Model::forward(Glm5State& st, const ForwardRequest& req, ForwardOutput*
 
   out->routing.clear();
   out->index_selection.clear();
+  const int64_t n_taps = static_cast<int64_t>(req.tap_layers.size());
+  out->layer_taps.assign(static_cast<size_t>(T * n_taps * H), 0.0f);
   std::vector<int32_t> selection;  // [T, index_topk] of the last layer that ran its indexer
   std::vector<Glm5RowCache> caches(slots.size());
   for (size_t l = 0; l < layers_.size(); ++l) {
+    for (int64_t j = 0; j < n_taps; ++j)
+      if (req.tap_layers[static_cast<size_t>(j)] == static_cast<int>(l))
+        for (int64_t t = 0; t < T; ++t)
+          std::memcpy(out->layer_taps.data() + (t * n_taps + j) * H, x.data() + t * H,
+                      sizeof(float) * static_cast<size_t>(H));
     for (size_t i = 0; i < slots.size(); ++i) {
       Glm5State::Row& row = st.row(slots[i]);
       caches[i] = {&row.latent[l], &row.index_keys[l]};

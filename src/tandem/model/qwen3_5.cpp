@@ -302,6 +302,7 @@ int64_t Qwen35Model::prepare_forward(Qwen35State& st, const ForwardRequest& req)
   if (req.defer_argmax && !req.want_argmax) fail("forward: defer_argmax without want_argmax");
   if (req.want_index_selection)
     fail("forward: want_index_selection on a model without a DSA indexer (qwen3_5)");
+  check_tap_layers(req.tap_layers, static_cast<int64_t>(layers_.size()));
   if (req.defer_argmax && deferred_count_ == kMaxDeferred)
     fail("forward: ", kMaxDeferred, " deferred argmax copies are pending; collect_argmax first");
   for (size_t i = 0; i < req.tokens.size(); ++i)
@@ -315,6 +316,7 @@ int64_t Qwen35Model::prepare_forward(Qwen35State& st, const ForwardRequest& req)
   Workspace& w = *ws_;
   const int64_t R = static_cast<int64_t>(req.rows.size());
   reserve_workspace(T, req.all_logits ? T : R, req.all_logits);
+  grow_to(w.taps, T * static_cast<int64_t>(req.tap_layers.size()) * c.hidden_size);
   // Host-side metadata, uploaded once per forward: ids, positions and KV slots, block tables.
   // pos holds [T] positions, then [T] physical KV slots (the attention layers' key/value
   // writes, ops::QkNormRope), then [T] each token's row for the attention of all rows at once
@@ -430,6 +432,8 @@ void Qwen35Model::forward(Qwen35State& st, const ForwardRequest& req, ForwardOut
     GraphKey key;
     key.add(T).add(R).add(req.all_logits).add(req.want_hidden).add(req.want_argmax);
     key.add(req.tokens_from_argmax);
+    key.add(static_cast<uint64_t>(req.tap_layers.size())).add(w.taps.data());
+    for (int l : req.tap_layers) key.add(l);
     key.add(static_cast<uint64_t>(st.rollback())).add(&st);
     for (size_t i = 0; i < req.rows.size(); ++i) {
       const RowInput& r = req.rows[i];
@@ -476,6 +480,10 @@ void Qwen35Model::finish_forward(Qwen35State& st, const ForwardRequest& req, int
     to_host(out->hidden, w.h.data(), T * H);
   else
     out->hidden.clear();
+  if (!req.tap_layers.empty())
+    to_host(out->layer_taps, w.taps.data(), T * static_cast<int64_t>(req.tap_layers.size()) * H);
+  else
+    out->layer_taps.clear();
   const int64_t V = c.vocab_size;
   out->logits_rows = req.all_logits ? T : R;
   if (req.want_logits)
@@ -572,8 +580,14 @@ void Qwen35Model::body_layers(Qwen35State& st, const ForwardRequest& req, int64_
   auto first_projection = [](const Layer& L) -> const ops::WeightRef& {
     return L.kind == LayerKind::FullAttention ? L.attn.in_proj : L.delta.in_proj;
   };
+  const int64_t H = cfg_.hidden_size, n_taps = static_cast<int64_t>(req.tap_layers.size());
   for (size_t i = first; i < end; ++i) {
     const Layer& L = layers_[i];
+    // Layer taps: the residual stream as it enters layer i, into its column of every token's
+    // [n_taps · H] row (a device copy; the host reads all taps once, in finish_forward).
+    for (int64_t j = 0; j < n_taps; ++j)
+      if (req.tap_layers[static_cast<size_t>(j)] == static_cast<int>(i))
+        ops::copy_rows(ws_->taps.data() + j * H, n_taps * H, ws_->x.data(), H, T, H);
     if (L.kind == LayerKind::FullAttention)
       attention_layer(L, st, T, req.prompt);
     else
@@ -651,9 +665,11 @@ void Qwen35Model::begin_prompt(Qwen35State& st, const ForwardRequest& req,
   if (!pf->ws_) pf->ws_ = std::make_unique<PromptForward::Workspace>();
   pf->tokens_.assign(req.tokens.begin(), req.tokens.end());
   pf->rows_.assign(req.rows.begin(), req.rows.end());
+  pf->tap_layers_.assign(req.tap_layers.begin(), req.tap_layers.end());
   pf->req_ = req;
   pf->req_.tokens = pf->tokens_;
   pf->req_.rows = pf->rows_;
+  pf->req_.tap_layers = pf->tap_layers_;
   WorkspaceSwap<Workspace> use(ws_, &pf->ws_->ws);
   pf->tokens_total_ = prepare_forward(st, pf->req_);
   body_embed(pf->req_, pf->tokens_total_);

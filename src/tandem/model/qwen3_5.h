@@ -79,7 +79,8 @@ class Qwen35Model {
     std::unique_ptr<Workspace> ws_;
     std::vector<int32_t> tokens_;
     std::vector<RowInput> rows_;
-    ForwardRequest req_;  // its spans view tokens_ and rows_
+    std::vector<int> tap_layers_;
+    ForwardRequest req_;  // its spans view tokens_, rows_ and tap_layers_
     int64_t tokens_total_ = 0;
     int next_layer_ = 0;
     bool active_ = false;
@@ -171,6 +172,7 @@ class Qwen35Model {
     Buffer<float> h, a0, a1, a2, a3, a5;
     Buffer<float> mlp_g, mlp_u;  // [T, I] gate and up projections; only without stacked gate_up
     Buffer<float> last;          // [rows, H]: each row's last normed hidden, for the head
+    Buffer<float> taps;          // [T, tap layers · H]: ForwardRequest::tap_layers' captures
     Buffer<float> out;           // [rows or T, V] logits before the copy to the host
     Buffer<int32_t> embed_ids;   // ids of embed() calls (drafters)
     Buffer<int32_t> argmax;      // [logits rows]

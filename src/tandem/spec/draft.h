@@ -35,6 +35,24 @@ inline const char* hidden_tap_name(HiddenTap t) {
   return t == HiddenTap::FinalNormed ? "final-normed" : "pre-norm";
 }
 
+// The target hidden states a drafter reads at every position: nothing (n-gram), one hidden next
+// to the head (`hidden`: an MTP layer's input, [n, H]), or the residual stream entering each of
+// a list of target decoder layers (`layers`: a projected-context drafter's input, EAGLE-3). A
+// layer tap i (0 <= i < layer count) is transformers' output_hidden_states entry i: entry 0 is
+// the embedding output. Listed layers are concatenated per token in the listed order, so a
+// position's taps are [layers.size() * H]. Invariant: `hidden` and `layers` are not both set.
+struct HiddenTaps {
+  std::optional<HiddenTap> hidden;
+  std::vector<int> layers;
+
+  bool empty() const { return !hidden && layers.empty(); }
+  // Floats per position of the tapped rows handed to prefill and commit.
+  int64_t width(int64_t H) const {
+    return layers.empty() ? H : static_cast<int64_t>(layers.size()) * H;
+  }
+  std::string describe() const;  // "final-normed", "layers [2, 4, 5]", "none"
+};
+
 // `full`: the target prefills the whole prompt and samples the first token from it.
 // `tail_split`: the last prompt token is not prefilled; it heads the first verify window.
 enum class PrefillMode { Full, TailSplit };
@@ -60,6 +78,12 @@ class TargetView {
   // out[n, V] = the target's head applied to already-normed hidden[n, H] (backend memory).
   virtual void logits(const float* hidden, int64_t n, float* out) const = 0;
   virtual bool can_tap(HiddenTap tap) const = 0;
+  // Whether the target's forwards capture the residual stream entering decoder layer `layer`
+  // (ForwardRequest::tap_layers).
+  virtual bool can_tap_layer(int64_t layer) const {
+    (void)layer;
+    return false;
+  }
   // The target's family config, for drafters built for one family (their block copies its
   // shapes); null when the target is of another family, which such a drafter refuses.
   virtual const Qwen35Config* qwen35_config() const { return nullptr; }
@@ -89,28 +113,34 @@ class ModelTargetView : public TargetView {
   const Model& model_;
 };
 
-// A Qwen3.5 target (dense or MoE): it taps either hidden.
+// A Qwen3.5 target (dense or MoE): it taps either hidden and the input of any layer.
 class QwenTargetView final : public ModelTargetView<Qwen35Model> {
  public:
   using ModelTargetView::ModelTargetView;
   bool can_tap(HiddenTap) const override { return true; }
+  bool can_tap_layer(int64_t layer) const override { return layer >= 0 && layer < layer_count(); }
   const Qwen35Config* qwen35_config() const override { return &model_.config(); }
 };
 
-// A GLM-5 target: it taps the final-normed hidden only (the NextN layer's input).
+// A GLM-5 target: of the hiddens next to the head, the final-normed one only (the NextN layer's
+// input); the input of any layer.
 class Glm5TargetView final : public ModelTargetView<Glm5Model> {
  public:
   using ModelTargetView::ModelTargetView;
   bool can_tap(HiddenTap tap) const override { return tap == HiddenTap::FinalNormed; }
+  bool can_tap_layer(int64_t layer) const override { return layer >= 0 && layer < layer_count(); }
   const Glm5Config* glm5_config() const override { return &model_.config(); }
 };
 
+// Throws Error naming `who` unless the target captures every tap in `taps`.
+void check_target_taps(const TargetView& target, const HiddenTaps& taps, const std::string& who);
+
 // One row's prompt, handed to prefill: the tokens the target processed for it and the target's
-// hidden at every one of them (at the drafter's tap; null when the drafter has no tap).
+// taps at every one of them (the drafter's HiddenTaps; null when it has none).
 struct RowPrefill {
   int row = 0;
   std::span<const int32_t> tokens;  // positions processed_before .. processed_before + n - 1
-  const float* hidden = nullptr;    // [tokens.size(), H]
+  const float* hidden = nullptr;    // [tokens.size(), taps().width(H)]
   int64_t processed_before = 0;     // tokens the row already covered (0 for a cold prompt)
 };
 
@@ -131,7 +161,7 @@ struct DraftProposal {
 // One row's verify outcome, handed to commit.
 struct VerifyRow {
   std::span<const int32_t> window;  // [pending, proposals...] as the target processed them
-  const float* hidden = nullptr;    // [window.size(), H] target taps at the drafter's tap
+  const float* hidden = nullptr;    // [window.size(), taps().width(H)] the target's taps
   int accepted = 0;                 // proposals accepted (0..window.size()-1)
   int32_t next_pending = 0;         // the correction or bonus token now pending
 };
@@ -141,7 +171,7 @@ class DraftRows {
   virtual ~DraftRows() = default;
   virtual const std::string& ns() const = 0;
   virtual PrefillMode prefill_mode() const = 0;
-  virtual std::optional<HiddenTap> tap() const = 0;  // none: the drafter needs no hiddens
+  virtual HiddenTaps taps() const = 0;  // empty: the drafter needs no hiddens
   virtual int row_count() const = 0;
 
   // Appends one row per entry (null = cold row); rows keep their append order. Restoring refuses
@@ -177,11 +207,11 @@ class DraftRows {
 class DraftProvider {
  public:
   virtual ~DraftProvider() = default;
-  virtual const std::string& id() const = 0;  // "qwen-mtp", "ngram"
+  virtual const std::string& id() const = 0;  // "qwen-mtp", "ngram", "eagle3"
   virtual uint64_t weights_bytes() const = 0;
   virtual const std::string& checkpoint_namespace() const = 0;
   // Refuses (tandem::Error) a target it cannot serve: wrong hidden size or vocabulary, a tap
-  // the target lacks.
+  // the target lacks (check_target_taps).
   virtual std::unique_ptr<DraftRows> open_rows(const TargetView& target) const = 0;
 };
 

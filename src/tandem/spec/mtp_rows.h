@@ -25,7 +25,7 @@ class MtpRows : public DraftRows {
  public:
   const std::string& ns() const override { return ns_; }
   PrefillMode prefill_mode() const override { return PrefillMode::Full; }
-  std::optional<HiddenTap> tap() const override { return tap_; }
+  HiddenTaps taps() const override { return {tap_, {}}; }
   int row_count() const override { return static_cast<int>(rows_.size()); }
 
   std::unique_ptr<PreparedChange> prepare_append(std::span<const CheckpointPtr> from) override;

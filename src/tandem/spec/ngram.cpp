@@ -110,7 +110,7 @@ class NgramRows : public DraftRows {
 
   const std::string& ns() const override { return ns_; }
   PrefillMode prefill_mode() const override { return PrefillMode::Full; }
-  std::optional<HiddenTap> tap() const override { return std::nullopt; }
+  HiddenTaps taps() const override { return {}; }
   int row_count() const override { return static_cast<int>(rows_.size()); }
 
   std::unique_ptr<PreparedChange> prepare_append(std::span<const CheckpointPtr> from) override {
