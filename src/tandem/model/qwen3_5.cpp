@@ -337,8 +337,11 @@ int64_t Qwen35Model::prepare_forward(Qwen35State& st, const ForwardRequest& req)
       for (int64_t j = 0; j < r.n_tokens; ++j, ++t) {
         const int64_t p = st.length(r.slot) + j;
         w.pos_host[t] = p;
-        w.pos_host[T + t] = int64_t{bt[p / Qwen35State::kBlockSize]} * Qwen35State::kBlockSize +
-                            p % Qwen35State::kBlockSize;
+        // A model without attention layers keeps no KV blocks (and writes no slot).
+        w.pos_host[T + t] =
+            bt.empty() ? -1
+                       : int64_t{bt[p / Qwen35State::kBlockSize]} * Qwen35State::kBlockSize +
+                             p % Qwen35State::kBlockSize;
         w.pos_host[2 * T + t] = prompt_start ? -1 : static_cast<int64_t>(i);
       }
       const int64_t capacity = static_cast<int64_t>(bt.size()) * Qwen35State::kBlockSize;
