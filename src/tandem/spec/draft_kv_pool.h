@@ -1,0 +1,60 @@
+// Paged fp32 KV of a drafter's own attention layer, shared by the rows of one DraftRows: blocks
+// of kBlockSize positions handed to rows and given back, a pool that grows geometrically (block
+// ids never move), checkpoint copies, and the attention segments of a block forward.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "tandem/backend/buffer.h"
+#include "tandem/backend/ops.h"
+#include "tandem/model/gated_attention.h"
+#include "tandem/spec/checkpoint.h"
+
+namespace tandem::spec {
+
+class DraftKvPool {
+ public:
+  static constexpr int64_t kBlockSize = 16;
+
+  DraftKvPool(int64_t kv_heads, int64_t head_dim) : kv_heads_(kv_heads), head_dim_(head_dim) {}
+
+  // fp32 whatever the target's KV: a drafter's checkpoints are fp32 tensors, and one layer's KV
+  // is a small part of the target's.
+  ops::KVLayerView view() const;
+  // Grows `blocks` (a row's table) to hold `length` positions.
+  void reserve(std::vector<int32_t>& blocks, int64_t length);
+  // Returns a row's blocks to the pool (blocks is left empty). Never allocates.
+  void release(std::vector<int32_t>& blocks);
+
+  // The attention segments of one block forward: row i (table tables[i]) appends counts[i] rows
+  // after its lengths[i]. Tables are uploaded into scratch the segments point into, valid until
+  // the next call.
+  std::vector<AttentionSegment> segments(std::span<const std::vector<int32_t>* const> tables,
+                                         std::span<const int64_t> lengths,
+                                         std::span<const int64_t> counts);
+
+  // The first `length` positions of a table as checkpoint tensors [length, kv_heads, head_dim].
+  void save(const std::vector<int32_t>& blocks, int64_t length, CheckpointTensor* keys,
+            CheckpointTensor* values) const;
+  // A fresh table holding checkpoint tensors (shapes checked by the caller).
+  std::vector<int32_t> restore(const CheckpointTensor& keys, const CheckpointTensor& values,
+                               int64_t length);
+
+  int64_t kv_heads() const { return kv_heads_; }
+  int64_t head_dim() const { return head_dim_; }
+
+ private:
+  int64_t kv_heads_ = 0, head_dim_ = 0;
+  Buffer<float> pool_;  // [n_blocks, 2, kBlockSize, kv_heads, head_dim], backend memory
+  int64_t n_blocks_ = 0;
+  std::vector<int32_t> free_;
+  Buffer<int32_t> tables_dev_;
+  std::vector<int32_t> tables_host_;
+
+  int64_t floats_per_block() const { return 2 * kBlockSize * kv_heads_ * head_dim_; }
+  std::vector<int32_t> take(int64_t n);
+};
+
+}  // namespace tandem::spec
