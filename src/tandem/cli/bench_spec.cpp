@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <iostream>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <sstream>
 
 #include "tandem/cli/commands.h"
@@ -13,6 +14,7 @@
 #include "tandem/core/error.h"
 #include "tandem/engine/speculative.h"
 #include "tandem/io/artifact_identity.h"
+#include "tandem/spec/eagle3.h"
 #include "tandem/spec/glm_mtp.h"
 #include "tandem/spec/ngram.h"
 #include "tandem/spec/qwen_mtp.h"
@@ -24,6 +26,7 @@ namespace {
 struct BenchSpecArgs {
   std::string model, prompts_file;
   std::string drafts = "mtp,ngram";
+  std::optional<std::string> draft_model;  // the EAGLE-3 head of --drafts eagle3
   std::string depths = "1,2,3,4";
   int batch = 1;
   int64_t max_tokens = 64;
@@ -121,7 +124,10 @@ void run_bench_spec(const BenchSpecArgs& a) {
                reqs.size(), a.batch, static_cast<long long>(a.max_tokens), ops::thread_count());
   rows.push_back(measure(target, kv_dtype, nullptr, DepthArg{}, reqs, a.batch, a.repeats));
   const double base = rows[0].tokens_per_second;
-  for (const std::string& d : split_list(a.drafts)) {
+  const std::vector<std::string> drafts = split_list(a.drafts);
+  if (a.draft_model && std::find(drafts.begin(), drafts.end(), "eagle3") == drafts.end())
+    fail("--draft-model names the EAGLE-3 head of --drafts eagle3, which is not listed");
+  for (const std::string& d : drafts) {
     std::unique_ptr<spec::DraftProvider> drafter;
     if (d == "mtp" && target.glm)
       drafter = spec::GlmMtpProvider::from_target(*target.view);
@@ -131,8 +137,12 @@ void run_bench_spec(const BenchSpecArgs& a) {
       drafter = spec::QwenMtpProvider::from_target(*target.view);
     else if (d == "ngram")
       drafter = std::make_unique<spec::NgramProvider>(spec::NgramOptions{});
+    else if (d == "eagle3" && a.draft_model)
+      drafter = spec::Eagle3Provider::open(*a.draft_model);
+    else if (d == "eagle3")
+      fail("--drafts eagle3 needs --draft-model DIR: the EAGLE-3 head's directory");
     else
-      fail("--drafts: unknown drafter '", d, "' (mtp, ngram; GLM-5 also mtp-empty)");
+      fail("--drafts: unknown drafter '", d, "' (mtp, ngram, eagle3; GLM-5 also mtp-empty)");
     for (const std::string& ds : split_list(a.depths)) {
       const DepthArg depth = parse_depth(ds);
       rows.push_back(measure(target, kv_dtype, drafter.get(), depth, reqs, a.batch, a.repeats));
@@ -187,7 +197,10 @@ void add_bench_spec_command(CLI::App& app) {
   sub->add_option("--model", a->model, "Hugging Face model directory")->required();
   sub->add_option("--prompts-file", a->prompts_file, "JSONL with a \"prompt\" per line")
       ->required();
-  sub->add_option("--drafts", a->drafts, "Drafters to compare: mtp,ngram")->capture_default_str();
+  sub->add_option("--drafts", a->drafts, "Drafters to compare: mtp, ngram, eagle3")
+      ->capture_default_str();
+  sub->add_option("--draft-model", a->draft_model,
+                  "The EAGLE-3 head directory --drafts eagle3 drafts with");
   sub->add_option("--depths", a->depths, "Depths to compare (numbers, or auto for adaptive rounds)")
       ->capture_default_str();
   sub->add_option("--batch", a->batch, "Requests per batch")->capture_default_str();

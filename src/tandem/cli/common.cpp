@@ -14,6 +14,7 @@
 #include "tandem/engine/qwen_engine_target.h"
 #include "tandem/io/artifact_identity.h"
 #include "tandem/io/json_file.h"
+#include "tandem/spec/eagle3.h"
 #include "tandem/spec/glm_mtp.h"
 #include "tandem/spec/qwen_mtp.h"
 #ifdef TANDEM_HAVE_CUDA
@@ -191,9 +192,11 @@ DType parse_kv_dtype(const std::string& s) {
 }
 
 void add_draft_options(CLI::App* sub, DraftArgs* a) {
-  sub->add_option("--draft", a->draft, "Drafter: none, mtp or ngram")->capture_default_str();
+  sub->add_option("--draft", a->draft, "Drafter: none, mtp, ngram or eagle3")
+      ->capture_default_str();
   sub->add_option("--draft-model", a->draft_model,
-                  "Companion MTP drafter directory (default: the model's own mtp.* layer)");
+                  "--draft mtp: a companion MTP drafter directory (default: the model's own mtp.* "
+                  "layer); --draft eagle3: the EAGLE-3 head directory (required)");
   sub->add_option("--depth", a->depth,
                   "Proposals per round: a fixed 0..16, or auto (each round picks 0..4 from the "
                   "running acceptance and measured round times)")
@@ -243,11 +246,12 @@ SpecOptions spec_options(const DraftArgs& a) {
 std::unique_ptr<spec::DraftProvider> open_drafter(const DraftArgs& a,
                                                   const spec::TargetView& target) {
   if (a.draft == "none") {
-    if (a.draft_model) fail("--draft-model needs --draft mtp");
+    if (a.draft_model) fail("--draft-model needs --draft mtp or --draft eagle3");
     return nullptr;
   }
   if (a.draft == "ngram") {
-    if (a.draft_model) fail("--draft-model needs --draft mtp (n-gram lookup has no weights)");
+    if (a.draft_model)
+      fail("--draft-model needs --draft mtp or --draft eagle3 (n-gram lookup has no weights)");
     spec::validate_ngram_options(a.ngram);
     return std::make_unique<spec::NgramProvider>(a.ngram);
   }
@@ -271,7 +275,14 @@ std::unique_ptr<spec::DraftProvider> open_drafter(const DraftArgs& a,
     if (a.draft_model) return spec::QwenMtpProvider::from_companion(*a.draft_model, tap);
     return spec::QwenMtpProvider::from_target(target, tap);
   }
-  fail("--draft must be none, mtp or ngram, got '", a.draft, "'");
+  if (a.draft == "eagle3") {
+    if (!a.draft_model)
+      fail("--draft eagle3 needs --draft-model DIR: the EAGLE-3 head's directory (config.json + ",
+           "model.safetensors)");
+    if (a.mtp_hidden != "final") fail("--mtp-hidden applies to --draft mtp only");
+    return spec::Eagle3Provider::open(*a.draft_model);
+  }
+  fail("--draft must be none, mtp, ngram or eagle3, got '", a.draft, "'");
 }
 
 }  // namespace tandem::cli
