@@ -53,8 +53,8 @@ Eagle3RandomShape demo_shape() {
 }
 
 testing::ScratchDir& scratch() {
-  static testing::ScratchDir* d = new testing::ScratchDir("eagle3");
-  return *d;
+  static testing::ScratchDir d("eagle3");  // removed at exit (mapped heads stay readable)
+  return d;
 }
 
 // A random head on the demo (fp32 weights, so the direct computation reads the same numbers).
@@ -745,8 +745,9 @@ TEST_P(Eagle3Lossless, SpeculativeEqualsPlainAloneAndBatched) {
   }
   // Sampled drafts from a head over the tokens the demo emits are accepted now and then, so the
   // rounds that keep accepted rows run (greedy ones may always miss; the commit tests cover them).
-  if (c.temperature > 0)
+  if (c.temperature > 0) {
     EXPECT_GT(accepted, 0) << "no proposal was ever accepted: rollback of accepted rows not run";
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Depths, Eagle3Lossless,
@@ -820,6 +821,55 @@ TEST(Eagle3PrefixCache, HitEqualsColdEngine) {
     EXPECT_GT(oh.cached_tokens, 0);
     EXPECT_EQ(hot, cold) << "T " << temperature;
   }
+}
+
+// --- The command line ---------------------------------------------------------------------------
+
+std::string run_cli(const std::string& args, int* code) {
+  const std::string cmd = std::string(TANDEM_BINARY) + " " + args + " 2>&1";
+  std::string out;
+  FILE* p = popen(cmd.c_str(), "r");
+  if (!p) return out;
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
+  const int status = pclose(p);
+  *code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  return out;
+}
+
+TEST(Eagle3Cli, GenerateAndBenchSpecDraftWithAHead) {
+  lucky_head();  // written
+  const std::string head_dir = scratch().file("lucky");
+  const std::string gen = "generate --model " + test::kDemoDir +
+                          " --prompt 'def f(x):' --max-tokens 16 --json --threads 1";
+  int code = 0;
+  const json plain = json::parse(run_cli(gen, &code));
+  ASSERT_EQ(code, 0);
+  const std::string out =
+      run_cli(gen + " --draft eagle3 --depth 2 --draft-model " + head_dir, &code);
+  ASSERT_EQ(code, 0) << out;
+  const json spec = json::parse(out);
+  EXPECT_EQ(spec["tokens"], plain["tokens"]);
+  EXPECT_EQ(spec["stats"]["draft"], "eagle3");
+  EXPECT_GT(spec["stats"]["drafted"].get<int64_t>(), 0);
+
+  const std::string missing = run_cli(gen + " --draft eagle3", &code);
+  EXPECT_EQ(code, 1);
+  EXPECT_NE(missing.find("--draft eagle3 needs --draft-model"), std::string::npos) << missing;
+
+  const std::string prompts = scratch().file("prompts.jsonl");
+  std::ofstream(prompts) << "{\"prompt\": \"def f(x):\"}\n";
+  const std::string bench =
+      run_cli("bench-spec --model " + test::kDemoDir + " --prompts-file " + prompts +
+                  " --drafts eagle3 --draft-model " + head_dir +
+                  " --depths 1,2 --max-tokens 8 --repeats 1 --json --threads 1",
+              &code);
+  ASSERT_EQ(code, 0) << bench;
+  const json rows = json::parse(bench.substr(bench.find('[')));
+  ASSERT_EQ(rows.size(), 3u);
+  EXPECT_EQ(rows[1]["draft"], "eagle3");
+  EXPECT_EQ(rows[2]["acceptance_by_position"].size(), 2u);
 }
 
 // --- The PyTorch oracle (tests/fixtures/eagle3_demo, tools/make_eagle3_fixture.py) ---------------
