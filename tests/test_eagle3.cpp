@@ -16,9 +16,12 @@
 #include "tandem/core/error.h"
 #include "tandem/engine/batch_engine.h"
 #include "tandem/engine/generator.h"
+#include "tandem/engine/glm5_engine_target.h"
 #include "tandem/engine/speculative.h"
 #include "tandem/io/json_file.h"
 #include "tandem/io/safetensors.h"
+#include "tandem/model/glm5.h"
+#include "tandem/model/glm5_state.h"
 #include "tandem/model/qwen3_5_state.h"
 #include "tandem/spec/eagle3.h"
 #include "tandem/spec/eagle3_random.h"
@@ -821,6 +824,81 @@ TEST(Eagle3PrefixCache, HitEqualsColdEngine) {
     EXPECT_GT(oh.cached_tokens, 0);
     EXPECT_EQ(hot, cold) << "T " << temperature;
   }
+}
+
+// GLM-5 targets tap layers too: the taps are the residual stream entering each layer (the GLM-5
+// demo cut to its first layers), and an EAGLE-3 head drafts losslessly on it.
+TEST(Eagle3Glm5, TapsAndLosslessOnTheGlm5Demo) {
+  const std::string dir = std::string(TANDEM_SOURCE_DIR) + "/models/glm5-demo";
+  const auto model = Glm5Model::load(dir);
+  const int64_t H = model->config().hidden_size;
+  const std::vector<int32_t> ids = random_ids(21, 100);
+  const int64_t T = static_cast<int64_t>(ids.size());
+  auto forward = [&](const Glm5Model& m, const std::vector<int>& taps, ForwardOutput* out) {
+    Glm5State st(m.config(), 0);
+    const std::vector<RowInput> rows = {{st.open_row(), T, false}};
+    ForwardRequest req{ids, rows};
+    req.prompt = true;
+    req.want_prenorm_hidden = true;
+    req.tap_layers = taps;
+    m.forward(st, req, out);
+  };
+  const std::vector<int> layers = {3, 0, 1, 2};
+  ForwardOutput out;
+  forward(*model, layers, &out);
+  ASSERT_EQ(out.layer_taps.size(), static_cast<size_t>(T * 4 * H));
+  for (size_t j = 0; j < layers.size(); ++j) {
+    std::vector<float> want(static_cast<size_t>(T * H));
+    if (layers[j] == 0) {
+      model->embed(ids, want.data());
+    } else {
+      const std::string cut = scratch().file("glm5_first_" + std::to_string(layers[j]));
+      fs::create_directories(cut);
+      json config = read_json_file(dir + "/config.json");
+      for (const char* key : {"mlp_layer_types", "indexer_types"})
+        config[key] = json(std::vector<json>(config[key].begin(), config[key].begin() + layers[j]));
+      config["num_hidden_layers"] = layers[j];
+      config["num_nextn_predict_layers"] = 0;
+      std::ofstream(cut + "/config.json") << config.dump(2);
+      fs::create_symlink(fs::absolute(dir + "/model.safetensors"), cut + "/model.safetensors");
+      ForwardOutput o;
+      forward(*Glm5Model::load(cut), {}, &o);
+      want = o.prenorm_hidden;
+    }
+    for (int64_t t = 0; t < T; ++t)
+      ASSERT_EQ(0, std::memcmp(out.layer_taps.data() + (t * 4 + static_cast<int64_t>(j)) * H,
+                               want.data() + t * H, sizeof(float) * H))
+          << "layer " << layers[j] << " token " << t;
+  }
+
+  Eagle3RandomShape s;
+  s.hidden_size = H;
+  s.intermediate_size = 128;
+  s.num_attention_heads = 4;
+  s.num_key_value_heads = 2;
+  s.vocab_size = model->config().vocab_size;
+  s.draft_vocab_size = 256;
+  s.tap_layers = {1, 2, 3};
+  spec::write_random_eagle3_head(s, scratch().file("glm5_head"), DType::BF16, 8);
+  const auto head = Eagle3Provider::open(scratch().file("glm5_head"));
+  SpecOptions opts;
+  opts.depth = 3;
+  opts.health_probe = false;
+  auto target = [&] { return std::make_unique<Glm5EngineTarget>(*model, "glm5-demo"); };
+  SpeculativeGenerator spec_gen(target, model->config().vocab_size, head.get(), opts);
+  SpeculativeGenerator plain(target, model->config().vocab_size, nullptr, opts);
+  std::vector<GenerateRequest> reqs;
+  for (float temperature : {0.0f, 0.8f}) {
+    GenerateRequest r;
+    r.prompt = std::vector<int32_t>(ids.begin(), ids.begin() + 12 + (temperature > 0 ? 5 : 0));
+    r.max_tokens = 12;
+    r.ignore_eos = true;
+    r.sampling.temperature = temperature;
+    r.sampling.seed = 3;
+    reqs.push_back(r);
+  }
+  const auto want = plain.run(reqs), got = spec_gen.run(reqs);
+  for (size_t i = 0; i < reqs.size(); ++i) EXPECT_EQ(got[i].tokens, want[i].tokens) << i;
 }
 
 // --- The command line ---------------------------------------------------------------------------
