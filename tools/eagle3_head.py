@@ -568,9 +568,10 @@ def target_taps(text_model, ids: torch.Tensor, layers: list):
     return torch.cat([hs[i] for i in layers], dim=-1), out.last_hidden_state
 
 
-def taps_by_hooks(text_model, ids: torch.Tensor, layers: list) -> torch.Tensor:
-    """The same taps read directly: the input of decoder layer i (forward pre-hooks). For checking
-    that output_hidden_states' entry i is the residual stream entering layer i."""
+def taps_by_hooks(text_model, ids: torch.Tensor, layers: list):
+    """For checking that output_hidden_states' entry i is the residual stream entering decoder layer i:
+    one forward that reads both the inputs of the tapped layers (forward pre-hooks) and target_taps.
+    Returns (taps from the hooks, taps from output_hidden_states), both [B, T, n_taps*H]."""
     seen = {}
 
     def hook(i):
@@ -580,11 +581,11 @@ def taps_by_hooks(text_model, ids: torch.Tensor, layers: list) -> torch.Tensor:
 
     handles = [text_model.layers[i].register_forward_pre_hook(hook(i), with_kwargs=True) for i in set(layers)]
     try:
-        text_model(input_ids=ids, use_cache=False)
+        taps, _ = target_taps(text_model, ids, layers)
     finally:
         for h in handles:
             h.remove()
-    return torch.cat([seen[i] for i in layers], dim=-1)
+    return torch.cat([seen[i] for i in layers], dim=-1), taps
 
 
 # --------------------------------------------------------------------------------------------------

@@ -195,10 +195,13 @@ def make(model_dir: Path, out_root: Path, seed0: int) -> Path:
         tdm.banner("prompt and taps")
         source, ids, taps, logits, pend_gap = choose_prompt(model, tok, model_dir)
         n = ids.numel()
-        hooked = e3.taps_by_hooks(model.model, ids[None], TAP_LAYERS)[0]
-        if not torch.equal(hooked, taps):
+        hooked, from_hidden_states = e3.taps_by_hooks(model.model, ids[None], TAP_LAYERS)
+        if not torch.equal(hooked, from_hidden_states):
             die(f"output_hidden_states entries {TAP_LAYERS} differ from the inputs of those decoder layers by "
-                f"{max_abs(hooked, taps):.2e}")
+                f"{max_abs(hooked, from_hidden_states):.2e}")
+        d_taps = max_abs(from_hidden_states[0], taps)
+        if d_taps > TOL:
+            die(f"two forwards of the prompt give taps {d_taps:.2e} apart")
         full = model(input_ids=ids[None], use_cache=False).logits[0]
         d_full = max_abs(full, logits)
         if d_full > TOL:
