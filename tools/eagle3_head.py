@@ -552,26 +552,24 @@ def load_head(path: Path, target_layers: int | None = None, device="cpu", dtype:
 # Target taps
 # --------------------------------------------------------------------------------------------------
 
-def target_taps(text_model, ids: torch.Tensor, layers: list):
-    """One forward of a transformers decoder-only text model (e.g. Qwen3_5TextModel = model.model)
-    over ids [B, T] with output_hidden_states. Returns (taps [B, T, n_taps*H] = hidden_states[i] for i
-    in layers, concatenated in that order; last_hidden_state [B, T, H])."""
-    out = text_model(input_ids=ids, use_cache=False, output_hidden_states=True)
-    hs = out.hidden_states
-    n_layers = len(text_model.layers)
+_FALLBACK_WARNED = []
+
+
+def _from_hidden_states(out, layers: list, n_layers: int):
+    """The taps from a forward's output_hidden_states (entry i = the input of decoder layer i), or None
+    when this transformers gave no such tuple."""
+    hs = getattr(out, "hidden_states", None)
     if hs is None or len(hs) != n_layers + 1:
-        raise RuntimeError(f"output_hidden_states gave {None if hs is None else len(hs)} tensors, expected "
-                           f"{n_layers + 1} (embedding + one per layer)")
-    bad = [i for i in layers if not 0 <= i < n_layers]
-    if bad:
-        raise ValueError(f"tap layers {bad} out of range for a {n_layers}-layer target")
-    return torch.cat([hs[i] for i in layers], dim=-1), out.last_hidden_state
+        if not _FALLBACK_WARNED:
+            _FALLBACK_WARNED.append(True)
+            print(f"  WARNING: output_hidden_states gave {None if hs is None else len(hs)} tensors, expected "
+                  f"{n_layers + 1} (embedding + one per layer): taps are read by forward pre-hooks instead")
+        return None
+    return torch.cat([hs[i] for i in layers], dim=-1)
 
 
-def taps_by_hooks(text_model, ids: torch.Tensor, layers: list):
-    """For checking that output_hidden_states' entry i is the residual stream entering decoder layer i:
-    one forward that reads both the inputs of the tapped layers (forward pre-hooks) and target_taps.
-    Returns (taps from the hooks, taps from output_hidden_states), both [B, T, n_taps*H]."""
+def _hooked_forward(text_model, ids: torch.Tensor, layers: list, output_hidden_states: bool):
+    """One forward that records the input of each tapped decoder layer (forward pre-hooks)."""
     seen = {}
 
     def hook(i):
@@ -581,11 +579,42 @@ def taps_by_hooks(text_model, ids: torch.Tensor, layers: list):
 
     handles = [text_model.layers[i].register_forward_pre_hook(hook(i), with_kwargs=True) for i in set(layers)]
     try:
-        taps, _ = target_taps(text_model, ids, layers)
+        out = text_model(input_ids=ids, use_cache=False, output_hidden_states=output_hidden_states)
     finally:
         for h in handles:
             h.remove()
-    return torch.cat([seen[i] for i in layers], dim=-1), taps
+    return torch.cat([seen[i] for i in layers], dim=-1), out
+
+
+def _check_layers(text_model, layers: list) -> int:
+    n_layers = len(text_model.layers)
+    bad = [i for i in layers if not 0 <= i < n_layers]
+    if bad:
+        raise ValueError(f"tap layers {bad} out of range for a {n_layers}-layer target")
+    return n_layers
+
+
+def target_taps(text_model, ids: torch.Tensor, layers: list):
+    """One forward of a transformers decoder-only text model (e.g. Qwen3_5TextModel = model.model) over
+    ids [B, T] with output_hidden_states. Returns (taps [B, T, n_taps*H] = hidden_states[i] for i in
+    layers, concatenated in that order; last_hidden_state [B, T, H])."""
+    n_layers = _check_layers(text_model, layers)
+    out = text_model(input_ids=ids, use_cache=False, output_hidden_states=True)
+    taps = _from_hidden_states(out, layers, n_layers)
+    if taps is None:
+        taps, out = _hooked_forward(text_model, ids, layers, False)
+    return taps, out.last_hidden_state
+
+
+def taps_by_hooks(text_model, ids: torch.Tensor, layers: list):
+    """For checking that output_hidden_states' entry i is the residual stream entering decoder layer i:
+    one forward that reads both the inputs of the tapped layers (forward pre-hooks) and the
+    output_hidden_states entries. Returns (taps from the hooks, taps from output_hidden_states), both
+    [B, T, n_taps*H] (the second is the first when output_hidden_states gives nothing)."""
+    n_layers = _check_layers(text_model, layers)
+    hooked, out = _hooked_forward(text_model, ids, layers, True)
+    taps = _from_hidden_states(out, layers, n_layers)
+    return hooked, hooked if taps is None else taps
 
 
 # --------------------------------------------------------------------------------------------------
