@@ -154,130 +154,52 @@ QwenMtpRows::QwenMtpRows(std::shared_ptr<const QwenMtpBlock> block, const Target
                          std::string ns, HiddenTap tap)
     : MtpRows(target, "qwen-mtp", kQwenMtpSchema, std::move(ns), tap, block->config().hidden_size,
               block->config().vocab_size),
-      block_(std::move(block)) {
-  kv_heads_ = block_->config().num_key_value_heads;
-  head_dim_ = block_->config().head_dim;
-}
-
-ops::KVLayerView QwenMtpRows::kv_view() const {
-  ops::KVLayerView v;
-  // The drafter's one layer keeps fp32 KV, whatever the target's: its checkpoints are fp32
-  // tensors, and one layer's KV is a small part of the target's. Written only through
-  // forward_block and restore_history, which own the blocks they write.
-  v.pool = const_cast<float*>(pool_.data());
-  v.dtype = DType::F32;
-  v.block_size = kBlockSize;
-  v.n_kv_heads = kv_heads_;
-  v.head_dim = head_dim_;
-  return v;
-}
-
-std::vector<int32_t> QwenMtpRows::take_blocks(int64_t n) {
-  if (static_cast<int64_t>(free_blocks_.size()) < n) {
-    // Grow geometrically; block ids never move, and rows' contents are kept by the resize.
-    const int64_t add = std::max<int64_t>({n, n_blocks_, 16});
-    pool_.grow_to((n_blocks_ + add) * floats_per_block());
-    // Capacity for every block: returning blocks (release, filter) never reallocates.
-    free_blocks_.reserve(static_cast<size_t>(n_blocks_ + add));
-    for (int64_t b = n_blocks_ + add - 1; b >= n_blocks_; --b)
-      free_blocks_.push_back(static_cast<int32_t>(b));
-    n_blocks_ += add;
-  }
-  std::vector<int32_t> out(free_blocks_.end() - n, free_blocks_.end());
-  std::reverse(out.begin(), out.end());
-  free_blocks_.resize(free_blocks_.size() - static_cast<size_t>(n));
-  return out;
-}
-
-void QwenMtpRows::reserve(KvHistory& h, int64_t length) {
-  const int64_t need = (length + kBlockSize - 1) / kBlockSize;
-  const int64_t missing = need - static_cast<int64_t>(h.blocks.size());
-  if (missing <= 0) return;
-  const std::vector<int32_t> got = take_blocks(missing);
-  h.blocks.insert(h.blocks.end(), got.begin(), got.end());
-}
+      block_(std::move(block)),
+      kv_(block_->config().num_key_value_heads, block_->config().head_dim) {}
 
 std::unique_ptr<MtpRows::History> QwenMtpRows::new_history() {
   return std::make_unique<KvHistory>();
 }
 
 void QwenMtpRows::release_history(History& h) {
-  std::vector<int32_t>& blocks = static_cast<KvHistory&>(h).blocks;
-  free_blocks_.insert(free_blocks_.end(), blocks.begin(), blocks.end());
-  blocks.clear();
+  kv_.release(static_cast<KvHistory&>(h).blocks);
 }
 
 void QwenMtpRows::forward_block(const float* embeds, const float* hidden,
                                 std::span<History* const> rows, std::span<const int64_t> lengths,
                                 std::span<const int64_t> counts, float* out) {
-  for (size_t i = 0; i < rows.size(); ++i)
-    reserve(static_cast<KvHistory&>(*rows[i]), lengths[i] + counts[i]);
-  // Segments point into an upload of the rows' block tables, made after every reservation.
-  tables_host_.clear();
-  std::vector<int64_t> offset;
-  for (History* h : rows) {
-    const std::vector<int32_t>& blocks = static_cast<const KvHistory&>(*h).blocks;
-    offset.push_back(static_cast<int64_t>(tables_host_.size()));
-    tables_host_.insert(tables_host_.end(), blocks.begin(), blocks.end());
-  }
-  tables_dev_.grow_to(std::max<int64_t>(1, static_cast<int64_t>(tables_host_.size())));
-  ops::copy_from_host(tables_dev_.data(), tables_host_.data(),
-                      sizeof(int32_t) * tables_host_.size());
-  std::vector<MtpSegment> segs;
-  segs.reserve(rows.size());
+  std::vector<const std::vector<int32_t>*> tables;
   for (size_t i = 0; i < rows.size(); ++i) {
-    const int64_t capacity =
-        static_cast<int64_t>(static_cast<const KvHistory&>(*rows[i]).blocks.size()) * kBlockSize;
-    segs.push_back({tables_dev_.data() + offset[i], lengths[i], counts[i],
-                    attention_position_bound(capacity)});
+    std::vector<int32_t>& blocks = static_cast<KvHistory&>(*rows[i]).blocks;
+    kv_.reserve(blocks, lengths[i] + counts[i]);
+    tables.push_back(&blocks);
   }
-  block_->forward(embeds, hidden, segs, kv_view(), ws_, out);
+  // Segments point into an upload of the rows' block tables, made after every reservation.
+  const std::vector<MtpSegment> segs = kv_.segments(tables, lengths, counts);
+  block_->forward(embeds, hidden, segs, kv_.view(), ws_, out);
 }
 
 int64_t QwenMtpRows::check_history(const Checkpoint& c) const {
   const auto keys = c.tensors.find("kv_keys");
   const int64_t rows =
       keys == c.tensors.end() || keys->second.shape.empty() ? 0 : keys->second.shape.front();
-  checkpoint_tensor(c, "kv_keys", {rows, kv_heads_, head_dim_});
-  checkpoint_tensor(c, "kv_values", {rows, kv_heads_, head_dim_});
+  checkpoint_tensor(c, "kv_keys", {rows, kv_.kv_heads(), kv_.head_dim()});
+  checkpoint_tensor(c, "kv_values", {rows, kv_.kv_heads(), kv_.head_dim()});
   return rows;
 }
 
 std::unique_ptr<MtpRows::History> QwenMtpRows::restore_history(const Checkpoint& c,
                                                                int64_t length) {
-  const CheckpointTensor& keys = c.tensors.at("kv_keys");
-  const CheckpointTensor& values = c.tensors.at("kv_values");
-  const int64_t kvf = kv_heads_ * head_dim_;
   auto h = std::make_unique<KvHistory>();
-  h->blocks = take_blocks((length + kBlockSize - 1) / kBlockSize);
-  const ops::KVLayerView kv = kv_view();
-  // A block's keys (and its values) are contiguous: one copy each per block.
-  for (int64_t p = 0; p < length; p += kBlockSize) {
-    const int32_t b = h->blocks[static_cast<size_t>(p / kBlockSize)];
-    const size_t bytes = sizeof(float) * kvf * std::min(kBlockSize, length - p);
-    ops::copy_from_host(kv.key(b, 0), keys.data.data() + p * kvf, bytes);
-    ops::copy_from_host(kv.value(b, 0), values.data.data() + p * kvf, bytes);
-  }
+  h->blocks = kv_.restore(c.tensors.at("kv_keys"), c.tensors.at("kv_values"), length);
   return h;
 }
 
 void QwenMtpRows::save_history(const History& h, int64_t length, Checkpoint& c) const {
-  const std::vector<int32_t>& blocks = static_cast<const KvHistory&>(h).blocks;
-  c.metadata = json{{"hidden_size", H_}, {"kv_heads", kv_heads_}, {"head_dim", head_dim_}};
-  const int64_t kvf = kv_heads_ * head_dim_;
-  CheckpointTensor keys, values;
-  keys.shape = values.shape = {length, kv_heads_, head_dim_};
-  keys.data.resize(static_cast<size_t>(length * kvf));
-  values.data.resize(static_cast<size_t>(length * kvf));
-  const ops::KVLayerView kv = kv_view();
-  for (int64_t p = 0; p < length; p += kBlockSize) {  // one copy of keys, one of values per block
-    const int32_t b = blocks[static_cast<size_t>(p / kBlockSize)];
-    const size_t bytes = sizeof(float) * kvf * std::min(kBlockSize, length - p);
-    ops::copy_to_host(keys.data.data() + p * kvf, kv.key(b, 0), bytes);
-    ops::copy_to_host(values.data.data() + p * kvf, kv.value(b, 0), bytes);
-  }
-  c.tensors["kv_keys"] = std::move(keys);
-  c.tensors["kv_values"] = std::move(values);
+  c.metadata =
+      json{{"hidden_size", H_}, {"kv_heads", kv_.kv_heads()}, {"head_dim", kv_.head_dim()}};
+  kv_.save(static_cast<const KvHistory&>(h).blocks, length, &c.tensors["kv_keys"],
+           &c.tensors["kv_values"]);
 }
 
 }  // namespace tandem::spec

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "tandem/spec/draft.h"
+#include "tandem/spec/draft_kv_pool.h"
 #include "tandem/spec/mtp_rows.h"
 #include "tandem/spec/qwen_mtp_block.h"
 
@@ -64,7 +65,7 @@ class QwenMtpProvider : public DraftProvider {
 // layer.
 class QwenMtpRows : public MtpRows {
  public:
-  static constexpr int64_t kBlockSize = 16;
+  static constexpr int64_t kBlockSize = DraftKvPool::kBlockSize;
 
   QwenMtpRows(std::shared_ptr<const QwenMtpBlock> block, const TargetView& target, std::string ns,
               HiddenTap tap);
@@ -75,16 +76,9 @@ class QwenMtpRows : public MtpRows {
   };
 
   std::shared_ptr<const QwenMtpBlock> block_;
-  int64_t kv_heads_ = 0, head_dim_ = 0;
+  DraftKvPool kv_;
 
-  Buffer<float> pool_;  // [n_blocks, 2, kBlockSize, kv_heads, head_dim], backend memory
-  int64_t n_blocks_ = 0;
-  std::vector<int32_t> free_blocks_;
-
-  // Scratch (grown, reused).
-  QwenMtpBlock::Workspace ws_;
-  Buffer<int32_t> tables_dev_;  // the block tables of forward_block's rows, concatenated
-  std::vector<int32_t> tables_host_;
+  QwenMtpBlock::Workspace ws_;  // scratch (grown, reused)
 
   std::unique_ptr<History> new_history() override;
   void release_history(History& h) override;
@@ -95,12 +89,6 @@ class QwenMtpRows : public MtpRows {
   void forward_block(const float* embeds, const float* hidden, std::span<History* const> rows,
                      std::span<const int64_t> lengths, std::span<const int64_t> counts,
                      float* out) override;
-
-  ops::KVLayerView kv_view() const;
-  int64_t floats_per_block() const { return 2 * kBlockSize * kv_heads_ * head_dim_; }
-  // Takes `n` free blocks (growing the pool) without giving them to any row.
-  std::vector<int32_t> take_blocks(int64_t n);
-  void reserve(KvHistory& h, int64_t length);
 };
 
 }  // namespace tandem::spec
