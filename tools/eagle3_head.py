@@ -515,7 +515,8 @@ def check_layout(tensors: dict, cfg: Eagle3Config, where: str) -> None:
         raise ValueError(f"{where}: config says embed_tokens but the file has no embed_tokens.weight")
 
 
-def save_head(head: Eagle3Head, out_dir: Path, dtype: torch.dtype = torch.bfloat16, metadata: dict | None = None) -> dict:
+def save_head(head: Eagle3Head, out_dir: Path, dtype: torch.dtype = torch.bfloat16,
+              metadata: dict | None = None) -> dict:
     """Writes out_dir/config.json and out_dir/model.safetensors. Returns the tensors written."""
     from safetensors.torch import save_file
 
@@ -527,7 +528,8 @@ def save_head(head: Eagle3Head, out_dir: Path, dtype: torch.dtype = torch.bfloat
     return tensors
 
 
-def load_head(path: Path, target_layers: int | None = None, device="cpu", dtype: torch.dtype = torch.float32) -> Eagle3Head:
+def load_head(path: Path, target_layers: int | None = None, device="cpu",
+              dtype: torch.dtype = torch.float32) -> Eagle3Head:
     """Reads a head directory (config.json + model.safetensors); weights are converted to `dtype`
     (float32: exactly the stored values upcast). Raises ValueError naming the file and tensor on any
     layout error."""

@@ -513,7 +513,8 @@ def evaluate_chains(head, model, mtp, y: torch.Tensor, prompt_len: int, depth: i
     # Anchors P = prompt_len-1 .. with all `depth` proposals inside the sequence, stopping at the first
     # generated <|endoftext|> (a request ends there; the EOS itself may be proposed).
     gen = y[:, prompt_len:] == eot
-    first = torch.where(gen.any(1), gen.float().argmax(1) + prompt_len + 1, torch.full_like(gen[:, 0], t, dtype=torch.long))
+    first = torch.where(gen.any(1), gen.float().argmax(1) + prompt_len + 1,
+                        torch.full_like(gen[:, 0], t, dtype=torch.long))
     p = torch.arange(n, device=y.device)[None, :]
     valid = (p >= prompt_len - 1) & (p + depth + 1 <= first[:, None] - 1)
     heads = chain_stats(ok_head, valid)
@@ -656,7 +657,8 @@ def model_card(info: dict) -> str:
         "",
         "## Held-out acceptance (greedy, teacher-forced chains)",
         "",
-        f"{ev['sequences']} held-out prompts of {ev['prompt_tokens']} tokens, each continued by {ev['generated_tokens']} "
+        f"{ev['sequences']} held-out prompts of {ev['prompt_tokens']} tokens, each continued by "
+        f"{ev['generated_tokens']} "
         "tokens of the target's own greedy decoding (fp32); at every anchor of the continuation a chain of depth "
         f"{depth} is drafted from the true context and compared with the target's greedy tokens "
         f"({h['anchors']:,} anchors; sequences stop at a generated `<|endoftext|>`). The MTP row is the demo "
@@ -735,7 +737,8 @@ def parse_args():
     ap.add_argument("--taps", type=lambda s: [int(x) for x in s.split(",")], default=[2, 4, 5],
                     help="target layers to tap, comma-separated (default 2,4,5)")
     ap.add_argument("--draft-vocab", type=int, default=2048)
-    ap.add_argument("--vocab-tokens", type=int, default=2_000_000, help="train tokens the draft vocabulary is counted on")
+    ap.add_argument("--vocab-tokens", type=int, default=2_000_000,
+                    help="train tokens the draft vocabulary is counted on")
     ap.add_argument("--intermediate", type=int, default=768)
     ap.add_argument("--heads", type=int, default=6)
     ap.add_argument("--kv-heads", type=int, default=2)
@@ -867,7 +870,8 @@ def main() -> None:
         print(f"  {name:12s} accept | previous {[round(a, 3) for a in r['accept_rate_given_previous']]}  "
               f"expected accepted @depth {[round(a, 3) for a in r['expected_accepted_at_depth']]}  "
               f"({r['anchors']:,} anchors)")
-    print(f"  depth 1 on true held-out text ({d1['rows']:,} rows): head {d1['head_agree']:.4f}, MTP {d1['mtp_agree']:.4f} "
+    print(f"  depth 1 on true held-out text ({d1['rows']:,} rows): head {d1['head_agree']:.4f}, "
+          f"MTP {d1['mtp_agree']:.4f} "
           f"(demo's training.json: MTP {demo_info['heldout_eval']['shipped_weights_fp32']['mtp_agree']:.4f}); "
           f"greedy tokens in the draft vocabulary {in_vocab:.4f}; {time.time() - t:.1f}s (generation {t_gen:.1f}s)")
 
