@@ -8,7 +8,7 @@ tokenizers + safetensors, no network, after tools/train_demo_model.py has writte
                                                                        # minute (most of it the corpus walk);
                                                                        # writes /tmp/qwen35-demo-eagle3-smoke/
 
-The whole default run takes about --minutes (6) + 2 minutes on an H100/H200 (corpus walk and encoding,
+The whole default run takes about --minutes (4.6) + 1 minute on an H100/H200 (corpus walk and encoding,
 draft vocabulary, evaluation with fp32 greedy generation).
 Stages (each checks what it can; any surprise stops the run with a message):
 
@@ -19,9 +19,10 @@ Stages (each checks what it can; any surprise stops the run with a message):
                 on). The held-out split is never trained on and does not choose the draft vocabulary.
   2. tokenizer  models/qwen35-demo/tokenizer.json (not retrained).
   3. target     the demo checkpoint (bf16 upcast, frozen) through make_demo_reference.load_demo_model;
-                taps at --taps (default [2, 4, 5]) = output_hidden_states entries, checked equal to the
-                decoder layers' inputs.
-  4. vocabulary the draft vocabulary (--draft-vocab, default 2048 of 4096): ids 0, 1, 2 (<|endoftext|>,
+                taps at --taps (default [3, 5, 7]) = output_hidden_states entries, checked equal to the
+                decoder layers' inputs. vLLM's default [2, L/2, L-3] = [2, 4, 5] with 2048 draft ids lost
+                to the demo's MTP at every depth (BENCHMARKS.md).
+  4. vocabulary the draft vocabulary (--draft-vocab, default 3072 of 4096): ids 0, 1, 2 (<|endoftext|>,
                 <|im_start|>, <|im_end|>: a chain can propose the end of a text and chat turns), then the
                 ids the target itself predicts most often (its greedy choice) over --vocab-tokens tokens of
                 train windows, ties by corpus frequency in the train split, then by id. Only target-greedy
@@ -722,7 +723,7 @@ def parse_args():
     ap.add_argument("--model", type=Path, default=DEMO, help="the demo model directory")
     ap.add_argument("--out", type=Path, default=None, help=f"output directory (default {DEFAULT_OUT})")
     ap.add_argument("--smoke", action="store_true", help="every stage at toy sizes (seconds of training)")
-    ap.add_argument("--minutes", type=float, default=6.0, help="wall-clock budget of the training loop")
+    ap.add_argument("--minutes", type=float, default=4.6, help="wall-clock budget of the training loop")
     ap.add_argument("--steps-max", type=int, default=0)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--seq", type=int, default=512)
@@ -734,12 +735,12 @@ def parse_args():
     ap.add_argument("--init-std", type=float, default=0.02)
     ap.add_argument("--ttt-steps", type=int, default=4)
     ap.add_argument("--ttt-decay", type=float, default=0.8)
-    ap.add_argument("--taps", type=lambda s: [int(x) for x in s.split(",")], default=[2, 4, 5],
+    ap.add_argument("--taps", type=lambda s: [int(x) for x in s.split(",")], default=[3, 5, 7],
                     help="target layers to tap, comma-separated (default 2,4,5)")
-    ap.add_argument("--draft-vocab", type=int, default=2048)
+    ap.add_argument("--draft-vocab", type=int, default=3072)
     ap.add_argument("--vocab-tokens", type=int, default=2_000_000,
                     help="train tokens the draft vocabulary is counted on")
-    ap.add_argument("--intermediate", type=int, default=768)
+    ap.add_argument("--intermediate", type=int, default=512)
     ap.add_argument("--heads", type=int, default=6)
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--head-dim", type=int, default=64)
