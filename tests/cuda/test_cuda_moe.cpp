@@ -179,6 +179,56 @@ double relative_error(const std::vector<float>& got, const std::vector<float>& w
   return worst / scale;
 }
 
+// linear_grouped with its mixture options (rows gathered from the tokens' rows, SwiGLU over
+// transformers' gate-then-up halves) against the unfused ops: each
+// pair row bitwise cuda::linear of its expert's gate and up rows for that token alone, then
+// cuda::swiglu, on the staged path (groups of up to 4 rows) and the bf16-copy paths (1, 2 and 4
+// m-tiles).
+TEST_F(CudaMoe, GroupedSwigluOfGatheredRowsIsBitwiseTheUnfusedProducts) {
+  ScopedBackend cuda(ops::Backend::Cuda);
+  std::mt19937 rng(11);
+  const int64_t E = 6, H = 64, I = 48;
+  TestMixture mix(E, 2, H, I, 0, rng);
+  const ops::MoeWeights w = mix.weights(true);
+  for (const int64_t T : {1, 3, 6, 20, 40}) {
+    SCOPED_TRACE("tokens " + std::to_string(T));
+    const auto x = bf16_rows(T * H, rng);
+    // Pair rows grouped by expert (ascending), each a random token; a group holds at most T rows.
+    std::uniform_int_distribution<int> pick_token(0, static_cast<int>(T) - 1);
+    std::vector<int32_t> expert, start, token_of;
+    for (int32_t e = 0; e < E; e += 2) {  // every other expert, so stacked offsets matter
+      expert.push_back(e);
+      start.push_back(static_cast<int32_t>(token_of.size()));
+      const int64_t rows = e == 2 ? T : 1 + pick_token(rng) / 2;
+      for (int64_t r = 0; r < rows; ++r) token_of.push_back(pick_token(rng));
+    }
+    start.push_back(static_cast<int32_t>(token_of.size()));
+    const int64_t P = static_cast<int64_t>(token_of.size());
+    const int64_t groups = static_cast<int64_t>(expert.size());
+    DeviceBuffer<float> dx(x), act(std::vector<float>(static_cast<size_t>(P * I), -1.0f));
+    DeviceBuffer<int32_t> d_expert(expert), d_start(start), d_token(token_of);
+    cuda::GroupedOptions opt;
+    opt.gather = d_token.get();
+    opt.swiglu = true;
+    cuda::linear_grouped(dx.get(), P, T, w.experts_gate_up, E, groups, d_expert.get(),
+                         d_start.get(), act.get(), opt);
+    const auto got = act.download();
+    for (int64_t g = 0; g < groups; ++g)
+      for (int32_t r = start[g]; r < start[g + 1]; ++r) {
+        const int32_t t = token_of[r];
+        const std::vector<float> xt(x.begin() + t * H, x.begin() + (t + 1) * H);
+        const auto n = static_cast<size_t>(I);
+        DeviceBuffer<float> one(xt), gate(n), up(n), want(n);
+        cuda::linear(one.get(), 1, w.gate[expert[g]], gate.get());
+        cuda::linear(one.get(), 1, w.up[expert[g]], up.get());
+        cuda::swiglu(gate.get(), up.get(), I, want.get());
+        const auto ref = want.download();
+        EXPECT_EQ(0, std::memcmp(ref.data(), got.data() + r * I, sizeof(float) * I))
+            << "pair row " << r << " (token " << t << ", expert " << expert[g] << ")";
+      }
+  }
+}
+
 // The op against the CPU op on the same values, with and without a shared expert, at decode,
 // window and batch sizes (the staged-row and bf16-copy paths of the grouped products, 1, 2 and 4
 // m-tiles): within bf16 tolerance, the same experts chosen; and each token's row bitwise the one

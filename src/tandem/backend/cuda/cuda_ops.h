@@ -118,9 +118,16 @@ void swiglu_mlp_add(const float* x, int64_t m, const ops::WeightRef& gate_up,
 // are device arrays (written by an earlier kernel); groups beyond the used ones have no rows.
 // max_rows bounds every group's rows; each row's value is the one cuda::linear of its expert's
 // weight gives it, whatever its group's size (batch invariance).
+struct GroupedOptions {
+  // Input row r is row gather[r] of x (a device array), instead of row r.
+  const int32_t* gather = nullptr;
+  // Each expert's N rows are gate (first N / 2) then up, as transformers stacks gate_up_proj; y
+  // is [rows, N / 2] = silu(gate) · up, bitwise the product followed by swiglu.
+  bool swiglu = false;
+};
 void linear_grouped(const float* x, int64_t rows, int64_t max_rows, const ops::WeightRef& stacked,
                     int64_t experts, int64_t groups, const int32_t* expert, const int32_t* start,
-                    float* y);
+                    float* y, const GroupedOptions& opt = {});
 // ops::moe_mlp_add on the device (moe.cu); w.experts_gate_up / experts_down must be set.
 void moe_mlp_add(const float* x, int64_t T, const ops::MoeWeights& w, float* y,
                  std::vector<int32_t>* routed_ids, std::vector<float>* routed_weights);

@@ -140,11 +140,13 @@ constexpr unsigned kPrefetchPiece = 16384;  // bytes per bulk prefetch
 // The rows of a grouped product (linear_grouped, a mixture's experts): block row g = blockIdx.y
 // multiplies rows start[g] .. start[g + 1] of the inputs by stacked weight expert[g] (at
 // w + expert[g]·N·K) into the same rows of the output; a group without rows returns at once.
-// Both arrays are written by an earlier kernel, so they are read after pdl_wait(); plain
-// products pass an empty GroupRows.
+// gather (staged fp32 inputs only): input row r is row gather[r] of x, so the mixture's pair
+// rows are read from the tokens' rows without a gathered copy. The arrays are written by an
+// earlier kernel, so they are read after pdl_wait(); plain products pass an empty GroupRows.
 struct GroupRows {
   const int32_t* expert;
   const int32_t* start;
+  const int32_t* gather;
 };
 
 // This block's share of pf, issued as its last act: pieces dealt round-robin over the grid's
@@ -178,9 +180,11 @@ constexpr int kStageBatch = 8;
 
 // The rows [m, K] to bf16 shared memory in batches of B 16-byte loads per thread, issued before
 // any is converted. Normalise: each element becomes normed(x, s_row[r], w) first (s_row ready).
+// src_rows (optional): staged row r is row src_rows[r] of x.
 template <int Threads, int B, bool Normalise>
 __device__ __forceinline__ void stage_batches(const float* x, int m, int K, const RowNormArgs& norm,
-                                              const float* s_row, uint2* x_smem) {
+                                              const float* s_row, uint2* x_smem,
+                                              const int32_t* src_rows = nullptr) {
   const float4* x4 = reinterpret_cast<const float4*>(x);
   const float4* w4 = reinterpret_cast<const float4*>(norm.w);
   const int per_row = K / 4, stride = staged_row_stride(K) / 4, total = m * per_row;
@@ -198,7 +202,8 @@ __device__ __forceinline__ void stage_batches(const float* x, int m, int K, cons
         while (c[b] >= per_row) c[b] -= per_row, ++r[b];
       }
       if (base + b * Threads < total) {
-        f[b] = x4[base + b * Threads];
+        f[b] = src_rows ? x4[static_cast<size_t>(src_rows[r[b]]) * per_row + c[b]]
+                        : x4[base + b * Threads];
         if constexpr (Normalise) wv[b] = w4[c[b]];
       }
     }
@@ -297,9 +302,11 @@ __device__ __forceinline__ void stage_normed_rows(const float* x, int m, int K,
 // normed()), so the staged values are the bf16 roundings of what rms_norm writes. norm_w: the
 // norm weight's chunks from load_norm_chunks (used where norm_chunked). Ends with the block
 // synchronised.
+// src_rows (optional, no norm): staged row r is row src_rows[r] of x.
 template <int Threads>
 __device__ __forceinline__ void stage_rows(const float* x, int m, int K, const RowNormArgs& norm,
-                                           const float4 (&norm_w)[kNormChunks], uint2* x_smem) {
+                                           const float4 (&norm_w)[kNormChunks], uint2* x_smem,
+                                           const int32_t* src_rows = nullptr) {
   __shared__ double s_warp[kNarrowRows][kWideNormThreads / 32];
   __shared__ float s_row[kNarrowRows];
   const bool normalise = norm.w != nullptr;
@@ -334,7 +341,7 @@ __device__ __forceinline__ void stage_rows(const float* x, int m, int K, const R
   if (normalise)
     stage_batches<Threads, kStageBatch / 2, true>(x, m, K, norm, s_row, x_smem);
   else
-    stage_batches<Threads, kStageBatch, false>(x, m, K, norm, s_row, x_smem);
+    stage_batches<Threads, kStageBatch, false>(x, m, K, norm, s_row, x_smem, src_rows);
   __syncthreads();
 }
 
@@ -459,10 +466,17 @@ __global__ void __launch_bounds__(Warps * 32, Tiles == 2 ? 1 : 0)
   // This lane's weight rows of column group grp.
   const uint4* wrow[NT];
   bool n_ok[NT];
+  // A grouped SwiGLU product reads its experts as transformers stacks them (gate_up_proj: the I
+  // gate rows, then the I up rows), so gate tile 2p and up tile 2p + 1 of column group grp are
+  // rows grp·4·NT + 8p + g and I + the same; elsewhere n-tile nt is rows grp·8·NT + 8·nt + g.
   auto point_at = [&](int grp) {
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
-      const int n = grp * 8 * NT + nt * 8 + g;
+      int n = grp * 8 * NT + nt * 8 + g;
+      if constexpr (SwiGLU && Grouped) {
+        const int col = grp * 4 * NT + (nt / 2) * 8 + g;
+        n = col < N / 2 ? col + (nt % 2) * (N / 2) : N;
+      }
       n_ok[nt] = n < N;
       wrow[nt] = reinterpret_cast<const uint4*>(w + static_cast<size_t>(n_ok[nt] ? n : 0) * K);
     }
@@ -500,20 +514,25 @@ __global__ void __launch_bounds__(Warps * 32, Tiles == 2 ? 1 : 0)
   pdl_wait();
   pdl_release();
   int row_base = 0;
+  const int32_t* src_rows = nullptr;
   if constexpr (Grouped) {  // uniform across the block
     row_base = gr.start[blockIdx.y];
     m = gr.start[blockIdx.y + 1] - row_base;
     if (m <= 0) return;
     w += static_cast<size_t>(gr.expert[blockIdx.y]) * N * K;
-    xin = F32X ? static_cast<const void*>(static_cast<const float*>(xin) +
-                                          static_cast<size_t>(row_base) * K)
-               : static_cast<const void*>(static_cast<const uint16_t*>(xin) +
-                                          static_cast<size_t>(row_base) * K);
+    if (F32X && gr.gather)
+      src_rows = gr.gather + row_base;
+    else
+      xin = F32X ? static_cast<const void*>(static_cast<const float*>(xin) +
+                                            static_cast<size_t>(row_base) * K)
+                 : static_cast<const void*>(static_cast<const uint16_t*>(xin) +
+                                            static_cast<size_t>(row_base) * K);
   }
   extern __shared__ uint2 x_smem_raw[];
   const uint16_t* x_smem = reinterpret_cast<const uint16_t*>(x_smem_raw);
   if constexpr (F32X)
-    stage_rows<Warps * 32>(static_cast<const float*>(xin), m, K, norm, norm_w, x_smem_raw);
+    stage_rows<Warps * 32>(static_cast<const float*>(xin), m, K, norm, norm_w, x_smem_raw,
+                           src_rows);
   for (int grp = blockIdx.x; grp < groups; grp += gridDim.x) {
     const int n_base = grp * 8 * NT;
     point_at(grp);
@@ -1069,7 +1088,7 @@ void linear_mma_warps(const float* x, int64_t m, const ops::WeightRef& w, const 
       row_norm = {static_cast<const float*>(norm.row->w.data), norm.row->eps,
                   norm.row->zero_centred};
     launch("linear", kernel, balanced_grid(kernel, kThreads, (N + 15) / 16, staged), kThreads,
-           staged, x, M, wp, N, K, y, row_norm, pf, GroupRows{nullptr, nullptr});
+           staged, x, M, wp, N, K, y, row_norm, pf, GroupRows{nullptr, nullptr, nullptr});
     return;
   }
   // Batches: a bf16 copy of the inputs first.
@@ -1090,7 +1109,8 @@ void linear_mma_bf16_rows(const uint16_t* xs, int64_t m, const ops::WeightRef& w
   auto launch_wide = [&](auto kernel, int cols_per_block) {
     launch("linear", kernel,
            balanced_grid(kernel, kThreads, (N + cols_per_block - 1) / cols_per_block), kThreads, 0,
-           xs, M, wp, N, K, y, RowNormArgs{nullptr, 0.0f, false}, pf, GroupRows{nullptr, nullptr});
+           xs, M, wp, N, K, y, RowNormArgs{nullptr, 0.0f, false}, pf,
+           GroupRows{nullptr, nullptr, nullptr});
   };
   // Wide weights (4 warps) take 4 n-tiles per warp, narrow ones 2 (to keep more blocks).
   constexpr int NT = Warps == 4 ? 4 : 2;
@@ -1124,11 +1144,26 @@ void linear_mma_bf16(const uint16_t* xs, int64_t m, const ops::WeightRef& w, con
   with_warps(w, [&](auto W) { linear_mma_bf16_rows<decltype(W)::value, false>(xs, m, w, y, pf); });
 }
 
+// xs[r, :] = bf16(x[src_rows[r], :]) for r < rows (K a multiple of 4): a mixture's pair rows
+// gathered from the tokens' rows and rounded as to_bf16_kernel rounds, in one pass.
+__global__ void gather_bf16_x4_kernel(const float4* __restrict__ x,
+                                      const int32_t* __restrict__ src_rows, int64_t rows,
+                                      int64_t k4, uint2* __restrict__ out) {
+  pdl_wait();
+  pdl_release();
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < rows * k4;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = i / k4, c = i % k4;
+    const float4 v = x[static_cast<int64_t>(src_rows[r]) * k4 + c];
+    out[i] = make_uint2(pack_bf16(v.x, v.y), pack_bf16(v.z, v.w));
+  }
+}
+
 // The grouped product (GroupRows), on the tensor-core kernels of linear_mma_warps: every group
 // takes the path a call of max_rows rows would (staged fp32 rows up to kNarrowRows, else a bf16
 // copy and the m-tiles of max_rows), so a row's value is the one a plain linear of that expert
-// gives it whatever its group's size.
-template <int Warps>
+// gives it whatever its group's size. SwiGLU: see point_at (transformers' gate-then-up halves).
+template <int Warps, bool SwiGLU>
 void linear_grouped_warps(const float* x, int64_t rows, int64_t max_rows,
                           const ops::WeightRef& expert, int64_t groups, const GroupRows& gr,
                           const SplitOut& y) {
@@ -1142,27 +1177,35 @@ void linear_grouped_warps(const float* x, int64_t rows, int64_t max_rows,
   };
   const size_t staged = sizeof(uint16_t) * static_cast<size_t>(max_rows * staged_row_stride(K));
   if (max_rows <= kNarrowRows && staged <= kNarrowSmemMax) {
-    const auto kernel = linear_mma_wide_kernel<Warps, 1, 2, true, false, true>;
+    const auto kernel = linear_mma_wide_kernel<Warps, 1, 2, true, SwiGLU, true>;
     allow_dynamic_smem(kernel, staged);
     launch("linear_grouped", kernel, grid(kernel, 16, staged), kThreads, staged, x, M, wp, N, K, y,
            RowNormArgs{nullptr, 0.0f, false}, L2Prefetch{}, gr);
     return;
   }
   uint16_t* xs = bf16_rows(rows * K);
-  launch("linear_grouped (bf16 convert)", to_bf16_kernel,
-         static_cast<unsigned>((rows * K + 255) / 256), 256, 0, x, rows * K, rows * K,
-         reinterpret_cast<__nv_bfloat16*>(xs));
+  if (gr.gather) {
+    const int64_t n4 = rows * K / 4;
+    launch("linear_grouped (gather bf16)", gather_bf16_x4_kernel, grid_stride_blocks(n4, 256), 256,
+           0, reinterpret_cast<const float4*>(x), gr.gather, rows, int64_t{K / 4},
+           reinterpret_cast<uint2*>(xs));
+  } else {
+    launch("linear_grouped (bf16 convert)", to_bf16_kernel,
+           static_cast<unsigned>((rows * K + 255) / 256), 256, 0, x, rows * K, rows * K,
+           reinterpret_cast<__nv_bfloat16*>(xs));
+  }
   constexpr int NT = Warps == 4 ? 4 : 2;
   auto go = [&](auto kernel) {
     launch("linear_grouped", kernel, grid(kernel, 8 * NT, 0), kThreads, 0, xs, M, wp, N, K, y,
-           RowNormArgs{nullptr, 0.0f, false}, L2Prefetch{}, gr);
+           RowNormArgs{nullptr, 0.0f, false}, L2Prefetch{},
+           GroupRows{gr.expert, gr.start, nullptr});
   };
   if (max_rows <= kTileRows)
-    go(linear_mma_wide_kernel<Warps, 1, NT, false, false, true>);
+    go(linear_mma_wide_kernel<Warps, 1, NT, false, SwiGLU, true>);
   else if (max_rows <= 2 * kTileRows)
-    go(linear_mma_wide_kernel<Warps, 2, NT, false, false, true>);
+    go(linear_mma_wide_kernel<Warps, 2, NT, false, SwiGLU, true>);
   else
-    go(linear_mma_wide_kernel<Warps, kMaxTiles, NT, false, false, true>);
+    go(linear_mma_wide_kernel<Warps, kMaxTiles, NT, false, SwiGLU, true>);
 }
 
 void linear_any(const float* x, int64_t m, const ops::WeightRef& w, const SplitOut& y,
@@ -1272,7 +1315,7 @@ void swiglu_mlp_add(const float* x, int64_t m, const ops::WeightRef& gate_up,
 
 void linear_grouped(const float* x, int64_t rows, int64_t max_rows, const ops::WeightRef& stacked,
                     int64_t experts, int64_t groups, const int32_t* expert, const int32_t* start,
-                    float* y) {
+                    float* y, const GroupedOptions& opt) {
   if (experts < 1 || stacked.rows % experts != 0)
     fail("linear_grouped: ", stacked.rows, " stacked rows do not split into ", experts, " experts");
   if (groups < 1 || groups > experts)
@@ -1285,11 +1328,17 @@ void linear_grouped(const float* x, int64_t rows, int64_t max_rows, const ops::W
   check_weight(rows, one, {});
   if (!mma_path(x, one))
     fail("linear_grouped: rows of ", one.cols, " need a multiple of 16 (the tensor-core path)");
-  const ops::OutputSlice all{y, one.rows};
-  const SplitOut out = split_out(&all, 1, one.rows);
-  const GroupRows gr{expert, start};
+  if (opt.swiglu && one.rows % 16 != 0)
+    fail("linear_grouped: SwiGLU over ", one.rows, " rows per expert (a multiple of 16 needed)");
+  const int64_t width = opt.swiglu ? one.rows / 2 : one.rows;
+  const ops::OutputSlice all{y, width};
+  const SplitOut out = split_out(&all, 1, width);
+  const GroupRows gr{expert, start, opt.gather};
   with_warps(one, [&](auto W) {
-    linear_grouped_warps<decltype(W)::value>(x, rows, max_rows, one, groups, gr, out);
+    if (opt.swiglu)
+      linear_grouped_warps<decltype(W)::value, true>(x, rows, max_rows, one, groups, gr, out);
+    else
+      linear_grouped_warps<decltype(W)::value, false>(x, rows, max_rows, one, groups, gr, out);
   });
 }
 

@@ -5,14 +5,14 @@
 //   1. router logits [T, E] = x · routerᵀ (cuda::linear); with the shared expert's gate stacked
 //      as the router's last row (stack_moe_experts), [T, E + 1], the gate logits in column E;
 //   2. moe_route_kernel: one warp per token, softmax in fp32, the top k by probability (the
-//      lower expert id on equal probabilities), renormalised — route_top_k's rule; or, for
-//      GLM-5's mixtures, moe_route_noaux_kernel — route_noaux_tc's rule;
+//      lower expert id on equal probabilities), renormalised — route_top_k's rule (TopKRule); or,
+//      for GLM-5's mixtures, route_noaux_tc's rule (NoauxRule);
 //   3. moe_group_kernel: the T·k (token, choice) pairs grouped by expert, experts ascending and
 //      pairs in order within an expert ("pair rows"), by counts per run of pairs and block-wide
-//      scans;
-//   4. the input rows gathered in pair-row order; linear_grouped multiplies each expert's rows by
-//      its gate/up rows [2I, H], moe_swiglu_kernel forms silu(gate) · up, and linear_grouped
-//      multiplies them by each expert's down [H, I];
+//      scans; up to 32 tokens, routing and grouping are one block (moe_route_group_kernel);
+//   4. linear_grouped multiplies each expert's pair rows (read from the tokens' rows through
+//      token_of) by its gate/up rows [2I, H] with silu(gate) · up in the epilogue, then the
+//      activations by each expert's down [H, I];
 //   5. the shared expert over all tokens: gate and up as one product with the SwiGLU in its
 //      epilogue (gate_up_swiglu, when stacked in its pair layout), then down;
 //   6. moe_combine_kernel: per token and 256 columns, its experts' outputs weighted and summed in
@@ -80,17 +80,19 @@ __device__ __forceinline__ Candidate warp_best(Candidate c) {
 // their sum in the order chosen, as route_top_k sums them.
 // A NaN probability counts as -1, below every probability, so k distinct experts are always
 // chosen (the grouping relies on it: no expert gets more rows than there are tokens).
+// route_top_k for token t, by one whole warp.
+struct TopKRule {
+  bool renormalise;
+};
 template <int PerLane>
-__global__ void __launch_bounds__(kRouteWarps * 32)
-    moe_route_kernel(const float* __restrict__ logits, int64_t ld, int T, int E, int k,
-                     bool renormalise, int32_t* __restrict__ ids, float* __restrict__ weights) {
+__device__ __forceinline__ void route_token(const TopKRule& rule, const float* __restrict__ logits,
+                                            int64_t ld, int t, int E, int k,
+                                            int32_t* __restrict__ ids,
+                                            float* __restrict__ weights) {
   // Below every probability and below a NaN's -1: experts past E, and the ones already chosen.
   constexpr float kOut = -2.0f;
-  pdl_wait();
-  pdl_release();
+  const bool renormalise = rule.renormalise;
   const int lane = threadIdx.x % 32;
-  const int t = blockIdx.x * kRouteWarps + threadIdx.x / 32;
-  if (t >= T) return;  // the whole warp
   const float* l = logits + static_cast<size_t>(t) * ld;
   float p[PerLane];
   float mx = -INFINITY;
@@ -146,17 +148,22 @@ __global__ void __launch_bounds__(kRouteWarps * 32)
 // groups' experts drop out; the k best choices are the experts, weighted by their unbiased scores
 // (renormalised by their sum in the order chosen, + 1e-20) times `scale`. Every comparison is
 // `before`'s (lower id on a tie) and every sum's order depends on E and the groups alone.
+struct NoauxRule {
+  int n_group, topk_group;
+  bool renormalise;
+  float scale;
+  const float* bias;
+};
 template <int PerLane>
-__global__ void __launch_bounds__(kRouteWarps * 32)
-    moe_route_noaux_kernel(const float* __restrict__ logits, int64_t ld, int T, int E, int k,
-                           int n_group, int topk_group, bool renormalise, float scale,
-                           const float* __restrict__ bias, int32_t* __restrict__ ids,
-                           float* __restrict__ weights) {
-  pdl_wait();
-  pdl_release();
+__device__ __forceinline__ void route_token(const NoauxRule& rule, const float* __restrict__ logits,
+                                            int64_t ld, int t, int E, int k,
+                                            int32_t* __restrict__ ids,
+                                            float* __restrict__ weights) {
+  const int n_group = rule.n_group, topk_group = rule.topk_group;
+  const bool renormalise = rule.renormalise;
+  const float scale = rule.scale;
+  const float* __restrict__ bias = rule.bias;
   const int lane = threadIdx.x % 32;
-  const int t = blockIdx.x * kRouteWarps + threadIdx.x / 32;
-  if (t >= T) return;  // the whole warp
   const float* l = logits + static_cast<size_t>(t) * ld;
   const int per = E / n_group;
   float score[PerLane], choice[PerLane];
@@ -224,6 +231,19 @@ __global__ void __launch_bounds__(kRouteWarps * 32)
   }
 }
 
+// Grid: ceil(T / kRouteWarps) blocks of kRouteWarps warps; warp w of block b routes token
+// b·kRouteWarps + w under Rule (TopKRule or NoauxRule).
+template <int PerLane, class Rule>
+__global__ void __launch_bounds__(kRouteWarps * 32)
+    moe_route_kernel(Rule rule, const float* __restrict__ logits, int64_t ld, int T, int E, int k,
+                     int32_t* __restrict__ ids, float* __restrict__ weights) {
+  pdl_wait();
+  pdl_release();
+  const int t = blockIdx.x * kRouteWarps + threadIdx.x / 32;
+  if (t >= T) return;  // the whole warp
+  route_token<PerLane>(rule, logits, ld, t, E, k, ids, weights);
+}
+
 // Calls f(std::integral_constant<int, PerLane>{}) with the fewest experts per routing lane that
 // cover E (a power of two, so few instantiations).
 template <class F>
@@ -286,12 +306,12 @@ __device__ __forceinline__ int2 block_exclusive_scan(int2 v, int2* total) {
 //   4. warp c walks its run 32 pairs at a time: lanes with the same expert rank themselves by
 //      lane (match_any), row = hist[c][e] + rank, and the lowest of them advances hist[c][e].
 // The result depends on ids alone, never on the chunking.
-__global__ void __launch_bounds__(kGroupThreads)
-    moe_group_kernel(const int32_t* __restrict__ ids, int pairs, int k, int E, int groups,
-                     int chunks, int32_t* __restrict__ expert, int32_t* __restrict__ start,
-                     int32_t* __restrict__ row_of, int32_t* __restrict__ token_of) {
-  pdl_wait();
-  pdl_release();
+// ids are read after the caller's wait (or written by this block before a barrier).
+__device__ __forceinline__ void group_pairs(const int32_t* ids, int pairs, int k, int E, int groups,
+                                            int chunks, int32_t* __restrict__ expert,
+                                            int32_t* __restrict__ start,
+                                            int32_t* __restrict__ row_of,
+                                            int32_t* __restrict__ token_of) {
   extern __shared__ int32_t s_hist[];  // [chunks][E]
   __shared__ int2 s_total;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
@@ -339,31 +359,32 @@ __global__ void __launch_bounds__(kGroupThreads)
   }
 }
 
-// xg[r, :] = x[token_of[r], :] for the pair rows r < rows.
-__global__ void moe_gather_kernel(const float* __restrict__ x, const int32_t* __restrict__ token_of,
-                                  int64_t rows, int64_t H, float* __restrict__ xg) {
+__global__ void __launch_bounds__(kGroupThreads)
+    moe_group_kernel(const int32_t* __restrict__ ids, int pairs, int k, int E, int groups,
+                     int chunks, int32_t* __restrict__ expert, int32_t* __restrict__ start,
+                     int32_t* __restrict__ row_of, int32_t* __restrict__ token_of) {
   pdl_wait();
   pdl_release();
-  const int64_t n = rows * H;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t r = i / H, c = i % H;
-    xg[i] = x[static_cast<int64_t>(token_of[r]) * H + c];
-  }
+  group_pairs(ids, pairs, k, E, groups, chunks, expert, start, row_of, token_of);
 }
 
-// act[r, c] = silu(h[r, c]) · h[r, I + c] for h [rows, 2I] (an expert's gate then up outputs).
-__global__ void moe_swiglu_kernel(const float* __restrict__ h, int64_t rows, int64_t I,
-                                  float* __restrict__ act) {
+// Routing and grouping in one block, for calls of at most kGroupThreads / 32 tokens (decode and
+// short windows, where each launch is a few microseconds of a step's latency): warp t routes
+// token t as moe_route_kernel does, then the block groups the pairs as moe_group_kernel does
+// (the ids it reads were written by the block before the barrier). The same values as the two
+// kernels.
+template <int PerLane, class Rule>
+__global__ void __launch_bounds__(kGroupThreads)
+    moe_route_group_kernel(Rule rule, const float* __restrict__ logits, int64_t ld, int T, int E,
+                           int k, int32_t* ids, float* __restrict__ weights, int groups, int chunks,
+                           int32_t* __restrict__ expert, int32_t* __restrict__ start,
+                           int32_t* __restrict__ row_of, int32_t* __restrict__ token_of) {
   pdl_wait();
   pdl_release();
-  const int64_t n = rows * I;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t r = i / I, c = i % I;
-    const float* row = h + r * 2 * I;
-    act[i] = silu(row[c]) * row[I + c];
-  }
+  const int t = threadIdx.x / 32;
+  if (t < T) route_token<PerLane>(rule, logits, ld, t, E, k, ids, weights);
+  __syncthreads();
+  group_pairs(ids, T * k, k, E, groups, chunks, expert, start, row_of, token_of);
 }
 
 // Grid (T, ceil(H / kCombineThreads)): block (t, b) adds to y[t] its columns b·kCombineThreads
@@ -451,11 +472,32 @@ void moe_mlp_add(const float* x, int64_t T, const ops::MoeWeights& w, float* y,
   auto* start = s.get<int32_t>(4, groups + 1);
   auto* row_of = s.get<int32_t>(5, P);
   auto* token_of = s.get<int32_t>(6, P);
-  float* xg = s.get<float>(7, P * H);
-  float* h = s.get<float>(8, P * 2 * I);
   float* act = s.get<float>(9, P * I);
   float* out = s.get<float>(10, P * H);
   cuda::linear(x, T, gate_row ? w.router_shared_gate : w.router, logits);
+  // Runs of at least 32 pairs, one per warp, as many as the per-run counts fit in kGroupSmem.
+  const int64_t chunks = std::max<int64_t>(
+      1, std::min({int64_t{kGroupThreads / 32}, kGroupSmem / (4 * E), ceil_div(P, 32)}));
+  const size_t group_smem = sizeof(int32_t) * static_cast<size_t>(chunks * E);
+  auto route_and_group = [&](const auto& rule) {
+    with_per_lane(E, [&](auto per_lane) {
+      constexpr int PL = decltype(per_lane)::value;
+      using Rule = std::decay_t<decltype(rule)>;
+      if (T <= kGroupThreads / 32) {
+        launch("moe_route_group", moe_route_group_kernel<PL, Rule>, 1, kGroupThreads, group_smem,
+               rule, logits, ld, static_cast<int>(T), static_cast<int>(E), static_cast<int>(k), ids,
+               wts, static_cast<int>(groups), static_cast<int>(chunks), expert, start, row_of,
+               token_of);
+        return;
+      }
+      launch("moe_route", moe_route_kernel<PL, Rule>,
+             grid_blocks(ceil_div(T, kRouteWarps), "moe_route"), kRouteWarps * 32, 0, rule, logits,
+             ld, static_cast<int>(T), static_cast<int>(E), static_cast<int>(k), ids, wts);
+      launch("moe_group", moe_group_kernel, 1, kGroupThreads, group_smem, ids, static_cast<int>(P),
+             static_cast<int>(k), static_cast<int>(E), static_cast<int>(groups),
+             static_cast<int>(chunks), expert, start, row_of, token_of);
+    });
+  };
   if (w.routing == ops::MoeRouting::NoauxTc) {
     const int64_t per = w.n_group > 0 ? E / w.n_group : 0;
     if (w.n_group < 1 || w.n_group > 32 || E % w.n_group != 0 || (w.n_group > 1 && per < 2) ||
@@ -464,33 +506,17 @@ void moe_mlp_add(const float* x, int64_t T, const ops::MoeWeights& w, float* y,
            " groups keeping ", w.topk_group, " (CUDA: at most 32 groups of at least 2)");
     if (w.score_bias.dtype != DType::F32 || w.score_bias.rows * w.score_bias.cols != E)
       fail("moe_mlp_add: noaux_tc needs an F32 score bias of ", E, " values");
-    with_per_lane(E, [&](auto per_lane) {
-      launch("moe_route_noaux", moe_route_noaux_kernel<decltype(per_lane)::value>,
-             grid_blocks(ceil_div(T, kRouteWarps), "moe_route_noaux"), kRouteWarps * 32, 0, logits,
-             ld, static_cast<int>(T), static_cast<int>(E), static_cast<int>(k),
-             static_cast<int>(w.n_group), static_cast<int>(w.topk_group), w.renormalise,
-             w.routed_scale, static_cast<const float*>(w.score_bias.data), ids, wts);
-    });
+    route_and_group(NoauxRule{static_cast<int>(w.n_group), static_cast<int>(w.topk_group),
+                              w.renormalise, w.routed_scale,
+                              static_cast<const float*>(w.score_bias.data)});
   } else {
-    with_per_lane(E, [&](auto per_lane) {
-      launch("moe_route", moe_route_kernel<decltype(per_lane)::value>,
-             grid_blocks(ceil_div(T, kRouteWarps), "moe_route"), kRouteWarps * 32, 0, logits, ld,
-             static_cast<int>(T), static_cast<int>(E), static_cast<int>(k), w.renormalise, ids,
-             wts);
-    });
+    route_and_group(TopKRule{w.renormalise});
   }
-  // Runs of at least 32 pairs, one per warp, as many as the per-run counts fit in kGroupSmem.
-  const int64_t chunks = std::max<int64_t>(
-      1, std::min({int64_t{kGroupThreads / 32}, kGroupSmem / (4 * E), ceil_div(P, 32)}));
-  launch("moe_group", moe_group_kernel, 1, kGroupThreads,
-         sizeof(int32_t) * static_cast<size_t>(chunks * E), ids, static_cast<int>(P),
-         static_cast<int>(k), static_cast<int>(E), static_cast<int>(groups),
-         static_cast<int>(chunks), expert, start, row_of, token_of);
-  launch("moe_gather", moe_gather_kernel, grid_stride_blocks(P * H, 256), 256, 0, x, token_of, P, H,
-         xg);
   // A token picks an expert once, so no group has more rows than there are tokens.
-  linear_grouped(xg, P, T, w.experts_gate_up, E, groups, expert, start, h);
-  launch("moe_swiglu", moe_swiglu_kernel, grid_stride_blocks(P * I, 256), 256, 0, h, P, I, act);
+  GroupedOptions gate_up;
+  gate_up.gather = token_of;
+  gate_up.swiglu = true;
+  linear_grouped(x, P, T, w.experts_gate_up, E, groups, expert, start, act, gate_up);
   linear_grouped(act, P, T, w.experts_down, E, groups, expert, start, out);
   const float* shared = nullptr;
   const float* gate = nullptr;

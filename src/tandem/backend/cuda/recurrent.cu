@@ -130,7 +130,6 @@ __global__ void __launch_bounds__(kConvThreads)
   // w and rows are only read here (the descriptors never alias a state); saying so keeps the
   // row's pointers in registers instead of a spill at the larger tap counts. x is not restrict:
   // out may alias it when the rows are not split into chunks.
-  constexpr int H = K - 1;
   const int64_t c = blockIdx.x * int64_t(kConvThreads) + threadIdx.x;
   const ops::RecurrentRow row = rows[blockIdx.y];
   const int64_t begin = chunk * blockIdx.z;
