@@ -1,6 +1,8 @@
 // The drafter health probe: a collapsed drafter (random MTP weights for the demo model, standing
-// in for a wrong hidden tap or a damaged quantization) is reported once within a few rounds and
-// stops drafting; the right drafter never is; the output is plain decoding's either way.
+// in for a wrong hidden tap or a damaged quantization; a random EAGLE-3 head, standing in for a
+// head trained for another checkpoint) is reported once within a few rounds and stops drafting;
+// the right drafter (the demo's MTP layer, its trained EAGLE-3 head) never is; the output is plain
+// decoding's either way.
 #include <gtest/gtest.h>
 
 #include <fstream>
@@ -12,7 +14,10 @@
 #include "recording_sink.h"
 #include "tandem/engine/batch_engine.h"
 #include "tandem/spec/drafter_health.h"
+#include "tandem/spec/eagle3.h"
+#include "tandem/spec/eagle3_random.h"
 #include "tandem/spec/qwen_mtp.h"
+#include "test_util.h"
 
 namespace tandem {
 namespace {
@@ -58,6 +63,11 @@ TEST(DrafterHealth, TheMessageNamesTheDrafterTheShareAndTheLikelyCauses) {
   EXPECT_NE(mtp.find("--mtp-hidden"), std::string::npos) << mtp;
   EXPECT_NE(mtp.find("depth 0"), std::string::npos) << mtp;
   EXPECT_EQ(spec::drafter_collapse_message("ngram", h).find("--mtp-hidden"), std::string::npos);
+  const std::string eagle = spec::drafter_collapse_message("eagle3", h);
+  EXPECT_NE(eagle.find("eagle_aux_hidden_state_layer_ids"), std::string::npos) << eagle;
+  EXPECT_NE(eagle.find("another checkpoint"), std::string::npos) << eagle;
+  EXPECT_EQ(eagle.find("repeat"), std::string::npos) << eagle;
+  EXPECT_EQ(spec::drafter_collapse_message("glm-mtp", h).find("repeat"), std::string::npos);
 }
 
 // --- In the engine ----------------------------------------------------------------------------
@@ -153,6 +163,45 @@ TEST(DrafterHealthEngine, TheRightDrafterIsNeverReported) {
     EXPECT_TRUE(s.warnings.empty()) << (s.warnings.empty() ? "" : s.warnings[0]);
     EXPECT_EQ(s.counters.drafter_disabled, 0);
     EXPECT_GT(s.counters.drafter_first_acceptance, 0.3);
+  }
+}
+
+// EAGLE-3: a random head of the demo's shape (a head trained for another checkpoint, as the
+// target sees it) is reported and retired within a few rounds, naming the head's likely causes;
+// the bundled head trained for the demo never is.
+TEST(DrafterHealthEngine, AnEagle3HeadForAnotherCheckpointIsCaughtAndTheTrainedOneIsNot) {
+  testing::ScratchDir dir("health-eagle3");
+  spec::Eagle3RandomShape shape;
+  shape.hidden_size = 384;
+  shape.intermediate_size = 256;
+  shape.num_attention_heads = 6;
+  shape.num_key_value_heads = 2;
+  shape.head_dim = 64;
+  shape.vocab_size = 4096;
+  shape.draft_vocab_size = 512;
+  shape.tap_layers = {3, 5, 7};
+  spec::write_random_eagle3_head(shape, dir.file("other"), DType::BF16, 3);
+  const auto other = spec::Eagle3Provider::open(dir.file("other"));
+  const Served plain = serve(nullptr, 2, 0.0f, true, 120);
+  const Served caught = serve(other.get(), 2, 0.0f, true, 120);
+  EXPECT_EQ(caught.tokens, plain.tokens);
+  ASSERT_EQ(caught.warnings.size(), 1u);
+  EXPECT_NE(caught.warnings[0].find("'eagle3'"), std::string::npos) << caught.warnings[0];
+  EXPECT_NE(caught.warnings[0].find("eagle_aux_hidden_state_layer_ids"), std::string::npos);
+  EXPECT_EQ(caught.counters.drafter_disabled, 1);
+  int64_t drafted = 0;
+  for (const SpecStats& st : caught.stats) drafted += st.drafted_by_position[0];
+  EXPECT_LE(drafted, 48 + 2);
+
+  const auto trained =
+      spec::Eagle3Provider::open(std::string(TANDEM_SOURCE_DIR) + "/models/qwen35-demo-eagle3");
+  for (const float t : {0.0f, 0.8f}) {
+    const Served s = serve(trained.get(), 4, t, true);
+    EXPECT_TRUE(s.warnings.empty()) << (s.warnings.empty() ? "" : s.warnings[0]);
+    EXPECT_EQ(s.counters.drafter_disabled, 0);
+    EXPECT_GT(s.counters.drafter_first_acceptance, 0.5);
+    const Served plain_t = serve(nullptr, 4, t, true);
+    EXPECT_EQ(s.tokens, plain_t.tokens);
   }
 }
 

@@ -46,8 +46,17 @@ std::string drafter_collapse_message(const std::string& drafter_id, const Drafte
         "Likely causes: --mtp-hidden does not match the hidden the MTP head was trained on (try "
         "the other of final / prenorm), a damaged quantization of the drafter, or a companion "
         "(--draft-model) made for another checkpoint. ";
-  } else {
+  } else if (drafter_id == "eagle3") {
+    msg +=
+        "Likely causes: the head (--draft-model) was trained for another checkpoint of the same "
+        "shape, its tap layers (eagle_config.eagle_aux_hidden_state_layer_ids) are not the ones "
+        "it was trained on, or its weights are damaged. ";
+  } else if (drafter_id == "ngram") {
     msg += "The text may simply not repeat itself (n-gram lookup needs repetition). ";
+  } else {
+    msg +=
+        "Likely causes: a drafter made for another checkpoint, or a damaged quantization of the "
+        "drafter. ";
   }
   msg += "Speculation is off (depth 0) for this engine; the output is unchanged.";
   return msg;
