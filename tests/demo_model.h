@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "tandem/engine/generator.h"
 #include "tandem/io/tokenizer.h"
 #include "tandem/model/qwen3_5.h"
 #include "tandem/spec/ngram.h"
@@ -41,5 +42,27 @@ inline const std::vector<std::string> kDemoPrompts = {
     "size\n        self.items = {}\n\n    def get(self, key):\n",
     "for i in range(10):\n    print(i)\nfor i in range(10):\n",
 };
+
+// A request for `prompt` (encoded by the demo's tokenizer) at `temperature`, with top_p 0.95 when
+// sampling.
+inline GenerateRequest demo_request(const DemoModel& d, const std::string& prompt,
+                                    float temperature, uint64_t seed, int64_t max_tokens) {
+  GenerateRequest r;
+  r.prompt = d.tok->encode(prompt);
+  r.sampling.temperature = temperature;
+  r.sampling.top_p = temperature > 0 ? 0.95f : 1.0f;
+  r.sampling.seed = seed;
+  r.max_tokens = max_tokens;
+  return r;
+}
+
+// The tokens plain decoding gives each request, every one run alone.
+inline std::vector<std::vector<int32_t>> plain_tokens(const Qwen35Model& model,
+                                                      const std::vector<GenerateRequest>& reqs) {
+  std::vector<std::vector<int32_t>> out;
+  Generator gen(model);
+  for (const auto& r : reqs) out.push_back(gen.run({r}).at(0).tokens);
+  return out;
+}
 
 }  // namespace tandem::test

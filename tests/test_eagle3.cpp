@@ -705,17 +705,6 @@ TEST(Eagle3Rows, SampledDraftsAreKeyedAndGiveDistributionsOverTargetIds) {
 
 // --- Lossless speculation on the demo ------------------------------------------------------------
 
-GenerateRequest request(const std::string& prompt, float temperature, uint64_t seed,
-                        int64_t max_tokens) {
-  GenerateRequest r;
-  r.prompt = demo().tok->encode(prompt);
-  r.sampling.temperature = temperature;
-  r.sampling.top_p = temperature > 0 ? 0.95f : 1.0f;
-  r.sampling.seed = seed;
-  r.max_tokens = max_tokens;
-  return r;
-}
-
 struct Case {
   int depth;
   float temperature;
@@ -732,11 +721,9 @@ TEST_P(Eagle3Lossless, SpeculativeEqualsPlainAloneAndBatched) {
   std::vector<GenerateRequest> reqs;
   for (size_t p = 0; p < test::kDemoPrompts.size(); ++p)
     for (uint64_t seed : {1u, 2u})
-      reqs.push_back(
-          request(test::kDemoPrompts[p], c.temperature, seed * 7 + p, 12 + 5 * (p + seed)));
-  Generator gen(*demo().model);
-  std::vector<std::vector<int32_t>> want;
-  for (const auto& r : reqs) want.push_back(gen.run({r}).at(0).tokens);
+      reqs.push_back(test::demo_request(demo(), test::kDemoPrompts[p], c.temperature, seed * 7 + p,
+                                        12 + 5 * (p + seed)));
+  const auto want = test::plain_tokens(*demo().model, reqs);
   for (size_t i = 0; i < reqs.size(); ++i)
     ASSERT_EQ(spec_gen.run({reqs[i]}).at(0).tokens, want[i]) << "alone, request " << i;
   std::vector<SpecStats> st;
@@ -769,7 +756,7 @@ TEST(Eagle3Rejection, GreedyEqualsPlainAndSampledRuns) {
   Generator gen(*demo().model);
   std::vector<GenerateRequest> reqs;
   for (size_t p = 0; p < test::kDemoPrompts.size(); ++p)
-    reqs.push_back(request(test::kDemoPrompts[p], 0.0f, p, 20));
+    reqs.push_back(test::demo_request(demo(), test::kDemoPrompts[p], 0.0f, p, 20));
   const auto got = spec_gen.run(reqs);
   for (size_t i = 0; i < reqs.size(); ++i)
     EXPECT_EQ(got[i].tokens, gen.run({reqs[i]}).at(0).tokens) << i;
@@ -797,30 +784,21 @@ TEST(Eagle3PrefixCache, HitEqualsColdEngine) {
     o.prefix_cache_bytes = cache;
     return o;
   };
-  auto serve = [](BatchEngine& engine, const GenerateRequest& r, std::vector<int32_t>* tokens) {
-    auto sink = std::make_shared<test::RecordingSink>();
-    EngineRequest er;
-    er.gen = r;
-    EXPECT_EQ(engine.submit(er, sink), BatchEngine::Submit::Queued);
-    engine.run_to_completion();
-    EXPECT_TRUE(sink->outcome.has_value());
-    *tokens = sink->tokens;
-    return *sink->outcome;
-  };
+
   for (float temperature : {0.0f, 0.9f}) {
     BatchEngine cached(*demo().model, &lucky_head(), "demo-target", options(size_t{1} << 30));
-    GenerateRequest first = request(test::kDemoPrompts[1], temperature, 5, 12);
+    GenerateRequest first = test::demo_request(demo(), test::kDemoPrompts[1], temperature, 5, 12);
     std::vector<int32_t> answer;
-    serve(cached, first, &answer);
+    test::serve_alone(cached, first, &answer);
     GenerateRequest next = first;
     next.prompt.insert(next.prompt.end(), answer.begin(), answer.end());
     const std::vector<int32_t> more = demo().tok->encode("\n    def put(self, key, value):\n");
     next.prompt.insert(next.prompt.end(), more.begin(), more.end());
     next.sampling.seed = 6;
     std::vector<int32_t> hot, cold;
-    const RequestOutcome oh = serve(cached, next, &hot);
+    const RequestOutcome oh = test::serve_alone(cached, next, &hot);
     BatchEngine fresh(*demo().model, &lucky_head(), "demo-target", options(0));
-    serve(fresh, next, &cold);
+    test::serve_alone(fresh, next, &cold);
     EXPECT_GT(oh.cached_tokens, 0);
     EXPECT_EQ(hot, cold) << "T " << temperature;
   }

@@ -57,15 +57,9 @@ const spec::DraftProvider* drafter_named(const std::string& name) {
 
 // Runs one request to completion on `engine` (alone in it, after the earlier ones finished).
 RequestOutcome serve(BatchEngine& engine, const GenerateRequest& r, std::vector<int32_t>* tokens) {
-  auto sink = std::make_shared<Recorder>();
-  EngineRequest er;
-  er.gen = r;
-  EXPECT_EQ(engine.submit(er, sink), BatchEngine::Submit::Queued);
-  engine.run_to_completion();
-  EXPECT_TRUE(sink->outcome.has_value());
-  EXPECT_EQ(sink->outcome->end, RequestEnd::Finished) << sink->outcome->error;
-  *tokens = sink->tokens;
-  return *sink->outcome;
+  const RequestOutcome o = test::serve_alone(engine, r, tokens);
+  EXPECT_EQ(o.end, RequestEnd::Finished) << o.error;
+  return o;
 }
 
 EngineOptions options(size_t cache_bytes) {

@@ -187,8 +187,6 @@ std::vector<int32_t> sample_tokens(size_t n) {
   return ids;
 }
 
-using Recorder = test::RecordingSink;
-
 RequestOutcome serve(BatchEngine& engine, const std::vector<int32_t>& prompt, float temperature,
                      std::vector<int32_t>* tokens) {
   GenerateRequest r;
@@ -197,14 +195,7 @@ RequestOutcome serve(BatchEngine& engine, const std::vector<int32_t>& prompt, fl
   r.sampling.top_p = temperature > 0 ? 0.9f : 1.0f;
   r.sampling.seed = 3;
   r.max_tokens = 12;
-  auto sink = std::make_shared<Recorder>();
-  EngineRequest er;
-  er.gen = r;
-  EXPECT_EQ(engine.submit(er, sink), BatchEngine::Submit::Queued);
-  engine.run_to_completion();
-  EXPECT_TRUE(sink->outcome.has_value());
-  *tokens = sink->tokens;
-  return *sink->outcome;
+  return test::serve_alone(engine, r, tokens);
 }
 
 EngineOptions disk_options(const std::string& dir, bool persist) {

@@ -26,24 +26,6 @@ Fixture& demo() {
   return *f;
 }
 
-GenerateRequest request(const std::string& prompt, float temperature, uint64_t seed,
-                        int64_t max_tokens) {
-  GenerateRequest r;
-  r.prompt = demo().tok->encode(prompt);
-  r.sampling.temperature = temperature;
-  r.sampling.top_p = temperature > 0 ? 0.95f : 1.0f;
-  r.sampling.seed = seed;
-  r.max_tokens = max_tokens;
-  return r;
-}
-
-std::vector<std::vector<int32_t>> plain(const std::vector<GenerateRequest>& reqs) {
-  std::vector<std::vector<int32_t>> out;
-  Generator gen(*demo().model);
-  for (const auto& r : reqs) out.push_back(gen.run({r}).at(0).tokens);  // each alone
-  return out;
-}
-
 struct Case {
   const char* drafter;
   int depth;
@@ -62,8 +44,9 @@ TEST_P(Lossless, SpeculativeEqualsPlainAloneAndBatched) {
   std::vector<GenerateRequest> reqs;
   for (size_t p = 0; p < kPrompts.size(); ++p)
     for (uint64_t seed : {1u, 2u})
-      reqs.push_back(request(kPrompts[p], c.temperature, seed * 7 + p, 12 + 5 * (p + seed)));
-  const auto want = plain(reqs);
+      reqs.push_back(test::demo_request(demo(), kPrompts[p], c.temperature, seed * 7 + p,
+                                        12 + 5 * (p + seed)));
+  const auto want = test::plain_tokens(*demo().model, reqs);
   // Alone.
   for (size_t i = 0; i < reqs.size(); ++i) {
     const auto got = spec_gen.run({reqs[i]});
@@ -102,7 +85,8 @@ INSTANTIATE_TEST_SUITE_P(Drafters, Lossless, ::testing::ValuesIn(cases()),
 TEST(LosslessFp32Kv, SpeculativeEqualsPlainWithFp32Kv) {
   Fixture& f = demo();
   std::vector<GenerateRequest> reqs;
-  for (size_t p = 0; p < kPrompts.size(); ++p) reqs.push_back(request(kPrompts[p], 0.7f, p, 24));
+  for (size_t p = 0; p < kPrompts.size(); ++p)
+    reqs.push_back(test::demo_request(demo(), kPrompts[p], 0.7f, p, 24));
   Generator plain_gen(*f.model, kPrefillChunkTokens, DType::F32);
   const std::vector<const spec::DraftProvider*> drafters = {f.mtp.get(), f.ngram.get()};
   for (const spec::DraftProvider* drafter : drafters) {
@@ -131,7 +115,7 @@ TEST(LosslessEos, RowsStoppingOnEosMidWindowMatchPlainDecoding) {
   auto mtp = spec::QwenMtpProvider::from_target(target);
   std::vector<GenerateRequest> reqs;
   for (size_t p = 0; p < kPrompts.size(); ++p) {
-    GenerateRequest r = request(kPrompts[p] + "    x = ", 0.0f, 1, 40);
+    GenerateRequest r = test::demo_request(demo(), kPrompts[p] + "    x = ", 0.0f, 1, 40);
     reqs.push_back(r);
     r.sampling.temperature = 1.0f;
     r.sampling.seed = 99 + p;

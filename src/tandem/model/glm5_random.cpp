@@ -8,6 +8,7 @@
 
 #include "tandem/core/error.h"
 #include "tandem/io/json_file.h"
+#include "tandem/io/random_tensors.h"
 #include "tandem/io/safetensors.h"
 #include "tandem/model/config_fields.h"
 #include "tandem/model/glm5_config.h"
@@ -16,42 +17,12 @@ namespace tandem {
 
 namespace {
 
-struct Builder {
-  DType dtype;
+struct Builder : RandomTensors {
   int64_t block_rows = 0, block_cols = 0;  // fp8 blocks; 0: no fp8
-  std::mt19937_64 rng;
-  std::vector<std::vector<std::byte>> storage;
-  std::vector<TensorToWrite> tensors;
 
-  std::vector<float> uniform(int64_t n, float lo, float hi) {
-    std::uniform_real_distribution<float> u(lo, hi);
-    std::vector<float> v(static_cast<size_t>(n));
-    for (float& x : v) x = u(rng);
-    return v;
-  }
-  void put(const std::string& name, DType t, std::vector<int64_t> shape,
-           std::vector<std::byte> bytes) {
-    storage.push_back(std::move(bytes));
-    tensors.push_back({name, t, std::move(shape), storage.back()});
-  }
-  void add(const std::string& name, std::vector<int64_t> shape, float lo, float hi,
-           bool force_f32 = false) {
-    int64_t n = 1;
-    for (int64_t d : shape) n *= d;
-    const DType t = force_f32 ? DType::F32 : dtype;
-    const std::vector<float> v = uniform(n, lo, hi);
-    std::vector<std::byte> bytes(static_cast<size_t>(n) * dtype_size(t));
-    for (int64_t i = 0; i < n; ++i) {
-      if (t == DType::F32) {
-        std::memcpy(bytes.data() + i * 4, &v[static_cast<size_t>(i)], 4);
-      } else {
-        const float x = v[static_cast<size_t>(i)];
-        const uint16_t h = t == DType::BF16 ? f32_to_bf16(x) : f32_to_f16(x);
-        std::memcpy(bytes.data() + i * 2, &h, 2);
-      }
-    }
-    put(name, t, std::move(shape), std::move(bytes));
-  }
+  Builder(DType t, int64_t br, int64_t bc, uint64_t seed)
+      : RandomTensors(t, seed), block_rows(br), block_cols(bc) {}
+
   // A Linear weight [out, in] of scale 1/sqrt(in); fp8 with block scales when `quantize`.
   void linear(const std::string& name, int64_t out, int64_t in, bool quantize = true) {
     const float a = 1.0f / std::sqrt(static_cast<float>(in));
@@ -96,7 +67,7 @@ void write_random_glm5(const std::string& config_path, const std::string& out_di
   const int64_t dn = c.qk_nope_head_dim, dr = c.qk_rope_head_dim, dv = c.v_head_dim;
   const int64_t R = c.kv_lora_rank, Di = c.index_head_dim, E = c.n_routed_experts;
   const int64_t I = c.moe_intermediate_size;
-  Builder b{dtype, c.fp8_block_rows, c.fp8_block_cols, std::mt19937_64(seed), {}, {}};
+  Builder b(dtype, c.fp8_block_rows, c.fp8_block_cols, seed);
   b.storage.reserve(static_cast<size_t>((40 + 6 * E) * c.num_hidden_layers + 16));
   b.add("model.embed_tokens.weight", {c.vocab_size, H}, -1.0f, 1.0f);
   b.add("model.norm.weight", {H}, 0.9f, 1.1f);

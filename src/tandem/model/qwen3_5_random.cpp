@@ -8,45 +8,11 @@
 
 #include "tandem/core/error.h"
 #include "tandem/io/json_file.h"
+#include "tandem/io/random_tensors.h"
 #include "tandem/io/safetensors.h"
 #include "tandem/model/qwen3_5_config.h"
 
 namespace tandem {
-
-namespace {
-
-struct Builder {
-  DType dtype;
-  std::mt19937_64 rng;
-  std::vector<std::vector<std::byte>> storage;
-  std::vector<TensorToWrite> tensors;
-
-  void add(const std::string& name, std::vector<int64_t> shape, float lo, float hi,
-           bool force_f32 = false) {
-    int64_t n = 1;
-    for (int64_t d : shape) n *= d;
-    const DType t = force_f32 ? DType::F32 : dtype;
-    std::vector<std::byte> bytes(static_cast<size_t>(n) * dtype_size(t));
-    std::uniform_real_distribution<float> u(lo, hi);
-    for (int64_t i = 0; i < n; ++i) {
-      const float v = u(rng);
-      if (t == DType::F32) {
-        std::memcpy(bytes.data() + i * 4, &v, 4);
-      } else {
-        const uint16_t h = t == DType::BF16 ? f32_to_bf16(v) : f32_to_f16(v);
-        std::memcpy(bytes.data() + i * 2, &h, 2);
-      }
-    }
-    storage.push_back(std::move(bytes));
-    tensors.push_back({name, t, std::move(shape), storage.back()});
-  }
-  void linear(const std::string& name, int64_t out, int64_t in) {
-    const float a = 1.0f / std::sqrt(static_cast<float>(in));
-    add(name, {out, in}, -a, a);
-  }
-};
-
-}  // namespace
 
 void write_random_qwen35(const std::string& config_path, const std::string& out_dir, DType dtype,
                          uint64_t seed, bool per_expert_tensors) {
@@ -60,7 +26,7 @@ void write_random_qwen35(const std::string& config_path, const std::string& out_
 
   const std::string p = c.weight_prefix();
   const int64_t H = c.hidden_size;
-  Builder b{dtype, std::mt19937_64(seed), {}, {}};
+  RandomTensors b(dtype, seed);
   b.storage.reserve(static_cast<size_t>((16 + 3 * c.num_experts) * (c.num_hidden_layers + 1) + 16));
   b.add(p + "embed_tokens.weight", {c.vocab_size, H}, -1.0f, 1.0f);
   b.add(p + "norm.weight", {H}, -0.1f, 0.1f);

@@ -37,4 +37,9 @@ using CheckpointPtr = std::shared_ptr<const Checkpoint>;
 void check_checkpoint(const Checkpoint& c, const std::string& who, const std::string& schema,
                       const std::string& ns, int64_t processed_tokens);
 
+// The tensor `name` of `c` (whose schema check_checkpoint has passed), which must have shape
+// `want` and as many values; throws tandem::Error naming `who`, the schema and both shapes.
+const CheckpointTensor& checkpoint_tensor(const Checkpoint& c, const std::string& who,
+                                          const char* name, const std::vector<int64_t>& want);
+
 }  // namespace tandem::spec

@@ -65,23 +65,34 @@ std::vector<AttentionSegment> DraftKvPool::segments(
   return segs;
 }
 
-void DraftKvPool::save(const std::vector<int32_t>& blocks, int64_t length, CheckpointTensor* keys,
-                       CheckpointTensor* values) const {
+int64_t DraftKvPool::checkpoint_rows(const Checkpoint& c, const std::string& who) const {
+  const auto keys = c.tensors.find("kv_keys");
+  const int64_t rows =
+      keys == c.tensors.end() || keys->second.shape.empty() ? 0 : keys->second.shape.front();
+  checkpoint_tensor(c, who, "kv_keys", {rows, kv_heads_, head_dim_});
+  checkpoint_tensor(c, who, "kv_values", {rows, kv_heads_, head_dim_});
+  return rows;
+}
+
+void DraftKvPool::save(const std::vector<int32_t>& blocks, int64_t length, Checkpoint& c) const {
+  CheckpointTensor& keys = c.tensors["kv_keys"];
+  CheckpointTensor& values = c.tensors["kv_values"];
   const int64_t kvf = kv_heads_ * head_dim_;
-  keys->shape = values->shape = {length, kv_heads_, head_dim_};
-  keys->data.resize(static_cast<size_t>(length * kvf));
-  values->data.resize(static_cast<size_t>(length * kvf));
+  keys.shape = values.shape = {length, kv_heads_, head_dim_};
+  keys.data.resize(static_cast<size_t>(length * kvf));
+  values.data.resize(static_cast<size_t>(length * kvf));
   const ops::KVLayerView kv = view();
   for (int64_t p = 0; p < length; p += kBlockSize) {  // a block's keys (values) are contiguous
     const int32_t b = blocks[static_cast<size_t>(p / kBlockSize)];
     const size_t bytes = sizeof(float) * kvf * std::min(kBlockSize, length - p);
-    ops::copy_to_host(keys->data.data() + p * kvf, kv.key(b, 0), bytes);
-    ops::copy_to_host(values->data.data() + p * kvf, kv.value(b, 0), bytes);
+    ops::copy_to_host(keys.data.data() + p * kvf, kv.key(b, 0), bytes);
+    ops::copy_to_host(values.data.data() + p * kvf, kv.value(b, 0), bytes);
   }
 }
 
-std::vector<int32_t> DraftKvPool::restore(const CheckpointTensor& keys,
-                                          const CheckpointTensor& values, int64_t length) {
+std::vector<int32_t> DraftKvPool::restore(const Checkpoint& c, int64_t length) {
+  const CheckpointTensor& keys = c.tensors.at("kv_keys");
+  const CheckpointTensor& values = c.tensors.at("kv_values");
   const int64_t kvf = kv_heads_ * head_dim_;
   std::vector<int32_t> blocks = take((length + kBlockSize - 1) / kBlockSize);
   const ops::KVLayerView kv = view();

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "tandem/backend/buffer.h"
@@ -35,12 +36,14 @@ class DraftKvPool {
                                          std::span<const int64_t> lengths,
                                          std::span<const int64_t> counts);
 
-  // The first `length` positions of a table as checkpoint tensors [length, kv_heads, head_dim].
-  void save(const std::vector<int32_t>& blocks, int64_t length, CheckpointTensor* keys,
-            CheckpointTensor* values) const;
-  // A fresh table holding checkpoint tensors (shapes checked by the caller).
-  std::vector<int32_t> restore(const CheckpointTensor& keys, const CheckpointTensor& values,
-                               int64_t length);
+  // The rows a checkpoint's KV tensors kv_keys and kv_values [rows, kv_heads, head_dim] hold;
+  // throws tandem::Error naming `who` unless both are there in this pool's shape.
+  int64_t checkpoint_rows(const Checkpoint& c, const std::string& who) const;
+  // Writes the first `length` positions of a table into a checkpoint's KV tensors.
+  void save(const std::vector<int32_t>& blocks, int64_t length, Checkpoint& c) const;
+  // A fresh table holding the first `length` rows of a checkpoint's KV tensors (checked by
+  // checkpoint_rows).
+  std::vector<int32_t> restore(const Checkpoint& c, int64_t length);
 
   int64_t kv_heads() const { return kv_heads_; }
   int64_t head_dim() const { return head_dim_; }

@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
-#include <functional>
 #include <limits>
 
 #include "tandem/core/error.h"
@@ -11,48 +10,6 @@
 #include "tandem/io/json_file.h"
 
 namespace tandem::spec {
-
-namespace {
-
-// A prepared append: rows fully built (KV written into blocks no row owns yet); commit only
-// moves them in (capacity reserved while preparing, so it cannot throw).
-class AppendChange : public PreparedChange {
- public:
-  AppendChange(std::function<void()> commit, std::function<void()> dispose)
-      : commit_(std::move(commit)), dispose_(std::move(dispose)) {}
-  ~AppendChange() override { dispose(); }
-  void commit() noexcept override {
-    if (done_) return;
-    done_ = true;
-    commit_();
-  }
-  void dispose() noexcept override {
-    if (done_) return;
-    done_ = true;
-    dispose_();
-  }
-
- private:
-  std::function<void()> commit_, dispose_;
-  bool done_ = false;
-};
-
-const CheckpointTensor& checkpoint_tensor(const Checkpoint& c, const char* name,
-                                          const std::vector<int64_t>& want) {
-  auto it = c.tensors.find(name);
-  if (it == c.tensors.end())
-    fail("eagle3: checkpoint (", kEagle3Schema, ") has no tensor '", name, "'");
-  const CheckpointTensor& t = it->second;
-  int64_t numel = 1;
-  for (int64_t d : want) numel *= d;
-  if (t.shape != want || static_cast<int64_t>(t.data.size()) != numel)
-    fail("eagle3: checkpoint tensor '", name, "' has shape ", shape_str(t.shape), " (",
-         t.data.size(), " values), expected ", shape_str(want),
-         " (captured by a head of another shape?)");
-  return t;
-}
-
-}  // namespace
 
 // ---------------------------------------------------------------------------------------------
 // Provider
@@ -145,9 +102,20 @@ void Eagle3Rows::run_block(const std::vector<int>& row_ids, const std::vector<in
     rows_[static_cast<size_t>(row_ids[i])].length += counts[i];
 }
 
+void Eagle3Rows::project(std::span<const std::pair<const float*, int64_t>> taps, int64_t total) {
+  taps_dev_.grow_to(total * W_);
+  proj_.grow_to(total * H_);
+  int64_t t = 0;
+  for (const auto& [rows, n] : taps) {
+    ops::copy_from_host(taps_dev_.data() + t * W_, rows,
+                        sizeof(float) * static_cast<size_t>(n * W_));
+    t += n;
+  }
+  block_->project(taps_dev_.data(), total, proj_.data());
+}
+
 std::unique_ptr<PreparedChange> Eagle3Rows::prepare_append(std::span<const CheckpointPtr> from) {
   const int64_t n = static_cast<int64_t>(from.size());
-  const int64_t kvh = kv_.kv_heads(), hd = kv_.head_dim();
   // Validate everything first: nothing is allocated for a refused batch.
   std::vector<int64_t> lengths;
   for (const CheckpointPtr& c : from) {
@@ -159,12 +127,8 @@ std::unique_ptr<PreparedChange> Eagle3Rows::prepare_append(std::span<const Check
     if (c->history_from < 0 || c->processed_tokens < c->history_from + 1)
       fail("eagle3: checkpoint covers ", c->processed_tokens, " tokens from token ",
            c->history_from, "; an eagle3 state needs at least one processed token");
-    checkpoint_tensor(*c, "g_true", {H_});
-    const auto keys = c->tensors.find("kv_keys");
-    const int64_t rows =
-        keys == c->tensors.end() || keys->second.shape.empty() ? 0 : keys->second.shape.front();
-    checkpoint_tensor(*c, "kv_keys", {rows, kvh, hd});
-    checkpoint_tensor(*c, "kv_values", {rows, kvh, hd});
+    checkpoint_tensor(*c, "eagle3", "g_true", {H_});
+    const int64_t rows = kv_.checkpoint_rows(*c, "eagle3");
     check_checkpoint(*c, "eagle3", kEagle3Schema, ns_, c->history_from + rows + 1);
     lengths.push_back(rows);
   }
@@ -176,7 +140,7 @@ std::unique_ptr<PreparedChange> Eagle3Rows::prepare_append(std::span<const Check
       Row row;
       if (c) {
         const int64_t length = lengths[static_cast<size_t>(i)];
-        row.blocks = kv_.restore(c->tensors.at("kv_keys"), c->tensors.at("kv_values"), length);
+        row.blocks = kv_.restore(*c, length);
         row.length = length;
         row.base = c->history_from;
         row.g_true = c->tensors.at("g_true").data;
@@ -190,7 +154,9 @@ std::unique_ptr<PreparedChange> Eagle3Rows::prepare_append(std::span<const Check
     throw;
   }
   outstanding_appends_ += n;
-  return std::make_unique<AppendChange>(
+  // The rows are fully built; commit only moves them in (capacity reserved above, so it cannot
+  // throw).
+  return std::make_unique<CallbackChange>(
       [this, built, n] {
         for (Row& r : *built) rows_.push_back(std::move(r));
         outstanding_appends_ -= n;
@@ -248,18 +214,10 @@ void Eagle3Rows::prefill(std::span<const RowPrefill> rows) {
     total += static_cast<int64_t>(p.tokens.size());
   }
   // Every position's g = fc(taps) in one product.
-  taps_dev_.grow_to(total * W_);
-  proj_.grow_to(total * H_);
-  {
-    int64_t t = 0;
-    for (const RowPrefill& p : rows) {
-      const int64_t n = static_cast<int64_t>(p.tokens.size());
-      ops::copy_from_host(taps_dev_.data() + t * W_, p.hidden,
-                          sizeof(float) * static_cast<size_t>(n * W_));
-      t += n;
-    }
-  }
-  block_->project(taps_dev_.data(), total, proj_.data());
+  std::vector<std::pair<const float*, int64_t>> taps;
+  for (const RowPrefill& p : rows)
+    taps.emplace_back(p.hidden, static_cast<int64_t>(p.tokens.size()));
+  project(taps, total);
   // Pairs: a continuing row's (tokens[0], g_true), then (tokens[p + 1], g_p) for p < n - 1.
   ids_.clear();
   hid_.grow_to(total * H_);
@@ -423,18 +381,9 @@ void Eagle3Rows::commit(std::span<const VerifyRow> rows) {
   // g of window positions 0..a of every row, in one product.
   int64_t total = 0;
   for (const VerifyRow& v : rows) total += v.accepted + 1;
-  taps_dev_.grow_to(total * W_);
-  proj_.grow_to(total * H_);
-  {
-    int64_t t = 0;
-    for (const VerifyRow& v : rows) {
-      const int64_t n = v.accepted + 1;
-      ops::copy_from_host(taps_dev_.data() + t * W_, v.hidden,
-                          sizeof(float) * static_cast<size_t>(n * W_));
-      t += n;
-    }
-  }
-  block_->project(taps_dev_.data(), total, proj_.data());
+  std::vector<std::pair<const float*, int64_t>> taps;
+  for (const VerifyRow& v : rows) taps.emplace_back(v.hidden, v.accepted + 1);
+  project(taps, total);
   // Keep row P when the chain built it (from the true taps); drop the chain's later rows. Then
   // depth 0: row P from (pending, g_true); and rows P + 1 + j from (window[j + 1], g_j), j < a.
   ids_.clear();
@@ -488,33 +437,32 @@ CheckpointPtr Eagle3Rows::capture(int row) const {
   c->ns = ns_;
   c->metadata = nlohmann::json{
       {"hidden_size", H_}, {"kv_heads", kv_.kv_heads()}, {"head_dim", kv_.head_dim()}};
-  kv_.save(r.blocks, r.length, &c->tensors["kv_keys"], &c->tensors["kv_values"]);
+  kv_.save(r.blocks, r.length, *c);
   c->tensors["g_true"] = CheckpointTensor{{H_}, r.g_true};
   return c;
 }
 
-std::vector<float> Eagle3Rows::last_draft_logits(int row, int step) const {
+int64_t Eagle3Rows::step_row(int row, int step) const {
   if (step < 0 || step >= static_cast<int>(step_rows_.size()))
     fail("eagle3: the last draft has no step ", step);
   const std::vector<int>& active = step_rows_[static_cast<size_t>(step)];
   const auto it = std::find(active.begin(), active.end(), row);
   if (it == active.end()) fail("eagle3: row ", row, " drafted no proposal at step ", step);
+  return it - active.begin();
+}
+
+std::vector<float> Eagle3Rows::last_draft_logits(int row, int step) const {
+  const int64_t a = step_row(row, step);
   std::vector<float> l(static_cast<size_t>(Vd_));
-  ops::copy_to_host(l.data(),
-                    step_logits_[static_cast<size_t>(step)].data() + (it - active.begin()) * Vd_,
+  ops::copy_to_host(l.data(), step_logits_[static_cast<size_t>(step)].data() + a * Vd_,
                     sizeof(float) * l.size());
   return l;
 }
 
 std::vector<float> Eagle3Rows::last_draft_hidden(int row, int step) const {
-  if (step < 0 || step >= static_cast<int>(step_rows_.size()))
-    fail("eagle3: the last draft has no step ", step);
-  const std::vector<int>& active = step_rows_[static_cast<size_t>(step)];
-  const auto it = std::find(active.begin(), active.end(), row);
-  if (it == active.end()) fail("eagle3: row ", row, " drafted no proposal at step ", step);
+  const int64_t a = step_row(row, step);
   std::vector<float> h(static_cast<size_t>(H_));
-  ops::copy_to_host(h.data(),
-                    step_out_[static_cast<size_t>(step)].data() + (it - active.begin()) * H_,
+  ops::copy_to_host(h.data(), step_out_[static_cast<size_t>(step)].data() + a * H_,
                     sizeof(float) * h.size());
   return h;
 }

@@ -16,6 +16,7 @@
 
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "tandem/spec/draft.h"
@@ -120,8 +121,10 @@ class Eagle3Rows : public DraftRows {
   // Runs the block over T = Σ counts pairs gathered into ids_ and hid_ ([T, H], rows in
   // row_ids order), appending counts[i] rows to row row_ids[i]; out_ receives [T, H].
   void run_block(const std::vector<int>& row_ids, const std::vector<int64_t>& counts);
-  // proj_[n, H] = fc of n tap rows [n, W] gathered on the host.
-  void project(const std::vector<float>& taps, int64_t n);
+  // proj_[total, H] = fc of the tap rows: taps[i] = (host rows [n_i, W], n_i), total = Σ n_i.
+  void project(std::span<const std::pair<const float*, int64_t>> taps, int64_t total);
+  // The index among step `step`'s active rows of row `row` (the last draft's diagnostics).
+  int64_t step_row(int row, int step) const;
   void embed(int64_t T);  // emb_[T, H] = embedding of ids_
   void release(Row& r) { kv_.release(r.blocks); }
 };

@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "tandem/core/error.h"
+#include "tandem/spec/draft_block.h"
 
 namespace tandem::spec {
 
@@ -38,25 +39,12 @@ void Eagle3Block::forward(const float* embeds, const float* hidden,
   const int64_t H = c.hidden_size, I = c.intermediate_size, hd = c.head_dim;
   const int64_t nh = c.num_attention_heads, nkv = c.num_key_value_heads;
   const float eps = static_cast<float>(c.rms_norm_eps);
-  int64_t T = 0;
-  for (const AttentionSegment& s : segs) T += s.n;
+  const int64_t T = upload_segment_positions(segs, ws.pos_host, ws.pos);
   if (T == 0) return;
-  ws.pos_host.resize(static_cast<size_t>(T));
-  {
-    int64_t t = 0;
-    for (const AttentionSegment& s : segs)
-      for (int64_t j = 0; j < s.n; ++j) ws.pos_host[static_cast<size_t>(t++)] = s.start + j;
-  }
-  ws.pos.grow_to(T);
-  ops::copy_from_host(ws.pos.data(), ws.pos_host.data(), sizeof(int64_t) * ws.pos_host.size());
 
   // a = [input_layernorm(embedding) | hidden_norm(g)], embedding first.
-  grow_to(ws.cat, T * 2 * H);
-  grow_to(ws.h, T * H);
-  ops::rms_norm(embeds, T, H, w_.input_layernorm, false, eps, ws.h.data());
-  ops::copy_rows(ws.cat.data(), 2 * H, ws.h.data(), H, T, H);
-  ops::rms_norm(hidden, T, H, w_.hidden_norm, false, eps, ws.h.data());
-  ops::copy_rows(ws.cat.data() + H, 2 * H, ws.h.data(), H, T, H);
+  concat_normed_pair(embeds, hidden, T, H, w_.input_layernorm, w_.hidden_norm, false, eps, ws.cat,
+                     ws.h);
 
   // Attention over each row's own KV: keys and values written first, so a row attends to
   // itself and every earlier row of its history.

@@ -9,46 +9,17 @@
 #include <random>
 
 #include "tandem/core/error.h"
+#include "tandem/io/random_tensors.h"
 #include "tandem/io/safetensors.h"
 
 namespace tandem::spec {
 
 namespace {
 
-struct Builder {
-  DType dtype;
-  std::mt19937_64 rng;
-  std::vector<std::vector<std::byte>> storage;
-  std::vector<TensorToWrite> tensors;
-
-  void raw(const std::string& name, DType t, std::vector<int64_t> shape,
-           std::vector<std::byte> bytes) {
-    storage.push_back(std::move(bytes));
-    tensors.push_back({name, t, std::move(shape), storage.back()});
-  }
-  void add(const std::string& name, std::vector<int64_t> shape, float lo, float hi) {
-    int64_t n = 1;
-    for (int64_t d : shape) n *= d;
-    std::vector<std::byte> bytes(static_cast<size_t>(n) * dtype_size(dtype));
-    std::uniform_real_distribution<float> u(lo, hi);
-    for (int64_t i = 0; i < n; ++i) {
-      const float v = u(rng);
-      if (dtype == DType::F32) {
-        std::memcpy(bytes.data() + i * 4, &v, 4);
-      } else {
-        const uint16_t h = dtype == DType::BF16 ? f32_to_bf16(v) : f32_to_f16(v);
-        std::memcpy(bytes.data() + i * 2, &h, 2);
-      }
-    }
-    raw(name, dtype, std::move(shape), std::move(bytes));
-  }
-  void linear(const std::string& name, int64_t out, int64_t in) {
-    const float a = 1.0f / std::sqrt(static_cast<float>(in));
-    add(name, {out, in}, -a, a);
-  }
-  // Llama norms scale by w: around 1.
-  void norm(const std::string& name, int64_t n) { add(name, {n}, 0.9f, 1.1f); }
-};
+// Llama norms scale by w: around 1.
+void add_norm(RandomTensors& b, const std::string& name, int64_t n) {
+  b.add(name, {n}, 0.9f, 1.1f);
+}
 
 }  // namespace
 
@@ -68,7 +39,7 @@ void write_random_eagle3_head(const Eagle3RandomShape& s, const std::string& out
   const fs::path model_path = fs::path(out_dir) / "model.safetensors";
   if (fs::exists(model_path)) fail(model_path.string(), " already exists; not overwriting");
 
-  Builder b{dtype, std::mt19937_64(seed), {}, {}};
+  RandomTensors b(dtype, seed);
   // The draft vocabulary: the given ids, or a random sorted subset that includes id 0.
   std::vector<int32_t> ids = s.draft_ids;
   if (ids.empty()) {
@@ -95,23 +66,23 @@ void write_random_eagle3_head(const Eagle3RandomShape& s, const std::string& out
 
   b.storage.reserve(20);
   b.linear("fc.weight", H, n_taps * Ht);
-  b.norm("midlayer.input_layernorm.weight", H);
-  b.norm("midlayer.hidden_norm.weight", H);
+  add_norm(b, "midlayer.input_layernorm.weight", H);
+  add_norm(b, "midlayer.hidden_norm.weight", H);
   b.linear("midlayer.self_attn.q_proj.weight", s.num_attention_heads * hd, 2 * H);
   b.linear("midlayer.self_attn.k_proj.weight", s.num_key_value_heads * hd, 2 * H);
   b.linear("midlayer.self_attn.v_proj.weight", s.num_key_value_heads * hd, 2 * H);
   b.linear("midlayer.self_attn.o_proj.weight", H, s.num_attention_heads * hd);
-  b.norm("midlayer.post_attention_layernorm.weight", H);
+  add_norm(b, "midlayer.post_attention_layernorm.weight", H);
   b.linear("midlayer.mlp.gate_proj.weight", s.intermediate_size, H);
   b.linear("midlayer.mlp.up_proj.weight", s.intermediate_size, H);
   b.linear("midlayer.mlp.down_proj.weight", H, s.intermediate_size);
-  b.norm("norm.weight", H);
+  add_norm(b, "norm.weight", H);
   // Logits of O(1) spread, so greedy choices have clear margins.
   b.add("lm_head.weight", {Vd, H}, -4.0f / std::sqrt(static_cast<float>(H)),
         4.0f / std::sqrt(static_cast<float>(H)));
   if (s.own_embedding) b.add("embed_tokens.weight", {V, H}, -1.0f, 1.0f);
-  b.raw("d2t", DType::I64, {Vd}, std::move(d2t));
-  b.raw("t2d", DType::BOOL, {V}, std::move(t2d));
+  b.put("d2t", DType::I64, {Vd}, std::move(d2t));
+  b.put("t2d", DType::BOOL, {V}, std::move(t2d));
 
   nlohmann::json config = {{"architectures", {"LlamaForCausalLMEagle3"}},
                            {"model_type", "llama"},

@@ -2,39 +2,11 @@
 
 #include <algorithm>
 #include <cstring>
-#include <functional>
 
 #include "tandem/backend/ops.h"
 #include "tandem/core/error.h"
 
 namespace tandem::spec {
-
-namespace {
-
-// A prepared append: rows fully built (caches written into storage no row owns yet); commit only
-// moves them in (capacity reserved while preparing, so it cannot throw).
-class AppendChange : public PreparedChange {
- public:
-  AppendChange(std::function<void()> commit, std::function<void()> dispose)
-      : commit_(std::move(commit)), dispose_(std::move(dispose)) {}
-  ~AppendChange() override { dispose(); }
-  void commit() noexcept override {
-    if (done_) return;
-    done_ = true;
-    commit_();
-  }
-  void dispose() noexcept override {
-    if (done_) return;
-    done_ = true;
-    dispose_();
-  }
-
- private:
-  std::function<void()> commit_, dispose_;
-  bool done_ = false;
-};
-
-}  // namespace
 
 MtpRows::MtpRows(const TargetView& target, std::string who, std::string schema, std::string ns,
                  HiddenTap tap, int64_t hidden_size, int64_t vocab_size)
@@ -115,7 +87,9 @@ std::unique_ptr<PreparedChange> MtpRows::prepare_append(std::span<const Checkpoi
     throw;
   }
   outstanding_appends_ += n;
-  return std::make_unique<AppendChange>(
+  // The rows are fully built; commit only moves them in (capacity reserved above, so it cannot
+  // throw).
+  return std::make_unique<CallbackChange>(
       [this, built, n] {
         for (Row& r : *built) rows_.push_back(std::move(r));
         outstanding_appends_ -= n;

@@ -48,21 +48,6 @@ const Qwen35Config& qwen_target(const TargetView& target, const std::string& sou
   return *c;
 }
 
-const CheckpointTensor& checkpoint_tensor(const Checkpoint& c, const char* name,
-                                          const std::vector<int64_t>& want) {
-  auto it = c.tensors.find(name);
-  if (it == c.tensors.end())
-    fail("qwen-mtp: checkpoint (", kQwenMtpSchema, ") has no tensor '", name, "'");
-  const CheckpointTensor& t = it->second;
-  int64_t numel = 1;
-  for (int64_t d : want) numel *= d;
-  if (t.shape != want || static_cast<int64_t>(t.data.size()) != numel)
-    fail("qwen-mtp: checkpoint tensor '", name, "' has shape ", shape_str(t.shape), " (",
-         t.data.size(), " values), expected ", shape_str(want),
-         " (captured by a drafter of another shape?)");
-  return t;
-}
-
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
@@ -180,26 +165,20 @@ void QwenMtpRows::forward_block(const float* embeds, const float* hidden,
 }
 
 int64_t QwenMtpRows::check_history(const Checkpoint& c) const {
-  const auto keys = c.tensors.find("kv_keys");
-  const int64_t rows =
-      keys == c.tensors.end() || keys->second.shape.empty() ? 0 : keys->second.shape.front();
-  checkpoint_tensor(c, "kv_keys", {rows, kv_.kv_heads(), kv_.head_dim()});
-  checkpoint_tensor(c, "kv_values", {rows, kv_.kv_heads(), kv_.head_dim()});
-  return rows;
+  return kv_.checkpoint_rows(c, "qwen-mtp");
 }
 
 std::unique_ptr<MtpRows::History> QwenMtpRows::restore_history(const Checkpoint& c,
                                                                int64_t length) {
   auto h = std::make_unique<KvHistory>();
-  h->blocks = kv_.restore(c.tensors.at("kv_keys"), c.tensors.at("kv_values"), length);
+  h->blocks = kv_.restore(c, length);
   return h;
 }
 
 void QwenMtpRows::save_history(const History& h, int64_t length, Checkpoint& c) const {
   c.metadata =
       json{{"hidden_size", H_}, {"kv_heads", kv_.kv_heads()}, {"head_dim", kv_.head_dim()}};
-  kv_.save(static_cast<const KvHistory&>(h).blocks, length, &c.tensors["kv_keys"],
-           &c.tensors["kv_values"]);
+  kv_.save(static_cast<const KvHistory&>(h).blocks, length, c);
 }
 
 }  // namespace tandem::spec

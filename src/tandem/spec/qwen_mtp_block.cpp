@@ -4,10 +4,9 @@
 
 #include "tandem/core/error.h"
 #include "tandem/model/moe_weights.h"
+#include "tandem/spec/draft_block.h"
 
 namespace tandem::spec {
-
-namespace {}  // namespace
 
 QwenMtpBlock::QwenMtpBlock(QwenMtpWeights w) : w_(std::move(w)) {
   const QwenMtpConfig& c = w_.cfg;
@@ -49,25 +48,12 @@ void QwenMtpBlock::forward(const float* embeds, const float* hidden,
   const int64_t nh = c.num_attention_heads, nkv = c.num_key_value_heads;
   const bool zc = c.norms_zero_centred;
   const float eps = static_cast<float>(c.rms_norm_eps);
-  int64_t T = 0;
-  for (const MtpSegment& s : segs) T += s.n;
+  const int64_t T = upload_segment_positions(segs, ws.pos_host, ws.pos);
   if (T == 0) return;
-  ws.pos_host.resize(static_cast<size_t>(T));
-  {
-    int64_t t = 0;
-    for (const MtpSegment& s : segs)
-      for (int64_t j = 0; j < s.n; ++j) ws.pos_host[t++] = s.start + j;
-  }
-  ws.pos.grow_to(T);
-  ops::copy_from_host(ws.pos.data(), ws.pos_host.data(), sizeof(int64_t) * ws.pos_host.size());
 
   // fc input: [norm_e(embed) | norm_h(h)] per token.
-  grow_to(ws.cat, T * 2 * H);
-  grow_to(ws.h, T * H);
-  ops::rms_norm(embeds, T, H, w_.pre_fc_norm_embedding, zc, eps, ws.h.data());
-  ops::copy_rows(ws.cat.data(), 2 * H, ws.h.data(), H, T, H);
-  ops::rms_norm(hidden, T, H, w_.pre_fc_norm_hidden, zc, eps, ws.h.data());
-  ops::copy_rows(ws.cat.data() + H, 2 * H, ws.h.data(), H, T, H);
+  concat_normed_pair(embeds, hidden, T, H, w_.pre_fc_norm_embedding, w_.pre_fc_norm_hidden, zc, eps,
+                     ws.cat, ws.h);
   grow_to(ws.x, T * H);
   w_.fc.apply(ws.cat.data(), T, ws.x.data());
 

@@ -1,0 +1,30 @@
+#include "tandem/spec/draft_block.h"
+
+namespace tandem::spec {
+
+int64_t upload_segment_positions(std::span<const AttentionSegment> segs,
+                                 std::vector<int64_t>& pos_host, Buffer<int64_t>& pos) {
+  int64_t T = 0;
+  for (const AttentionSegment& s : segs) T += s.n;
+  if (T == 0) return 0;
+  pos_host.resize(static_cast<size_t>(T));
+  int64_t t = 0;
+  for (const AttentionSegment& s : segs)
+    for (int64_t j = 0; j < s.n; ++j) pos_host[static_cast<size_t>(t++)] = s.start + j;
+  pos.grow_to(T);
+  ops::copy_from_host(pos.data(), pos_host.data(), sizeof(int64_t) * pos_host.size());
+  return T;
+}
+
+void concat_normed_pair(const float* embeds, const float* hidden, int64_t T, int64_t H,
+                        const ops::WeightRef& norm_e, const ops::WeightRef& norm_h,
+                        bool zero_centred, float eps, Buffer<float>& cat, Buffer<float>& h) {
+  grow_to(cat, T * 2 * H);
+  grow_to(h, T * H);
+  ops::rms_norm(embeds, T, H, norm_e, zero_centred, eps, h.data());
+  ops::copy_rows(cat.data(), 2 * H, h.data(), H, T, H);
+  ops::rms_norm(hidden, T, H, norm_h, zero_centred, eps, h.data());
+  ops::copy_rows(cat.data() + H, 2 * H, h.data(), H, T, H);
+}
+
+}  // namespace tandem::spec
