@@ -10,6 +10,7 @@
 #include "tandem/engine/generator.h"
 #include "tandem/io/tokenizer.h"
 #include "tandem/model/qwen3_5.h"
+#include "tandem/spec/eagle3_random.h"
 #include "tandem/spec/ngram.h"
 #include "tandem/spec/qwen_mtp.h"
 
@@ -54,6 +55,21 @@ inline GenerateRequest demo_request(const DemoModel& d, const std::string& promp
   r.sampling.seed = seed;
   r.max_tokens = max_tokens;
   return r;
+}
+
+// A random EAGLE-3 head shape for the demo target: the oracle fixture's (tools/
+// make_eagle3_fixture.py: intermediate 256, 6 / 2 heads of 64, 512 draft ids, taps [1, 3, 6]).
+inline spec::Eagle3RandomShape demo_eagle3_shape() {
+  spec::Eagle3RandomShape s;
+  s.hidden_size = 384;
+  s.intermediate_size = 256;
+  s.num_attention_heads = 6;
+  s.num_key_value_heads = 2;
+  s.head_dim = 64;
+  s.vocab_size = 4096;
+  s.draft_vocab_size = 512;
+  s.tap_layers = {1, 3, 6};
+  return s;
 }
 
 // The tokens plain decoding gives each request, every one run alone.

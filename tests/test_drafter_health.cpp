@@ -15,7 +15,6 @@
 #include "tandem/engine/batch_engine.h"
 #include "tandem/spec/drafter_health.h"
 #include "tandem/spec/eagle3.h"
-#include "tandem/spec/eagle3_random.h"
 #include "tandem/spec/qwen_mtp.h"
 #include "test_util.h"
 
@@ -171,15 +170,8 @@ TEST(DrafterHealthEngine, TheRightDrafterIsNeverReported) {
 // the bundled head trained for the demo never is.
 TEST(DrafterHealthEngine, AnEagle3HeadForAnotherCheckpointIsCaughtAndTheTrainedOneIsNot) {
   testing::ScratchDir dir("health-eagle3");
-  spec::Eagle3RandomShape shape;
-  shape.hidden_size = 384;
-  shape.intermediate_size = 256;
-  shape.num_attention_heads = 6;
-  shape.num_key_value_heads = 2;
-  shape.head_dim = 64;
-  shape.vocab_size = 4096;
-  shape.draft_vocab_size = 512;
-  shape.tap_layers = {3, 5, 7};
+  spec::Eagle3RandomShape shape = test::demo_eagle3_shape();
+  shape.tap_layers = {3, 5, 7};  // the trained head's
   spec::write_random_eagle3_head(shape, dir.file("other"), DType::BF16, 3);
   const auto other = spec::Eagle3Provider::open(dir.file("other"));
   const Served plain = serve(nullptr, 2, 0.0f, true, 120);

@@ -41,18 +41,8 @@ test::DemoModel& demo() {
   return *f;
 }
 
-// The demo's shape with the fixture's head shape (tools/make_eagle3_fixture.py).
 Eagle3RandomShape demo_shape() {
-  Eagle3RandomShape s;
-  s.hidden_size = 384;
-  s.intermediate_size = 256;
-  s.num_attention_heads = 6;
-  s.num_key_value_heads = 2;
-  s.head_dim = 64;
-  s.vocab_size = 4096;
-  s.draft_vocab_size = 512;
-  s.tap_layers = {1, 3, 6};
-  return s;
+  return test::demo_eagle3_shape();
 }
 
 testing::ScratchDir& scratch() {

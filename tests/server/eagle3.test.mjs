@@ -7,7 +7,7 @@ import { test } from 'node:test';
 import assert from 'node:assert/strict';
 import fs from 'node:fs';
 import path from 'node:path';
-import { startServer, generateAlone, postJson, metrics, sleep, sourceDir } from './harness.mjs';
+import { startServer, concurrentAndCachedEqualAlone, metrics, sourceDir } from './harness.mjs';
 
 const head = path.join(sourceDir, 'models', 'qwen35-demo-eagle3');
 const prompts = fs.readFileSync(path.join(sourceDir, 'models/qwen35-demo/prompts.jsonl'), 'utf8')
@@ -17,22 +17,8 @@ test('EAGLE-3: concurrent clients and prefix-cache hits equal plain tandem gener
   const server = await startServer(['--draft', 'eagle3', '--draft-model', head, '--depth', '3',
                                     '--max-batch', '4', '--prefill-chunk', '16']);
   try {
-    const run = async (i, prompt) => {
-      const body = { model: 'qwen35-demo', prompt, max_tokens: 16 + (i * 7) % 24,
-                     temperature: [0, 0.7, 1.0][i % 3], seed: 900 + i, return_token_ids: true };
-      await sleep(i * 30);
-      const r = await postJson(server.url, '/v1/completions', body);
-      assert.equal(r.status, 200, r.text);
-      return { body, ids: r.json.choices[0].token_ids, promptIds: r.json.prompt_token_ids };
-    };
-    const first = await Promise.all(prompts.slice(0, 6).map((p, i) => run(i, p)));
-    // The same prompts with another ending: each restores its prefix at the grid's boundary.
-    const second = await Promise.all(prompts.slice(0, 6).map((p, i) => run(i + 6, p + '    # again\n')));
-    for (const r of [...first, ...second]) {
-      const want = await generateAlone({ promptIds: r.promptIds, maxTokens: r.body.max_tokens,
-                                         temperature: r.body.temperature, seed: r.body.seed });
-      assert.deepEqual(r.ids, want.tokens, `prompt ${JSON.stringify(r.body.prompt.slice(0, 40))}`);
-    }
+    await concurrentAndCachedEqualAlone(server, { prompts, name: 'qwen35-demo', maxTokens: (i) => 16 + (i * 7) % 24,
+                                                  seed: (i) => 900 + i });
     const m = await metrics(server.url);
     const count = (name) => Object.entries(m).filter(([k]) => k.startsWith(name + '{drafter="eagle3"'))
       .reduce((s, [, v]) => s + v, 0);

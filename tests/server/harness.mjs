@@ -1,5 +1,6 @@
 // Starts `tandem serve` on a free port for a test file and runs `tandem generate` as the
 // oracle. TANDEM_BINARY and TANDEM_SOURCE_DIR come from ctest.
+import assert from 'node:assert/strict';
 import { spawn, execFile } from 'node:child_process';
 import { promisify } from 'node:util';
 import path from 'node:path';
@@ -100,4 +101,27 @@ export async function readEvents(res, onEvent = () => true) {
     }
   }
   return events;
+}
+
+// Six prompts sent concurrently at temperatures 0 / 0.7 / 1.0 (staggered by 30 ms), then the same
+// prompts with another ending, so each restores its prefix from the prefix cache; every response
+// must equal `tandem generate` of the same request alone (plain decoding, no drafter).
+// maxTokens(i) and seed(i) pick request i's; `name` is the request's model field.
+export async function concurrentAndCachedEqualAlone(server, { prompts, name, model = demoModel,
+                                                              maxTokens, seed }) {
+  const run = async (i, prompt) => {
+    const body = { model: name, prompt, max_tokens: maxTokens(i), temperature: [0, 0.7, 1.0][i % 3],
+                   seed: seed(i), return_token_ids: true };
+    await sleep(i * 30);
+    const r = await postJson(server.url, '/v1/completions', body);
+    assert.equal(r.status, 200, r.text);
+    return { body, ids: r.json.choices[0].token_ids, promptIds: r.json.prompt_token_ids };
+  };
+  const first = await Promise.all(prompts.slice(0, 6).map((p, i) => run(i, p)));
+  const second = await Promise.all(prompts.slice(0, 6).map((p, i) => run(i + 6, p + '    # again\n')));
+  for (const r of [...first, ...second]) {
+    const want = await generateAlone({ promptIds: r.promptIds, maxTokens: r.body.max_tokens,
+                                       temperature: r.body.temperature, seed: r.body.seed, model });
+    assert.deepEqual(r.ids, want.tokens, `prompt ${JSON.stringify(r.body.prompt.slice(0, 40))}`);
+  }
 }
