@@ -427,8 +427,8 @@ __global__ void __launch_bounds__(kCombineThreads)
 // Scratch of one call, grown to the largest seen (calls are stream-ordered). Growing bumps the
 // scratch generation so that no captured graph replays freed memory.
 struct MoeScratch {
-  void* p[12] = {};
-  size_t bytes[12] = {};
+  void* p[10] = {};
+  size_t bytes[10] = {};
   template <class T>
   T* get(int slot, int64_t n) {
     const size_t want = sizeof(T) * static_cast<size_t>(n > 0 ? n : 1);
@@ -472,8 +472,8 @@ void moe_mlp_add(const float* x, int64_t T, const ops::MoeWeights& w, float* y,
   auto* start = s.get<int32_t>(4, groups + 1);
   auto* row_of = s.get<int32_t>(5, P);
   auto* token_of = s.get<int32_t>(6, P);
-  float* act = s.get<float>(9, P * I);
-  float* out = s.get<float>(10, P * H);
+  float* act = s.get<float>(7, P * I);
+  float* out = s.get<float>(8, P * H);
   cuda::linear(x, T, gate_row ? w.router_shared_gate : w.router, logits);
   // Runs of at least 32 pairs, one per warp, as many as the per-run counts fit in kGroupSmem.
   const int64_t chunks = std::max<int64_t>(
@@ -523,7 +523,7 @@ void moe_mlp_add(const float* x, int64_t T, const ops::MoeWeights& w, float* y,
   int64_t gate_ld = 1;
   if (Is > 0) {
     // activations [T, Is] | up (unfused only) [T, Is] | shared [T, H] | gate logit [T]
-    float* sa = s.get<float>(11, 2 * T * Is + T * H + T);
+    float* sa = s.get<float>(9, 2 * T * Is + T * H + T);
     float* su = sa + T * Is;
     float* sh = su + T * Is;
     if (fused_gate_up) {
