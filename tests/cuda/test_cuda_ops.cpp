@@ -1713,6 +1713,54 @@ using CudaBatchInvariance = CudaTest;
 // attention_rows: the queries of several rows (different lengths, windows, block tables; one
 // row skipped) in one launch give bitwise what each row's attention() call gives alone, with and
 // without the output gate, and match the CPU op; a skipped query's output is left untouched.
+// The many-row products (linear_tiles.cu) against one row at a time (the register kernel of
+// linear.cu): a row's outputs are the same bits in a call of 1 row and of 17..200, for narrow
+// weights (K split 8 ways) and wide ones (4 ways), K with a partial last chunk (1040) and K under
+// one chunk per split (48), N off the 128-column tile; then the MLP (SwiGLU epilogue, bf16
+// activations, the residual added in the down projection's epilogue) with and without its norm.
+TEST_F(CudaBatchInvariance, ManyRowProductsEqualSingleRowCalls) {
+  std::mt19937 rng(91);
+  const int64_t max_m = 200;
+  for (const LinearShape s : {LinearShape{1000, 4096}, LinearShape{8200, 1040},
+                              LinearShape{272, 48}, LinearShape{384, 12288}}) {
+    const Bf16Matrix w = bf16_matrix(s.n, s.k, rng);
+    const DeviceBuffer<float> dx(randn(sz(max_m * s.k), rng));
+    std::vector<float> alone(sz(max_m * s.n));
+    for (int64_t r = 0; r < max_m; ++r) {
+      const std::vector<float> y = cuda_linear(dx, r, 1, w);
+      std::copy(y.begin(), y.end(), alone.begin() + r * s.n);
+    }
+    for (int64_t m : {17, 32, 33, 64, 65, 128, 129, 200})
+      EXPECT_TRUE(bitwise_equal(cuda_linear(dx, 0, m, w), slice(alone, 0, sz(m * s.n))))
+          << "N " << s.n << " K " << s.k << " m " << m;
+  }
+  struct MlpShape {
+    int64_t h, I;
+  };
+  for (const MlpShape s : {MlpShape{1024, 4160}, MlpShape{384, 768}}) {
+    const Bf16Matrix gate_up = bf16_matrix(2 * s.I, s.h, rng), down = bf16_matrix(s.h, s.I, rng);
+    const F32Weight nw = f32_weight(randn(sz(s.h), rng, 0.1f), 1, s.h);
+    const ops::RowNorm norm{nw.dev_ref(), true, 1e-6f};
+    const int64_t rows = 100;
+    const std::vector<float> x = norm_input(rows, s.h, rng);
+    for (const ops::RowNorm* n : {static_cast<const ops::RowNorm*>(nullptr), &norm}) {
+      std::vector<float> alone(x.size());
+      for (int64_t r = 0; r < rows; ++r) {
+        DeviceBuffer<float> y(slice(x, sz(r * s.h), sz(s.h)));
+        cuda::swiglu_mlp_add(y.get(), 1, gate_up.dev_ref(), down.dev_ref(), y.get(), n);
+        const std::vector<float> got = y.download();
+        std::copy(got.begin(), got.end(), alone.begin() + r * s.h);
+      }
+      for (int64_t m : {17, 40, 100}) {
+        DeviceBuffer<float> y(slice(x, 0, sz(m * s.h)));
+        cuda::swiglu_mlp_add(y.get(), m, gate_up.dev_ref(), down.dev_ref(), y.get(), n);
+        EXPECT_TRUE(bitwise_equal(y.download(), slice(alone, 0, sz(m * s.h))))
+            << "H " << s.h << " I " << s.I << " m " << m << " norm " << (n != nullptr);
+      }
+    }
+  }
+}
+
 TEST_F(CudaBatchInvariance, AttentionRowsEqualsEachRowAlone) {
   std::mt19937 rng(404);
   const int64_t nh = 16, nkv = 4, hd = 256, row = nkv * hd, qrow = nh * hd;

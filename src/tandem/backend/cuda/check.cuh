@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <utility>
 
 #include "tandem/backend/cuda/cuda_ops.h"
 #include "tandem/core/error.h"
@@ -68,26 +69,38 @@ __device__ __forceinline__ void pdl_release() {
 
 // Launches kernel<<<grid, block, smem, op_stream()>>>(args...) with PDL allowed when
 // pdl_enabled(), except in prompt prefill, whose kernels alternate with cuBLAS GEMMs that do not
-// take part; `op` names the op in a launch error.
+// take part; `op` names the op in a launch error. cluster > 1: consecutive groups of `cluster`
+// blocks along x form a thread block cluster (sm_90; grid.x a multiple of it), whose blocks are
+// co-scheduled and read each other's shared memory.
 template <class... Params, class... Args>
-void launch(const char* op, void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
-            Args&&... args) {
+void launch_clustered(const char* op, unsigned cluster, void (*kernel)(Params...), dim3 grid,
+                      dim3 block, size_t smem, Args&&... args) {
 #if TANDEM_CUDA_TRACE
   trace_register_dump();
 #endif
-  cudaLaunchAttribute attr[1];
+  cudaLaunchAttribute attr[2];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = pdl_enabled() && !prefill_mode() ? 1 : 0;
+  attr[1].id = cudaLaunchAttributeClusterDimension;
+  attr[1].val.clusterDim.x = cluster;
+  attr[1].val.clusterDim.y = 1;
+  attr[1].val.clusterDim.z = 1;
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = grid;
   cfg.blockDim = block;
   cfg.dynamicSmemBytes = smem;
   cfg.stream = op_stream();
   cfg.attrs = attr;
-  cfg.numAttrs = 1;
+  cfg.numAttrs = cluster > 1 ? 2 : 1;
   const cudaError_t err = cudaLaunchKernelEx(&cfg, kernel, static_cast<Params>(args)...);
   if (err != cudaSuccess) fail("CUDA launch failed in ", op, ": ", cudaGetErrorString(err));
   check_launch(op);
+}
+
+template <class... Params, class... Args>
+void launch(const char* op, void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
+            Args&&... args) {
+  launch_clustered(op, 1, kernel, grid, block, smem, std::forward<Args>(args)...);
 }
 
 inline int64_t ceil_div(int64_t a, int64_t b) {

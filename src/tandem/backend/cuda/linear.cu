@@ -11,6 +11,9 @@
 //    in warp order through shared memory;
 //  - rows are processed 16 per m-tile, up to 64 per pass; more rows take more passes over the
 //    same weights. A row's arithmetic never depends on which tile or pass it lands in.
+// Calls of more than one m-tile (a step of many rows, verify windows) go to linear_tiles.cu,
+// which stages weights and inputs in shared memory and runs the same mma sequence per output
+// with the k-splits as the blocks of a cluster: the same bits (TANDEM_CUDA_TILES=0: this kernel).
 // Weights are streamed once per pass with 16-byte loads (the memory roofline at m = 1). Up to
 // kNarrowRows rows, each block rounds the fp32 inputs to bf16 into its shared memory; larger
 // batches round them once into a bf16 scratch copy first. Either way the same bf16 values enter
@@ -55,6 +58,7 @@
 #include "tandem/backend/cuda/activation.cuh"
 #include "tandem/backend/cuda/check.cuh"
 #include "tandem/backend/cuda/cuda_ops.h"
+#include "tandem/backend/cuda/linear_mma.cuh"
 #include "tandem/backend/cuda/row_norm.cuh"
 #include "tandem/core/error.h"
 
@@ -63,8 +67,6 @@ namespace tandem::cuda {
 namespace {
 
 constexpr int kWideRows = 8192;  // weights with at least this many rows: 4 warps per block, else 8
-constexpr int kChunk = 64;       // k per warp chunk: 4 lanes x 16
-constexpr int kTileRows = 16;    // rows of one m-tile (the mma's m)
 constexpr int kMaxTiles = 4;     // m-tiles per pass
 constexpr int64_t kNarrowRows = 4;      // up to this many rows: bf16 inputs staged per block (F32X)
 constexpr int64_t kFoldedNormRows = 1;  // up to this many rows: an input norm folded into staging
@@ -73,52 +75,6 @@ constexpr int64_t kFoldedNormRows = 1;  // up to this many rows: an input norm f
 constexpr size_t kNarrowSmemMax = size_t(128) << 10;
 
 int64_t g_prefill_rows = 0;  // rows of every prefill GEMM tile; 0: not in prefill mode
-
-__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // .x (lo) in the low 16 bits
-  return *reinterpret_cast<const uint32_t*>(&v);
-}
-
-__device__ __forceinline__ void mma_bf16_16816(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
-                                               uint32_t a3, uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-// Where output column `col` of a row goes: consecutive column slices, each its own row-major
-// [m, width] array (linear_split), or one slice for a plain linear. accumulate (linear_add, one
-// slice): the value is added to what the destination holds, as add_inplace would add it.
-// bf16 (one slice): the destination is bf16 [m, width] and receives the value rounded to nearest
-// even, the rounding a consuming linear applies to its inputs (swiglu_mlp_add's activations).
-constexpr int kMaxSlices = 4;
-struct SplitOut {
-  float* dst[kMaxSlices];
-  int start[kMaxSlices + 1];  // first column of each slice; start[parts] = N
-  int parts;
-  bool accumulate;
-  bool bf16;
-  __device__ __forceinline__ void store(int r, int col, float v) const {
-    if (bf16) {
-      reinterpret_cast<__nv_bfloat16*>(dst[0])[static_cast<size_t>(r) * start[1] + col] =
-          __float2bfloat16_rn(v);
-      return;
-    }
-    float* d = dst[0];
-    int s0 = 0, s1 = start[1];
-#pragma unroll
-    for (int q = 1; q < kMaxSlices; ++q)
-      if (q < parts && col >= start[q]) {
-        d = dst[q];
-        s0 = start[q];
-        s1 = start[q + 1];
-      }
-    float& out = d[static_cast<size_t>(r) * (s1 - s0) + (col - s0)];
-    out = accumulate ? out + v : v;
-  }
-};
 
 // The RMSNorm a decode-shaped linear applies to its input rows while staging them (rms_norm's
 // weight, flag and epsilon); w == nullptr: none.
@@ -1112,6 +1068,8 @@ void linear_mma_bf16_rows(const uint16_t* xs, int64_t m, const ops::WeightRef& w
            xs, M, wp, N, K, y, RowNormArgs{nullptr, 0.0f, false}, pf,
            GroupRows{nullptr, nullptr, nullptr});
   };
+  // More than one m-tile: the staged kernel of linear_tiles.cu, the same bits.
+  if (m > kTileRows && tiles_enabled()) return linear_tiles(xs, M, wp, N, K, Warps, SwiGLU, y);
   // Wide weights (4 warps) take 4 n-tiles per warp, narrow ones 2 (to keep more blocks).
   constexpr int NT = Warps == 4 ? 4 : 2;
   if (m <= kTileRows)

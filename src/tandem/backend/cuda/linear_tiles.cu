@@ -1,0 +1,296 @@
+// The many-row decode product: y[m, N] = x[m, K] · Wᵀ for 17..256+ bf16 rows (a decode step of
+// many rows, verify windows of several tokens per row), bitwise the register kernel of linear.cu.
+//
+// Why a second kernel: the register kernel streams each weight once per 64 rows but keeps every
+// m-tile's accumulators and the next chunk's weights in registers; from two m-tiles on it runs
+// out of registers to keep weight bytes in flight and reaches 30-60% of DRAM bandwidth
+// (BENCHMARKS.md, issue 18). Here the weights and inputs go through a ring of shared-memory stages
+// filled with cp.async several chunks ahead, so the bytes in flight do not depend on the rows.
+//
+// The reduction order is the register kernel's, by construction:
+//  - that kernel splits K over C warps (C = 4 or 8, from the weight's shape alone): warp w
+//    accumulates chunks w, w + C, w + 2C, ... (64 k each) in ascending order, four m16n8k16 mmas
+//    per chunk (j = 0..3, lane (g, t) feeding k = 64·ch + 16t + 4j .. +3 as its k-slots
+//    {2t, 2t+1, 2t+8, 2t+9}), then the C partials are summed in warp order;
+//  - here the C k-classes are C blocks of one thread block cluster: block c walks chunks
+//    c, c + C, ... of its output tile with the same mma sequence per output, then the cluster
+//    sums the C partials in rank order through distributed shared memory.
+// So a row's outputs are the same bits in a 1-row call (register kernel) and in a 200-row call
+// (this kernel), whatever tile or pass it lands in. The tile shape is free: no output's
+// arithmetic depends on it.
+//
+// Layout. A block owns BM rows x 128 weight rows (output columns) and 8 warps (WarpsM x WarpsN),
+// each warp MT m-tiles x NT n-tiles. A stage holds one chunk: 128 weight rows and BM input rows of
+// 64 bf16 (128 bytes, eight 16-byte pieces), piece p of row r stored at piece p ^ (r & 1), so the
+// lanes of a quarter-warp reading rows g, g+1 at pieces 2t+h hit 32 distinct banks.
+#include <cooperative_groups.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <string_view>
+
+#include "tandem/backend/cuda/activation.cuh"
+#include "tandem/backend/cuda/check.cuh"
+#include "tandem/backend/cuda/linear_mma.cuh"
+#include "tandem/core/error.h"
+
+namespace tandem::cuda {
+
+namespace {
+
+namespace cg = cooperative_groups;
+
+constexpr int kTileThreads = 256;               // 8 warps
+constexpr int kPiecesPerRow = kChunk * 2 / 16;  // 16-byte pieces of one row's chunk
+
+template <int MT, int NT, int WarpsM>
+struct TileShape {
+  static constexpr int kWarpsN = 8 / WarpsM;
+  static constexpr int kRows = kTileRows * MT * WarpsM;  // BM
+  static constexpr int kCols = 8 * NT * kWarpsN;         // BN (weight rows)
+  static constexpr int kAcc = MT * NT * 4;               // accumulators per thread
+  static constexpr int kStageBytes = (kRows + kCols) * kChunk * 2;
+  static constexpr int kPartialBytes = kAcc * kTileThreads * 4;
+};
+
+__device__ __forceinline__ uint32_t shared_address(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// 16 bytes from global src to shared dst, or 16 zero bytes when !valid (src is then not read).
+__device__ __forceinline__ void copy16_async(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src),
+               "r"(valid ? 16 : 0)
+               : "memory");
+}
+
+__device__ __forceinline__ void copy_commit() {
+  asm volatile("cp.async.commit_group;" ::: "memory");
+}
+
+template <int Pending>
+__device__ __forceinline__ void copy_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(Pending) : "memory");
+}
+
+// Byte offset of piece p (0..7) of row r in a stage's array of 128-byte rows.
+__device__ __forceinline__ int piece_offset(int r, int p) {
+  return (r * kPiecesPerRow + (p ^ (r & 1))) * 16;
+}
+
+// Rows [first, first + Rows) of a [rows_total, K] bf16 matrix, chunk ch, into a stage array:
+// zeros past rows_total and past K (a chunk's k-groups of 16 are whole: K is a multiple of 16,
+// and the register kernel multiplies zeros there too).
+template <int Rows>
+__device__ __forceinline__ void stage_chunk(const uint16_t* src, int first, int rows_total, int K,
+                                            int ch, unsigned char* dst) {
+  static_assert(Rows * kPiecesPerRow % kTileThreads == 0, "whole rounds of pieces");
+  const int p = threadIdx.x % kPiecesPerRow;
+  const int k = ch * kChunk + p * 8;
+#pragma unroll
+  for (int q = 0; q < Rows * kPiecesPerRow / kTileThreads; ++q) {
+    const int r = threadIdx.x / kPiecesPerRow + q * (kTileThreads / kPiecesPerRow);
+    const int row = first + r;
+    const bool ok = row < rows_total && k < K;
+    const uint16_t* from = ok ? src + static_cast<size_t>(row) * K + k : src;
+    copy16_async(shared_address(dst + piece_offset(r, p)), from, ok);
+  }
+}
+
+// One block of a Classes-block cluster: output rows [row0, row0 + BM) x weight rows
+// [col0, col0 + 128) over k-class `rank` (chunks rank, rank + Classes, ...), then its share of the
+// cluster's in-order sum and the store. Block x = (tile · Classes + rank), tile = n_block ·
+// m_blocks
+// + m_block, so the m-blocks of one column range run side by side and read its weights from L2.
+// Two blocks per SM (96 KiB of stages each, at most 128 registers).
+template <int Classes, int MT, int NT, int WarpsM, int Stages, bool SwiGLU>
+__global__ void __launch_bounds__(kTileThreads, 2)
+    linear_tiles_kernel(const uint16_t* __restrict__ x, int m, const uint16_t* __restrict__ w,
+                        int N, int K, int m_blocks, const SplitOut y) {
+  using S = TileShape<MT, NT, WarpsM>;
+  static_assert(!SwiGLU || NT % 2 == 0, "a warp holds whole gate/up pairs");
+  extern __shared__ __align__(128) unsigned char smem[];
+  cg::cluster_group cluster = cg::this_cluster();
+  const int rank = static_cast<int>(cluster.block_rank());
+  const int tile = blockIdx.x / Classes;
+  const int row0 = (tile % m_blocks) * S::kRows, col0 = (tile / m_blocks) * S::kCols;
+  const int chunks = (K + kChunk - 1) / kChunk;
+  const int n_chunks = rank < chunks ? (chunks - rank + Classes - 1) / Classes : 0;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int wm = warp / S::kWarpsN, wn = warp % S::kWarpsN;
+
+  auto stage_at = [&](int s) { return smem + s * S::kStageBytes; };
+  auto load_weights = [&](int i) {
+    stage_chunk<S::kCols>(w, col0, N, K, rank + i * Classes, stage_at(i % Stages));
+  };
+  auto load_inputs = [&](int i) {
+    stage_chunk<S::kRows>(x, row0, m, K, rank + i * Classes,
+                          stage_at(i % Stages) + S::kCols * kChunk * 2);
+  };
+
+  // Weights never change: the first stages' weights are requested before waiting on the kernel
+  // that writes the inputs. Group s holds stage s's inputs (and, for s = 0, every early weight).
+#pragma unroll
+  for (int s = 0; s < Stages - 1; ++s)
+    if (s < n_chunks) load_weights(s);
+  pdl_wait();
+  pdl_release();
+#pragma unroll
+  for (int s = 0; s < Stages - 1; ++s) {
+    if (s < n_chunks) load_inputs(s);
+    copy_commit();
+  }
+
+  float acc[MT][NT][4];
+#pragma unroll
+  for (int i = 0; i < MT; ++i)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+      acc[i][nt][0] = acc[i][nt][1] = acc[i][nt][2] = acc[i][nt][3] = 0.f;
+
+  for (int i = 0; i < n_chunks; ++i) {
+    copy_wait<Stages - 2>();
+    __syncthreads();  // stage i is in; every warp is done with stage i - 1, refilled below
+    if (i + Stages - 1 < n_chunks) {
+      load_weights(i + Stages - 1);
+      load_inputs(i + Stages - 1);
+    }
+    copy_commit();
+    const unsigned char* ws = stage_at(i % Stages);
+    const unsigned char* xs = ws + S::kCols * kChunk * 2;
+    // Half h of the lane's 16 k: pieces 2t + h, i.e. mmas j = 2h, 2h + 1.
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      uint4 b[NT];
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        const int r = (wn * NT + nt) * 8 + g;
+        b[nt] = *reinterpret_cast<const uint4*>(ws + piece_offset(r, 2 * t + h));
+      }
+#pragma unroll
+      for (int mi = 0; mi < MT; ++mi) {
+        const int r = (wm * MT + mi) * kTileRows + g;
+        const uint4 lo = *reinterpret_cast<const uint4*>(xs + piece_offset(r, 2 * t + h));
+        const uint4 hi = *reinterpret_cast<const uint4*>(xs + piece_offset(r + 8, 2 * t + h));
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+          mma_bf16_16816(acc[mi][nt], lo.x, hi.x, lo.y, hi.y, b[nt].x, b[nt].y);
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+          mma_bf16_16816(acc[mi][nt], lo.z, hi.z, lo.w, hi.w, b[nt].z, b[nt].w);
+      }
+    }
+  }
+
+  // The partials, [accumulator][thread] in this block's (now idle) stages; then each block sums
+  // its share of the accumulators over the cluster's blocks in rank order, as the register
+  // kernel sums its warps.
+  copy_wait<0>();
+  __syncthreads();
+  float* partial = reinterpret_cast<float*>(smem);
+#pragma unroll
+  for (int mi = 0; mi < MT; ++mi)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        partial[((mi * NT + nt) * 4 + e) * kTileThreads + threadIdx.x] = acc[mi][nt][e];
+  cluster.sync();
+  const float* parts[Classes];
+#pragma unroll
+  for (int c = 0; c < Classes; ++c) parts[c] = cluster.map_shared_rank(partial, c);
+  auto total = [&](int index) {
+    const int at = index * kTileThreads + threadIdx.x;
+    float sum = parts[0][at];
+#pragma unroll
+    for (int c = 1; c < Classes; ++c) sum += parts[c][at];
+    return sum;
+  };
+  const int row_lo = row0 + wm * MT * kTileRows + g;
+  const int warp_col0 = col0 + wn * NT * 8;
+  if constexpr (SwiGLU) {
+    // Unit (mi, pair p): gate n-tile 2p, up n-tile 2p + 1 of the same 8 outputs.
+    const int half = N / 2;
+    for (int u = rank; u < MT * NT / 2; u += Classes) {
+      const int mi = u / (NT / 2), p = u % (NT / 2);
+      const int col = warp_col0 / 2 + p * 8 + 2 * t;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = row_lo + mi * kTileRows + (e >= 2 ? 8 : 0), c = col + (e & 1);
+        const float gate = total((mi * NT + 2 * p) * 4 + e);
+        const float up = total((mi * NT + 2 * p + 1) * 4 + e);
+        if (r < m && c < half) y.store(r, c, silu(gate) * up);
+      }
+    }
+  } else {
+    for (int u = rank; u < MT * NT; u += Classes) {
+      const int mi = u / NT, nt = u % NT;
+      const int col = warp_col0 + nt * 8 + 2 * t;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = row_lo + mi * kTileRows + (e >= 2 ? 8 : 0), c = col + (e & 1);
+        const float sum = total(u * 4 + e);
+        if (r < m && c < N) y.store(r, c, sum);
+      }
+    }
+  }
+  cluster.sync();  // no block leaves while another still reads its partials
+}
+
+template <int Classes, int MT, int NT, int WarpsM, int Stages, bool SwiGLU>
+void launch_tiles(const uint16_t* xs, int m, const uint16_t* w, int N, int K, const SplitOut& y) {
+  using S = TileShape<MT, NT, WarpsM>;
+  const auto kernel = linear_tiles_kernel<Classes, MT, NT, WarpsM, Stages, SwiGLU>;
+  constexpr size_t smem = std::max<size_t>(size_t(Stages) * S::kStageBytes, S::kPartialBytes);
+  static const cudaError_t allowed = cudaFuncSetAttribute(
+      kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  if (allowed != cudaSuccess)
+    fail("cuda linear: ", smem,
+         " bytes of shared memory for the tile stages: ", cudaGetErrorString(allowed));
+  const int64_t m_blocks = ceil_div(m, S::kRows), n_blocks = ceil_div(N, S::kCols);
+  const unsigned grid = grid_blocks(Classes * m_blocks * n_blocks, "linear (tiles)");
+  launch_clustered("linear (tiles)", Classes, kernel, dim3(grid), dim3(kTileThreads), smem, xs, m,
+                   w, N, K, static_cast<int>(m_blocks), y);
+}
+
+template <int Classes, bool SwiGLU>
+void linear_tiles_classes(const uint16_t* xs, int m, const uint16_t* w, int N, int K,
+                          const SplitOut& y) {
+  // Tile rows follow m so that few rows stream the weights once without idle m-tiles; from 129
+  // rows on, 128-row blocks side by side (the same columns' m-blocks are neighbours in the grid).
+  if (m <= 32)
+    launch_tiles<Classes, 2, 2, 1, 4, SwiGLU>(xs, m, w, N, K, y);
+  else if (m <= 64)
+    launch_tiles<Classes, 2, 4, 2, 4, SwiGLU>(xs, m, w, N, K, y);
+  else
+    launch_tiles<Classes, 4, 4, 2, 3, SwiGLU>(xs, m, w, N, K, y);
+}
+
+}  // namespace
+
+bool tiles_enabled() {
+  static const bool enabled = [] {
+    const char* v = std::getenv("TANDEM_CUDA_TILES");
+    return !(v && std::string_view(v) == "0");
+  }();
+  return enabled;
+}
+
+void linear_tiles(const uint16_t* xs, int m, const uint16_t* w, int N, int K, int classes,
+                  bool swiglu, const SplitOut& y) {
+  if (K % 16 != 0) fail("cuda linear (tiles): K = ", K, " is not a multiple of 16");
+  if (classes == 4)
+    swiglu ? linear_tiles_classes<4, true>(xs, m, w, N, K, y)
+           : linear_tiles_classes<4, false>(xs, m, w, N, K, y);
+  else if (classes == 8)
+    swiglu ? linear_tiles_classes<8, true>(xs, m, w, N, K, y)
+           : linear_tiles_classes<8, false>(xs, m, w, N, K, y);
+  else
+    fail("cuda linear (tiles): ", classes, " k-classes (4 or 8 supported)");
+}
+
+TANDEM_CUDA_TRACE_UNIT(linear_tiles)
+
+}  // namespace tandem::cuda
