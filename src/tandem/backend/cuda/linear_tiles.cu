@@ -104,9 +104,9 @@ __device__ __forceinline__ void stage_chunk(const uint16_t* src, int first, int 
 // cluster's in-order sum and the store. Block x = (tile · Classes + rank), tile = n_block ·
 // m_blocks
 // + m_block, so the m-blocks of one column range run side by side and read its weights from L2.
-// Two blocks per SM (96 KiB of stages each, at most 128 registers).
+// One block per SM: its stages take most of the shared memory.
 template <int Classes, int MT, int NT, int WarpsM, int Stages, bool SwiGLU>
-__global__ void __launch_bounds__(kTileThreads, 2)
+__global__ void __launch_bounds__(kTileThreads, 1)
     linear_tiles_kernel(const uint16_t* __restrict__ x, int m, const uint16_t* __restrict__ w,
                         int N, int K, int m_blocks, const SplitOut y) {
   using S = TileShape<MT, NT, WarpsM>;
@@ -239,33 +239,97 @@ __global__ void __launch_bounds__(kTileThreads, 2)
   cluster.sync();  // no block leaves while another still reads its partials
 }
 
+// One compiled tile shape: its shared memory, the clusters the GPU keeps resident, the balance
+// of a product over them, and the launch.
 template <int Classes, int MT, int NT, int WarpsM, int Stages, bool SwiGLU>
-void launch_tiles(const uint16_t* xs, int m, const uint16_t* w, int N, int K, const SplitOut& y) {
+struct TileVariant {
   using S = TileShape<MT, NT, WarpsM>;
-  const auto kernel = linear_tiles_kernel<Classes, MT, NT, WarpsM, Stages, SwiGLU>;
-  constexpr size_t smem = std::max<size_t>(size_t(Stages) * S::kStageBytes, S::kPartialBytes);
-  static const cudaError_t allowed = cudaFuncSetAttribute(
-      kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-  if (allowed != cudaSuccess)
-    fail("cuda linear: ", smem,
-         " bytes of shared memory for the tile stages: ", cudaGetErrorString(allowed));
-  const int64_t m_blocks = ceil_div(m, S::kRows), n_blocks = ceil_div(N, S::kCols);
-  const unsigned grid = grid_blocks(Classes * m_blocks * n_blocks, "linear (tiles)");
-  launch_clustered("linear (tiles)", Classes, kernel, dim3(grid), dim3(kTileThreads), smem, xs, m,
-                   w, N, K, static_cast<int>(m_blocks), y);
+  static constexpr size_t kSmem =
+      std::max<size_t>(size_t(Stages) * S::kStageBytes, S::kPartialBytes);
+  static constexpr auto kernel = linear_tiles_kernel<Classes, MT, NT, WarpsM, Stages, SwiGLU>;
+
+  // Clusters resident at once (asked once; the shared memory limit is raised first).
+  static int resident() {
+    static const int clusters = [] {
+      const cudaError_t err = cudaFuncSetAttribute(
+          kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmem));
+      if (err != cudaSuccess)
+        fail("cuda linear: ", kSmem,
+             " bytes of shared memory for the tile stages: ", cudaGetErrorString(err));
+      cudaLaunchAttribute cluster{};
+      cluster.id = cudaLaunchAttributeClusterDimension;
+      cluster.val.clusterDim.x = Classes;
+      cluster.val.clusterDim.y = cluster.val.clusterDim.z = 1;
+      cudaLaunchConfig_t cfg{};
+      cfg.gridDim = dim3(Classes * 64);
+      cfg.blockDim = dim3(kTileThreads);
+      cfg.dynamicSmemBytes = kSmem;
+      cfg.attrs = &cluster;
+      cfg.numAttrs = 1;
+      int n = 0;
+      if (cudaOccupancyMaxActiveClusters(&n, kernel, &cfg) != cudaSuccess || n < 1) {
+        cudaGetLastError();
+        n = 1;
+      }
+      return n;
+    }();
+    return clusters;
+  }
+
+  static int64_t tiles(int m, int N) { return ceil_div(m, S::kRows) * ceil_div(N, S::kCols); }
+
+  // The share of the rounds of resident clusters that the tiles fill (1: whole rounds).
+  static double balance(int m, int N) {
+    const int64_t t = tiles(m, N), cap = resident();
+    return static_cast<double>(t) / static_cast<double>(ceil_div(t, cap) * cap);
+  }
+
+  static void run(const uint16_t* xs, int m, const uint16_t* w, int N, int K, const SplitOut& y) {
+    resident();  // raises the shared memory limit
+    const int64_t m_blocks = ceil_div(m, S::kRows);
+    const unsigned grid = grid_blocks(Classes * tiles(m, N), "linear (tiles)");
+    launch_clustered("linear (tiles)", Classes, kernel, dim3(grid), dim3(kTileThreads), kSmem, xs,
+                     m, w, N, K, static_cast<int>(m_blocks), y);
+  }
+};
+
+// Runs the variant whose tiles fill the resident clusters' rounds best; the earlier (wider)
+// variant on a tie. Every variant gives the same bits, so the choice is free: a weight with
+// few column tiles (the 4,096-row projections) takes narrower tiles rather than leave most of
+// the GPU idle in a last round.
+template <class... Variants>
+void run_best(const uint16_t* xs, int m, const uint16_t* w, int N, int K, const SplitOut& y) {
+  const double balance[] = {Variants::balance(m, N)...};
+  constexpr int count = static_cast<int>(sizeof...(Variants));
+  int best = 0;
+  for (int v = 1; v < count; ++v)
+    if (balance[v] > balance[best] + 0.02) best = v;
+  // TANDEM_CUDA_TILE_VARIANT=i: variant i of every family (clamped), for A/B timing only.
+  static const int forced = [] {
+    const char* v = std::getenv("TANDEM_CUDA_TILE_VARIANT");
+    return v ? std::atoi(v) : -1;
+  }();
+  if (forced >= 0) best = std::min(forced, count - 1);
+  int v = 0;
+  ((v++ == best ? Variants::run(xs, m, w, N, K, y) : void()), ...);
 }
 
 template <int Classes, bool SwiGLU>
 void linear_tiles_classes(const uint16_t* xs, int m, const uint16_t* w, int N, int K,
                           const SplitOut& y) {
-  // Tile rows follow m so that few rows stream the weights once without idle m-tiles; from 129
-  // rows on, 128-row blocks side by side (the same columns' m-blocks are neighbours in the grid).
+  // Tile rows follow m, so that few rows stream the weights once without idle m-tiles; from 129
+  // rows on, 128-row blocks side by side (the m-blocks of one column range are neighbours in
+  // the grid, so the second reads the weights from L2). One block per SM, five to eight stages
+  // in flight.
   if (m <= 32)
-    launch_tiles<Classes, 2, 2, 1, 4, SwiGLU>(xs, m, w, N, K, y);
+    run_best<TileVariant<Classes, 2, 4, 1, 5, SwiGLU>, TileVariant<Classes, 2, 2, 1, 6, SwiGLU>,
+             TileVariant<Classes, 1, 2, 2, 8, SwiGLU>>(xs, m, w, N, K, y);
   else if (m <= 64)
-    launch_tiles<Classes, 2, 4, 2, 4, SwiGLU>(xs, m, w, N, K, y);
+    run_best<TileVariant<Classes, 2, 8, 2, 5, SwiGLU>, TileVariant<Classes, 2, 4, 2, 6, SwiGLU>,
+             TileVariant<Classes, 2, 2, 2, 8, SwiGLU>>(xs, m, w, N, K, y);
   else
-    launch_tiles<Classes, 4, 4, 2, 3, SwiGLU>(xs, m, w, N, K, y);
+    run_best<TileVariant<Classes, 4, 4, 2, 5, SwiGLU>, TileVariant<Classes, 4, 2, 2, 6, SwiGLU>>(
+        xs, m, w, N, K, y);
 }
 
 }  // namespace
