@@ -42,6 +42,12 @@ namespace {
 
 namespace cg = cooperative_groups;
 
+// set_tile_variant's value; -1: by balance.
+int g_tile_variant = [] {
+  const char* v = std::getenv("TANDEM_CUDA_TILE_VARIANT");
+  return v ? std::atoi(v) : -1;
+}();
+
 constexpr int kTileThreads = 256;               // 8 warps
 constexpr int kPiecesPerRow = kChunk * 2 / 16;  // 16-byte pieces of one row's chunk
 
@@ -304,12 +310,7 @@ void run_best(const uint16_t* xs, int m, const uint16_t* w, int N, int K, const 
   int best = 0;
   for (int v = 1; v < count; ++v)
     if (balance[v] > balance[best] + 0.02) best = v;
-  // TANDEM_CUDA_TILE_VARIANT=i: variant i of every family (clamped), for A/B timing only.
-  static const int forced = [] {
-    const char* v = std::getenv("TANDEM_CUDA_TILE_VARIANT");
-    return v ? std::atoi(v) : -1;
-  }();
-  if (forced >= 0) best = std::min(forced, count - 1);
+  if (g_tile_variant >= 0) best = std::min(g_tile_variant, count - 1);
   int v = 0;
   ((v++ == best ? Variants::run(xs, m, w, N, K, y) : void()), ...);
 }
@@ -328,11 +329,15 @@ void linear_tiles_classes(const uint16_t* xs, int m, const uint16_t* w, int N, i
     run_best<TileVariant<Classes, 2, 8, 2, 5, SwiGLU>, TileVariant<Classes, 2, 4, 2, 6, SwiGLU>,
              TileVariant<Classes, 2, 2, 2, 8, SwiGLU>>(xs, m, w, N, K, y);
   else
-    run_best<TileVariant<Classes, 4, 4, 2, 5, SwiGLU>, TileVariant<Classes, 4, 2, 2, 6, SwiGLU>>(
-        xs, m, w, N, K, y);
+    run_best<TileVariant<Classes, 4, 8, 2, 4, SwiGLU>, TileVariant<Classes, 4, 4, 2, 5, SwiGLU>,
+             TileVariant<Classes, 4, 2, 2, 6, SwiGLU>>(xs, m, w, N, K, y);
 }
 
 }  // namespace
+
+void set_tile_variant(int variant) {
+  g_tile_variant = variant < 0 ? -1 : variant;
+}
 
 bool tiles_enabled() {
   static const bool enabled = [] {
