@@ -324,7 +324,8 @@ TANDEM_CUDA_TRACE_UNIT(device)
 // unit missing from the list would simply be absent from the timeline.
 #define TANDEM_CUDA_TRACE_UNITS(X) \
   X(attention)                     \
-  X(attention_prompt) X(device) X(elementwise) X(linear) X(linear_tiles) X(moe) X(recurrent) X(sampling)
+  X(attention_prompt)              \
+  X(device) X(elementwise) X(linear) X(linear_tiles) X(moe) X(recurrent) X(sampling)
 #define TANDEM_DECLARE_UNIT(name)                                 \
   void trace_collect_##name(std::vector<KernelMark>&, uint64_t&); \
   void trace_clear_##name();

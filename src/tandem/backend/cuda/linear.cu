@@ -11,7 +11,7 @@
 //    in warp order through shared memory;
 //  - rows are processed 16 per m-tile, up to 64 per pass; more rows take more passes over the
 //    same weights. A row's arithmetic never depends on which tile or pass it lands in.
-// Calls of more than one m-tile (a step of many rows, verify windows) go to linear_tiles.cu,
+// Calls of more than two m-tiles (verify windows of many rows) go to linear_tiles.cu,
 // which stages weights and inputs in shared memory and runs the same mma sequence per output
 // with the k-splits as the blocks of a cluster: the same bits (TANDEM_CUDA_TILES=0: this kernel).
 // Weights are streamed once per pass with 16-byte loads (the memory roofline at m = 1). Up to
@@ -68,6 +68,7 @@ namespace {
 
 constexpr int kWideRows = 8192;  // weights with at least this many rows: 4 warps per block, else 8
 constexpr int kMaxTiles = 4;     // m-tiles per pass
+constexpr int64_t kTilesFromRows = 32;  // more rows than this: linear_tiles.cu
 constexpr int64_t kNarrowRows = 4;      // up to this many rows: bf16 inputs staged per block (F32X)
 constexpr int64_t kFoldedNormRows = 1;  // up to this many rows: an input norm folded into staging
 // Shared memory for the bf16 input rows of the in-register path at most; wider inputs take the
@@ -1068,8 +1069,9 @@ void linear_mma_bf16_rows(const uint16_t* xs, int64_t m, const ops::WeightRef& w
            xs, M, wp, N, K, y, RowNormArgs{nullptr, 0.0f, false}, pf,
            GroupRows{nullptr, nullptr, nullptr});
   };
-  // More than one m-tile: the staged kernel of linear_tiles.cu, the same bits.
-  if (m > kTileRows && tiles_enabled()) return linear_tiles(xs, M, wp, N, K, Warps, SwiGLU, y);
+  // More than two m-tiles (verify windows of many rows): the staged kernel of linear_tiles.cu,
+  // the same bits. Up to 32 rows this kernel measured faster (BENCHMARKS.md).
+  if (m > kTilesFromRows && tiles_enabled()) return linear_tiles(xs, M, wp, N, K, Warps, SwiGLU, y);
   // Wide weights (4 warps) take 4 n-tiles per warp, narrow ones 2 (to keep more blocks).
   constexpr int NT = Warps == 4 ? 4 : 2;
   if (m <= kTileRows)

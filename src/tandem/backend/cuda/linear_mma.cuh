@@ -60,14 +60,14 @@ struct SplitOut {
   }
 };
 
-// The many-row product (linear_tiles.cu): y = xs · wᵀ for m > kTileRows bf16 rows xs [m, K]
+// The many-row product (linear_tiles.cu): y = xs · wᵀ for many bf16 rows xs [m, K]
 // (16-byte aligned rows, K a multiple of 16), w bf16 [N, K], with the reduction order of the
 // decode kernel that splits K over `classes` warps (4 or 8), bitwise. swiglu: w is
 // gate_up_swiglu's pair layout and y receives silu(gate) · up (N / 2 columns).
 void linear_tiles(const uint16_t* xs, int m, const uint16_t* w, int N, int K, int classes,
                   bool swiglu, const SplitOut& y);
 
-// Whether linear_tiles takes the products of more than kTileRows rows (the default);
+// Whether linear_tiles takes the many-row products (the default);
 // TANDEM_CUDA_TILES=0 in the environment keeps them on the register kernel (A/B timing).
 bool tiles_enabled();
 

@@ -1,11 +1,12 @@
-// The many-row decode product: y[m, N] = x[m, K] · Wᵀ for 17..256+ bf16 rows (a decode step of
-// many rows, verify windows of several tokens per row), bitwise the register kernel of linear.cu.
+// The many-row decode product: y[m, N] = x[m, K] · Wᵀ for 33 or more bf16 rows (verify windows of
+// several tokens per row, decode steps of many rows), bitwise the register kernel of linear.cu.
 //
 // Why a second kernel: the register kernel streams each weight once per 64 rows but keeps every
 // m-tile's accumulators and the next chunk's weights in registers; from two m-tiles on it runs
 // out of registers to keep weight bytes in flight and reaches 30-60% of DRAM bandwidth
-// (BENCHMARKS.md, issue 18). Here the weights and inputs go through a ring of shared-memory stages
-// filled with cp.async several chunks ahead, so the bytes in flight do not depend on the rows.
+// (BENCHMARKS.md, issue 18), and a window of 128 rows streams the weights twice. Here the weights
+// and inputs go through a ring of shared-memory stages filled with cp.async several chunks ahead,
+// so the bytes in flight do not depend on the rows.
 //
 // The reduction order is the register kernel's, by construction:
 //  - that kernel splits K over C warps (C = 4 or 8, from the weight's shape alone): warp w
@@ -19,8 +20,8 @@
 // (this kernel), whatever tile or pass it lands in. The tile shape is free: no output's
 // arithmetic depends on it.
 //
-// Layout. A block owns BM rows x 128 weight rows (output columns) and 8 warps (WarpsM x WarpsN),
-// each warp MT m-tiles x NT n-tiles. A stage holds one chunk: 128 weight rows and BM input rows of
+// Layout. A block owns BM rows x BN weight rows (output columns) and 8 warps (WarpsM x WarpsN),
+// each warp MT m-tiles x NT n-tiles. A stage holds one chunk: BN weight rows and BM input rows of
 // 64 bf16 (128 bytes, eight 16-byte pieces), piece p of row r stored at piece p ^ (r & 1), so the
 // lanes of a quarter-warp reading rows g, g+1 at pieces 2t+h hit 32 distinct banks.
 #include <cooperative_groups.h>
@@ -110,9 +111,10 @@ __device__ __forceinline__ void stage_chunk(const uint16_t* src, int first, int 
 // cluster's in-order sum and the store. Block x = (tile · Classes + rank), tile = n_block ·
 // m_blocks
 // + m_block, so the m-blocks of one column range run side by side and read its weights from L2.
-// One block per SM: its stages take most of the shared memory.
+// Two blocks per SM (at most 96 KiB of stages each, at most 128 registers): with one block and
+// more stages the SMs waited at every chunk's barrier, 10-15% slower (BENCHMARKS.md).
 template <int Classes, int MT, int NT, int WarpsM, int Stages, bool SwiGLU>
-__global__ void __launch_bounds__(kTileThreads, 1)
+__global__ void __launch_bounds__(kTileThreads, 2)
     linear_tiles_kernel(const uint16_t* __restrict__ x, int m, const uint16_t* __restrict__ w,
                         int N, int K, int m_blocks, const SplitOut y) {
   using S = TileShape<MT, NT, WarpsM>;
@@ -318,19 +320,17 @@ void run_best(const uint16_t* xs, int m, const uint16_t* w, int N, int K, const 
 template <int Classes, bool SwiGLU>
 void linear_tiles_classes(const uint16_t* xs, int m, const uint16_t* w, int N, int K,
                           const SplitOut& y) {
-  // Tile rows follow m, so that few rows stream the weights once without idle m-tiles; from 129
-  // rows on, 128-row blocks side by side (the m-blocks of one column range are neighbours in
-  // the grid, so the second reads the weights from L2). One block per SM, five to eight stages
-  // in flight.
-  if (m <= 32)
-    run_best<TileVariant<Classes, 2, 4, 1, 5, SwiGLU>, TileVariant<Classes, 2, 2, 1, 6, SwiGLU>,
-             TileVariant<Classes, 1, 2, 2, 8, SwiGLU>>(xs, m, w, N, K, y);
-  else if (m <= 64)
-    run_best<TileVariant<Classes, 2, 8, 2, 5, SwiGLU>, TileVariant<Classes, 2, 4, 2, 6, SwiGLU>,
-             TileVariant<Classes, 2, 2, 2, 8, SwiGLU>>(xs, m, w, N, K, y);
+  // Tile rows follow m, so that the weights stream once without idle m-tiles; from 129 rows on,
+  // 128-row blocks side by side (the m-blocks of one column range are neighbours in the grid, so
+  // the second reads the weights from L2). Each family: 128 columns per tile, or 64 where that
+  // fills the resident clusters' rounds better (the 4,096-row projections split 8 ways: 32 tiles
+  // of 128 columns on 30 resident clusters would take two rounds).
+  if (m <= 64)
+    run_best<TileVariant<Classes, 2, 4, 2, 4, SwiGLU>, TileVariant<Classes, 2, 2, 2, 6, SwiGLU>>(
+        xs, m, w, N, K, y);
   else
-    run_best<TileVariant<Classes, 4, 8, 2, 4, SwiGLU>, TileVariant<Classes, 4, 4, 2, 5, SwiGLU>,
-             TileVariant<Classes, 4, 2, 2, 6, SwiGLU>>(xs, m, w, N, K, y);
+    run_best<TileVariant<Classes, 4, 4, 2, 3, SwiGLU>, TileVariant<Classes, 4, 2, 2, 4, SwiGLU>>(
+        xs, m, w, N, K, y);
 }
 
 }  // namespace
