@@ -322,15 +322,15 @@ void linear_tiles_classes(const uint16_t* xs, int m, const uint16_t* w, int N, i
                           const SplitOut& y) {
   // Tile rows follow m, so that the weights stream once without idle m-tiles; from 129 rows on,
   // 128-row blocks side by side (the m-blocks of one column range are neighbours in the grid, so
-  // the second reads the weights from L2). Each family: 128 columns per tile, or 64 where that
-  // fills the resident clusters' rounds better (the 4,096-row projections split 8 ways: 32 tiles
-  // of 128 columns on 30 resident clusters would take two rounds).
+  // the second reads the weights from L2). Each family: 128 columns per tile, or 64 or 32 where
+  // that fills the resident clusters' rounds better (the 4,096-row projections split 8 ways: 32
+  // tiles of 128 columns on 30 resident clusters would take two rounds).
   if (m <= 64)
-    run_best<TileVariant<Classes, 2, 4, 2, 4, SwiGLU>, TileVariant<Classes, 2, 2, 2, 6, SwiGLU>>(
-        xs, m, w, N, K, y);
+    run_best<TileVariant<Classes, 2, 4, 2, 4, SwiGLU>, TileVariant<Classes, 2, 2, 2, 6, SwiGLU>,
+             TileVariant<Classes, 1, 2, 4, 6, SwiGLU>>(xs, m, w, N, K, y);
   else
-    run_best<TileVariant<Classes, 4, 4, 2, 3, SwiGLU>, TileVariant<Classes, 4, 2, 2, 4, SwiGLU>>(
-        xs, m, w, N, K, y);
+    run_best<TileVariant<Classes, 4, 4, 2, 3, SwiGLU>, TileVariant<Classes, 4, 2, 2, 4, SwiGLU>,
+             TileVariant<Classes, 2, 2, 4, 4, SwiGLU>>(xs, m, w, N, K, y);
 }
 
 }  // namespace
