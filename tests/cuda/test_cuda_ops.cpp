@@ -1730,14 +1730,9 @@ TEST_F(CudaBatchInvariance, ManyRowProductsEqualSingleRowCalls) {
       const std::vector<float> y = cuda_linear(dx, r, 1, w);
       std::copy(y.begin(), y.end(), alone.begin() + r * s.n);
     }
-    // Every tile width of each row family (-1: the one chosen for this GPU).
-    for (int variant : {-1, 0, 1, 2}) {
-      cuda::set_tile_variant(variant);
-      for (int64_t m : {17, 32, 33, 64, 65, 128, 129, 200})
-        EXPECT_TRUE(bitwise_equal(cuda_linear(dx, 0, m, w), slice(alone, 0, sz(m * s.n))))
-            << "N " << s.n << " K " << s.k << " m " << m << " variant " << variant;
-    }
-    cuda::set_tile_variant(-1);
+    for (int64_t m : {17, 32, 33, 64, 65, 128, 129, 200})
+      EXPECT_TRUE(bitwise_equal(cuda_linear(dx, 0, m, w), slice(alone, 0, sz(m * s.n))))
+          << "N " << s.n << " K " << s.k << " m " << m;
   }
   struct MlpShape {
     int64_t h, I;
@@ -1756,17 +1751,12 @@ TEST_F(CudaBatchInvariance, ManyRowProductsEqualSingleRowCalls) {
         const std::vector<float> got = y.download();
         std::copy(got.begin(), got.end(), alone.begin() + r * s.h);
       }
-      for (int variant : {-1, 0, 1, 2}) {
-        cuda::set_tile_variant(variant);
-        for (int64_t m : {17, 40, 100}) {
-          DeviceBuffer<float> y(slice(x, 0, sz(m * s.h)));
-          cuda::swiglu_mlp_add(y.get(), m, gate_up.dev_ref(), down.dev_ref(), y.get(), n);
-          EXPECT_TRUE(bitwise_equal(y.download(), slice(alone, 0, sz(m * s.h))))
-              << "H " << s.h << " I " << s.I << " m " << m << " norm " << (n != nullptr)
-              << " variant " << variant;
-        }
+      for (int64_t m : {17, 40, 100}) {
+        DeviceBuffer<float> y(slice(x, 0, sz(m * s.h)));
+        cuda::swiglu_mlp_add(y.get(), m, gate_up.dev_ref(), down.dev_ref(), y.get(), n);
+        EXPECT_TRUE(bitwise_equal(y.download(), slice(alone, 0, sz(m * s.h))))
+            << "H " << s.h << " I " << s.I << " m " << m << " norm " << (n != nullptr);
       }
-      cuda::set_tile_variant(-1);
     }
   }
 }

@@ -85,12 +85,6 @@ void bump_scratch_generation();
 void set_prefill(bool on, int64_t gemm_rows = ops::kDefaultPrefillGemmRows);
 bool prefill_mode();
 
-// The tile width of the many-row products (linear_tiles.cu): -1 (default) picks per weight the
-// width that fills the GPU best, i >= 0 forces variant i of each row family (clamped). Every
-// variant gives the same bits; this exists so tests can check each one and timings compare them.
-// TANDEM_CUDA_TILE_VARIANT=i in the environment sets the initial value.
-void set_tile_variant(int variant);
-
 void linear(const float* x, int64_t m, const ops::WeightRef& w, float* y);
 // linear for fp8 e4m3 weights with block scales (linear_fp8.cu): weights decoded exactly and
 // scaled as the CPU does, fp32 activations and sums; batch-invariant. linear() routes fp8 here.

@@ -43,12 +43,6 @@ namespace {
 
 namespace cg = cooperative_groups;
 
-// set_tile_variant's value; -1: by balance.
-int g_tile_variant = [] {
-  const char* v = std::getenv("TANDEM_CUDA_TILE_VARIANT");
-  return v ? std::atoi(v) : -1;
-}();
-
 constexpr int kTileThreads = 256;               // 8 warps
 constexpr int kPiecesPerRow = kChunk * 2 / 16;  // 16-byte pieces of one row's chunk
 
@@ -247,74 +241,21 @@ __global__ void __launch_bounds__(kTileThreads, 2)
   cluster.sync();  // no block leaves while another still reads its partials
 }
 
-// One compiled tile shape: its shared memory, the clusters the GPU keeps resident, the balance
-// of a product over them, and the launch.
+// Launches the kernel for one tile shape (the shared memory limit is raised on first use).
 template <int Classes, int MT, int NT, int WarpsM, int Stages, bool SwiGLU>
-struct TileVariant {
+void launch_tiles(const uint16_t* xs, int m, const uint16_t* w, int N, int K, const SplitOut& y) {
   using S = TileShape<MT, NT, WarpsM>;
-  static constexpr size_t kSmem =
-      std::max<size_t>(size_t(Stages) * S::kStageBytes, S::kPartialBytes);
-  static constexpr auto kernel = linear_tiles_kernel<Classes, MT, NT, WarpsM, Stages, SwiGLU>;
-
-  // Clusters resident at once (asked once; the shared memory limit is raised first).
-  static int resident() {
-    static const int clusters = [] {
-      const cudaError_t err = cudaFuncSetAttribute(
-          kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmem));
-      if (err != cudaSuccess)
-        fail("cuda linear: ", kSmem,
-             " bytes of shared memory for the tile stages: ", cudaGetErrorString(err));
-      cudaLaunchAttribute cluster{};
-      cluster.id = cudaLaunchAttributeClusterDimension;
-      cluster.val.clusterDim.x = Classes;
-      cluster.val.clusterDim.y = cluster.val.clusterDim.z = 1;
-      cudaLaunchConfig_t cfg{};
-      cfg.gridDim = dim3(Classes * 64);
-      cfg.blockDim = dim3(kTileThreads);
-      cfg.dynamicSmemBytes = kSmem;
-      cfg.attrs = &cluster;
-      cfg.numAttrs = 1;
-      int n = 0;
-      if (cudaOccupancyMaxActiveClusters(&n, kernel, &cfg) != cudaSuccess || n < 1) {
-        cudaGetLastError();
-        n = 1;
-      }
-      return n;
-    }();
-    return clusters;
-  }
-
-  static int64_t tiles(int m, int N) { return ceil_div(m, S::kRows) * ceil_div(N, S::kCols); }
-
-  // The share of the rounds of resident clusters that the tiles fill (1: whole rounds).
-  static double balance(int m, int N) {
-    const int64_t t = tiles(m, N), cap = resident();
-    return static_cast<double>(t) / static_cast<double>(ceil_div(t, cap) * cap);
-  }
-
-  static void run(const uint16_t* xs, int m, const uint16_t* w, int N, int K, const SplitOut& y) {
-    resident();  // raises the shared memory limit
-    const int64_t m_blocks = ceil_div(m, S::kRows);
-    const unsigned grid = grid_blocks(Classes * tiles(m, N), "linear (tiles)");
-    launch_clustered("linear (tiles)", Classes, kernel, dim3(grid), dim3(kTileThreads), kSmem, xs,
-                     m, w, N, K, static_cast<int>(m_blocks), y);
-  }
-};
-
-// Runs the variant whose tiles fill the resident clusters' rounds best; the earlier (wider)
-// variant on a tie. Every variant gives the same bits, so the choice is free: a weight with
-// few column tiles (the 4,096-row projections) takes narrower tiles rather than leave most of
-// the GPU idle in a last round.
-template <class... Variants>
-void run_best(const uint16_t* xs, int m, const uint16_t* w, int N, int K, const SplitOut& y) {
-  const double balance[] = {Variants::balance(m, N)...};
-  constexpr int count = static_cast<int>(sizeof...(Variants));
-  int best = 0;
-  for (int v = 1; v < count; ++v)
-    if (balance[v] > balance[best] + 0.02) best = v;
-  if (g_tile_variant >= 0) best = std::min(g_tile_variant, count - 1);
-  int v = 0;
-  ((v++ == best ? Variants::run(xs, m, w, N, K, y) : void()), ...);
+  constexpr auto kernel = linear_tiles_kernel<Classes, MT, NT, WarpsM, Stages, SwiGLU>;
+  constexpr size_t smem = std::max<size_t>(size_t(Stages) * S::kStageBytes, S::kPartialBytes);
+  static const cudaError_t allowed = cudaFuncSetAttribute(
+      kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  if (allowed != cudaSuccess)
+    fail("cuda linear: ", smem,
+         " bytes of shared memory for the tile stages: ", cudaGetErrorString(allowed));
+  const int64_t m_blocks = ceil_div(m, S::kRows), n_blocks = ceil_div(N, S::kCols);
+  const unsigned grid = grid_blocks(Classes * m_blocks * n_blocks, "linear (tiles)");
+  launch_clustered("linear (tiles)", Classes, kernel, dim3(grid), dim3(kTileThreads), smem, xs, m,
+                   w, N, K, static_cast<int>(m_blocks), y);
 }
 
 template <int Classes, bool SwiGLU>
@@ -322,22 +263,16 @@ void linear_tiles_classes(const uint16_t* xs, int m, const uint16_t* w, int N, i
                           const SplitOut& y) {
   // Tile rows follow m, so that the weights stream once without idle m-tiles; from 129 rows on,
   // 128-row blocks side by side (the m-blocks of one column range are neighbours in the grid, so
-  // the second reads the weights from L2). Each family: 128 columns per tile, or 64 or 32 where
-  // that fills the resident clusters' rounds better (the 4,096-row projections split 8 ways: 32
-  // tiles of 128 columns on 30 resident clusters would take two rounds).
+  // the second reads the weights from L2). 128 columns per tile: narrower tiles that fill the
+  // resident clusters' last round better (64 or 32 columns) measured slower on every shape, as
+  // did one block per SM with deeper rings (BENCHMARKS.md).
   if (m <= 64)
-    run_best<TileVariant<Classes, 2, 4, 2, 4, SwiGLU>, TileVariant<Classes, 2, 2, 2, 6, SwiGLU>,
-             TileVariant<Classes, 1, 2, 4, 6, SwiGLU>>(xs, m, w, N, K, y);
+    launch_tiles<Classes, 2, 4, 2, 4, SwiGLU>(xs, m, w, N, K, y);
   else
-    run_best<TileVariant<Classes, 4, 4, 2, 3, SwiGLU>, TileVariant<Classes, 4, 2, 2, 4, SwiGLU>,
-             TileVariant<Classes, 2, 2, 4, 4, SwiGLU>>(xs, m, w, N, K, y);
+    launch_tiles<Classes, 4, 4, 2, 3, SwiGLU>(xs, m, w, N, K, y);
 }
 
 }  // namespace
-
-void set_tile_variant(int variant) {
-  g_tile_variant = variant < 0 ? -1 : variant;
-}
 
 bool tiles_enabled() {
   static const bool enabled = [] {
