@@ -101,10 +101,9 @@ __device__ __forceinline__ void stage_chunk(const uint16_t* src, int first, int 
 }
 
 // One block of a Classes-block cluster: output rows [row0, row0 + BM) x weight rows
-// [col0, col0 + 128) over k-class `rank` (chunks rank, rank + Classes, ...), then its share of the
-// cluster's in-order sum and the store. Block x = (tile · Classes + rank), tile = n_block ·
-// m_blocks
-// + m_block, so the m-blocks of one column range run side by side and read its weights from L2.
+// [col0, col0 + BN) over k-class `rank` (chunks rank, rank + Classes, ...), then its share of the
+// cluster's in-order sum and the store. Block x = tile · Classes + rank, with tile = n_block ·
+// m_blocks + m_block, so the m-blocks of one column range run side by side (weights from L2).
 // Two blocks per SM (at most 96 KiB of stages each, at most 128 registers): with one block and
 // more stages the SMs waited at every chunk's barrier, 10-15% slower (BENCHMARKS.md).
 template <int Classes, int MT, int NT, int WarpsM, int Stages, bool SwiGLU>
