@@ -1713,8 +1713,9 @@ using CudaBatchInvariance = CudaTest;
 // attention_rows: the queries of several rows (different lengths, windows, block tables; one
 // row skipped) in one launch give bitwise what each row's attention() call gives alone, with and
 // without the output gate, and match the CPU op; a skipped query's output is left untouched.
-// The many-row products (linear_tiles.cu) against one row at a time (the register kernel of
-// linear.cu): a row's outputs are the same bits in a call of 1 row and of 17..200, for narrow
+// The many-row products (17..32 rows: linear_ring.cu; more: linear_tiles.cu) against one row at
+// a time (the register kernel of linear.cu): a row's outputs are the same bits in a call of 1 row
+// and of 17..200, for narrow
 // weights (K split 8 ways) and wide ones (4 ways), K with a partial last chunk (1040) and K under
 // one chunk per split (48), N off the 128-column tile; then the MLP (SwiGLU epilogue, bf16
 // activations, the residual added in the down projection's epilogue) with and without its norm.
@@ -1730,7 +1731,7 @@ TEST_F(CudaBatchInvariance, ManyRowProductsEqualSingleRowCalls) {
       const std::vector<float> y = cuda_linear(dx, r, 1, w);
       std::copy(y.begin(), y.end(), alone.begin() + r * s.n);
     }
-    for (int64_t m : {17, 32, 33, 64, 65, 128, 129, 200})
+    for (int64_t m : {17, 24, 32, 33, 64, 65, 128, 129, 200})
       EXPECT_TRUE(bitwise_equal(cuda_linear(dx, 0, m, w), slice(alone, 0, sz(m * s.n))))
           << "N " << s.n << " K " << s.k << " m " << m;
   }
@@ -1751,7 +1752,7 @@ TEST_F(CudaBatchInvariance, ManyRowProductsEqualSingleRowCalls) {
         const std::vector<float> got = y.download();
         std::copy(got.begin(), got.end(), alone.begin() + r * s.h);
       }
-      for (int64_t m : {17, 40, 100}) {
+      for (int64_t m : {17, 32, 40, 100}) {
         DeviceBuffer<float> y(slice(x, 0, sz(m * s.h)));
         cuda::swiglu_mlp_add(y.get(), m, gate_up.dev_ref(), down.dev_ref(), y.get(), n);
         EXPECT_TRUE(bitwise_equal(y.download(), slice(alone, 0, sz(m * s.h))))

@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <unordered_map>
 #include <utility>
 
 #include "tandem/backend/cuda/cuda_ops.h"
@@ -101,6 +102,22 @@ template <class... Params, class... Args>
 void launch(const char* op, void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
             Args&&... args) {
   launch_clustered(op, 1, kernel, grid, block, smem, std::forward<Args>(args)...);
+}
+
+// Raises a kernel's dynamic shared memory limit to `bytes` (above the default 48 KiB: the staged
+// input rows of a decode-sized linear, the stages of the many-row products). The limit counts
+// the kernel's static shared memory too, so it is raised for any size the kernel has not been
+// allowed yet; `what` names the memory in the error.
+template <class... Params>
+void allow_dynamic_smem(void (*kernel)(Params...), size_t bytes, const char* what) {
+  static std::unordered_map<const void*, size_t> allowed;
+  size_t& have = allowed[reinterpret_cast<const void*>(kernel)];
+  if (bytes <= have) return;
+  const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                               static_cast<int>(bytes));
+  if (err != cudaSuccess)
+    fail(what, ": ", bytes, " bytes of shared memory: ", cudaGetErrorString(err));
+  have = bytes;
 }
 
 inline int64_t ceil_div(int64_t a, int64_t b) {

@@ -325,7 +325,7 @@ TANDEM_CUDA_TRACE_UNIT(device)
 #define TANDEM_CUDA_TRACE_UNITS(X) \
   X(attention)                     \
   X(attention_prompt)              \
-  X(device) X(elementwise) X(linear) X(linear_tiles) X(moe) X(recurrent) X(sampling)
+  X(device) X(elementwise) X(linear) X(linear_ring) X(linear_tiles) X(moe) X(recurrent) X(sampling)
 #define TANDEM_DECLARE_UNIT(name)                                 \
   void trace_collect_##name(std::vector<KernelMark>&, uint64_t&); \
   void trace_clear_##name();

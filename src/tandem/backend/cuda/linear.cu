@@ -315,75 +315,6 @@ __device__ __forceinline__ uint2 load_x4(const void* xin, const uint16_t* x_smem
   }
 }
 
-// The end of a column group: the Warps warps' partial sums c (this lane's mma accumulators) are
-// summed in warp order through shared memory and stored (SwiGLU: as silu(gate) · up). Every
-// thread of the block calls it; it ends with the block synchronised, so `partial` may be reused.
-template <int Warps, int Tiles, int NT, bool SwiGLU>
-__device__ __forceinline__ void finish_group(float (&partial)[Warps][Tiles][NT][32][4],
-                                             const float (&c)[Tiles][NT][4], int warp, int lane,
-                                             int row0, int m, int n_base, int N, int row_base,
-                                             const SplitOut& y) {
-  const int g = lane / 4, t = lane % 4;
-#pragma unroll
-  for (int i = 0; i < Tiles; ++i)
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) partial[warp][i][nt][lane][e] = c[i][nt][e];
-  __syncthreads();
-  // Column sums over the warps in order 0, 1, ...
-  auto warp_sum = [&](int i, int nt, float(&sum)[4]) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      sum[e] = partial[0][i][nt][lane][e];
-#pragma unroll
-      for (int v = 1; v < Warps; ++v) sum[e] += partial[v][i][nt][lane][e];
-    }
-  };
-  if constexpr (SwiGLU) {
-    // Warp v finishes pairs v, v + Warps, ...: gate tile 2p, up tile 2p + 1.
-    const int half = N / 2;
-    for (int pr = warp; pr < NT / 2; pr += Warps) {
-#pragma unroll
-      for (int i = 0; i < Tiles; ++i) {
-        float gs[4], us[4];
-        warp_sum(i, 2 * pr, gs);
-        warp_sum(i, 2 * pr + 1, us);
-        const int col = n_base / 2 + pr * 8 + 2 * t;
-        const int r_lo = row0 + i * 16 + g, r_hi = r_lo + 8;
-        if (r_lo < m) {
-          if (col < half) y.store(row_base + r_lo, col, silu(gs[0]) * us[0]);
-          if (col + 1 < half) y.store(row_base + r_lo, col + 1, silu(gs[1]) * us[1]);
-        }
-        if (r_hi < m) {
-          if (col < half) y.store(row_base + r_hi, col, silu(gs[2]) * us[2]);
-          if (col + 1 < half) y.store(row_base + r_hi, col + 1, silu(gs[3]) * us[3]);
-        }
-      }
-    }
-  } else {
-    // Warp v finishes n-tiles v, v + Warps, ...
-    for (int nt = warp; nt < NT; nt += Warps) {
-#pragma unroll
-      for (int i = 0; i < Tiles; ++i) {
-        float sum[4];
-        warp_sum(i, nt, sum);
-        const int col = n_base + nt * 8 + 2 * t;
-        const int r_lo = row0 + i * 16 + g, r_hi = r_lo + 8;
-        if (r_lo < m) {
-          if (col < N) y.store(row_base + r_lo, col, sum[0]);
-          if (col + 1 < N) y.store(row_base + r_lo, col + 1, sum[1]);
-        }
-        if (r_hi < m) {
-          if (col < N) y.store(row_base + r_hi, col, sum[2]);
-          if (col + 1 < N) y.store(row_base + r_hi, col + 1, sum[3]);
-        }
-      }
-    }
-  }
-  __syncthreads();
-}
-
 // The kernel. Each warp applies every A fragment it loads to NT n-tiles (8·NT columns per block),
 // so the activations, which every block reads in full, come from L2 NT times less often. Per
 // output the mma sequence is fixed: chunks ascending, j = 0..3 within a chunk, then warps in order.
@@ -991,22 +922,6 @@ bool norm_folds(InputNorm norm, int64_t m) {
          reinterpret_cast<uintptr_t>(norm.row->w.data) % 16 == 0;
 }
 
-// Raises a kernel's dynamic shared memory limit to `bytes` (the bf16 rows of a decode-sized
-// linear: 4 rows of K = 12288 take 96 KiB). The default limit counts the kernel's static shared
-// memory too, so it is raised for any size the kernel has not been allowed yet.
-template <class Kernel>
-void allow_dynamic_smem(Kernel kernel, size_t bytes) {
-  static std::unordered_map<const void*, size_t> allowed;
-  size_t& have = allowed[reinterpret_cast<const void*>(kernel)];
-  if (bytes <= have) return;
-  const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                               static_cast<int>(bytes));
-  if (err != cudaSuccess)
-    fail("cuda linear: ", bytes,
-         " bytes of shared memory for the input rows: ", cudaGetErrorString(err));
-  have = bytes;
-}
-
 template <int Warps, bool SwiGLU>
 void linear_mma_bf16_rows(const uint16_t* xs, int64_t m, const ops::WeightRef& w, const SplitOut& y,
                           const L2Prefetch& pf);
@@ -1039,7 +954,7 @@ void linear_mma_warps(const float* x, int64_t m, const ops::WeightRef& w, const 
   if (m <= kNarrowRows && staged <= kNarrowSmemMax) {
     // Two n-tiles per warp halve the activation reads (every block reads all of x).
     const auto kernel = linear_mma_wide_kernel<Warps, 1, 2, true, SwiGLU>;
-    allow_dynamic_smem(kernel, staged);
+    allow_dynamic_smem(kernel, staged, "cuda linear: the input rows");
     RowNormArgs row_norm{nullptr, 0.0f, false};
     if (norm.row)
       row_norm = {static_cast<const float*>(norm.row->w.data), norm.row->eps,
@@ -1072,6 +987,9 @@ void linear_mma_bf16_rows(const uint16_t* xs, int64_t m, const ops::WeightRef& w
   // More than two m-tiles (verify windows of many rows): the staged kernel of linear_tiles.cu,
   // the same bits. Up to 32 rows this kernel measured faster (BENCHMARKS.md).
   if (m > kTilesFromRows && tiles_enabled()) return linear_tiles(xs, M, wp, N, K, Warps, SwiGLU, y);
+  // Two m-tiles (a 32-row decode step, a 4-token window of 8 rows): the weights through a ring
+  // that a producer warp keeps full (linear_ring.cu), the same bits.
+  if (ring_takes(M)) return linear_ring(xs, M, wp, N, K, Warps, SwiGLU, y);
   // Wide weights (4 warps) take 4 n-tiles per warp, narrow ones 2 (to keep more blocks).
   constexpr int NT = Warps == 4 ? 4 : 2;
   if (m <= kTileRows)
@@ -1138,7 +1056,7 @@ void linear_grouped_warps(const float* x, int64_t rows, int64_t max_rows,
   const size_t staged = sizeof(uint16_t) * static_cast<size_t>(max_rows * staged_row_stride(K));
   if (max_rows <= kNarrowRows && staged <= kNarrowSmemMax) {
     const auto kernel = linear_mma_wide_kernel<Warps, 1, 2, true, SwiGLU, true>;
-    allow_dynamic_smem(kernel, staged);
+    allow_dynamic_smem(kernel, staged, "cuda linear: the input rows");
     launch("linear_grouped", kernel, grid(kernel, 16, staged), kThreads, staged, x, M, wp, N, K, y,
            RowNormArgs{nullptr, 0.0f, false}, L2Prefetch{}, gr);
     return;

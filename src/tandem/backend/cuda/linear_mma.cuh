@@ -9,6 +9,8 @@
 
 #include <cstdint>
 
+#include "tandem/backend/cuda/activation.cuh"
+
 namespace tandem::cuda {
 
 constexpr int kChunk = 64;     // k per warp chunk: 4 lanes x 16
@@ -60,12 +62,102 @@ struct SplitOut {
   }
 };
 
+// The end of a column group of the register kernel (linear.cu) and the ring kernel
+// (linear_ring.cu): the Warps k-split warps' partial sums c (this lane's mma accumulators, rows
+// row0 .. row0 + 16·Tiles of the call) are summed in warp order through shared memory and stored
+// (SwiGLU: as silu(gate) · up). Every one of the Warps warps calls it, and it ends with them
+// synchronised, so `partial` may be reused. BarrierThreads = 0: the Warps warps are the whole
+// block (__syncthreads); else named barrier 1 over the first BarrierThreads (= 32·Warps) threads,
+// for a block whose other warps never take part.
+template <int BarrierThreads>
+__device__ __forceinline__ void group_barrier() {
+  if constexpr (BarrierThreads == 0)
+    __syncthreads();
+  else
+    asm volatile("bar.sync 1, %0;" ::"n"(BarrierThreads) : "memory");
+}
+
+template <int Warps, int Tiles, int NT, bool SwiGLU, int BarrierThreads = 0>
+__device__ __forceinline__ void finish_group(float (&partial)[Warps][Tiles][NT][32][4],
+                                             const float (&c)[Tiles][NT][4], int warp, int lane,
+                                             int row0, int m, int n_base, int N, int row_base,
+                                             const SplitOut& y) {
+  const int g = lane / 4, t = lane % 4;
+#pragma unroll
+  for (int i = 0; i < Tiles; ++i)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) partial[warp][i][nt][lane][e] = c[i][nt][e];
+  group_barrier<BarrierThreads>();
+  // Column sums over the warps in order 0, 1, ...
+  auto warp_sum = [&](int i, int nt, float(&sum)[4]) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      sum[e] = partial[0][i][nt][lane][e];
+#pragma unroll
+      for (int v = 1; v < Warps; ++v) sum[e] += partial[v][i][nt][lane][e];
+    }
+  };
+  if constexpr (SwiGLU) {
+    // Warp v finishes pairs v, v + Warps, ...: gate tile 2p, up tile 2p + 1.
+    const int half = N / 2;
+    for (int pr = warp; pr < NT / 2; pr += Warps) {
+#pragma unroll
+      for (int i = 0; i < Tiles; ++i) {
+        float gs[4], us[4];
+        warp_sum(i, 2 * pr, gs);
+        warp_sum(i, 2 * pr + 1, us);
+        const int col = n_base / 2 + pr * 8 + 2 * t;
+        const int r_lo = row0 + i * 16 + g, r_hi = r_lo + 8;
+        if (r_lo < m) {
+          if (col < half) y.store(row_base + r_lo, col, silu(gs[0]) * us[0]);
+          if (col + 1 < half) y.store(row_base + r_lo, col + 1, silu(gs[1]) * us[1]);
+        }
+        if (r_hi < m) {
+          if (col < half) y.store(row_base + r_hi, col, silu(gs[2]) * us[2]);
+          if (col + 1 < half) y.store(row_base + r_hi, col + 1, silu(gs[3]) * us[3]);
+        }
+      }
+    }
+  } else {
+    // Warp v finishes n-tiles v, v + Warps, ...
+    for (int nt = warp; nt < NT; nt += Warps) {
+#pragma unroll
+      for (int i = 0; i < Tiles; ++i) {
+        float sum[4];
+        warp_sum(i, nt, sum);
+        const int col = n_base + nt * 8 + 2 * t;
+        const int r_lo = row0 + i * 16 + g, r_hi = r_lo + 8;
+        if (r_lo < m) {
+          if (col < N) y.store(row_base + r_lo, col, sum[0]);
+          if (col + 1 < N) y.store(row_base + r_lo, col + 1, sum[1]);
+        }
+        if (r_hi < m) {
+          if (col < N) y.store(row_base + r_hi, col, sum[2]);
+          if (col + 1 < N) y.store(row_base + r_hi, col + 1, sum[3]);
+        }
+      }
+    }
+  }
+  group_barrier<BarrierThreads>();
+}
+
 // The many-row product (linear_tiles.cu): y = xs · wᵀ for many bf16 rows xs [m, K]
 // (16-byte aligned rows, K a multiple of 16), w bf16 [N, K], with the reduction order of the
 // decode kernel that splits K over `classes` warps (4 or 8), bitwise. swiglu: w is
 // gate_up_swiglu's pair layout and y receives silu(gate) · up (N / 2 columns).
 void linear_tiles(const uint16_t* xs, int m, const uint16_t* w, int N, int K, int classes,
                   bool swiglu, const SplitOut& y);
+
+// The product of 17..32 bf16 rows with the register kernel's bits, its weights streamed through a
+// shared-memory ring by a producer warp (linear_ring.cu); same arguments as linear_tiles.
+void linear_ring(const uint16_t* xs, int m, const uint16_t* w, int N, int K, int classes,
+                 bool swiglu, const SplitOut& y);
+
+// Whether linear_ring takes a product of m rows: 17..32 rows, unless TANDEM_CUDA_RING=0 in the
+// environment keeps them on the register kernel (A/B timing).
+bool ring_takes(int m);
 
 // Whether linear_tiles takes the many-row products (the default);
 // TANDEM_CUDA_TILES=0 in the environment keeps them on the register kernel (A/B timing).

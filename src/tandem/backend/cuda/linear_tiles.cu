@@ -240,17 +240,13 @@ __global__ void __launch_bounds__(kTileThreads, 2)
   cluster.sync();  // no block leaves while another still reads its partials
 }
 
-// Launches the kernel for one tile shape (the shared memory limit is raised on first use).
+// Launches the kernel for one tile shape.
 template <int Classes, int MT, int NT, int WarpsM, int Stages, bool SwiGLU>
 void launch_tiles(const uint16_t* xs, int m, const uint16_t* w, int N, int K, const SplitOut& y) {
   using S = TileShape<MT, NT, WarpsM>;
   constexpr auto kernel = linear_tiles_kernel<Classes, MT, NT, WarpsM, Stages, SwiGLU>;
   constexpr size_t smem = std::max<size_t>(size_t(Stages) * S::kStageBytes, S::kPartialBytes);
-  static const cudaError_t allowed = cudaFuncSetAttribute(
-      kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-  if (allowed != cudaSuccess)
-    fail("cuda linear: ", smem,
-         " bytes of shared memory for the tile stages: ", cudaGetErrorString(allowed));
+  allow_dynamic_smem(kernel, smem, "cuda linear (tiles): the tile stages");
   const int64_t m_blocks = ceil_div(m, S::kRows), n_blocks = ceil_div(N, S::kCols);
   const unsigned grid = grid_blocks(Classes * m_blocks * n_blocks, "linear (tiles)");
   launch_clustered("linear (tiles)", Classes, kernel, dim3(grid), dim3(kTileThreads), smem, xs, m,
