@@ -1715,10 +1715,10 @@ using CudaBatchInvariance = CudaTest;
 // without the output gate, and match the CPU op; a skipped query's output is left untouched.
 // The many-row products (17..32 rows: linear_ring.cu; more: linear_tiles.cu) against one row at
 // a time (the register kernel of linear.cu): a row's outputs are the same bits in a call of 1 row
-// and of 17..200, for narrow
-// weights (K split 8 ways) and wide ones (4 ways), K with a partial last chunk (1040) and K under
-// one chunk per split (48), N off the 128-column tile; then the MLP (SwiGLU epilogue, bf16
-// activations, the residual added in the down projection's epilogue) with and without its norm.
+// and of 17..200, for narrow weights (K split 8 ways) and wide ones (4 ways), K with a partial
+// last chunk (1040) and K under one chunk per split (48), N off the 128-column tile; then the MLP
+// (SwiGLU epilogue, bf16 activations, the residual added in the down projection's epilogue) with
+// and without its norm.
 TEST_F(CudaBatchInvariance, ManyRowProductsEqualSingleRowCalls) {
   std::mt19937 rng(91);
   const int64_t max_m = 200;

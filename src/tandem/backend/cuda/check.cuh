@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <map>
 #include <unordered_map>
 #include <utility>
 
@@ -118,6 +119,30 @@ void allow_dynamic_smem(void (*kernel)(Params...), size_t bytes, const char* wha
   if (err != cudaSuccess)
     fail(what, ": ", bytes, " bytes of shared memory: ", cudaGetErrorString(err));
   have = bytes;
+}
+
+// Blocks of `kernel` the GPU keeps resident at once (its occupancy per SM at `threads` threads and
+// `smem` bytes of dynamic shared memory, times the SMs; at least one per SM), asked once per
+// (kernel, smem).
+template <class... Params>
+int resident_blocks(void (*kernel)(Params...), int threads, size_t smem) {
+  static const int sms = [] {
+    int dev = 0, n = 0;
+    cudaGetDevice(&dev);
+    cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
+    return n > 0 ? n : 1;
+  }();
+  static std::map<std::pair<const void*, size_t>, int> per_sm;
+  const auto key = std::make_pair(reinterpret_cast<const void*>(kernel), smem);
+  auto it = per_sm.find(key);
+  if (it == per_sm.end()) {
+    int n = 0;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, smem) != cudaSuccess ||
+        n < 1)
+      n = 1;
+    it = per_sm.emplace(key, n).first;
+  }
+  return sms * it->second;
 }
 
 inline int64_t ceil_div(int64_t a, int64_t b) {

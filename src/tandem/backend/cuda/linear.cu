@@ -55,7 +55,6 @@
 #include <string_view>
 #include <tuple>
 #include <type_traits>
-#include <unordered_map>
 
 #include "tandem/backend/cuda/activation.cuh"
 #include "tandem/backend/cuda/check.cuh"
@@ -760,36 +759,11 @@ void rows_to_bf16(const float* x, int64_t m, int64_t K, __nv_bfloat16* out) {
   }
 }
 
-struct PairHash {
-  size_t operator()(const std::pair<const void*, size_t>& p) const {
-    return std::hash<const void*>()(p.first) ^
-           (std::hash<size_t>()(p.second) * 0x9E3779B97F4A7C15ull);
-  }
-};
-
 // Blocks for `groups` column groups: as many as the GPU keeps resident (occupancy x SMs) at
 // most, and then the fewest that give every block the same number of groups.
 template <class Kernel>
 unsigned balanced_grid(Kernel kernel, int threads, int groups, size_t smem = 0) {
-  static int sms = [] {
-    int dev = 0, n = 0;
-    cudaGetDevice(&dev);
-    cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
-    return n > 0 ? n : 1;
-  }();
-  // Per (kernel, dynamic shared memory), asked once.
-  static std::unordered_map<std::pair<const void*, size_t>, int, PairHash> occupancy;
-  const auto key = std::make_pair(reinterpret_cast<const void*>(kernel), smem);
-  auto it = occupancy.find(key);
-  if (it == occupancy.end()) {
-    int n = 0;
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, smem) != cudaSuccess ||
-        n < 1)
-      n = 1;
-    it = occupancy.emplace(key, n).first;
-  }
-  const int per_sm = it->second;
-  const int resident = sms * per_sm;
+  const int resident = resident_blocks(kernel, threads, smem);
   const int rounds = (groups + resident - 1) / resident;
   return static_cast<unsigned>((groups + rounds - 1) / rounds);
 }

@@ -16,6 +16,11 @@ namespace tandem::cuda {
 constexpr int kChunk = 64;     // k per warp chunk: 4 lanes x 16
 constexpr int kTileRows = 16;  // rows of one m-tile (the mma's m)
 
+// A shared-memory pointer as the 32-bit shared::cta address that cp.async and mbarriers take.
+__device__ __forceinline__ uint32_t shared_address(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // .x (lo) in the low 16 bits
   return *reinterpret_cast<const uint32_t*>(&v);

@@ -43,11 +43,7 @@ namespace tandem::cuda {
 
 namespace {
 
-// The mbarrier and bulk-copy primitives (sm_90), on shared::cta addresses.
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
+// The mbarrier and bulk-copy primitives (sm_90), on shared::cta addresses (shared_address).
 __device__ __forceinline__ void mbar_init(uint32_t bar, unsigned count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
 }
@@ -120,8 +116,8 @@ __global__ void __launch_bounds__((Warps + 1) * 32)
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < Stages; ++s) {
-      mbar_init(smem_addr(&full[s]), 1);
-      mbar_init(smem_addr(&empty[s]), Warps);
+      mbar_init(shared_address(&full[s]), 1);
+      mbar_init(shared_address(&empty[s]), Warps);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
@@ -137,14 +133,14 @@ __global__ void __launch_bounds__((Warps + 1) * 32)
       const int rows = N - n0 < S::kRows ? N - n0 : S::kRows;
       for (int s = 0; s < per_group; ++s, ++q) {
         const int slot = q % Stages;
-        if (q >= Stages) mbar_wait(smem_addr(&empty[slot]), ((q / Stages) - 1) & 1);
+        if (q >= Stages) mbar_wait(shared_address(&empty[slot]), ((q / Stages) - 1) & 1);
         const int k0 = s * Warps * kChunk;
         const unsigned bytes =
             static_cast<unsigned>(K - k0 < Warps * kChunk ? K - k0 : Warps * kChunk) * 2;
-        const uint32_t bar = smem_addr(&full[slot]);
+        const uint32_t bar = shared_address(&full[slot]);
         if (lane == 0) mbar_arrive_expect(bar, bytes * rows);
         __syncwarp();
-        const uint32_t base = smem_addr(ring + slot * S::kStageBytes);
+        const uint32_t base = shared_address(ring + slot * S::kStageBytes);
         for (int r = lane; r < rows; r += 32)
           bulk_copy(base + r * S::kRowStride, w + static_cast<size_t>(n0 + r) * K + k0, bytes, bar,
                     policy);
@@ -156,10 +152,9 @@ __global__ void __launch_bounds__((Warps + 1) * 32)
   pdl_wait();
   pdl_release();
   const int g = lane / 4, t = lane % 4;
-  // This warp's inputs of stage s's chunk (rows r, k .. k + 15 per lane: two 16-byte loads),
-  // requested before the stage's wait, so their latency overlaps its arrival.
-  auto load_a = [&](uint4(&a)[Tiles][2][2], int s) {
-    const int k = (s * Warps + warp) * kChunk + 16 * t;
+  // This lane's inputs at k (rows r, k .. k + 15: two 16-byte loads), requested before the
+  // stage's wait, so their latency overlaps its arrival. m <= 16·Tiles: one pass per group.
+  auto load_a = [&](uint4(&a)[Tiles][2][2], int k) {
 #pragma unroll
     for (int i = 0; i < Tiles; ++i)
 #pragma unroll
@@ -180,55 +175,53 @@ __global__ void __launch_bounds__((Warps + 1) * 32)
     bool n_ok[NT];
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) n_ok[nt] = n_base + nt * 8 + g < N;
-    {  // m <= 16·Tiles rows: one pass over the group's stages
-      float c[Tiles][NT][4];
+    float c[Tiles][NT][4];
 #pragma unroll
-      for (int i = 0; i < Tiles; ++i)
+    for (int i = 0; i < Tiles; ++i)
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt) c[i][nt][0] = c[i][nt][1] = c[i][nt][2] = c[i][nt][3] = 0.f;
-      uint4 a[Tiles][2][2];
-      for (int s = 0; s < per_group; ++s, ++q) {
-        const int slot = q % Stages;
-        const int ch = s * Warps + warp;
-        const int k = ch * kChunk + 16 * t;
-        const bool k_ok = k < K;
-        load_a(a, s);
-        mbar_wait(smem_addr(&full[slot]), (q / Stages) & 1);
-        uint4 wv[NT][2];
-        const unsigned char* stage = ring + slot * S::kStageBytes + warp * kChunk * 2 + 32 * t;
+      for (int nt = 0; nt < NT; ++nt) c[i][nt][0] = c[i][nt][1] = c[i][nt][2] = c[i][nt][3] = 0.f;
+    uint4 a[Tiles][2][2];
+    for (int s = 0; s < per_group; ++s, ++q) {
+      const int slot = q % Stages;
+      const int ch = s * Warps + warp;
+      const int k = ch * kChunk + 16 * t;
+      const bool k_ok = k < K;
+      load_a(a, k);
+      mbar_wait(shared_address(&full[slot]), (q / Stages) & 1);
+      uint4 wv[NT][2];
+      const unsigned char* stage = ring + slot * S::kStageBytes + warp * kChunk * 2 + 32 * t;
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-          if (n_ok[nt] && k_ok) {
-            const uint4* p = reinterpret_cast<const uint4*>(stage + (nt * 8 + g) * S::kRowStride);
-            wv[nt][0] = p[0];
-            wv[nt][1] = p[1];
-          } else {
-            wv[nt][0] = wv[nt][1] = make_uint4(0, 0, 0, 0);
-          }
+      for (int nt = 0; nt < NT; ++nt) {
+        if (n_ok[nt] && k_ok) {
+          const uint4* p = reinterpret_cast<const uint4*>(stage + (nt * 8 + g) * S::kRowStride);
+          wv[nt][0] = p[0];
+          wv[nt][1] = p[1];
+        } else {
+          wv[nt][0] = wv[nt][1] = make_uint4(0, 0, 0, 0);
         }
-        __syncwarp();
-        if (lane == 0) mbar_arrive(smem_addr(&empty[slot]));
-        if (ch < chunks) {  // uniform across the warp: the group's last stage is short
-          // mma j takes k + 4j .. k + 4j + 3: 32-bit words 2j, 2j + 1 of the lane's 16 values.
+      }
+      __syncwarp();
+      if (lane == 0) mbar_arrive(shared_address(&empty[slot]));
+      if (ch < chunks) {  // uniform across the warp: the group's last stage is short
+        // mma j takes k + 4j .. k + 4j + 3: 32-bit words 2j, 2j + 1 of the lane's 16 values.
 #pragma unroll
-          for (int j = 0; j < 4; ++j) {
+        for (int j = 0; j < 4; ++j) {
 #pragma unroll
-            for (int i = 0; i < Tiles; ++i) {
-              const uint32_t* lo = reinterpret_cast<const uint32_t*>(&a[i][0][0]);
-              const uint32_t* hi = reinterpret_cast<const uint32_t*>(&a[i][1][0]);
+          for (int i = 0; i < Tiles; ++i) {
+            const uint32_t* lo = reinterpret_cast<const uint32_t*>(&a[i][0][0]);
+            const uint32_t* hi = reinterpret_cast<const uint32_t*>(&a[i][1][0]);
 #pragma unroll
-              for (int nt = 0; nt < NT; ++nt) {
-                const uint32_t* wb = reinterpret_cast<const uint32_t*>(&wv[nt][0]);
-                mma_bf16_16816(c[i][nt], lo[2 * j], hi[2 * j], lo[2 * j + 1], hi[2 * j + 1],
-                               wb[2 * j], wb[2 * j + 1]);
-              }
+            for (int nt = 0; nt < NT; ++nt) {
+              const uint32_t* wb = reinterpret_cast<const uint32_t*>(&wv[nt][0]);
+              mma_bf16_16816(c[i][nt], lo[2 * j], hi[2 * j], lo[2 * j + 1], hi[2 * j + 1],
+                             wb[2 * j], wb[2 * j + 1]);
             }
           }
         }
       }
-      finish_group<Warps, Tiles, NT, SwiGLU, Warps * 32>(partial, c, warp, lane, 0, m, n_base, N, 0,
-                                                         y);
     }
+    finish_group<Warps, Tiles, NT, SwiGLU, Warps * 32>(partial, c, warp, lane, 0, m, n_base, N, 0,
+                                                       y);
   }
 }
 
@@ -249,16 +242,7 @@ void launch_ring(const uint16_t* xs, int m, const uint16_t* w, int N, int K, con
   // One block per column group up to the blocks that fit at once; beyond that, resident blocks
   // walk several groups (the producer streams on across them). Whole rounds of fewer blocks
   // (balanced_grid's rule) left SMs with one block where two fit, and measured 0.5% slower.
-  static const int resident = [&] {
-    int dev = 0, sms = 0, per_sm = 0;
-    cudaGetDevice(&dev);
-    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem) !=
-            cudaSuccess ||
-        per_sm < 1)
-      per_sm = 1;
-    return (sms > 0 ? sms : 1) * per_sm;
-  }();
+  const int resident = resident_blocks(kernel, kThreads, smem);
   const int groups = (N + S::kRows - 1) / S::kRows;
   const unsigned grid = static_cast<unsigned>(groups < resident ? groups : resident);
   launch("linear (ring)", kernel, dim3(grid), dim3(kThreads), smem, xs, m, w, N, K, y);

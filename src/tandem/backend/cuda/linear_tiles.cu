@@ -56,10 +56,6 @@ struct TileShape {
   static constexpr int kPartialBytes = kAcc * kTileThreads * 4;
 };
 
-__device__ __forceinline__ uint32_t shared_address(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
 // 16 bytes from global src to shared dst, or 16 zero bytes when !valid (src is then not read).
 __device__ __forceinline__ void copy16_async(uint32_t dst, const void* src, bool valid) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src),
