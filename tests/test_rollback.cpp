@@ -39,7 +39,7 @@ const char* kConfig = R"({
 constexpr int32_t kVocab = 89;
 
 std::string strategy_name(RecurrentRollback r) {
-  return r == RecurrentRollback::PerPositionStates ? "PerPositionStates" : "SnapshotReplay";
+  return r == RecurrentRollback::PerPositionStates ? "PerPositionStates" : "Replay";
 }
 
 class Rollback : public ::testing::TestWithParam<RecurrentRollback> {
@@ -250,8 +250,24 @@ TEST_P(Rollback, MisuseIsRefusedWithoutChangingState) {
   const RowKeep k1{a, 1};
   expect_error([&] { model_->commit_windows(s, {&k1, 1}); }, "has no speculative window");
 
-  feed(s, a, tokens(3, 3), true);
-  feed(s, c, tokens(2, 4), true);
+  {
+    // Both windows in one forward (the verify round): Replay records one forward's windows.
+    const auto wa = tokens(3, 3), wc = tokens(2, 4);
+    std::vector<int32_t> flat(wa);
+    flat.insert(flat.end(), wc.begin(), wc.end());
+    const RowInput rows[] = {{a, 3, true}, {c, 2, true}};
+    ForwardOutput o;
+    model_->forward(s, {flat, rows, true, false}, &o);
+  }
+  // A plain forward of another row while the windows are open leaves them intact; under Replay a
+  // second speculative forward is refused until they are committed, changing nothing.
+  const int d = s.open_row();
+  feed(s, d, tokens(3, 6));
+  if (GetParam() == RecurrentRollback::Replay) {
+    expect_error([&] { feed(s, d, tokens(2, 7), true); }, "is not committed yet");
+    EXPECT_EQ(s.length(d), 3);
+    EXPECT_FALSE(s.window_open(d));
+  }
   for (int64_t bad : {int64_t{0}, int64_t{4}, int64_t{-1}}) {
     const RowKeep k{a, bad};
     expect_error([&] { model_->commit_windows(s, {&k, 1}); }, "must be 1..3");
@@ -302,7 +318,7 @@ TEST_P(Rollback, ClosingARowDiscardsItsWindow) {
 
 INSTANTIATE_TEST_SUITE_P(Strategies, Rollback,
                          ::testing::Values(RecurrentRollback::PerPositionStates,
-                                           RecurrentRollback::SnapshotReplay),
+                                           RecurrentRollback::Replay),
                          [](const ::testing::TestParamInfo<RecurrentRollback>& info) {
                            return strategy_name(info.param);
                          });

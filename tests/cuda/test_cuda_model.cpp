@@ -361,6 +361,67 @@ TEST_F(CudaModelTest, TokenLogitsAreBitwiseIndependentOfWindowAndBatch) {
   }
 }
 
+// A verify round on the GPU (windows of 3, 2 and 4 tokens and a plain row, in one forward), then
+// one commit keeping 2, 1 and 4 of them: every row's DeltaNet conv and recurrent states are byte
+// for byte those of decoding only the kept tokens one at a time, and so is the next step's
+// logits row, under both rollback strategies (Replay's frozen rows and batched replay, and the
+// per-position records).
+TEST_F(CudaModelTest, CommittedWindowsEqualDecodingTheKeptTokens) {
+  ScopedBackend cuda(ops::Backend::Cuda);
+  Demo& d = cuda_demo();
+  const Qwen35Model& m = *d.model;
+  const int64_t V = m.config().vocab_size;
+  const std::vector<std::vector<int32_t>> prompts = {
+      d.tok->encode(kPrompts[0]), d.tok->encode(kPrompts[1]), d.tok->encode(kPrompts[2]),
+      d.tok->encode(kPrompts[1])};
+  const std::vector<std::vector<int32_t>> windows = {{5, 6, 7}, {8, 9}, {10, 11, 12, 13}, {14}};
+  const int64_t kept[] = {2, 1, 4, 1};
+  const std::vector<int32_t> next = {21, 22, 23, 24};
+  const size_t R = prompts.size();
+  auto linear_state = [](const Qwen35State& st, int slot) {
+    std::vector<float> h(static_cast<size_t>(st.linear_state_floats()));
+    ops::copy_to_host(h.data(), st.linear_state(slot), sizeof(float) * h.size());
+    return h;
+  };
+  for (RecurrentRollback rb : {RecurrentRollback::Replay, RecurrentRollback::PerPositionStates}) {
+    const std::string name = rb == RecurrentRollback::Replay ? "Replay" : "PerPositionStates";
+    Qwen35State st(m.config(), rb);
+    ForwardOutput out;
+    std::vector<int> slots;
+    for (const auto& p : prompts) slots.push_back(prefill_row(m, st, p, &out));
+    std::vector<int32_t> flat;
+    std::vector<RowInput> rows;
+    for (size_t r = 0; r < R; ++r) {
+      flat.insert(flat.end(), windows[r].begin(), windows[r].end());
+      rows.push_back({slots[r], static_cast<int64_t>(windows[r].size()), windows[r].size() > 1});
+    }
+    m.forward(st, {flat, rows, true, false}, &out);
+    std::vector<RowKeep> keeps;
+    for (size_t r = R; r-- > 0;)  // listed in another order than the forward's
+      if (windows[r].size() > 1) keeps.push_back({slots[r], kept[r]});
+    m.commit_windows(st, keeps);
+    std::vector<RowInput> step;
+    for (size_t r = 0; r < R; ++r) step.push_back({slots[r], 1});
+    m.forward(st, {next, step, false, false}, &out);
+    const std::vector<float> together = out.logits;
+
+    for (size_t r = 0; r < R; ++r) {
+      const std::string what = name + ", row " + std::to_string(r);
+      Qwen35State ref(m.config(), rb);
+      ForwardOutput o;
+      const int b = prefill_row(m, ref, prompts[r], &o);
+      decode_steps(m, ref, b, std::span(windows[r]).first(static_cast<size_t>(kept[r])));
+      const std::vector<float> alone = decode_steps(m, ref, b, std::span(&next[r], 1));
+      EXPECT_TRUE(same_bits(together.data() + r * V, alone.data(), V)) << what << ": next step";
+      EXPECT_EQ(st.length(slots[r]), ref.length(b)) << what;
+      const std::vector<float> got = linear_state(st, slots[r]), want = linear_state(ref, b);
+      ASSERT_EQ(got.size(), want.size());
+      EXPECT_TRUE(same_bits(got.data(), want.data(), static_cast<int64_t>(got.size())))
+          << what << ": DeltaNet state";
+    }
+  }
+}
+
 // A token's logits next to 1, 7, 31 and 255 other rows: decoded one step at a time with every
 // row taking one token, and in a verify window of 4 while the others take one token, they are
 // bitwise those of the token alone. Together the batches pass through every m-tile count of the

@@ -454,7 +454,9 @@ void gated_delta_rule(const float* q, const float* k, const float* v, const floa
 // and no two rows of a call own the same token or state. The states are the row's own, as the
 // single-row ops take them; one descriptor array can serve both ops of a layer. A null conv_after
 // / state_after skips that row's per-token states (rows of one call may differ: some speculative,
-// others not). A row with n == 0 is skipped: its states are left untouched.
+// others not). A row with n == 0 is skipped: its states are left untouched. A frozen row reads its
+// states and writes none of them (a verify window whose commit replays the kept tokens from the
+// untouched state, Qwen35State's Replay rollback); its outputs are those of an unfrozen row.
 struct RecurrentRow {
   int64_t first_token = 0;
   int64_t n = 0;
@@ -462,6 +464,7 @@ struct RecurrentRow {
   float* conv_after = nullptr;   // optional [n, channels, kernel-1]
   float* state = nullptr;        // [n_v_heads, dk, dv]
   float* state_after = nullptr;  // optional [n, n_v_heads, dk, dv]
+  bool frozen = false;
 };
 
 // causal_conv_silu of n_rows rows: x, out [T, channels]; row r runs on its tokens with its

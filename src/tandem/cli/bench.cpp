@@ -1,9 +1,9 @@
 // tandem bench: prefill and decode throughput over repeated runs, reported against the memory
 // roofline (weight bytes one decode step must read ÷ this machine's measured bandwidth), and the
-// cost of one target forward per shape: a decode step, verify windows of k tokens per row, and a
-// long prefill. --random-weights builds the model directly in the backend's memory from a
-// config.json, so real sizes can be measured without weight files; when that config declares an
-// MTP layer, the MTP draft step is timed with a random layer of that shape.
+// cost of one target forward per shape: a decode step, verify windows of k tokens per row (with
+// their commit), and a long prefill. --random-weights builds the model directly in the backend's
+// memory from a config.json, so real sizes can be measured without weight files; when that config
+// declares an MTP layer, the MTP draft step is timed with a random layer of that shape.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -45,6 +45,7 @@ struct BenchArgs {
   int threads = 0;
   std::string step_output = "tokens";  // what a timed forward hands to the host, see time_steps
   std::string kv_dtype = "bf16";
+  std::string rollback = "replay";  // RecurrentRollback of the timed verify windows
   bool json = false;
 };
 
@@ -91,16 +92,17 @@ std::vector<int64_t> parse_windows(const std::string& s) {
 }
 
 // Median seconds of one target forward in which each of `batch` rows appends `k` tokens
-// (k == 1: a decode step; k > 1: a verify window, committed keeping one token so the rows grow by
-// one token per step like a fully rejected speculation round). Rows first hold `context` tokens.
+// (k == 1: a decode step; k > 1: a verify window and its commit, keeping one token so the rows grow
+// by one token per step like a fully rejected speculation round: what a round costs the target
+// besides drafting). Rows first hold `context` tokens.
 // Every window token gets logits; what reaches the host is what the engines take from a forward:
 // `logits` false, the greedy token of each (argmax on the device, as greedy decoding and greedy
 // verification run); true, the logits themselves (as sampling at T > 0 runs, a vocab-sized PCIe
 // copy per token).
-Spread time_steps(const Qwen35Model& model, DType kv_dtype, int batch, int64_t k, int64_t context,
-                  int repeats, bool logits) {
+Spread time_steps(const Qwen35Model& model, DType kv_dtype, RecurrentRollback rollback, int batch,
+                  int64_t k, int64_t context, int repeats, bool logits) {
   const Qwen35Config& cfg = model.config();
-  Qwen35State state(cfg, RecurrentRollback::PerPositionStates, kv_dtype);
+  Qwen35State state(cfg, rollback, kv_dtype);
   std::vector<int> slots;
   std::vector<int32_t> tokens;
   std::vector<RowInput> rows;
@@ -132,9 +134,9 @@ Spread time_steps(const Qwen35Model& model, DType kv_dtype, int batch, int64_t k
     req.want_logits = logits;
     req.want_argmax = !logits;
     model.forward(state, req, &out);
+    if (k > 1) model.commit_windows(state, keep);
     ops::synchronize();
     const double t = now_seconds() - t0;
-    if (k > 1) model.commit_windows(state, keep);
     if (r >= 2) times.push_back(t);
   }
   return spread(times);
@@ -202,7 +204,7 @@ Spread time_prefill(const Qwen35Model& model, DType kv_dtype, int64_t n, int64_t
   std::vector<double> times;
   for (int r = 0; r < repeats + 1; ++r) {
     for (auto& t : tokens) t = pick(rng);
-    Qwen35State state(cfg, RecurrentRollback::PerPositionStates, kv_dtype);
+    Qwen35State state(cfg, Qwen35State::kDefaultRollback, kv_dtype);
     const int slot = state.open_row();
     const RowInput row{slot, n};
     ForwardOutput out;
@@ -234,6 +236,10 @@ void run_bench(const BenchArgs& a) {
   if (a.step_output != "tokens" && a.step_output != "logits")
     fail("bench: --step-output must be tokens or logits, got '", a.step_output, "'");
   const bool step_logits = a.step_output == "logits";
+  if (a.rollback != "replay" && a.rollback != "per-position")
+    fail("bench: --rollback must be replay or per-position, got '", a.rollback, "'");
+  const RecurrentRollback rollback =
+      a.rollback == "replay" ? RecurrentRollback::Replay : RecurrentRollback::PerPositionStates;
   std::unique_ptr<Qwen35Model> model;
   std::string name;
   if (!a.random_weights.empty()) {
@@ -279,12 +285,12 @@ void run_bench(const BenchArgs& a) {
   std::fprintf(stderr,
                "bench: timing decode steps and verify windows (context %lld, %s to the host)\n",
                static_cast<long long>(a.step_context), a.step_output.c_str());
-  const Spread step =
-      time_steps(*model, kv_dtype, a.batch, 1, a.step_context, a.step_repeats, step_logits);
+  const Spread step = time_steps(*model, kv_dtype, rollback, a.batch, 1, a.step_context,
+                                 a.step_repeats, step_logits);
   std::vector<Spread> window_times;
   for (int64_t k : windows)
-    window_times.push_back(
-        time_steps(*model, kv_dtype, a.batch, k, a.step_context, a.step_repeats, step_logits));
+    window_times.push_back(time_steps(*model, kv_dtype, rollback, a.batch, k, a.step_context,
+                                      a.step_repeats, step_logits));
   // The MTP drafter's round cost, where the config declares the layer: the checkpoint's own
   // (skipped when its tensors are absent), or a random one beside a random-weight model.
   Spread mtp_step;
@@ -376,6 +382,7 @@ void run_bench(const BenchArgs& a) {
                    {"seconds", to_json(window_times[i])},
                    {"relative_to_decode_step", window_times[i].median / step.median}});
     j["verify_windows"] = w;
+    j["verify_rollback"] = a.rollback;
     if (has_mtp) {
       j["mtp_draft_weights"] = mtp_weights;
       j["mtp_draft_step_seconds"] = to_json(mtp_step);
@@ -408,10 +415,11 @@ void run_bench(const BenchArgs& a) {
               step.median * 1e3, step.min * 1e3, step.max * 1e3, a.batch,
               static_cast<long long>(a.step_context), a.step_output.c_str());
   for (size_t i = 0; i < windows.size(); ++i)
-    std::printf("verify %2lld tokens %.3f ms (min %.3f, max %.3f) = %.2fx a decode step\n",
-                static_cast<long long>(windows[i]), window_times[i].median * 1e3,
-                window_times[i].min * 1e3, window_times[i].max * 1e3,
-                window_times[i].median / step.median);
+    std::printf(
+        "verify %2lld tokens %.3f ms (min %.3f, max %.3f) = %.2fx a decode step (with its commit, "
+        "%s rollback)\n",
+        static_cast<long long>(windows[i]), window_times[i].median * 1e3, window_times[i].min * 1e3,
+        window_times[i].max * 1e3, window_times[i].median / step.median, a.rollback.c_str());
   if (has_mtp)
     std::printf("MTP draft step   %.3f ms (min %.3f, max %.3f) = %.2fx a decode step (%s layer)\n",
                 mtp_step.median * 1e3, mtp_step.min * 1e3, mtp_step.max * 1e3,
@@ -458,6 +466,10 @@ void add_bench_command(CLI::App& app) {
   sub->add_option("--repeats", a->repeats, "Timed runs (after one warm-up)")->capture_default_str();
   sub->add_option("--threads", a->threads, "CPU threads (0 = all cores)");
   add_kv_dtype_option(sub, &a->kv_dtype);
+  sub->add_option("--rollback", a->rollback,
+                  "How timed verify windows keep their rollback: replay (the engines' default: "
+                  "the commit replays the kept tokens) or per-position (states after every token)")
+      ->capture_default_str();
   sub->add_flag("--json", a->json, "Print JSON");
   sub->callback([a] { run_bench(*a); });
 }

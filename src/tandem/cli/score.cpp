@@ -33,7 +33,7 @@ void run_score(const ScoreArgs& a) {
   const auto ids = resolve_input("text", a.text, a.text_file, a.token_ids, tok);
   const int64_t V = model->config().vocab_size;
 
-  Qwen35State state(model->config(), RecurrentRollback::PerPositionStates, kv_dtype);
+  Qwen35State state(model->config(), Qwen35State::kDefaultRollback, kv_dtype);
   const int slot = state.open_row();
   const RowInput row{slot, static_cast<int64_t>(ids.size())};
   ForwardOutput out;

@@ -155,7 +155,7 @@ std::vector<GenerateResult> Generator::run(const std::vector<GenerateRequest>& r
   std::vector<GenerateResult> results(B);
   if (B == 0) return results;
 
-  Qwen35State state(cfg, RecurrentRollback::PerPositionStates, kv_dtype_);
+  Qwen35State state(cfg, Qwen35State::kDefaultRollback, kv_dtype_);
   std::vector<int> slots(B);
   for (size_t i = 0; i < B; ++i) slots[i] = state.open_row();
 

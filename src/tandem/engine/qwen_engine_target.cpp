@@ -7,7 +7,7 @@ namespace tandem {
 QwenEngineTarget::QwenEngineTarget(const Qwen35Model& model, std::string identity, DType kv_dtype)
     : model_(model),
       view_(model, std::move(identity)),
-      state_(model.config(), RecurrentRollback::PerPositionStates, kv_dtype) {}
+      state_(model.config(), Qwen35State::kDefaultRollback, kv_dtype) {}
 
 std::unique_ptr<PrefixStore> QwenEngineTarget::open_prefix_cache(size_t max_bytes) {
   return std::make_unique<PrefixCache>(

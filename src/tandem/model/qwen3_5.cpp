@@ -309,11 +309,23 @@ int64_t Qwen35Model::prepare_forward(Qwen35State& st, const ForwardRequest& req)
     if (req.tokens[i] < 0 || req.tokens[i] >= c.vocab_size)
       fail("token id ", req.tokens[i], " at input position ", i, " is out of range [0, ",
            c.vocab_size, ")");
+  // Replay rollback: a speculative forward's DeltaNet inputs go to the state's recording (the
+  // commit replays the kept tokens from them). Its checks come before anything changes.
+  const bool recording = st.rollback() == RecurrentRollback::Replay && st.linear_layers() > 0 &&
+                         std::any_of(req.rows.begin(), req.rows.end(),
+                                     [](const RowInput& r) { return r.speculative; });
+  if (recording) st.begin_recording(T);
   for (const RowInput& r : req.rows) st.reserve(r.slot, st.length(r.slot) + r.n_tokens);
-  for (const RowInput& r : req.rows)
-    if (r.speculative) st.begin_window(r.slot, r.n_tokens);
+  {
+    int64_t first = 0;
+    for (const RowInput& r : req.rows) {
+      if (r.speculative) st.begin_window(r.slot, r.n_tokens, first);
+      first += r.n_tokens;
+    }
+  }
 
   Workspace& w = *ws_;
+  w.recording = recording;
   const int64_t R = static_cast<int64_t>(req.rows.size());
   reserve_workspace(T, req.all_logits ? T : R, req.all_logits);
   grow_to(w.taps, T * static_cast<int64_t>(req.tap_layers.size()) * c.hidden_size);
@@ -376,6 +388,7 @@ int64_t Qwen35Model::prepare_forward(Qwen35State& st, const ForwardRequest& req)
         d.conv_after = st.window_conv_after(r.slot, l);
         d.state_after = st.window_recurrent_after(r.slot, l);
       }
+      d.frozen = r.speculative && st.rollback() == RecurrentRollback::Replay;
       t0 += r.n_tokens;
       w.max_row_tokens = std::max(w.max_row_tokens, r.n_tokens);
     }
@@ -447,10 +460,9 @@ void Qwen35Model::forward(Qwen35State& st, const ForwardRequest& req, ForwardOut
       key.add(st.kv_layer(static_cast<int>(l)).pool);
     for (const RowInput& r : req.rows) {
       if (st.linear_layers() > 0) key.add(st.conv_state(r.slot, 0));
-      if (r.speculative && st.linear_layers() > 0) {
-        key.add(st.window_conv_after(r.slot, 0)).add(st.window_snapshot(r.slot, 0));
-      }
+      if (r.speculative && st.linear_layers() > 0) key.add(st.window_conv_after(r.slot, 0));
     }
+    key.add(w.recording).add(w.recording ? st.recorded_conv_input(0) : nullptr);
     for (const float* p :
          {w.x.data(), w.h.data(), w.a0.data(), w.a1.data(), w.a2.data(), w.a3.data(), w.a5.data(),
           w.mlp_g.data(), w.mlp_u.data(), w.last.data(), w.out.data(), w.attn.qg.data(),
@@ -771,8 +783,12 @@ void Qwen35Model::delta_layer(const Layer& L, Qwen35State& st, const ForwardRequ
   Workspace& w = *ws_;
   const int64_t conv_dim = c.linear_conv_dim(), kd = c.linear_key_dim(), vd = c.linear_value_dim(),
                 nv = c.linear_num_value_heads;
-  float *qkv = w.a0.data(), *conv = w.a1.data(), *z = w.a2.data(), *b = w.a3.data(),
-        *a = w.a3.data() + T * nv, *core = w.a5.data();
+  const int li = L.index_in_kind;
+  // A recording forward (Replay rollback) projects the recurrence inputs straight into the
+  // state's recording, laid out as the workspace would hold them.
+  float *qkv = w.recording ? st.recorded_conv_input(li) : w.a0.data(), *conv = w.a1.data(),
+        *z = w.a2.data(), *b = w.recording ? st.recorded_b(li) : w.a3.data(),
+        *a = w.recording ? st.recorded_a(li) : w.a3.data() + T * nv, *core = w.a5.data();
   const bool stacked = L.delta.in_proj.data != nullptr;
   const SublayerInput in = sublayer_input(L.input_norm, T, stacked);
   if (stacked) {
@@ -787,22 +803,7 @@ void Qwen35Model::delta_layer(const Layer& L, Qwen35State& st, const ForwardRequ
     ops::linear(in.x, T, L.delta.in_proj_a, a);
   }
 
-  const int li = L.index_in_kind;
-  if (st.rollback() == RecurrentRollback::SnapshotReplay) {
-    // Keep each verify window's recurrence inputs (the state snapshot was taken by begin_window).
-    int64_t t0 = 0;
-    for (const RowInput& r : req.rows) {
-      const int64_t n = r.n_tokens;
-      if (r.speculative) {
-        ops::copy(st.window_conv_input(r.slot, li), qkv + t0 * conv_dim,
-                  sizeof(float) * n * conv_dim);
-        ops::copy(st.window_a(r.slot, li), a + t0 * nv, sizeof(float) * n * nv);
-        ops::copy(st.window_b(r.slot, li), b + t0 * nv, sizeof(float) * n * nv);
-      }
-      t0 += n;
-    }
-  }
-  // All rows in one launch per op; each row's numbers equal delta_recurrence's for it alone.
+  // All rows in one launch per op; each row's numbers equal the single-row ops' for it alone.
   const int64_t R = static_cast<int64_t>(req.rows.size());
   const ops::RecurrentRow* rows = w.recurrent_rows + li * R;
   ops::causal_conv_silu_rows(qkv, conv_dim, c.linear_conv_kernel_dim, L.delta.conv1d, rows, R,
@@ -825,18 +826,6 @@ ops::DeltaHeads Qwen35Model::delta_heads() const {
   return h;
 }
 
-void Qwen35Model::delta_recurrence(const Layer& L, int64_t n, const DeltaRow& io, float* conv_state,
-                                   float* rec_state) const {
-  const Qwen35Config& c = cfg_;
-  const int64_t conv_dim = c.linear_conv_dim(), kd = c.linear_key_dim();
-  ops::causal_conv_silu(io.qkv, n, conv_dim, c.linear_conv_kernel_dim, L.delta.conv1d, conv_state,
-                        io.conv_out, io.conv_after);
-  // q, k, v read in place from the conv output, as delta_layer's batched call reads them.
-  ops::gated_delta_rule(io.conv_out, io.conv_out + kd, io.conv_out + 2 * kd, io.a, io.b,
-                        L.delta.A_log, L.delta.dt_bias, n, delta_heads(), rec_state, io.core,
-                        io.rec_after);
-}
-
 void Qwen35Model::commit_windows(Qwen35State& st, std::span<const RowKeep> rows) const {
   // Validate every row before touching any state: a commit is all-or-nothing.
   for (size_t i = 0; i < rows.size(); ++i) {
@@ -853,38 +842,67 @@ void Qwen35Model::commit_windows(Qwen35State& st, std::span<const RowKeep> rows)
       if (rows[j].slot == r.slot) fail("commit_windows: row slot ", r.slot, " is listed twice");
   }
 
-  const Qwen35Config& c = cfg_;
-  const int64_t conv_dim = c.linear_conv_dim(), vd = c.linear_value_dim();
-  const int64_t conv_floats = st.conv_state_floats(), rec_floats = st.recurrent_state_floats();
-  Workspace& w = *ws_;
-  for (const RowKeep& r : rows) {
-    const int64_t n = st.window_size(r.slot), kept = r.kept;
-    // Keeping the whole window: the live state already is the state after token n-1.
-    if (kept < n) {
-      if (st.rollback() == RecurrentRollback::SnapshotReplay) {
-        grow_to(w.a1, kept * conv_dim);
-        grow_to(w.a5, kept * vd);
-      }
-      for (const Layer& L : layers_) {
-        if (L.kind != LayerKind::LinearAttention) continue;
-        const int li = L.index_in_kind;
-        float* conv_state = st.conv_state(r.slot, li);
-        float* rec_state = st.recurrent_state(r.slot, li);
-        if (st.rollback() == RecurrentRollback::PerPositionStates) {
-          ops::copy(conv_state, st.window_conv_after(r.slot, li) + (kept - 1) * conv_floats,
-                    sizeof(float) * conv_floats);
-          ops::copy(rec_state, st.window_recurrent_after(r.slot, li) + (kept - 1) * rec_floats,
-                    sizeof(float) * rec_floats);
-        } else {
-          ops::copy(conv_state, st.window_snapshot(r.slot, li),
-                    sizeof(float) * (conv_floats + rec_floats));  // [conv | recurrent]
-          const DeltaRow io{st.window_conv_input(r.slot, li), st.window_a(r.slot, li),
-                            st.window_b(r.slot, li), w.a1.data(), w.a5.data()};
-          delta_recurrence(L, kept, io, conv_state, rec_state);
-        }
+  if (st.rollback() == RecurrentRollback::Replay) {
+    replay_windows(st, rows);
+  } else {
+    const int64_t conv_floats = st.conv_state_floats(), rec_floats = st.recurrent_state_floats();
+    for (const RowKeep& r : rows) {
+      const int64_t kept = r.kept;
+      // Keeping the whole window: the live state already is the state after token n-1.
+      if (kept == st.window_size(r.slot)) continue;
+      for (int li = 0; li < st.linear_layers(); ++li) {
+        ops::copy(st.conv_state(r.slot, li),
+                  st.window_conv_after(r.slot, li) + (kept - 1) * conv_floats,
+                  sizeof(float) * conv_floats);
+        ops::copy(st.recurrent_state(r.slot, li),
+                  st.window_recurrent_after(r.slot, li) + (kept - 1) * rec_floats,
+                  sizeof(float) * rec_floats);
       }
     }
-    st.end_window(r.slot, kept);
+  }
+  for (const RowKeep& r : rows) st.end_window(r.slot, r.kept);
+}
+
+void Qwen35Model::replay_windows(Qwen35State& st, std::span<const RowKeep> rows) const {
+  const Qwen35Config& c = cfg_;
+  const int64_t nl = st.linear_layers(), R = static_cast<int64_t>(rows.size());
+  if (nl == 0 || R == 0) return;
+  Workspace& w = *ws_;
+  std::vector<ops::RecurrentRow>& desc = w.replay_host;
+  desc.assign(static_cast<size_t>(nl * R), ops::RecurrentRow{});
+  int64_t max_n = 0;
+  for (int64_t li = 0; li < nl; ++li)
+    for (int64_t i = 0; i < R; ++i) {
+      const RowKeep& r = rows[static_cast<size_t>(i)];
+      const int l = static_cast<int>(li);
+      ops::RecurrentRow& d = desc[static_cast<size_t>(li * R + i)];
+      d.first_token = st.window_first(r.slot);
+      d.n = r.kept;
+      d.conv_state = st.conv_state(r.slot, l);
+      d.state = st.recurrent_state(r.slot, l);
+      max_n = std::max(max_n, d.n);
+    }
+  const size_t bytes = sizeof(ops::RecurrentRow) * desc.size();
+  w.replay_meta.grow_to(static_cast<int64_t>(bytes));
+  std::memcpy(w.replay_upload.host(bytes), desc.data(), bytes);
+  w.replay_upload.start(w.replay_meta.data(), bytes);
+  const auto* dev = reinterpret_cast<const ops::RecurrentRow*>(w.replay_meta.data());
+
+  // Scratch over the recorded forward's token places: the replayed tokens land where that
+  // forward's would.
+  const int64_t T = st.recorded_tokens();
+  const int64_t conv_dim = c.linear_conv_dim(), kd = c.linear_key_dim();
+  grow_to(w.a1, T * conv_dim);
+  grow_to(w.a5, T * c.linear_value_dim());
+  float *conv = w.a1.data(), *core = w.a5.data();
+  for (const Layer& L : layers_) {
+    if (L.kind != LayerKind::LinearAttention) continue;
+    const int li = L.index_in_kind;
+    ops::causal_conv_silu_rows(st.recorded_conv_input(li), conv_dim, c.linear_conv_kernel_dim,
+                               L.delta.conv1d, dev + li * R, R, max_n, conv);
+    ops::gated_delta_rule_rows(conv, conv + kd, conv + 2 * kd, st.recorded_a(li), st.recorded_b(li),
+                               L.delta.A_log, L.delta.dt_bias, dev + li * R, R, max_n,
+                               delta_heads(), core);
   }
 }
 

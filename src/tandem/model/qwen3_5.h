@@ -111,9 +111,10 @@ class Qwen35Model {
   // before any state changes; a violation throws Error naming the row. A row with an open window
   // takes no forward (speculative or not) until it is committed; close_row discards the window.
   // KV blocks past the new length stay with the row and are overwritten by its next window.
-  // Cost (Qwen35State's RecurrentRollback): kept == n is free; otherwise PerPositionStates copies
-  // one state per DeltaNet layer, SnapshotReplay restores the snapshot and re-runs `kept` tokens'
-  // conv + recurrence (no projections, no attention, no MLP).
+  // Cost (Qwen35State's RecurrentRollback): PerPositionStates copies one state per DeltaNet layer
+  // and row (nothing when kept == n); Replay re-runs the kept tokens' conv + recurrence from the
+  // recorded inputs (no projections, no attention, no MLP): one batched launch per op and layer
+  // for all the listed rows.
   void commit_windows(Qwen35State& state, std::span<const RowKeep> rows) const;
 
   // out[n, H] = embedding rows of ids (host ids, must be in range; out in backend memory).
@@ -190,6 +191,12 @@ class Qwen35Model {
     std::vector<int32_t> tables_host;
     std::vector<int64_t> bounds_host;               // [rows] attention position bounds
     std::vector<ops::RecurrentRow> recurrent_host;  // staging of recurrent_rows
+    // The forward writes its DeltaNet inputs into the state's recording (Replay rollback).
+    bool recording = false;
+    // commit_windows' replay descriptors [linear layers][committed rows], one upload per commit.
+    Buffer<uint8_t> replay_meta;
+    StagedUpload replay_upload;
+    std::vector<ops::RecurrentRow> replay_host;
     std::vector<AttentionSegment> segments;
     GatedAttentionScratch attn;
   };
@@ -254,23 +261,14 @@ class Qwen35Model {
   };
   SublayerInput sublayer_input(const ops::WeightRef& norm, int64_t T, bool stacked) const;
 
-  // One row's slice of a DeltaNet layer's buffers for delta_recurrence.
-  struct DeltaRow {
-    const float *qkv, *a, *b;     // inputs: conv input rows [n, conv_dim]; a, b [n, n_v_heads]
-    float* conv_out;              // scratch: conv output [n, conv_dim], per token [q | k | v]
-    float* core;                  // recurrence output [n, value_dim]
-    float* conv_after = nullptr;  // PerPositionStates: states after each token (or null)
-    float* rec_after = nullptr;
-  };
   // The DeltaNet heads, reading q, k, v in place from conv output rows.
   ops::DeltaHeads delta_heads() const;
   // Calls fn on every weight a decode step reads (layers, final norm, head; not the embedding).
   void for_each_layer_weight(const std::function<void(const ops::WeightRef&)>& fn) const;
-  // The recurrent part of a DeltaNet layer for one row's n tokens: causal conv + SiLU and the
-  // gated delta rule. Forward and the SnapshotReplay commit both run
-  // tokens through here, so a replayed prefix reaches bitwise the same state.
-  void delta_recurrence(const Layer& L, int64_t n, const DeltaRow& io, float* conv_state,
-                        float* rec_state) const;
+  // Replay rollback's commit: the listed rows' kept tokens through the batched conv and delta
+  // rule calls the forward ran, from the recorded inputs, so the states reach the bits a forward
+  // of the kept tokens alone would leave.
+  void replay_windows(Qwen35State& st, std::span<const RowKeep> rows) const;
 };
 
 }  // namespace tandem

@@ -40,6 +40,10 @@ void Qwen35State::set_capacity(const Capacity& cap) {
     rows_[i].window.grow_to(n_linear_ * window_layer_floats(cap.window_tokens));
     rows_[i].blocks.reserve(static_cast<size_t>(blocks_per_row));
   }
+  if (rollback_ == RecurrentRollback::Replay) {
+    recording_capacity_ = cap.rows * cap.window_tokens;
+    recording_.grow_to(n_linear_ * recording_capacity_ * recorded_token_floats());
+  }
   max_window_ = cap.window_tokens;
   fixed_ = true;
 }
@@ -56,8 +60,11 @@ size_t Qwen35State::row_bytes(const Qwen35Config& cfg, int64_t window_tokens,
                               RecurrentRollback rollback) {
   Qwen35State probe(cfg, rollback);
   const int64_t layer = probe.conv_floats_ + probe.rec_floats_;
-  return static_cast<size_t>(probe.n_linear_ * (layer + probe.window_layer_floats(window_tokens))) *
-         sizeof(float);
+  // Replay: the row's share of the recording (set_capacity sizes it at rows x window_tokens).
+  const int64_t window = rollback == RecurrentRollback::Replay
+                             ? window_tokens * probe.recorded_token_floats()
+                             : probe.window_layer_floats(window_tokens);
+  return static_cast<size_t>(probe.n_linear_ * (layer + window)) * sizeof(float);
 }
 
 int Qwen35State::open_row_count() const {
@@ -225,11 +232,24 @@ const float* Qwen35State::recurrent_state(int slot, int linear_layer) const {
 }
 
 int64_t Qwen35State::window_layer_floats(int64_t n) const {
-  if (rollback_ == RecurrentRollback::PerPositionStates) return n * (conv_floats_ + rec_floats_);
-  return conv_floats_ + rec_floats_ + n * (conv_dim_ + 2 * n_v_heads_);
+  return rollback_ == RecurrentRollback::PerPositionStates ? n * (conv_floats_ + rec_floats_) : 0;
 }
 
-void Qwen35State::begin_window(int slot, int64_t n) {
+void Qwen35State::begin_recording(int64_t tokens) {
+  TANDEM_CHECK(rollback_ == RecurrentRollback::Replay, "begin_recording without Replay rollback");
+  for (size_t i = 0; i < rows_.size(); ++i)
+    if (rows_[i].window_n > 0)
+      fail("forward: row slot ", i, "'s speculative window (", rows_[i].window_n,
+           " tokens) is not committed yet; its inputs are in the state's recording, which holds "
+           "one forward's windows (Replay rollback): commit_windows first");
+  if (fixed_ && tokens > recording_capacity_)
+    fail("forward: a speculative forward of ", tokens, " tokens exceeds the fixed pool's ",
+         recording_capacity_, " (rows x window tokens); send prompts in their own forward");
+  recording_.grow_to(n_linear_ * tokens * recorded_token_floats());
+  recorded_tokens_ = tokens;
+}
+
+void Qwen35State::begin_window(int slot, int64_t n, int64_t first_token) {
   Row& r = rows_.at(slot);
   TANDEM_CHECK(r.open, "begin_window on a closed slot");
   if (r.window_n > 0)
@@ -240,12 +260,13 @@ void Qwen35State::begin_window(int slot, int64_t n) {
     fail("row slot ", slot, ": a window of ", n, " tokens exceeds the pool's ", max_window_);
   // Grown, never shrunk: after the largest window a slot sees, verify rounds allocate nothing.
   r.window.grow_to(n_linear_ * window_layer_floats(n));
+  if (rollback_ == RecurrentRollback::Replay)
+    TANDEM_CHECK(first_token >= 0 && first_token + n <= recorded_tokens_, "begin_window: tokens ",
+                 first_token, "..", first_token + n, " outside the recording of ",
+                 recorded_tokens_);
   r.window_start = r.length;
   r.window_n = n;
-  if (rollback_ == RecurrentRollback::SnapshotReplay)
-    for (int l = 0; l < n_linear_; ++l)
-      ops::copy(window_snapshot(slot, l), conv_state(slot, l),
-                sizeof(float) * static_cast<size_t>(conv_floats_ + rec_floats_));
+  r.window_first = first_token;
 }
 
 void Qwen35State::end_window(int slot, int64_t kept) {
@@ -271,24 +292,20 @@ float* Qwen35State::window_recurrent_after(int slot, int linear_layer) {
   return window_layer(slot, linear_layer) + window_size(slot) * conv_floats_;
 }
 
-float* Qwen35State::window_snapshot(int slot, int linear_layer) {
-  if (rollback_ != RecurrentRollback::SnapshotReplay) return nullptr;
-  return window_layer(slot, linear_layer);
+float* Qwen35State::recorded_conv_input(int linear_layer) {
+  if (rollback_ != RecurrentRollback::Replay || recorded_tokens_ == 0) return nullptr;
+  TANDEM_CHECK(linear_layer >= 0 && linear_layer < n_linear_, "recorded layer ", linear_layer);
+  return recording_.data() + linear_layer * recorded_tokens_ * recorded_token_floats();
 }
 
-float* Qwen35State::window_conv_input(int slot, int linear_layer) {
-  if (rollback_ != RecurrentRollback::SnapshotReplay) return nullptr;
-  return window_layer(slot, linear_layer) + conv_floats_ + rec_floats_;
+float* Qwen35State::recorded_b(int linear_layer) {
+  float* x = recorded_conv_input(linear_layer);
+  return x ? x + recorded_tokens_ * conv_dim_ : nullptr;
 }
 
-float* Qwen35State::window_a(int slot, int linear_layer) {
-  if (rollback_ != RecurrentRollback::SnapshotReplay) return nullptr;
-  return window_conv_input(slot, linear_layer) + window_size(slot) * conv_dim_;
-}
-
-float* Qwen35State::window_b(int slot, int linear_layer) {
-  if (rollback_ != RecurrentRollback::SnapshotReplay) return nullptr;
-  return window_a(slot, linear_layer) + window_size(slot) * n_v_heads_;
+float* Qwen35State::recorded_a(int linear_layer) {
+  float* b = recorded_b(linear_layer);
+  return b ? b + recorded_tokens_ * n_v_heads_ : nullptr;
 }
 
 size_t Qwen35State::bytes() const {
@@ -296,7 +313,7 @@ size_t Qwen35State::bytes() const {
   for (const auto& p : kv_pools_) n += static_cast<size_t>(p.size());
   for (const auto& s : linear_state_) n += static_cast<size_t>(s.size()) * sizeof(float);
   for (const Row& r : rows_) n += static_cast<size_t>(r.window.size()) * sizeof(float);
-  return n;
+  return n + static_cast<size_t>(recording_.size()) * sizeof(float);
 }
 
 }  // namespace tandem

@@ -15,15 +15,20 @@ namespace tandem {
 
 // How a speculative (verify) window keeps what it needs to cut a row's Gated DeltaNet state back
 // to any prefix of the window (DESIGN.md §5.3). Both give bit-identical results; they trade
-// verify-time work against commit-time work:
+// verify-time work against commit-time work and memory:
 //  - PerPositionStates: the forward records the conv + recurrent state after every window token;
-//    a commit copies the state of the last kept token. Costs n state writes per layer per verify.
-//  - SnapshotReplay: the forward snapshots the state before the window and keeps the window's
-//    recurrence inputs (conv input rows, a, b); a commit that drops tokens restores the snapshot
-//    and replays the kept tokens through the same per-token kernels. Costs one state copy per
-//    verify plus `kept` recurrence steps when tokens are rejected.
-// A commit that keeps the whole window is free under both.
-enum class RecurrentRollback { PerPositionStates, SnapshotReplay };
+//    a commit copies the state of the last kept token (free when it keeps the whole window).
+//    Per layer and row, a verify writes n + 1 states and a commit copies one; memory: n states
+//    per row.
+//  - Replay: the forward reads the window rows' states and writes none of them (frozen rows,
+//    ops::RecurrentRow), and its projections write the window's recurrence inputs (conv input
+//    rows, a, b) into the state's recording; a commit replays the kept tokens from the untouched
+//    state through the same per-token kernels, every committed row of every layer in one batched
+//    call per op. Per layer and row, a verify reads the state once and a commit reads and writes
+//    it once, whatever is kept; memory: the inputs only (~1/250 of a 9B state per token).
+//    The recording holds one forward's windows, so a speculative forward needs every earlier
+//    window committed (or its row closed) first.
+enum class RecurrentRollback { PerPositionStates, Replay };
 
 // Fixed-size KV blocks shared by all rows; a row owns a list of blocks (its block table).
 // Blocks are never moved, so a block id stays valid while the pool grows. KV, conv/recurrent
@@ -33,13 +38,12 @@ class Qwen35State {
  public:
   static constexpr int64_t kBlockSize = 16;
 
-  // PerPositionStates is the default: cheaper per verify round once windows are rejected more
-  // than ~1 round in 5 (measured on CPU, bench/rollback_bench.cpp, BENCHMARKS.md), at the price
-  // of window-size x recurrent state of memory per row (SnapshotReplay: 1x).
+  // kDefaultRollback (Replay): the least state traffic per round (bench/rollback_bench.cpp and
+  // `bench --rollback`, BENCHMARKS.md) and the least memory.
   // kv_dtype: how the KV stores keys and values (ops::KVLayerView): BF16 (the default, half the
   // memory and bandwidth) or F32. Conv and recurrent states are fp32 either way.
-  explicit Qwen35State(const Qwen35Config& cfg,
-                       RecurrentRollback rollback = RecurrentRollback::PerPositionStates,
+  static constexpr RecurrentRollback kDefaultRollback = RecurrentRollback::Replay;
+  explicit Qwen35State(const Qwen35Config& cfg, RecurrentRollback rollback = kDefaultRollback,
                        DType kv_dtype = kDefaultKvDType);
   static constexpr DType kDefaultKvDType = DType::BF16;
   RecurrentRollback rollback() const { return rollback_; }
@@ -61,7 +65,7 @@ class Qwen35State {
   // budget divides into.
   static size_t block_bytes(const Qwen35Config& cfg, DType kv_dtype = kDefaultKvDType);
   static size_t row_bytes(const Qwen35Config& cfg, int64_t window_tokens,
-                          RecurrentRollback rollback = RecurrentRollback::PerPositionStates);
+                          RecurrentRollback rollback = kDefaultRollback);
   static int64_t blocks_for(int64_t tokens) { return (tokens + kBlockSize - 1) / kBlockSize; }
   int64_t total_blocks() const { return n_blocks_; }
   int64_t free_block_count() const { return static_cast<int64_t>(free_blocks_.size()); }
@@ -130,9 +134,14 @@ class Qwen35State {
   // forward, not yet committed. While it is open the row takes no other forward. Buffers below
   // are per slot, grown to the largest window seen and reused (no allocation in steady state).
   //
-  // Opens a window of n tokens starting at the row's current length; under SnapshotReplay it also
-  // snapshots the row's conv + recurrent state. Throws if one is already open.
-  void begin_window(int slot, int64_t n);
+  // Replay: makes the recording ready for a speculative forward of `tokens` tokens (all its rows,
+  // speculative or not, at their places in the forward). Throws Error, changing nothing, while
+  // any row's window is uncommitted (its inputs are in the recording) or when a fixed pool's
+  // recording (rows x window_tokens tokens) is smaller.
+  void begin_recording(int64_t tokens);
+  // Opens a window of n tokens starting at the row's current length; `first_token` is its place
+  // in the forward (Replay: where its inputs are recorded). Throws if one is already open.
+  void begin_window(int slot, int64_t n, int64_t first_token = 0);
   // Closes the window: the row now covers window_start + kept tokens. KV blocks past the new
   // length stay allocated to the row (the next window overwrites them; close_row frees them);
   // attention only ever reads positions below the length its own forward just wrote.
@@ -141,16 +150,17 @@ class Qwen35State {
   int64_t window_start(int slot) const { return rows_.at(slot).window_start; }
   int64_t window_size(int slot) const { return rows_.at(slot).window_n; }
   // PerPositionStates: [n, conv_state_floats] and [n, recurrent_state_floats], the state after
-  // each window token. Null under SnapshotReplay.
+  // each window token. Null under Replay.
   float* window_conv_after(int slot, int linear_layer);
   float* window_recurrent_after(int slot, int linear_layer);
-  // SnapshotReplay: the layer's [conv | recurrent] state before the window, and the window's
-  // recurrence inputs: conv input rows [n, conv_dim], a [n, n_v_heads], b [n, n_v_heads].
-  // Null under PerPositionStates.
-  float* window_snapshot(int slot, int linear_layer);
-  float* window_conv_input(int slot, int linear_layer);
-  float* window_a(int slot, int linear_layer);
-  float* window_b(int slot, int linear_layer);
+  // Replay: the recorded forward's inputs of a DeltaNet layer, token-major over all its tokens
+  // (a row's window starts at window_first): conv input rows [T, conv_dim], b [T, n_v_heads],
+  // a [T, n_v_heads]. Null under PerPositionStates or before the first recording.
+  float* recorded_conv_input(int linear_layer);
+  float* recorded_b(int linear_layer);
+  float* recorded_a(int linear_layer);
+  int64_t recorded_tokens() const { return recorded_tokens_; }
+  int64_t window_first(int slot) const { return rows_.at(slot).window_first; }
 
   // Bytes held for KV + recurrent state (for reports).
   size_t bytes() const;
@@ -161,7 +171,8 @@ class Qwen35State {
     int64_t length = 0;
     std::vector<int32_t> blocks;
     int64_t window_start = 0, window_n = 0;  // window_n == 0: no open window
-    Buffer<float> window;                    // per-slot speculative buffer, layout per `rollback_`
+    int64_t window_first = 0;                // Replay: the window's first token in the recording
+    Buffer<float> window;                    // PerPositionStates: the states after each token
   };
   RecurrentRollback rollback_;
   DType kv_dtype_;
@@ -179,6 +190,11 @@ class Qwen35State {
   void grow_pool(int64_t min_free);
   // Floats one linear layer uses in a row's window buffer for an n-token window.
   int64_t window_layer_floats(int64_t n) const;
+  // Floats one linear layer's recorded inputs take per token (Replay).
+  int64_t recorded_token_floats() const { return conv_dim_ + 2 * n_v_heads_; }
+  Buffer<float> recording_;         // Replay: [n_linear][recorded_tokens_][conv input | b | a]
+  int64_t recorded_tokens_ = 0;     // tokens of the last begin_recording
+  int64_t recording_capacity_ = 0;  // fixed pool: tokens the recording was sized for
   float* window_layer(int slot, int linear_layer);
 };
 

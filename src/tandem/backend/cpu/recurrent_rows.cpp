@@ -2,6 +2,8 @@
 // single-row op on that row's slice of the token-major arrays, which makes its bits those of the
 // single-row op by construction. Rows run one after another; each op parallelises inside a row
 // (channels, value heads) as it does alone.
+#include <vector>
+
 #include "tandem/backend/cpu/cpu_ops.h"
 #include "tandem/core/error.h"
 
@@ -32,8 +34,14 @@ void causal_conv_silu_rows(const float* x, int64_t channels, int64_t kernel,
     const ops::RecurrentRow& row = rows[r];
     if (row.n == 0) continue;  // state untouched, as the CUDA kernel leaves it
     const int64_t t0 = row.first_token;
-    cpu::causal_conv_silu(x + t0 * channels, row.n, channels, kernel, w, row.conv_state,
-                          out + t0 * channels, row.conv_after);
+    float* state = row.conv_state;
+    std::vector<float> scratch;  // a frozen row runs on a copy of its state
+    if (row.frozen) {
+      scratch.assign(row.conv_state, row.conv_state + channels * (kernel - 1));
+      state = scratch.data();
+    }
+    cpu::causal_conv_silu(x + t0 * channels, row.n, channels, kernel, w, state, out + t0 * channels,
+                          row.conv_after);
   }
 }
 
@@ -45,13 +53,19 @@ void gated_delta_rule_rows(const float* q, const float* k, const float* v, const
   const int64_t v_row = h.n_v_heads * h.dv;
   const int64_t qk_step = h.qkv_token_stride ? h.qkv_token_stride : h.n_k_heads * h.dk;
   const int64_t v_step = h.qkv_token_stride ? h.qkv_token_stride : v_row;
+  std::vector<float> scratch;  // a frozen row runs on a copy of its state
   for (int64_t r = 0; r < n_rows; ++r) {
     const ops::RecurrentRow& row = rows[r];
     if (row.n == 0) continue;
     const int64_t t0 = row.first_token;
+    float* state = row.state;
+    if (row.frozen) {
+      scratch.assign(row.state, row.state + h.n_v_heads * h.dk * h.dv);
+      state = scratch.data();
+    }
     cpu::gated_delta_rule(q + t0 * qk_step, k + t0 * qk_step, v + t0 * v_step, a + t0 * h.n_v_heads,
-                          b + t0 * h.n_v_heads, A_log, dt_bias, row.n, h, row.state,
-                          out + t0 * v_row, row.state_after);
+                          b + t0 * h.n_v_heads, A_log, dt_bias, row.n, h, state, out + t0 * v_row,
+                          row.state_after);
   }
 }
 

@@ -143,7 +143,7 @@ __global__ void __launch_bounds__(kConvThreads)
   const float* xr = x + row.first_token * channels;
   if (begin > 0) ch.seek(xr, begin, channels, c);
   ch.run(xr, begin, end, channels, c, out + row.first_token * channels, row.conv_after);
-  if (begin > 0) return;
+  if (begin > 0 || row.frozen) return;
   if (end < row.n) ch.seek(xr, row.n, channels, c);  // later blocks ran the tail: n > chunk >= H
   ch.store(row.conv_state, c);
 }
@@ -263,6 +263,7 @@ struct DeltaArgs {
 struct DeltaRow {
   int64_t first, n;
   float *state, *state_after;
+  bool frozen;  // state is read, not written (ops::RecurrentRow::frozen)
 };
 
 __device__ inline int64_t min64(int64_t x, int64_t y) {
@@ -430,20 +431,22 @@ struct DeltaStateTile {
 
   // dk and dv are read from g where used: copies would hold registers through a token loop.
   const DeltaArgs& g;
-  float* S;      // the head's state [dk, dv], from the block's first column
-  float* after;  // the same in state_after, or null: store() writes both
-  int ncols;     // the block's columns below dv
-  int s, col;    // the lane's row part and column in the block
-  bool staged;   // uniform over the block
+  float* S;          // the head's state [dk, dv], from the block's first column
+  float* after;      // the same in state_after, or null: store() writes both
+  int ncols;         // the block's columns below dv
+  int s, col;        // the lane's row part and column in the block
+  bool staged;       // uniform over the block
+  bool write_state;  // false: store() leaves S as it is (a frozen row), uniform over the block
 
   __device__ DeltaStateTile(const DeltaArgs& g_, float* state, float* state_after, int64_t col0,
-                            int s_, int col_)
+                            int s_, int col_, bool write_state_ = true)
       : g(g_),
         S(state + col0),
         after(state_after ? state_after + col0 : nullptr),
         ncols(static_cast<int>(min64(COLS, g_.dv - col0))),
         s(s_),
-        col(col_) {
+        col(col_),
+        write_state(write_state_) {
     const auto aligned16 = [](const float* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
     staged = kStaged && g.dv % 4 == 0 && aligned16(S) && (after == nullptr || aligned16(after));
   }
@@ -530,7 +533,7 @@ struct DeltaStateTile {
         if (i >= g.dk || 4 * f >= ncols) continue;
         const float* t = tile + 4 * f * kStride + i;
         const float4 x = make_float4(t[0], t[kStride], t[2 * kStride], t[3 * kStride]);
-        __stwb(reinterpret_cast<float4*>(S + i * dv + 4 * f), x);
+        if (write_state) __stwb(reinterpret_cast<float4*>(S + i * dv + 4 * f), x);
         if (after) __stwb(reinterpret_cast<float4*>(after + i * dv + 4 * f), x);
       }
     } else {
@@ -540,7 +543,7 @@ struct DeltaStateTile {
         for (int e = 0; e < 4; ++e) {
           const int i = 4 * (L * m + s) + e;
           if (col < ncols && i < g.dk) {
-            S[i * dv + col] = Sr[4 * m + e];
+            if (write_state) S[i * dv + col] = Sr[4 * m + e];
             if (after) after[i * dv + col] = Sr[4 * m + e];
           }
         }
@@ -692,7 +695,7 @@ __device__ __forceinline__ void delta_rule_row(DeltaChunks<DK, L>& ch, const Del
   // ch[buf] is the buffer the last chunk did not use: nothing is copied into it any more, and
   // every thread has finished reading it (as chunk or as the loaded tile) before barrier (A) of
   // the last chunk.
-  st.store(Sr, reinterpret_cast<float*>(&ch[buf]));
+  if (!row.frozen) st.store(Sr, reinterpret_cast<float*>(&ch[buf]));  // uniform over the block
 }
 
 // One row, from arguments. state_after is a template flag so the usual token loop carries no
@@ -703,7 +706,7 @@ __global__ void __launch_bounds__(kDeltaThreads, 1)
   pdl_wait();
   pdl_release();
   __shared__ DeltaChunks<DK, L> ch;
-  delta_rule_row<DK, L, AFTER>(ch, g, DeltaRow{0, n, state, state_after});
+  delta_rule_row<DK, L, AFTER>(ch, g, DeltaRow{0, n, state, state_after, false});
 }
 
 // Rows from device descriptors: grid (column tiles, value heads, rows), block z = row. Whether a
@@ -720,7 +723,7 @@ __global__ void __launch_bounds__(kDeltaThreads, 1)
   pdl_release();
   __shared__ DeltaChunks<DK, L> ch;
   const ops::RecurrentRow r = rows[blockIdx.z];
-  const DeltaRow row{r.first_token, r.n, r.state, r.state_after};
+  const DeltaRow row{r.first_token, r.n, r.state, r.state_after, r.frozen};
   if (row.n <= 0) return;  // an idle row (uniform over the block, before any barrier)
   if (row.state_after != nullptr)
     delta_rule_row<DK, L, true>(ch, g, row);
@@ -768,7 +771,7 @@ __global__ void __launch_bounds__(kDeltaThreads, delta_decode_min_blocks(DK, L))
   const int64_t t = row.first_token;
   const int64_t head = vh * g.dk * g.dv;  // [dk, dv] of this head in state and state_after
   const Tile st(g, row.state + head, row.state_after ? row.state_after + head : nullptr, col0, s,
-                col);
+                col, !row.frozen);
   float4 sv[Tile::kSlots];
   st.load(sv);
   pdl_wait();
@@ -820,7 +823,8 @@ __global__ void __launch_bounds__(kDeltaThreads, delta_decode_min_blocks(DK, L))
   st.to_lanes(sv, Sr, reinterpret_cast<float*>(tile));
   const float o = column_sum<L>(delta_token<ROWS, L>(Sr, kk, qq, decay, beta, vj));
   if (s == 0 && column) g.out[(t * g.n_v_heads + vh) * g.dv + j] = o;
-  st.store(Sr, reinterpret_cast<float*>(tile));  // every lane: a barrier when staged
+  // Every lane (a barrier when staged); a frozen row without state_after writes nothing.
+  if (!row.frozen || row.state_after != nullptr) st.store(Sr, reinterpret_cast<float*>(tile));
 }
 
 // The shape and weight checks both delta entries make.
