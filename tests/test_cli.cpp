@@ -218,6 +218,23 @@ TEST(Cli, BenchStepOutput) {
                "--step-output");
 }
 
+// bench's verify windows are timed with their commit under the rollback asked for (Replay, the
+// engines' default, or per-position states), keeping one token or, with --keep-all, the window;
+// the JSON says which, and an unknown rollback is refused.
+TEST(Cli, BenchWindowRollback) {
+  for (const std::string opts : {"", " --rollback per-position", " --rollback replay --keep-all"}) {
+    const CliRun r = run("bench --random-weights " + kBenchConfig + kQuickBench + opts, false);
+    ASSERT_EQ(r.code, 0) << r.out;
+    const auto j = nlohmann::json::parse(r.out);
+    EXPECT_EQ(j["verify_rollback"],
+              opts.find("per-position") != std::string::npos ? "per-position" : "replay");
+    EXPECT_EQ(j["verify_commit_keeps"], opts.find("keep-all") != std::string::npos ? "all" : "one");
+    EXPECT_GT(j["verify_windows"][0]["seconds"]["median"].get<double>(), 0.0);
+  }
+  expect_error(run("bench --random-weights " + kBenchConfig + kQuickBench + " --rollback snapshot"),
+               "--rollback must be replay or per-position");
+}
+
 TEST(Cli, BadArgumentsAndInputs) {
   const std::string m = kFixtures + "/qwen35_tied";
   expect_error(run("generate --model /nonexistent/dir --token-ids 1"), "/nonexistent/dir");

@@ -46,6 +46,7 @@ struct BenchArgs {
   std::string step_output = "tokens";  // what a timed forward hands to the host, see time_steps
   std::string kv_dtype = "bf16";
   std::string rollback = "replay";  // RecurrentRollback of the timed verify windows
+  bool keep_all = false;            // commit the whole window instead of its first token
   bool json = false;
 };
 
@@ -92,15 +93,16 @@ std::vector<int64_t> parse_windows(const std::string& s) {
 }
 
 // Median seconds of one target forward in which each of `batch` rows appends `k` tokens
-// (k == 1: a decode step; k > 1: a verify window and its commit, keeping one token so the rows grow
-// by one token per step like a fully rejected speculation round: what a round costs the target
-// besides drafting). Rows first hold `context` tokens.
+// (k == 1: a decode step; k > 1: a verify window and its commit: what a round costs the target
+// besides drafting). The commit keeps one token, as a fully rejected round (rows grow by one token
+// per step), or with keep_all the whole window, as a fully accepted one. Rows first hold `context`
+// tokens.
 // Every window token gets logits; what reaches the host is what the engines take from a forward:
 // `logits` false, the greedy token of each (argmax on the device, as greedy decoding and greedy
 // verification run); true, the logits themselves (as sampling at T > 0 runs, a vocab-sized PCIe
 // copy per token).
 Spread time_steps(const Qwen35Model& model, DType kv_dtype, RecurrentRollback rollback, int batch,
-                  int64_t k, int64_t context, int repeats, bool logits) {
+                  int64_t k, int64_t context, int repeats, bool logits, bool keep_all) {
   const Qwen35Config& cfg = model.config();
   Qwen35State state(cfg, rollback, kv_dtype);
   std::vector<int> slots;
@@ -126,7 +128,7 @@ Spread time_steps(const Qwen35Model& model, DType kv_dtype, RecurrentRollback ro
     for (int b = 0; b < batch; ++b) {
       for (int64_t i = 0; i < k; ++i) tokens.push_back(pick(rng));
       rows.push_back({slots[static_cast<size_t>(b)], k, k > 1});
-      keep.push_back({slots[static_cast<size_t>(b)], 1});
+      keep.push_back({slots[static_cast<size_t>(b)], keep_all ? k : 1});
     }
     ops::synchronize();
     const double t0 = now_seconds();
@@ -286,11 +288,11 @@ void run_bench(const BenchArgs& a) {
                "bench: timing decode steps and verify windows (context %lld, %s to the host)\n",
                static_cast<long long>(a.step_context), a.step_output.c_str());
   const Spread step = time_steps(*model, kv_dtype, rollback, a.batch, 1, a.step_context,
-                                 a.step_repeats, step_logits);
+                                 a.step_repeats, step_logits, a.keep_all);
   std::vector<Spread> window_times;
   for (int64_t k : windows)
     window_times.push_back(time_steps(*model, kv_dtype, rollback, a.batch, k, a.step_context,
-                                      a.step_repeats, step_logits));
+                                      a.step_repeats, step_logits, a.keep_all));
   // The MTP drafter's round cost, where the config declares the layer: the checkpoint's own
   // (skipped when its tensors are absent), or a random one beside a random-weight model.
   Spread mtp_step;
@@ -383,6 +385,7 @@ void run_bench(const BenchArgs& a) {
                    {"relative_to_decode_step", window_times[i].median / step.median}});
     j["verify_windows"] = w;
     j["verify_rollback"] = a.rollback;
+    j["verify_commit_keeps"] = a.keep_all ? "all" : "one";
     if (has_mtp) {
       j["mtp_draft_weights"] = mtp_weights;
       j["mtp_draft_step_seconds"] = to_json(mtp_step);
@@ -416,10 +419,11 @@ void run_bench(const BenchArgs& a) {
               static_cast<long long>(a.step_context), a.step_output.c_str());
   for (size_t i = 0; i < windows.size(); ++i)
     std::printf(
-        "verify %2lld tokens %.3f ms (min %.3f, max %.3f) = %.2fx a decode step (with its commit, "
-        "%s rollback)\n",
+        "verify %2lld tokens %.3f ms (min %.3f, max %.3f) = %.2fx a decode step (with a commit "
+        "keeping %s, %s rollback)\n",
         static_cast<long long>(windows[i]), window_times[i].median * 1e3, window_times[i].min * 1e3,
-        window_times[i].max * 1e3, window_times[i].median / step.median, a.rollback.c_str());
+        window_times[i].max * 1e3, window_times[i].median / step.median, a.keep_all ? "all" : "one",
+        a.rollback.c_str());
   if (has_mtp)
     std::printf("MTP draft step   %.3f ms (min %.3f, max %.3f) = %.2fx a decode step (%s layer)\n",
                 mtp_step.median * 1e3, mtp_step.min * 1e3, mtp_step.max * 1e3,
@@ -470,6 +474,8 @@ void add_bench_command(CLI::App& app) {
                   "How timed verify windows keep their rollback: replay (the engines' default: "
                   "the commit replays the kept tokens) or per-position (states after every token)")
       ->capture_default_str();
+  sub->add_flag("--keep-all", a->keep_all,
+                "Timed verify windows commit every token (a fully accepted round) instead of one");
   sub->add_flag("--json", a->json, "Print JSON");
   sub->callback([a] { run_bench(*a); });
 }
