@@ -2194,6 +2194,7 @@ struct RowsLayout {
   std::vector<int64_t> n;      // tokens per row
   std::vector<bool> after;     // the row keeps per-token states
   std::vector<int64_t> first;  // the row's first token in the call's arrays
+  std::vector<bool> frozen;    // the row's states are read, not written (all false by default)
   int64_t tokens = 0, max_n = 0;
   int64_t rows() const { return static_cast<int64_t>(n.size()); }
 };
@@ -2203,6 +2204,7 @@ RowsLayout rows_layout(std::vector<int64_t> n, std::vector<bool> after,
   L.n = std::move(n);
   L.after = std::move(after);
   L.first.assign(L.n.size(), 0);
+  L.frozen.assign(L.n.size(), false);
   for (const size_t r : order) {
     L.first[r] = L.tokens;
     L.tokens += L.n[r];
@@ -2303,6 +2305,7 @@ void load(RecurrentBatch& B, const RowsLayout& L, std::mt19937& rng) {
     desc[r].conv_after = B.conv_after[r].get();  // null when the row keeps none
     desc[r].state = B.state[r].get();
     desc[r].state_after = B.state_after[r].get();
+    desc[r].frozen = L.frozen[r];
   }
   B.desc.upload(desc);
 }
@@ -2335,7 +2338,9 @@ void expect_rows_equal_single_calls(const RecurrentBatch& B, const std::string& 
                            conv_out.get(), after ? conv_after.get() : nullptr);
     EXPECT_TRUE(bitwise_equal(slice(conv_all, sz(t0 * C), sz(n * C)), conv_out.download()))
         << row << ": conv out";
-    EXPECT_TRUE(bitwise_equal(B.conv[r].download(), conv.download())) << row << ": conv state";
+    // A frozen row leaves its state as it was; its outputs are the unfrozen row's.
+    EXPECT_TRUE(bitwise_equal(B.conv[r].download(), L.frozen[r] ? B.conv0[r] : conv.download()))
+        << row << ": conv state";
     if (after) {
       EXPECT_TRUE(bitwise_equal(B.conv_after[r].download(), conv_after.download()))
           << row << ": conv_after";
@@ -2354,7 +2359,8 @@ void expect_rows_equal_single_calls(const RecurrentBatch& B, const std::string& 
                            after ? state_after.get() : nullptr);
     EXPECT_TRUE(bitwise_equal(slice(delta_all, sz(t0 * vr), sz(n * vr)), out.download()))
         << row << ": delta out";
-    EXPECT_TRUE(bitwise_equal(B.state[r].download(), state.download())) << row << ": state";
+    EXPECT_TRUE(bitwise_equal(B.state[r].download(), L.frozen[r] ? B.state0[r] : state.download()))
+        << row << ": state";
     if (after) {
       EXPECT_TRUE(bitwise_equal(B.state_after[r].download(), state_after.download()))
           << row << ": state_after";
@@ -2374,6 +2380,7 @@ void expect_rows_near_cpu(const RecurrentBatch& B, const std::string& what) {
     desc[r].n = L.n[r];
     desc[r].conv_state = conv[r].data();
     desc[r].state = state[r].data();
+    desc[r].frozen = L.frozen[r];
   }
   std::vector<float> conv_want(sz(T * C)), delta_want(sz(T * B.v_row()));
   cpu::causal_conv_silu_rows(B.x.data(), C, kConvKernel, B.conv_w.host_ref(), desc.data(), L.rows(),
@@ -2475,6 +2482,46 @@ TEST_F(CudaBatchInvariance, SingleTokenRowsEqualSingleRowCalls) {
         expect_rows_equal_single_calls(B, what);
         cuda::set_prefill(false);
         expect_rows_near_cpu(B, what);
+      }
+    }
+  }
+}
+
+// Calls whose rows hold at most 8 tokens (decode steps, verify windows, commit replays) run the
+// delta rule's short-row kernel on the 9B shape, with 1, 2 or 4 column tiles per block by the
+// batch's size: every row's output, final and per-token states must be bitwise the chunked
+// single-row op's, frozen rows (Replay's verify windows) must leave both states as they were,
+// beside idle rows; the other shapes keep the earlier kernels under the same checks, and the
+// prefill lane count too.
+TEST_F(CudaBatchInvariance, ShortRowsEqualSingleRowCalls) {
+  RowsLayout frozen =
+      rows_layout({1, 4, 0, 8, 2, 3}, {false, true, false, false, true, false}, {5, 0, 4, 2, 1, 3});
+  frozen.frozen = {true, false, false, true, true, false};
+  RowsLayout single =
+      rows_layout({1, 1, 0, 1, 1, 1}, {true, false, false, false, true, false}, {0, 1, 2, 3, 4, 5});
+  single.frozen = {false, true, false, false, false, true};
+  const RowsLayout layouts[] = {
+      frozen, single,
+      rows_layout({8, 1, 5, 2, 7, 4}, {false, false, true, false, false, false},
+                  {3, 4, 5, 0, 1, 2})};
+  for (const RecurrentShape& s : kRowsShapes) {
+    for (bool prefill : {false, true}) {
+      std::mt19937 rng(static_cast<uint32_t>(233 + s.channels + s.h.dk + prefill));
+      RecurrentBatch B = recurrent_batch(s, 32, 6, rng);
+      for (size_t i = 0; i < std::size(layouts); ++i) {
+        const std::string what = shape_name(s) + ", layout " + std::to_string(i) + ", prefill " +
+                                 std::to_string(prefill);
+        for (int tiles : {0, 1, 2, 4}) {
+          load(B, layouts[i], rng);
+          cuda::set_short_delta_tiles(tiles);
+          cuda::set_prefill(prefill);
+          run_rows(B);
+          cuda::set_prefill(false);
+          cuda::set_short_delta_tiles(0);
+          const std::string at = what + ", tiles " + std::to_string(tiles);
+          expect_rows_equal_single_calls(B, at);
+          expect_rows_near_cpu(B, at);
+        }
       }
     }
   }

@@ -179,6 +179,10 @@ void gated_delta_rule_rows(const float* q, const float* k, const float* v, const
                            const float* b, const ops::WeightRef& A_log,
                            const ops::WeightRef& dt_bias, const ops::RecurrentRow* rows,
                            int64_t n_rows, int64_t max_n, const ops::DeltaHeads& h, float* out);
+// Column tiles per block of gated_delta_rule_rows' short-row kernel (rows of at most 8 tokens):
+// 0 picks by the batch (the default, or TANDEM_CUDA_DELTA_TILES=1|2|4 at start-up); 1, 2 or 4
+// fixes it where the shape allows. No value changes a bit (tests and A/B timing).
+void set_short_delta_tiles(int tiles);
 // Strided copy of `rows` rows of `cols` floats: dst[r*dst_stride + c] = src[r*src_stride + c].
 void copy_rows(float* dst, int64_t dst_stride, const float* src, int64_t src_stride, int64_t rows,
                int64_t cols);

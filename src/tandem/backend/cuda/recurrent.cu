@@ -11,6 +11,8 @@
 #include <cuda_runtime.h>
 
 #include <cmath>
+#include <cstdlib>
+#include <string_view>
 #include <type_traits>
 
 #include "tandem/backend/cuda/activation.cuh"
@@ -731,13 +733,67 @@ __global__ void __launch_bounds__(kDeltaThreads, 1)
     delta_rule_row<DK, L, false>(ch, g, row);
 }
 
-// Decode steps: every row of the call holds one token (max_n == 1). The same grid, lanes and
-// per-token arithmetic as delta_rule_row on a single token, hence the same bits, without its chunk
-// machinery (no staged tokens, no cp.async; only the state tile's two barriers): each lane reads
-// its own rows of q and k and its column's v, a and b straight from memory (L2: the conv has just
-// written them). The squared norms of q and k are taken by the first 2G lanes of every warp in
-// delta_normalise's order (G lanes per vector summing float4s G·m + lane, the same xor shuffles)
-// and broadcast.
+// Token t's inputs as a lane of column j uses them: its ROWS entries of the normalised q̂ and k̂
+// (rows 4(L·m + s) + 0..3 of the head's vectors), the decay, beta and its column's v, read straight
+// from memory (L2: the conv has just written them). The squared norms of q and k are taken by the
+// first 2G lanes of every warp in delta_normalise's order (G lanes per vector summing float4s
+// G·m + lane, the same xor shuffles) and broadcast, so the bits are the chunked kernel's. Every
+// lane of the warp must call it (shuffles). q and k must be 16-byte aligned (float4 loads).
+template <int DK, int L>
+__device__ __forceinline__ void delta_token_inputs(const DeltaArgs& g, int64_t t, int64_t kh,
+                                                   int64_t vh, int64_t j, bool column, int lane,
+                                                   float A, float bias, float (&kk)[DK / L],
+                                                   float (&qq)[DK / L], float& decay, float& beta,
+                                                   float& vj) {
+  constexpr int ROWS = DK / L;
+  constexpr int G = kDeltaThreads / (2 * delta_chunk_tokens(DK));  // delta_normalise's lanes
+  constexpr int F = DK / 4 / G;                                    // float4s per vector lane
+  const int s = lane % L;
+  const float4 zero = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  const float4* q4 = reinterpret_cast<const float4*>(g.q + t * g.qk_stride + kh * g.dk);
+  const float4* k4 = reinterpret_cast<const float4*>(g.k + t * g.qk_stride + kh * g.dk);
+  const int f4 = g.dk / 4;  // float4s of a vector; those past it are delta_normalise's zero rows
+  // ‖q‖², ‖k‖² first: lanes 0..G-1 take q, lanes G..2G-1 take k (the rest repeat them, unused).
+  // Their F float4s are summed as squared_norm does (add_squares, then join_squares), in halves of
+  // the float4s so that they and the state column are not all in registers at once (the kernels
+  // are latency-bound: registers are the warps in flight).
+  const bool is_q = (lane / G) % 2 == 0;
+  const float4* x4 = is_q ? q4 : k4;
+  float nacc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  constexpr int kHalf = F > 1 ? F / 2 : 1;
+#pragma unroll
+  for (int m0 = 0; m0 < F; m0 += kHalf) {
+    float4 r[kHalf];
+#pragma unroll
+    for (int m = 0; m < kHalf; ++m) {
+      const int f = G * (m0 + m) + lane % G;
+      r[m] = f < f4 ? x4[f] : zero;
+    }
+    add_squares<kHalf>(nacc, r);
+  }
+  const float inv = (is_q ? g.q_scale : 1.0f) / sqrtf(join_squares<G>(nacc) + 1e-6f);
+  const float inv_q = __shfl_sync(kFullMask, inv, 0), inv_k = __shfl_sync(kFullMask, inv, G);
+#pragma unroll
+  for (int m = 0; m < ROWS / 4; ++m) {
+    const int f = L * m + s;
+    const float4 kr = f < f4 ? k4[f] : zero, qr = f < f4 ? q4[f] : zero;
+    kk[4 * m] = kr.x, kk[4 * m + 1] = kr.y, kk[4 * m + 2] = kr.z, kk[4 * m + 3] = kr.w;
+    qq[4 * m] = qr.x, qq[4 * m + 1] = qr.y, qq[4 * m + 2] = qr.z, qq[4 * m + 3] = qr.w;
+  }
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) {
+    kk[r] = kk[r] * inv_k;
+    qq[r] = qq[r] * inv_q;
+  }
+  decay = delta_decay(A, g.a[t * g.n_v_heads + vh], bias);
+  beta = delta_beta(g.b[t * g.n_v_heads + vh]);
+  vj = column ? g.v[t * g.v_stride + vh * g.dv + j] : 0.0f;
+}
+
+// Decode steps of shapes the short-row kernel below does not take (padded dk, dv not a multiple
+// of 16): every row of the call holds one token (max_n == 1). The same grid, lanes and per-token
+// arithmetic as delta_rule_row on a single token (delta_token_inputs), hence the same bits,
+// without its chunk machinery (no staged tokens, no cp.async; only the state tile's two barriers).
 // Why a kernel of its own: a decode step's delta rule is one token of latency-bound arithmetic;
 // the chunked kernel's staging, two barriers and cp.async waits are fixed cost on that path. On
 // the H200 a batch-1 step got 46 µs faster (~1.9 µs per layer, BENCHMARKS.md).
@@ -751,10 +807,8 @@ __global__ void __launch_bounds__(kDeltaThreads, 1)
 template <int DK, int L>
 __global__ void __launch_bounds__(kDeltaThreads, delta_decode_min_blocks(DK, L))
     gated_delta_rule_decode_kernel(const DeltaArgs g, const ops::RecurrentRow* __restrict__ rows) {
-  constexpr int ROWS = DK / L;                                     // of the column, per lane
-  constexpr int COLS = kDeltaThreads / L;                          // columns per block
-  constexpr int G = kDeltaThreads / (2 * delta_chunk_tokens(DK));  // delta_normalise's lanes
-  constexpr int F = DK / 4 / G;                                    // float4s per vector lane
+  constexpr int ROWS = DK / L;             // of the column, per lane
+  constexpr int COLS = kDeltaThreads / L;  // columns per block
   using Tile = DeltaStateTile<DK, L>;
   __shared__ float4 tile[Tile::kStaged ? Tile::kFloats / 4 : 1];
   const ops::RecurrentRow row = rows[blockIdx.z];
@@ -776,47 +830,9 @@ __global__ void __launch_bounds__(kDeltaThreads, delta_decode_min_blocks(DK, L))
   st.load(sv);
   pdl_wait();
   pdl_release();
-  const float4 zero = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-  const float4* q4 = reinterpret_cast<const float4*>(g.q + t * g.qk_stride + kh * g.dk);
-  const float4* k4 = reinterpret_cast<const float4*>(g.k + t * g.qk_stride + kh * g.dk);
-  const int f4 = g.dk / 4;  // float4s of a vector; those past it are delta_normalise's zero rows
-  // ‖q‖², ‖k‖² first: lanes 0..G-1 take q, lanes G..2G-1 take k (the rest repeat them, unused).
-  // Their F float4s are summed as squared_norm does (add_squares, then join_squares), in halves of
-  // the float4s so that they and the state column are not all in registers at once (the kernel
-  // is latency-bound: registers are the warps in flight).
-  const bool is_q = (lane / G) % 2 == 0;
-  const float4* x4 = is_q ? q4 : k4;
-  float nacc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-  constexpr int kHalf = F > 1 ? F / 2 : 1;
-#pragma unroll
-  for (int m0 = 0; m0 < F; m0 += kHalf) {
-    float4 r[kHalf];
-#pragma unroll
-    for (int m = 0; m < kHalf; ++m) {
-      const int f = G * (m0 + m) + lane % G;
-      r[m] = f < f4 ? x4[f] : zero;
-    }
-    add_squares<kHalf>(nacc, r);
-  }
-  const float inv = (is_q ? g.q_scale : 1.0f) / sqrtf(join_squares<G>(nacc) + 1e-6f);
-  const float inv_q = __shfl_sync(kFullMask, inv, 0), inv_k = __shfl_sync(kFullMask, inv, G);
-  float kk[ROWS], qq[ROWS];
-#pragma unroll
-  for (int m = 0; m < ROWS / 4; ++m) {
-    const int f = L * m + s;
-    const float4 kr = f < f4 ? k4[f] : zero, qr = f < f4 ? q4[f] : zero;
-    kk[4 * m] = kr.x, kk[4 * m + 1] = kr.y, kk[4 * m + 2] = kr.z, kk[4 * m + 3] = kr.w;
-    qq[4 * m] = qr.x, qq[4 * m + 1] = qr.y, qq[4 * m + 2] = qr.z, qq[4 * m + 3] = qr.w;
-  }
-#pragma unroll
-  for (int r = 0; r < ROWS; ++r) {
-    kk[r] = kk[r] * inv_k;
-    qq[r] = qq[r] * inv_q;
-  }
-  const float A = -expf(g.A_log[vh]);
-  const float decay = delta_decay(A, g.a[t * g.n_v_heads + vh], g.dt_bias[vh]);
-  const float beta = delta_beta(g.b[t * g.n_v_heads + vh]);
-  const float vj = column ? g.v[t * g.v_stride + vh * g.dv + j] : 0.0f;
+  float kk[ROWS], qq[ROWS], decay, beta, vj;
+  delta_token_inputs<DK, L>(g, t, kh, vh, j, column, lane, -expf(g.A_log[vh]), g.dt_bias[vh], kk,
+                            qq, decay, beta, vj);
   // Only now the state goes to the lanes (through the tile when staged): every load above is
   // already in flight when the tile's writes wait for the state and the barrier for the block.
   float Sr[ROWS];
@@ -825,6 +841,149 @@ __global__ void __launch_bounds__(kDeltaThreads, delta_decode_min_blocks(DK, L))
   if (s == 0 && column) g.out[(t * g.n_v_heads + vh) * g.dv + j] = o;
   // Every lane (a barrier when staged); a frozen row without state_after writes nothing.
   if (!row.frozen || row.state_after != nullptr) st.store(Sr, reinterpret_cast<float*>(tile));
+}
+
+// --- Short rows: decode steps, verify windows and commit replays ---
+// Calls whose rows hold at most kShortRowTokens tokens, at the decode lane count (L = 8), on
+// shapes without padding rows (dk == DK) whose column tiles are whole 16-byte chunks
+// (dv % 16 == 0). Same grid axes, lanes and per-token arithmetic as delta_rule_row (delta_token
+// and delta_token_inputs), so a row's bits are the chunked kernel's for the same tokens.
+// Why a kernel of its own: these calls read (and write) each row's whole state for a few tokens
+// of arithmetic, so they are bound by how many state bytes are in flight. The state goes
+// global → shared memory by cp.async, issued for all of the block's TILES column tiles before
+// the wait on the conv, without registers (the register-staged decode kernel kept 8 KiB in flight
+// per block, ~40 KiB per SM, and reached 2.1 TB/s at 32 rows); tile t is waited for only when
+// the block reaches it, and stored back (16-byte stores) while later tiles still arrive.
+constexpr int kShortRowTokens = 8;
+// Blocks per SM the short-row kernel is compiled for: at 5, up to 102 registers (it takes 90-96,
+// no spills); at 6 (80 registers) its token loop spilled.
+constexpr int kShortRowBlocks = 5;
+
+// Tile layout in shared memory: row i (0..DK-1) of the tile's 16 columns is four 16-byte chunks
+// f = 0..3; chunk (i, f) sits at index short_tile_chunk(i, f): two rows per 128-byte line, the
+// line's 8 chunks permuted by (i / 4) % 8. A warp's lanes read column 4w + lane / 8 of rows
+// 4(8m + s) + e, s = lane % 8, at fixed m, e: eight rows with the same i % 2 and
+// (i / 4) % 8 = s, hence 8 distinct chunks × 4 words, all 32 banks. A warp's 32 consecutive
+// chunks (8 whole rows) fill 4 whole lines: its cp.async writes are conflict-free too.
+__device__ __forceinline__ int short_tile_chunk(int i, int f) {
+  return 8 * (i / 2) + ((4 * (i % 2) + f) ^ ((i / 4) % 8));
+}
+
+__device__ __forceinline__ void copy_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+// Waits until at most n of this thread's committed groups are pending (the instruction takes an
+// immediate).
+__device__ __forceinline__ void copy_async_wait_pending(int n) {
+  switch (n) {
+    case 0:
+      asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+      break;
+    case 1:
+      asm volatile("cp.async.wait_group 1;\n" ::: "memory");
+      break;
+    case 2:
+      asm volatile("cp.async.wait_group 2;\n" ::: "memory");
+      break;
+    default:
+      asm volatile("cp.async.wait_group 3;\n" ::: "memory");
+      break;
+  }
+}
+
+// Block (x, y, z): column tiles TILES·x .. TILES·x + TILES-1 (16 columns each) of value head y of
+// row rows[z]; dynamic shared memory TILES × DK × 16 floats. The row's tokens run in order per
+// tile with the tile's state in registers; outputs go out per token, state_after (when the row
+// keeps one) per token from the lanes, the final state (unless frozen) through the tile.
+template <int DK, int TILES>
+__global__ void __launch_bounds__(kDeltaThreads, kShortRowBlocks)
+    gated_delta_rule_short_kernel(const DeltaArgs g, const ops::RecurrentRow* __restrict__ rows) {
+  constexpr int L = kDeltaDecodeLanes;
+  constexpr int ROWS = DK / L;                         // of the column, per lane
+  constexpr int COLS = kDeltaThreads / L;              // columns per tile
+  constexpr int kChunks = DK * COLS / 4;               // 16-byte chunks per tile
+  constexpr int kPerThread = kChunks / kDeltaThreads;  // of them per thread
+  static_assert(L == 8 && COLS == 16 && kChunks % kDeltaThreads == 0 && TILES <= 4,
+                "the tile layout assumes 8 lanes per column and 16-column tiles");
+  extern __shared__ float4 short_tiles[];  // [TILES][kChunks], 16-byte aligned
+  const ops::RecurrentRow row = rows[blockIdx.z];
+  if (row.n <= 0) return;  // an idle row (uniform over the block, before any barrier)
+  const int tid = threadIdx.x;
+  const int lane = tid % 32;
+  const int s = lane % L;
+  const int col = (tid / 32) * (32 / L) + lane / L;
+  const int64_t vh = blockIdx.y;
+  const int64_t kh = vh / (g.n_v_heads / g.n_k_heads);
+  const int64_t dv = g.dv;
+  float* S = row.state + vh * DK * dv;
+  const int64_t col0 = int64_t(blockIdx.x) * TILES * COLS;
+  // A state that is not 16-byte aligned (the host checks dv; the row's base is the caller's) is
+  // moved with scalar loads and stores instead: the same values, uniform over the block.
+  const bool aligned = reinterpret_cast<uintptr_t>(S) % 16 == 0;
+#pragma unroll
+  for (int t = 0; t < TILES; ++t) {
+#pragma unroll
+    for (int r = 0; r < kPerThread; ++r) {
+      const int c = tid + kDeltaThreads * r, i = c / 4, f = c % 4;
+      const float* src = S + i * dv + col0 + t * COLS + 4 * f;
+      float4* dst = short_tiles + t * kChunks + short_tile_chunk(i, f);
+      if (aligned)
+        copy_async16(reinterpret_cast<float*>(dst), src);
+      else
+        *dst = make_float4(src[0], src[1], src[2], src[3]);
+    }
+    copy_async_commit();
+  }
+  pdl_wait();
+  pdl_release();
+  const float A = -expf(g.A_log[vh]), bias = g.dt_bias[vh];
+#pragma unroll 1
+  for (int t = 0; t < TILES; ++t) {
+    copy_async_wait_pending(TILES - 1 - t);
+    __syncthreads();  // every thread's chunks of tile t have landed
+    float* tile = reinterpret_cast<float*>(short_tiles + t * kChunks);
+    const int64_t j = col0 + t * COLS + col;
+    float Sr[ROWS];
+#pragma unroll
+    for (int m = 0; m < ROWS / 4; ++m)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        Sr[4 * m + e] = tile[4 * short_tile_chunk(4 * (L * m + s) + e, col / 4) + col % 4];
+#pragma unroll 1
+    for (int64_t p = 0; p < row.n; ++p) {
+      const int64_t tok = row.first_token + p;
+      float kk[ROWS], qq[ROWS], decay, beta, vj;
+      delta_token_inputs<DK, L>(g, tok, kh, vh, j, true, lane, A, bias, kk, qq, decay, beta, vj);
+      const float o = column_sum<L>(delta_token<ROWS, L>(Sr, kk, qq, decay, beta, vj));
+      if (s == 0) g.out[(tok * g.n_v_heads + vh) * dv + j] = o;
+      if (row.state_after != nullptr) {
+        float* dst = row.state_after + (p * g.n_v_heads + vh) * DK * dv + j;
+#pragma unroll
+        for (int m = 0; m < ROWS / 4; ++m)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) dst[(4 * (L * m + s) + e) * dv] = Sr[4 * m + e];
+      }
+    }
+    if (row.frozen) continue;  // uniform over the block
+      // Each lane rewrites the words it read, so no other thread's read can be pending on them.
+#pragma unroll
+    for (int m = 0; m < ROWS / 4; ++m)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        tile[4 * short_tile_chunk(4 * (L * m + s) + e, col / 4) + col % 4] = Sr[4 * m + e];
+    __syncthreads();
+#pragma unroll
+    for (int r = 0; r < kPerThread; ++r) {
+      const int c = tid + kDeltaThreads * r, i = c / 4, f = c % 4;
+      const float4 x = short_tiles[t * kChunks + short_tile_chunk(i, f)];
+      float* dst = S + i * dv + col0 + t * COLS + 4 * f;
+      if (aligned) {
+        __stwb(reinterpret_cast<float4*>(dst), x);
+      } else {
+        dst[0] = x.x, dst[1] = x.y, dst[2] = x.z, dst[3] = x.w;
+      }
+    }
+  }
 }
 
 // The shape and weight checks both delta entries make.
@@ -884,6 +1043,59 @@ void with_delta_layout(int64_t dk, WithKernel&& with_kernel) {
     by_lanes(std::integral_constant<int, 256>{});
 }
 
+// Short rows (gated_delta_rule_short_kernel): whether the call's shape and mode take it, and how
+// many column tiles a block streams. TANDEM_CUDA_DELTA_SHORT=0 keeps such calls on the decode and
+// chunked kernels and TANDEM_CUDA_DELTA_TILES=1|2|4 fixes the tiles per block (A/B timing; the
+// bits are the same either way). By default a block takes the most tiles that still leave at
+// least one full wave of blocks, so small batches keep every SM busy and large ones keep more
+// state in flight per block.
+bool short_rows_take(const DeltaArgs& g, int64_t max_n) {
+  static const bool enabled = [] {
+    const char* v = std::getenv("TANDEM_CUDA_DELTA_SHORT");
+    return !(v && std::string_view(v) == "0");
+  }();
+  return enabled && max_n <= kShortRowTokens && !prefill_mode() && g.copy16 &&
+         (g.dk == 64 || g.dk == 128) && g.dv % 16 == 0;
+}
+
+int& short_delta_tiles() {
+  static int tiles = [] {
+    const char* v = std::getenv("TANDEM_CUDA_DELTA_TILES");
+    const int n = v ? std::atoi(v) : 0;
+    return n == 1 || n == 2 || n == 4 ? n : 0;
+  }();
+  return tiles;
+}
+
+template <int DK>
+void launch_short_rows(const DeltaArgs& g, const ops::RecurrentRow* rows, int64_t n_rows) {
+  const int forced = short_delta_tiles();
+  const int64_t col_tiles = g.dv / 16;
+  auto with_tiles = [&](auto tiles, bool run) {
+    constexpr int T = decltype(tiles)::value;
+    const auto kernel = gated_delta_rule_short_kernel<DK, T>;
+    const size_t smem = sizeof(float) * T * DK * 16;
+    const int64_t blocks = col_tiles / T * g.n_v_heads * n_rows;
+    if (!run) return col_tiles % T == 0 && blocks >= resident_blocks(kernel, kDeltaThreads, smem);
+    launch("gated_delta_rule_rows", kernel,
+           dim3(grid_blocks(col_tiles / T, "gated_delta_rule_rows"),
+                static_cast<unsigned>(g.n_v_heads), static_cast<unsigned>(n_rows)),
+           kDeltaThreads, smem, g, rows);
+    return true;
+  };
+  using Four = std::integral_constant<int, 4>;
+  using Two = std::integral_constant<int, 2>;
+  using One = std::integral_constant<int, 1>;
+  int tiles = forced != 0 && col_tiles % forced == 0 ? forced : 0;
+  if (tiles == 0) tiles = with_tiles(Four{}, false) ? 4 : with_tiles(Two{}, false) ? 2 : 1;
+  if (tiles == 4)
+    with_tiles(Four{}, true);
+  else if (tiles == 2)
+    with_tiles(Two{}, true);
+  else
+    with_tiles(One{}, true);
+}
+
 // Rows are a grid dimension (y for the conv, z for the delta rule): at most 65535.
 void check_rows(const ops::RecurrentRow* rows, int64_t n_rows, int64_t max_n, const char* op) {
   if (n_rows < 0 || max_n < 0) fail(op, ": negative row count ", n_rows, " or max_n ", max_n);
@@ -892,6 +1104,12 @@ void check_rows(const ops::RecurrentRow* rows, int64_t n_rows, int64_t max_n, co
 }
 
 }  // namespace
+
+void set_short_delta_tiles(int tiles) {
+  if (tiles != 0 && tiles != 1 && tiles != 2 && tiles != 4)
+    fail("set_short_delta_tiles: ", tiles, " tiles per block (0, 1, 2 or 4)");
+  short_delta_tiles() = tiles;
+}
 
 void causal_conv_silu(const float* x, int64_t n, int64_t channels, int64_t kernel,
                       const ops::WeightRef& w, float* state, float* out, float* state_after) {
@@ -965,8 +1183,17 @@ void gated_delta_rule_rows(const float* q, const float* k, const float* v, const
   check_rows(rows, n_rows, max_n, "gated_delta_rule_rows");
   if (n_rows == 0 || max_n == 0) return;
   const DeltaArgs g = delta_args(q, k, v, a, b, A_log, dt_bias, h, out);
-  // One token per row (decode steps): the single-token kernel, whose bits are the chunked
-  // kernel's (it reads q and k as float4s, hence only where those are 16-byte aligned).
+  // Short rows (decode steps, verify windows, commit replays) of the shapes it takes: the
+  // short-row kernel. Its bits, and the single-token kernel's, are the chunked kernel's.
+  if (short_rows_take(g, max_n)) {
+    if (g.dk == 64)
+      launch_short_rows<64>(g, rows, n_rows);
+    else
+      launch_short_rows<128>(g, rows, n_rows);
+    return;
+  }
+  // One token per row (decode steps) of other shapes: the single-token kernel (it reads q and k
+  // as float4s, hence only where those are 16-byte aligned).
   const bool single_tokens = max_n == 1 && g.copy16;
   with_delta_layout(h.dk, [&](auto DK, auto L) {
     constexpr int dk_padded = decltype(DK)::value, lanes = decltype(L)::value;
