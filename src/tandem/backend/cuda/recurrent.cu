@@ -290,6 +290,21 @@ __device__ inline void copy_async_wait_all() {
   asm volatile("cp.async.wait_all;\n" ::: "memory");
 }
 
+// Where a thread of a delta-rule block works: lane s of column col of the block's tile (L lanes
+// per column, 32 / L columns per warp), on value head vh = blockIdx.y and its key head kh.
+template <int L>
+struct DeltaLane {
+  int tid, lane, s, col;
+  int64_t vh, kh;
+  __device__ explicit DeltaLane(const DeltaArgs& g)
+      : tid(threadIdx.x),
+        lane(tid % 32),
+        s(lane % L),
+        col((tid / 32) * (32 / L) + lane / L),
+        vh(blockIdx.y),
+        kh(vh / (g.n_v_heads / g.n_k_heads)) {}
+};
+
 // Returns x unchanged, hidden from the optimiser: row addresses built from it are recomputed
 // where used instead of being kept live (DK/8 64-bit addresses) through the
 // token loop.
@@ -603,12 +618,9 @@ __device__ __forceinline__ void delta_rule_row(DeltaChunks<DK, L>& ch, const Del
   static_assert(!Tile::kStaged || Tile::kFloats * sizeof(float) <= sizeof(Chunk),
                 "the state tile must fit in a chunk buffer");
 
-  const int tid = threadIdx.x;
-  const int lane = tid % 32;
-  const int s = lane % L;
-  const int col = (tid / 32) * (32 / L) + lane / L;
-  const int64_t vh = blockIdx.y;
-  const int64_t kh = vh / (g.n_v_heads / g.n_k_heads);
+  const DeltaLane<L> at(g);
+  const int tid = at.tid, lane = at.lane, s = at.s, col = at.col;
+  const int64_t vh = at.vh, kh = at.kh;
   const int64_t col0 = int64_t(blockIdx.x) * COLS;
   const int ncols = static_cast<int>(min64(COLS, g.dv - col0));
   const bool column = col < ncols;
@@ -813,12 +825,9 @@ __global__ void __launch_bounds__(kDeltaThreads, delta_decode_min_blocks(DK, L))
   __shared__ float4 tile[Tile::kStaged ? Tile::kFloats / 4 : 1];
   const ops::RecurrentRow row = rows[blockIdx.z];
   if (row.n <= 0) return;  // an idle row
-  const int tid = threadIdx.x;
-  const int lane = tid % 32;
-  const int s = lane % L;
-  const int col = (tid / 32) * (32 / L) + lane / L;
-  const int64_t vh = blockIdx.y;
-  const int64_t kh = vh / (g.n_v_heads / g.n_k_heads);
+  const DeltaLane<L> at(g);
+  const int tid = at.tid, lane = at.lane, s = at.s, col = at.col;
+  const int64_t vh = at.vh, kh = at.kh;
   const int64_t col0 = int64_t(blockIdx.x) * COLS;
   const int64_t j = col0 + col;
   const bool column = j < g.dv;
@@ -908,12 +917,9 @@ __global__ void __launch_bounds__(kDeltaThreads, kShortRowBlocks)
   extern __shared__ float4 short_tiles[];  // [TILES][kChunks], 16-byte aligned
   const ops::RecurrentRow row = rows[blockIdx.z];
   if (row.n <= 0) return;  // an idle row (uniform over the block, before any barrier)
-  const int tid = threadIdx.x;
-  const int lane = tid % 32;
-  const int s = lane % L;
-  const int col = (tid / 32) * (32 / L) + lane / L;
-  const int64_t vh = blockIdx.y;
-  const int64_t kh = vh / (g.n_v_heads / g.n_k_heads);
+  const DeltaLane<L> at(g);
+  const int tid = at.tid, lane = at.lane, s = at.s, col = at.col;
+  const int64_t vh = at.vh, kh = at.kh;
   const int64_t dv = g.dv;
   float* S = row.state + vh * DK * dv;
   const int64_t col0 = int64_t(blockIdx.x) * TILES * COLS;
