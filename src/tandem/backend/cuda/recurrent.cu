@@ -900,27 +900,44 @@ __device__ __forceinline__ void copy_async_wait_pending(int n) {
   }
 }
 
+// A short-row block's token inputs in shared memory, written once per block and read by every
+// tile: q̂ and k̂ of the row's tokens (normalised as delta_normalise does), the block's v columns,
+// decay and beta.
+template <int DK, int TILES>
+struct ShortRowTokens {
+  float qk[kShortRowTokens][2][DK];      // [0]: q̂, [1]: k̂
+  float v[kShortRowTokens][TILES * 16];  // the block's columns
+  float decay[kShortRowTokens], beta[kShortRowTokens];
+};
+
 // Block (x, y, z): column tiles TILES·x .. TILES·x + TILES-1 (16 columns each) of value head y of
-// row rows[z]; dynamic shared memory TILES × DK × 16 floats. The row's tokens run in order per
-// tile with the tile's state in registers; outputs go out per token, state_after (when the row
-// keeps one) per token from the lanes, the final state (unless frozen) through the tile.
+// row rows[z]. Shared memory: the TILES state tiles (DK × 16 floats each), then ShortRowTokens.
+// After the wait on the conv the block normalises the row's tokens into shared memory once (G
+// lanes per vector summing float4s G·m + lane, delta_normalise's order); each tile then runs the
+// row's tokens in order with its state in registers: outputs per token, state_after (when the
+// row keeps one) per token from the lanes, the final state (unless frozen) through the tile.
 template <int DK, int TILES>
 __global__ void __launch_bounds__(kDeltaThreads, kShortRowBlocks)
     gated_delta_rule_short_kernel(const DeltaArgs g, const ops::RecurrentRow* __restrict__ rows) {
   constexpr int L = kDeltaDecodeLanes;
-  constexpr int ROWS = DK / L;                         // of the column, per lane
-  constexpr int COLS = kDeltaThreads / L;              // columns per tile
-  constexpr int kChunks = DK * COLS / 4;               // 16-byte chunks per tile
-  constexpr int kPerThread = kChunks / kDeltaThreads;  // of them per thread
+  constexpr int ROWS = DK / L;                                     // of the column, per lane
+  constexpr int COLS = kDeltaThreads / L;                          // columns per tile
+  constexpr int kChunks = DK * COLS / 4;                           // 16-byte chunks per tile
+  constexpr int kPerThread = kChunks / kDeltaThreads;              // of them per thread
+  constexpr int G = kDeltaThreads / (2 * delta_chunk_tokens(DK));  // delta_normalise's lanes
+  constexpr int F = DK / 4 / G;                                    // float4s per vector lane
   static_assert(L == 8 && COLS == 16 && kChunks % kDeltaThreads == 0 && TILES <= 4,
                 "the tile layout assumes 8 lanes per column and 16-column tiles");
-  extern __shared__ float4 short_tiles[];  // [TILES][kChunks], 16-byte aligned
+  static_assert(2 * kShortRowTokens * G <= kDeltaThreads, "a block normalises all its vectors");
+  extern __shared__ float4 short_tiles[];  // [TILES][kChunks], then ShortRowTokens
+  auto& in = *reinterpret_cast<ShortRowTokens<DK, TILES>*>(short_tiles + TILES * kChunks);
   const ops::RecurrentRow row = rows[blockIdx.z];
   if (row.n <= 0) return;  // an idle row (uniform over the block, before any barrier)
   const DeltaLane<L> at(g);
-  const int tid = at.tid, lane = at.lane, s = at.s, col = at.col;
+  const int tid = at.tid, s = at.s, col = at.col;
   const int64_t vh = at.vh, kh = at.kh;
   const int64_t dv = g.dv;
+  const int n = static_cast<int>(row.n);
   float* S = row.state + vh * DK * dv;
   const int64_t col0 = int64_t(blockIdx.x) * TILES * COLS;
   // A state that is not 16-byte aligned (the host checks dv; the row's base is the caller's) is
@@ -942,11 +959,42 @@ __global__ void __launch_bounds__(kDeltaThreads, kShortRowBlocks)
   }
   pdl_wait();
   pdl_release();
-  const float A = -expf(g.A_log[vh]), bias = g.dt_bias[vh];
+
+  // The tokens' inputs, while the state is still arriving. Vector (p, which) of thread group
+  // tid / G; groups past the row's tokens sum zeros (every lane joins the shuffles).
+  {
+    const int vec = tid / G, gl = tid % G, p = vec / 2, which = vec % 2;
+    const bool live = p < n;
+    const float* x =
+        (which == 0 ? g.q : g.k) + (row.first_token + (live ? p : 0)) * g.qk_stride + kh * DK;
+    float4 r[F];
+#pragma unroll
+    for (int m = 0; m < F; ++m)
+      r[m] = live ? reinterpret_cast<const float4*>(x)[G * m + gl]
+                  : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    const float inv = (which == 0 ? g.q_scale : 1.0f) / sqrtf(squared_norm<G, F>(r) + 1e-6f);
+    if (live) {
+      float4* xh = reinterpret_cast<float4*>(in.qk[p][which]);
+#pragma unroll
+      for (int m = 0; m < F; ++m)
+        xh[G * m + gl] = make_float4(r[m].x * inv, r[m].y * inv, r[m].z * inv, r[m].w * inv);
+    }
+    const float A = -expf(g.A_log[vh]), bias = g.dt_bias[vh];
+    if (tid < n) {
+      const int64_t t = row.first_token + tid;
+      in.decay[tid] = delta_decay(A, g.a[t * g.n_v_heads + vh], bias);
+      in.beta[tid] = delta_beta(g.b[t * g.n_v_heads + vh]);
+    }
+    for (int e = tid; e < n * TILES * COLS; e += kDeltaThreads) {
+      const int p_e = e / (TILES * COLS), c = e % (TILES * COLS);
+      in.v[p_e][c] = g.v[(row.first_token + p_e) * g.v_stride + vh * dv + col0 + c];
+    }
+  }
+
 #pragma unroll 1
   for (int t = 0; t < TILES; ++t) {
     copy_async_wait_pending(TILES - 1 - t);
-    __syncthreads();  // every thread's chunks of tile t have landed
+    __syncthreads();  // every thread's chunks of tile t (and, at t = 0, the inputs) are in place
     float* tile = reinterpret_cast<float*>(short_tiles + t * kChunks);
     const int64_t j = col0 + t * COLS + col;
     float Sr[ROWS];
@@ -956,11 +1004,19 @@ __global__ void __launch_bounds__(kDeltaThreads, kShortRowBlocks)
       for (int e = 0; e < 4; ++e)
         Sr[4 * m + e] = tile[4 * short_tile_chunk(4 * (L * m + s) + e, col / 4) + col % 4];
 #pragma unroll 1
-    for (int64_t p = 0; p < row.n; ++p) {
+    for (int p = 0; p < n; ++p) {
+      const float4* kp = reinterpret_cast<const float4*>(in.qk[p][1]);
+      const float4* qp = reinterpret_cast<const float4*>(in.qk[p][0]);
+      float kk[ROWS], qq[ROWS];
+#pragma unroll
+      for (int m = 0; m < ROWS / 4; ++m) {
+        const float4 k4 = kp[L * m + s], q4 = qp[L * m + s];
+        kk[4 * m] = k4.x, kk[4 * m + 1] = k4.y, kk[4 * m + 2] = k4.z, kk[4 * m + 3] = k4.w;
+        qq[4 * m] = q4.x, qq[4 * m + 1] = q4.y, qq[4 * m + 2] = q4.z, qq[4 * m + 3] = q4.w;
+      }
+      const float o = column_sum<L>(
+          delta_token<ROWS, L>(Sr, kk, qq, in.decay[p], in.beta[p], in.v[p][t * COLS + col]));
       const int64_t tok = row.first_token + p;
-      float kk[ROWS], qq[ROWS], decay, beta, vj;
-      delta_token_inputs<DK, L>(g, tok, kh, vh, j, true, lane, A, bias, kk, qq, decay, beta, vj);
-      const float o = column_sum<L>(delta_token<ROWS, L>(Sr, kk, qq, decay, beta, vj));
       if (s == 0) g.out[(tok * g.n_v_heads + vh) * dv + j] = o;
       if (row.state_after != nullptr) {
         float* dst = row.state_after + (p * g.n_v_heads + vh) * DK * dv + j;
@@ -1080,7 +1136,7 @@ void launch_short_rows(const DeltaArgs& g, const ops::RecurrentRow* rows, int64_
   auto with_tiles = [&](auto tiles, bool run) {
     constexpr int T = decltype(tiles)::value;
     const auto kernel = gated_delta_rule_short_kernel<DK, T>;
-    const size_t smem = sizeof(float) * T * DK * 16;
+    const size_t smem = sizeof(float) * T * DK * 16 + sizeof(ShortRowTokens<DK, T>);
     const int64_t blocks = col_tiles / T * g.n_v_heads * n_rows;
     if (!run) return col_tiles % T == 0 && blocks >= resident_blocks(kernel, kDeltaThreads, smem);
     launch("gated_delta_rule_rows", kernel,
