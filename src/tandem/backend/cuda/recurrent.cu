@@ -1108,9 +1108,9 @@ void with_delta_layout(int64_t dk, WithKernel&& with_kernel) {
 // Short rows (gated_delta_rule_short_kernel): whether the call's shape and mode take it, and how
 // many column tiles a block streams. TANDEM_CUDA_DELTA_SHORT=0 keeps such calls on the decode and
 // chunked kernels and TANDEM_CUDA_DELTA_TILES=1|2|4 fixes the tiles per block (A/B timing; the
-// bits are the same either way). By default a block takes the most tiles that still leave at
-// least one full wave of blocks, so small batches keep every SM busy and large ones keep more
-// state in flight per block.
+// bits are the same either way). By default a block takes two tiles when that still leaves at
+// least one full wave of blocks (8 rows and more of the 9B shape), else one, so small batches
+// keep every SM busy and large ones keep more state in flight per block.
 bool short_rows_take(const DeltaArgs& g, int64_t max_n) {
   static const bool enabled = [] {
     const char* v = std::getenv("TANDEM_CUDA_DELTA_SHORT");
@@ -1148,8 +1148,10 @@ void launch_short_rows(const DeltaArgs& g, const ops::RecurrentRow* rows, int64_
   using Four = std::integral_constant<int, 4>;
   using Two = std::integral_constant<int, 2>;
   using One = std::integral_constant<int, 1>;
+  // Four tiles a block is only taken when asked for: at 32 rows it measured 1% slower than two
+  // (one block then runs four serial tile passes, BENCHMARKS.md).
   int tiles = forced != 0 && col_tiles % forced == 0 ? forced : 0;
-  if (tiles == 0) tiles = with_tiles(Four{}, false) ? 4 : with_tiles(Two{}, false) ? 2 : 1;
+  if (tiles == 0) tiles = with_tiles(Two{}, false) ? 2 : 1;
   if (tiles == 4)
     with_tiles(Four{}, true);
   else if (tiles == 2)
