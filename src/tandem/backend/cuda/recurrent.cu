@@ -416,6 +416,18 @@ __device__ __forceinline__ float delta_token(float (&Sr)[ROWS], const float (&kk
   return (oacc[0] + oacc[1]) + (oacc[2] + oacc[3]);
 }
 
+// A lane's ROWS entries of a normalised vector in shared memory (rows 4(L·m + s) + 0..3, one float4
+// each m): what delta_token takes as k̂ or q̂.
+template <int ROWS, int L>
+__device__ __forceinline__ void lane_entries(const float* x, int s, float (&e)[ROWS]) {
+  const float4* x4 = reinterpret_cast<const float4*>(x);
+#pragma unroll
+  for (int m = 0; m < ROWS / 4; ++m) {
+    const float4 v = x4[L * m + s];
+    e[4 * m] = v.x, e[4 * m + 1] = v.y, e[4 * m + 2] = v.z, e[4 * m + 3] = v.w;
+  }
+}
+
 // Component e of v (e is a constant once the loops are unrolled: registers, never local memory).
 __device__ __forceinline__ float component(const float4& v, int e) {
   return e == 0 ? v.x : e == 1 ? v.y : e == 2 ? v.z : v.w;
@@ -673,15 +685,9 @@ __device__ __forceinline__ void delta_rule_row(DeltaChunks<DK, L>& ch, const Del
 
 #pragma unroll 1
     for (int p = 0; p < count; ++p) {
-      const float4* kp = reinterpret_cast<const float4*>(c.qk[1][p]);
-      const float4* qp = reinterpret_cast<const float4*>(c.qk[0][p]);
       float kk[ROWS], qq[ROWS];
-#pragma unroll
-      for (int m = 0; m < ROWS / 4; ++m) {
-        const float4 k4 = kp[L * m + s], q4 = qp[L * m + s];
-        kk[4 * m] = k4.x, kk[4 * m + 1] = k4.y, kk[4 * m + 2] = k4.z, kk[4 * m + 3] = k4.w;
-        qq[4 * m] = q4.x, qq[4 * m + 1] = q4.y, qq[4 * m + 2] = q4.z, qq[4 * m + 3] = q4.w;
-      }
+      lane_entries<ROWS, L>(c.qk[1][p], s, kk);
+      lane_entries<ROWS, L>(c.qk[0][p], s, qq);
       const float decay = c.decay[p], beta = c.beta[p], vj = c.v[p][col];
 
       const float o_prev = column_sum<L>(o_part);
@@ -1005,15 +1011,9 @@ __global__ void __launch_bounds__(kDeltaThreads, kShortRowBlocks)
         Sr[4 * m + e] = tile[4 * short_tile_chunk(4 * (L * m + s) + e, col / 4) + col % 4];
 #pragma unroll 1
     for (int p = 0; p < n; ++p) {
-      const float4* kp = reinterpret_cast<const float4*>(in.qk[p][1]);
-      const float4* qp = reinterpret_cast<const float4*>(in.qk[p][0]);
       float kk[ROWS], qq[ROWS];
-#pragma unroll
-      for (int m = 0; m < ROWS / 4; ++m) {
-        const float4 k4 = kp[L * m + s], q4 = qp[L * m + s];
-        kk[4 * m] = k4.x, kk[4 * m + 1] = k4.y, kk[4 * m + 2] = k4.z, kk[4 * m + 3] = k4.w;
-        qq[4 * m] = q4.x, qq[4 * m + 1] = q4.y, qq[4 * m + 2] = q4.z, qq[4 * m + 3] = q4.w;
-      }
+      lane_entries<ROWS, L>(in.qk[p][1], s, kk);
+      lane_entries<ROWS, L>(in.qk[p][0], s, qq);
       const float o = column_sum<L>(
           delta_token<ROWS, L>(Sr, kk, qq, in.decay[p], in.beta[p], in.v[p][t * COLS + col]));
       const int64_t tok = row.first_token + p;
