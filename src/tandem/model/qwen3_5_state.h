@@ -131,8 +131,9 @@ class Qwen35State {
 
   // --- Speculative windows (driven by Qwen35Model::forward / commit_windows) ---
   // A row has at most one open window: the n tokens appended at `window_start` by a speculative
-  // forward, not yet committed. While it is open the row takes no other forward. Buffers below
-  // are per slot, grown to the largest window seen and reused (no allocation in steady state).
+  // forward, not yet committed. While it is open the row takes no other forward. Window buffers
+  // (per slot under PerPositionStates, the state's recording under Replay) are grown to the
+  // largest window or forward seen and reused (no allocation in steady state).
   //
   // Replay: makes the recording ready for a speculative forward of `tokens` tokens (all its rows,
   // speculative or not, at their places in the forward). Throws Error, changing nothing, while
@@ -192,7 +193,9 @@ class Qwen35State {
   int64_t window_layer_floats(int64_t n) const;
   // Floats one linear layer's recorded inputs take per token (Replay).
   int64_t recorded_token_floats() const { return conv_dim_ + 2 * n_v_heads_; }
-  Buffer<float> recording_;         // Replay: [n_linear][recorded_tokens_][conv input | b | a]
+  // Replay: per linear layer, conv input [T, conv_dim], b [T, n_v_heads], a [T, n_v_heads] of the
+  // recorded forward's T = recorded_tokens_ tokens.
+  Buffer<float> recording_;
   int64_t recorded_tokens_ = 0;     // tokens of the last begin_recording
   int64_t recording_capacity_ = 0;  // fixed pool: tokens the recording was sized for
   float* window_layer(int slot, int linear_layer);

@@ -30,12 +30,12 @@ void causal_conv_silu_rows(const float* x, int64_t channels, int64_t kernel,
                            const ops::WeightRef& w, const ops::RecurrentRow* rows, int64_t n_rows,
                            int64_t max_n, float* out) {
   check_rows(rows, n_rows, max_n, "causal_conv_silu_rows", true);
+  std::vector<float> scratch;  // a frozen row runs on a copy of its state
   for (int64_t r = 0; r < n_rows; ++r) {
     const ops::RecurrentRow& row = rows[r];
     if (row.n == 0) continue;  // state untouched, as the CUDA kernel leaves it
     const int64_t t0 = row.first_token;
     float* state = row.conv_state;
-    std::vector<float> scratch;  // a frozen row runs on a copy of its state
     if (row.frozen) {
       scratch.assign(row.conv_state, row.conv_state + channels * (kernel - 1));
       state = scratch.data();

@@ -33,6 +33,7 @@
 #include <string_view>
 
 #include "tandem/backend/cuda/activation.cuh"
+#include "tandem/backend/cuda/async_copy.cuh"
 #include "tandem/backend/cuda/check.cuh"
 #include "tandem/backend/cuda/linear_mma.cuh"
 #include "tandem/core/error.h"
@@ -61,15 +62,6 @@ __device__ __forceinline__ void copy16_async(uint32_t dst, const void* src, bool
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src),
                "r"(valid ? 16 : 0)
                : "memory");
-}
-
-__device__ __forceinline__ void copy_commit() {
-  asm volatile("cp.async.commit_group;" ::: "memory");
-}
-
-template <int Pending>
-__device__ __forceinline__ void copy_wait() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(Pending) : "memory");
 }
 
 // Byte offset of piece p (0..7) of row r in a stage's array of 128-byte rows.

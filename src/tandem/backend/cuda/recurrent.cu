@@ -16,6 +16,7 @@
 #include <type_traits>
 
 #include "tandem/backend/cuda/activation.cuh"
+#include "tandem/backend/cuda/async_copy.cuh"
 #include "tandem/backend/cuda/check.cuh"
 #include "tandem/backend/cuda/cuda_ops.h"
 #include "tandem/core/error.h"
@@ -751,30 +752,57 @@ __global__ void __launch_bounds__(kDeltaThreads, 1)
     delta_rule_row<DK, L, false>(ch, g, row);
 }
 
-// Token t's inputs as a lane of column j uses them: its ROWS entries of the normalised q̂ and k̂
-// (rows 4(L·m + s) + 0..3 of the head's vectors), the decay, beta and its column's v, read straight
-// from memory (L2: the conv has just written them). The squared norms of q and k are taken by the
-// first 2G lanes of every warp in delta_normalise's order (G lanes per vector summing float4s
-// G·m + lane, the same xor shuffles) and broadcast, so the bits are the chunked kernel's. Every
-// lane of the warp must call it (shuffles). q and k must be 16-byte aligned (float4 loads).
+// Decode steps of shapes the short-row kernel below does not take (padded dk, dv not a multiple
+// of 16): every row of the call holds one token (max_n == 1). The same grid, lanes and
+// per-token arithmetic as delta_rule_row on a single token, hence the same bits, without its chunk
+// machinery (no staged tokens, no cp.async; only the state tile's two barriers): each lane reads
+// its own rows of q and k and its column's v, a and b straight from memory (L2: the conv has just
+// written them). The squared norms of q and k are taken by the first 2G lanes of every warp in
+// delta_normalise's order (G lanes per vector summing float4s G·m + lane, the same xor shuffles)
+// and broadcast.
+// Why a kernel of its own: a decode step's delta rule is one token of latency-bound arithmetic;
+// the chunked kernel's staging, two barriers and cp.async waits are fixed cost on that path. On
+// the H200 a batch-1 step got 46 µs faster (~1.9 µs per layer, BENCHMARKS.md).
+// The row's descriptor and its state (DeltaStateTile::load: the thread's 16-byte slots of the
+// block's tile, into registers) are loaded before the kernel waits on the conv: no kernel of the
+// running forward writes them (the descriptors were uploaded before its first kernel, and only
+// this layer's delta rule writes the state, one forward earlier), so their two dependent round
+// trips overlap the conv (check.cuh's rule for loads before the wait). The slots go through shared
+// memory to the lanes only after q, k, v, a and b are requested; the store returns them the same
+// way (with state_after's copy, when the row keeps one).
 template <int DK, int L>
-__device__ __forceinline__ void delta_token_inputs(const DeltaArgs& g, int64_t t, int64_t kh,
-                                                   int64_t vh, int64_t j, bool column, int lane,
-                                                   float A, float bias, float (&kk)[DK / L],
-                                                   float (&qq)[DK / L], float& decay, float& beta,
-                                                   float& vj) {
-  constexpr int ROWS = DK / L;
+__global__ void __launch_bounds__(kDeltaThreads, delta_decode_min_blocks(DK, L))
+    gated_delta_rule_decode_kernel(const DeltaArgs g, const ops::RecurrentRow* __restrict__ rows) {
+  constexpr int ROWS = DK / L;                                     // of the column, per lane
+  constexpr int COLS = kDeltaThreads / L;                          // columns per block
   constexpr int G = kDeltaThreads / (2 * delta_chunk_tokens(DK));  // delta_normalise's lanes
   constexpr int F = DK / 4 / G;                                    // float4s per vector lane
-  const int s = lane % L;
+  using Tile = DeltaStateTile<DK, L>;
+  __shared__ float4 tile[Tile::kStaged ? Tile::kFloats / 4 : 1];
+  const ops::RecurrentRow row = rows[blockIdx.z];
+  if (row.n <= 0) return;  // an idle row
+  const DeltaLane<L> at(g);
+  const int lane = at.lane, s = at.s, col = at.col;
+  const int64_t vh = at.vh, kh = at.kh;
+  const int64_t col0 = int64_t(blockIdx.x) * COLS;
+  const int64_t j = col0 + col;
+  const bool column = j < g.dv;
+  const int64_t t = row.first_token;
+  const int64_t head = vh * g.dk * g.dv;  // [dk, dv] of this head in state and state_after
+  const Tile st(g, row.state + head, row.state_after ? row.state_after + head : nullptr, col0, s,
+                col, !row.frozen);
+  float4 sv[Tile::kSlots];
+  st.load(sv);
+  pdl_wait();
+  pdl_release();
   const float4 zero = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
   const float4* q4 = reinterpret_cast<const float4*>(g.q + t * g.qk_stride + kh * g.dk);
   const float4* k4 = reinterpret_cast<const float4*>(g.k + t * g.qk_stride + kh * g.dk);
   const int f4 = g.dk / 4;  // float4s of a vector; those past it are delta_normalise's zero rows
   // ‖q‖², ‖k‖² first: lanes 0..G-1 take q, lanes G..2G-1 take k (the rest repeat them, unused).
   // Their F float4s are summed as squared_norm does (add_squares, then join_squares), in halves of
-  // the float4s so that they and the state column are not all in registers at once (the kernels
-  // are latency-bound: registers are the warps in flight).
+  // the float4s so that they and the state column are not all in registers at once (the kernel
+  // is latency-bound: registers are the warps in flight).
   const bool is_q = (lane / G) % 2 == 0;
   const float4* x4 = is_q ? q4 : k4;
   float nacc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -791,6 +819,7 @@ __device__ __forceinline__ void delta_token_inputs(const DeltaArgs& g, int64_t t
   }
   const float inv = (is_q ? g.q_scale : 1.0f) / sqrtf(join_squares<G>(nacc) + 1e-6f);
   const float inv_q = __shfl_sync(kFullMask, inv, 0), inv_k = __shfl_sync(kFullMask, inv, G);
+  float kk[ROWS], qq[ROWS];
 #pragma unroll
   for (int m = 0; m < ROWS / 4; ++m) {
     const int f = L * m + s;
@@ -803,51 +832,10 @@ __device__ __forceinline__ void delta_token_inputs(const DeltaArgs& g, int64_t t
     kk[r] = kk[r] * inv_k;
     qq[r] = qq[r] * inv_q;
   }
-  decay = delta_decay(A, g.a[t * g.n_v_heads + vh], bias);
-  beta = delta_beta(g.b[t * g.n_v_heads + vh]);
-  vj = column ? g.v[t * g.v_stride + vh * g.dv + j] : 0.0f;
-}
-
-// Decode steps of shapes the short-row kernel below does not take (padded dk, dv not a multiple
-// of 16): every row of the call holds one token (max_n == 1). The same grid, lanes and per-token
-// arithmetic as delta_rule_row on a single token (delta_token_inputs), hence the same bits,
-// without its chunk machinery (no staged tokens, no cp.async; only the state tile's two barriers).
-// Why a kernel of its own: a decode step's delta rule is one token of latency-bound arithmetic;
-// the chunked kernel's staging, two barriers and cp.async waits are fixed cost on that path. On
-// the H200 a batch-1 step got 46 µs faster (~1.9 µs per layer, BENCHMARKS.md).
-// The row's descriptor and its state (DeltaStateTile::load: the thread's 16-byte slots of the
-// block's tile, into registers) are loaded before the kernel waits on the conv: no kernel of the
-// running forward writes them (the descriptors were uploaded before its first kernel, and only
-// this layer's delta rule writes the state, one forward earlier), so their two dependent round
-// trips overlap the conv (check.cuh's rule for loads before the wait). The slots go through shared
-// memory to the lanes only after q, k, v, a and b are requested; the store returns them the same
-// way (with state_after's copy, when the row keeps one).
-template <int DK, int L>
-__global__ void __launch_bounds__(kDeltaThreads, delta_decode_min_blocks(DK, L))
-    gated_delta_rule_decode_kernel(const DeltaArgs g, const ops::RecurrentRow* __restrict__ rows) {
-  constexpr int ROWS = DK / L;             // of the column, per lane
-  constexpr int COLS = kDeltaThreads / L;  // columns per block
-  using Tile = DeltaStateTile<DK, L>;
-  __shared__ float4 tile[Tile::kStaged ? Tile::kFloats / 4 : 1];
-  const ops::RecurrentRow row = rows[blockIdx.z];
-  if (row.n <= 0) return;  // an idle row
-  const DeltaLane<L> at(g);
-  const int tid = at.tid, lane = at.lane, s = at.s, col = at.col;
-  const int64_t vh = at.vh, kh = at.kh;
-  const int64_t col0 = int64_t(blockIdx.x) * COLS;
-  const int64_t j = col0 + col;
-  const bool column = j < g.dv;
-  const int64_t t = row.first_token;
-  const int64_t head = vh * g.dk * g.dv;  // [dk, dv] of this head in state and state_after
-  const Tile st(g, row.state + head, row.state_after ? row.state_after + head : nullptr, col0, s,
-                col, !row.frozen);
-  float4 sv[Tile::kSlots];
-  st.load(sv);
-  pdl_wait();
-  pdl_release();
-  float kk[ROWS], qq[ROWS], decay, beta, vj;
-  delta_token_inputs<DK, L>(g, t, kh, vh, j, column, lane, -expf(g.A_log[vh]), g.dt_bias[vh], kk,
-                            qq, decay, beta, vj);
+  const float A = -expf(g.A_log[vh]);
+  const float decay = delta_decay(A, g.a[t * g.n_v_heads + vh], g.dt_bias[vh]);
+  const float beta = delta_beta(g.b[t * g.n_v_heads + vh]);
+  const float vj = column ? g.v[t * g.v_stride + vh * g.dv + j] : 0.0f;
   // Only now the state goes to the lanes (through the tile when staged): every load above is
   // already in flight when the tile's writes wait for the state and the barrier for the block.
   float Sr[ROWS];
@@ -864,11 +852,13 @@ __global__ void __launch_bounds__(kDeltaThreads, delta_decode_min_blocks(DK, L))
 // (dv % 16 == 0). Same grid axes, lanes and per-token arithmetic as delta_rule_row (delta_token
 // and delta_token_inputs), so a row's bits are the chunked kernel's for the same tokens.
 // Why a kernel of its own: these calls read (and write) each row's whole state for a few tokens
-// of arithmetic, so they are bound by how many state bytes are in flight. The state goes
-// global → shared memory by cp.async, issued for all of the block's TILES column tiles before
-// the wait on the conv, without registers (the register-staged decode kernel kept 8 KiB in flight
-// per block, ~40 KiB per SM, and reached 2.1 TB/s at 32 rows); tile t is waited for only when
-// the block reaches it, and stored back (16-byte stores) while later tiles still arrive.
+// of arithmetic. The decode kernel reached 2.1 TB/s at 32 rows; what bounded it was the serial
+// chain of each block (state, then q and k from L2, norm shuffles, the token), not the state
+// bytes in flight (a first version that only streamed more state per block ran at the same speed,
+// BENCHMARKS.md). Here a block takes 1 or 2 column tiles: their state goes global → shared memory
+// by cp.async before the wait on the conv, the row's token inputs are normalised into shared
+// memory once while it arrives, and each tile then runs its tokens from shared memory and is
+// stored back (16-byte stores) while the next tile may still arrive.
 constexpr int kShortRowTokens = 8;
 // Blocks per SM the short-row kernel is compiled for: at 5, up to 102 registers (it takes 90-96,
 // no spills); at 6 (80 registers) its token loop spilled.
@@ -884,25 +874,18 @@ __device__ __forceinline__ int short_tile_chunk(int i, int f) {
   return 8 * (i / 2) + ((4 * (i % 2) + f) ^ ((i / 4) % 8));
 }
 
-__device__ __forceinline__ void copy_async_commit() {
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-// Waits until at most n of this thread's committed groups are pending (the instruction takes an
-// immediate).
-__device__ __forceinline__ void copy_async_wait_pending(int n) {
+// copy_wait with a run-time count (its instruction takes an immediate): at most n of this
+// thread's committed groups stay pending, n in 0..3.
+__device__ __forceinline__ void copy_wait_pending(int n) {
   switch (n) {
     case 0:
-      asm volatile("cp.async.wait_group 0;\n" ::: "memory");
-      break;
+      return copy_wait<0>();
     case 1:
-      asm volatile("cp.async.wait_group 1;\n" ::: "memory");
-      break;
+      return copy_wait<1>();
     case 2:
-      asm volatile("cp.async.wait_group 2;\n" ::: "memory");
-      break;
+      return copy_wait<2>();
     default:
-      asm volatile("cp.async.wait_group 3;\n" ::: "memory");
-      break;
+      return copy_wait<3>();
   }
 }
 
@@ -961,7 +944,7 @@ __global__ void __launch_bounds__(kDeltaThreads, kShortRowBlocks)
       else
         *dst = make_float4(src[0], src[1], src[2], src[3]);
     }
-    copy_async_commit();
+    copy_commit();
   }
   pdl_wait();
   pdl_release();
@@ -999,7 +982,7 @@ __global__ void __launch_bounds__(kDeltaThreads, kShortRowBlocks)
 
 #pragma unroll 1
   for (int t = 0; t < TILES; ++t) {
-    copy_async_wait_pending(TILES - 1 - t);
+    copy_wait_pending(TILES - 1 - t);
     __syncthreads();  // every thread's chunks of tile t (and, at t = 0, the inputs) are in place
     float* tile = reinterpret_cast<float*>(short_tiles + t * kChunks);
     const int64_t j = col0 + t * COLS + col;
