@@ -35,6 +35,7 @@
 #include "tandem/backend/cuda/activation.cuh"
 #include "tandem/backend/cuda/async_copy.cuh"
 #include "tandem/backend/cuda/check.cuh"
+#include "tandem/backend/cuda/cuda_ops.h"
 #include "tandem/backend/cuda/linear_mma.cuh"
 #include "tandem/core/error.h"
 
@@ -228,6 +229,278 @@ __global__ void __launch_bounds__(kTileThreads, 2)
   cluster.sync();  // no block leaves while another still reads its partials
 }
 
+// ---- The same product on Hopper's warpgroup mma (sm_90a) ----
+//
+// wgmma with k16 is bitwise the m16n8k16 mma.sync on the same k per slot (both operands' roles,
+// either k half first, register or shared-memory operands: measured on the H200 over 8M outputs
+// with exponents spread over 2^±30, BENCHMARKS.md), so a chain of wgmmas over the register
+// kernel's k sets gives its bits. The weights are the A operand (64 rows per warpgroup), loaded
+// from the stage into registers exactly as the mma.sync tiles load them (which is where the
+// register kernel's k permutation is free); the tokens are the B operand (n = Tokens, 64 or 128),
+// read by the tensor cores straight from shared memory in the no-swizzle K-major layout. A
+// register-operand k slot and the shared-memory one must hold the same k, so the token rows are
+// staged permuted: step j's core matrix of row n holds, at slot 2t, 2t + 1 (first k half) and
+// 2t + 8, 2t + 9 (second), x[n][16t + 4j + {0, 1}] and x[n][16t + 4j + {2, 3}]. That is a 4-byte
+// gather no copy engine does, so the tokens go global -> registers -> shared memory (16-byte
+// loads, 4-byte stores with conflict-free banks), one chunk ahead of the mmas.
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define TANDEM_WGMMA_DEVICE 1
+#endif
+
+constexpr int kWgmmaWeightRows = 128;  // two warpgroups of 64 weight rows
+
+template <int Tokens>
+struct WgmmaShape {
+  static constexpr int kAcc = Tokens / 2;                  // f32 accumulators per thread
+  static constexpr int kWeightBytes = kWgmmaWeightRows * kChunk * 2;
+  static constexpr int kTokenStepBytes = Tokens * 32;      // one k16 step: Tokens/8 x 2 x 128 B
+  static constexpr int kStageBytes = kWeightBytes + 4 * kTokenStepBytes;
+  static constexpr int kPartialBytes = kAcc * kTileThreads * 4;
+};
+
+// Shared-memory matrix descriptor, no swizzle: byte strides between the two k halves of a k16
+// step (leading) and between groups of 8 rows (stride).
+__device__ __forceinline__ uint64_t wgmma_descriptor(const void* p, uint32_t k_half_bytes,
+                                                     uint32_t row_group_bytes) {
+  const uint32_t a = shared_address(p);
+  return static_cast<uint64_t>((a & 0x3FFFF) >> 4) |
+         static_cast<uint64_t>((k_half_bytes >> 4) & 0x3FFF) << 16 |
+         static_cast<uint64_t>((row_group_bytes >> 4) & 0x3FFF) << 32;
+}
+
+// Keeps the compiler from moving accumulator accesses across the asynchronous mma.
+template <int N>
+__device__ __forceinline__ void wgmma_fence_operands(float (&d)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+#define TANDEM_ACC4(d, i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3])
+#define TANDEM_ACC16(d, i) \
+  TANDEM_ACC4(d, i), TANDEM_ACC4(d, i + 4), TANDEM_ACC4(d, i + 8), TANDEM_ACC4(d, i + 12)
+
+// d[64 x Tokens] += A (registers: this warp's 16 weight rows, mma.sync's A fragment) · B (tokens,
+// shared memory at descriptor b): one k16 step.
+template <int Tokens>
+__device__ __forceinline__ void wgmma_step(float (&d)[Tokens / 2], uint32_t a0, uint32_t a1,
+                                           uint32_t a2, uint32_t a3, uint64_t b) {
+#if TANDEM_WGMMA_DEVICE
+  if constexpr (Tokens == 32) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+        "{%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"
+        : TANDEM_ACC16(d, 0)
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(b));
+  } else if constexpr (Tokens == 64) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "
+        "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+        "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+        : TANDEM_ACC16(d, 0), TANDEM_ACC16(d, 16)
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(b));
+  } else {
+    static_assert(Tokens == 128, "wgmma tiles of 32, 64 or 128 tokens");
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "
+        "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, "
+        "%36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, "
+        "%53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+        "{%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
+        : TANDEM_ACC16(d, 0), TANDEM_ACC16(d, 16), TANDEM_ACC16(d, 32), TANDEM_ACC16(d, 48)
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(b));
+  }
+#else
+  (void)d, (void)a0, (void)a1, (void)a2, (void)a3, (void)b;
+  __trap();
+#endif
+}
+#undef TANDEM_ACC16
+#undef TANDEM_ACC4
+
+__device__ __forceinline__ void wgmma_open() {
+#if TANDEM_WGMMA_DEVICE
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wgmma_close_and_wait() {
+#if TANDEM_WGMMA_DEVICE
+  asm volatile("wgmma.commit_group.sync.aligned;\nwgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+#endif
+}
+// Shared-memory writes of the generic proxy (st.shared, cp.async) made visible to the tensor
+// cores' reads (async proxy); a barrier after it publishes them to the other warps.
+__device__ __forceinline__ void fence_proxy_async() {
+#if TANDEM_WGMMA_DEVICE
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+}
+
+// The token rows in the order the wgmma B operand reads them (see above): out [m, chunks · 64],
+// where piece p = (step j = p / 2, k half = p % 2) of a row's 64-wide chunk holds, at slots 2t and
+// 2t + 1, x[16t + 4j + 2 half + {0, 1}] of the chunk (zeros past K). One thread per 16-byte piece.
+__global__ void wgmma_token_order_kernel(const uint16_t* __restrict__ x, int m, int K, int chunks,
+                                         uint16_t* __restrict__ out) {
+  pdl_wait();
+  pdl_release();
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= static_cast<int64_t>(m) * chunks * kPiecesPerRow) return;
+  const int p = static_cast<int>(i % kPiecesPerRow);
+  const int64_t row_chunk = i / kPiecesPerRow;
+  const int ch = static_cast<int>(row_chunk % chunks);
+  const int64_t n = row_chunk / chunks;
+  const int j = p / 2, half = p % 2;
+  uint32_t v[4];
+#pragma unroll
+  for (int t = 0; t < 4; ++t) {
+    const int k = ch * kChunk + 16 * t + 4 * j + 2 * half;
+    v[t] = k < K ? *reinterpret_cast<const uint32_t*>(x + n * K + k) : 0u;
+  }
+  *reinterpret_cast<uint4*>(out + n * (static_cast<int64_t>(chunks) * kChunk) + ch * kChunk +
+                            p * 8) = make_uint4(v[0], v[1], v[2], v[3]);
+}
+
+// Chunk ch of the ordered token rows [first, first + Tokens) into a stage's token area: piece
+// (j, half) of row n at step j, group n / 8, half, row n % 8 (zeros past `rows`). Lane bits
+// (half, row of 8, low bit of j): a row's 64 bytes per copy, 256 contiguous bytes per step.
+template <int Tokens>
+__device__ __forceinline__ void stage_tokens(const uint16_t* xp, int first, int rows, int chunks,
+                                             int ch, unsigned char* dst) {
+  using S = WgmmaShape<Tokens>;
+  static_assert(Tokens * kPiecesPerRow % kTileThreads == 0, "whole rounds of pieces");
+#pragma unroll
+  for (int q = 0; q < Tokens * kPiecesPerRow / kTileThreads; ++q) {
+    const int u = threadIdx.x + q * kTileThreads;
+    const int half = u % 2, r8 = (u / 2) % 8, j = (u / 16) % 4, group = u / 64;
+    const int row = first + group * 8 + r8;
+    const bool ok = row < rows;
+    const uint16_t* from =
+        ok ? xp + static_cast<size_t>(row) * chunks * kChunk + ch * kChunk + j * 16 + half * 8 : xp;
+    copy16_async(shared_address(dst + j * S::kTokenStepBytes + group * 256 + half * 128 + r8 * 16),
+                 from, ok);
+  }
+}
+
+// One block of a Classes-block cluster, as linear_tiles_kernel: output rows [row0, row0 + Tokens)
+// x weight rows [col0, col0 + 128) over k-class `rank`, then its share of the in-order sum.
+// Warpgroup wg owns weight rows col0 + 64 wg .. + 63; warp q of it rows 16q .. 16q + 15 of those
+// (the A fragment), and its accumulator d[4s + e] is (weight row 16q + g + 8 (e / 2), token
+// 8s + 2t + e % 2).
+template <int Classes, int Tokens, int Stages, bool SwiGLU>
+__global__ void __launch_bounds__(kTileThreads, 2)
+    linear_wgmma_kernel(const uint16_t* __restrict__ xp, int m, const uint16_t* __restrict__ w,
+                        int N, int K, int m_blocks, const SplitOut y) {
+  using S = WgmmaShape<Tokens>;
+  extern __shared__ __align__(128) unsigned char smem[];
+  cg::cluster_group cluster = cg::this_cluster();
+  const int rank = static_cast<int>(cluster.block_rank());
+  const int tile = blockIdx.x / Classes;
+  const int row0 = (tile % m_blocks) * Tokens, col0 = (tile / m_blocks) * kWgmmaWeightRows;
+  const int chunks = (K + kChunk - 1) / kChunk;
+  const int n_chunks = rank < chunks ? (chunks - rank + Classes - 1) / Classes : 0;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int r_lo = warp * 16 + g;  // weight row of the stage (warpgroup wg = warp / 4)
+
+  auto stage_at = [&](int s) { return smem + s * S::kStageBytes; };
+  auto load_weights = [&](int i) {
+    stage_chunk<kWgmmaWeightRows>(w, col0, N, K, rank + i * Classes, stage_at(i % Stages));
+  };
+  auto load_tokens = [&](int i) {
+    stage_tokens<Tokens>(xp, row0, m, chunks, rank + i * Classes,
+                         stage_at(i % Stages) + S::kWeightBytes);
+  };
+
+  // Weights never change: the first stages' weights are requested before waiting on the kernel
+  // that writes the tokens. Group s holds stage s's tokens (and, for s = 0, every early weight).
+#pragma unroll
+  for (int s = 0; s < Stages - 1; ++s)
+    if (s < n_chunks) load_weights(s);
+  pdl_wait();
+  pdl_release();
+#pragma unroll
+  for (int s = 0; s < Stages - 1; ++s) {
+    if (s < n_chunks) load_tokens(s);
+    copy_commit();
+  }
+
+  float d[S::kAcc];
+#pragma unroll
+  for (int i = 0; i < S::kAcc; ++i) d[i] = 0.f;
+
+  for (int i = 0; i < n_chunks; ++i) {
+    copy_wait<Stages - 2>();
+    fence_proxy_async();
+    __syncthreads();  // stage i is in; every warpgroup is done with stage i - 1, refilled below
+    if (i + Stages - 1 < n_chunks) {
+      load_weights(i + Stages - 1);
+      load_tokens(i + Stages - 1);
+    }
+    copy_commit();
+    const unsigned char* ws = stage_at(i % Stages);
+    const unsigned char* ts = ws + S::kWeightBytes;
+    uint4 lo[2], hi[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      lo[h] = *reinterpret_cast<const uint4*>(ws + piece_offset(r_lo, 2 * t + h));
+      hi[h] = *reinterpret_cast<const uint4*>(ws + piece_offset(r_lo + 8, 2 * t + h));
+    }
+    wgmma_fence_operands(d);
+    wgmma_open();
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      wgmma_step<Tokens>(d, lo[h].x, hi[h].x, lo[h].y, hi[h].y,
+                         wgmma_descriptor(ts + (2 * h) * S::kTokenStepBytes, 128, 256));
+      wgmma_step<Tokens>(d, lo[h].z, hi[h].z, lo[h].w, hi[h].w,
+                         wgmma_descriptor(ts + (2 * h + 1) * S::kTokenStepBytes, 128, 256));
+    }
+    wgmma_close_and_wait();
+    wgmma_fence_operands(d);
+  }
+
+  copy_wait<0>();
+  __syncthreads();
+  float* partial = reinterpret_cast<float*>(smem);
+#pragma unroll
+  for (int i = 0; i < S::kAcc; ++i) partial[i * kTileThreads + threadIdx.x] = d[i];
+  cluster.sync();
+  const float* parts[Classes];
+#pragma unroll
+  for (int c = 0; c < Classes; ++c) parts[c] = cluster.map_shared_rank(partial, c);
+  auto total = [&](int index) {
+    const int at = index * kTileThreads + threadIdx.x;
+    float sum = parts[0][at];
+#pragma unroll
+    for (int c = 1; c < Classes; ++c) sum += parts[c][at];
+    return sum;
+  };
+  const int col = col0 + r_lo;  // weight row of accumulators e = 0, 1 (e = 2, 3: col + 8)
+  for (int s = rank; s < Tokens / 8; s += Classes) {
+    const int r = row0 + 8 * s + 2 * t;
+    if constexpr (SwiGLU) {
+      // Rows 16q + g (gate) and 16q + 8 + g (up) are the pair of output (col0 + 16 warp) / 2 + g.
+      const int out = (col0 + warp * 16) / 2 + g;
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float gate = total(4 * s + e), up = total(4 * s + 2 + e);
+        if (r + e < m && out < N / 2) y.store(r + e, out, silu(gate) * up);
+      }
+    } else {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float sum = total(4 * s + e);
+        const int c = col + (e >= 2 ? 8 : 0);
+        if (r + (e & 1) < m && c < N) y.store(r + (e & 1), c, sum);
+      }
+    }
+  }
+  cluster.sync();  // no block leaves while another still reads its partials
+}
+
 // Launches the kernel for one tile shape.
 template <int Classes, int MT, int NT, int WarpsM, int Stages, bool SwiGLU>
 void launch_tiles(const uint16_t* xs, int m, const uint16_t* w, int N, int K, const SplitOut& y) {
@@ -241,6 +514,51 @@ void launch_tiles(const uint16_t* xs, int m, const uint16_t* w, int N, int K, co
                    w, N, K, static_cast<int>(m_blocks), y);
 }
 
+// Scratch for the ordered token rows of one call (reused by the next; calls are stream-ordered).
+uint16_t* ordered_token_rows(int64_t n) {
+  static uint16_t* rows = nullptr;
+  static int64_t size = 0;
+  if (n > size) {
+    cuda::free(rows);
+    rows = static_cast<uint16_t*>(cuda::alloc(sizeof(uint16_t) * static_cast<size_t>(n)));
+    size = n;
+    bump_scratch_generation();
+  }
+  return rows;
+}
+
+// Whether the many-row products run on warpgroup mmas: built for sm_90a (TANDEM_CUDA_WGMMA) and
+// not turned off by TANDEM_CUDA_WGMMA=0 in the environment (A/B timing).
+bool wgmma_tiles() {
+#if defined(TANDEM_CUDA_WGMMA)
+  static const bool enabled = [] {
+    const char* v = std::getenv("TANDEM_CUDA_WGMMA");
+    return !(v && std::string_view(v) == "0");
+  }();
+  return enabled;
+#else
+  return false;
+#endif
+}
+
+template <int Classes, int Tokens, int Stages, bool SwiGLU>
+void launch_wgmma(const uint16_t* xs, int m, const uint16_t* w, int N, int K, const SplitOut& y) {
+  using S = WgmmaShape<Tokens>;
+  const int chunks = (K + kChunk - 1) / kChunk;
+  uint16_t* xp = ordered_token_rows(static_cast<int64_t>(m) * chunks * kChunk);
+  const int64_t pieces = static_cast<int64_t>(m) * chunks * kPiecesPerRow;
+  launch("linear (wgmma token order)", wgmma_token_order_kernel,
+         grid_blocks(ceil_div(pieces, int64_t{256}), "linear (wgmma token order)"), 256, 0, xs, m,
+         K, chunks, xp);
+  constexpr auto kernel = linear_wgmma_kernel<Classes, Tokens, Stages, SwiGLU>;
+  constexpr size_t smem = std::max<size_t>(size_t(Stages) * S::kStageBytes, S::kPartialBytes);
+  allow_dynamic_smem(kernel, smem, "cuda linear (wgmma tiles): the tile stages");
+  const int64_t m_blocks = ceil_div(m, Tokens), n_blocks = ceil_div(N, kWgmmaWeightRows);
+  const unsigned grid = grid_blocks(Classes * m_blocks * n_blocks, "linear (wgmma tiles)");
+  launch_clustered("linear (wgmma tiles)", Classes, kernel, dim3(grid), dim3(kTileThreads), smem,
+                   xp, m, w, N, K, static_cast<int>(m_blocks), y);
+}
+
 template <int Classes, bool SwiGLU>
 void linear_tiles_classes(const uint16_t* xs, int m, const uint16_t* w, int N, int K,
                           const SplitOut& y) {
@@ -249,6 +567,15 @@ void linear_tiles_classes(const uint16_t* xs, int m, const uint16_t* w, int N, i
   // the second reads the weights from L2). 128 columns per tile: narrower tiles that fill the
   // resident clusters' last round better (64 or 32 columns) measured slower on every shape, as
   // did one block per SM with deeper rings (BENCHMARKS.md).
+  if (wgmma_tiles()) {
+    if (m <= 32)
+      launch_wgmma<Classes, 32, 4, SwiGLU>(xs, m, w, N, K, y);
+    else if (m <= 64)
+      launch_wgmma<Classes, 64, 4, SwiGLU>(xs, m, w, N, K, y);
+    else
+      launch_wgmma<Classes, 128, 3, SwiGLU>(xs, m, w, N, K, y);
+    return;
+  }
   if (m <= 64)
     launch_tiles<Classes, 2, 4, 2, 4, SwiGLU>(xs, m, w, N, K, y);
   else
