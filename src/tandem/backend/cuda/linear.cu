@@ -962,11 +962,7 @@ void linear_mma_bf16_rows(const uint16_t* xs, int64_t m, const ops::WeightRef& w
   };
   // More than two m-tiles (verify windows of many rows): the staged kernel of linear_tiles.cu,
   // the same bits. Up to 32 rows this kernel measured faster (BENCHMARKS.md).
-  static const int64_t tiles_from = [] {
-    const char* v = std::getenv("TANDEM_CUDA_TILES_FROM");
-    return v ? std::atoll(v) : kTilesFromRows;
-  }();
-  if (m > tiles_from && tiles_enabled()) return linear_tiles(xs, M, wp, N, K, Warps, SwiGLU, y);
+  if (m > kTilesFromRows && tiles_enabled()) return linear_tiles(xs, M, wp, N, K, Warps, SwiGLU, y);
   // Two m-tiles (a 32-row decode step, a 4-token window of 8 rows): the weights through a ring
   // that a producer warp keeps full (linear_ring.cu), the same bits.
   if (ring_takes(M)) return linear_ring(xs, M, wp, N, K, Warps, SwiGLU, y);

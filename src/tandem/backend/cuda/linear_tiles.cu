@@ -8,6 +8,8 @@
 // and inputs go through a ring of shared-memory stages filled with cp.async several chunks ahead,
 // so the bytes in flight do not depend on the rows.
 //
+// From 65 rows on (sm_90a builds) the same tiles run on warpgroup mmas (linear_wgmma_kernel below).
+//
 // The reduction order is the register kernel's, by construction:
 //  - that kernel splits K over C warps (C = 4 or 8, from the weight's shape alone): warp w
 //    accumulates chunks w, w + C, w + 2C, ... (64 k each) in ascending order, four m16n8k16 mmas
@@ -35,7 +37,6 @@
 #include "tandem/backend/cuda/activation.cuh"
 #include "tandem/backend/cuda/async_copy.cuh"
 #include "tandem/backend/cuda/check.cuh"
-#include "tandem/backend/cuda/cuda_ops.h"
 #include "tandem/backend/cuda/linear_mma.cuh"
 #include "tandem/core/error.h"
 
@@ -236,13 +237,15 @@ __global__ void __launch_bounds__(kTileThreads, 2)
 // with exponents spread over 2^±30, BENCHMARKS.md), so a chain of wgmmas over the register
 // kernel's k sets gives its bits. The weights are the A operand (64 rows per warpgroup), loaded
 // from the stage into registers exactly as the mma.sync tiles load them (which is where the
-// register kernel's k permutation is free); the tokens are the B operand (n = Tokens, 64 or 128),
-// read by the tensor cores straight from shared memory in the no-swizzle K-major layout. A
+// register kernel's k permutation is free); the tokens are the B operand (n = Tokens = 128), read
+// by the tensor cores straight from shared memory in the no-swizzle K-major layout. A
 // register-operand k slot and the shared-memory one must hold the same k, so the token rows are
 // staged permuted: step j's core matrix of row n holds, at slot 2t, 2t + 1 (first k half) and
 // 2t + 8, 2t + 9 (second), x[n][16t + 4j + {0, 1}] and x[n][16t + 4j + {2, 3}]. That is a 4-byte
 // gather no copy engine does, so the tokens go global -> registers -> shared memory (16-byte
-// loads, 4-byte stores with conflict-free banks), one chunk ahead of the mmas.
+// loads, 4-byte stores with conflict-free banks), loaded two chunks ahead of their mmas. (Ordering
+// the tokens into a scratch copy first, then staging them with cp.async like the weights, measured
+// 20% slower: BENCHMARKS.md.)
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define TANDEM_WGMMA_DEVICE 1
 #endif
@@ -251,10 +254,11 @@ constexpr int kWgmmaWeightRows = 128;  // two warpgroups of 64 weight rows
 
 template <int Tokens>
 struct WgmmaShape {
-  static constexpr int kAcc = Tokens / 2;                  // f32 accumulators per thread
+  static constexpr int kAcc = Tokens / 2;  // f32 accumulators per thread
   static constexpr int kWeightBytes = kWgmmaWeightRows * kChunk * 2;
-  static constexpr int kTokenStepBytes = Tokens * 32;      // one k16 step: Tokens/8 x 2 x 128 B
+  static constexpr int kTokenStepBytes = Tokens * 32;  // one k16 step: Tokens/8 x 2 x 128 B
   static constexpr int kStageBytes = kWeightBytes + 4 * kTokenStepBytes;
+  static constexpr int kTokenPieces = Tokens * kPiecesPerRow / kTileThreads;  // per thread
   static constexpr int kPartialBytes = kAcc * kTileThreads * 4;
 };
 
@@ -285,25 +289,8 @@ template <int Tokens>
 __device__ __forceinline__ void wgmma_step(float (&d)[Tokens / 2], uint32_t a0, uint32_t a1,
                                            uint32_t a2, uint32_t a3, uint64_t b) {
 #if TANDEM_WGMMA_DEVICE
-  if constexpr (Tokens == 32) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
-        "{%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"
-        : TANDEM_ACC16(d, 0)
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(b));
-  } else if constexpr (Tokens == 64) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "
-        "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-        "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
-        : TANDEM_ACC16(d, 0), TANDEM_ACC16(d, 16)
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(b));
-  } else {
-    static_assert(Tokens == 128, "wgmma tiles of 32, 64 or 128 tokens");
+  {
+    static_assert(Tokens == 128, "wgmma tiles of 128 tokens");
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
@@ -341,48 +328,40 @@ __device__ __forceinline__ void fence_proxy_async() {
 #endif
 }
 
-// The token rows in the order the wgmma B operand reads them (see above): out [m, chunks · 64],
-// where piece p = (step j = p / 2, k half = p % 2) of a row's 64-wide chunk holds, at slots 2t and
-// 2t + 1, x[16t + 4j + 2 half + {0, 1}] of the chunk (zeros past K). One thread per 16-byte piece.
-__global__ void wgmma_token_order_kernel(const uint16_t* __restrict__ x, int m, int K, int chunks,
-                                         uint16_t* __restrict__ out) {
-  pdl_wait();
-  pdl_release();
-  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= static_cast<int64_t>(m) * chunks * kPiecesPerRow) return;
-  const int p = static_cast<int>(i % kPiecesPerRow);
-  const int64_t row_chunk = i / kPiecesPerRow;
-  const int ch = static_cast<int>(row_chunk % chunks);
-  const int64_t n = row_chunk / chunks;
-  const int j = p / 2, half = p % 2;
-  uint32_t v[4];
+// This thread's share of a chunk of token rows [first, first + Tokens), loaded as 16-byte pieces
+// (zeros past `rows` and past K). Thread u's piece q: lane bits (t, r8) = row r8 of a group of 8,
+// piece 2t + h; warp bits (h, group), so each store below hits 32 distinct banks.
+template <int Tokens>
+__device__ __forceinline__ void load_token_pieces(const uint16_t* x, int first, int rows, int K,
+                                                  int ch,
+                                                  uint4 (&v)[WgmmaShape<Tokens>::kTokenPieces]) {
 #pragma unroll
-  for (int t = 0; t < 4; ++t) {
-    const int k = ch * kChunk + 16 * t + 4 * j + 2 * half;
-    v[t] = k < K ? *reinterpret_cast<const uint32_t*>(x + n * K + k) : 0u;
+  for (int q = 0; q < WgmmaShape<Tokens>::kTokenPieces; ++q) {
+    const int u = threadIdx.x + q * kTileThreads;
+    const int t = u % 4, r8 = (u / 4) % 8, h = (u / 32) % 2, group = u / 64;
+    const int row = first + group * 8 + r8, k = ch * kChunk + 16 * t + 8 * h;
+    v[q] = row < rows && k < K
+               ? *reinterpret_cast<const uint4*>(x + static_cast<size_t>(row) * K + k)
+               : make_uint4(0, 0, 0, 0);
   }
-  *reinterpret_cast<uint4*>(out + n * (static_cast<int64_t>(chunks) * kChunk) + ch * kChunk +
-                            p * 8) = make_uint4(v[0], v[1], v[2], v[3]);
 }
 
-// Chunk ch of the ordered token rows [first, first + Tokens) into a stage's token area: piece
-// (j, half) of row n at step j, group n / 8, half, row n % 8 (zeros past `rows`). Lane bits
-// (half, row of 8, low bit of j): a row's 64 bytes per copy, 256 contiguous bytes per step.
+// The pieces into a stage's token area in the permuted K-major layout (see above): piece (t, h)
+// holds k 16t + 8h + {0..7} = steps 2h (pairs .x, .y) and 2h + 1 (.z, .w), first and second k
+// half, at slot 2t of row r8 of its group's core matrices.
 template <int Tokens>
-__device__ __forceinline__ void stage_tokens(const uint16_t* xp, int first, int rows, int chunks,
-                                             int ch, unsigned char* dst) {
+__device__ __forceinline__ void store_token_pieces(
+    unsigned char* tokens, const uint4 (&v)[WgmmaShape<Tokens>::kTokenPieces]) {
   using S = WgmmaShape<Tokens>;
-  static_assert(Tokens * kPiecesPerRow % kTileThreads == 0, "whole rounds of pieces");
 #pragma unroll
-  for (int q = 0; q < Tokens * kPiecesPerRow / kTileThreads; ++q) {
+  for (int q = 0; q < S::kTokenPieces; ++q) {
     const int u = threadIdx.x + q * kTileThreads;
-    const int half = u % 2, r8 = (u / 2) % 8, j = (u / 16) % 4, group = u / 64;
-    const int row = first + group * 8 + r8;
-    const bool ok = row < rows;
-    const uint16_t* from =
-        ok ? xp + static_cast<size_t>(row) * chunks * kChunk + ch * kChunk + j * 16 + half * 8 : xp;
-    copy16_async(shared_address(dst + j * S::kTokenStepBytes + group * 256 + half * 128 + r8 * 16),
-                 from, ok);
+    const int t = u % 4, r8 = (u / 4) % 8, h = (u / 32) % 2, group = u / 64;
+    unsigned char* base = tokens + group * 256 + r8 * 16 + t * 4;
+    *reinterpret_cast<uint32_t*>(base + (2 * h) * S::kTokenStepBytes) = v[q].x;
+    *reinterpret_cast<uint32_t*>(base + (2 * h) * S::kTokenStepBytes + 128) = v[q].y;
+    *reinterpret_cast<uint32_t*>(base + (2 * h + 1) * S::kTokenStepBytes) = v[q].z;
+    *reinterpret_cast<uint32_t*>(base + (2 * h + 1) * S::kTokenStepBytes + 128) = v[q].w;
   }
 }
 
@@ -393,7 +372,7 @@ __device__ __forceinline__ void stage_tokens(const uint16_t* xp, int first, int 
 // 8s + 2t + e % 2).
 template <int Classes, int Tokens, int Stages, bool SwiGLU>
 __global__ void __launch_bounds__(kTileThreads, 2)
-    linear_wgmma_kernel(const uint16_t* __restrict__ xp, int m, const uint16_t* __restrict__ w,
+    linear_wgmma_kernel(const uint16_t* __restrict__ x, int m, const uint16_t* __restrict__ w,
                         int N, int K, int m_blocks, const SplitOut y) {
   using S = WgmmaShape<Tokens>;
   extern __shared__ __align__(128) unsigned char smem[];
@@ -410,23 +389,30 @@ __global__ void __launch_bounds__(kTileThreads, 2)
   auto load_weights = [&](int i) {
     stage_chunk<kWgmmaWeightRows>(w, col0, N, K, rank + i * Classes, stage_at(i % Stages));
   };
+  // Chunk i's tokens go into stage i at the end of iteration i - 1, loaded into registers one
+  // iteration before that, so a load has a whole iteration to arrive.
+  uint4 pieces[S::kTokenPieces];
   auto load_tokens = [&](int i) {
-    stage_tokens<Tokens>(xp, row0, m, chunks, rank + i * Classes,
-                         stage_at(i % Stages) + S::kWeightBytes);
+    load_token_pieces<Tokens>(x, row0, m, K, rank + i * Classes, pieces);
+  };
+  auto store_tokens = [&](int i) {
+    store_token_pieces<Tokens>(stage_at(i % Stages) + S::kWeightBytes, pieces);
   };
 
   // Weights never change: the first stages' weights are requested before waiting on the kernel
-  // that writes the tokens. Group s holds stage s's tokens (and, for s = 0, every early weight).
-#pragma unroll
-  for (int s = 0; s < Stages - 1; ++s)
-    if (s < n_chunks) load_weights(s);
-  pdl_wait();
-  pdl_release();
+  // that writes the tokens.
 #pragma unroll
   for (int s = 0; s < Stages - 1; ++s) {
-    if (s < n_chunks) load_tokens(s);
+    if (s < n_chunks) load_weights(s);
     copy_commit();
   }
+  pdl_wait();
+  pdl_release();
+  if (n_chunks > 0) {
+    load_tokens(0);
+    store_tokens(0);
+  }
+  if (n_chunks > 1) load_tokens(1);
 
   float d[S::kAcc];
 #pragma unroll
@@ -436,10 +422,7 @@ __global__ void __launch_bounds__(kTileThreads, 2)
     copy_wait<Stages - 2>();
     fence_proxy_async();
     __syncthreads();  // stage i is in; every warpgroup is done with stage i - 1, refilled below
-    if (i + Stages - 1 < n_chunks) {
-      load_weights(i + Stages - 1);
-      load_tokens(i + Stages - 1);
-    }
+    if (i + Stages - 1 < n_chunks) load_weights(i + Stages - 1);
     copy_commit();
     const unsigned char* ws = stage_at(i % Stages);
     const unsigned char* ts = ws + S::kWeightBytes;
@@ -458,6 +441,9 @@ __global__ void __launch_bounds__(kTileThreads, 2)
       wgmma_step<Tokens>(d, lo[h].z, hi[h].z, lo[h].w, hi[h].w,
                          wgmma_descriptor(ts + (2 * h + 1) * S::kTokenStepBytes, 128, 256));
     }
+    // Stage i + 1's tokens (its earlier chunk i + 1 - Stages was read two barriers ago).
+    if (i + 1 < n_chunks) store_tokens(i + 1);
+    if (i + 2 < n_chunks) load_tokens(i + 2);
     wgmma_close_and_wait();
     wgmma_fence_operands(d);
   }
@@ -514,19 +500,6 @@ void launch_tiles(const uint16_t* xs, int m, const uint16_t* w, int N, int K, co
                    w, N, K, static_cast<int>(m_blocks), y);
 }
 
-// Scratch for the ordered token rows of one call (reused by the next; calls are stream-ordered).
-uint16_t* ordered_token_rows(int64_t n) {
-  static uint16_t* rows = nullptr;
-  static int64_t size = 0;
-  if (n > size) {
-    cuda::free(rows);
-    rows = static_cast<uint16_t*>(cuda::alloc(sizeof(uint16_t) * static_cast<size_t>(n)));
-    size = n;
-    bump_scratch_generation();
-  }
-  return rows;
-}
-
 // Whether the many-row products run on warpgroup mmas: built for sm_90a (TANDEM_CUDA_WGMMA) and
 // not turned off by TANDEM_CUDA_WGMMA=0 in the environment (A/B timing).
 bool wgmma_tiles() {
@@ -544,19 +517,13 @@ bool wgmma_tiles() {
 template <int Classes, int Tokens, int Stages, bool SwiGLU>
 void launch_wgmma(const uint16_t* xs, int m, const uint16_t* w, int N, int K, const SplitOut& y) {
   using S = WgmmaShape<Tokens>;
-  const int chunks = (K + kChunk - 1) / kChunk;
-  uint16_t* xp = ordered_token_rows(static_cast<int64_t>(m) * chunks * kChunk);
-  const int64_t pieces = static_cast<int64_t>(m) * chunks * kPiecesPerRow;
-  launch("linear (wgmma token order)", wgmma_token_order_kernel,
-         grid_blocks(ceil_div(pieces, int64_t{256}), "linear (wgmma token order)"), 256, 0, xs, m,
-         K, chunks, xp);
   constexpr auto kernel = linear_wgmma_kernel<Classes, Tokens, Stages, SwiGLU>;
   constexpr size_t smem = std::max<size_t>(size_t(Stages) * S::kStageBytes, S::kPartialBytes);
   allow_dynamic_smem(kernel, smem, "cuda linear (wgmma tiles): the tile stages");
   const int64_t m_blocks = ceil_div(m, Tokens), n_blocks = ceil_div(N, kWgmmaWeightRows);
   const unsigned grid = grid_blocks(Classes * m_blocks * n_blocks, "linear (wgmma tiles)");
   launch_clustered("linear (wgmma tiles)", Classes, kernel, dim3(grid), dim3(kTileThreads), smem,
-                   xp, m, w, N, K, static_cast<int>(m_blocks), y);
+                   xs, m, w, N, K, static_cast<int>(m_blocks), y);
 }
 
 template <int Classes, bool SwiGLU>
@@ -567,15 +534,9 @@ void linear_tiles_classes(const uint16_t* xs, int m, const uint16_t* w, int N, i
   // the second reads the weights from L2). 128 columns per tile: narrower tiles that fill the
   // resident clusters' last round better (64 or 32 columns) measured slower on every shape, as
   // did one block per SM with deeper rings (BENCHMARKS.md).
-  if (wgmma_tiles()) {
-    if (m <= 32)
-      launch_wgmma<Classes, 32, 4, SwiGLU>(xs, m, w, N, K, y);
-    else if (m <= 64)
-      launch_wgmma<Classes, 64, 4, SwiGLU>(xs, m, w, N, K, y);
-    else
-      launch_wgmma<Classes, 128, 3, SwiGLU>(xs, m, w, N, K, y);
-    return;
-  }
+  // From 65 rows on, warpgroup mmas: 13-15% faster windows of 128 and 256 rows; at 64 rows they
+  // measured 3-4% slower than the mma.sync tiles (BENCHMARKS.md).
+  if (m > 64 && wgmma_tiles()) return launch_wgmma<Classes, 128, 3, SwiGLU>(xs, m, w, N, K, y);
   if (m <= 64)
     launch_tiles<Classes, 2, 4, 2, 4, SwiGLU>(xs, m, w, N, K, y);
   else
