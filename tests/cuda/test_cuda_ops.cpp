@@ -1715,11 +1715,10 @@ using CudaBatchInvariance = CudaTest;
 // without the output gate, and match the CPU op; a skipped query's output is left untouched.
 // The many-row products (17..32 rows: linear_ring.cu; more: linear_tiles.cu) against one row at
 // a time (the register kernel of linear.cu): a row's outputs are the same bits in a call of 1 row
-// and of 17..200 (from 65 rows on sm_90a's wgmma tiles, their k-classes summed through global
-// memory and in clusters), for narrow weights (K split 8 ways) and wide ones (4 ways), K with a
-// partial last chunk (1040) and K under one chunk per split (48), N off the 128-column tile; then
-// the MLP (SwiGLU epilogue, bf16 activations, the residual added in the down projection's epilogue)
-// with and without its norm.
+// and of 17..200, for narrow weights (K split 8 ways) and wide ones (4 ways), K with a partial
+// last chunk (1040) and K under one chunk per split (48), N off the 128-column tile; then the MLP
+// (SwiGLU epilogue, bf16 activations, the residual added in the down projection's epilogue) with
+// and without its norm.
 TEST_F(CudaBatchInvariance, ManyRowProductsEqualSingleRowCalls) {
   std::mt19937 rng(91);
   const int64_t max_m = 200;
@@ -1732,13 +1731,9 @@ TEST_F(CudaBatchInvariance, ManyRowProductsEqualSingleRowCalls) {
       const std::vector<float> y = cuda_linear(dx, r, 1, w);
       std::copy(y.begin(), y.end(), alone.begin() + r * s.n);
     }
-    for (const bool clustered : {false, true}) {
-      cuda::set_wgmma_cluster_sum(clustered);
-      for (int64_t m : {17, 24, 32, 33, 64, 65, 128, 129, 200})
-        EXPECT_TRUE(bitwise_equal(cuda_linear(dx, 0, m, w), slice(alone, 0, sz(m * s.n))))
-            << "N " << s.n << " K " << s.k << " m " << m << " clustered sums " << clustered;
-    }
-    cuda::set_wgmma_cluster_sum(false);
+    for (int64_t m : {17, 24, 32, 33, 64, 65, 128, 129, 200})
+      EXPECT_TRUE(bitwise_equal(cuda_linear(dx, 0, m, w), slice(alone, 0, sz(m * s.n))))
+          << "N " << s.n << " K " << s.k << " m " << m;
   }
   struct MlpShape {
     int64_t h, I;

@@ -183,11 +183,6 @@ void gated_delta_rule_rows(const float* q, const float* k, const float* v, const
 // 0 picks by the batch (the default, or TANDEM_CUDA_DELTA_TILES=1|2|4 at start-up); 1, 2 or 4
 // fixes it where the shape allows. No value changes a bit (tests and A/B timing).
 void set_short_delta_tiles(int tiles);
-// How the many-row wgmma products (sm_90a) sum their k-classes: false (the default, or
-// TANDEM_CUDA_WGMMA_SUM=cluster at start-up for true) sums grids of up to 512 blocks through
-// global memory and larger ones in thread block clusters; true clusters every grid. No value
-// changes a bit (tests and A/B timing).
-void set_wgmma_cluster_sum(bool clustered);
 // Strided copy of `rows` rows of `cols` floats: dst[r*dst_stride + c] = src[r*src_stride + c].
 void copy_rows(float* dst, int64_t dst_stride, const float* src, int64_t src_stride, int64_t rows,
                int64_t cols);

@@ -370,24 +370,14 @@ __device__ __forceinline__ void store_token_pieces(
 // Warpgroup wg owns weight rows col0 + 64 wg .. + 63; warp q of it rows 16q .. 16q + 15 of those
 // (the A fragment), and its accumulator d[4s + e] is (weight row 16q + g + 8 (e / 2), token
 // 8s + 2t + e % 2).
-//
-// Clustered: the tile's Classes blocks form a cluster and sum through distributed shared memory.
-// Else (a grid of at most kMaxGlobalSumBlocks): each block writes its partials to g_tile_partials,
-// and the tile's last block to finish (a counter per tile) sums all Classes of them in rank order,
-// so the bits are the same; no co-scheduling is needed, and a grid that clusters of 8 would run in
-// two rounds (256 blocks in the 240 cluster slots of two blocks per SM) runs in one.
-constexpr int kMaxGlobalSumBlocks = 512;
-__device__ __align__(16) float g_tile_partials[kMaxGlobalSumBlocks * 64 * kTileThreads];
-__device__ unsigned g_tile_done[kMaxGlobalSumBlocks];
-
-template <int Classes, int Tokens, int Stages, bool SwiGLU, bool Clustered>
+template <int Classes, int Tokens, int Stages, bool SwiGLU>
 __global__ void __launch_bounds__(kTileThreads, 2)
     linear_wgmma_kernel(const uint16_t* __restrict__ x, int m, const uint16_t* __restrict__ w,
                         int N, int K, int m_blocks, const SplitOut y) {
   using S = WgmmaShape<Tokens>;
-  static_assert(S::kAcc <= 64, "g_tile_partials holds 64 accumulators per thread");
   extern __shared__ __align__(128) unsigned char smem[];
-  const int rank = static_cast<int>(blockIdx.x % Classes);
+  cg::cluster_group cluster = cg::this_cluster();
+  const int rank = static_cast<int>(cluster.block_rank());
   const int tile = blockIdx.x / Classes;
   const int row0 = (tile % m_blocks) * Tokens, col0 = (tile / m_blocks) * kWgmmaWeightRows;
   const int chunks = (K + kChunk - 1) / kChunk;
@@ -460,49 +450,22 @@ __global__ void __launch_bounds__(kTileThreads, 2)
 
   copy_wait<0>();
   __syncthreads();
-  // The partials, [accumulator][thread], and which units (8 tokens each) this block finishes.
+  float* partial = reinterpret_cast<float*>(smem);
+#pragma unroll
+  for (int i = 0; i < S::kAcc; ++i) partial[i * kTileThreads + threadIdx.x] = d[i];
+  cluster.sync();
   const float* parts[Classes];
-  int first_unit = rank, unit_step = Classes;
-  if constexpr (Clustered) {
-    cg::cluster_group cluster = cg::this_cluster();
-    float* partial = reinterpret_cast<float*>(smem);
 #pragma unroll
-    for (int i = 0; i < S::kAcc; ++i) partial[i * kTileThreads + threadIdx.x] = d[i];
-    cluster.sync();
-#pragma unroll
-    for (int c = 0; c < Classes; ++c) parts[c] = cluster.map_shared_rank(partial, c);
-  } else {
-    float* mine = g_tile_partials + static_cast<size_t>(blockIdx.x) * S::kAcc * kTileThreads;
-#pragma unroll
-    for (int i = 0; i < S::kAcc; ++i) __stcg(mine + i * kTileThreads + threadIdx.x, d[i]);
-    __threadfence();
-    __syncthreads();
-    __shared__ bool last;
-    if (threadIdx.x == 0) {
-      last = atomicAdd(&g_tile_done[tile], 1u) == Classes - 1;
-      if (last) g_tile_done[tile] = 0;  // ready for the next launch
-    }
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
-#pragma unroll
-    for (int c = 0; c < Classes; ++c)
-      parts[c] = g_tile_partials + static_cast<size_t>(tile * Classes + c) * S::kAcc * kTileThreads;
-    first_unit = 0;
-    unit_step = 1;
-  }
-  // Distributed shared memory takes generic loads; the global partials bypass L1 (other blocks
-  // wrote them).
-  auto part = [&](int c, int at) { return Clustered ? parts[c][at] : __ldcg(parts[c] + at); };
+  for (int c = 0; c < Classes; ++c) parts[c] = cluster.map_shared_rank(partial, c);
   auto total = [&](int index) {
     const int at = index * kTileThreads + threadIdx.x;
-    float sum = part(0, at);
+    float sum = parts[0][at];
 #pragma unroll
-    for (int c = 1; c < Classes; ++c) sum += part(c, at);
+    for (int c = 1; c < Classes; ++c) sum += parts[c][at];
     return sum;
   };
   const int col = col0 + r_lo;  // weight row of accumulators e = 0, 1 (e = 2, 3: col + 8)
-  for (int s = first_unit; s < Tokens / 8; s += unit_step) {
+  for (int s = rank; s < Tokens / 8; s += Classes) {
     const int r = row0 + 8 * s + 2 * t;
     if constexpr (SwiGLU) {
       // Rows 16q + g (gate) and 16q + 8 + g (up) are the pair of output (col0 + 16 warp) / 2 + g.
@@ -521,7 +484,7 @@ __global__ void __launch_bounds__(kTileThreads, 2)
       }
     }
   }
-  if constexpr (Clustered) cg::this_cluster().sync();  // no block leaves while another reads
+  cluster.sync();  // no block leaves while another still reads its partials
 }
 
 // Launches the kernel for one tile shape.
@@ -551,36 +514,16 @@ bool wgmma_tiles() {
 #endif
 }
 
-// Whether a wgmma grid of `blocks` sums through global memory (see linear_wgmma_kernel): by
-// default when it fits g_tile_partials; TANDEM_CUDA_WGMMA_SUM=cluster keeps every grid clustered.
-bool& cluster_sum_forced() {
-  static bool forced = [] {
-    const char* v = std::getenv("TANDEM_CUDA_WGMMA_SUM");
-    return v && std::string_view(v) == "cluster";
-  }();
-  return forced;
-}
-
-bool global_sum(int64_t blocks) {
-  return !cluster_sum_forced() && blocks <= kMaxGlobalSumBlocks;
-}
-
 template <int Classes, int Tokens, int Stages, bool SwiGLU>
 void launch_wgmma(const uint16_t* xs, int m, const uint16_t* w, int N, int K, const SplitOut& y) {
   using S = WgmmaShape<Tokens>;
+  constexpr auto kernel = linear_wgmma_kernel<Classes, Tokens, Stages, SwiGLU>;
+  constexpr size_t smem = std::max<size_t>(size_t(Stages) * S::kStageBytes, S::kPartialBytes);
+  allow_dynamic_smem(kernel, smem, "cuda linear (wgmma tiles): the tile stages");
   const int64_t m_blocks = ceil_div(m, Tokens), n_blocks = ceil_div(N, kWgmmaWeightRows);
-  const int64_t blocks = Classes * m_blocks * n_blocks;
-  const unsigned grid = grid_blocks(blocks, "linear (wgmma tiles)");
-  auto run = [&](auto kernel, unsigned cluster) {
-    constexpr size_t smem = std::max<size_t>(size_t(Stages) * S::kStageBytes, S::kPartialBytes);
-    allow_dynamic_smem(kernel, smem, "cuda linear (wgmma tiles): the tile stages");
-    launch_clustered("linear (wgmma tiles)", cluster, kernel, dim3(grid), dim3(kTileThreads), smem,
-                     xs, m, w, N, K, static_cast<int>(m_blocks), y);
-  };
-  if (global_sum(blocks))
-    run(linear_wgmma_kernel<Classes, Tokens, Stages, SwiGLU, false>, 1);
-  else
-    run(linear_wgmma_kernel<Classes, Tokens, Stages, SwiGLU, true>, Classes);
+  const unsigned grid = grid_blocks(Classes * m_blocks * n_blocks, "linear (wgmma tiles)");
+  launch_clustered("linear (wgmma tiles)", Classes, kernel, dim3(grid), dim3(kTileThreads), smem,
+                   xs, m, w, N, K, static_cast<int>(m_blocks), y);
 }
 
 template <int Classes, bool SwiGLU>
@@ -601,10 +544,6 @@ void linear_tiles_classes(const uint16_t* xs, int m, const uint16_t* w, int N, i
 }
 
 }  // namespace
-
-void set_wgmma_cluster_sum(bool clustered) {
-  cluster_sum_forced() = clustered;
-}
 
 bool tiles_enabled() {
   static const bool enabled = [] {
