@@ -500,13 +500,22 @@ void launch_tiles(const uint16_t* xs, int m, const uint16_t* w, int N, int K, co
                    w, N, K, static_cast<int>(m_blocks), y);
 }
 
-// Whether the many-row products run on warpgroup mmas: built for sm_90a (TANDEM_CUDA_WGMMA) and
-// not turned off by TANDEM_CUDA_WGMMA=0 in the environment (A/B timing).
+// Whether the many-row products run on warpgroup mmas: built for sm_90a (TANDEM_CUDA_WGMMA),
+// running on a compute capability 9.0 device (a build for several architectures may run
+// elsewhere, where the kernel holds no wgmma), and not turned off by TANDEM_CUDA_WGMMA=0 in the
+// environment (A/B timing).
 bool wgmma_tiles() {
 #if defined(TANDEM_CUDA_WGMMA)
   static const bool enabled = [] {
     const char* v = std::getenv("TANDEM_CUDA_WGMMA");
-    return !(v && std::string_view(v) == "0");
+    if (v && std::string_view(v) == "0") return false;
+    int device = 0, major = 0, minor = 0;
+    return cudaGetDevice(&device) == cudaSuccess &&
+           cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) ==
+               cudaSuccess &&
+           cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) ==
+               cudaSuccess &&
+           major == 9 && minor == 0;
   }();
   return enabled;
 #else
