@@ -8,6 +8,7 @@
 #include "tandem/core/error.h"
 #include "tandem/io/artifact_identity.h"
 #include "tandem/io/json_file.h"
+#include "tandem/spec/hidden_rows.h"
 
 namespace tandem::spec {
 
@@ -168,51 +169,17 @@ std::unique_ptr<PreparedChange> Eagle3Rows::prepare_append(std::span<const Check
 }
 
 void Eagle3Rows::filter_rows(std::span<const int> keep) {
-  std::vector<bool> kept(rows_.size(), false);
-  for (int k : keep) {
-    if (k < 0 || k >= row_count()) fail("eagle3 filter_rows: row ", k, " does not exist");
-    if (kept[static_cast<size_t>(k)]) fail("eagle3 filter_rows: row ", k, " listed twice");
-    kept[static_cast<size_t>(k)] = true;
-  }
-  std::vector<Row> next;
-  // Keep room for prepared appends: their commit must not allocate.
-  next.reserve(keep.size() + static_cast<size_t>(outstanding_appends_));
-  for (size_t i = 0; i < rows_.size(); ++i)
-    if (!kept[i]) release(rows_[i]);
-  for (int k : keep) next.push_back(std::move(rows_[static_cast<size_t>(k)]));
-  rows_ = std::move(next);
+  keep_hidden_rows(rows_, keep, outstanding_appends_, "eagle3", [&](Row& r) { release(r); });
 }
 
 void Eagle3Rows::adopt_prefix(int row, std::span<const int32_t> tokens) {
-  if (row < 0 || row >= row_count()) fail("eagle3 adopt_prefix: row ", row, " does not exist");
-  Row& r = rows_[static_cast<size_t>(row)];
-  if (r.has_hidden || r.length != 0 || r.base != 0)
-    fail("eagle3 adopt_prefix: row ", row, " is not a cold row");
-  r.base = static_cast<int64_t>(tokens.size());
+  adopt_hidden_row_prefix(rows_, row, tokens, "eagle3");
 }
 
 void Eagle3Rows::prefill(std::span<const RowPrefill> rows) {
-  std::vector<bool> seen(rows_.size(), false);
+  check_hidden_row_prefills(rows_, rows, V_, "eagle3", "the target's taps at " + taps().describe());
   int64_t total = 0;
-  for (const RowPrefill& p : rows) {
-    if (p.row < 0 || p.row >= row_count()) fail("eagle3 prefill: row ", p.row, " does not exist");
-    if (seen[static_cast<size_t>(p.row)]) fail("eagle3 prefill: row ", p.row, " listed twice");
-    seen[static_cast<size_t>(p.row)] = true;
-    const Row& r = rows_[static_cast<size_t>(p.row)];
-    if (r.drafted) fail("eagle3 prefill: row ", p.row, " has an uncommitted draft");
-    if (p.tokens.empty()) fail("eagle3 prefill: row ", p.row, " has no tokens");
-    if (p.hidden == nullptr)
-      fail("eagle3 prefill: row ", p.row, " needs the target's taps at ", taps().describe());
-    for (int32_t id : p.tokens)
-      if (id < 0 || id >= V_)
-        fail("eagle3 prefill: token id ", id, " is out of range [0, ", V_, ")");
-    const int64_t covered = r.base + (r.has_hidden ? r.length + 1 : 0);
-    if (covered != p.processed_before)
-      fail("eagle3 prefill: row ", p.row, " covers ", covered, " tokens but the prefill ",
-           p.processed_before == 0 ? "starts at token 0"
-                                   : "continues after " + std::to_string(p.processed_before));
-    total += static_cast<int64_t>(p.tokens.size());
-  }
+  for (const RowPrefill& p : rows) total += static_cast<int64_t>(p.tokens.size());
   // Every position's g = fc(taps) in one product.
   std::vector<std::pair<const float*, int64_t>> taps;
   for (const RowPrefill& p : rows)

@@ -5,6 +5,7 @@
 
 #include "tandem/backend/ops.h"
 #include "tandem/core/error.h"
+#include "tandem/spec/hidden_rows.h"
 
 namespace tandem::spec {
 
@@ -101,50 +102,17 @@ std::unique_ptr<PreparedChange> MtpRows::prepare_append(std::span<const Checkpoi
 }
 
 void MtpRows::filter_rows(std::span<const int> keep) {
-  std::vector<bool> kept(rows_.size(), false);
-  for (int k : keep) {
-    if (k < 0 || k >= row_count()) fail(who_, " filter_rows: row ", k, " does not exist");
-    if (kept[static_cast<size_t>(k)]) fail(who_, " filter_rows: row ", k, " listed twice");
-    kept[static_cast<size_t>(k)] = true;
-  }
-  std::vector<Row> next;
-  // Keep room for prepared appends: their commit must not allocate.
-  next.reserve(keep.size() + static_cast<size_t>(outstanding_appends_));
-  for (size_t i = 0; i < rows_.size(); ++i)
-    if (!kept[i]) release_history(*rows_[i].history);
-  for (int k : keep) next.push_back(std::move(rows_[static_cast<size_t>(k)]));
-  rows_ = std::move(next);
+  keep_hidden_rows(rows_, keep, outstanding_appends_, who_,
+                   [&](Row& r) { release_history(*r.history); });
 }
 
 void MtpRows::adopt_prefix(int row, std::span<const int32_t> tokens) {
-  if (row < 0 || row >= row_count()) fail(who_, " adopt_prefix: row ", row, " does not exist");
-  Row& r = rows_[static_cast<size_t>(row)];
-  if (r.has_hidden || r.length != 0 || r.base != 0)
-    fail(who_, " adopt_prefix: row ", row, " is not a cold row");
-  r.base = static_cast<int64_t>(tokens.size());
+  adopt_hidden_row_prefix(rows_, row, tokens, who_);
 }
 
 void MtpRows::prefill(std::span<const RowPrefill> rows) {
-  std::vector<bool> seen(rows_.size(), false);
-  for (const RowPrefill& p : rows) {
-    if (p.row < 0 || p.row >= row_count()) fail(who_, " prefill: row ", p.row, " does not exist");
-    if (seen[static_cast<size_t>(p.row)]) fail(who_, " prefill: row ", p.row, " listed twice");
-    seen[static_cast<size_t>(p.row)] = true;
-    const Row& r = rows_[static_cast<size_t>(p.row)];
-    if (r.drafted) fail(who_, " prefill: row ", p.row, " has an uncommitted draft");
-    if (p.tokens.empty()) fail(who_, " prefill: row ", p.row, " has no tokens");
-    if (p.hidden == nullptr)
-      fail(who_, " prefill: row ", p.row, " needs the target's ", hidden_tap_name(tap_),
-           " hiddens");
-    for (int32_t id : p.tokens)
-      if (id < 0 || id >= V_)
-        fail(who_, " prefill: token id ", id, " is out of range [0, ", V_, ")");
-    const int64_t covered = r.base + (r.has_hidden ? r.length + 1 : 0);
-    if (covered != p.processed_before)
-      fail(who_, " prefill: row ", p.row, " covers ", covered, " tokens but the prefill ",
-           p.processed_before == 0 ? "starts at token 0"
-                                   : "continues after " + std::to_string(p.processed_before));
-  }
+  check_hidden_row_prefills(rows_, rows, V_, who_,
+                            "the target's " + std::string(hidden_tap_name(tap_)) + " hiddens");
   ids_.clear();
   hid_.clear();
   std::vector<int> row_ids;
