@@ -90,6 +90,26 @@ __device__ __forceinline__ void stage_chunk(const uint16_t* src, int first, int 
   }
 }
 
+// The cluster's in-order sum of its blocks' partials: each block stored its accumulators as
+// partial[index · kTileThreads + thread] and the cluster synchronised; total(index) is this
+// thread's accumulator `index` summed over the blocks in rank order, as the register kernel sums
+// its warps.
+template <int Classes>
+struct ClusterSum {
+  const float* parts[Classes];
+  __device__ ClusterSum(cg::cluster_group& cluster, float* partial) {
+#pragma unroll
+    for (int c = 0; c < Classes; ++c) parts[c] = cluster.map_shared_rank(partial, c);
+  }
+  __device__ float total(int index) const {
+    const int at = index * kTileThreads + threadIdx.x;
+    float sum = parts[0][at];
+#pragma unroll
+    for (int c = 1; c < Classes; ++c) sum += parts[c][at];
+    return sum;
+  }
+};
+
 // One block of a Classes-block cluster: output rows [row0, row0 + BM) x weight rows
 // [col0, col0 + BN) over k-class `rank` (chunks rank, rank + Classes, ...), then its share of the
 // cluster's in-order sum and the store. Block x = tile · Classes + rank, with tile = n_block ·
@@ -189,16 +209,8 @@ __global__ void __launch_bounds__(kTileThreads, 2)
       for (int e = 0; e < 4; ++e)
         partial[((mi * NT + nt) * 4 + e) * kTileThreads + threadIdx.x] = acc[mi][nt][e];
   cluster.sync();
-  const float* parts[Classes];
-#pragma unroll
-  for (int c = 0; c < Classes; ++c) parts[c] = cluster.map_shared_rank(partial, c);
-  auto total = [&](int index) {
-    const int at = index * kTileThreads + threadIdx.x;
-    float sum = parts[0][at];
-#pragma unroll
-    for (int c = 1; c < Classes; ++c) sum += parts[c][at];
-    return sum;
-  };
+  const ClusterSum<Classes> sums(cluster, partial);
+  auto total = [&](int index) { return sums.total(index); };
   const int row_lo = row0 + wm * MT * kTileRows + g;
   const int warp_col0 = col0 + wn * NT * 8;
   if constexpr (SwiGLU) {
@@ -454,16 +466,8 @@ __global__ void __launch_bounds__(kTileThreads, 2)
 #pragma unroll
   for (int i = 0; i < S::kAcc; ++i) partial[i * kTileThreads + threadIdx.x] = d[i];
   cluster.sync();
-  const float* parts[Classes];
-#pragma unroll
-  for (int c = 0; c < Classes; ++c) parts[c] = cluster.map_shared_rank(partial, c);
-  auto total = [&](int index) {
-    const int at = index * kTileThreads + threadIdx.x;
-    float sum = parts[0][at];
-#pragma unroll
-    for (int c = 1; c < Classes; ++c) sum += parts[c][at];
-    return sum;
-  };
+  const ClusterSum<Classes> sums(cluster, partial);
+  auto total = [&](int index) { return sums.total(index); };
   const int col = col0 + r_lo;  // weight row of accumulators e = 0, 1 (e = 2, 3: col + 8)
   for (int s = rank; s < Tokens / 8; s += Classes) {
     const int r = row0 + 8 * s + 2 * t;
