@@ -300,20 +300,18 @@ __device__ __forceinline__ void wgmma_fence_operands(float (&d)[N]) {
 template <int Tokens>
 __device__ __forceinline__ void wgmma_step(float (&d)[Tokens / 2], uint32_t a0, uint32_t a1,
                                            uint32_t a2, uint32_t a3, uint64_t b) {
+  static_assert(Tokens == 128, "wgmma tiles of 128 tokens");
 #if TANDEM_WGMMA_DEVICE
-  {
-    static_assert(Tokens == 128, "wgmma tiles of 128 tokens");
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "
-        "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, "
-        "%36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, "
-        "%53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-        "{%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
-        : TANDEM_ACC16(d, 0), TANDEM_ACC16(d, 16), TANDEM_ACC16(d, 32), TANDEM_ACC16(d, 48)
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(b));
-  }
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "
+      "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, "
+      "%36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, "
+      "%53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+      "{%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
+      : TANDEM_ACC16(d, 0), TANDEM_ACC16(d, 16), TANDEM_ACC16(d, 32), TANDEM_ACC16(d, 48)
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(b));
 #else
   (void)d, (void)a0, (void)a1, (void)a2, (void)a3, (void)b;
   __trap();
