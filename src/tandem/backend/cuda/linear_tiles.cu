@@ -210,7 +210,6 @@ __global__ void __launch_bounds__(kTileThreads, 2)
         partial[((mi * NT + nt) * 4 + e) * kTileThreads + threadIdx.x] = acc[mi][nt][e];
   cluster.sync();
   const ClusterSum<Classes> sums(cluster, partial);
-  auto total = [&](int index) { return sums.total(index); };
   const int row_lo = row0 + wm * MT * kTileRows + g;
   const int warp_col0 = col0 + wn * NT * 8;
   if constexpr (SwiGLU) {
@@ -222,8 +221,8 @@ __global__ void __launch_bounds__(kTileThreads, 2)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int r = row_lo + mi * kTileRows + (e >= 2 ? 8 : 0), c = col + (e & 1);
-        const float gate = total((mi * NT + 2 * p) * 4 + e);
-        const float up = total((mi * NT + 2 * p + 1) * 4 + e);
+        const float gate = sums.total((mi * NT + 2 * p) * 4 + e);
+        const float up = sums.total((mi * NT + 2 * p + 1) * 4 + e);
         if (r < m && c < half) y.store(r, c, silu(gate) * up);
       }
     }
@@ -234,7 +233,7 @@ __global__ void __launch_bounds__(kTileThreads, 2)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int r = row_lo + mi * kTileRows + (e >= 2 ? 8 : 0), c = col + (e & 1);
-        const float sum = total(u * 4 + e);
+        const float sum = sums.total(u * 4 + e);
         if (r < m && c < N) y.store(r, c, sum);
       }
     }
@@ -249,7 +248,7 @@ __global__ void __launch_bounds__(kTileThreads, 2)
 // with exponents spread over 2^±30, BENCHMARKS.md), so a chain of wgmmas over the register
 // kernel's k sets gives its bits. The weights are the A operand (64 rows per warpgroup), loaded
 // from the stage into registers exactly as the mma.sync tiles load them (which is where the
-// register kernel's k permutation is free); the tokens are the B operand (n = Tokens = 128), read
+// register kernel's k permutation is free); the tokens are the B operand (n = 128), read
 // by the tensor cores straight from shared memory in the no-swizzle K-major layout. A
 // register-operand k slot and the shared-memory one must hold the same k, so the token rows are
 // staged permuted: step j's core matrix of row n holds, at slot 2t, 2t + 1 (first k half) and
@@ -264,13 +263,15 @@ __global__ void __launch_bounds__(kTileThreads, 2)
 
 constexpr int kWgmmaWeightRows = 128;  // two warpgroups of 64 weight rows
 
-template <int Tokens>
+// A wgmma tile: 128 weight rows x 128 tokens, three stages (two blocks per SM).
 struct WgmmaShape {
-  static constexpr int kAcc = Tokens / 2;  // f32 accumulators per thread
+  static constexpr int kTokens = 128;  // the B operand's n
+  static constexpr int kStages = 3;
+  static constexpr int kAcc = kTokens / 2;  // f32 accumulators per thread
   static constexpr int kWeightBytes = kWgmmaWeightRows * kChunk * 2;
-  static constexpr int kTokenStepBytes = Tokens * 32;  // one k16 step: Tokens/8 x 2 x 128 B
+  static constexpr int kTokenStepBytes = kTokens * 32;  // one k16 step: kTokens/8 x 2 x 128 B
   static constexpr int kStageBytes = kWeightBytes + 4 * kTokenStepBytes;
-  static constexpr int kTokenPieces = Tokens * kPiecesPerRow / kTileThreads;  // per thread
+  static constexpr int kTokenPieces = kTokens * kPiecesPerRow / kTileThreads;  // per thread
   static constexpr int kPartialBytes = kAcc * kTileThreads * 4;
 };
 
@@ -295,12 +296,11 @@ __device__ __forceinline__ void wgmma_fence_operands(float (&d)[N]) {
 #define TANDEM_ACC16(d, i) \
   TANDEM_ACC4(d, i), TANDEM_ACC4(d, i + 4), TANDEM_ACC4(d, i + 8), TANDEM_ACC4(d, i + 12)
 
-// d[64 x Tokens] += A (registers: this warp's 16 weight rows, mma.sync's A fragment) · B (tokens,
-// shared memory at descriptor b): one k16 step.
-template <int Tokens>
-__device__ __forceinline__ void wgmma_step(float (&d)[Tokens / 2], uint32_t a0, uint32_t a1,
+// d[64 x 128 tokens] += A (registers: this warp's 16 weight rows, mma.sync's A fragment) · B
+// (tokens, shared memory at descriptor b): one k16 step.
+__device__ __forceinline__ void wgmma_step(float (&d)[WgmmaShape::kAcc], uint32_t a0, uint32_t a1,
                                            uint32_t a2, uint32_t a3, uint64_t b) {
-  static_assert(Tokens == 128, "wgmma tiles of 128 tokens");
+  static_assert(WgmmaShape::kTokens == 128, "the instruction below is m64n128k16");
 #if TANDEM_WGMMA_DEVICE
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
@@ -338,15 +338,13 @@ __device__ __forceinline__ void fence_proxy_async() {
 #endif
 }
 
-// This thread's share of a chunk of token rows [first, first + Tokens), loaded as 16-byte pieces
+// This thread's share of a chunk of token rows [first, first + 128), loaded as 16-byte pieces
 // (zeros past `rows` and past K). Thread u's piece q: lane bits (t, r8) = row r8 of a group of 8,
 // piece 2t + h; warp bits (h, group), so each store below hits 32 distinct banks.
-template <int Tokens>
 __device__ __forceinline__ void load_token_pieces(const uint16_t* x, int first, int rows, int K,
-                                                  int ch,
-                                                  uint4 (&v)[WgmmaShape<Tokens>::kTokenPieces]) {
+                                                  int ch, uint4 (&v)[WgmmaShape::kTokenPieces]) {
 #pragma unroll
-  for (int q = 0; q < WgmmaShape<Tokens>::kTokenPieces; ++q) {
+  for (int q = 0; q < WgmmaShape::kTokenPieces; ++q) {
     const int u = threadIdx.x + q * kTileThreads;
     const int t = u % 4, r8 = (u / 4) % 8, h = (u / 32) % 2, group = u / 64;
     const int row = first + group * 8 + r8, k = ch * kChunk + 16 * t + 8 * h;
@@ -359,10 +357,9 @@ __device__ __forceinline__ void load_token_pieces(const uint16_t* x, int first, 
 // The pieces into a stage's token area in the permuted K-major layout (see above): piece (t, h)
 // holds k 16t + 8h + {0..7} = steps 2h (pairs .x, .y) and 2h + 1 (.z, .w), first and second k
 // half, at slot 2t of row r8 of its group's core matrices.
-template <int Tokens>
-__device__ __forceinline__ void store_token_pieces(
-    unsigned char* tokens, const uint4 (&v)[WgmmaShape<Tokens>::kTokenPieces]) {
-  using S = WgmmaShape<Tokens>;
+__device__ __forceinline__ void store_token_pieces(unsigned char* tokens,
+                                                   const uint4 (&v)[WgmmaShape::kTokenPieces]) {
+  using S = WgmmaShape;
 #pragma unroll
   for (int q = 0; q < S::kTokenPieces; ++q) {
     const int u = threadIdx.x + q * kTileThreads;
@@ -375,16 +372,17 @@ __device__ __forceinline__ void store_token_pieces(
   }
 }
 
-// One block of a Classes-block cluster, as linear_tiles_kernel: output rows [row0, row0 + Tokens)
+// One block of a Classes-block cluster, as linear_tiles_kernel: output rows [row0, row0 + 128)
 // x weight rows [col0, col0 + 128) over k-class `rank`, then its share of the in-order sum.
 // Warpgroup wg owns weight rows col0 + 64 wg .. + 63; warp q of it rows 16q .. 16q + 15 of those
 // (the A fragment), and its accumulator d[4s + e] is (weight row 16q + g + 8 (e / 2), token
 // 8s + 2t + e % 2).
-template <int Classes, int Tokens, int Stages, bool SwiGLU>
+template <int Classes, bool SwiGLU>
 __global__ void __launch_bounds__(kTileThreads, 2)
     linear_wgmma_kernel(const uint16_t* __restrict__ x, int m, const uint16_t* __restrict__ w,
                         int N, int K, int m_blocks, const SplitOut y) {
-  using S = WgmmaShape<Tokens>;
+  using S = WgmmaShape;
+  constexpr int Tokens = S::kTokens, Stages = S::kStages;
   extern __shared__ __align__(128) unsigned char smem[];
   cg::cluster_group cluster = cg::this_cluster();
   const int rank = static_cast<int>(cluster.block_rank());
@@ -402,11 +400,9 @@ __global__ void __launch_bounds__(kTileThreads, 2)
   // Chunk i's tokens go into stage i at the end of iteration i - 1, loaded into registers one
   // iteration before that, so a load has a whole iteration to arrive.
   uint4 pieces[S::kTokenPieces];
-  auto load_tokens = [&](int i) {
-    load_token_pieces<Tokens>(x, row0, m, K, rank + i * Classes, pieces);
-  };
+  auto load_tokens = [&](int i) { load_token_pieces(x, row0, m, K, rank + i * Classes, pieces); };
   auto store_tokens = [&](int i) {
-    store_token_pieces<Tokens>(stage_at(i % Stages) + S::kWeightBytes, pieces);
+    store_token_pieces(stage_at(i % Stages) + S::kWeightBytes, pieces);
   };
 
   // Weights never change: the first stages' weights are requested before waiting on the kernel
@@ -446,10 +442,10 @@ __global__ void __launch_bounds__(kTileThreads, 2)
     wgmma_open();
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      wgmma_step<Tokens>(d, lo[h].x, hi[h].x, lo[h].y, hi[h].y,
-                         wgmma_descriptor(ts + (2 * h) * S::kTokenStepBytes, 128, 256));
-      wgmma_step<Tokens>(d, lo[h].z, hi[h].z, lo[h].w, hi[h].w,
-                         wgmma_descriptor(ts + (2 * h + 1) * S::kTokenStepBytes, 128, 256));
+      wgmma_step(d, lo[h].x, hi[h].x, lo[h].y, hi[h].y,
+                 wgmma_descriptor(ts + (2 * h) * S::kTokenStepBytes, 128, 256));
+      wgmma_step(d, lo[h].z, hi[h].z, lo[h].w, hi[h].w,
+                 wgmma_descriptor(ts + (2 * h + 1) * S::kTokenStepBytes, 128, 256));
     }
     // Stage i + 1's tokens (its earlier chunk i + 1 - Stages was read two barriers ago).
     if (i + 1 < n_chunks) store_tokens(i + 1);
@@ -465,7 +461,6 @@ __global__ void __launch_bounds__(kTileThreads, 2)
   for (int i = 0; i < S::kAcc; ++i) partial[i * kTileThreads + threadIdx.x] = d[i];
   cluster.sync();
   const ClusterSum<Classes> sums(cluster, partial);
-  auto total = [&](int index) { return sums.total(index); };
   const int col = col0 + r_lo;  // weight row of accumulators e = 0, 1 (e = 2, 3: col + 8)
   for (int s = rank; s < Tokens / 8; s += Classes) {
     const int r = row0 + 8 * s + 2 * t;
@@ -474,13 +469,13 @@ __global__ void __launch_bounds__(kTileThreads, 2)
       const int out = (col0 + warp * 16) / 2 + g;
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        const float gate = total(4 * s + e), up = total(4 * s + 2 + e);
+        const float gate = sums.total(4 * s + e), up = sums.total(4 * s + 2 + e);
         if (r + e < m && out < N / 2) y.store(r + e, out, silu(gate) * up);
       }
     } else {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const float sum = total(4 * s + e);
+        const float sum = sums.total(4 * s + e);
         const int c = col + (e >= 2 ? 8 : 0);
         if (r + (e & 1) < m && c < N) y.store(r + (e & 1), c, sum);
       }
@@ -525,13 +520,13 @@ bool wgmma_tiles() {
 #endif
 }
 
-template <int Classes, int Tokens, int Stages, bool SwiGLU>
+template <int Classes, bool SwiGLU>
 void launch_wgmma(const uint16_t* xs, int m, const uint16_t* w, int N, int K, const SplitOut& y) {
-  using S = WgmmaShape<Tokens>;
-  constexpr auto kernel = linear_wgmma_kernel<Classes, Tokens, Stages, SwiGLU>;
-  constexpr size_t smem = std::max<size_t>(size_t(Stages) * S::kStageBytes, S::kPartialBytes);
+  using S = WgmmaShape;
+  constexpr auto kernel = linear_wgmma_kernel<Classes, SwiGLU>;
+  constexpr size_t smem = std::max<size_t>(size_t(S::kStages) * S::kStageBytes, S::kPartialBytes);
   allow_dynamic_smem(kernel, smem, "cuda linear (wgmma tiles): the tile stages");
-  const int64_t m_blocks = ceil_div(m, Tokens), n_blocks = ceil_div(N, kWgmmaWeightRows);
+  const int64_t m_blocks = ceil_div(m, S::kTokens), n_blocks = ceil_div(N, kWgmmaWeightRows);
   const unsigned grid = grid_blocks(Classes * m_blocks * n_blocks, "linear (wgmma tiles)");
   launch_clustered("linear (wgmma tiles)", Classes, kernel, dim3(grid), dim3(kTileThreads), smem,
                    xs, m, w, N, K, static_cast<int>(m_blocks), y);
@@ -547,7 +542,7 @@ void linear_tiles_classes(const uint16_t* xs, int m, const uint16_t* w, int N, i
   // did one block per SM with deeper rings (BENCHMARKS.md).
   // From 65 rows on, warpgroup mmas: 13-15% faster windows of 128 and 256 rows; at 64 rows they
   // measured 3-4% slower than the mma.sync tiles (BENCHMARKS.md).
-  if (m > 64 && wgmma_tiles()) return launch_wgmma<Classes, 128, 3, SwiGLU>(xs, m, w, N, K, y);
+  if (m > 64 && wgmma_tiles()) return launch_wgmma<Classes, SwiGLU>(xs, m, w, N, K, y);
   if (m <= 64)
     launch_tiles<Classes, 2, 4, 2, 4, SwiGLU>(xs, m, w, N, K, y);
   else

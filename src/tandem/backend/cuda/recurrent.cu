@@ -849,8 +849,8 @@ __global__ void __launch_bounds__(kDeltaThreads, delta_decode_min_blocks(DK, L))
 // --- Short rows: decode steps, verify windows and commit replays ---
 // Calls whose rows hold at most kShortRowTokens tokens, at the decode lane count (L = 8), on
 // shapes without padding rows (dk == DK) whose column tiles are whole 16-byte chunks
-// (dv % 16 == 0). Same grid axes, lanes and per-token arithmetic as delta_rule_row (delta_token
-// and delta_token_inputs), so a row's bits are the chunked kernel's for the same tokens.
+// (dv % 16 == 0). Same grid axes, lanes and per-token arithmetic as delta_rule_row (delta_token,
+// norms in delta_normalise's order), so a row's bits are the chunked kernel's for the same tokens.
 // Why a kernel of its own: these calls read (and write) each row's whole state for a few tokens
 // of arithmetic. The decode kernel reached 2.1 TB/s at 32 rows; what bounded it was the serial
 // chain of each block (state, then q and k from L2, norm shuffles, the token), not the state
