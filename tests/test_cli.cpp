@@ -371,6 +371,44 @@ TEST(CliSpeculative, BadSpeculationSettingsAreRefused) {
                "99999");
 }
 
+// bench-spec on a random-weight model and random prompts: the continuation drafter accepts every
+// proposal at p = 1 and none at p = 0, every run's tokens are plain decoding's, and the JSON says
+// so; bad settings are refused by name.
+TEST(CliSpeculative, BenchSpecMeasuresSpeedUpAgainstAcceptance) {
+  const std::string base = "bench-spec --backend cpu --random-weights " + kBenchConfig +
+                           " --random-prompts 3 --prompt-tokens 6 --max-tokens 10 --batch 2"
+                           " --repeats 1 ";
+  const CliRun r =
+      run(base + "--drafts continuation,ngram --accept-p 1,0 --depths 3,auto --json", false);
+  ASSERT_EQ(r.code, 0) << r.out;
+  const auto j = nlohmann::json::parse(r.out);
+  ASSERT_EQ(j.size(), 7u) << r.out;  // plain, 2 p x 2 depths, ngram x 2 depths
+  EXPECT_EQ(j[0]["draft"], "none");
+  for (const auto& m : j) {
+    EXPECT_TRUE(m["identical_to_plain"].get<bool>()) << m;
+    EXPECT_GT(m["tokens_per_second"].get<double>(), 0.0) << m;
+    if (m["draft"] != "continuation") {
+      EXPECT_TRUE(m["accept_p"].is_null()) << m;
+      continue;
+    }
+    const double p = m["accept_p"].get<double>();
+    if (m["depth"] != 3) continue;  // auto may choose any depth
+    EXPECT_EQ(m["acceptance_rate"].get<double>(), p) << m;
+    if (p == 0.0) {
+      EXPECT_EQ(m["mean_accepted_length"].get<double>(), 1.0) << m;
+    } else {  // every full round emits 4 tokens; only a row's last round may emit fewer
+      EXPECT_GE(m["mean_accepted_length"].get<double>(), 3.0) << m;
+    }
+  }
+  expect_error(run(base + "--drafts continuation --accept-p 1.5"), "--accept-p");
+  expect_error(run(base + "--drafts continuation --accept-p high"), "--accept-p");
+  expect_error(run(base + "--drafts oracle"), "unknown drafter 'oracle'");
+  expect_error(run("bench-spec --backend cpu --random-prompts 2"),
+               "exactly one of --model DIR or --random-weights");
+  expect_error(run("bench-spec --backend cpu --random-weights " + kBenchConfig),
+               "exactly one of --prompts-file FILE or --random-prompts N");
+}
+
 TEST(CliSpeculative, MtpSplitWritesACompanionThatDrafts) {
   tandem::testing::ScratchDir dir("cli-split");
   const std::string out = dir.file("drafter");

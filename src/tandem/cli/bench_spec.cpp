@@ -7,6 +7,7 @@
 #include <iostream>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <random>
 #include <sstream>
 
 #include "tandem/cli/commands.h"
@@ -14,6 +15,8 @@
 #include "tandem/core/error.h"
 #include "tandem/engine/speculative.h"
 #include "tandem/io/artifact_identity.h"
+#include "tandem/io/json_file.h"
+#include "tandem/spec/continuation.h"
 #include "tandem/spec/eagle3.h"
 #include "tandem/spec/glm_mtp.h"
 #include "tandem/spec/ngram.h"
@@ -23,9 +26,18 @@ namespace tandem::cli {
 
 namespace {
 
+// Seed of --random-weights (the target and a random MTP layer) and of --random-prompts.
+constexpr uint64_t kRandomSeed = 1234;
+// Seed of the continuation drafter's corruption draws.
+constexpr uint64_t kContinuationSeed = 77;
+
 struct BenchSpecArgs {
   std::string model, prompts_file;
+  std::string random_weights;  // config.json of a random-weight model
+  int random_prompts = 0;      // prompts of random token ids, instead of --prompts-file
+  int64_t prompt_tokens = 512;
   std::string drafts = "mtp,ngram";
+  std::string accept_p = "0.8";
   std::optional<std::string> draft_model;  // the EAGLE-3 head of --drafts eagle3
   std::string depths = "1,2,3,4";
   int batch = 1;
@@ -49,14 +61,18 @@ std::vector<std::string> split_list(const std::string& s) {
 
 struct Measured {
   std::string draft;
-  int depth = 0;  // fixed, or the most an adaptive round proposes
+  double accept_p = -1;   // the continuation drafter's p; -1 for the others
+  bool identical = true;  // every request's tokens equal the plain run's
+  int depth = 0;          // fixed, or the most an adaptive round proposes
   bool automatic = false;
   double tokens_per_second = 0;  // generated tokens / wall time of all groups (median run)
   SpecStats total;               // summed over requests
 };
 
+// outputs: the last run's tokens per request.
 Measured measure(const LoadedTarget& target, DType kv_dtype, const spec::DraftProvider* drafter,
-                 DepthArg depth, const std::vector<GenerateRequest>& reqs, int batch, int repeats) {
+                 DepthArg depth, const std::vector<GenerateRequest>& reqs, int batch, int repeats,
+                 std::vector<std::vector<int32_t>>* outputs) {
   // The probe stays off: this measures each drafter at the depth asked, whatever it accepts.
   SpecOptions opts{depth.depth, spec::VerifyMode::Match};
   opts.health_probe = false;
@@ -68,6 +84,7 @@ Measured measure(const LoadedTarget& target, DType kv_dtype, const spec::DraftPr
   m.depth = drafter ? depth.depth : 0;
   m.automatic = drafter && depth.automatic;
   std::vector<double> rates;
+  outputs->assign(reqs.size(), {});
   for (int rep = 0; rep <= repeats; ++rep) {  // rep 0 warms up
     SpecStats sum;
     sum.accepted_by_position.assign(static_cast<size_t>(m.depth), 0);
@@ -81,6 +98,7 @@ Measured measure(const LoadedTarget& target, DType kv_dtype, const spec::DraftPr
       std::vector<SpecStats> st;
       const auto res = gen.run(group, {}, nullptr, &st);
       for (size_t i = 0; i < res.size(); ++i) {
+        (*outputs)[g + i] = res[i].tokens;
         tokens += static_cast<int64_t>(res[i].tokens.size());
         sum.rounds += st[i].rounds;
         sum.drafted += st[i].drafted;
@@ -103,36 +121,128 @@ Measured measure(const LoadedTarget& target, DType kv_dtype, const spec::DraftPr
   return m;
 }
 
-void run_bench_spec(const BenchSpecArgs& a) {
-  const DType kv_dtype = parse_kv_dtype(a.kv_dtype);
-  apply_threads(a.threads);
-  apply_backend(backend_for(a.model, a.backend));
-  if (a.batch < 1 || a.repeats < 1 || a.max_tokens < 1)
-    fail("bench-spec: need --batch >= 1, --repeats >= 1, --max-tokens >= 1");
-  const LoadedTarget target = load_target(a.model, true);
-  const auto tok = open_tokenizer(a.model);
-  if (!tok) fail("bench-spec: ", a.model, " has no tokenizer.json");
+// --accept-p: each p in [0, 1].
+std::vector<double> parse_accept_p(const std::string& list) {
+  std::vector<double> ps;
+  for (const std::string& item : split_list(list)) {
+    size_t used = 0;
+    double p = -1;
+    try {
+      p = std::stod(item, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (used != item.size() || !(p >= 0.0 && p <= 1.0))
+      fail("--accept-p: '", item, "' is not a probability in [0, 1]");
+    ps.push_back(p);
+  }
+  if (ps.empty()) fail("--accept-p: no probability given");
+  return ps;
+}
+
+// The target of --model or --random-weights.
+LoadedTarget open_target(const BenchSpecArgs& a) {
+  if (a.model.empty()) {
+    std::fprintf(stderr, "bench-spec: building a random-weight model from %s on %s\n",
+                 a.random_weights.c_str(), ops::device_description().c_str());
+    LoadedTarget t;
+    const Qwen35Config c = parse_qwen35_config(read_text_file(a.random_weights), a.random_weights);
+    t.qwen = Qwen35Model::random(c, kRandomSeed);
+    t.view = std::make_unique<spec::QwenTargetView>(*t.qwen, "random-weights:" + a.random_weights);
+    return t;
+  }
+  return load_target(a.model, true);
+}
+
+// The requests of --prompts-file, or --random-prompts prompts of --prompt-tokens random ids.
+std::vector<GenerateRequest> open_requests(const BenchSpecArgs& a, const LoadedTarget& target) {
   GenerateRequest shape;
   shape.max_tokens = a.max_tokens;
   shape.ignore_eos = true;
   shape.sampling.temperature = a.temperature;
-  auto reqs = read_prompts_file(a.prompts_file, shape, tok);
+  std::vector<GenerateRequest> reqs;
+  if (a.random_prompts > 0) {
+    std::mt19937 rng(kRandomSeed);
+    std::uniform_int_distribution<int32_t> pick(
+        0, static_cast<int32_t>(target.view->vocab_size() - 1));
+    reqs.assign(static_cast<size_t>(a.random_prompts), shape);
+    for (auto& q : reqs) {
+      q.prompt.resize(static_cast<size_t>(a.prompt_tokens));
+      for (auto& id : q.prompt) id = pick(rng);
+    }
+  } else {
+    const auto tok = a.model.empty() ? std::nullopt : open_tokenizer(a.model);
+    reqs = read_prompts_file(a.prompts_file, shape, tok);
+  }
   for (size_t i = 0; i < reqs.size(); ++i) reqs[i].sampling.seed = i;
+  return reqs;
+}
+
+void run_bench_spec(const BenchSpecArgs& a) {
+  const DType kv_dtype = parse_kv_dtype(a.kv_dtype);
+  if (a.model.empty() == a.random_weights.empty())
+    fail("bench-spec: give exactly one of --model DIR or --random-weights CONFIG.json");
+  if (a.prompts_file.empty() == (a.random_prompts == 0))
+    fail("bench-spec: give exactly one of --prompts-file FILE or --random-prompts N");
+  if (a.batch < 1 || a.repeats < 1 || a.max_tokens < 1 || a.random_prompts < 0 ||
+      a.prompt_tokens < 1)
+    fail(
+        "bench-spec: need --batch >= 1, --repeats >= 1, --max-tokens >= 1, --random-prompts >= 0, "
+        "--prompt-tokens >= 1");
+  const std::vector<std::string> drafts = split_list(a.drafts);
+  const bool continuation = std::find(drafts.begin(), drafts.end(), "continuation") != drafts.end();
+  const std::vector<double> accept_ps =
+      continuation ? parse_accept_p(a.accept_p) : std::vector<double>{};
+  if (a.draft_model && std::find(drafts.begin(), drafts.end(), "eagle3") == drafts.end())
+    fail("--draft-model names the EAGLE-3 head of --drafts eagle3, which is not listed");
+  apply_threads(a.threads);
+  apply_backend(a.model.empty() ? a.backend : backend_for(a.model, a.backend));
+  const LoadedTarget target = open_target(a);
+  const auto reqs = open_requests(a, target);
+  if (reqs.empty()) fail("bench-spec: no prompts");
 
   std::vector<Measured> rows;
   std::fprintf(stderr, "bench-spec: %zu prompts, batch %d, %lld tokens each, %d threads\n",
                reqs.size(), a.batch, static_cast<long long>(a.max_tokens), ops::thread_count());
-  rows.push_back(measure(target, kv_dtype, nullptr, DepthArg{}, reqs, a.batch, a.repeats));
+  std::vector<std::vector<int32_t>> plain, got;
+  rows.push_back(measure(target, kv_dtype, nullptr, DepthArg{}, reqs, a.batch, a.repeats, &plain));
   const double base = rows[0].tokens_per_second;
-  const std::vector<std::string> drafts = split_list(a.drafts);
-  if (a.draft_model && std::find(drafts.begin(), drafts.end(), "eagle3") == drafts.end())
-    fail("--draft-model names the EAGLE-3 head of --drafts eagle3, which is not listed");
+  auto run_depths = [&](const spec::DraftProvider& drafter, const std::string& name, double p) {
+    for (const std::string& ds : split_list(a.depths)) {
+      const DepthArg depth = parse_depth(ds);
+      rows.push_back(measure(target, kv_dtype, &drafter, depth, reqs, a.batch, a.repeats, &got));
+      Measured& m = rows.back();
+      m.draft = name;  // as listed: mtp and mtp-empty share a drafter id
+      m.accept_p = p;
+      m.identical = got == plain;
+      char at[24] = "";
+      if (p >= 0) std::snprintf(at, sizeof at, " p=%.2f", p);
+      std::fprintf(stderr, "bench-spec: %s%s depth %s: %.1f tok/s%s\n", name.c_str(), at,
+                   ds.c_str(), m.tokens_per_second,
+                   m.identical ? "" : " (OUTPUT DIFFERS FROM PLAIN)");
+    }
+  };
   for (const std::string& d : drafts) {
+    if (d == "continuation") {
+      // The target's own continuations, as the plain run produced them.
+      std::vector<std::vector<int32_t>> refs;
+      for (size_t i = 0; i < reqs.size(); ++i) {
+        refs.push_back(reqs[i].prompt);
+        refs.back().insert(refs.back().end(), plain[i].begin(), plain[i].end());
+      }
+      for (double p : accept_ps) {
+        const spec::ContinuationProvider drafter(refs, p, kContinuationSeed);
+        run_depths(drafter, d, p);
+      }
+      continue;
+    }
     std::unique_ptr<spec::DraftProvider> drafter;
     if (d == "mtp" && target.glm)
       drafter = spec::GlmMtpProvider::from_target(*target.view);
     else if (d == "mtp-empty" && target.glm)
       drafter = spec::GlmMtpProvider::from_target(*target.view, spec::GlmMtpHistory::Empty);
+    else if (d == "mtp" && a.model.empty())
+      drafter = spec::QwenMtpProvider::random(*target.view, kRandomSeed);
     else if (d == "mtp")
       drafter = spec::QwenMtpProvider::from_target(*target.view);
     else if (d == "ngram")
@@ -142,19 +252,14 @@ void run_bench_spec(const BenchSpecArgs& a) {
     else if (d == "eagle3")
       fail("--drafts eagle3 needs --draft-model DIR: the EAGLE-3 head's directory");
     else
-      fail("--drafts: unknown drafter '", d, "' (mtp, ngram, eagle3; GLM-5 also mtp-empty)");
-    for (const std::string& ds : split_list(a.depths)) {
-      const DepthArg depth = parse_depth(ds);
-      rows.push_back(measure(target, kv_dtype, drafter.get(), depth, reqs, a.batch, a.repeats));
-      rows.back().draft = d;  // as listed: mtp and mtp-empty share a drafter id
-      std::fprintf(stderr, "bench-spec: %s depth %s: %.1f tok/s\n", d.c_str(), ds.c_str(),
-                   rows.back().tokens_per_second);
-    }
+      fail("--drafts: unknown drafter '", d,
+           "' (mtp, ngram, eagle3, continuation; GLM-5 also mtp-empty)");
+    run_depths(*drafter, d, -1);
   }
   nlohmann::json out = nlohmann::json::array();
   if (!a.json)
-    std::printf("%-6s %5s %10s %8s %6s %8s  %s\n", "draft", "depth", "tok/s", "speedup", "AL",
-                "tok/fwd", "acceptance by position");
+    std::printf("%-12s %4s %5s %10s %8s %6s %8s  %s\n", "draft", "p", "depth", "tok/s", "speedup",
+                "AL", "tok/fwd", "acceptance by position");
   for (const Measured& m : rows) {
     std::vector<double> by_pos;
     for (int j = 0; j < m.depth; ++j)
@@ -171,6 +276,8 @@ void run_bench_spec(const BenchSpecArgs& a) {
                      {"tokens_per_target_forward", m.total.tokens_per_target_forward()},
                      {"acceptance_rate", m.total.acceptance_rate()},
                      {"acceptance_by_position", by_pos},
+                     {"accept_p", m.accept_p >= 0 ? nlohmann::json(m.accept_p) : nlohmann::json()},
+                     {"identical_to_plain", m.identical},
                      {"batch", a.batch}});
       continue;
     }
@@ -181,11 +288,18 @@ void run_bench_spec(const BenchSpecArgs& a) {
       pos += buf;
     }
     const std::string depth = m.automatic ? "auto" : std::to_string(m.depth);
-    std::printf("%-6s %5s %10.1f %7.2fx %6.2f %8.2f  %s\n", m.draft.c_str(), depth.c_str(),
-                m.tokens_per_second, m.tokens_per_second / base, m.total.mean_accepted_length(),
-                m.total.tokens_per_target_forward(), pos.c_str());
+    char p[16] = "-";
+    if (m.accept_p >= 0) std::snprintf(p, sizeof p, "%.2f", m.accept_p);
+    std::printf("%-12s %4s %5s %10.1f %7.2fx %6.2f %8.2f  %s%s\n", m.draft.c_str(), p,
+                depth.c_str(), m.tokens_per_second, m.tokens_per_second / base,
+                m.total.mean_accepted_length(), m.total.tokens_per_target_forward(), pos.c_str(),
+                m.identical ? "" : "  OUTPUT DIFFERS FROM PLAIN");
   }
   if (a.json) std::cout << out.dump(2) << "\n";
+  for (const Measured& m : rows)
+    if (!m.identical)
+      fail("bench-spec: ", m.draft, " at depth ", m.automatic ? "auto" : std::to_string(m.depth),
+           " produced other tokens than plain decoding (speculation must be lossless)");
 }
 
 }  // namespace
@@ -194,10 +308,21 @@ void add_bench_spec_command(CLI::App& app) {
   auto a = std::make_shared<BenchSpecArgs>();
   CLI::App* sub = app.add_subcommand(
       "bench-spec", "Speculative vs plain decoding on the same prompts: acceptance and speed");
-  sub->add_option("--model", a->model, "Hugging Face model directory")->required();
-  sub->add_option("--prompts-file", a->prompts_file, "JSONL with a \"prompt\" per line")
-      ->required();
-  sub->add_option("--drafts", a->drafts, "Drafters to compare: mtp, ngram, eagle3")
+  sub->add_option("--model", a->model, "Hugging Face model directory");
+  sub->add_option("--random-weights", a->random_weights,
+                  "config.json: a random-weight model of that shape instead of --model (its "
+                  "--drafts mtp is a random MTP layer)");
+  sub->add_option("--prompts-file", a->prompts_file, "JSONL with a \"prompt\" per line");
+  sub->add_option("--random-prompts", a->random_prompts,
+                  "Instead of --prompts-file: this many prompts of random token ids");
+  sub->add_option("--prompt-tokens", a->prompt_tokens, "Tokens per --random-prompts prompt")
+      ->capture_default_str();
+  sub->add_option("--drafts", a->drafts,
+                  "Drafters to compare: mtp, ngram, eagle3, continuation (the plain run's own "
+                  "output proposed back, each proposal corrupted with probability 1 - p)")
+      ->capture_default_str();
+  sub->add_option("--accept-p", a->accept_p,
+                  "--drafts continuation: the acceptance probabilities p to measure (a list)")
       ->capture_default_str();
   sub->add_option("--draft-model", a->draft_model,
                   "The EAGLE-3 head directory --drafts eagle3 drafts with");

@@ -17,6 +17,9 @@
 //   2  kRngStreamResidual the draw from norm(max(0, p - q)) after a rejection. It must not reuse
 //                        stream 0: the proposal was drawn from stream 0 at the same index, and a
 //                        residual draw correlated with it would bias the emitted distribution.
+//   3  kRngStreamDraftCorruption  the benchmark continuation drafter's choice to corrupt a
+//                        proposal and the token it puts instead (spec/continuation.h); keyed by
+//                        its own seed, never a request's.
 #pragma once
 
 #include <array>
@@ -27,6 +30,7 @@ namespace tandem {
 inline constexpr uint32_t kRngStreamToken = 0;
 inline constexpr uint32_t kRngStreamAccept = 1;
 inline constexpr uint32_t kRngStreamResidual = 2;
+inline constexpr uint32_t kRngStreamDraftCorruption = 3;
 
 // Raw Philox4x32-10 block: exposed so tests can check the cipher against Random123's published
 // known-answer vectors independently of the (seed, index, stream) mapping.

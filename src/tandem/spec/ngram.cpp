@@ -4,8 +4,10 @@
 
 #include <algorithm>
 #include <unordered_set>
+#include <vector>
 
 #include "tandem/core/error.h"
+#include "tandem/spec/token_rows.h"
 
 namespace tandem::spec {
 namespace {
@@ -39,34 +41,30 @@ using GramIndex = std::unordered_set<int32_t, GramHash, GramEq>;
 
 // One row's state. Its indexes point at its own history, so a Row never moves (rows are held by
 // unique_ptr).
-class Row {
+class Row : public TokenHistory {
  public:
   explicit Row(const NgramOptions& o) : min_n_(o.min_n) {
     for (int n = o.min_n; n <= o.max_n; ++n)
-      index_.emplace_back(16, GramHash{&history_, n}, GramEq{&history_, n});
+      index_.emplace_back(16, GramHash{&history(), n}, GramEq{&history(), n});
   }
   Row(const Row&) = delete;
   Row& operator=(const Row&) = delete;
 
-  const std::vector<int32_t>& history() const { return history_; }
-  int64_t processed() const { return processed_; }
-  bool pending_known() const { return static_cast<int64_t>(history_.size()) == processed_ + 1; }
-
   // Appends a token and indexes every n-gram that now ends at it.
   void push(int32_t token) {
-    history_.push_back(token);
-    const int64_t len = static_cast<int64_t>(history_.size());
+    TokenHistory::push(token);
+    const int64_t len = static_cast<int64_t>(history().size());
     for (size_t i = 0; i < index_.size(); ++i) {
       const int n = min_n_ + static_cast<int>(i);
       if (len >= n) index_[i].insert(static_cast<int32_t>(len - n));
     }
   }
-  void add_processed(int64_t n) { processed_ += n; }
 
   std::vector<int32_t> lookup(int depth) const {
     std::vector<int32_t> out;
     if (depth <= 0) return out;
-    const int64_t len = static_cast<int64_t>(history_.size());
+    const std::vector<int32_t>& h = history();
+    const int64_t len = static_cast<int64_t>(h.size());
     for (int i = static_cast<int>(index_.size()) - 1; i >= 0; --i) {
       const int n = min_n_ + i;
       if (n >= len) continue;  // the trailing n-gram is the whole history: nothing earlier
@@ -76,7 +74,7 @@ class Row {
       if (*it == tail) continue;  // its first occurrence is itself
       const int64_t from = *it + n;
       const int64_t to = std::min<int64_t>(from + depth, len);
-      out.assign(history_.begin() + from, history_.begin() + to);
+      out.assign(h.begin() + from, h.begin() + to);
       return out;
     }
     return out;
@@ -84,147 +82,19 @@ class Row {
 
  private:
   int min_n_;
-  std::vector<int32_t> history_;
-  int64_t processed_ = 0;
   std::vector<GramIndex> index_;  // index_[n - min_n]
 };
 
-class AppendChange : public PreparedChange {
+class NgramRows final : public TokenRows<Row> {
  public:
-  AppendChange(std::vector<std::unique_ptr<Row>>* target, std::vector<std::unique_ptr<Row>> rows)
-      : target_(target), rows_(std::move(rows)) {}
-  void commit() noexcept override {
-    for (auto& r : rows_) target_->push_back(std::move(r));
-    rows_.clear();
-  }
-  void dispose() noexcept override { rows_.clear(); }
+  NgramRows(const NgramOptions& o, const std::string& ns)
+      : TokenRows(kWho, kNgramSchema, ns), options_(o) {}
 
  private:
-  std::vector<std::unique_ptr<Row>>* target_;
-  std::vector<std::unique_ptr<Row>> rows_;
-};
+  std::unique_ptr<Row> new_row() const override { return std::make_unique<Row>(options_); }
+  std::vector<int32_t> propose(Row& row, int depth) override { return row.lookup(depth); }
 
-class NgramRows : public DraftRows {
- public:
-  NgramRows(const NgramOptions& o, const std::string& ns) : options_(o), ns_(ns) {}
-
-  const std::string& ns() const override { return ns_; }
-  PrefillMode prefill_mode() const override { return PrefillMode::Full; }
-  HiddenTaps taps() const override { return {}; }
-  int row_count() const override { return static_cast<int>(rows_.size()); }
-
-  std::unique_ptr<PreparedChange> prepare_append(std::span<const CheckpointPtr> from) override {
-    std::vector<std::unique_ptr<Row>> built;
-    built.reserve(from.size());
-    for (const CheckpointPtr& c : from) {
-      auto row = std::make_unique<Row>(options_);
-      if (c) {
-        check_checkpoint(*c, kWho, kNgramSchema, ns_, c->processed_tokens);
-        if (static_cast<int64_t>(c->tokens.size()) != c->processed_tokens)
-          fail(kWho, ": checkpoint holds ", c->tokens.size(), " history tokens but covers ",
-               c->processed_tokens, " processed tokens (token alignment mismatch)");
-        for (int32_t t : c->tokens) row->push(t);
-        row->add_processed(c->processed_tokens);
-      }
-      built.push_back(std::move(row));
-    }
-    // Reserved now so that commit, which must not throw, never allocates.
-    rows_.reserve(rows_.size() + built.size());
-    return std::make_unique<AppendChange>(&rows_, std::move(built));
-  }
-
-  void filter_rows(std::span<const int> keep) override {
-    std::vector<bool> seen(rows_.size(), false);
-    for (int k : keep) {
-      TANDEM_CHECK(k >= 0 && k < row_count(), "row ", k, " of ", row_count());
-      TANDEM_CHECK(!seen[k], "row ", k, " kept twice");
-      seen[k] = true;
-    }
-    std::vector<std::unique_ptr<Row>> kept;
-    kept.reserve(keep.size());
-    for (int k : keep) kept.push_back(std::move(rows_[k]));
-    rows_ = std::move(kept);
-  }
-
-  void prefill(std::span<const RowPrefill> rows) override {
-    // Checked first, so a bad call changes nothing.
-    for (const RowPrefill& p : rows) {
-      TANDEM_CHECK(p.row >= 0 && p.row < row_count(), "row ", p.row, " of ", row_count());
-      const Row& r = *rows_[p.row];
-      if (p.processed_before != r.processed())
-        fail(kWho, ": row ", p.row, " prefill starts at token ", p.processed_before,
-             " but the row covers ", r.processed(), " (token alignment mismatch)");
-      TANDEM_CHECK(!r.pending_known(), "prefill of row ", p.row, " after its pending token");
-    }
-    for (const RowPrefill& p : rows) {
-      Row& r = *rows_[p.row];
-      for (int32_t t : p.tokens) r.push(t);
-      r.add_processed(static_cast<int64_t>(p.tokens.size()));
-    }
-  }
-
-  void adopt_prefix(int row, std::span<const int32_t> tokens) override {
-    const RowPrefill p{row, tokens, nullptr, 0};
-    prefill({&p, 1});
-  }
-  bool adopts_exactly() const override { return true; }
-
-  void draft(std::span<const RowDraft> rows, std::vector<DraftProposal>* out) override {
-    TANDEM_CHECK(static_cast<int>(rows.size()) == row_count());
-    for (size_t b = 0; b < rows.size(); ++b) {
-      const Row& r = *rows_[b];
-      TANDEM_CHECK(rows[b].depth >= 0);
-      TANDEM_CHECK(!r.pending_known() || r.history().back() == rows[b].pending, "row ", b,
-                   ": pending token differs from the one already seen");
-    }
-    out->resize(rows.size());
-    for (size_t b = 0; b < rows.size(); ++b) {
-      Row& r = *rows_[b];
-      if (!r.pending_known()) r.push(rows[b].pending);
-      DraftProposal& p = (*out)[b];
-      p.tokens = r.lookup(rows[b].depth);
-      p.q.clear();
-      if (rows[b].want_distribution)
-        for (int32_t t : p.tokens) p.q.push_back({TokenProb{t, 1.0}});
-    }
-  }
-
-  void commit(std::span<const VerifyRow> rows) override {
-    TANDEM_CHECK(static_cast<int>(rows.size()) == row_count());
-    for (size_t b = 0; b < rows.size(); ++b) {
-      const Row& r = *rows_[b];
-      const VerifyRow& v = rows[b];
-      TANDEM_CHECK(r.pending_known(), "row ", b, ": commit without a draft");
-      TANDEM_CHECK(!v.window.empty() && v.window[0] == r.history().back(), "row ", b,
-                   ": the window does not start with the pending token");
-      TANDEM_CHECK(v.accepted >= 0 && v.accepted < static_cast<int>(v.window.size()), "row ", b,
-                   ": accepted ", v.accepted, " of a window of ", v.window.size());
-    }
-    for (size_t b = 0; b < rows.size(); ++b) {
-      Row& r = *rows_[b];
-      const VerifyRow& v = rows[b];
-      for (int j = 1; j <= v.accepted; ++j) r.push(v.window[j]);
-      r.push(v.next_pending);
-      r.add_processed(1 + v.accepted);
-    }
-  }
-
-  CheckpointPtr capture(int row) const override {
-    TANDEM_CHECK(row >= 0 && row < row_count(), "row ", row, " of ", row_count());
-    const Row& r = *rows_[row];
-    auto c = std::make_shared<Checkpoint>();
-    c->processed_tokens = r.processed();
-    c->schema = kNgramSchema;
-    c->ns = ns_;
-    c->metadata = nlohmann::json::object();
-    c->tokens.assign(r.history().begin(), r.history().begin() + r.processed());
-    return c;
-  }
-
- private:
   NgramOptions options_;
-  std::string ns_;
-  std::vector<std::unique_ptr<Row>> rows_;
 };
 
 }  // namespace

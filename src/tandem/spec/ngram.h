@@ -1,13 +1,7 @@
 // N-gram prompt lookup (DESIGN.md §5.4): a model-free drafter that proposes what followed the
 // earliest earlier occurrence of the row's trailing n-gram, trying the longest n first.
 //
-// A row's history is every token the row knows, in order: the tokens the target processed, then
-// the pending token once the engine has handed it over. So between rounds
-//   history = processed tokens                after prefill or restore (pending not yet seen)
-//   history = processed tokens + [pending]    after a draft or commit
-// draft() appends `pending` when it is not there yet (and checks it when it is); commit() appends
-// the accepted proposals and the next pending token (the window's pending is already the last
-// history token).
+// Rows keep the token histories of token_rows.h: the processed tokens, then the pending one.
 //
 // draft(depth k): for n = max_n down to min_n (n < history size), take the trailing n-gram of the
 // history (it ends with `pending`); the first n for which it occurs earlier — any occurrence that
@@ -17,10 +11,7 @@
 // An index per n (n-gram → earliest start) grows with the history, so a draft costs O(max_n²)
 // hashing, not a scan.
 //
-// A checkpoint ("ngram-history-v1") holds exactly the processed tokens, never the pending one:
-// it is the drafter state after `processed_tokens` target tokens, whatever token comes next, so
-// one capture can be restored for any continuation (a prefix cache entry, a resumed request);
-// the restored row learns its pending token from the next draft() like a freshly prefilled row.
+// Checkpoints ("ngram-history-v1") hold exactly the processed tokens (token_rows.h).
 #pragma once
 
 #include <cstdint>

@@ -1,0 +1,205 @@
+// The benchmark's continuation drafter: it proposes the recorded continuation, corrupting each
+// proposal with probability 1 - p, keyed by position only; speculation with it stays lossless and
+// accepts exactly the uncorrupted prefix of each window.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+
+#include "demo_model.h"
+#include "tandem/core/error.h"
+#include "tandem/engine/speculative.h"
+#include "tandem/spec/continuation.h"
+
+namespace tandem::spec {
+namespace {
+
+// The drafter reads only the target's vocabulary size; any loaded model serves.
+const Qwen35Model& any_model() {
+  static std::unique_ptr<Qwen35Model> m =
+      Qwen35Model::load(std::string(TANDEM_FIXTURES_DIR) + "/qwen35_tied");
+  return *m;
+}
+const TargetView& any_target() {
+  static QwenTargetView v(any_model(), "test-target");
+  return v;
+}
+
+std::vector<int32_t> sequence(int32_t first, int n) {
+  std::vector<int32_t> s;
+  for (int i = 0; i < n; ++i) s.push_back((first + 7 * i) % 200);
+  return s;
+}
+
+// A single cold row prefilled with `prompt`.
+std::unique_ptr<DraftRows> open_row(const ContinuationProvider& p,
+                                    const std::vector<int32_t>& prompt) {
+  auto rows = p.open_rows(any_target());
+  std::vector<CheckpointPtr> none(1);
+  rows->prepare_append(none)->commit();
+  const RowPrefill pf{0, prompt, nullptr, 0};
+  rows->prefill({&pf, 1});
+  return rows;
+}
+
+std::vector<int32_t> draft(DraftRows& rows, int32_t pending, int depth) {
+  RowDraft d;
+  d.pending = pending;
+  d.depth = depth;
+  std::vector<DraftProposal> out;
+  rows.draft({&d, 1}, &out);
+  return out.at(0).tokens;
+}
+
+void commit(DraftRows& rows, const std::vector<int32_t>& window, int accepted, int32_t next) {
+  const VerifyRow v{window, nullptr, accepted, next};
+  rows.commit({&v, 1});
+}
+
+TEST(Continuation, ProposesTheReferenceAtPOne) {
+  const std::vector<int32_t> ref = sequence(3, 20);
+  const ContinuationProvider p({ref}, 1.0, 5);
+  auto rows = open_row(p, {ref.begin(), ref.begin() + 4});
+  // Pending ref[4]: proposals are ref[5..8).
+  const std::vector<int32_t> first = draft(*rows, ref[4], 3);
+  EXPECT_EQ(first, std::vector<int32_t>(ref.begin() + 5, ref.begin() + 8));
+  // Two accepted, the target's ref[7] pending: next proposals start at ref[8].
+  commit(*rows, {ref[4], first[0], first[1], first[2]}, 2, ref[7]);
+  EXPECT_EQ(draft(*rows, ref[7], 4), std::vector<int32_t>(ref.begin() + 8, ref.begin() + 12));
+  commit(*rows, {ref[7], ref[8], ref[9], ref[10], ref[11]}, 4, ref[12]);
+  // Near the reference's end the proposals stop with it.
+  EXPECT_EQ(draft(*rows, ref[12], 16), std::vector<int32_t>(ref.begin() + 13, ref.end()));
+}
+
+TEST(Continuation, CorruptsEveryProposalAtPZero) {
+  const std::vector<int32_t> ref = sequence(11, 40);
+  const ContinuationProvider p({ref}, 0.0, 5);
+  auto rows = open_row(p, {ref.begin(), ref.begin() + 2});
+  const std::vector<int32_t> got = draft(*rows, ref[2], 30);
+  ASSERT_EQ(got.size(), 30u);
+  const int64_t V = any_target().vocab_size();
+  for (size_t j = 0; j < got.size(); ++j) {
+    EXPECT_NE(got[j], ref[3 + j]) << j;
+    EXPECT_GE(got[j], 0);
+    EXPECT_LT(got[j], V);
+  }
+}
+
+// Proposals are keyed by (seed, reference, position): the share kept is p, and a position's
+// proposal does not depend on the depth or the round that drafts it.
+TEST(Continuation, KeepsASharePOfProposalsWhateverTheDepth) {
+  const int n = 6000;
+  const std::vector<int32_t> ref = sequence(1, n);
+  for (double p : {0.2, 0.5, 0.8}) {
+    const ContinuationProvider provider({ref}, p, 9);
+    auto rows = open_row(provider, {ref[0]});
+    const std::vector<int32_t> all = draft(*rows, ref[1], n);
+    ASSERT_EQ(all.size(), static_cast<size_t>(n - 2));
+    int kept = 0;
+    for (size_t j = 0; j < all.size(); ++j) kept += all[j] == ref[2 + j];
+    EXPECT_NEAR(static_cast<double>(kept) / static_cast<double>(all.size()), p, 0.025) << p;
+    // The same positions one or three at a time, the window accepted whole each round.
+    auto again = open_row(provider, {ref[0]});
+    size_t at = 1;  // index of the pending token
+    int depth = 1;
+    while (at + 1 < 200) {
+      const std::vector<int32_t> got = draft(*again, ref[at], depth);
+      ASSERT_EQ(got, std::vector<int32_t>(all.begin() + static_cast<int64_t>(at) - 1,
+                                          all.begin() + static_cast<int64_t>(at) - 1 + depth));
+      std::vector<int32_t> window{ref[at]};
+      window.insert(window.end(), ref.begin() + static_cast<int64_t>(at) + 1,
+                    ref.begin() + static_cast<int64_t>(at) + 1 + depth);
+      commit(*again, window, depth, ref[at + 1 + static_cast<size_t>(depth)]);
+      at += 1 + static_cast<size_t>(depth);
+      depth = depth == 1 ? 3 : 1;
+    }
+  }
+}
+
+// A row follows the reference its history is a prefix of, switches when the history leaves it
+// for another, and proposes nothing once it has left them all.
+TEST(Continuation, FollowsTheReferenceTheHistoryIsOn) {
+  std::vector<int32_t> a = sequence(5, 12), b = a;
+  b[6] = 199;
+  b[7] = 198;
+  const ContinuationProvider p({a, b}, 1.0, 1);
+  auto rows = open_row(p, {a.begin(), a.begin() + 4});
+  EXPECT_EQ(draft(*rows, a[4], 2), std::vector<int32_t>(a.begin() + 5, a.begin() + 7));
+  // The target took b's token at 6 instead: from then on the row is on b.
+  commit(*rows, {a[4], a[5], a[6]}, 1, b[6]);
+  EXPECT_EQ(draft(*rows, b[6], 3), std::vector<int32_t>(b.begin() + 7, b.begin() + 10));
+  // Then off both.
+  commit(*rows, {b[6], b[7], b[8], b[9]}, 0, 150);
+  EXPECT_TRUE(draft(*rows, 150, 3).empty());
+  commit(*rows, {150}, 0, b[9]);
+  EXPECT_TRUE(draft(*rows, b[9], 3).empty());
+  // A prompt on no reference proposes nothing.
+  auto other = open_row(p, {1, 2, 3});
+  EXPECT_TRUE(draft(*other, 4, 3).empty());
+}
+
+TEST(Continuation, BadInputIsRefused) {
+  const std::vector<int32_t> ref = sequence(0, 8);
+  for (double bad : {-0.1, 1.5, std::numeric_limits<double>::quiet_NaN()}) {
+    try {
+      ContinuationProvider p({ref}, bad, 1);
+      FAIL() << "p = " << bad << " accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("[0, 1]"), std::string::npos) << e.what();
+    }
+  }
+  EXPECT_THROW(ContinuationProvider({ref, {}}, 0.5, 1), Error);
+  const int64_t V = any_target().vocab_size();
+  const ContinuationProvider outside({{1, 2, static_cast<int32_t>(V)}}, 0.5, 1);
+  try {
+    outside.open_rows(any_target());
+    FAIL() << "a token past the vocabulary was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("outside the target's vocabulary"), std::string::npos)
+        << e.what();
+  }
+}
+
+// On the demo model: the output is plain decoding's at any p and depth, every proposal is
+// accepted at p = 1 and none at p = 0, and with p in between a window is accepted up to its
+// first corrupted proposal.
+TEST(Continuation, SpeculationIsLosslessAndAcceptsTheUncorruptedPrefix) {
+  static auto demo = test::load_demo_model();
+  std::vector<GenerateRequest> reqs;
+  for (size_t i = 0; i < test::kDemoPrompts.size(); ++i)
+    reqs.push_back(test::demo_request(*demo, test::kDemoPrompts[i], 0.0f, i, 24 + 4 * i));
+  const auto plain = test::plain_tokens(*demo->model, reqs);
+  std::vector<std::vector<int32_t>> refs;
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    refs.push_back(reqs[i].prompt);
+    refs.back().insert(refs.back().end(), plain[i].begin(), plain[i].end());
+  }
+  for (double p : {1.0, 0.0, 0.7}) {
+    const ContinuationProvider drafter(refs, p, 3);
+    for (int depth : {1, 3}) {
+      SpecOptions opts{depth, VerifyMode::Match};
+      opts.health_probe = false;
+      SpeculativeGenerator gen(*demo->model, &drafter, "demo-target", opts);
+      std::vector<SpecStats> st;
+      const auto got = gen.run(reqs, {}, nullptr, &st);
+      int64_t drafted = 0, accepted = 0;
+      for (size_t i = 0; i < reqs.size(); ++i) {
+        EXPECT_EQ(got[i].tokens, plain[i]) << "p " << p << " depth " << depth << " request " << i;
+        drafted += st[i].drafted;
+        accepted += st[i].accepted;
+      }
+      ASSERT_GT(drafted, 0);
+      if (p == 1.0) {
+        EXPECT_EQ(accepted, drafted) << depth;
+      } else if (p == 0.0) {
+        EXPECT_EQ(accepted, 0) << depth;
+      } else {
+        EXPECT_GT(accepted, 0);
+        EXPECT_LT(accepted, drafted);
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace tandem::spec
