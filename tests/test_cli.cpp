@@ -373,13 +373,14 @@ TEST(CliSpeculative, BadSpeculationSettingsAreRefused) {
 
 // bench-spec on a random-weight model and random prompts: the continuation drafter accepts every
 // proposal at p = 1 and none at p = 0, every run's tokens are plain decoding's, and the JSON says
-// so; bad settings are refused by name.
+// so, with each round's time split by phase; bad settings are refused by name.
 TEST(CliSpeculative, BenchSpecMeasuresSpeedUpAgainstAcceptance) {
   const std::string base = "bench-spec --backend cpu --random-weights " + kBenchConfig +
                            " --random-prompts 3 --prompt-tokens 6 --max-tokens 10 --batch 2"
                            " --repeats 1 ";
   const CliRun r =
-      run(base + "--drafts continuation,ngram --accept-p 1,0 --depths 3,auto --json", false);
+      run(base + "--drafts continuation,ngram --accept-p 1,0 --depths 3,auto --round-split --json",
+          false);
   ASSERT_EQ(r.code, 0) << r.out;
   const auto j = nlohmann::json::parse(r.out);
   ASSERT_EQ(j.size(), 7u) << r.out;  // plain, 2 p x 2 depths, ngram x 2 depths
@@ -387,6 +388,13 @@ TEST(CliSpeculative, BenchSpecMeasuresSpeedUpAgainstAcceptance) {
   for (const auto& m : j) {
     EXPECT_TRUE(m["identical_to_plain"].get<bool>()) << m;
     EXPECT_GT(m["tokens_per_second"].get<double>(), 0.0) << m;
+    // Plain decoding has no speculative rounds to split.
+    if (m["draft"] == "none") {
+      EXPECT_TRUE(m["round_phase_ms"].is_null()) << m;
+    } else {
+      EXPECT_GT(m["round_phase_ms"]["verify"].get<double>(), 0.0) << m;
+      EXPECT_GE(m["round_phase_ms"]["draft"].get<double>(), 0.0) << m;
+    }
     if (m["draft"] != "continuation") {
       EXPECT_TRUE(m["accept_p"].is_null()) << m;
       continue;

@@ -76,6 +76,8 @@ test('exactness under load: 36 staggered concurrent clients equal tandem generat
       accepted += m[`tandem_accepted_tokens_total{drafter="mtp",position="${j}"}`];
     }
     assert.ok(drafted > 0 && accepted > 0 && accepted <= drafted);
+    for (const phase of ['draft', 'verify', 'accept', 'commit'])
+      assert.ok(m[`tandem_round_phase_seconds_total{phase="${phase}"}`] > 0, `${phase} time counted`);
   } finally {
     assert.equal((await server.stop()).code, 0);
   }

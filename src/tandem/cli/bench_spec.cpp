@@ -48,6 +48,7 @@ struct BenchSpecArgs {
   float temperature = 0.0f;
   std::string kv_dtype = "bf16";
   bool json = false;
+  bool round_split = false;
 };
 
 std::vector<std::string> split_list(const std::string& s) {
@@ -67,12 +68,42 @@ struct Measured {
   bool automatic = false;
   double tokens_per_second = 0;  // generated tokens / wall time of all groups (median run)
   SpecStats total;               // summed over requests
+  // --round-split: ms per round in each phase, from one more run that waits for the device at
+  // each phase's end; empty without it.
+  std::vector<double> phase_ms;  // draft, verify, accept, commit
 };
+
+// One more run of every group with the device awaited at each round phase's end: the mean time
+// per round of each phase.
+std::vector<double> round_split(const LoadedTarget& target, DType kv_dtype,
+                                const spec::DraftProvider* drafter, SpecOptions opts,
+                                const std::vector<GenerateRequest>& reqs, int batch) {
+  opts.sync_phases = true;
+  SpeculativeGenerator gen(target.engine_target(kv_dtype), target.view->vocab_size(), drafter,
+                           opts);
+  double phases[4] = {0, 0, 0, 0};
+  int64_t rounds = 0;
+  for (size_t g = 0; g < reqs.size(); g += static_cast<size_t>(batch)) {
+    const std::vector<GenerateRequest> group(
+        reqs.begin() + static_cast<std::ptrdiff_t>(g),
+        reqs.begin() + static_cast<std::ptrdiff_t>(std::min(reqs.size(), g + batch)));
+    GenerateStats st;
+    gen.run(group, {}, &st);
+    phases[0] += st.draft_seconds;
+    phases[1] += st.verify_seconds;
+    phases[2] += st.accept_seconds;
+    phases[3] += st.commit_seconds;
+    rounds += st.decode_steps;
+  }
+  std::vector<double> ms;
+  for (double p : phases) ms.push_back(rounds > 0 ? 1e3 * p / static_cast<double>(rounds) : 0.0);
+  return ms;
+}
 
 // outputs: the last run's tokens per request.
 Measured measure(const LoadedTarget& target, DType kv_dtype, const spec::DraftProvider* drafter,
                  DepthArg depth, const std::vector<GenerateRequest>& reqs, int batch, int repeats,
-                 std::vector<std::vector<int32_t>>* outputs) {
+                 bool split, std::vector<std::vector<int32_t>>* outputs) {
   // The probe stays off: this measures each drafter at the depth asked, whatever it accepts.
   SpecOptions opts{depth.depth, spec::VerifyMode::Match};
   opts.health_probe = false;
@@ -118,6 +149,7 @@ Measured measure(const LoadedTarget& target, DType kv_dtype, const spec::DraftPr
   }
   std::sort(rates.begin(), rates.end());
   m.tokens_per_second = rates[rates.size() / 2];
+  if (split && drafter) m.phase_ms = round_split(target, kv_dtype, drafter, opts, reqs, batch);
   return m;
 }
 
@@ -205,12 +237,14 @@ void run_bench_spec(const BenchSpecArgs& a) {
   std::fprintf(stderr, "bench-spec: %zu prompts, batch %d, %lld tokens each, %d threads\n",
                reqs.size(), a.batch, static_cast<long long>(a.max_tokens), ops::thread_count());
   std::vector<std::vector<int32_t>> plain, got;
-  rows.push_back(measure(target, kv_dtype, nullptr, DepthArg{}, reqs, a.batch, a.repeats, &plain));
+  rows.push_back(
+      measure(target, kv_dtype, nullptr, DepthArg{}, reqs, a.batch, a.repeats, false, &plain));
   const double base = rows[0].tokens_per_second;
   auto run_depths = [&](const spec::DraftProvider& drafter, const std::string& name, double p) {
     for (const std::string& ds : split_list(a.depths)) {
       const DepthArg depth = parse_depth(ds);
-      rows.push_back(measure(target, kv_dtype, &drafter, depth, reqs, a.batch, a.repeats, &got));
+      rows.push_back(measure(target, kv_dtype, &drafter, depth, reqs, a.batch, a.repeats,
+                             a.round_split, &got));
       Measured& m = rows.back();
       m.draft = name;  // as listed: mtp and mtp-empty share a drafter id
       m.accept_p = p;
@@ -268,17 +302,23 @@ void run_bench_spec(const BenchSpecArgs& a) {
                                  static_cast<double>(m.total.drafted_by_position[j])
                            : 0.0);
     if (a.json) {
-      out.push_back({{"draft", m.draft},
-                     {"depth", m.automatic ? nlohmann::json("auto") : nlohmann::json(m.depth)},
-                     {"tokens_per_second", m.tokens_per_second},
-                     {"speedup", m.tokens_per_second / base},
-                     {"mean_accepted_length", m.total.mean_accepted_length()},
-                     {"tokens_per_target_forward", m.total.tokens_per_target_forward()},
-                     {"acceptance_rate", m.total.acceptance_rate()},
-                     {"acceptance_by_position", by_pos},
-                     {"accept_p", m.accept_p >= 0 ? nlohmann::json(m.accept_p) : nlohmann::json()},
-                     {"identical_to_plain", m.identical},
-                     {"batch", a.batch}});
+      out.push_back(
+          {{"draft", m.draft},
+           {"depth", m.automatic ? nlohmann::json("auto") : nlohmann::json(m.depth)},
+           {"tokens_per_second", m.tokens_per_second},
+           {"speedup", m.tokens_per_second / base},
+           {"mean_accepted_length", m.total.mean_accepted_length()},
+           {"tokens_per_target_forward", m.total.tokens_per_target_forward()},
+           {"acceptance_rate", m.total.acceptance_rate()},
+           {"acceptance_by_position", by_pos},
+           {"accept_p", m.accept_p >= 0 ? nlohmann::json(m.accept_p) : nlohmann::json()},
+           {"identical_to_plain", m.identical},
+           {"round_phase_ms", m.phase_ms.empty() ? nlohmann::json()
+                                                 : nlohmann::json{{"draft", m.phase_ms[0]},
+                                                                  {"verify", m.phase_ms[1]},
+                                                                  {"accept", m.phase_ms[2]},
+                                                                  {"commit", m.phase_ms[3]}}},
+           {"batch", a.batch}});
       continue;
     }
     std::string pos;
@@ -294,6 +334,9 @@ void run_bench_spec(const BenchSpecArgs& a) {
                 depth.c_str(), m.tokens_per_second, m.tokens_per_second / base,
                 m.total.mean_accepted_length(), m.total.tokens_per_target_forward(), pos.c_str(),
                 m.identical ? "" : "  OUTPUT DIFFERS FROM PLAIN");
+    if (!m.phase_ms.empty())
+      std::printf("%-12s ms per round: draft %.3f, verify %.3f, accept %.3f, commit %.3f\n", "",
+                  m.phase_ms[0], m.phase_ms[1], m.phase_ms[2], m.phase_ms[3]);
   }
   if (a.json) std::cout << out.dump(2) << "\n";
   for (const Measured& m : rows)
@@ -337,6 +380,9 @@ void add_bench_spec_command(CLI::App& app) {
   sub->add_option("--backend", a->backend, "cpu, cuda or auto (cuda when a GPU is present)")
       ->capture_default_str();
   sub->add_flag("--json", a->json, "Print JSON");
+  sub->add_flag("--round-split", a->round_split,
+                "Also report where a round's time goes (draft, verify, accept, commit), from one "
+                "more run per setting that waits for the device at each phase's end");
   sub->callback([a] { run_bench_spec(*a); });
 }
 

@@ -710,6 +710,11 @@ void BatchEngine::round() {
   const int64_t V = target_->vocab_size(), H = target_->hidden_size();
   const auto t0 = std::chrono::steady_clock::now();
   const bool rejection = options_.spec.verify == spec::VerifyMode::Rejection;
+  // The end of each phase; with sync_phases after the device finished the phase's work.
+  auto phase_end = [&] {
+    if (options_.spec.sync_phases) ops::synchronize();
+    return std::chrono::steady_clock::now();
+  };
 
   // 1. Draft. A row never drafts past its max_tokens: a round emits at most depth + 1. With
   // adaptive depth the policy picks this round's depth (never above what the probe allows).
@@ -731,6 +736,7 @@ void BatchEngine::round() {
     decode_drafts_->draft(drafts_, &proposals_);
     TANDEM_CHECK(proposals_.size() == R, "drafter returned ", proposals_.size(), " rows");
   }
+  const auto t_draft = phase_end();
   // 2. Verify every row's window [pending, proposals...] in one forward.
   tokens_.clear();
   inputs_.clear();
@@ -758,6 +764,7 @@ void BatchEngine::round() {
   verify.want_logits = need_logits;
   verify.want_argmax = !need_logits;
   target_->forward(verify, &out_);
+  const auto t_verify = phase_end();
 
   // 3. Accept walk per row, emitting as it goes (EOS, max tokens and stop strings end a request
   // mid-window). A row that fails here ends alone; its window is discarded with its slot.
@@ -825,6 +832,7 @@ void BatchEngine::round() {
     std::lock_guard lock(mu_);
     counters_.drafter_disabled = 1;
   }
+  const auto t_accept = phase_end();
   // 4. Commit: the target keeps pending + accepted proposals; the drafter follows.
   target_->commit_windows(keeps_);
   if (decode_drafts_) {
@@ -837,12 +845,18 @@ void BatchEngine::round() {
     }
     decode_drafts_->commit(verified_);
   }
+  const auto t_commit = phase_end();
   const double seconds = seconds_since(t0);
   if (policy_)
     policy_->record(static_cast<int64_t>(R), round_depth, seconds, drafted_pos_, accepted_pos_);
   std::lock_guard lock(mu_);
   ++counters_.rounds;
   counters_.decode_seconds += seconds;
+  auto between = [](auto a, auto b) { return std::chrono::duration<double>(b - a).count(); };
+  counters_.draft_seconds += between(t0, t_draft);
+  counters_.verify_seconds += between(t_draft, t_verify);
+  counters_.accept_seconds += between(t_verify, t_accept);
+  counters_.commit_seconds += between(t_accept, t_commit);
   counters_.drafter_first_acceptance = health_.acceptance();
   for (int j = 0; j < depth_; ++j) {
     counters_.drafted_by_position[static_cast<size_t>(j)] += drafted_pos_[static_cast<size_t>(j)];

@@ -86,6 +86,10 @@ struct EngineCounters {
   int64_t prompt_tokens = 0, generated_tokens = 0;
   int64_t finished = 0, cancelled = 0, failed = 0;
   double prefill_seconds = 0, decode_seconds = 0;  // time in prefill forwards and in rounds
+  // Of decode_seconds, the speculative rounds' phases: drafting, the verify forward, the accept
+  // walk (and emitting), the commit of target and drafter. Host wall time: without
+  // SpecOptions::sync_phases, device work a phase queues may be waited for in a later one.
+  double draft_seconds = 0, verify_seconds = 0, accept_seconds = 0, commit_seconds = 0;
   std::vector<int64_t> drafted_by_position, accepted_by_position;  // [depth]
   // Prefix cache: admissions that reused a saved prefix or found none (none counted when the
   // cache is off), prompt tokens not prefilled thanks to it, and its contents.

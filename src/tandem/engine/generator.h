@@ -35,6 +35,8 @@ struct GenerateStats {
   int64_t prompt_tokens = 0, generated_tokens = 0;
   int64_t decode_steps = 0;   // forwards after the prefill
   int64_t decode_tokens = 0;  // tokens those forwards produced (all rows)
+  // Speculative rounds only (EngineCounters): time drafting, verifying, walking, committing.
+  double draft_seconds = 0, verify_seconds = 0, accept_seconds = 0, commit_seconds = 0;
   double prefill_tokens_per_second() const;
   double decode_tokens_per_second() const;  // decode_tokens / decode_seconds
 };

@@ -93,6 +93,10 @@ std::vector<GenerateResult> SpeculativeGenerator::run(const std::vector<Generate
   st.prefill_seconds = c.prefill_seconds;
   st.decode_seconds = c.decode_seconds;
   st.decode_steps = c.rounds;
+  st.draft_seconds = c.draft_seconds;
+  st.verify_seconds = c.verify_seconds;
+  st.accept_seconds = c.accept_seconds;
+  st.commit_seconds = c.commit_seconds;
   for (size_t i = 0; i < B; ++i) {
     st.prompt_tokens += static_cast<int64_t>(requests[i].prompt.size());
     st.generated_tokens += static_cast<int64_t>(results[i].tokens.size());

@@ -29,6 +29,10 @@ struct SpecOptions {
   // Adaptive depth (spec::DepthPolicy): each round proposes 0..depth tokens, whichever the running
   // acceptance and the measured round times say emits the most tokens per second.
   bool auto_depth = false;
+  // Waits for the device at the end of each phase of a speculative round (draft, verify, accept,
+  // commit), so that the phase times (EngineCounters) hold the device work each phase queued.
+  // Costs a sync per phase: for measuring where a round's time goes, not for serving.
+  bool sync_phases = false;
 };
 
 // Per-request speculation counters.

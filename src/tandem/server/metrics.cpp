@@ -106,6 +106,15 @@ std::string ServerMetrics::render(const EngineCounters& e, const std::string& dr
   scalar("tandem_pipelined_rounds_total", "counter",
          "Rounds run as plain greedy steps queued ahead of the host (no drafter or a retired one).",
          static_cast<double>(e.pipelined_rounds));
+  series(&out, "tandem_round_phase_seconds_total", "counter",
+         "Host time in the phases of speculative rounds (draft, verify, accept, commit).");
+  const std::pair<const char*, double> phases[] = {{"draft", e.draft_seconds},
+                                                   {"verify", e.verify_seconds},
+                                                   {"accept", e.accept_seconds},
+                                                   {"commit", e.commit_seconds}};
+  for (const auto& [phase, v] : phases)
+    out += std::string("tandem_round_phase_seconds_total{phase=\"") + phase + "\"} " + number(v) +
+           "\n";
   scalar("tandem_drafter_first_acceptance", "gauge",
          "Share of the drafter's recent first proposals that were accepted (the probe's window).",
          e.drafter_first_acceptance);
