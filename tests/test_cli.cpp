@@ -388,6 +388,7 @@ TEST(CliSpeculative, BenchSpecMeasuresSpeedUpAgainstAcceptance) {
   for (const auto& m : j) {
     EXPECT_TRUE(m["identical_to_plain"].get<bool>()) << m;
     EXPECT_GT(m["tokens_per_second"].get<double>(), 0.0) << m;
+    EXPECT_GT(m["decode_tokens_per_second"].get<double>(), 0.0) << m;
     // Plain decoding has no speculative rounds to split.
     if (m["draft"] == "none") {
       EXPECT_TRUE(m["round_phase_ms"].is_null()) << m;

@@ -1,6 +1,13 @@
 // tandem bench-spec: speculative decoding against plain decoding on the same prompts in the same
 // process: acceptance by window position, mean accepted length, tokens per target forward and
-// tokens/s for each drafter and depth, at a given batch size.
+// tokens/s for each drafter and depth, at a given batch size, overall (prompts included) and of
+// the decode rounds alone. Every speculative run's tokens are checked against the plain run's
+// (match verification is lossless at any temperature).
+//
+// --drafts continuation measures speed-up against acceptance: the plain run's own output is
+// proposed back with each proposal corrupted with probability 1 - p (spec/continuation.h), for
+// each p of --accept-p. With --random-weights CONFIG and --random-prompts it runs on a model of
+// any shape without a checkpoint.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -67,7 +74,9 @@ struct Measured {
   int depth = 0;          // fixed, or the most an adaptive round proposes
   bool automatic = false;
   double tokens_per_second = 0;  // generated tokens / wall time of all groups (median run)
-  SpecStats total;               // summed over requests
+  // Tokens after each request's first / time in decode rounds: the prompts' prefill left out.
+  double decode_tokens_per_second = 0;
+  SpecStats total;  // summed over requests
   // --round-split: ms per round in each phase, from one more run that waits for the device at
   // each phase's end; empty without it.
   std::vector<double> phase_ms;  // draft, verify, accept, commit
@@ -114,20 +123,24 @@ Measured measure(const LoadedTarget& target, DType kv_dtype, const spec::DraftPr
   m.draft = drafter ? drafter->id() : "none";
   m.depth = drafter ? depth.depth : 0;
   m.automatic = drafter && depth.automatic;
-  std::vector<double> rates;
+  std::vector<double> rates, decode_rates;
   outputs->assign(reqs.size(), {});
   for (int rep = 0; rep <= repeats; ++rep) {  // rep 0 warms up
     SpecStats sum;
     sum.accepted_by_position.assign(static_cast<size_t>(m.depth), 0);
     sum.drafted_by_position.assign(static_cast<size_t>(m.depth), 0);
-    int64_t tokens = 0;
+    int64_t tokens = 0, decode_tokens = 0;
+    double decode_seconds = 0;
     const auto t0 = std::chrono::steady_clock::now();
     for (size_t g = 0; g < reqs.size(); g += static_cast<size_t>(batch)) {
       const std::vector<GenerateRequest> group(
           reqs.begin() + static_cast<std::ptrdiff_t>(g),
           reqs.begin() + static_cast<std::ptrdiff_t>(std::min(reqs.size(), g + batch)));
       std::vector<SpecStats> st;
-      const auto res = gen.run(group, {}, nullptr, &st);
+      GenerateStats gs;
+      const auto res = gen.run(group, {}, &gs, &st);
+      decode_tokens += gs.decode_tokens;
+      decode_seconds += gs.decode_seconds;
       for (size_t i = 0; i < res.size(); ++i) {
         (*outputs)[g + i] = res[i].tokens;
         tokens += static_cast<int64_t>(res[i].tokens.size());
@@ -145,10 +158,14 @@ Measured measure(const LoadedTarget& target, DType kv_dtype, const spec::DraftPr
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (rep == 0) continue;
     rates.push_back(static_cast<double>(tokens) / s);
+    decode_rates.push_back(decode_seconds > 0 ? static_cast<double>(decode_tokens) / decode_seconds
+                                              : 0.0);
     m.total = sum;
   }
   std::sort(rates.begin(), rates.end());
+  std::sort(decode_rates.begin(), decode_rates.end());
   m.tokens_per_second = rates[rates.size() / 2];
+  m.decode_tokens_per_second = decode_rates[decode_rates.size() / 2];
   if (split && drafter) m.phase_ms = round_split(target, kv_dtype, drafter, opts, reqs, batch);
   return m;
 }
@@ -240,6 +257,7 @@ void run_bench_spec(const BenchSpecArgs& a) {
   rows.push_back(
       measure(target, kv_dtype, nullptr, DepthArg{}, reqs, a.batch, a.repeats, false, &plain));
   const double base = rows[0].tokens_per_second;
+  const double decode_base = rows[0].decode_tokens_per_second;
   auto run_depths = [&](const spec::DraftProvider& drafter, const std::string& name, double p) {
     for (const std::string& ds : split_list(a.depths)) {
       const DepthArg depth = parse_depth(ds);
@@ -292,8 +310,8 @@ void run_bench_spec(const BenchSpecArgs& a) {
   }
   nlohmann::json out = nlohmann::json::array();
   if (!a.json)
-    std::printf("%-12s %4s %5s %10s %8s %6s %8s  %s\n", "draft", "p", "depth", "tok/s", "speedup",
-                "AL", "tok/fwd", "acceptance by position");
+    std::printf("%-12s %4s %5s %10s %8s %10s %8s %6s %8s  %s\n", "draft", "p", "depth", "tok/s",
+                "speedup", "decode t/s", "decode x", "AL", "tok/fwd", "acceptance by position");
   for (const Measured& m : rows) {
     std::vector<double> by_pos;
     for (int j = 0; j < m.depth; ++j)
@@ -330,8 +348,9 @@ void run_bench_spec(const BenchSpecArgs& a) {
     const std::string depth = m.automatic ? "auto" : std::to_string(m.depth);
     char p[16] = "-";
     if (m.accept_p >= 0) std::snprintf(p, sizeof p, "%.2f", m.accept_p);
-    std::printf("%-12s %4s %5s %10.1f %7.2fx %6.2f %8.2f  %s%s\n", m.draft.c_str(), p,
+    std::printf("%-12s %4s %5s %10.1f %7.2fx %10.1f %7.2fx %6.2f %8.2f  %s%s\n", m.draft.c_str(), p,
                 depth.c_str(), m.tokens_per_second, m.tokens_per_second / base,
+                m.decode_tokens_per_second, m.decode_tokens_per_second / decode_base,
                 m.total.mean_accepted_length(), m.total.tokens_per_target_forward(), pos.c_str(),
                 m.identical ? "" : "  OUTPUT DIFFERS FROM PLAIN");
     if (!m.phase_ms.empty())
