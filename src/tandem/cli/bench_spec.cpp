@@ -325,6 +325,8 @@ void run_bench_spec(const BenchSpecArgs& a) {
            {"depth", m.automatic ? nlohmann::json("auto") : nlohmann::json(m.depth)},
            {"tokens_per_second", m.tokens_per_second},
            {"speedup", m.tokens_per_second / base},
+           {"decode_tokens_per_second", m.decode_tokens_per_second},
+           {"decode_speedup", m.decode_tokens_per_second / decode_base},
            {"mean_accepted_length", m.total.mean_accepted_length()},
            {"tokens_per_target_forward", m.total.tokens_per_target_forward()},
            {"acceptance_rate", m.total.acceptance_rate()},
