@@ -895,15 +895,24 @@ void Qwen35Model::replay_windows(Qwen35State& st, std::span<const RowKeep> rows)
   grow_to(w.a1, T * conv_dim);
   grow_to(w.a5, T * c.linear_value_dim());
   float *conv = w.a1.data(), *core = w.a5.data();
-  for (const Layer& L : layers_) {
-    if (L.kind != LayerKind::LinearAttention) continue;
-    const int li = L.index_in_kind;
-    ops::causal_conv_silu_rows(st.recorded_conv_input(li), conv_dim, c.linear_conv_kernel_dim,
-                               L.delta.conv1d, dev + li * R, R, max_n, conv);
-    ops::gated_delta_rule_rows(conv, conv + kd, conv + 2 * kd, st.recorded_a(li), st.recorded_b(li),
-                               L.delta.A_log, L.delta.dt_bias, dev + li * R, R, max_n,
-                               delta_heads(), core);
-  }
+  auto body = [&] {
+    for (const Layer& L : layers_) {
+      if (L.kind != LayerKind::LinearAttention) continue;
+      const int li = L.index_in_kind;
+      ops::causal_conv_silu_rows(st.recorded_conv_input(li), conv_dim, c.linear_conv_kernel_dim,
+                                 L.delta.conv1d, dev + li * R, R, max_n, conv);
+      ops::gated_delta_rule_rows(conv, conv + kd, conv + 2 * kd, st.recorded_a(li),
+                                 st.recorded_b(li), L.delta.A_log, L.delta.dt_bias, dev + li * R, R,
+                                 max_n, delta_heads(), core);
+    }
+  };
+  // Two launches per linear layer, as a graph: the rows' states, first tokens and kept counts are
+  // the uploaded descriptors, so only the shape and the buffers' addresses name it (the first
+  // word tells it from the forwards' keys).
+  GraphKey key;
+  key.add(uint64_t{0x7265706c6179}).add(&st).add(R).add(max_n).add(T);
+  key.add(st.recorded_conv_input(0)).add(w.replay_meta.data()).add(conv).add(core);
+  graphs_.run(key, body);
 }
 
 }  // namespace tandem
