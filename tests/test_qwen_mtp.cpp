@@ -7,6 +7,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <nlohmann/json.hpp>
 
 #include "tandem/core/error.h"
@@ -219,6 +220,28 @@ TEST(QwenMtp, GreedyChainMatchesPyTorch) {
   for (int j = 0; j < 4; ++j) {
     const std::span<const float> ref(want_logits.data() + j * V, static_cast<size_t>(V));
     EXPECT_LT(max_diff(rows->last_draft_logits(0, j), ref) / scale, 1e-4) << "step " << j;
+  }
+}
+
+// A hidden state of NaN (a broken target or tap) makes every step's logits NaN: the greedy chain,
+// which embeds each step's argmax where it lies, reports the row instead of embedding id -1.
+TEST(QwenMtp, GreedyChainReportsNaNLogits) {
+  const auto tokens = ref_ids("tokens_0");
+  const std::vector<float> good = target_hidden(tokens);
+  std::vector<float> hidden = good;
+  std::fill(hidden.begin() + 30 * demo().H, hidden.begin() + 31 * demo().H,
+            std::numeric_limits<float>::quiet_NaN());
+  auto rows = open_rows(*demo().mtp, 2);
+  const std::vector<RowPrefill> pre = {{0, std::span(tokens).first(31), good.data(), 0},
+                                       {1, std::span(tokens).first(31), hidden.data(), 0}};
+  rows->prefill(pre);
+  std::vector<DraftProposal> out;
+  const std::vector<RowDraft> d = {greedy(tokens[31], 3), greedy(tokens[31], 3)};
+  try {
+    rows->draft(d, &out);
+    FAIL() << "NaN logits were drafted from";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("row 1 hold NaN"), std::string::npos) << e.what();
   }
 }
 

@@ -274,7 +274,9 @@ void mla_attention(const float* q_nope, const float* q_pe, int64_t n, int64_t H,
                    const WeightRef& kv_b, const int64_t* pos, const int32_t* allowed, int64_t topk,
                    float scale, bool absorbed, float* out);
 
-// out[i, :] = table[ids[i], :] converted to fp32. ids must be in range (checked by caller).
+// out[i, :] = table[ids[i], :] converted to fp32. An id out of range gives a row of NaN (callers
+// check host ids first; ids already in backend memory, a draft step's argmax of -1 for NaN
+// logits, cannot be checked without a wait).
 void embed_rows(const WeightRef& table, const int32_t* ids, int64_t n, float* out);
 
 // RMSNorm over the last axis of x[m, d]:

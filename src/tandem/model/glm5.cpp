@@ -50,6 +50,10 @@ void Glm5Model::embed(std::span<const int32_t> ids, float* out) const {
   ops::embed_rows(embed_, ids.data(), static_cast<int64_t>(ids.size()), out);
 }
 
+void Glm5Model::embed_device(const int32_t* ids, int64_t n, float* out) const {
+  ops::embed_rows(embed_, ids, n, out);
+}
+
 void Glm5Model::head(const float* hidden, int64_t n, float* out) const {
   ops::linear(hidden, n, lm_head_, out);
 }

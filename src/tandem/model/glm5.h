@@ -63,6 +63,8 @@ class Glm5Model {
 
   // out[n, H] = embedding rows of ids (checked to be in range).
   void embed(std::span<const int32_t> ids, float* out) const;
+  // ids in backend memory; an id out of range embeds as a row of NaN (ops::embed_rows).
+  void embed_device(const int32_t* ids, int64_t n, float* out) const;
   // out[n, V] = the head applied to hidden[n, H] (no norm applied here).
   void head(const float* hidden, int64_t n, float* out) const;
 

@@ -206,6 +206,10 @@ void Qwen35Model::embed(std::span<const int32_t> ids, float* out) const {
   ops::embed_rows(embed_, w.embed_ids.data(), static_cast<int64_t>(ids.size()), out);
 }
 
+void Qwen35Model::embed_device(const int32_t* ids, int64_t n, float* out) const {
+  ops::embed_rows(embed_, ids, n, out);
+}
+
 void Qwen35Model::head(const float* hidden, int64_t n, float* out) const {
   ops::linear(hidden, n, lm_head_, out);
 }

@@ -120,6 +120,8 @@ class Qwen35Model {
   // out[n, H] = embedding rows of ids (host ids, must be in range; out in backend memory).
   // Drafters embed through the target.
   void embed(std::span<const int32_t> ids, float* out) const;
+  // ids in backend memory; an id out of range embeds as a row of NaN (ops::embed_rows).
+  void embed_device(const int32_t* ids, int64_t n, float* out) const;
   // out[n, V] = the head applied to hidden[n, H] (no norm applied here; backend memory).
   void head(const float* hidden, int64_t n, float* out) const;
   // The backend memory holding the model's weights (0 for a CPU model of mapped files).

@@ -75,6 +75,9 @@ class TargetView {
   virtual const WeightStore& weights() const = 0;
   // out[n, H] = embedding rows of ids (host ids, in range; out in the backend's memory).
   virtual void embed(std::span<const int32_t> ids, float* out) const = 0;
+  // The same for ids already in the backend's memory (a draft step's argmax); an id out of range
+  // gives a row of NaN instead of an error, since the host has not seen it.
+  virtual void embed_device(const int32_t* ids, int64_t n, float* out) const = 0;
   // out[n, V] = the target's head applied to already-normed hidden[n, H] (backend memory).
   virtual void logits(const float* hidden, int64_t n, float* out) const = 0;
   virtual bool can_tap(HiddenTap tap) const = 0;
@@ -105,6 +108,9 @@ class ModelTargetView : public TargetView {
   int64_t layer_count() const override { return model_.config().num_hidden_layers; }
   const WeightStore& weights() const override { return model_.weights(); }
   void embed(std::span<const int32_t> ids, float* out) const override { model_.embed(ids, out); }
+  void embed_device(const int32_t* ids, int64_t n, float* out) const override {
+    model_.embed_device(ids, n, out);
+  }
   void logits(const float* hidden, int64_t n, float* out) const override {
     model_.head(hidden, n, out);
   }

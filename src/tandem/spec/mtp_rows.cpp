@@ -24,9 +24,8 @@ void MtpRows::gather(int32_t id, const float* hidden) {
   hid_.insert(hid_.end(), hidden, hidden + H_);
 }
 
-void MtpRows::run_block(const std::vector<int>& row_ids, const std::vector<int64_t>& counts) {
-  const int64_t T = static_cast<int64_t>(ids_.size());
-  TANDEM_CHECK(static_cast<int64_t>(hid_.size()) == T * H_);
+void MtpRows::block_rows(const std::vector<int>& row_ids, const std::vector<int64_t>& counts,
+                         const float* embeds, const float* hidden, float* out) {
   std::vector<History*> histories;
   std::vector<int64_t> lengths;
   for (int b : row_ids) {
@@ -34,14 +33,20 @@ void MtpRows::run_block(const std::vector<int>& row_ids, const std::vector<int64
     histories.push_back(r.history.get());
     lengths.push_back(r.length);
   }
+  forward_block(embeds, hidden, histories, lengths, counts, out);
+  for (size_t i = 0; i < row_ids.size(); ++i)
+    rows_[static_cast<size_t>(row_ids[i])].length += counts[i];
+}
+
+void MtpRows::run_block(const std::vector<int>& row_ids, const std::vector<int64_t>& counts) {
+  const int64_t T = static_cast<int64_t>(ids_.size());
+  TANDEM_CHECK(static_cast<int64_t>(hid_.size()) == T * H_);
   emb_.grow_to(T * H_);
   out_.grow_to(T * H_);
   hid_dev_.grow_to(T * H_);
   ops::copy_from_host(hid_dev_.data(), hid_.data(), sizeof(float) * static_cast<size_t>(T * H_));
   target_.embed(ids_, emb_.data());
-  forward_block(emb_.data(), hid_dev_.data(), histories, lengths, counts, out_.data());
-  for (size_t i = 0; i < row_ids.size(); ++i)
-    rows_[static_cast<size_t>(row_ids[i])].length += counts[i];
+  block_rows(row_ids, counts, emb_.data(), hid_dev_.data(), out_.data());
 }
 
 std::unique_ptr<PreparedChange> MtpRows::prepare_append(std::span<const CheckpointPtr> from) {
@@ -179,6 +184,10 @@ void MtpRows::draft(std::span<const RowDraft> rows, std::vector<DraftProposal>* 
   }
   step_logits_on_host_.assign(step_logits_.size(), false);
   for (auto& s : step_rows_) s.clear();
+  bool greedy_rows = true;
+  for (const RowDraft& in : rows)
+    greedy_rows = greedy_rows && (in.depth == 0 || (in.sampling.greedy() && !in.want_distribution));
+  if (greedy_rows) return draft_on_device(rows, max_depth, out);
   // Step j: every row still drafting adds MTP row round_start + j from (pending, h_true) at
   // j = 0, else (d_{j-1}, out_{j-1}); one block call and one head call for all of them.
   for (int j = 0; j < max_depth; ++j) {
@@ -238,6 +247,74 @@ void MtpRows::draft(std::span<const RowDraft> rows, std::vector<DraftProposal>* 
         filtered_distribution(l, in.sampling, &(*out)[static_cast<size_t>(b)].q.back());
       }
       std::memcpy(chain_.data() + b * H_, out_host_.data() + a * H_, sizeof(float) * H_);
+    }
+  }
+}
+
+void MtpRows::draft_on_device(std::span<const RowDraft> rows, int max_depth,
+                              std::vector<DraftProposal>* out) {
+  const int64_t R = row_count();
+  picks_dev_.grow_to(max_depth * R);
+  for (Buffer<float>& b : chain_dev_) b.grow_to(R * H_);
+  emb_.grow_to(R * H_);
+  hid_dev_.grow_to(R * H_);
+  ids_dev_.grow_to(R);
+  const int32_t* ids = nullptr;   // this step's ids (backend memory), from step 1 on
+  const float* hidden = nullptr;  // this step's hidden inputs
+  for (int j = 0; j < max_depth; ++j) {
+    std::vector<int>& active = step_rows_[static_cast<size_t>(j)];
+    for (size_t b = 0; b < rows.size(); ++b)
+      if (rows[b].depth > j) active.push_back(static_cast<int>(b));
+    const int64_t A = static_cast<int64_t>(active.size());
+    if (j == 0) {
+      ids_.clear();
+      hid_.clear();
+      for (int b : active) gather(rows[static_cast<size_t>(b)].pending, rows_[b].h_true.data());
+      ops::copy_from_host(hid_dev_.data(), hid_.data(), sizeof(float) * hid_.size());
+      target_.embed(ids_, emb_.data());
+      hidden = hid_dev_.data();
+    } else {
+      // Rows that stop drafting drop out: the others' ids and outputs move up, run by run
+      // (the active rows are a subsequence of the last step's).
+      const std::vector<int>& prev = step_rows_[static_cast<size_t>(j - 1)];
+      if (static_cast<int64_t>(prev.size()) != A) {
+        size_t p = 0;
+        for (int64_t a = 0; a < A;) {
+          while (prev[p] != active[static_cast<size_t>(a)]) ++p;
+          int64_t run = 1;
+          while (a + run < A && p + run < prev.size() &&
+                 prev[p + run] == active[static_cast<size_t>(a + run)])
+            ++run;
+          ops::copy(ids_dev_.data() + a, ids + p, sizeof(int32_t) * run);
+          ops::copy(hid_dev_.data() + a * H_, hidden + p * H_, sizeof(float) * run * H_);
+          a += run;
+          p += run;
+        }
+        ids = ids_dev_.data();
+        hidden = hid_dev_.data();
+      }
+      target_.embed_device(ids, A, emb_.data());
+    }
+    float* block_out = chain_dev_[j % 2].data();
+    block_rows(active, std::vector<int64_t>(active.size(), 1), emb_.data(), hidden, block_out);
+    Buffer<float>& logits_dev = step_logits_dev_[static_cast<size_t>(j)];
+    logits_dev.grow_to(A * V_);
+    target_.logits(block_out, A, logits_dev.data());
+    int32_t* picked = picks_dev_.data() + j * R;
+    ops::argmax_rows(logits_dev.data(), A, V_, picked);
+    ids = picked;
+    hidden = block_out;
+  }
+  picks_.resize(static_cast<size_t>(max_depth * R));
+  ops::copy_to_host(picks_.data(), picks_dev_.data(), sizeof(int32_t) * picks_.size());
+  for (int j = 0; j < max_depth; ++j) {
+    const std::vector<int>& active = step_rows_[static_cast<size_t>(j)];
+    for (size_t a = 0; a < active.size(); ++a) {
+      const int32_t d = picks_[static_cast<size_t>(j * R) + a];
+      // An argmax of -1 (NaN logits) embeds as NaN, so every later step of the row fails too.
+      if (d < 0) fail(who_, " draft: logits of row ", active[a], " hold NaN or +inf, or only -inf");
+      rows_[static_cast<size_t>(active[a])].proposals.push_back(d);
+      (*out)[static_cast<size_t>(active[a])].tokens.push_back(d);
     }
   }
 }

@@ -110,6 +110,11 @@ class MtpRows : public DraftRows {
   std::vector<float> hid_, out_host_;
   std::vector<int32_t> ids_;
   std::vector<float> chain_;  // [rows, H] each row's last step output (host)
+  // The greedy chain on the device (draft_on_device): two block outputs used in turn, every
+  // step's argmax ([depth, rows], step j's at j · rows), a compacted id copy, and the host read.
+  Buffer<float> chain_dev_[2];
+  Buffer<int32_t> picks_dev_, ids_dev_;
+  std::vector<int32_t> picks_;
   // Per draft step: the logits [active rows, V] in backend memory, and a host copy made when
   // sampling needs it (or a diagnostic asks).
   std::vector<Buffer<float>> step_logits_dev_;
@@ -124,6 +129,15 @@ class MtpRows : public DraftRows {
   // Runs the block over the pairs gathered in ids_ / hid_ (rows in `row_ids` order, counts[i]
   // pairs for row_ids[i]), appending them to each row's history; out_ receives [Σ counts, H].
   void run_block(const std::vector<int>& row_ids, const std::vector<int64_t>& counts);
+  // Runs the block over embeds / hidden ([Σ counts, H], backend memory) for rows `row_ids`,
+  // appending counts[i] rows to row_ids[i]'s history; out receives [Σ counts, H].
+  void block_rows(const std::vector<int>& row_ids, const std::vector<int64_t>& counts,
+                  const float* embeds, const float* hidden, float* out);
+  // draft() when every drafting row is greedy and wants no distribution: each step embeds the
+  // previous step's argmax and reads its output where they are, and the host reads all steps'
+  // ids once at the end (one wait per round instead of two per step).
+  void draft_on_device(std::span<const RowDraft> rows, int max_depth,
+                       std::vector<DraftProposal>* out);
 };
 
 }  // namespace tandem::spec

@@ -1,5 +1,7 @@
 // Norms, activations, gates and small helpers: memory-bound loops over rows.
+#include <algorithm>
 #include <cmath>
+#include <limits>
 
 #include "tandem/backend/cpu/cpu_ops.h"
 #include "tandem/backend/cpu/thread_pool.h"
@@ -33,6 +35,10 @@ void embed_rows(const WeightRef& table, const int32_t* ids, int64_t n, float* ou
   const int64_t d = table.cols;
   const size_t row_bytes = static_cast<size_t>(d) * dtype_size(table.dtype);
   for (int64_t i = 0; i < n; ++i) {
+    if (ids[i] < 0 || ids[i] >= table.rows) {
+      std::fill(out + i * d, out + (i + 1) * d, std::numeric_limits<float>::quiet_NaN());
+      continue;
+    }
     WeightRef row = table;
     row.data = static_cast<const uint8_t*>(table.data) + static_cast<size_t>(ids[i]) * row_bytes;
     for (int64_t c = 0; c < d; ++c) out[i * d + c] = weight_element(row, c);
