@@ -7,7 +7,9 @@
 #include <limits>
 
 #include "demo_model.h"
+#include "recording_sink.h"
 #include "tandem/core/error.h"
+#include "tandem/engine/batch_engine.h"
 #include "tandem/engine/speculative.h"
 #include "tandem/spec/continuation.h"
 
@@ -136,6 +138,74 @@ TEST(Continuation, FollowsTheReferenceTheHistoryIsOn) {
   // A prompt on no reference proposes nothing.
   auto other = open_row(p, {1, 2, 3});
   EXPECT_TRUE(draft(*other, 4, 3).empty());
+}
+
+// After a commit the row holds its pending token; a prefill then continues it with the tokens
+// the target processed in plain rounds, the first of them that pending token.
+TEST(Continuation, ContinuesAfterPlainRounds) {
+  const std::vector<int32_t> ref = sequence(2, 30);
+  const ContinuationProvider p({ref}, 1.0, 4);
+  auto rows = open_row(p, {ref.begin(), ref.begin() + 4});
+  EXPECT_EQ(draft(*rows, ref[4], 2), std::vector<int32_t>(ref.begin() + 5, ref.begin() + 7));
+  commit(*rows, {ref[4], ref[5], ref[6]}, 2, ref[7]);
+  // Plain rounds processed ref[7..10); ref[10] is pending.
+  const RowPrefill more{0, std::span(ref).subspan(7, 3), nullptr, 7};
+  rows->prefill({&more, 1});
+  EXPECT_EQ(draft(*rows, ref[10], 3), std::vector<int32_t>(ref.begin() + 11, ref.begin() + 14));
+  // A continuation that does not start with the pending token is refused, naming both.
+  commit(*rows, {ref[10], ref[11], ref[12], ref[13]}, 3, ref[14]);
+  const std::vector<int32_t> wrong = {ref[15], ref[16]};
+  const RowPrefill bad{0, wrong, nullptr, 14};
+  try {
+    rows->prefill({&bad, 1});
+    FAIL() << "a continuation without the pending token was taken";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("pending token is " + std::to_string(ref[14])),
+              std::string::npos)
+        << e.what();
+  }
+}
+
+// With --depth auto a round the policy runs at depth 0 is a pipelined plain step when the drafter
+// needs only tokens; the drafter takes in what it missed before it drafts again. Either way the
+// output is plain decoding's.
+TEST(Continuation, AutoDepthZeroRoundsArePipelinedAndLossless) {
+  static auto demo = test::load_demo_model();
+  std::vector<GenerateRequest> reqs;
+  for (size_t i = 0; i < test::kDemoPrompts.size(); ++i)
+    reqs.push_back(test::demo_request(*demo, test::kDemoPrompts[i], 0.0f, i, 80));
+  const auto plain = test::plain_tokens(*demo->model, reqs);
+  std::vector<std::vector<int32_t>> refs;
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    refs.push_back(reqs[i].prompt);
+    refs.back().insert(refs.back().end(), plain[i].begin(), plain[i].end());
+  }
+  for (double p : {0.0, 0.5}) {
+    const ContinuationProvider drafter(refs, p, 8);
+    EngineOptions o;
+    o.spec.depth = 4;
+    o.spec.auto_depth = true;
+    o.spec.health_probe = false;
+    BatchEngine engine(*demo->model, &drafter, "demo-target", o);
+    std::vector<std::shared_ptr<test::RecordingSink>> sinks;
+    for (const GenerateRequest& r : reqs) {
+      EngineRequest er;
+      er.gen = r;
+      sinks.push_back(std::make_shared<test::RecordingSink>());
+      ASSERT_EQ(engine.submit(er, sinks.back()), BatchEngine::Submit::Queued);
+    }
+    engine.run_to_completion();
+    for (size_t i = 0; i < reqs.size(); ++i) {
+      EXPECT_EQ(sinks[i]->tokens, plain[i]) << "p " << p << " request " << i;
+      ASSERT_TRUE(sinks[i]->outcome.has_value());
+      EXPECT_EQ(sinks[i]->outcome->end, RequestEnd::Finished) << sinks[i]->outcome->error;
+    }
+    const EngineCounters c = engine.counters();
+    // Plain steps and drafted rounds alternate (at p = 0 the policy still explores a depth now
+    // and then), so the drafter catches up after plain steps.
+    EXPECT_GT(c.pipelined_rounds, p == 0.0 ? c.rounds / 2 : 0) << c.rounds;
+    EXPECT_LT(c.pipelined_rounds, c.rounds) << "every round pipelined: nothing was drafted";
+  }
 }
 
 TEST(Continuation, BadInputIsRefused) {

@@ -78,6 +78,9 @@ struct BatchEngine::Row {
   SpecStats stats;
   bool done = false;                      // the outcome was sent; retire() drops the row
   RequestEnd end = RequestEnd::Finished;  // once done
+  // Tokens (prompt, then output) the row's decode drafter has taken in; behind the target's
+  // after plain rounds that ran without it (token drafters, depth_zero_pipelines).
+  int64_t drafter_synced = 0;
   bool needs_logits() const { return !req.gen.sampling.greedy() || req.top_logprobs >= 0; }
 };
 
@@ -560,6 +563,7 @@ void BatchEngine::finish_prefill() {
   std::vector<std::unique_ptr<Row>> still;
   for (size_t r = 0; r < prefilling_.size(); ++r) {
     if (moving[r]) {
+      prefilling_[r]->drafter_synced = prefilling_[r]->prefilled;
       decoding_.push_back(std::move(prefilling_[r]));
     } else {
       keep.push_back(static_cast<int>(r));
@@ -615,6 +619,40 @@ const float* BatchEngine::tapped_rows() const {
   if (want_prenorm_) return out_.prenorm_hidden.data();
   if (want_final_) return out_.hidden.data();
   return nullptr;
+}
+
+bool BatchEngine::depth_zero_pipelines() const {
+  if (!policy_ || !decode_drafts_ || !decode_drafts_->taps().empty() ||
+      !target_->pipelines_greedy() || options_.spec.verify != spec::VerifyMode::Match)
+    return false;
+  for (const auto& r : decoding_)
+    if (r->needs_logits()) return false;
+  return true;
+}
+
+void BatchEngine::catch_up_drafter() {
+  std::vector<std::vector<int32_t>> behind;
+  std::vector<spec::RowPrefill> rows;
+  for (size_t b = 0; b < decoding_.size(); ++b) {
+    Row& row = *decoding_[b];
+    const auto& prompt = row.req.gen.prompt;
+    const auto& out = row.result.tokens;
+    // The target processed every token but the pending one (the last emitted).
+    const int64_t processed = static_cast<int64_t>(prompt.size() + out.size()) - 1;
+    if (row.drafter_synced >= processed) continue;
+    std::vector<int32_t> t;
+    for (int64_t i = row.drafter_synced; i < processed; ++i)
+      t.push_back(i < static_cast<int64_t>(prompt.size())
+                      ? prompt[static_cast<size_t>(i)]
+                      : out[static_cast<size_t>(i - static_cast<int64_t>(prompt.size()))]);
+    behind.push_back(std::move(t));
+    rows.push_back({static_cast<int>(b), {}, nullptr, row.drafter_synced});
+  }
+  for (size_t k = 0; k < rows.size(); ++k) rows[k].tokens = behind[k];
+  if (!rows.empty()) decode_drafts_->prefill(rows);
+  for (auto& row : decoding_)
+    row->drafter_synced =
+        static_cast<int64_t>(row->req.gen.prompt.size() + row->result.tokens.size()) - 1;
 }
 
 bool BatchEngine::plain_greedy() const {
@@ -706,7 +744,23 @@ void BatchEngine::round() {
   const size_t R = decoding_.size();
   if (R == 0) return;
   if (plain_greedy()) return pipelined_round();
+  // With adaptive depth the policy picks this round's depth (never above what the probe allows).
+  // A token drafter needs no forward's hiddens, so a round at depth 0 runs as a pipelined plain
+  // step and the drafter takes in the tokens it missed before it next drafts.
+  int round_depth = draft_depth_;
+  if (policy_ && round_depth > 0)
+    round_depth = std::min(round_depth, policy_->choose(static_cast<int64_t>(R)));
+  if (round_depth == 0 && draft_depth_ > 0 && depth_zero_pipelines()) {
+    // Only a step that continues a chain costs what steady depth-0 rounds cost: one that starts
+    // one also runs (on the CPU) or waits for (on a GPU) the whole first step.
+    const bool continuing = chained_;
+    const auto t = std::chrono::steady_clock::now();
+    pipelined_round();
+    if (continuing) policy_->record(static_cast<int64_t>(R), 0, seconds_since(t), {}, {});
+    return;
+  }
   drain();
+  if (decode_drafts_ && decode_drafts_->taps().empty()) catch_up_drafter();
   const int64_t V = target_->vocab_size(), H = target_->hidden_size();
   const auto t0 = std::chrono::steady_clock::now();
   const bool rejection = options_.spec.verify == spec::VerifyMode::Rejection;
@@ -716,11 +770,7 @@ void BatchEngine::round() {
     return std::chrono::steady_clock::now();
   };
 
-  // 1. Draft. A row never drafts past its max_tokens: a round emits at most depth + 1. With
-  // adaptive depth the policy picks this round's depth (never above what the probe allows).
-  int round_depth = draft_depth_;
-  if (policy_ && round_depth > 0)
-    round_depth = std::min(round_depth, policy_->choose(static_cast<int64_t>(R)));
+  // 1. Draft. A row never drafts past its max_tokens: a round emits at most depth + 1.
   proposals_.assign(R, {});
   if (decode_drafts_) {
     drafts_.resize(R);
@@ -844,6 +894,9 @@ void BatchEngine::round() {
       off += static_cast<int64_t>(windows_[r].size());
     }
     decode_drafts_->commit(verified_);
+    for (auto& row : decoding_)
+      row->drafter_synced =
+          static_cast<int64_t>(row->req.gen.prompt.size() + row->result.tokens.size()) - 1;
   }
   const auto t_commit = phase_end();
   const double seconds = seconds_since(t0);

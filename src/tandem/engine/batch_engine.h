@@ -165,6 +165,11 @@ class BatchEngine {
   bool want_final_ = false, want_prenorm_ = false;
   spec::HiddenTaps taps_;
   const float* tapped_rows() const;
+  // Whether a round the depth policy runs at depth 0 can be a pipelined plain step: a drafter of
+  // tokens alone (no taps), match verification, greedy rows that need no logits.
+  bool depth_zero_pipelines() const;
+  // Hands a token drafter the tokens its rows' targets processed in such plain steps.
+  void catch_up_drafter();
 
   std::unique_ptr<PrefixDisk> disk_;
   std::unique_ptr<PrefixStore> cache_;  // after target_ and disk_: it uses both until destroyed

@@ -7,7 +7,9 @@
 //   history = processed tokens + [pending]    after a draft or commit
 // draft() appends `pending` when it is not there yet (and checks it when it is) before asking
 // the drafter for proposals; commit() appends the accepted proposals and the next pending token
-// (the window's pending is already the last history token).
+// (the window's pending is already the last history token). prefill() after a commit continues
+// the row with tokens the target processed without drafting (plain rounds at depth 0), the first
+// of them the pending token the row already holds.
 //
 // A checkpoint holds exactly the processed tokens, never the pending one: it is the drafter state
 // after `processed_tokens` target tokens, whatever token comes next, so one capture can be
@@ -100,11 +102,15 @@ class TokenRows : public DraftRows {
       if (p.processed_before != r.processed())
         fail(who_, ": row ", p.row, " prefill starts at token ", p.processed_before,
              " but the row covers ", r.processed(), " (token alignment mismatch)");
-      TANDEM_CHECK(!r.pending_known(), "prefill of row ", p.row, " after its pending token");
+      if (r.pending_known() && (p.tokens.empty() || p.tokens[0] != r.history().back()))
+        fail(who_, ": row ", p.row, " continues with token ", p.tokens.empty() ? -1 : p.tokens[0],
+             " but its pending token is ", r.history().back());
     }
     for (const RowPrefill& p : rows) {
       Row& r = *rows_[static_cast<size_t>(p.row)];
-      for (int32_t t : p.tokens) r.push(t);
+      // A row that saw its pending token (a commit) continues after it: the target processed it.
+      const size_t from = r.pending_known() ? 1 : 0;
+      for (size_t i = from; i < p.tokens.size(); ++i) r.push(p.tokens[i]);
       r.add_processed(static_cast<int64_t>(p.tokens.size()));
     }
   }
