@@ -127,6 +127,27 @@ TEST(DepthPolicy, FollowsADrafterThatStopsBeingRight) {
   EXPECT_EQ(policy.best(s.rows), 0);
 }
 
+// A drafter that never pays settles on depth 0, and its explorations of depth 1 thin out: a
+// round in 16 at first, one in 128 once they keep changing nothing.
+TEST(DepthPolicy, ExplorationsThatChangeNothingComeLessOften) {
+  const int max_depth = 4;
+  Sim s{0.0, {}, 8};
+  for (int k = 0; k <= max_depth; ++k) s.cost.push_back(0.01 * (1 + 0.3 * k));
+  DepthPolicy policy(DepthPolicyOptions{max_depth});
+  std::mt19937 rng(7);
+  run(policy, s, 400, max_depth, rng);
+  EXPECT_EQ(policy.best(s.rows), 0);
+  int drafted_rounds = 0;
+  for (int r = 0; r < 512; ++r) {
+    const int k = policy.choose(s.rows);
+    drafted_rounds += k > 0;
+    std::vector<int64_t> drafted(static_cast<size_t>(k), s.rows), accepted(static_cast<size_t>(k));
+    policy.record(s.rows, k, s.cost[static_cast<size_t>(k)], drafted, accepted);
+  }
+  EXPECT_LE(drafted_rounds, 512 / 128 + 1);
+  EXPECT_GE(drafted_rounds, 512 / 128 - 1);
+}
+
 TEST(DepthPolicy, RowBucketsKeepTheirOwnCosts) {
   // One row: verify windows are nearly free; 64 rows: each token of depth costs a whole round.
   DepthPolicy policy(DepthPolicyOptions{3});
@@ -146,6 +167,7 @@ TEST(DepthPolicy, RowBucketsKeepTheirOwnCosts) {
 TEST(DepthPolicy, BadOptionsAndRecordsAreRefused) {
   EXPECT_THROW(DepthPolicy(DepthPolicyOptions{0}), Error);
   EXPECT_THROW(DepthPolicy(DepthPolicyOptions{4, 0.0}), Error);
+  EXPECT_THROW(DepthPolicy(DepthPolicyOptions{.explore_backoff = 0}), Error);
   DepthPolicy p;
   const std::vector<int64_t> two = {1, 1}, one = {1};
   EXPECT_THROW(p.record(1, 9, 0.1, two, two), Error);

@@ -27,8 +27,10 @@ DepthPolicy::DepthPolicy(DepthPolicyOptions options) : options_(options) {
     fail("depth policy: max depth must be in 1..16, got ", options_.max_depth);
   if (!(options_.cost_smoothing > 0.0 && options_.cost_smoothing <= 1.0))
     fail("depth policy: cost smoothing must be in (0, 1]");
-  if (options_.acceptance_window < 1 || options_.explore_every < 2)
-    fail("depth policy: acceptance window >= 1 and explore_every >= 2 required");
+  if (options_.acceptance_window < 1 || options_.explore_every < 2 || options_.explore_backoff < 1)
+    fail(
+        "depth policy: acceptance window >= 1, explore_every >= 2 and explore_backoff >= 1 "
+        "required");
   positions_.resize(static_cast<size_t>(options_.max_depth));
 }
 
@@ -110,10 +112,19 @@ int DepthPolicy::choose(int64_t rows) {
   TANDEM_CHECK(rows >= 1, "depth policy: a round of ", rows, " rows");
   const int k = best(rows);
   Bucket& b = buckets_[bucket_of(rows)];
-  if (b.cost.empty()) b.cost.resize(static_cast<size_t>(options_.max_depth + 1));
-  if (++b.rounds % options_.explore_every != 0) return k;
-  // Explore a neighbour: alternately the deeper and the shallower one.
-  const bool deeper = (b.rounds / options_.explore_every) % 2 == 1;
+  if (b.cost.empty()) {
+    b.cost.resize(static_cast<size_t>(options_.max_depth + 1));
+    b.interval = options_.explore_every;
+    b.next_explore = options_.explore_every;
+  }
+  if (++b.rounds < b.next_explore) return k;
+  // Explore a neighbour: alternately the deeper and the shallower one. The interval doubles while
+  // the best depth stays where the last exploration found it.
+  const int64_t most = int64_t{options_.explore_every} * options_.explore_backoff;
+  b.interval = k == b.last_best ? std::min(2 * b.interval, most) : options_.explore_every;
+  b.last_best = k;
+  b.next_explore = b.rounds + b.interval;
+  const bool deeper = ++b.explorations % 2 == 1;
   if (deeper && k < options_.max_depth) return k + 1;
   if (k > 0) return k - 1;
   return k + 1;
@@ -124,7 +135,11 @@ void DepthPolicy::record(int64_t rows, int depth, double seconds, std::span<cons
   TANDEM_CHECK(depth >= 0 && depth <= options_.max_depth, "depth policy: depth ", depth);
   TANDEM_CHECK(drafted.size() == accepted.size(), "depth policy: counts of different lengths");
   Bucket& b = buckets_[bucket_of(rows)];
-  if (b.cost.empty()) b.cost.resize(static_cast<size_t>(options_.max_depth + 1));
+  if (b.cost.empty()) {
+    b.cost.resize(static_cast<size_t>(options_.max_depth + 1));
+    b.interval = options_.explore_every;
+    b.next_explore = options_.explore_every;
+  }
   if (seconds > 0.0) {
     std::optional<double>& c = b.cost[static_cast<size_t>(depth)];
     c = c ? (1.0 - options_.cost_smoothing) * *c + options_.cost_smoothing * seconds : seconds;

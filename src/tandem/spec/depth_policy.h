@@ -15,7 +15,8 @@
 // (optimistic, so it gets tried). Acceptance follows a window of recent proposals, each position
 // leaning on a prior drawn from the position before it (so depths rarely run are judged by the ones
 // that are). Every `explore_every` rounds a bucket runs a neighbour of its best depth once, so both
-// estimates stay current as contexts grow and acceptance drifts.
+// estimates stay current as contexts grow and acceptance drifts; while explorations change
+// nothing, they come less and less often (explore_backoff).
 #pragma once
 
 #include <cstdint>
@@ -32,6 +33,10 @@ struct DepthPolicyOptions {
   // Proposals per position the acceptance estimate follows (older rounds fade out).
   int64_t acceptance_window = 256;
   int explore_every = 16;  // rounds between exploration rounds of one row bucket
+  // While explorations leave the best depth as it was, each one doubles the rounds to the next,
+  // up to explore_every · explore_backoff; a new best depth resets them. An exploration costs a
+  // round at a worse depth, which a drafter that never pays would pay every explore_every rounds.
+  int explore_backoff = 8;
 };
 
 class DepthPolicy {
@@ -61,6 +66,10 @@ class DepthPolicy {
   struct Bucket {
     std::vector<std::optional<double>> cost;  // [depth]
     int64_t rounds = 0;
+    int64_t next_explore = 0;  // the round that explores next
+    int64_t interval = 0;      // rounds from one exploration to the next
+    int last_best = -1;        // the best depth when the bucket last explored
+    int64_t explorations = 0;
   };
   std::map<int, Bucket> buckets_;
   static int bucket_of(int64_t rows);
