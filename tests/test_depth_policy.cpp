@@ -114,6 +114,34 @@ TEST(DepthPolicy, ShortRunsOnSteepCostsStayNearTheBestRate) {
   }
 }
 
+// One row, a drafter that is never right, and verify windows almost as cheap as a step (batch 1
+// on a large model): within a 64-token request the policy must stop drafting early enough to stay
+// within 3% of plain decoding. One row drafts few proposals a round, so the acceptance prior must
+// give way to them quickly.
+TEST(DepthPolicy, OneRowWithAHopelessDrafterStaysNearPlainDecoding) {
+  const int max_depth = 4;
+  for (const double slope : {0.03, 0.08}) {
+    Sim s{0.0, {}, 1};
+    for (int k = 0; k <= max_depth; ++k) s.cost.push_back(0.005 * (1 + slope * k));
+    double got = 0, best = 0;
+    for (uint32_t seed = 1; seed <= 20; ++seed) {
+      DepthPolicy policy(DepthPolicyOptions{max_depth});
+      std::mt19937 rng(seed);
+      std::uniform_real_distribution<double> u(0, 1);
+      for (int r = 0; r < 64; ++r) {
+        const int k = policy.choose(s.rows);
+        std::vector<int64_t> drafted(static_cast<size_t>(k), s.rows),
+            accepted(static_cast<size_t>(k));
+        policy.record(s.rows, k, s.cost[static_cast<size_t>(k)] * (0.95 + 0.1 * u(rng)), drafted,
+                      accepted);
+        got += rate(s, k);
+        best += rate(s, 0);
+      }
+    }
+    EXPECT_GE(got / best, 0.97) << "slope " << slope;
+  }
+}
+
 TEST(DepthPolicy, FollowsADrafterThatStopsBeingRight) {
   const int max_depth = 4;
   Sim s{0.85, {}, 4};

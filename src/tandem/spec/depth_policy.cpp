@@ -12,8 +12,12 @@ namespace {
 
 // Each position's estimate leans on a prior worth `kPriorProposals` proposals: position j's
 // prior is kPriorDecay times position j-1's estimate (0.6 for position 0), so positions a round
-// rarely reaches are judged by the ones it does, a little pessimistically.
-constexpr double kPriorProposals = 8.0;
+// rarely reaches are judged by the ones it does, a little pessimistically. The prior is worth a
+// single proposal: a row drafts only a few a round, and where verify windows cost little more
+// than a step (one row of a large model) a drafter must be judged hopeless within a few rounds,
+// not after the tens a heavier prior takes to wear off (bench-spec on the H200: auto at 0.89x of
+// plain decoding at batch 1 with a prior worth 8).
+constexpr double kPriorProposals = 1.0;
 constexpr double kPriorFirst = 0.6;
 constexpr double kPriorDecay = 0.85;
 // An unmeasured depth costs this share of a round more per extra token than its measured
