@@ -751,12 +751,15 @@ void BatchEngine::round() {
   if (policy_ && round_depth > 0)
     round_depth = std::min(round_depth, policy_->choose(static_cast<int64_t>(R)));
   if (round_depth == 0 && draft_depth_ > 0 && depth_zero_pipelines()) {
-    // Only a step that continues a chain costs what steady depth-0 rounds cost: one that starts
-    // one also runs (on the CPU) or waits for (on a GPU) the whole first step.
-    const bool continuing = chained_;
+    // What a steady depth-0 round costs: one step. A round that starts a chain waits for its
+    // first step on a GPU, about one step too; on the CPU the step it queues ahead runs at once,
+    // so it took two. (Were starts left out, a depth 0 chosen only now and then would never be
+    // measured, and its cost would stay an extrapolation from the drafted depths.)
+    const bool starts = !chained_;
     const auto t = std::chrono::steady_clock::now();
     pipelined_round();
-    if (continuing) policy_->record(static_cast<int64_t>(R), 0, seconds_since(t), {}, {});
+    const double steps = starts && chained_ && ops::backend() == ops::Backend::Cpu ? 2.0 : 1.0;
+    policy_->record(static_cast<int64_t>(R), 0, seconds_since(t) / steps, {}, {});
     return;
   }
   drain();

@@ -12,12 +12,14 @@ namespace {
 
 // Each position's estimate leans on a prior worth `kPriorProposals` proposals: position j's
 // prior is kPriorDecay times position j-1's estimate (0.6 for position 0), so positions a round
-// rarely reaches are judged by the ones it does, a little pessimistically. The prior is worth a
-// single proposal: a row drafts only a few a round, and where verify windows cost little more
-// than a step (one row of a large model) a drafter must be judged hopeless within a few rounds,
-// not after the tens a heavier prior takes to wear off (bench-spec on the H200: auto at 0.89x of
-// plain decoding at batch 1 with a prior worth 8).
-constexpr double kPriorProposals = 1.0;
+// rarely reaches are judged by the ones it does, a little pessimistically. One row drafts only a
+// few proposals a round, so the prior's weight decides how soon a single row gives up on a
+// drafter that is never right (where windows cost little more than a step, batch 1 of a large
+// model) and how easily early rejections talk it out of deep windows that pay: worth 8, auto ran
+// at 0.89x of plain decoding with a hopeless drafter at batch 1 on the H200; worth 1, it stayed
+// at shallow depths where depth 3 paid (2.16x against 2.72x at p = 0.8). Two balances them in
+// simulation (tests/test_depth_policy.cpp).
+constexpr double kPriorProposals = 2.0;
 constexpr double kPriorFirst = 0.6;
 constexpr double kPriorDecay = 0.85;
 // An unmeasured depth costs this share of a round more per extra token than its measured
