@@ -7,6 +7,7 @@
 #include <limits>
 
 #include "demo_model.h"
+#include "fixture_model.h"
 #include "recording_sink.h"
 #include "tandem/core/error.h"
 #include "tandem/engine/batch_engine.h"
@@ -18,9 +19,7 @@ namespace {
 
 // The drafter reads only the target's vocabulary size; any loaded model serves.
 const Qwen35Model& any_model() {
-  static std::unique_ptr<Qwen35Model> m =
-      Qwen35Model::load(std::string(TANDEM_FIXTURES_DIR) + "/qwen35_tied");
-  return *m;
+  return test::tied_fixture_model();
 }
 const TargetView& any_target() {
   static QwenTargetView v(any_model(), "test-target");

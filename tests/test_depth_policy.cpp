@@ -63,6 +63,29 @@ int run(DepthPolicy& policy, const Sim& s, int rounds, int max_depth, std::mt199
   return hits;
 }
 
+// The rate of fresh policies over short runs (`rounds` each, one per seed 1..seeds) as a share of
+// the best fixed depth's: one engine of a few requests, where the policy must learn fast.
+double short_run_share(const Sim& s, int max_depth, int rounds, uint32_t seeds) {
+  double got = 0, best = 0;
+  for (uint32_t seed = 1; seed <= seeds; ++seed) {
+    DepthPolicy policy(DepthPolicyOptions{max_depth});
+    std::mt19937 rng(seed);
+    std::uniform_real_distribution<double> u(0, 1);
+    for (int r = 0; r < rounds; ++r) {
+      const int k = policy.choose(s.rows);
+      std::vector<int64_t> drafted(static_cast<size_t>(k), s.rows),
+          accepted(static_cast<size_t>(k));
+      for (int64_t row = 0; row < s.rows; ++row)
+        for (int j = 0; j < k && u(rng) < s.p; ++j) ++accepted[static_cast<size_t>(j)];
+      policy.record(s.rows, k, s.cost[static_cast<size_t>(k)] * (0.95 + 0.1 * u(rng)), drafted,
+                    accepted);
+      got += rate(s, k);
+      best += rate(s, optimum(s, max_depth));
+    }
+  }
+  return got / best;
+}
+
 TEST(DepthPolicy, SettlesOnTheFastestDepthForManyDraftersAndCosts) {
   struct Case {
     double p, slope;
@@ -93,24 +116,8 @@ TEST(DepthPolicy, ShortRunsOnSteepCostsStayNearTheBestRate) {
   for (const double slope : {0.6, 1.0}) {
     Sim s{0.85, {}, 8};
     for (int k = 0; k <= max_depth; ++k) s.cost.push_back(0.01 * (1 + slope * k));
-    double got = 0, best = 0;
-    for (uint32_t seed = 1; seed <= 20; ++seed) {
-      DepthPolicy policy(DepthPolicyOptions{max_depth});
-      std::mt19937 rng(seed);
-      std::uniform_real_distribution<double> u(0, 1);
-      for (int r = 0; r < 30; ++r) {
-        const int k = policy.choose(s.rows);
-        std::vector<int64_t> drafted(static_cast<size_t>(k), s.rows),
-            accepted(static_cast<size_t>(k));
-        for (int64_t row = 0; row < s.rows; ++row)
-          for (int j = 0; j < k && u(rng) < s.p; ++j) ++accepted[static_cast<size_t>(j)];
-        policy.record(s.rows, k, s.cost[static_cast<size_t>(k)] * (0.95 + 0.1 * u(rng)), drafted,
-                      accepted);
-        got += rate(s, k);
-        best += rate(s, optimum(s, max_depth));
-      }
-    }
-    EXPECT_GE(got / best, 0.93) << "slope " << slope;
+    const double share = short_run_share(s, max_depth, 30, 20);
+    EXPECT_GE(share, 0.93) << "slope " << slope;
   }
 }
 
@@ -123,24 +130,10 @@ TEST(DepthPolicy, OneRowWithAHopelessDrafterStaysNearPlainDecoding) {
   for (const double slope : {0.03, 0.08}) {
     Sim s{0.0, {}, 1};
     for (int k = 0; k <= max_depth; ++k) s.cost.push_back(0.005 * (1 + slope * k));
-    double got = 0, best = 0;
-    for (uint32_t seed = 1; seed <= 20; ++seed) {
-      DepthPolicy policy(DepthPolicyOptions{max_depth});
-      std::mt19937 rng(seed);
-      std::uniform_real_distribution<double> u(0, 1);
-      for (int r = 0; r < 64; ++r) {
-        const int k = policy.choose(s.rows);
-        std::vector<int64_t> drafted(static_cast<size_t>(k), s.rows),
-            accepted(static_cast<size_t>(k));
-        policy.record(s.rows, k, s.cost[static_cast<size_t>(k)] * (0.95 + 0.1 * u(rng)), drafted,
-                      accepted);
-        got += rate(s, k);
-        best += rate(s, 0);
-      }
-    }
+    const double share = short_run_share(s, max_depth, 64, 20);
     // Issue 19 asks for 0.97; a prior weak enough for that costs the good drafter below its
     // deep windows (see depth_policy.cpp), so this stays just short: 0.966 in this simulation.
-    EXPECT_GE(got / best, 0.96) << "slope " << slope;
+    EXPECT_GE(share, 0.96) << "slope " << slope;
   }
 }
 
@@ -151,23 +144,8 @@ TEST(DepthPolicy, OneRowWithAGoodDrafterGoesDeepWithinARequest) {
   for (const double p : {0.8, 0.6}) {
     Sim s{p, {}, 1};
     for (int k = 0; k <= max_depth; ++k) s.cost.push_back(0.005 * (1 + 0.05 * k));
-    double got = 0, best = 0;
-    for (uint32_t seed = 1; seed <= 40; ++seed) {
-      DepthPolicy policy(DepthPolicyOptions{max_depth});
-      std::mt19937 rng(seed);
-      std::uniform_real_distribution<double> u(0, 1);
-      for (int r = 0; r < 40; ++r) {
-        const int k = policy.choose(s.rows);
-        std::vector<int64_t> drafted(static_cast<size_t>(k), s.rows),
-            accepted(static_cast<size_t>(k));
-        for (int j = 0; j < k && u(rng) < s.p; ++j) ++accepted[static_cast<size_t>(j)];
-        policy.record(s.rows, k, s.cost[static_cast<size_t>(k)] * (0.95 + 0.1 * u(rng)), drafted,
-                      accepted);
-        got += rate(s, k);
-        best += rate(s, optimum(s, max_depth));
-      }
-    }
-    EXPECT_GE(got / best, 0.9) << "p " << p;
+    const double share = short_run_share(s, max_depth, 40, 40);
+    EXPECT_GE(share, 0.9) << "p " << p;
   }
 }
 

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <random>
 
+#include "fixture_model.h"
 #include "tandem/core/error.h"
 #include "tandem/spec/ngram.h"
 
@@ -12,9 +13,7 @@ namespace {
 
 // The drafter never reads the target; any loaded model serves as the TargetView.
 const Qwen35Model& any_model() {
-  static std::unique_ptr<Qwen35Model> m =
-      Qwen35Model::load(std::string(TANDEM_FIXTURES_DIR) + "/qwen35_tied");
-  return *m;
+  return test::tied_fixture_model();
 }
 
 std::unique_ptr<DraftRows> open(const NgramOptions& o, int cold_rows) {
