@@ -207,6 +207,48 @@ TEST(Continuation, AutoDepthZeroRoundsArePipelinedAndLossless) {
   }
 }
 
+// Engines that share a depth policy (SpeculativeGenerator's runs) start where the one before
+// left it: after a run with a drafter that is never right, the next drafts less from its start.
+TEST(Continuation, AutoDepthCarriesOverBetweenEnginesThatShareAPolicy) {
+  static auto demo = test::load_demo_model();
+  const GenerateRequest req = test::demo_request(*demo, test::kDemoPrompts[0], 0.0f, 1, 40);
+  const auto plain = test::plain_tokens(*demo->model, {req});
+  std::vector<int32_t> ref = req.prompt;
+  ref.insert(ref.end(), plain[0].begin(), plain[0].end());
+  const ContinuationProvider drafter({ref}, 0.0, 8);
+  auto shared = std::make_shared<DepthPolicy>(DepthPolicyOptions{.max_depth = 4});
+  auto drafted_in_a_run = [&] {
+    EngineOptions o;
+    o.spec.depth = 4;
+    o.spec.auto_depth = true;
+    o.spec.health_probe = false;
+    o.depth_policy = shared;
+    BatchEngine engine(*demo->model, &drafter, "demo-target", o);
+    auto sink = std::make_shared<test::RecordingSink>();
+    EngineRequest er;
+    er.gen = req;
+    EXPECT_EQ(engine.submit(er, sink), BatchEngine::Submit::Queued);
+    engine.run_to_completion();
+    EXPECT_EQ(sink->tokens, plain[0]);
+    return sink->outcome.value_or(RequestOutcome{}).speculation.drafted;
+  };
+  const int64_t first = drafted_in_a_run();
+  EXPECT_EQ(shared->best(1), 0);
+  const int64_t second = drafted_in_a_run();
+  EXPECT_LT(second, first);
+  // A shared policy must propose up to the engine's depth.
+  EngineOptions o;
+  o.spec.depth = 3;
+  o.spec.auto_depth = true;
+  o.depth_policy = shared;
+  try {
+    BatchEngine engine(*demo->model, &drafter, "demo-target", o);
+    FAIL() << "a policy of another max depth was taken";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("up to 4 tokens"), std::string::npos) << e.what();
+  }
+}
+
 TEST(Continuation, BadInputIsRefused) {
   const std::vector<int32_t> ref = sequence(0, 8);
   for (double bad : {-0.1, 1.5, std::numeric_limits<double>::quiet_NaN()}) {

@@ -106,8 +106,14 @@ BatchEngine::BatchEngine(std::unique_ptr<EngineTarget> target, const spec::Draft
   depth_ = drafter_ ? options_.spec.depth : 0;
   draft_depth_ = depth_;
   health_ = spec::DrafterHealth(options_.spec.health);
-  if (options_.spec.auto_depth && depth_ > 0)
-    policy_.emplace(spec::DepthPolicyOptions{.max_depth = depth_});
+  if (options_.spec.auto_depth && depth_ > 0) {
+    policy_ = options_.depth_policy;
+    if (!policy_)
+      policy_ = std::make_shared<spec::DepthPolicy>(spec::DepthPolicyOptions{.max_depth = depth_});
+    else if (policy_->max_depth() != depth_)
+      fail("the shared depth policy proposes up to ", policy_->max_depth(),
+           " tokens, but the engine's depth is ", depth_);
+  }
   if (drafter_) {
     prefill_drafts_ = drafter_->open_rows(target_->view());
     decode_drafts_ = drafter_->open_rows(target_->view());

@@ -69,6 +69,11 @@ struct EngineOptions {
   // otherwise only evicted ones are. Needs prefix_cache_bytes and a target identity.
   std::string prefix_cache_dir;
   std::string tokenizer_hash;
+  // With SpecOptions::auto_depth: the depth policy to learn in, for engines that run one after
+  // another on the same model and drafter (SpeculativeGenerator's runs), so that what one learnt
+  // (round costs, acceptance) carries over instead of being relearnt within each short run. Its
+  // max depth must be SpecOptions::depth. Null: the engine learns in its own.
+  std::shared_ptr<spec::DepthPolicy> depth_policy;
   bool prefix_cache_persist = false;
   SpecOptions spec;
   // Where the engine's warnings go (a collapsed drafter); null: standard error.
@@ -159,7 +164,8 @@ class BatchEngine {
   int depth_ = 0;        // configured proposals per round (reservations, stats)
   int draft_depth_ = 0;  // proposals rounds ask for: depth_, or 0 once the drafter collapsed
   spec::DrafterHealth health_;
-  std::optional<spec::DepthPolicy> policy_;  // with SpecOptions::auto_depth and a drafter
+  // With SpecOptions::auto_depth and a drafter: EngineOptions::depth_policy, or the engine's own.
+  std::shared_ptr<spec::DepthPolicy> policy_;
   // What the drafter reads of the target's forwards (spec::HiddenTaps), and where the last
   // forward's output holds it: [tokens, taps_.width(H)], or null without taps.
   bool want_final_ = false, want_prenorm_ = false;

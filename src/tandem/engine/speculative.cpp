@@ -39,6 +39,9 @@ SpeculativeGenerator::SpeculativeGenerator(EngineTargetFactory make_target, int6
       drafter_(drafter),
       options_(options) {
   if (options_.depth < 0 || options_.depth > 16) fail("--depth must be in 0..16");
+  if (options_.auto_depth && drafter_ && options_.depth > 0)
+    policy_ =
+        std::make_shared<spec::DepthPolicy>(spec::DepthPolicyOptions{.max_depth = options_.depth});
 }
 
 std::vector<GenerateResult> SpeculativeGenerator::run(const std::vector<GenerateRequest>& requests,
@@ -54,6 +57,7 @@ std::vector<GenerateResult> SpeculativeGenerator::run(const std::vector<Generate
   // chunk prefilled before the first round (no budget), the pool grown on demand.
   EngineOptions eo;
   eo.spec = options_;
+  eo.depth_policy = policy_;
   BatchEngine engine(make_target_(), drafter_, eo);
 
   class Collect : public RequestSink {

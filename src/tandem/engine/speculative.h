@@ -75,6 +75,9 @@ class SpeculativeGenerator {
   int64_t vocab_size_ = 0;
   const spec::DraftProvider* drafter_;
   SpecOptions options_;
+  // With auto_depth: one policy for all runs, so each run starts from what the ones before
+  // learnt (a run of a few short requests is over before a fresh policy settles).
+  std::shared_ptr<spec::DepthPolicy> policy_;
 };
 
 }  // namespace tandem

@@ -56,6 +56,7 @@ class DepthPolicy {
   std::optional<double> cost(int64_t rows, int depth) const;
   // The depth choose() would pick now, without exploring.
   int best(int64_t rows) const;
+  int max_depth() const { return options_.max_depth; }
 
  private:
   DepthPolicyOptions options_;
