@@ -73,7 +73,7 @@ DType parse_kv_dtype(const std::string& s);
 struct DraftArgs {
   std::string draft = "none";
   std::optional<std::string> draft_model;
-  std::string depth = "3";  // parse_depth
+  std::string depth = "auto";  // parse_depth
   std::string verify = "match";
   spec::NgramOptions ngram;
   std::string mtp_hidden = "final";
