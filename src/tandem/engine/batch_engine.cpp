@@ -628,7 +628,9 @@ const float* BatchEngine::tapped_rows() const {
 }
 
 bool BatchEngine::depth_zero_pipelines() const {
-  if (!policy_ || !decode_drafts_ || !decode_drafts_->taps().empty() ||
+  // With a prefix cache a finished row's drafter state is saved with the target's (save_turn),
+  // which a drafter still behind the target would get wrong: those engines keep their rounds.
+  if (cache_ || !policy_ || !decode_drafts_ || !decode_drafts_->taps().empty() ||
       !target_->pipelines_greedy() || options_.spec.verify != spec::VerifyMode::Match)
     return false;
   for (const auto& r : decoding_)
@@ -747,7 +749,7 @@ void BatchEngine::pipelined_round() {
 }
 
 void BatchEngine::round() {
-  const size_t R = decoding_.size();
+  size_t R = decoding_.size();
   if (R == 0) return;
   if (plain_greedy()) return pipelined_round();
   // With adaptive depth the policy picks this round's depth (never above what the probe allows).
@@ -769,6 +771,10 @@ void BatchEngine::round() {
     return;
   }
   drain();
+  // Plain steps collected just now may have ended rows (EOS, a stop string).
+  retire();
+  R = decoding_.size();
+  if (R == 0) return;
   if (decode_drafts_ && decode_drafts_->taps().empty()) catch_up_drafter();
   const int64_t V = target_->vocab_size(), H = target_->hidden_size();
   const auto t0 = std::chrono::steady_clock::now();

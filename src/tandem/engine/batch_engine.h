@@ -172,7 +172,7 @@ class BatchEngine {
   spec::HiddenTaps taps_;
   const float* tapped_rows() const;
   // Whether a round the depth policy runs at depth 0 can be a pipelined plain step: a drafter of
-  // tokens alone (no taps), match verification, greedy rows that need no logits.
+  // tokens alone (no taps), match verification, greedy rows that need no logits, no prefix cache.
   bool depth_zero_pipelines() const;
   // Hands a token drafter the tokens its rows' targets processed in such plain steps.
   void catch_up_drafter();
