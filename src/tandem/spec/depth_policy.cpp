@@ -79,13 +79,16 @@ std::optional<double> DepthPolicy::estimate(const Bucket& b, int depth) const {
     if (nearest < 0 || std::abs(k - depth) < std::abs(nearest - depth)) nearest = k;
   }
   if (nearest < 0) return std::nullopt;
+  const double scale = 1.0 + kPriorSlope * static_cast<double>(depth - nearest);
+  const double from_nearest = *b.cost[static_cast<size_t>(nearest)] * std::max(0.5, scale);
   if (n >= 2) {
+    // The lower of the line and the prior slope: measured depths of equal cost (a flat line)
+    // must not hide that a shallower, unmeasured depth is cheaper, or it is never tried.
     const double slope = (n * sxy - sx * sy) / (n * sxx - sx * sx);
     const double at = (sy - slope * sx) / n + slope * depth;
-    return std::max(0.5 * lowest, at);
+    return std::max(0.5 * lowest, std::min(at, from_nearest));
   }
-  const double scale = 1.0 + kPriorSlope * static_cast<double>(depth - nearest);
-  return *b.cost[static_cast<size_t>(nearest)] * std::max(0.5, scale);
+  return from_nearest;
 }
 
 std::optional<double> DepthPolicy::cost(int64_t rows, int depth) const {
