@@ -26,9 +26,6 @@ namespace tandem::cli {
 
 namespace {
 
-// Seed of --random-weights: the target model and, where the config declares one, its MTP layer.
-constexpr uint64_t kRandomSeed = 1234;
-
 struct BenchArgs {
   std::string model;
   std::string random_weights;  // config.json of a random-weight model
@@ -248,8 +245,7 @@ void run_bench(const BenchArgs& a) {
     name = a.random_weights + " (random weights)";
     std::fprintf(stderr, "bench: building a random-weight model from %s on %s\n",
                  a.random_weights.c_str(), ops::device_description().c_str());
-    const Qwen35Config c = parse_qwen35_config(read_text_file(a.random_weights), a.random_weights);
-    model = Qwen35Model::random(c, kRandomSeed);
+    model = random_weight_model(a.random_weights);
   } else {
     name = a.model;
     std::fprintf(stderr, "bench: loading %s\n", a.model.c_str());
@@ -301,7 +297,7 @@ void run_bench(const BenchArgs& a) {
   const char* mtp_weights = "";
   if (cfg.mtp_num_hidden_layers > 0) {
     if (!a.random_weights.empty()) {
-      mtp = spec::QwenMtpProvider::random(target, kRandomSeed);
+      mtp = spec::QwenMtpProvider::random(target, kRandomWeightsSeed);
       mtp_weights = "random";
     } else if (model->weights().find("mtp.fc.weight")) {
       mtp = spec::QwenMtpProvider::from_target(target);

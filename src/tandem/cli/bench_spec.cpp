@@ -33,8 +33,8 @@ namespace tandem::cli {
 
 namespace {
 
-// Seed of --random-weights (the target and a random MTP layer) and of --random-prompts.
-constexpr uint64_t kRandomSeed = 1234;
+// Seed of --random-prompts.
+constexpr uint64_t kRandomPromptSeed = 1234;
 // Seed of the continuation drafter's corruption draws.
 constexpr uint64_t kContinuationSeed = 77;
 
@@ -82,6 +82,17 @@ struct Measured {
   std::vector<double> phase_ms;  // draft, verify, accept, commit
 };
 
+// The requests in batches of `batch`, in order (the last may be smaller).
+std::vector<std::vector<GenerateRequest>> groups_of(const std::vector<GenerateRequest>& reqs,
+                                                    int batch) {
+  std::vector<std::vector<GenerateRequest>> groups;
+  for (size_t g = 0; g < reqs.size(); g += static_cast<size_t>(batch))
+    groups.emplace_back(
+        reqs.begin() + static_cast<std::ptrdiff_t>(g),
+        reqs.begin() + static_cast<std::ptrdiff_t>(std::min(reqs.size(), g + batch)));
+  return groups;
+}
+
 // One more run of every group with the device awaited at each round phase's end: the mean time
 // per round of each phase.
 std::vector<double> round_split(const LoadedTarget& target, DType kv_dtype,
@@ -92,10 +103,7 @@ std::vector<double> round_split(const LoadedTarget& target, DType kv_dtype,
                            opts);
   double phases[4] = {0, 0, 0, 0};
   int64_t rounds = 0;
-  for (size_t g = 0; g < reqs.size(); g += static_cast<size_t>(batch)) {
-    const std::vector<GenerateRequest> group(
-        reqs.begin() + static_cast<std::ptrdiff_t>(g),
-        reqs.begin() + static_cast<std::ptrdiff_t>(std::min(reqs.size(), g + batch)));
+  for (const std::vector<GenerateRequest>& group : groups_of(reqs, batch)) {
     GenerateStats st;
     gen.run(group, {}, &st);
     phases[0] += st.draft_seconds;
@@ -132,17 +140,15 @@ Measured measure(const LoadedTarget& target, DType kv_dtype, const spec::DraftPr
     int64_t tokens = 0, decode_tokens = 0;
     double decode_seconds = 0;
     const auto t0 = std::chrono::steady_clock::now();
-    for (size_t g = 0; g < reqs.size(); g += static_cast<size_t>(batch)) {
-      const std::vector<GenerateRequest> group(
-          reqs.begin() + static_cast<std::ptrdiff_t>(g),
-          reqs.begin() + static_cast<std::ptrdiff_t>(std::min(reqs.size(), g + batch)));
+    size_t first = 0;  // of the group's requests
+    for (const std::vector<GenerateRequest>& group : groups_of(reqs, batch)) {
       std::vector<SpecStats> st;
       GenerateStats gs;
       const auto res = gen.run(group, {}, &gs, &st);
       decode_tokens += gs.decode_tokens;
       decode_seconds += gs.decode_seconds;
       for (size_t i = 0; i < res.size(); ++i) {
-        (*outputs)[g + i] = res[i].tokens;
+        (*outputs)[first + i] = res[i].tokens;
         tokens += static_cast<int64_t>(res[i].tokens.size());
         sum.rounds += st[i].rounds;
         sum.drafted += st[i].drafted;
@@ -154,6 +160,7 @@ Measured measure(const LoadedTarget& target, DType kv_dtype, const spec::DraftPr
           sum.drafted_by_position[j] += st[i].drafted_by_position[j];
         }
       }
+      first += group.size();
     }
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (rep == 0) continue;
@@ -195,8 +202,7 @@ LoadedTarget open_target(const BenchSpecArgs& a) {
     std::fprintf(stderr, "bench-spec: building a random-weight model from %s on %s\n",
                  a.random_weights.c_str(), ops::device_description().c_str());
     LoadedTarget t;
-    const Qwen35Config c = parse_qwen35_config(read_text_file(a.random_weights), a.random_weights);
-    t.qwen = Qwen35Model::random(c, kRandomSeed);
+    t.qwen = random_weight_model(a.random_weights);
     t.view = std::make_unique<spec::QwenTargetView>(*t.qwen, "random-weights:" + a.random_weights);
     return t;
   }
@@ -211,7 +217,7 @@ std::vector<GenerateRequest> open_requests(const BenchSpecArgs& a, const LoadedT
   shape.sampling.temperature = a.temperature;
   std::vector<GenerateRequest> reqs;
   if (a.random_prompts > 0) {
-    std::mt19937 rng(kRandomSeed);
+    std::mt19937 rng(kRandomPromptSeed);
     std::uniform_int_distribution<int32_t> pick(
         0, static_cast<int32_t>(target.view->vocab_size() - 1));
     reqs.assign(static_cast<size_t>(a.random_prompts), shape);
@@ -294,7 +300,7 @@ void run_bench_spec(const BenchSpecArgs& a) {
     else if (d == "mtp-empty" && target.glm)
       drafter = spec::GlmMtpProvider::from_target(*target.view, spec::GlmMtpHistory::Empty);
     else if (d == "mtp" && a.model.empty())
-      drafter = spec::QwenMtpProvider::random(*target.view, kRandomSeed);
+      drafter = spec::QwenMtpProvider::random(*target.view, kRandomWeightsSeed);
     else if (d == "mtp")
       drafter = spec::QwenMtpProvider::from_target(*target.view);
     else if (d == "ngram")

@@ -120,6 +120,11 @@ LoadedTarget load_target(const std::string& dir, bool with_identity) {
   return t;
 }
 
+std::unique_ptr<Qwen35Model> random_weight_model(const std::string& config_path) {
+  return Qwen35Model::random(parse_qwen35_config(read_text_file(config_path), config_path),
+                             kRandomWeightsSeed);
+}
+
 EngineTargetFactory LoadedTarget::engine_target(DType kv_dtype) const {
   const std::string identity = view->identity();
   if (glm)

@@ -55,6 +55,10 @@ bool is_glm5_dir(const std::string& dir);
 // with_identity: compute the artifact identity (drafter checkpoints, prefix-cache files need
 // it); otherwise the view's identity is empty.
 LoadedTarget load_target(const std::string& dir, bool with_identity);
+// --random-weights CONFIG.json (bench, bench-spec): a model of that shape with random weights in
+// the backend's memory, drawn with kRandomWeightsSeed (as is a random MTP layer beside it).
+inline constexpr uint64_t kRandomWeightsSeed = 1234;
+std::unique_ptr<Qwen35Model> random_weight_model(const std::string& config_path);
 // --backend for a model directory: GLM-5 runs on the CPU only, so "auto" means cpu there and
 // "cuda" is refused with a message that says so.
 std::string backend_for(const std::string& dir, const std::string& requested);

@@ -81,6 +81,10 @@ struct BatchEngine::Row {
   // Tokens (prompt, then output) the row's decode drafter has taken in; behind the target's
   // after plain rounds that ran without it (token drafters, depth_zero_pipelines).
   int64_t drafter_synced = 0;
+  // Tokens the target has processed once no step is in flight: all but the pending one.
+  int64_t processed() const {
+    return static_cast<int64_t>(req.gen.prompt.size() + result.tokens.size()) - 1;
+  }
   bool needs_logits() const { return !req.gen.sampling.greedy() || req.top_logprobs >= 0; }
 };
 
@@ -645,8 +649,7 @@ void BatchEngine::catch_up_drafter() {
     Row& row = *decoding_[b];
     const auto& prompt = row.req.gen.prompt;
     const auto& out = row.result.tokens;
-    // The target processed every token but the pending one (the last emitted).
-    const int64_t processed = static_cast<int64_t>(prompt.size() + out.size()) - 1;
+    const int64_t processed = row.processed();
     if (row.drafter_synced >= processed) continue;
     std::vector<int32_t> t;
     for (int64_t i = row.drafter_synced; i < processed; ++i)
@@ -658,9 +661,7 @@ void BatchEngine::catch_up_drafter() {
   }
   for (size_t k = 0; k < rows.size(); ++k) rows[k].tokens = behind[k];
   if (!rows.empty()) decode_drafts_->prefill(rows);
-  for (auto& row : decoding_)
-    row->drafter_synced =
-        static_cast<int64_t>(row->req.gen.prompt.size() + row->result.tokens.size()) - 1;
+  for (auto& row : decoding_) row->drafter_synced = row->processed();
 }
 
 bool BatchEngine::plain_greedy() const {
@@ -909,9 +910,7 @@ void BatchEngine::round() {
       off += static_cast<int64_t>(windows_[r].size());
     }
     decode_drafts_->commit(verified_);
-    for (auto& row : decoding_)
-      row->drafter_synced =
-          static_cast<int64_t>(row->req.gen.prompt.size() + row->result.tokens.size()) - 1;
+    for (auto& row : decoding_) row->drafter_synced = row->processed();
   }
   const auto t_commit = phase_end();
   const double seconds = seconds_since(t0);

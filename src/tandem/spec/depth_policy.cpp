@@ -117,15 +117,20 @@ int DepthPolicy::best(int64_t rows) const {
   return best;
 }
 
-int DepthPolicy::choose(int64_t rows) {
-  TANDEM_CHECK(rows >= 1, "depth policy: a round of ", rows, " rows");
-  const int k = best(rows);
+DepthPolicy::Bucket& DepthPolicy::bucket(int64_t rows) {
   Bucket& b = buckets_[bucket_of(rows)];
   if (b.cost.empty()) {
     b.cost.resize(static_cast<size_t>(options_.max_depth + 1));
     b.interval = options_.explore_every;
     b.next_explore = options_.explore_every;
   }
+  return b;
+}
+
+int DepthPolicy::choose(int64_t rows) {
+  TANDEM_CHECK(rows >= 1, "depth policy: a round of ", rows, " rows");
+  const int k = best(rows);
+  Bucket& b = bucket(rows);
   if (++b.rounds < b.next_explore) return k;
   // Explore a neighbour: alternately the deeper and the shallower one. The interval doubles while
   // the best depth stays where the last exploration found it.
@@ -143,12 +148,7 @@ void DepthPolicy::record(int64_t rows, int depth, double seconds, std::span<cons
                          std::span<const int64_t> accepted) {
   TANDEM_CHECK(depth >= 0 && depth <= options_.max_depth, "depth policy: depth ", depth);
   TANDEM_CHECK(drafted.size() == accepted.size(), "depth policy: counts of different lengths");
-  Bucket& b = buckets_[bucket_of(rows)];
-  if (b.cost.empty()) {
-    b.cost.resize(static_cast<size_t>(options_.max_depth + 1));
-    b.interval = options_.explore_every;
-    b.next_explore = options_.explore_every;
-  }
+  Bucket& b = bucket(rows);
   if (seconds > 0.0) {
     std::optional<double>& c = b.cost[static_cast<size_t>(depth)];
     c = c ? (1.0 - options_.cost_smoothing) * *c + options_.cost_smoothing * seconds : seconds;

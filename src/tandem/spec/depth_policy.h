@@ -74,6 +74,7 @@ class DepthPolicy {
   };
   std::map<int, Bucket> buckets_;
   static int bucket_of(int64_t rows);
+  Bucket& bucket(int64_t rows);  // the bucket of `rows`, made on first use
   std::optional<double> estimate(const Bucket& b, int depth) const;
 };
 
