@@ -181,10 +181,24 @@ TEST(Continuation, AutoDepthZeroRoundsArePipelinedAndLossless) {
   }
   for (double p : {0.0, 0.5}) {
     const ContinuationProvider drafter(refs, p, 8);
+    // A policy taught that drafting costs far more than any round measured here (1 s against
+    // microseconds), for every row count the run passes through: it stays at depth 0 and
+    // explores depth 1 at rounds 16, 32 and 64 whatever this machine's timing, so plain steps
+    // and drafted rounds alternate.
+    auto policy = std::make_shared<DepthPolicy>(DepthPolicyOptions{.max_depth = 4});
+    for (int64_t rows = 1; rows <= static_cast<int64_t>(reqs.size()); ++rows) {
+      policy->record(rows, 0, 1e-6, {}, {});
+      for (int k = 1; k <= 4; ++k) {
+        const std::vector<int64_t> drafted(static_cast<size_t>(k), rows),
+            accepted(static_cast<size_t>(k));
+        policy->record(rows, k, 1.0, drafted, accepted);
+      }
+    }
     EngineOptions o;
     o.spec.depth = 4;
     o.spec.auto_depth = true;
     o.spec.health_probe = false;
+    o.depth_policy = policy;
     BatchEngine engine(*demo->model, &drafter, "demo-target", o);
     std::vector<std::shared_ptr<test::RecordingSink>> sinks;
     for (const GenerateRequest& r : reqs) {
