@@ -93,13 +93,16 @@ ContinuationProvider::ContinuationProvider(References references, double accept_
     fail(kWho, ": acceptance probability p must be in [0, 1], got ", accept_p_);
   if (references_.size() >= kMaxReferences)
     fail(kWho, ": ", references_.size(), " references; at most ", kMaxReferences - 1);
-  XXH3_state_t* st = XXH3_createState();
-  XXH3_64bits_reset(st);
   for (size_t r = 0; r < references_.size(); ++r) {
-    const std::vector<int32_t>& ref = references_[r];
-    if (ref.empty()) fail(kWho, ": reference ", r, " is empty");
-    if (ref.size() >= (uint64_t(1) << kPositionBits))
-      fail(kWho, ": reference ", r, " has ", ref.size(), " tokens, too many to key");
+    if (references_[r].empty()) fail(kWho, ": reference ", r, " is empty");
+    if (references_[r].size() >= (uint64_t(1) << kPositionBits))
+      fail(kWho, ": reference ", r, " has ", references_[r].size(), " tokens, too many to key");
+  }
+  // Validated above: nothing between createState and freeState throws.
+  XXH3_state_t* st = XXH3_createState();
+  if (!st) fail(kWho, ": out of memory for a hash state");
+  XXH3_64bits_reset(st);
+  for (const std::vector<int32_t>& ref : references_) {
     const uint64_t n = ref.size();
     XXH3_64bits_update(st, &n, sizeof n);
     XXH3_64bits_update(st, ref.data(), ref.size() * sizeof(int32_t));
