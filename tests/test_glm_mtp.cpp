@@ -63,7 +63,7 @@ std::vector<float> values(int64_t n, float scale, int seed) {
 
 // One row: n positions from `start`, appended to `cache`.
 std::vector<float> run(const GlmMtpBlock& b, const float* emb, const float* hid, int64_t n,
-                       int64_t start, std::vector<float>& cache) {
+                       int64_t start, PositionCache& cache) {
   Glm5Tokens t;
   t.rows.push_back({0, n, start});
   for (int64_t j = 0; j < n; ++j) t.pos.push_back(start + j);
@@ -82,14 +82,15 @@ TEST_F(GlmMtpBlockTest, ChainedPositionsAreOneCallsBitsAndRowsAreIndependent) {
   std::vector<float> emb(static_cast<size_t>(n * H));
   target->embed(ids, emb.data());
   const std::vector<float> hid = values(n * H, 1.5f, 1);
-  std::vector<float> whole_cache, step_cache;
+  const int64_t W = block.latent_width();
+  PositionCache whole_cache(W), step_cache(W);
   const std::vector<float> whole = run(block, emb.data(), hid.data(), n, 0, whole_cache);
   for (int64_t j = 0; j < n; ++j) {
     const std::vector<float> one =
         run(block, emb.data() + j * H, hid.data() + j * H, 1, j, step_cache);
     ASSERT_EQ(0, std::memcmp(one.data(), whole.data() + j * H, sizeof(float) * H)) << j;
   }
-  EXPECT_EQ(step_cache, whole_cache);
+  EXPECT_EQ(step_cache.to_host(), whole_cache.to_host());
   double norm = 0;
   for (float v : whole) norm += double(v) * v;
   EXPECT_GT(norm, 1.0);
@@ -99,18 +100,18 @@ TEST_F(GlmMtpBlockTest, ChainedPositionsAreOneCallsBitsAndRowsAreIndependent) {
   t.rows = {{0, 2, 0}, {2, 3, 0}};
   t.pos = {0, 1, 0, 1, 2};
   t.T = 5;
-  std::vector<float> c0, c1;
+  PositionCache c0(W), c1(W);
   const Glm5RowCache caches[] = {{&c0, nullptr}, {&c1, nullptr}};
   std::vector<float> both(static_cast<size_t>(5 * H));
   block.forward(emb.data(), hid.data(), t, caches, both.data());
-  std::vector<float> a0, a1;
+  PositionCache a0(W), a1(W);
   const std::vector<float> alone0 = run(block, emb.data(), hid.data(), 2, 0, a0);
   const std::vector<float> alone1 = run(block, emb.data() + 2 * H, hid.data() + 2 * H, 3, 0, a1);
   EXPECT_EQ(0, std::memcmp(both.data(), alone0.data(), sizeof(float) * 2 * H));
   EXPECT_EQ(0, std::memcmp(both.data() + 2 * H, alone1.data(), sizeof(float) * 3 * H));
 
   // Both inputs matter: another hidden changes the output.
-  std::vector<float> c2;
+  PositionCache c2(W);
   const std::vector<float> other_hidden = values(H, 1.5f, 99);
   const std::vector<float> moved = run(block, emb.data(), other_hidden.data(), 1, 0, c2);
   EXPECT_NE(0, std::memcmp(moved.data(), whole.data(), sizeof(float) * H));
@@ -161,7 +162,7 @@ std::vector<float> target_hidden(const Glm5Model& m, const std::vector<int32_t>&
 struct Reference {
   const Glm5Model& target;
   const GlmMtpBlock& block;
-  std::vector<float> cache;
+  PositionCache cache{block.latent_width()};
   int64_t length = 0;
 
   // Appends the MTP row of (token, hidden); returns the layer's output [H].
@@ -211,7 +212,7 @@ class GlmMtpRowsTest : public GlmMtpBlockTest {
   }
   // The reference holding the prompt's MTP rows (one per pair (prompt[p+1], hidden[p])).
   Reference reference_after_prompt() const {
-    Reference ref{*target_, *block_, {}, 0};
+    Reference ref{*target_, *block_};
     for (size_t p = 0; p + 1 < prompt_.size(); ++p)
       ref.add(prompt_[p + 1], hidden_.data() + static_cast<int64_t>(p) * H_);
     return ref;
@@ -283,7 +284,7 @@ TEST_F(GlmMtpRowsTest, CommitKeepsTheRowsOfTheConvention) {
     const CheckpointPtr c = rows->capture(0);
     EXPECT_EQ(c->processed_tokens, n + accepted + 1);
     EXPECT_EQ(c->schema, kGlmMtpSchema);
-    EXPECT_EQ(c->tensors.at("latent").data, ref.cache);
+    EXPECT_EQ(c->tensors.at("latent").data, ref.cache.to_host());
     const std::vector<float>& h = c->tensors.at("h_true").data;
     EXPECT_EQ(0, std::memcmp(h.data(), verify.data() + accepted * H_, sizeof(float) * H_));
   }
@@ -295,7 +296,7 @@ TEST_F(GlmMtpRowsTest, CommitKeepsTheRowsOfTheConvention) {
   rows->commit({&v, 1});
   Reference ref = reference_after_prompt();
   ref.add(pending, hidden_.data() + (n - 1) * H_);
-  EXPECT_EQ(rows->capture(0)->tensors.at("latent").data, ref.cache);
+  EXPECT_EQ(rows->capture(0)->tensors.at("latent").data, ref.cache.to_host());
 }
 
 TEST_F(GlmMtpRowsTest, RowsOfABatchAreTheRowsAlone) {
@@ -379,7 +380,7 @@ TEST_F(GlmMtpRowsTest, AnEmptyHistoryStartsAtThePromptsLastToken) {
   const int64_t n = static_cast<int64_t>(prompt_.size());
   EXPECT_EQ(rows->mtp_rows(0), 0);
   const DraftProposal got = draft_one(*rows, 19, 2);
-  Reference ref{*target_, *block_, {}, 0};
+  Reference ref{*target_, *block_};
   const std::vector<float> out = ref.add(19, hidden_.data() + (n - 1) * H_);
   const int32_t first = argmax(ref.logits(out));
   EXPECT_EQ(got.tokens.at(0), first);
@@ -461,7 +462,8 @@ TEST(GlmMtpParity, TheNextNLayerMatchesPyTorchOnTheTargetsHiddens) {
   // The layer over the reference hiddens: row p from (prompt[p+1], hidden[p]) at position p.
   const auto provider = GlmMtpProvider::from_target(view);
   const GlmMtpBlock& block = provider->block();
-  std::vector<float> emb(static_cast<size_t>((L - 1) * H)), cache;
+  std::vector<float> emb(static_cast<size_t>((L - 1) * H));
+  PositionCache cache(block.latent_width());
   target->embed(std::span<const int32_t>(prompt).subspan(1), emb.data());
   const std::vector<float> out = run(block, emb.data(), hidden.data(), L - 1, 0, cache);
   EXPECT_LT(worst_relative(out.data(), want_out, 0, want_out.size()), 1e-4);

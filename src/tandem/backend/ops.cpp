@@ -391,11 +391,15 @@ void mla_attention(const float* q_nope, const float* q_pe, int64_t n, int64_t H,
 }
 void rope_slice(float* x, int64_t n_tokens, int64_t n_heads, int64_t head_stride, int64_t offset,
                 int64_t dim, const int64_t* positions, const float* inv_freq, bool interleaved) {
-  cpu::rope_slice(x, n_tokens, n_heads, head_stride, offset, dim, positions, inv_freq, interleaved);
+  TANDEM_DISPATCH(
+      rope_slice(x, n_tokens, n_heads, head_stride, offset, dim, positions, inv_freq, interleaved));
 }
 void layer_norm(const float* x, int64_t m, int64_t d, const WeightRef& w, const WeightRef& b,
                 float eps, float* y) {
-  cpu::layer_norm(x, m, d, w, b, eps, y);
+  TANDEM_DISPATCH(layer_norm(x, m, d, w, b, eps, y));
+}
+void scale(float* x, int64_t n, float s) {
+  TANDEM_DISPATCH(scale(x, n, s));
 }
 void dsa_select(const float* q, const float* w, int64_t n, int64_t heads, int64_t D,
                 const float* keys, int64_t ctx, const int64_t* pos, int64_t topk, int32_t* out) {

@@ -304,6 +304,9 @@ void sigmoid_gate(float* x, const float* gate, int64_t n);
 // x[i] += y[i]
 void add_inplace(float* x, const float* y, int64_t n);
 
+// x[i] *= s for n elements (one fp32 product each: exact across backends).
+void scale(float* x, int64_t n, float s);
+
 // Rotary embedding, rotate-half (NeoX) layout, applied to the first `rotary_dim` dims of every
 // head: x[n_tokens, n_heads, head_dim], positions[n_tokens]. inv_freq[rotary_dim / 2].
 void rope(float* x, int64_t n_tokens, int64_t n_heads, int64_t head_dim, int64_t rotary_dim,
@@ -313,12 +316,12 @@ void rope(float* x, int64_t n_tokens, int64_t n_heads, int64_t head_dim, int64_t
 // head_stride], the `dim` values at `offset` of each head rotated by positions[t] · inv_freq[i]
 // (inv_freq[dim / 2]), pair i being (x[2i], x[2i + 1]) when `interleaved` (DeepSeek's layout,
 // GLM-5's attention and indexer as transformers runs them) or (x[i], x[i + dim / 2]) (NeoX, as
-// rope). CPU only so far (GLM-5's ops).
+// rope). positions and inv_freq in backend memory.
 void rope_slice(float* x, int64_t n_tokens, int64_t n_heads, int64_t head_stride, int64_t offset,
                 int64_t dim, const int64_t* positions, const float* inv_freq, bool interleaved);
 
 // LayerNorm over the last axis of x[m, d] (GLM-5's indexer key norm): y = (x − mean) ·
-// rsqrt(var + eps) · w + b with the population variance. In place is allowed. CPU only so far.
+// rsqrt(var + eps) · w + b with the population variance. In place is allowed.
 void layer_norm(const float* x, int64_t m, int64_t d, const WeightRef& w, const WeightRef& b,
                 float eps, float* y);
 

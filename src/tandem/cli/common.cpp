@@ -99,13 +99,6 @@ bool is_glm5_dir(const std::string& dir) {
   return cfg.is_object() && cfg.value("model_type", std::string()) == "glm_moe_dsa";
 }
 
-std::string backend_for(const std::string& dir, const std::string& requested) {
-  if (!is_glm5_dir(dir)) return requested;
-  if (requested == "cuda")
-    fail("--backend cuda: GLM-5 (glm_moe_dsa) models run on the CPU backend only so far");
-  return "cpu";
-}
-
 LoadedTarget load_target(const std::string& dir, bool with_identity) {
   LoadedTarget t;
   if (is_glm5_dir(dir)) {

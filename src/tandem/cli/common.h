@@ -59,9 +59,6 @@ LoadedTarget load_target(const std::string& dir, bool with_identity);
 // the backend's memory, drawn with kRandomWeightsSeed (as is a random MTP layer beside it).
 inline constexpr uint64_t kRandomWeightsSeed = 1234;
 std::unique_ptr<Qwen35Model> random_weight_model(const std::string& config_path);
-// --backend for a model directory: GLM-5 runs on the CPU only, so "auto" means cpu there and
-// "cuda" is refused with a message that says so.
-std::string backend_for(const std::string& dir, const std::string& requested);
 
 // JSONL requests, one object per line: {"prompt": ...} or {"token_ids": [...]}, optional "seed",
 // "temperature", "max_tokens" overriding `base`; blank lines skipped; errors name file:line.

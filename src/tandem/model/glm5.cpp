@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 
 #include "tandem/core/error.h"
 #include "tandem/model/gated_attention.h"
@@ -10,8 +9,6 @@
 namespace tandem {
 
 std::unique_ptr<Glm5Model> Glm5Model::load(const std::string& dir, const LoadOptions& opts) {
-  if (ops::backend() != ops::Backend::Cpu)
-    fail("GLM-5 (", dir, ") runs on the CPU backend only so far (use --backend cpu)");
   std::unique_ptr<Glm5Model> m(new Glm5Model());
   m->cfg_ = load_glm5_config(dir);
   m->store_ = WeightStore::open(dir, opts.prefault);
@@ -39,7 +36,9 @@ void Glm5Model::bind_weights() {
     layers_.push_back(bind_glm5_layer(t, c, "model.layers." + std::to_string(i) + ".",
                                       c.sparse_layers[li], !c.shared_index_layers[li], true));
   }
-  inv_freq_ = rope_inv_freq(c.rope_theta, c.qk_rope_head_dim);
+  const std::vector<float> inv_freq = rope_inv_freq(c.rope_theta, c.qk_rope_head_dim);
+  inv_freq_.grow_to(static_cast<int64_t>(inv_freq.size()));
+  ops::copy_from_host(inv_freq_.data(), inv_freq.data(), sizeof(float) * inv_freq.size());
 }
 
 void Glm5Model::embed(std::span<const int32_t> ids, float* out) const {
@@ -47,7 +46,10 @@ void Glm5Model::embed(std::span<const int32_t> ids, float* out) const {
     if (ids[i] < 0 || ids[i] >= cfg_.vocab_size)
       fail("token id ", ids[i], " at input position ", i, " is out of range [0, ", cfg_.vocab_size,
            ")");
-  ops::embed_rows(embed_, ids.data(), static_cast<int64_t>(ids.size()), out);
+  const auto n = static_cast<int64_t>(ids.size());
+  ws_.ids.grow_to(n);
+  if (n > 0) ops::copy_from_host(ws_.ids.data(), ids.data(), sizeof(int32_t) * ids.size());
+  ops::embed_rows(embed_, ws_.ids.data(), n, out);
 }
 
 void Glm5Model::embed_device(const int32_t* ids, int64_t n, float* out) const {
@@ -81,28 +83,31 @@ void Glm5Model::forward(Glm5State& st, const ForwardRequest& req, ForwardOutput*
   for (const Glm5Tokens::Row& r : b.rows)
     for (int64_t j = 0; j < r.n; ++j) b.pos.push_back(r.start + j);
   const int64_t T = b.T, H = cfg_.hidden_size, V = cfg_.vocab_size;
-  std::vector<float> x(static_cast<size_t>(T * H));
-  embed(req.tokens, x.data());  // checks the ids before any state changes
+  Workspace& w = ws_;
+  w.x.grow_to(T * H);
+  float* x = w.x.data();
+  embed(req.tokens, x);  // checks the ids before any state changes
+  w.layer.prepare(cfg_, b);
 
   out->routing.clear();
   out->index_selection.clear();
   const int64_t n_taps = static_cast<int64_t>(req.tap_layers.size());
-  out->layer_taps.assign(static_cast<size_t>(T * n_taps * H), 0.0f);
-  std::vector<int32_t> selection;  // [T, index_topk] of the last layer that ran its indexer
+  w.taps.grow_to(T * n_taps * H);
   std::vector<Glm5RowCache> caches(slots.size());
-  for (size_t l = 0; l < layers_.size(); ++l) {
-    for (int64_t j = 0; j < n_taps; ++j)
-      if (req.tap_layers[static_cast<size_t>(j)] == static_cast<int>(l))
-        for (int64_t t = 0; t < T; ++t)
-          std::memcpy(out->layer_taps.data() + (t * n_taps + j) * H, x.data() + t * H,
-                      sizeof(float) * static_cast<size_t>(H));
-    for (size_t i = 0; i < slots.size(); ++i) {
-      Glm5State::Row& row = st.row(slots[i]);
-      caches[i] = {&row.latent[l], &row.index_keys[l]};
+  {
+    const PrefillScope prefill(req.prompt, req.prompt_gemm_rows);
+    for (size_t l = 0; l < layers_.size(); ++l) {
+      for (int64_t j = 0; j < n_taps; ++j)
+        if (req.tap_layers[static_cast<size_t>(j)] == static_cast<int>(l))
+          ops::copy_rows(w.taps.data() + j * H, n_taps * H, x, H, T, H);
+      for (size_t i = 0; i < slots.size(); ++i) {
+        Glm5State::Row& row = st.row(slots[i]);
+        caches[i] = {&row.latent[l], &row.index_keys[l]};
+      }
+      glm5_layer_forward(cfg_, layers_[l], inv_freq_.data(), b, caches, w.layer, x,
+                         req.want_routing ? &out->routing : nullptr,
+                         req.want_index_selection ? &out->index_selection : nullptr);
     }
-    glm5_layer_forward(cfg_, layers_[l], inv_freq_.data(), b, caches, selection, x,
-                       req.want_routing ? &out->routing : nullptr,
-                       req.want_index_selection ? &out->index_selection : nullptr);
   }
   for (size_t i = 0; i < req.rows.size(); ++i) {
     Glm5State::Row& row = st.row(req.rows[i].slot);
@@ -110,37 +115,40 @@ void Glm5Model::forward(Glm5State& st, const ForwardRequest& req, ForwardOutput*
     row.window = req.rows[i].speculative ? req.rows[i].n_tokens : 0;
   }
 
-  if (req.want_prenorm_hidden) out->prenorm_hidden = x;
-  std::vector<float> normed(x.size());
-  ops::rms_norm(x.data(), T, H, final_norm_, false, static_cast<float>(cfg_.rms_norm_eps),
-                normed.data());
-  if (req.want_hidden) out->hidden = normed;
-  std::vector<float> last;
-  const float* head_in = normed.data();
+  auto to_host = [](std::vector<float>& dst, const float* src, int64_t n) {
+    dst.resize(static_cast<size_t>(n));
+    if (n > 0) ops::copy_to_host(dst.data(), src, sizeof(float) * static_cast<size_t>(n));
+  };
+  to_host(out->layer_taps, w.taps.data(), T * n_taps * H);
+  if (req.want_prenorm_hidden) to_host(out->prenorm_hidden, x, T * H);
+  w.normed.grow_to(T * H);
+  float* normed = w.normed.data();
+  ops::rms_norm(x, T, H, final_norm_, false, static_cast<float>(cfg_.rms_norm_eps), normed);
+  if (req.want_hidden) to_host(out->hidden, normed, T * H);
+  const float* head_in = normed;
   int64_t rows = T;
   if (!req.all_logits) {
     rows = static_cast<int64_t>(b.rows.size());
-    last.resize(static_cast<size_t>(rows * H));
+    w.last.grow_to(rows * H);
     for (int64_t i = 0; i < rows; ++i) {
       const Glm5Tokens::Row& r = b.rows[static_cast<size_t>(i)];
-      std::memcpy(last.data() + i * H, normed.data() + (r.first + r.n - 1) * H,
-                  sizeof(float) * static_cast<size_t>(H));
+      ops::copy_rows(w.last.data() + i * H, H, normed + (r.first + r.n - 1) * H, H, 1, H);
     }
-    head_in = last.data();
+    head_in = w.last.data();
   }
   out->logits_rows = rows;
   out->argmax.clear();
-  if (!req.want_logits && !req.want_argmax) {
-    out->logits.clear();
-    return;
-  }
-  out->logits.resize(static_cast<size_t>(rows * V));
-  head(head_in, rows, out->logits.data());
+  out->logits.clear();
+  if (!req.want_logits && !req.want_argmax) return;
+  w.logits.grow_to(rows * V);
+  head(head_in, rows, w.logits.data());
   if (req.want_argmax) {
+    w.argmax.grow_to(rows);
+    ops::argmax_rows(w.logits.data(), rows, V, w.argmax.data());
     out->argmax.resize(static_cast<size_t>(rows));
-    ops::argmax_rows(out->logits.data(), rows, V, out->argmax.data());
+    ops::copy_to_host(out->argmax.data(), w.argmax.data(), sizeof(int32_t) * rows);
   }
-  if (!req.want_logits) out->logits.clear();
+  if (req.want_logits) to_host(out->logits, w.logits.data(), rows * V);
 }
 
 void Glm5Model::commit_windows(Glm5State& st, std::span<const RowKeep> rows) const {

@@ -1,9 +1,11 @@
 // The GLM-5 target model (transformers' glm_moe_dsa), written against the backend op set, on the
-// CPU backend so far: multi-head latent attention (MLA) over a latent KV cache, the DSA indexer
+// CPU or CUDA backend: multi-head latent attention (MLA) over a latent KV cache, the DSA indexer
 // choosing the positions each query attends to, dense MLPs in the first layers and mixtures of
-// experts with noaux_tc routing and a shared expert after them. Weights stay in their stored dtype
-// inside the memory-mapped safetensors files: bf16 (or f32 / f16), or the published fp8 e4m3
-// with block scales (`weight_scale_inv`), dequantised row by row as the products stream them.
+// experts with noaux_tc routing and a shared expert after them. On the CPU, weights stay in their
+// stored dtype inside the memory-mapped safetensors files: bf16 (or f32 / f16), or the published
+// fp8 e4m3 with block scales (`weight_scale_inv`), dequantised row by row as the products stream
+// them. On CUDA they are copied to the device as WeightArena places them (matrices bf16). Caches
+// and activations live in the backend's memory; outputs are copied to the host.
 //
 // Attention forms: a prompt forward (ForwardRequest::prompt) forms every cached position's
 // per-head keys and values (MLA's expanded form); decode and verify forwards fold the key
@@ -39,8 +41,7 @@ class Glm5Model {
   // tensor the target needs (shape, dtype, the fp8 scales' grid). Experts come fused
   // (`mlp.experts.gate_up_proj` / `down_proj`, as transformers writes them) or one tensor per
   // expert (`mlp.experts.{e}.{gate,up,down}_proj.weight`, as the published checkpoints store
-  // them; fp8 experts only so). Throws Error naming the file and tensor on anything else, and
-  // when the active backend is not the CPU.
+  // them; fp8 experts only so). Throws Error naming the file and tensor on anything else.
   static std::unique_ptr<Glm5Model> load(const std::string& dir, const LoadOptions& opts);
   static std::unique_ptr<Glm5Model> load(const std::string& dir) { return load(dir, {}); }
 
@@ -61,11 +62,11 @@ class Glm5Model {
   // listed once) before any changes.
   void commit_windows(Glm5State& state, std::span<const RowKeep> rows) const;
 
-  // out[n, H] = embedding rows of ids (checked to be in range).
+  // out[n, H] (backend memory) = embedding rows of the host ids (checked to be in range).
   void embed(std::span<const int32_t> ids, float* out) const;
   // ids in backend memory; an id out of range embeds as a row of NaN (ops::embed_rows).
   void embed_device(const int32_t* ids, int64_t n, float* out) const;
-  // out[n, V] = the head applied to hidden[n, H] (no norm applied here).
+  // out[n, V] = the head applied to hidden[n, H] (no norm applied here; backend memory).
   void head(const float* hidden, int64_t n, float* out) const;
 
   // Weights of the target (embedding, layers, final norm, head; not the NextN layer).
@@ -77,7 +78,19 @@ class Glm5Model {
   std::unique_ptr<Glm5Tensors> tensors_;  // binds store_; owns what binding converted
   ops::WeightRef embed_, final_norm_, lm_head_;
   std::vector<Glm5Layer> layers_;
-  std::vector<float> inv_freq_;  // [qk_rope_head_dim / 2]
+  Buffer<float> inv_freq_;  // [qk_rope_head_dim / 2]
+
+  // A forward's activations (backend memory), reused across forwards.
+  struct Workspace {
+    Glm5Scratch layer;
+    Buffer<int32_t> ids;      // [T] the input tokens
+    Buffer<float> x, normed;  // [T, H] the residual stream; the final-normed hidden
+    Buffer<float> last;       // [rows, H] each row's last normed hidden
+    Buffer<float> taps;       // [T, taps · H]
+    Buffer<float> logits;     // [rows, V]
+    Buffer<int32_t> argmax;   // [rows]
+  };
+  mutable Workspace ws_;
 
   Glm5Model() = default;
   void bind_weights();

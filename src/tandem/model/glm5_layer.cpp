@@ -1,5 +1,6 @@
 #include "tandem/model/glm5_layer.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "tandem/backend/cpu/weight_element.h"
@@ -22,6 +23,15 @@ bool is_float(DType t) {
 }  // namespace
 
 ops::WeightRef Glm5Tensors::tensor(const std::string& name, const std::vector<int64_t>& shape) {
+  const ops::WeightRef w = stored(name, shape);
+  return shape.size() == 1 ? arena_.vector(w) : arena_.matrix(w);
+}
+
+ops::WeightRef Glm5Tensors::widened(const std::string& name, const std::vector<int64_t>& shape) {
+  return widened(stored(name, shape));
+}
+
+ops::WeightRef Glm5Tensors::stored(const std::string& name, const std::vector<int64_t>& shape) {
   const TensorView& t = store_.get(name);
   if (t.shape != shape)
     fail("tensor '", name, "' in ", store_.dir(), ": expected shape ", shape_str(shape), ", got ",
@@ -67,7 +77,7 @@ ops::WeightRef Glm5Tensors::widened(const ops::WeightRef& w) {
   f.data = v.data();
   f.rows = w.rows;
   f.cols = w.cols;
-  return f;
+  return arena_.vector(f);  // in place on the CPU; a device copy on CUDA
 }
 
 ops::MoeWeights Glm5Tensors::mixture(const std::string& p) {
@@ -75,13 +85,7 @@ ops::MoeWeights Glm5Tensors::mixture(const std::string& p) {
   const int64_t H = c.hidden_size, E = c.n_routed_experts, I = c.moe_intermediate_size;
   ops::MoeWeights m;
   m.router = tensor(p + "gate.weight", {E, H});
-  const ops::WeightRef bias = tensor(p + "gate.e_score_correction_bias", {E});
-  std::vector<float>& b = score_biases_.emplace_back(static_cast<size_t>(E));
-  for (int64_t e = 0; e < E; ++e) b[static_cast<size_t>(e)] = ops::weight_element(bias, e);
-  m.score_bias.dtype = DType::F32;
-  m.score_bias.data = b.data();
-  m.score_bias.rows = 1;
-  m.score_bias.cols = E;
+  m.score_bias = widened(p + "gate.e_score_correction_bias", {E});
   m.routing = ops::MoeRouting::NoauxTc;
   m.top_k = c.num_experts_per_tok;
   m.renormalise = c.norm_topk_prob;
@@ -106,6 +110,9 @@ ops::MoeWeights Glm5Tensors::mixture(const std::string& p) {
     m.shared_up_proj = tensor(p + "shared_experts.up_proj.weight", {Is, H});
     m.shared_down_proj = tensor(p + "shared_experts.down_proj.weight", {H, Is});
   }
+  // The CUDA mixture reads every expert's gate/up rows and down rows as two stacked matrices;
+  // the CPU reads the experts where they are stored.
+  if (ops::backend() == ops::Backend::Cuda) stack_moe_experts(arena_, &m);
   return m;
 }
 
@@ -125,7 +132,7 @@ Glm5Layer bind_glm5_layer(Glm5Tensors& t, const Glm5Config& c, const std::string
   L.kv_a_norm = t.tensor(a + "kv_a_layernorm.weight", {R});
   // Every attention call reads kv_b whole (it expands or absorbs the latent for each head): kept
   // in fp32 rather than widened per call.
-  L.kv_b_proj = t.widened(t.tensor(a + "kv_b_proj.weight", {nh * (dn + dv), R}));
+  L.kv_b_proj = t.widened(a + "kv_b_proj.weight", {nh * (dn + dv), R});
   L.o_proj = t.tensor(a + "o_proj.weight", {H, nh * dv});
   L.dsa = dsa;
   L.indexer = dsa && with_indexer;
@@ -151,108 +158,131 @@ Glm5Layer bind_glm5_layer(Glm5Tensors& t, const Glm5Config& c, const std::string
 namespace {
 
 void attention(const Glm5Config& c, const Glm5Layer& A, const float* inv_freq, const Glm5Tokens& b,
-               std::span<const Glm5RowCache> caches, std::vector<int32_t>& selection,
-               std::vector<float>& x, std::vector<int32_t>* index_record) {
+               std::span<const Glm5RowCache> caches, Glm5Scratch& s, float* x,
+               std::vector<int32_t>* index_record) {
   const int64_t T = b.T, H = c.hidden_size, nh = c.num_attention_heads;
   const int64_t dn = c.qk_nope_head_dim, dr = c.qk_rope_head_dim, dv = c.v_head_dim;
   const int64_t R = c.kv_lora_rank, W = R + dr, qr = c.q_lora_rank;
   const int64_t Di = c.index_head_dim, ih = c.index_n_heads, topk = c.index_topk;
   const float eps = static_cast<float>(c.rms_norm_eps);
-  const int64_t* pos = b.pos.data();
+  const int64_t* pos = s.pos.data();
 
-  std::vector<float> h(static_cast<size_t>(T * H));
-  ops::rms_norm(x.data(), T, H, A.input_norm, false, eps, h.data());
+  float* h = s.h.data();
+  ops::rms_norm(x, T, H, A.input_norm, false, eps, h);
 
   // Queries: the LoRA latent (normed; the indexer reads it too), then per head [nope | rope].
-  std::vector<float> qa(static_cast<size_t>(T * qr));
-  ops::linear(h.data(), T, A.q_a_proj, qa.data());
-  ops::rms_norm(qa.data(), T, qr, A.q_a_norm, false, kLatentNormEps, qa.data());
-  std::vector<float> q(static_cast<size_t>(T * nh * (dn + dr)));
-  ops::linear(qa.data(), T, A.q_b_proj, q.data());
-  ops::rope_slice(q.data(), T, nh, dn + dr, dn, dr, pos, inv_freq, c.rope_interleave);
-  std::vector<float> q_nope(static_cast<size_t>(T * nh * dn)),
-      q_pe(static_cast<size_t>(T * nh * dr));
-  ops::copy_rows(q_nope.data(), dn, q.data(), dn + dr, T * nh, dn);
-  ops::copy_rows(q_pe.data(), dr, q.data() + dn, dn + dr, T * nh, dr);
+  float* qa = s.qa.data();
+  ops::linear(h, T, A.q_a_proj, qa);
+  ops::rms_norm(qa, T, qr, A.q_a_norm, false, kLatentNormEps, qa);
+  float* q = s.q.data();
+  ops::linear(qa, T, A.q_b_proj, q);
+  ops::rope_slice(q, T, nh, dn + dr, dn, dr, pos, inv_freq, c.rope_interleave);
+  float *q_nope = s.q_nope.data(), *q_pe = s.q_pe.data();
+  ops::copy_rows(q_nope, dn, q, dn + dr, T * nh, dn);
+  ops::copy_rows(q_pe, dr, q + dn, dn + dr, T * nh, dr);
 
-  // The latent cache entries: [normed latent | rotated rotary key] per token.
-  std::vector<float> kv(static_cast<size_t>(T * W));
-  ops::linear(h.data(), T, A.kv_a_proj, kv.data());
-  for (int64_t t = 0; t < T; ++t)
-    ops::rms_norm(kv.data() + t * W, 1, R, A.kv_a_norm, false, kLatentNormEps, kv.data() + t * W);
-  ops::rope_slice(kv.data(), T, 1, W, R, dr, pos, inv_freq, c.rope_interleave);
+  // The latent cache entries: [normed latent | rotated rotary key] per token. The latent is
+  // normed in a packed copy (rms_norm's rows are contiguous), then put back.
+  float *kv = s.kv.data(), *kv_latent = s.kv_latent.data();
+  ops::linear(h, T, A.kv_a_proj, kv);
+  ops::copy_rows(kv_latent, R, kv, W, T, R);
+  ops::rms_norm(kv_latent, T, R, A.kv_a_norm, false, kLatentNormEps, kv_latent);
+  ops::copy_rows(kv, W, kv_latent, R, T, R);
+  ops::rope_slice(kv, T, 1, W, R, dr, pos, inv_freq, c.rope_interleave);
   for (size_t i = 0; i < b.rows.size(); ++i) {
     const Glm5Tokens::Row& r = b.rows[i];
-    std::vector<float>& cache = *caches[i].latent;
-    cache.insert(cache.end(), kv.begin() + r.first * W, kv.begin() + (r.first + r.n) * W);
+    caches[i].latent->append(kv + r.first * W, r.n);
   }
 
   // The DSA choice: this layer's own indexer, or the previous layer's choice.
+  int32_t* selection = s.selection.data();
   if (A.indexer) {
-    std::vector<float> qi(static_cast<size_t>(T * ih * Di)), ki(static_cast<size_t>(T * Di));
-    ops::linear(qa.data(), T, A.index_wq_b, qi.data());
-    ops::rope_slice(qi.data(), T, ih, Di, 0, dr, pos, inv_freq, c.indexer_rope_interleave);
-    ops::linear(h.data(), T, A.index_wk, ki.data());
-    ops::layer_norm(ki.data(), T, Di, A.index_k_norm, A.index_k_norm_bias, kIndexKeyNormEps,
-                    ki.data());
-    ops::rope_slice(ki.data(), T, 1, Di, 0, dr, pos, inv_freq, c.indexer_rope_interleave);
-    std::vector<float> w(static_cast<size_t>(T * ih));
-    ops::linear(h.data(), T, A.index_weights_proj, w.data());
-    const float head_scale = 1.0f / std::sqrt(static_cast<float>(ih));
-    for (float& v : w) v *= head_scale;
-    selection.assign(static_cast<size_t>(T * topk), -1);
+    float *qi = s.qi.data(), *ki = s.ki.data(), *w = s.wi.data();
+    ops::linear(qa, T, A.index_wq_b, qi);
+    ops::rope_slice(qi, T, ih, Di, 0, dr, pos, inv_freq, c.indexer_rope_interleave);
+    ops::linear(h, T, A.index_wk, ki);
+    ops::layer_norm(ki, T, Di, A.index_k_norm, A.index_k_norm_bias, kIndexKeyNormEps, ki);
+    ops::rope_slice(ki, T, 1, Di, 0, dr, pos, inv_freq, c.indexer_rope_interleave);
+    ops::linear(h, T, A.index_weights_proj, w);
+    ops::scale(w, T * ih, 1.0f / std::sqrt(static_cast<float>(ih)));
     for (size_t i = 0; i < b.rows.size(); ++i) {
       const Glm5Tokens::Row& r = b.rows[i];
-      std::vector<float>& keys = *caches[i].index_keys;
-      keys.insert(keys.end(), ki.begin() + r.first * Di, ki.begin() + (r.first + r.n) * Di);
-      ops::dsa_select(qi.data() + r.first * ih * Di, w.data() + r.first * ih, r.n, ih, Di,
-                      keys.data(), r.start + r.n, pos + r.first, topk,
-                      selection.data() + r.first * topk);
+      PositionCache& keys = *caches[i].index_keys;
+      keys.append(ki + r.first * Di, r.n);
+      ops::dsa_select(qi + r.first * ih * Di, w + r.first * ih, r.n, ih, Di, keys.data(),
+                      r.start + r.n, pos + r.first, topk, selection + r.first * topk);
     }
   }
-  if (A.dsa && index_record)
-    index_record->insert(index_record->end(), selection.begin(), selection.end());
+  if (A.dsa && index_record) {
+    const size_t at = index_record->size();
+    index_record->resize(at + static_cast<size_t>(T * topk));
+    ops::copy_to_host(index_record->data() + at, selection, sizeof(int32_t) * T * topk);
+  }
 
-  std::vector<float> attn(static_cast<size_t>(T * nh * dv));
+  float* attn = s.attn.data();
   const float scale = 1.0f / std::sqrt(static_cast<float>(dn + dr));
   for (size_t i = 0; i < b.rows.size(); ++i) {
     const Glm5Tokens::Row& r = b.rows[i];
-    const std::vector<float>& cache = *caches[i].latent;
-    ops::mla_attention(q_nope.data() + r.first * nh * dn, q_pe.data() + r.first * nh * dr, r.n, nh,
-                       dn, dr, dv, cache.data(), r.start + r.n, R, A.kv_b_proj, pos + r.first,
-                       A.dsa ? selection.data() + r.first * topk : nullptr, topk, scale,
-                       /*absorbed=*/!b.prompt, attn.data() + r.first * nh * dv);
+    ops::mla_attention(q_nope + r.first * nh * dn, q_pe + r.first * nh * dr, r.n, nh, dn, dr, dv,
+                       caches[i].latent->data(), r.start + r.n, R, A.kv_b_proj, pos + r.first,
+                       A.dsa ? selection + r.first * topk : nullptr, topk, scale,
+                       /*absorbed=*/!b.prompt, attn + r.first * nh * dv);
   }
-  ops::linear_add(attn.data(), T, A.o_proj, x.data());
+  ops::linear_add(attn, T, A.o_proj, x);
 }
 
-void mlp(const Glm5Config& c, const Glm5Layer& L, int64_t T, std::vector<float>& x,
+void mlp(const Glm5Config& c, const Glm5Layer& L, int64_t T, Glm5Scratch& s, float* x,
          std::vector<int32_t>* routing) {
   const int64_t H = c.hidden_size;
-  std::vector<float> h(static_cast<size_t>(T * H));
-  ops::rms_norm(x.data(), T, H, L.post_norm, false, static_cast<float>(c.rms_norm_eps), h.data());
+  float* h = s.h.data();
+  ops::rms_norm(x, T, H, L.post_norm, false, static_cast<float>(c.rms_norm_eps), h);
   if (L.sparse) {
     std::vector<int32_t> ids;
-    ops::moe_mlp_add(h.data(), T, L.moe, x.data(), routing ? &ids : nullptr);
+    ops::moe_mlp_add(h, T, L.moe, x, routing ? &ids : nullptr);
     if (routing) routing->insert(routing->end(), ids.begin(), ids.end());
     return;
   }
   const int64_t I = c.intermediate_size;
-  std::vector<float> g(static_cast<size_t>(T * I)), u(static_cast<size_t>(T * I));
-  ops::linear(h.data(), T, L.gate_proj, g.data());
-  ops::linear(h.data(), T, L.up_proj, u.data());
-  ops::swiglu(g.data(), u.data(), T * I, g.data());
-  ops::linear_add(g.data(), T, L.down_proj, x.data());
+  float *g = s.g.data(), *u = s.u.data();
+  ops::linear(h, T, L.gate_proj, g);
+  ops::linear(h, T, L.up_proj, u);
+  ops::swiglu(g, u, T * I, g);
+  ops::linear_add(g, T, L.down_proj, x);
 }
 
 }  // namespace
 
+void Glm5Scratch::prepare(const Glm5Config& c, const Glm5Tokens& tokens) {
+  const int64_t T = tokens.T, H = c.hidden_size, nh = c.num_attention_heads;
+  const int64_t dn = c.qk_nope_head_dim, dr = c.qk_rope_head_dim, dv = c.v_head_dim;
+  const int64_t R = c.kv_lora_rank;
+  TANDEM_CHECK(static_cast<int64_t>(tokens.pos.size()) == T, "Glm5Scratch: ", tokens.pos.size(),
+               " positions for ", T, " tokens");
+  pos.grow_to(T);
+  if (T > 0) ops::copy_from_host(pos.data(), tokens.pos.data(), sizeof(int64_t) * T);
+  selection.grow_to(T * c.index_topk);
+  h.grow_to(T * H);
+  qa.grow_to(T * c.q_lora_rank);
+  q.grow_to(T * nh * (dn + dr));
+  q_nope.grow_to(T * nh * dn);
+  q_pe.grow_to(T * nh * dr);
+  kv.grow_to(T * (R + dr));
+  kv_latent.grow_to(T * R);
+  qi.grow_to(T * c.index_n_heads * c.index_head_dim);
+  ki.grow_to(T * c.index_head_dim);
+  wi.grow_to(T * c.index_n_heads);
+  attn.grow_to(T * nh * dv);
+  const int64_t I = std::max(c.intermediate_size, c.moe_intermediate_size);
+  g.grow_to(T * I);
+  u.grow_to(T * I);
+}
+
 void glm5_layer_forward(const Glm5Config& c, const Glm5Layer& L, const float* inv_freq,
                         const Glm5Tokens& tokens, std::span<const Glm5RowCache> caches,
-                        std::vector<int32_t>& selection, std::vector<float>& x,
-                        std::vector<int32_t>* routing, std::vector<int32_t>* index_record) {
-  attention(c, L, inv_freq, tokens, caches, selection, x, index_record);
-  mlp(c, L, tokens.T, x, routing);
+                        Glm5Scratch& s, float* x, std::vector<int32_t>* routing,
+                        std::vector<int32_t>* index_record) {
+  attention(c, L, inv_freq, tokens, caches, s, x, index_record);
+  mlp(c, L, tokens.T, s, x, routing);
 }
 
 }  // namespace tandem

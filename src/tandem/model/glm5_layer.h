@@ -8,28 +8,36 @@
 #include <string>
 #include <vector>
 
+#include "tandem/backend/buffer.h"
 #include "tandem/backend/ops.h"
+#include "tandem/backend/weight_arena.h"
 #include "tandem/io/weight_store.h"
 #include "tandem/model/glm5_config.h"
+#include "tandem/model/position_cache.h"
 
 namespace tandem {
 
 // Binds a GLM-5 checkpoint's tensors: exact shapes, float dtypes or fp8 matrices with their
-// `weight_scale_inv` block scales (errors name the file and tensor). Owns what binding
-// converts (the routers' correction biases, widened to fp32) and counts the bound parameters.
+// `weight_scale_inv` block scales (errors name the file and tensor), placed where the active
+// backend computes with them (WeightArena: in place on the CPU, device copies on CUDA). Owns
+// what binding converts (the routers' correction biases and kv_b, widened to fp32) and counts the
+// bound parameters as stored.
 class Glm5Tensors {
  public:
   Glm5Tensors(const Glm5Config& cfg, const WeightStore& store) : cfg_(cfg), store_(store) {}
   Glm5Tensors(const Glm5Tensors&) = delete;
   Glm5Tensors& operator=(const Glm5Tensors&) = delete;
 
+  // The tensor as stored (checked and counted), then placed: 1-D tensors as fp32 vectors,
+  // matrices as the backend's matrices (WeightArena).
   ops::WeightRef tensor(const std::string& name, const std::vector<int64_t>& shape);
   // A mixture under prefix ("...mlp."): router and bias, experts fused or per expert, the
   // shared experts.
   ops::MoeWeights mixture(const std::string& prefix);
-  // An fp32 copy of `w` (its stored values exactly; fp8 dequantised by its block scales), owned
-  // here: for weights every call reads whole, which would otherwise be widened per call.
-  ops::WeightRef widened(const ops::WeightRef& w);
+  // An fp32 copy of the stored tensor (its values exactly; fp8 dequantised by its block scales),
+  // owned here and placed: for weights every call reads whole, which would otherwise be widened
+  // per call.
+  ops::WeightRef widened(const std::string& name, const std::vector<int64_t>& shape);
   uint64_t parameters() const { return parameters_; }
   uint64_t bytes() const { return bytes_; }  // as stored, fp8 scales included
 
@@ -37,7 +45,10 @@ class Glm5Tensors {
   const Glm5Config& cfg_;
   const WeightStore& store_;
   // Heap buffers: stable when the outer vector grows.
-  std::vector<std::vector<float>> score_biases_, widened_;
+  std::vector<std::vector<float>> widened_;
+  WeightArena arena_;
+  ops::WeightRef stored(const std::string& name, const std::vector<int64_t>& shape);
+  ops::WeightRef widened(const ops::WeightRef& stored);
   uint64_t parameters_ = 0;
   uint64_t bytes_ = 0;
 };
@@ -79,17 +90,39 @@ struct Glm5Tokens {
 // A row's caches for one layer, appended to by the forward: the latent entries [len, R + dr] and,
 // where the layer runs its indexer, the index keys [len, index_head_dim].
 struct Glm5RowCache {
-  std::vector<float>* latent = nullptr;
-  std::vector<float>* index_keys = nullptr;
+  PositionCache* latent = nullptr;
+  PositionCache* index_keys = nullptr;
 };
 
-// x[T, H] += attention(rms_norm(x)), then x += mlp(rms_norm(x)), appending each row's new
-// positions to its caches (caches[i] for tokens.rows[i]). selection [T, index_topk]: the DSA
-// choice this layer makes (overwritten) or reuses (read). routing / index_record (optional):
-// appended with the mixture's expert ids and the DSA choice.
+// The activations of one forward through GLM-5 layers, in backend memory: sized for the
+// forward's tokens by prepare() and reused (buffers never shrink, so steady decoding does not
+// allocate).
+struct Glm5Scratch {
+  Buffer<int64_t> pos;        // [T] each token's position (Glm5Tokens::pos, uploaded)
+  Buffer<int32_t> selection;  // [T, index_topk] the DSA choice of the last layer with an indexer
+  Buffer<float> h, qa, q, q_nope, q_pe, kv, kv_latent, qi, ki, wi, attn, g, u;
+  // Grows every buffer for `tokens` and uploads their positions.
+  void prepare(const Glm5Config& c, const Glm5Tokens& tokens);
+};
+
+// x[T, H] (backend memory) += attention(rms_norm(x)), then x += mlp(rms_norm(x)), appending each
+// row's new positions to its caches (caches[i] for tokens.rows[i]). The DSA choice this layer
+// makes (or reuses) is s.selection. routing / index_record (optional, host): appended with the
+// mixture's expert ids and the DSA choice. `s` is prepared for `tokens`; inv_freq is in backend
+// memory.
 void glm5_layer_forward(const Glm5Config& c, const Glm5Layer& L, const float* inv_freq,
                         const Glm5Tokens& tokens, std::span<const Glm5RowCache> caches,
-                        std::vector<int32_t>& selection, std::vector<float>& x,
-                        std::vector<int32_t>* routing, std::vector<int32_t>* index_record);
+                        Glm5Scratch& s, float* x, std::vector<int32_t>* routing,
+                        std::vector<int32_t>* index_record);
+
+// RAII: ops::set_prefill(on, gemm_rows) for a scope (a prompt forward's GEMM path), turned off at
+// its end, also when the forward throws.
+class PrefillScope {
+ public:
+  PrefillScope(bool on, int64_t gemm_rows) { ops::set_prefill(on, gemm_rows); }
+  ~PrefillScope() { ops::set_prefill(false); }
+  PrefillScope(const PrefillScope&) = delete;
+  PrefillScope& operator=(const PrefillScope&) = delete;
+};
 
 }  // namespace tandem

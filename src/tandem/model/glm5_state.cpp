@@ -4,6 +4,16 @@
 
 namespace tandem {
 
+namespace {
+
+std::vector<PositionCache> empty_caches(int64_t layers, int64_t width) {
+  std::vector<PositionCache> c;
+  for (int64_t l = 0; l < layers; ++l) c.emplace_back(width);
+  return c;
+}
+
+}  // namespace
+
 Glm5State::Glm5State(const Glm5Config& cfg, int max_rows)
     : latent_width_(cfg.kv_lora_rank + cfg.qk_rope_head_dim),
       index_width_(cfg.index_head_dim),
@@ -19,8 +29,8 @@ int Glm5State::open_row() {
     if (r.open) continue;
     r = Row{};
     r.open = true;
-    r.latent.resize(static_cast<size_t>(layers_));
-    r.index_keys.resize(static_cast<size_t>(layers_));
+    r.latent = empty_caches(layers_, latent_width_);
+    r.index_keys = empty_caches(layers_, index_width_);
     return static_cast<int>(i);
   }
   if (!grows_) fail("Glm5State: all ", rows_.size(), " row slots are open");
@@ -59,8 +69,8 @@ int64_t Glm5State::window(int slot) const {
 uint64_t Glm5State::bytes() const {
   uint64_t n = 0;
   for (const Row& r : rows_) {
-    for (const auto& v : r.latent) n += v.size() * sizeof(float);
-    for (const auto& v : r.index_keys) n += v.size() * sizeof(float);
+    for (const PositionCache& c : r.latent) n += c.bytes();
+    for (const PositionCache& c : r.index_keys) n += c.bytes();
   }
   return n;
 }
@@ -76,7 +86,11 @@ Glm5State::RowSnapshot Glm5State::snapshot(int slot) const {
   const Row& r = row(slot);
   if (r.window > 0)
     fail("Glm5State: row slot ", slot, " has an uncommitted window of ", r.window, " tokens");
-  return {r.length, r.latent, r.index_keys};
+  RowSnapshot s;
+  s.length = r.length;
+  for (const PositionCache& c : r.latent) s.latent.push_back(c.to_host());
+  for (const PositionCache& c : r.index_keys) s.index_keys.push_back(c.to_host());
+  return s;
 }
 
 void Glm5State::restore(int slot, const RowSnapshot& s) {
@@ -92,17 +106,22 @@ void Glm5State::restore(int slot, const RowSnapshot& s) {
         (!idx.empty() && static_cast<int64_t>(idx.size()) != s.length * index_width_))
       fail("Glm5State: snapshot layer ", l, " does not hold ", s.length, " positions");
   }
-  std::vector<std::vector<float>> latent = s.latent, index_keys = s.index_keys;  // may throw
+  std::vector<PositionCache> latent = empty_caches(layers_, latent_width_),
+                             index_keys = empty_caches(layers_, index_width_);
+  for (size_t l = 0; l < latent.size(); ++l) {  // may throw (out of memory): r is still empty
+    latent[l].assign_host(s.latent[l]);
+    index_keys[l].assign_host(s.index_keys[l]);
+  }
   r.latent.swap(latent);
   r.index_keys.swap(index_keys);
   r.length = s.length;
 }
 
 void Glm5State::truncate(Row& r, int64_t length) const {
-  for (auto& v : r.latent)
-    if (!v.empty()) v.resize(static_cast<size_t>(length * latent_width_));
-  for (auto& v : r.index_keys)
-    if (!v.empty()) v.resize(static_cast<size_t>(length * index_width_));
+  for (PositionCache& c : r.latent)
+    if (c.length() > 0) c.truncate(length);
+  for (PositionCache& c : r.index_keys)
+    if (c.length() > 0) c.truncate(length);
   r.length = length;
 }
 

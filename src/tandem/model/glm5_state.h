@@ -1,4 +1,4 @@
-// The per-row caches of a GLM-5 model (Glm5Model), in host memory:
+// The per-row caches of a GLM-5 model (Glm5Model), in backend memory (PositionCache):
 //  - per decoder layer, the latent KV cache multi-head latent attention reads: per position the
 //    normed compressed key/value latent (kv_lora_rank values) then the rotated rotary key all
 //    heads share (qk_rope_head_dim values) — not per-head keys and values;
@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "tandem/model/glm5_config.h"
+#include "tandem/model/position_cache.h"
 
 namespace tandem {
 
@@ -33,8 +34,7 @@ class Glm5State {
   // Bytes the caches of all rows hold.
   uint64_t bytes() const;
 
-  // A row's caches at a length, copied out (a prefix cache's entry). Since the caches only grow
-  // and are never rewritten, any length up to the row's is a state the row had.
+  // A row's caches, copied out to host memory (a prefix cache's entry).
   struct RowSnapshot {
     int64_t length = 0;
     std::vector<std::vector<float>> latent, index_keys;  // [layer] -> [length, width]
@@ -52,8 +52,8 @@ class Glm5State {
     bool open = false;
     int64_t length = 0;
     int64_t window = 0;
-    std::vector<std::vector<float>> latent;      // [layer] -> [length, latent_width]
-    std::vector<std::vector<float>> index_keys;  // [layer] -> [length, index_width]; shared: empty
+    std::vector<PositionCache> latent;      // [layer] -> [length, latent_width]
+    std::vector<PositionCache> index_keys;  // [layer] -> [length, index_width]; shared: empty
   };
   Row& row(int slot);  // throws Error naming a slot that is out of range or not open
   const Row& row(int slot) const;

@@ -65,15 +65,15 @@ GlmMtpRows::GlmMtpRows(std::shared_ptr<const GlmMtpBlock> block, const TargetVie
 }
 
 std::unique_ptr<MtpRows::History> GlmMtpRows::new_history() {
-  return std::make_unique<LatentHistory>();
+  return std::make_unique<LatentHistory>(width_);
 }
 
 void GlmMtpRows::release_history(History& h) {
-  std::vector<float>().swap(static_cast<LatentHistory&>(h).latent);
+  static_cast<LatentHistory&>(h).latent.release();
 }
 
 void GlmMtpRows::truncate_history(History& h, int64_t length) {
-  static_cast<LatentHistory&>(h).latent.resize(static_cast<size_t>(length * width_));
+  static_cast<LatentHistory&>(h).latent.truncate(length);
 }
 
 int64_t GlmMtpRows::check_history(const Checkpoint& c) const {
@@ -89,18 +89,16 @@ int64_t GlmMtpRows::check_history(const Checkpoint& c) const {
 }
 
 std::unique_ptr<MtpRows::History> GlmMtpRows::restore_history(const Checkpoint& c, int64_t length) {
-  auto h = std::make_unique<LatentHistory>();
+  auto h = std::make_unique<LatentHistory>(width_);
   const std::vector<float>& latent = c.tensors.at("latent").data;
-  h->latent.assign(latent.begin(), latent.begin() + length * width_);
+  h->latent.assign_host(std::span<const float>(latent).first(static_cast<size_t>(length * width_)));
   return h;
 }
 
 void GlmMtpRows::save_history(const History& h, int64_t length, Checkpoint& c) const {
-  const std::vector<float>& latent = static_cast<const LatentHistory&>(h).latent;
-  TANDEM_CHECK(static_cast<int64_t>(latent.size()) >= length * width_);
+  const PositionCache& latent = static_cast<const LatentHistory&>(h).latent;
   c.metadata = nlohmann::json{{"hidden_size", H_}, {"latent_width", width_}};
-  c.tensors["latent"] =
-      CheckpointTensor{{length, width_}, {latent.begin(), latent.begin() + length * width_}};
+  c.tensors["latent"] = CheckpointTensor{{length, width_}, latent.to_host(length)};
 }
 
 void GlmMtpRows::forward_block(const float* embeds, const float* hidden,
@@ -114,8 +112,9 @@ void GlmMtpRows::forward_block(const float* embeds, const float* hidden,
     tokens.rows.push_back({tokens.T, counts[i], lengths[i]});
     for (int64_t j = 0; j < counts[i]; ++j) tokens.pos.push_back(lengths[i] + j);
     tokens.T += counts[i];
-    std::vector<float>& latent = static_cast<LatentHistory&>(*rows[i]).latent;
-    TANDEM_CHECK(static_cast<int64_t>(latent.size()) == lengths[i] * width_);
+    PositionCache& latent = static_cast<LatentHistory&>(*rows[i]).latent;
+    TANDEM_CHECK(latent.length() == lengths[i], "glm-mtp: a row's history holds ", latent.length(),
+                 " positions, its drafter ", lengths[i]);
     caches.push_back({&latent, nullptr});
   }
   block_->forward(embeds, hidden, tokens, caches, out);

@@ -54,7 +54,8 @@ class GlmMtpRows : public MtpRows {
 
  private:
   struct LatentHistory : History {
-    std::vector<float> latent;  // [rows, kv_lora_rank + qk_rope_head_dim]
+    explicit LatentHistory(int64_t width) : latent(width) {}
+    PositionCache latent;  // [rows, kv_lora_rank + qk_rope_head_dim]
   };
 
   std::shared_ptr<const GlmMtpBlock> block_;

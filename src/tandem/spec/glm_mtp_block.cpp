@@ -20,25 +20,26 @@ GlmMtpBlock::GlmMtpBlock(const Glm5Config& cfg, const WeightStore& store) : cfg_
   head_norm_ = t.tensor(p + "shared_head.norm.weight", {H});
   const bool sparse = store.find(p + "mlp.gate.weight") != nullptr;
   layer_ = bind_glm5_layer(t, cfg_, p, sparse, /*with_indexer=*/false, /*dsa=*/false);
-  inv_freq_ = rope_inv_freq(cfg_.rope_theta, cfg_.qk_rope_head_dim);
+  const std::vector<float> inv_freq = rope_inv_freq(cfg_.rope_theta, cfg_.qk_rope_head_dim);
+  inv_freq_.grow_to(static_cast<int64_t>(inv_freq.size()));
+  ops::copy_from_host(inv_freq_.data(), inv_freq.data(), sizeof(float) * inv_freq.size());
 }
 
 void GlmMtpBlock::forward(const float* embeds, const float* hidden, const Glm5Tokens& tokens,
                           std::span<const Glm5RowCache> caches, float* out) const {
   const int64_t T = tokens.T, H = cfg_.hidden_size;
   const float eps = static_cast<float>(cfg_.rms_norm_eps);
-  std::vector<float> cat(static_cast<size_t>(T * 2 * H));
-  std::vector<float> e(static_cast<size_t>(T * H)), h(static_cast<size_t>(T * H));
-  ops::rms_norm(embeds, T, H, enorm_, false, eps, e.data());
-  ops::rms_norm(hidden, T, H, hnorm_, false, eps, h.data());
-  ops::copy_rows(cat.data(), 2 * H, e.data(), H, T, H);
-  ops::copy_rows(cat.data() + H, 2 * H, h.data(), H, T, H);
-  std::vector<float> x(static_cast<size_t>(T * H));
-  ops::linear(cat.data(), T, eh_proj_, x.data());
-  std::vector<int32_t> selection;  // unused: the layer attends to every position
-  glm5_layer_forward(cfg_, layer_, inv_freq_.data(), tokens, caches, selection, x, nullptr,
+  for (Buffer<float>* b : {&e_, &h_, &x_}) b->grow_to(T * H);
+  cat_.grow_to(T * 2 * H);
+  ops::rms_norm(embeds, T, H, enorm_, false, eps, e_.data());
+  ops::rms_norm(hidden, T, H, hnorm_, false, eps, h_.data());
+  ops::copy_rows(cat_.data(), 2 * H, e_.data(), H, T, H);
+  ops::copy_rows(cat_.data() + H, 2 * H, h_.data(), H, T, H);
+  ops::linear(cat_.data(), T, eh_proj_, x_.data());
+  scratch_.prepare(cfg_, tokens);
+  glm5_layer_forward(cfg_, layer_, inv_freq_.data(), tokens, caches, scratch_, x_.data(), nullptr,
                      nullptr);
-  ops::rms_norm(x.data(), T, H, head_norm_, false, eps, out);
+  ops::rms_norm(x_.data(), T, H, head_norm_, false, eps, out);
 }
 
 }  // namespace tandem::spec

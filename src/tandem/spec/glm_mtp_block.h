@@ -6,7 +6,7 @@
 //                                                        DSA (every position), then its MLP
 //   out = shared_head.norm(x)                            what the target's head reads, and the
 //                                                        h of the next chained draft step
-// h is the target's final-normed hidden. Many rows go through one call. CPU backend so far.
+// h is the target's final-normed hidden. Many rows go through one call, on either backend.
 #pragma once
 
 #include <cstdint>
@@ -34,7 +34,7 @@ class GlmMtpBlock {
 
   // embeds, hidden: [T, H] (the target's raw embedding rows of the tokens, and the target's
   // hiddens), rows of `tokens` in order; each row's new positions are appended to its cache
-  // (caches[i].latent for tokens.rows[i]). out: [T, H].
+  // (caches[i].latent for tokens.rows[i]). out: [T, H]. All in backend memory.
   void forward(const float* embeds, const float* hidden, const Glm5Tokens& tokens,
                std::span<const Glm5RowCache> caches, float* out) const;
 
@@ -43,7 +43,10 @@ class GlmMtpBlock {
   std::unique_ptr<Glm5Tensors> tensors_;
   ops::WeightRef enorm_, hnorm_, eh_proj_, head_norm_;
   Glm5Layer layer_;
-  std::vector<float> inv_freq_;
+  Buffer<float> inv_freq_;
+  // A call's activations (backend memory), reused across calls.
+  mutable Glm5Scratch scratch_;
+  mutable Buffer<float> cat_, e_, h_, x_;
 };
 
 }  // namespace tandem::spec

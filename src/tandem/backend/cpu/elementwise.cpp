@@ -96,6 +96,10 @@ void add_inplace(float* x, const float* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) x[i] += y[i];
 }
 
+void scale(float* x, int64_t n, float s) {
+  for (int64_t i = 0; i < n; ++i) x[i] *= s;
+}
+
 void rope_slice(float* x, int64_t n_tokens, int64_t n_heads, int64_t head_stride, int64_t offset,
                 int64_t dim, const int64_t* positions, const float* inv_freq, bool interleaved) {
   TANDEM_CHECK(dim % 2 == 0 && offset >= 0 && offset + dim <= head_stride, "rope_slice: ", dim,

@@ -148,6 +148,11 @@ void gated_rms_norm(const float* x, const float* z, int64_t m, int64_t d, const 
 void swiglu(const float* gate, const float* up, int64_t n, float* out);
 void sigmoid_gate(float* x, const float* gate, int64_t n);
 void add_inplace(float* x, const float* y, int64_t n);
+void rope_slice(float* x, int64_t n_tokens, int64_t n_heads, int64_t head_stride, int64_t offset,
+                int64_t dim, const int64_t* positions, const float* inv_freq, bool interleaved);
+void layer_norm(const float* x, int64_t m, int64_t d, const ops::WeightRef& w,
+                const ops::WeightRef& b, float eps, float* y);
+void scale(float* x, int64_t n, float s);
 void rope(float* x, int64_t n_tokens, int64_t n_heads, int64_t head_dim, int64_t rotary_dim,
           const int64_t* positions, const float* inv_freq);
 void qk_norm_rope(const ops::QkNormRope& s, const float* qg, const ops::WeightRef& q_norm,

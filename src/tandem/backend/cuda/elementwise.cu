@@ -257,11 +257,13 @@ __device__ __forceinline__ void rotate_pair(float& a, float& b, float c, float s
   b = rb;
 }
 
-// One thread per (token, head, i < half) rotates the pair (i, i + half) of that head: the pairs
-// are disjoint, so the in-place update has one writer per element. The angle is fp32
+// One thread per (token, head, i < half) rotates pair i of the `2 · half` values at `offset` in
+// each head of head_stride values: (i, i + half), or (2i, 2i + 1) when interleaved. The pairs are
+// disjoint, so the in-place update has one writer per element. The angle is fp32
 // float(position) · inv_freq[i], as the CPU (and the reference) compute it.
-__global__ void rope_kernel(float* x, int64_t n_tokens, int64_t n_heads, int64_t head_dim,
-                            int64_t half, const int64_t* positions, const float* inv_freq) {
+__global__ void rope_kernel(float* x, int64_t n_tokens, int64_t n_heads, int64_t head_stride,
+                            int64_t offset, int64_t half, bool interleaved,
+                            const int64_t* positions, const float* inv_freq) {
   pdl_wait();
   pdl_release();
   const int64_t total = n_tokens * n_heads * half;
@@ -273,12 +275,49 @@ __global__ void rope_kernel(float* x, int64_t n_tokens, int64_t n_heads, int64_t
     const float angle = static_cast<float>(positions[t]) * inv_freq[i];
     const float c = cosf(angle);
     const float s = sinf(angle);
-    float* v = x + token_head * head_dim;
-    float a = v[i], b = v[i + half];
+    float* v = x + token_head * head_stride + offset;
+    const int64_t ia = interleaved ? 2 * i : i;
+    const int64_t ib = interleaved ? 2 * i + 1 : i + half;
+    float a = v[ia], b = v[ib];
     rotate_pair(a, b, c, s);
-    v[i] = a;
-    v[i + half] = b;
+    v[ia] = a;
+    v[ib] = b;
   }
+}
+
+// Grid: one block per row of x[m, d]. The mean, then the population variance, each summed in
+// double over thread-strided elements and block_sum's tree: an order fixed by d alone, so a
+// row's values never depend on m. y may alias x (each thread rewrites only what it read, after
+// both reductions' barriers).
+__global__ void __launch_bounds__(kNormThreads)
+    layer_norm_kernel(const float* x, int64_t d, const float* w, const float* b, float eps,
+                      float* y) {
+  pdl_wait();
+  pdl_release();
+  __shared__ double s_warp[kNormThreads / 32];
+  const float* xr = x + blockIdx.x * d;
+  float* yr = y + blockIdx.x * d;
+  double sum = 0.0;
+  for (int64_t i = threadIdx.x; i < d; i += kNormThreads) sum += xr[i];
+  const float mean = static_cast<float>(block_sum<kNormThreads>(sum, s_warp) / d);
+  __syncthreads();  // s_warp is reused
+  double sq = 0.0;
+  for (int64_t i = threadIdx.x; i < d; i += kNormThreads) {
+    const double c = static_cast<double>(xr[i] - mean);
+    sq += c * c;
+  }
+  const double var = block_sum<kNormThreads>(sq, s_warp) / d;
+  const float inv = static_cast<float>(1.0 / sqrt(var + static_cast<double>(eps)));
+  for (int64_t i = threadIdx.x; i < d; i += kNormThreads)
+    yr[i] = __fadd_rn(__fmul_rn(__fmul_rn(xr[i] - mean, inv), w[i]), b[i]);
+}
+
+__global__ void scale_kernel(float* x, int64_t n, float s) {
+  pdl_wait();
+  pdl_release();
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x)
+    x[i] *= s;
 }
 
 // Grid: one block per (token, head) over T × (n_heads + n_kv_heads): the query heads of a token,
@@ -501,16 +540,40 @@ void qk_norm_rope(const ops::QkNormRope& s, const float* qg, const ops::WeightRe
          s.zero_centred, s.eps, positions, inv_freq, kv);
 }
 
+void rope_slice(float* x, int64_t n_tokens, int64_t n_heads, int64_t head_stride, int64_t offset,
+                int64_t dim, const int64_t* positions, const float* inv_freq, bool interleaved) {
+  if (dim < 0 || dim % 2 != 0 || offset < 0 || offset + dim > head_stride)
+    fail("rope_slice: ", dim, " values at ", offset, " must be even and within heads of ",
+         head_stride);
+  if (n_tokens < 0 || n_heads < 0) fail("rope_slice: negative shape ", n_tokens, " x ", n_heads);
+  const int64_t half = dim / 2;
+  const int64_t total = n_tokens * n_heads * half;
+  if (total == 0) return;
+  launch("rope_slice", rope_kernel, grid_stride_blocks(total, kThreads), kThreads, 0, x, n_tokens,
+         n_heads, head_stride, offset, half, interleaved, positions, inv_freq);
+}
+
 void rope(float* x, int64_t n_tokens, int64_t n_heads, int64_t head_dim, int64_t rotary_dim,
           const int64_t* positions, const float* inv_freq) {
   if (rotary_dim < 0 || rotary_dim % 2 != 0 || rotary_dim > head_dim)
     fail("rope: rotary_dim ", rotary_dim, " must be even and within head_dim ", head_dim);
-  if (n_tokens < 0 || n_heads < 0) fail("rope: negative shape ", n_tokens, " x ", n_heads);
-  const int64_t half = rotary_dim / 2;
-  const int64_t total = n_tokens * n_heads * half;
-  if (total == 0) return;
-  launch("rope", rope_kernel, grid_stride_blocks(total, kThreads), kThreads, 0, x, n_tokens,
-         n_heads, head_dim, half, positions, inv_freq);
+  rope_slice(x, n_tokens, n_heads, head_dim, 0, rotary_dim, positions, inv_freq, false);
+}
+
+void layer_norm(const float* x, int64_t m, int64_t d, const ops::WeightRef& w,
+                const ops::WeightRef& b, float eps, float* y) {
+  check_f32_vector(w, d, "layer_norm", "weight");
+  check_f32_vector(b, d, "layer_norm", "bias");
+  if (m < 0 || d < 0) fail("layer_norm: negative shape ", m, " x ", d);
+  if (m == 0 || d == 0) return;
+  launch("layer_norm", layer_norm_kernel, grid_blocks(m, "layer_norm"), kNormThreads, 0, x, d,
+         static_cast<const float*>(w.data), static_cast<const float*>(b.data), eps, y);
+}
+
+void scale(float* x, int64_t n, float s) {
+  if (n < 0) fail("scale: negative size ", n);
+  if (n == 0) return;
+  launch("scale", scale_kernel, grid_stride_blocks(n, kThreads), kThreads, 0, x, n, s);
 }
 
 TANDEM_CUDA_TRACE_UNIT(elementwise)
