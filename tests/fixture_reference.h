@@ -67,4 +67,46 @@ inline int64_t expect_same_routing(const std::vector<int32_t>& got,
   return compared;
 }
 
+// Per token of a GLM-5 forward of n tokens: whether its choices are the fixture's: every sparse
+// layer's experts (routing [sparse, n, k]) and every layer's DSA choice (index [layers, n, topk]),
+// compared as sets, with transformers' padding of a short prefix (later positions, masked) left
+// out. A token's logits depend on the choices made at it and at every earlier token, so a
+// backend that rounds more than the reference (the GPU's bf16 product inputs) can be held to a
+// rounding tolerance exactly up to the first token where a discrete choice went the other way.
+inline std::vector<bool> glm5_choices_agree(const std::vector<int32_t>& routing,
+                                            const std::vector<int64_t>& want_routing,
+                                            const std::vector<int32_t>& index,
+                                            const std::vector<int64_t>& want_index,
+                                            int64_t sparse, int64_t layers, int64_t n, int64_t k,
+                                            int64_t topk) {
+  std::vector<bool> agree(static_cast<size_t>(n), false);
+  if (routing.size() != static_cast<size_t>(sparse * n * k) || want_routing.size() != routing.size() ||
+      index.size() != static_cast<size_t>(layers * n * topk) || want_index.size() != index.size())
+    return agree;
+  auto same_set = [](std::vector<int64_t> a, std::vector<int64_t> b) {
+    std::sort(a.begin(), a.end());
+    std::sort(b.begin(), b.end());
+    return a == b;
+  };
+  for (int64_t t = 0; t < n; ++t) {
+    bool ok = true;
+    for (int64_t l = 0; l < sparse && ok; ++l) {
+      const auto at = static_cast<size_t>((l * n + t) * k);
+      ok = same_set({routing.begin() + at, routing.begin() + at + k},
+                    {want_routing.begin() + at, want_routing.begin() + at + k});
+    }
+    for (int64_t l = 0; l < layers && ok; ++l) {
+      std::vector<int64_t> got, exp;
+      for (int64_t j = 0; j < topk; ++j) {
+        const auto at = static_cast<size_t>((l * n + t) * topk + j);
+        if (index[at] >= 0) got.push_back(index[at]);
+        if (want_index[at] >= 0 && want_index[at] <= t) exp.push_back(want_index[at]);
+      }
+      ok = same_set(got, exp);
+    }
+    agree[static_cast<size_t>(t)] = ok;
+  }
+  return agree;
+}
+
 }  // namespace tandem::testing

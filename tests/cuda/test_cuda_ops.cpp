@@ -49,6 +49,10 @@ using tandem::testing::uniform;
 
 constexpr double kLinearRel = 1e-3;
 constexpr double kNormRel = 1e-5;
+// The CPU's layer_norm sums the mean and the variance in fp32, the GPU in double: where a row's
+// mean is large next to its spread (these tests shift rows by up to 4), the CPU's centred values
+// carry up to ~1e-4 of relative error (measured on the H200: 8.9e-5 at d = 1024).
+constexpr double kLayerNormRel = 2e-4;
 constexpr double kElemRel = 1e-5;
 constexpr double kRopeRel = 1e-5;
 constexpr double kConvRel = 1e-5;
@@ -424,6 +428,13 @@ TEST_P(CudaLinearFp8, MatchesCpuAndIsBatchInvariant) {
     cuda::linear(dx.get() + row * p.k, 1, dev, one.get());
     EXPECT_TRUE(bitwise_equal(one.download(), slice(got, sz(row * p.n), sz(p.n)))) << "row " << row;
   }
+  // linear_add: the product added to y after its reduction (GLM-5's o_proj and down_proj).
+  const auto y0 = randn(sz(m * p.n), rng);
+  DeviceBuffer<float> dsum(y0);
+  cuda::linear_add(dx.get(), m, dev, dsum.get());
+  std::vector<float> want_sum = y0;
+  for (size_t i = 0; i < want_sum.size(); ++i) want_sum[i] += got[i];
+  EXPECT_TRUE(bitwise_equal(dsum.download(), want_sum)) << "linear_add";
 }
 
 // GLM-5's 128 x 128 blocks; blocks that split rows and columns unevenly; K not a multiple of 4
@@ -1080,6 +1091,91 @@ TEST_F(CudaOps, RopeMatchesCpuOnPartialRotaryAndScatteredPositions) {
       }
     EXPECT_EQ(changed, 0u) << what << ": dims past rotary_dim changed";
   }
+}
+
+// GLM-5's rotary embedding of a slice of each head: the rope of the attention's [nope | rope]
+// heads (offset 192 of 256), the latent cache's rotary key (offset 512 of 576), the indexer's
+// leading slice, in both pair layouts; every value outside the slice untouched.
+TEST_F(CudaOps, RopeSliceMatchesCpuInBothLayoutsAndTouchesOnlyTheSlice) {
+  struct Case {
+    int64_t tokens, heads, stride, offset, dim;
+  };
+  const Case cases[] = {{5, 16, 256, 192, 64}, {3, 1, 576, 512, 64}, {7, 4, 128, 0, 64},
+                        {1, 2, 48, 16, 32},    {9, 3, 24, 8, 16}};
+  const int64_t pos_pool[] = {7, 3, 1000, 0, 4095, 12, 13, 32767, 1};
+  std::mt19937 rng(67);
+  for (const Case& c : cases)
+    for (bool interleaved : {false, true}) {
+      std::vector<int64_t> pos(pos_pool, pos_pool + c.tokens);
+      const auto freq = inv_freq(1e4, c.dim);
+      const auto x = randn(sz(c.tokens * c.heads * c.stride), rng);
+      std::vector<float> want = x;
+      cpu::rope_slice(want.data(), c.tokens, c.heads, c.stride, c.offset, c.dim, pos.data(),
+                      freq.data(), interleaved);
+      DeviceBuffer<float> dx(x), dfreq(freq);
+      DeviceBuffer<int64_t> dpos(pos);
+      cuda::rope_slice(dx.get(), c.tokens, c.heads, c.stride, c.offset, c.dim, dpos.get(),
+                       dfreq.get(), interleaved);
+      const auto got = dx.download();
+      const std::string what = "stride " + std::to_string(c.stride) + " offset " +
+                               std::to_string(c.offset) + " dim " + std::to_string(c.dim) +
+                               (interleaved ? " interleaved" : " halves");
+      EXPECT_TRUE(near_blocks(got, want, sz(c.stride), kRopeRel)) << what;
+      size_t changed = 0;
+      for (int64_t v = 0; v < c.tokens * c.heads; ++v)
+        for (int64_t i = 0; i < c.stride; ++i) {
+          if (i >= c.offset && i < c.offset + c.dim) continue;
+          const size_t at = sz(v * c.stride + i);
+          changed += std::memcmp(&got[at], &x[at], sizeof(float)) != 0;
+        }
+      EXPECT_EQ(changed, 0u) << what << ": values outside the slice changed";
+    }
+  DeviceBuffer<float> dx(std::vector<float>(64, 1.0f));
+  EXPECT_THROW(cuda::rope_slice(dx.get(), 1, 1, 64, 40, 32, nullptr, nullptr, false), Error);
+  EXPECT_THROW(cuda::rope_slice(dx.get(), 1, 1, 64, 0, 7, nullptr, nullptr, false), Error);
+}
+
+// GLM-5's indexer key norm: near the CPU on rows of different scales and offsets, each row's bits
+// independent of the rows beside it, in place the same bits.
+TEST_F(CudaOps, LayerNormMatchesCpuAndRowsAreIndependent) {
+  std::mt19937 rng(71);
+  for (int64_t d : {128, 64, 37, 1024}) {
+    const F32Weight w = f32_weight(randn(sz(d), rng, 0.2f, 1.0f), 1, d);
+    const F32Weight b = f32_weight(randn(sz(d), rng, 0.1f, 0.0f), 1, d);
+    const int64_t m = 9;
+    auto x = norm_input(m, d, rng);
+    for (int64_t r = 0; r < m; ++r)  // a mean well away from 0
+      for (int64_t i = 0; i < d; ++i) x[sz(r * d + i)] += static_cast<float>(r) - 4.0f;
+    std::vector<float> want(x.size());
+    cpu::layer_norm(x.data(), m, d, w.host_ref(), b.host_ref(), 1e-6f, want.data());
+    DeviceBuffer<float> dx(x);
+    DeviceBuffer<float> dy = nan_buffer(x.size());
+    cuda::layer_norm(dx.get(), m, d, w.dev_ref(), b.dev_ref(), 1e-6f, dy.get());
+    const auto got = dy.download();
+    EXPECT_TRUE(near_blocks(got, want, sz(d), kLayerNormRel)) << "d " << d;
+    for (int64_t r : {int64_t(0), int64_t(5)}) {
+      DeviceBuffer<float> one = nan_buffer(sz(d));
+      cuda::layer_norm(dx.get() + r * d, 1, d, w.dev_ref(), b.dev_ref(), 1e-6f, one.get());
+      EXPECT_TRUE(bitwise_equal(one.download(), slice(got, sz(r * d), sz(d))))
+          << "row " << r << " alone, d " << d;
+    }
+    cuda::layer_norm(dx.get(), m, d, w.dev_ref(), b.dev_ref(), 1e-6f, dx.get());
+    EXPECT_TRUE(bitwise_equal(dx.download(), got)) << "in place, d " << d;
+  }
+  const F32Weight w = f32_weight(std::vector<float>(8, 1.0f), 1, 8);
+  DeviceBuffer<float> dx(std::vector<float>(8, 1.0f));
+  EXPECT_THROW(cuda::layer_norm(dx.get(), 1, 16, w.dev_ref(), w.dev_ref(), 1e-6f, dx.get()),
+               Error);
+}
+
+TEST_F(CudaOps, ScaleIsExact) {
+  std::mt19937 rng(73);
+  const auto x = randn(1000, rng);
+  std::vector<float> want = x;
+  cpu::scale(want.data(), static_cast<int64_t>(want.size()), 0.125f * 3.0f);
+  DeviceBuffer<float> dx(x);
+  cuda::scale(dx.get(), static_cast<int64_t>(x.size()), 0.125f * 3.0f);
+  EXPECT_TRUE(bitwise_equal(dx.download(), want));
 }
 
 // The fused query/key preparation gives the bits of its parts on the GPU (copy_rows, rms_norm,

@@ -87,6 +87,24 @@ ops::WeightRef WeightArena::vector(const ops::WeightRef& stored) {
   return w;
 }
 
+ops::WeightRef WeightArena::fp8_matrix(const ops::WeightRef& stored) {
+  TANDEM_CHECK(stored.dtype == DType::F8_E4M3 && stored.scales.data,
+               "fp8_matrix: an fp8 e4m3 matrix with block scales, got ", dtype_name(stored.dtype));
+  if (!on_cuda()) return stored;
+  ops::WeightRef w = stored;
+  void* codes = own(stored.bytes());
+  ops::copy_from_host(codes, stored.data, stored.bytes());
+  w.data = codes;
+  const ops::BlockScales& s = stored.scales;
+  const int64_t grid = ((stored.rows + s.block_rows - 1) / s.block_rows) *
+                       ((stored.cols + s.block_cols - 1) / s.block_cols);
+  const size_t scale_bytes = static_cast<size_t>(grid) * dtype_size(s.dtype);
+  void* scales = own(scale_bytes);
+  ops::copy_from_host(scales, s.data, scale_bytes);
+  w.scales.data = scales;
+  return w;
+}
+
 ops::WeightRef WeightArena::dequantized(const ops::QuantWeightRef& q) {
   if (!on_cuda()) fail("WeightArena::dequantized is for the CUDA backend");
   ops::WeightRef w;

@@ -17,6 +17,9 @@ class WeightArena {
  public:
   ops::WeightRef matrix(const ops::WeightRef& stored);
   ops::WeightRef vector(const ops::WeightRef& stored);
+  // An fp8 e4m3 matrix with its block scales, copied as stored (CUDA's ops::linear streams the
+  // codes and applies the scales itself); the CPU uses it in place.
+  ops::WeightRef fp8_matrix(const ops::WeightRef& stored);
   // A dense bf16 copy of an MLX-affine quantized matrix (CUDA); the CPU keeps quantized weights
   // quantized and never calls this.
   ops::WeightRef dequantized(const ops::QuantWeightRef& q);

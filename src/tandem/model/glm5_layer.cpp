@@ -24,7 +24,13 @@ bool is_float(DType t) {
 
 ops::WeightRef Glm5Tensors::tensor(const std::string& name, const std::vector<int64_t>& shape) {
   const ops::WeightRef w = stored(name, shape);
-  return shape.size() == 1 ? arena_.vector(w) : arena_.matrix(w);
+  if (shape.size() == 1) return arena_.vector(w);
+  return w.dtype == DType::F8_E4M3 ? arena_.fp8_matrix(w) : arena_.matrix(w);
+}
+
+ops::WeightRef Glm5Tensors::expert_tensor(const std::string& name,
+                                          const std::vector<int64_t>& shape) {
+  return arena_.matrix(stored(name, shape));
 }
 
 ops::WeightRef Glm5Tensors::widened(const std::string& name, const std::vector<int64_t>& shape) {
@@ -84,7 +90,7 @@ ops::MoeWeights Glm5Tensors::mixture(const std::string& p) {
   const Glm5Config& c = cfg_;
   const int64_t H = c.hidden_size, E = c.n_routed_experts, I = c.moe_intermediate_size;
   ops::MoeWeights m;
-  m.router = tensor(p + "gate.weight", {E, H});
+  m.router = expert_tensor(p + "gate.weight", {E, H});
   m.score_bias = widened(p + "gate.e_score_correction_bias", {E});
   m.routing = ops::MoeRouting::NoauxTc;
   m.top_k = c.num_experts_per_tok;
@@ -101,14 +107,14 @@ ops::MoeWeights Glm5Tensors::mixture(const std::string& p) {
   bind_routed_experts(
       ex, E, I, H, fused,
       [&](const std::string& name, const std::vector<int64_t>& shape) {
-        return tensor(name, shape);
+        return expert_tensor(name, shape);
       },
       &m);
   if (c.n_shared_experts > 0) {
     const int64_t Is = I * c.n_shared_experts;
-    m.shared_gate_proj = tensor(p + "shared_experts.gate_proj.weight", {Is, H});
-    m.shared_up_proj = tensor(p + "shared_experts.up_proj.weight", {Is, H});
-    m.shared_down_proj = tensor(p + "shared_experts.down_proj.weight", {H, Is});
+    m.shared_gate_proj = expert_tensor(p + "shared_experts.gate_proj.weight", {Is, H});
+    m.shared_up_proj = expert_tensor(p + "shared_experts.up_proj.weight", {Is, H});
+    m.shared_down_proj = expert_tensor(p + "shared_experts.down_proj.weight", {H, Is});
   }
   // The CUDA mixture reads every expert's gate/up rows and down rows as two stacked matrices;
   // the CPU reads the experts where they are stored.

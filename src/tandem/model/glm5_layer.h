@@ -48,6 +48,9 @@ class Glm5Tensors {
   std::vector<std::vector<float>> widened_;
   WeightArena arena_;
   ops::WeightRef stored(const std::string& name, const std::vector<int64_t>& shape);
+  // A mixture's matrix, placed as the backend's mixture kernels read it (bf16 on CUDA, fp8
+  // dequantised; in place on the CPU).
+  ops::WeightRef expert_tensor(const std::string& name, const std::vector<int64_t>& shape);
   ops::WeightRef widened(const ops::WeightRef& stored);
   uint64_t parameters_ = 0;
   uint64_t bytes_ = 0;

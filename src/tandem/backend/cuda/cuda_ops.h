@@ -88,7 +88,8 @@ bool prefill_mode();
 void linear(const float* x, int64_t m, const ops::WeightRef& w, float* y);
 // linear for fp8 e4m3 weights with block scales (linear_fp8.cu): weights decoded exactly and
 // scaled as the CPU does, fp32 activations and sums; batch-invariant. linear() routes fp8 here.
-void linear_fp8(const float* x, int64_t m, const ops::WeightRef& w, float* y);
+void linear_fp8(const float* x, int64_t m, const ops::WeightRef& w, float* y,
+                bool accumulate = false);
 // ops::dsa_select (dsa.cu).
 void dsa_select(const float* q, const float* w, int64_t n, int64_t heads, int64_t D,
                 const float* keys, int64_t ctx, const int64_t* pos, int64_t topk, int32_t* out);

@@ -1091,6 +1091,10 @@ void linear(const float* x, int64_t m, const ops::WeightRef& w, float* y) {
 
 void linear_add(const float* x, int64_t m, const ops::WeightRef& w, float* y,
                 const ops::GatedNorm* norm, const ops::WeightRef* prefetch) {
+  if (w.dtype == DType::F8_E4M3) {
+    if (norm) fail("linear_add: a gated input norm is not supported for fp8 weights");
+    return linear_fp8(x, m, w, y, /*accumulate=*/true);
+  }
   const ops::OutputSlice all{y, w.rows};
   const SplitOut out = split_out(&all, 1, w.rows, /*accumulate=*/true);
   if (m == 0 || w.rows == 0) return;

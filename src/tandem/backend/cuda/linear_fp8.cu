@@ -8,7 +8,8 @@
 // 128-byte line per warp and step), keeps one fp32 partial sum per input row in registers, and the
 // warp adds its 32 partials with a fixed butterfly. Each output's reduction order depends on K
 // alone, never on m or on the other rows, so rows are batch-invariant (DESIGN.md principle 2).
-// Rows go through in tiles of kRowTile; a tile re-reads the weight row from L2.
+// Rows go through in tiles of kRowTile; a tile re-reads the weight row from L2. With `accumulate`
+// the sum is added to y (linear_add), after the reduction, as the CPU adds it.
 #include <cuda_fp8.h>
 
 #include "tandem/backend/cuda/check.cuh"
@@ -36,7 +37,7 @@ __device__ __forceinline__ float scale_value(const void* scales, bool bf16, int6
 __global__ void linear_fp8_kernel(const float* __restrict__ x, int64_t m, int64_t K,
                                   const uint8_t* __restrict__ w, int64_t N, const void* scales,
                                   bool scales_bf16, int64_t block_rows, int64_t block_cols,
-                                  float* __restrict__ y) {
+                                  bool accumulate, float* __restrict__ y) {
   pdl_wait();
   pdl_release();
   const int lane = threadIdx.x & 31;
@@ -77,13 +78,16 @@ __global__ void linear_fp8_kernel(const float* __restrict__ x, int64_t m, int64_
     float s = acc[r];
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
-    if (lane == 0 && r < rows) y[(row0 + r) * N + n] = s;
+    if (lane == 0 && r < rows) {
+      float* out = y + (row0 + r) * N + n;
+      *out = accumulate ? *out + s : s;
+    }
   }
 }
 
 }  // namespace
 
-void linear_fp8(const float* x, int64_t m, const ops::WeightRef& w, float* y) {
+void linear_fp8(const float* x, int64_t m, const ops::WeightRef& w, float* y, bool accumulate) {
   if (w.dtype != DType::F8_E4M3) fail("linear_fp8: weight dtype ", dtype_name(w.dtype));
   const ops::BlockScales& s = w.scales;
   if (!s.data || s.block_rows < 1 || s.block_cols < 1)
@@ -95,7 +99,7 @@ void linear_fp8(const float* x, int64_t m, const ops::WeightRef& w, float* y) {
                   grid_blocks(ceil_div(m, kRowTile), "linear_fp8"));
   launch("linear_fp8", linear_fp8_kernel, grid, dim3(32 * kWarps), 0, x, m, w.cols,
          static_cast<const uint8_t*>(w.data), w.rows, s.data, s.dtype == DType::BF16, s.block_rows,
-         s.block_cols, y);
+         s.block_cols, accumulate, y);
 }
 
 }  // namespace tandem::cuda
