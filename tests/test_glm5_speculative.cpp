@@ -4,6 +4,7 @@
 // exactly the tokens of a plain decoding loop written here against the model alone.
 #include <gtest/gtest.h>
 
+#include <filesystem>
 #include <memory>
 #include <string>
 #include <tuple>
@@ -239,14 +240,108 @@ TEST(Glm5Engine, OptionsTheTargetCannotServeAreRefused) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("fixed KV pool"), std::string::npos) << e.what();
   }
-  eo.kv_blocks = 0;
-  eo.prefix_cache_bytes = 1 << 20;
-  eo.prefix_cache_dir = "/tmp";
-  try {
-    BatchEngine e(std::make_unique<Glm5EngineTarget>(*f.model, "x"), nullptr, eo);
-    ADD_FAILURE() << "a prefix-cache folder was accepted";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("no disk tier"), std::string::npos) << e.what();
+}
+
+// The prefix cache's disk tier: a clean shutdown writes every boundary, a restarted engine reads
+// the longest one back (target caches and the NextN drafter's checkpoint) and emits exactly what
+// plain decoding emits; files of another target identity, or damaged ones, are misses and are
+// removed; entries evicted under a small budget spill to the disk and come back from it.
+TEST(Glm5Engine, ARestartedEngineResumesFromTheDiskTier) {
+  const Glm5Fixture& f = fixture();
+  const auto drafter = spec::GlmMtpProvider::from_target(*f.view);
+  const ScratchDir scratch("glm5-disk");
+  const std::string dir = scratch.file("cache");
+  auto options = [&](bool persist) {
+    EngineOptions eo;
+    eo.spec.depth = 2;
+    eo.spec.prefill_chunk = 8;
+    eo.spec.health_probe = false;
+    eo.prefix_cache_bytes = size_t{64} << 20;
+    eo.prefix_cache_dir = dir;
+    eo.prefix_cache_persist = persist;
+    return eo;
+  };
+  auto serve = [&](BatchEngine& engine, const GenerateRequest& r) {
+    auto sink = std::make_shared<test::RecordingSink>();
+    EngineRequest er;
+    er.gen = r;
+    engine.submit(er, sink);
+    engine.run_to_completion();
+    return sink->tokens;
+  };
+  const std::vector<int32_t> shared = {3, 17, 22, 8, 8, 31, 29, 5, 37, 12, 30, 14, 2, 9, 9, 6};
+  GenerateRequest first, second;
+  first.prompt = shared;
+  first.prompt.insert(first.prompt.end(), {20, 30});
+  second.prompt = shared;
+  second.prompt.insert(second.prompt.end(), {21, 29, 4});
+  for (GenerateRequest* r : {&first, &second}) {
+    r->max_tokens = 12;
+    r->ignore_eos = true;
+  }
+  second.sampling.temperature = 0.7f;
+  second.sampling.seed = 3;
+  {
+    BatchEngine a(std::make_unique<Glm5EngineTarget>(*f.model, "glm5-spec-target"),
+                  drafter.get(), options(/*persist=*/true));
+    EXPECT_EQ(serve(a, first), plain_decode(*f.model, first));
+  }  // the shutdown writes the boundaries at 8 and 16
+  {
+    BatchEngine b(std::make_unique<Glm5EngineTarget>(*f.model, "glm5-spec-target"),
+                  drafter.get(), options(false));
+    EXPECT_EQ(serve(b, second), plain_decode(*f.model, second));
+    const EngineCounters c = b.counters();
+    EXPECT_EQ(c.prefix_disk_hits, 1);
+    EXPECT_EQ(c.prefix_tokens_reused, 16);
+  }
+  {
+    // Other weights (another artifact identity): nothing is used, the files are removed.
+    BatchEngine other(std::make_unique<Glm5EngineTarget>(*f.model, "glm5-other-weights"),
+                      drafter.get(), options(false));
+    EXPECT_EQ(serve(other, second), plain_decode(*f.model, second));
+    EXPECT_EQ(other.counters().prefix_tokens_reused, 0);
+    EXPECT_GT(other.counters().prefix_disk_removed, 0);
+  }
+  {
+    // A damaged file (cut short) is a miss and is removed.
+    {
+      BatchEngine a(std::make_unique<Glm5EngineTarget>(*f.model, "glm5-spec-target"),
+                    drafter.get(), options(true));
+      serve(a, first);
+    }
+    int64_t cut = 0;
+    for (const auto& e : std::filesystem::directory_iterator(dir)) {
+      std::filesystem::resize_file(e.path(), std::filesystem::file_size(e.path()) / 2);
+      ++cut;
+    }
+    ASSERT_GT(cut, 0);
+    BatchEngine b(std::make_unique<Glm5EngineTarget>(*f.model, "glm5-spec-target"),
+                  drafter.get(), options(false));
+    EXPECT_EQ(serve(b, second), plain_decode(*f.model, second));
+    EXPECT_EQ(b.counters().prefix_tokens_reused, 0);
+    EXPECT_EQ(b.counters().prefix_disk_removed, cut);
+  }
+  {
+    // A budget that holds the longer boundary only: the shorter is evicted to the disk while the
+    // engine runs, and a later request sharing only it reads it back.
+    EngineOptions small = options(false);
+    BatchEngine probe(std::make_unique<Glm5EngineTarget>(*f.model, "glm5-spec-target"), nullptr,
+                      small);
+    serve(probe, first);
+    // The boundaries at 8 and 16 tokens hold 1 and 2 parts of the total: room for the longer.
+    const auto total = static_cast<size_t>(probe.counters().prefix_bytes);
+    small.prefix_cache_bytes = total - total / 3 + 8;
+    BatchEngine c(std::make_unique<Glm5EngineTarget>(*f.model, "glm5-spec-target"), nullptr,
+                  small);
+    serve(c, first);
+    EXPECT_GT(c.counters().prefix_disk_writes, 0);
+    GenerateRequest third;
+    third.prompt = {shared.begin(), shared.begin() + 8};
+    third.prompt.insert(third.prompt.end(), {1, 2, 3});
+    third.max_tokens = 6;
+    third.ignore_eos = true;
+    EXPECT_EQ(serve(c, third), plain_decode(*f.model, third));
+    EXPECT_EQ(c.counters().prefix_tokens_reused, 8);
   }
 }
 

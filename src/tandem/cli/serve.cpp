@@ -109,10 +109,8 @@ void run_serve(const ServeArgs& a) {
                                 : static_cast<size_t>(a.prefix_cache_gib * double(1ull << 30));
   } else {
     // GLM-5's latent caches grow per row (no fixed pool); its prefix cache keeps copies of them
-    // in memory (256 MiB unless told), with no disk tier.
+    // (256 MiB unless told), spilling to --prefix-cache-dir when there is one.
     if (a.kv_memory_gib > 0) fail("--kv-memory: GLM-5's caches grow on demand (no fixed pool)");
-    if (!a.prefix_cache_dir.empty())
-      fail("--prefix-cache-dir: GLM-5's prefix cache has no disk tier yet");
     eo.prefix_cache_bytes = a.prefix_cache_gib < 0
                                 ? size_t{256} << 20
                                 : static_cast<size_t>(a.prefix_cache_gib * double(1ull << 30));

@@ -137,17 +137,16 @@ BatchEngine::BatchEngine(std::unique_ptr<EngineTarget> target, const spec::Draft
   }
   if (!options_.prefix_cache_dir.empty()) {
     if (!cache_) fail("a prefix-cache folder needs a prefix cache (its memory budget is 0)");
-    Qwen35State* paged = target_->paged_state();
-    auto* paged_cache = dynamic_cast<PrefixCache*>(cache_.get());
-    if (!paged || !paged_cache)
+    const std::optional<PrefixDiskLayout> layout = cache_->disk_layout();
+    if (!layout)
       fail("a prefix-cache folder is not supported for this target (its cache has no disk tier)");
     const std::string& identity = target_->view().identity();
     if (identity.empty())
       fail("a prefix-cache folder needs the target's artifact identity to key its files");
     disk_ = std::make_unique<PrefixDisk>(
         options_.prefix_cache_dir,
-        PrefixDiskKey{identity, options_.tokenizer_hash, paged->kv_scheme(), paged->kv_dtype()});
-    paged_cache->attach_disk(disk_.get());
+        PrefixDiskKey{identity, options_.tokenizer_hash, layout->kv_scheme, layout->kv_dtype});
+    cache_->attach_disk(disk_.get());
   }
   counters_.kv_blocks_total = options_.kv_blocks;
   counters_.prefix_max_bytes = static_cast<int64_t>(options_.prefix_cache_bytes);

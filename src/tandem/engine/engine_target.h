@@ -5,7 +5,7 @@
 // pool, layer-sliced prompt forwards, pipelined greedy steps, the prefix cache) and
 // Glm5EngineTarget (GLM-5: per-row latent caches that grow on demand; prompt forwards run
 // whole). Capabilities a target lacks are refused by name (set_fixed_pool, open_prefix_cache) or
-// reported (pipelines_greedy, paged_state).
+// reported (pipelines_greedy).
 #pragma once
 
 #include <cstddef>
@@ -19,8 +19,6 @@
 #include "tandem/spec/draft.h"
 
 namespace tandem {
-
-class Qwen35State;
 
 class EngineTarget {
  public:
@@ -72,8 +70,6 @@ class EngineTarget {
   virtual bool prompt_matches_decode() const = 0;
   // A prefix cache over this target's state (PrefixStore) with a byte budget; null: none.
   virtual std::unique_ptr<PrefixStore> open_prefix_cache(size_t /*max_bytes*/) { return nullptr; }
-  // The paged state a prefix cache's disk tier keys its files by; null: no disk tier.
-  virtual Qwen35State* paged_state() { return nullptr; }
 };
 
 }  // namespace tandem

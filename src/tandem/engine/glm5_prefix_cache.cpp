@@ -3,6 +3,7 @@
 #include <xxhash.h>
 
 #include <algorithm>
+#include <cstring>
 
 #include "tandem/core/error.h"
 
@@ -31,6 +32,24 @@ uint64_t Glm5PrefixCache::find(std::span<const int32_t> tokens) const {
 
 PrefixHit Glm5PrefixCache::lookup(std::span<const int32_t> prompt, const std::string& draft_ns,
                                   bool adopt_other) {
+  PrefixHit hit = lookup_memory(prompt, draft_ns, adopt_other);
+  if (!disk_) return hit;
+  // A longer prefix on disk: read it back, then look again (its attachment may not suit).
+  const PrefixDisk::Found found = disk_->find(prompt, hit.tokens);
+  if (found.tokens == 0) return hit;
+  std::optional<PrefixRecord> r = disk_->read(found.path);
+  if (!r) return hit;
+  // Loading may evict entries (the memory hit among them): look again either way.
+  const bool loaded = load(std::move(*r));
+  if (!loaded) disk_->remove(found.path);
+  disk_loads_ += loaded;
+  PrefixHit again = lookup_memory(prompt, draft_ns, adopt_other);
+  again.from_disk = loaded && again.tokens == found.tokens;
+  return again;
+}
+
+PrefixHit Glm5PrefixCache::lookup_memory(std::span<const int32_t> prompt,
+                                         const std::string& draft_ns, bool adopt_other) {
   // Saved lengths, longest first, that leave at least one prompt token to prefill.
   for (auto l = lengths_.rbegin(); l != lengths_.rend(); ++l) {
     const int64_t len = l->first;
@@ -79,7 +98,13 @@ bool Glm5PrefixCache::insert(std::span<const int32_t> tokens, int slot, spec::Ch
   }
   Entry e;
   e.row = state_.snapshot(slot);
-  e.bytes = e.row.bytes() + checkpoint_bytes(draft.get());
+  e.tokens.assign(tokens.begin(), tokens.end());
+  e.draft = std::move(draft);
+  return add(std::move(e));
+}
+
+bool Glm5PrefixCache::add(Entry e) {
+  e.bytes = e.row.bytes() + checkpoint_bytes(e.draft.get());
   if (e.bytes > max_bytes_) return false;
   while (bytes_ + e.bytes > max_bytes_ && !entries_.empty()) {
     uint64_t oldest = 0, when = UINT64_MAX;
@@ -90,21 +115,72 @@ bool Glm5PrefixCache::insert(std::span<const int32_t> tokens, int slot, spec::Ch
       }
     evict(oldest);
   }
-  e.tokens.assign(tokens.begin(), tokens.end());
-  e.draft = std::move(draft);
   e.last_use = ++clock_;
   const uint64_t id = next_id_++;
   bytes_ += e.bytes;
-  ++lengths_[length];
-  by_hash_.emplace(hash_tokens(tokens), id);
+  ++lengths_[static_cast<int64_t>(e.tokens.size())];
+  by_hash_.emplace(hash_tokens(e.tokens), id);
   entries_.emplace(id, std::move(e));
   return true;
+}
+
+std::optional<PrefixDiskLayout> Glm5PrefixCache::disk_layout() const {
+  return PrefixDiskLayout{state_.layout(), DType::F32};
+}
+
+PrefixRecord Glm5PrefixCache::record(const Entry& e) {
+  PrefixRecord r;
+  r.tokens = e.tokens;
+  r.kv_dtype = DType::F32;
+  auto bytes_of = [](const std::vector<float>& v) {
+    const auto* p = reinterpret_cast<const std::byte*>(v.data());
+    return std::vector<std::byte>(p, p + v.size() * sizeof(float));
+  };
+  for (size_t l = 0; l < e.row.latent.size(); ++l) {
+    r.keys.push_back(bytes_of(e.row.latent[l]));
+    r.values.push_back(bytes_of(e.row.index_keys[l]));
+  }
+  r.draft = e.draft;
+  return r;
+}
+
+bool Glm5PrefixCache::load(PrefixRecord r) {
+  if (find(r.tokens) || r.tokens.empty() || r.keys.size() != r.values.size() ||
+      !r.linear.empty() || r.kv_dtype != DType::F32)
+    return false;
+  if (r.draft && r.draft->processed_tokens != static_cast<int64_t>(r.tokens.size())) return false;
+  Entry e;
+  e.row.length = static_cast<int64_t>(r.tokens.size());
+  auto floats_of = [](const std::vector<std::byte>& b, std::vector<float>* out) {
+    if (b.size() % sizeof(float) != 0) return false;
+    out->resize(b.size() / sizeof(float));
+    if (!b.empty()) std::memcpy(out->data(), b.data(), b.size());
+    return true;
+  };
+  e.row.latent.resize(r.keys.size());
+  e.row.index_keys.resize(r.values.size());
+  for (size_t l = 0; l < r.keys.size(); ++l)
+    if (!floats_of(r.keys[l], &e.row.latent[l]) || !floats_of(r.values[l], &e.row.index_keys[l]))
+      return false;
+  // Shapes against this state's layout (the file's key already names it): restore checks the
+  // same before it changes a row, so a file that passes here restores.
+  if (!state_.fits(e.row)) return false;
+  e.tokens = std::move(r.tokens);
+  e.draft = std::move(r.draft);
+  return add(std::move(e));
+}
+
+void Glm5PrefixCache::persist_all() {
+  if (!disk_) return;
+  for (const auto& [id, e] : entries_) disk_writes_ += disk_->write(record(e));
 }
 
 void Glm5PrefixCache::evict(uint64_t id) {
   auto it = entries_.find(id);
   TANDEM_CHECK(it != entries_.end(), "prefix cache: no entry ", id);
   const Entry& e = it->second;
+  // The disk tier keeps what memory lets go (a failed write only loses the entry, as without it).
+  if (disk_) disk_writes_ += disk_->write(record(e));
   const auto [lo, hi] = by_hash_.equal_range(hash_tokens(e.tokens));
   for (auto h = lo; h != hi; ++h)
     if (h->second == id) {
@@ -124,6 +200,13 @@ PrefixCacheStats Glm5PrefixCache::stats() const {
   s.evictions = evictions_;
   s.bytes = bytes_;
   s.max_bytes = max_bytes_;
+  if (disk_) {
+    s.disk_files = disk_->files();
+    s.disk_removed = disk_->removed();
+    s.disk_bytes = disk_->bytes();
+  }
+  s.disk_writes = disk_writes_;
+  s.disk_loads = disk_loads_;
   return s;
 }
 

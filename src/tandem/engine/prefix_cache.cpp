@@ -280,6 +280,10 @@ bool PrefixCache::load(PrefixRecord&& r) {
   return add_entry(std::move(e), own);
 }
 
+std::optional<PrefixDiskLayout> PrefixCache::disk_layout() const {
+  return PrefixDiskLayout{state_.kv_scheme(), state_.kv_dtype()};
+}
+
 void PrefixCache::persist_all() {
   if (!disk_) return;
   for (const auto& [id, e] : entries_) disk_writes_ += disk_->write(record(e));

@@ -73,7 +73,8 @@ class PrefixCache final : public PrefixStore {
 
   // The disk tier (may be null; must outlive the cache): evicted entries are written to it, and
   // lookups read longer prefixes back from it.
-  void attach_disk(PrefixDisk* disk) { disk_ = disk; }
+  std::optional<PrefixDiskLayout> disk_layout() const override;
+  void attach_disk(PrefixDisk* disk) override { disk_ = disk; }
   // Writes every entry to the disk tier (a server shutting down with --prefix-cache-persist).
   void persist_all() override;
 

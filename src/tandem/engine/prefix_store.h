@@ -5,13 +5,24 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
 
+#include "tandem/core/dtype.h"
 #include "tandem/spec/checkpoint.h"
 
 namespace tandem {
+
+class PrefixDisk;
+
+// How a store's files on a disk tier are laid out: part of the key they are written under, so a
+// file is only ever read back into a state of the same shape.
+struct PrefixDiskLayout {
+  std::string kv_scheme;        // the state's layout, in words
+  DType kv_dtype = DType::F32;  // how the per-layer sections store their elements
+};
 
 struct PrefixCacheStats {
   int64_t entries = 0;
@@ -55,6 +66,11 @@ class PrefixStore {
   // Evicts entries (never `keep`) until a fixed KV pool has `blocks` free blocks; returns
   // whether it has. A state without a fixed pool has nothing to make room in.
   virtual bool make_room(int64_t /*blocks*/, uint64_t /*keep*/ = 0) { return false; }
+  // The layout of this store's disk files; nullopt when it has no disk tier.
+  virtual std::optional<PrefixDiskLayout> disk_layout() const { return std::nullopt; }
+  // Spills evicted entries to `disk` (opened under disk_layout(); must outlive the store) and
+  // reads longer prefixes back from it. Only called when disk_layout() has a value.
+  virtual void attach_disk(PrefixDisk* /*disk*/) {}
   // Writes every entry to a disk tier, where there is one (a server shutting down).
   virtual void persist_all() {}
   virtual PrefixCacheStats stats() const = 0;

@@ -56,7 +56,6 @@ class QwenEngineTarget final : public EngineTarget {
 
   bool prompt_matches_decode() const override { return ops::prefill_matches_decode(); }
   std::unique_ptr<PrefixStore> open_prefix_cache(size_t max_bytes) override;
-  Qwen35State* paged_state() override { return &state_; }
 
  private:
   const Qwen35Model& model_;

@@ -20,6 +20,14 @@ Glm5State::Glm5State(const Glm5Config& cfg, int max_rows)
       layers_(cfg.num_hidden_layers),
       grows_(max_rows == 0) {
   if (max_rows < 0) fail("Glm5State: max_rows must be >= 0, got ", max_rows);
+  layout_ = "glm5 caches=f32 layers=" + std::to_string(layers_) +
+            " latent=" + std::to_string(latent_width_) + " index=" + std::to_string(index_width_) +
+            " indexed=";
+  for (int64_t l = 0; l < layers_; ++l) {
+    const auto i = static_cast<size_t>(l);
+    indexed_.push_back(i >= cfg.shared_index_layers.size() || !cfg.shared_index_layers[i]);
+    layout_ += indexed_.back() ? '1' : '0';
+  }
   rows_.resize(static_cast<size_t>(max_rows));
 }
 
@@ -96,16 +104,9 @@ Glm5State::RowSnapshot Glm5State::snapshot(int slot) const {
 void Glm5State::restore(int slot, const RowSnapshot& s) {
   Row& r = row(slot);
   if (r.length != 0 || r.window != 0) fail("Glm5State: row slot ", slot, " is not empty");
-  if (static_cast<int64_t>(s.latent.size()) != layers_ ||
-      static_cast<int64_t>(s.index_keys.size()) != layers_)
-    fail("Glm5State: a snapshot of ", s.latent.size(), " layers for a state of ", layers_);
-  for (int64_t l = 0; l < layers_; ++l) {
-    const auto& lat = s.latent[static_cast<size_t>(l)];
-    const auto& idx = s.index_keys[static_cast<size_t>(l)];
-    if (static_cast<int64_t>(lat.size()) != s.length * latent_width_ ||
-        (!idx.empty() && static_cast<int64_t>(idx.size()) != s.length * index_width_))
-      fail("Glm5State: snapshot layer ", l, " does not hold ", s.length, " positions");
-  }
+  if (!fits(s))
+    fail("Glm5State: a snapshot of ", s.latent.size(), " layers and ", s.length,
+         " positions does not fit this state's layout (", layout_, ")");
   std::vector<PositionCache> latent = empty_caches(layers_, latent_width_),
                              index_keys = empty_caches(layers_, index_width_);
   for (size_t l = 0; l < latent.size(); ++l) {  // may throw (out of memory): r is still empty
@@ -115,6 +116,20 @@ void Glm5State::restore(int slot, const RowSnapshot& s) {
   r.latent.swap(latent);
   r.index_keys.swap(index_keys);
   r.length = s.length;
+}
+
+bool Glm5State::fits(const RowSnapshot& s) const {
+  if (s.length < 1 || static_cast<int64_t>(s.latent.size()) != layers_ ||
+      static_cast<int64_t>(s.index_keys.size()) != layers_)
+    return false;
+  for (int64_t l = 0; l < layers_; ++l) {
+    const auto i = static_cast<size_t>(l);
+    const int64_t index_width = indexed_[i] ? index_width_ : 0;
+    if (static_cast<int64_t>(s.latent[i].size()) != s.length * latent_width_ ||
+        static_cast<int64_t>(s.index_keys[i].size()) != s.length * index_width)
+      return false;
+  }
+  return true;
 }
 
 void Glm5State::truncate(Row& r, int64_t length) const {

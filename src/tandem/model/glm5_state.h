@@ -10,6 +10,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "tandem/model/glm5_config.h"
@@ -33,6 +34,9 @@ class Glm5State {
   int64_t window(int slot) const;
   // Bytes the caches of all rows hold.
   uint64_t bytes() const;
+  // The caches' layout in words (widths, layers, which layers keep index keys): what a saved
+  // snapshot must match to be restored into this state.
+  const std::string& layout() const { return layout_; }
 
   // A row's caches, copied out to host memory (a prefix cache's entry).
   struct RowSnapshot {
@@ -45,6 +49,9 @@ class Glm5State {
   // Starts the open, empty row `slot` from a snapshot taken of a state with the same layout;
   // throws Error (changing nothing) otherwise.
   void restore(int slot, const RowSnapshot& s);
+  // Whether a snapshot has this state's layout: a latent cache for every layer and index keys
+  // for exactly the layers that keep them, each holding s.length positions.
+  bool fits(const RowSnapshot& s) const;
 
  private:
   friend class Glm5Model;
@@ -64,6 +71,8 @@ class Glm5State {
   int64_t index_width_ = 0;   // index_head_dim
   int64_t layers_ = 0;
   bool grows_ = false;  // constructed with max_rows = 0
+  std::string layout_;
+  std::vector<bool> indexed_;  // per layer: it keeps index keys (runs its own indexer)
   std::vector<Row> rows_;
 };
 
