@@ -233,6 +233,32 @@ TEST(Cli, BenchWindowRollback) {
                "--rollback must be replay or per-position");
 }
 
+// bench on a GLM-5 checkpoint: plain runs through the engine, decode steps, verify windows, the
+// NextN draft step where the checkpoint has the layer (the demo) and none where it has not (the
+// bf16 fixture), a long prefill; bytes per step of its weights and latent caches.
+TEST(Cli, BenchMeasuresAGlm5Checkpoint) {
+  const std::string demo = std::string(TANDEM_SOURCE_DIR) + "/models/glm5-demo";
+  const std::string quick = kQuickBench + " --long-prefill 16";
+  const CliRun r = run("bench --model " + demo + quick, false);
+  ASSERT_EQ(r.code, 0) << r.out;
+  const auto j = nlohmann::json::parse(r.out);
+  EXPECT_GT(j["decode_tokens_per_second"]["median"].get<double>(), 0.0);
+  EXPECT_GT(j["decode_step_seconds"]["median"].get<double>(), 0.0);
+  EXPECT_GT(j["verify_windows"][0]["relative_to_decode_step"].get<double>(), 0.0);
+  EXPECT_EQ(j["mtp_draft_weights"], "checkpoint");
+  EXPECT_GT(j["mtp_draft_step_seconds"]["median"].get<double>(), 0.0);
+  EXPECT_GT(j["long_prefill_tokens_per_second"].get<double>(), 0.0);
+  EXPECT_FALSE(j.contains("long_prefill_tflops"));  // not counted for GLM-5
+  EXPECT_GT(j["decode_bytes_per_step"].get<double>(), j["decode_weight_bytes"].get<double>());
+  EXPECT_GT(j["parameters"].get<double>(), 1e6);
+
+  const CliRun f = run("bench --model " + kFixtures + "/glm5_bf16" + kQuickBench, false);
+  ASSERT_EQ(f.code, 0) << f.out;
+  const auto k = nlohmann::json::parse(f.out);
+  EXPECT_GT(k["decode_step_seconds"]["median"].get<double>(), 0.0);
+  EXPECT_FALSE(k.contains("mtp_draft_weights")) << f.out;
+}
+
 TEST(Cli, BadArgumentsAndInputs) {
   const std::string m = kFixtures + "/qwen35_tied";
   expect_error(run("generate --model /nonexistent/dir --token-ids 1"), "/nonexistent/dir");

@@ -125,6 +125,35 @@ TEST_F(Glm5ModelTest, LoadsFusedPerExpertAndFp8Checkpoints) {
 
 // Decoding one token at a time and one decode-form forward over all of them give bitwise the
 // same logits (batch invariance); the prompt form agrees within fp32 rounding.
+// What bench counts as a decode step's weight reads: every stored tensor of the target's layers,
+// the final norm and the head, with kv_b read as the fp32 copy the model keeps and the routers'
+// correction biases (E values) left out, and of the routed experts the top-k share a token reads;
+// the embedding table not at all (untied head). The union a batch touches needs all experts.
+TEST_F(Glm5ModelTest, DecodeWeightBytesAreTheTensorsAStepReads) {
+  for (const char* layout : {"fused", "per_expert"}) {
+    const auto m = Glm5Model::load(path(layout));
+    const Glm5Config& c = m->config();
+    uint64_t dense = 0, experts = 0;
+    for (const std::string& name : m->weights().names()) {
+      const TensorView& t = m->weights().get(name);
+      if (name == "model.embed_tokens.weight" ||
+          name.find("e_score_correction_bias") != std::string::npos)
+        continue;
+      uint64_t bytes = t.nbytes;
+      if (name.find("kv_b_proj") != std::string::npos) bytes = static_cast<uint64_t>(t.numel()) * 4;
+      if (name.find(".mlp.experts.") != std::string::npos)
+        experts += bytes;
+      else
+        dense += bytes;
+    }
+    ASSERT_GT(experts, 0u) << layout;
+    EXPECT_EQ(m->expert_weight_bytes(), experts) << layout;
+    const uint64_t per_token = experts / static_cast<uint64_t>(c.n_routed_experts) *
+                               static_cast<uint64_t>(c.num_experts_per_tok);
+    EXPECT_EQ(m->decode_weight_bytes(), dense + per_token) << layout;
+  }
+}
+
 TEST_F(Glm5ModelTest, DecodeStepsAreBitwiseOneForwardAndNearThePromptForm) {
   for (const char* name : {"fused", "fp8"}) {
     SCOPED_TRACE(name);

@@ -5,6 +5,7 @@
 
 #include "tandem/core/error.h"
 #include "tandem/model/gated_attention.h"
+#include "tandem/model/moe_weights.h"
 
 namespace tandem {
 
@@ -149,6 +150,24 @@ void Glm5Model::forward(Glm5State& st, const ForwardRequest& req, ForwardOutput*
     ops::copy_to_host(out->argmax.data(), w.argmax.data(), sizeof(int32_t) * rows);
   }
   if (req.want_logits) to_host(out->logits, w.logits.data(), rows * V);
+}
+
+uint64_t Glm5Model::decode_weight_bytes() const {
+  uint64_t n = final_norm_.bytes() + lm_head_.bytes();
+  for (const Glm5Layer& L : layers_)
+    for_each_glm5_layer_weight(L, [&](const ops::WeightRef& w) { n += w.bytes(); });
+  const uint64_t experts = expert_weight_bytes();
+  if (experts > 0)
+    n -= experts - experts / static_cast<uint64_t>(cfg_.n_routed_experts) *
+                       static_cast<uint64_t>(cfg_.num_experts_per_tok);
+  return n;
+}
+
+uint64_t Glm5Model::expert_weight_bytes() const {
+  uint64_t n = 0;
+  for (const Glm5Layer& L : layers_)
+    if (L.sparse) n += moe_expert_bytes(L.moe);
+  return n;
 }
 
 void Glm5Model::commit_windows(Glm5State& st, std::span<const RowKeep> rows) const {

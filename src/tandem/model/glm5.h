@@ -71,6 +71,13 @@ class Glm5Model {
 
   // Weights of the target (embedding, layers, final norm, head; not the NextN layer).
   uint64_t parameter_count() const { return tensors_->parameters(); }
+  // Bytes of weights, as placed for the backend, one decode step of one row reads: every layer's
+  // attention, indexer and MLP (of a mixture, the top-k experts a token is routed to), the final
+  // norm and the head; not the embedding table, of which a step reads one row per token.
+  uint64_t decode_weight_bytes() const;
+  // Bytes of all routed experts of all layers: a step of several rows reads the union of the
+  // experts its tokens are routed to.
+  uint64_t expert_weight_bytes() const;
 
  private:
   Glm5Config cfg_;

@@ -122,6 +122,16 @@ ops::MoeWeights Glm5Tensors::mixture(const std::string& p) {
   return m;
 }
 
+void for_each_glm5_layer_weight(const Glm5Layer& L,
+                                const std::function<void(const ops::WeightRef&)>& fn) {
+  for (const ops::WeightRef* w :
+       {&L.input_norm, &L.post_norm, &L.q_a_proj, &L.q_a_norm, &L.q_b_proj, &L.kv_a_proj,
+        &L.kv_a_norm, &L.kv_b_proj, &L.o_proj, &L.index_wq_b, &L.index_wk, &L.index_k_norm,
+        &L.index_k_norm_bias, &L.index_weights_proj, &L.gate_proj, &L.up_proj, &L.down_proj})
+    fn(*w);
+  if (L.sparse) for_each_moe_matrix(L.moe, fn);
+}
+
 Glm5Layer bind_glm5_layer(Glm5Tensors& t, const Glm5Config& c, const std::string& p, bool sparse,
                           bool with_indexer, bool dsa) {
   const int64_t H = c.hidden_size, nh = c.num_attention_heads;

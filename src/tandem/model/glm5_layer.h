@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <string>
 #include <vector>
@@ -71,6 +72,11 @@ struct Glm5Layer {
   ops::WeightRef gate_proj, up_proj, down_proj;  // dense
   ops::MoeWeights moe;                           // sparse
 };
+
+// fn(ref) on every weight the layer holds (empty refs where it has none): norms, attention,
+// indexer, then its dense MLP or, through for_each_moe_matrix, its mixture.
+void for_each_glm5_layer_weight(const Glm5Layer& L,
+                                const std::function<void(const ops::WeightRef&)>& fn);
 
 // The layer under prefix ("model.layers.{i}."): with_indexer binds its indexer; dsa = false
 // makes it attend to every position.
