@@ -259,6 +259,48 @@ TEST(Cli, BenchMeasuresAGlm5Checkpoint) {
   EXPECT_FALSE(k.contains("mtp_draft_weights")) << f.out;
 }
 
+// make-random-model writes checkpoints the loaders take: GLM-5 in the fp8 layout (e4m3 matrices
+// with the config's block scales, the embedding bf16) when asked for fp8 with a config that has a
+// quantization_config, and an error naming what is missing otherwise.
+TEST(Cli, MakeRandomModelWritesGlm5Fp8Checkpoints) {
+  ScratchDir dir("cli-random-glm5");
+  nlohmann::json c = nlohmann::json::parse(R"({
+    "architectures": ["GlmMoeDsaForCausalLM"], "model_type": "glm_moe_dsa",
+    "vocab_size": 64, "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,
+    "num_hidden_layers": 2, "num_attention_heads": 2, "q_lora_rank": 32, "kv_lora_rank": 32,
+    "qk_nope_head_dim": 16, "qk_rope_head_dim": 16, "v_head_dim": 16, "n_routed_experts": 4,
+    "num_experts_per_tok": 2, "n_shared_experts": 1, "n_group": 1, "topk_group": 1,
+    "routed_scaling_factor": 2.0, "first_k_dense_replace": 1, "index_topk": 4,
+    "index_head_dim": 32, "index_n_heads": 2, "num_nextn_predict_layers": 1, "eos_token_id": 1})");
+  write_text(dir.file("plain.json"), c.dump());
+  c["quantization_config"] = {{"quant_method", "fp8"},
+                              {"fmt", "e4m3"},
+                              {"activation_scheme", "dynamic"},
+                              {"weight_block_size", {16, 16}}};
+  write_text(dir.file("fp8.json"), c.dump());
+  expect_error(run("make-random-model --config " + dir.file("plain.json") + " --out " +
+                   dir.file("m0") + " --dtype fp8"),
+               "quantization_config");
+  expect_error(run("make-random-model --config " + dir.file("fp8.json") + " --out " +
+                   dir.file("m1") + " --dtype fp4"),
+               "--dtype must be f32, bf16 or f16 or fp8");
+  const CliRun w = run("make-random-model --config " + dir.file("fp8.json") + " --out " +
+                           dir.file("m") + " --dtype fp8",
+                       false);
+  ASSERT_EQ(w.code, 0) << w.out;
+  const auto f = tandem::SafetensorsFile::open(dir.file("m") + "/model.safetensors");
+  ASSERT_NE(f->find("model.layers.0.self_attn.q_a_proj.weight"), nullptr);
+  EXPECT_EQ(f->find("model.layers.0.self_attn.q_a_proj.weight")->dtype, tandem::DType::F8_E4M3);
+  EXPECT_NE(f->find("model.layers.0.self_attn.q_a_proj.weight_scale_inv"), nullptr);
+  EXPECT_EQ(f->find("model.embed_tokens.weight")->dtype, tandem::DType::BF16);
+  const CliRun g = run("generate --model " + dir.file("m") +
+                           " --token-ids 3,5,7,9,11,13 --max-tokens 6 --ignore-eos --json "
+                           "--draft mtp --depth 2",
+                       false);
+  ASSERT_EQ(g.code, 0) << g.out;
+  EXPECT_EQ(nlohmann::json::parse(g.out)["tokens"].size(), 6u);
+}
+
 TEST(Cli, BadArgumentsAndInputs) {
   const std::string m = kFixtures + "/qwen35_tied";
   expect_error(run("generate --model /nonexistent/dir --token-ids 1"), "/nonexistent/dir");

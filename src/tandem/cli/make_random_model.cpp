@@ -21,7 +21,10 @@ void add_make_random_model_command(CLI::App& app) {
                                      "(Qwen3.5 dense or MoE, or GLM-5)");
   sub->add_option("--config", a->config, "config.json giving the shape")->required();
   sub->add_option("--out", a->out, "Output directory")->required();
-  sub->add_option("--dtype", a->dtype, "f32, bf16 or f16 (GLM-5 also fp8: e4m3 with block scales)")
+  sub->add_option("--dtype", a->dtype,
+                  "f32, bf16 or f16; GLM-5 also fp8 (e4m3 matrices with the block scales of the "
+                  "config's quantization_config, which also a 16-bit dtype follows, the other "
+                  "tensors bf16)")
       ->capture_default_str();
   sub->add_option("--seed", a->seed, "Random seed")->capture_default_str();
   sub->add_flag("--per-expert-tensors", a->per_expert,
@@ -31,9 +34,15 @@ void add_make_random_model_command(CLI::App& app) {
     const nlohmann::json cfg = read_json_file(a->config);
     const bool glm = cfg.is_object() && cfg.value("model_type", std::string()) == "glm_moe_dsa";
     DType t;
-    if (a->dtype == "fp8" && glm)
-      t = DType::F8_E4M3;
-    else if (a->dtype == "f32")
+    if (a->dtype == "fp8" && glm) {
+      // The layout the published fp8 release has: its block size comes from the config, the
+      // tensors that stay in 16 bits (embedding, head, router, norms) are bf16.
+      if (!cfg.contains("quantization_config"))
+        fail("--dtype fp8: ", a->config,
+             " has no quantization_config (the fp8 block size, e.g. \"weight_block_size\": "
+             "[128, 128]); add it, or choose f32, bf16 or f16");
+      t = DType::BF16;
+    } else if (a->dtype == "f32")
       t = DType::F32;
     else if (a->dtype == "bf16")
       t = DType::BF16;

@@ -1,5 +1,6 @@
 #include "tandem/core/dtype.h"
 
+#include <array>
 #include <cmath>
 #include <limits>
 
@@ -83,18 +84,24 @@ float fp8_e4m3_to_f32(uint8_t v) {
 }
 
 uint8_t f32_to_fp8_e4m3(float f) {
+  // Codes 0x00..0x7e are the non-negative finite values in increasing order: take the nearest.
+  static const std::array<float, 0x7f> kValues = [] {
+    std::array<float, 0x7f> v{};
+    for (int c = 0; c < 0x7f; ++c)
+      v[static_cast<size_t>(c)] = fp8_e4m3_to_f32(static_cast<uint8_t>(c));
+    return v;
+  }();
   if (std::isnan(f)) return 0x7f;
   const uint8_t sign = std::signbit(f) ? 0x80 : 0x00;
   const float a = std::fabs(f);
-  // Codes 0x00..0x7e are the non-negative finite values in increasing order: take the nearest.
   int lo = 0, hi = 0x7e;
-  if (a >= fp8_e4m3_to_f32(0x7e)) return static_cast<uint8_t>(sign | 0x7e);
+  if (a >= kValues[0x7e]) return static_cast<uint8_t>(sign | 0x7e);
   while (hi - lo > 1) {
     const int mid = (lo + hi) / 2;
-    (fp8_e4m3_to_f32(static_cast<uint8_t>(mid)) <= a ? lo : hi) = mid;
+    (kValues[static_cast<size_t>(mid)] <= a ? lo : hi) = mid;
   }
-  const float dl = a - fp8_e4m3_to_f32(static_cast<uint8_t>(lo));
-  const float dh = fp8_e4m3_to_f32(static_cast<uint8_t>(hi)) - a;
+  const float dl = a - kValues[static_cast<size_t>(lo)];
+  const float dh = kValues[static_cast<size_t>(hi)] - a;
   const int code = dl < dh ? lo : dh < dl ? hi : (lo % 2 == 0 ? lo : hi);
   return static_cast<uint8_t>(sign | code);
 }

@@ -1,6 +1,7 @@
 // Tensors of random values for the random-weight writers (model/qwen3_5_random, model/glm5_random,
-// spec/eagle3_random): uniform draws from one stream, in the order tensors are added, stored in
-// the writer's dtype and handed to write_safetensors as they are.
+// spec/eagle3_random): each tensor keyed by one draw from a seeded stream, in the order tensors
+// are added, its elements a counter-based function of (key, index) (filled on all threads),
+// stored in the writer's dtype and handed to write_safetensors as they are.
 #pragma once
 
 #include <cstddef>
@@ -22,7 +23,7 @@ struct RandomTensors {
 
   RandomTensors(DType t, uint64_t seed) : dtype(t), rng(seed) {}
 
-  // n draws from U(lo, hi).
+  // n values uniform in [lo, hi), keyed by the stream's next draw.
   std::vector<float> uniform(int64_t n, float lo, float hi);
   // A tensor of the given bytes.
   void put(const std::string& name, DType t, std::vector<int64_t> shape,
