@@ -76,11 +76,11 @@ inline int64_t expect_same_routing(const std::vector<int32_t>& got,
 inline std::vector<bool> glm5_choices_agree(const std::vector<int32_t>& routing,
                                             const std::vector<int64_t>& want_routing,
                                             const std::vector<int32_t>& index,
-                                            const std::vector<int64_t>& want_index,
-                                            int64_t sparse, int64_t layers, int64_t n, int64_t k,
-                                            int64_t topk) {
+                                            const std::vector<int64_t>& want_index, int64_t sparse,
+                                            int64_t layers, int64_t n, int64_t k, int64_t topk) {
   std::vector<bool> agree(static_cast<size_t>(n), false);
-  if (routing.size() != static_cast<size_t>(sparse * n * k) || want_routing.size() != routing.size() ||
+  if (routing.size() != static_cast<size_t>(sparse * n * k) ||
+      want_routing.size() != routing.size() ||
       index.size() != static_cast<size_t>(layers * n * topk) || want_index.size() != index.size())
     return agree;
   auto same_set = [](std::vector<int64_t> a, std::vector<int64_t> b) {

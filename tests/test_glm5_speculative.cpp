@@ -282,13 +282,13 @@ TEST(Glm5Engine, ARestartedEngineResumesFromTheDiskTier) {
   second.sampling.temperature = 0.7f;
   second.sampling.seed = 3;
   {
-    BatchEngine a(std::make_unique<Glm5EngineTarget>(*f.model, "glm5-spec-target"),
-                  drafter.get(), options(/*persist=*/true));
+    BatchEngine a(std::make_unique<Glm5EngineTarget>(*f.model, "glm5-spec-target"), drafter.get(),
+                  options(/*persist=*/true));
     EXPECT_EQ(serve(a, first), plain_decode(*f.model, first));
   }  // the shutdown writes the boundaries at 8 and 16
   {
-    BatchEngine b(std::make_unique<Glm5EngineTarget>(*f.model, "glm5-spec-target"),
-                  drafter.get(), options(false));
+    BatchEngine b(std::make_unique<Glm5EngineTarget>(*f.model, "glm5-spec-target"), drafter.get(),
+                  options(false));
     EXPECT_EQ(serve(b, second), plain_decode(*f.model, second));
     const EngineCounters c = b.counters();
     EXPECT_EQ(c.prefix_disk_hits, 1);
@@ -305,8 +305,8 @@ TEST(Glm5Engine, ARestartedEngineResumesFromTheDiskTier) {
   {
     // A damaged file (cut short) is a miss and is removed.
     {
-      BatchEngine a(std::make_unique<Glm5EngineTarget>(*f.model, "glm5-spec-target"),
-                    drafter.get(), options(true));
+      BatchEngine a(std::make_unique<Glm5EngineTarget>(*f.model, "glm5-spec-target"), drafter.get(),
+                    options(true));
       serve(a, first);
     }
     int64_t cut = 0;
@@ -315,8 +315,8 @@ TEST(Glm5Engine, ARestartedEngineResumesFromTheDiskTier) {
       ++cut;
     }
     ASSERT_GT(cut, 0);
-    BatchEngine b(std::make_unique<Glm5EngineTarget>(*f.model, "glm5-spec-target"),
-                  drafter.get(), options(false));
+    BatchEngine b(std::make_unique<Glm5EngineTarget>(*f.model, "glm5-spec-target"), drafter.get(),
+                  options(false));
     EXPECT_EQ(serve(b, second), plain_decode(*f.model, second));
     EXPECT_EQ(b.counters().prefix_tokens_reused, 0);
     EXPECT_EQ(b.counters().prefix_disk_removed, cut);
@@ -331,8 +331,7 @@ TEST(Glm5Engine, ARestartedEngineResumesFromTheDiskTier) {
     // The boundaries at 8 and 16 tokens hold 1 and 2 parts of the total: room for the longer.
     const auto total = static_cast<size_t>(probe.counters().prefix_bytes);
     small.prefix_cache_bytes = total - total / 3 + 8;
-    BatchEngine c(std::make_unique<Glm5EngineTarget>(*f.model, "glm5-spec-target"), nullptr,
-                  small);
+    BatchEngine c(std::make_unique<Glm5EngineTarget>(*f.model, "glm5-spec-target"), nullptr, small);
     serve(c, first);
     EXPECT_GT(c.counters().prefix_disk_writes, 0);
     GenerateRequest third;

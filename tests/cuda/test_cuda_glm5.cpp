@@ -301,8 +301,7 @@ TEST_P(CudaGlm5Lossless, SpeculativeEqualsPlainDecodingBatched) {
 
 INSTANTIATE_TEST_SUITE_P(Drafters, CudaGlm5Lossless,
                          ::testing::Combine(::testing::Values("mtp", "ngram"),
-                                            ::testing::Values(1, 3),
-                                            ::testing::Values(0.0f, 0.7f)),
+                                            ::testing::Values(1, 3), ::testing::Values(0.0f, 0.7f)),
                          [](const ::testing::TestParamInfo<Case>& i) {
                            return std::get<0>(i.param) + "_depth" +
                                   std::to_string(std::get<1>(i.param)) + "_T" +

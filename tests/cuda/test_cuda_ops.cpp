@@ -1100,8 +1100,11 @@ TEST_F(CudaOps, RopeSliceMatchesCpuInBothLayoutsAndTouchesOnlyTheSlice) {
   struct Case {
     int64_t tokens, heads, stride, offset, dim;
   };
-  const Case cases[] = {{5, 16, 256, 192, 64}, {3, 1, 576, 512, 64}, {7, 4, 128, 0, 64},
-                        {1, 2, 48, 16, 32},    {9, 3, 24, 8, 16}};
+  const Case cases[] = {{5, 16, 256, 192, 64},
+                        {3, 1, 576, 512, 64},
+                        {7, 4, 128, 0, 64},
+                        {1, 2, 48, 16, 32},
+                        {9, 3, 24, 8, 16}};
   const int64_t pos_pool[] = {7, 3, 1000, 0, 4095, 12, 13, 32767, 1};
   std::mt19937 rng(67);
   for (const Case& c : cases)
@@ -1164,8 +1167,7 @@ TEST_F(CudaOps, LayerNormMatchesCpuAndRowsAreIndependent) {
   }
   const F32Weight w = f32_weight(std::vector<float>(8, 1.0f), 1, 8);
   DeviceBuffer<float> dx(std::vector<float>(8, 1.0f));
-  EXPECT_THROW(cuda::layer_norm(dx.get(), 1, 16, w.dev_ref(), w.dev_ref(), 1e-6f, dx.get()),
-               Error);
+  EXPECT_THROW(cuda::layer_norm(dx.get(), 1, 16, w.dev_ref(), w.dev_ref(), 1e-6f, dx.get()), Error);
 }
 
 TEST_F(CudaOps, ScaleIsExact) {

@@ -153,8 +153,8 @@ Spread time_steps(const Model& model, const NewState& new_state, int batch, int6
 // block over each row's pending token plus the target head, and its commit) with `provider`'s
 // layer (the checkpoint's own, or a random one). The rows first hold `context` tokens of target
 // hiddens.
-Spread time_mtp_step(const spec::TargetView& target, const spec::DraftProvider& provider,
-                     int64_t H, int batch, int64_t context, int repeats) {
+Spread time_mtp_step(const spec::TargetView& target, const spec::DraftProvider& provider, int64_t H,
+                     int batch, int64_t context, int repeats) {
   auto rows = provider.open_rows(target);
   std::vector<spec::CheckpointPtr> cold(static_cast<size_t>(batch));
   rows->append(cold);
@@ -341,9 +341,10 @@ Measured measure_qwen(const BenchArgs& a, DType kv_dtype, const std::vector<int6
   if (a.long_prefill > 0) {
     std::fprintf(stderr, "bench: timing a %lld-token prefill\n",
                  static_cast<long long>(a.long_prefill));
-    m.long_prefill =
-        time_prefill(*model, [&] { return std::make_unique<Qwen35State>(cfg, Qwen35State::kDefaultRollback, kv_dtype); },
-                     a.long_prefill, m.long_chunk, std::max(1, a.repeats / 2));
+    m.long_prefill = time_prefill(
+        *model,
+        [&] { return std::make_unique<Qwen35State>(cfg, Qwen35State::kDefaultRollback, kv_dtype); },
+        a.long_prefill, m.long_chunk, std::max(1, a.repeats / 2));
   }
   // Matrix FLOPs of a prefill token: 2 per weight of every projection (the head runs once per
   // row, not per token); attention's QK/PV add 4·ctx·heads·head_dim per layer on average ctx/2.
@@ -365,10 +366,10 @@ Measured measure_qwen(const BenchArgs& a, DType kv_dtype, const std::vector<int6
   const Qwen35State probe(cfg);
   const double state_bytes_per_row =
       2.0 * static_cast<double>(probe.linear_state_floats()) * sizeof(float);
-  m.weight_bytes = batch_weight_bytes(
-      static_cast<double>(model->decode_weight_bytes()),
-      static_cast<double>(model->expert_weight_bytes()), cfg.num_experts_per_tok,
-      std::max<int64_t>(cfg.num_experts, 1), a.batch);
+  m.weight_bytes =
+      batch_weight_bytes(static_cast<double>(model->decode_weight_bytes()),
+                         static_cast<double>(model->expert_weight_bytes()), cfg.num_experts_per_tok,
+                         std::max<int64_t>(cfg.num_experts, 1), a.batch);
   m.step_bytes = m.weight_bytes + a.batch * (kv_bytes_per_row + state_bytes_per_row);
   m.state_bytes = "KV (" + a.kv_dtype + ") + recurrent state in and out";
   return m;
@@ -409,20 +410,21 @@ Measured measure_glm5(const BenchArgs& a, const std::vector<int64_t>& windows, b
   for (int64_t k : windows)
     m.windows.push_back(time_steps(model, new_state, a.batch, k, a.step_context, a.step_repeats,
                                    step_logits, a.keep_all));
-  const std::string nextn = "model.layers." + std::to_string(cfg.num_hidden_layers) + ".eh_proj.weight";
+  const std::string nextn =
+      "model.layers." + std::to_string(cfg.num_hidden_layers) + ".eh_proj.weight";
   if (cfg.num_nextn_predict_layers > 0 && model.weights().find(nextn)) {
     m.mtp_weights = "checkpoint";
     std::fprintf(stderr, "bench: timing the NextN draft step\n");
     const auto provider = spec::GlmMtpProvider::from_target(*target.view);
-    m.mtp_step = time_mtp_step(*target.view, *provider, cfg.hidden_size, a.batch,
-                               a.step_context, a.step_repeats);
+    m.mtp_step = time_mtp_step(*target.view, *provider, cfg.hidden_size, a.batch, a.step_context,
+                               a.step_repeats);
   }
   m.long_chunk = a.long_prefill_chunk > 0 ? a.long_prefill_chunk : a.long_prefill;
   if (a.long_prefill > 0) {
     std::fprintf(stderr, "bench: timing a %lld-token prefill\n",
                  static_cast<long long>(a.long_prefill));
-    m.long_prefill = time_prefill(model, new_state, a.long_prefill, m.long_chunk,
-                                  std::max(1, a.repeats / 2));
+    m.long_prefill =
+        time_prefill(model, new_state, a.long_prefill, m.long_chunk, std::max(1, a.repeats / 2));
   }
   // A step reads, per row and layer, the latent entries its attention reads (the DSA choice's
   // index_topk positions once the prefix is longer) and, where the layer runs its indexer, every
@@ -435,10 +437,10 @@ Measured measure_glm5(const BenchArgs& a, const std::vector<int64_t>& windows, b
     if (!cfg.shared_index_layers[static_cast<size_t>(l)])
       row_bytes += mean_ctx * static_cast<double>(cfg.index_head_dim) * 4.0;
   }
-  m.weight_bytes = batch_weight_bytes(
-      static_cast<double>(model.decode_weight_bytes()),
-      static_cast<double>(model.expert_weight_bytes()), cfg.num_experts_per_tok,
-      std::max<int64_t>(cfg.n_routed_experts, 1), a.batch);
+  m.weight_bytes =
+      batch_weight_bytes(static_cast<double>(model.decode_weight_bytes()),
+                         static_cast<double>(model.expert_weight_bytes()), cfg.num_experts_per_tok,
+                         std::max<int64_t>(cfg.n_routed_experts, 1), a.batch);
   m.step_bytes = m.weight_bytes + a.batch * row_bytes;
   m.state_bytes = "latent caches and index keys read";
   return m;
@@ -502,8 +504,8 @@ void report(const BenchArgs& a, const std::vector<int64_t>& windows, const Measu
       "setup            batch %d, prompt %lld tokens, %lld generated, %d threads, %d runs\n",
       a.batch, static_cast<long long>(a.prompt_tokens), static_cast<long long>(a.gen_tokens),
       ops::thread_count(), a.repeats);
-  std::printf("prefill          %.1f tok/s (min %.1f, max %.1f)\n", m.prefill.median,
-              m.prefill.min, m.prefill.max);
+  std::printf("prefill          %.1f tok/s (min %.1f, max %.1f)\n", m.prefill.median, m.prefill.min,
+              m.prefill.max);
   std::printf("decode           %.1f tok/s (min %.1f, max %.1f)\n", m.decode.median, m.decode.min,
               m.decode.max);
   std::printf("memory           %.2f GB/s measured\n", m.bandwidth / 1e9);
@@ -527,8 +529,8 @@ void report(const BenchArgs& a, const std::vector<int64_t>& windows, const Measu
   if (a.long_prefill > 0) {
     std::printf("prefill %lld      %.1f tok/s (%.3f s, min %.3f, max %.3f)",
                 static_cast<long long>(a.long_prefill),
-                static_cast<double>(a.long_prefill) / m.long_prefill.median,
-                m.long_prefill.median, m.long_prefill.min, m.long_prefill.max);
+                static_cast<double>(a.long_prefill) / m.long_prefill.median, m.long_prefill.median,
+                m.long_prefill.min, m.long_prefill.max);
     if (m.prefill_flops > 0)
       std::printf(", %.1f TFLOP/s", m.prefill_flops / m.long_prefill.median / 1e12);
     std::printf(", chunk %lld\n", static_cast<long long>(m.long_chunk));

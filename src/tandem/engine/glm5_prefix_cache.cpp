@@ -145,8 +145,8 @@ PrefixRecord Glm5PrefixCache::record(const Entry& e) {
 }
 
 bool Glm5PrefixCache::load(PrefixRecord r) {
-  if (find(r.tokens) || r.tokens.empty() || r.keys.size() != r.values.size() ||
-      !r.linear.empty() || r.kv_dtype != DType::F32)
+  if (find(r.tokens) || r.tokens.empty() || r.keys.size() != r.values.size() || !r.linear.empty() ||
+      r.kv_dtype != DType::F32)
     return false;
   if (r.draft && r.draft->processed_tokens != static_cast<int64_t>(r.tokens.size())) return false;
   Entry e;

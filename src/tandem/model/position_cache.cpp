@@ -42,8 +42,9 @@ std::vector<float> PositionCache::to_host(int64_t length) const {
 void PositionCache::assign_host(std::span<const float> values) {
   TANDEM_CHECK(width_ > 0 || values.empty(), "PositionCache::assign_host: entries of width 0");
   const int64_t n = width_ > 0 ? static_cast<int64_t>(values.size()) / width_ : 0;
-  TANDEM_CHECK(n * width_ == static_cast<int64_t>(values.size()), "PositionCache::assign_host: ",
-               values.size(), " values are not whole entries of ", width_);
+  TANDEM_CHECK(n * width_ == static_cast<int64_t>(values.size()),
+               "PositionCache::assign_host: ", values.size(), " values are not whole entries of ",
+               width_);
   if (n * width_ > entries_.size()) entries_.grow_to(n * width_);
   if (n > 0) ops::copy_from_host(entries_.data(), values.data(), sizeof(float) * values.size());
   length_ = n;
