@@ -226,10 +226,10 @@ Spread time_prefill(const Model& model, const NewState& new_state, int64_t n, in
   return spread(times);
 }
 
-// Prefill and decode throughput over the runs (the first a warm-up): `run` generates a batch
-// and returns its stats.
-template <class Run>
-void time_runs(const BenchArgs& a, int64_t vocab, const Run& run, Spread* prefill_tps,
+// Prefill and decode throughput over the runs (the first a warm-up) of `gen` (a Generator or a
+// SpeculativeGenerator) on random prompts.
+template <class Gen>
+void time_runs(const BenchArgs& a, int64_t vocab, Gen& gen, Spread* prefill_tps,
                Spread* decode_tps) {
   std::vector<double> prefill, decode;
   for (int r = 0; r <= a.repeats; ++r) {  // run 0 is a warm-up
@@ -242,7 +242,8 @@ void time_runs(const BenchArgs& a, int64_t vocab, const Run& run, Spread* prefil
       q.max_tokens = a.gen_tokens;
       q.ignore_eos = true;
     }
-    const GenerateStats st = run(reqs);
+    GenerateStats st;
+    gen.run(reqs, {}, &st);
     if (r == 0) continue;
     prefill.push_back(st.prefill_tokens_per_second());
     decode.push_back(st.decode_tokens_per_second());
@@ -278,6 +279,26 @@ double batch_weight_bytes(double decode_weight_bytes, double expert_bytes, int64
   return decode_weight_bytes + (touched - share) * expert_bytes;
 }
 
+double measure_bandwidth() {
+  std::fprintf(stderr, "bench: measuring memory bandwidth on %s\n",
+               ops::device_description().c_str());
+  return ops::memory_bandwidth();
+}
+
+// The forward costs per shape into m: the decode step of the batch, and each verify window.
+template <class Model, class NewState>
+void time_forwards(const BenchArgs& a, const Model& model, const NewState& new_state,
+                   const std::vector<int64_t>& windows, bool step_logits, Measured* m) {
+  std::fprintf(stderr,
+               "bench: timing decode steps and verify windows (context %lld, %s to the host)\n",
+               static_cast<long long>(a.step_context), a.step_output.c_str());
+  m->step = time_steps(model, new_state, a.batch, 1, a.step_context, a.step_repeats, step_logits,
+                       a.keep_all);
+  for (int64_t k : windows)
+    m->windows.push_back(time_steps(model, new_state, a.batch, k, a.step_context, a.step_repeats,
+                                    step_logits, a.keep_all));
+}
+
 Measured measure_qwen(const BenchArgs& a, DType kv_dtype, const std::vector<int64_t>& windows,
                       bool step_logits, RecurrentRollback rollback) {
   Measured m;
@@ -295,30 +316,14 @@ Measured measure_qwen(const BenchArgs& a, DType kv_dtype, const std::vector<int6
   const Qwen35Config& cfg = model->config();
   m.parameters = model->parameter_count();
 
-  std::fprintf(stderr, "bench: measuring memory bandwidth on %s\n",
-               ops::device_description().c_str());
-  m.bandwidth = ops::memory_bandwidth();
+  m.bandwidth = measure_bandwidth();
 
   Generator gen(*model, kPrefillChunkTokens, kv_dtype);
-  time_runs(
-      a, cfg.vocab_size,
-      [&](const std::vector<GenerateRequest>& reqs) {
-        GenerateStats st;
-        gen.run(reqs, {}, &st);
-        return st;
-      },
-      &m.prefill, &m.decode);
+  time_runs(a, cfg.vocab_size, gen, &m.prefill, &m.decode);
 
-  // Forward costs per shape, each relative to the decode step of the same batch.
-  std::fprintf(stderr,
-               "bench: timing decode steps and verify windows (context %lld, %s to the host)\n",
-               static_cast<long long>(a.step_context), a.step_output.c_str());
-  const auto new_state = [&] { return std::make_unique<Qwen35State>(cfg, rollback, kv_dtype); };
-  m.step = time_steps(*model, new_state, a.batch, 1, a.step_context, a.step_repeats, step_logits,
-                      a.keep_all);
-  for (int64_t k : windows)
-    m.windows.push_back(time_steps(*model, new_state, a.batch, k, a.step_context, a.step_repeats,
-                                   step_logits, a.keep_all));
+  time_forwards(
+      a, *model, [&] { return std::make_unique<Qwen35State>(cfg, rollback, kv_dtype); }, windows,
+      step_logits, &m);
   // The MTP drafter's round cost, where the config declares the layer: the checkpoint's own
   // (skipped when its tensors are absent), or a random one beside a random-weight model.
   const spec::QwenTargetView target(*model, "bench");
@@ -385,31 +390,15 @@ Measured measure_glm5(const BenchArgs& a, const std::vector<int64_t>& windows, b
   const Glm5Model& model = *target.glm;
   const Glm5Config& cfg = model.config();
   m.parameters = model.parameter_count();
-  std::fprintf(stderr, "bench: measuring memory bandwidth on %s\n",
-               ops::device_description().c_str());
-  m.bandwidth = ops::memory_bandwidth();
+  m.bandwidth = measure_bandwidth();
 
   SpecOptions plain;
   plain.depth = 0;
   SpeculativeGenerator gen(target.engine_target(DType::F32), cfg.vocab_size, nullptr, plain);
-  time_runs(
-      a, cfg.vocab_size,
-      [&](const std::vector<GenerateRequest>& reqs) {
-        GenerateStats st;
-        gen.run(reqs, {}, &st);
-        return st;
-      },
-      &m.prefill, &m.decode);
+  time_runs(a, cfg.vocab_size, gen, &m.prefill, &m.decode);
 
-  std::fprintf(stderr,
-               "bench: timing decode steps and verify windows (context %lld, %s to the host)\n",
-               static_cast<long long>(a.step_context), a.step_output.c_str());
   const auto new_state = [&] { return std::make_unique<Glm5State>(cfg, 0); };
-  m.step = time_steps(model, new_state, a.batch, 1, a.step_context, a.step_repeats, step_logits,
-                      a.keep_all);
-  for (int64_t k : windows)
-    m.windows.push_back(time_steps(model, new_state, a.batch, k, a.step_context, a.step_repeats,
-                                   step_logits, a.keep_all));
+  time_forwards(a, model, new_state, windows, step_logits, &m);
   const std::string nextn =
       "model.layers." + std::to_string(cfg.num_hidden_layers) + ".eh_proj.weight";
   if (cfg.num_nextn_predict_layers > 0 && model.weights().find(nextn)) {

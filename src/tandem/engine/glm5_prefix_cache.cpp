@@ -32,20 +32,9 @@ uint64_t Glm5PrefixCache::find(std::span<const int32_t> tokens) const {
 
 PrefixHit Glm5PrefixCache::lookup(std::span<const int32_t> prompt, const std::string& draft_ns,
                                   bool adopt_other) {
-  PrefixHit hit = lookup_memory(prompt, draft_ns, adopt_other);
-  if (!disk_) return hit;
-  // A longer prefix on disk: read it back, then look again (its attachment may not suit).
-  const PrefixDisk::Found found = disk_->find(prompt, hit.tokens);
-  if (found.tokens == 0) return hit;
-  std::optional<PrefixRecord> r = disk_->read(found.path);
-  if (!r) return hit;
-  // Loading may evict entries (the memory hit among them): look again either way.
-  const bool loaded = load(std::move(*r));
-  if (!loaded) disk_->remove(found.path);
-  disk_loads_ += loaded;
-  PrefixHit again = lookup_memory(prompt, draft_ns, adopt_other);
-  again.from_disk = loaded && again.tokens == found.tokens;
-  return again;
+  return lookup_through_disk(
+      disk_, prompt, [&] { return lookup_memory(prompt, draft_ns, adopt_other); },
+      [&](PrefixRecord&& r) { return load(std::move(r)); }, &disk_loads_);
 }
 
 PrefixHit Glm5PrefixCache::lookup_memory(std::span<const int32_t> prompt,

@@ -77,20 +77,9 @@ void PrefixCache::for_each_ancestor(std::span<const int32_t> tokens, Fn fn) {
 
 PrefixCache::Hit PrefixCache::lookup(std::span<const int32_t> prompt, const std::string& draft_ns,
                                      bool adopt_other) {
-  Hit hit = lookup_memory(prompt, draft_ns, adopt_other);
-  if (!disk_) return hit;
-  // A longer prefix on disk: read it back, then look again (its attachment may not suit).
-  const PrefixDisk::Found found = disk_->find(prompt, hit.tokens);
-  if (found.tokens == 0) return hit;
-  std::optional<PrefixRecord> r = disk_->read(found.path);
-  if (!r) return hit;
-  // Loading may evict entries (the memory hit among them): look again either way.
-  const bool loaded = load(std::move(*r));
-  if (!loaded) disk_->remove(found.path);
-  disk_loads_ += loaded;
-  Hit again = lookup_memory(prompt, draft_ns, adopt_other);
-  again.from_disk = loaded && again.tokens == found.tokens;
-  return again;
+  return lookup_through_disk(
+      disk_, prompt, [&] { return lookup_memory(prompt, draft_ns, adopt_other); },
+      [&](PrefixRecord&& r) { return load(std::move(r)); }, &disk_loads_);
 }
 
 PrefixCache::Hit PrefixCache::lookup_memory(std::span<const int32_t> prompt,

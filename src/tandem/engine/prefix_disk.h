@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "tandem/core/dtype.h"
+#include "tandem/engine/prefix_store.h"
 #include "tandem/spec/checkpoint.h"
 
 namespace tandem {
@@ -94,5 +95,27 @@ class PrefixDisk {
   void drop(const std::string& path);
   std::string file_name(std::span<const int32_t> tokens) const;
 };
+
+// A store's lookup with a disk tier: the memory hit, or, when `disk` holds a longer prefix of
+// the prompt, that file read back (`load(record)` adds it as an entry; false, and the file is
+// removed, when it does not fit) and the memory looked up again, since its attachment may not suit
+// and loading may have evicted the first hit. `lookup_memory()` returns a PrefixHit; `loads`
+// counts files read back.
+template <class LookupMemory, class Load>
+PrefixHit lookup_through_disk(PrefixDisk* disk, std::span<const int32_t> prompt,
+                              const LookupMemory& lookup_memory, const Load& load, int64_t* loads) {
+  PrefixHit hit = lookup_memory();
+  if (!disk) return hit;
+  const PrefixDisk::Found found = disk->find(prompt, hit.tokens);
+  if (found.tokens == 0) return hit;
+  std::optional<PrefixRecord> r = disk->read(found.path);
+  if (!r) return hit;
+  const bool loaded = load(std::move(*r));
+  if (!loaded) disk->remove(found.path);
+  *loads += loaded;
+  PrefixHit again = lookup_memory();
+  again.from_disk = loaded && again.tokens == found.tokens;
+  return again;
+}
 
 }  // namespace tandem
