@@ -20,6 +20,7 @@
 
 #include "cuda/cuda_test_util.h"
 #include "fixture_reference.h"
+#include "glm5_requests.h"
 #include "tandem/core/sampler.h"
 #include "tandem/engine/glm5_engine_target.h"
 #include "tandem/engine/speculative.h"
@@ -274,20 +275,7 @@ TEST_P(CudaGlm5Lossless, SpeculativeEqualsPlainDecodingBatched) {
   SpeculativeGenerator gen(
       [&] { return std::make_unique<Glm5EngineTarget>(*model, "cuda-glm5-target"); },
       model->config().vocab_size, drafter.get(), opts);
-  const std::vector<std::vector<int32_t>> prompts = {
-      {3, 17, 22, 8, 8, 31, 29, 5, 37, 12, 30, 14},
-      {9, 9, 14},
-      {2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30, 32, 34, 5, 7}};
-  std::vector<GenerateRequest> reqs;
-  for (size_t i = 0; i < prompts.size(); ++i) {
-    GenerateRequest r;
-    r.prompt = prompts[i];
-    r.max_tokens = 20 + 4 * static_cast<int64_t>(i);
-    r.ignore_eos = true;
-    r.sampling.temperature = temperature;
-    r.sampling.seed = 100 + i;
-    reqs.push_back(r);
-  }
+  const std::vector<GenerateRequest> reqs = test::glm5_lossless_requests(temperature);
   std::vector<SpecStats> stats;
   const std::vector<GenerateResult> got = gen.run(reqs, {}, nullptr, &stats);
   ASSERT_EQ(got.size(), reqs.size());
