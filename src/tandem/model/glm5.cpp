@@ -95,7 +95,7 @@ void Glm5Model::forward(Glm5State& st, const ForwardRequest& req, ForwardOutput*
   const int64_t n_taps = static_cast<int64_t>(req.tap_layers.size());
   w.taps.grow_to(T * n_taps * H);
   std::vector<Glm5RowCache> caches(slots.size());
-  {
+  try {
     const PrefillScope prefill(req.prompt, req.prompt_gemm_rows);
     for (size_t l = 0; l < layers_.size(); ++l) {
       for (int64_t j = 0; j < n_taps; ++j)
@@ -109,6 +109,14 @@ void Glm5Model::forward(Glm5State& st, const ForwardRequest& req, ForwardOutput*
                          req.want_routing ? &out->routing : nullptr,
                          req.want_index_selection ? &out->index_selection : nullptr);
     }
+  } catch (...) {
+    // A forward that fails part way (out of device memory growing a cache) leaves every row as
+    // it was: the layers it reached had appended the rows' new positions.
+    for (int slot : slots) {
+      Glm5State::Row& row = st.row(slot);
+      st.truncate(row, row.length);
+    }
+    throw;
   }
   for (size_t i = 0; i < req.rows.size(); ++i) {
     Glm5State::Row& row = st.row(req.rows[i].slot);

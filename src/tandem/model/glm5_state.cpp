@@ -134,9 +134,9 @@ bool Glm5State::fits(const RowSnapshot& s) const {
 
 void Glm5State::truncate(Row& r, int64_t length) const {
   for (PositionCache& c : r.latent)
-    if (c.length() > 0) c.truncate(length);
+    if (c.length() > length) c.truncate(length);
   for (PositionCache& c : r.index_keys)
-    if (c.length() > 0) c.truncate(length);
+    if (c.length() > length) c.truncate(length);
   r.length = length;
 }
 

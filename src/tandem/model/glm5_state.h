@@ -64,7 +64,8 @@ class Glm5State {
   };
   Row& row(int slot);  // throws Error naming a slot that is out of range or not open
   const Row& row(int slot) const;
-  // Drops positions from `length` on (a speculative window's rejected tail).
+  // Drops positions from `length` on (a speculative window's rejected tail, or what a failed
+  // forward appended).
   void truncate(Row& r, int64_t length) const;
 
   int64_t latent_width_ = 0;  // kv_lora_rank + qk_rope_head_dim
