@@ -76,6 +76,15 @@ inline constexpr int64_t kMaxPrefillGemmRows = 4096;
 // The tile of the engines' default prefill chunk (256 tokens), for forwards that name none.
 inline constexpr int64_t kDefaultPrefillGemmRows = 256;
 void set_prefill(bool on, int64_t gemm_rows = kDefaultPrefillGemmRows);
+// RAII: set_prefill(on, gemm_rows) for a scope (a prompt forward's layers), turned off at its
+// end, also when the forward throws.
+class PrefillScope {
+ public:
+  PrefillScope(bool on, int64_t gemm_rows) { set_prefill(on, gemm_rows); }
+  ~PrefillScope() { set_prefill(false); }
+  PrefillScope(const PrefillScope&) = delete;
+  PrefillScope& operator=(const PrefillScope&) = delete;
+};
 // The prefill GEMM tile for prompts prefilled `chunk` tokens at a time (chunk >= 1): the chunk
 // rounded up to a multiple of 16, at most kMaxPrefillGemmRows.
 int64_t prefill_gemm_rows(int64_t chunk);

@@ -331,13 +331,7 @@ PrefixCacheStats PrefixCache::stats() const {
   s.kv_blocks = static_cast<int64_t>(block_uses_.size());
   s.bytes = bytes();
   s.max_bytes = max_bytes_;
-  if (disk_) {
-    s.disk_files = disk_->files();
-    s.disk_removed = disk_->removed();
-    s.disk_bytes = disk_->bytes();
-  }
-  s.disk_writes = disk_writes_;
-  s.disk_loads = disk_loads_;
+  add_disk_stats(disk_, disk_writes_, disk_loads_, &s);
   return s;
 }
 

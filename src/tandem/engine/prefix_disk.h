@@ -118,4 +118,17 @@ PrefixHit lookup_through_disk(PrefixDisk* disk, std::span<const int32_t> prompt,
   return again;
 }
 
+// A store's disk-tier figures into s: the folder's files (when there is a disk), and the writes
+// and loads the store counted.
+inline void add_disk_stats(const PrefixDisk* disk, int64_t writes, int64_t loads,
+                           PrefixCacheStats* s) {
+  if (disk) {
+    s->disk_files = disk->files();
+    s->disk_removed = disk->removed();
+    s->disk_bytes = disk->bytes();
+  }
+  s->disk_writes = writes;
+  s->disk_loads = loads;
+}
+
 }  // namespace tandem

@@ -3,24 +3,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <thread>
 
 namespace tandem {
 
 namespace {
-
-// fn(i0, i1) over [0, n) split across the machine's threads (whole-checkpoint writers fill
-// gigabytes); each element's value depends on its index alone, never on the split.
-template <class Fn>
-void parallel_range(int64_t n, const Fn& fn) {
-  const int64_t threads = std::clamp<int64_t>(std::thread::hardware_concurrency(), 1,
-                                              std::max<int64_t>(n / (int64_t{1} << 16), 1));
-  std::vector<std::thread> pool;
-  for (int64_t t = 1; t < threads; ++t)
-    pool.emplace_back([&, t] { fn(n * t / threads, n * (t + 1) / threads); });
-  fn(0, n / threads);
-  for (std::thread& th : pool) th.join();
-}
 
 // splitmix64's output function: a bijective 64-bit mixer.
 uint64_t mix64(uint64_t z) {
@@ -37,7 +23,7 @@ std::vector<float> RandomTensors::uniform(int64_t n, float lo, float hi) {
   const uint64_t key = rng();
   std::vector<float> v(static_cast<size_t>(n));
   const float span = hi - lo;
-  parallel_range(n, [&](int64_t i0, int64_t i1) {
+  parallel_range(n, int64_t{1} << 16, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const uint64_t h = mix64(key + (static_cast<uint64_t>(i) + 1) * 0x9E3779B97F4A7C15ull);
       const float u = static_cast<float>(h >> 40) * (1.0f / 16777216.0f);  // [0, 1), 24 bits
@@ -60,7 +46,7 @@ void RandomTensors::add(const std::string& name, std::vector<int64_t> shape, flo
   const DType t = force_f32 ? DType::F32 : dtype;
   const std::vector<float> v = uniform(n, lo, hi);
   std::vector<std::byte> bytes(static_cast<size_t>(n) * dtype_size(t));
-  parallel_range(n, [&](int64_t i0, int64_t i1) {
+  parallel_range(n, int64_t{1} << 16, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const float x = v[static_cast<size_t>(i)];
       if (t == DType::F32) {

@@ -4,16 +4,33 @@
 // stored in the writer's dtype and handed to write_safetensors as they are.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "tandem/core/dtype.h"
 #include "tandem/io/safetensors.h"
 
 namespace tandem {
+
+// fn(i0, i1) over [0, n) split across the machine's threads (whole-checkpoint writers fill
+// gigabytes), in pieces of at least `grain`; callers make each element's value depend on its
+// index alone, never on the split, so a checkpoint does not depend on the thread count.
+template <class Fn>
+void parallel_range(int64_t n, int64_t grain, const Fn& fn) {
+  const int64_t threads =
+      std::clamp<int64_t>(std::thread::hardware_concurrency(), 1,
+                          std::max<int64_t>(n / std::max<int64_t>(grain, 1), 1));
+  std::vector<std::thread> pool;
+  for (int64_t t = 1; t < threads; ++t)
+    pool.emplace_back([&, t] { fn(n * t / threads, n * (t + 1) / threads); });
+  fn(0, n / threads);
+  for (std::thread& th : pool) th.join();
+}
 
 struct RandomTensors {
   DType dtype = DType::F32;  // F32, BF16 or F16

@@ -96,7 +96,7 @@ void Glm5Model::forward(Glm5State& st, const ForwardRequest& req, ForwardOutput*
   w.taps.grow_to(T * n_taps * H);
   std::vector<Glm5RowCache> caches(slots.size());
   try {
-    const PrefillScope prefill(req.prompt, req.prompt_gemm_rows);
+    const ops::PrefillScope prefill(req.prompt, req.prompt_gemm_rows);
     for (size_t l = 0; l < layers_.size(); ++l) {
       for (int64_t j = 0; j < n_taps; ++j)
         if (req.tap_layers[static_cast<size_t>(j)] == static_cast<int>(l))

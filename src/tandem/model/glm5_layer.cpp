@@ -33,10 +33,6 @@ ops::WeightRef Glm5Tensors::expert_tensor(const std::string& name,
   return arena_.matrix(stored(name, shape));
 }
 
-ops::WeightRef Glm5Tensors::widened(const std::string& name, const std::vector<int64_t>& shape) {
-  return widened(stored(name, shape));
-}
-
 ops::WeightRef Glm5Tensors::stored(const std::string& name, const std::vector<int64_t>& shape) {
   const TensorView& t = store_.get(name);
   if (t.shape != shape)
@@ -74,8 +70,9 @@ ops::WeightRef Glm5Tensors::stored(const std::string& name, const std::vector<in
   return w;
 }
 
-ops::WeightRef Glm5Tensors::widened(const ops::WeightRef& w) {
-  std::vector<float>& v = widened_.emplace_back(static_cast<size_t>(w.rows * w.cols));
+ops::WeightRef Glm5Tensors::widened(const std::string& name, const std::vector<int64_t>& shape) {
+  const ops::WeightRef w = stored(name, shape);
+  std::vector<float> v(static_cast<size_t>(w.rows * w.cols));
   for (int64_t i = 0; i < w.rows * w.cols; ++i)
     v[static_cast<size_t>(i)] = ops::weight_element(w, i);
   ops::WeightRef f;
@@ -83,7 +80,10 @@ ops::WeightRef Glm5Tensors::widened(const ops::WeightRef& w) {
   f.data = v.data();
   f.rows = w.rows;
   f.cols = w.cols;
-  return arena_.vector(f);  // in place on the CPU; a device copy on CUDA
+  const ops::WeightRef placed = arena_.vector(f);
+  // The CPU reads this copy in place (a moved vector keeps its buffer); CUDA has its own.
+  if (placed.data == v.data()) widened_.push_back(std::move(v));
+  return placed;
 }
 
 ops::MoeWeights Glm5Tensors::mixture(const std::string& p) {

@@ -45,14 +45,13 @@ class Glm5Tensors {
  private:
   const Glm5Config& cfg_;
   const WeightStore& store_;
-  // Heap buffers: stable when the outer vector grows.
+  // The CPU's widened copies (heap buffers: stable when the outer vector grows).
   std::vector<std::vector<float>> widened_;
   WeightArena arena_;
   ops::WeightRef stored(const std::string& name, const std::vector<int64_t>& shape);
   // A mixture's matrix, placed as the backend's mixture kernels read it (bf16 on CUDA, fp8
   // dequantised; in place on the CPU).
   ops::WeightRef expert_tensor(const std::string& name, const std::vector<int64_t>& shape);
-  ops::WeightRef widened(const ops::WeightRef& stored);
   uint64_t parameters_ = 0;
   uint64_t bytes_ = 0;
 };
@@ -123,15 +122,5 @@ void glm5_layer_forward(const Glm5Config& c, const Glm5Layer& L, const float* in
                         const Glm5Tokens& tokens, std::span<const Glm5RowCache> caches,
                         Glm5Scratch& s, float* x, std::vector<int32_t>* routing,
                         std::vector<int32_t>* index_record);
-
-// RAII: ops::set_prefill(on, gemm_rows) for a scope (a prompt forward's GEMM path), turned off at
-// its end, also when the forward throws.
-class PrefillScope {
- public:
-  PrefillScope(bool on, int64_t gemm_rows) { ops::set_prefill(on, gemm_rows); }
-  ~PrefillScope() { ops::set_prefill(false); }
-  PrefillScope(const PrefillScope&) = delete;
-  PrefillScope& operator=(const PrefillScope&) = delete;
-};
 
 }  // namespace tandem

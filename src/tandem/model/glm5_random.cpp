@@ -5,7 +5,6 @@
 #include <cstring>
 #include <filesystem>
 #include <random>
-#include <thread>
 #include <vector>
 
 #include "tandem/core/error.h"
@@ -18,19 +17,6 @@
 namespace tandem {
 
 namespace {
-
-// fn(r0, r1) over [0, n) split across the machine's threads: each row's result is the same
-// whichever thread computes it, so the checkpoint does not depend on the thread count.
-template <class Fn>
-void parallel_rows(int64_t n, const Fn& fn) {
-  const int64_t threads =
-      std::clamp<int64_t>(std::thread::hardware_concurrency(), 1, std::max<int64_t>(n / 64, 1));
-  std::vector<std::thread> pool;
-  for (int64_t t = 1; t < threads; ++t)
-    pool.emplace_back([&, t] { fn(n * t / threads, n * (t + 1) / threads); });
-  fn(0, n / threads);
-  for (std::thread& th : pool) th.join();
-}
 
 struct Builder : RandomTensors {
   int64_t block_rows = 0, block_cols = 0;  // fp8 blocks; 0: no fp8
@@ -45,7 +31,7 @@ struct Builder : RandomTensors {
     const std::vector<float> v = uniform(out * in, -a, a);
     const int64_t br = (out + block_rows - 1) / block_rows, bc = (in + block_cols - 1) / block_cols;
     std::vector<float> scale(static_cast<size_t>(br * bc), 0.0f);
-    parallel_rows(br, [&](int64_t b0, int64_t b1) {  // a block row's scales: one thread
+    parallel_range(br, 1, [&](int64_t b0, int64_t b1) {  // a block row's scales: one thread
       for (int64_t r = b0 * block_rows; r < std::min(out, b1 * block_rows); ++r)
         for (int64_t c = 0; c < in; ++c) {
           float& s = scale[static_cast<size_t>((r / block_rows) * bc + c / block_cols)];
@@ -54,7 +40,7 @@ struct Builder : RandomTensors {
     });
     for (float& s : scale) s = std::max(s, 1e-12f) / 448.0f;  // the block's largest maps to 448
     std::vector<std::byte> codes(static_cast<size_t>(out * in));
-    parallel_rows(out, [&](int64_t r0, int64_t r1) {
+    parallel_range(out, 64, [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r)
         for (int64_t c = 0; c < in; ++c) {
           const float s = scale[static_cast<size_t>((r / block_rows) * bc + c / block_cols)];

@@ -591,7 +591,7 @@ void Qwen35Model::body_embed(const ForwardRequest& req, int64_t T) const {
 
 void Qwen35Model::body_layers(Qwen35State& st, const ForwardRequest& req, int64_t T, size_t first,
                               size_t end) const {
-  ops::set_prefill(req.prompt, req.prompt_gemm_rows);
+  const ops::PrefillScope prefill(req.prompt, req.prompt_gemm_rows);
   // Every sublayer reads the residual stream x through its input norm (folded into its first
   // projection where the weights are stacked) and adds its output projection into x.
   // The stacked input projection a layer starts with (empty where the checkpoint's weights are
@@ -613,7 +613,6 @@ void Qwen35Model::body_layers(Qwen35State& st, const ForwardRequest& req, int64_
       delta_layer(L, st, req, T);
     mlp(L, T, i + 1 < layers_.size() ? first_projection(layers_[i + 1]) : lm_head_);
   }
-  ops::set_prefill(false);
 }
 
 void Qwen35Model::body_head(const ForwardRequest& req, int64_t T) const {
