@@ -3,6 +3,7 @@
 // weights), which must equal the product on the dequantized weights and be batch invariant.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -65,6 +66,43 @@ TEST(Fp8E4M3, EncodesToTheNearestCode) {
   EXPECT_EQ(f32_to_fp8_e4m3(1000.0f), 0x7e);  // saturates at 448
   EXPECT_EQ(f32_to_fp8_e4m3(-1000.0f), 0xfe);
   EXPECT_EQ(f32_to_fp8_e4m3(std::ldexp(1.0f, -12)), 0x00);  // below half the smallest subnormal
+}
+
+// The encoder against a search for the nearest code over every 613th float in [0, 2^9) and every
+// midpoint between neighbouring codes, both signs.
+TEST(Fp8E4M3, EncodingEqualsTheNearestCodeBySearch) {
+  std::vector<float> values;
+  for (int c = 0; c < 0x7e; ++c) {
+    const float lo = fp8_e4m3_to_f32(static_cast<uint8_t>(c));
+    const float hi = fp8_e4m3_to_f32(static_cast<uint8_t>(c + 1));
+    values.push_back((lo + hi) / 2);  // exact: the codes have 4 significant bits
+  }
+  uint32_t limit;
+  const float top = 512.0f;
+  std::memcpy(&limit, &top, 4);
+  for (uint32_t u = 0; u < limit; u += 613) {
+    float f;
+    std::memcpy(&f, &u, 4);
+    values.push_back(f);
+  }
+  std::vector<float> codes;  // the non-negative finite values, increasing with the code
+  for (int c = 0; c <= 0x7e; ++c) codes.push_back(fp8_e4m3_to_f32(static_cast<uint8_t>(c)));
+  auto nearest = [&](float a) {
+    if (a >= codes.back()) return uint8_t{0x7e};
+    const auto hi =
+        static_cast<int>(std::upper_bound(codes.begin(), codes.end(), a) - codes.begin());
+    const int lo = hi - 1;
+    const float dl = a - codes[static_cast<size_t>(lo)], dh = codes[static_cast<size_t>(hi)] - a;
+    return static_cast<uint8_t>(dl < dh ? lo : dh < dl ? hi : (lo % 2 == 0 ? lo : hi));
+  };
+  int checked = 0;
+  for (const float a : values) {
+    const uint8_t want = nearest(a);
+    ASSERT_EQ(f32_to_fp8_e4m3(a), want) << "value " << a;
+    ASSERT_EQ(f32_to_fp8_e4m3(-a), want | 0x80) << "value " << -a;
+    ++checked;
+  }
+  EXPECT_GT(checked, 1000000);
 }
 
 struct Fp8Matrix {

@@ -1,7 +1,7 @@
 #include "tandem/core/dtype.h"
 
-#include <array>
 #include <cmath>
+#include <cstring>
 #include <limits>
 
 namespace tandem {
@@ -84,26 +84,23 @@ float fp8_e4m3_to_f32(uint8_t v) {
 }
 
 uint8_t f32_to_fp8_e4m3(float f) {
-  // Codes 0x00..0x7e are the non-negative finite values in increasing order: take the nearest.
-  static const std::array<float, 0x7f> kValues = [] {
-    std::array<float, 0x7f> v{};
-    for (int c = 0; c < 0x7f; ++c)
-      v[static_cast<size_t>(c)] = fp8_e4m3_to_f32(static_cast<uint8_t>(c));
-    return v;
-  }();
+  // Round to nearest, ties to the even code (the code's parity is its mantissa's), saturating at
+  // 448. Codes 0x00..0x7e are the non-negative finite values in increasing order.
   if (std::isnan(f)) return 0x7f;
   const uint8_t sign = std::signbit(f) ? 0x80 : 0x00;
   const float a = std::fabs(f);
-  int lo = 0, hi = 0x7e;
-  if (a >= kValues[0x7e]) return static_cast<uint8_t>(sign | 0x7e);
-  while (hi - lo > 1) {
-    const int mid = (lo + hi) / 2;
-    (kValues[static_cast<size_t>(mid)] <= a ? lo : hi) = mid;
+  if (a >= 448.0f) return static_cast<uint8_t>(sign | 0x7e);
+  if (a < 0x1p-6f) {  // subnormal: multiples of 2^-9; 8 (2^-6) is the first normal code
+    return static_cast<uint8_t>(sign | static_cast<int>(std::nearbyint(a * 512.0f)));
   }
-  const float dl = a - kValues[static_cast<size_t>(lo)];
-  const float dh = kValues[static_cast<size_t>(hi)] - a;
-  const int code = dl < dh ? lo : dh < dl ? hi : (lo % 2 == 0 ? lo : hi);
-  return static_cast<uint8_t>(sign | code);
+  uint32_t u;
+  std::memcpy(&u, &a, 4);
+  const uint32_t exp = (u >> 23) - 127 + 7;  // 1..15
+  const uint32_t keep = (u >> 20) & 0x7u, rest = u & 0xfffffu;
+  const uint32_t up = rest > 0x80000u || (rest == 0x80000u && (keep & 1u));
+  // A carry out of the mantissa moves to the next exponent, as the code order does; a < 448
+  // rounds to 0x7e at most.
+  return static_cast<uint8_t>(sign | ((exp << 3) + keep + up));
 }
 
 float f16_to_f32(uint16_t h) {

@@ -22,12 +22,12 @@ std::vector<float> RandomTensors::uniform(int64_t n, float lo, float hi) {
   // tensors fill in parallel and the values do not depend on the thread count.
   const uint64_t key = rng();
   std::vector<float> v(static_cast<size_t>(n));
-  const float span = hi - lo;
+  const float span = hi - lo, top = std::nextafter(hi, lo);
   parallel_range(n, int64_t{1} << 16, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const uint64_t h = mix64(key + (static_cast<uint64_t>(i) + 1) * 0x9E3779B97F4A7C15ull);
       const float u = static_cast<float>(h >> 40) * (1.0f / 16777216.0f);  // [0, 1), 24 bits
-      v[static_cast<size_t>(i)] = std::min(lo + span * u, std::nextafter(hi, lo));
+      v[static_cast<size_t>(i)] = std::min(lo + span * u, top);
     }
   });
   return v;

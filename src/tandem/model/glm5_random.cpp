@@ -31,22 +31,26 @@ struct Builder : RandomTensors {
     const std::vector<float> v = uniform(out * in, -a, a);
     const int64_t br = (out + block_rows - 1) / block_rows, bc = (in + block_cols - 1) / block_cols;
     std::vector<float> scale(static_cast<size_t>(br * bc), 0.0f);
-    parallel_range(br, 1, [&](int64_t b0, int64_t b1) {  // a block row's scales: one thread
-      for (int64_t r = b0 * block_rows; r < std::min(out, b1 * block_rows); ++r)
-        for (int64_t c = 0; c < in; ++c) {
-          float& s = scale[static_cast<size_t>((r / block_rows) * bc + c / block_cols)];
-          s = std::max(s, std::fabs(v[static_cast<size_t>(r * in + c)]));
-        }
-    });
-    for (float& s : scale) s = std::max(s, 1e-12f) / 448.0f;  // the block's largest maps to 448
+    // Each block row on one thread: its scales (the block's largest magnitude maps to 448), then
+    // its codes. Rows go through in column blocks, so no element pays a division.
     std::vector<std::byte> codes(static_cast<size_t>(out * in));
-    parallel_range(out, 64, [&](int64_t r0, int64_t r1) {
-      for (int64_t r = r0; r < r1; ++r)
-        for (int64_t c = 0; c < in; ++c) {
-          const float s = scale[static_cast<size_t>((r / block_rows) * bc + c / block_cols)];
-          codes[static_cast<size_t>(r * in + c)] =
-              static_cast<std::byte>(f32_to_fp8_e4m3(v[static_cast<size_t>(r * in + c)] / s));
-        }
+    parallel_range(br, 1, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b) {
+        float* s = scale.data() + b * bc;
+        const int64_t r1 = std::min(out, (b + 1) * block_rows);
+        for (int64_t r = b * block_rows; r < r1; ++r)
+          for (int64_t j = 0; j < bc; ++j) {
+            const float* x = v.data() + r * in;
+            for (int64_t c = j * block_cols; c < std::min(in, (j + 1) * block_cols); ++c)
+              s[j] = std::max(s[j], std::fabs(x[c]));
+          }
+        for (int64_t j = 0; j < bc; ++j) s[j] = std::max(s[j], 1e-12f) / 448.0f;
+        for (int64_t r = b * block_rows; r < r1; ++r)
+          for (int64_t j = 0; j < bc; ++j)
+            for (int64_t c = j * block_cols; c < std::min(in, (j + 1) * block_cols); ++c)
+              codes[static_cast<size_t>(r * in + c)] = static_cast<std::byte>(
+                  f32_to_fp8_e4m3(v[static_cast<size_t>(r * in + c)] / s[j]));
+      }
     });
     std::vector<std::byte> scale_bytes(scale.size() * sizeof(float));
     std::memcpy(scale_bytes.data(), scale.data(), scale_bytes.size());
