@@ -38,8 +38,8 @@ struct BlockScales {
 };
 
 // A borrowed 1-D or 2-D weight: `rows` x `cols`, row-major, any float storage dtype, or fp8 e4m3
-// codes with their block scales (F8_E4M3: `scales` set; on CUDA so far only ops::linear takes
-// them).
+// codes with their block scales (F8_E4M3: `scales` set; CUDA takes them in ops::linear,
+// linear_add and a mixture's stacked experts).
 // `data` may be unaligned (safetensors does not align tensor data).
 struct WeightRef {
   DType dtype = DType::F32;

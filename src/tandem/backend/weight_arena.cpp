@@ -45,6 +45,12 @@ void upload_rows_bf16(uint16_t* dst, int64_t rows, int64_t cols, Fill fill) {
 
 }  // namespace
 
+int64_t fp8_scale_count(const ops::WeightRef& w) {
+  const ops::BlockScales& s = w.scales;
+  return ((w.rows + s.block_rows - 1) / s.block_rows) *
+         ((w.cols + s.block_cols - 1) / s.block_cols);
+}
+
 void* WeightArena::own(size_t bytes) {
   Buffer<uint8_t> b;
   b.grow_to(static_cast<int64_t>(bytes));
@@ -95,13 +101,24 @@ ops::WeightRef WeightArena::fp8_matrix(const ops::WeightRef& stored) {
   void* codes = own(stored.bytes());
   ops::copy_from_host(codes, stored.data, stored.bytes());
   w.data = codes;
+  // Scales as fp32 whatever they were stored as (bf16 widens exactly): the form cuBLASLt's
+  // block-scaled product reads.
   const ops::BlockScales& s = stored.scales;
-  const int64_t grid = ((stored.rows + s.block_rows - 1) / s.block_rows) *
-                       ((stored.cols + s.block_cols - 1) / s.block_cols);
-  const size_t scale_bytes = static_cast<size_t>(grid) * dtype_size(s.dtype);
-  void* scales = own(scale_bytes);
-  ops::copy_from_host(scales, s.data, scale_bytes);
+  const int64_t grid = fp8_scale_count(stored);
+  std::vector<float> host(static_cast<size_t>(grid));
+  for (int64_t i = 0; i < grid; ++i) {
+    if (s.dtype == DType::F32) {
+      std::memcpy(&host[static_cast<size_t>(i)], static_cast<const float*>(s.data) + i, 4);
+    } else {
+      uint16_t b;
+      std::memcpy(&b, static_cast<const uint16_t*>(s.data) + i, 2);
+      host[static_cast<size_t>(i)] = bf16_to_f32(b);
+    }
+  }
+  void* scales = own(sizeof(float) * host.size());
+  ops::copy_from_host(scales, host.data(), sizeof(float) * host.size());
   w.scales.data = scales;
+  w.scales.dtype = DType::F32;
   return w;
 }
 
@@ -125,13 +142,26 @@ ops::WeightRef WeightArena::stack_rows(std::vector<ops::WeightRef*> parts) {
   TANDEM_CHECK(!parts.empty(), "stack_rows: no parts");
   ops::WeightRef w = *parts.front();
   w.rows = 0;
+  const bool fp8 = w.dtype == DType::F8_E4M3;
   for (const ops::WeightRef* p : parts) {
     TANDEM_CHECK(p->cols == w.cols && p->dtype == w.dtype, "stack_rows: parts differ in shape");
+    if (fp8)
+      TANDEM_CHECK(
+          p->scales.dtype == w.scales.dtype && p->scales.block_rows == w.scales.block_rows &&
+              p->scales.block_cols == w.scales.block_cols && p->rows % w.scales.block_rows == 0,
+          "stack_rows: fp8 parts of ", p->rows, " rows do not stack whole scale blocks");
     w.rows += p->rows;
   }
   const size_t row_bytes = static_cast<size_t>(w.cols) * dtype_size(w.dtype);
   auto* dst = static_cast<uint8_t*>(own(row_bytes * static_cast<size_t>(w.rows)));
   w.data = dst;
+  // fp8: the scale grids stack the same way (each part a whole number of block rows).
+  uint8_t* scale_dst = nullptr;
+  if (fp8) {
+    scale_dst = static_cast<uint8_t*>(
+        own(static_cast<size_t>(fp8_scale_count(w)) * dtype_size(w.scales.dtype)));
+    w.scales.data = scale_dst;
+  }
   for (ops::WeightRef* p : parts) {
     const size_t n = row_bytes * static_cast<size_t>(p->rows);
     ops::copy(dst, p->data, n);
@@ -139,6 +169,13 @@ ops::WeightRef WeightArena::stack_rows(std::vector<ops::WeightRef*> parts) {
     release(p->data);
     p->data = dst;
     dst += n;
+    if (fp8) {
+      const size_t sn = static_cast<size_t>(fp8_scale_count(*p)) * dtype_size(p->scales.dtype);
+      ops::copy(scale_dst, p->scales.data, sn);
+      release(p->scales.data);
+      p->scales.data = scale_dst;
+      scale_dst += sn;
+    }
   }
   return w;
 }

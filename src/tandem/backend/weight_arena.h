@@ -13,12 +13,15 @@
 
 namespace tandem {
 
+// Scales of an fp8 weight's block grid: ceil(rows / block_rows) x ceil(cols / block_cols).
+int64_t fp8_scale_count(const ops::WeightRef& w);
+
 class WeightArena {
  public:
   ops::WeightRef matrix(const ops::WeightRef& stored);
   ops::WeightRef vector(const ops::WeightRef& stored);
-  // An fp8 e4m3 matrix with its block scales, copied as stored (CUDA's ops::linear streams the
-  // codes and applies the scales itself); the CPU uses it in place.
+  // An fp8 e4m3 matrix with its block scales: on CUDA the codes as stored and the scales as fp32
+  // (ops::linear streams the codes and applies the scales itself); the CPU uses it in place.
   ops::WeightRef fp8_matrix(const ops::WeightRef& stored);
   // A dense bf16 copy of an MLX-affine quantized matrix (CUDA); the CPU keeps quantized weights
   // quantized and never calls this.
@@ -29,9 +32,10 @@ class WeightArena {
   ops::WeightRef random_vector(int64_t n, uint64_t seed, float offset, float scale);
 
   // One matrix holding `parts` (placed by this arena, same cols, same dtype) stacked by rows,
-  // in order; the parts' own copies are released. Lets a backend run several projections of the
-  // same input as one wider linear (gate + up). Returns the stacked weight; parts[i] become views
-  // of its rows.
+  // in order; the parts' own copies are released. fp8 parts (each a whole number of scale
+  // blocks, same block shape) stack their scale grids alike. Lets a backend run several projections
+  // of the same input as one wider linear (gate + up). Returns the stacked weight; parts[i] become
+  // views of its rows.
   ops::WeightRef stack_rows(std::vector<ops::WeightRef*> parts);
 
   // One matrix holding a and b (placed by this arena, same shape and dtype) interleaved in

@@ -30,7 +30,11 @@ ops::WeightRef Glm5Tensors::tensor(const std::string& name, const std::vector<in
 
 ops::WeightRef Glm5Tensors::expert_tensor(const std::string& name,
                                           const std::vector<int64_t>& shape) {
-  return arena_.matrix(stored(name, shape));
+  const ops::WeightRef w = stored(name, shape);
+  // fp8 experts stay fp8 where their rows are whole scale blocks (they stack into one grouped
+  // weight per projection); otherwise bf16 (CUDA) or as stored (CPU).
+  if (w.dtype == DType::F8_E4M3 && w.rows % w.scales.block_rows == 0) return arena_.fp8_matrix(w);
+  return arena_.matrix(w);
 }
 
 ops::WeightRef Glm5Tensors::stored(const std::string& name, const std::vector<int64_t>& shape) {

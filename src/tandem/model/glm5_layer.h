@@ -49,8 +49,9 @@ class Glm5Tensors {
   std::vector<std::vector<float>> widened_;
   WeightArena arena_;
   ops::WeightRef stored(const std::string& name, const std::vector<int64_t>& shape);
-  // A mixture's matrix, placed as the backend's mixture kernels read it (bf16 on CUDA, fp8
-  // dequantised; in place on the CPU).
+  // A mixture's matrix, placed as the backend's mixture kernels read it: on CUDA fp8 stays fp8
+  // when its rows are whole scale blocks (the grouped fp8 kernels), anything else becomes bf16;
+  // in place on the CPU.
   ops::WeightRef expert_tensor(const std::string& name, const std::vector<int64_t>& shape);
   uint64_t parameters_ = 0;
   uint64_t bytes_ = 0;

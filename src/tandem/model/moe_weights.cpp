@@ -92,12 +92,19 @@ void stack_moe_experts(WeightArena& arena, ops::MoeWeights* m) {
     down.push_back(&m->down[e]);
   }
   if (gate_up.empty()) fail("stack_moe_experts: a mixture without experts");
-  m->experts_gate_up = contiguous(gate_up) ? stacked_view(gate_up) : arena.stack_rows(gate_up);
-  m->experts_down = contiguous(down) ? stacked_view(down) : arena.stack_rows(down);
+  // fp8 experts always stack: their scale grids are separate blocks even where codes adjoin.
+  auto stack = [&](const std::vector<ops::WeightRef*>& parts) {
+    const bool view = parts.front()->dtype != DType::F8_E4M3 && contiguous(parts);
+    return view ? stacked_view(parts) : arena.stack_rows(parts);
+  };
+  m->experts_gate_up = stack(gate_up);
+  m->experts_down = stack(down);
   // The shared expert's small products, each a kernel launch and a pass over the input at batch
   // 1: gate and up become one, and the gate logit rides along with the router's.
   if (m->shared_gate_proj.rows == 0) return;
-  if (!m->shared_gate_up.data && m->shared_gate_proj.rows % ops::kGateUpGroup == 0)
+  // (Not for fp8: interleaving rows in groups of kGateUpGroup would split its scale blocks.)
+  if (!m->shared_gate_up.data && m->shared_gate_proj.dtype != DType::F8_E4M3 &&
+      m->shared_gate_proj.rows % ops::kGateUpGroup == 0)
     m->shared_gate_up =
         arena.interleave_rows(&m->shared_gate_proj, &m->shared_up_proj, ops::kGateUpGroup);
   if (!m->router_shared_gate.data && m->shared_gate.rows == 1)

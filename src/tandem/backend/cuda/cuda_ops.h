@@ -84,12 +84,24 @@ void bump_scratch_generation();
 // off.
 void set_prefill(bool on, int64_t gemm_rows = ops::kDefaultPrefillGemmRows);
 bool prefill_mode();
+int64_t prefill_rows();  // the prefill GEMM tile; 0 outside prefill mode
 
 void linear(const float* x, int64_t m, const ops::WeightRef& w, float* y);
-// linear for fp8 e4m3 weights with block scales (linear_fp8.cu): weights decoded exactly and
-// scaled as the CPU does, fp32 activations and sums; batch-invariant. linear() routes fp8 here.
+// linear for fp8 e4m3 weights with block scales (linear_fp8.cu); linear() and linear_add() route
+// fp8 here. Decode and verify: weights decoded exactly and scaled as the CPU does, fp32
+// activations and sums, batch-invariant. Prompt prefill: on the FP8 tensor cores (cuBLASLt with
+// the weight's 128 x 128 block scales), the input rows quantised to e4m3 per token and 128
+// columns as the checkpoint's dynamic activation scheme does; shapes cuBLASLt cannot take (or
+// TANDEM_CUDA_FP8_PREFILL=bf16) dequantise the weight to bf16 for the bf16 prefill product.
 void linear_fp8(const float* x, int64_t m, const ops::WeightRef& w, float* y,
                 bool accumulate = false);
+// The bf16 prefill product of fp32 rows (in prompt-prefill mode; linear.cu): what linear does
+// for a bf16 weight in that mode, for weights made bf16 on the fly.
+void linear_prefill_bf16(const float* x, int64_t m, const ops::WeightRef& w, float* y,
+                         bool accumulate);
+// Which route linear_fp8 takes in prompt prefill for a weight of this shape: true when the FP8
+// tensor cores (cuBLASLt) take it. Asked once per shape and kept.
+bool fp8_prefill_on_tensor_cores(const ops::WeightRef& w);
 // ops::dsa_select (dsa.cu).
 void dsa_select(const float* q, const float* w, int64_t n, int64_t heads, int64_t D,
                 const float* keys, int64_t ctx, const int64_t* pos, int64_t topk, int32_t* out);
@@ -129,6 +141,14 @@ struct GroupedOptions {
 void linear_grouped(const float* x, int64_t rows, int64_t max_rows, const ops::WeightRef& stacked,
                     int64_t experts, int64_t groups, const int32_t* expert, const int32_t* start,
                     float* y, const GroupedOptions& opt = {});
+// linear_grouped of fp8 stacked experts (linear_fp8.cu), each expert's rows a whole number of
+// scale blocks: decode and verify stream the codes as linear_fp8 does (a row's value is
+// linear_fp8's for that expert and row alone); prompt prefill dequantises the stack to bf16 and
+// takes the bf16 grouped product.
+void linear_grouped_fp8(const float* x, int64_t rows, int64_t max_rows,
+                        const ops::WeightRef& stacked, int64_t experts, int64_t groups,
+                        const int32_t* expert, const int32_t* start, float* y,
+                        const GroupedOptions& opt);
 // ops::moe_mlp_add on the device (moe.cu); w.experts_gate_up / experts_down must be set.
 void moe_mlp_add(const float* x, int64_t T, const ops::MoeWeights& w, float* y,
                  std::vector<int32_t>* routed_ids, std::vector<float>* routed_weights);

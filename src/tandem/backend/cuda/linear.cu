@@ -60,10 +60,25 @@
 #include "tandem/backend/cuda/check.cuh"
 #include "tandem/backend/cuda/cuda_ops.h"
 #include "tandem/backend/cuda/linear_mma.cuh"
+#include "tandem/backend/cuda/lt.cuh"
 #include "tandem/backend/cuda/row_norm.cuh"
 #include "tandem/core/error.h"
 
 namespace tandem::cuda {
+
+cublasLtHandle_t cublas_lt() {
+  static cublasLtHandle_t h = [] {
+    cublasLtHandle_t handle;
+    if (cublasLtCreate(&handle) != CUBLAS_STATUS_SUCCESS) fail("cuBLASLt: cublasLtCreate failed");
+    return handle;
+  }();
+  return h;
+}
+
+void* lt_workspace() {
+  static void* ws = cuda::alloc(kLtWorkspaceBytes);
+  return ws;
+}
 
 namespace {
 
@@ -574,15 +589,6 @@ __global__ void scatter_slices_x4_kernel(const float4* __restrict__ full, int64_
   }
 }
 
-cublasLtHandle_t cublas_lt() {
-  static cublasLtHandle_t h = [] {
-    cublasLtHandle_t handle;
-    if (cublasLtCreate(&handle) != CUBLAS_STATUS_SUCCESS) fail("cuBLASLt: cublasLtCreate failed");
-    return handle;
-  }();
-  return h;
-}
-
 // --- Prompt prefill: one cuBLASLt product per projection ----------------------------------------
 //
 // yᵀ[N, m] = W[N, K] · xᵀ[K, m] in cuBLASLt's column-major terms: W is a K x N column-major
@@ -595,7 +601,6 @@ cublasLtHandle_t cublas_lt() {
 // call, which streams each weight once instead of once per tile. The GPU tests check this
 // invariance on every projection shape they run.
 
-constexpr size_t kLtWorkspaceBytes = size_t(32) << 20;
 constexpr int kLtCandidates = 8;
 
 struct LtLayouts {
@@ -628,11 +633,6 @@ cublasLtMatmulDesc_t prefill_matmul_desc() {
     return desc;
   }();
   return d;
-}
-
-void* lt_workspace() {
-  static void* ws = cuda::alloc(kLtWorkspaceBytes);
-  return ws;
 }
 
 // The algorithm of (N, K, tile), chosen on the first call and kept: keyed exactly, so two
@@ -776,6 +776,10 @@ void set_prefill(bool on, int64_t gemm_rows) {
 
 bool prefill_mode() {
   return g_prefill_rows > 0;
+}
+
+int64_t prefill_rows() {
+  return g_prefill_rows;
 }
 
 namespace {
@@ -1083,6 +1087,15 @@ void linear_split(const float* x, int64_t m, const ops::WeightRef& w,
   linear_any(x, m, w, y, {norm, nullptr}, l2_prefetch(prefetch, m));
 }
 
+void linear_prefill_bf16(const float* x, int64_t m, const ops::WeightRef& w, float* y,
+                         bool accumulate) {
+  if (!prefill_mode()) fail("linear_prefill_bf16: not in prompt-prefill mode");
+  if (w.dtype != DType::BF16) fail("linear_prefill_bf16: weight dtype ", dtype_name(w.dtype));
+  if (m == 0 || w.rows == 0) return;
+  const ops::OutputSlice all{y, w.rows};
+  linear_prefill(x, m, w, split_out(&all, 1, w.rows, accumulate), {});
+}
+
 void linear(const float* x, int64_t m, const ops::WeightRef& w, float* y) {
   if (w.dtype == DType::F8_E4M3) return linear_fp8(x, m, w, y);
   const ops::OutputSlice all{y, w.rows};
@@ -1174,6 +1187,8 @@ void swiglu_mlp_add(const float* x, int64_t m, const ops::WeightRef& gate_up,
 void linear_grouped(const float* x, int64_t rows, int64_t max_rows, const ops::WeightRef& stacked,
                     int64_t experts, int64_t groups, const int32_t* expert, const int32_t* start,
                     float* y, const GroupedOptions& opt) {
+  if (stacked.dtype == DType::F8_E4M3)
+    return linear_grouped_fp8(x, rows, max_rows, stacked, experts, groups, expert, start, y, opt);
   if (experts < 1 || stacked.rows % experts != 0)
     fail("linear_grouped: ", stacked.rows, " stacked rows do not split into ", experts, " experts");
   if (groups < 1 || groups > experts)
