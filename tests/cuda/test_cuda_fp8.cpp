@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cmath>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "cuda_test_util.h"
@@ -118,8 +119,12 @@ TEST_F(CudaFp8Prefill, TensorCoresMatchTheQuantisedRowsAndRowsDoNotDependOnTheir
   for (const Shape s : {Shape{576, 512}, Shape{512, 1536}, Shape{256, 2048}}) {
     const Fp8Weight w(s.n, s.k, 128, 128, rng);
     PrefillOn prefill(64);
-    ASSERT_TRUE(cuda::fp8_prefill_on_tensor_cores(w.dev()))
-        << "[" << s.n << " x " << s.k << "]: cuBLASLt took no block-scaled fp8 product";
+    const std::string route = cuda::fp8_prefill_route(w.dev());
+    RecordProperty("route_" + std::to_string(s.n) + "x" + std::to_string(s.k), route);
+    ASSERT_EQ(route.rfind("fp8 tensor cores", 0), 0u)
+        << "[" << s.n << " x " << s.k << "]: " << route;
+    // bf16 outputs (where cuBLASLt offers no fp32 ones) round each output to 8 bits.
+    const double tol = route.find("bf16 outputs") != std::string::npos ? 6e-3 : 2e-3;
     for (const int64_t m : {int64_t{37}, int64_t{64}}) {
       const auto x = randn(sz(m * s.k), rng);
       const auto want = product(quantised_rows(x, m, s.k), m, s.n, s.k,
@@ -128,7 +133,7 @@ TEST_F(CudaFp8Prefill, TensorCoresMatchTheQuantisedRowsAndRowsDoNotDependOnTheir
       DeviceBuffer<float> dy = nan_buffer(sz(m * s.n));
       cuda::linear(dx.get(), m, w.dev(), dy.get());
       const auto got = dy.download();
-      EXPECT_TRUE(near_blocks(got, want, sz(s.n), 2e-3))
+      EXPECT_TRUE(near_blocks(got, want, sz(s.n), tol))
           << "[" << s.n << " x " << s.k << "], " << m << " rows";
       // The first 8 rows alone, and row 5 alone: the same bits.
       for (const int64_t part : {int64_t{8}, int64_t{1}}) {
@@ -156,7 +161,7 @@ TEST_F(CudaFp8Prefill, OtherBlockShapesTakeTheBf16Product) {
   const int64_t N = 96, K = 64, m = 21;
   const Fp8Weight w(N, K, 16, 16, rng);
   PrefillOn prefill(64);
-  EXPECT_FALSE(cuda::fp8_prefill_on_tensor_cores(w.dev()));
+  EXPECT_EQ(cuda::fp8_prefill_route(w.dev()).rfind("bf16 (not a block-scaled shape", 0), 0u);
   const auto x = randn(sz(m * K), rng);
   std::vector<float> xb = x;
   for (float& v : xb) v = bf16_to_f32(f32_to_bf16(v));

@@ -99,9 +99,10 @@ void linear_fp8(const float* x, int64_t m, const ops::WeightRef& w, float* y,
 // for a bf16 weight in that mode, for weights made bf16 on the fly.
 void linear_prefill_bf16(const float* x, int64_t m, const ops::WeightRef& w, float* y,
                          bool accumulate);
-// Which route linear_fp8 takes in prompt prefill for a weight of this shape: true when the FP8
-// tensor cores (cuBLASLt) take it. Asked once per shape and kept.
-bool fp8_prefill_on_tensor_cores(const ops::WeightRef& w);
+// Which route linear_fp8 takes in prompt prefill (at the current prefill tile) for this weight:
+// "fp8 tensor cores" (cuBLASLt; ", bf16 outputs" where it offers no fp32 ones), or "bf16 (why
+// not)". Asked of cuBLASLt once per shape and kept.
+std::string fp8_prefill_route(const ops::WeightRef& w);
 // ops::dsa_select (dsa.cu).
 void dsa_select(const float* q, const float* w, int64_t n, int64_t heads, int64_t D,
                 const float* keys, int64_t ctx, const int64_t* pos, int64_t topk, int32_t* out);

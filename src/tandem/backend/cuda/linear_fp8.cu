@@ -4,13 +4,13 @@
 //
 // Decode and verify (a few rows): weight streaming. Each weight element is decoded exactly and
 // multiplied by its block's scale, as the CPU's dequantisation does, and x stays fp32. One warp
-// per output column n: lane l reads four consecutive weights at k = 128·j + 4·l (one 128-byte
-// line per warp and step), keeps one fp32 partial sum per input row in registers, and the warp
-// adds its 32 partials with a fixed butterfly (fp8_dots). Each output's reduction order depends on
-// K alone, never on m or on the other rows, so rows are batch-invariant (DESIGN.md principle 2).
-// Rows go through in tiles of kRowTile; a tile re-reads the weight row from L2. With `accumulate`
-// the sum is added to y (linear_add), after the reduction, as the CPU adds it. The grouped form
-// (a mixture's experts) runs the same arithmetic per expert, so a pair row's value is the one
+// per output column: its lanes stream the weight row in 16-byte chunks (fp8_dots gives the
+// order), keep one fp32 partial sum per input row in registers, and the warp adds its 32 partials
+// with a fixed butterfly. Each output's reduction order depends on the weight's shape alone,
+// never on m or on the other rows, so rows are batch-invariant (DESIGN.md principle 2). Rows go
+// through in tiles of kRowTile; a tile re-reads the weight row from L2. With `accumulate` the sum
+// is added to y (linear_add), after the reduction, as the CPU adds it. The grouped form (a
+// mixture's experts) runs the same arithmetic per expert, so a pair row's value is the one
 // linear_fp8 of its expert gives it alone.
 //
 // Prompt prefill: the FP8 tensor cores through cuBLASLt's block-scaled product (A: the weight
@@ -22,10 +22,12 @@
 // the weight to bf16 and take the bf16 prefill product.
 #include <cublasLt.h>
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_fp8.h>
 
 #include <cstdlib>
 #include <map>
+#include <string>
 #include <string_view>
 #include <tuple>
 
@@ -64,7 +66,14 @@ struct Fp8Weight {
 };
 
 // The warp's sums of weight row n against `rows` input rows xr[0..rows): every lane returns all
-// of them. The order of every sum depends on K alone.
+// of them, after a fixed butterfly. Two orders, chosen by the weight's shape alone:
+//  - Chunked (K and block_cols multiples of 16, the published layouts): lane l takes the 16
+//    weights at k = 16·l + 512·j for j = 0, 1, .. (one 16-byte load, one scale), adding
+//    x[k + e] · w[k + e] for e = 0..15 into its running sum; the next chunk's codes are loaded
+//    before this one's products.
+//  - Otherwise: lane l takes the 4 weights at k = 4·l + 128·j, each with its own scale.
+// Either way a row's sum depends on K and the row's values only, never on the other rows.
+template <bool Chunked>
 __device__ __forceinline__ void fp8_dots(const Fp8Weight& w, int64_t n, const float* const* xr,
                                          int rows, int lane, float (&out)[kRowTile]) {
   const int64_t K = w.K;
@@ -73,27 +82,52 @@ __device__ __forceinline__ void fp8_dots(const Fp8Weight& w, int64_t n, const fl
   float acc[kRowTile];
 #pragma unroll
   for (int r = 0; r < kRowTile; ++r) acc[r] = 0.0f;
-  for (int64_t k0 = 4 * lane; k0 < K; k0 += 128) {
-    float wv[4];
-    if (k0 + 4 <= K && (reinterpret_cast<uintptr_t>(wr + k0) & 3) == 0) {
-      const uint32_t q = __ldg(reinterpret_cast<const uint32_t*>(wr + k0));
+  if constexpr (Chunked) {
+    const int chunks = static_cast<int>(K / 16);
+    const int chunks_per_block = static_cast<int>(w.block_cols / 16);
+    uint4 next = make_uint4(0, 0, 0, 0);
+    if (lane < chunks) next = __ldg(reinterpret_cast<const uint4*>(wr) + lane);
+    for (int c = lane; c < chunks; c += 32) {
+      const uint4 q = next;
+      if (c + 32 < chunks) next = __ldg(reinterpret_cast<const uint4*>(wr) + c + 32);
+      const float s = scale_value(w.scales, w.scales_bf16, scale_row + c / chunks_per_block);
+      float wv[16];
+      const uint32_t words[4] = {q.x, q.y, q.z, q.w};
 #pragma unroll
-      for (int e = 0; e < 4; ++e) wv[e] = fp8_value(static_cast<uint8_t>(q >> (8 * e)));
-    } else {
+      for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const __half2_raw pair = __nv_cvt_fp8x2_to_halfraw2(
+              static_cast<__nv_fp8x2_storage_t>(words[i] >> (16 * h)), __NV_E4M3);
+          const float2 f = __half22float2(__half2(pair));
+          wv[4 * i + 2 * h] = f.x * s;
+          wv[4 * i + 2 * h + 1] = f.y * s;
+        }
+#pragma unroll
+      for (int r = 0; r < kRowTile; ++r) {
+        if (r >= rows) break;
+        const float* x = xr[r] + 16 * static_cast<int64_t>(c);
+#pragma unroll
+        for (int e = 0; e < 16; ++e) acc[r] += x[e] * wv[e];
+      }
+    }
+  } else {
+    for (int64_t k0 = 4 * lane; k0 < K; k0 += 128) {
+      float wv[4];
 #pragma unroll
       for (int e = 0; e < 4; ++e) wv[e] = k0 + e < K ? fp8_value(wr[k0 + e]) : 0.0f;
-    }
-#pragma unroll
-    for (int e = 0; e < 4; ++e)
-      if (k0 + e < K)
-        wv[e] *= scale_value(w.scales, w.scales_bf16, scale_row + (k0 + e) / w.block_cols);
-#pragma unroll
-    for (int r = 0; r < kRowTile; ++r) {
-      if (r >= rows) break;
-      const float* x = xr[r] + k0;
 #pragma unroll
       for (int e = 0; e < 4; ++e)
-        if (k0 + e < K) acc[r] += x[e] * wv[e];
+        if (k0 + e < K)
+          wv[e] *= scale_value(w.scales, w.scales_bf16, scale_row + (k0 + e) / w.block_cols);
+#pragma unroll
+      for (int r = 0; r < kRowTile; ++r) {
+        if (r >= rows) break;
+        const float* x = xr[r] + k0;
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          if (k0 + e < K) acc[r] += x[e] * wv[e];
+      }
     }
   }
 #pragma unroll
@@ -106,6 +140,7 @@ __device__ __forceinline__ void fp8_dots(const Fp8Weight& w, int64_t n, const fl
 }
 
 // grid (ceil(N / kWarps), ceil(m / kRowTile)), block 32 × kWarps.
+template <bool Chunked>
 __global__ void linear_fp8_kernel(const float* __restrict__ x, int64_t m, Fp8Weight w, int64_t N,
                                   bool accumulate, float* __restrict__ y) {
   pdl_wait();
@@ -119,7 +154,7 @@ __global__ void linear_fp8_kernel(const float* __restrict__ x, int64_t m, Fp8Wei
 #pragma unroll
   for (int r = 0; r < kRowTile; ++r) xr[r] = x + (row0 + (r < rows ? r : 0)) * w.K;
   float s[kRowTile];
-  fp8_dots(w, n, xr, rows, lane, s);
+  fp8_dots<Chunked>(w, n, xr, rows, lane, s);
   if (lane != 0) return;
 #pragma unroll
   for (int r = 0; r < kRowTile; ++r)
@@ -133,6 +168,7 @@ __global__ void linear_fp8_kernel(const float* __restrict__ x, int64_t m, Fp8Wei
 // multiplies pair rows start[g] .. start[g + 1] (input row gather[r], or r) by expert expert[g]'s
 // N rows of the stack; with swiglu, output column n < N / 2 is silu(gate row n) · (up row
 // N / 2 + n), the swiglu op's expression.
+template <bool Chunked>
 __global__ void linear_fp8_grouped_kernel(const float* __restrict__ x, Fp8Weight w, int64_t N,
                                           const int32_t* __restrict__ expert,
                                           const int32_t* __restrict__ start,
@@ -157,8 +193,8 @@ __global__ void linear_fp8_grouped_kernel(const float* __restrict__ x, Fp8Weight
       xr[r] = x + static_cast<int64_t>(gather ? gather[row] : row) * w.K;
     }
     float a[kRowTile], b[kRowTile];
-    fp8_dots(w, base + n, xr, rows, lane, a);
-    if (swiglu) fp8_dots(w, base + width + n, xr, rows, lane, b);
+    fp8_dots<Chunked>(w, base + n, xr, rows, lane, a);
+    if (swiglu) fp8_dots<Chunked>(w, base + width + n, xr, rows, lane, b);
     if (lane == 0) {
 #pragma unroll
       for (int r = 0; r < kRowTile; ++r)
@@ -229,6 +265,12 @@ Fp8Weight fp8_weight(const ops::WeightRef& w, const char* op) {
           s.block_cols};
 }
 
+// The chunked order (fp8_dots): a property of the weight's shape (and of its codes' 16-byte
+// alignment, which the arena's copies always have).
+bool chunked(const Fp8Weight& w) {
+  return w.K % 16 == 0 && w.block_cols % 16 == 0 && reinterpret_cast<uintptr_t>(w.codes) % 16 == 0;
+}
+
 // Grow-only device scratch; a reallocation bumps the scratch generation (graph keys).
 struct Scratch {
   void* p = nullptr;
@@ -295,10 +337,10 @@ cublasLtMatmulDesc_t fp8_matmul_desc() {
 struct Fp8Layouts {
   cublasLtMatrixLayout_t w = nullptr, x = nullptr, y = nullptr;
   bool ok = false;
-  Fp8Layouts(int64_t N, int64_t K, int64_t m) {
+  Fp8Layouts(int64_t N, int64_t K, int64_t m, cudaDataType_t out) {
     ok = cublasLtMatrixLayoutCreate(&w, CUDA_R_8F_E4M3, K, N, K) == CUBLAS_STATUS_SUCCESS &&
          cublasLtMatrixLayoutCreate(&x, CUDA_R_8F_E4M3, K, m, K) == CUBLAS_STATUS_SUCCESS &&
-         cublasLtMatrixLayoutCreate(&y, CUDA_R_32F, N, m, N) == CUBLAS_STATUS_SUCCESS;
+         cublasLtMatrixLayoutCreate(&y, out, N, m, N) == CUBLAS_STATUS_SUCCESS;
   }
   ~Fp8Layouts() {
     cublasLtMatrixLayoutDestroy(w);
@@ -324,50 +366,8 @@ bool fp8_prefill_shape(const ops::WeightRef& w) {
          reinterpret_cast<uintptr_t>(w.data) % 16 == 0;
 }
 
-// The algorithm of (N, K, tile) among those without a split of K, or none (the bf16 route).
-const cublasLtMatmulAlgo_t* fp8_prefill_algo(int64_t N, int64_t K, int64_t tile) {
-  static std::map<std::tuple<int64_t, int64_t, int64_t>, std::pair<bool, cublasLtMatmulAlgo_t>>
-      chosen;
-  const auto key = std::make_tuple(N, K, tile);
-  auto it = chosen.find(key);
-  if (it == chosen.end()) {
-    std::pair<bool, cublasLtMatmulAlgo_t> pick{false, {}};
-    cublasLtMatmulPreference_t pref;
-    if (cublasLtMatmulPreferenceCreate(&pref) != CUBLAS_STATUS_SUCCESS)
-      fail("cuBLASLt: cublasLtMatmulPreferenceCreate failed");
-    const uint64_t ws = kLtWorkspaceBytes;
-    const uint32_t no_reduction = CUBLASLT_REDUCTION_SCHEME_NONE, align = 16;
-    cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws,
-                                         sizeof ws);
-    cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK,
-                                         &no_reduction, sizeof no_reduction);
-    for (auto attr :
-         {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
-          CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES})
-      cublasLtMatmulPreferenceSetAttribute(pref, attr, &align, sizeof align);
-    const Fp8Layouts l(N, K, pad4(tile));
-    constexpr int kCandidates = 8;
-    cublasLtMatmulHeuristicResult_t found[kCandidates];
-    int n = 0;
-    if (l.ok &&
-        cublasLtMatmulAlgoGetHeuristic(cublas_lt(), fp8_matmul_desc(), l.w, l.x, l.y, l.y, pref,
-                                       kCandidates, found, &n) != CUBLAS_STATUS_SUCCESS)
-      n = 0;
-    cublasLtMatmulPreferenceDestroy(pref);
-    for (int i = 0; i < n && !pick.first; ++i) {
-      int32_t splits = 0;
-      size_t written = 0;
-      cublasLtMatmulAlgoConfigGetAttribute(&found[i].algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &splits,
-                                           sizeof splits, &written);
-      if (found[i].state == CUBLAS_STATUS_SUCCESS && splits <= 1) pick = {true, found[i].algo};
-    }
-    it = chosen.emplace(key, pick).first;
-  }
-  return it->second.first ? &it->second.second : nullptr;
-}
-
 struct QuantScratch {
-  Scratch codes, scales, out;
+  Scratch codes, scales, out, out_bf16;
 };
 
 QuantScratch& quant_scratch() {
@@ -375,12 +375,93 @@ QuantScratch& quant_scratch() {
   return s;
 }
 
-// The FP8 tensor-core product; false (nothing queued) when cuBLASLt has no algorithm for it.
+// How (N, K, tile) runs: cuBLASLt's first heuristic choice without a split of K, with fp32
+// outputs where it offers one, else bf16 outputs (widened after); or none, with the reason.
+struct Fp8Plan {
+  bool ok = false;
+  bool bf16_out = false;
+  cublasLtMatmulAlgo_t algo{};
+  std::string why;
+};
+
+void set_scale_pointers(const void* a, const void* b) {
+  cublasLtMatmulDesc_t desc = fp8_matmul_desc();
+  if (cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &a, sizeof a) !=
+          CUBLAS_STATUS_SUCCESS ||
+      cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &b, sizeof b) !=
+          CUBLAS_STATUS_SUCCESS)
+    fail("cuBLASLt: setting the fp8 block scales");
+}
+
+const Fp8Plan& fp8_prefill_plan(const ops::WeightRef& w, int64_t tile) {
+  static std::map<std::tuple<int64_t, int64_t, int64_t>, Fp8Plan> plans;
+  const int64_t N = w.rows, K = w.cols, mp = pad4(tile);
+  const auto key = std::make_tuple(N, K, tile);
+  if (auto it = plans.find(key); it != plans.end()) return it->second;
+  Fp8Plan plan;
+  // The heuristic sees the scale pointers it will be given: the weight's, and the rows' scratch.
+  auto* row_scales = quant_scratch().scales.get<float>(
+      static_cast<size_t>(mp * ((K + kQuantBlock - 1) / kQuantBlock)));
+  set_scale_pointers(w.scales.data, row_scales);
+  for (const bool bf16_out : {false, true})
+    for (const bool only_single_pass : {true, false}) {
+      if (plan.ok) break;
+      cublasLtMatmulPreference_t pref;
+      if (cublasLtMatmulPreferenceCreate(&pref) != CUBLAS_STATUS_SUCCESS)
+        fail("cuBLASLt: cublasLtMatmulPreferenceCreate failed");
+      const uint64_t ws = kLtWorkspaceBytes;
+      const uint32_t no_reduction = CUBLASLT_REDUCTION_SCHEME_NONE;
+      cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws,
+                                           sizeof ws);
+      if (only_single_pass)
+        cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK,
+                                             &no_reduction, sizeof no_reduction);
+      const Fp8Layouts l(N, K, mp, bf16_out ? CUDA_R_16BF : CUDA_R_32F);
+      constexpr int kCandidates = 8;
+      cublasLtMatmulHeuristicResult_t found[kCandidates];
+      int n = 0;
+      cublasStatus_t st = CUBLAS_STATUS_NOT_SUPPORTED;
+      if (l.ok)
+        st = cublasLtMatmulAlgoGetHeuristic(cublas_lt(), fp8_matmul_desc(), l.w, l.x, l.y, l.y,
+                                            pref, kCandidates, found, &n);
+      cublasLtMatmulPreferenceDestroy(pref);
+      if (st != CUBLAS_STATUS_SUCCESS) n = 0;
+      for (int i = 0; i < n && !plan.ok; ++i) {
+        int32_t splits = 0;
+        size_t written = 0;
+        cublasLtMatmulAlgoConfigGetAttribute(&found[i].algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM,
+                                             &splits, sizeof splits, &written);
+        if (found[i].state == CUBLAS_STATUS_SUCCESS && splits <= 1) {
+          plan.ok = true;
+          plan.bf16_out = bf16_out;
+          plan.algo = found[i].algo;
+        }
+      }
+      plan.why += std::string(plan.why.empty() ? "" : "; ") + (bf16_out ? "bf16" : "fp32") +
+                  " outputs" + (only_single_pass ? ", single-pass" : "") + ": status " +
+                  std::to_string(int(st)) + ", " + std::to_string(n) + " candidates";
+    }
+  return plans.emplace(key, plan).first->second;
+}
+
+// y[i] = d[i] (+ y[i] with accumulate), bf16 outputs widened.
+__global__ void widen_outputs_kernel(const __nv_bfloat16* __restrict__ d, int64_t n,
+                                     bool accumulate, float* __restrict__ y) {
+  pdl_wait();
+  pdl_release();
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const float v = __bfloat162float(d[i]);
+    y[i] = accumulate ? y[i] + v : v;
+  }
+}
+
+// The FP8 tensor-core product; false (nothing queued) when cuBLASLt has no plan for it.
 bool linear_fp8_tensor_cores(const float* x, int64_t m, const ops::WeightRef& w, float* y,
                              bool accumulate) {
   const int64_t N = w.rows, K = w.cols;
-  const cublasLtMatmulAlgo_t* algo = fp8_prefill_algo(N, K, prefill_rows());
-  if (!algo) return false;
+  const Fp8Plan& plan = fp8_prefill_plan(w, prefill_rows());
+  if (!plan.ok) return false;
   const int64_t mp = pad4(m), blocks = (K + kQuantBlock - 1) / kQuantBlock;
   QuantScratch& s = quant_scratch();
   auto* codes = s.codes.get<uint8_t>(static_cast<size_t>(mp * K));
@@ -390,28 +471,27 @@ bool linear_fp8_tensor_cores(const float* x, int64_t m, const ops::WeightRef& w,
          grid_blocks(ceil_div(mp * blocks, kQuantWarps), "linear_fp8"), 32 * kQuantWarps, 0, x, m,
          mp, K, codes, scales);
   // Straight into y when it has the padded rows' shape and alignment, else through scratch.
-  const bool direct = mp == m && reinterpret_cast<uintptr_t>(y) % 16 == 0;
-  float* d = direct ? y : s.out.get<float>(static_cast<size_t>(mp * N));
-  cublasLtMatmulDesc_t desc = fp8_matmul_desc();
-  const void* a_scale = w.scales.data;
-  const void* b_scale = scales;
-  if (cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &a_scale,
-                                     sizeof a_scale) != CUBLAS_STATUS_SUCCESS ||
-      cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &b_scale,
-                                     sizeof b_scale) != CUBLAS_STATUS_SUCCESS)
-    fail("cuBLASLt: setting the fp8 block scales");
-  const Fp8Layouts l(N, K, mp);
+  const bool direct = !plan.bf16_out && mp == m && reinterpret_cast<uintptr_t>(y) % 16 == 0;
+  void* d = direct ? static_cast<void*>(y)
+            : plan.bf16_out
+                ? static_cast<void*>(s.out_bf16.get<__nv_bfloat16>(static_cast<size_t>(mp * N)))
+                : static_cast<void*>(s.out.get<float>(static_cast<size_t>(mp * N)));
+  set_scale_pointers(w.scales.data, scales);
+  const Fp8Layouts l(N, K, mp, plan.bf16_out ? CUDA_R_16BF : CUDA_R_32F);
   if (!l.ok) fail("cuBLASLt: fp8 matrix layouts for [", N, " x ", K, "] and ", mp, " rows");
   const float alpha = 1.0f, beta = accumulate && direct ? 1.0f : 0.0f;
-  const cublasStatus_t st =
-      cublasLtMatmul(cublas_lt(), desc, &alpha, w.data, l.w, codes, l.x, &beta, d, l.y, d, l.y,
-                     algo, lt_workspace(), kLtWorkspaceBytes, static_cast<cudaStream_t>(stream()));
+  const cublasStatus_t st = cublasLtMatmul(
+      cublas_lt(), fp8_matmul_desc(), &alpha, w.data, l.w, codes, l.x, &beta, d, l.y, d, l.y,
+      &plan.algo, lt_workspace(), kLtWorkspaceBytes, static_cast<cudaStream_t>(stream()));
   if (st != CUBLAS_STATUS_SUCCESS)
     fail("cuBLASLt: the fp8 prefill product of a [", N, " x ", K, "] weight and ", m,
          " rows failed (status ", int(st), ")");
   if (direct) return true;
-  if (accumulate)
-    cuda::add_inplace(y, d, m * N);
+  if (plan.bf16_out)
+    launch("linear_fp8 (widen)", widen_outputs_kernel, grid_stride_blocks(m * N, 256), 256, 0,
+           static_cast<const __nv_bfloat16*>(d), m * N, accumulate, y);
+  else if (accumulate)
+    cuda::add_inplace(y, static_cast<const float*>(d), m * N);
   else
     cuda::copy_on_device(y, d, sizeof(float) * static_cast<size_t>(m * N));
   return true;
@@ -419,9 +499,14 @@ bool linear_fp8_tensor_cores(const float* x, int64_t m, const ops::WeightRef& w,
 
 }  // namespace
 
-bool fp8_prefill_on_tensor_cores(const ops::WeightRef& w) {
-  return fp8_prefill_wanted() && fp8_prefill_shape(w) &&
-         fp8_prefill_algo(w.rows, w.cols, prefill_mode() ? prefill_rows() : 16) != nullptr;
+std::string fp8_prefill_route(const ops::WeightRef& w) {
+  if (!fp8_prefill_wanted()) return "bf16 (TANDEM_CUDA_FP8_PREFILL=bf16)";
+  if (!fp8_prefill_shape(w))
+    return "bf16 (not a block-scaled shape: 128 x 128 fp32 scales, their rows a multiple of 4 "
+           "apart, N a multiple of 4, K of 16)";
+  const Fp8Plan& plan = fp8_prefill_plan(w, prefill_mode() ? prefill_rows() : 16);
+  if (!plan.ok) return "bf16 (cuBLASLt has no block-scaled fp8 algorithm: " + plan.why + ")";
+  return plan.bf16_out ? "fp8 tensor cores, bf16 outputs" : "fp8 tensor cores";
 }
 
 void linear_fp8(const float* x, int64_t m, const ops::WeightRef& w, float* y, bool accumulate) {
@@ -435,8 +520,8 @@ void linear_fp8(const float* x, int64_t m, const ops::WeightRef& w, float* y, bo
   }
   const dim3 grid(grid_blocks(ceil_div(w.rows, kWarps), "linear_fp8"),
                   grid_blocks(ceil_div(m, kRowTile), "linear_fp8"));
-  launch("linear_fp8", linear_fp8_kernel, grid, dim3(32 * kWarps), 0, x, m, fw, w.rows, accumulate,
-         y);
+  const auto kernel = chunked(fw) ? linear_fp8_kernel<true> : linear_fp8_kernel<false>;
+  launch("linear_fp8", kernel, grid, dim3(32 * kWarps), 0, x, m, fw, w.rows, accumulate, y);
 }
 
 void linear_grouped_fp8(const float* x, int64_t rows, int64_t max_rows,
@@ -459,8 +544,10 @@ void linear_grouped_fp8(const float* x, int64_t rows, int64_t max_rows,
   const int64_t width = opt.swiglu ? N / 2 : N;
   const dim3 grid(grid_blocks(ceil_div(width, kWarps), "linear_grouped"),
                   static_cast<unsigned>(groups));
-  launch("linear_grouped (fp8)", linear_fp8_grouped_kernel, grid, dim3(32 * kWarps), 0, x, fw, N,
-         expert, start, opt.gather, opt.swiglu, y);
+  const auto kernel =
+      chunked(fw) ? linear_fp8_grouped_kernel<true> : linear_fp8_grouped_kernel<false>;
+  launch("linear_grouped (fp8)", kernel, grid, dim3(32 * kWarps), 0, x, fw, N, expert, start,
+         opt.gather, opt.swiglu, y);
 }
 
 }  // namespace tandem::cuda
