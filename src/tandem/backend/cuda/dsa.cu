@@ -97,4 +97,6 @@ void dsa_select(const float* q, const float* w, int64_t n, int64_t heads, int64_
          w, heads, D, keys, pos, topk, sort_n, scale, g_scratch, out);
 }
 
+TANDEM_CUDA_TRACE_UNIT(dsa)
+
 }  // namespace tandem::cuda

@@ -72,8 +72,9 @@ struct Fp8Weight {
 //    x[k + e] · w[k + e] for e = 0..15 into its running sum; the next chunk's codes are loaded
 //    before this one's products.
 //  - Otherwise: lane l takes the 4 weights at k = 4·l + 128·j, each with its own scale.
-// Either way a row's sum depends on K and the row's values only, never on the other rows.
-template <bool Chunked>
+// Either way a row's sum depends on K and the row's values only, never on the other rows. XVec
+// (input rows 16-byte aligned) only changes how the chunked order loads x.
+template <bool Chunked, bool XVec>
 __device__ __forceinline__ void fp8_dots(const Fp8Weight& w, int64_t n, const float* const* xr,
                                          int rows, int lane, float (&out)[kRowTile]) {
   const int64_t K = w.K;
@@ -107,8 +108,22 @@ __device__ __forceinline__ void fp8_dots(const Fp8Weight& w, int64_t n, const fl
       for (int r = 0; r < kRowTile; ++r) {
         if (r >= rows) break;
         const float* x = xr[r] + 16 * static_cast<int64_t>(c);
+        float xv[16];
+        if constexpr (XVec) {  // the same values in four 16-byte loads: a load per 4 products
 #pragma unroll
-        for (int e = 0; e < 16; ++e) acc[r] += x[e] * wv[e];
+          for (int v = 0; v < 4; ++v) {
+            const float4 f = *reinterpret_cast<const float4*>(x + 4 * v);
+            xv[4 * v] = f.x;
+            xv[4 * v + 1] = f.y;
+            xv[4 * v + 2] = f.z;
+            xv[4 * v + 3] = f.w;
+          }
+        } else {
+#pragma unroll
+          for (int e = 0; e < 16; ++e) xv[e] = x[e];
+        }
+#pragma unroll
+        for (int e = 0; e < 16; ++e) acc[r] += xv[e] * wv[e];
       }
     }
   } else {
@@ -140,7 +155,7 @@ __device__ __forceinline__ void fp8_dots(const Fp8Weight& w, int64_t n, const fl
 }
 
 // grid (ceil(N / kWarps), ceil(m / kRowTile)), block 32 × kWarps.
-template <bool Chunked>
+template <bool Chunked, bool XVec>
 __global__ void linear_fp8_kernel(const float* __restrict__ x, int64_t m, Fp8Weight w, int64_t N,
                                   bool accumulate, float* __restrict__ y) {
   pdl_wait();
@@ -154,7 +169,7 @@ __global__ void linear_fp8_kernel(const float* __restrict__ x, int64_t m, Fp8Wei
 #pragma unroll
   for (int r = 0; r < kRowTile; ++r) xr[r] = x + (row0 + (r < rows ? r : 0)) * w.K;
   float s[kRowTile];
-  fp8_dots<Chunked>(w, n, xr, rows, lane, s);
+  fp8_dots<Chunked, XVec>(w, n, xr, rows, lane, s);
   if (lane != 0) return;
 #pragma unroll
   for (int r = 0; r < kRowTile; ++r)
@@ -168,7 +183,7 @@ __global__ void linear_fp8_kernel(const float* __restrict__ x, int64_t m, Fp8Wei
 // multiplies pair rows start[g] .. start[g + 1] (input row gather[r], or r) by expert expert[g]'s
 // N rows of the stack; with swiglu, output column n < N / 2 is silu(gate row n) · (up row
 // N / 2 + n), the swiglu op's expression.
-template <bool Chunked>
+template <bool Chunked, bool XVec>
 __global__ void linear_fp8_grouped_kernel(const float* __restrict__ x, Fp8Weight w, int64_t N,
                                           const int32_t* __restrict__ expert,
                                           const int32_t* __restrict__ start,
@@ -193,8 +208,8 @@ __global__ void linear_fp8_grouped_kernel(const float* __restrict__ x, Fp8Weight
       xr[r] = x + static_cast<int64_t>(gather ? gather[row] : row) * w.K;
     }
     float a[kRowTile], b[kRowTile];
-    fp8_dots<Chunked>(w, base + n, xr, rows, lane, a);
-    if (swiglu) fp8_dots<Chunked>(w, base + width + n, xr, rows, lane, b);
+    fp8_dots<Chunked, XVec>(w, base + n, xr, rows, lane, a);
+    if (swiglu) fp8_dots<Chunked, XVec>(w, base + width + n, xr, rows, lane, b);
     if (lane == 0) {
 #pragma unroll
       for (int r = 0; r < kRowTile; ++r)
@@ -269,6 +284,12 @@ Fp8Weight fp8_weight(const ops::WeightRef& w, const char* op) {
 // alignment, which the arena's copies always have).
 bool chunked(const Fp8Weight& w) {
   return w.K % 16 == 0 && w.block_cols % 16 == 0 && reinterpret_cast<uintptr_t>(w.codes) % 16 == 0;
+}
+
+// Whether the input rows can be read 16 bytes at a time (the chunked order's K is a multiple of
+// 16, so every row is aligned when the first is).
+bool x_vectors(const float* x, const Fp8Weight& w) {
+  return w.K % 4 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;
 }
 
 // Grow-only device scratch; a reallocation bumps the scratch generation (graph keys).
@@ -520,7 +541,9 @@ void linear_fp8(const float* x, int64_t m, const ops::WeightRef& w, float* y, bo
   }
   const dim3 grid(grid_blocks(ceil_div(w.rows, kWarps), "linear_fp8"),
                   grid_blocks(ceil_div(m, kRowTile), "linear_fp8"));
-  const auto kernel = chunked(fw) ? linear_fp8_kernel<true> : linear_fp8_kernel<false>;
+  const auto kernel = !chunked(fw)       ? linear_fp8_kernel<false, false>
+                      : x_vectors(x, fw) ? linear_fp8_kernel<true, true>
+                                         : linear_fp8_kernel<true, false>;
   launch("linear_fp8", kernel, grid, dim3(32 * kWarps), 0, x, m, fw, w.rows, accumulate, y);
 }
 
@@ -544,10 +567,13 @@ void linear_grouped_fp8(const float* x, int64_t rows, int64_t max_rows,
   const int64_t width = opt.swiglu ? N / 2 : N;
   const dim3 grid(grid_blocks(ceil_div(width, kWarps), "linear_grouped"),
                   static_cast<unsigned>(groups));
-  const auto kernel =
-      chunked(fw) ? linear_fp8_grouped_kernel<true> : linear_fp8_grouped_kernel<false>;
+  const auto kernel = !chunked(fw)       ? linear_fp8_grouped_kernel<false, false>
+                      : x_vectors(x, fw) ? linear_fp8_grouped_kernel<true, true>
+                                         : linear_fp8_grouped_kernel<true, false>;
   launch("linear_grouped (fp8)", kernel, grid, dim3(32 * kWarps), 0, x, fw, N, expert, start,
          opt.gather, opt.swiglu, y);
 }
+
+TANDEM_CUDA_TRACE_UNIT(linear_fp8)
 
 }  // namespace tandem::cuda

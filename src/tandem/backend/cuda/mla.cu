@@ -183,4 +183,6 @@ void mla_attention(const float* q_nope, const float* q_pe, int64_t n, int64_t H,
          kv_b.dtype == DType::BF16, pos, allowed, topk, sort_n, scale, out);
 }
 
+TANDEM_CUDA_TRACE_UNIT(mla)
+
 }  // namespace tandem::cuda
