@@ -521,33 +521,37 @@ using CudaLinearModes = CudaTest;
 // GLM-5's DSA indexer choice: the CUDA op against the CPU's, position for position. Grid-valued
 // queries, keys and head weights (multiples of 0.5, D = 16 so the scale is 0.25) make every score
 // exact on both sides, so equal scores are common and the tie rule (the lower position) is
-// checked too; a choice shorter than topk (dense) and one that drops positions.
+// checked too; a choice shorter than topk (dense) and one that drops positions; contexts whose
+// keys sort in shared memory (100) and in global scratch (5,000: past 4,096).
 TEST_F(CudaLinearModes, DsaSelectMatchesTheCpuIncludingTies) {
   std::mt19937 rng(31);
-  const int64_t heads = 4, D = 16, ctx = 100;
+  const int64_t heads = 4, D = 16;
   std::uniform_int_distribution<int> grid(-4, 4);
   auto values = [&](int64_t count) {
     std::vector<float> v(sz(count));
     for (float& x : v) x = 0.5f * static_cast<float>(grid(rng));
     return v;
   };
-  const std::vector<int64_t> pos = {0, 3, 7, 20, 63, 99};
-  const int64_t n = static_cast<int64_t>(pos.size());
-  const auto q = values(n * heads * D), w = values(n * heads), keys = values(ctx * D);
-  const DeviceBuffer<float> dq(q), dw(w), dkeys(keys);
-  const DeviceBuffer<int64_t> dpos(pos);
-  for (const int64_t topk : {int64_t{8}, int64_t{128}}) {
-    std::vector<int32_t> want(sz(n * topk));
-    cpu::dsa_select(q.data(), w.data(), n, heads, D, keys.data(), ctx, pos.data(), topk,
-                    want.data());
-    DeviceBuffer<int32_t> dout(sz(n * topk));
-    cuda::dsa_select(dq.get(), dw.get(), n, heads, D, dkeys.get(), ctx, dpos.get(), topk,
-                     dout.get());
-    EXPECT_EQ(dout.download(), want) << "topk " << topk;
-    DeviceBuffer<int32_t> one(sz(topk));
-    cuda::dsa_select(dq.get() + 4 * heads * D, dw.get() + 4 * heads, 1, heads, D, dkeys.get(), ctx,
-                     dpos.get() + 4, topk, one.get());
-    EXPECT_EQ(one.download(), slice(want, sz(4 * topk), sz(topk))) << "query 4 alone";
+  for (const int64_t ctx : {int64_t{100}, int64_t{5000}}) {
+    const std::vector<int64_t> pos = {0, 3, 7, 20, 63, ctx - 1};
+    const int64_t n = static_cast<int64_t>(pos.size());
+    const auto q = values(n * heads * D), w = values(n * heads), keys = values(ctx * D);
+    const DeviceBuffer<float> dq(q), dw(w), dkeys(keys);
+    const DeviceBuffer<int64_t> dpos(pos);
+    for (const int64_t topk : {int64_t{8}, int64_t{128}}) {
+      std::vector<int32_t> want(sz(n * topk));
+      cpu::dsa_select(q.data(), w.data(), n, heads, D, keys.data(), ctx, pos.data(), topk,
+                      want.data());
+      DeviceBuffer<int32_t> dout(sz(n * topk));
+      cuda::dsa_select(dq.get(), dw.get(), n, heads, D, dkeys.get(), ctx, dpos.get(), topk,
+                       dout.get());
+      EXPECT_EQ(dout.download(), want) << "context " << ctx << ", topk " << topk;
+      DeviceBuffer<int32_t> one(sz(topk));
+      cuda::dsa_select(dq.get() + 5 * heads * D, dw.get() + 5 * heads, 1, heads, D, dkeys.get(),
+                       ctx, dpos.get() + 5, topk, one.get());
+      EXPECT_EQ(one.download(), slice(want, sz(5 * topk), sz(topk)))
+          << "context " << ctx << ", the last query alone";
+    }
   }
 }
 

@@ -1,9 +1,10 @@
-// GLM-5's DSA indexer choice on CUDA (ops::dsa_select; the CPU's is cpu/dsa.cpp). One block per
-// query: a warp scores a position (each head's dot product over lanes with a fixed butterfly, the
-// heads' weighted ReLUs summed in head order), then the block sorts the (score, position) pairs of
-// its query — descending score, the lower position on a tie, as one 64-bit key — with a bitonic
-// sort in global scratch and keeps the first min(topk, pos + 1). A query's choice depends on its
-// own q, w and the keys alone (batch invariance, DESIGN.md principle 2).
+// GLM-5's DSA indexer choice on CUDA (ops::dsa_select; the CPU's is cpu/dsa.cpp). Two launches:
+// the scoring spreads each query's positions over blocks, a warp per position (each head's dot
+// product over lanes with a fixed butterfly, the heads' weighted ReLUs summed in head order), into
+// (score, position) sort keys — descending score, the lower position on a tie, as one 64-bit key
+// — in global scratch; then one block per query bitonic-sorts its keys and keeps the first
+// min(topk, pos + 1). A query's choice depends on its own q, w and the keys alone (batch
+// invariance, DESIGN.md principle 2).
 #include <cmath>
 
 #include "tandem/backend/cuda/check.cuh"
@@ -22,18 +23,25 @@ __device__ __forceinline__ uint64_t order_key(float score, int p) {
   return (static_cast<uint64_t>(~u) << 32) | static_cast<uint32_t>(p);
 }
 
-__global__ void dsa_select_kernel(const float* __restrict__ q, const float* __restrict__ w,
-                                  int64_t heads, int64_t D, const float* __restrict__ keys,
-                                  const int64_t* __restrict__ pos, int64_t topk, int64_t sort_n,
-                                  float scale, uint64_t* __restrict__ scratch,
-                                  int32_t* __restrict__ out) {
+// Scoring: grid (queries, ceil(sort_n / kScorePositions)); warp w of a block scores positions
+// p0 + w, p0 + w + kWarps, .. of its query (p0 = blockIdx.y · kScorePositions) into its sort
+// keys; positions past the query's own get the largest key. Spreading a query's positions over
+// blocks changes no score (each is one warp's, in the same order).
+constexpr int kScorePositions = 64;
+
+__global__ void dsa_score_kernel(const float* __restrict__ q, const float* __restrict__ w,
+                                 int64_t heads, int64_t D, const float* __restrict__ keys,
+                                 const int64_t* __restrict__ pos, int64_t sort_n, float scale,
+                                 uint64_t* __restrict__ scratch) {
   pdl_wait();
   pdl_release();
   const int64_t i = blockIdx.x;
   const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
   const int64_t len = pos[i] + 1;
   uint64_t* key = scratch + i * sort_n;
-  for (int64_t p = warp; p < sort_n; p += kWarps) {
+  const int64_t p0 = static_cast<int64_t>(blockIdx.y) * kScorePositions;
+  const int64_t p1 = p0 + kScorePositions < sort_n ? p0 + kScorePositions : sort_n;
+  for (int64_t p = p0 + warp; p < p1; p += kWarps) {
     if (p >= len) {
       if (lane == 0) key[p] = ~0ull;
       continue;
@@ -50,7 +58,28 @@ __global__ void dsa_select_kernel(const float* __restrict__ q, const float* __re
     }
     if (lane == 0) key[p] = order_key(s, static_cast<int>(p));
   }
-  __syncthreads();
+}
+
+// Sorting and choosing: one block per query; a bitonic sort of its sort_n keys (in shared memory
+// when they fit, SortInShared, else in place in the global scratch: the same exchanges either
+// way), then the first min(topk, pos + 1) positions.
+constexpr int64_t kSharedSortKeys = 4096;  // 32 KB
+
+template <bool SortInShared>
+__global__ void dsa_sort_kernel(const int64_t* __restrict__ pos, int64_t topk, int64_t sort_n,
+                                uint64_t* __restrict__ scratch, int32_t* __restrict__ out) {
+  __shared__ uint64_t shared_keys[SortInShared ? kSharedSortKeys : 1];
+  pdl_wait();
+  pdl_release();
+  const int64_t i = blockIdx.x;
+  const int t = threadIdx.x;
+  const int64_t len = pos[i] + 1;
+  uint64_t* key = scratch + i * sort_n;
+  if constexpr (SortInShared) {
+    for (int64_t j = t; j < sort_n; j += kThreads) shared_keys[j] = key[j];
+    key = shared_keys;
+    __syncthreads();
+  }
   for (int64_t size = 2; size <= sort_n; size <<= 1)
     for (int64_t stride = size >> 1; stride > 0; stride >>= 1) {
       for (int64_t j = t; j < sort_n; j += kThreads) {
@@ -93,8 +122,13 @@ void dsa_select(const float* q, const float* w, int64_t n, int64_t heads, int64_
     bump_scratch_generation();
   }
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
-  launch("dsa_select", dsa_select_kernel, dim3(grid_blocks(n, "dsa_select")), dim3(kThreads), 0, q,
-         w, heads, D, keys, pos, topk, sort_n, scale, g_scratch, out);
+  launch("dsa_select (score)", dsa_score_kernel,
+         dim3(grid_blocks(n, "dsa_select"),
+              grid_blocks(ceil_div(sort_n, kScorePositions), "dsa_select")),
+         dim3(kThreads), 0, q, w, heads, D, keys, pos, sort_n, scale, g_scratch);
+  const auto sort = sort_n <= kSharedSortKeys ? dsa_sort_kernel<true> : dsa_sort_kernel<false>;
+  launch("dsa_select (sort)", sort, dim3(grid_blocks(n, "dsa_select")), dim3(kThreads), 0, pos,
+         topk, sort_n, g_scratch, out);
 }
 
 TANDEM_CUDA_TRACE_UNIT(dsa)
