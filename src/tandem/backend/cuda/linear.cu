@@ -603,21 +603,11 @@ __global__ void scatter_slices_x4_kernel(const float4* __restrict__ full, int64_
 
 constexpr int kLtCandidates = 8;
 
-struct LtLayouts {
-  cublasLtMatrixLayout_t w = nullptr, x = nullptr, y = nullptr;
-  LtLayouts(int64_t N, int64_t K, int64_t m) {
-    bool ok = cublasLtMatrixLayoutCreate(&w, CUDA_R_16BF, K, N, K) == CUBLAS_STATUS_SUCCESS &&
-              cublasLtMatrixLayoutCreate(&x, CUDA_R_16BF, K, m, K) == CUBLAS_STATUS_SUCCESS &&
-              cublasLtMatrixLayoutCreate(&y, CUDA_R_32F, N, m, N) == CUBLAS_STATUS_SUCCESS;
+// The bf16 prefill product's layouts; fails when cuBLASLt refuses them.
+struct Bf16Layouts : LtLayouts {
+  Bf16Layouts(int64_t N, int64_t K, int64_t m) : LtLayouts(N, K, m, CUDA_R_16BF, CUDA_R_32F) {
     if (!ok) fail("cuBLASLt: matrix layouts for [", N, " x ", K, "] and ", m, " rows");
   }
-  ~LtLayouts() {
-    cublasLtMatrixLayoutDestroy(w);
-    cublasLtMatrixLayoutDestroy(x);
-    cublasLtMatrixLayoutDestroy(y);
-  }
-  LtLayouts(const LtLayouts&) = delete;
-  LtLayouts& operator=(const LtLayouts&) = delete;
 };
 
 // The matmul description every prefill product shares: fp32 compute and scale, W transposed.
@@ -654,7 +644,7 @@ const cublasLtMatmulAlgo_t& prefill_algo(int64_t N, int64_t K, int64_t tile) {
        {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
         CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES})
     cublasLtMatmulPreferenceSetAttribute(pref, attr, &align, sizeof align);
-  const LtLayouts l(N, K, tile);
+  const Bf16Layouts l(N, K, tile);
   cublasLtMatmulHeuristicResult_t found[kLtCandidates];
   int n = 0;
   const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(
@@ -678,7 +668,7 @@ void prefill_product(const __nv_bfloat16* xb, int64_t m, const ops::WeightRef& w
                      bool accumulate) {
   const int64_t N = w.rows, K = w.cols;
   const cublasLtMatmulAlgo_t& algo = prefill_algo(N, K, g_prefill_rows);
-  const LtLayouts l(N, K, m);
+  const Bf16Layouts l(N, K, m);
   const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
   const cublasStatus_t st = cublasLtMatmul(cublas_lt(), prefill_matmul_desc(), &alpha, w.data, l.w,
                                            xb, l.x, &beta, y, l.y, y, l.y, &algo, lt_workspace(),

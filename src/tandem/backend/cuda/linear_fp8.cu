@@ -355,23 +355,6 @@ cublasLtMatmulDesc_t fp8_matmul_desc() {
   return d;
 }
 
-struct Fp8Layouts {
-  cublasLtMatrixLayout_t w = nullptr, x = nullptr, y = nullptr;
-  bool ok = false;
-  Fp8Layouts(int64_t N, int64_t K, int64_t m, cudaDataType_t out) {
-    ok = cublasLtMatrixLayoutCreate(&w, CUDA_R_8F_E4M3, K, N, K) == CUBLAS_STATUS_SUCCESS &&
-         cublasLtMatrixLayoutCreate(&x, CUDA_R_8F_E4M3, K, m, K) == CUBLAS_STATUS_SUCCESS &&
-         cublasLtMatrixLayoutCreate(&y, out, N, m, N) == CUBLAS_STATUS_SUCCESS;
-  }
-  ~Fp8Layouts() {
-    cublasLtMatrixLayoutDestroy(w);
-    cublasLtMatrixLayoutDestroy(x);
-    cublasLtMatrixLayoutDestroy(y);
-  }
-  Fp8Layouts(const Fp8Layouts&) = delete;
-  Fp8Layouts& operator=(const Fp8Layouts&) = delete;
-};
-
 int64_t pad4(int64_t m) {
   return (m + 3) / 4 * 4;
 }
@@ -437,7 +420,7 @@ const Fp8Plan& fp8_prefill_plan(const ops::WeightRef& w, int64_t tile) {
       if (only_single_pass)
         cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK,
                                              &no_reduction, sizeof no_reduction);
-      const Fp8Layouts l(N, K, mp, bf16_out ? CUDA_R_16BF : CUDA_R_32F);
+      const LtLayouts l(N, K, mp, CUDA_R_8F_E4M3, bf16_out ? CUDA_R_16BF : CUDA_R_32F);
       constexpr int kCandidates = 8;
       cublasLtMatmulHeuristicResult_t found[kCandidates];
       int n = 0;
@@ -498,7 +481,7 @@ bool linear_fp8_tensor_cores(const float* x, int64_t m, const ops::WeightRef& w,
                 ? static_cast<void*>(s.out_bf16.get<__nv_bfloat16>(static_cast<size_t>(mp * N)))
                 : static_cast<void*>(s.out.get<float>(static_cast<size_t>(mp * N)));
   set_scale_pointers(w.scales.data, scales);
-  const Fp8Layouts l(N, K, mp, plan.bf16_out ? CUDA_R_16BF : CUDA_R_32F);
+  const LtLayouts l(N, K, mp, CUDA_R_8F_E4M3, plan.bf16_out ? CUDA_R_16BF : CUDA_R_32F);
   if (!l.ok) fail("cuBLASLt: fp8 matrix layouts for [", N, " x ", K, "] and ", mp, " rows");
   const float alpha = 1.0f, beta = accumulate && direct ? 1.0f : 0.0f;
   const cublasStatus_t st = cublasLtMatmul(

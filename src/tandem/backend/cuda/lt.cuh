@@ -5,6 +5,7 @@
 #include <cublasLt.h>
 
 #include <cstddef>
+#include <cstdint>
 
 namespace tandem::cuda {
 
@@ -12,5 +13,25 @@ constexpr size_t kLtWorkspaceBytes = size_t(32) << 20;
 
 cublasLtHandle_t cublas_lt();
 void* lt_workspace();  // kLtWorkspaceBytes of device memory
+
+// The layouts of yᵀ[N, m] = W[N, K] · xᵀ[K, m] in cuBLASLt's column-major terms: W a K x N matrix
+// (taken transposed), x a K x m one (both of type `in`), y an N x m one of type `out` (row-major
+// [m, N]). ok: all three were created.
+struct LtLayouts {
+  cublasLtMatrixLayout_t w = nullptr, x = nullptr, y = nullptr;
+  bool ok = false;
+  LtLayouts(int64_t N, int64_t K, int64_t m, cudaDataType_t in, cudaDataType_t out) {
+    ok = cublasLtMatrixLayoutCreate(&w, in, K, N, K) == CUBLAS_STATUS_SUCCESS &&
+         cublasLtMatrixLayoutCreate(&x, in, K, m, K) == CUBLAS_STATUS_SUCCESS &&
+         cublasLtMatrixLayoutCreate(&y, out, N, m, N) == CUBLAS_STATUS_SUCCESS;
+  }
+  ~LtLayouts() {
+    cublasLtMatrixLayoutDestroy(w);
+    cublasLtMatrixLayoutDestroy(x);
+    cublasLtMatrixLayoutDestroy(y);
+  }
+  LtLayouts(const LtLayouts&) = delete;
+  LtLayouts& operator=(const LtLayouts&) = delete;
+};
 
 }  // namespace tandem::cuda
