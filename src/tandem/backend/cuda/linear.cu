@@ -80,6 +80,17 @@ void* lt_workspace() {
   return ws;
 }
 
+cublasLtMatmulDesc_t transposed_weight_desc() {
+  cublasLtMatmulDesc_t desc;
+  if (cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F) != CUBLAS_STATUS_SUCCESS)
+    fail("cuBLASLt: cublasLtMatmulDescCreate failed");
+  const cublasOperation_t t = CUBLAS_OP_T;
+  if (cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &t, sizeof t) !=
+      CUBLAS_STATUS_SUCCESS)
+    fail("cuBLASLt: setting the transposed weight");
+  return desc;
+}
+
 namespace {
 
 constexpr int kWideRows = 8192;  // weights with at least this many rows: 4 warps per block, else 8
@@ -610,18 +621,9 @@ struct Bf16Layouts : LtLayouts {
   }
 };
 
-// The matmul description every prefill product shares: fp32 compute and scale, W transposed.
+// The matmul description every bf16 prefill product shares.
 cublasLtMatmulDesc_t prefill_matmul_desc() {
-  static cublasLtMatmulDesc_t d = [] {
-    cublasLtMatmulDesc_t desc;
-    if (cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F) != CUBLAS_STATUS_SUCCESS)
-      fail("cuBLASLt: cublasLtMatmulDescCreate failed");
-    const cublasOperation_t t = CUBLAS_OP_T;
-    if (cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &t, sizeof t) !=
-        CUBLAS_STATUS_SUCCESS)
-      fail("cuBLASLt: setting the transposed weight");
-    return desc;
-  }();
+  static cublasLtMatmulDesc_t d = transposed_weight_desc();
   return d;
 }
 

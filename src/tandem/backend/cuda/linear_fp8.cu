@@ -337,19 +337,14 @@ bool fp8_prefill_wanted() {
 
 cublasLtMatmulDesc_t fp8_matmul_desc() {
   static cublasLtMatmulDesc_t d = [] {
-    cublasLtMatmulDesc_t desc;
-    if (cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F) != CUBLAS_STATUS_SUCCESS)
-      fail("cuBLASLt: cublasLtMatmulDescCreate failed");
-    const cublasOperation_t t = CUBLAS_OP_T;
+    cublasLtMatmulDesc_t desc = transposed_weight_desc();
     const cublasLtMatmulMatrixScale_t a_mode = CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F;
     const cublasLtMatmulMatrixScale_t b_mode = CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
-    const bool ok = cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &t,
-                                                   sizeof t) == CUBLAS_STATUS_SUCCESS &&
-                    cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &a_mode,
-                                                   sizeof a_mode) == CUBLAS_STATUS_SUCCESS &&
-                    cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &b_mode,
-                                                   sizeof b_mode) == CUBLAS_STATUS_SUCCESS;
-    if (!ok) fail("cuBLASLt: the block-scaled fp8 matmul description");
+    if (cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &a_mode,
+                                       sizeof a_mode) != CUBLAS_STATUS_SUCCESS ||
+        cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &b_mode,
+                                       sizeof b_mode) != CUBLAS_STATUS_SUCCESS)
+      fail("cuBLASLt: the block-scaled fp8 matmul description");
     return desc;
   }();
   return d;

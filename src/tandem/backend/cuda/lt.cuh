@@ -13,6 +13,9 @@ constexpr size_t kLtWorkspaceBytes = size_t(32) << 20;
 
 cublasLtHandle_t cublas_lt();
 void* lt_workspace();  // kLtWorkspaceBytes of device memory
+// A new matmul description with fp32 compute and scale and W taken transposed (the layouts
+// below); the caller keeps it for the process.
+cublasLtMatmulDesc_t transposed_weight_desc();
 
 // The layouts of yᵀ[N, m] = W[N, K] · xᵀ[K, m] in cuBLASLt's column-major terms: W a K x N matrix
 // (taken transposed), x a K x m one (both of type `in`), y an N x m one of type `out` (row-major
