@@ -50,8 +50,8 @@ int64_t top1(const float* l, int64_t V) {
 class CudaGlm5Parity : public testing::CudaTest,
                        public ::testing::WithParamInterface<std::string> {};
 
-// The GPU rounds the inputs of every bf16 matrix product to bf16 (and keeps an fp8 checkpoint's
-// experts in bf16). On these tiny random fixtures that flips a near-tied expert or DSA choice
+// The GPU rounds the inputs of every bf16 matrix product to bf16 (and prompt prefill takes an fp8
+// checkpoint's matrices, these fixtures' 16 x 16 blocks, as bf16). On these tiny random fixtures that flips a near-tied expert or DSA choice
 // somewhere past the first dozen tokens, and from there on a token's logits are another
 // computation's. (The CPU with its product inputs rounded the same way reproduces the GPU's
 // errors to four digits: 0.209 / 0.703 of the logit scale at the worst token of glm5_bf16's two
