@@ -51,14 +51,15 @@ class CudaGlm5Parity : public testing::CudaTest,
                        public ::testing::WithParamInterface<std::string> {};
 
 // The GPU rounds the inputs of every bf16 matrix product to bf16 (and prompt prefill takes an fp8
-// checkpoint's matrices, these fixtures' 16 x 16 blocks, as bf16). On these tiny random fixtures that flips a near-tied expert or DSA choice
-// somewhere past the first dozen tokens, and from there on a token's logits are another
-// computation's. (The CPU with its product inputs rounded the same way reproduces the GPU's
-// errors to four digits: 0.209 / 0.703 of the logit scale at the worst token of glm5_bf16's two
-// prompts; before the first flipped choice it stays within 0.0082.) So: every token up to the
-// first one whose experts or DSA choice differ from transformers' must be within 2e-2 of the
-// logit scale, its greedy token equal where transformers' top two are further apart than twice
-// that, and that run must reach past index_topk, where the indexer drops positions.
+// checkpoint's matrices, these fixtures' 16 x 16 blocks, as bf16). On these tiny random fixtures
+// that flips a near-tied expert or DSA choice somewhere past the first dozen tokens, and from there
+// on a token's logits are another computation's. (The CPU with its product inputs rounded the same
+// way reproduces the GPU's errors to four digits: 0.209 / 0.703 of the logit scale at the worst
+// token of glm5_bf16's two prompts; before the first flipped choice it stays within 0.0082.) So:
+// every token up to the first one whose experts or DSA choice differ from transformers' must be
+// within 2e-2 of the logit scale, its greedy token equal where transformers' top two are further
+// apart than twice that, and that run must reach past index_topk, where the indexer drops
+// positions.
 TEST_P(CudaGlm5Parity, LogitsMatchTransformersUpToTheFirstFlippedChoice) {
   ScopedBackend cuda(ops::Backend::Cuda);
   const std::string dir = std::string(TANDEM_FIXTURES_DIR) + "/" + GetParam();
