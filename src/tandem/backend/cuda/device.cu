@@ -322,12 +322,11 @@ TANDEM_CUDA_TRACE_UNIT(device)
 #if TANDEM_CUDA_TRACE
 // Every unit that defines kernels names itself with TANDEM_CUDA_TRACE_UNIT and is listed here; a
 // unit missing from the list would simply be absent from the timeline.
-#define TANDEM_CUDA_TRACE_UNITS(X)                                                           \
-  X(attention)                                                                               \
-  X(attention_prompt)                                                                        \
-  X(device)                                                                                  \
-  X(dsa) X(elementwise) X(linear) X(linear_fp8) X(linear_ring) X(linear_tiles) X(mla) X(moe) \
-      X(recurrent) X(sampling)
+// clang-format off
+#define TANDEM_CUDA_TRACE_UNITS(X) \
+  X(attention) X(attention_prompt) X(device) X(dsa) X(elementwise) X(linear) X(linear_fp8) \
+  X(linear_ring) X(linear_tiles) X(mla) X(moe) X(recurrent) X(sampling)
+// clang-format on
 #define TANDEM_DECLARE_UNIT(name)                                 \
   void trace_collect_##name(std::vector<KernelMark>&, uint64_t&); \
   void trace_clear_##name();
