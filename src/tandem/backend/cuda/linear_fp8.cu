@@ -35,6 +35,7 @@
 #include "tandem/backend/cuda/check.cuh"
 #include "tandem/backend/cuda/cuda_ops.h"
 #include "tandem/backend/cuda/lt.cuh"
+#include "tandem/backend/cuda/scratch.cuh"
 
 namespace tandem::cuda {
 
@@ -292,30 +293,14 @@ bool x_vectors(const float* x, const Fp8Weight& w) {
   return w.K % 4 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;
 }
 
-// Grow-only device scratch; a reallocation bumps the scratch generation (graph keys).
-struct Scratch {
-  void* p = nullptr;
-  size_t size = 0;
-  template <class T>
-  T* get(size_t n) {
-    if (sizeof(T) * n > size) {
-      cuda::free(p);
-      p = cuda::alloc(sizeof(T) * n);
-      size = sizeof(T) * n;
-      bump_scratch_generation();
-    }
-    return static_cast<T*>(p);
-  }
-};
-
-Scratch& weight_bf16_scratch() {  // a weight (or an expert stack) dequantised for prefill
-  static Scratch s;
+DeviceScratch& weight_bf16_scratch() {  // a weight (or an expert stack) dequantised for prefill
+  static DeviceScratch s;
   return s;
 }
 
 ops::WeightRef dequantised_bf16(const ops::WeightRef& w) {
   const Fp8Weight fw = fp8_weight(w, "linear_fp8");
-  auto* out = weight_bf16_scratch().get<__nv_bfloat16>(static_cast<size_t>(w.rows * w.cols));
+  auto* out = weight_bf16_scratch().get<__nv_bfloat16>(w.rows * w.cols);
   launch("linear_fp8 (dequantise)", fp8_to_bf16_kernel, grid_stride_blocks(w.rows * w.cols, 256),
          256, 0, fw, w.rows, out);
   ops::WeightRef b = w;
@@ -366,7 +351,7 @@ bool fp8_prefill_shape(const ops::WeightRef& w) {
 }
 
 struct QuantScratch {
-  Scratch codes, scales, out, out_bf16;
+  DeviceScratch codes, scales, out, out_bf16;
 };
 
 QuantScratch& quant_scratch() {
@@ -399,8 +384,7 @@ const Fp8Plan& fp8_prefill_plan(const ops::WeightRef& w, int64_t tile) {
   if (auto it = plans.find(key); it != plans.end()) return it->second;
   Fp8Plan plan;
   // The heuristic sees the scale pointers it will be given: the weight's, and the rows' scratch.
-  auto* row_scales = quant_scratch().scales.get<float>(
-      static_cast<size_t>(mp * ((K + kQuantBlock - 1) / kQuantBlock)));
+  auto* row_scales = quant_scratch().scales.get<float>(mp * ((K + kQuantBlock - 1) / kQuantBlock));
   set_scale_pointers(w.scales.data, row_scales);
   for (const bool bf16_out : {false, true})
     for (const bool only_single_pass : {true, false}) {
@@ -455,26 +439,30 @@ __global__ void widen_outputs_kernel(const __nv_bfloat16* __restrict__ d, int64_
   }
 }
 
-// The FP8 tensor-core product; false (nothing queued) when cuBLASLt has no plan for it.
-bool linear_fp8_tensor_cores(const float* x, int64_t m, const ops::WeightRef& w, float* y,
-                             bool accumulate) {
+// The plan of this weight at this tile, or null where prompt prefill takes the bf16 route.
+const Fp8Plan* tensor_core_plan(const ops::WeightRef& w, int64_t tile) {
+  if (!fp8_prefill_wanted() || !fp8_prefill_shape(w)) return nullptr;
+  const Fp8Plan& plan = fp8_prefill_plan(w, tile);
+  return plan.ok ? &plan : nullptr;
+}
+
+// The FP8 tensor-core product with `plan`.
+void linear_fp8_tensor_cores(const float* x, int64_t m, const ops::WeightRef& w, float* y,
+                             bool accumulate, const Fp8Plan& plan) {
   const int64_t N = w.rows, K = w.cols;
-  const Fp8Plan& plan = fp8_prefill_plan(w, prefill_rows());
-  if (!plan.ok) return false;
   const int64_t mp = pad4(m), blocks = (K + kQuantBlock - 1) / kQuantBlock;
   QuantScratch& s = quant_scratch();
-  auto* codes = s.codes.get<uint8_t>(static_cast<size_t>(mp * K));
-  auto* scales = s.scales.get<float>(static_cast<size_t>(mp * blocks));
+  auto* codes = s.codes.get<uint8_t>(mp * K);
+  auto* scales = s.scales.get<float>(mp * blocks);
   constexpr int kQuantWarps = 8;
   launch("linear_fp8 (quantise rows)", quantise_rows_kernel,
          grid_blocks(ceil_div(mp * blocks, kQuantWarps), "linear_fp8"), 32 * kQuantWarps, 0, x, m,
          mp, K, codes, scales);
   // Straight into y when it has the padded rows' shape and alignment, else through scratch.
   const bool direct = !plan.bf16_out && mp == m && reinterpret_cast<uintptr_t>(y) % 16 == 0;
-  void* d = direct ? static_cast<void*>(y)
-            : plan.bf16_out
-                ? static_cast<void*>(s.out_bf16.get<__nv_bfloat16>(static_cast<size_t>(mp * N)))
-                : static_cast<void*>(s.out.get<float>(static_cast<size_t>(mp * N)));
+  void* d = direct          ? static_cast<void*>(y)
+            : plan.bf16_out ? static_cast<void*>(s.out_bf16.get<__nv_bfloat16>(mp * N))
+                            : static_cast<void*>(s.out.get<float>(mp * N));
   set_scale_pointers(w.scales.data, scales);
   const LtLayouts l(N, K, mp, CUDA_R_8F_E4M3, plan.bf16_out ? CUDA_R_16BF : CUDA_R_32F);
   if (!l.ok) fail("cuBLASLt: fp8 matrix layouts for [", N, " x ", K, "] and ", mp, " rows");
@@ -485,7 +473,7 @@ bool linear_fp8_tensor_cores(const float* x, int64_t m, const ops::WeightRef& w,
   if (st != CUBLAS_STATUS_SUCCESS)
     fail("cuBLASLt: the fp8 prefill product of a [", N, " x ", K, "] weight and ", m,
          " rows failed (status ", int(st), ")");
-  if (direct) return true;
+  if (direct) return;
   if (plan.bf16_out)
     launch("linear_fp8 (widen)", widen_outputs_kernel, grid_stride_blocks(m * N, 256), 256, 0,
            static_cast<const __nv_bfloat16*>(d), m * N, accumulate, y);
@@ -493,28 +481,27 @@ bool linear_fp8_tensor_cores(const float* x, int64_t m, const ops::WeightRef& w,
     cuda::add_inplace(y, static_cast<const float*>(d), m * N);
   else
     cuda::copy_on_device(y, d, sizeof(float) * static_cast<size_t>(m * N));
-  return true;
 }
 
 }  // namespace
 
 std::string fp8_prefill_route(const ops::WeightRef& w) {
+  const int64_t tile = prefill_mode() ? prefill_rows() : 16;
+  if (const Fp8Plan* plan = tensor_core_plan(w, tile))
+    return plan->bf16_out ? "fp8 tensor cores, bf16 outputs" : "fp8 tensor cores";
   if (!fp8_prefill_wanted()) return "bf16 (TANDEM_CUDA_FP8_PREFILL=bf16)";
   if (!fp8_prefill_shape(w))
     return "bf16 (not a block-scaled shape: 128 x 128 fp32 scales, their rows a multiple of 4 "
            "apart, N a multiple of 4, K of 16)";
-  const Fp8Plan& plan = fp8_prefill_plan(w, prefill_mode() ? prefill_rows() : 16);
-  if (!plan.ok) return "bf16 (cuBLASLt has no block-scaled fp8 algorithm: " + plan.why + ")";
-  return plan.bf16_out ? "fp8 tensor cores, bf16 outputs" : "fp8 tensor cores";
+  return "bf16 (cuBLASLt has no block-scaled fp8 algorithm: " + fp8_prefill_plan(w, tile).why + ")";
 }
 
 void linear_fp8(const float* x, int64_t m, const ops::WeightRef& w, float* y, bool accumulate) {
   const Fp8Weight fw = fp8_weight(w, "linear_fp8");
   if (m == 0 || w.rows == 0) return;
   if (prefill_mode()) {
-    if (fp8_prefill_wanted() && fp8_prefill_shape(w) &&
-        linear_fp8_tensor_cores(x, m, w, y, accumulate))
-      return;
+    if (const Fp8Plan* plan = tensor_core_plan(w, prefill_rows()))
+      return linear_fp8_tensor_cores(x, m, w, y, accumulate, *plan);
     if (w.cols % 16 == 0) return linear_prefill_bf16(x, m, dequantised_bf16(w), y, accumulate);
   }
   const dim3 grid(grid_blocks(ceil_div(w.rows, kWarps), "linear_fp8"),

@@ -35,6 +35,7 @@
 #include "tandem/backend/cuda/activation.cuh"
 #include "tandem/backend/cuda/check.cuh"
 #include "tandem/backend/cuda/cuda_ops.h"
+#include "tandem/backend/cuda/scratch.cuh"
 #include "tandem/core/error.h"
 
 namespace tandem::cuda {
@@ -424,24 +425,6 @@ __global__ void __launch_bounds__(kCombineThreads)
     yt += acc + shared[t * H + i];
 }
 
-// Scratch of one call, grown to the largest seen (calls are stream-ordered). Growing bumps the
-// scratch generation so that no captured graph replays freed memory.
-struct MoeScratch {
-  void* p[10] = {};
-  size_t bytes[10] = {};
-  template <class T>
-  T* get(int slot, int64_t n) {
-    const size_t want = sizeof(T) * static_cast<size_t>(n > 0 ? n : 1);
-    if (want > bytes[slot]) {
-      cuda::free(p[slot]);
-      p[slot] = cuda::alloc(want);
-      bytes[slot] = want;
-      bump_scratch_generation();
-    }
-    return static_cast<T*>(p[slot]);
-  }
-};
-
 }  // namespace
 
 void moe_mlp_add(const float* x, int64_t T, const ops::MoeWeights& w, float* y,
@@ -464,16 +447,16 @@ void moe_mlp_add(const float* x, int64_t T, const ops::MoeWeights& w, float* y,
     fail("moe_mlp_add: the shared expert's gate/up is [", w.shared_gate_up.rows, " x ",
          w.shared_gate_up.cols, "], expected [", 2 * Is, " x ", H, "]");
   const int64_t ld = gate_row ? E + 1 : E;  // floats per token of the router's output
-  static MoeScratch s;
-  float* logits = s.get<float>(0, T * ld);
-  auto* ids = s.get<int32_t>(1, P);
-  float* wts = s.get<float>(2, P);
-  auto* expert = s.get<int32_t>(3, groups);
-  auto* start = s.get<int32_t>(4, groups + 1);
-  auto* row_of = s.get<int32_t>(5, P);
-  auto* token_of = s.get<int32_t>(6, P);
-  float* act = s.get<float>(7, P * I);
-  float* out = s.get<float>(8, P * H);
+  static DeviceScratch s[10];               // one per intermediate below
+  float* logits = s[0].get<float>(T * ld);
+  auto* ids = s[1].get<int32_t>(P);
+  float* wts = s[2].get<float>(P);
+  auto* expert = s[3].get<int32_t>(groups);
+  auto* start = s[4].get<int32_t>(groups + 1);
+  auto* row_of = s[5].get<int32_t>(P);
+  auto* token_of = s[6].get<int32_t>(P);
+  float* act = s[7].get<float>(P * I);
+  float* out = s[8].get<float>(P * H);
   cuda::linear(x, T, gate_row ? w.router_shared_gate : w.router, logits);
   // Runs of at least 32 pairs, one per warp, as many as the per-run counts fit in kGroupSmem.
   const int64_t chunks = std::max<int64_t>(
@@ -523,7 +506,7 @@ void moe_mlp_add(const float* x, int64_t T, const ops::MoeWeights& w, float* y,
   int64_t gate_ld = 1;
   if (Is > 0) {
     // activations [T, Is] | up (unfused only) [T, Is] | shared [T, H] | gate logit [T]
-    float* sa = s.get<float>(9, 2 * T * Is + T * H + T);
+    float* sa = s[9].get<float>(2 * T * Is + T * H + T);
     float* su = sa + T * Is;
     float* sh = su + T * Is;
     if (fused_gate_up) {
