@@ -85,8 +85,9 @@ void run_once(const Qwen35Model& m, Qwen35State& st, int slot, int64_t round, Ti
 // The work the two strategies add, isolated from the rest of the forward (which is the same for
 // both and dominates the noise on a shared machine): the DeltaNet recurrence of a 4-token window
 // over every linear layer of the model's shapes, with and without per-position records, and the
-// state copy and replay a Replay round does on the CPU (a frozen row runs on a copy of its state;
-// the commit replays the kept tokens). Synthetic inputs; weights in fp32.
+// state copy and replay a Replay round does on the CPU (a window's tokens after its first run on a
+// copy of the state; the commit replays the kept tokens after the first, none when it keeps one).
+// Synthetic inputs; weights in fp32.
 void kernel_costs(const Qwen35Config& c, int64_t n_linear, int repeats) {
   const int64_t n = 4, conv_dim = c.linear_conv_dim(), K = c.linear_conv_kernel_dim;
   const int64_t kd = c.linear_key_dim(), vd = c.linear_value_dim(), nv = c.linear_num_value_heads;
@@ -160,15 +161,15 @@ void kernel_costs(const Qwen35Config& c, int64_t n_linear, int repeats) {
   };
   line("recurrence, 4 tokens, no records (plain verify)", plain);
   line("recurrence, 4 tokens, per-position records", record);
-  line("copy of the state (Replay verify: frozen rows, CPU)", snapshot);
-  line("replay 1 token (Replay commit kept=1)", replay1);
-  line("replay 3 tokens (Replay commit kept=3)", replay3);
+  line("copy of the state (Replay verify: unsettled tokens, CPU)", snapshot);
+  line("replay 1 token (Replay commit kept=2; kept=1 replays none)", replay1);
+  line("replay 3 tokens (Replay commit kept=4)", replay3);
   line("copy the kept position's state (PerPositionStates commit)", pick);
   const double rec_extra = median(record) - median(plain);
   std::printf("  => per round: PerPositionStates %+.3f (records) %+.3f (commit, if any rejected)\n",
               rec_extra, median(pick));
   std::printf(
-      "                Replay            %+.3f (state copy) %+.3f..%+.3f (commit kept=1..3)\n",
+      "                Replay            %+.3f (state copy) %+.3f..%+.3f (commit kept=2..4)\n",
       median(snapshot), median(replay1), median(replay3));
 }
 

@@ -656,9 +656,11 @@ TEST(Ops, GatedDeltaRuleMatchesReferenceRecurrence) {
 }
 
 // The batched recurrent ops: rows of 1, 4, 1, 9 and 2 tokens laid out in the call's arrays in
-// another order than their descriptors, some keeping per-token states, plus an idle row (n = 0),
-// with one descriptor array for both ops as a layer uses it. Each row gets the bits of the
-// single-row ops run on a copy of that row's inputs and states; the idle row's states stay.
+// another order than their descriptors, some keeping per-token states, some settling fewer
+// tokens than they run (a verify window under Replay settles one), plus an idle row (n = 0), with
+// one descriptor array for both ops as a layer uses it. Each row gets the outputs and per-token
+// states of the single-row ops run on a copy of that row's inputs and states, and the states
+// those ops leave after its settled tokens; the idle row's states stay.
 TEST(Ops, RecurrentRowsEqualSingleRowCalls) {
   const auto z = [](int64_t v) { return static_cast<size_t>(v); };
   const int64_t C = 37, K = 4, hist = K - 1;
@@ -667,6 +669,7 @@ TEST(Ops, RecurrentRowsEqualSingleRowCalls) {
   const int64_t S = h.n_v_heads * h.dk * h.dv;
   const std::vector<int64_t> ns = {1, 4, 1, 9, 2, 0};
   const std::vector<bool> keeps = {true, false, false, true, true, true};
+  const std::vector<int64_t> settled = {-1, 1, 0, 4, 2, -1};
   const std::vector<size_t> order = {3, 0, 5, 4, 2, 1};
   const int64_t R = static_cast<int64_t>(ns.size());
   std::vector<int64_t> first(ns.size());
@@ -698,7 +701,8 @@ TEST(Ops, RecurrentRowsEqualSingleRowCalls) {
                .conv_state = conv[r].data(),
                .conv_after = keeps[r] ? conv_after[r].data() : nullptr,
                .state = state[r].data(),
-               .state_after = keeps[r] ? state_after[r].data() : nullptr};
+               .state_after = keeps[r] ? state_after[r].data() : nullptr,
+               .settled = settled[r]};
   }
   std::vector<float> conv_out(z(T * C), NAN), delta_out(z(T * vr), NAN);
   ops::causal_conv_silu_rows(x.data(), C, K, w.ref, rows.data(), R, max_n, conv_out.data());
@@ -714,6 +718,13 @@ TEST(Ops, RecurrentRowsEqualSingleRowCalls) {
     ops::causal_conv_silu(x.data() + t0 * C, n, C, K, w.ref, st.data(), out.data(),
                           keeps[r] ? after.data() : nullptr);
     EXPECT_TRUE(same(conv_out.data() + t0 * C, out)) << "row " << r << ": conv out";
+    // The state after the settled tokens alone (all of them unless the row says otherwise).
+    const int64_t kept = ops::settled_tokens(rows[r]);
+    EXPECT_EQ(kept, settled[r] < 0 ? n : settled[r]);
+    if (kept < n) {
+      st = conv0[r];
+      ops::causal_conv_silu(x.data() + t0 * C, kept, C, K, w.ref, st.data(), out.data(), nullptr);
+    }
     EXPECT_TRUE(same(conv[r].data(), st)) << "row " << r << ": conv state";
     EXPECT_TRUE(same(conv_after[r].data(), after)) << "row " << r << ": conv_after";
 
@@ -722,6 +733,12 @@ TEST(Ops, RecurrentRowsEqualSingleRowCalls) {
                           a.data() + t0 * nv, b.data() + t0 * nv, A_log.ref, dt.ref, n, h,
                           S1.data(), o.data(), keeps[r] ? S_after.data() : nullptr);
     EXPECT_TRUE(same(delta_out.data() + t0 * vr, o)) << "row " << r << ": delta out";
+    if (kept < n) {
+      S1 = state0[r];
+      ops::gated_delta_rule(q.data() + t0 * qk, k.data() + t0 * qk, v.data() + t0 * vr,
+                            a.data() + t0 * nv, b.data() + t0 * nv, A_log.ref, dt.ref, kept, h,
+                            S1.data(), o.data(), nullptr);
+    }
     EXPECT_TRUE(same(state[r].data(), S1)) << "row " << r << ": state";
     EXPECT_TRUE(same(state_after[r].data(), S_after)) << "row " << r << ": state_after";
   }

@@ -2293,10 +2293,10 @@ TEST_F(CudaBatchInvariance, DeltaRuleUnalignedInputsGiveTheSameBits) {
 // Which tokens each row of a batched call owns. Rows take consecutive token blocks in `order`,
 // not in descriptor order, so the kernels must take each row's place from its descriptor.
 struct RowsLayout {
-  std::vector<int64_t> n;      // tokens per row
-  std::vector<bool> after;     // the row keeps per-token states
-  std::vector<int64_t> first;  // the row's first token in the call's arrays
-  std::vector<bool> frozen;    // the row's states are read, not written (all false by default)
+  std::vector<int64_t> n;        // tokens per row
+  std::vector<bool> after;       // the row keeps per-token states
+  std::vector<int64_t> first;    // the row's first token in the call's arrays
+  std::vector<int64_t> settled;  // ops::RecurrentRow::settled per row (all tokens by default)
   int64_t tokens = 0, max_n = 0;
   int64_t rows() const { return static_cast<int64_t>(n.size()); }
 };
@@ -2306,7 +2306,7 @@ RowsLayout rows_layout(std::vector<int64_t> n, std::vector<bool> after,
   L.n = std::move(n);
   L.after = std::move(after);
   L.first.assign(L.n.size(), 0);
-  L.frozen.assign(L.n.size(), false);
+  L.settled.assign(L.n.size(), -1);
   for (const size_t r : order) {
     L.first[r] = L.tokens;
     L.tokens += L.n[r];
@@ -2407,7 +2407,7 @@ void load(RecurrentBatch& B, const RowsLayout& L, std::mt19937& rng) {
     desc[r].conv_after = B.conv_after[r].get();  // null when the row keeps none
     desc[r].state = B.state[r].get();
     desc[r].state_after = B.state_after[r].get();
-    desc[r].frozen = L.frozen[r];
+    desc[r].settled = L.settled[r];
   }
   B.desc.upload(desc);
 }
@@ -2440,9 +2440,16 @@ void expect_rows_equal_single_calls(const RecurrentBatch& B, const std::string& 
                            conv_out.get(), after ? conv_after.get() : nullptr);
     EXPECT_TRUE(bitwise_equal(slice(conv_all, sz(t0 * C), sz(n * C)), conv_out.download()))
         << row << ": conv out";
-    // A frozen row leaves its state as it was; its outputs are the unfrozen row's.
-    EXPECT_TRUE(bitwise_equal(B.conv[r].download(), L.frozen[r] ? B.conv0[r] : conv.download()))
-        << row << ": conv state";
+    // A row's outputs are those of the whole run; its state is the one its settled tokens leave.
+    const int64_t kept = L.settled[r] < 0 ? n : std::min(L.settled[r], n);
+    if (kept < n) {
+      conv.upload(B.conv0[r]);
+      DeviceBuffer<float> scratch = nan_buffer(sz(n * C));
+      if (kept > 0)
+        cuda::causal_conv_silu(x.get(), kept, C, kConvKernel, B.conv_w.dev_ref(), conv.get(),
+                               scratch.get(), nullptr);
+    }
+    EXPECT_TRUE(bitwise_equal(B.conv[r].download(), conv.download())) << row << ": conv state";
     if (after) {
       EXPECT_TRUE(bitwise_equal(B.conv_after[r].download(), conv_after.download()))
           << row << ": conv_after";
@@ -2461,8 +2468,15 @@ void expect_rows_equal_single_calls(const RecurrentBatch& B, const std::string& 
                            after ? state_after.get() : nullptr);
     EXPECT_TRUE(bitwise_equal(slice(delta_all, sz(t0 * vr), sz(n * vr)), out.download()))
         << row << ": delta out";
-    EXPECT_TRUE(bitwise_equal(B.state[r].download(), L.frozen[r] ? B.state0[r] : state.download()))
-        << row << ": state";
+    if (kept < n) {
+      state.upload(B.state0[r]);
+      DeviceBuffer<float> scratch = nan_buffer(sz(n * vr));
+      if (kept > 0)
+        cuda::gated_delta_rule(q.get(), k.get(), v.get(), a.get(), b.get(), B.A_log.dev_ref(),
+                               B.dt_bias.dev_ref(), kept, B.s.h, state.get(), scratch.get(),
+                               nullptr);
+    }
+    EXPECT_TRUE(bitwise_equal(B.state[r].download(), state.download())) << row << ": state";
     if (after) {
       EXPECT_TRUE(bitwise_equal(B.state_after[r].download(), state_after.download()))
           << row << ": state_after";
@@ -2482,7 +2496,7 @@ void expect_rows_near_cpu(const RecurrentBatch& B, const std::string& what) {
     desc[r].n = L.n[r];
     desc[r].conv_state = conv[r].data();
     desc[r].state = state[r].data();
-    desc[r].frozen = L.frozen[r];
+    desc[r].settled = L.settled[r];
   }
   std::vector<float> conv_want(sz(T * C)), delta_want(sz(T * B.v_row()));
   cpu::causal_conv_silu_rows(B.x.data(), C, kConvKernel, B.conv_w.host_ref(), desc.data(), L.rows(),
@@ -2538,12 +2552,16 @@ TEST_F(CudaBatchInvariance, RecurrentRowsEqualSingleRowCalls) {
 // Prompt-length rows, which causal_conv_silu_rows splits into token chunks (one block per 64
 // tokens of a row): rows longer than a chunk, exactly one chunk, one token past it, shorter than
 // the conv window, idle, with and without per-token states. Every row's outputs and final states
-// must be bitwise the single-row op's, whose one thread walks all of the row's tokens.
+// must be bitwise the single-row op's, whose one thread walks all of the row's tokens; rows that
+// settle part of their tokens (inside the first chunk, at its end, in a later one) leave the
+// states those tokens leave.
 TEST_F(CudaBatchInvariance, LongRowsEqualSingleRowCalls) {
   const std::vector<int64_t> n = {200, 2, 0, 130, 64, 65};
+  RowsLayout settled = rows_layout(n, {true, false, false, false, true, false}, {5, 4, 3, 2, 1, 0});
+  settled.settled = {150, 1, 0, 64, 100, 1};
   const RowsLayout layouts[] = {
       rows_layout(n, {false, true, false, true, false, false}, {3, 0, 4, 2, 1, 5}),
-      rows_layout(n, {false, false, true, false, true, true}, {0, 1, 2, 3, 4, 5})};
+      rows_layout(n, {false, false, true, false, true, true}, {0, 1, 2, 3, 4, 5}), settled};
   for (const RecurrentShape& s : {kRowsShapes[0], kRowsShapes[1]}) {
     for (bool prefill : {false, true}) {
       std::mt19937 rng(static_cast<uint32_t>(307 + s.channels + prefill));
@@ -2592,18 +2610,22 @@ TEST_F(CudaBatchInvariance, SingleTokenRowsEqualSingleRowCalls) {
 // Calls whose rows hold at most 8 tokens (decode steps, verify windows, commit replays) run the
 // delta rule's short-row kernel on the 9B shape, with 1, 2 or 4 column tiles per block by the
 // batch's size: every row's output, final and per-token states must be bitwise the chunked
-// single-row op's, frozen rows (Replay's verify windows) must leave both states as they were,
-// beside idle rows; the other shapes keep the earlier kernels under the same checks, and the
+// single-row op's, rows that settle fewer tokens than they run (Replay's verify windows settle
+// one) must leave both states as the single-row op leaves them after those tokens, beside idle
+// rows; the other shapes keep the earlier kernels under the same checks, and the
 // prefill lane count too.
 TEST_F(CudaBatchInvariance, ShortRowsEqualSingleRowCalls) {
-  RowsLayout frozen =
+  RowsLayout settled =
       rows_layout({1, 4, 0, 8, 2, 3}, {false, true, false, false, true, false}, {5, 0, 4, 2, 1, 3});
-  frozen.frozen = {true, false, false, true, true, false};
+  settled.settled = {0, 1, 0, 3, 0, -1};
+  RowsLayout windows =
+      rows_layout({4, 4, 0, 8, 2, 4}, {false, true, false, false, true, false}, {1, 0, 4, 2, 5, 3});
+  windows.settled = {1, 1, 1, 1, 1, 1};
   RowsLayout single =
       rows_layout({1, 1, 0, 1, 1, 1}, {true, false, false, false, true, false}, {0, 1, 2, 3, 4, 5});
-  single.frozen = {false, true, false, false, false, true};
+  single.settled = {-1, 0, -1, 1, -1, 0};
   const RowsLayout layouts[] = {
-      frozen, single,
+      settled, windows, single,
       rows_layout({8, 1, 5, 2, 7, 4}, {false, false, true, false, false, false},
                   {3, 4, 5, 0, 1, 2})};
   for (const RecurrentShape& s : kRowsShapes) {

@@ -468,9 +468,14 @@ void gated_delta_rule(const float* q, const float* k, const float* v, const floa
 // and no two rows of a call own the same token or state. The states are the row's own, as the
 // single-row ops take them; one descriptor array can serve both ops of a layer. A null conv_after
 // / state_after skips that row's per-token states (rows of one call may differ: some speculative,
-// others not). A row with n == 0 is skipped: its states are left untouched. A frozen row reads its
-// states and writes none of them (a verify window whose commit replays the kept tokens from the
-// untouched state, Qwen35State's Replay rollback); its outputs are those of an unfrozen row.
+// others not). A row with n == 0 is skipped: its states are left untouched.
+//
+// `settled` leading tokens are the ones the row's states keep: after the call, conv_state and
+// state are what they are after token settled - 1 (the ones before the call for settled == 0),
+// while every token's outputs (and per-token states) are those of a row that kept them all. A
+// negative value, the default, settles all n tokens. Qwen35State's Replay rollback settles a
+// verify window's first token, which every commit keeps (the round's last emitted token), and
+// its commit replays only the kept tokens after it.
 struct RecurrentRow {
   int64_t first_token = 0;
   int64_t n = 0;
@@ -478,8 +483,13 @@ struct RecurrentRow {
   float* conv_after = nullptr;   // optional [n, channels, kernel-1]
   float* state = nullptr;        // [n_v_heads, dk, dv]
   float* state_after = nullptr;  // optional [n, n_v_heads, dk, dv]
-  bool frozen = false;
+  int64_t settled = -1;
 };
+// The tokens a row's states keep: its `settled` clamped to 0..n, all n when negative (constexpr:
+// the CUDA kernels call it too).
+constexpr int64_t settled_tokens(const RecurrentRow& r) {
+  return r.settled < 0 || r.settled > r.n ? r.n : r.settled;
+}
 
 // causal_conv_silu of n_rows rows: x, out [T, channels]; row r runs on its tokens with its
 // conv_state and conv_after. `rows` is n_rows descriptors in backend memory (device memory on

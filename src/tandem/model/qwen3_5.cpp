@@ -392,7 +392,9 @@ int64_t Qwen35Model::prepare_forward(Qwen35State& st, const ForwardRequest& req)
         d.conv_after = st.window_conv_after(r.slot, l);
         d.state_after = st.window_recurrent_after(r.slot, l);
       }
-      d.frozen = r.speculative && st.rollback() == RecurrentRollback::Replay;
+      // Replay: a window's state keeps its first token only (every commit keeps it), so the
+      // commit replays just the kept tokens after it.
+      if (r.speculative && st.rollback() == RecurrentRollback::Replay) d.settled = 1;
       t0 += r.n_tokens;
       w.max_row_tokens = std::max(w.max_row_tokens, r.n_tokens);
     }
@@ -879,12 +881,14 @@ void Qwen35Model::replay_windows(Qwen35State& st, std::span<const RowKeep> rows)
       const RowKeep& r = rows[static_cast<size_t>(i)];
       const int l = static_cast<int>(li);
       ops::RecurrentRow& d = desc[static_cast<size_t>(li * R + i)];
-      d.first_token = st.window_first(r.slot);
-      d.n = r.kept;
+      // The forward settled the window's first token; the kept ones after it are replayed.
+      d.first_token = st.window_first(r.slot) + 1;
+      d.n = r.kept - 1;
       d.conv_state = st.conv_state(r.slot, l);
       d.state = st.recurrent_state(r.slot, l);
       max_n = std::max(max_n, d.n);
     }
+  if (max_n == 0) return;  // every row kept its first token only: nothing to replay
   const size_t bytes = sizeof(ops::RecurrentRow) * desc.size();
   w.replay_meta.grow_to(static_cast<int64_t>(bytes));
   std::memcpy(w.replay_upload.host(bytes), desc.data(), bytes);

@@ -20,12 +20,14 @@ namespace tandem {
 //    a commit copies the state of the last kept token (free when it keeps the whole window).
 //    Per layer and row, a verify writes n + 1 states and a commit copies one; memory: n states
 //    per row.
-//  - Replay: the forward reads the window rows' states and writes none of them (frozen rows,
-//    ops::RecurrentRow), and its projections write the window's recurrence inputs (conv input
-//    rows, a, b) into the state's recording; a commit replays the kept tokens from the untouched
-//    state through the same per-token kernels, every committed row of every layer in one batched
-//    call per op. Per layer and row, a verify reads the state once and a commit reads and writes
-//    it once, whatever is kept; memory: the inputs only (~1/250 of a 9B state per token).
+//  - Replay: the forward leaves each window row's states as they stand after the window's first
+//    token, which every commit keeps (ops::RecurrentRow::settled), and its projections write the
+//    window's recurrence inputs (conv input rows, a, b) into the state's recording; a commit
+//    replays the kept tokens after the first from that state through the same per-token kernels,
+//    every committed row of every layer in one batched call per op (none when every row keeps
+//    one token). Per layer and row, a verify reads and writes the state once, as a decode step
+//    does, and a commit that keeps more than one token reads and writes it once more; memory: the
+//    inputs only (~1/250 of a 9B state per token).
 //    The recording holds one forward's windows, so a speculative forward needs every earlier
 //    window committed (or its row closed) first.
 enum class RecurrentRollback { PerPositionStates, Replay };

@@ -24,24 +24,36 @@ void check_rows(const ops::RecurrentRow* rows, int64_t n_rows, int64_t max_n, co
       fail(op, ": row ", r, " has no state");
   }
 }
+
+// Runs a row's tokens through run(first_token, n, state, state_after): its settled tokens on its
+// state, the rest on a copy of the state they leave (so the row's state keeps the settled ones
+// only). Both ops walk tokens one by one, so splitting a row changes no value.
+template <class Run>
+void run_settled(const ops::RecurrentRow& row, int64_t state_floats, float* state, float* after,
+                 std::vector<float>& scratch, Run&& run) {
+  const int64_t settled = ops::settled_tokens(row);
+  if (settled > 0) run(row.first_token, settled, state, after);
+  if (settled == row.n) return;
+  scratch.assign(state, state + state_floats);
+  run(row.first_token + settled, row.n - settled, scratch.data(),
+      after ? after + settled * state_floats : nullptr);
+}
 }  // namespace
 
 void causal_conv_silu_rows(const float* x, int64_t channels, int64_t kernel,
                            const ops::WeightRef& w, const ops::RecurrentRow* rows, int64_t n_rows,
                            int64_t max_n, float* out) {
   check_rows(rows, n_rows, max_n, "causal_conv_silu_rows", true);
-  std::vector<float> scratch;  // a frozen row runs on a copy of its state
+  const int64_t state_floats = channels * (kernel - 1);
+  std::vector<float> scratch;  // the unsettled tokens run on a copy of the settled state
   for (int64_t r = 0; r < n_rows; ++r) {
     const ops::RecurrentRow& row = rows[r];
     if (row.n == 0) continue;  // state untouched, as the CUDA kernel leaves it
-    const int64_t t0 = row.first_token;
-    float* state = row.conv_state;
-    if (row.frozen) {
-      scratch.assign(row.conv_state, row.conv_state + channels * (kernel - 1));
-      state = scratch.data();
-    }
-    cpu::causal_conv_silu(x + t0 * channels, row.n, channels, kernel, w, state, out + t0 * channels,
-                          row.conv_after);
+    run_settled(row, state_floats, row.conv_state, row.conv_after, scratch,
+                [&](int64_t t0, int64_t n, float* state, float* after) {
+                  cpu::causal_conv_silu(x + t0 * channels, n, channels, kernel, w, state,
+                                        out + t0 * channels, after);
+                });
   }
 }
 
@@ -53,19 +65,16 @@ void gated_delta_rule_rows(const float* q, const float* k, const float* v, const
   const int64_t v_row = h.n_v_heads * h.dv;
   const int64_t qk_step = h.qkv_token_stride ? h.qkv_token_stride : h.n_k_heads * h.dk;
   const int64_t v_step = h.qkv_token_stride ? h.qkv_token_stride : v_row;
-  std::vector<float> scratch;  // a frozen row runs on a copy of its state
+  std::vector<float> scratch;  // the unsettled tokens run on a copy of the settled state
   for (int64_t r = 0; r < n_rows; ++r) {
     const ops::RecurrentRow& row = rows[r];
     if (row.n == 0) continue;
-    const int64_t t0 = row.first_token;
-    float* state = row.state;
-    if (row.frozen) {
-      scratch.assign(row.state, row.state + h.n_v_heads * h.dk * h.dv);
-      state = scratch.data();
-    }
-    cpu::gated_delta_rule(q + t0 * qk_step, k + t0 * qk_step, v + t0 * v_step, a + t0 * h.n_v_heads,
-                          b + t0 * h.n_v_heads, A_log, dt_bias, row.n, h, state, out + t0 * v_row,
-                          row.state_after);
+    run_settled(row, h.n_v_heads * h.dk * h.dv, row.state, row.state_after, scratch,
+                [&](int64_t t0, int64_t n, float* state, float* after) {
+                  cpu::gated_delta_rule(q + t0 * qk_step, k + t0 * qk_step, v + t0 * v_step,
+                                        a + t0 * h.n_v_heads, b + t0 * h.n_v_heads, A_log, dt_bias,
+                                        n, h, state, out + t0 * v_row, after);
+                });
   }
 }
 

@@ -145,9 +145,19 @@ __global__ void __launch_bounds__(kConvThreads)
   if (!live) return;
   const float* xr = x + row.first_token * channels;
   if (begin > 0) ch.seek(xr, begin, channels, c);
+  const int64_t settled = ops::settled_tokens(row);
+  if (begin == 0 && settled > 0 && settled < end) {
+    // The row's state keeps only its first `settled` tokens: store the window they leave, then
+    // run the rest (the window is in registers; nothing reads the stored state in this launch).
+    ch.run(xr, 0, settled, channels, c, out + row.first_token * channels, row.conv_after);
+    ch.store(row.conv_state, c);
+    ch.run(xr, settled, end, channels, c, out + row.first_token * channels, row.conv_after);
+    return;
+  }
   ch.run(xr, begin, end, channels, c, out + row.first_token * channels, row.conv_after);
-  if (begin > 0 || row.frozen) return;
-  if (end < row.n) ch.seek(xr, row.n, channels, c);  // later blocks ran the tail: n > chunk >= H
+  if (begin > 0 || settled == 0) return;
+  // Later blocks ran the tail (n > chunk >= H): the window before token `settled` is in x.
+  if (end < settled) ch.seek(xr, settled, channels, c);
   ch.store(row.conv_state, c);
 }
 
@@ -266,7 +276,7 @@ struct DeltaArgs {
 struct DeltaRow {
   int64_t first, n;
   float *state, *state_after;
-  bool frozen;  // state is read, not written (ops::RecurrentRow::frozen)
+  int64_t settled;  // 0..n: the state is stored as it stands after this many tokens (0: not at all)
 };
 
 __device__ inline int64_t min64(int64_t x, int64_t y) {
@@ -466,7 +476,7 @@ struct DeltaStateTile {
   int ncols;         // the block's columns below dv
   int s, col;        // the lane's row part and column in the block
   bool staged;       // uniform over the block
-  bool write_state;  // false: store() leaves S as it is (a frozen row), uniform over the block
+  bool write_state;  // false: store() leaves S as it is (no settled token), uniform over the block
 
   __device__ DeltaStateTile(const DeltaArgs& g_, float* state, float* state_after, int64_t col0,
                             int s_, int col_, bool write_state_ = true)
@@ -696,6 +706,19 @@ __device__ __forceinline__ void delta_rule_row(DeltaChunks<DK, L>& ch, const Del
 
       o_part = delta_token<ROWS, L>(Sr, kk, qq, decay, beta, vj);
       o_token = t0 + p;
+      if (o_token + 1 == row.first + row.settled && row.settled < row.n && column) {
+        // The state keeps the tokens so far only: each lane stores its own entries (no barrier
+        // inside the token loop); the tile's store below is skipped.
+        const int64_t dv = opaque(g.dv);
+        float* dst = st.S + col;
+#pragma unroll
+        for (int m = 0; m < ROWS / 4; ++m)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int i = 4 * L * m + 4 * s + e;
+            if (i < g.dk) dst[i * dv] = Sr[4 * m + e];
+          }
+      }
       if constexpr (AFTER) {
         if (column) {
           const int64_t dv = opaque(g.dv);
@@ -716,7 +739,8 @@ __device__ __forceinline__ void delta_rule_row(DeltaChunks<DK, L>& ch, const Del
   // ch[buf] is the buffer the last chunk did not use: nothing is copied into it any more, and
   // every thread has finished reading it (as chunk or as the loaded tile) before barrier (A) of
   // the last chunk.
-  if (!row.frozen) st.store(Sr, reinterpret_cast<float*>(&ch[buf]));  // uniform over the block
+  // Uniform over the block.
+  if (row.settled == row.n) st.store(Sr, reinterpret_cast<float*>(&ch[buf]));
 }
 
 // One row, from arguments. state_after is a template flag so the usual token loop carries no
@@ -727,7 +751,7 @@ __global__ void __launch_bounds__(kDeltaThreads, 1)
   pdl_wait();
   pdl_release();
   __shared__ DeltaChunks<DK, L> ch;
-  delta_rule_row<DK, L, AFTER>(ch, g, DeltaRow{0, n, state, state_after, false});
+  delta_rule_row<DK, L, AFTER>(ch, g, DeltaRow{0, n, state, state_after, n});
 }
 
 // Rows from device descriptors: grid (column tiles, value heads, rows), block z = row. Whether a
@@ -744,7 +768,7 @@ __global__ void __launch_bounds__(kDeltaThreads, 1)
   pdl_release();
   __shared__ DeltaChunks<DK, L> ch;
   const ops::RecurrentRow r = rows[blockIdx.z];
-  const DeltaRow row{r.first_token, r.n, r.state, r.state_after, r.frozen};
+  const DeltaRow row{r.first_token, r.n, r.state, r.state_after, ops::settled_tokens(r)};
   if (row.n <= 0) return;  // an idle row (uniform over the block, before any barrier)
   if (row.state_after != nullptr)
     delta_rule_row<DK, L, true>(ch, g, row);
@@ -790,7 +814,7 @@ __global__ void __launch_bounds__(kDeltaThreads, delta_decode_min_blocks(DK, L))
   const int64_t t = row.first_token;
   const int64_t head = vh * g.dk * g.dv;  // [dk, dv] of this head in state and state_after
   const Tile st(g, row.state + head, row.state_after ? row.state_after + head : nullptr, col0, s,
-                col, !row.frozen);
+                col, ops::settled_tokens(row) > 0);
   float4 sv[Tile::kSlots];
   st.load(sv);
   pdl_wait();
@@ -842,8 +866,9 @@ __global__ void __launch_bounds__(kDeltaThreads, delta_decode_min_blocks(DK, L))
   st.to_lanes(sv, Sr, reinterpret_cast<float*>(tile));
   const float o = column_sum<L>(delta_token<ROWS, L>(Sr, kk, qq, decay, beta, vj));
   if (s == 0 && column) g.out[(t * g.n_v_heads + vh) * g.dv + j] = o;
-  // Every lane (a barrier when staged); a frozen row without state_after writes nothing.
-  if (!row.frozen || row.state_after != nullptr) st.store(Sr, reinterpret_cast<float*>(tile));
+  // Every lane (a barrier when staged); a row that settles nothing and keeps no state_after
+  // writes nothing.
+  if (st.write_state || row.state_after != nullptr) st.store(Sr, reinterpret_cast<float*>(tile));
 }
 
 // --- Short rows: decode steps, verify windows and commit replays ---
@@ -904,7 +929,8 @@ struct ShortRowTokens {
 // After the wait on the conv the block normalises the row's tokens into shared memory once (G
 // lanes per vector summing float4s G·m + lane, delta_normalise's order); each tile then runs the
 // row's tokens in order with its state in registers: outputs per token, state_after (when the
-// row keeps one) per token from the lanes, the final state (unless frozen) through the tile.
+// row keeps one) per token from the lanes, and the state after the row's settled tokens (none,
+// some or all: ops::RecurrentRow::settled) through the tile while the rest of them run on.
 template <int DK, int TILES>
 __global__ void __launch_bounds__(kDeltaThreads, kShortRowBlocks)
     gated_delta_rule_short_kernel(const DeltaArgs g, const ops::RecurrentRow* __restrict__ rows) {
@@ -927,6 +953,7 @@ __global__ void __launch_bounds__(kDeltaThreads, kShortRowBlocks)
   const int64_t vh = at.vh, kh = at.kh;
   const int64_t dv = g.dv;
   const int n = static_cast<int>(row.n);
+  const int settled = static_cast<int>(ops::settled_tokens(row));
   float* S = row.state + vh * DK * dv;
   const int64_t col0 = int64_t(blockIdx.x) * TILES * COLS;
   // A state that is not 16-byte aligned (the host checks dv; the row's base is the caller's) is
@@ -992,8 +1019,30 @@ __global__ void __launch_bounds__(kDeltaThreads, kShortRowBlocks)
 #pragma unroll
       for (int e = 0; e < 4; ++e)
         Sr[4 * m + e] = tile[4 * short_tile_chunk(4 * (L * m + s) + e, col / 4) + col % 4];
-#pragma unroll 1
-    for (int p = 0; p < n; ++p) {
+    // The tile's state as it stands, back to global memory: each lane rewrites the words it read
+    // (so no other thread's read can be pending on them), then 16-byte stores. Called by every
+    // thread at most once per tile, after the settled tokens (uniform over the block); nothing
+    // touches the tile after it.
+    auto store_tile = [&] {
+#pragma unroll
+      for (int m = 0; m < ROWS / 4; ++m)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          tile[4 * short_tile_chunk(4 * (L * m + s) + e, col / 4) + col % 4] = Sr[4 * m + e];
+      __syncthreads();
+#pragma unroll
+      for (int r = 0; r < kPerThread; ++r) {
+        const int c = tid + kDeltaThreads * r, i = c / 4, f = c % 4;
+        const float4 x = short_tiles[t * kChunks + short_tile_chunk(i, f)];
+        float* dst = S + i * dv + col0 + t * COLS + 4 * f;
+        if (aligned) {
+          __stwb(reinterpret_cast<float4*>(dst), x);
+        } else {
+          dst[0] = x.x, dst[1] = x.y, dst[2] = x.z, dst[3] = x.w;
+        }
+      }
+    };
+    auto run_token = [&](int p) {
       float kk[ROWS], qq[ROWS];
       lane_entries<ROWS, L>(in.qk[p][1], s, kk);
       lane_entries<ROWS, L>(in.qk[p][0], s, qq);
@@ -1008,26 +1057,14 @@ __global__ void __launch_bounds__(kDeltaThreads, kShortRowBlocks)
 #pragma unroll
           for (int e = 0; e < 4; ++e) dst[(4 * (L * m + s) + e) * dv] = Sr[4 * m + e];
       }
-    }
-    if (row.frozen) continue;  // uniform over the block
-      // Each lane rewrites the words it read, so no other thread's read can be pending on them.
-#pragma unroll
-    for (int m = 0; m < ROWS / 4; ++m)
-#pragma unroll
-      for (int e = 0; e < 4; ++e)
-        tile[4 * short_tile_chunk(4 * (L * m + s) + e, col / 4) + col % 4] = Sr[4 * m + e];
-    __syncthreads();
-#pragma unroll
-    for (int r = 0; r < kPerThread; ++r) {
-      const int c = tid + kDeltaThreads * r, i = c / 4, f = c % 4;
-      const float4 x = short_tiles[t * kChunks + short_tile_chunk(i, f)];
-      float* dst = S + i * dv + col0 + t * COLS + 4 * f;
-      if (aligned) {
-        __stwb(reinterpret_cast<float4*>(dst), x);
-      } else {
-        dst[0] = x.x, dst[1] = x.y, dst[2] = x.z, dst[3] = x.w;
-      }
-    }
+    };
+    // Two loops rather than a store inside one: a barrier in the token loop cost registers (the
+    // loop spilled at the 102-register cap).
+#pragma unroll 1
+    for (int p = 0; p < settled; ++p) run_token(p);
+    if (settled > 0) store_tile();  // uniform over the block
+#pragma unroll 1
+    for (int p = settled; p < n; ++p) run_token(p);
   }
 }
 
