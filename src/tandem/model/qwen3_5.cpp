@@ -633,14 +633,24 @@ void Qwen35Model::body_head(const ForwardRequest& req, int64_t T) const {
   } else {
     rows = static_cast<int64_t>(req.rows.size());
     float* last = w.last.data();
-    int64_t t = 0;
-    for (int64_t r = 0; r < rows; ++r) {
-      t += req.rows[r].n_tokens;
-      const float* src = (req.want_hidden ? w.h.data() : w.x.data()) + (t - 1) * H;
+    const float* from = req.want_hidden ? w.h.data() : w.x.data();
+    if (T == rows) {
+      // One token per row (a decode step): the last tokens are all the tokens, in one call
+      // (the norm's rows are independent, so its bits are the per-row calls').
       if (req.want_hidden)
-        ops::copy(last + r * H, src, sizeof(float) * H);
+        ops::copy(last, from, sizeof(float) * T * H);
       else
-        ops::rms_norm(src, 1, H, final_norm_, true, eps, last + r * H);
+        ops::rms_norm(from, T, H, final_norm_, true, eps, last);
+    } else {
+      int64_t t = 0;
+      for (int64_t r = 0; r < rows; ++r) {
+        t += req.rows[r].n_tokens;
+        const float* src = from + (t - 1) * H;
+        if (req.want_hidden)
+          ops::copy(last + r * H, src, sizeof(float) * H);
+        else
+          ops::rms_norm(src, 1, H, final_norm_, true, eps, last + r * H);
+      }
     }
     ops::linear(last, rows, lm_head_, w.out.data());
   }

@@ -61,9 +61,10 @@ static_assert(kMaxChunkHeads * kMaxHeadDim / 4 <= kThreads, "one float4 of outpu
 // launch's max_partitions), per slot G heads:
 //   [0, Q·C·S·G·head_dim)   sum of exp · value, [query][chunk][slot][head][head_dim]
 //   then Q·C·S·G maxima, then Q·C·S·G sums of exp, both [query][chunk][slot][head].
-// 32 MiB: a verify window of 16 queries × 16 heads × 256 dims fits one launch for bounds up to
-// ~30k positions, a single decode query for any bound; larger windows and prefill take several.
-constexpr int64_t kScratchFloats = int64_t(1) << 23;
+// 64 MiB: 254 queries of 16 heads × 256 dims (a 4-token window of 32 rows and more) fit one
+// launch for bounds up to 1,024 positions, 16 queries for bounds up to ~60k, a single decode
+// query for any bound; larger calls take several launches of equal size.
+constexpr int64_t kScratchFloats = int64_t(1) << 24;
 __device__ __align__(16) float g_partials[kScratchFloats];  // float4 access
 // Partitions of a (query, chunk) finished so far in the running launch. The last block to finish
 // resets its counter to 0, so every launch starts from zeros (module load zero-fills them).
@@ -572,8 +573,11 @@ void launch_attention(const char* op, const ops::KVLayerView& kv, const int32_t*
                            : (wide ? attention_kernel<2, 1, T> : attention_kernel<1, 1, T>);
     const PagedKV<T> paged{static_cast<const T*>(kv.pool), block_table,
                            static_cast<uint32_t>(kv.block_size), kv.row_elements()};
-    for (int64_t first = 0; first < n; first += per_launch) {
-      const int64_t queries = std::min(per_launch, n - first);
+    // Launches of equal size: a remainder of a few queries would be a launch of its own whose
+    // blocks' latency chain costs as much as a full one.
+    const int64_t per = ceil_div(n, ceil_div(n, per_launch));
+    for (int64_t first = 0; first < n; first += per) {
+      const int64_t queries = std::min(per, n - first);
       const int64_t m_offset = queries * n_chunks * slots * chunk_heads * head_dim;
       const int64_t l_offset = m_offset + queries * n_chunks * slots * chunk_heads;
       const dim3 grid(static_cast<unsigned>(slots), static_cast<unsigned>(queries),
