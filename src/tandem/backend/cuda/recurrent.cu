@@ -69,9 +69,16 @@ struct ConvChannel {
     for (int j = 0; j < H; ++j) win[j] = x[(begin - H + j) * channels + c];
   }
 
-  // Tokens begin .. end-1 of the row; the window must hold the inputs before `begin`.
+  // The window as it stands after token `settled` - 1 of run()'s tokens (registers), for a row
+  // whose state keeps fewer tokens than it runs; run() copies it without a store in its loop, so
+  // the later tokens' loads still issue early.
+  float settled_win[H > 0 ? H : 1];
+
+  // Tokens begin .. end-1 of the row; the window must hold the inputs before `begin`. With
+  // settled in (begin, end], settled_win gets the window after token settled - 1.
   __device__ __forceinline__ void run(const float* x, int64_t begin, int64_t end, int64_t channels,
-                                      int64_t c, float* out, float* state_after) {
+                                      int64_t c, float* out, float* state_after,
+                                      int64_t settled = -1) {
     // Unrolled so later tokens' x loads issue early; every copy runs the same fmaf sequence.
 #pragma unroll 4
     for (int64_t t = begin; t < end; ++t) {
@@ -86,6 +93,10 @@ struct ConvChannel {
         win[H - 1] = xt;
       }
       out[t * channels + c] = silu(acc);
+      if (t + 1 == settled) {
+#pragma unroll
+        for (int j = 0; j < H; ++j) settled_win[j] = win[j];
+      }
       if (state_after != nullptr) {
         float* dst = state_after + (t * channels + c) * H;
 #pragma unroll
@@ -97,6 +108,10 @@ struct ConvChannel {
   __device__ __forceinline__ void store(float* state, int64_t c) const {
 #pragma unroll
     for (int j = 0; j < H; ++j) state[c * H + j] = win[j];
+  }
+  __device__ __forceinline__ void store_settled(float* state, int64_t c) const {
+#pragma unroll
+    for (int j = 0; j < H; ++j) state[c * H + j] = settled_win[j];
   }
 };
 
@@ -147,11 +162,10 @@ __global__ void __launch_bounds__(kConvThreads)
   if (begin > 0) ch.seek(xr, begin, channels, c);
   const int64_t settled = ops::settled_tokens(row);
   if (begin == 0 && settled > 0 && settled < end) {
-    // The row's state keeps only its first `settled` tokens: store the window they leave, then
-    // run the rest (the window is in registers; nothing reads the stored state in this launch).
-    ch.run(xr, 0, settled, channels, c, out + row.first_token * channels, row.conv_after);
-    ch.store(row.conv_state, c);
-    ch.run(xr, settled, end, channels, c, out + row.first_token * channels, row.conv_after);
+    // The row's state keeps only its first `settled` tokens: the window they leave is stored
+    // after the run (no block of this launch uses the stored words).
+    ch.run(xr, 0, end, channels, c, out + row.first_token * channels, row.conv_after, settled);
+    ch.store_settled(row.conv_state, c);
     return;
   }
   ch.run(xr, begin, end, channels, c, out + row.first_token * channels, row.conv_after);
@@ -619,6 +633,20 @@ __device__ void delta_normalise(Chunk& ch, int count, float q_scale, float A, fl
   }
 }
 
+// A lane's entries of one column of a [dk, dv] state, rows 4(L·m + s) + e, to dst (the column's
+// row-0 word), rows below dk only.
+template <int ROWS, int L>
+__device__ __forceinline__ void store_lane_column(float* dst, int64_t dv, int dk, int s,
+                                                  const float (&Sr)[ROWS]) {
+#pragma unroll
+  for (int m = 0; m < ROWS / 4; ++m)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int i = 4 * L * m + 4 * s + e;
+      if (i < dk) dst[i * dv] = Sr[4 * m + e];
+    }
+}
+
 template <int DK, int L>
 using DeltaChunks = DeltaChunk<DK, delta_chunk_tokens(DK), kDeltaThreads / L>[2];
 
@@ -706,30 +734,16 @@ __device__ __forceinline__ void delta_rule_row(DeltaChunks<DK, L>& ch, const Del
 
       o_part = delta_token<ROWS, L>(Sr, kk, qq, decay, beta, vj);
       o_token = t0 + p;
-      if (o_token + 1 == row.first + row.settled && row.settled < row.n && column) {
-        // The state keeps the tokens so far only: each lane stores its own entries (no barrier
-        // inside the token loop); the tile's store below is skipped.
-        const int64_t dv = opaque(g.dv);
-        float* dst = st.S + col;
-#pragma unroll
-        for (int m = 0; m < ROWS / 4; ++m)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int i = 4 * L * m + 4 * s + e;
-            if (i < g.dk) dst[i * dv] = Sr[4 * m + e];
-          }
-      }
+      // The state keeps the tokens so far only: each lane stores its own entries (no barrier
+      // inside the token loop); the tile's store below is skipped.
+      if (o_token + 1 == row.first + row.settled && row.settled < row.n && column)
+        store_lane_column<ROWS, L>(st.S + col, opaque(g.dv), g.dk, s, Sr);
       if constexpr (AFTER) {
         if (column) {
           const int64_t dv = opaque(g.dv);
-          float* dst = row.state_after + ((o_token - row.first) * g.n_v_heads + vh) * g.dk * dv + j;
-#pragma unroll
-          for (int m = 0; m < ROWS / 4; ++m)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              const int i = 4 * L * m + 4 * s + e;
-              if (i < g.dk) dst[i * dv] = Sr[4 * m + e];
-            }
+          store_lane_column<ROWS, L>(
+              row.state_after + ((o_token - row.first) * g.n_v_heads + vh) * g.dk * dv + j, dv,
+              g.dk, s, Sr);
         }
       }
     }
@@ -738,8 +752,7 @@ __device__ __forceinline__ void delta_rule_row(DeltaChunks<DK, L>& ch, const Del
   if (s == 0 && column) g.out[(o_token * g.n_v_heads + vh) * g.dv + j] = o_last;
   // ch[buf] is the buffer the last chunk did not use: nothing is copied into it any more, and
   // every thread has finished reading it (as chunk or as the loaded tile) before barrier (A) of
-  // the last chunk.
-  // Uniform over the block.
+  // the last chunk. Uniform over the block.
   if (row.settled == row.n) st.store(Sr, reinterpret_cast<float*>(&ch[buf]));
 }
 
