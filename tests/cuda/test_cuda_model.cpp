@@ -364,8 +364,8 @@ TEST_F(CudaModelTest, TokenLogitsAreBitwiseIndependentOfWindowAndBatch) {
 // A verify round on the GPU (windows of 3, 2 and 4 tokens and a plain row, in one forward), then
 // one commit keeping 2, 1 and 4 of them: every row's DeltaNet conv and recurrent states are byte
 // for byte those of decoding only the kept tokens one at a time, and so is the next step's
-// logits row, under both rollback strategies (Replay's frozen rows and batched replay, and the
-// per-position records).
+// logits row, under both rollback strategies (Replay's settled first token and batched replay,
+// and the per-position records).
 TEST_F(CudaModelTest, CommittedWindowsEqualDecodingTheKeptTokens) {
   ScopedBackend cuda(ops::Backend::Cuda);
   Demo& d = cuda_demo();
