@@ -1063,13 +1063,9 @@ __global__ void __launch_bounds__(kDeltaThreads, kShortRowBlocks)
           delta_token<ROWS, L>(Sr, kk, qq, in.decay[p], in.beta[p], in.v[p][t * COLS + col]));
       const int64_t tok = row.first_token + p;
       if (s == 0) g.out[(tok * g.n_v_heads + vh) * dv + j] = o;
-      if (row.state_after != nullptr) {
-        float* dst = row.state_after + (p * g.n_v_heads + vh) * DK * dv + j;
-#pragma unroll
-        for (int m = 0; m < ROWS / 4; ++m)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) dst[(4 * (L * m + s) + e) * dv] = Sr[4 * m + e];
-      }
+      if (row.state_after != nullptr)
+        store_lane_column<ROWS, L>(row.state_after + (p * g.n_v_heads + vh) * DK * dv + j, dv, DK,
+                                   s, Sr);
     };
     // Two loops rather than a store inside one: a barrier in the token loop cost registers (the
     // loop spilled at the 102-register cap).
