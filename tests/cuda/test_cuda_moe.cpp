@@ -231,15 +231,20 @@ TEST_F(CudaMoe, GroupedSwigluOfGatheredRowsIsBitwiseTheUnfusedProducts) {
 
 // The op against the CPU op on the same values, with and without a shared expert, at decode,
 // window and batch sizes (the staged-row and bf16-copy paths of the grouped products, 1, 2 and 4
-// m-tiles): within bf16 tolerance, the same experts chosen; and each token's row bitwise the one
-// it gets alone.
+// m-tiles; the grouping by one warp up to 32 pairs and by a block beyond): within bf16
+// tolerance, the same experts chosen; and each token's row bitwise the one it gets alone. A
+// shared expert of the routed experts' shape, stacked as a model stacks it, runs as one more
+// group of the grouped products.
 TEST_F(CudaMoe, OpMatchesTheCpuOpAndEachTokenIsBitwiseItsOwn) {
   ScopedBackend cuda(ops::Backend::Cuda);
   std::mt19937 rng(5);
-  for (const int64_t Is : {48, 0}) {
+  for (const int64_t Is : {48, 32, 0}) {
     SCOPED_TRACE("shared expert " + std::to_string(Is));
     TestMixture mix(8, 3, 64, 32, Is, rng);
-    const ops::MoeWeights on_gpu = mix.weights(true), on_cpu = mix.weights(false);
+    WeightArena arena;
+    const ops::MoeWeights on_gpu = Is == 32 ? mix.stacked(arena) : mix.weights(true);
+    const ops::MoeWeights on_cpu = mix.weights(false);
+    ASSERT_EQ(on_gpu.shared_in_groups, Is == 32);
     for (const int64_t T : {1, 3, 6, 20, 40}) {
       const auto x = bf16_rows(T * mix.H, rng);
       const auto y0 = bf16_rows(T * mix.H, rng);
@@ -370,42 +375,51 @@ TEST_F(CudaMoe, RoutingOfManyTokensMatchesTheCpuIncludingTies) {
   }
 }
 
-// The shared expert as stack_moe_experts lays it out (gate and up as one pair-layout product
-// with the SwiGLU in its epilogue, the gate logit as the router's last row) against the CPU op
-// within tolerance, and bitwise the separate products' result on the GPU. A second stacking
-// changes nothing.
+// The shared expert as stack_moe_experts lays it out, the gate logit as the router's last row,
+// against the CPU op within tolerance, and bitwise the separate products' result on the GPU:
+// an inner size other than the experts' (48) gives gate and up as one pair-layout product with
+// the SwiGLU in its epilogue; the experts' own (32) makes it one more group of their grouped
+// products. A second stacking changes nothing.
 TEST_F(CudaMoe, StackedSharedExpertMatchesTheCpuAndTheSeparateProducts) {
-  ScopedBackend cuda(ops::Backend::Cuda);
-  std::mt19937 rng(9);
-  TestMixture mix(8, 3, 64, 32, 48, rng);
-  WeightArena arena;
-  ops::MoeWeights stacked = mix.stacked(arena);
-  const ops::MoeWeights separate = mix.weights(true), on_cpu = mix.weights(false);
-  ASSERT_EQ(stacked.shared_gate_up.rows, 2 * mix.Is);
-  ASSERT_EQ(stacked.router_shared_gate.rows, mix.E + 1);
-  EXPECT_EQ(stacked.shared_gate_proj.data, nullptr) << "gate and up live on only interleaved";
-  const void* gate_row =
-      static_cast<const char*>(stacked.router_shared_gate.data) + mix.E * mix.H * sizeof(uint16_t);
-  EXPECT_EQ(stacked.shared_gate.data, gate_row) << "the gate is the router's last row";
-  for (const int64_t T : {1, 3, 6, 20, 40}) {
-    SCOPED_TRACE("T " + std::to_string(T));
-    const auto x = bf16_rows(T * mix.H, rng);
-    const auto y0 = bf16_rows(T * mix.H, rng);
-    std::vector<int32_t> ids, want_ids;
-    const auto got = cuda_moe(stacked, x, y0, T, &ids);
-    std::vector<float> want = y0;
-    cpu::moe_mlp_add(x.data(), T, on_cpu, want.data(), &want_ids, nullptr);
-    EXPECT_EQ(ids, want_ids);
-    EXPECT_LT(relative_error(got, want, y0), 2e-2);
-    const auto apart = cuda_moe(separate, x, y0, T);
-    EXPECT_EQ(0, std::memcmp(got.data(), apart.data(), sizeof(float) * got.size()))
-        << "the stacked products differ from the separate ones";
+  for (const int64_t Is : {48, 32}) {
+    SCOPED_TRACE("shared expert " + std::to_string(Is));
+    ScopedBackend cuda(ops::Backend::Cuda);
+    std::mt19937 rng(9);
+    TestMixture mix(8, 3, 64, 32, Is, rng);
+    WeightArena arena;
+    ops::MoeWeights stacked = mix.stacked(arena);
+    const ops::MoeWeights separate = mix.weights(true), on_cpu = mix.weights(false);
+    ASSERT_EQ(stacked.shared_gate_up.rows, 2 * mix.Is);
+    ASSERT_EQ(stacked.router_shared_gate.rows, mix.E + 1);
+    ASSERT_EQ(stacked.shared_in_groups, Is == mix.I);
+    if (stacked.shared_in_groups)
+      EXPECT_EQ(stacked.shared_gate_proj.data, stacked.shared_gate_up.data)
+          << "the gate is the stacked weight's first rows";
+    else
+      EXPECT_EQ(stacked.shared_gate_proj.data, nullptr) << "gate and up live on only interleaved";
+    const void* gate_row = static_cast<const char*>(stacked.router_shared_gate.data) +
+                           mix.E * mix.H * sizeof(uint16_t);
+    EXPECT_EQ(stacked.shared_gate.data, gate_row) << "the gate is the router's last row";
+    for (const int64_t T : {1, 3, 6, 20, 40}) {
+      SCOPED_TRACE("T " + std::to_string(T));
+      const auto x = bf16_rows(T * mix.H, rng);
+      const auto y0 = bf16_rows(T * mix.H, rng);
+      std::vector<int32_t> ids, want_ids;
+      const auto got = cuda_moe(stacked, x, y0, T, &ids);
+      std::vector<float> want = y0;
+      cpu::moe_mlp_add(x.data(), T, on_cpu, want.data(), &want_ids, nullptr);
+      EXPECT_EQ(ids, want_ids);
+      EXPECT_LT(relative_error(got, want, y0), 2e-2);
+      const auto apart = cuda_moe(separate, x, y0, T);
+      EXPECT_EQ(0, std::memcmp(got.data(), apart.data(), sizeof(float) * got.size()))
+          << "the stacked products differ from the separate ones";
+    }
+    const ops::MoeWeights before = stacked;
+    stack_moe_experts(arena, &stacked);
+    EXPECT_EQ(stacked.shared_gate_up.data, before.shared_gate_up.data);
+    EXPECT_EQ(stacked.router_shared_gate.data, before.router_shared_gate.data);
+    EXPECT_EQ(stacked.experts_gate_up.data, before.experts_gate_up.data);
   }
-  const ops::MoeWeights before = stacked;
-  stack_moe_experts(arena, &stacked);
-  EXPECT_EQ(stacked.shared_gate_up.data, before.shared_gate_up.data);
-  EXPECT_EQ(stacked.router_shared_gate.data, before.router_shared_gate.data);
-  EXPECT_EQ(stacked.experts_gate_up.data, before.experts_gate_up.data);
 }
 
 // A model config for the model tests: experts whose inner size is a multiple of 16 (the

@@ -212,11 +212,15 @@ struct MoeWeights {
   // expert e at rows 2I·e of experts_gate_up [E·2I, H], its down at rows H·e of experts_down
   // [E·H, I] (the per-expert refs above view the same bytes). Empty on the CPU.
   WeightRef experts_gate_up, experts_down;
-  // CUDA, optional (stack_moe_experts; empty on the CPU): the shared expert's gate and up in
-  // gate_up_swiglu's pair layout [2Is, H] (shared_gate_proj / shared_up_proj then keep their
-  // shapes but no data), and the router with shared_gate as its last row [E + 1, H] (router and
-  // shared_gate view its rows), so each is one product.
+  // CUDA, optional (stack_moe_experts; empty on the CPU): the shared expert's gate and up as one
+  // weight [2Is, H], and the router with shared_gate as its last row [E + 1, H] (router and
+  // shared_gate view its rows), so each is one product. shared_in_groups: the shared expert has
+  // the routed experts' shape (Is = I, bf16) and shared_gate_up is its gate rows then its up rows
+  // (their views), as an expert's are stacked: it runs as one more group of the experts' grouped
+  // products. Else shared_gate_up is gate_up_swiglu's pair layout (shared_gate_proj /
+  // shared_up_proj then keep their shapes but no data).
   WeightRef shared_gate_up, router_shared_gate;
+  bool shared_in_groups = false;
   int64_t top_k = 0;
   bool renormalise = true;  // the top-k probabilities rescaled to sum to 1
   MoeRouting routing = MoeRouting::SoftmaxTopK;

@@ -100,8 +100,19 @@ void stack_moe_experts(WeightArena& arena, ops::MoeWeights* m) {
   m->experts_gate_up = stack(gate_up);
   m->experts_down = stack(down);
   // The shared expert's small products, each a kernel launch and a pass over the input at batch
-  // 1: gate and up become one, and the gate logit rides along with the router's.
+  // 1: with the routed experts' shape it joins their grouped launches as one more expert (its
+  // gate and up stacked as theirs are); else gate and up become one pair-layout product. The
+  // gate logit rides along with the router's.
   if (m->shared_gate_proj.rows == 0) return;
+  const ops::WeightRef& e0 = m->gate.front();
+  const bool bf16 = m->shared_gate_proj.dtype == DType::BF16 &&
+                    m->shared_up_proj.dtype == DType::BF16 &&
+                    m->shared_down_proj.dtype == DType::BF16 && e0.dtype == DType::BF16;
+  if (!m->shared_gate_up.data && bf16 && m->shared_gate_proj.rows == e0.rows &&
+      m->shared_gate_proj.cols == e0.cols) {
+    m->shared_gate_up = arena.stack_rows({&m->shared_gate_proj, &m->shared_up_proj});
+    m->shared_in_groups = true;
+  }
   // (Not for fp8: interleaving rows in groups of kGateUpGroup would split its scale blocks.)
   if (!m->shared_gate_up.data && m->shared_gate_proj.dtype != DType::F8_E4M3 &&
       m->shared_gate_proj.rows % ops::kGateUpGroup == 0)

@@ -36,9 +36,11 @@ ops::MoeWeights bind_moe_weights(const Qwen35Config& c, const std::string& prefi
 //  - the experts (ops::MoeWeights::experts_gate_up / experts_down): views of the fused tensors
 //    where they already are (a fused checkpoint keeps gate then up rows per expert), else one
 //    stacked copy in `arena`, each expert's own block released (no weight is held twice);
-//  - the shared expert's gate and up interleaved into one pair-layout weight (shared_gate_up;
-//    when its inner size is a multiple of ops::kGateUpGroup), and its gate row stacked under the
-//    router (router_shared_gate), their own blocks released.
+//  - the shared expert's gate and up as one weight (shared_gate_up): stacked as a routed
+//    expert's where it has their shape in bf16 (shared_in_groups: it runs as one more group of
+//    their grouped products), else interleaved into the pair layout (when its inner size is a
+//    multiple of ops::kGateUpGroup); and its gate row stacked under the router
+//    (router_shared_gate), their own blocks released.
 void stack_moe_experts(WeightArena& arena, ops::MoeWeights* m);
 
 // fn(ref) on every matrix the mixture holds: the router, the shared expert and its gate (empty

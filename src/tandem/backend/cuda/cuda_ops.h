@@ -128,7 +128,8 @@ void swiglu_mlp_add(const float* x, int64_t m, const ops::WeightRef& gate_up,
                     const ops::WeightRef* prefetch = nullptr);
 // y[rows, N] = the rows of x [rows, K] grouped by expert, each group times its expert's weight:
 // group g (g < groups) is rows start[g] .. start[g + 1] with expert expert[g] of the `experts`
-// weights stacked in `stacked` [experts · N, K] (bf16). start [groups + 1] and expert [groups]
+// weights stacked in `stacked` [experts · N, K] (bf16), or opt.extra_expert where expert[g] is
+// `experts`. start [groups + 1] and expert [groups]
 // are device arrays (written by an earlier kernel); groups beyond the used ones have no rows.
 // max_rows bounds every group's rows; each row's value is the one cuda::linear of its expert's
 // weight gives it, whatever its group's size (batch invariance).
@@ -138,6 +139,10 @@ struct GroupedOptions {
   // Each expert's N rows are gate (first N / 2) then up, as transformers stacks gate_up_proj; y
   // is [rows, N / 2] = silu(gate) · up, bitwise the product followed by swiglu.
   bool swiglu = false;
+  // The weight of expert id `experts` (one past the stack), shaped as one stacked expert (bf16):
+  // a mixture's shared expert runs as one more group of the same launch. Groups of at most 32
+  // rows (max_rows).
+  const ops::WeightRef* extra_expert = nullptr;
 };
 void linear_grouped(const float* x, int64_t rows, int64_t max_rows, const ops::WeightRef& stacked,
                     int64_t experts, int64_t groups, const int32_t* expert, const int32_t* start,

@@ -127,10 +127,14 @@ constexpr unsigned kPrefetchPiece = 16384;  // bytes per bulk prefetch
 // gather (staged fp32 inputs only): input row r is row gather[r] of x, so the mixture's pair
 // rows are read from the tokens' rows without a gathered copy. The arrays are written by an
 // earlier kernel, so they are read after pdl_wait(); plain products pass an empty GroupRows.
+// extra: the weights of expert id `extra_id` (one past the stack), where they are not at the
+// stacked stride (a mixture's shared expert); products of up to two m-tiles only.
 struct GroupRows {
   const int32_t* expert;
   const int32_t* start;
   const int32_t* gather;
+  const uint16_t* extra;
+  int extra_id;
 };
 
 // This block's share of pf, issued as its last act: pieces dealt round-robin over the grid's
@@ -360,13 +364,17 @@ __device__ __forceinline__ uint2 load_x4(const void* xin, const uint16_t* x_smem
 // Registers: with two m-tiles (17..32 rows, e.g. a decode step of 32 rows) the kernel declares a
 // minimum of one block per SM, which lets ptxas give it ~124 registers instead of ~100: 32 rows
 // ran 14% faster on the H200 (BENCHMARKS.md). The other tile counts keep ptxas's default budget
-// (0: no minimum), which measured best for them (one tile: batch 1; four: 64-row windows).
+// (0: no minimum), which measured best for them (one tile: batch 1; four: 64-row windows),
+// except the grouped one-tile products: their one wave of blocks (linear_grouped_warps) counts on
+// 16 warps per SM, i.e. at most 128 registers.
 // Grouped: see GroupRows; m is then the largest group's row count, which sized the staging, and
 // every group's rows are one call's rows to the arithmetic above. (A template flag, so that the
 // plain products compile exactly as they would without it.)
 template <int Warps, int Tiles, int NT, bool F32X = false, bool SwiGLU = false,
           bool Grouped = false>
-__global__ void __launch_bounds__(Warps * 32, Tiles == 2 ? 1 : 0)
+__global__ void __launch_bounds__(Warps * 32, Tiles == 2              ? 1
+                                              : Grouped && Tiles == 1 ? 16 / Warps
+                                                                      : 0)
     linear_mma_wide_kernel(const void* __restrict__ xin, int m, const uint16_t* __restrict__ w,
                            int N, int K, const SplitOut y, const RowNormArgs norm,
                            const L2Prefetch pf, const GroupRows gr) {
@@ -416,6 +424,11 @@ __global__ void __launch_bounds__(Warps * 32, Tiles == 2 ? 1 : 0)
   // for), the first group's first loads are issued before waiting on the previous kernel, so
   // their latency overlaps the wait. Not for a grouped product: most experts get no rows.
   constexpr bool kEarlyWeights = kPipelined && !F32X && !Grouped;
+  // A grouped block walks several column groups of its expert (linear_grouped_warps sizes the
+  // grid to one wave): each warp loads the first weights of its next column group while it
+  // multiplies its last chunk of the current one, and the first group's before the inputs are
+  // staged, so the block's loads never wait on its barriers. Loads only: the same arithmetic.
+  constexpr bool kGroupWeights = kPipelined && Grouped;
   uint4 cur[U][NT][2];  // kPipelined: the weights being multiplied
   if constexpr (kEarlyWeights) {
     if (blockIdx.x < groups) {
@@ -423,6 +436,7 @@ __global__ void __launch_bounds__(Warps * 32, Tiles == 2 ? 1 : 0)
       load_w(cur, warp);
     }
   }
+  bool have_cur = false;       // kGroupWeights: cur already holds this warp's first chunk of grp
   float4 norm_w[kNormChunks];  // F32X with a chunked norm: its weight, loaded before the wait
   if constexpr (F32X)
     if (norm_chunked(norm, K)) load_norm_chunks(norm, K, norm_w);
@@ -434,7 +448,12 @@ __global__ void __launch_bounds__(Warps * 32, Tiles == 2 ? 1 : 0)
     row_base = gr.start[blockIdx.y];
     m = gr.start[blockIdx.y + 1] - row_base;
     if (m <= 0) return;
-    w += static_cast<size_t>(gr.expert[blockIdx.y]) * N * K;
+    const int e = gr.expert[blockIdx.y];
+    // (Up to two m-tiles: in the four-tile variants the branch cost registers, and spills.)
+    if constexpr (Tiles <= 2)
+      w = gr.extra && e == gr.extra_id ? gr.extra : w + static_cast<size_t>(e) * N * K;
+    else
+      w += static_cast<size_t>(e) * N * K;
     if (F32X && gr.gather)
       src_rows = gr.gather + row_base;
     else
@@ -442,6 +461,13 @@ __global__ void __launch_bounds__(Warps * 32, Tiles == 2 ? 1 : 0)
                                             static_cast<size_t>(row_base) * K)
                  : static_cast<const void*>(static_cast<const uint16_t*>(xin) +
                                             static_cast<size_t>(row_base) * K);
+  }
+  if constexpr (kGroupWeights) {
+    if (blockIdx.x < groups && warp < chunks) {
+      point_at(blockIdx.x);
+      load_w(cur, warp);
+      have_cur = true;
+    }
   }
   extern __shared__ uint2 x_smem_raw[];
   const uint16_t* x_smem = reinterpret_cast<const uint16_t*>(x_smem_raw);
@@ -483,7 +509,30 @@ __global__ void __launch_bounds__(Warps * 32, Tiles == 2 ? 1 : 0)
         }
       };
 
-      if constexpr (kPipelined) {
+      if constexpr (kGroupWeights) {
+        if (!have_cur) load_w(cur, warp);
+        have_cur = false;
+        const int next_grp = grp + gridDim.x;
+        const bool last_pass = row0 + Tiles * 16 >= m;
+        for (int ch0 = warp; ch0 < chunks; ch0 += Warps * U) {
+          uint4 next[U][NT][2];
+          if (ch0 + Warps * U >= chunks && last_pass && next_grp < groups) {
+            point_at(next_grp);  // this group's loads are all issued
+            load_w(next, warp);
+            have_cur = true;
+          } else {
+            load_w(next, ch0 + Warps * U);
+          }
+          multiply(cur, ch0);
+#pragma unroll
+          for (int u = 0; u < U; ++u)
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+              cur[u][nt][0] = next[u][nt][0];
+              cur[u][nt][1] = next[u][nt][1];
+            }
+        }
+      } else if constexpr (kPipelined) {
         if (!kEarlyWeights || grp != blockIdx.x) load_w(cur, warp);
         for (int ch0 = warp; ch0 < chunks; ch0 += Warps * U) {
           uint4 next[U][NT][2];
@@ -932,7 +981,8 @@ void linear_mma_warps(const float* x, int64_t m, const ops::WeightRef& w, const 
       row_norm = {static_cast<const float*>(norm.row->w.data), norm.row->eps,
                   norm.row->zero_centred};
     launch("linear", kernel, balanced_grid(kernel, kThreads, (N + 15) / 16, staged), kThreads,
-           staged, x, M, wp, N, K, y, row_norm, pf, GroupRows{nullptr, nullptr, nullptr});
+           staged, x, M, wp, N, K, y, row_norm, pf,
+           GroupRows{nullptr, nullptr, nullptr, nullptr, 0});
     return;
   }
   // Batches: a bf16 copy of the inputs first.
@@ -954,7 +1004,7 @@ void linear_mma_bf16_rows(const uint16_t* xs, int64_t m, const ops::WeightRef& w
     launch("linear", kernel,
            balanced_grid(kernel, kThreads, (N + cols_per_block - 1) / cols_per_block), kThreads, 0,
            xs, M, wp, N, K, y, RowNormArgs{nullptr, 0.0f, false}, pf,
-           GroupRows{nullptr, nullptr, nullptr});
+           GroupRows{nullptr, nullptr, nullptr, nullptr, 0});
   };
   // More than two m-tiles (verify windows of many rows): the staged kernel of linear_tiles.cu,
   // the same bits. Up to 32 rows this kernel measured faster (BENCHMARKS.md).
@@ -1021,16 +1071,24 @@ void linear_grouped_warps(const float* x, int64_t rows, int64_t max_rows,
   const int N = static_cast<int>(expert.rows), K = static_cast<int>(expert.cols);
   const int M = static_cast<int>(max_rows);
   const auto* wp = static_cast<const uint16_t*>(expert.data);
-  auto grid = [&](auto kernel, int cols_per_block, size_t smem) {
-    return dim3(balanced_grid(kernel, kThreads, (N + cols_per_block - 1) / cols_per_block, smem),
+  // One wave of blocks over all groups' column blocks where the kernel walks several column
+  // blocks with their loads overlapped (one m-tile: kGroupWeights); else rounds of blocks over
+  // each group's columns (balanced_grid).
+  auto grid = [&](auto kernel, int cols_per_block, size_t smem, bool one_wave) {
+    const int cols = (N + cols_per_block - 1) / cols_per_block;
+    if (!one_wave)
+      return dim3(balanced_grid(kernel, kThreads, cols, smem), static_cast<unsigned>(groups));
+    const int64_t blocks = static_cast<int64_t>(cols) * groups;
+    const int64_t rounds = ceil_div(blocks, int64_t{resident_blocks(kernel, kThreads, smem)});
+    return dim3(static_cast<unsigned>(ceil_div(int64_t{cols}, rounds)),
                 static_cast<unsigned>(groups));
   };
   const size_t staged = sizeof(uint16_t) * static_cast<size_t>(max_rows * staged_row_stride(K));
   if (max_rows <= kNarrowRows && staged <= kNarrowSmemMax) {
     const auto kernel = linear_mma_wide_kernel<Warps, 1, 2, true, SwiGLU, true>;
     allow_dynamic_smem(kernel, staged, "cuda linear: the input rows");
-    launch("linear_grouped", kernel, grid(kernel, 16, staged), kThreads, staged, x, M, wp, N, K, y,
-           RowNormArgs{nullptr, 0.0f, false}, L2Prefetch{}, gr);
+    launch("linear_grouped", kernel, grid(kernel, 16, staged, true), kThreads, staged, x, M, wp, N,
+           K, y, RowNormArgs{nullptr, 0.0f, false}, L2Prefetch{}, gr);
     return;
   }
   uint16_t* xs = bf16_rows(rows * K);
@@ -1045,17 +1103,17 @@ void linear_grouped_warps(const float* x, int64_t rows, int64_t max_rows,
            reinterpret_cast<__nv_bfloat16*>(xs));
   }
   constexpr int NT = Warps == 4 ? 4 : 2;
-  auto go = [&](auto kernel) {
-    launch("linear_grouped", kernel, grid(kernel, 8 * NT, 0), kThreads, 0, xs, M, wp, N, K, y,
-           RowNormArgs{nullptr, 0.0f, false}, L2Prefetch{},
-           GroupRows{gr.expert, gr.start, nullptr});
+  auto go = [&](auto kernel, bool one_wave) {
+    launch("linear_grouped", kernel, grid(kernel, 8 * NT, 0, one_wave), kThreads, 0, xs, M, wp, N,
+           K, y, RowNormArgs{nullptr, 0.0f, false}, L2Prefetch{},
+           GroupRows{gr.expert, gr.start, nullptr, gr.extra, gr.extra_id});
   };
   if (max_rows <= kTileRows)
-    go(linear_mma_wide_kernel<Warps, 1, NT, false, SwiGLU, true>);
+    go(linear_mma_wide_kernel<Warps, 1, NT, false, SwiGLU, true>, true);
   else if (max_rows <= 2 * kTileRows)
-    go(linear_mma_wide_kernel<Warps, 2, NT, false, SwiGLU, true>);
+    go(linear_mma_wide_kernel<Warps, 2, NT, false, SwiGLU, true>, false);
   else
-    go(linear_mma_wide_kernel<Warps, kMaxTiles, NT, false, SwiGLU, true>);
+    go(linear_mma_wide_kernel<Warps, kMaxTiles, NT, false, SwiGLU, true>, false);
 }
 
 void linear_any(const float* x, int64_t m, const ops::WeightRef& w, const SplitOut& y,
@@ -1183,8 +1241,8 @@ void linear_grouped(const float* x, int64_t rows, int64_t max_rows, const ops::W
     return linear_grouped_fp8(x, rows, max_rows, stacked, experts, groups, expert, start, y, opt);
   if (experts < 1 || stacked.rows % experts != 0)
     fail("linear_grouped: ", stacked.rows, " stacked rows do not split into ", experts, " experts");
-  if (groups < 1 || groups > experts)
-    fail("linear_grouped: ", groups, " groups of ", experts, " experts");
+  const int64_t ids = experts + (opt.extra_expert ? 1 : 0);  // expert ids a group may name
+  if (groups < 1 || groups > ids) fail("linear_grouped: ", groups, " groups of ", ids, " experts");
   if (rows == 0 || stacked.rows == 0) return;
   if (max_rows < 1 || max_rows > rows)
     fail("linear_grouped: a group of up to ", max_rows, " of ", rows, " rows");
@@ -1198,7 +1256,19 @@ void linear_grouped(const float* x, int64_t rows, int64_t max_rows, const ops::W
   const int64_t width = opt.swiglu ? one.rows / 2 : one.rows;
   const ops::OutputSlice all{y, width};
   const SplitOut out = split_out(&all, 1, width);
-  const GroupRows gr{expert, start, opt.gather};
+  const uint16_t* extra = nullptr;
+  if (const ops::WeightRef* x2 = opt.extra_expert) {
+    if (max_rows > 2 * kTileRows)
+      fail("linear_grouped: an extra expert in groups of up to ", max_rows, " rows (at most ",
+           2 * kTileRows, ")");
+    if (x2->dtype != DType::BF16 || x2->rows != one.rows || x2->cols != one.cols)
+      fail("linear_grouped: the extra expert is ", dtype_name(x2->dtype), " [", x2->rows, " x ",
+           x2->cols, "], expected BF16 [", one.rows, " x ", one.cols, "]");
+    if (reinterpret_cast<uintptr_t>(x2->data) % 16 != 0)
+      fail("linear_grouped: the extra expert's rows must be 16-byte aligned");
+    extra = static_cast<const uint16_t*>(x2->data);
+  }
+  const GroupRows gr{expert, start, opt.gather, extra, static_cast<int>(experts)};
   with_warps(one, [&](auto W) {
     if (opt.swiglu)
       linear_grouped_warps<decltype(W)::value, true>(x, rows, max_rows, one, groups, gr, out);

@@ -523,6 +523,7 @@ void linear_grouped_fp8(const float* x, int64_t rows, int64_t max_rows,
   if (N % fw.block_rows != 0)
     fail("linear_grouped: fp8 experts of ", N, " rows straddle scale blocks of ", fw.block_rows);
   if (opt.swiglu && N % 2 != 0) fail("linear_grouped: SwiGLU over ", N, " rows per expert");
+  if (opt.extra_expert) fail("linear_grouped: an extra expert beside fp8 experts");
   if (groups < 1 || groups > experts)
     fail("linear_grouped: ", groups, " groups of ", experts, " experts");
   if (rows == 0) return;

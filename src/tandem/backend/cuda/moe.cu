@@ -9,12 +9,15 @@
 //      for GLM-5's mixtures, route_noaux_tc's rule (NoauxRule);
 //   3. moe_group_kernel: the T·k (token, choice) pairs grouped by expert, experts ascending and
 //      pairs in order within an expert ("pair rows"), by counts per run of pairs and block-wide
-//      scans; up to 32 tokens, routing and grouping are one block (moe_route_group_kernel);
+//      scans; up to 32 tokens, routing and grouping are one block (moe_route_group_kernel), and
+//      up to 32 pairs (decode of a few rows) one warp groups them;
 //   4. linear_grouped multiplies each expert's pair rows (read from the tokens' rows through
 //      token_of) by its gate/up rows [2I, H] with silu(gate) · up in the epilogue, then the
 //      activations by each expert's down [H, I];
-//   5. the shared expert over all tokens: gate and up as one product with the SwiGLU in its
-//      epilogue (gate_up_swiglu, when stacked in its pair layout), then down;
+//   5. the shared expert over all tokens: where it has the routed experts' shape
+//      (MoeWeights::shared_in_groups), one more group of step 4's two launches, its T rows after
+//      the pair rows; else gate and up as one product with the SwiGLU in its epilogue
+//      (gate_up_swiglu, when stacked in its pair layout), then down;
 //   6. moe_combine_kernel: per token and 256 columns, its experts' outputs weighted and summed in
 //      ascending expert id, then + sigmoid(gate) · shared (+ shared where it has no gate: GLM-5),
 //      added to y (cpu::moe_mlp_add's order).
@@ -29,6 +32,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <climits>
 #include <cmath>
 #include <type_traits>
 
@@ -42,12 +46,13 @@ namespace tandem::cuda {
 
 namespace {
 
-constexpr int kRouteWarps = 4;        // tokens per routing block, one warp each
-constexpr int kMaxExperts = 32 * 32;  // a routing lane holds up to 32 experts' values
-constexpr int kGroupThreads = 1024;   // one thread per expert in the grouping's scan
-constexpr int kGroupSmem = 48 << 10;  // the grouping's per-chunk counts, at most
-constexpr int kCombineThreads = 256;  // hidden-size columns per combining block
-constexpr int kMaxTopK = 32;          // a token's choices fit in one warp
+constexpr int kRouteWarps = 4;            // tokens per routing block, one warp each
+constexpr int kMaxExperts = 32 * 32;      // a routing lane holds up to 32 experts' values
+constexpr int kGroupThreads = 1024;       // one thread per expert in the grouping's scan
+constexpr int kGroupSmem = 48 << 10;      // the grouping's per-chunk counts, at most
+constexpr int kCombineThreads = 256;      // hidden-size columns per combining block
+constexpr int kMaxTopK = 32;              // a token's choices fit in one warp
+constexpr int64_t kSharedGroupRows = 32;  // tokens up to which the shared expert is a group
 static_assert(kMaxExperts <= kGroupThreads, "the grouping scans one expert per thread");
 
 // (probability, expert) ordered as route_top_k orders them: larger probability first, the lower
@@ -69,6 +74,19 @@ __device__ __forceinline__ Candidate warp_best(Candidate c) {
     if (before(o, c)) c = o;
   }
   return c;
+}
+
+// warp_best for candidates that are never NaN nor -0 (route_token's probabilities): the best
+// probability by one warp reduction over order-preserving keys, then the lowest expert among the
+// lanes holding it by another. Two instructions where the butterfly takes ten shuffles: the
+// top-k's rounds are a chain of these at one token.
+__device__ __forceinline__ Candidate warp_best_reduced(Candidate c) {
+  const unsigned u = __float_as_uint(c.p);
+  const unsigned key = u & 0x80000000u ? ~u : u | 0x80000000u;  // ascending with c.p
+  const unsigned best = __reduce_max_sync(0xffffffffu, key);
+  const int e = static_cast<int>(
+      __reduce_min_sync(0xffffffffu, key == best ? static_cast<unsigned>(c.e) : 0xffffffffu));
+  return {__uint_as_float(best & 0x80000000u ? best & 0x7fffffffu : ~best), e};
 }
 
 // Grid: ceil(T / kRouteWarps) blocks of kRouteWarps warps; warp w of block b routes token
@@ -127,7 +145,7 @@ __device__ __forceinline__ void route_token(const TopKRule& rule, const float* _
       const Candidate o{p[j], lane + 32 * j};
       if (before(o, c)) c = o;
     }
-    c = warp_best(c);
+    c = warp_best_reduced(c);  // p: probabilities (no NaN: -1), kOut; never -0
 #pragma unroll
     for (int j = 0; j < PerLane; ++j)
       if (lane + 32 * j == c.e) p[j] = kOut;
@@ -307,9 +325,33 @@ __device__ __forceinline__ int2 block_exclusive_scan(int2 v, int2* total) {
 //   4. warp c walks its run 32 pairs at a time: lanes with the same expert rank themselves by
 //      lane (match_any), row = hist[c][e] + rank, and the lowest of them advances hist[c][e].
 // The result depends on ids alone, never on the chunking.
+// shared_rows > 0 (a mixture's shared expert run as one more group, SharedGroup): after the used
+// experts comes group `used` with expert id E and rows pairs .. pairs + shared_rows (token t's
+// shared-expert row is pair row pairs + t), and the groups after it are empty.
 // ids are read after the caller's wait (or written by this block before a barrier).
+struct SharedGroup {
+  int rows;  // 0: no shared group
+  int id;    // the expert id it carries (E: one past the routed experts)
+};
+
+// The groups after the `used` routed ones: the shared group if there is one, then empty groups
+// (start = every row). Threads `first`, `first + stride`, ... of the caller write it.
+__device__ __forceinline__ void close_groups(int used, int pairs, int groups, SharedGroup sh,
+                                             int first, int stride, int32_t* __restrict__ expert,
+                                             int32_t* __restrict__ start,
+                                             int32_t* __restrict__ token_of) {
+  if (sh.rows > 0 && first == 0) {
+    expert[used] = sh.id;
+    start[used] = pairs;
+  }
+  for (int g = used + (sh.rows > 0 ? 1 : 0) + first; g <= groups; g += stride)
+    start[g] = pairs + sh.rows;
+  for (int t = first; t < sh.rows; t += stride) token_of[pairs + t] = t;
+}
+
 __device__ __forceinline__ void group_pairs(const int32_t* ids, int pairs, int k, int E, int groups,
-                                            int chunks, int32_t* __restrict__ expert,
+                                            int chunks, SharedGroup sh,
+                                            int32_t* __restrict__ expert,
                                             int32_t* __restrict__ start,
                                             int32_t* __restrict__ row_of,
                                             int32_t* __restrict__ token_of) {
@@ -340,7 +382,7 @@ __device__ __forceinline__ void group_pairs(const int32_t* ids, int pairs, int k
       start[before_e.y] = before_e.x;
     }
   }
-  for (int g = s_total.y + threadIdx.x; g <= groups; g += kGroupThreads) start[g] = pairs;
+  close_groups(s_total.y, pairs, groups, sh, threadIdx.x, kGroupThreads, expert, start, token_of);
   __syncthreads();
   if (warp >= chunks) return;
   for (int base = c0; base < c1; base += 32) {  // uniform across the warp
@@ -362,11 +404,45 @@ __device__ __forceinline__ void group_pairs(const int32_t* ids, int pairs, int k
 
 __global__ void __launch_bounds__(kGroupThreads)
     moe_group_kernel(const int32_t* __restrict__ ids, int pairs, int k, int E, int groups,
-                     int chunks, int32_t* __restrict__ expert, int32_t* __restrict__ start,
-                     int32_t* __restrict__ row_of, int32_t* __restrict__ token_of) {
+                     int chunks, SharedGroup sh, int32_t* __restrict__ expert,
+                     int32_t* __restrict__ start, int32_t* __restrict__ row_of,
+                     int32_t* __restrict__ token_of) {
   pdl_wait();
   pdl_release();
-  group_pairs(ids, pairs, k, E, groups, chunks, expert, start, row_of, token_of);
+  group_pairs(ids, pairs, k, E, groups, chunks, sh, expert, start, row_of, token_of);
+}
+
+// group_pairs for at most 32 pairs, by one warp, lane i holding pair i (same results): a pair's
+// row is the number of pairs with a lower expert, or the same expert and a lower index; an
+// expert's group is the number of distinct lower experts among the pairs. For decode steps of a
+// few rows, where group_pairs' block-wide scans and barriers were most of the routing's time.
+__device__ __forceinline__ void group_pairs_warp(const int32_t* ids, int pairs, int k, int groups,
+                                                 SharedGroup sh, int32_t* __restrict__ expert,
+                                                 int32_t* __restrict__ start,
+                                                 int32_t* __restrict__ row_of,
+                                                 int32_t* __restrict__ token_of) {
+  const int lane = threadIdx.x % 32;
+  const bool mine = lane < pairs;
+  const int e = mine ? ids[lane] : INT_MAX;
+  const unsigned peers = __match_any_sync(0xffffffffu, e);
+  const bool first = mine && (peers & ((1u << lane) - 1u)) == 0;  // e's first pair
+  int row = 0, group = 0;
+  for (int j = 0; j < pairs; ++j) {  // pairs is uniform
+    const int ej = __shfl_sync(0xffffffffu, e, j);
+    const bool fj = __shfl_sync(0xffffffffu, first, j);
+    row += ej < e || (ej == e && j < lane);
+    group += fj && ej < e;
+  }
+  if (mine) {
+    row_of[lane] = row;
+    token_of[row] = lane / k;
+  }
+  if (first) {
+    expert[group] = e;
+    start[group] = row;
+  }
+  const int used = __popc(__ballot_sync(0xffffffffu, first));
+  close_groups(used, pairs, groups, sh, lane, 32, expert, start, token_of);
 }
 
 // Routing and grouping in one block, for calls of at most kGroupThreads / 32 tokens (decode and
@@ -374,18 +450,24 @@ __global__ void __launch_bounds__(kGroupThreads)
 // token t as moe_route_kernel does, then the block groups the pairs as moe_group_kernel does
 // (the ids it reads were written by the block before the barrier). The same values as the two
 // kernels.
-template <int PerLane, class Rule>
+// Warps: T·k <= 32 pairs, a block of T warps whose warp 0 then groups them (group_pairs_warp).
+template <int PerLane, class Rule, bool Warps>
 __global__ void __launch_bounds__(kGroupThreads)
     moe_route_group_kernel(Rule rule, const float* __restrict__ logits, int64_t ld, int T, int E,
                            int k, int32_t* ids, float* __restrict__ weights, int groups, int chunks,
-                           int32_t* __restrict__ expert, int32_t* __restrict__ start,
-                           int32_t* __restrict__ row_of, int32_t* __restrict__ token_of) {
+                           SharedGroup sh, int32_t* __restrict__ expert,
+                           int32_t* __restrict__ start, int32_t* __restrict__ row_of,
+                           int32_t* __restrict__ token_of) {
   pdl_wait();
   pdl_release();
   const int t = threadIdx.x / 32;
   if (t < T) route_token<PerLane>(rule, logits, ld, t, E, k, ids, weights);
   __syncthreads();
-  group_pairs(ids, T * k, k, E, groups, chunks, expert, start, row_of, token_of);
+  if constexpr (Warps) {
+    if (t == 0) group_pairs_warp(ids, T * k, k, groups, sh, expert, start, row_of, token_of);
+  } else {
+    group_pairs(ids, T * k, k, E, groups, chunks, sh, expert, start, row_of, token_of);
+  }
 }
 
 // Grid (T, ceil(H / kCombineThreads)): block (t, b) adds to y[t] its columns b·kCombineThreads
@@ -434,9 +516,18 @@ void moe_mlp_add(const float* x, int64_t T, const ops::MoeWeights& w, float* y,
   const int64_t I = w.experts_down.cols, Is = w.shared_gate_proj.rows;
   if (k > kMaxTopK) fail("moe_mlp_add: top ", k, " experts (at most ", kMaxTopK, " on CUDA)");
   if (E > kMaxExperts) fail("moe_mlp_add: ", E, " experts (at most ", kMaxExperts, " on CUDA)");
-  const int64_t P = T * k;                // pair rows
-  const int64_t groups = std::min(E, P);  // experts a call can use
-  if (P > INT32_MAX) fail("moe_mlp_add: ", T, " tokens x top ", k, " of ", E);
+  const int64_t P = T * k;  // pair rows
+  // The shared expert as one more group of the grouped products (stack_moe_experts stacked its
+  // gate and up as an expert's), its T rows after the pair rows: up to kSharedGroupRows tokens
+  // (the grouped products of up to two m-tiles), where it saves two launches. Beyond, its own
+  // products take the many-row kernels the grouped ones lack. Same bits either way: a grouped
+  // row is cuda::linear's row.
+  const bool shared_grouped = Is > 0 && w.shared_in_groups && T <= kSharedGroupRows;
+  const int64_t S = shared_grouped ? T : 0;
+  const int64_t groups = std::min(E, P) + (shared_grouped ? 1 : 0);  // groups a call can use
+  if (P + S > INT32_MAX) fail("moe_mlp_add: ", T, " tokens x top ", k, " of ", E);
+  if (shared_grouped && (w.shared_gate_up.rows != 2 * I || w.shared_down_proj.cols != I))
+    fail("moe_mlp_add: a shared expert of ", Is, " run as a routed expert of ", I);
   // The shared expert's gate logit as the router's last row (stack_moe_experts): one product.
   const bool gate_row = Is > 0 && w.router_shared_gate.rows == E + 1;
   if (gate_row && w.router_shared_gate.cols != H)
@@ -454,9 +545,10 @@ void moe_mlp_add(const float* x, int64_t T, const ops::MoeWeights& w, float* y,
   auto* expert = s[3].get<int32_t>(groups);
   auto* start = s[4].get<int32_t>(groups + 1);
   auto* row_of = s[5].get<int32_t>(P);
-  auto* token_of = s[6].get<int32_t>(P);
-  float* act = s[7].get<float>(P * I);
-  float* out = s[8].get<float>(P * H);
+  auto* token_of = s[6].get<int32_t>(P + S);
+  float* act = s[7].get<float>((P + S) * I);
+  float* out = s[8].get<float>((P + S) * H);
+  const SharedGroup sh{static_cast<int>(S), static_cast<int>(E)};
   cuda::linear(x, T, gate_row ? w.router_shared_gate : w.router, logits);
   // Runs of at least 32 pairs, one per warp, as many as the per-run counts fit in kGroupSmem.
   const int64_t chunks = std::max<int64_t>(
@@ -466,11 +558,18 @@ void moe_mlp_add(const float* x, int64_t T, const ops::MoeWeights& w, float* y,
     with_per_lane(E, [&](auto per_lane) {
       constexpr int PL = decltype(per_lane)::value;
       using Rule = std::decay_t<decltype(rule)>;
+      if (P <= 32) {
+        launch("moe_route_group", moe_route_group_kernel<PL, Rule, true>, 1,
+               static_cast<unsigned>(32 * T), 0, rule, logits, ld, static_cast<int>(T),
+               static_cast<int>(E), static_cast<int>(k), ids, wts, static_cast<int>(groups), 0, sh,
+               expert, start, row_of, token_of);
+        return;
+      }
       if (T <= kGroupThreads / 32) {
-        launch("moe_route_group", moe_route_group_kernel<PL, Rule>, 1, kGroupThreads, group_smem,
-               rule, logits, ld, static_cast<int>(T), static_cast<int>(E), static_cast<int>(k), ids,
-               wts, static_cast<int>(groups), static_cast<int>(chunks), expert, start, row_of,
-               token_of);
+        launch("moe_route_group", moe_route_group_kernel<PL, Rule, false>, 1, kGroupThreads,
+               group_smem, rule, logits, ld, static_cast<int>(T), static_cast<int>(E),
+               static_cast<int>(k), ids, wts, static_cast<int>(groups), static_cast<int>(chunks),
+               sh, expert, start, row_of, token_of);
         return;
       }
       launch("moe_route", moe_route_kernel<PL, Rule>,
@@ -478,7 +577,7 @@ void moe_mlp_add(const float* x, int64_t T, const ops::MoeWeights& w, float* y,
              ld, static_cast<int>(T), static_cast<int>(E), static_cast<int>(k), ids, wts);
       launch("moe_group", moe_group_kernel, 1, kGroupThreads, group_smem, ids, static_cast<int>(P),
              static_cast<int>(k), static_cast<int>(E), static_cast<int>(groups),
-             static_cast<int>(chunks), expert, start, row_of, token_of);
+             static_cast<int>(chunks), sh, expert, start, row_of, token_of);
     });
   };
   if (w.routing == ops::MoeRouting::NoauxTc) {
@@ -496,20 +595,39 @@ void moe_mlp_add(const float* x, int64_t T, const ops::MoeWeights& w, float* y,
     route_and_group(TopKRule{w.renormalise});
   }
   // A token picks an expert once, so no group has more rows than there are tokens.
-  GroupedOptions gate_up;
+  GroupedOptions gate_up, down;
   gate_up.gather = token_of;
   gate_up.swiglu = true;
-  linear_grouped(x, P, T, w.experts_gate_up, E, groups, expert, start, act, gate_up);
-  linear_grouped(act, P, T, w.experts_down, E, groups, expert, start, out);
+  if (shared_grouped) {
+    gate_up.extra_expert = &w.shared_gate_up;
+    down.extra_expert = &w.shared_down_proj;
+  }
+  linear_grouped(x, P + S, T, w.experts_gate_up, E, groups, expert, start, act, gate_up);
+  linear_grouped(act, P + S, T, w.experts_down, E, groups, expert, start, out, down);
   const float* shared = nullptr;
   const float* gate = nullptr;
   int64_t gate_ld = 1;
-  if (Is > 0) {
+  if (shared_grouped) {
+    shared = out + P * H;
+    if (gate_row) {
+      gate = logits + E;
+      gate_ld = ld;
+    } else if (w.shared_gate.rows > 0) {
+      float* g = s[9].get<float>(T);
+      cuda::linear(x, T, w.shared_gate, g);
+      gate = g;
+    }
+  } else if (Is > 0) {
     // activations [T, Is] | up (unfused only) [T, Is] | shared [T, H] | gate logit [T]
     float* sa = s[9].get<float>(2 * T * Is + T * H + T);
     float* su = sa + T * Is;
     float* sh = su + T * Is;
-    if (fused_gate_up) {
+    if (fused_gate_up && w.shared_in_groups) {
+      // Gate rows then up rows: one product into the two halves' buffers, then the SwiGLU.
+      const ops::OutputSlice halves[] = {{sa, Is}, {su, Is}};
+      cuda::linear_split(x, T, w.shared_gate_up, halves, 2, nullptr);
+      cuda::swiglu(sa, su, T * Is, sa);
+    } else if (fused_gate_up) {
       cuda::gate_up_swiglu(x, T, w.shared_gate_up, sa);
     } else {
       cuda::linear(x, T, w.shared_gate_proj, sa);
