@@ -1103,17 +1103,25 @@ void linear_grouped_warps(const float* x, int64_t rows, int64_t max_rows,
            reinterpret_cast<__nv_bfloat16*>(xs));
   }
   constexpr int NT = Warps == 4 ? 4 : 2;
-  auto go = [&](auto kernel, bool one_wave) {
-    launch("linear_grouped", kernel, grid(kernel, 8 * NT, 0, one_wave), kThreads, 0, xs, M, wp, N,
-           K, y, RowNormArgs{nullptr, 0.0f, false}, L2Prefetch{},
+  auto go = [&](auto kernel, int n_tiles, bool one_wave) {
+    launch("linear_grouped", kernel, grid(kernel, 8 * n_tiles, 0, one_wave), kThreads, 0, xs, M, wp,
+           N, K, y, RowNormArgs{nullptr, 0.0f, false}, L2Prefetch{},
            GroupRows{gr.expert, gr.start, nullptr, gr.extra, gr.extra_id});
   };
+  // One m-tile with at most one chunk of K per warp (the experts' down, K = I): at two n-tiles
+  // the second chunk of a step (U = 2) is empty, so each step loads half a warp's budget and a
+  // block walks twice the column groups, each exposing a load latency (55% of the bandwidth at
+  // 8 rows on the H200). Four n-tiles, one chunk a step: the same arithmetic per output.
+  if constexpr (!SwiGLU && NT == 2) {
+    if (max_rows <= kTileRows && K <= kChunk * Warps)
+      return go(linear_mma_wide_kernel<Warps, 1, 4, false, false, true>, 4, true);
+  }
   if (max_rows <= kTileRows)
-    go(linear_mma_wide_kernel<Warps, 1, NT, false, SwiGLU, true>, true);
+    go(linear_mma_wide_kernel<Warps, 1, NT, false, SwiGLU, true>, NT, true);
   else if (max_rows <= 2 * kTileRows)
-    go(linear_mma_wide_kernel<Warps, 2, NT, false, SwiGLU, true>, false);
+    go(linear_mma_wide_kernel<Warps, 2, NT, false, SwiGLU, true>, NT, false);
   else
-    go(linear_mma_wide_kernel<Warps, kMaxTiles, NT, false, SwiGLU, true>, false);
+    go(linear_mma_wide_kernel<Warps, kMaxTiles, NT, false, SwiGLU, true>, NT, false);
 }
 
 void linear_any(const float* x, int64_t m, const ops::WeightRef& w, const SplitOut& y,

@@ -10,7 +10,7 @@
 //   3. moe_group_kernel: the T·k (token, choice) pairs grouped by expert, experts ascending and
 //      pairs in order within an expert ("pair rows"), by counts per run of pairs and block-wide
 //      scans; up to 32 tokens, routing and grouping are one block (moe_route_group_kernel), and
-//      up to 32 pairs (decode of a few rows) one warp groups them;
+//      up to 64 pairs (decode of a few rows) one warp groups them;
 //   4. linear_grouped multiplies each expert's pair rows (read from the tokens' rows through
 //      token_of) by its gate/up rows [2I, H] with silu(gate) · up in the epilogue, then the
 //      activations by each expert's down [H, I];
@@ -412,36 +412,58 @@ __global__ void __launch_bounds__(kGroupThreads)
   group_pairs(ids, pairs, k, E, groups, chunks, sh, expert, start, row_of, token_of);
 }
 
-// group_pairs for at most 32 pairs, by one warp, lane i holding pair i (same results): a pair's
-// row is the number of pairs with a lower expert, or the same expert and a lower index; an
-// expert's group is the number of distinct lower experts among the pairs. For decode steps of a
-// few rows, where group_pairs' block-wide scans and barriers were most of the routing's time.
+// group_pairs for at most 32·PP pairs, by one warp, lane l holding pairs l + 32q (q < PP); same
+// results: a pair's row is the number of pairs with a lower expert, or the same expert and a
+// lower index; an expert's group is the number of distinct lower experts among the pairs. For
+// decode steps of a few rows, where group_pairs' block-wide scans and barriers were most of the
+// routing's time.
+template <int PP>
 __device__ __forceinline__ void group_pairs_warp(const int32_t* ids, int pairs, int k, int groups,
                                                  SharedGroup sh, int32_t* __restrict__ expert,
                                                  int32_t* __restrict__ start,
                                                  int32_t* __restrict__ row_of,
                                                  int32_t* __restrict__ token_of) {
   const int lane = threadIdx.x % 32;
-  const bool mine = lane < pairs;
-  const int e = mine ? ids[lane] : INT_MAX;
-  const unsigned peers = __match_any_sync(0xffffffffu, e);
-  const bool first = mine && (peers & ((1u << lane) - 1u)) == 0;  // e's first pair
-  int row = 0, group = 0;
+  int e[PP], row[PP], group[PP];
+  bool first[PP];
+  // Lane j % 32's value of pair j (j uniform; a select, so the arrays stay in registers).
+  auto of_pair = [](const auto(&v)[PP], int j) { return PP == 1 || j < 32 ? v[0] : v[PP - 1]; };
+#pragma unroll
+  for (int q = 0; q < PP; ++q) {
+    const int i = lane + 32 * q;
+    e[q] = i < pairs ? ids[i] : INT_MAX;
+    row[q] = group[q] = 0;
+    first[q] = i < pairs;  // until an earlier pair of the same expert shows up
+  }
   for (int j = 0; j < pairs; ++j) {  // pairs is uniform
-    const int ej = __shfl_sync(0xffffffffu, e, j);
-    const bool fj = __shfl_sync(0xffffffffu, first, j);
-    row += ej < e || (ej == e && j < lane);
-    group += fj && ej < e;
+    const int ej = __shfl_sync(0xffffffffu, of_pair(e, j), j % 32);
+#pragma unroll
+    for (int q = 0; q < PP; ++q) {
+      const int i = lane + 32 * q;
+      row[q] += ej < e[q] || (ej == e[q] && j < i);
+      if (ej == e[q] && j < i) first[q] = false;
+    }
   }
-  if (mine) {
-    row_of[lane] = row;
-    token_of[row] = lane / k;
+  for (int j = 0; j < pairs; ++j) {  // a second pass: every pair's first-ness is known now
+    const int ej = __shfl_sync(0xffffffffu, of_pair(e, j), j % 32);
+    const bool fj = __shfl_sync(0xffffffffu, of_pair(first, j), j % 32);
+#pragma unroll
+    for (int q = 0; q < PP; ++q) group[q] += fj && ej < e[q];
   }
-  if (first) {
-    expert[group] = e;
-    start[group] = row;
+  int used = 0;
+#pragma unroll
+  for (int q = 0; q < PP; ++q) {
+    const int i = lane + 32 * q;
+    if (i < pairs) {
+      row_of[i] = row[q];
+      token_of[row[q]] = i / k;
+    }
+    if (first[q]) {
+      expert[group[q]] = e[q];
+      start[group[q]] = row[q];
+    }
+    used += __popc(__ballot_sync(0xffffffffu, first[q]));
   }
-  const int used = __popc(__ballot_sync(0xffffffffu, first));
   close_groups(used, pairs, groups, sh, lane, 32, expert, start, token_of);
 }
 
@@ -450,8 +472,9 @@ __device__ __forceinline__ void group_pairs_warp(const int32_t* ids, int pairs, 
 // token t as moe_route_kernel does, then the block groups the pairs as moe_group_kernel does
 // (the ids it reads were written by the block before the barrier). The same values as the two
 // kernels.
-// Warps: T·k <= 32 pairs, a block of T warps whose warp 0 then groups them (group_pairs_warp).
-template <int PerLane, class Rule, bool Warps>
+// PairsPerLane > 0: T·k <= 32·PairsPerLane pairs, a block of T warps whose warp 0 then groups
+// them (group_pairs_warp); 0: the block groups them (group_pairs).
+template <int PerLane, class Rule, int PairsPerLane>
 __global__ void __launch_bounds__(kGroupThreads)
     moe_route_group_kernel(Rule rule, const float* __restrict__ logits, int64_t ld, int T, int E,
                            int k, int32_t* ids, float* __restrict__ weights, int groups, int chunks,
@@ -463,8 +486,9 @@ __global__ void __launch_bounds__(kGroupThreads)
   const int t = threadIdx.x / 32;
   if (t < T) route_token<PerLane>(rule, logits, ld, t, E, k, ids, weights);
   __syncthreads();
-  if constexpr (Warps) {
-    if (t == 0) group_pairs_warp(ids, T * k, k, groups, sh, expert, start, row_of, token_of);
+  if constexpr (PairsPerLane > 0) {
+    if (t == 0)
+      group_pairs_warp<PairsPerLane>(ids, T * k, k, groups, sh, expert, start, row_of, token_of);
   } else {
     group_pairs(ids, T * k, k, E, groups, chunks, sh, expert, start, row_of, token_of);
   }
@@ -558,18 +582,18 @@ void moe_mlp_add(const float* x, int64_t T, const ops::MoeWeights& w, float* y,
     with_per_lane(E, [&](auto per_lane) {
       constexpr int PL = decltype(per_lane)::value;
       using Rule = std::decay_t<decltype(rule)>;
-      if (P <= 32) {
-        launch("moe_route_group", moe_route_group_kernel<PL, Rule, true>, 1,
-               static_cast<unsigned>(32 * T), 0, rule, logits, ld, static_cast<int>(T),
-               static_cast<int>(E), static_cast<int>(k), ids, wts, static_cast<int>(groups), 0, sh,
-               expert, start, row_of, token_of);
-        return;
-      }
+      auto by_warp = [&](auto kernel) {
+        launch("moe_route_group", kernel, 1, static_cast<unsigned>(32 * T), 0, rule, logits, ld,
+               static_cast<int>(T), static_cast<int>(E), static_cast<int>(k), ids, wts,
+               static_cast<int>(groups), 0, sh, expert, start, row_of, token_of);
+      };
+      if (P <= 32) return by_warp(moe_route_group_kernel<PL, Rule, 1>);
+      if (P <= 64) return by_warp(moe_route_group_kernel<PL, Rule, 2>);
       if (T <= kGroupThreads / 32) {
-        launch("moe_route_group", moe_route_group_kernel<PL, Rule, false>, 1, kGroupThreads,
-               group_smem, rule, logits, ld, static_cast<int>(T), static_cast<int>(E),
-               static_cast<int>(k), ids, wts, static_cast<int>(groups), static_cast<int>(chunks),
-               sh, expert, start, row_of, token_of);
+        launch("moe_route_group", moe_route_group_kernel<PL, Rule, 0>, 1, kGroupThreads, group_smem,
+               rule, logits, ld, static_cast<int>(T), static_cast<int>(E), static_cast<int>(k), ids,
+               wts, static_cast<int>(groups), static_cast<int>(chunks), sh, expert, start, row_of,
+               token_of);
         return;
       }
       launch("moe_route", moe_route_kernel<PL, Rule>,
