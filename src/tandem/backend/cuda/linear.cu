@@ -509,34 +509,25 @@ __global__ void __launch_bounds__(Warps * 32, Tiles == 2              ? 1
         }
       };
 
-      if constexpr (kGroupWeights) {
-        if (!have_cur) load_w(cur, warp);
-        have_cur = false;
-        const int next_grp = grp + gridDim.x;
+      if constexpr (kPipelined) {
+        if constexpr (kGroupWeights) {
+          if (!have_cur) load_w(cur, warp);
+          have_cur = false;
+        } else if (!kEarlyWeights || grp != blockIdx.x) {
+          load_w(cur, warp);
+        }
+        const int next_grp = grp + gridDim.x;  // (kGroupWeights only)
         const bool last_pass = row0 + Tiles * 16 >= m;
         for (int ch0 = warp; ch0 < chunks; ch0 += Warps * U) {
           uint4 next[U][NT][2];
-          if (ch0 + Warps * U >= chunks && last_pass && next_grp < groups) {
+          // kGroupWeights, the last step of a group: the next column group's first weights.
+          if (kGroupWeights && ch0 + Warps * U >= chunks && last_pass && next_grp < groups) {
             point_at(next_grp);  // this group's loads are all issued
             load_w(next, warp);
             have_cur = true;
           } else {
             load_w(next, ch0 + Warps * U);
           }
-          multiply(cur, ch0);
-#pragma unroll
-          for (int u = 0; u < U; ++u)
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt) {
-              cur[u][nt][0] = next[u][nt][0];
-              cur[u][nt][1] = next[u][nt][1];
-            }
-        }
-      } else if constexpr (kPipelined) {
-        if (!kEarlyWeights || grp != blockIdx.x) load_w(cur, warp);
-        for (int ch0 = warp; ch0 < chunks; ch0 += Warps * U) {
-          uint4 next[U][NT][2];
-          load_w(next, ch0 + Warps * U);
           multiply(cur, ch0);
 #pragma unroll
           for (int u = 0; u < U; ++u)
