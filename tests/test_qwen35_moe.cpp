@@ -12,11 +12,13 @@
 #include "moe_reference.h"
 #include "recording_sink.h"
 #include "tandem/backend/cpu/cpu_ops.h"
+#include "tandem/backend/weight_arena.h"
 #include "tandem/core/error.h"
 #include "tandem/engine/batch_engine.h"
 #include "tandem/engine/generator.h"
 #include "tandem/engine/speculative.h"
 #include "tandem/io/safetensors.h"
+#include "tandem/model/moe_weights.h"
 #include "tandem/model/qwen3_5.h"
 #include "tandem/model/qwen3_5_random.h"
 #include "tandem/spec/ngram.h"
@@ -398,6 +400,65 @@ TEST_F(MoeModel, DecodeBytesCountTheChosenExpertsOnly) {
   for (const std::string& n : model_->weights().names())
     if (n != c.weight_prefix() + "embed_tokens.weight") bound += model_->weights().get(n).nbytes;
   EXPECT_EQ(all, bound);
+}
+
+// The CUDA layout stack_moe_experts makes (checked on the CPU, where the arena is host memory):
+// a bf16 shared expert of the routed experts' inner size becomes one more expert (its gate rows
+// then its up rows, the separate refs viewing them: shared_in_groups, which the grouped CUDA
+// products take as an extra group); any other size keeps the pair layout of gate_up_swiglu; a
+// second call changes nothing.
+TEST(MoeStacking, ASharedExpertOfTheRoutedShapeIsStackedAsAnExpert) {
+  const int64_t E = 4, H = 32, I = 16;
+  for (const int64_t Is : {I, 2 * I}) {
+    SCOPED_TRACE("shared expert of " + std::to_string(Is));
+    WeightArena arena;
+    ops::MoeWeights m;
+    m.top_k = 2;
+    m.router = arena.random_matrix(E, H, 1, 1.0f);
+    for (int64_t e = 0; e < E; ++e) {
+      m.gate.push_back(arena.random_matrix(I, H, 10 + 3 * e, 1.0f));
+      m.up.push_back(arena.random_matrix(I, H, 11 + 3 * e, 1.0f));
+      m.down.push_back(arena.random_matrix(H, I, 12 + 3 * e, 1.0f));
+    }
+    m.shared_gate_proj = arena.random_matrix(Is, H, 2, 1.0f);
+    m.shared_up_proj = arena.random_matrix(Is, H, 3, 1.0f);
+    m.shared_down_proj = arena.random_matrix(H, Is, 4, 1.0f);
+    m.shared_gate = arena.random_matrix(1, H, 5, 1.0f);
+    auto copy = [](const ops::WeightRef& w) {
+      std::vector<uint16_t> v(static_cast<size_t>(w.rows * w.cols));
+      std::memcpy(v.data(), w.data, v.size() * sizeof(uint16_t));
+      return v;
+    };
+    const std::vector<uint16_t> gate = copy(m.shared_gate_proj), up = copy(m.shared_up_proj);
+    stack_moe_experts(arena, &m);
+    ASSERT_EQ(m.shared_gate_up.rows, 2 * Is);
+    ASSERT_EQ(m.shared_gate_up.cols, H);
+    const std::vector<uint16_t> stacked = copy(m.shared_gate_up);
+    if (Is == I) {
+      EXPECT_TRUE(m.shared_in_groups);
+      // Gate rows, then up rows, as a routed expert's; the separate refs view them.
+      EXPECT_EQ(0, std::memcmp(stacked.data(), gate.data(), gate.size() * sizeof(uint16_t)));
+      EXPECT_EQ(0, std::memcmp(stacked.data() + gate.size(), up.data(), up.size() * 2));
+      EXPECT_EQ(m.shared_gate_proj.data, m.shared_gate_up.data);
+      EXPECT_EQ(m.shared_up_proj.data,
+                static_cast<const char*>(m.shared_gate_up.data) + gate.size() * sizeof(uint16_t));
+    } else {
+      EXPECT_FALSE(m.shared_in_groups);
+      // gate_up_swiglu's pair layout: 8 gate rows, then the same 8 up rows.
+      for (int64_t r = 0; r < 2 * Is; ++r) {
+        const std::vector<uint16_t>& src = (r / ops::kGateUpGroup) % 2 == 0 ? gate : up;
+        const int64_t row =
+            (r / (2 * ops::kGateUpGroup)) * ops::kGateUpGroup + r % ops::kGateUpGroup;
+        EXPECT_EQ(0, std::memcmp(stacked.data() + r * H, src.data() + row * H, H * 2)) << r;
+      }
+      EXPECT_EQ(m.shared_gate_proj.data, nullptr);
+    }
+    EXPECT_EQ(m.router_shared_gate.rows, E + 1);
+    const ops::MoeWeights before = m;
+    stack_moe_experts(arena, &m);
+    EXPECT_EQ(m.shared_gate_up.data, before.shared_gate_up.data);
+    EXPECT_EQ(m.shared_in_groups, before.shared_in_groups);
+  }
 }
 
 TEST(MoeLoad, MissingExpertsAndMisshapenTensorsAreNamed) {
