@@ -25,6 +25,8 @@ constexpr double kPriorDecay = 0.85;
 // An unmeasured depth costs this share of a round more per extra token than its measured
 // neighbour (verify windows and draft steps both grow with the depth).
 constexpr double kPriorSlope = 0.10;
+// Rounds between explorations while the best depth has a neighbour never measured.
+constexpr int64_t kFirstExplore = 4;
 
 }  // namespace
 
@@ -131,14 +133,29 @@ int DepthPolicy::choose(int64_t rows) {
   TANDEM_CHECK(rows >= 1, "depth policy: a round of ", rows, " rows");
   const int k = best(rows);
   Bucket& b = bucket(rows);
+  auto unmeasured = [&](int d) {
+    return d >= 0 && d <= options_.max_depth && !b.cost[static_cast<size_t>(d)];
+  };
+  // While the best depth has a neighbour never measured, explore every kFirstExplore rounds: a
+  // fresh bucket otherwise runs its starting guess for explore_every rounds.
+  if (unmeasured(k - 1) || unmeasured(k + 1))
+    b.next_explore = std::min(b.next_explore, b.last_explore + kFirstExplore);
   if (++b.rounds < b.next_explore) return k;
+  b.last_explore = b.rounds;
   // Explore a neighbour: alternately the deeper and the shallower one. The interval doubles while
   // the best depth stays where the last exploration found it.
   const int64_t most = int64_t{options_.explore_every} * options_.explore_backoff;
   b.interval = k == b.last_best ? std::min(2 * b.interval, most) : options_.explore_every;
   b.last_best = k;
   b.next_explore = b.rounds + b.interval;
-  const bool deeper = ++b.explorations % 2 == 1;
+  ++b.explorations;
+  // A neighbour never measured first, the shallower one before the deeper: costs grow concavely
+  // with the depth (a first proposal brings the draft, the window and the commit; later ones
+  // little more), so a line through drafted depths overprices plain rounds, which then only their
+  // own measurement can clear.
+  if (unmeasured(k - 1)) return k - 1;
+  if (unmeasured(k + 1)) return k + 1;
+  const bool deeper = b.explorations % 2 == 1;
   if (deeper && k < options_.max_depth) return k + 1;
   if (k > 0) return k - 1;
   return k + 1;

@@ -16,7 +16,10 @@
 // leaning on a prior drawn from the position before it (so depths rarely run are judged by the ones
 // that are). Every `explore_every` rounds a bucket runs a neighbour of its best depth once, so both
 // estimates stay current as contexts grow and acceptance drifts; while explorations change
-// nothing, they come less and less often (explore_backoff).
+// nothing, they come less and less often (explore_backoff). A neighbour never measured goes first
+// (the shallower before the deeper), every few rounds until both are: round costs are concave in
+// the depth (the first proposal brings the draft, the window and the commit), so the line through
+// drafted depths overprices plain rounds, which only their own measurement clears.
 #pragma once
 
 #include <cstdint>
@@ -68,6 +71,7 @@ class DepthPolicy {
     std::vector<std::optional<double>> cost;  // [depth]
     int64_t rounds = 0;
     int64_t next_explore = 0;  // the round that explores next
+    int64_t last_explore = 0;  // the round that explored last
     int64_t interval = 0;      // rounds from one exploration to the next
     int last_best = -1;        // the best depth when the bucket last explored
     int64_t explorations = 0;
