@@ -972,8 +972,7 @@ void linear_mma_warps(const float* x, int64_t m, const ops::WeightRef& w, const 
       row_norm = {static_cast<const float*>(norm.row->w.data), norm.row->eps,
                   norm.row->zero_centred};
     launch("linear", kernel, balanced_grid(kernel, kThreads, (N + 15) / 16, staged), kThreads,
-           staged, x, M, wp, N, K, y, row_norm, pf,
-           GroupRows{nullptr, nullptr, nullptr, nullptr, 0});
+           staged, x, M, wp, N, K, y, row_norm, pf, GroupRows{});
     return;
   }
   // Batches: a bf16 copy of the inputs first.
@@ -994,8 +993,7 @@ void linear_mma_bf16_rows(const uint16_t* xs, int64_t m, const ops::WeightRef& w
   auto launch_wide = [&](auto kernel, int cols_per_block) {
     launch("linear", kernel,
            balanced_grid(kernel, kThreads, (N + cols_per_block - 1) / cols_per_block), kThreads, 0,
-           xs, M, wp, N, K, y, RowNormArgs{nullptr, 0.0f, false}, pf,
-           GroupRows{nullptr, nullptr, nullptr, nullptr, 0});
+           xs, M, wp, N, K, y, RowNormArgs{nullptr, 0.0f, false}, pf, GroupRows{});
   };
   // More than two m-tiles (verify windows of many rows): the staged kernel of linear_tiles.cu,
   // the same bits. Up to 32 rows this kernel measured faster (BENCHMARKS.md).
@@ -1263,8 +1261,7 @@ void linear_grouped(const float* x, int64_t rows, int64_t max_rows, const ops::W
     if (x2->dtype != DType::BF16 || x2->rows != one.rows || x2->cols != one.cols)
       fail("linear_grouped: the extra expert is ", dtype_name(x2->dtype), " [", x2->rows, " x ",
            x2->cols, "], expected BF16 [", one.rows, " x ", one.cols, "]");
-    if (reinterpret_cast<uintptr_t>(x2->data) % 16 != 0)
-      fail("linear_grouped: the extra expert's rows must be 16-byte aligned");
+    if (!mma_path(x, *x2)) fail("linear_grouped: the extra expert's rows must be 16-byte aligned");
     extra = static_cast<const uint16_t*>(x2->data);
   }
   const GroupRows gr{expert, start, opt.gather, extra, static_cast<int>(experts)};

@@ -423,6 +423,7 @@ __device__ __forceinline__ void group_pairs_warp(const int32_t* ids, int pairs, 
                                                  int32_t* __restrict__ start,
                                                  int32_t* __restrict__ row_of,
                                                  int32_t* __restrict__ token_of) {
+  static_assert(PP == 1 || PP == 2, "of_pair below picks between at most two pairs a lane");
   const int lane = threadIdx.x % 32;
   int e[PP], row[PP], group[PP];
   bool first[PP];
@@ -562,7 +563,7 @@ void moe_mlp_add(const float* x, int64_t T, const ops::MoeWeights& w, float* y,
     fail("moe_mlp_add: the shared expert's gate/up is [", w.shared_gate_up.rows, " x ",
          w.shared_gate_up.cols, "], expected [", 2 * Is, " x ", H, "]");
   const int64_t ld = gate_row ? E + 1 : E;  // floats per token of the router's output
-  static DeviceScratch s[10];               // one per intermediate below
+  static DeviceScratch s[11];               // one per intermediate below
   float* logits = s[0].get<float>(T * ld);
   auto* ids = s[1].get<int32_t>(P);
   float* wts = s[2].get<float>(P);
@@ -629,21 +630,11 @@ void moe_mlp_add(const float* x, int64_t T, const ops::MoeWeights& w, float* y,
   linear_grouped(x, P + S, T, w.experts_gate_up, E, groups, expert, start, act, gate_up);
   linear_grouped(act, P + S, T, w.experts_down, E, groups, expert, start, out, down);
   const float* shared = nullptr;
-  const float* gate = nullptr;
-  int64_t gate_ld = 1;
   if (shared_grouped) {
     shared = out + P * H;
-    if (gate_row) {
-      gate = logits + E;
-      gate_ld = ld;
-    } else if (w.shared_gate.rows > 0) {
-      float* g = s[9].get<float>(T);
-      cuda::linear(x, T, w.shared_gate, g);
-      gate = g;
-    }
   } else if (Is > 0) {
-    // activations [T, Is] | up (unfused only) [T, Is] | shared [T, H] | gate logit [T]
-    float* sa = s[9].get<float>(2 * T * Is + T * H + T);
+    // activations [T, Is] | up (unfused only) [T, Is] | shared [T, H]
+    float* sa = s[9].get<float>(2 * T * Is + T * H);
     float* su = sa + T * Is;
     float* sh = su + T * Is;
     if (fused_gate_up && w.shared_in_groups) {
@@ -660,14 +651,17 @@ void moe_mlp_add(const float* x, int64_t T, const ops::MoeWeights& w, float* y,
     }
     cuda::linear(sa, T, w.shared_down_proj, sh);
     shared = sh;
-    if (gate_row) {
-      gate = logits + E;
-      gate_ld = ld;
-    } else if (w.shared_gate.rows > 0) {
-      float* g = sh + T * H;
-      cuda::linear(x, T, w.shared_gate, g);
-      gate = g;
-    }
+  }
+  // The shared expert's gate logit: the router's last column where stacked, else its own product.
+  const float* gate = nullptr;
+  int64_t gate_ld = 1;
+  if (Is > 0 && gate_row) {
+    gate = logits + E;
+    gate_ld = ld;
+  } else if (Is > 0 && w.shared_gate.rows > 0) {
+    float* g = s[10].get<float>(T);
+    cuda::linear(x, T, w.shared_gate, g);
+    gate = g;
   }
   launch("moe_combine", moe_combine_kernel,
          dim3(grid_blocks(T, "moe_combine"), static_cast<unsigned>(ceil_div(H, kCombineThreads))),
