@@ -419,11 +419,14 @@ const std::vector<std::vector<int32_t>>& plain_tokens(float temperature,
 
 // The trained head on the GPU gives plain decoding's tokens exactly, each request alone and all
 // six in one batch (rows of three prompt lengths), greedy and sampled; its proposals are accepted
-// (so rounds keep accepted rows and the commit rebuilds context rows from verified taps).
+// (so rounds keep accepted rows and the commit rebuilds context rows from verified taps). The
+// head and the target were loaded apart, so each holds its own backend context (stream and
+// scratch): every round switches between the two and back.
 TEST_P(CudaEagle3Lossless, SpeculativeEqualsPlainAloneAndBatched) {
   ScopedBackend cuda(ops::Backend::Cuda);
   const SpecCase c = GetParam();
   const Demo& d = on(ops::Backend::Cuda);
+  ASSERT_NE(d.head->block().context().id(), d.model().context().id());
   SpecOptions o{c.depth, spec::VerifyMode::Match};
   o.health_probe = false;  // every round drafts, whatever the head's acceptance on the GPU
   SpeculativeGenerator spec_gen(d.model(), d.head.get(), "demo-target", o);

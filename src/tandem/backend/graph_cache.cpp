@@ -1,5 +1,6 @@
 #include "tandem/backend/graph_cache.h"
 
+#include "tandem/backend/context.h"
 #include "tandem/backend/ops.h"
 #ifdef TANDEM_HAVE_CUDA
 #include "tandem/backend/cuda/cuda_ops.h"
@@ -44,10 +45,12 @@ void GraphCache::evict_least_recent() {
 void GraphCache::run(const GraphKey& key, const std::function<void()>& body) {
 #ifdef TANDEM_HAVE_CUDA
   if (ops::backend() == ops::Backend::Cuda && ops::graphs_enabled()) {
-    // Internal scratch of the CUDA ops may have moved since a graph was captured; whether
-    // kernels overlap (PDL) is baked into the captured edges.
+    // A graph bakes in its context's scratch addresses, which may have moved since it was
+    // captured (and another context has its own), and whether kernels overlap (PDL).
     GraphKey full = key;
-    full.add(cuda::scratch_generation()).add(static_cast<uint64_t>(cuda::pdl_enabled()));
+    full.add(ops::current_context().id())
+        .add(cuda::scratch_generation())
+        .add(static_cast<uint64_t>(cuda::pdl_enabled()));
     auto it = graphs_.find(full);
     if (it == graphs_.end()) {
       if (graphs_.size() >= kMaxGraphs) evict_least_recent();

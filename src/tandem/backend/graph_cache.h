@@ -40,9 +40,10 @@ class GraphCache {
   GraphCache(const GraphCache&) = delete;
   GraphCache& operator=(const GraphCache&) = delete;
 
-  // Queues `body`'s work on the active backend's stream: directly, by capturing it, or by
-  // replaying the graph captured for `key`. `body` must only queue ops (no host synchronization,
-  // no allocation once warmed up, same calls for the same key).
+  // Queues `body`'s work on the current context's stream (backend/context.h): directly, by
+  // capturing it, or by replaying the graph captured for `key` under this context. `body` must
+  // only queue ops (no host synchronization, no allocation once warmed up, same calls for the
+  // same key).
   void run(const GraphKey& key, const std::function<void()>& body);
   void clear();
   size_t size() const { return graphs_.size(); }

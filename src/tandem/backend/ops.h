@@ -52,7 +52,9 @@ struct WeightRef {
 WeightRef weight_ref(const TensorView& t);  // 1-D tensors become rows = 1
 
 // The backend every op runs on and every Buffer allocates from. Chosen once, before any model is
-// loaded; process-wide. Cuda requires a build with the CUDA backend and a visible device.
+// loaded; process-wide (a setting, not a resource: the streams, handles and scratch ops use
+// belong to the current backend context, backend/context.h). Cuda requires a build with the
+// CUDA backend and a visible device.
 enum class Backend { Cpu, Cuda };
 void set_backend(Backend b);  // throws Error if the backend is not usable here
 Backend backend();
@@ -63,13 +65,13 @@ bool cuda_available();  // compiled and a device is present
 // "cuda" is asked for and unusable.
 Backend parse_backend(std::string_view name);
 
-// Prompt-prefill mode (set by a model for a forward of prompt tokens): on CUDA, linear uses a
-// faster tensor-core GEMM path with its own (still batch-invariant) reduction order: one cuBLASLt
-// product per projection over all of the call's rows, with the algorithm tuned for products of
-// gemm_rows rows (a multiple of 16, 16..kMaxPrefillGemmRows) and kept per weight shape, so a
-// prompt token's numbers depend on gemm_rows and on nothing else in the call. Engines derive
-// gemm_rows from their prefill chunk (prefill_gemm_rows), so a small chunk runs an algorithm
-// suited to it.
+// Prompt-prefill mode of the current context (backend/context.h; set by a model for a forward of
+// prompt tokens): on CUDA, linear uses a faster tensor-core GEMM path with its own (still
+// batch-invariant) reduction order: one cuBLASLt product per projection over all of the call's
+// rows, with the algorithm tuned for products of gemm_rows rows (a multiple of 16,
+// 16..kMaxPrefillGemmRows) and kept per weight shape, so a prompt token's numbers depend on
+// gemm_rows and on nothing else in the call. Engines derive gemm_rows from their prefill chunk
+// (prefill_gemm_rows), so a small chunk runs an algorithm suited to it.
 // Decode and verify forwards never set it. No effect on the CPU backend, whose linear is the same
 // at every m.
 inline constexpr int64_t kMaxPrefillGemmRows = 4096;

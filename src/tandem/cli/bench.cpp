@@ -529,7 +529,8 @@ void report(const BenchArgs& a, const std::vector<int64_t>& windows, const Measu
 void run_bench(const BenchArgs& a) {
   const DType kv_dtype = parse_kv_dtype(a.kv_dtype);
   apply_threads(a.threads);
-  apply_backend(a.backend);
+  const auto context = apply_backend(a.backend);
+  const ops::ContextScope context_scope(*context);
   if (a.prompt_tokens < 1 || a.gen_tokens < 2 || a.batch < 1 || a.repeats < 1)
     fail("bench: need --prompt-tokens >= 1, --gen-tokens >= 2, --batch >= 1, --repeats >= 1");
   if (a.model.empty() == a.random_weights.empty())

@@ -251,7 +251,8 @@ void run_bench_spec(const BenchSpecArgs& a) {
   if (a.draft_model && std::find(drafts.begin(), drafts.end(), "eagle3") == drafts.end())
     fail("--draft-model names the EAGLE-3 head of --drafts eagle3, which is not listed");
   apply_threads(a.threads);
-  apply_backend(a.backend);
+  const auto context = apply_backend(a.backend);
+  const ops::ContextScope context_scope(*context);
   const LoadedTarget target = open_target(a);
   const auto reqs = open_requests(a, target);
   if (reqs.empty()) fail("bench-spec: no prompts");

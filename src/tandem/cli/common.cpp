@@ -77,13 +77,14 @@ void apply_threads(int threads) {
   ops::set_thread_count(threads);
 }
 
-void apply_backend(const std::string& name) {
+std::shared_ptr<ops::Context> apply_backend(const std::string& name) {
   const ops::Backend b = ops::parse_backend(name);
   ops::set_backend(b);
 #ifdef TANDEM_HAVE_CUDA
   if (b == ops::Backend::Cuda)
     std::fprintf(stderr, "backend: cuda (%s)\n", cuda::device_name().c_str());
 #endif
+  return ops::Context::create();
 }
 
 // The target's artifact identity: config fingerprint + content hash of its weight files.

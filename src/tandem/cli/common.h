@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "tandem/backend/context.h"
 #include "tandem/engine/generator.h"
 #include "tandem/engine/speculative.h"
 #include "tandem/io/tokenizer.h"
@@ -35,8 +36,10 @@ std::vector<int32_t> resolve_input(const std::string& what, const std::optional<
 
 void apply_threads(int threads);
 // --backend cpu|cuda|auto: selects the backend for everything that follows (before any model is
-// loaded) and names the device on stderr.
-void apply_backend(const std::string& name);
+// loaded), names the device on stderr and returns the command's backend context. The command
+// enters it (ops::ContextScope) for its whole run, so the models it loads share it and its own
+// copies and timings need no switch of streams.
+std::shared_ptr<ops::Context> apply_backend(const std::string& name);
 
 // The model's artifact identity: config fingerprint + content hash of its weight files.
 std::string target_identity(const WeightStore& weights, const std::string& dir);

@@ -53,7 +53,8 @@ nlohmann::json stats_json(const GenerateStats& st, const SpecStats& s, const Gen
 void run_generate(const GenerateArgs& a) {
   apply_threads(a.threads);
   const DType kv_dtype = parse_kv_dtype(a.kv_dtype);
-  apply_backend(a.backend);
+  const auto context = apply_backend(a.backend);
+  const ops::ContextScope context_scope(*context);
   const LoadedTarget target = load_target(a.model, a.d.draft != "none");
   const auto tok = open_tokenizer(a.model);
   GenerateRequest base;

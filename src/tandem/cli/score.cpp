@@ -25,7 +25,8 @@ struct ScoreArgs {
 
 void run_score(const ScoreArgs& a) {
   apply_threads(a.threads);
-  apply_backend(a.backend);
+  const auto context = apply_backend(a.backend);
+  const ops::ContextScope context_scope(*context);
   if (a.top_k < 0) fail("--top-k must be >= 0");
   const DType kv_dtype = parse_kv_dtype(a.kv_dtype);
   auto model = Qwen35Model::load(a.model);

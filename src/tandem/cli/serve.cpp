@@ -80,7 +80,8 @@ void run_serve(const ServeArgs& a) {
   const SpecOptions spec = spec_options(a.d);
   const DType kv_dtype = parse_kv_dtype(a.kv_dtype);
   apply_threads(a.threads);
-  apply_backend(a.backend);
+  const auto context = apply_backend(a.backend);
+  const ops::ContextScope context_scope(*context);
   // The artifact identity keys drafter checkpoints and prefix-cache files (computed once per
   // weight file's metadata, memoized).
   const LoadedTarget target =

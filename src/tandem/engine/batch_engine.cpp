@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdio>
 
+#include "tandem/backend/context.h"
 #include "tandem/backend/ops.h"
 #include "tandem/core/error.h"
 #include "tandem/engine/qwen_engine_target.h"
@@ -97,6 +98,7 @@ BatchEngine::BatchEngine(const Qwen35Model& model, const spec::DraftProvider* dr
 BatchEngine::BatchEngine(std::unique_ptr<EngineTarget> target, const spec::DraftProvider* drafter,
                          EngineOptions options)
     : target_(std::move(target)), drafter_(drafter), options_(options) {
+  const ops::ContextScope scope(target_->context());
   if (options_.spec.depth < 0 || options_.spec.depth > 16)
     fail("--depth must be in 0..16, got ", options_.spec.depth);
   if (options_.max_rows < 0) fail("the engine's row limit must be at least 1");
@@ -155,6 +157,7 @@ BatchEngine::BatchEngine(std::unique_ptr<EngineTarget> target, const spec::Draft
 }
 
 BatchEngine::~BatchEngine() {
+  const ops::ContextScope scope(target_->context());
   if (chained_) abandon_chain();
   if (cache_ && options_.prefix_cache_persist) {
     try {
@@ -931,6 +934,7 @@ void BatchEngine::round() {
 }
 
 bool BatchEngine::step() {
+  const ops::ContextScope scope(target_->context());
   // A queued plain step is collected before anything changes the rows or takes a forward.
   if (chained_) {
     bool change = !prefilling_.empty();

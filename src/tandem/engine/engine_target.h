@@ -14,6 +14,7 @@
 #include <span>
 #include <vector>
 
+#include "tandem/backend/context.h"
 #include "tandem/engine/prefix_store.h"
 #include "tandem/model/forward.h"
 #include "tandem/spec/draft.h"
@@ -26,6 +27,9 @@ class EngineTarget {
 
   // The seam drafters are opened against (DESIGN.md 5.4); named by the target's identity.
   virtual const spec::TargetView& view() const = 0;
+  // The backend context the target's model runs on (backend/context.h): the engine enters it for
+  // each step, so its drafters and copies share the model's stream. The caller's by default.
+  virtual ops::Context& context() const { return ops::current_context(); }
   virtual std::span<const int64_t> eos_token_ids() const = 0;
   int64_t vocab_size() const { return view().vocab_size(); }
   int64_t hidden_size() const { return view().hidden_size(); }

@@ -19,6 +19,7 @@ class Glm5EngineTarget final : public EngineTarget {
 
   const spec::TargetView& view() const override { return view_; }
   std::span<const int64_t> eos_token_ids() const override { return model_.config().eos_token_ids; }
+  ops::Context& context() const override { return model_.context(); }
 
   int open_row() override { return state_.open_row(); }
   void close_row(int slot) override { state_.close_row(slot); }

@@ -11,6 +11,8 @@ namespace tandem {
 
 std::unique_ptr<Glm5Model> Glm5Model::load(const std::string& dir, const LoadOptions& opts) {
   std::unique_ptr<Glm5Model> m(new Glm5Model());
+  m->context_ = ops::Context::for_new_model();
+  const ops::ContextScope scope(*m->context_);
   m->cfg_ = load_glm5_config(dir);
   m->store_ = WeightStore::open(dir, opts.prefault);
   m->tensors_ = std::make_unique<Glm5Tensors>(m->cfg_, m->store_);
@@ -43,6 +45,7 @@ void Glm5Model::bind_weights() {
 }
 
 void Glm5Model::embed(std::span<const int32_t> ids, float* out) const {
+  const ops::ContextScope scope(*context_);
   for (size_t i = 0; i < ids.size(); ++i)
     if (ids[i] < 0 || ids[i] >= cfg_.vocab_size)
       fail("token id ", ids[i], " at input position ", i, " is out of range [0, ", cfg_.vocab_size,
@@ -54,14 +57,17 @@ void Glm5Model::embed(std::span<const int32_t> ids, float* out) const {
 }
 
 void Glm5Model::embed_device(const int32_t* ids, int64_t n, float* out) const {
+  const ops::ContextScope scope(*context_);
   ops::embed_rows(embed_, ids, n, out);
 }
 
 void Glm5Model::head(const float* hidden, int64_t n, float* out) const {
+  const ops::ContextScope scope(*context_);
   ops::linear(hidden, n, lm_head_, out);
 }
 
 void Glm5Model::forward(Glm5State& st, const ForwardRequest& req, ForwardOutput* out) const {
+  const ops::ContextScope scope(*context_);
   if (req.tokens_from_argmax || req.defer_argmax)
     fail("forward: GLM-5 takes host tokens and returns its argmax at once (tokens_from_argmax and ",
          "defer_argmax are not supported)");
@@ -179,6 +185,7 @@ uint64_t Glm5Model::expert_weight_bytes() const {
 }
 
 void Glm5Model::commit_windows(Glm5State& st, std::span<const RowKeep> rows) const {
+  const ops::ContextScope scope(*context_);
   for (size_t i = 0; i < rows.size(); ++i) {
     const RowKeep& k = rows[i];
     if (!st.row_open(k.slot)) fail("commit_windows: row slot ", k.slot, " is not open");

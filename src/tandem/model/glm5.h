@@ -23,6 +23,7 @@
 #include <string>
 #include <vector>
 
+#include "tandem/backend/context.h"
 #include "tandem/backend/ops.h"
 #include "tandem/io/weight_store.h"
 #include "tandem/model/forward.h"
@@ -50,6 +51,10 @@ class Glm5Model {
 
   const Glm5Config& config() const { return cfg_; }
   const WeightStore& weights() const { return store_; }
+  // The backend context the model's work runs on (backend/context.h): its own, or its loader's
+  // current one (Context::for_new_model). Every entry point below enters it.
+  ops::Context& context() const { return *context_; }
+  const std::shared_ptr<ops::Context>& shared_context() const { return context_; }
 
   // Runs the rows' new tokens through the model, appending them to each row's caches; outputs
   // go to host memory. Rows must be open, listed once, without an open speculative window, and
@@ -80,6 +85,8 @@ class Glm5Model {
   uint64_t expert_weight_bytes() const;
 
  private:
+  // First member: destroyed last, after every buffer of the model was freed.
+  std::shared_ptr<ops::Context> context_;
   Glm5Config cfg_;
   WeightStore store_;
   std::unique_ptr<Glm5Tensors> tensors_;  // binds store_; owns what binding converted

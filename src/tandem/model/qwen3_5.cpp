@@ -51,6 +51,8 @@ ops::WeightRef expect(const WeightStore& store, const std::string& name,
 
 std::unique_ptr<Qwen35Model> Qwen35Model::load(const std::string& dir, const LoadOptions& opts) {
   std::unique_ptr<Qwen35Model> m(new Qwen35Model());
+  m->context_ = ops::Context::for_new_model();
+  const ops::ContextScope scope(*m->context_);
   m->cfg_ = load_qwen35_config(dir);
   if (m->cfg_.attention_bias)
     fail(dir, "/config.json: attention_bias=true is not supported for qwen3_5");
@@ -158,6 +160,8 @@ void Qwen35Model::bind_weights(const WeightSource& get, const std::string& prefi
 
 std::unique_ptr<Qwen35Model> Qwen35Model::random(const Qwen35Config& cfg, uint64_t seed) {
   std::unique_ptr<Qwen35Model> m(new Qwen35Model());
+  m->context_ = ops::Context::for_new_model();
+  const ops::ContextScope scope(*m->context_);
   m->cfg_ = cfg;
   if (cfg.linear_conv_kernel_dim < 1 || cfg.linear_conv_kernel_dim > 16)
     fail("config: linear_conv_kernel_dim must be in 1..16, got ", cfg.linear_conv_kernel_dim);
@@ -197,6 +201,7 @@ std::unique_ptr<Qwen35Model> Qwen35Model::random(const Qwen35Config& cfg, uint64
 }
 
 void Qwen35Model::embed(std::span<const int32_t> ids, float* out) const {
+  const ops::ContextScope scope(*context_);
   for (int32_t id : ids)
     if (id < 0 || id >= cfg_.vocab_size)
       fail("embed: token id ", id, " is out of range [0, ", cfg_.vocab_size, ")");
@@ -207,10 +212,12 @@ void Qwen35Model::embed(std::span<const int32_t> ids, float* out) const {
 }
 
 void Qwen35Model::embed_device(const int32_t* ids, int64_t n, float* out) const {
+  const ops::ContextScope scope(*context_);
   ops::embed_rows(embed_, ids, n, out);
 }
 
 void Qwen35Model::head(const float* hidden, int64_t n, float* out) const {
+  const ops::ContextScope scope(*context_);
   ops::linear(hidden, n, lm_head_, out);
 }
 
@@ -432,6 +439,7 @@ int64_t Qwen35Model::prepare_forward(Qwen35State& st, const ForwardRequest& req)
 }
 
 void Qwen35Model::forward(Qwen35State& st, const ForwardRequest& req, ForwardOutput* out) const {
+  const ops::ContextScope scope(*context_);
   const int64_t T = prepare_forward(st, req);
   Workspace& w = *ws_;
   const int64_t R = static_cast<int64_t>(req.rows.size());
@@ -532,6 +540,7 @@ void Qwen35Model::finish_forward(Qwen35State& st, const ForwardRequest& req, int
 }
 
 void Qwen35Model::drop_deferred_argmax() const {
+  const ops::ContextScope scope(*context_);
   for (; deferred_count_ > 0; --deferred_count_) {
     deferred_[deferred_first_].copy.wait();
     deferred_first_ = (deferred_first_ + 1) % kMaxDeferred;
@@ -539,6 +548,7 @@ void Qwen35Model::drop_deferred_argmax() const {
 }
 
 void Qwen35Model::collect_argmax(std::vector<int32_t>* argmax) const {
+  const ops::ContextScope scope(*context_);
   if (deferred_count_ == 0) fail("collect_argmax: no forward with defer_argmax is pending");
   DeferredArgmax& d = deferred_[deferred_first_];
   deferred_first_ = (deferred_first_ + 1) % kMaxDeferred;
@@ -684,6 +694,7 @@ class WorkspaceSwap {
 
 void Qwen35Model::begin_prompt(Qwen35State& st, const ForwardRequest& req,
                                PromptForward* pf) const {
+  const ops::ContextScope scope(*context_);
   if (pf->active_)
     fail("begin_prompt: this prompt forward is still running (layer ", pf->next_layer_, " of ",
          layers_.size(), " is next)");
@@ -709,6 +720,7 @@ void Qwen35Model::begin_prompt(Qwen35State& st, const ForwardRequest& req,
 
 bool Qwen35Model::continue_prompt(Qwen35State& st, PromptForward& pf, int max_layers,
                                   ForwardOutput* out) const {
+  const ops::ContextScope scope(*context_);
   if (!pf.active_) fail("continue_prompt: no prompt forward is running (begin_prompt first)");
   if (max_layers < 0) fail("continue_prompt: max_layers must be >= 0, got ", max_layers);
   for (const RowInput& r : pf.rows_)
@@ -842,6 +854,7 @@ ops::DeltaHeads Qwen35Model::delta_heads() const {
 }
 
 void Qwen35Model::commit_windows(Qwen35State& st, std::span<const RowKeep> rows) const {
+  const ops::ContextScope scope(*context_);
   // Validate every row before touching any state: a commit is all-or-nothing.
   for (size_t i = 0; i < rows.size(); ++i) {
     const RowKeep& r = rows[i];

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "tandem/backend/buffer.h"
+#include "tandem/backend/context.h"
 #include "tandem/backend/graph_cache.h"
 #include "tandem/backend/ops.h"
 #include "tandem/backend/readback.h"
@@ -43,6 +44,10 @@ class Qwen35Model {
 
   const Qwen35Config& config() const { return cfg_; }
   const WeightStore& weights() const { return store_; }
+  // The backend context the model's work runs on (backend/context.h): its own, or its loader's
+  // current one (Context::for_new_model). Every entry point below enters it.
+  ops::Context& context() const { return *context_; }
+  const std::shared_ptr<ops::Context>& shared_context() const { return context_; }
   const std::string& prefix() const { return prefix_; }  // "model.language_model." or "model."
 
   // Runs the rows' new tokens through the model, appending them to each row's state.
@@ -160,6 +165,8 @@ class Qwen35Model {
     DeltaWeights delta;
   };
 
+  // First member: destroyed last, after every buffer of the model was freed.
+  std::shared_ptr<ops::Context> context_;
   Qwen35Config cfg_;
   WeightStore store_;
   WeightArena arena_;  // backend copies of the weights (CUDA) or nothing (CPU)

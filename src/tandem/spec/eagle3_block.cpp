@@ -7,7 +7,9 @@
 
 namespace tandem::spec {
 
-Eagle3Block::Eagle3Block(Eagle3Weights w) : w_(std::move(w)) {
+Eagle3Block::Eagle3Block(Eagle3Weights w)
+    : context_(ops::Context::for_new_model()), w_(std::move(w)) {
+  const ops::ContextScope scope(*context_);
   const Eagle3Config& c = w_.cfg;
   // Llama's default rotary over the whole head: 1 / theta^(2i / hd), in fp32.
   const std::vector<float> f = rope_inv_freq(c.rope_theta, c.head_dim);
@@ -24,10 +26,12 @@ Eagle3Block::Eagle3Block(Eagle3Weights w) : w_(std::move(w)) {
 }
 
 void Eagle3Block::project(const float* taps, int64_t n, float* g) const {
+  const ops::ContextScope scope(*context_);
   if (n > 0) ops::linear(taps, n, w_.fc, g);
 }
 
 void Eagle3Block::embed(const int32_t* ids, int64_t n, float* out) const {
+  const ops::ContextScope scope(*context_);
   TANDEM_CHECK(w_.has_embedding(), "the head has no embed_tokens");
   if (n > 0) ops::embed_rows(w_.embed_tokens, ids, n, out);
 }
@@ -35,6 +39,7 @@ void Eagle3Block::embed(const int32_t* ids, int64_t n, float* out) const {
 void Eagle3Block::forward(const float* embeds, const float* hidden,
                           std::span<const AttentionSegment> segs, const ops::KVLayerView& kv,
                           Workspace& ws, float* out) const {
+  const ops::ContextScope scope(*context_);
   const Eagle3Config& c = w_.cfg;
   const int64_t H = c.hidden_size, I = c.intermediate_size, hd = c.head_dim;
   const int64_t nh = c.num_attention_heads, nkv = c.num_key_value_heads;
@@ -81,6 +86,7 @@ void Eagle3Block::forward(const float* embeds, const float* hidden,
 }
 
 void Eagle3Block::logits(const float* out, int64_t n, Workspace& ws, float* logits) const {
+  const ops::ContextScope scope(*context_);
   const Eagle3Config& c = w_.cfg;
   if (n == 0) return;
   grow_to(ws.h, n * c.hidden_size);

@@ -13,10 +13,12 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <vector>
 
 #include "tandem/backend/buffer.h"
+#include "tandem/backend/context.h"
 #include "tandem/backend/ops.h"
 #include "tandem/backend/weight_arena.h"
 #include "tandem/model/gated_attention.h"
@@ -29,6 +31,9 @@ class Eagle3Block {
   explicit Eagle3Block(Eagle3Weights w);
   const Eagle3Config& config() const { return w_.cfg; }
   const Eagle3Weights& weights() const { return w_; }
+  // The backend context its work runs on (backend/context.h): its builder's current one, or
+  // its own (Context::for_new_model). Its entry points enter it.
+  ops::Context& context() const { return *context_; }
 
   // Scratch of one caller (grown, never shrunk).
   struct Workspace {
@@ -50,6 +55,7 @@ class Eagle3Block {
   void embed(const int32_t* ids, int64_t n, float* out) const;
 
  private:
+  std::shared_ptr<ops::Context> context_;  // first: destroyed after the buffers below
   // Placed for the active backend: on CUDA the mapped tensors are copied into arena_ (matrices
   // bf16, vectors fp32); the CPU computes on the mapped tensors.
   Eagle3Weights w_;

@@ -5,7 +5,9 @@
 
 namespace tandem::spec {
 
-GlmMtpBlock::GlmMtpBlock(const Glm5Config& cfg, const WeightStore& store) : cfg_(cfg) {
+GlmMtpBlock::GlmMtpBlock(const Glm5Config& cfg, const WeightStore& store)
+    : context_(ops::Context::for_new_model()), cfg_(cfg) {
+  const ops::ContextScope scope(*context_);
   if (cfg_.num_nextn_predict_layers < 1)
     fail("glm-mtp drafter: ", store.dir(),
          "/config.json declares no NextN layer (num_nextn_predict_layers = ",
@@ -27,6 +29,7 @@ GlmMtpBlock::GlmMtpBlock(const Glm5Config& cfg, const WeightStore& store) : cfg_
 
 void GlmMtpBlock::forward(const float* embeds, const float* hidden, const Glm5Tokens& tokens,
                           std::span<const Glm5RowCache> caches, float* out) const {
+  const ops::ContextScope scope(*context_);
   const int64_t T = tokens.T, H = cfg_.hidden_size;
   const float eps = static_cast<float>(cfg_.rms_norm_eps);
   for (Buffer<float>* b : {&e_, &h_, &x_}) b->grow_to(T * H);

@@ -8,7 +8,9 @@
 
 namespace tandem::spec {
 
-QwenMtpBlock::QwenMtpBlock(QwenMtpWeights w) : w_(std::move(w)) {
+QwenMtpBlock::QwenMtpBlock(QwenMtpWeights w)
+    : context_(ops::Context::for_new_model()), w_(std::move(w)) {
+  const ops::ContextScope scope(*context_);
   const QwenMtpConfig& c = w_.cfg;
   // In fp32, as the target (and the reference) compute them: 1 / theta^(2i / rotary_dim).
   const std::vector<float> f = rope_inv_freq(c.rope_theta, c.rotary_dim);
@@ -43,6 +45,7 @@ QwenMtpBlock::QwenMtpBlock(QwenMtpWeights w) : w_(std::move(w)) {
 void QwenMtpBlock::forward(const float* embeds, const float* hidden,
                            std::span<const MtpSegment> segs, const ops::KVLayerView& kv,
                            Workspace& ws, float* out) const {
+  const ops::ContextScope scope(*context_);
   const QwenMtpConfig& c = w_.cfg;
   const int64_t H = c.hidden_size, I = c.intermediate_size, hd = c.head_dim;
   const int64_t nh = c.num_attention_heads, nkv = c.num_key_value_heads;

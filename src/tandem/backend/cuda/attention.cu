@@ -21,10 +21,10 @@
 // is one launch per call and no second kernel; which block that is changes no number, because
 // the merge reads every partition's result from memory in partition order.
 //
-// Partials live in a fixed device buffer (g_partials), not allocated per call, so its address
+// Partials live in a fixed buffer of the context (PartialResults), allocated once, so its address
 // never changes under a captured graph; a call that needs more is cut into launches over
-// consecutive queries, which changes no number. The buffer and its counters are shared by all
-// calls: attention calls must not run concurrently on different streams.
+// consecutive queries, which changes no number. The buffer and its counters are shared by the
+// context's calls, which its stream orders; another context has its own.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -33,6 +33,7 @@
 #include "tandem/backend/cuda/check.cuh"
 #include "tandem/backend/cuda/cuda_ops.h"
 #include "tandem/backend/cuda/kv_element.cuh"
+#include "tandem/backend/cuda/scratch.cuh"
 #include "tandem/core/error.h"
 
 namespace tandem::cuda {
@@ -65,11 +66,20 @@ static_assert(kMaxChunkHeads * kMaxHeadDim / 4 <= kThreads, "one float4 of outpu
 // launch for bounds up to 1,024 positions, 16 queries for bounds up to ~60k, a single decode
 // query for any bound; larger calls take several launches of equal size.
 constexpr int64_t kScratchFloats = int64_t(1) << 24;
-__device__ __align__(16) float g_partials[kScratchFloats];  // float4 access
 // Partitions of a (query, chunk) finished so far in the running launch. The last block to finish
-// resets its counter to 0, so every launch starts from zeros (module load zero-fills them).
+// resets its counter to 0, so every launch starts from zeros (they are zeroed when allocated).
 constexpr int64_t kMaxCounters = int64_t(1) << 16;
-__device__ unsigned g_done[kMaxCounters];
+
+// A launch's view of its context's partial results: sums [kScratchFloats] (16-byte aligned, for
+// float4 access) and done [kMaxCounters].
+struct PartialResults {
+  float* sums;
+  unsigned* done;
+};
+
+struct AttentionScratch {
+  DeviceScratch sums, done;
+};
 
 // Positions per partition for a query with `len` positions: the smallest kMinPartition · 2^k
 // that cuts len into at most min(p / 2, kMaxPartitions) partitions. Partition count and length
@@ -180,7 +190,7 @@ constexpr int log2_int(int v) {
 //     weighted value sums per head, rescaled by exp2(m - m') when the max grows, then the rows
 //     added in row order. A row past the partition scores -inf (weight exactly 0).
 //  2. The warps' (m, l, sums) are merged in warp order into the partition's result, which goes
-//     to g_partials.
+//     to the partial results.
 //  3. The last block of (t, c) merges the query's partitions in partition order:
 //     M = max m_s, w_s = exp2(m_s - M), out = (Σ_s w_s · acc_s) / (Σ_s w_s · l_s).
 // Every order above is fixed by the query's position alone.
@@ -190,7 +200,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
                      const int64_t* query_rows, const int64_t* positions, int64_t position_bound,
                      int64_t first_query, int64_t n_heads, int64_t group, int64_t head_dim,
                      const float* q, float score_scale, int64_t slots, int64_t m_offset,
-                     int64_t l_offset, float* out, const float* gate) {
+                     int64_t l_offset, float* out, const float* gate, PartialResults partials) {
   constexpr int R = kRowsPerWarp;
   constexpr int N = G * R;                      // scores per warp and round
   constexpr int kOwners = 32 / N;               // lanes owning one score
@@ -361,8 +371,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
       s_w[w][g] = wt;
       sum = fmaf(wt, s_l[w][g], sum);
     }
-    g_partials[m_offset + slot * G + g] = mp;
-    g_partials[l_offset + slot * G + g] = sum;
+    partials.sums[m_offset + slot * G + g] = mp;
+    partials.sums[l_offset + slot * G + g] = sum;
   }
   __syncthreads();  // s_w complete
   // One float4 of [G, head_dim] per thread (G · 256 / 4 <= kThreads).
@@ -374,14 +384,14 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
     float4 o = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     for (int w = 0; w < kWarps; ++w)
       o = fma4(s_w[w][og], s_acc4[(w * G + og) * (kDims / 4) + oi / 4], o);
-    *reinterpret_cast<float4*>(g_partials + (slot * G + og) * head_dim + oi) = o;
+    *reinterpret_cast<float4*>(partials.sums + (slot * G + og) * head_dim + oi) = o;
   }
 
   // Publish, and elect the query's last finished partition to merge.
   __threadfence();
   __syncthreads();
   if (threadIdx.x == 0) {
-    unsigned* done = g_done + qi * n_chunks + chunk;
+    unsigned* done = partials.done + qi * n_chunks + chunk;
     const bool last = atomicAdd(done, 1u) == static_cast<unsigned>(n_parts - 1);
     if (last) atomicExch(done, 0u);  // every partition has counted: ready for the next launch
     __threadfence();
@@ -393,7 +403,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
   // 3. Merge the query's partitions. The first batch of partial sums is requested before the
   // weights are computed, so those loads overlap the max and exp2 below.
   const int64_t first_slot = (qi * n_chunks + chunk) * slots;
-  const float* part_acc = g_partials + first_slot * G * head_dim + og * head_dim + oi;
+  const float* part_acc = partials.sums + first_slot * G * head_dim + og * head_dim + oi;
   float4 a[kMergeBatch];
 #pragma unroll
   for (int b = 0; b < kMergeBatch; ++b)
@@ -403,8 +413,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
   float* s_pw = s_acc + 2 * kMaxPartitions * G;  // [n_parts][G] partition weights
   __shared__ float s_max[G];
   for (int64_t i = threadIdx.x; i < n_parts * G; i += kThreads) {
-    s_pm[i] = __ldcg(g_partials + m_offset + first_slot * G + i);
-    s_pl[i] = __ldcg(g_partials + l_offset + first_slot * G + i);
+    s_pm[i] = __ldcg(partials.sums + m_offset + first_slot * G + i);
+    s_pl[i] = __ldcg(partials.sums + l_offset + first_slot * G + i);
   }
   __syncthreads();
   if (threadIdx.x < G) {
@@ -559,6 +569,9 @@ void launch_attention(const char* op, const ops::KVLayerView& kv, const int32_t*
   const int64_t per_launch =
       std::min({kScratchFloats / floats_per_query, kMaxGridY, kMaxCounters / n_chunks});
 
+  AttentionScratch& sc = current().unit<AttentionScratch>();
+  const PartialResults partials{sc.sums.get<float>(kScratchFloats),
+                                sc.done.get_zeroed<unsigned>(kMaxCounters)};
   // Softmax in base 2: exp(x · scale) = exp2(x · scale · log2(e)).
   const float score_scale = scale * 1.44269504088896340736f;
   const bool wide = head_dim > 128;
@@ -566,7 +579,7 @@ void launch_attention(const char* op, const ops::KVLayerView& kv, const int32_t*
     using T = decltype(element);
     using Kernel = void (*)(PagedKV<T>, const int32_t*, int64_t, const int64_t*, const int64_t*,
                             int64_t, int64_t, int64_t, int64_t, int64_t, const float*, float,
-                            int64_t, int64_t, int64_t, float*, const float*);
+                            int64_t, int64_t, int64_t, float*, const float*, PartialResults);
     const Kernel kernel =
         chunk_heads == 4   ? (wide ? attention_kernel<2, 4, T> : attention_kernel<1, 4, T>)
         : chunk_heads == 2 ? (wide ? attention_kernel<2, 2, T> : attention_kernel<1, 2, T>)
@@ -584,7 +597,7 @@ void launch_attention(const char* op, const ops::KVLayerView& kv, const int32_t*
                       static_cast<unsigned>(n_chunks));
       launch(op, kernel, grid, kThreads, 0, paged, tables, table_stride, query_rows, positions,
              position_bound, first, n_heads, group, head_dim, q, score_scale, slots, m_offset,
-             l_offset, out, gate);
+             l_offset, out, gate, partials);
     }
   };
   if (kv.dtype == DType::BF16)

@@ -45,6 +45,7 @@
 
 #include "tandem/backend/cuda/attention_prompt.h"
 #include "tandem/backend/cuda/check.cuh"
+#include "tandem/backend/cuda/scratch.cuh"
 #include "tandem/core/error.h"
 
 namespace tandem::cuda {
@@ -209,45 +210,14 @@ void check_cublas(cublasStatus_t st, const char* what) {
          static_cast<int>(st), ")");
 }
 
-// This file's own handle (linear.cu keeps its own); bound to the op stream at every call.
-cublasHandle_t blas() {
-  static cublasHandle_t handle = [] {
-    cublasHandle_t h = nullptr;
-    check_cublas(cublasCreate(&h), "cublasCreate");
-    return h;
-  }();
-  check_cublas(cublasSetStream(handle, op_stream()), "cublasSetStream");
-  return handle;
-}
-
-// Device scratch, grown to the largest shape seen (growing frees the old buffer; cudaFree waits
-// for queued work, so an earlier call's kernels never see a freed buffer). A new address bumps
-// scratch_generation() so that no captured graph replays the old one.
-struct Scratch {
-  __nv_bfloat16* k3 = nullptr;  // [n, KV, 3D]
-  int64_t k3_size = 0;
-  float* vr = nullptr;  // [n, KV, D]
-  int64_t vr_size = 0;
-  __nv_bfloat16* q3 = nullptr;  // [H, R, 3D]
-  int64_t q3_size = 0;
-  float* s = nullptr;  // [H, R, ld]
-  int64_t s_size = 0;
-  float* o = nullptr;  // [H, R, D]
-  int64_t o_size = 0;
+// The context's device scratch, grown to the largest shape seen (scratch.cuh).
+struct PromptAttentionScratch {
+  DeviceScratch k3;  // bf16 [n, KV, 3D]
+  DeviceScratch vr;  // [n, KV, D]
+  DeviceScratch q3;  // bf16 [H, R, 3D]
+  DeviceScratch s;   // [H, R, ld]
+  DeviceScratch o;   // [H, R, D]
 };
-
-template <class T>
-T* grow(T*& p, int64_t& size, int64_t count) {
-  if (count > size) {
-    cuda::free(p);
-    p = nullptr;
-    size = 0;
-    p = static_cast<T*>(cuda::alloc(sizeof(T) * static_cast<size_t>(count)));
-    size = count;
-    bump_scratch_generation();
-  }
-  return p;
-}
 
 // Query rows per chunk: kChunkRows, fewer when S [H, R, round_up(n, 32)] would pass kScoreBytes
 // (a multiple of 64 while that is possible, for GEMM tiles; at least 1).
@@ -278,18 +248,17 @@ void attention_prompt(const float* q, const float* k, const float* v, int64_t n,
     fail("attention_prompt: shape n ", n, ", heads ", H, "/", KV, ", head_dim ", D,
          " exceeds cuBLAS's 32-bit sizes or 65535 heads");
 
-  static Scratch sc;
-  __nv_bfloat16* k3 = grow(sc.k3, sc.k3_size, n * KV * D3);
-  float* vr = grow(sc.vr, sc.vr_size, n * KV * D);
-  __nv_bfloat16* q3 = grow(sc.q3, sc.q3_size, H * R * D3);
-  const bool s_grows = H * R * ld_max > sc.s_size;
-  float* s = grow(sc.s, sc.s_size, H * R * ld_max);
+  Context& context = current();
+  PromptAttentionScratch& sc = context.unit<PromptAttentionScratch>();
+  auto* k3 = sc.k3.get<__nv_bfloat16>(n * KV * D3);
+  float* vr = sc.vr.get<float>(n * KV * D);
+  auto* q3 = sc.q3.get<__nv_bfloat16>(H * R * D3);
   // The softmax's float4 reads may reach a row's padding (read, never used): zeroing a new buffer
   // once keeps every read initialized (compute-sanitizer initcheck) without a per-call cost.
-  if (s_grows) fill_zero(s, sizeof(float) * static_cast<size_t>(sc.s_size));
-  float* o = grow(sc.o, sc.o_size, H * R * D);
+  float* s = sc.s.get_zeroed<float>(H * R * ld_max);
+  float* o = sc.o.get<float>(H * R * D);
 
-  cublasHandle_t handle = blas();
+  cublasHandle_t handle = context.blas();
   launch("attention_prompt (split keys)", split_keys_kernel,
          grid_stride_blocks(n * KV * D, kCopyThreads), kCopyThreads, 0, k, v, n * KV, D, k3, vr);
 

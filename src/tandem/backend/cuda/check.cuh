@@ -5,10 +5,10 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <map>
-#include <unordered_map>
+#include <functional>
 #include <utility>
 
+#include "tandem/backend/cuda/context.cuh"
 #include "tandem/backend/cuda/cuda_ops.h"
 #include "tandem/core/error.h"
 
@@ -34,7 +34,7 @@ inline void check_launch(const char* op) {
 }
 
 inline cudaStream_t op_stream() {
-  return static_cast<cudaStream_t>(stream());
+  return current().stream();
 }
 
 // --- Programmatic dependent launch (PDL, sm_90) --------------------------------------------------
@@ -105,44 +105,42 @@ void launch(const char* op, void (*kernel)(Params...), dim3 grid, dim3 block, si
   launch_clustered(op, 1, kernel, grid, block, smem, std::forward<Args>(args)...);
 }
 
-// Raises a kernel's dynamic shared memory limit to `bytes` (above the default 48 KiB: the staged
-// input rows of a decode-sized linear, the stages of the many-row products). The limit counts
-// the kernel's static shared memory too, so it is raised for any size the kernel has not been
-// allowed yet; `what` names the memory in the error.
+// Lets `kernel` take `bytes` of dynamic shared memory (above the default 48 KiB: the staged
+// input rows of a decode-sized linear, the stages of the many-row products). The limit is an
+// attribute of the kernel on the device, shared by every context and thread, so it is raised
+// through raise_dynamic_smem (context.cu), which never lowers it; each context remembers the
+// limit it saw, so a launch within it calls nothing. `what` names the memory in the error.
 template <class... Params>
 void allow_dynamic_smem(void (*kernel)(Params...), size_t bytes, const char* what) {
-  static std::unordered_map<const void*, size_t> allowed;
-  size_t& have = allowed[reinterpret_cast<const void*>(kernel)];
+  Context& c = current();
+  const void* key = reinterpret_cast<const void*>(kernel);
+  size_t& have = c.smem_allowed[key];
   if (bytes <= have) return;
-  const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                               static_cast<int>(bytes));
-  if (err != cudaSuccess)
-    fail(what, ": ", bytes, " bytes of shared memory: ", cudaGetErrorString(err));
-  have = bytes;
+  have = raise_dynamic_smem(
+      key, c.device(), bytes,
+      [&](size_t limit) {
+        return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    static_cast<int>(limit));
+      },
+      what);
 }
 
 // Blocks of `kernel` the GPU keeps resident at once (its occupancy per SM at `threads` threads and
 // `smem` bytes of dynamic shared memory, times the SMs; at least one per SM), asked once per
-// (kernel, smem).
+// (kernel, smem) and context.
 template <class... Params>
 int resident_blocks(void (*kernel)(Params...), int threads, size_t smem) {
-  static const int sms = [] {
-    int dev = 0, n = 0;
-    cudaGetDevice(&dev);
-    cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
-    return n > 0 ? n : 1;
-  }();
-  static std::map<std::pair<const void*, size_t>, int> per_sm;
+  Context& c = current();
   const auto key = std::make_pair(reinterpret_cast<const void*>(kernel), smem);
-  auto it = per_sm.find(key);
-  if (it == per_sm.end()) {
+  auto it = c.blocks_per_sm.find(key);
+  if (it == c.blocks_per_sm.end()) {
     int n = 0;
     if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, smem) != cudaSuccess ||
         n < 1)
       n = 1;
-    it = per_sm.emplace(key, n).first;
+    it = c.blocks_per_sm.emplace(key, n).first;
   }
-  return sms * it->second;
+  return c.multiprocessors() * it->second;
 }
 
 inline int64_t ceil_div(int64_t a, int64_t b) {

@@ -9,8 +9,9 @@
 //    tandem::Error naming it.
 //  - Activations and recurrent state are fp32; linear rounds its input rows to bf16 and multiplies
 //    on the tensor cores with fp32 accumulation.
-//  - All work is queued on one stream (stream()); ops never synchronize the host, so a decode
-//    step can be captured into a CUDA graph. Only the copy_to_host / synchronize calls block.
+//  - All work is queued on the current context's stream (stream(); backend/context.h); ops never
+//    synchronize the host, so a decode step can be captured into a CUDA graph. Only the
+//    copy_to_host / synchronize calls block.
 //  - Batch invariance (DESIGN.md principle 2): every op computes a row's (token's) result with a
 //    reduction order that depends only on that row's data and the weight shape, never on how
 //    many rows are in the call. Prompt prefill (set_prefill) takes a second, faster linear path
@@ -49,7 +50,18 @@ void destroy_event(void* event);
 void record_event(void* event);  // on the stream, after the work queued so far
 void wait_event(void* event);    // blocks the host; throws with the first kernel error
 void synchronize();              // waits for the stream; throws with the first kernel error
-void* stream();                  // the cudaStream_t every op uses
+void* stream();                  // the current context's cudaStream_t, which every op uses
+
+// Contexts (backend/context.h; context.cuh): ops::Context creates and destroys them and its
+// scopes enter and leave them. context_enter makes `context` the thread's current one and
+// returns the previous (null: none), switching the device when it differs (the one left is
+// stored in *previous_device, else -1); context_leave restores both. Each orders the stream
+// entered after the one left. context_leave never throws.
+void* context_create(int device);
+void context_destroy(void* context);
+void* context_default();  // the context ops use outside any scope (never destroyed)
+void* context_enter(void* context, int* previous_device);
+void context_leave(void* context, void* previous, int previous_device);
 
 // Uploads `n` fp32 values converted to bf16 (round to nearest even).
 void upload_bf16(uint16_t* dst, const float* src, int64_t n);
@@ -73,8 +85,8 @@ void set_pdl_enabled(bool on);
 void* graph_capture(const std::function<void()>& body);
 void graph_launch(void* exec);
 void graph_destroy(void* exec);
-// Bumped whenever an op's internal device scratch is reallocated (its address changes): graph
-// keys include it, so no graph replays a freed scratch address.
+// The current context's count of internal scratch reallocations (an address changed): graph keys
+// include it, so no graph replays a freed scratch address.
 uint64_t scratch_generation();
 void bump_scratch_generation();
 

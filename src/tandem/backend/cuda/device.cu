@@ -1,7 +1,7 @@
-// The CUDA device as the rest of tandem sees it: one device, one non-blocking stream per process,
-// plain cudaMalloc'd buffers, and the copies and fills that load weights and move activations.
-// Everything is queued on stream(); only copy_to_host, synchronize, upload_bf16 and
-// copy_bandwidth wait for it.
+// The CUDA device as the rest of tandem sees it: plain cudaMalloc'd buffers, and the copies and
+// fills that load weights and move activations. Everything is queued on the current context's
+// stream (context.cuh); only copy_to_host, synchronize, upload_bf16 and copy_bandwidth wait for
+// it.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -115,18 +115,6 @@ std::string device_name() {
   cudaDeviceProp prop{};
   TANDEM_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
   return prop.name;
-}
-
-void* stream() {
-  // Created on first use and never destroyed: it lives as long as the process's CUDA context.
-  // Non-blocking, so it never serialises against the legacy default stream. A failed creation
-  // throws and the next call tries again (a static's initialiser reruns after an exception).
-  static const cudaStream_t s = [] {
-    cudaStream_t created = nullptr;
-    TANDEM_CUDA_CHECK(cudaStreamCreateWithFlags(&created, cudaStreamNonBlocking));
-    return created;
-  }();
-  return s;
 }
 
 void synchronize() {

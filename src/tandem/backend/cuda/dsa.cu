@@ -8,6 +8,7 @@
 #include <cmath>
 
 #include "tandem/backend/cuda/check.cuh"
+#include "tandem/backend/cuda/scratch.cuh"
 
 namespace tandem::cuda {
 
@@ -100,8 +101,10 @@ __global__ void dsa_sort_kernel(const int64_t* __restrict__ pos, int64_t topk, i
     out[i * topk + j] = j < keep ? static_cast<int32_t>(key[j] & 0xffffffffu) : -1;
 }
 
-uint64_t* g_scratch = nullptr;
-size_t g_scratch_bytes = 0;
+// The context's sort keys of every query ([n, sort_n]).
+struct DsaScratch {
+  DeviceScratch keys;
+};
 
 }  // namespace
 
@@ -114,21 +117,15 @@ void dsa_select(const float* q, const float* w, int64_t n, int64_t heads, int64_
   // Positions are device data: every query's sort covers the whole context (pos[i] < ctx).
   int64_t sort_n = 1;
   while (sort_n < ctx) sort_n <<= 1;
-  const size_t want = sizeof(uint64_t) * static_cast<size_t>(n * sort_n);
-  if (want > g_scratch_bytes) {
-    cuda::free(g_scratch);
-    g_scratch = static_cast<uint64_t*>(cuda::alloc(want));
-    g_scratch_bytes = want;
-    bump_scratch_generation();
-  }
+  uint64_t* keys_scratch = current().unit<DsaScratch>().keys.get<uint64_t>(n * sort_n);
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   launch("dsa_select (score)", dsa_score_kernel,
          dim3(grid_blocks(n, "dsa_select"),
               grid_blocks(ceil_div(sort_n, kScorePositions), "dsa_select")),
-         dim3(kThreads), 0, q, w, heads, D, keys, pos, sort_n, scale, g_scratch);
+         dim3(kThreads), 0, q, w, heads, D, keys, pos, sort_n, scale, keys_scratch);
   const auto sort = sort_n <= kSharedSortKeys ? dsa_sort_kernel<true> : dsa_sort_kernel<false>;
   launch("dsa_select (sort)", sort, dim3(grid_blocks(n, "dsa_select")), dim3(kThreads), 0, pos,
-         topk, sort_n, g_scratch, out);
+         topk, sort_n, keys_scratch, out);
 }
 
 TANDEM_CUDA_TRACE_UNIT(dsa)

@@ -1,24 +1,11 @@
-// CUDA graph capture and replay of the work queued on the backend stream (backend/graph_cache.h).
+// CUDA graph capture and replay of the work queued on the current context's stream
+// (backend/graph_cache.h).
 #include <cuda_runtime.h>
-
-#include <atomic>
 
 #include "tandem/backend/cuda/check.cuh"
 #include "tandem/backend/cuda/cuda_ops.h"
 
 namespace tandem::cuda {
-
-namespace {
-std::atomic<uint64_t> g_scratch_generation{0};
-}  // namespace
-
-uint64_t scratch_generation() {
-  return g_scratch_generation.load();
-}
-
-void bump_scratch_generation() {
-  ++g_scratch_generation;
-}
 
 void* graph_capture(const std::function<void()>& body) {
   const cudaStream_t s = op_stream();

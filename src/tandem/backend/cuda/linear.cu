@@ -50,6 +50,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstddef>
 #include <cstdlib>
 #include <map>
 #include <string_view>
@@ -62,22 +63,43 @@
 #include "tandem/backend/cuda/linear_mma.cuh"
 #include "tandem/backend/cuda/lt.cuh"
 #include "tandem/backend/cuda/row_norm.cuh"
+#include "tandem/backend/cuda/scratch.cuh"
 #include "tandem/core/error.h"
 
 namespace tandem::cuda {
 
+namespace {
+
+// How a prompt-prefill product of (N, K, tile) runs (prefill_algo).
+using AlgoKey = std::tuple<int64_t, int64_t, int64_t>;
+
+// This file's state in a context: cuBLASLt's workspace and chosen algorithms, and the scratch
+// of each path, each grown to the largest call seen and reused by the next (calls are ordered
+// on the context's stream).
+struct LinearUnit {
+  DeviceScratch lt_workspace;  // kLtWorkspaceBytes, shared with linear_fp8.cu
+  std::map<AlgoKey, cublasLtMatmulAlgo_t> algos;
+  DeviceScratch prefill_xb;       // prompt prefill: the bf16 input rows
+  DeviceScratch prefill_full;     // prompt prefill: a split projection's fp32 output
+  DeviceScratch normalised;       // rms_norm'd input rows of the paths that do not fold the norm
+  DeviceScratch bf16_rows;        // the bf16 input rows of one tensor-core call
+  DeviceScratch swiglu_full;      // gate_up_swiglu's [m, 2I] where it is not fused
+  DeviceScratch swiglu_act;       // swiglu_mlp_add's fp32 activations (unfused path)
+  DeviceScratch swiglu_act_bf16;  // swiglu_mlp_add's bf16 activations (tensor-core path)
+};
+
+LinearUnit& linear_unit() {
+  return current().unit<LinearUnit>();
+}
+
+}  // namespace
+
 cublasLtHandle_t cublas_lt() {
-  static cublasLtHandle_t h = [] {
-    cublasLtHandle_t handle;
-    if (cublasLtCreate(&handle) != CUBLAS_STATUS_SUCCESS) fail("cuBLASLt: cublasLtCreate failed");
-    return handle;
-  }();
-  return h;
+  return current().blas_lt();
 }
 
 void* lt_workspace() {
-  static void* ws = cuda::alloc(kLtWorkspaceBytes);
-  return ws;
+  return linear_unit().lt_workspace.get<std::byte>(kLtWorkspaceBytes);
 }
 
 cublasLtMatmulDesc_t transposed_weight_desc() {
@@ -101,8 +123,6 @@ constexpr int64_t kFoldedNormRows = 1;  // up to this many rows: an input norm f
 // Shared memory for the bf16 input rows of the in-register path at most; wider inputs take the
 // scratch path (the same arithmetic).
 constexpr size_t kNarrowSmemMax = size_t(128) << 10;
-
-int64_t g_prefill_rows = 0;  // rows of every prefill GEMM tile; 0: not in prefill mode
 
 // The RMSNorm a decode-shaped linear applies to its input rows while staging them (rms_norm's
 // weight, flag and epsilon); w == nullptr: none.
@@ -670,7 +690,7 @@ cublasLtMatmulDesc_t prefill_matmul_desc() {
 // The algorithm of (N, K, tile), chosen on the first call and kept: keyed exactly, so two
 // shapes never share an entry.
 const cublasLtMatmulAlgo_t& prefill_algo(int64_t N, int64_t K, int64_t tile) {
-  static std::map<std::tuple<int64_t, int64_t, int64_t>, cublasLtMatmulAlgo_t> chosen;
+  std::map<AlgoKey, cublasLtMatmulAlgo_t>& chosen = linear_unit().algos;
   const auto key = std::make_tuple(N, K, tile);
   if (auto it = chosen.find(key); it != chosen.end()) return it->second;
   cublasLtMatmulPreference_t pref;
@@ -709,7 +729,7 @@ const cublasLtMatmulAlgo_t& prefill_algo(int64_t N, int64_t K, int64_t tile) {
 void prefill_product(const __nv_bfloat16* xb, int64_t m, const ops::WeightRef& w, float* y,
                      bool accumulate) {
   const int64_t N = w.rows, K = w.cols;
-  const cublasLtMatmulAlgo_t& algo = prefill_algo(N, K, g_prefill_rows);
+  const cublasLtMatmulAlgo_t& algo = prefill_algo(N, K, current().prefill_rows);
   const Bf16Layouts l(N, K, m);
   const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
   const cublasStatus_t st = cublasLtMatmul(cublas_lt(), prefill_matmul_desc(), &alpha, w.data, l.w,
@@ -718,31 +738,6 @@ void prefill_product(const __nv_bfloat16* xb, int64_t m, const ops::WeightRef& w
   if (st != CUBLAS_STATUS_SUCCESS)
     fail("cuBLASLt: the prefill product of a [", N, " x ", K, "] weight and ", m,
          " rows failed (status ", int(st), ")");
-}
-
-// Prefill scratch, grown to the largest prompt seen: the bf16 copy of the inputs and the fp32
-// output of a split projection.
-struct PrefillScratch {
-  __nv_bfloat16* xb = nullptr;
-  int64_t xb_size = 0;
-  float* full = nullptr;
-  int64_t full_size = 0;
-};
-
-PrefillScratch& prefill_scratch() {
-  static PrefillScratch s;
-  return s;
-}
-
-template <class T>
-T* grow(T*& p, int64_t& size, int64_t n) {
-  if (n > size) {
-    cuda::free(p);
-    p = static_cast<T*>(cuda::alloc(sizeof(T) * static_cast<size_t>(n)));
-    size = n;
-    bump_scratch_generation();
-  }
-  return p;
 }
 
 bool aligned16(const void* p) {
@@ -759,8 +754,7 @@ void prefill_linear_bf16(const __nv_bfloat16* xb, int64_t m, const ops::WeightRe
   const int64_t N = w.rows;
   if (out.parts == 1 && aligned16(out.dst[0]))
     return prefill_product(xb, m, w, out.dst[0], out.accumulate);
-  PrefillScratch& s = prefill_scratch();
-  float* full = grow(s.full, s.full_size, m * N);
+  float* full = linear_unit().prefill_full.get<float>(m * N);
   prefill_product(xb, m, w, full, false);
   if (out.accumulate) return cuda::add_inplace(out.dst[0], full, m * N);
   bool by4 = N % 4 == 0;
@@ -803,15 +797,15 @@ unsigned balanced_grid(Kernel kernel, int threads, int groups, size_t smem = 0) 
 }  // namespace
 
 void set_prefill(bool on, int64_t gemm_rows) {
-  g_prefill_rows = on ? gemm_rows : 0;
+  current().prefill_rows = on ? gemm_rows : 0;
 }
 
 bool prefill_mode() {
-  return g_prefill_rows > 0;
+  return current().prefill_rows > 0;
 }
 
 int64_t prefill_rows() {
-  return g_prefill_rows;
+  return current().prefill_rows;
 }
 
 namespace {
@@ -886,9 +880,7 @@ bool mma_path(const float* x, const ops::WeightRef& w) {
 // does not normalise while staging (prefill, batches, K not a multiple of 16). The scratch is
 // reused by the next call; calls are ordered on the stream.
 const float* normalised_rows(const float* x, int64_t m, int64_t K, InputNorm norm) {
-  static float* rows = nullptr;
-  static int64_t size = 0;
-  float* out = grow(rows, size, m * K);
+  float* out = linear_unit().normalised.get<float>(m * K);
   if (norm.row) {
     cuda::rms_norm(x, m, K, norm.row->w, norm.row->zero_centred, norm.row->eps, out);
   } else {
@@ -912,8 +904,7 @@ void normalised_rows_bf16(const float* x, int64_t m, int64_t K, InputNorm norm, 
 // product reads) into the prefill scratch, which holds at least `capacity` values.
 __nv_bfloat16* prefill_rows_bf16(const float* x, int64_t m, int64_t K, InputNorm norm,
                                  int64_t capacity) {
-  PrefillScratch& s = prefill_scratch();
-  __nv_bfloat16* xb = grow(s.xb, s.xb_size, std::max(m * K, capacity));
+  auto* xb = linear_unit().prefill_xb.get<__nv_bfloat16>(std::max(m * K, capacity));
   if (norm)
     normalised_rows_bf16(x, m, K, norm, reinterpret_cast<uint16_t*>(xb));
   else
@@ -940,9 +931,7 @@ void linear_mma_bf16_rows(const uint16_t* xs, int64_t m, const ops::WeightRef& w
 
 // Scratch for the bf16 input rows of one call (reused by the next; calls are stream-ordered).
 uint16_t* bf16_rows(int64_t n) {
-  static uint16_t* rows = nullptr;
-  static int64_t size = 0;
-  return grow(rows, size, n);
+  return linear_unit().bf16_rows.get<uint16_t>(n);
 }
 
 // The tensor-core path (decode and verify shapes, K a multiple of 16). SwiGLU: y has N / 2
@@ -1175,9 +1164,7 @@ void gate_up_swiglu(const float* x, int64_t m, const ops::WeightRef& gate_up, fl
     return linear_mma<true>(x, m, gate_up, split_out(&out, 1, I), {norm, nullptr});
   }
   // Prompt prefill and K not a multiple of 16: the whole [m, 2I] output, then its SwiGLU.
-  static float* full = nullptr;
-  static int64_t full_size = 0;
-  float* y = grow(full, full_size, m * 2 * I);
+  float* y = linear_unit().swiglu_full.get<float>(m * 2 * I);
   const ops::OutputSlice all{y, 2 * I};
   linear_any(x, m, gate_up, split_out(&all, 1, 2 * I), {norm, nullptr});
   launch("gate_up_swiglu", swiglu_pairs_kernel<float>, grid_stride_blocks(m * I, 256), 256, 0, y, m,
@@ -1200,8 +1187,7 @@ void swiglu_mlp_add(const float* x, int64_t m, const ops::WeightRef& gate_up,
     // input rows in the scratch once the gate/up product has read them.
     check_weight(m, gate_up, {norm, nullptr});
     __nv_bfloat16* xb = prefill_rows_bf16(x, m, gate_up.cols, {norm, nullptr}, m * I);
-    PrefillScratch& s = prefill_scratch();
-    float* full = grow(s.full, s.full_size, m * 2 * I);
+    float* full = linear_unit().prefill_full.get<float>(m * 2 * I);
     prefill_product(xb, m, gate_up, full, false);
     launch("gate_up_swiglu", swiglu_pairs_kernel<__nv_bfloat16>, grid_stride_blocks(m * I, 256),
            256, 0, full, m, I, xb);
@@ -1209,9 +1195,7 @@ void swiglu_mlp_add(const float* x, int64_t m, const ops::WeightRef& gate_up,
     return prefill_linear_bf16(xb, m, down, split_out(&residual, 1, down.rows, true));
   }
   if (prefill_mode() || down.cols % 16 != 0 || !mma_path(x, gate_up)) {
-    static float* act = nullptr;
-    static int64_t act_size = 0;
-    float* a = grow(act, act_size, m * I);
+    float* a = linear_unit().swiglu_act.get<float>(m * I);
     cuda::gate_up_swiglu(x, m, gate_up, a, norm);
     return cuda::linear_add(a, m, down, y, nullptr, prefetch);
   }
@@ -1219,9 +1203,7 @@ void swiglu_mlp_add(const float* x, int64_t m, const ops::WeightRef& gate_up,
   if (reinterpret_cast<uintptr_t>(down.data) % 16 != 0)
     fail("cuda linear: weight rows must be 16-byte aligned (K = ", down.cols, ")");
   // The activations go to the down projection as the bf16 values it would round them to.
-  static uint16_t* act = nullptr;
-  static int64_t act_size = 0;
-  uint16_t* a = grow(act, act_size, m * I);
+  uint16_t* a = linear_unit().swiglu_act_bf16.get<uint16_t>(m * I);
   const ops::OutputSlice act_out{reinterpret_cast<float*>(a), I};
   SplitOut to_act = split_out(&act_out, 1, I);
   to_act.bf16 = true;

@@ -293,14 +293,37 @@ bool x_vectors(const float* x, const Fp8Weight& w) {
   return w.K % 4 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;
 }
 
-DeviceScratch& weight_bf16_scratch() {  // a weight (or an expert stack) dequantised for prefill
-  static DeviceScratch s;
-  return s;
+// How (N, K, tile) runs: cuBLASLt's first heuristic choice without a split of K, with fp32
+// outputs where it offers one, else bf16 outputs (widened after); or none, with the reason.
+struct Fp8Plan {
+  bool ok = false;
+  bool bf16_out = false;
+  cublasLtMatmulAlgo_t algo{};
+  std::string why;
+};
+
+// This file's state in a context: scratch, the plans chosen per (N, K, tile), and the fp8
+// matmul description (its scale pointers are set before each product).
+struct Fp8Unit {
+  DeviceScratch weight_bf16;  // a weight (or an expert stack) dequantised for prefill
+  DeviceScratch codes, scales, out, out_bf16;  // the quantised rows and the product's outputs
+  std::map<std::tuple<int64_t, int64_t, int64_t>, Fp8Plan> plans;
+  cublasLtMatmulDesc_t desc = nullptr;
+  Fp8Unit() = default;
+  ~Fp8Unit() {
+    if (desc) cublasLtMatmulDescDestroy(desc);
+  }
+  Fp8Unit(const Fp8Unit&) = delete;
+  Fp8Unit& operator=(const Fp8Unit&) = delete;
+};
+
+Fp8Unit& fp8_unit() {
+  return current().unit<Fp8Unit>();
 }
 
 ops::WeightRef dequantised_bf16(const ops::WeightRef& w) {
   const Fp8Weight fw = fp8_weight(w, "linear_fp8");
-  auto* out = weight_bf16_scratch().get<__nv_bfloat16>(w.rows * w.cols);
+  auto* out = fp8_unit().weight_bf16.get<__nv_bfloat16>(w.rows * w.cols);
   launch("linear_fp8 (dequantise)", fp8_to_bf16_kernel, grid_stride_blocks(w.rows * w.cols, 256),
          256, 0, fw, w.rows, out);
   ops::WeightRef b = w;
@@ -321,17 +344,20 @@ bool fp8_prefill_wanted() {
 }
 
 cublasLtMatmulDesc_t fp8_matmul_desc() {
-  static cublasLtMatmulDesc_t d = [] {
+  cublasLtMatmulDesc_t& d = fp8_unit().desc;
+  if (d == nullptr) {
     cublasLtMatmulDesc_t desc = transposed_weight_desc();
     const cublasLtMatmulMatrixScale_t a_mode = CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F;
     const cublasLtMatmulMatrixScale_t b_mode = CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
     if (cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &a_mode,
                                        sizeof a_mode) != CUBLAS_STATUS_SUCCESS ||
         cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &b_mode,
-                                       sizeof b_mode) != CUBLAS_STATUS_SUCCESS)
+                                       sizeof b_mode) != CUBLAS_STATUS_SUCCESS) {
+      cublasLtMatmulDescDestroy(desc);
       fail("cuBLASLt: the block-scaled fp8 matmul description");
-    return desc;
-  }();
+    }
+    d = desc;
+  }
   return d;
 }
 
@@ -350,24 +376,6 @@ bool fp8_prefill_shape(const ops::WeightRef& w) {
          reinterpret_cast<uintptr_t>(w.data) % 16 == 0;
 }
 
-struct QuantScratch {
-  DeviceScratch codes, scales, out, out_bf16;
-};
-
-QuantScratch& quant_scratch() {
-  static QuantScratch s;
-  return s;
-}
-
-// How (N, K, tile) runs: cuBLASLt's first heuristic choice without a split of K, with fp32
-// outputs where it offers one, else bf16 outputs (widened after); or none, with the reason.
-struct Fp8Plan {
-  bool ok = false;
-  bool bf16_out = false;
-  cublasLtMatmulAlgo_t algo{};
-  std::string why;
-};
-
 void set_scale_pointers(const void* a, const void* b) {
   cublasLtMatmulDesc_t desc = fp8_matmul_desc();
   if (cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &a, sizeof a) !=
@@ -378,13 +386,13 @@ void set_scale_pointers(const void* a, const void* b) {
 }
 
 const Fp8Plan& fp8_prefill_plan(const ops::WeightRef& w, int64_t tile) {
-  static std::map<std::tuple<int64_t, int64_t, int64_t>, Fp8Plan> plans;
+  std::map<std::tuple<int64_t, int64_t, int64_t>, Fp8Plan>& plans = fp8_unit().plans;
   const int64_t N = w.rows, K = w.cols, mp = pad4(tile);
   const auto key = std::make_tuple(N, K, tile);
   if (auto it = plans.find(key); it != plans.end()) return it->second;
   Fp8Plan plan;
   // The heuristic sees the scale pointers it will be given: the weight's, and the rows' scratch.
-  auto* row_scales = quant_scratch().scales.get<float>(mp * ((K + kQuantBlock - 1) / kQuantBlock));
+  auto* row_scales = fp8_unit().scales.get<float>(mp * ((K + kQuantBlock - 1) / kQuantBlock));
   set_scale_pointers(w.scales.data, row_scales);
   for (const bool bf16_out : {false, true})
     for (const bool only_single_pass : {true, false}) {
@@ -405,8 +413,8 @@ const Fp8Plan& fp8_prefill_plan(const ops::WeightRef& w, int64_t tile) {
       int n = 0;
       cublasStatus_t st = CUBLAS_STATUS_NOT_SUPPORTED;
       if (l.ok)
-        st = cublasLtMatmulAlgoGetHeuristic(cublas_lt(), fp8_matmul_desc(), l.w, l.x, l.y, l.y,
-                                            pref, kCandidates, found, &n);
+        st = cublasLtMatmulAlgoGetHeuristic(current().blas_lt(), fp8_matmul_desc(), l.w, l.x, l.y,
+                                            l.y, pref, kCandidates, found, &n);
       cublasLtMatmulPreferenceDestroy(pref);
       if (st != CUBLAS_STATUS_SUCCESS) n = 0;
       for (int i = 0; i < n && !plan.ok; ++i) {
@@ -451,7 +459,7 @@ void linear_fp8_tensor_cores(const float* x, int64_t m, const ops::WeightRef& w,
                              bool accumulate, const Fp8Plan& plan) {
   const int64_t N = w.rows, K = w.cols;
   const int64_t mp = pad4(m), blocks = (K + kQuantBlock - 1) / kQuantBlock;
-  QuantScratch& s = quant_scratch();
+  Fp8Unit& s = fp8_unit();
   auto* codes = s.codes.get<uint8_t>(mp * K);
   auto* scales = s.scales.get<float>(mp * blocks);
   constexpr int kQuantWarps = 8;
@@ -468,8 +476,8 @@ void linear_fp8_tensor_cores(const float* x, int64_t m, const ops::WeightRef& w,
   if (!l.ok) fail("cuBLASLt: fp8 matrix layouts for [", N, " x ", K, "] and ", mp, " rows");
   const float alpha = 1.0f, beta = accumulate && direct ? 1.0f : 0.0f;
   const cublasStatus_t st = cublasLtMatmul(
-      cublas_lt(), fp8_matmul_desc(), &alpha, w.data, l.w, codes, l.x, &beta, d, l.y, d, l.y,
-      &plan.algo, lt_workspace(), kLtWorkspaceBytes, static_cast<cudaStream_t>(stream()));
+      current().blas_lt(), fp8_matmul_desc(), &alpha, w.data, l.w, codes, l.x, &beta, d, l.y, d,
+      l.y, &plan.algo, lt_workspace(), kLtWorkspaceBytes, static_cast<cudaStream_t>(stream()));
   if (st != CUBLAS_STATUS_SUCCESS)
     fail("cuBLASLt: the fp8 prefill product of a [", N, " x ", K, "] weight and ", m,
          " rows failed (status ", int(st), ")");

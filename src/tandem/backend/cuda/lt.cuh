@@ -1,5 +1,5 @@
-// The cuBLASLt handle and workspace every prompt-prefill product shares (internal: included by
-// .cu files only). Created on first use, kept for the process.
+// The cuBLASLt handle and workspace every prompt-prefill product of a context shares (internal:
+// included by .cu files only). Created on first use, kept for the context's life.
 #pragma once
 
 #include <cublasLt.h>
@@ -11,10 +11,10 @@ namespace tandem::cuda {
 
 constexpr size_t kLtWorkspaceBytes = size_t(32) << 20;
 
-cublasLtHandle_t cublas_lt();
-void* lt_workspace();  // kLtWorkspaceBytes of device memory
+cublasLtHandle_t cublas_lt();  // the current context's
+void* lt_workspace();          // kLtWorkspaceBytes of the current context's device memory
 // A new matmul description with fp32 compute and scale and W taken transposed (the layouts
-// below); the caller keeps it for the process.
+// below); the caller owns it.
 cublasLtMatmulDesc_t transposed_weight_desc();
 
 // The layouts of yᵀ[N, m] = W[N, K] · xᵀ[K, m] in cuBLASLt's column-major terms: W a K x N matrix

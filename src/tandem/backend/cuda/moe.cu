@@ -532,6 +532,11 @@ __global__ void __launch_bounds__(kCombineThreads)
     yt += acc + shared[t * H + i];
 }
 
+// The mixture's intermediates in a context (moe_mlp_add).
+struct MoeScratch {
+  DeviceScratch s[11];
+};
+
 }  // namespace
 
 void moe_mlp_add(const float* x, int64_t T, const ops::MoeWeights& w, float* y,
@@ -562,8 +567,8 @@ void moe_mlp_add(const float* x, int64_t T, const ops::MoeWeights& w, float* y,
   if (fused_gate_up && w.shared_gate_up.cols != H)
     fail("moe_mlp_add: the shared expert's gate/up is [", w.shared_gate_up.rows, " x ",
          w.shared_gate_up.cols, "], expected [", 2 * Is, " x ", H, "]");
-  const int64_t ld = gate_row ? E + 1 : E;  // floats per token of the router's output
-  static DeviceScratch s[11];               // one per intermediate below
+  const int64_t ld = gate_row ? E + 1 : E;            // floats per token of the router's output
+  DeviceScratch* s = current().unit<MoeScratch>().s;  // one per intermediate below
   float* logits = s[0].get<float>(T * ld);
   auto* ids = s[1].get<int32_t>(P);
   float* wts = s[2].get<float>(P);

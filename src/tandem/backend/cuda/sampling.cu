@@ -7,6 +7,7 @@
 
 #include "tandem/backend/cuda/check.cuh"
 #include "tandem/backend/cuda/cuda_ops.h"
+#include "tandem/backend/cuda/scratch.cuh"
 
 namespace tandem::cuda {
 
@@ -17,12 +18,19 @@ constexpr int64_t kSliceMin = 4096;  // logits per block at least (a slice)
 constexpr int kMaxSlices = 64;       // blocks per row at most (<= kArgmaxThreads: one per thread)
 constexpr int64_t kMaxRowsPerLaunch = 1024;
 
-// Per-slice winners of the running launch ([row][slice]) and per-row counts of finished slices.
-// The last block of a row resets its count to 0, so every launch starts from zeros.
-__device__ float g_best_v[kMaxRowsPerLaunch * kMaxSlices];
-__device__ int g_best_i[kMaxRowsPerLaunch * kMaxSlices];
-__device__ int g_bad[kMaxRowsPerLaunch * kMaxSlices];
-__device__ unsigned g_slices_done[kMaxRowsPerLaunch];
+// Per-slice winners of the running launch ([row][slice], kMaxRowsPerLaunch x kMaxSlices) and
+// per-row counts of finished slices ([kMaxRowsPerLaunch], zero when allocated). The last block
+// of a row resets its count to 0, so every launch starts from zeros. In the context's scratch.
+struct SliceWinners {
+  float* best_v;
+  int* best_i;
+  int* bad;
+  unsigned* slices_done;
+};
+
+struct ArgmaxScratch {
+  DeviceScratch best_v, best_i, bad, slices_done;
+};
 
 // Of two candidates (value, index), the larger value; on equal values the lower index. Index -1
 // means "none yet" and loses to any candidate. A total order on candidates: the winner of a set
@@ -56,7 +64,8 @@ __device__ inline void block_best(float* sv, int* si, int* sbad) {
 // +inf anywhere in the row. The greedy token of a 248k vocabulary is thus read by ~60 blocks at
 // once instead of one.
 __global__ void __launch_bounds__(kArgmaxThreads)
-    argmax_kernel(const float* __restrict__ logits, int64_t V, int64_t slice, int32_t* out) {
+    argmax_kernel(const float* __restrict__ logits, int64_t V, int64_t slice, int32_t* out,
+                  SliceWinners g) {
   pdl_wait();
   pdl_release();
   __shared__ float sv[kArgmaxThreads];
@@ -81,11 +90,11 @@ __global__ void __launch_bounds__(kArgmaxThreads)
   block_best(sv, si, sbad);
   const int slot = static_cast<int>(row * gridDim.x + blockIdx.x);
   if (threadIdx.x == 0) {
-    g_best_v[slot] = sv[0];
-    g_best_i[slot] = si[0];
-    g_bad[slot] = sbad[0];
+    g.best_v[slot] = sv[0];
+    g.best_i[slot] = si[0];
+    g.bad[slot] = sbad[0];
     __threadfence();  // the slice's winner is visible before the count says so
-    last = atomicAdd(&g_slices_done[row], 1u) == gridDim.x - 1;
+    last = atomicAdd(&g.slices_done[row], 1u) == gridDim.x - 1;
   }
   __syncthreads();
   if (!last) return;
@@ -93,14 +102,14 @@ __global__ void __launch_bounds__(kArgmaxThreads)
   __threadfence();
   const int q = static_cast<int>(row * gridDim.x + threadIdx.x);
   const bool have = threadIdx.x < gridDim.x;
-  sv[threadIdx.x] = have ? __ldcg(&g_best_v[q]) : -INFINITY;
-  si[threadIdx.x] = have ? __ldcg(&g_best_i[q]) : -1;
-  sbad[threadIdx.x] = have ? __ldcg(&g_bad[q]) : 0;
+  sv[threadIdx.x] = have ? __ldcg(&g.best_v[q]) : -INFINITY;
+  si[threadIdx.x] = have ? __ldcg(&g.best_i[q]) : -1;
+  sbad[threadIdx.x] = have ? __ldcg(&g.bad[q]) : 0;
   __syncthreads();
   block_best(sv, si, sbad);
   if (threadIdx.x == 0) {
     out[row] = sbad[0] ? -1 : si[0];
-    g_slices_done[row] = 0;
+    g.slices_done[row] = 0;
   }
 }
 
@@ -111,11 +120,16 @@ void argmax_rows(const float* logits, int64_t rows, int64_t V, int32_t* out) {
   if (V <= 0 || V > 0x7fffffff) fail("argmax_rows: vocabulary ", V, " out of range");
   const int64_t slices = std::min<int64_t>(kMaxSlices, ceil_div(V, kSliceMin));
   const int64_t slice = ceil_div(V, slices);
+  ArgmaxScratch& sc = current().unit<ArgmaxScratch>();
+  constexpr int64_t kSlots = kMaxRowsPerLaunch * kMaxSlices;
+  const SliceWinners winners{sc.best_v.get<float>(kSlots), sc.best_i.get<int>(kSlots),
+                             sc.bad.get<int>(kSlots),
+                             sc.slices_done.get_zeroed<unsigned>(kMaxRowsPerLaunch)};
   for (int64_t r0 = 0; r0 < rows; r0 += kMaxRowsPerLaunch) {
     const int64_t n = std::min(kMaxRowsPerLaunch, rows - r0);
     launch("argmax_rows", argmax_kernel,
            dim3(static_cast<unsigned>(slices), static_cast<unsigned>(n)), kArgmaxThreads, 0,
-           logits + r0 * V, V, slice, out + r0);
+           logits + r0 * V, V, slice, out + r0, winners);
   }
 }
 
