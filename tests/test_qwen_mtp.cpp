@@ -223,6 +223,37 @@ TEST(QwenMtp, GreedyChainMatchesPyTorch) {
   }
 }
 
+// A reduced draft vocabulary scores token ids 0..N-1: the head's first N rows, bitwise the full
+// head's logits there on the CPU (its linear takes a row's dot products in the same order at
+// any row count), and every proposal below N.
+TEST(QwenMtp, ReducedDraftVocabularyScoresTheHeadsFirstRows) {
+  Demo& d = demo();
+  const int64_t H = d.H, V = d.V, N = 300;
+  std::vector<float> hidden(static_cast<size_t>(3 * H));
+  for (size_t i = 0; i < hidden.size(); ++i) hidden[i] = std::sin(0.37f * static_cast<float>(i));
+  std::vector<float> full(static_cast<size_t>(3 * V)), cut(static_cast<size_t>(3 * N));
+  d.target->logits(hidden.data(), 3, full.data());
+  d.target->logits_prefix(hidden.data(), 3, N, cut.data());
+  for (int64_t r = 0; r < 3; ++r)
+    EXPECT_EQ(0, std::memcmp(cut.data() + r * N, full.data() + r * V, sizeof(float) * N))
+        << "row " << r;
+  EXPECT_THROW(d.target->logits_prefix(hidden.data(), 1, V + 1, cut.data()), Error);
+
+  const auto tokens = ref_ids("tokens_0");
+  const auto target = target_hidden(tokens);
+  auto rows = open_rows(*d.mtp, 1);
+  rows->set_draft_vocabulary(N);
+  const RowPrefill pre{0, std::span(tokens).first(31), target.data(), 0};
+  rows->prefill({&pre, 1});
+  std::vector<DraftProposal> out;
+  const RowDraft in = greedy(tokens[31], 4);
+  rows->draft({&in, 1}, &out);
+  ASSERT_EQ(out.at(0).tokens.size(), 4u);
+  for (int32_t t : out[0].tokens) EXPECT_LT(t, N) << "a proposal outside the draft vocabulary";
+  EXPECT_EQ(rows->last_draft_logits(0, 0).size(), static_cast<size_t>(N));
+  EXPECT_THROW(rows->set_draft_vocabulary(V + 1), Error);
+}
+
 // A hidden state of NaN (a broken target or tap) makes every step's logits NaN: the greedy chain,
 // which embeds each step's argmax where it lies, reports the row instead of embedding id -1.
 TEST(QwenMtp, GreedyChainReportsNaNLogits) {

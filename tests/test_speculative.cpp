@@ -80,6 +80,33 @@ INSTANTIATE_TEST_SUITE_P(Drafters, Lossless, ::testing::ValuesIn(cases()),
                                   std::to_string(static_cast<int>(i.param.temperature * 10));
                          });
 
+// A reduced draft vocabulary (the MTP drafter scores token ids below 1,024 of the demo's 4,096)
+// changes what is proposed, never the output: greedy and sampled, alone and batched. Proposals
+// that the cut would have ranked first are still accepted where the target agrees.
+TEST(LosslessDraftVocabulary, ReducedDraftVocabularyKeepsTheOutput) {
+  Fixture& f = demo();
+  auto mtp = spec::QwenMtpProvider::from_target(*f.target);
+  mtp->set_draft_vocabulary(1024);
+  EXPECT_EQ(mtp->draft_vocabulary(), 1024);
+  for (const float t : {0.0f, 0.7f}) {
+    std::vector<GenerateRequest> reqs;
+    for (size_t p = 0; p < kPrompts.size(); ++p)
+      reqs.push_back(test::demo_request(demo(), kPrompts[p], t, 3 * p + 1, 20 + 4 * p));
+    const auto want = test::plain_tokens(*f.model, reqs);
+    SpeculativeGenerator spec_gen(*f.model, mtp.get(), "demo-target", {3, spec::VerifyMode::Match});
+    std::vector<SpecStats> st;
+    const auto got = spec_gen.run(reqs, {}, nullptr, &st);
+    int64_t accepted = 0;
+    for (size_t i = 0; i < reqs.size(); ++i) {
+      EXPECT_EQ(got[i].tokens, want[i]) << "T " << t << " request " << i;
+      accepted += st[i].accepted;
+    }
+    EXPECT_GT(accepted, 0) << "T " << t << ": nothing drafted from the reduced vocabulary was kept";
+  }
+  EXPECT_THROW(mtp->set_draft_vocabulary(f.model->config().vocab_size + 1), Error);
+  EXPECT_THROW(mtp->set_draft_vocabulary(-1), Error);
+}
+
 // fp32 KV storage (--kv-dtype f32) is as lossless as the bf16 default: speculative rounds read
 // the keys and values plain decoding stored, whatever their storage.
 TEST(LosslessFp32Kv, SpeculativeEqualsPlainWithFp32Kv) {

@@ -46,6 +46,7 @@ struct BenchSpecArgs {
   std::string drafts = "mtp,ngram";
   std::string accept_p = "0.8";
   std::optional<std::string> draft_model;  // the EAGLE-3 head of --drafts eagle3
+  std::string draft_vocab = "0";           // --drafts mtp on Qwen3.5: draft vocabularies to measure
   std::string depths = "1,2,3,4";
   int batch = 1;
   int64_t max_tokens = 64;
@@ -250,6 +251,20 @@ void run_bench_spec(const BenchSpecArgs& a) {
       continuation ? parse_accept_p(a.accept_p) : std::vector<double>{};
   if (a.draft_model && std::find(drafts.begin(), drafts.end(), "eagle3") == drafts.end())
     fail("--draft-model names the EAGLE-3 head of --drafts eagle3, which is not listed");
+  std::vector<int64_t> draft_vocabs;
+  for (const std::string& v : split_list(a.draft_vocab)) {
+    size_t used = 0;
+    long long n = -1;
+    try {
+      n = std::stoll(v, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (used != v.size() || n < 0)
+      fail("--draft-vocab: expected token counts >= 0 (0: the whole vocabulary), got '", v, "'");
+    draft_vocabs.push_back(n);
+  }
+  if (draft_vocabs.empty()) fail("--draft-vocab: no token count given");
   apply_threads(a.threads);
   const auto context = apply_backend(a.backend);
   const ops::ContextScope context_scope(*context);
@@ -300,11 +315,16 @@ void run_bench_spec(const BenchSpecArgs& a) {
       drafter = spec::GlmMtpProvider::from_target(*target.view);
     else if (d == "mtp-empty" && target.glm)
       drafter = spec::GlmMtpProvider::from_target(*target.view, spec::GlmMtpHistory::Empty);
-    else if (d == "mtp" && a.model.empty())
-      drafter = spec::QwenMtpProvider::random(*target.view, kRandomWeightsSeed);
-    else if (d == "mtp")
-      drafter = spec::QwenMtpProvider::from_target(*target.view);
-    else if (d == "ngram")
+    else if (d == "mtp") {
+      // One run per draft vocabulary (0: the whole vocabulary), named mtp/v<tokens> when cut.
+      for (const int64_t tokens : draft_vocabs) {
+        auto mtp = a.model.empty() ? spec::QwenMtpProvider::random(*target.view, kRandomWeightsSeed)
+                                   : spec::QwenMtpProvider::from_target(*target.view);
+        mtp->set_draft_vocabulary(tokens);
+        run_depths(*mtp, tokens == 0 ? d : d + "/v" + std::to_string(tokens), -1);
+      }
+      continue;
+    } else if (d == "ngram")
       drafter = std::make_unique<spec::NgramProvider>(spec::NgramOptions{});
     else if (d == "eagle3" && a.draft_model)
       drafter = spec::Eagle3Provider::open(*a.draft_model);
@@ -397,6 +417,10 @@ void add_bench_spec_command(CLI::App& app) {
       ->capture_default_str();
   sub->add_option("--draft-model", a->draft_model,
                   "The EAGLE-3 head directory --drafts eagle3 drafts with");
+  sub->add_option("--draft-vocab", a->draft_vocab,
+                  "--drafts mtp on Qwen3.5: draft vocabularies to compare, a list of token counts "
+                  "(each draft step scores token ids below it; 0 = the whole vocabulary)")
+      ->capture_default_str();
   sub->add_option("--depths", a->depths, "Depths to compare (numbers, or auto for adaptive rounds)")
       ->capture_default_str();
   sub->add_option("--batch", a->batch, "Requests per batch")->capture_default_str();

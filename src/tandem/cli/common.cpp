@@ -215,6 +215,10 @@ void add_draft_options(CLI::App* sub, DraftArgs* a) {
   sub->add_option("--mtp-hidden", a->mtp_hidden,
                   "Target hidden fed to the MTP drafter: final (after the final norm) or prenorm")
       ->capture_default_str();
+  sub->add_option("--draft-vocab", a->draft_vocab,
+                  "--draft mtp on Qwen3.5: each draft step scores token ids 0..N-1 only (a reduced "
+                  "draft vocabulary; the output is unchanged); 0 = the whole vocabulary")
+      ->capture_default_str();
 }
 
 DepthArg parse_depth(const std::string& s) {
@@ -244,6 +248,7 @@ SpecOptions spec_options(const DraftArgs& a) {
 
 std::unique_ptr<spec::DraftProvider> open_drafter(const DraftArgs& a,
                                                   const spec::TargetView& target) {
+  if (a.draft_vocab != 0 && a.draft != "mtp") fail("--draft-vocab applies to --draft mtp only");
   if (a.draft == "none") {
     if (a.draft_model) fail("--draft-model needs --draft mtp or --draft eagle3");
     return nullptr;
@@ -269,10 +274,16 @@ std::unique_ptr<spec::DraftProvider> open_drafter(const DraftArgs& a,
             "directories are Qwen3.5 MTP layers");
       if (tap != spec::HiddenTap::FinalNormed)
         fail("--mtp-hidden prenorm: GLM-5's NextN layer reads the final-normed hidden");
+      if (a.draft_vocab != 0) fail("--draft-vocab: GLM-5's NextN drafter scores every token");
       return spec::GlmMtpProvider::from_target(target);
     }
-    if (a.draft_model) return spec::QwenMtpProvider::from_companion(*a.draft_model, tap);
-    return spec::QwenMtpProvider::from_target(target, tap);
+    auto mtp = a.draft_model ? spec::QwenMtpProvider::from_companion(*a.draft_model, tap)
+                             : spec::QwenMtpProvider::from_target(target, tap);
+    if (a.draft_vocab < 0 || a.draft_vocab > target.vocab_size())
+      fail("--draft-vocab must be in 0..", target.vocab_size(), " (the vocabulary), got ",
+           a.draft_vocab);
+    mtp->set_draft_vocabulary(a.draft_vocab);
+    return mtp;
   }
   if (a.draft == "eagle3") {
     if (!a.draft_model)

@@ -81,6 +81,7 @@ struct DraftArgs {
   std::string verify = "match";
   spec::NgramOptions ngram;
   std::string mtp_hidden = "final";
+  int64_t draft_vocab = 0;  // --draft mtp (Qwen3.5): token ids a draft step scores; 0 = all
   int64_t prefill_chunk = kPrefillChunkTokens;
   bool no_drafter_probe = false;
 };

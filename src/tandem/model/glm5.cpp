@@ -61,9 +61,14 @@ void Glm5Model::embed_device(const int32_t* ids, int64_t n, float* out) const {
   ops::embed_rows(embed_, ids, n, out);
 }
 
-void Glm5Model::head(const float* hidden, int64_t n, float* out) const {
+void Glm5Model::head(const float* hidden, int64_t n, float* out, int64_t rows) const {
   const ops::ContextScope scope(*context_);
-  ops::linear(hidden, n, lm_head_, out);
+  ops::WeightRef w = lm_head_;
+  if (rows > 0) {
+    if (rows > w.rows) fail("head: ", rows, " rows asked of a head of ", w.rows);
+    w.rows = rows;  // row-major [V, H]: a prefix of rows (and of an fp8 weight's scale rows)
+  }
+  ops::linear(hidden, n, w, out);
 }
 
 void Glm5Model::forward(Glm5State& st, const ForwardRequest& req, ForwardOutput* out) const {

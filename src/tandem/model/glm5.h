@@ -72,7 +72,9 @@ class Glm5Model {
   // ids in backend memory; an id out of range embeds as a row of NaN (ops::embed_rows).
   void embed_device(const int32_t* ids, int64_t n, float* out) const;
   // out[n, V] = the head applied to hidden[n, H] (no norm applied here; backend memory).
-  void head(const float* hidden, int64_t n, float* out) const;
+  // rows > 0: only the head's first `rows` rows (token ids 0..rows-1, a drafter's reduced
+  // vocabulary), out[n, rows], as a weight of that shape. Throws if rows > V.
+  void head(const float* hidden, int64_t n, float* out, int64_t rows = 0) const;
 
   // Weights of the target (embedding, layers, final norm, head; not the NextN layer).
   uint64_t parameter_count() const { return tensors_->parameters(); }

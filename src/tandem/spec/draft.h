@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "tandem/core/error.h"
 #include "tandem/core/sampler.h"
 #include "tandem/model/glm5.h"
 #include "tandem/model/qwen3_5.h"
@@ -80,6 +81,16 @@ class TargetView {
   virtual void embed_device(const int32_t* ids, int64_t n, float* out) const = 0;
   // out[n, V] = the target's head applied to already-normed hidden[n, H] (backend memory).
   virtual void logits(const float* hidden, int64_t n, float* out) const = 0;
+  // out[n, rows] = the logits of token ids 0..rows-1 only (a drafter's reduced vocabulary,
+  // rows <= V): the first rows of the head as a weight of its own (on CUDA its reduction order
+  // follows that shape, so a logit may differ from logits()' in the last bits). Views that
+  // cannot cut their head take the whole vocabulary only.
+  virtual void logits_prefix(const float* hidden, int64_t n, int64_t rows, float* out) const {
+    if (rows != vocab_size())
+      fail("this target cannot score a reduced draft vocabulary (", rows, " of ", vocab_size(),
+           " tokens)");
+    logits(hidden, n, out);
+  }
   virtual bool can_tap(HiddenTap tap) const = 0;
   // Whether the target's forwards capture the residual stream entering decoder layer `layer`
   // (ForwardRequest::tap_layers).
@@ -113,6 +124,9 @@ class ModelTargetView : public TargetView {
   }
   void logits(const float* hidden, int64_t n, float* out) const override {
     model_.head(hidden, n, out);
+  }
+  void logits_prefix(const float* hidden, int64_t n, int64_t rows, float* out) const override {
+    model_.head(hidden, n, out, rows);
   }
 
  protected:

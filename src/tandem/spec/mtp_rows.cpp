@@ -14,6 +14,7 @@ MtpRows::MtpRows(const TargetView& target, std::string who, std::string schema, 
     : target_(target),
       H_(hidden_size),
       V_(vocab_size),
+      draft_vocab_(vocab_size),
       who_(std::move(who)),
       schema_(std::move(schema)),
       ns_(std::move(ns)),
@@ -36,6 +37,20 @@ void MtpRows::block_rows(const std::vector<int>& row_ids, const std::vector<int6
   forward_block(embeds, hidden, histories, lengths, counts, out);
   for (size_t i = 0; i < row_ids.size(); ++i)
     rows_[static_cast<size_t>(row_ids[i])].length += counts[i];
+}
+
+void MtpRows::set_draft_vocabulary(int64_t tokens) {
+  if (tokens < 0 || tokens > V_)
+    fail(who_, ": a draft vocabulary of ", tokens, " tokens; the target has ", V_,
+         " (0 for all of them)");
+  draft_vocab_ = tokens == 0 ? V_ : tokens;
+}
+
+void MtpRows::draft_logits(const float* hidden, int64_t n, float* out) const {
+  if (draft_vocab_ == V_)
+    target_.logits(hidden, n, out);
+  else
+    target_.logits_prefix(hidden, n, draft_vocab_, out);
 }
 
 void MtpRows::run_block(const std::vector<int>& row_ids, const std::vector<int64_t>& counts) {
@@ -206,8 +221,8 @@ void MtpRows::draft(std::span<const RowDraft> rows, std::vector<DraftProposal>* 
     const int64_t A = static_cast<int64_t>(active.size());
     run_block(active, std::vector<int64_t>(active.size(), 1));
     Buffer<float>& logits_dev = step_logits_dev_[static_cast<size_t>(j)];
-    logits_dev.grow_to(A * V_);
-    target_.logits(out_.data(), A, logits_dev.data());
+    logits_dev.grow_to(A * draft_vocab_);
+    draft_logits(out_.data(), A, logits_dev.data());
     // Greedy rows that need no distribution take the argmax where the logits are: A ids cross to
     // the host instead of A x V logits.
     bool greedy = true;
@@ -218,7 +233,7 @@ void MtpRows::draft(std::span<const RowDraft> rows, std::vector<DraftProposal>* 
     std::vector<int32_t> picked;
     if (greedy) {
       argmax_dev_.grow_to(A);
-      ops::argmax_rows(logits_dev.data(), A, V_, argmax_dev_.data());
+      ops::argmax_rows(logits_dev.data(), A, draft_vocab_, argmax_dev_.data());
       picked.resize(static_cast<size_t>(A));
       ops::copy_to_host(picked.data(), argmax_dev_.data(), sizeof(int32_t) * picked.size());
       for (int64_t a = 0; a < A; ++a)
@@ -236,7 +251,8 @@ void MtpRows::draft(std::span<const RowDraft> rows, std::vector<DraftProposal>* 
       const RowDraft& in = rows[static_cast<size_t>(b)];
       const std::span<const float> l =
           greedy ? std::span<const float>()
-                 : std::span<const float>(logits.data() + a * V_, static_cast<size_t>(V_));
+                 : std::span<const float>(logits.data() + a * draft_vocab_,
+                                          static_cast<size_t>(draft_vocab_));
       const int32_t d =
           greedy ? picked[static_cast<size_t>(a)]
                  : sample_token(l, in.sampling, in.first_index + static_cast<uint64_t>(j), &dist_);
@@ -298,10 +314,10 @@ void MtpRows::draft_on_device(std::span<const RowDraft> rows, int max_depth,
     float* block_out = chain_dev_[j % 2].data();
     block_rows(active, std::vector<int64_t>(active.size(), 1), emb_.data(), hidden, block_out);
     Buffer<float>& logits_dev = step_logits_dev_[static_cast<size_t>(j)];
-    logits_dev.grow_to(A * V_);
-    target_.logits(block_out, A, logits_dev.data());
+    logits_dev.grow_to(A * draft_vocab_);
+    draft_logits(block_out, A, logits_dev.data());
     int32_t* picked = picks_dev_.data() + j * R;
-    ops::argmax_rows(logits_dev.data(), A, V_, picked);
+    ops::argmax_rows(logits_dev.data(), A, draft_vocab_, picked);
     ids = picked;
     hidden = block_out;
   }
@@ -387,7 +403,7 @@ CheckpointPtr MtpRows::capture(int row) const {
 void MtpRows::copy_step_logits(int step) const {
   const size_t j = static_cast<size_t>(step);
   if (step_logits_on_host_[j]) return;
-  const int64_t n = static_cast<int64_t>(step_rows_[j].size()) * V_;
+  const int64_t n = static_cast<int64_t>(step_rows_[j].size()) * draft_vocab_;
   if (static_cast<int64_t>(step_logits_[j].size()) < n)
     step_logits_[j].resize(static_cast<size_t>(n));
   ops::copy_to_host(step_logits_[j].data(), step_logits_dev_[j].data(),
@@ -403,7 +419,8 @@ std::span<const float> MtpRows::last_draft_logits(int row, int step) const {
   if (it == active.end()) fail(who_, ": row ", row, " drafted no proposal at step ", step);
   const int64_t a = it - active.begin();
   copy_step_logits(step);
-  return {step_logits_[static_cast<size_t>(step)].data() + a * V_, static_cast<size_t>(V_)};
+  return {step_logits_[static_cast<size_t>(step)].data() + a * draft_vocab_,
+          static_cast<size_t>(draft_vocab_)};
 }
 
 }  // namespace tandem::spec

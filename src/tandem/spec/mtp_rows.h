@@ -48,8 +48,17 @@ class MtpRows : public DraftRows {
   void commit(std::span<const VerifyRow> rows) override;
   CheckpointPtr capture(int row) const override;
 
+  // A reduced draft vocabulary (FR-Spec style): each draft step scores token ids
+  // 0..tokens-1 only, reading that share of the target's head, and proposes among them
+  // (0: the whole vocabulary, the default). Byte-level BPE vocabularies such as Qwen's number
+  // their tokens roughly by merge order, so a prefix holds the frequent ones. Verification
+  // still scores the whole vocabulary: the output is unchanged, only what gets proposed.
+  // Throws if tokens is outside 0..V.
+  void set_draft_vocabulary(int64_t tokens);
+  int64_t draft_vocabulary() const { return draft_vocab_; }
+
   // Diagnostics (tests, tools): the MTP rows a row holds, and the logits its last draft call
-  // computed for proposal `step` ([V], valid until the next draft call).
+  // computed for proposal `step` ([draft_vocabulary()], valid until the next draft call).
   int64_t mtp_rows(int row) const { return rows_.at(static_cast<size_t>(row)).length; }
   std::span<const float> last_draft_logits(int row, int step) const;
 
@@ -83,6 +92,7 @@ class MtpRows : public DraftRows {
 
   const TargetView& target_;  // outlives the rows (TargetView's contract)
   int64_t H_ = 0, V_ = 0;
+  int64_t draft_vocab_ = 0;      // the ids a draft step scores: 0..draft_vocab_-1 (V_ by default)
   bool prefill_history_ = true;  // prefill builds MTP rows for the prompt (see prefill)
 
  private:
@@ -124,6 +134,8 @@ class MtpRows : public DraftRows {
   std::vector<TokenProb> dist_;
 
   void copy_step_logits(int step) const;  // the host copy of a draft step's logits
+  // out[n, draft_vocab_] = the draft vocabulary's logits of block outputs hidden[n, H].
+  void draft_logits(const float* hidden, int64_t n, float* out) const;
   // Appends one (token, hidden) pair to the gather buffers.
   void gather(int32_t id, const float* hidden);
   // Runs the block over the pairs gathered in ids_ / hid_ (rows in `row_ids` order, counts[i]

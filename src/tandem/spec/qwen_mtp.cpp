@@ -129,7 +129,16 @@ std::unique_ptr<DraftRows> QwenMtpProvider::open_rows(const TargetView& target) 
   if (!target.can_tap(tap_))
     fail("qwen-mtp drafter ", source_, ": the target cannot provide the ", hidden_tap_name(tap_),
          " hidden state this drafter consumes");
-  return std::make_unique<QwenMtpRows>(block_, target, ns_, tap_);
+  auto rows = std::make_unique<QwenMtpRows>(block_, target, ns_, tap_);
+  rows->set_draft_vocabulary(draft_vocab_);
+  return rows;
+}
+
+void QwenMtpProvider::set_draft_vocabulary(int64_t tokens) {
+  if (tokens < 0 || tokens > config().vocab_size)
+    fail("qwen-mtp drafter ", source_, ": a draft vocabulary of ", tokens,
+         " tokens; the vocabulary has ", config().vocab_size, " (0 for all of them)");
+  draft_vocab_ = tokens;
 }
 
 // ---------------------------------------------------------------------------------------------

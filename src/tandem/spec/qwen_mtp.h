@@ -45,6 +45,12 @@ class QwenMtpProvider : public DraftProvider {
   // provide the drafter's hidden tap.
   std::unique_ptr<DraftRows> open_rows(const TargetView& target) const override;
 
+  // Rows opened from now on score token ids 0..tokens-1 only (MtpRows::set_draft_vocabulary;
+  // 0: the whole vocabulary). Changes what is proposed, never the output. Throws if tokens is
+  // outside 0..vocab.
+  void set_draft_vocabulary(int64_t tokens);
+  int64_t draft_vocabulary() const { return draft_vocab_; }
+
   HiddenTap tap() const { return tap_; }
   const QwenMtpConfig& config() const { return block_->config(); }
   // The companion's block_size - 1 (its suggested drafting depth); 0 when it gives none.
@@ -58,6 +64,7 @@ class QwenMtpProvider : public DraftProvider {
   std::string source_;  // where the weights came from, for messages
   uint64_t bytes_ = 0;
   HiddenTap tap_ = HiddenTap::FinalNormed;
+  int64_t draft_vocab_ = 0;  // 0: the whole vocabulary
   std::shared_ptr<const QwenMtpBlock> block_;
 };
 
