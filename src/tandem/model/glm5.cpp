@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "tandem/backend/weight_rows.h"
 #include "tandem/core/error.h"
 #include "tandem/model/gated_attention.h"
 #include "tandem/model/moe_weights.h"
@@ -63,12 +64,7 @@ void Glm5Model::embed_device(const int32_t* ids, int64_t n, float* out) const {
 
 void Glm5Model::head(const float* hidden, int64_t n, float* out, int64_t rows) const {
   const ops::ContextScope scope(*context_);
-  ops::WeightRef w = lm_head_;
-  if (rows > 0) {
-    if (rows > w.rows) fail("head: ", rows, " rows asked of a head of ", w.rows);
-    w.rows = rows;  // row-major [V, H]: a prefix of rows (and of an fp8 weight's scale rows)
-  }
-  ops::linear(hidden, n, w, out);
+  ops::linear(hidden, n, rows > 0 ? ops::leading_rows(lm_head_, rows, "head") : lm_head_, out);
 }
 
 void Glm5Model::forward(Glm5State& st, const ForwardRequest& req, ForwardOutput* out) const {
