@@ -75,8 +75,9 @@ class ContextScope {
  private:
   Context* entered_;   // null: the scope re-entered the current context and changes nothing
   Context* previous_;  // the thread's scope context before this one (null: none)
-  void* previous_native_ = nullptr;  // the backend's own current context before this scope
-  int previous_device_ = -1;
+  // The backend's own current context and device before this scope (unused without CUDA).
+  [[maybe_unused]] void* previous_native_ = nullptr;
+  [[maybe_unused]] int previous_device_ = -1;
 };
 
 }  // namespace tandem::ops
