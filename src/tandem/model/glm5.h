@@ -54,7 +54,6 @@ class Glm5Model {
   // The backend context the model's work runs on (backend/context.h): its own, or its loader's
   // current one (Context::for_new_model). Every entry point below enters it.
   ops::Context& context() const { return *context_; }
-  const std::shared_ptr<ops::Context>& shared_context() const { return context_; }
 
   // Runs the rows' new tokens through the model, appending them to each row's caches; outputs
   // go to host memory. Rows must be open, listed once, without an open speculative window, and

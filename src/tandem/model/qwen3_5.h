@@ -47,7 +47,6 @@ class Qwen35Model {
   // The backend context the model's work runs on (backend/context.h): its own, or its loader's
   // current one (Context::for_new_model). Every entry point below enters it.
   ops::Context& context() const { return *context_; }
-  const std::shared_ptr<ops::Context>& shared_context() const { return context_; }
   const std::string& prefix() const { return prefix_; }  // "model.language_model." or "model."
 
   // Runs the rows' new tokens through the model, appending them to each row's state.

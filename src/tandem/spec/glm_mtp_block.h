@@ -30,9 +30,6 @@ class GlmMtpBlock {
 
   const Glm5Config& config() const { return cfg_; }
   uint64_t parameter_count() const { return tensors_->parameters(); }
-  // The backend context its work runs on (backend/context.h): its builder's current one, or
-  // its own (Context::for_new_model). Its entry points enter it.
-  ops::Context& context() const { return *context_; }
   uint64_t weights_bytes() const { return tensors_->bytes(); }
   int64_t latent_width() const { return cfg_.kv_lora_rank + cfg_.qk_rope_head_dim; }
 
@@ -43,7 +40,9 @@ class GlmMtpBlock {
                std::span<const Glm5RowCache> caches, float* out) const;
 
  private:
-  std::shared_ptr<ops::Context> context_;  // first: destroyed after the buffers below
+  // The backend context its work runs on: its builder's current one, or its own
+  // (Context::for_new_model); its entry points enter it. First: destroyed after the buffers below.
+  std::shared_ptr<ops::Context> context_;
   Glm5Config cfg_;
   std::unique_ptr<Glm5Tensors> tensors_;
   ops::WeightRef enorm_, hnorm_, eh_proj_, head_norm_;

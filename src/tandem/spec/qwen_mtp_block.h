@@ -31,9 +31,6 @@ class QwenMtpBlock {
   explicit QwenMtpBlock(QwenMtpWeights w);
   const QwenMtpConfig& config() const { return w_.cfg; }
   const QwenMtpWeights& weights() const { return w_; }
-  // The backend context its work runs on (backend/context.h): its builder's current one, or
-  // its own (Context::for_new_model). Its entry points enter it.
-  ops::Context& context() const { return *context_; }
 
   // Scratch of one caller (grown, never shrunk); a block may serve several callers.
   struct Workspace {
@@ -50,7 +47,9 @@ class QwenMtpBlock {
                const ops::KVLayerView& kv, Workspace& ws, float* out) const;
 
  private:
-  std::shared_ptr<ops::Context> context_;  // first: destroyed after the buffers below
+  // The backend context its work runs on: its builder's current one, or its own
+  // (Context::for_new_model); its entry points enter it. First: destroyed after the buffers below.
+  std::shared_ptr<ops::Context> context_;
   // Placed for the active backend: file-backed weights on CUDA point at bf16/f32 copies in
   // arena_; random weights (w_.placed) already live in backend memory, owned by w_.arena.
   QwenMtpWeights w_;

@@ -5,7 +5,6 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <functional>
 #include <utility>
 
 #include "tandem/backend/cuda/context.cuh"
@@ -116,13 +115,7 @@ void allow_dynamic_smem(void (*kernel)(Params...), size_t bytes, const char* wha
   const void* key = reinterpret_cast<const void*>(kernel);
   size_t& have = c.smem_allowed[key];
   if (bytes <= have) return;
-  have = raise_dynamic_smem(
-      key, c.device(), bytes,
-      [&](size_t limit) {
-        return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    static_cast<int>(limit));
-      },
-      what);
+  have = raise_dynamic_smem(key, c.device(), bytes, what);
 }
 
 // Blocks of `kernel` the GPU keeps resident at once (its occupancy per SM at `threads` threads and

@@ -18,23 +18,13 @@ thread_local Context* t_current = nullptr;  // the innermost scope's; null: the 
 
 // The default context, created on first use and never destroyed: it lives as long as the CUDA
 // runtime (destroying it in a static destructor would race the runtime's own unloading).
-std::atomic<Context*> g_default{nullptr};
-
 Context& default_context() {
   static Context* const created = [] {
     int device = 0;
     TANDEM_CUDA_CHECK(cudaGetDevice(&device));
-    auto* c = new Context(device);
-    g_default.store(c);
-    return c;
+    return new Context(device);
   }();
   return *created;
-}
-
-// The context ops of this thread run on, without creating the default one (context_enter made
-// it before any scope could close).
-Context* effective_or_null() {
-  return t_current ? t_current : g_default.load();
 }
 
 // `to`'s stream waits for the work queued on `from`'s so far. Not checked: called from scope
@@ -61,14 +51,15 @@ struct DeviceGuard {
 
 }  // namespace
 
-size_t raise_dynamic_smem(const void* kernel, int device, size_t bytes,
-                          const std::function<cudaError_t(size_t)>& set, const char* what) {
+size_t raise_dynamic_smem(const void* kernel, int device, size_t bytes, const char* what) {
   static std::mutex lock;
   static std::map<std::pair<int, const void*>, size_t> limits;  // the driver's, as last set
   const std::lock_guard<std::mutex> hold(lock);
   size_t& limit = limits[{device, kernel}];
   if (bytes > limit) {
-    if (const cudaError_t err = set(bytes); err != cudaSuccess)
+    if (const cudaError_t err = cudaFuncSetAttribute(
+            kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
+        err != cudaSuccess)
       fail(what, ": ", bytes, " bytes of shared memory: ", cudaGetErrorString(err));
     limit = bytes;
   }
@@ -149,7 +140,7 @@ void* context_create(int device) {
 }
 
 void context_destroy(void* context) {
-  if (context != g_default.load()) delete static_cast<Context*>(context);
+  delete static_cast<Context*>(context);
 }
 
 void* context_default() {
@@ -176,7 +167,8 @@ void* context_enter(void* context, int* previous_device) {
 void context_leave(void* context, void* previous, int previous_device) {
   auto* c = static_cast<Context*>(context);
   t_current = static_cast<Context*>(previous);
-  if (Context* to = effective_or_null(); to != nullptr && to != c) order(c, to);
+  // The default context exists: context_enter made it (so this cannot throw).
+  if (Context* to = t_current ? t_current : &default_context(); to != c) order(c, to);
   if (previous_device >= 0) (void)cudaSetDevice(previous_device);
 }
 

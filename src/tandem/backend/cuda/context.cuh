@@ -12,7 +12,6 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <functional>
 #include <map>
 #include <memory>
 #include <unordered_map>
@@ -84,12 +83,11 @@ class Context {
   std::vector<std::unique_ptr<UnitBase>> units_;
 };
 
-// Raises the dynamic shared memory limit of `kernel` on `device` to at least `bytes` with `set`
-// (cudaFuncSetAttribute) and returns the limit now in force. The limit is the device's, not a
-// context's: one table for the process, under a lock, that only ever grows (a context setting a
-// smaller limit would break another's launches). Throws Error naming `what` on failure.
-size_t raise_dynamic_smem(const void* kernel, int device, size_t bytes,
-                          const std::function<cudaError_t(size_t)>& set, const char* what);
+// Raises the dynamic shared memory limit of `kernel` on `device` (the current one) to at least
+// `bytes` and returns the limit now in force. The limit is the device's, not a context's: one
+// table for the process, under a lock, that only ever grows (a context setting a smaller limit
+// would break another's launches). Throws Error naming `what` on failure.
+size_t raise_dynamic_smem(const void* kernel, int device, size_t bytes, const char* what);
 
 // The calling thread's current CUDA context: the innermost ops::ContextScope's, else the
 // process's default CUDA context.

@@ -413,8 +413,8 @@ const Fp8Plan& fp8_prefill_plan(const ops::WeightRef& w, int64_t tile) {
       int n = 0;
       cublasStatus_t st = CUBLAS_STATUS_NOT_SUPPORTED;
       if (l.ok)
-        st = cublasLtMatmulAlgoGetHeuristic(current().blas_lt(), fp8_matmul_desc(), l.w, l.x, l.y,
-                                            l.y, pref, kCandidates, found, &n);
+        st = cublasLtMatmulAlgoGetHeuristic(cublas_lt(), fp8_matmul_desc(), l.w, l.x, l.y, l.y,
+                                            pref, kCandidates, found, &n);
       cublasLtMatmulPreferenceDestroy(pref);
       if (st != CUBLAS_STATUS_SUCCESS) n = 0;
       for (int i = 0; i < n && !plan.ok; ++i) {
@@ -476,8 +476,8 @@ void linear_fp8_tensor_cores(const float* x, int64_t m, const ops::WeightRef& w,
   if (!l.ok) fail("cuBLASLt: fp8 matrix layouts for [", N, " x ", K, "] and ", mp, " rows");
   const float alpha = 1.0f, beta = accumulate && direct ? 1.0f : 0.0f;
   const cublasStatus_t st = cublasLtMatmul(
-      current().blas_lt(), fp8_matmul_desc(), &alpha, w.data, l.w, codes, l.x, &beta, d, l.y, d,
-      l.y, &plan.algo, lt_workspace(), kLtWorkspaceBytes, static_cast<cudaStream_t>(stream()));
+      cublas_lt(), fp8_matmul_desc(), &alpha, w.data, l.w, codes, l.x, &beta, d, l.y, d, l.y,
+      &plan.algo, lt_workspace(), kLtWorkspaceBytes, static_cast<cudaStream_t>(stream()));
   if (st != CUBLAS_STATUS_SUCCESS)
     fail("cuBLASLt: the fp8 prefill product of a [", N, " x ", K, "] weight and ", m,
          " rows failed (status ", int(st), ")");
