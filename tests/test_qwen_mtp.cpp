@@ -318,6 +318,45 @@ TEST(QwenMtp, BatchedRowsEqualRowsAlone) {
   }
 }
 
+// A block forward's rows for the attention of all rows at once: each token's position and KV
+// slot, its row, and every row's table at one stride (the largest bound, in blocks), so table
+// addresses hold still while rows grow below their bounds.
+TEST(DraftKvPool, BatchLaysOutPositionsSlotsAndTablesAtOneStride) {
+  DraftKvPool pool(2, 8);
+  std::vector<int32_t> a, b, c;
+  pool.reserve(a, 40);    // 3 blocks
+  pool.reserve(b, 1030);  // 65 blocks: a bound of 2048
+  pool.reserve(c, 5);
+  const std::vector<int32_t>* tables[] = {&a, &b, &c};
+  const int64_t lengths[] = {37, 1024, 0}, counts[] = {3, 2, 0};
+  const AttentionBatch batch = pool.batch(tables, lengths, counts);
+  ASSERT_EQ(batch.tokens, 5);
+  ASSERT_EQ(batch.segments.size(), 3u);
+  EXPECT_EQ(batch.rows.table_stride, 2048 / DraftKvPool::kBlockSize);
+  const int64_t want_pos[] = {37, 38, 39, 1024, 1025};
+  const int64_t want_row[] = {0, 0, 0, 1, 1};
+  for (int t = 0; t < 5; ++t) {
+    EXPECT_EQ(batch.positions[t], want_pos[t]) << t;
+    EXPECT_EQ(batch.rows.query_rows[t], want_row[t]) << t;
+    const std::vector<int32_t>& table = t < 3 ? a : b;
+    const int64_t p = want_pos[t];
+    EXPECT_EQ(batch.kv_slots[t], int64_t{table[p / 16]} * 16 + p % 16) << t;
+  }
+  for (int r = 0; r < 3; ++r) {
+    const AttentionSegment& s = batch.segments[static_cast<size_t>(r)];
+    EXPECT_EQ(s.block_table, batch.rows.tables + r * batch.rows.table_stride);
+    EXPECT_EQ(s.start, lengths[r]);
+    EXPECT_EQ(s.n, counts[r]);
+    const std::vector<int32_t>& table = *tables[r];
+    for (size_t i = 0; i < table.size(); ++i) EXPECT_EQ(s.block_table[i], table[i]) << r;
+  }
+  EXPECT_EQ(batch.segments[0].position_bound, 1024);
+  EXPECT_EQ(batch.segments[1].position_bound, 2048);
+  // A table that cannot hold the new positions is a caller's bug, caught before any upload.
+  const int64_t too_far[] = {37, 1024, 80};
+  EXPECT_THROW(pool.batch(tables, too_far, counts), Error);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Commit semantics (DESIGN.md §5.4).
 

@@ -216,18 +216,18 @@ TEST(MtpAcceptance, TeacherForcedAgreementOnHeldOutTextMatchesTheModelCard) {
   const auto& provider = dynamic_cast<const spec::QwenMtpProvider&>(*f.mtp);
   const spec::QwenMtpBlock& block = provider.block();
   const auto& c = block.config();
-  const int64_t rows = L - 1, bs = 16, n_blocks = (rows + bs - 1) / bs;
-  std::vector<float> pool(
-      static_cast<size_t>(n_blocks * 2 * bs * c.num_key_value_heads * c.head_dim));
-  std::vector<int32_t> table(static_cast<size_t>(n_blocks));
-  for (int64_t b = 0; b < n_blocks; ++b) table[b] = static_cast<int32_t>(b);
-  const ops::KVLayerView kv{pool.data(), bs, c.num_key_value_heads, c.head_dim};
+  const int64_t rows = L - 1;
+  spec::DraftKvPool pool(c.num_key_value_heads, c.head_dim);
+  std::vector<int32_t> table;
+  pool.reserve(table, rows);
   std::vector<float> emb(static_cast<size_t>(rows * H)), mtp_out(emb.size()),
       logits(static_cast<size_t>(rows * V));
   f.target->embed(std::span(ids).subspan(1), emb.data());
-  const spec::MtpSegment seg{table.data(), 0, rows, rows};
+  const std::vector<int32_t>* tables[] = {&table};
+  const int64_t start[] = {0}, count[] = {rows};
+  const AttentionBatch batch = pool.batch(tables, start, count);
   spec::QwenMtpBlock::Workspace ws;
-  block.forward(emb.data(), out.hidden.data(), {&seg, 1}, kv, ws, mtp_out.data());
+  block.forward(emb.data(), out.hidden.data(), batch, pool.view(), ws, mtp_out.data());
   f.target->logits(mtp_out.data(), rows, logits.data());
   int64_t agree = 0;
   for (int64_t p = 0; p + 1 < L; ++p) {

@@ -38,6 +38,17 @@ struct AttentionRows {
   const int64_t* query_rows = nullptr;
 };
 
+// Every row of one forward as the attention of all rows at once reads them (gated_attention
+// with kv_slots and rows): the segments on the host, and in backend memory each token's rotary
+// position and physical KV slot ([tokens] each) and the rows' block tables (AttentionRows).
+struct AttentionBatch {
+  std::vector<AttentionSegment> segments;
+  const int64_t* positions = nullptr;
+  const int64_t* kv_slots = nullptr;
+  AttentionRows rows;
+  int64_t tokens = 0;  // Σ segments[i].n
+};
+
 // The position_bound of a row whose block table reserves `kv_capacity` positions: rounded up to
 // a multiple of kPositionBoundStep, so it (and a graph keyed on it) changes once per that many
 // positions, not per block.

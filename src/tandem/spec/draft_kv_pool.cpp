@@ -1,6 +1,9 @@
 #include "tandem/spec/draft_kv_pool.h"
 
 #include <algorithm>
+#include <cstring>
+
+#include "tandem/core/error.h"
 
 namespace tandem::spec {
 
@@ -63,6 +66,53 @@ std::vector<AttentionSegment> DraftKvPool::segments(
                     attention_position_bound(capacity)});
   }
   return segs;
+}
+
+AttentionBatch DraftKvPool::batch(std::span<const std::vector<int32_t>* const> tables,
+                                  std::span<const int64_t> lengths,
+                                  std::span<const int64_t> counts) {
+  AttentionBatch b;
+  int64_t stride = 1;
+  for (size_t i = 0; i < tables.size(); ++i) {
+    const int64_t blocks = static_cast<int64_t>(tables[i]->size());
+    TANDEM_CHECK(blocks * kBlockSize >= lengths[i] + counts[i], "draft KV row ", i, " holds ",
+                 blocks * kBlockSize, " positions, needs ", lengths[i] + counts[i]);
+    const int64_t bound = attention_position_bound(blocks * kBlockSize);
+    b.segments.push_back({nullptr, lengths[i], counts[i], bound});
+    stride = std::max(stride, bound / kBlockSize);
+    b.tokens += counts[i];
+  }
+  const int64_t T = b.tokens, R = static_cast<int64_t>(tables.size());
+  const size_t per_token = sizeof(int64_t) * static_cast<size_t>(T);
+  const size_t tables_at = (3 * per_token + 255) / 256 * 256;
+  const size_t bytes =
+      tables_at + sizeof(int32_t) * static_cast<size_t>(std::max<int64_t>(1, R * stride));
+  uint8_t* host = batch_upload_.host(bytes);
+  std::memset(host + tables_at, 0, bytes - tables_at);
+  auto* pos = reinterpret_cast<int64_t*>(host);
+  int32_t* table_rows = reinterpret_cast<int32_t*>(host + tables_at);
+  int64_t t = 0;
+  for (int64_t i = 0; i < R; ++i) {
+    const std::vector<int32_t>& table = *tables[static_cast<size_t>(i)];
+    std::copy(table.begin(), table.end(), table_rows + i * stride);
+    for (int64_t j = 0; j < counts[static_cast<size_t>(i)]; ++j, ++t) {
+      const int64_t p = lengths[static_cast<size_t>(i)] + j;
+      pos[t] = p;
+      pos[T + t] =
+          int64_t{table[static_cast<size_t>(p / kBlockSize)]} * kBlockSize + p % kBlockSize;
+      pos[2 * T + t] = i;
+    }
+  }
+  batch_dev_.grow_to(static_cast<int64_t>(bytes));
+  uint8_t* dev = batch_dev_.data();
+  batch_upload_.start(dev, bytes);
+  b.positions = reinterpret_cast<const int64_t*>(dev);
+  b.kv_slots = b.positions + T;
+  const auto* dev_tables = reinterpret_cast<const int32_t*>(dev + tables_at);
+  b.rows = AttentionRows{dev_tables, stride, b.positions + 2 * T};
+  for (int64_t i = 0; i < R; ++i)
+    b.segments[static_cast<size_t>(i)].block_table = dev_tables + i * stride;
+  return b;
 }
 
 int64_t DraftKvPool::checkpoint_rows(const Checkpoint& c, const std::string& who) const {

@@ -10,6 +10,7 @@
 
 #include "tandem/backend/buffer.h"
 #include "tandem/backend/ops.h"
+#include "tandem/backend/staged_upload.h"
 #include "tandem/model/gated_attention.h"
 #include "tandem/spec/checkpoint.h"
 
@@ -36,6 +37,15 @@ class DraftKvPool {
                                          std::span<const int64_t> lengths,
                                          std::span<const int64_t> counts);
 
+  // The same rows for the attention of all rows at once (AttentionBatch): positions, KV slots,
+  // query rows and tables go up in one copy into scratch the result points into, valid until
+  // the next call. Tables sit at a stride of the largest position bound (in blocks), so a row's
+  // table address changes only when a bound does: a graph captured around the forward stays
+  // valid while the rows grow below their bounds. Every table must hold lengths[i] + counts[i]
+  // positions (reserve).
+  AttentionBatch batch(std::span<const std::vector<int32_t>* const> tables,
+                       std::span<const int64_t> lengths, std::span<const int64_t> counts);
+
   // The rows a checkpoint's KV tensors kv_keys and kv_values [rows, kv_heads, head_dim] hold;
   // throws tandem::Error naming `who` unless both are there in this pool's shape.
   int64_t checkpoint_rows(const Checkpoint& c, const std::string& who) const;
@@ -55,6 +65,8 @@ class DraftKvPool {
   std::vector<int32_t> free_;
   Buffer<int32_t> tables_dev_;
   std::vector<int32_t> tables_host_;
+  Buffer<uint8_t> batch_dev_;  // batch(): positions, slots, query rows [tokens] each, then tables
+  StagedUpload batch_upload_;
 
   int64_t floats_per_block() const { return 2 * kBlockSize * kv_heads_ * head_dim_; }
   std::vector<int32_t> take(int64_t n);

@@ -163,14 +163,28 @@ void QwenMtpRows::forward_block(const float* embeds, const float* hidden,
                                 std::span<History* const> rows, std::span<const int64_t> lengths,
                                 std::span<const int64_t> counts, float* out) {
   std::vector<const std::vector<int32_t>*> tables;
+  int64_t most = 0;
   for (size_t i = 0; i < rows.size(); ++i) {
     std::vector<int32_t>& blocks = static_cast<KvHistory&>(*rows[i]).blocks;
     kv_.reserve(blocks, lengths[i] + counts[i]);
     tables.push_back(&blocks);
+    most = std::max(most, counts[i]);
   }
-  // Segments point into an upload of the rows' block tables, made after every reservation.
-  const std::vector<MtpSegment> segs = kv_.segments(tables, lengths, counts);
-  block_->forward(embeds, hidden, segs, kv_.view(), ws_, out);
+  // On the block's stream: its uploads and launches stay in order with the forward's own.
+  const ops::ContextScope scope(block_->context());
+  const AttentionBatch batch = kv_.batch(tables, lengths, counts);
+  block_->reserve(ws_, batch.tokens);
+  const ops::KVLayerView kv = kv_.view();
+  auto body = [&] { block_->forward(embeds, hidden, batch, kv, ws_, out); };
+  // Draft steps and commits (a token or a few per row) replay a graph: a step of this one-layer
+  // block is some twenty small launches. Prompts come in every length and run directly.
+  if (most > kGraphRowTokens) return body();
+  GraphKey key;
+  key.add(batch.tokens).add(batch.positions).add(batch.rows.tables).add(batch.rows.table_stride);
+  for (const AttentionSegment& s : batch.segments) key.add(s.n).add(s.position_bound);
+  key.add(kv.pool).add(embeds).add(hidden).add(out);
+  ws_.add_to(key);
+  graphs_.run(key, body);
 }
 
 int64_t QwenMtpRows::check_history(const Checkpoint& c) const {

@@ -86,6 +86,9 @@ class QwenMtpRows : public MtpRows {
   DraftKvPool kv_;
 
   QwenMtpBlock::Workspace ws_;  // scratch (grown, reused)
+  // Block forwards of at most kGraphRowTokens tokens a row, captured per shape (forward_block).
+  static constexpr int64_t kGraphRowTokens = 4;
+  GraphCache graphs_;
 
   std::unique_ptr<History> new_history() override;
   void release_history(History& h) override;

@@ -20,78 +20,129 @@ QwenMtpBlock::QwenMtpBlock(QwenMtpWeights w)
   if (ops::backend() == ops::Backend::Cpu) return;
   if (w_.placed) {
     if (c.moe.moe()) stack_moe_experts(w_.arena, &w_.moe);
-    return;
-  }
-  for (ops::WeightRef* v : {&w_.pre_fc_norm_embedding, &w_.pre_fc_norm_hidden, &w_.input_layernorm,
-                            &w_.post_attention_layernorm, &w_.q_norm, &w_.k_norm, &w_.norm})
-    *v = arena_.vector(*v);
-  if (c.moe.moe()) {
-    for_each_moe_matrix(w_.moe, [&](ops::WeightRef& r) {
-      if (r.rows > 0) r = arena_.matrix(r);
-    });
-    stack_moe_experts(arena_, &w_.moe);
-  }
-  for (MtpLinear* l : {&w_.fc, &w_.q_proj, &w_.k_proj, &w_.v_proj, &w_.o_proj, &w_.gate_proj,
-                       &w_.up_proj, &w_.down_proj}) {
-    if (l->quant) {
-      l->dense = arena_.dequantized(*l->quant);
-      l->quant.reset();
-    } else {
-      l->dense = arena_.matrix(l->dense);
+  } else {
+    for (ops::WeightRef* v :
+         {&w_.pre_fc_norm_embedding, &w_.pre_fc_norm_hidden, &w_.input_layernorm,
+          &w_.post_attention_layernorm, &w_.q_norm, &w_.k_norm, &w_.norm})
+      *v = arena_.vector(*v);
+    if (c.moe.moe()) {
+      for_each_moe_matrix(w_.moe, [&](ops::WeightRef& r) {
+        if (r.rows > 0) r = arena_.matrix(r);
+      });
+      stack_moe_experts(arena_, &w_.moe);
+    }
+    for (MtpLinear* l : {&w_.fc, &w_.q_proj, &w_.k_proj, &w_.v_proj, &w_.o_proj, &w_.gate_proj,
+                         &w_.up_proj, &w_.down_proj}) {
+      if (l->quant) {
+        l->dense = arena_.dequantized(*l->quant);
+        l->quant.reset();
+      } else {
+        l->dense = arena_.matrix(l->dense);
+      }
     }
   }
+  // The target's fused decode forms (one launch for q|k|v with the input norm folded in, one
+  // for gate|up with SwiGLU): a draft step is a chain of small launches, so each one counts.
+  WeightArena& arena = w_.placed ? w_.arena : arena_;
+  in_proj_ = arena.stack_rows({&w_.q_proj.dense, &w_.k_proj.dense, &w_.v_proj.dense});
+  if (!c.moe.moe() && c.intermediate_size % ops::kGateUpGroup == 0)
+    gate_up_ = arena.interleave_rows(&w_.gate_proj.dense, &w_.up_proj.dense, ops::kGateUpGroup);
 }
 
-void QwenMtpBlock::forward(const float* embeds, const float* hidden,
-                           std::span<const MtpSegment> segs, const ops::KVLayerView& kv,
-                           Workspace& ws, float* out) const {
+void QwenMtpBlock::Workspace::add_to(GraphKey& key) const {
+  for (const float* p :
+       {cat.data(), x.data(), h.data(), g.data(), u.data(), attn.qg.data(), attn.q.data(),
+        attn.gate.data(), attn.k.data(), attn.v.data(), attn.o.data()})
+    key.add(p);
+}
+
+GatedAttentionShape QwenMtpBlock::attention_shape() const {
+  const QwenMtpConfig& c = w_.cfg;
+  GatedAttentionShape shape;
+  shape.n_heads = c.num_attention_heads;
+  shape.n_kv_heads = c.num_key_value_heads;
+  shape.head_dim = c.head_dim;
+  shape.rotary_dim = c.rotary_dim;
+  shape.eps = static_cast<float>(c.rms_norm_eps);
+  shape.zero_centred_norms = c.norms_zero_centred;
+  return shape;
+}
+
+void QwenMtpBlock::reserve(Workspace& ws, int64_t T) const {
+  const int64_t H = w_.cfg.hidden_size, I = w_.cfg.intermediate_size;
+  grow_to(ws.cat, T * 2 * H);
+  grow_to(ws.x, T * H);
+  grow_to(ws.h, T * H);
+  if (!w_.cfg.moe.moe() && !gate_up_.data) {
+    grow_to(ws.g, T * I);
+    grow_to(ws.u, T * I);
+  }
+  ws.attn.reserve(T, attention_shape());
+}
+
+void QwenMtpBlock::forward(const float* embeds, const float* hidden, const AttentionBatch& rows,
+                           const ops::KVLayerView& kv, Workspace& ws, float* out) const {
   const ops::ContextScope scope(*context_);
   const QwenMtpConfig& c = w_.cfg;
-  const int64_t H = c.hidden_size, I = c.intermediate_size, hd = c.head_dim;
-  const int64_t nh = c.num_attention_heads, nkv = c.num_key_value_heads;
+  const int64_t H = c.hidden_size;
   const bool zc = c.norms_zero_centred;
   const float eps = static_cast<float>(c.rms_norm_eps);
-  const int64_t T = upload_segment_positions(segs, ws.pos_host, ws.pos);
+  const int64_t T = rows.tokens;
   if (T == 0) return;
+  reserve(ws, T);
 
   // fc input: [norm_e(embed) | norm_h(h)] per token.
   concat_normed_pair(embeds, hidden, T, H, w_.pre_fc_norm_embedding, w_.pre_fc_norm_hidden, zc, eps,
                      ws.cat, ws.h);
-  grow_to(ws.x, T * H);
   w_.fc.apply(ws.cat.data(), T, ws.x.data());
 
   // Gated full attention (the Qwen3.5 decoder layer's mixer).
-  ops::rms_norm(ws.x.data(), T, H, w_.input_layernorm, zc, eps, ws.h.data());
-  GatedAttentionShape shape;
-  shape.n_heads = nh;
-  shape.n_kv_heads = nkv;
-  shape.head_dim = hd;
-  shape.rotary_dim = c.rotary_dim;
-  shape.eps = eps;
-  shape.zero_centred_norms = zc;
+  const GatedAttentionShape shape = attention_shape();
   GatedAttentionScratch& x = ws.attn;
-  x.reserve(T, shape);
-  w_.q_proj.apply(ws.h.data(), T, x.qg.data());
-  w_.k_proj.apply(ws.h.data(), T, x.k.data());
-  w_.v_proj.apply(ws.h.data(), T, x.v.data());
-  gated_attention(shape, w_.q_norm, w_.k_norm, inv_freq_.data(), ws.pos.data(), segs, kv, x);
-  w_.o_proj.apply(x.o.data(), T, ws.h.data());
+  const ops::RowNorm input_norm{w_.input_layernorm, zc, eps};
+  if (in_proj_.data) {
+    const ops::OutputSlice slices[] = {{x.qg.data(), w_.q_proj.dense.rows},
+                                       {x.k.data(), w_.k_proj.dense.rows},
+                                       {x.v.data(), w_.v_proj.dense.rows}};
+    ops::linear_split(ws.x.data(), T, in_proj_, slices, 3, &input_norm);
+  } else {
+    ops::rms_norm(ws.x.data(), T, H, w_.input_layernorm, zc, eps, ws.h.data());
+    w_.q_proj.apply(ws.h.data(), T, x.qg.data());
+    w_.k_proj.apply(ws.h.data(), T, x.k.data());
+    w_.v_proj.apply(ws.h.data(), T, x.v.data());
+  }
+  gated_attention(shape, w_.q_norm, w_.k_norm, inv_freq_.data(), rows.positions, rows.segments, kv,
+                  x, rows.kv_slots, &rows.rows);
 
-  // SwiGLU MLP, or the mixture of experts (the residual add fused with its norm).
-  ops::add_rms_norm(ws.x.data(), ws.h.data(), T, H, w_.post_attention_layernorm, zc, eps,
-                    ws.h.data());
-  if (c.moe.moe()) {
-    ops::moe_mlp_add(ws.h.data(), T, w_.moe, ws.x.data());  // adds into the residual stream
+  // SwiGLU MLP, or the mixture of experts, each adding into the residual stream. Every value is
+  // the one the unfused sequence computes (ops.h), so the CPU's and CUDA's forms agree.
+  const ops::RowNorm post_norm{w_.post_attention_layernorm, zc, eps};
+  if (in_proj_.data) {
+    ops::linear_add(x.o.data(), T, w_.o_proj.dense, ws.x.data());
+    if (gate_up_.data) {
+      ops::swiglu_mlp_add(ws.x.data(), T, gate_up_, w_.down_proj.dense, ws.x.data(), &post_norm);
+    } else {
+      ops::rms_norm(ws.x.data(), T, H, w_.post_attention_layernorm, zc, eps, ws.h.data());
+      mlp_add(ws, T);
+    }
     ops::rms_norm(ws.x.data(), T, H, w_.norm, zc, eps, out);
     return;
   }
-  grow_to(ws.g, T * I);
-  grow_to(ws.u, T * I);
+  w_.o_proj.apply(x.o.data(), T, ws.h.data());
+  ops::add_rms_norm(ws.x.data(), ws.h.data(), T, H, w_.post_attention_layernorm, zc, eps,
+                    ws.h.data());
+  mlp_add(ws, T);
+  ops::rms_norm(ws.x.data(), T, H, w_.norm, zc, eps, out);
+}
+
+void QwenMtpBlock::mlp_add(Workspace& ws, int64_t T) const {
+  const QwenMtpConfig& c = w_.cfg;
+  if (c.moe.moe()) return ops::moe_mlp_add(ws.h.data(), T, w_.moe, ws.x.data());
   w_.gate_proj.apply(ws.h.data(), T, ws.g.data());
   w_.up_proj.apply(ws.h.data(), T, ws.u.data());
-  ops::swiglu(ws.g.data(), ws.u.data(), T * I, ws.g.data());
+  ops::swiglu(ws.g.data(), ws.u.data(), T * c.intermediate_size, ws.g.data());
   w_.down_proj.apply(ws.g.data(), T, ws.h.data());
-  ops::add_rms_norm(ws.x.data(), ws.h.data(), T, H, w_.norm, zc, eps, out);
+  ops::add_inplace(ws.x.data(), ws.h.data(), T * c.hidden_size);
 }
 
 }  // namespace tandem::spec

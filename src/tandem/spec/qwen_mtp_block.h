@@ -15,6 +15,7 @@
 
 #include "tandem/backend/buffer.h"
 #include "tandem/backend/context.h"
+#include "tandem/backend/graph_cache.h"
 #include "tandem/backend/ops.h"
 #include "tandem/backend/weight_arena.h"
 #include "tandem/model/gated_attention.h"
@@ -36,17 +37,29 @@ class QwenMtpBlock {
   struct Workspace {
     Buffer<float> cat, x, h, g, u;
     GatedAttentionScratch attn;
-    Buffer<int64_t> pos;
-    std::vector<int64_t> pos_host;
+    // Adds every buffer's address: what a graph captured around a forward bakes in.
+    void add_to(GraphKey& key) const;
   };
 
-  // embeds, hidden: [T, H] (T = Σ n), rows in segment order; embeds are the target's raw
-  // embedding rows. out: [T, H] after the final norm. Writes each token's K/V into `kv`.
-  // All arrays, and the segments' block tables, are backend memory.
-  void forward(const float* embeds, const float* hidden, std::span<const MtpSegment> segs,
+  // Grows ws for T tokens: a forward of at most T tokens then allocates nothing (CUDA graph
+  // capture forbids it).
+  void reserve(Workspace& ws, int64_t T) const;
+
+  // embeds, hidden: [T, H] (T = rows.tokens), rows in segment order; embeds are the target's raw
+  // embedding rows. out: [T, H] after the final norm. Writes each token's K/V into `kv` at its
+  // slot and attends for all rows in one call. All arrays are backend memory. Queues device work
+  // only (no copies from the host), so it can be captured.
+  void forward(const float* embeds, const float* hidden, const AttentionBatch& rows,
                const ops::KVLayerView& kv, Workspace& ws, float* out) const;
 
+  // The backend context its work runs on (a caller capturing a graph around forward enters it).
+  ops::Context& context() const { return *context_; }
+
  private:
+  GatedAttentionShape attention_shape() const;
+  // ws.x += the MLP (or the experts) of ws.h, the post-attention-normed stream; unfused.
+  void mlp_add(Workspace& ws, int64_t T) const;
+
   // The backend context its work runs on: its builder's current one, or its own
   // (Context::for_new_model); its entry points enter it. First: destroyed after the buffers below.
   std::shared_ptr<ops::Context> context_;
@@ -55,6 +68,9 @@ class QwenMtpBlock {
   QwenMtpWeights w_;
   WeightArena arena_;
   Buffer<float> inv_freq_;
+  // CUDA only (data null elsewhere): q|k|v stacked (the three projections become views of it),
+  // and gate|up interleaved for ops::swiglu_mlp_add (dense MLPs whose size allows it).
+  ops::WeightRef in_proj_, gate_up_;
 };
 
 }  // namespace tandem::spec
