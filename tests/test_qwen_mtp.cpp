@@ -10,6 +10,7 @@
 #include <limits>
 #include <nlohmann/json.hpp>
 
+#include "mtp_rounds.h"
 #include "tandem/core/error.h"
 #include "tandem/io/safetensors.h"
 #include "tandem/model/qwen3_5.h"
@@ -316,6 +317,23 @@ TEST(QwenMtp, BatchedRowsEqualRowsAlone) {
       EXPECT_EQ(std::memcmp(a.data(), g.data(), sizeof(float) * V), 0) << "row " << b;
     }
   }
+}
+
+// The engine's drafter shares its target's context, so each greedy chain runs whole (on CUDA
+// as one graph); a block in a context of its own runs step by step. Both give the same
+// proposals and draft logits, bit for bit, over rounds of rows that draft different depths.
+TEST(QwenMtp, WholeChainsEqualStepByStep) {
+  const std::vector<std::vector<int32_t>> prompts = {
+      ref_ids("tokens_0"), ref_ids("tokens_1"), {ref_ids("tokens_0").front()}};
+  int64_t whole = -1;
+  const auto apart = test::mtp_rounds(*demo().mtp, *demo().target, prompts, 5, &whole);
+  EXPECT_EQ(whole, 0);
+  const ops::ContextScope scope(demo().model->context());
+  const auto shared = QwenMtpProvider::from_target(*demo().target);
+  const auto together = test::mtp_rounds(*shared, *demo().target, prompts, 5, &whole);
+  EXPECT_EQ(whole, 5);
+  ASSERT_GT(apart.size(), 15u);
+  EXPECT_EQ(together, apart);
 }
 
 // A block forward's rows for the attention of all rows at once: each token's position and KV

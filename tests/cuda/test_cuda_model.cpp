@@ -16,6 +16,7 @@
 
 #include "cuda/cuda_test_util.h"
 #include "demo_model.h"
+#include "mtp_rounds.h"
 #include "tandem/backend/buffer.h"
 #include "tandem/backend/cuda/cuda_ops.h"
 #include "tandem/backend/ops.h"
@@ -612,75 +613,35 @@ TEST_F(CudaModelTest, OverlappedLaunchesAndGraphsChangeNoBits) {
   EXPECT_TRUE(same_bits(overlapped.data(), pdl_no_graphs.data(), n)) << "PDL without graphs";
 }
 
-// The MTP block's forwards (draft steps, commits) replay CUDA graphs: rounds of a three-row
-// drafter whose rows accept different counts give the same proposals and draft logits, bit for
-// bit, with graphs on and off, through captures and replays as the rows grow.
+// The MTP block's forwards replay CUDA graphs: as draft steps and commits of a block in its own
+// context, and as whole draft chains where it shares the caller's (the engine's and the CLI's
+// case). Rounds of three rows that draft different depths and accept different counts give the
+// same proposals and draft logits, bit for bit, with graphs on and off and either way.
 TEST_F(CudaModelTest, MtpBlockGraphsChangeNoBits) {
   ScopedBackend cuda(ops::Backend::Cuda);
   Demo& d = cuda_demo();
-  const int64_t H = d.model->config().hidden_size, V = d.model->config().vocab_size;
-  constexpr int kRows = 3, kDepth = 3, kRounds = 6;
   std::vector<std::vector<int32_t>> prompts;
-  for (int r = 0; r < kRows; ++r) prompts.push_back(d.tok->encode(kPrompts[r]));
-  // Any hiddens do: what is compared is the two runs' bits.
-  auto hiddens = [&](int64_t n, int salt) {
-    std::vector<float> h(static_cast<size_t>(n * H));
-    for (size_t i = 0; i < h.size(); ++i) h[i] = std::sin(0.37f * static_cast<float>(i) + salt);
-    return h;
-  };
-  auto run = [&] {
-    std::unique_ptr<spec::DraftRows> rows = d.mtp->open_rows(*d.target);
-    const std::vector<spec::CheckpointPtr> cold(kRows);
-    rows->prepare_append(cold)->commit();
-    std::vector<std::vector<float>> prompt_hidden;
-    std::vector<spec::RowPrefill> pre;
-    for (int r = 0; r < kRows; ++r)
-      prompt_hidden.push_back(hiddens(static_cast<int64_t>(prompts[r].size()), r));
-    for (int r = 0; r < kRows; ++r) pre.push_back({r, prompts[r], prompt_hidden[r].data(), 0});
-    rows->prefill(pre);
-    const auto& mtp_rows = dynamic_cast<const spec::QwenMtpRows&>(*rows);
-    std::vector<int32_t> trace;
-    std::vector<float> logits;
-    std::vector<int32_t> pending = {5, 9, 13};
-    for (int round = 0; round < kRounds; ++round) {
-      std::vector<spec::RowDraft> in(kRows);
-      for (int r = 0; r < kRows; ++r) {
-        in[r].pending = pending[r];
-        in[r].depth = (round + r) % 4 == 3 ? 1 : kDepth;  // rows that stop early drop out
-      }
-      std::vector<spec::DraftProposal> out;
-      rows->draft(in, &out);
-      std::vector<std::vector<int32_t>> windows(kRows);
-      std::vector<std::vector<float>> verify_hidden(kRows);
-      std::vector<spec::VerifyRow> verified(kRows);
-      for (int r = 0; r < kRows; ++r) {
-        trace.insert(trace.end(), out[r].tokens.begin(), out[r].tokens.end());
-        for (int j = 0; j < static_cast<int>(out[r].tokens.size()); ++j) {
-          const auto l = mtp_rows.last_draft_logits(r, j);
-          logits.insert(logits.end(), l.begin(), l.end());
-        }
-        windows[r] = {pending[r]};
-        windows[r].insert(windows[r].end(), out[r].tokens.begin(), out[r].tokens.end());
-        verify_hidden[r] = hiddens(static_cast<int64_t>(windows[r].size()), 10 * round + r);
-        const int k = static_cast<int>(out[r].tokens.size());
-        const int accepted = (round + 2 * r) % (k + 1);  // none, some and all, row by row
-        pending[r] = (pending[r] * 7 + round + 1) % static_cast<int32_t>(V);
-        verified[r] = {windows[r], verify_hidden[r].data(), accepted, pending[r]};
-      }
-      rows->commit(verified);
-    }
-    trace.insert(trace.end(), reinterpret_cast<const int32_t*>(logits.data()),
-                 reinterpret_cast<const int32_t*>(logits.data() + logits.size()));
-    return trace;
-  };
+  for (int r = 0; r < 3; ++r) prompts.push_back(d.tok->encode(kPrompts[r]));
   const bool graphs0 = ops::graphs_enabled();
   ops::set_graphs_enabled(true);
-  const auto graphed = run();
-  ops::set_graphs_enabled(false);
-  const auto direct = run();
+  int64_t whole = -1;
+  const auto apart = test::mtp_rounds(*d.mtp, *d.target, prompts, 6, &whole);
+  EXPECT_EQ(whole, 0) << "a block in its own context runs its chains step by step";
+  std::vector<int32_t> shared, shared_direct;
+  {
+    const ops::ContextScope scope(d.model->context());
+    const auto mtp = spec::QwenMtpProvider::from_target(*d.target);
+    shared = test::mtp_rounds(*mtp, *d.target, prompts, 6, &whole);
+    EXPECT_EQ(whole, 6);
+    ops::set_graphs_enabled(false);
+    shared_direct = test::mtp_rounds(*mtp, *d.target, prompts, 6);
+  }
+  const auto apart_direct = test::mtp_rounds(*d.mtp, *d.target, prompts, 6);
   ops::set_graphs_enabled(graphs0);
-  ASSERT_GT(graphed.size(), static_cast<size_t>(kRows * kRounds));
-  EXPECT_EQ(graphed, direct);
+  ASSERT_GT(apart.size(), 18u);
+  EXPECT_EQ(apart, apart_direct) << "step by step, graphs vs none";
+  EXPECT_EQ(shared, shared_direct) << "whole chains, graphs vs none";
+  EXPECT_EQ(shared, apart) << "whole chains vs step by step";
 }
 
 // --- Lossless speculative decoding on the GPU ---------------------------------------------------

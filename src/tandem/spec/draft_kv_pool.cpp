@@ -1,7 +1,6 @@
 #include "tandem/spec/draft_kv_pool.h"
 
 #include <algorithm>
-#include <cstring>
 
 #include "tandem/core/error.h"
 
@@ -71,48 +70,93 @@ std::vector<AttentionSegment> DraftKvPool::segments(
 AttentionBatch DraftKvPool::batch(std::span<const std::vector<int32_t>* const> tables,
                                   std::span<const int64_t> lengths,
                                   std::span<const int64_t> counts) {
-  AttentionBatch b;
-  int64_t stride = 1;
+  StepRows step;
   for (size_t i = 0; i < tables.size(); ++i) {
-    const int64_t blocks = static_cast<int64_t>(tables[i]->size());
-    TANDEM_CHECK(blocks * kBlockSize >= lengths[i] + counts[i], "draft KV row ", i, " holds ",
-                 blocks * kBlockSize, " positions, needs ", lengths[i] + counts[i]);
-    const int64_t bound = attention_position_bound(blocks * kBlockSize);
-    b.segments.push_back({nullptr, lengths[i], counts[i], bound});
-    stride = std::max(stride, bound / kBlockSize);
-    b.tokens += counts[i];
+    step.rows.push_back(static_cast<int>(i));
+    step.starts.push_back(lengths[i]);
+    step.counts.push_back(counts[i]);
   }
-  const int64_t T = b.tokens, R = static_cast<int64_t>(tables.size());
-  const size_t per_token = sizeof(int64_t) * static_cast<size_t>(T);
-  const size_t tables_at = (3 * per_token + 255) / 256 * 256;
-  const size_t bytes =
-      tables_at + sizeof(int32_t) * static_cast<size_t>(std::max<int64_t>(1, R * stride));
-  uint8_t* host = batch_upload_.host(bytes);
-  std::memset(host + tables_at, 0, bytes - tables_at);
-  auto* pos = reinterpret_cast<int64_t*>(host);
-  int32_t* table_rows = reinterpret_cast<int32_t*>(host + tables_at);
-  int64_t t = 0;
-  for (int64_t i = 0; i < R; ++i) {
-    const std::vector<int32_t>& table = *tables[static_cast<size_t>(i)];
-    std::copy(table.begin(), table.end(), table_rows + i * stride);
-    for (int64_t j = 0; j < counts[static_cast<size_t>(i)]; ++j, ++t) {
-      const int64_t p = lengths[static_cast<size_t>(i)] + j;
-      pos[t] = p;
-      pos[T + t] =
-          int64_t{table[static_cast<size_t>(p / kBlockSize)]} * kBlockSize + p % kBlockSize;
-      pos[2 * T + t] = i;
+  return std::move(upload(tables, {&step, 1}).front());
+}
+
+std::vector<AttentionBatch> DraftKvPool::chain(std::span<const std::vector<int32_t>* const> tables,
+                                               std::span<const int64_t> lengths,
+                                               std::span<const int> depths) {
+  int steps = 0;
+  for (int d : depths) steps = std::max(steps, d);
+  std::vector<StepRows> rows(static_cast<size_t>(steps));
+  for (int j = 0; j < steps; ++j)
+    for (size_t i = 0; i < tables.size(); ++i)
+      if (depths[i] > j) {
+        rows[static_cast<size_t>(j)].rows.push_back(static_cast<int>(i));
+        rows[static_cast<size_t>(j)].starts.push_back(lengths[i] + j);
+        rows[static_cast<size_t>(j)].counts.push_back(1);
+      }
+  return upload(tables, rows);
+}
+
+std::vector<AttentionBatch> DraftKvPool::upload(std::span<const std::vector<int32_t>* const> tables,
+                                                std::span<const StepRows> steps) {
+  // Every table's bound: it sizes the attention's grid, and the largest sets the stride.
+  std::vector<int64_t> bounds;
+  int64_t stride = 1;
+  for (const std::vector<int32_t>* t : tables) {
+    bounds.push_back(attention_position_bound(static_cast<int64_t>(t->size()) * kBlockSize));
+    stride = std::max(stride, bounds.back() / kBlockSize);
+  }
+  auto align = [](size_t n) { return (n + 255) / 256 * 256; };
+  const int64_t R = static_cast<int64_t>(tables.size());
+  size_t bytes = align(sizeof(int32_t) * static_cast<size_t>(std::max<int64_t>(1, R * stride)));
+  std::vector<size_t> at;  // each step's arrays
+  for (const StepRows& s : steps) {
+    int64_t T = 0;
+    for (size_t k = 0; k < s.rows.size(); ++k) {
+      const size_t i = static_cast<size_t>(s.rows[k]);
+      const int64_t capacity = static_cast<int64_t>(tables[i]->size()) * kBlockSize;
+      TANDEM_CHECK(capacity >= s.starts[k] + s.counts[k], "draft KV row ", i, " holds ", capacity,
+                   " positions, needs ", s.starts[k] + s.counts[k]);
+      T += s.counts[k];
     }
+    at.push_back(bytes);
+    bytes += align(3 * sizeof(int64_t) * static_cast<size_t>(T));
+  }
+  uint8_t* host = batch_upload_.host(bytes);
+  auto* table_rows = reinterpret_cast<int32_t*>(host);
+  std::fill(table_rows, table_rows + R * stride, 0);
+  for (int64_t i = 0; i < R; ++i) {
+    const std::vector<int32_t>& t = *tables[static_cast<size_t>(i)];
+    std::copy(t.begin(), t.end(), table_rows + i * stride);
   }
   batch_dev_.grow_to(static_cast<int64_t>(bytes));
   uint8_t* dev = batch_dev_.data();
+  const auto* dev_tables = reinterpret_cast<const int32_t*>(dev);
+  std::vector<AttentionBatch> out(steps.size());
+  for (size_t j = 0; j < steps.size(); ++j) {
+    const StepRows& s = steps[j];
+    AttentionBatch& b = out[j];
+    for (int64_t n : s.counts) b.tokens += n;
+    const int64_t T = b.tokens;
+    auto* pos = reinterpret_cast<int64_t*>(host + at[j]);
+    int64_t t = 0;
+    for (size_t k = 0; k < s.rows.size(); ++k) {
+      const int i = s.rows[k];
+      const std::vector<int32_t>& table = *tables[static_cast<size_t>(i)];
+      b.segments.push_back(
+          {dev_tables + i * stride, s.starts[k], s.counts[k], bounds[static_cast<size_t>(i)]});
+      for (int64_t n = 0; n < s.counts[k]; ++n, ++t) {
+        const int64_t p = s.starts[k] + n;
+        pos[t] = p;
+        pos[T + t] =
+            int64_t{table[static_cast<size_t>(p / kBlockSize)]} * kBlockSize + p % kBlockSize;
+        pos[2 * T + t] = i;
+      }
+    }
+    b.positions = reinterpret_cast<const int64_t*>(dev + at[j]);
+    b.kv_slots = b.positions + T;
+    b.rows = AttentionRows{dev_tables, stride, b.positions + 2 * T};
+  }
   batch_upload_.start(dev, bytes);
-  b.positions = reinterpret_cast<const int64_t*>(dev);
-  b.kv_slots = b.positions + T;
-  const auto* dev_tables = reinterpret_cast<const int32_t*>(dev + tables_at);
-  b.rows = AttentionRows{dev_tables, stride, b.positions + 2 * T};
-  for (int64_t i = 0; i < R; ++i)
-    b.segments[static_cast<size_t>(i)].block_table = dev_tables + i * stride;
-  return b;
+  return out;
 }
 
 int64_t DraftKvPool::checkpoint_rows(const Checkpoint& c, const std::string& who) const {

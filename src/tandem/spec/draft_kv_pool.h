@@ -46,6 +46,13 @@ class DraftKvPool {
   AttentionBatch batch(std::span<const std::vector<int32_t>* const> tables,
                        std::span<const int64_t> lengths, std::span<const int64_t> counts);
 
+  // The batches of a draft chain, uploaded in one copy: step j appends one row at
+  // lengths[i] + j to every row i with depths[i] > j. Tables are shared by all steps (each must
+  // hold lengths[i] + depths[i] positions), so segment i of a step points at row i's table
+  // wherever the rows that stopped drafting left it. Valid until the next batch or chain call.
+  std::vector<AttentionBatch> chain(std::span<const std::vector<int32_t>* const> tables,
+                                    std::span<const int64_t> lengths, std::span<const int> depths);
+
   // The rows a checkpoint's KV tensors kv_keys and kv_values [rows, kv_heads, head_dim] hold;
   // throws tandem::Error naming `who` unless both are there in this pool's shape.
   int64_t checkpoint_rows(const Checkpoint& c, const std::string& who) const;
@@ -65,8 +72,21 @@ class DraftKvPool {
   std::vector<int32_t> free_;
   Buffer<int32_t> tables_dev_;
   std::vector<int32_t> tables_host_;
-  Buffer<uint8_t> batch_dev_;  // batch(): positions, slots, query rows [tokens] each, then tables
+  // batch() and chain(): the rows' tables at one stride, then per batch positions, KV slots and
+  // query rows [tokens] each.
+  Buffer<uint8_t> batch_dev_;
   StagedUpload batch_upload_;
+
+  // One batch of batch() or chain(): which tables' rows append how many positions from where.
+  struct StepRows {
+    std::vector<int> rows;        // indices into the tables, in order
+    std::vector<int64_t> starts;  // each row's first new position
+    std::vector<int64_t> counts;  // new positions per row
+  };
+  // Checks every table holds its rows' new positions, then uploads the tables at one stride and
+  // each step's arrays in one copy.
+  std::vector<AttentionBatch> upload(std::span<const std::vector<int32_t>* const> tables,
+                                     std::span<const StepRows> steps);
 
   int64_t floats_per_block() const { return 2 * kBlockSize * kv_heads_ * head_dim_; }
   std::vector<int32_t> take(int64_t n);

@@ -269,30 +269,90 @@ void MtpRows::draft(std::span<const RowDraft> rows, std::vector<DraftProposal>* 
 
 void MtpRows::draft_on_device(std::span<const RowDraft> rows, int max_depth,
                               std::vector<DraftProposal>* out) {
+  if (max_depth == 0) return;
   const int64_t R = row_count();
   picks_dev_.grow_to(max_depth * R);
   for (Buffer<float>& b : chain_dev_) b.grow_to(R * H_);
   emb_.grow_to(R * H_);
   hid_dev_.grow_to(R * H_);
   ids_dev_.grow_to(R);
-  const int32_t* ids = nullptr;   // this step's ids (backend memory), from step 1 on
-  const float* hidden = nullptr;  // this step's hidden inputs
   for (int j = 0; j < max_depth; ++j) {
     std::vector<int>& active = step_rows_[static_cast<size_t>(j)];
     for (size_t b = 0; b < rows.size(); ++b)
       if (rows[b].depth > j) active.push_back(static_cast<int>(b));
+    step_logits_dev_[static_cast<size_t>(j)].grow_to(static_cast<int64_t>(active.size()) *
+                                                     draft_vocab_);
+  }
+  // Step 0's inputs, the drafting rows' pending ids and h_true, in one upload.
+  const std::vector<int>& first = step_rows_[0];
+  const int64_t A0 = static_cast<int64_t>(first.size());
+  const size_t ids_bytes = (sizeof(int32_t) * static_cast<size_t>(A0) + 255) / 256 * 256;
+  const size_t bytes = ids_bytes + sizeof(float) * static_cast<size_t>(A0 * H_);
+  uint8_t* staged = chain_in_upload_.host(bytes);
+  for (int64_t a = 0; a < A0; ++a) {
+    const int b = first[static_cast<size_t>(a)];
+    reinterpret_cast<int32_t*>(staged)[a] = rows[static_cast<size_t>(b)].pending;
+    std::memcpy(staged + ids_bytes + sizeof(float) * static_cast<size_t>(a * H_),
+                rows_[static_cast<size_t>(b)].h_true.data(), sizeof(float) * H_);
+  }
+  chain_in_dev_.grow_to(static_cast<int64_t>(bytes));
+  chain_in_upload_.start(chain_in_dev_.data(), bytes);
+  const auto* ids0 = reinterpret_cast<const int32_t*>(chain_in_dev_.data());
+  const auto* hidden0 = reinterpret_cast<const float*>(chain_in_dev_.data() + ids_bytes);
+
+  if (!draft_chain_graph(rows, max_depth, ids0, hidden0)) queue_chain(ids0, hidden0, false);
+
+  picks_.resize(static_cast<size_t>(max_depth * R));
+  ops::copy_to_host(picks_.data(), picks_dev_.data(), sizeof(int32_t) * picks_.size());
+  for (int j = 0; j < max_depth; ++j) {
+    const std::vector<int>& active = step_rows_[static_cast<size_t>(j)];
+    for (size_t a = 0; a < active.size(); ++a) {
+      const int32_t d = picks_[static_cast<size_t>(j * R) + a];
+      // An argmax of -1 (NaN logits) embeds as NaN, so every later step of the row fails too.
+      if (d < 0) fail(who_, " draft: logits of row ", active[a], " hold NaN or +inf, or only -inf");
+      rows_[static_cast<size_t>(active[a])].proposals.push_back(d);
+      (*out)[static_cast<size_t>(active[a])].tokens.push_back(d);
+    }
+  }
+}
+
+bool MtpRows::draft_chain_graph(std::span<const RowDraft> rows, int max_depth, const int32_t* ids0,
+                                const float* hidden0) {
+  std::vector<History*> histories;
+  std::vector<int64_t> lengths;
+  std::vector<int> depths;
+  for (size_t b = 0; b < rows.size(); ++b) {
+    histories.push_back(rows_[b].history.get());
+    lengths.push_back(rows_[b].length);
+    depths.push_back(rows[b].depth);
+  }
+  if (!prepare_chain(histories, lengths, depths)) return false;
+  // Everything the chain's launches bake in: which rows draft how far, and every address.
+  GraphKey key;
+  key.add(static_cast<uint64_t>(rows.size())).add(static_cast<uint64_t>(max_depth));
+  for (int d : depths) key.add(static_cast<uint64_t>(d));
+  key.add(&target_).add(static_cast<uint64_t>(draft_vocab_)).add(ids0).add(hidden0);
+  key.add(emb_.data()).add(hid_dev_.data()).add(ids_dev_.data()).add(picks_dev_.data());
+  key.add(chain_dev_[0].data()).add(chain_dev_[1].data());
+  for (int j = 0; j < max_depth; ++j) key.add(step_logits_dev_[static_cast<size_t>(j)].data());
+  add_chain_key(key);
+  chain_graphs_.run(key, [&] { queue_chain(ids0, hidden0, true); });
+  ++whole_chains_;
+  for (int j = 0; j < max_depth; ++j)
+    for (int b : step_rows_[static_cast<size_t>(j)]) ++rows_[static_cast<size_t>(b)].length;
+  return true;
+}
+
+void MtpRows::queue_chain(const int32_t* ids, const float* hidden, bool prepared) {
+  const int64_t R = row_count();
+  for (size_t j = 0; j < step_rows_.size(); ++j) {
+    const std::vector<int>& active = step_rows_[j];
     const int64_t A = static_cast<int64_t>(active.size());
-    if (j == 0) {
-      ids_.clear();
-      hid_.clear();
-      for (int b : active) gather(rows[static_cast<size_t>(b)].pending, rows_[b].h_true.data());
-      ops::copy_from_host(hid_dev_.data(), hid_.data(), sizeof(float) * hid_.size());
-      target_.embed(ids_, emb_.data());
-      hidden = hid_dev_.data();
-    } else {
+    if (A == 0) break;
+    if (j > 0) {
       // Rows that stop drafting drop out: the others' ids and outputs move up, run by run
       // (the active rows are a subsequence of the last step's).
-      const std::vector<int>& prev = step_rows_[static_cast<size_t>(j - 1)];
+      const std::vector<int>& prev = step_rows_[j - 1];
       if (static_cast<int64_t>(prev.size()) != A) {
         size_t p = 0;
         for (int64_t a = 0; a < A;) {
@@ -309,29 +369,19 @@ void MtpRows::draft_on_device(std::span<const RowDraft> rows, int max_depth,
         ids = ids_dev_.data();
         hidden = hid_dev_.data();
       }
-      target_.embed_device(ids, A, emb_.data());
     }
+    target_.embed_device(ids, A, emb_.data());
     float* block_out = chain_dev_[j % 2].data();
-    block_rows(active, std::vector<int64_t>(active.size(), 1), emb_.data(), hidden, block_out);
-    Buffer<float>& logits_dev = step_logits_dev_[static_cast<size_t>(j)];
-    logits_dev.grow_to(A * draft_vocab_);
-    draft_logits(block_out, A, logits_dev.data());
-    int32_t* picked = picks_dev_.data() + j * R;
-    ops::argmax_rows(logits_dev.data(), A, draft_vocab_, picked);
+    if (prepared)
+      chain_step(static_cast<int>(j), emb_.data(), hidden, block_out);
+    else
+      block_rows(active, std::vector<int64_t>(active.size(), 1), emb_.data(), hidden, block_out);
+    float* logits = step_logits_dev_[j].data();
+    draft_logits(block_out, A, logits);
+    int32_t* picked = picks_dev_.data() + static_cast<int64_t>(j) * R;
+    ops::argmax_rows(logits, A, draft_vocab_, picked);
     ids = picked;
     hidden = block_out;
-  }
-  picks_.resize(static_cast<size_t>(max_depth * R));
-  ops::copy_to_host(picks_.data(), picks_dev_.data(), sizeof(int32_t) * picks_.size());
-  for (int j = 0; j < max_depth; ++j) {
-    const std::vector<int>& active = step_rows_[static_cast<size_t>(j)];
-    for (size_t a = 0; a < active.size(); ++a) {
-      const int32_t d = picks_[static_cast<size_t>(j * R) + a];
-      // An argmax of -1 (NaN logits) embeds as NaN, so every later step of the row fails too.
-      if (d < 0) fail(who_, " draft: logits of row ", active[a], " hold NaN or +inf, or only -inf");
-      rows_[static_cast<size_t>(active[a])].proposals.push_back(d);
-      (*out)[static_cast<size_t>(active[a])].tokens.push_back(d);
-    }
   }
 }
 

@@ -17,6 +17,8 @@
 #include <vector>
 
 #include "tandem/backend/buffer.h"
+#include "tandem/backend/graph_cache.h"
+#include "tandem/backend/staged_upload.h"
 #include "tandem/spec/draft.h"
 
 namespace tandem::spec {
@@ -61,6 +63,8 @@ class MtpRows : public DraftRows {
   // computed for proposal `step` ([draft_vocabulary()], valid until the next draft call).
   int64_t mtp_rows(int row) const { return rows_.at(static_cast<size_t>(row)).length; }
   std::span<const float> last_draft_logits(int row, int step) const;
+  // Greedy draft chains run whole (prepare_chain; on CUDA one graph each) since the rows opened.
+  int64_t whole_chains() const { return whole_chains_; }
 
  protected:
   // A row's cache of its MTP rows, kept by the subclass's block (paged KV, a latent cache). The
@@ -89,6 +93,23 @@ class MtpRows : public DraftRows {
   virtual void forward_block(const float* embeds, const float* hidden,
                              std::span<History* const> rows, std::span<const int64_t> lengths,
                              std::span<const int64_t> counts, float* out) = 0;
+
+  // A greedy draft chain captured whole as one CUDA graph (draft_on_device): the subclass lays
+  // out every step's block forward before the chain, then queues them with no host work. Rows
+  // `rows` (holding lengths[i] MTP rows) draft depths[i] steps. Returns false where it cannot
+  // (the chain then runs step by step through forward_block); the base class never can.
+  virtual bool prepare_chain(std::span<History* const> rows, std::span<const int64_t> lengths,
+                             std::span<const int> depths) {
+    (void)rows, (void)lengths, (void)depths;
+    return false;
+  }
+  // Queues step j's block forward as prepare_chain laid it out: [A_j, H] in and out, A_j the rows
+  // with depths[i] > j in order. Device work only.
+  virtual void chain_step(int j, const float* embeds, const float* hidden, float* out) {
+    (void)j, (void)embeds, (void)hidden, (void)out;
+  }
+  // Adds what the prepared steps' launches bake in (buffer addresses, shapes) to a chain's key.
+  virtual void add_chain_key(GraphKey& key) const { (void)key; }
 
   const TargetView& target_;  // outlives the rows (TargetView's contract)
   int64_t H_ = 0, V_ = 0;
@@ -125,6 +146,11 @@ class MtpRows : public DraftRows {
   Buffer<float> chain_dev_[2];
   Buffer<int32_t> picks_dev_, ids_dev_;
   std::vector<int32_t> picks_;
+  // Whole chains as graphs: the step-0 inputs (pending ids, then the rows' h_true) in one upload.
+  Buffer<uint8_t> chain_in_dev_;
+  StagedUpload chain_in_upload_;
+  GraphCache chain_graphs_;
+  int64_t whole_chains_ = 0;
   // Per draft step: the logits [active rows, V] in backend memory, and a host copy made when
   // sampling needs it (or a diagnostic asks).
   std::vector<Buffer<float>> step_logits_dev_;
@@ -150,6 +176,14 @@ class MtpRows : public DraftRows {
   // ids once at the end (one wait per round instead of two per step).
   void draft_on_device(std::span<const RowDraft> rows, int max_depth,
                        std::vector<DraftProposal>* out);
+  // draft_on_device's chain as one graph where the subclass prepares it (prepare_chain); false
+  // when it does not, before anything was queued. ids0, hidden0: step 0's inputs.
+  bool draft_chain_graph(std::span<const RowDraft> rows, int max_depth, const int32_t* ids0,
+                         const float* hidden0);
+  // Queues the chain of step_rows_ from step 0's ids [A_0] and hiddens [A_0, H] (backend
+  // memory): per step the embedding, the block (prepared by prepare_chain, or through
+  // block_rows), the draft head and the argmax into picks_dev_. Device work only when prepared.
+  void queue_chain(const int32_t* ids, const float* hidden, bool prepared);
 };
 
 }  // namespace tandem::spec

@@ -187,6 +187,35 @@ void QwenMtpRows::forward_block(const float* embeds, const float* hidden,
   graphs_.run(key, body);
 }
 
+bool QwenMtpRows::prepare_chain(std::span<History* const> rows, std::span<const int64_t> lengths,
+                                std::span<const int> depths) {
+  if (&block_->context() != &ops::current_context()) return false;
+  std::vector<const std::vector<int32_t>*> tables;
+  for (size_t i = 0; i < rows.size(); ++i) {
+    std::vector<int32_t>& blocks = static_cast<KvHistory&>(*rows[i]).blocks;
+    kv_.reserve(blocks, lengths[i] + depths[i]);
+    tables.push_back(&blocks);
+  }
+  chain_ = kv_.chain(tables, lengths, depths);
+  int64_t most = 0;
+  for (const AttentionBatch& b : chain_) most = std::max(most, b.tokens);
+  block_->reserve(ws_, most);
+  return true;
+}
+
+void QwenMtpRows::chain_step(int j, const float* embeds, const float* hidden, float* out) {
+  block_->forward(embeds, hidden, chain_.at(static_cast<size_t>(j)), kv_.view(), ws_, out);
+}
+
+void QwenMtpRows::add_chain_key(GraphKey& key) const {
+  key.add(kv_.view().pool);
+  for (const AttentionBatch& b : chain_) {
+    key.add(b.tokens).add(b.positions).add(b.rows.tables).add(b.rows.table_stride);
+    for (const AttentionSegment& s : b.segments) key.add(s.position_bound);
+  }
+  ws_.add_to(key);
+}
+
 int64_t QwenMtpRows::check_history(const Checkpoint& c) const {
   return kv_.checkpoint_rows(c, "qwen-mtp");
 }

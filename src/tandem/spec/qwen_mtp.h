@@ -89,6 +89,8 @@ class QwenMtpRows : public MtpRows {
   // Block forwards of at most kGraphRowTokens tokens a row, captured per shape (forward_block).
   static constexpr int64_t kGraphRowTokens = 4;
   GraphCache graphs_;
+  // The batches of the draft chain being prepared or run (prepare_chain), one per step.
+  std::vector<AttentionBatch> chain_;
 
   std::unique_ptr<History> new_history() override;
   void release_history(History& h) override;
@@ -99,6 +101,11 @@ class QwenMtpRows : public MtpRows {
   void forward_block(const float* embeds, const float* hidden, std::span<History* const> rows,
                      std::span<const int64_t> lengths, std::span<const int64_t> counts,
                      float* out) override;
+  // Whole chains run where the block shares the caller's context (a graph captures one stream).
+  bool prepare_chain(std::span<History* const> rows, std::span<const int64_t> lengths,
+                     std::span<const int> depths) override;
+  void chain_step(int j, const float* embeds, const float* hidden, float* out) override;
+  void add_chain_key(GraphKey& key) const override;
 };
 
 }  // namespace tandem::spec
