@@ -64,6 +64,19 @@ struct GatedAttentionShape {
   bool prompt = false;  // prompt tokens: segments starting at 0 use ops::attention_prompt
 };
 
+// The attention core's shape from a Qwen3.5 config: the target's or its MTP block's, which name
+// these fields alike. Norms are zero-centred (HF layout) unless the caller says otherwise.
+template <class Config>
+GatedAttentionShape gated_attention_shape(const Config& c) {
+  GatedAttentionShape s;
+  s.n_heads = c.num_attention_heads;
+  s.n_kv_heads = c.num_key_value_heads;
+  s.head_dim = c.head_dim;
+  s.rotary_dim = c.rotary_dim;
+  s.eps = static_cast<float>(c.rms_norm_eps);
+  return s;
+}
+
 // Buffers of the attention core for T tokens, grown once per shape and reused.
 struct GatedAttentionScratch {
   Buffer<float> qg, q, gate, k, v, o;

@@ -581,12 +581,7 @@ void Qwen35Model::reserve_workspace(int64_t T, int64_t R, bool all_logits) const
   grow_to(w.last, R * H);
   grow_to(w.out, (all_logits ? T : R) * V);
   w.argmax.grow_to(std::max(T, R));
-  GatedAttentionShape shape;
-  shape.n_heads = c.num_attention_heads;
-  shape.n_kv_heads = c.num_key_value_heads;
-  shape.head_dim = c.head_dim;
-  shape.rotary_dim = c.rotary_dim;
-  w.attn.reserve(T, shape);
+  w.attn.reserve(T, gated_attention_shape(c));
 }
 
 void Qwen35Model::forward_body(Qwen35State& st, const ForwardRequest& req, int64_t T) const {
@@ -777,12 +772,7 @@ void Qwen35Model::mlp(const Layer& L, int64_t T, const ops::WeightRef& next) con
 void Qwen35Model::attention_layer(const Layer& L, Qwen35State& st, int64_t T, bool prompt) const {
   const Qwen35Config& c = cfg_;
   Workspace& w = *ws_;
-  GatedAttentionShape shape;
-  shape.n_heads = c.num_attention_heads;
-  shape.n_kv_heads = c.num_key_value_heads;
-  shape.head_dim = c.head_dim;
-  shape.rotary_dim = c.rotary_dim;
-  shape.eps = static_cast<float>(c.rms_norm_eps);
+  GatedAttentionShape shape = gated_attention_shape(c);
   shape.prompt = prompt;
   GatedAttentionScratch& x = w.attn;  // sized by reserve_workspace
   const bool stacked = L.attn.in_proj.data != nullptr;

@@ -57,14 +57,8 @@ void QwenMtpBlock::Workspace::add_to(GraphKey& key) const {
 }
 
 GatedAttentionShape QwenMtpBlock::attention_shape() const {
-  const QwenMtpConfig& c = w_.cfg;
-  GatedAttentionShape shape;
-  shape.n_heads = c.num_attention_heads;
-  shape.n_kv_heads = c.num_key_value_heads;
-  shape.head_dim = c.head_dim;
-  shape.rotary_dim = c.rotary_dim;
-  shape.eps = static_cast<float>(c.rms_norm_eps);
-  shape.zero_centred_norms = c.norms_zero_centred;
+  GatedAttentionShape shape = gated_attention_shape(w_.cfg);
+  shape.zero_centred_norms = w_.cfg.norms_zero_centred;
   return shape;
 }
 
