@@ -173,6 +173,7 @@ void QwenMtpRows::forward_block(const float* embeds, const float* hidden,
   // On the block's stream: its uploads and launches stay in order with the forward's own.
   const ops::ContextScope scope(block_->context());
   const AttentionBatch batch = kv_.batch(tables, lengths, counts);
+  if (batch.tokens == 0) return;
   block_->reserve(ws_, batch.tokens);
   const ops::KVLayerView kv = kv_.view();
   auto body = [&] { block_->forward(embeds, hidden, batch, kv, ws_, out); };
