@@ -58,24 +58,10 @@ void MtpRows::run_block(const std::vector<int>& row_ids, const std::vector<int64
   TANDEM_CHECK(static_cast<int64_t>(hid_.size()) == T * H_);
   emb_.grow_to(T * H_);
   out_.grow_to(T * H_);
-  if (T > kStagedPairs) {  // prompts: pageable copies, no pinned staging of their size
-    hid_dev_.grow_to(T * H_);
-    ops::copy_from_host(hid_dev_.data(), hid_.data(), sizeof(float) * static_cast<size_t>(T * H_));
-    target_.embed(ids_, emb_.data());
-    return block_rows(row_ids, counts, emb_.data(), hid_dev_.data(), out_.data());
-  }
-  // A commit's few pairs: ids and hiddens in one staged copy (a pageable copy may make the host
-  // wait for the device to drain first).
-  const size_t ids_bytes = (sizeof(int32_t) * static_cast<size_t>(T) + 255) / 256 * 256;
-  const size_t bytes = ids_bytes + sizeof(float) * hid_.size();
-  uint8_t* staged = pairs_upload_.host(bytes);
-  std::memcpy(staged, ids_.data(), sizeof(int32_t) * ids_.size());
-  std::memcpy(staged + ids_bytes, hid_.data(), sizeof(float) * hid_.size());
-  pairs_dev_.grow_to(static_cast<int64_t>(bytes));
-  pairs_upload_.start(pairs_dev_.data(), bytes);
-  target_.embed_device(reinterpret_cast<const int32_t*>(pairs_dev_.data()), T, emb_.data());
-  block_rows(row_ids, counts, emb_.data(),
-             reinterpret_cast<const float*>(pairs_dev_.data() + ids_bytes), out_.data());
+  hid_dev_.grow_to(T * H_);
+  ops::copy_from_host(hid_dev_.data(), hid_.data(), sizeof(float) * static_cast<size_t>(T * H_));
+  target_.embed(ids_, emb_.data());
+  block_rows(row_ids, counts, emb_.data(), hid_dev_.data(), out_.data());
 }
 
 std::unique_ptr<PreparedChange> MtpRows::prepare_append(std::span<const CheckpointPtr> from) {

@@ -146,10 +146,6 @@ class MtpRows : public DraftRows {
   Buffer<float> chain_dev_[2];
   Buffer<int32_t> picks_dev_, ids_dev_;
   std::vector<int32_t> picks_;
-  // run_block's (token, hidden) pairs when there are at most kStagedPairs: one staged upload.
-  static constexpr int64_t kStagedPairs = 256;
-  Buffer<uint8_t> pairs_dev_;
-  StagedUpload pairs_upload_;
   // Whole chains as graphs: the step-0 inputs (pending ids, then the rows' h_true) in one upload.
   Buffer<uint8_t> chain_in_dev_;
   StagedUpload chain_in_upload_;
