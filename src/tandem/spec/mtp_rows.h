@@ -146,7 +146,8 @@ class MtpRows : public DraftRows {
   Buffer<float> chain_dev_[2];
   Buffer<int32_t> picks_dev_, ids_dev_;
   std::vector<int32_t> picks_;
-  // Whole chains as graphs: the step-0 inputs (pending ids, then the rows' h_true) in one upload.
+  // A greedy chain's step-0 inputs (the drafting rows' pending ids, then their h_true) in one
+  // upload, on either path; the graphs of whole chains (draft_chain_graph).
   Buffer<uint8_t> chain_in_dev_;
   StagedUpload chain_in_upload_;
   GraphCache chain_graphs_;
@@ -176,8 +177,8 @@ class MtpRows : public DraftRows {
   // ids once at the end (one wait per round instead of two per step).
   void draft_on_device(std::span<const RowDraft> rows, int max_depth,
                        std::vector<DraftProposal>* out);
-  // draft_on_device's chain as one graph where the subclass prepares it (prepare_chain); false
-  // when it does not, before anything was queued. ids0, hidden0: step 0's inputs.
+  // draft_on_device's chain as one graph where the subclass prepares it (prepare_chain); false,
+  // with none of the chain queued, when it does not. ids0, hidden0: step 0's inputs.
   bool draft_chain_graph(std::span<const RowDraft> rows, int max_depth, const int32_t* ids0,
                          const float* hidden0);
   // Queues the chain of step_rows_ from step 0's ids [A_0] and hiddens [A_0, H] (backend
