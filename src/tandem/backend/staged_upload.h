@@ -14,6 +14,12 @@
 
 namespace tandem {
 
+// Several arrays often travel in one upload: each part's size rounded up with this keeps the next
+// part 256-byte aligned (what the device's wide loads and cudaMalloc give a buffer of its own).
+constexpr size_t upload_part_bytes(size_t bytes) {
+  return (bytes + 255) / 256 * 256;
+}
+
 class StagedUpload {
  public:
   // A staging buffer of at least `bytes` (contents unspecified), valid until start().

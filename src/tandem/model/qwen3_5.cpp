@@ -410,13 +410,13 @@ int64_t Qwen35Model::prepare_forward(Qwen35State& st, const ForwardRequest& req)
 
   // All of it in one block, one upload: ids, positions and slots, block tables, descriptors.
   {
-    auto align = [](size_t n) { return (n + 255) / 256 * 256; };
     const size_t ids_bytes = sizeof(int32_t) * static_cast<size_t>(T);
     const size_t pos_bytes = sizeof(int64_t) * w.pos_host.size();
     const size_t tables_bytes = sizeof(int32_t) * w.tables_host.size();
     const size_t desc_bytes = sizeof(ops::RecurrentRow) * desc.size();
-    const size_t o_pos = align(ids_bytes), o_tables = o_pos + align(pos_bytes);
-    const size_t o_desc = o_tables + align(tables_bytes), total = o_desc + desc_bytes;
+    const size_t o_pos = upload_part_bytes(ids_bytes);
+    const size_t o_tables = o_pos + upload_part_bytes(pos_bytes);
+    const size_t o_desc = o_tables + upload_part_bytes(tables_bytes), total = o_desc + desc_bytes;
     w.meta.grow_to(static_cast<int64_t>(total));
     uint8_t* base = w.meta.data();
     w.ids = reinterpret_cast<int32_t*>(base);

@@ -104,9 +104,9 @@ std::vector<AttentionBatch> DraftKvPool::upload(std::span<const std::vector<int3
     bounds.push_back(attention_position_bound(static_cast<int64_t>(t->size()) * kBlockSize));
     stride = std::max(stride, bounds.back() / kBlockSize);
   }
-  auto align = [](size_t n) { return (n + 255) / 256 * 256; };
   const int64_t R = static_cast<int64_t>(tables.size());
-  size_t bytes = align(sizeof(int32_t) * static_cast<size_t>(std::max<int64_t>(1, R * stride)));
+  size_t bytes =
+      upload_part_bytes(sizeof(int32_t) * static_cast<size_t>(std::max<int64_t>(1, R * stride)));
   std::vector<size_t> at;  // each step's arrays
   for (const StepRows& s : steps) {
     int64_t T = 0;
@@ -118,7 +118,7 @@ std::vector<AttentionBatch> DraftKvPool::upload(std::span<const std::vector<int3
       T += s.counts[k];
     }
     at.push_back(bytes);
-    bytes += align(3 * sizeof(int64_t) * static_cast<size_t>(T));
+    bytes += upload_part_bytes(3 * sizeof(int64_t) * static_cast<size_t>(T));
   }
   uint8_t* host = batch_upload_.host(bytes);
   auto* table_rows = reinterpret_cast<int32_t*>(host);

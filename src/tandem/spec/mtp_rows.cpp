@@ -286,7 +286,7 @@ void MtpRows::draft_on_device(std::span<const RowDraft> rows, int max_depth,
   // Step 0's inputs, the drafting rows' pending ids and h_true, in one upload.
   const std::vector<int>& first = step_rows_[0];
   const int64_t A0 = static_cast<int64_t>(first.size());
-  const size_t ids_bytes = (sizeof(int32_t) * static_cast<size_t>(A0) + 255) / 256 * 256;
+  const size_t ids_bytes = upload_part_bytes(sizeof(int32_t) * static_cast<size_t>(A0));
   const size_t bytes = ids_bytes + sizeof(float) * static_cast<size_t>(A0 * H_);
   uint8_t* staged = chain_in_upload_.host(bytes);
   for (int64_t a = 0; a < A0; ++a) {

@@ -159,17 +159,28 @@ void QwenMtpRows::release_history(History& h) {
   kv_.release(static_cast<KvHistory&>(h).blocks);
 }
 
+std::vector<const std::vector<int32_t>*> QwenMtpRows::reserve_tables(
+    std::span<History* const> rows, std::span<const int64_t> lengths,
+    std::span<const int64_t> added) {
+  std::vector<const std::vector<int32_t>*> tables;
+  for (size_t i = 0; i < rows.size(); ++i) {
+    std::vector<int32_t>& blocks = static_cast<KvHistory&>(*rows[i]).blocks;
+    kv_.reserve(blocks, lengths[i] + added[i]);
+    tables.push_back(&blocks);
+  }
+  return tables;
+}
+
+void QwenMtpRows::add_batch_key(const AttentionBatch& b, GraphKey& key) {
+  key.add(b.tokens).add(b.positions).add(b.rows.tables).add(b.rows.table_stride);
+  for (const AttentionSegment& s : b.segments) key.add(s.n).add(s.position_bound);
+}
+
 void QwenMtpRows::forward_block(const float* embeds, const float* hidden,
                                 std::span<History* const> rows, std::span<const int64_t> lengths,
                                 std::span<const int64_t> counts, float* out) {
-  std::vector<const std::vector<int32_t>*> tables;
-  int64_t most = 0;
-  for (size_t i = 0; i < rows.size(); ++i) {
-    std::vector<int32_t>& blocks = static_cast<KvHistory&>(*rows[i]).blocks;
-    kv_.reserve(blocks, lengths[i] + counts[i]);
-    tables.push_back(&blocks);
-    most = std::max(most, counts[i]);
-  }
+  const auto tables = reserve_tables(rows, lengths, counts);
+  const int64_t most = counts.empty() ? 0 : *std::max_element(counts.begin(), counts.end());
   // On the block's stream: its uploads and launches stay in order with the forward's own.
   const ops::ContextScope scope(block_->context());
   const AttentionBatch batch = kv_.batch(tables, lengths, counts);
@@ -181,8 +192,7 @@ void QwenMtpRows::forward_block(const float* embeds, const float* hidden,
   // block is some twenty small launches. Prompts come in every length and run directly.
   if (most > kGraphRowTokens) return body();
   GraphKey key;
-  key.add(batch.tokens).add(batch.positions).add(batch.rows.tables).add(batch.rows.table_stride);
-  for (const AttentionSegment& s : batch.segments) key.add(s.n).add(s.position_bound);
+  add_batch_key(batch, key);
   key.add(kv.pool).add(embeds).add(hidden).add(out);
   ws_.add_to(key);
   graphs_.run(key, body);
@@ -191,13 +201,8 @@ void QwenMtpRows::forward_block(const float* embeds, const float* hidden,
 bool QwenMtpRows::prepare_chain(std::span<History* const> rows, std::span<const int64_t> lengths,
                                 std::span<const int> depths) {
   if (&block_->context() != &ops::current_context()) return false;
-  std::vector<const std::vector<int32_t>*> tables;
-  for (size_t i = 0; i < rows.size(); ++i) {
-    std::vector<int32_t>& blocks = static_cast<KvHistory&>(*rows[i]).blocks;
-    kv_.reserve(blocks, lengths[i] + depths[i]);
-    tables.push_back(&blocks);
-  }
-  chain_ = kv_.chain(tables, lengths, depths);
+  const std::vector<int64_t> steps(depths.begin(), depths.end());
+  chain_ = kv_.chain(reserve_tables(rows, lengths, steps), lengths, depths);
   int64_t most = 0;
   for (const AttentionBatch& b : chain_) most = std::max(most, b.tokens);
   block_->reserve(ws_, most);
@@ -210,10 +215,7 @@ void QwenMtpRows::chain_step(int j, const float* embeds, const float* hidden, fl
 
 void QwenMtpRows::add_chain_key(GraphKey& key) const {
   key.add(kv_.view().pool);
-  for (const AttentionBatch& b : chain_) {
-    key.add(b.tokens).add(b.positions).add(b.rows.tables).add(b.rows.table_stride);
-    for (const AttentionSegment& s : b.segments) key.add(s.position_bound);
-  }
+  for (const AttentionBatch& b : chain_) add_batch_key(b, key);
   ws_.add_to(key);
 }
 

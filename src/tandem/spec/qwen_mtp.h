@@ -92,6 +92,13 @@ class QwenMtpRows : public MtpRows {
   // The batches of the draft chain being prepared or run (prepare_chain), one per step.
   std::vector<AttentionBatch> chain_;
 
+  // Reserves KV for rows[i] to hold lengths[i] + added[i] positions; their block tables.
+  std::vector<const std::vector<int32_t>*> reserve_tables(std::span<History* const> rows,
+                                                          std::span<const int64_t> lengths,
+                                                          std::span<const int64_t> added);
+  // What a graph around a forward of batch b bakes in: shapes, bounds, the arrays' addresses.
+  static void add_batch_key(const AttentionBatch& b, GraphKey& key);
+
   std::unique_ptr<History> new_history() override;
   void release_history(History& h) override;
   void truncate_history(History&, int64_t) override {}  // blocks stay reserved for reuse
