@@ -7,11 +7,13 @@
 #include <cstring>
 #include <numeric>
 #include <random>
+#include <span>
 #include <string>
 #include <vector>
 
 #include "tandem/backend/ops.h"
 #include "tandem/core/error.h"
+#include "tandem/core/sampler.h"
 
 namespace tandem {
 namespace {
@@ -90,6 +92,50 @@ INSTANTIATE_TEST_SUITE_P(Shapes, LinearTest,
                                            std::make_tuple(DType::BF16, 5, 100),
                                            std::make_tuple(DType::F16, 9, 48),
                                            std::make_tuple(DType::F16, 4, 15)));
+
+TEST(Ops, SampleRowsIsTheSamplerOfEachRow) {
+  // Rows of different logits, parameters and keys, in parallel: each row's token is the one
+  // sample_token draws for it alone; a row the sampler refuses is -1; the batch changes nothing.
+  const int64_t V = 3000;
+  std::mt19937 rng(3);
+  std::normal_distribution<float> nd(0.0f, 2.0f);
+  std::vector<float> logits(static_cast<size_t>(12 * V));
+  for (auto& x : logits) x = nd(rng);
+  std::vector<ops::SampleRow> rows;
+  for (int r = 0; r < 12; ++r) {
+    SamplingParams p;
+    p.temperature = r == 0 ? 0.0f : 0.3f * static_cast<float>(r);
+    p.top_k = r % 3 == 0 ? 20 : 0;
+    p.top_p = r % 4 == 1 ? 0.8f : 1.0f;
+    p.min_p = r % 5 == 2 ? 0.05f : 0.0f;
+    p.seed = 11u * static_cast<uint64_t>(r);
+    rows.push_back(ops::sample_row(p, 100u + static_cast<uint64_t>(r)));
+  }
+  logits[static_cast<size_t>(5 * V + 9)] = std::nanf("");  // row 5 holds a NaN
+  rows[7].top_p = 1.5f;                                     // row 7's parameters are invalid
+  std::vector<int32_t> out(12, 99);
+  ops::sample_rows(logits.data(), 12, V, rows.data(), out.data());
+  for (int64_t r = 0; r < 12; ++r) {
+    const ops::SampleRow& q = rows[static_cast<size_t>(r)];
+    SamplingParams p;
+    p.temperature = q.temperature;
+    p.top_k = q.top_k;
+    p.top_p = q.top_p;
+    p.min_p = q.min_p;
+    p.seed = q.seed;
+    if (r == 5 || r == 7) {
+      EXPECT_EQ(out[static_cast<size_t>(r)], -1) << r;
+      continue;
+    }
+    const std::span<const float> row(logits.data() + r * V, static_cast<size_t>(V));
+    EXPECT_EQ(out[static_cast<size_t>(r)], sample_token(row, p, q.index)) << r;
+    int32_t alone = -2;
+    ops::sample_rows(row.data(), 1, V, &q, &alone);
+    EXPECT_EQ(alone, out[static_cast<size_t>(r)]) << r;
+  }
+  EXPECT_EQ(out[0], argmax(std::span<const float>(logits.data(), static_cast<size_t>(V))));
+  EXPECT_THROW(ops::sample_rows(logits.data(), 1, 0, rows.data(), out.data()), Error);
+}
 
 TEST(Ops, RmsNormZeroCentredAndPlain) {
   std::mt19937 rng(1);

@@ -11,6 +11,7 @@
 
 #include "tandem/core/error.h"
 #include "tandem/core/rng.h"
+#include "tandem/core/sample_weights.h"
 #include "tandem/core/sampler.h"
 
 namespace tandem {
@@ -316,7 +317,7 @@ TEST(Sampler, FilteredDistributionIsBitwiseDeterministic) {
 void expect_matches_distribution(const std::vector<float>& logits, const SamplingParams& p,
                                  const std::vector<double>& expected, int draws) {
   std::vector<int> counts(logits.size(), 0);
-  std::vector<TokenProb> scratch;
+  std::vector<TokenWeight> scratch;
   for (int i = 0; i < draws; ++i) ++counts[sample_token(logits, p, i, &scratch)];
   double chi2 = 0.0;
   int dof = -1;
@@ -366,17 +367,17 @@ TEST(Sampler, DrawDependsOnlyOnSeedAndIndex) {
   constexpr int kN = 500;
   std::vector<int32_t> forward(kN), backward(kN);
   for (int i = 0; i < kN; ++i) forward[i] = sample_token(logits, p, i);
-  std::vector<TokenProb> scratch;
+  std::vector<TokenWeight> scratch;
   for (int i = kN - 1; i >= 0; --i) {
     // Unrelated calls in between (other logits, other params, other indices) change nothing.
     sample_token(other, params(0.5f, 3, 1, 0, 99), 7 * i + 3, &scratch);
     backward[i] = sample_token(logits, p, i, &scratch);
   }
   EXPECT_EQ(forward, backward);
-  // And the draw is exactly the inverse CDF over the filtered distribution with key (seed, i).
-  std::vector<TokenProb> d;
-  filtered_distribution(logits, p, &d);
-  for (int i = 0; i < kN; ++i) EXPECT_EQ(forward[i], draw_from(d, p.seed, i));
+  // And the draw is exactly the inverse CDF over the filtered weights with key (seed, i).
+  std::vector<TokenWeight> d;
+  const uint64_t total = filtered_weights(logits, p, &d);
+  for (int i = 0; i < kN; ++i) EXPECT_EQ(forward[i], draw_weighted(d, total, p.seed, i));
   // A different seed gives a different token sequence.
   SamplingParams q = p;
   q.seed = 1235;
@@ -385,24 +386,87 @@ TEST(Sampler, DrawDependsOnlyOnSeedAndIndex) {
   EXPECT_GT(differ, kN / 2);
 }
 
-TEST(Sampler, LazyWalkEqualsDrawFromFilteredDistribution) {
+TEST(Sampler, LazyWalkEqualsDrawFromFilteredWeights) {
   // sample_token sorts only the prefix its walk reaches; on a flat distribution the walks go
-  // deep into the list and across many chunks, and must still pick the draw_from token.
+  // deep into the list and across many chunks, and must still pick the draw_weighted token.
   const std::vector<float> logits = random_logits(20000, 31);
   for (const SamplingParams& p : {params(2.0f), params(1.5f, 500), params(2.0f, 0, 1, 0.2f),
                                   params(2.0f, 0, 0.99f), params(3.0f, 5000, 0.9f, 0.05f)}) {
-    std::vector<TokenProb> d;
-    filtered_distribution(logits, p, &d);
-    std::vector<TokenProb> scratch;
+    std::vector<TokenWeight> d;
+    const uint64_t total = filtered_weights(logits, p, &d);
+    std::vector<TokenWeight> scratch;
     size_t deepest = 0;
     for (uint64_t i = 0; i < 300; ++i) {
       const int32_t token = sample_token(logits, p, i, &scratch);
-      ASSERT_EQ(token, draw_from(d, p.seed, i)) << i;
+      ASSERT_EQ(token, draw_weighted(d, total, p.seed, i)) << i;
       const auto at =
-          std::find_if(d.begin(), d.end(), [&](const TokenProb& e) { return e.id == token; });
+          std::find_if(d.begin(), d.end(), [&](const TokenWeight& e) { return e.id == token; });
       deepest = std::max(deepest, static_cast<size_t>(at - d.begin()));
     }
     EXPECT_GT(deepest, 64u) << "walks should cross the first chunk";
+  }
+}
+
+TEST(SampleWeights, ExpIsAccurateAndExactAtZero) {
+  EXPECT_EQ(sample_exp(0.0), 1.0);
+  EXPECT_EQ(sample_exp(-32.5), 0.0);
+  EXPECT_EQ(sample_exp(-std::numeric_limits<double>::infinity()), 0.0);
+  for (int i = 0; i <= 64000; ++i) {
+    const double x = -32.0 * i / 64000.0;
+    const long double want = std::exp(static_cast<long double>(x));
+    const long double got = sample_exp(x);
+    ASSERT_LE(std::fabs(static_cast<double>((got - want) / want)), 1e-15) << x;
+  }
+}
+
+TEST(SampleWeights, WeightsRoundTheScaledProbability) {
+  // W = round(exp((l - max) / T) * 2^40): against exp of the same argument in long double, except
+  // where that lies within 1e-3 of a rounding boundary (the double exp is good to ~4e-16
+  // relative, 4e-4 of a unit at the top weight).
+  EXPECT_EQ(sample_weight(1.5f, 1.5f, 1.0), kSampleWeightOne);
+  EXPECT_EQ(sample_weight(-40.0f, 0.0f, 1.0), 0u);
+  int checked = 0;
+  for (int i = 0; i < 20000; ++i) {
+    const float l = static_cast<float>(-30.0 * uniform_open01(5, i, 9));
+    for (const double inv_t : {1.0, 1.0 / 0.7, 1.0 / 1.3}) {
+      const double x = static_cast<double>(l) * inv_t;
+      const long double exact =
+          std::exp(static_cast<long double>(x)) * static_cast<long double>(kSampleWeightOne);
+      const long double frac = exact - std::floor(exact);
+      if (std::fabs(frac - 0.5L) < 1e-3L) continue;
+      ASSERT_EQ(sample_weight(l, 0.0f, inv_t), static_cast<uint64_t>(std::llround(exact)))
+          << l << " " << inv_t;
+      ++checked;
+    }
+  }
+  EXPECT_GT(checked, 59000);  // of 60000
+  // Order keys sort floats numerically.
+  const std::vector<float> ordered = {-kInf, -3.5f, -0.0f, 0.0f, 1e-30f, 2.0f, kInf};
+  for (size_t i = 1; i < ordered.size(); ++i)
+    EXPECT_LE(logit_order_key(ordered[i - 1]), logit_order_key(ordered[i])) << i;
+  EXPECT_LT(logit_order_key(-3.5f), logit_order_key(1e-30f));
+}
+
+TEST(SampleWeights, ThresholdsAreCeilings) {
+  EXPECT_EQ(min_p_weight(0.0f), 0u);
+  EXPECT_EQ(min_p_weight(1.0f), kSampleWeightOne);
+  EXPECT_EQ(min_p_weight(0.5f), kSampleWeightOne / 2);
+  EXPECT_EQ(top_p_weight(0.5f, 10), 5u);
+  EXPECT_EQ(top_p_weight(0.51f, 10), 6u);
+  EXPECT_EQ(top_p_weight(1e-9f, 10), 1u);
+  // The draw target covers [1, total]: u near 0 picks the first unit, near 1 the last.
+  EXPECT_EQ(draw_weight(0x1p-53, 1000), 1u);
+  EXPECT_EQ(draw_weight(1.0 - 0x1p-53, 1000), 1000u);
+  EXPECT_EQ(draw_weight(0.5, 1000), 501u);
+}
+
+TEST(Sampler, HugeVocabularyIsRefusedByName) {
+  std::vector<float> logits(static_cast<size_t>(kMaxSampleVocab) + 1, 0.0f);
+  try {
+    sample_token(logits, params(1.0f), 0);
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("vocabulary"), std::string::npos) << e.what();
   }
 }
 

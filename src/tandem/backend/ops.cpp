@@ -252,6 +252,18 @@ void argmax_rows(const float* logits, int64_t rows, int64_t V, int32_t* out) {
   }
 }
 
+SampleRow sample_row(const SamplingParams& p, uint64_t index) {
+  return {p.temperature, p.top_k, p.top_p, p.min_p, p.seed, index};
+}
+
+void sample_rows(const float* logits, int64_t rows, int64_t V, const SampleRow* params,
+                 int32_t* out) {
+#ifdef TANDEM_HAVE_CUDA
+  if (g_backend == Backend::Cuda) return cuda::sample_rows(logits, rows, V, params, out);
+#endif
+  cpu::sample_rows(logits, rows, V, params, out);
+}
+
 double memory_bandwidth() {
 #ifdef TANDEM_HAVE_CUDA
   if (g_backend == Backend::Cuda) return cuda::copy_bandwidth();

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "tandem/core/dtype.h"
+#include "tandem/core/sampler.h"
 #include "tandem/core/tensor.h"
 
 namespace tandem::ops {
@@ -116,6 +117,24 @@ void set_graphs_enabled(bool on);
 // backend memory. Throws Error naming the row if it holds NaN or +inf or only -inf (checked
 // when the result is read; on CUDA the kernel writes -1 and copy-out reports it).
 void argmax_rows(const float* logits, int64_t rows, int64_t V, int32_t* out);
+// One logits row's draw for sample_rows: the request's sampling parameters (core/sampler.h) and
+// the absolute output index whose key the draw uses. Plain data, kept in backend memory.
+struct SampleRow {
+  float temperature = 0.0f;
+  int32_t top_k = 0;
+  float top_p = 1.0f;
+  float min_p = 0.0f;
+  uint64_t seed = 0;
+  uint64_t index = 0;
+};
+SampleRow sample_row(const SamplingParams& p, uint64_t index);
+// out[r] = sample_token(logits row r, params[r], params[r].index) (core/sampler.h): the same
+// token on every backend, bit for bit (integer weights, core/sample_weights.h); temperature 0
+// gives argmax_rows' token. logits, params and out are backend memory. -1 where a row holds NaN
+// or +inf or only -inf, or its parameters are invalid (the caller reports it, as for argmax_rows).
+// Throws Error for V outside 1..kMaxSampleVocab.
+void sample_rows(const float* logits, int64_t rows, int64_t V, const SampleRow* params,
+                 int32_t* out);
 // The memory roofline's denominator on the active backend, bytes/s: the CPU's measured read
 // bandwidth (all threads), or the GPU's device-to-device copy bandwidth (bytes read + written).
 double memory_bandwidth();

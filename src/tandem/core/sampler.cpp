@@ -8,6 +8,7 @@
 
 #include "tandem/core/error.h"
 #include "tandem/core/rng.h"
+#include "tandem/core/sample_weights.h"
 
 namespace tandem {
 
@@ -16,11 +17,11 @@ namespace {
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr float kPosInf = std::numeric_limits<float>::infinity();
 
-// The canonical order of a filtered distribution: descending probability, ascending id on ties.
-// A strict total order (ids are distinct), so every sort/selection below yields one unique result
-// regardless of algorithm or chunking. Also used with logits stored in `prob` for top-k selection.
-bool canonical_before(const TokenProb& a, const TokenProb& b) {
-  return a.prob > b.prob || (a.prob == b.prob && a.id < b.id);
+// The canonical order of filtered weights: descending weight, ascending id on ties. A strict total
+// order (ids are distinct), so every sort/selection below yields one unique result regardless of
+// algorithm or chunking.
+bool canonical_before(const TokenWeight& a, const TokenWeight& b) {
+  return a.weight > b.weight || (a.weight == b.weight && a.id < b.id);
 }
 
 struct LogitScan {
@@ -67,7 +68,7 @@ namespace {
 // Extends the sorted prefix d[0, sorted) by the next `chunk` entries of the canonical order.
 // Because canonical_before is a strict total order, any sequence of these steps leaves exactly
 // the prefix a full sort would produce.
-void sort_more(std::vector<TokenProb>& d, size_t* sorted, size_t chunk) {
+void sort_more(std::vector<TokenWeight>& d, size_t* sorted, size_t chunk) {
   const size_t end = std::min(d.size(), *sorted + chunk);
   if (end < d.size()) {
     std::nth_element(d.begin() + *sorted, d.begin() + end, d.end(), canonical_before);
@@ -78,59 +79,55 @@ void sort_more(std::vector<TokenProb>& d, size_t* sorted, size_t chunk) {
 
 constexpr size_t kFirstChunk = 64;
 
-// The filtered distribution with unnormalized weights, in canonical order on d[0, sorted) and
-// unordered after it, plus the sum of the kept weights (the normalizer). filtered_distribution
-// sorts the rest; sample_token sorts only as far as its walk goes. Both see the same normalizer
-// and the same prefix, so a lazy walk draws exactly the token draw_from would.
+// The filtered weights, in canonical order on d[0, sorted) and unordered after it, and their sum.
+// filtered_weights sorts the rest; sample_token sorts only as far as its walk goes. Both see the
+// same total and the same prefix, so a lazy walk draws exactly the token draw_weighted would.
 struct Filtered {
   size_t sorted = 0;
-  double kept_total = 0.0;
+  uint64_t kept_total = 0;
 };
 
 Filtered filter(std::span<const float> logits, const SamplingParams& p,
-                std::vector<TokenProb>* out) {
+                std::vector<TokenWeight>* out) {
   TANDEM_CHECK(out != nullptr);
   p.validate();
   out->clear();
+  if (logits.size() > static_cast<size_t>(kMaxSampleVocab)) {
+    // Integer weights of more tokens could overflow their 64-bit sum.
+    fail("sampler: vocabulary of ", logits.size(), " is over the limit of ", kMaxSampleVocab);
+  }
   const LogitScan scan = scan_logits(logits, "sampler", /*allow_pos_inf=*/false);
   if (p.greedy()) {
-    out->push_back({scan.argmax, 1.0});
-    return {1, 1.0};
+    out->push_back({scan.argmax, kSampleWeightOne});
+    return {1, kSampleWeightOne};
   }
 
-  // weight(l) = exp((l - max) / T): the unnormalized temperature-scaled probability, exactly 1 at
-  // the maximum. Because the maximum survives top-k and top-p, min-p ("prob < min_p * max prob")
-  // is weight < min_p, and renormalization never changes that ratio.
   const double inv_t = 1.0 / static_cast<double>(p.temperature);
-  const double max = scan.max;
-  const double min_p = p.min_p;
-  const auto weight = [&](double l) { return std::exp((l - max) * inv_t); };
-  // Sum of weights over the top-k set (all live tokens when top-k is off), before min-p:
-  // the denominator of top-p's cumulative probability.
-  double total = 0.0;
-  double kept_total = 0.0;
-  // Keep tokens that pass min-p and can be drawn at all (weight 0 = underflow in double). Both
-  // tests drop a suffix of the canonical order, so filtering before top-p's prefix walk gives the
-  // intersection of the prefixes, exactly what applying min-p after top-p would.
-  const auto keep = [&](double w) { return w > 0.0 && w >= min_p; };
+  const float max = scan.max;
+  // Keep tokens that pass min-p and can be drawn at all (weight 0). Both tests drop a suffix of
+  // the canonical order, so filtering before top-p's prefix walk gives the intersection of the
+  // prefixes, exactly what applying min-p after top-p would.
+  const uint64_t min_weight = std::max<uint64_t>(1, min_p_weight(p.min_p));
+  // Weight of the top-k set (every live token when top-k is off) before min-p: the total top-p's
+  // cumulative weight is measured against. Integer sums: exact in any order.
+  uint64_t total = 0, kept_total = 0;
 
   auto& d = *out;
   const bool top_k_active = p.top_k > 0 && static_cast<size_t>(p.top_k) < scan.live;
   if (top_k_active) {
-    // Select the k highest logits (ties: lowest ids) without sorting the vocabulary; `prob`
-    // temporarily holds the logit, whose canonical order is the probability order.
+    // The k highest logits (ties: lowest ids), by their order keys, without sorting the
+    // vocabulary; `weight` holds the key until the set is chosen.
     for (size_t i = 0; i < logits.size(); ++i) {
-      if (logits[i] != kNegInf) d.push_back({static_cast<int32_t>(i), logits[i]});
+      if (logits[i] != kNegInf) d.push_back({static_cast<int32_t>(i), logit_order_key(logits[i])});
     }
     const auto kth = d.begin() + p.top_k;
     std::nth_element(d.begin(), kth, d.end(), canonical_before);
     d.erase(kth, d.end());
-    std::sort(d.begin(), d.end(), canonical_before);  // fixes the summation order
     size_t kept = 0;
-    for (const TokenProb& e : d) {
-      const double w = weight(e.prob);
+    for (const TokenWeight& e : d) {
+      const uint64_t w = sample_weight(logits[static_cast<size_t>(e.id)], max, inv_t);
       total += w;
-      if (keep(w)) {
+      if (w >= min_weight) {
         d[kept++] = {e.id, w};
         kept_total += w;
       }
@@ -139,9 +136,9 @@ Filtered filter(std::span<const float> logits, const SamplingParams& p,
   } else {
     for (size_t i = 0; i < logits.size(); ++i) {
       if (logits[i] == kNegInf) continue;
-      const double w = weight(logits[i]);
-      total += w;  // id order: fixed, so deterministic
-      if (keep(w)) {
+      const uint64_t w = sample_weight(logits[i], max, inv_t);
+      total += w;
+      if (w >= min_weight) {
         d.push_back({static_cast<int32_t>(i), w});
         kept_total += w;
       }
@@ -150,34 +147,56 @@ Filtered filter(std::span<const float> logits, const SamplingParams& p,
   TANDEM_CHECK(!d.empty(), "the maximum always survives the filters");
   if (p.top_p >= 1.0f) return {0, kept_total};
 
-  // Smallest canonical prefix with cumulative weight >= top_p * total, sorting lazily in growing
-  // chunks (the mass is usually in a few tokens). The kept set is then that prefix, and its
-  // normalizer the cumulative weight walked (summed in canonical order).
-  const double target = static_cast<double>(p.top_p) * total;
-  double cum = 0.0;
+  // Shortest canonical prefix whose weight reaches ceil(top_p · total), sorting lazily in growing
+  // chunks (the mass is usually in a few tokens).
+  const uint64_t target = top_p_weight(p.top_p, total);
+  uint64_t cum = 0;
   size_t sorted = 0;
   for (size_t chunk = kFirstChunk; sorted < d.size(); chunk *= 2) {
     const size_t begin = sorted;
     sort_more(d, &sorted, chunk);
     for (size_t j = begin; j < sorted; ++j) {
-      cum += d[j].prob;
+      cum += d[j].weight;
       if (cum >= target) {
         d.resize(j + 1);
         return {j + 1, cum};
       }
     }
   }
-  return {sorted, cum};  // rounding kept the cumulative below target: keep everything walked
+  return {sorted, cum};  // min-p dropped more than 1 - top_p of the mass: keep all that is left
 }
 
 }  // namespace
 
-void filtered_distribution(std::span<const float> logits, const SamplingParams& p,
-                           std::vector<TokenProb>* out) {
+uint64_t filtered_weights(std::span<const float> logits, const SamplingParams& p,
+                          std::vector<TokenWeight>* out) {
   const Filtered f = filter(logits, p, out);
   auto& d = *out;
   if (f.sorted < d.size()) std::sort(d.begin() + f.sorted, d.end(), canonical_before);
-  for (TokenProb& e : d) e.prob /= f.kept_total;
+  return f.kept_total;
+}
+
+void filtered_distribution(std::span<const float> logits, const SamplingParams& p,
+                           std::vector<TokenProb>* out) {
+  TANDEM_CHECK(out != nullptr);
+  thread_local std::vector<TokenWeight> weights;
+  const uint64_t total = filtered_weights(logits, p, &weights);
+  out->clear();
+  out->reserve(weights.size());
+  const double inv = 1.0 / static_cast<double>(total);
+  for (const TokenWeight& e : weights) out->push_back({e.id, static_cast<double>(e.weight) * inv});
+}
+
+int32_t draw_weighted(std::span<const TokenWeight> weights, uint64_t total, uint64_t seed,
+                      uint64_t index) {
+  TANDEM_CHECK(!weights.empty() && total > 0);
+  const uint64_t target = draw_weight(uniform_open01(seed, index, kRngStreamToken), total);
+  uint64_t cum = 0;
+  for (const TokenWeight& e : weights) {
+    cum += e.weight;
+    if (cum >= target) return e.id;
+  }
+  fail("draw_weighted: weights sum to ", cum, ", below their stated total ", total);
 }
 
 int32_t draw_from(std::span<const TokenProb> dist, uint64_t seed, uint64_t index) {
@@ -188,32 +207,32 @@ int32_t draw_from(std::span<const TokenProb> dist, uint64_t seed, uint64_t index
     cum += e.prob;
     if (u < cum) return e.id;
   }
-  return dist.back().id;  // the renormalized total rounded below u
+  return dist.back().id;  // the total rounded below u
 }
 
 int32_t sample_token(std::span<const float> logits, const SamplingParams& p, uint64_t index,
-                     std::vector<TokenProb>* scratch) {
+                     std::vector<TokenWeight>* scratch) {
   Filtered f = filter(logits, p, scratch);
   auto& d = *scratch;
   if (p.greedy()) return d.front().id;
-  // draw_from over the normalized distribution, sorting only the prefix the walk reaches. Each
-  // term is the same w / kept_total filtered_distribution stores, summed in the same order.
-  const double u = uniform_open01(p.seed, index, kRngStreamToken);
-  double cum = 0.0;
+  // draw_weighted over the canonical order, sorting only the prefix the walk reaches.
+  const uint64_t target = draw_weight(uniform_open01(p.seed, index, kRngStreamToken), f.kept_total);
+  uint64_t cum = 0;
   size_t chunk = kFirstChunk;
   for (size_t j = 0; j < d.size(); ++j) {
     if (j == f.sorted) {
       sort_more(d, &f.sorted, chunk);
       chunk *= 2;
     }
-    cum += d[j].prob / f.kept_total;
-    if (u < cum) return d[j].id;
+    cum += d[j].weight;
+    if (cum >= target) return d[j].id;
   }
-  return d.back().id;  // fully sorted by now: the last entry of the canonical order
+  TANDEM_CHECK(false, "sample_token: the kept weights sum to their total");
+  return d.back().id;
 }
 
 int32_t sample_token(std::span<const float> logits, const SamplingParams& p, uint64_t index) {
-  thread_local std::vector<TokenProb> scratch;
+  thread_local std::vector<TokenWeight> scratch;
   return sample_token(logits, p, index, &scratch);
 }
 

@@ -2,13 +2,15 @@
 // mlx-lm / OpenAI semantics. Logit bias and penalties are applied by the caller before this.
 //
 // Invariants the engine and speculative decoding (section 5.1) rely on:
-// - filtered_distribution is a pure function of (logits, params): bitwise identical output for
-//   identical input, on one build. All probability arithmetic is in double.
-// - A draw is a pure function of (filtered distribution, seed, index): one uniform from
-//   kRngStreamToken at the token's absolute output index, walked as an inverse CDF over the
-//   canonical order (descending probability, ascending id). A drafter that walks its own
-//   distribution with the same key produces coupled proposals; the accept walk samples the target
-//   with the key of each window position.
+// - Probabilities are integer weights (core/sample_weights.h): W = round(exp((l - max) / T) · 2^40)
+//   from a fixed sequence of correctly rounded operations, summed as integers. The filtered set,
+//   its weights and every draw are therefore pure functions of (logits, params, seed, index) with
+//   the same bits on every build and backend: the CUDA sampler (ops::sample_rows) draws exactly
+//   the tokens this file does from the same logits.
+// - A draw is one uniform from kRngStreamToken at the token's absolute output index, walked as an
+//   inverse CDF in integers over the canonical order (descending weight, ascending id). A drafter
+//   that walks its own distribution with the same key produces coupled proposals; the accept walk
+//   samples the target with the key of each window position.
 #pragma once
 
 #include <cstdint>
@@ -37,28 +39,48 @@ struct TokenProb {
   double prob;
 };
 
-// The filtered distribution the draw uses, as (id, probability) pairs in canonical order
-// (descending probability, ties by ascending id), probabilities summing to 1 (up to rounding).
-// - Greedy params give the one-point distribution {argmax, 1}.
-// - -inf logits are excluded; tokens whose probability underflows to 0 in double (very low
-//   temperature) are excluded too: they can never be drawn. top-k counts before that exclusion.
-// - min-p compares against the maximum probability, which every earlier filter keeps, so the
-//   test is exp((l - l_max) / T) >= min_p.
-// - Errors: invalid params, empty logits, any NaN or +inf logit, all logits -inf.
+// One entry of the filtered weights: the token's integer weight W (sample_weights.h).
+struct TokenWeight {
+  int32_t id;
+  uint64_t weight;
+};
+
+// The filtered set the draw uses, in canonical order (descending weight, ties by ascending id),
+// and the sum of its weights (returned).
+// - Greedy params give the one-point set {argmax, 2^40}.
+// - -inf logits are excluded; tokens whose weight rounds to 0 (more than ~28 nats below the
+//   maximum after temperature) are excluded too: they can never be drawn. top-k counts before
+//   that exclusion, and selects by logit (ties: lowest ids).
+// - min-p compares against the maximum, which every earlier filter keeps and which weighs
+//   2^40: a token stays if W >= ceil(min_p · 2^40).
+// - top-p keeps the shortest canonical prefix whose weight reaches ceil(top_p · total), total
+//   being the weight of the top-k set before min-p (all of it when nothing reaches that).
+// - Errors: invalid params, empty logits, a vocabulary over kMaxSampleVocab, any NaN or +inf
+//   logit, all logits -inf.
 // `out` is cleared and reused: with a warm vector this allocates nothing.
+uint64_t filtered_weights(std::span<const float> logits, const SamplingParams& p,
+                          std::vector<TokenWeight>* out);
+
+// filtered_weights as probabilities W / total (the drafter's q of rejection sampling).
 void filtered_distribution(std::span<const float> logits, const SamplingParams& p,
                            std::vector<TokenProb>* out);
 
-// Inverse CDF over `dist` (canonical order) with u = uniform_open01(seed, index, kRngStreamToken):
-// the first entry whose cumulative probability exceeds u; the last entry if rounding leaves the
-// total below u. `dist` must be non-empty.
+// The integer inverse CDF over `weights` (canonical order, summing to `total`) with
+// u = uniform_open01(seed, index, kRngStreamToken): the first entry whose cumulative weight
+// reaches draw_weight(u, total). `weights` must be non-empty.
+int32_t draw_weighted(std::span<const TokenWeight> weights, uint64_t total, uint64_t seed,
+                      uint64_t index);
+
+// Inverse CDF over a distribution in doubles, u as above: the first entry whose cumulative
+// probability exceeds u; the last entry if rounding leaves the total below u. `dist` must be
+// non-empty. (For distributions given as probabilities; sampled logits go through the weights.)
 int32_t draw_from(std::span<const TokenProb> dist, uint64_t seed, uint64_t index);
 
-// filtered_distribution + draw_from with the request seed. Greedy ignores the key. `index` is the
-// token's absolute output index. `scratch` holds the distribution (reuse it to avoid allocation);
-// the overload without it uses a thread-local scratch vector.
+// filtered_weights + draw_weighted with the request seed, sorting only as far as the walk goes.
+// Greedy ignores the key. `index` is the token's absolute output index. `scratch` holds the
+// weights (reuse it to avoid allocation); the overload without it uses a thread-local vector.
 int32_t sample_token(std::span<const float> logits, const SamplingParams& p, uint64_t index,
-                     std::vector<TokenProb>* scratch);
+                     std::vector<TokenWeight>* scratch);
 int32_t sample_token(std::span<const float> logits, const SamplingParams& p, uint64_t index);
 
 // Index of the largest logit, lowest id on ties. Errors: empty logits, any NaN, all -inf.

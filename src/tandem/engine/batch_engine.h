@@ -199,7 +199,7 @@ class BatchEngine {
   std::vector<std::vector<int32_t>> windows_;
   std::vector<RowKeep> keeps_;
   std::vector<spec::VerifyRow> verified_;
-  std::vector<TokenProb> dist_scratch_;
+  std::vector<TokenWeight> dist_scratch_;
   std::vector<int64_t> drafted_pos_, accepted_pos_;  // this round's counts per window position
   std::vector<int32_t> collected_;
 

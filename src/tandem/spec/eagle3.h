@@ -113,7 +113,7 @@ class Eagle3Rows : public DraftRows {
   Buffer<int32_t> ids_dev_, argmax_dev_;
   std::vector<int32_t> ids_;
   std::vector<float> full_;  // [V] draft logits spread over the target vocabulary
-  std::vector<TokenProb> dist_;
+  std::vector<TokenWeight> dist_;
   // Per draft step: its active rows in order, its logits [A, Vd] and output hiddens [A, H].
   std::vector<std::vector<int>> step_rows_;
   std::vector<Buffer<float>> step_logits_, step_out_;

@@ -158,7 +158,7 @@ class MtpRows : public DraftRows {
   mutable std::vector<std::vector<float>> step_logits_;
   mutable std::vector<bool> step_logits_on_host_;
   std::vector<std::vector<int>> step_rows_;  // per draft step: the active rows, in order
-  std::vector<TokenProb> dist_;
+  std::vector<TokenWeight> dist_;
 
   void copy_step_logits(int step) const;  // the host copy of a draft step's logits
   // out[n, draft_vocab_] = the draft vocabulary's logits of block outputs hidden[n, H].

@@ -14,6 +14,8 @@ void rms_norm(const float* x, int64_t m, int64_t d, const ops::WeightRef& w, boo
 void gated_rms_norm(const float* x, const float* z, int64_t m, int64_t d, const ops::WeightRef& w,
                     float eps, float* y);
 void swiglu(const float* gate, const float* up, int64_t n, float* out);
+void sample_rows(const float* logits, int64_t rows, int64_t V, const ops::SampleRow* params,
+                 int32_t* out);
 void route_top_k(const float* logits, int64_t E, int64_t k, bool renormalise, int32_t* ids,
                  float* weights);
 void mla_attention(const float* q_nope, const float* q_pe, int64_t n, int64_t H, int64_t dn,
