@@ -444,11 +444,13 @@ TEST(BatchEngine, FailedJoinLeavesRunningRowsUntouched) {
   EXPECT_EQ(engine.counters().kv_blocks_used, 0);
 }
 
-// Plain greedy rounds are pipelined (the next step is queued before the host reads the last
-// one's tokens): joins, a cancellation, a consumer's stop and length limits interrupt the chain
-// at different points, and every request still gets its plain tokens. The model is left with no
-// pending copy (a Generator runs cleanly afterwards).
-TEST(BatchEngine, PipelinedGreedyRoundsKeepTokensThroughMembershipChanges) {
+// Plain rounds are pipelined (the next step is queued before the host reads the last one's
+// tokens), greedy and sampled rows alike (a sampled row's tokens are drawn by ops::sample_rows,
+// the step after next with the next output index): joins, a cancellation, a consumer's stop and
+// length limits interrupt the chain at different points, and every request still gets the
+// tokens a Generator draws on the host. The model is left with no pending copy (a Generator runs
+// cleanly afterwards).
+TEST(BatchEngine, PipelinedRoundsKeepTokensThroughMembershipChanges) {
   auto& d = demo();
   EngineOptions o;
   o.max_rows = 3;
@@ -459,8 +461,11 @@ TEST(BatchEngine, PipelinedGreedyRoundsKeepTokensThroughMembershipChanges) {
   for (size_t i = 0; i < 7; ++i) {
     auto p = i == 3 ? long_prompt(300)
                     : d.tok->encode(test::kDemoPrompts[i % test::kDemoPrompts.size()]);
-    reqs.push_back(request(p, 0.0f, 1, 5 + 6 * static_cast<int64_t>(i)));
+    reqs.push_back(request(p, i % 2 == 0 ? 0.0f : 0.6f + 0.2f * static_cast<float>(i % 3), 1 + i,
+                           5 + 6 * static_cast<int64_t>(i)));
   }
+  reqs[5].sampling.top_k = 20;
+  reqs[5].sampling.min_p = 0.02f;
   std::vector<std::shared_ptr<Recorder>> sinks;
   for (size_t i = 0; i < reqs.size(); ++i) sinks.push_back(std::make_shared<Recorder>());
   sinks[1]->cancel_after = 6;
@@ -484,6 +489,7 @@ TEST(BatchEngine, PipelinedGreedyRoundsKeepTokensThroughMembershipChanges) {
   EXPECT_EQ(sinks[1]->outcome->end, RequestEnd::Cancelled);
   EXPECT_EQ(sinks[4]->tokens.size(), 9u);
   EXPECT_EQ(engine.counters().kv_blocks_used, 0);
+  EXPECT_GT(engine.counters().pipelined_rounds, engine.counters().rounds / 2);
   EXPECT_EQ(alone(reqs[0]), sinks[0]->tokens);
 }
 

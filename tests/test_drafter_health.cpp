@@ -142,14 +142,10 @@ TEST(DrafterHealthEngine, ACollapsedDrafterIsReportedOnceAndStopsDraftingLossles
       int64_t drafted_always = 0;
       for (const SpecStats& st : unprobed.stats) drafted_always += st.drafted_by_position[0];
       EXPECT_GT(drafted_always, 2 * drafted);
-      // Released, the drafter costs nothing: greedy rows then decode in the pipelined plain
-      // rounds of an engine without one (sampling rows run plain rounds either way).
-      if (t == 0.0f) {
-        EXPECT_GT(probed.counters.pipelined_rounds, 100 - 48 / rows);
-        EXPECT_GT(plain.counters.pipelined_rounds, 0);
-      } else {
-        EXPECT_EQ(probed.counters.pipelined_rounds, 0);
-      }
+      // Released, the drafter costs nothing: rows then decode in the pipelined plain rounds of
+      // an engine without one, at any temperature (their tokens are drawn where the logits are).
+      EXPECT_GT(probed.counters.pipelined_rounds, 100 - 48 / rows);
+      EXPECT_GT(plain.counters.pipelined_rounds, 0);
       EXPECT_EQ(unprobed.counters.pipelined_rounds, 0);
     }
   }

@@ -112,7 +112,7 @@ TEST(Ops, SampleRowsIsTheSamplerOfEachRow) {
     rows.push_back(ops::sample_row(p, 100u + static_cast<uint64_t>(r)));
   }
   logits[static_cast<size_t>(5 * V + 9)] = std::nanf("");  // row 5 holds a NaN
-  rows[7].top_p = 1.5f;                                     // row 7's parameters are invalid
+  rows[7].top_p = 1.5f;                                    // row 7's parameters are invalid
   std::vector<int32_t> out(12, 99);
   ops::sample_rows(logits.data(), 12, V, rows.data(), out.data());
   for (int64_t r = 0; r < 12; ++r) {

@@ -60,31 +60,37 @@ void expect_same_tokens(const std::vector<float>& logits, int64_t V,
   for (int64_t r = 0; r < R; ++r) {
     const ops::SampleRow& p = rows[static_cast<size_t>(r)];
     SamplingParams sp = params(p.temperature, p.top_k, p.top_p, p.min_p, p.seed);
-    const int32_t want = sample_token(
-        {logits.data() + r * V, static_cast<size_t>(V)}, sp, p.index);
+    const int32_t want = sample_token({logits.data() + r * V, static_cast<size_t>(V)}, sp, p.index);
     ASSERT_EQ(got[static_cast<size_t>(r)], want)
-        << "row " << r << " V " << V << " T " << p.temperature << " top_k " << p.top_k
-        << " top_p " << p.top_p << " min_p " << p.min_p << " index " << p.index;
+        << "row " << r << " V " << V << " T " << p.temperature << " top_k " << p.top_k << " top_p "
+        << p.top_p << " min_p " << p.min_p << " index " << p.index;
   }
 }
 
 TEST_F(CudaTest, SampleRowsEqualsTheHostSamplerOnEveryFilter) {
   std::mt19937 rng(42);
-  const std::vector<SamplingParams> sets = {
-      params(0.0f),           params(1.0f),          params(0.7f),
-      params(2.5f),           params(0.05f),         params(1.0f, 1),
-      params(0.8f, 40),       params(1.0f, 0, 0.9f), params(0.7f, 0, 0.5f),
-      params(1.2f, 50, 0.95f, 0.02f), params(1.0f, 0, 1.0f, 0.1f), params(1.5f, 0, 0.999f),
-      params(1.0f, 0, 1e-6f), params(1.0f, 0, 1.0f, 1.0f)};
+  const std::vector<SamplingParams> sets = {params(0.0f),
+                                            params(1.0f),
+                                            params(0.7f),
+                                            params(2.5f),
+                                            params(0.05f),
+                                            params(1.0f, 1),
+                                            params(0.8f, 40),
+                                            params(1.0f, 0, 0.9f),
+                                            params(0.7f, 0, 0.5f),
+                                            params(1.2f, 50, 0.95f, 0.02f),
+                                            params(1.0f, 0, 1.0f, 0.1f),
+                                            params(1.5f, 0, 0.999f),
+                                            params(1.0f, 0, 1e-6f),
+                                            params(1.0f, 0, 1.0f, 1.0f)};
   for (const int64_t V : {int64_t{1}, int64_t{7}, int64_t{1000}, int64_t{4099}, int64_t{248320}}) {
     for (const float scale : {0.3f, 3.0f}) {
       std::vector<float> logits;
       std::vector<ops::SampleRow> rows;
       for (size_t s = 0; s < sets.size(); ++s) {
         for (uint64_t index : {uint64_t{0}, uint64_t{1}, uint64_t{977}, (uint64_t{1} << 33) + 5}) {
-          const std::vector<float> l =
-              V < 50 ? std::vector<float>(static_cast<size_t>(V), 0.5f)
-                     : model_like_logits(V, rng, scale);
+          const std::vector<float> l = V < 50 ? std::vector<float>(static_cast<size_t>(V), 0.5f)
+                                              : model_like_logits(V, rng, scale);
           logits.insert(logits.end(), l.begin(), l.end());
           SamplingParams p = sets[s];
           p.seed = 1000 + s;
@@ -103,7 +109,8 @@ TEST_F(CudaTest, SampleRowsFollowsTheHostOverManyKeys) {
   std::mt19937 rng(7);
   const int64_t V = 32000;
   const std::vector<float> one = model_like_logits(V, rng, 1.0f);
-  for (const SamplingParams& p : {params(1.0f), params(1.0f, 100, 0.9f), params(3.0f, 0, 1, 0.01f)}) {
+  for (const SamplingParams& p :
+       {params(1.0f), params(1.0f, 100, 0.9f), params(3.0f, 0, 1, 0.01f)}) {
     std::vector<float> logits;
     std::vector<ops::SampleRow> rows;
     for (uint64_t i = 0; i < 512; ++i) {
@@ -120,8 +127,8 @@ TEST_F(CudaTest, SampleRowsTiesGoToTheLowestIds) {
   const int64_t V = 5000;
   std::vector<float> logits;
   std::vector<ops::SampleRow> rows;
-  for (const SamplingParams& p : {params(1.0f), params(1.0f, 777), params(1.0f, 0, 0.3f),
-                                  params(1.0f, 3000, 0.5f)}) {
+  for (const SamplingParams& p :
+       {params(1.0f), params(1.0f, 777), params(1.0f, 0, 0.3f), params(1.0f, 3000, 0.5f)}) {
     for (uint64_t i = 0; i < 64; ++i) {
       logits.insert(logits.end(), static_cast<size_t>(V), -1.25f);
       rows.push_back(ops::sample_row(p, i * 31));
@@ -134,7 +141,7 @@ TEST_F(CudaTest, SampleRowsMarksBadRowsAndBadParams) {
   const int64_t V = 300;
   std::vector<float> logits(static_cast<size_t>(4 * V), 0.25f);
   logits[17] = std::numeric_limits<float>::quiet_NaN();                            // row 0
-  logits[static_cast<size_t>(V) + 3] = kInf;                                      // row 1
+  logits[static_cast<size_t>(V) + 3] = kInf;                                       // row 1
   for (int64_t i = 0; i < V; ++i) logits[static_cast<size_t>(2 * V + i)] = -kInf;  // row 2
   std::vector<ops::SampleRow> rows(4, ops::sample_row(params(1.0f), 0));
   rows.push_back(ops::sample_row(params(1.0f, 0, 0.0f), 0));  // row 4: top_p outside (0, 1]

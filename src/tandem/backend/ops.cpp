@@ -13,6 +13,7 @@
 #include "tandem/backend/cpu/cpu_ops.h"
 #include "tandem/backend/cpu/memory_bandwidth.h"
 #include "tandem/core/error.h"
+#include "tandem/core/sampler.h"
 #ifdef TANDEM_HAVE_CUDA
 #include "tandem/backend/cuda/attention_prompt.h"
 #include "tandem/backend/cuda/cuda_ops.h"

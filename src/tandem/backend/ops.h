@@ -22,8 +22,11 @@
 #include <vector>
 
 #include "tandem/core/dtype.h"
-#include "tandem/core/sampler.h"
 #include "tandem/core/tensor.h"
+
+namespace tandem {
+struct SamplingParams;  // core/sampler.h (not included: CUDA sources compile as C++17)
+}  // namespace tandem
 
 namespace tandem::ops {
 

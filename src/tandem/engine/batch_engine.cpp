@@ -86,7 +86,12 @@ struct BatchEngine::Row {
   int64_t processed() const {
     return static_cast<int64_t>(req.gen.prompt.size() + result.tokens.size()) - 1;
   }
-  bool needs_logits() const { return !req.gen.sampling.greedy() || req.top_logprobs >= 0; }
+  // Decode rounds draw every token where the logits are (ops::sample_rows) and copy logits to
+  // the host only for log-probabilities; a prompt's first token is drawn on the host.
+  bool needs_logits() const { return req.top_logprobs >= 0; }
+  bool first_token_needs_logits() const {
+    return !req.gen.sampling.greedy() || req.top_logprobs >= 0;
+  }
 };
 
 BatchEngine::BatchEngine(const Qwen35Model& model, const spec::DraftProvider* drafter,
@@ -455,7 +460,7 @@ void BatchEngine::begin_prefill() {
     if (static_cast<int64_t>(row.req.gen.prompt.size()) > options_.spec.prefill_chunk)
       inflight_long_ = true;
     if (row.prefilled + inputs_[k].n_tokens == static_cast<int64_t>(row.req.gen.prompt.size()) &&
-        row.needs_logits())
+        row.first_token_needs_logits())
       inflight_logits_ = true;
   }
   ForwardRequest fwd{tokens_, inputs_, false, want_final_, want_prenorm_};
@@ -637,7 +642,7 @@ bool BatchEngine::depth_zero_pipelines() const {
   // With a prefix cache a finished row's drafter state is saved with the target's (save_turn),
   // which a drafter still behind the target would get wrong: those engines keep their rounds.
   if (cache_ || !policy_ || !decode_drafts_ || !decode_drafts_->taps().empty() ||
-      !target_->pipelines_greedy() || options_.spec.verify != spec::VerifyMode::Match)
+      !target_->pipelines_steps() || options_.spec.verify != spec::VerifyMode::Match)
     return false;
   for (const auto& r : decoding_)
     if (r->needs_logits()) return false;
@@ -666,8 +671,8 @@ void BatchEngine::catch_up_drafter() {
   for (auto& row : decoding_) row->drafter_synced = row->processed();
 }
 
-bool BatchEngine::plain_greedy() const {
-  if (!target_->pipelines_greedy() || decode_drafts_ ||
+bool BatchEngine::plain_pipelines() const {
+  if (!target_->pipelines_steps() || decode_drafts_ ||
       options_.spec.verify != spec::VerifyMode::Match)
     return false;
   for (const auto& r : decoding_)
@@ -714,15 +719,23 @@ void BatchEngine::pipelined_round() {
   auto queue_step = [&](bool from_argmax) {
     tokens_.clear();
     inputs_.clear();
+    sample_rows_.clear();
+    bool sampled = false;
     for (const auto& row : decoding_) {
       if (!from_argmax) tokens_.push_back(row->result.tokens.back());
       inputs_.push_back({row->slot, 1, false});
+      // The token this step draws has output index tokens.size(); one queued after a step whose
+      // token is not read yet draws the next.
+      const uint64_t index = row->result.tokens.size() + (from_argmax ? 1 : 0);
+      sample_rows_.push_back(ops::sample_row(row->req.gen.sampling, index));
+      sampled = sampled || !row->req.gen.sampling.greedy();
     }
     ForwardRequest fwd{tokens_, inputs_, false, false};
     fwd.want_logits = false;
     fwd.want_argmax = true;
     fwd.defer_argmax = true;
     fwd.tokens_from_argmax = from_argmax;
+    if (sampled) fwd.sample_rows = sample_rows_;
     target_->forward(fwd, &out_);
   };
   if (!chained_) {
@@ -754,7 +767,7 @@ void BatchEngine::pipelined_round() {
 void BatchEngine::round() {
   size_t R = decoding_.size();
   if (R == 0) return;
-  if (plain_greedy()) return pipelined_round();
+  if (plain_pipelines()) return pipelined_round();
   // With adaptive depth the policy picks this round's depth (never above what the probe allows).
   // A token drafter needs no forward's hiddens, so a round at depth 0 runs as a pipelined plain
   // step and the drafter takes in the tokens it missed before it next drafts.
@@ -810,6 +823,8 @@ void BatchEngine::round() {
   inputs_.clear();
   windows_.resize(R);
   bool need_logits = rejection;
+  bool sampled = false;
+  sample_rows_.clear();
   for (size_t r = 0; r < R; ++r) {
     const Row& row = *decoding_[r];
     if (decode_drafts_ && static_cast<int>(proposals_[r].tokens.size()) > drafts_[r].depth)
@@ -826,11 +841,16 @@ void BatchEngine::round() {
     const bool speculative = windows_[r].size() > 1;
     inputs_.push_back({row.slot, static_cast<int64_t>(windows_[r].size()), speculative});
     need_logits = need_logits || row.needs_logits();
+    // Window position j draws the token of output index tokens.size() + j (DESIGN.md 5.1).
+    for (size_t j = 0; j < windows_[r].size(); ++j)
+      sample_rows_.push_back(ops::sample_row(row.req.gen.sampling, row.result.tokens.size() + j));
+    sampled = sampled || !row.req.gen.sampling.greedy();
   }
   ForwardRequest verify{tokens_, inputs_, true, want_final_, want_prenorm_};
   verify.tap_layers = taps_.layers;
   verify.want_logits = need_logits;
   verify.want_argmax = !need_logits;
+  if (!need_logits && sampled) verify.sample_rows = sample_rows_;
   target_->forward(verify, &out_);
   const auto t_verify = phase_end();
 
@@ -852,8 +872,8 @@ void BatchEngine::round() {
     spec::AcceptOutcome outcome;
     try {
       if (!need_logits) {
-        outcome = spec::accept_walk_greedy(std::span(out_.argmax).subspan(t, n),
-                                           std::span(windows_[r]).subspan(1));
+        outcome = spec::accept_walk_match(std::span(out_.argmax).subspan(t, n),
+                                          std::span(windows_[r]).subspan(1));
       } else {
         std::span<const float> logits(out_.logits.data() + t * V, n * static_cast<size_t>(V));
         outcome = spec::accept_walk(logits, V, std::span(windows_[r]).subspan(1), proposals_[r].q,

@@ -85,8 +85,8 @@ struct EngineCounters {
   int64_t queued = 0, prefilling = 0, decoding = 0;
   int64_t kv_blocks_used = 0, kv_blocks_total = 0;  // total 0: the pool grows on demand
   int64_t rounds = 0, prefill_forwards = 0;
-  // Of the rounds, those run as plain greedy steps queued ahead of the host (no drafter, or a
-  // retired one, and greedy rows only): the fastest plain path.
+  // Of the rounds, those run as plain steps queued ahead of the host (no drafter, or a retired
+  // one, and no log-probabilities): the fastest plain path.
   int64_t pipelined_rounds = 0;
   int64_t prompt_tokens = 0, generated_tokens = 0;
   int64_t finished = 0, cancelled = 0, failed = 0;
@@ -200,6 +200,7 @@ class BatchEngine {
   std::vector<RowKeep> keeps_;
   std::vector<spec::VerifyRow> verified_;
   std::vector<TokenWeight> dist_scratch_;
+  std::vector<ops::SampleRow> sample_rows_;  // a forward's draws (ForwardRequest::sample_rows)
   std::vector<int64_t> drafted_pos_, accepted_pos_;  // this round's counts per window position
   std::vector<int32_t> collected_;
 
@@ -211,8 +212,8 @@ class BatchEngine {
   bool inflight_logits_ = false;
   bool inflight_long_ = false;  // it holds a chunk of a prompt longer than one chunk
 
-  // Plain greedy rounds (no drafter, every row greedy, no log-probabilities) are pipelined one
-  // deep, as Generator's greedy loop: step S+1 is queued taking S's tokens from device memory
+  // Plain rounds (no drafter, no log-probabilities; greedy or sampled rows, whose tokens are drawn
+  // on the device) are pipelined one deep: step S+1 is queued taking S's tokens from device memory
   // before the host reads S's, so the device never waits for the host's turnaround. `chained_`:
   // a step is queued whose tokens were not collected yet; chain_ids_ are its rows (Row::id).
   bool chained_ = false;
@@ -244,10 +245,10 @@ class BatchEngine {
                   size_t draft_row);
   void round();
   // The health probe found the drafter collapsed: its rows are released (no more drafting,
-  // committing or hidden taps) and the engine runs as without a drafter from then on, greedy
-  // rows in pipelined plain rounds, so a collapsed drafter costs no more than none.
+  // committing or hidden taps) and the engine runs as without a drafter from then on, in
+  // pipelined plain rounds, so a collapsed drafter costs no more than none.
   void retire_drafter();
-  bool plain_greedy() const;
+  bool plain_pipelines() const;
   void pipelined_round();
   // Collects the queued step's tokens and emits them to its rows that are still live.
   void drain();

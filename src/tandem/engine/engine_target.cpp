@@ -9,7 +9,7 @@ void EngineTarget::set_fixed_pool(int, int64_t, int64_t) {
 }
 
 void EngineTarget::collect_argmax(std::vector<int32_t>*) {
-  fail("this target does not queue greedy steps ahead of the host");
+  fail("this target does not queue decode steps ahead of the host");
 }
 
 }  // namespace tandem

@@ -2,10 +2,10 @@
 // to, and the seam its drafters read. One EngineTarget owns one state, used by one engine.
 //
 // Implementations: QwenEngineTarget (Qwen3.5 dense and MoE: paged KV with an optional fixed
-// pool, layer-sliced prompt forwards, pipelined greedy steps, the prefix cache) and
+// pool, layer-sliced prompt forwards, pipelined decode steps, the prefix cache) and
 // Glm5EngineTarget (GLM-5: per-row latent caches that grow on demand; prompt forwards run
 // whole). Capabilities a target lacks are refused by name (set_fixed_pool, open_prefix_cache) or
-// reported (pipelines_greedy).
+// reported (pipelines_steps).
 #pragma once
 
 #include <cstddef>
@@ -63,8 +63,9 @@ class EngineTarget {
   virtual std::span<const RowInput> prompt_rows() const = 0;  // of the forward in flight
   virtual void abandon_prompt() = 0;
 
-  // Greedy steps queued ahead of the host (ForwardRequest::defer_argmax, tokens_from_argmax).
-  virtual bool pipelines_greedy() const { return false; }
+  // Decode steps queued ahead of the host (ForwardRequest::defer_argmax, tokens_from_argmax,
+  // with greedy or drawn tokens).
+  virtual bool pipelines_steps() const { return false; }
   virtual void collect_argmax(std::vector<int32_t>* argmax);
   virtual void drop_deferred_argmax() {}
 

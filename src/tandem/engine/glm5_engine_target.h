@@ -1,5 +1,5 @@
 // A GLM-5 target for the batch engine: the model and its per-row latent caches, which grow on
-// demand (no fixed pool). Prompt forwards run whole, and greedy steps are
+// demand (no fixed pool). Prompt forwards run whole, and decode steps are
 // not queued ahead of the host: the CPU backend gains nothing from either. Its prefix cache
 // (Glm5PrefixCache) keeps copies of the caches at the prefill grid's boundaries.
 #pragma once

@@ -51,7 +51,7 @@ class QwenEngineTarget final : public EngineTarget {
   std::span<const RowInput> prompt_rows() const override { return inflight_.rows(); }
   void abandon_prompt() override { inflight_.abandon(); }
 
-  bool pipelines_greedy() const override { return true; }
+  bool pipelines_steps() const override { return true; }
   void collect_argmax(std::vector<int32_t>* argmax) override { model_.collect_argmax(argmax); }
   void drop_deferred_argmax() override { model_.drop_deferred_argmax(); }
 

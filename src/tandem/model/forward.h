@@ -50,6 +50,11 @@ struct ForwardRequest {
   // forward first. So a step can be queued before the host has seen the previous step's token.
   bool tokens_from_argmax = false;
   bool defer_argmax = false;
+  // With want_argmax: the token of logits row i is drawn with sample_rows[i] (ops::sample_rows:
+  // the host sampler's token, computed where the logits are) instead of taken greedily. Empty:
+  // the argmax of every row. One entry per logits row; not for prompt forwards. The forward
+  // copies it; the pipelined and deferred paths above work the same with it.
+  std::span<const ops::SampleRow> sample_rows = {};
   // Mixtures of experts: record every sparse layer's routing (ForwardOutput::routing), for tests
   // and tools.
   bool want_routing = false;
@@ -65,7 +70,7 @@ struct ForwardRequest {
 struct ForwardOutput {
   std::vector<float> logits;  // [logits_rows, vocab] when want_logits
   int64_t logits_rows = 0;
-  std::vector<int32_t> argmax;        // [logits_rows] when want_argmax
+  std::vector<int32_t> argmax;        // [logits_rows] when want_argmax (drawn with sample_rows)
   std::vector<float> hidden;          // [Σ n_tokens, hidden] when requested
   std::vector<float> prenorm_hidden;  // [Σ n_tokens, hidden] when requested
   // [Σ n_tokens, tap_layers.size() · hidden]: per token, the listed layers' inputs in the listed

@@ -72,6 +72,16 @@ void Glm5Model::forward(Glm5State& st, const ForwardRequest& req, ForwardOutput*
   if (req.tokens_from_argmax || req.defer_argmax)
     fail("forward: GLM-5 takes host tokens and returns its argmax at once (tokens_from_argmax and ",
          "defer_argmax are not supported)");
+  if (!req.sample_rows.empty()) {
+    if (!req.want_argmax) fail("forward: sample_rows without want_argmax");
+    if (req.prompt)
+      fail("forward: sample_rows in a prompt forward (its tokens are drawn on the host)");
+    int64_t tokens = 0;
+    for (const RowInput& r : req.rows) tokens += r.n_tokens;
+    const size_t logits_rows = req.all_logits ? static_cast<size_t>(tokens) : req.rows.size();
+    if (req.sample_rows.size() != logits_rows)
+      fail("forward: ", req.sample_rows.size(), " sample_rows for ", logits_rows, " logits rows");
+  }
   Glm5Tokens b;
   b.prompt = req.prompt;
   check_forward_rows(
@@ -160,9 +170,20 @@ void Glm5Model::forward(Glm5State& st, const ForwardRequest& req, ForwardOutput*
   head(head_in, rows, w.logits.data());
   if (req.want_argmax) {
     w.argmax.grow_to(rows);
-    ops::argmax_rows(w.logits.data(), rows, V, w.argmax.data());
+    if (req.sample_rows.empty()) {
+      ops::argmax_rows(w.logits.data(), rows, V, w.argmax.data());
+    } else {
+      w.sample_rows.grow_to(rows);
+      ops::copy_from_host(w.sample_rows.data(), req.sample_rows.data(),
+                          sizeof(ops::SampleRow) * req.sample_rows.size());
+      ops::sample_rows(w.logits.data(), rows, V, w.sample_rows.data(), w.argmax.data());
+    }
     out->argmax.resize(static_cast<size_t>(rows));
     ops::copy_to_host(out->argmax.data(), w.argmax.data(), sizeof(int32_t) * rows);
+    for (size_t r = 0; r < out->argmax.size(); ++r)
+      if (out->argmax[r] < 0)
+        fail("forward: logits row ", r, " holds NaN or +inf, or only -inf",
+             req.sample_rows.empty() ? "" : ", or its sampling parameters are invalid");
   }
   if (req.want_logits) to_host(out->logits, w.logits.data(), rows * V);
 }

@@ -104,6 +104,7 @@ class Glm5Model {
     Buffer<float> taps;       // [T, taps · H]
     Buffer<float> logits;     // [rows, V]
     Buffer<int32_t> argmax;   // [rows]
+    Buffer<ops::SampleRow> sample_rows;  // [rows] ForwardRequest::sample_rows
   };
   mutable Workspace ws_;
 

@@ -312,6 +312,14 @@ int64_t Qwen35Model::prepare_forward(Qwen35State& st, const ForwardRequest& req)
     fail("forward: rows cover ", T, " tokens but ", req.tokens.size(), " were given");
   }
   if (req.defer_argmax && !req.want_argmax) fail("forward: defer_argmax without want_argmax");
+  if (!req.sample_rows.empty()) {
+    if (!req.want_argmax) fail("forward: sample_rows without want_argmax");
+    if (req.prompt)
+      fail("forward: sample_rows in a prompt forward (its tokens are drawn on the host)");
+    const size_t logits_rows = req.all_logits ? static_cast<size_t>(T) : req.rows.size();
+    if (req.sample_rows.size() != logits_rows)
+      fail("forward: ", req.sample_rows.size(), " sample_rows for ", logits_rows, " logits rows");
+  }
   if (req.want_index_selection)
     fail("forward: want_index_selection on a model without a DSA indexer (qwen3_5)");
   check_tap_layers(req.tap_layers, static_cast<int64_t>(layers_.size()));
@@ -414,20 +422,25 @@ int64_t Qwen35Model::prepare_forward(Qwen35State& st, const ForwardRequest& req)
     const size_t pos_bytes = sizeof(int64_t) * w.pos_host.size();
     const size_t tables_bytes = sizeof(int32_t) * w.tables_host.size();
     const size_t desc_bytes = sizeof(ops::RecurrentRow) * desc.size();
+    const size_t sample_bytes = sizeof(ops::SampleRow) * req.sample_rows.size();
     const size_t o_pos = upload_part_bytes(ids_bytes);
     const size_t o_tables = o_pos + upload_part_bytes(pos_bytes);
-    const size_t o_desc = o_tables + upload_part_bytes(tables_bytes), total = o_desc + desc_bytes;
+    const size_t o_desc = o_tables + upload_part_bytes(tables_bytes);
+    const size_t o_sample = o_desc + upload_part_bytes(desc_bytes), total = o_sample + sample_bytes;
     w.meta.grow_to(static_cast<int64_t>(total));
     uint8_t* base = w.meta.data();
     w.ids = reinterpret_cast<int32_t*>(base);
     w.pos = reinterpret_cast<int64_t*>(base + o_pos);
     w.tables = reinterpret_cast<int32_t*>(base + o_tables);
     w.recurrent_rows = reinterpret_cast<ops::RecurrentRow*>(base + o_desc);
+    w.sample_rows =
+        req.sample_rows.empty() ? nullptr : reinterpret_cast<ops::SampleRow*>(base + o_sample);
     uint8_t* h = w.meta_upload.host(total);
     if (!req.tokens_from_argmax) std::memcpy(h, req.tokens.data(), ids_bytes);
     std::memcpy(h + o_pos, w.pos_host.data(), pos_bytes);
     std::memcpy(h + o_tables, w.tables_host.data(), tables_bytes);
     std::memcpy(h + o_desc, desc.data(), desc_bytes);
+    if (sample_bytes > 0) std::memcpy(h + o_sample, req.sample_rows.data(), sample_bytes);
     w.meta_upload.start(base, total);
   }
   w.segments.clear();
@@ -483,7 +496,7 @@ void Qwen35Model::forward(Qwen35State& st, const ForwardRequest& req, ForwardOut
           w.mlp_g.data(), w.mlp_u.data(), w.last.data(), w.out.data(), w.attn.qg.data(),
           w.attn.q.data(), w.attn.gate.data(), w.attn.k.data(), w.attn.v.data(), w.attn.o.data()})
       key.add(p);
-    key.add(w.ids).add(w.pos).add(w.argmax.data()).add(w.recurrent_rows);
+    key.add(w.ids).add(w.pos).add(w.argmax.data()).add(w.recurrent_rows).add(w.sample_rows);
     key.add(w.max_row_tokens);
     graphs_.run(key, [&] { forward_body(st, req, T); });
   }
@@ -536,7 +549,9 @@ void Qwen35Model::finish_forward(Qwen35State& st, const ForwardRequest& req, int
     out->argmax.resize(static_cast<size_t>(out->logits_rows));
     ops::copy_to_host(out->argmax.data(), w.argmax.data(), sizeof(int32_t) * out->argmax.size());
     for (size_t r = 0; r < out->argmax.size(); ++r)
-      if (out->argmax[r] < 0) fail("forward: logits row ", r, " holds NaN or +inf, or only -inf");
+      if (out->argmax[r] < 0)
+        fail("forward: logits row ", r, " holds NaN or +inf, or only -inf",
+             req.sample_rows.empty() ? "" : ", or its sampling parameters are invalid");
   }
 }
 
@@ -660,7 +675,10 @@ void Qwen35Model::body_head(const ForwardRequest& req, int64_t T) const {
     }
     ops::linear(last, rows, lm_head_, w.out.data());
   }
-  if (req.want_argmax) ops::argmax_rows(w.out.data(), rows, V, w.argmax.data());
+  if (req.want_argmax && w.sample_rows)
+    ops::sample_rows(w.out.data(), rows, V, w.sample_rows, w.argmax.data());
+  else if (req.want_argmax)
+    ops::argmax_rows(w.out.data(), rows, V, w.argmax.data());
 }
 
 // --- Layer-sliced prompt forwards ----------------------------------------------------------------

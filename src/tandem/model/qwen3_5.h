@@ -195,6 +195,7 @@ class Qwen35Model {
     int32_t* tables = nullptr;  // the rows' block tables, fixed stride
     int64_t table_stride = 0;   // int32s between two rows' tables
     ops::RecurrentRow* recurrent_rows = nullptr;  // [linear layers][rows] state descriptors
+    ops::SampleRow* sample_rows = nullptr;        // [logits rows] ForwardRequest::sample_rows
     StagedUpload meta_upload;
     int64_t max_row_tokens = 0;
     std::vector<int64_t> pos_host;

@@ -104,7 +104,7 @@ std::string ServerMetrics::render(const EngineCounters& e, const std::string& dr
          "(the engine decodes without it since).",
          static_cast<double>(e.drafter_disabled));
   scalar("tandem_pipelined_rounds_total", "counter",
-         "Rounds run as plain greedy steps queued ahead of the host (no drafter or a retired one).",
+         "Rounds run as plain steps queued ahead of the host (no drafter or a retired one).",
          static_cast<double>(e.pipelined_rounds));
   series(&out, "tandem_round_phase_seconds_total", "counter",
          "Host time in the phases of speculative rounds (draft, verify, accept, commit).");

@@ -100,9 +100,9 @@ AcceptOutcome accept_walk(std::span<const float> logits, int64_t vocab,
   return out;
 }
 
-AcceptOutcome accept_walk_greedy(std::span<const int32_t> target,
-                                 std::span<const int32_t> proposals) {
-  TANDEM_CHECK(target.size() == proposals.size() + 1, "accept_walk_greedy: ", target.size(),
+AcceptOutcome accept_walk_match(std::span<const int32_t> target,
+                                std::span<const int32_t> proposals) {
+  TANDEM_CHECK(target.size() == proposals.size() + 1, "accept_walk_match: ", target.size(),
                " target tokens for ", proposals.size(), " proposals");
   AcceptOutcome out;
   for (size_t j = 0; j < target.size(); ++j) {

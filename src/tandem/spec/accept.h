@@ -38,10 +38,11 @@ AcceptOutcome accept_walk(std::span<const float> logits, int64_t vocab,
                           std::span<const std::vector<TokenProb>> q, const SamplingParams& sampling,
                           uint64_t first_index, VerifyMode mode);
 
-// Match verification of a greedy row from the target's greedy tokens alone (no logits on the
-// host): target[j] is the argmax at window position j (k+1 entries). Same outcome as accept_walk
-// in Match mode with temperature 0.
-AcceptOutcome accept_walk_greedy(std::span<const int32_t> target,
-                                 std::span<const int32_t> proposals);
+// Match verification from the target's tokens alone (no logits on the host): target[j] is the
+// token the target chose at window position j (k+1 entries): its argmax, or its draw with the key
+// (seed, first_index + j) (ops::sample_rows, the same token sample_token gives). Same outcome as
+// accept_walk in Match mode.
+AcceptOutcome accept_walk_match(std::span<const int32_t> target,
+                                std::span<const int32_t> proposals);
 
 }  // namespace tandem::spec

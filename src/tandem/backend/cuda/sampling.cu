@@ -117,7 +117,6 @@ __global__ void __launch_bounds__(kArgmaxThreads)
   }
 }
 
-
 // --- sample_rows -------------------------------------------------------------------------------
 // One block per logits row computes what core/sampler.cpp's sample_token computes: the same
 // integer weights (sample_weights.h), the same filters and the same canonical-order inverse CDF,
@@ -347,8 +346,7 @@ __global__ void __launch_bounds__(kSampleThreads)
     }
   }
   const bool valid_params = isfinite(p.temperature) && p.temperature >= 0.0f && p.top_k >= 0 &&
-                            p.top_p > 0.0f && p.top_p <= 1.0f && p.min_p >= 0.0f &&
-                            p.min_p <= 1.0f;
+                            p.top_p > 0.0f && p.top_p <= 1.0f && p.min_p >= 0.0f && p.min_p <= 1.0f;
   if (bad || live == 0 || !valid_params) {
     if (threadIdx.x == 0) out[row] = -1;
     return;
