@@ -1,5 +1,6 @@
-// Greedy draft rounds of an MTP drafter, as the engine runs them, for comparing two ways of
-// running the same drafter bit for bit (whole chains against step by step, graphs on and off).
+// Draft rounds of an MTP drafter, as the engine runs them, for comparing two ways of running the
+// same drafter bit for bit (whole chains against step by step, graphs on and off, draws on the
+// device against draws on the host).
 #pragma once
 
 #include <cmath>
@@ -13,12 +14,17 @@ namespace tandem::test {
 
 // Opens rows for `prompts` (prefilled with synthetic hiddens: only determinism is compared),
 // then runs `rounds` rounds in which the rows draft different depths (some stop early, so later
-// steps run fewer rows) and accept none, some or all of their proposals. Returns every proposal,
-// then the bits of every draft step's logits. *whole_chains: the chains MtpRows ran whole.
+// steps run fewer rows) and accept none, some or all of their proposals. Rows draft with
+// `sampling` (row r's seed is sampling.seed + r; greedy by default) and ask for their
+// distributions when `want_distribution` (which keeps the draws on the host). Returns every
+// proposal, then the bits of every draft step's logits. *whole_chains: the chains MtpRows ran
+// whole.
 inline std::vector<int32_t> mtp_rounds(const spec::DraftProvider& drafter,
                                        const spec::TargetView& target,
                                        const std::vector<std::vector<int32_t>>& prompts, int rounds,
-                                       int64_t* whole_chains = nullptr) {
+                                       int64_t* whole_chains = nullptr,
+                                       const SamplingParams& sampling = {},
+                                       bool want_distribution = false) {
   const int64_t H = target.hidden_size(), V = target.vocab_size();
   const int R = static_cast<int>(prompts.size());
   auto hiddens = [&](size_t n, int salt) {
@@ -45,6 +51,10 @@ inline std::vector<int32_t> mtp_rounds(const spec::DraftProvider& drafter,
     for (int r = 0; r < R; ++r) {
       in[r].pending = pending[r];
       in[r].depth = (round + r) % 4 == 3 ? 1 : 3;
+      in[r].sampling = sampling;
+      in[r].sampling.seed = sampling.seed + static_cast<uint64_t>(r);
+      in[r].first_index = static_cast<uint64_t>(4 * round + r);
+      in[r].want_distribution = want_distribution;
     }
     std::vector<spec::DraftProposal> out;
     rows->draft(in, &out);

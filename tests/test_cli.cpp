@@ -200,10 +200,11 @@ TEST(Cli, BenchRandomWeightsTimesARandomMtpLayer) {
   EXPECT_FALSE(k.contains("mtp_draft_weights"));
 }
 
-// bench's timed steps hand the host either the greedy tokens (the default, as greedy decoding
-// runs) or every window token's logits; the JSON says which, and other values are refused.
+// bench's timed steps hand the host the greedy tokens (the default, as greedy decoding runs),
+// tokens drawn on the device (as sampled decoding runs) or every window token's logits; the JSON
+// says which, and other values are refused.
 TEST(Cli, BenchStepOutput) {
-  for (const std::string mode : {"", "tokens", "logits"}) {
+  for (const std::string mode : {"", "tokens", "samples", "logits"}) {
     const CliRun r = run("bench --random-weights " + kBenchConfig + kQuickBench +
                              (mode.empty() ? "" : " --step-output " + mode),
                          false);

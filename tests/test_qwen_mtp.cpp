@@ -336,6 +336,32 @@ TEST(QwenMtp, WholeChainsEqualStepByStep) {
   EXPECT_EQ(together, apart);
 }
 
+// Sampled rows draft on the device too (each step's draws by ops::sample_rows with the key of its
+// output index), whole or step by step, and propose exactly what the host's sample_token draws
+// from the same logits (the path of rows that want their distribution).
+TEST(QwenMtp, SampledChainsOnTheDeviceEqualHostDraws) {
+  const std::vector<std::vector<int32_t>> prompts = {
+      ref_ids("tokens_0"), ref_ids("tokens_1"), {ref_ids("tokens_0").front()}};
+  SamplingParams sp;
+  sp.temperature = 1.3f;
+  sp.top_p = 0.95f;
+  sp.seed = 99;
+  int64_t whole = -1;
+  const auto host = test::mtp_rounds(*demo().mtp, *demo().target, prompts, 6, &whole, sp, true);
+  EXPECT_EQ(whole, 0);
+  const auto apart = test::mtp_rounds(*demo().mtp, *demo().target, prompts, 6, &whole, sp);
+  EXPECT_EQ(whole, 0);
+  const ops::ContextScope scope(demo().model->context());
+  const auto shared = QwenMtpProvider::from_target(*demo().target);
+  const auto together = test::mtp_rounds(*shared, *demo().target, prompts, 6, &whole, sp);
+  EXPECT_EQ(whole, 6);
+  EXPECT_EQ(apart, host);
+  EXPECT_EQ(together, host);
+  // The draws are samples, not argmaxes: greedy rounds propose other tokens.
+  const auto greedy = test::mtp_rounds(*demo().mtp, *demo().target, prompts, 6);
+  EXPECT_NE(greedy, host);
+}
+
 // A block forward's rows for the attention of all rows at once: each token's position and KV
 // slot, its row, and every row's table at one stride (the largest bound, in blocks), so table
 // addresses hold still while rows grow below their bounds.

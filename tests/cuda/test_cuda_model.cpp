@@ -644,6 +644,34 @@ TEST_F(CudaModelTest, MtpBlockGraphsChangeNoBits) {
   EXPECT_EQ(shared, apart) << "whole chains vs step by step";
 }
 
+// Sampled MTP chains draw on the device (cuda::sample_rows in each step, graphs replaying new keys
+// every round) exactly the tokens the host's sample_token draws from the same logits.
+TEST_F(CudaModelTest, MtpSampledChainsEqualHostDraws) {
+  ScopedBackend cuda(ops::Backend::Cuda);
+  Demo& d = cuda_demo();
+  std::vector<std::vector<int32_t>> prompts;
+  for (int r = 0; r < 3; ++r) prompts.push_back(d.tok->encode(kPrompts[r]));
+  SamplingParams sp;
+  sp.temperature = 0.9f;
+  sp.top_k = 50;
+  sp.top_p = 0.95f;
+  sp.seed = 5;
+  int64_t whole = -1;
+  const auto host = test::mtp_rounds(*d.mtp, *d.target, prompts, 6, &whole, sp, true);
+  const auto apart = test::mtp_rounds(*d.mtp, *d.target, prompts, 6, &whole, sp);
+  EXPECT_EQ(whole, 0);
+  std::vector<int32_t> shared;
+  {
+    const ops::ContextScope scope(d.model->context());
+    const auto mtp = spec::QwenMtpProvider::from_target(*d.target);
+    shared = test::mtp_rounds(*mtp, *d.target, prompts, 6, &whole, sp);
+    EXPECT_EQ(whole, 6);
+  }
+  ASSERT_GT(host.size(), 18u);
+  EXPECT_EQ(apart, host) << "step by step on the device vs draws on the host";
+  EXPECT_EQ(shared, host) << "whole chains (graphs) vs draws on the host";
+}
+
 // --- Lossless speculative decoding on the GPU ---------------------------------------------------
 
 struct SpecCase {

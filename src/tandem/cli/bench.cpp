@@ -19,6 +19,7 @@
 #include "tandem/cli/commands.h"
 #include "tandem/cli/common.h"
 #include "tandem/core/error.h"
+#include "tandem/core/sampler.h"
 #include "tandem/engine/generator.h"
 #include "tandem/engine/speculative.h"
 #include "tandem/io/json_file.h"
@@ -101,12 +102,15 @@ std::vector<int64_t> parse_windows(const std::string& s) {
 // per step), or with keep_all the whole window, as a fully accepted one. Rows first hold `context`
 // tokens, in a state new_state() makes.
 // Every window token gets logits; what reaches the host is what the engines take from a forward:
-// `logits` false, the greedy token of each (argmax on the device, as greedy decoding and greedy
-// verification run); true, the logits themselves (as sampling at T > 0 runs, a vocab-sized PCIe
-// copy per token).
+// Tokens, the greedy token of each (argmax on the device, as greedy decoding and verification
+// run); Samples, a token drawn from each at T = 1 on the device (ops::sample_rows, as sampled
+// decoding and verification run); Logits, the logits themselves (as log-probabilities and
+// rejection sampling need, a vocab-sized PCIe copy per token).
+enum class StepOutput { Tokens, Samples, Logits };
+
 template <class Model, class NewState>
 Spread time_steps(const Model& model, const NewState& new_state, int batch, int64_t k,
-                  int64_t context, int repeats, bool logits, bool keep_all) {
+                  int64_t context, int repeats, StepOutput output, bool keep_all) {
   const auto state_ptr = new_state();
   auto& state = *state_ptr;
   std::vector<int> slots;
@@ -126,6 +130,7 @@ Spread time_steps(const Model& model, const NewState& new_state, int batch, int6
   model.forward(state, prefill, &out);
   std::vector<double> times;
   std::vector<RowKeep> keep;
+  std::vector<ops::SampleRow> draws;
   for (int r = 0; r < repeats + 2; ++r) {  // two warm-up steps
     tokens.clear();
     rows.clear();
@@ -138,8 +143,16 @@ Spread time_steps(const Model& model, const NewState& new_state, int batch, int6
     ops::synchronize();
     const double t0 = now_seconds();
     ForwardRequest req{tokens, rows, k > 1, false};
-    req.want_logits = logits;
-    req.want_argmax = !logits;
+    req.want_logits = output == StepOutput::Logits;
+    req.want_argmax = output != StepOutput::Logits;
+    if (output == StepOutput::Samples) {
+      draws.clear();
+      SamplingParams t1;
+      t1.temperature = 1.0f;
+      t1.seed = static_cast<uint64_t>(r);
+      for (size_t i = 0; i < tokens.size(); ++i) draws.push_back(ops::sample_row(t1, i));
+      req.sample_rows = draws;
+    }
     model.forward(state, req, &out);
     if (k > 1) model.commit_windows(state, keep);
     ops::synchronize();
@@ -288,19 +301,19 @@ double measure_bandwidth() {
 // The forward costs per shape into m: the decode step of the batch, and each verify window.
 template <class Model, class NewState>
 void time_forwards(const BenchArgs& a, const Model& model, const NewState& new_state,
-                   const std::vector<int64_t>& windows, bool step_logits, Measured* m) {
+                   const std::vector<int64_t>& windows, StepOutput step_output, Measured* m) {
   std::fprintf(stderr,
                "bench: timing decode steps and verify windows (context %lld, %s to the host)\n",
                static_cast<long long>(a.step_context), a.step_output.c_str());
-  m->step = time_steps(model, new_state, a.batch, 1, a.step_context, a.step_repeats, step_logits,
+  m->step = time_steps(model, new_state, a.batch, 1, a.step_context, a.step_repeats, step_output,
                        a.keep_all);
   for (int64_t k : windows)
     m->windows.push_back(time_steps(model, new_state, a.batch, k, a.step_context, a.step_repeats,
-                                    step_logits, a.keep_all));
+                                    step_output, a.keep_all));
 }
 
 Measured measure_qwen(const BenchArgs& a, DType kv_dtype, const std::vector<int64_t>& windows,
-                      bool step_logits, RecurrentRollback rollback) {
+                      StepOutput step_output, RecurrentRollback rollback) {
   Measured m;
   std::unique_ptr<Qwen35Model> model;
   if (!a.random_weights.empty()) {
@@ -323,7 +336,7 @@ Measured measure_qwen(const BenchArgs& a, DType kv_dtype, const std::vector<int6
 
   time_forwards(
       a, *model, [&] { return std::make_unique<Qwen35State>(cfg, rollback, kv_dtype); }, windows,
-      step_logits, &m);
+      step_output, &m);
   // The MTP drafter's round cost, where the config declares the layer: the checkpoint's own
   // (skipped when its tensors are absent), or a random one beside a random-weight model.
   const spec::QwenTargetView target(*model, "bench");
@@ -382,7 +395,8 @@ Measured measure_qwen(const BenchArgs& a, DType kv_dtype, const std::vector<int6
 
 // GLM-5 (--model of a glm_moe_dsa checkpoint): plain runs through the engine (no drafter), its
 // forwards per shape, and its NextN layer's draft step where the checkpoint has one.
-Measured measure_glm5(const BenchArgs& a, const std::vector<int64_t>& windows, bool step_logits) {
+Measured measure_glm5(const BenchArgs& a, const std::vector<int64_t>& windows,
+                      StepOutput step_output) {
   Measured m;
   m.name = a.model;
   std::fprintf(stderr, "bench: loading %s\n", a.model.c_str());
@@ -398,7 +412,7 @@ Measured measure_glm5(const BenchArgs& a, const std::vector<int64_t>& windows, b
   time_runs(a, cfg.vocab_size, gen, &m.prefill, &m.decode);
 
   const auto new_state = [&] { return std::make_unique<Glm5State>(cfg, 0); };
-  time_forwards(a, model, new_state, windows, step_logits, &m);
+  time_forwards(a, model, new_state, windows, step_output, &m);
   const std::string nextn =
       "model.layers." + std::to_string(cfg.num_hidden_layers) + ".eh_proj.weight";
   if (cfg.num_nextn_predict_layers > 0 && model.weights().find(nextn)) {
@@ -540,16 +554,18 @@ void run_bench(const BenchArgs& a) {
         "bench: need --step-context >= 1, --step-repeats >= 1, --long-prefill >= 0, "
         "--long-prefill-chunk >= 0");
   const std::vector<int64_t> windows = parse_windows(a.windows);
-  if (a.step_output != "tokens" && a.step_output != "logits")
-    fail("bench: --step-output must be tokens or logits, got '", a.step_output, "'");
-  const bool step_logits = a.step_output == "logits";
+  if (a.step_output != "tokens" && a.step_output != "samples" && a.step_output != "logits")
+    fail("bench: --step-output must be tokens, samples or logits, got '", a.step_output, "'");
+  const StepOutput step_output = a.step_output == "logits"    ? StepOutput::Logits
+                                 : a.step_output == "samples" ? StepOutput::Samples
+                                                              : StepOutput::Tokens;
   if (a.rollback != "replay" && a.rollback != "per-position")
     fail("bench: --rollback must be replay or per-position, got '", a.rollback, "'");
   const RecurrentRollback rollback =
       a.rollback == "replay" ? RecurrentRollback::Replay : RecurrentRollback::PerPositionStates;
   const bool glm5 = !a.model.empty() && is_glm5_dir(a.model);
-  const Measured m = glm5 ? measure_glm5(a, windows, step_logits)
-                          : measure_qwen(a, kv_dtype, windows, step_logits, rollback);
+  const Measured m = glm5 ? measure_glm5(a, windows, step_output)
+                          : measure_qwen(a, kv_dtype, windows, step_output, rollback);
   report(a, windows, m);
 }
 
@@ -571,7 +587,8 @@ void add_bench_command(CLI::App& app) {
       ->capture_default_str();
   sub->add_option("--step-output", a->step_output,
                   "What a timed step or window hands to the host: tokens (greedy ids picked on "
-                  "the device) or logits (every window token's, as sampling at T > 0 needs)")
+                  "the device), samples (ids drawn at T = 1 on the device) or logits (every "
+                  "window token's, as log-probabilities and rejection sampling need)")
       ->capture_default_str();
   sub->add_option("--long-prefill", a->long_prefill,
                   "Prompt length of the prefill timing (0: skip)")

@@ -199,10 +199,10 @@ void MtpRows::draft(std::span<const RowDraft> rows, std::vector<DraftProposal>* 
   }
   step_logits_on_host_.assign(step_logits_.size(), false);
   for (auto& s : step_rows_) s.clear();
-  bool greedy_rows = true;
+  bool device_rows = true;
   for (const RowDraft& in : rows)
-    greedy_rows = greedy_rows && (in.depth == 0 || (in.sampling.greedy() && !in.want_distribution));
-  if (greedy_rows) return draft_on_device(rows, max_depth, out);
+    device_rows = device_rows && (in.depth == 0 || !in.want_distribution);
+  if (device_rows) return draft_on_device(rows, max_depth, out);
   // Step j: every row still drafting adds MTP row round_start + j from (pending, h_true) at
   // j = 0, else (d_{j-1}, out_{j-1}); one block call and one head call for all of them.
   for (int j = 0; j < max_depth; ++j) {
@@ -283,11 +283,18 @@ void MtpRows::draft_on_device(std::span<const RowDraft> rows, int max_depth,
     step_logits_dev_[static_cast<size_t>(j)].grow_to(static_cast<int64_t>(active.size()) *
                                                      draft_vocab_);
   }
-  // Step 0's inputs, the drafting rows' pending ids and h_true, in one upload.
+  // Step 0's inputs, the drafting rows' pending ids and h_true, and the draws of sampled rows,
+  // in one upload.
   const std::vector<int>& first = step_rows_[0];
   const int64_t A0 = static_cast<int64_t>(first.size());
+  bool sampled = false;
+  for (int b : first) sampled = sampled || !rows[static_cast<size_t>(b)].sampling.greedy();
   const size_t ids_bytes = upload_part_bytes(sizeof(int32_t) * static_cast<size_t>(A0));
-  const size_t bytes = ids_bytes + sizeof(float) * static_cast<size_t>(A0 * H_);
+  const size_t hidden_bytes = sizeof(float) * static_cast<size_t>(A0 * H_);
+  const size_t draws_at = ids_bytes + upload_part_bytes(hidden_bytes);
+  const size_t bytes = sampled
+                           ? draws_at + sizeof(ops::SampleRow) * static_cast<size_t>(max_depth * R)
+                           : ids_bytes + hidden_bytes;
   uint8_t* staged = chain_in_upload_.host(bytes);
   for (int64_t a = 0; a < A0; ++a) {
     const int b = first[static_cast<size_t>(a)];
@@ -295,10 +302,25 @@ void MtpRows::draft_on_device(std::span<const RowDraft> rows, int max_depth,
     std::memcpy(staged + ids_bytes + sizeof(float) * static_cast<size_t>(a * H_),
                 rows_[static_cast<size_t>(b)].h_true.data(), sizeof(float) * H_);
   }
+  if (sampled) {
+    // Step j's a-th active row draws the token of output index first_index + j (the key the
+    // target's sample at that window position uses: coupled draws).
+    auto* draws = reinterpret_cast<ops::SampleRow*>(staged + draws_at);
+    for (int j = 0; j < max_depth; ++j) {
+      const std::vector<int>& active = step_rows_[static_cast<size_t>(j)];
+      for (size_t a = 0; a < active.size(); ++a) {
+        const RowDraft& in = rows[static_cast<size_t>(active[a])];
+        draws[static_cast<size_t>(j * R) + a] =
+            ops::sample_row(in.sampling, in.first_index + static_cast<uint64_t>(j));
+      }
+    }
+  }
   chain_in_dev_.grow_to(static_cast<int64_t>(bytes));
   chain_in_upload_.start(chain_in_dev_.data(), bytes);
   const auto* ids0 = reinterpret_cast<const int32_t*>(chain_in_dev_.data());
   const auto* hidden0 = reinterpret_cast<const float*>(chain_in_dev_.data() + ids_bytes);
+  chain_draws_ =
+      sampled ? reinterpret_cast<const ops::SampleRow*>(chain_in_dev_.data() + draws_at) : nullptr;
 
   if (!draft_chain_graph(rows, max_depth, ids0, hidden0)) queue_chain(ids0, hidden0, false);
 
@@ -308,7 +330,7 @@ void MtpRows::draft_on_device(std::span<const RowDraft> rows, int max_depth,
     const std::vector<int>& active = step_rows_[static_cast<size_t>(j)];
     for (size_t a = 0; a < active.size(); ++a) {
       const int32_t d = picks_[static_cast<size_t>(j * R) + a];
-      // An argmax of -1 (NaN logits) embeds as NaN, so every later step of the row fails too.
+      // A draw of -1 (NaN logits) embeds as NaN, so every later step of the row fails too.
       if (d < 0) fail(who_, " draft: logits of row ", active[a], " hold NaN or +inf, or only -inf");
       rows_[static_cast<size_t>(active[a])].proposals.push_back(d);
       (*out)[static_cast<size_t>(active[a])].tokens.push_back(d);
@@ -333,7 +355,7 @@ bool MtpRows::draft_chain_graph(std::span<const RowDraft> rows, int max_depth, c
   for (int d : depths) key.add(static_cast<uint64_t>(d));
   key.add(&target_).add(static_cast<uint64_t>(draft_vocab_)).add(ids0).add(hidden0);
   key.add(emb_.data()).add(hid_dev_.data()).add(ids_dev_.data()).add(picks_dev_.data());
-  key.add(chain_dev_[0].data()).add(chain_dev_[1].data());
+  key.add(chain_dev_[0].data()).add(chain_dev_[1].data()).add(chain_draws_);
   for (int j = 0; j < max_depth; ++j) key.add(step_logits_dev_[static_cast<size_t>(j)].data());
   add_chain_key(key);
   chain_graphs_.run(key, [&] { queue_chain(ids0, hidden0, true); });
@@ -379,7 +401,10 @@ void MtpRows::queue_chain(const int32_t* ids, const float* hidden, bool prepared
     float* logits = step_logits_dev_[j].data();
     draft_logits(block_out, A, logits);
     int32_t* picked = picks_dev_.data() + static_cast<int64_t>(j) * R;
-    ops::argmax_rows(logits, A, draft_vocab_, picked);
+    if (chain_draws_)
+      ops::sample_rows(logits, A, draft_vocab_, chain_draws_ + static_cast<int64_t>(j) * R, picked);
+    else
+      ops::argmax_rows(logits, A, draft_vocab_, picked);
     ids = picked;
     hidden = block_out;
   }

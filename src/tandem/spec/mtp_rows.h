@@ -146,9 +146,12 @@ class MtpRows : public DraftRows {
   Buffer<float> chain_dev_[2];
   Buffer<int32_t> picks_dev_, ids_dev_;
   std::vector<int32_t> picks_;
-  // A greedy chain's step-0 inputs (the drafting rows' pending ids, then their h_true) in one
-  // upload, on either path; the graphs of whole chains (draft_chain_graph).
+  // A chain's step-0 inputs (the drafting rows' pending ids, then their h_true, then for sampled
+  // chains every step's draws [depth][rows] at the stride of picks_dev_) in one upload, on either
+  // path; the graphs of whole chains (draft_chain_graph). chain_draws_: where the draws sit in
+  // chain_in_dev_ (null: every row greedy, each step takes the argmax).
   Buffer<uint8_t> chain_in_dev_;
+  const ops::SampleRow* chain_draws_ = nullptr;
   StagedUpload chain_in_upload_;
   GraphCache chain_graphs_;
   int64_t whole_chains_ = 0;
@@ -172,9 +175,10 @@ class MtpRows : public DraftRows {
   // appending counts[i] rows to row_ids[i]'s history; out receives [Σ counts, H].
   void block_rows(const std::vector<int>& row_ids, const std::vector<int64_t>& counts,
                   const float* embeds, const float* hidden, float* out);
-  // draft() when every drafting row is greedy and wants no distribution: each step embeds the
-  // previous step's argmax and reads its output where they are, and the host reads all steps'
-  // ids once at the end (one wait per round instead of two per step).
+  // draft() when no drafting row wants its distribution (greedy or sampled rows): each step draws
+  // its tokens where the logits are (argmax, or ops::sample_rows with the key of the step's
+  // output index: the token sample_token gives), embeds them and reads its output there, and the
+  // host reads all steps' ids once at the end (one wait per round instead of two per step).
   void draft_on_device(std::span<const RowDraft> rows, int max_depth,
                        std::vector<DraftProposal>* out);
   // draft_on_device's chain as one graph where the subclass prepares it (prepare_chain); false,
@@ -183,7 +187,8 @@ class MtpRows : public DraftRows {
                          const float* hidden0);
   // Queues the chain of step_rows_ from step 0's ids [A_0] and hiddens [A_0, H] (backend
   // memory): per step the embedding, the block (prepared by prepare_chain, or through
-  // block_rows), the draft head and the argmax into picks_dev_. Device work only when prepared.
+  // block_rows), the draft head and the draw (argmax or chain_draws_) into picks_dev_. Device work
+  // only when prepared.
   void queue_chain(const int32_t* ids, const float* hidden, bool prepared);
 };
 
