@@ -158,6 +158,17 @@ __device__ unsigned long long block_sum(unsigned long long v, SampleShared& sh) 
   return t;
 }
 
+// Minimum of v over the block, returned to every thread. Uses sh.warp_i.
+__device__ int block_min(int v, SampleShared& sh) {
+  for (int o = 16; o > 0; o /= 2) v = min(v, __shfl_xor_sync(0xffffffffu, v, o));
+  __syncthreads();
+  if (threadIdx.x % 32 == 0) sh.warp_i[threadIdx.x / 32] = v;
+  __syncthreads();
+  int m = INT_MAX;
+  for (int w = 0; w < kSampleWarps; ++w) m = min(m, sh.warp_i[w]);
+  return m;
+}
+
 // Exclusive prefix sum of v over the threads in thread order. Uses sh.warp_u64.
 __device__ unsigned long long block_exclusive_scan(unsigned long long v, SampleShared& sh) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -380,23 +391,34 @@ __global__ void __launch_bounds__(kSampleThreads)
     t.k_key = kk;
   }
 
-  // The weight of the top-k set (top-p's total) and of what min-p keeps of it.
+  // The weight of the top-k set (top-p's total) and of what min-p keeps of it, and the first
+  // token of the canonical order: the lowest id of those weighing 2^40, the most any token can
+  // (the maximum does; min-p keeps them all).
   unsigned long long total = 0, kept_total = 0;
+  int first = INT_MAX;
   for (int64_t i = threadIdx.x; i < V; i += kSampleThreads) {
     const float l = t.logits[i];
     if (!t.live(l) || !t.in_top_k(logit_order_key(l), static_cast<int>(i))) continue;
     const uint64_t w = t.weight(l);
     total += w;
     if (w >= t.min_weight) kept_total += w;
+    if (w == kSampleWeightOne) first = min(first, static_cast<int>(i));
   }
   total = block_sum(total, sh);
   kept_total = block_sum(kept_total, sh);
+  first = block_min(first, sh);
 
   // top-p: the kept set shrinks to the shortest canonical prefix reaching ceil(top_p * total).
   // The draw below then stays inside it by itself: its target is at most the prefix's weight.
+  // A prefix target of at most 2^40 ends at `first` (peaked rows skip the descents).
   if (p.top_p < 1.0f) {
     const unsigned long long target = top_p_weight(p.top_p, total);
-    if (kept_total >= target) canonical_boundary(t, target, sh, &kept_total);
+    if (kept_total >= target) {
+      if (target <= kSampleWeightOne)
+        kept_total = kSampleWeightOne;
+      else
+        canonical_boundary(t, target, sh, &kept_total);
+    }
   }
 
   // The draw: Philox at (seed, index, stream 0), as core/rng.cpp maps it.
@@ -407,8 +429,9 @@ __global__ void __launch_bounds__(kSampleThreads)
       {static_cast<uint32_t>(p.seed), static_cast<uint32_t>(p.seed >> 32)}};
   const auto bits = cipher(ctr, key);
   const double u = uniform_from_words(bits.v[0], bits.v[1]);
+  const unsigned long long target = draw_weight(u, kept_total);
   unsigned long long cum;
-  const int token = canonical_boundary(t, draw_weight(u, kept_total), sh, &cum);
+  const int token = target <= kSampleWeightOne ? first : canonical_boundary(t, target, sh, &cum);
   if (threadIdx.x == 0) out[row] = token;
 }
 
