@@ -13,6 +13,7 @@
 #include "tandem/core/error.h"
 #include "tandem/engine/batch_engine.h"
 #include "tandem/engine/generator.h"
+#include "tandem/spec/qwen_mtp.h"
 #include "test_util.h"
 
 namespace tandem {
@@ -491,6 +492,44 @@ TEST(BatchEngine, PipelinedRoundsKeepTokensThroughMembershipChanges) {
   EXPECT_EQ(engine.counters().kv_blocks_used, 0);
   EXPECT_GT(engine.counters().pipelined_rounds, engine.counters().rounds / 2);
   EXPECT_EQ(alone(reqs[0]), sinks[0]->tokens);
+}
+
+// An MTP drafter in the target's backend context leaves its proposals where its chain drew them:
+// every drafted round's verify reads them in place (one host wait per round), for greedy and
+// sampled rows joining and leaving, and every request still gets its plain tokens.
+TEST(BatchEngine, VerifyReadsQueuedDraftsInPlace) {
+  auto& d = demo();
+  const auto shared = [&] {
+    const ops::ContextScope scope(d.model->context());
+    return spec::QwenMtpProvider::from_target(*d.target);
+  }();
+  EngineOptions o;
+  o.spec.depth = 3;
+  o.max_rows = 3;
+  o.kv_blocks = 300;
+  BatchEngine engine(*d.model, shared.get(), "demo-target", o);
+  std::vector<GenerateRequest> reqs;
+  for (size_t i = 0; i < 5; ++i)
+    reqs.push_back(request(d.tok->encode(test::kDemoPrompts[i % test::kDemoPrompts.size()]),
+                           i % 2 == 0 ? 0.0f : 0.8f, 3 + i, 8 + 5 * static_cast<int64_t>(i)));
+  std::vector<std::shared_ptr<Recorder>> sinks;
+  size_t next = 0;
+  for (int step = 0;; ++step) {
+    if (next < reqs.size() && step % 2 == 0) {
+      sinks.push_back(std::make_shared<Recorder>());
+      engine.submit({reqs[next], -1}, sinks.back());
+      ++next;
+    }
+    if (!engine.step() && next == reqs.size()) break;
+    ASSERT_LT(step, 3000);
+  }
+  for (size_t i = 0; i < reqs.size(); ++i) EXPECT_EQ(sinks[i]->tokens, alone(reqs[i])) << i;
+  const EngineCounters c = engine.counters();
+  EXPECT_GT(c.queued_draft_rounds, 0);
+  EXPECT_EQ(c.queued_draft_rounds, c.rounds - c.pipelined_rounds);
+  int64_t accepted = 0;
+  for (int64_t a : c.accepted_by_position) accepted += a;
+  EXPECT_GT(accepted, 0);
 }
 
 // Log-probabilities ride along without changing tokens: the chosen token's logprob is the

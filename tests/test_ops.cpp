@@ -137,6 +137,22 @@ TEST(Ops, SampleRowsIsTheSamplerOfEachRow) {
   EXPECT_THROW(ops::sample_rows(logits.data(), 1, 0, rows.data(), out.data()), Error);
 }
 
+TEST(Ops, EmbedRowsSelectedTakesDraftedIdsFromTheirSource) {
+  const int64_t V = 6, d = 3;
+  std::vector<float> table(static_cast<size_t>(V * d));
+  for (size_t i = 0; i < table.size(); ++i) table[i] = static_cast<float>(i);
+  const ops::WeightRef w{DType::F32, table.data(), V, d, {}};
+  const std::vector<int32_t> ids = {4, 0, 0, 2, 0};
+  const std::vector<int32_t> source = {9, 5, 1, -1};
+  const std::vector<int32_t> from = {-1, 1, 2, -1, 3};  // the last: a failed draw (-1)
+  std::vector<float> out(5 * d), want(4 * d);
+  ops::embed_rows_selected(w, ids.data(), source.data(), from.data(), 5, out.data());
+  const std::vector<int32_t> chosen = {4, 5, 1, 2};
+  ops::embed_rows(w, chosen.data(), 4, want.data());
+  EXPECT_EQ(std::vector<float>(out.begin(), out.begin() + 4 * d), want);
+  for (int64_t c = 0; c < d; ++c) EXPECT_TRUE(std::isnan(out[static_cast<size_t>(4 * d + c)]));
+}
+
 TEST(Ops, RmsNormZeroCentredAndPlain) {
   std::mt19937 rng(1);
   const int64_t m = 3, d = 37;

@@ -37,8 +37,16 @@ class Lossless : public ::testing::TestWithParam<Case> {};
 TEST_P(Lossless, SpeculativeEqualsPlainAloneAndBatched) {
   const Case c = GetParam();
   Fixture& f = demo();
-  const spec::DraftProvider* drafter =
-      std::string(c.drafter) == "mtp" ? f.mtp.get() : f.ngram.get();
+  // "mtp_shared": the MTP block in the target's own backend context, as the CLI and the server
+  // open it: its chains run whole and the verify reads their proposals in place (draft_queued).
+  static const auto shared = [&] {
+    const ops::ContextScope scope(f.model->context());
+    return spec::QwenMtpProvider::from_target(*f.target);
+  }();
+  const std::string name = c.drafter;
+  const spec::DraftProvider* drafter = name == "mtp"          ? f.mtp.get()
+                                       : name == "mtp_shared" ? shared.get()
+                                                              : f.ngram.get();
   SpeculativeGenerator spec_gen(*f.model, drafter, "demo-target",
                                 {c.depth, spec::VerifyMode::Match});
   std::vector<GenerateRequest> reqs;
@@ -67,7 +75,7 @@ TEST_P(Lossless, SpeculativeEqualsPlainAloneAndBatched) {
 
 std::vector<Case> cases() {
   std::vector<Case> v;
-  for (const char* d : {"mtp", "ngram"})
+  for (const char* d : {"mtp", "mtp_shared", "ngram"})
     for (int depth : {1, 2, 3, 4})
       for (float t : {0.0f, 0.7f, 1.0f}) v.push_back({d, depth, t});
   return v;

@@ -686,8 +686,16 @@ TEST_P(CudaLossless, SpeculativeEqualsPlainAloneAndBatched) {
   ScopedBackend cuda(ops::Backend::Cuda);
   const SpecCase c = GetParam();
   Demo& d = cuda_demo();
-  const spec::DraftProvider* drafter =
-      std::string(c.drafter) == "mtp" ? d.mtp.get() : d.ngram.get();
+  // "mtp_shared": the block in the target's context, as the CLI and the server open it: whole
+  // chains as graphs, sampled on the device, and the verify reads their proposals in place.
+  static const auto shared = [&] {
+    const ops::ContextScope scope(d.model->context());
+    return spec::QwenMtpProvider::from_target(*d.target);
+  }();
+  const std::string name = c.drafter;
+  const spec::DraftProvider* drafter = name == "mtp"          ? d.mtp.get()
+                                       : name == "mtp_shared" ? shared.get()
+                                                              : d.ngram.get();
   SpeculativeGenerator spec_gen(*d.model, drafter, "demo-target",
                                 {c.depth, spec::VerifyMode::Match});
   std::vector<GenerateRequest> reqs;
@@ -719,7 +727,7 @@ TEST_P(CudaLossless, SpeculativeEqualsPlainAloneAndBatched) {
 
 std::vector<SpecCase> spec_cases() {
   std::vector<SpecCase> v;
-  for (const char* d : {"mtp", "ngram"})
+  for (const char* d : {"mtp", "mtp_shared", "ngram"})
     for (int depth : {1, 2, 3})
       for (float t : {0.0f, 0.8f}) v.push_back({d, depth, t});
   return v;

@@ -727,6 +727,22 @@ TEST_F(CudaOps, EmbedRowsCopiesBf16RowsExactly) {
   }
 }
 
+TEST_F(CudaOps, EmbedRowsSelectedMatchesCpu) {
+  std::mt19937 rng(32);
+  const int64_t vocab = 500, d = 384;
+  const Bf16Matrix table = bf16_matrix(vocab, d, rng);
+  const std::vector<int32_t> ids = {7, 0, 0, 0, 499, 0, 0};
+  const std::vector<int32_t> source = {3, 17, 250, -1, 498, 12};
+  const std::vector<int32_t> from = {-1, 0, 2, 1, -1, 4, 3};  // the last: a failed draw (-1)
+  std::vector<float> want(sz(7 * d));
+  cpu::embed_rows_selected(table.host_ref(), ids.data(), source.data(), from.data(), 7,
+                           want.data());
+  DeviceBuffer<int32_t> dids(ids), dsource(source), dfrom(from);
+  DeviceBuffer<float> out = nan_buffer(sz(7 * d));
+  cuda::embed_rows_selected(table.dev_ref(), dids.get(), dsource.get(), dfrom.get(), 7, out.get());
+  EXPECT_TRUE(bitwise_equal(out.download(), want));
+}
+
 // ---------------------------------------------------------------------------------------------
 // rms_norm, gated_rms_norm
 // ---------------------------------------------------------------------------------------------

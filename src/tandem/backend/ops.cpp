@@ -468,6 +468,11 @@ void moe_mlp_add(const float* x, int64_t T, const MoeWeights& w, float* y,
 void embed_rows(const WeightRef& table, const int32_t* ids, int64_t n, float* out) {
   TANDEM_DISPATCH(embed_rows(table, ids, n, out));
 }
+
+void embed_rows_selected(const WeightRef& table, const int32_t* ids, const int32_t* source,
+                         const int32_t* from, int64_t n, float* out) {
+  TANDEM_DISPATCH(embed_rows_selected(table, ids, source, from, n, out));
+}
 void rms_norm(const float* x, int64_t m, int64_t d, const WeightRef& w, bool zero_centred,
               float eps, float* y) {
   TANDEM_DISPATCH(rms_norm(x, m, d, w, zero_centred, eps, y));

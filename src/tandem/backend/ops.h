@@ -315,6 +315,10 @@ void mla_attention(const float* q_nope, const float* q_pe, int64_t n, int64_t H,
 // check host ids first; ids already in backend memory, a draft step's argmax of -1 for NaN
 // logits, cannot be checked without a wait).
 void embed_rows(const WeightRef& table, const int32_t* ids, int64_t n, float* out);
+// embed_rows of ids[i], or of source[from[i]] where from[i] >= 0: a verify window whose drafted
+// tokens are still where the drafter's chain left them (all arrays backend memory).
+void embed_rows_selected(const WeightRef& table, const int32_t* ids, const int32_t* source,
+                         const int32_t* from, int64_t n, float* out);
 
 // RMSNorm over the last axis of x[m, d]:
 //   y = x · rsqrt(mean(x²) + eps) · scale,  scale = (1 + w) if zero_centred else w.

@@ -801,8 +801,11 @@ void BatchEngine::round() {
     return std::chrono::steady_clock::now();
   };
 
-  // 1. Draft. A row never drafts past its max_tokens: a round emits at most depth + 1.
+  // 1. Draft. A row never drafts past its max_tokens: a round emits at most depth + 1. A drafter
+  // that can leaves its proposals in backend memory: the verify forward reads them there, and the
+  // host reads them with the verify's tokens (one wait per round instead of two).
   proposals_.assign(R, {});
+  bool queued = false;
   if (decode_drafts_) {
     drafts_.resize(R);
     for (size_t r = 0; r < R; ++r) {
@@ -814,8 +817,12 @@ void BatchEngine::round() {
       drafts_[r].first_index = row.result.tokens.size();
       drafts_[r].want_distribution = rejection;
     }
-    decode_drafts_->draft(drafts_, &proposals_);
-    TANDEM_CHECK(proposals_.size() == R, "drafter returned ", proposals_.size(), " rows");
+    queued = target_->takes_draft_ids() && !options_.spec.sync_phases &&
+             decode_drafts_->draft_queued(drafts_, &queued_);
+    if (!queued) {
+      decode_drafts_->draft(drafts_, &proposals_);
+      TANDEM_CHECK(proposals_.size() == R, "drafter returned ", proposals_.size(), " rows");
+    }
   }
   const auto t_draft = phase_end();
   // 2. Verify every row's window [pending, proposals...] in one forward.
@@ -825,8 +832,16 @@ void BatchEngine::round() {
   bool need_logits = rejection;
   bool sampled = false;
   sample_rows_.clear();
+  draft_from_.clear();
   for (size_t r = 0; r < R; ++r) {
     const Row& row = *decoding_[r];
+    if (queued) {
+      // Placeholders (the pending token) where the forward takes the drafted ids.
+      const auto& slots = queued_.slots[r];
+      proposals_[r].tokens.assign(slots.size(), row.result.tokens.back());
+      draft_from_.push_back(-1);
+      draft_from_.insert(draft_from_.end(), slots.begin(), slots.end());
+    }
     if (decode_drafts_ && static_cast<int>(proposals_[r].tokens.size()) > drafts_[r].depth)
       fail("drafter '", drafter_->id(), "' proposed ", proposals_[r].tokens.size(),
            " tokens for depth ", drafts_[r].depth);
@@ -851,7 +866,28 @@ void BatchEngine::round() {
   verify.want_logits = need_logits;
   verify.want_argmax = !need_logits;
   if (!need_logits && sampled) verify.sample_rows = sample_rows_;
-  target_->forward(verify, &out_);
+  if (queued && queued_.ids) {  // (a round at depth 0 drafted nothing)
+    verify.draft_ids = queued_.ids;
+    verify.draft_from = draft_from_;
+  }
+  try {
+    target_->forward(verify, &out_);
+  } catch (const std::exception&) {
+    // A draw that failed on NaN logits fed the verify NaN: name the drafter, not the target.
+    if (queued) decode_drafts_->finish_queued(&proposals_);
+    throw;
+  }
+  if (queued) {
+    decode_drafts_->finish_queued(&proposals_);
+    TANDEM_CHECK(proposals_.size() == R, "drafter returned ", proposals_.size(), " rows");
+    for (size_t r = 0; r < R; ++r) {
+      TANDEM_CHECK(proposals_[r].tokens.size() == windows_[r].size() - 1, "row ", r, " drafted ",
+                   proposals_[r].tokens.size(), " of ", windows_[r].size() - 1, " queued tokens");
+      for (int32_t p : proposals_[r].tokens)
+        if (p < 0 || p >= V) fail("drafter '", drafter_->id(), "' proposed token id ", p);
+      std::copy(proposals_[r].tokens.begin(), proposals_[r].tokens.end(), windows_[r].begin() + 1);
+    }
+  }
   const auto t_verify = phase_end();
 
   // 3. Accept walk per row, emitting as it goes (EOS, max tokens and stop strings end a request
@@ -940,6 +976,7 @@ void BatchEngine::round() {
     policy_->record(static_cast<int64_t>(R), round_depth, seconds, drafted_pos_, accepted_pos_);
   std::lock_guard lock(mu_);
   ++counters_.rounds;
+  if (queued) ++counters_.queued_draft_rounds;
   counters_.decode_seconds += seconds;
   auto between = [](auto a, auto b) { return std::chrono::duration<double>(b - a).count(); };
   counters_.draft_seconds += between(t0, t_draft);

@@ -88,6 +88,9 @@ struct EngineCounters {
   // Of the rounds, those run as plain steps queued ahead of the host (no drafter, or a retired
   // one, and no log-probabilities): the fastest plain path.
   int64_t pipelined_rounds = 0;
+  // Of the rounds, those whose verify forward read the drafter's proposals where its chain left
+  // them (DraftRows::draft_queued: one host wait per round).
+  int64_t queued_draft_rounds = 0;
   int64_t prompt_tokens = 0, generated_tokens = 0;
   int64_t finished = 0, cancelled = 0, failed = 0;
   double prefill_seconds = 0, decode_seconds = 0;  // time in prefill forwards and in rounds
@@ -201,6 +204,8 @@ class BatchEngine {
   std::vector<spec::VerifyRow> verified_;
   std::vector<TokenWeight> dist_scratch_;
   std::vector<ops::SampleRow> sample_rows_;  // a forward's draws (ForwardRequest::sample_rows)
+  spec::QueuedDraft queued_;                 // a draft whose proposals the verify reads in place
+  std::vector<int32_t> draft_from_;          // ForwardRequest::draft_from of that verify
   std::vector<int64_t> drafted_pos_, accepted_pos_;  // this round's counts per window position
   std::vector<int32_t> collected_;
 

@@ -66,6 +66,8 @@ class EngineTarget {
   // Decode steps queued ahead of the host (ForwardRequest::defer_argmax, tokens_from_argmax,
   // with greedy or drawn tokens).
   virtual bool pipelines_steps() const { return false; }
+  // Verify forwards whose drafted tokens stay in backend memory (ForwardRequest::draft_ids).
+  virtual bool takes_draft_ids() const { return false; }
   virtual void collect_argmax(std::vector<int32_t>* argmax);
   virtual void drop_deferred_argmax() {}
 

@@ -52,6 +52,7 @@ class QwenEngineTarget final : public EngineTarget {
   void abandon_prompt() override { inflight_.abandon(); }
 
   bool pipelines_steps() const override { return true; }
+  bool takes_draft_ids() const override { return true; }
   void collect_argmax(std::vector<int32_t>* argmax) override { model_.collect_argmax(argmax); }
   void drop_deferred_argmax() override { model_.drop_deferred_argmax(); }
 

@@ -55,6 +55,13 @@ struct ForwardRequest {
   // the argmax of every row. One entry per logits row; not for prompt forwards. The forward
   // copies it; the pipelined and deferred paths above work the same with it.
   std::span<const ops::SampleRow> sample_rows = {};
+  // Verify windows whose drafted tokens are still in backend memory (DraftRows::draft_queued):
+  // where draft_from[t] >= 0, token t is draft_ids[draft_from[t]] and tokens[t] a placeholder
+  // (any valid id). Empty: every token is tokens[t]. One entry per token; not with
+  // tokens_from_argmax or prompt. The forward reads draft_ids on the device, after everything
+  // queued before it.
+  const int32_t* draft_ids = nullptr;
+  std::span<const int32_t> draft_from = {};
   // Mixtures of experts: record every sparse layer's routing (ForwardOutput::routing), for tests
   // and tools.
   bool want_routing = false;

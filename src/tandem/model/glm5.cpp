@@ -72,6 +72,8 @@ void Glm5Model::forward(Glm5State& st, const ForwardRequest& req, ForwardOutput*
   if (req.tokens_from_argmax || req.defer_argmax)
     fail("forward: GLM-5 takes host tokens and returns its argmax at once (tokens_from_argmax and ",
          "defer_argmax are not supported)");
+  if (!req.draft_from.empty())
+    fail("forward: GLM-5 takes its tokens from the host (draft_from is not supported)");
   if (!req.sample_rows.empty()) {
     if (!req.want_argmax) fail("forward: sample_rows without want_argmax");
     if (req.prompt)

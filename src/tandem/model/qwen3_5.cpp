@@ -312,6 +312,13 @@ int64_t Qwen35Model::prepare_forward(Qwen35State& st, const ForwardRequest& req)
     fail("forward: rows cover ", T, " tokens but ", req.tokens.size(), " were given");
   }
   if (req.defer_argmax && !req.want_argmax) fail("forward: defer_argmax without want_argmax");
+  if (!req.draft_from.empty()) {
+    if (req.tokens_from_argmax || req.prompt)
+      fail("forward: draft_from with tokens_from_argmax or in a prompt forward");
+    if (req.draft_from.size() != static_cast<size_t>(T))
+      fail("forward: ", req.draft_from.size(), " draft_from entries for ", T, " tokens");
+    if (req.draft_ids == nullptr) fail("forward: draft_from without draft_ids");
+  }
   if (!req.sample_rows.empty()) {
     if (!req.want_argmax) fail("forward: sample_rows without want_argmax");
     if (req.prompt)
@@ -423,10 +430,12 @@ int64_t Qwen35Model::prepare_forward(Qwen35State& st, const ForwardRequest& req)
     const size_t tables_bytes = sizeof(int32_t) * w.tables_host.size();
     const size_t desc_bytes = sizeof(ops::RecurrentRow) * desc.size();
     const size_t sample_bytes = sizeof(ops::SampleRow) * req.sample_rows.size();
+    const size_t from_bytes = sizeof(int32_t) * req.draft_from.size();
     const size_t o_pos = upload_part_bytes(ids_bytes);
     const size_t o_tables = o_pos + upload_part_bytes(pos_bytes);
     const size_t o_desc = o_tables + upload_part_bytes(tables_bytes);
-    const size_t o_sample = o_desc + upload_part_bytes(desc_bytes), total = o_sample + sample_bytes;
+    const size_t o_sample = o_desc + upload_part_bytes(desc_bytes);
+    const size_t o_from = o_sample + upload_part_bytes(sample_bytes), total = o_from + from_bytes;
     w.meta.grow_to(static_cast<int64_t>(total));
     uint8_t* base = w.meta.data();
     w.ids = reinterpret_cast<int32_t*>(base);
@@ -435,12 +444,14 @@ int64_t Qwen35Model::prepare_forward(Qwen35State& st, const ForwardRequest& req)
     w.recurrent_rows = reinterpret_cast<ops::RecurrentRow*>(base + o_desc);
     w.sample_rows =
         req.sample_rows.empty() ? nullptr : reinterpret_cast<ops::SampleRow*>(base + o_sample);
+    w.draft_from = req.draft_from.empty() ? nullptr : reinterpret_cast<int32_t*>(base + o_from);
     uint8_t* h = w.meta_upload.host(total);
     if (!req.tokens_from_argmax) std::memcpy(h, req.tokens.data(), ids_bytes);
     std::memcpy(h + o_pos, w.pos_host.data(), pos_bytes);
     std::memcpy(h + o_tables, w.tables_host.data(), tables_bytes);
     std::memcpy(h + o_desc, desc.data(), desc_bytes);
     if (sample_bytes > 0) std::memcpy(h + o_sample, req.sample_rows.data(), sample_bytes);
+    if (from_bytes > 0) std::memcpy(h + o_from, req.draft_from.data(), from_bytes);
     w.meta_upload.start(base, total);
   }
   w.segments.clear();
@@ -497,6 +508,7 @@ void Qwen35Model::forward(Qwen35State& st, const ForwardRequest& req, ForwardOut
           w.attn.q.data(), w.attn.gate.data(), w.attn.k.data(), w.attn.v.data(), w.attn.o.data()})
       key.add(p);
     key.add(w.ids).add(w.pos).add(w.argmax.data()).add(w.recurrent_rows).add(w.sample_rows);
+    key.add(w.draft_from).add(w.draft_from ? req.draft_ids : nullptr);
     key.add(w.max_row_tokens);
     graphs_.run(key, [&] { forward_body(st, req, T); });
   }
@@ -609,7 +621,10 @@ void Qwen35Model::body_embed(const ForwardRequest& req, int64_t T) const {
   Workspace& w = *ws_;
   // tokens_from_argmax: the previous forward's greedy tokens, where its argmax left them (this
   // forward's argmax overwrites them only at its end, queued after this read).
-  ops::embed_rows(embed_, req.tokens_from_argmax ? w.argmax.data() : w.ids, T, w.x.data());
+  if (w.draft_from)
+    ops::embed_rows_selected(embed_, w.ids, req.draft_ids, w.draft_from, T, w.x.data());
+  else
+    ops::embed_rows(embed_, req.tokens_from_argmax ? w.argmax.data() : w.ids, T, w.x.data());
 }
 
 void Qwen35Model::body_layers(Qwen35State& st, const ForwardRequest& req, int64_t T, size_t first,

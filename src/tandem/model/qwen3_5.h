@@ -196,6 +196,7 @@ class Qwen35Model {
     int64_t table_stride = 0;   // int32s between two rows' tables
     ops::RecurrentRow* recurrent_rows = nullptr;  // [linear layers][rows] state descriptors
     ops::SampleRow* sample_rows = nullptr;        // [logits rows] ForwardRequest::sample_rows
+    int32_t* draft_from = nullptr;                // [T] ForwardRequest::draft_from
     StagedUpload meta_upload;
     int64_t max_row_tokens = 0;
     std::vector<int64_t> pos_host;

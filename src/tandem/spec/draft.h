@@ -178,6 +178,14 @@ struct DraftProposal {
   std::vector<std::vector<TokenProb>> q;  // per proposal, when asked: the drafter's distribution
 };
 
+// A draft whose proposals are still in backend memory (DraftRows::draft_queued): row b's
+// proposal j is ids[slots[b][j]]; every row proposes exactly its depth. `ids` stays valid and
+// unchanged until the drafter's next draft.
+struct QueuedDraft {
+  const int32_t* ids = nullptr;
+  std::vector<std::vector<int32_t>> slots;
+};
+
 // One row's verify outcome, handed to commit.
 struct VerifyRow {
   std::span<const int32_t> window;  // [pending, proposals...] as the target processed them
@@ -216,6 +224,22 @@ class DraftRows {
   virtual void prefill(std::span<const RowPrefill> rows) = 0;
   // rows.size() == row_count(); out[b] receives row b's proposals.
   virtual void draft(std::span<const RowDraft> rows, std::vector<DraftProposal>* out) = 0;
+  // draft() with the host's read of the proposals put off: the drafting is queued on the caller's
+  // backend stream, `queued` says where each proposal will be, and finish_queued() reads them
+  // once the caller has queued what consumes them there (the verify forward: one wait per round
+  // instead of two). Returns false, having changed nothing, where the drafter cannot (its work is
+  // not all on the caller's stream, a row wants its distribution); then call draft(). After
+  // true, finish_queued() must come before commit.
+  virtual bool draft_queued(std::span<const RowDraft> rows, QueuedDraft* queued) {
+    (void)rows, (void)queued;
+    return false;
+  }
+  // The proposals of the last draft_queued, as draft() would have given them (Error: none
+  // pending, or a draw that failed on NaN logits).
+  virtual void finish_queued(std::vector<DraftProposal>* out) {
+    (void)out;
+    fail("finish_queued: this drafter queues no drafts");
+  }
   // rows.size() == row_count(); each row's window is the one its last draft proposed.
   virtual void commit(std::span<const VerifyRow> rows) = 0;
 

@@ -168,7 +168,59 @@ void MtpRows::prefill(std::span<const RowPrefill> rows) {
   }
 }
 
+bool MtpRows::draws_on_device(std::span<const RowDraft> rows) {
+  for (const RowDraft& in : rows)
+    if (in.depth > 0 && in.want_distribution) return false;
+  return true;
+}
+
 void MtpRows::draft(std::span<const RowDraft> rows, std::vector<DraftProposal>* out) {
+  const int max_depth = begin_draft(rows, out);
+  if (draws_on_device(rows)) {
+    if (max_depth == 0) return;
+    queue_device_chain(rows, max_depth);
+    picks_.resize(static_cast<size_t>(max_depth * row_count()));
+    ops::copy_to_host(picks_.data(), picks_dev_.data(), sizeof(int32_t) * picks_.size());
+    return take_picks(picks_.data(), max_depth, out);
+  }
+  draft_on_host(rows, max_depth, out);
+}
+
+bool MtpRows::draft_queued(std::span<const RowDraft> rows, QueuedDraft* queued) {
+  if (!chains_share_context() || !draws_on_device(rows)) return false;
+  queued_.clear();
+  const int max_depth = begin_draft(rows, &queued_);
+  queued_depth_ = max_depth;
+  const int64_t R = row_count();
+  queued->slots.assign(rows.size(), {});
+  if (max_depth == 0) {
+    queued->ids = nullptr;
+    return true;
+  }
+  queue_device_chain(rows, max_depth);
+  for (int j = 0; j < max_depth; ++j) {
+    const std::vector<int>& active = step_rows_[static_cast<size_t>(j)];
+    for (size_t a = 0; a < active.size(); ++a)
+      queued->slots[static_cast<size_t>(active[a])].push_back(
+          static_cast<int32_t>(j * R + static_cast<int64_t>(a)));
+  }
+  queued->ids = picks_dev_.data();
+  picks_readback_.start(picks_dev_.data(), sizeof(int32_t) * static_cast<size_t>(max_depth * R));
+  return true;
+}
+
+void MtpRows::finish_queued(std::vector<DraftProposal>* out) {
+  if (queued_depth_ < 0) fail(who_, " finish_queued: no queued draft is pending");
+  const int max_depth = queued_depth_;
+  queued_depth_ = -1;
+  *out = std::move(queued_);
+  queued_.clear();
+  if (max_depth == 0) return;
+  take_picks(static_cast<const int32_t*>(picks_readback_.wait()), max_depth, out);
+}
+
+int MtpRows::begin_draft(std::span<const RowDraft> rows, std::vector<DraftProposal>* out) {
+  if (queued_depth_ >= 0) fail(who_, " draft: the last queued draft was never finished");
   if (static_cast<int>(rows.size()) != row_count())
     fail(who_, " draft: ", rows.size(), " row inputs for ", row_count(), " rows");
   int max_depth = 0;
@@ -199,10 +251,11 @@ void MtpRows::draft(std::span<const RowDraft> rows, std::vector<DraftProposal>* 
   }
   step_logits_on_host_.assign(step_logits_.size(), false);
   for (auto& s : step_rows_) s.clear();
-  bool device_rows = true;
-  for (const RowDraft& in : rows)
-    device_rows = device_rows && (in.depth == 0 || !in.want_distribution);
-  if (device_rows) return draft_on_device(rows, max_depth, out);
+  return max_depth;
+}
+
+void MtpRows::draft_on_host(std::span<const RowDraft> rows, int max_depth,
+                            std::vector<DraftProposal>* out) {
   // Step j: every row still drafting adds MTP row round_start + j from (pending, h_true) at
   // j = 0, else (d_{j-1}, out_{j-1}); one block call and one head call for all of them.
   for (int j = 0; j < max_depth; ++j) {
@@ -267,9 +320,7 @@ void MtpRows::draft(std::span<const RowDraft> rows, std::vector<DraftProposal>* 
   }
 }
 
-void MtpRows::draft_on_device(std::span<const RowDraft> rows, int max_depth,
-                              std::vector<DraftProposal>* out) {
-  if (max_depth == 0) return;
+void MtpRows::queue_device_chain(std::span<const RowDraft> rows, int max_depth) {
   const int64_t R = row_count();
   picks_dev_.grow_to(max_depth * R);
   for (Buffer<float>& b : chain_dev_) b.grow_to(R * H_);
@@ -323,13 +374,14 @@ void MtpRows::draft_on_device(std::span<const RowDraft> rows, int max_depth,
       sampled ? reinterpret_cast<const ops::SampleRow*>(chain_in_dev_.data() + draws_at) : nullptr;
 
   if (!draft_chain_graph(rows, max_depth, ids0, hidden0)) queue_chain(ids0, hidden0, false);
+}
 
-  picks_.resize(static_cast<size_t>(max_depth * R));
-  ops::copy_to_host(picks_.data(), picks_dev_.data(), sizeof(int32_t) * picks_.size());
+void MtpRows::take_picks(const int32_t* picks, int max_depth, std::vector<DraftProposal>* out) {
+  const int64_t R = row_count();
   for (int j = 0; j < max_depth; ++j) {
     const std::vector<int>& active = step_rows_[static_cast<size_t>(j)];
     for (size_t a = 0; a < active.size(); ++a) {
-      const int32_t d = picks_[static_cast<size_t>(j * R) + a];
+      const int32_t d = picks[static_cast<size_t>(j * R) + a];
       // A draw of -1 (NaN logits) embeds as NaN, so every later step of the row fails too.
       if (d < 0) fail(who_, " draft: logits of row ", active[a], " hold NaN or +inf, or only -inf");
       rows_[static_cast<size_t>(active[a])].proposals.push_back(d);

@@ -18,6 +18,7 @@
 
 #include "tandem/backend/buffer.h"
 #include "tandem/backend/graph_cache.h"
+#include "tandem/backend/readback.h"
 #include "tandem/backend/staged_upload.h"
 #include "tandem/spec/draft.h"
 
@@ -44,6 +45,10 @@ class MtpRows : public DraftRows {
   // at a boundary (the seeds' convention for GLM's NextN layer).
   void prefill(std::span<const RowPrefill> rows) override;
   void draft(std::span<const RowDraft> rows, std::vector<DraftProposal>* out) override;
+  // Where chains_share_context() and no drafting row wants its distribution: the device chain
+  // (queue_device_chain), its proposals read back after the caller's next work.
+  bool draft_queued(std::span<const RowDraft> rows, QueuedDraft* queued) override;
+  void finish_queued(std::vector<DraftProposal>* out) override;
   // Keeps the drafted rows of pending + accepted proposals, then appends what is still missing:
   // the last proposal's row from the verified (true) hidden when all were accepted, or the
   // pending token's row when nothing was drafted.
@@ -94,7 +99,7 @@ class MtpRows : public DraftRows {
                              std::span<History* const> rows, std::span<const int64_t> lengths,
                              std::span<const int64_t> counts, float* out) = 0;
 
-  // A greedy draft chain captured whole as one CUDA graph (draft_on_device): the subclass lays
+  // A greedy draft chain captured whole as one CUDA graph (queue_device_chain): the subclass lays
   // out every step's block forward before the chain, then queues them with no host work. Rows
   // `rows` (holding lengths[i] MTP rows) draft depths[i] steps. Returns false where it cannot
   // (the chain then runs step by step through forward_block); the base class never can.
@@ -110,6 +115,10 @@ class MtpRows : public DraftRows {
   }
   // Adds what the prepared steps' launches bake in (buffer addresses, shapes) to a chain's key.
   virtual void add_chain_key(GraphKey& key) const { (void)key; }
+  // Whether every launch of a draft chain goes to the caller's stream (the block shares the
+  // caller's backend context): only then may a later launch there read the chain's proposals
+  // without a host wait (draft_queued). The base class cannot tell: no.
+  virtual bool chains_share_context() const { return false; }
 
   const TargetView& target_;  // outlives the rows (TargetView's contract)
   int64_t H_ = 0, V_ = 0;
@@ -141,11 +150,16 @@ class MtpRows : public DraftRows {
   std::vector<float> hid_, out_host_;
   std::vector<int32_t> ids_;
   std::vector<float> chain_;  // [rows, H] each row's last step output (host)
-  // The greedy chain on the device (draft_on_device): two block outputs used in turn, every
+  // The greedy chain on the device (queue_device_chain): two block outputs used in turn, every
   // step's argmax ([depth, rows], step j's at j · rows), a compacted id copy, and the host read.
   Buffer<float> chain_dev_[2];
   Buffer<int32_t> picks_dev_, ids_dev_;
   std::vector<int32_t> picks_;
+  // draft_queued: the proposals' read, the rows' outputs so far, and the chain's depth until
+  // finish_queued (-1: none pending).
+  Readback picks_readback_;
+  std::vector<DraftProposal> queued_;
+  int queued_depth_ = -1;
   // A chain's step-0 inputs (the drafting rows' pending ids, then their h_true, then for sampled
   // chains every step's draws [depth][rows] at the stride of picks_dev_) in one upload, on either
   // path; the graphs of whole chains (draft_chain_graph). chain_draws_: where the draws sit in
@@ -175,13 +189,24 @@ class MtpRows : public DraftRows {
   // appending counts[i] rows to row_ids[i]'s history; out receives [Σ counts, H].
   void block_rows(const std::vector<int>& row_ids, const std::vector<int64_t>& counts,
                   const float* embeds, const float* hidden, float* out);
-  // draft() when no drafting row wants its distribution (greedy or sampled rows): each step draws
-  // its tokens where the logits are (argmax, or ops::sample_rows with the key of the step's
-  // output index: the token sample_token gives), embeds them and reads its output there, and the
-  // host reads all steps' ids once at the end (one wait per round instead of two per step).
-  void draft_on_device(std::span<const RowDraft> rows, int max_depth,
-                       std::vector<DraftProposal>* out);
-  // draft_on_device's chain as one graph where the subclass prepares it (prepare_chain); false,
+  // draft()'s checks and the rows' set-up for a round; out gets one empty proposal per row.
+  // Returns the deepest row's depth.
+  int begin_draft(std::span<const RowDraft> rows, std::vector<DraftProposal>* out);
+  // Whether no drafting row wants its distribution: the chain can draw on the device.
+  static bool draws_on_device(std::span<const RowDraft> rows);
+  // The chain for rows that draw on the device (greedy or sampled): each step draws its tokens
+  // where the logits are (argmax, or ops::sample_rows with the key of the step's output index:
+  // the token sample_token gives), embeds them and reads its output there; all steps' ids land
+  // in picks_dev_ ([depth][rows]), for the host to read once (one wait per round instead of two
+  // per step). max_depth > 0.
+  void queue_device_chain(std::span<const RowDraft> rows, int max_depth);
+  // The proposals from a host copy of picks_dev_: into the rows and `out`; Error on a draw of -1.
+  void take_picks(const int32_t* picks, int max_depth, std::vector<DraftProposal>* out);
+  // draft() for rows that want their distributions: each step's logits go to the host, which
+  // draws and fills q.
+  void draft_on_host(std::span<const RowDraft> rows, int max_depth,
+                     std::vector<DraftProposal>* out);
+  // queue_device_chain's chain as one graph where the subclass prepares it (prepare_chain); false,
   // with none of the chain queued, when it does not. ids0, hidden0: step 0's inputs.
   bool draft_chain_graph(std::span<const RowDraft> rows, int max_depth, const int32_t* ids0,
                          const float* hidden0);

@@ -198,9 +198,13 @@ void QwenMtpRows::forward_block(const float* embeds, const float* hidden,
   graphs_.run(key, body);
 }
 
+bool QwenMtpRows::chains_share_context() const {
+  return &block_->context() == &ops::current_context();
+}
+
 bool QwenMtpRows::prepare_chain(std::span<History* const> rows, std::span<const int64_t> lengths,
                                 std::span<const int> depths) {
-  if (&block_->context() != &ops::current_context()) return false;
+  if (!chains_share_context()) return false;
   const std::vector<int64_t> steps(depths.begin(), depths.end());
   chain_ = kv_.chain(reserve_tables(rows, lengths, steps), lengths, depths);
   int64_t most = 0;

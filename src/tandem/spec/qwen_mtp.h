@@ -113,6 +113,7 @@ class QwenMtpRows : public MtpRows {
                      std::span<const int> depths) override;
   void chain_step(int j, const float* embeds, const float* hidden, float* out) override;
   void add_chain_key(GraphKey& key) const override;
+  bool chains_share_context() const override;
 };
 
 }  // namespace tandem::spec

@@ -9,6 +9,8 @@ namespace tandem::cpu {
 
 void linear(const float* x, int64_t m, const ops::WeightRef& w, float* y);
 void embed_rows(const ops::WeightRef& table, const int32_t* ids, int64_t n, float* out);
+void embed_rows_selected(const ops::WeightRef& table, const int32_t* ids, const int32_t* source,
+                         const int32_t* from, int64_t n, float* out);
 void rms_norm(const float* x, int64_t m, int64_t d, const ops::WeightRef& w, bool zero_centred,
               float eps, float* y);
 void gated_rms_norm(const float* x, const float* z, int64_t m, int64_t d, const ops::WeightRef& w,

@@ -45,6 +45,14 @@ void embed_rows(const WeightRef& table, const int32_t* ids, int64_t n, float* ou
   }
 }
 
+void embed_rows_selected(const WeightRef& table, const int32_t* ids, const int32_t* source,
+                         const int32_t* from, int64_t n, float* out) {
+  for (int64_t i = 0; i < n; ++i) {
+    const int32_t id = from[i] >= 0 ? source[from[i]] : ids[i];
+    cpu::embed_rows(table, &id, 1, out + i * table.cols);
+  }
+}
+
 void rms_norm(const float* x, int64_t m, int64_t d, const WeightRef& w, bool zero_centred,
               float eps, float* y) {
   check_float_weight(w, "rms_norm");

@@ -171,6 +171,8 @@ void linear_grouped_fp8(const float* x, int64_t rows, int64_t max_rows,
 void moe_mlp_add(const float* x, int64_t T, const ops::MoeWeights& w, float* y,
                  std::vector<int32_t>* routed_ids, std::vector<float>* routed_weights);
 void embed_rows(const ops::WeightRef& table, const int32_t* ids, int64_t n, float* out);
+void embed_rows_selected(const ops::WeightRef& table, const int32_t* ids, const int32_t* source,
+                         const int32_t* from, int64_t n, float* out);
 void rms_norm(const float* x, int64_t m, int64_t d, const ops::WeightRef& w, bool zero_centred,
               float eps, float* y);
 // rms_norm's values rounded to bf16 (nearest even): the input rows of a linear, normalised and

@@ -207,12 +207,14 @@ __global__ void __launch_bounds__(kNormThreads)
 // Grid: one block per token. table is BF16 [vocab, d]; bf16 → fp32 is exact (a 16-bit shift).
 // ids are checked by the caller; an out-of-range id still never reads outside the table: its
 // row becomes NaN, which the caller's output checks will surface.
+// `from` (may be null): where from[row] >= 0 the id is source[from[row]] (embed_rows_selected).
 __global__ void embed_rows_kernel(const uint16_t* __restrict__ table, int64_t vocab, int64_t d,
-                                  const int32_t* __restrict__ ids, float* __restrict__ out) {
+                                  const int32_t* __restrict__ ids, const int32_t* source,
+                                  const int32_t* from, float* __restrict__ out) {
   pdl_wait();
   pdl_release();
   const int64_t row = blockIdx.x;
-  const int32_t id = ids[row];
+  const int32_t id = from && from[row] >= 0 ? source[from[row]] : ids[row];
   float* o = out + row * d;
   if (id < 0 || id >= vocab) {
     for (int64_t i = threadIdx.x; i < d; i += blockDim.x) o[i] = __int_as_float(0x7fc00000);
@@ -416,7 +418,8 @@ __global__ void __launch_bounds__(kNormThreads)
 
 }  // namespace
 
-void embed_rows(const ops::WeightRef& table, const int32_t* ids, int64_t n, float* out) {
+void embed_rows_selected(const ops::WeightRef& table, const int32_t* ids, const int32_t* source,
+                         const int32_t* from, int64_t n, float* out) {
   if (table.dtype != DType::BF16)
     fail("embed_rows: the table must be BF16 on the CUDA backend, got ", dtype_name(table.dtype));
   if (n < 0) fail("embed_rows: negative token count ", n);
@@ -424,7 +427,11 @@ void embed_rows(const ops::WeightRef& table, const int32_t* ids, int64_t n, floa
   if (reinterpret_cast<uintptr_t>(table.data) % alignof(uint16_t) != 0)
     fail("embed_rows: the table is not 2-byte aligned");
   launch("embed_rows", embed_rows_kernel, grid_blocks(n, "embed_rows"), kEmbedThreads, 0,
-         static_cast<const uint16_t*>(table.data), table.rows, table.cols, ids, out);
+         static_cast<const uint16_t*>(table.data), table.rows, table.cols, ids, source, from, out);
+}
+
+void embed_rows(const ops::WeightRef& table, const int32_t* ids, int64_t n, float* out) {
+  embed_rows_selected(table, ids, nullptr, nullptr, n, out);
 }
 
 namespace {
