@@ -431,7 +431,7 @@ void embed_rows_selected(const ops::WeightRef& table, const int32_t* ids, const 
 }
 
 void embed_rows(const ops::WeightRef& table, const int32_t* ids, int64_t n, float* out) {
-  embed_rows_selected(table, ids, nullptr, nullptr, n, out);
+  cuda::embed_rows_selected(table, ids, nullptr, nullptr, n, out);
 }
 
 namespace {
