@@ -117,12 +117,7 @@ TEST(Ops, SampleRowsIsTheSamplerOfEachRow) {
   ops::sample_rows(logits.data(), 12, V, rows.data(), out.data());
   for (int64_t r = 0; r < 12; ++r) {
     const ops::SampleRow& q = rows[static_cast<size_t>(r)];
-    SamplingParams p;
-    p.temperature = q.temperature;
-    p.top_k = q.top_k;
-    p.top_p = q.top_p;
-    p.min_p = q.min_p;
-    p.seed = q.seed;
+    const SamplingParams p = ops::sampling_of(q);
     if (r == 5 || r == 7) {
       EXPECT_EQ(out[static_cast<size_t>(r)], -1) << r;
       continue;

@@ -9,6 +9,7 @@
 #include <limits>
 #include <vector>
 
+#include "sampling_params.h"
 #include "tandem/core/error.h"
 #include "tandem/core/rng.h"
 #include "tandem/core/sample_weights.h"
@@ -67,16 +68,7 @@ std::vector<int32_t> filtered_ids(const std::vector<float>& logits, const Sampli
   return ids_of(d);
 }
 
-SamplingParams params(float t, int32_t k = 0, float top_p = 1.0f, float min_p = 0.0f,
-                      uint64_t seed = 0) {
-  SamplingParams p;
-  p.temperature = t;
-  p.top_k = k;
-  p.top_p = top_p;
-  p.min_p = min_p;
-  p.seed = seed;
-  return p;
-}
+using tandem::testing::sampling;
 
 // Platform-independent pseudo-random logits (std distributions differ across libraries).
 std::vector<float> random_logits(size_t n, uint64_t seed) {
@@ -168,24 +160,24 @@ TEST(Sampler, ArgmaxLowestIdWinsTies) {
 
 TEST(Sampler, GreedyIgnoresKey) {
   const std::vector<float> logits = {0.5f, 2.0f, 2.0f, -1.0f};
-  const SamplingParams p = params(0.0f, 1, 0.5f, 0.5f, 99);  // filters are irrelevant when greedy
+  const SamplingParams p = sampling(0.0f, 1, 0.5f, 0.5f, 99);  // filters are irrelevant when greedy
   EXPECT_EQ(filtered_ids(logits, p), (std::vector<int32_t>{1}));
   for (uint64_t i = 0; i < 100; ++i) EXPECT_EQ(sample_token(logits, p, i), 1);
 }
 
 TEST(Sampler, TopKExactSets) {
   const std::vector<float> logits = {1, 3, 3, 3, 2};
-  EXPECT_EQ(filtered_ids(logits, params(1, 1)), (std::vector<int32_t>{1}));
-  EXPECT_EQ(filtered_ids(logits, params(1, 2)), (std::vector<int32_t>{1, 2}));
-  EXPECT_EQ(filtered_ids(logits, params(1, 3)), (std::vector<int32_t>{1, 2, 3}));
-  EXPECT_EQ(filtered_ids(logits, params(1, 4)), (std::vector<int32_t>{1, 2, 3, 4}));
-  EXPECT_EQ(filtered_ids(logits, params(1, 5)), (std::vector<int32_t>{1, 2, 3, 4, 0}));
-  EXPECT_EQ(filtered_ids(logits, params(1, 50)), (std::vector<int32_t>{1, 2, 3, 4, 0}));
+  EXPECT_EQ(filtered_ids(logits, sampling(1, 1)), (std::vector<int32_t>{1}));
+  EXPECT_EQ(filtered_ids(logits, sampling(1, 2)), (std::vector<int32_t>{1, 2}));
+  EXPECT_EQ(filtered_ids(logits, sampling(1, 3)), (std::vector<int32_t>{1, 2, 3}));
+  EXPECT_EQ(filtered_ids(logits, sampling(1, 4)), (std::vector<int32_t>{1, 2, 3, 4}));
+  EXPECT_EQ(filtered_ids(logits, sampling(1, 5)), (std::vector<int32_t>{1, 2, 3, 4, 0}));
+  EXPECT_EQ(filtered_ids(logits, sampling(1, 50)), (std::vector<int32_t>{1, 2, 3, 4, 0}));
   // -inf tokens are never candidates, even when k exceeds the live count.
-  EXPECT_EQ(filtered_ids({-kInf, 0, -kInf, 1}, params(1, 3)), (std::vector<int32_t>{3, 1}));
+  EXPECT_EQ(filtered_ids({-kInf, 0, -kInf, 1}, sampling(1, 3)), (std::vector<int32_t>{3, 1}));
   // Tied tokens share probability equally after renormalization.
   std::vector<TokenProb> d;
-  filtered_distribution(logits, params(1, 2), &d);
+  filtered_distribution(logits, sampling(1, 2), &d);
   ASSERT_EQ(d.size(), 2u);
   EXPECT_EQ(d[0].prob, 0.5);
   EXPECT_EQ(d[1].prob, 0.5);
@@ -194,20 +186,20 @@ TEST(Sampler, TopKExactSets) {
 TEST(Sampler, TopPExactSets) {
   // Equal logits: weights are exactly 1, so the boundary arithmetic is exact.
   const std::vector<float> flat = {0, 0, 0, 0};
-  EXPECT_EQ(filtered_ids(flat, params(1, 0, 0.5f)), (std::vector<int32_t>{0, 1}));
-  EXPECT_EQ(filtered_ids(flat, params(1, 0, 0.5000001f)), (std::vector<int32_t>{0, 1, 2}));
-  EXPECT_EQ(filtered_ids(flat, params(1, 0, 0.75f)), (std::vector<int32_t>{0, 1, 2}));
-  EXPECT_EQ(filtered_ids(flat, params(1, 0, 0.25f)), (std::vector<int32_t>{0}));
-  EXPECT_EQ(filtered_ids(flat, params(1, 0, 1e-6f)), (std::vector<int32_t>{0}));
-  EXPECT_EQ(filtered_ids(flat, params(1, 0, 1.0f)), (std::vector<int32_t>{0, 1, 2, 3}));
+  EXPECT_EQ(filtered_ids(flat, sampling(1, 0, 0.5f)), (std::vector<int32_t>{0, 1}));
+  EXPECT_EQ(filtered_ids(flat, sampling(1, 0, 0.5000001f)), (std::vector<int32_t>{0, 1, 2}));
+  EXPECT_EQ(filtered_ids(flat, sampling(1, 0, 0.75f)), (std::vector<int32_t>{0, 1, 2}));
+  EXPECT_EQ(filtered_ids(flat, sampling(1, 0, 0.25f)), (std::vector<int32_t>{0}));
+  EXPECT_EQ(filtered_ids(flat, sampling(1, 0, 1e-6f)), (std::vector<int32_t>{0}));
+  EXPECT_EQ(filtered_ids(flat, sampling(1, 0, 1.0f)), (std::vector<int32_t>{0, 1, 2, 3}));
   // Probabilities 0.05, 0.5, 0.15, 0.3 (ids out of order on purpose).
   const std::vector<float> l = {std::log(0.05f), std::log(0.5f), std::log(0.15f), std::log(0.3f)};
-  EXPECT_EQ(filtered_ids(l, params(1, 0, 0.4f)), (std::vector<int32_t>{1}));
-  EXPECT_EQ(filtered_ids(l, params(1, 0, 0.7f)), (std::vector<int32_t>{1, 3}));
-  EXPECT_EQ(filtered_ids(l, params(1, 0, 0.9f)), (std::vector<int32_t>{1, 3, 2}));
-  EXPECT_EQ(filtered_ids(l, params(1, 0, 0.96f)), (std::vector<int32_t>{1, 3, 2, 0}));
+  EXPECT_EQ(filtered_ids(l, sampling(1, 0, 0.4f)), (std::vector<int32_t>{1}));
+  EXPECT_EQ(filtered_ids(l, sampling(1, 0, 0.7f)), (std::vector<int32_t>{1, 3}));
+  EXPECT_EQ(filtered_ids(l, sampling(1, 0, 0.9f)), (std::vector<int32_t>{1, 3, 2}));
+  EXPECT_EQ(filtered_ids(l, sampling(1, 0, 0.96f)), (std::vector<int32_t>{1, 3, 2, 0}));
   std::vector<TokenProb> d;
-  filtered_distribution(l, params(1, 0, 0.7f), &d);
+  filtered_distribution(l, sampling(1, 0, 0.7f), &d);
   ASSERT_EQ(d.size(), 2u);
   EXPECT_NEAR(d[0].prob, 0.5 / 0.8, 1e-6);
   EXPECT_NEAR(d[1].prob, 0.3 / 0.8, 1e-6);
@@ -216,45 +208,45 @@ TEST(Sampler, TopPExactSets) {
 TEST(Sampler, MinPExactSets) {
   // Ratios to the max at T=1: 1, e^-1 = 0.3679, e^-2 = 0.1353.
   const std::vector<float> l = {-2, 0, -1};
-  EXPECT_EQ(filtered_ids(l, params(1, 0, 1, 0.1f)), (std::vector<int32_t>{1, 2, 0}));
-  EXPECT_EQ(filtered_ids(l, params(1, 0, 1, 0.2f)), (std::vector<int32_t>{1, 2}));
-  EXPECT_EQ(filtered_ids(l, params(1, 0, 1, 0.36f)), (std::vector<int32_t>{1, 2}));
-  EXPECT_EQ(filtered_ids(l, params(1, 0, 1, 0.37f)), (std::vector<int32_t>{1}));
+  EXPECT_EQ(filtered_ids(l, sampling(1, 0, 1, 0.1f)), (std::vector<int32_t>{1, 2, 0}));
+  EXPECT_EQ(filtered_ids(l, sampling(1, 0, 1, 0.2f)), (std::vector<int32_t>{1, 2}));
+  EXPECT_EQ(filtered_ids(l, sampling(1, 0, 1, 0.36f)), (std::vector<int32_t>{1, 2}));
+  EXPECT_EQ(filtered_ids(l, sampling(1, 0, 1, 0.37f)), (std::vector<int32_t>{1}));
   // On the temperature-scaled distribution: at T=2 the ratios are e^-0.5 and e^-1.
-  EXPECT_EQ(filtered_ids(l, params(2, 0, 1, 0.37f)), (std::vector<int32_t>{1, 2}));
-  EXPECT_EQ(filtered_ids(l, params(2, 0, 1, 0.36f)), (std::vector<int32_t>{1, 2, 0}));
+  EXPECT_EQ(filtered_ids(l, sampling(2, 0, 1, 0.37f)), (std::vector<int32_t>{1, 2}));
+  EXPECT_EQ(filtered_ids(l, sampling(2, 0, 1, 0.36f)), (std::vector<int32_t>{1, 2, 0}));
   // min_p = 1 keeps exactly the tokens tied with the max.
-  EXPECT_EQ(filtered_ids({0, -1, 0}, params(1, 0, 1, 1.0f)), (std::vector<int32_t>{0, 2}));
+  EXPECT_EQ(filtered_ids({0, -1, 0}, sampling(1, 0, 1, 1.0f)), (std::vector<int32_t>{0, 2}));
 }
 
 TEST(Sampler, ChainOrderTemperatureTopKTopPMinP) {
   // Probabilities 0.4, 0.3, 0.2, 0.1 at T=1.
   const std::vector<float> l = {std::log(0.4f), std::log(0.3f), std::log(0.2f), std::log(0.1f)};
   // top-p alone: cumulative 0.4, 0.7, 0.9 -> three tokens reach 0.75.
-  EXPECT_EQ(filtered_ids(l, params(1, 0, 0.75f)), (std::vector<int32_t>{0, 1, 2}));
+  EXPECT_EQ(filtered_ids(l, sampling(1, 0, 0.75f)), (std::vector<int32_t>{0, 1, 2}));
   // top-k first renormalizes over {0,1,2}: cumulative 0.444, 0.778 -> two tokens reach 0.75.
-  EXPECT_EQ(filtered_ids(l, params(1, 3, 0.75f)), (std::vector<int32_t>{0, 1}));
+  EXPECT_EQ(filtered_ids(l, sampling(1, 3, 0.75f)), (std::vector<int32_t>{0, 1}));
   std::vector<TokenProb> d;
-  filtered_distribution(l, params(1, 3, 0.75f), &d);
+  filtered_distribution(l, sampling(1, 3, 0.75f), &d);
   ASSERT_EQ(d.size(), 2u);
   EXPECT_NEAR(d[0].prob, 4.0 / 7.0, 1e-6);
   EXPECT_NEAR(d[1].prob, 3.0 / 7.0, 1e-6);
   // min-p last: 0.3 / 0.4 = 0.75 < 0.8 drops token 1.
-  EXPECT_EQ(filtered_ids(l, params(1, 3, 0.75f, 0.8f)), (std::vector<int32_t>{0}));
+  EXPECT_EQ(filtered_ids(l, sampling(1, 3, 0.75f, 0.8f)), (std::vector<int32_t>{0}));
   // Temperature first: at T=0.25 probabilities are 256:81:16:1 / 354 (0.723 for token 0), so
   // top-p 0.7 keeps one token where T=1 needs two.
-  EXPECT_EQ(filtered_ids(l, params(0.25f, 0, 0.7f)), (std::vector<int32_t>{0}));
-  EXPECT_EQ(filtered_ids(l, params(1, 0, 0.6f)), (std::vector<int32_t>{0, 1}));
+  EXPECT_EQ(filtered_ids(l, sampling(0.25f, 0, 0.7f)), (std::vector<int32_t>{0}));
+  EXPECT_EQ(filtered_ids(l, sampling(1, 0, 0.6f)), (std::vector<int32_t>{0, 1}));
 }
 
 TEST(Sampler, UnderflowedTokensAreNotCandidates) {
-  EXPECT_EQ(filtered_ids({0, -100, -1e-3f}, params(0.01f)), (std::vector<int32_t>{0, 2}));
+  EXPECT_EQ(filtered_ids({0, -100, -1e-3f}, sampling(0.01f)), (std::vector<int32_t>{0, 2}));
 }
 
 TEST(Sampler, DistributionCanonicalOrderAndNormalized) {
   const std::vector<float> logits = random_logits(1000, 3);
   for (const SamplingParams& p :
-       {params(0.8f), params(1.3f, 50), params(0.7f, 0, 0.9f), params(1, 0, 1, 0.05f)}) {
+       {sampling(0.8f), sampling(1.3f, 50), sampling(0.7f, 0, 0.9f), sampling(1, 0, 1, 0.05f)}) {
     std::vector<TokenProb> d;
     filtered_distribution(logits, p, &d);
     ASSERT_FALSE(d.empty());
@@ -273,7 +265,7 @@ TEST(Sampler, DistributionCanonicalOrderAndNormalized) {
 TEST(Sampler, LargeVocabularyTopKMatchesTopLogits) {
   const std::vector<float> logits = random_logits(250000, 11);
   std::vector<TokenProb> d;
-  filtered_distribution(logits, params(0.9f, 40), &d);
+  filtered_distribution(logits, sampling(0.9f, 40), &d);
   std::vector<int32_t> expected;
   for (const auto& [id, l] : top_logits(logits, 40)) expected.push_back(id);
   EXPECT_EQ(ids_of(d), expected);
@@ -284,8 +276,8 @@ TEST(Sampler, LargeVocabularyTopPIsPrefixOfFullSort) {
   // prefix must be the smallest reaching top_p.
   const std::vector<float> logits = random_logits(250000, 5);
   std::vector<TokenProb> full, cut;
-  filtered_distribution(logits, params(0.3f), &full);
-  filtered_distribution(logits, params(0.3f, 0, 0.6f), &cut);
+  filtered_distribution(logits, sampling(0.3f), &full);
+  filtered_distribution(logits, sampling(0.3f, 0, 0.6f), &cut);
   ASSERT_GT(cut.size(), 64u);  // exercises more than one chunk
   ASSERT_LT(cut.size(), full.size());
   double cum = 0.0;
@@ -301,10 +293,10 @@ TEST(Sampler, LargeVocabularyTopPIsPrefixOfFullSort) {
 
 TEST(Sampler, FilteredDistributionIsBitwiseDeterministic) {
   const std::vector<float> logits = random_logits(50000, 9);
-  const SamplingParams p = params(0.8f, 0, 0.95f, 0.01f);
+  const SamplingParams p = sampling(0.8f, 0, 0.95f, 0.01f);
   std::vector<TokenProb> a, b;
   filtered_distribution(logits, p, &a);
-  filtered_distribution(logits, params(1.7f, 5), &b);  // dirty the reused vector first
+  filtered_distribution(logits, sampling(1.7f, 5), &b);  // dirty the reused vector first
   filtered_distribution(logits, p, &b);
   ASSERT_EQ(a.size(), b.size());
   for (size_t i = 0; i < a.size(); ++i) {  // field by field: TokenProb has padding bytes
@@ -343,7 +335,7 @@ TEST(Sampler, DrawsFollowTheSoftmax) {
     for (size_t i = 0; i < logits.size(); ++i) z += expected[i] = std::exp(logits[i] / double(t));
     for (double& e : expected) e /= z;
     SCOPED_TRACE(t);
-    expect_matches_distribution(logits, params(t, 0, 1, 0, 20240601), expected, 200000);
+    expect_matches_distribution(logits, sampling(t, 0, 1, 0, 20240601), expected, 200000);
   }
 }
 
@@ -351,7 +343,7 @@ TEST(Sampler, DrawsFollowTheFilteredDistribution) {
   // T=1 probabilities .344 .209 .155 .115 .051 .127 (ids 0..5); top-k 5 drops id 4, then top-p
   // 0.8 keeps ids 0, 1, 2, 5 (cumulative .363 .583 .746 .879 of the top-5 mass).
   const std::vector<float> logits = {1.0f, 0.5f, 0.2f, -0.1f, -0.9f, 0.0f};
-  const SamplingParams p = params(1.0f, 5, 0.8f, 0.0f, 7);
+  const SamplingParams p = sampling(1.0f, 5, 0.8f, 0.0f, 7);
   std::vector<TokenProb> d;
   filtered_distribution(logits, p, &d);
   ASSERT_EQ(ids_of(d), (std::vector<int32_t>{0, 1, 2, 5}));
@@ -363,14 +355,14 @@ TEST(Sampler, DrawsFollowTheFilteredDistribution) {
 TEST(Sampler, DrawDependsOnlyOnSeedAndIndex) {
   const std::vector<float> logits = random_logits(3000, 21);
   const std::vector<float> other = random_logits(3000, 22);
-  const SamplingParams p = params(1.1f, 0, 0.95f, 0.0f, 1234);
+  const SamplingParams p = sampling(1.1f, 0, 0.95f, 0.0f, 1234);
   constexpr int kN = 500;
   std::vector<int32_t> forward(kN), backward(kN);
   for (int i = 0; i < kN; ++i) forward[i] = sample_token(logits, p, i);
   std::vector<TokenWeight> scratch;
   for (int i = kN - 1; i >= 0; --i) {
     // Unrelated calls in between (other logits, other params, other indices) change nothing.
-    sample_token(other, params(0.5f, 3, 1, 0, 99), 7 * i + 3, &scratch);
+    sample_token(other, sampling(0.5f, 3, 1, 0, 99), 7 * i + 3, &scratch);
     backward[i] = sample_token(logits, p, i, &scratch);
   }
   EXPECT_EQ(forward, backward);
@@ -390,8 +382,8 @@ TEST(Sampler, LazyWalkEqualsDrawFromFilteredWeights) {
   // sample_token sorts only the prefix its walk reaches; on a flat distribution the walks go
   // deep into the list and across many chunks, and must still pick the draw_weighted token.
   const std::vector<float> logits = random_logits(20000, 31);
-  for (const SamplingParams& p : {params(2.0f), params(1.5f, 500), params(2.0f, 0, 1, 0.2f),
-                                  params(2.0f, 0, 0.99f), params(3.0f, 5000, 0.9f, 0.05f)}) {
+  for (const SamplingParams& p : {sampling(2.0f), sampling(1.5f, 500), sampling(2.0f, 0, 1, 0.2f),
+                                  sampling(2.0f, 0, 0.99f), sampling(3.0f, 5000, 0.9f, 0.05f)}) {
     std::vector<TokenWeight> d;
     const uint64_t total = filtered_weights(logits, p, &d);
     std::vector<TokenWeight> scratch;
@@ -463,7 +455,7 @@ TEST(SampleWeights, ThresholdsAreCeilings) {
 TEST(Sampler, HugeVocabularyIsRefusedByName) {
   std::vector<float> logits(static_cast<size_t>(kMaxSampleVocab) + 1, 0.0f);
   try {
-    sample_token(logits, params(1.0f), 0);
+    sample_token(logits, sampling(1.0f), 0);
     FAIL() << "no error";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("vocabulary"), std::string::npos) << e.what();
@@ -482,18 +474,18 @@ TEST(Sampler, InverseCdfWalk) {
 TEST(Sampler, BadParamsThrow) {
   const std::vector<float> logits = {0, 1};
   for (const SamplingParams& p :
-       {params(-0.1f), params(kNaN), params(kInf), params(1, -1), params(1, 0, 0.0f),
-        params(1, 0, -0.5f), params(1, 0, 1.1f), params(1, 0, kNaN), params(1, 0, 1, -0.1f),
-        params(1, 0, 1, 1.5f), params(1, 0, 1, kNaN)}) {
+       {sampling(-0.1f), sampling(kNaN), sampling(kInf), sampling(1, -1), sampling(1, 0, 0.0f),
+        sampling(1, 0, -0.5f), sampling(1, 0, 1.1f), sampling(1, 0, kNaN), sampling(1, 0, 1, -0.1f),
+        sampling(1, 0, 1, 1.5f), sampling(1, 0, 1, kNaN)}) {
     EXPECT_THROW(p.validate(), Error);
     EXPECT_THROW(sample_token(logits, p, 0), Error);
   }
-  EXPECT_NO_THROW(params(0.0f, 0, 1.0f, 1.0f).validate());
-  EXPECT_NO_THROW(params(2.0f, 10, 1e-3f, 0.0f).validate());
+  EXPECT_NO_THROW(sampling(0.0f, 0, 1.0f, 1.0f).validate());
+  EXPECT_NO_THROW(sampling(2.0f, 10, 1e-3f, 0.0f).validate());
 }
 
 TEST(Sampler, BadLogitsThrow) {
-  for (const SamplingParams& p : {params(0.0f), params(1.0f), params(1.0f, 2, 0.9f)}) {
+  for (const SamplingParams& p : {sampling(0.0f), sampling(1.0f), sampling(1.0f, 2, 0.9f)}) {
     EXPECT_THROW(sample_token(std::vector<float>{0, kNaN, 1}, p, 0), Error);
     EXPECT_THROW(sample_token(std::vector<float>{-kInf, -kInf, -kInf}, p, 0), Error);
     EXPECT_THROW(sample_token(std::vector<float>{0, kInf}, p, 0), Error);

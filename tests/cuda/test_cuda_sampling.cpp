@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "cuda_test_util.h"
+#include "sampling_params.h"
 #include "tandem/backend/cuda/cuda_ops.h"
 #include "tandem/backend/ops.h"
 #include "tandem/core/sampler.h"
@@ -22,16 +23,7 @@ using tandem::testing::DeviceBuffer;
 
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
-SamplingParams params(float t, int32_t k = 0, float top_p = 1.0f, float min_p = 0.0f,
-                      uint64_t seed = 0) {
-  SamplingParams p;
-  p.temperature = t;
-  p.top_k = k;
-  p.top_p = top_p;
-  p.min_p = min_p;
-  p.seed = seed;
-  return p;
-}
+using tandem::testing::sampling;
 
 // Logits of the kinds a model gives: spread like a trained head's (a few high tokens), rounded to
 // bf16-like precision so ties occur, some -inf (a masked vocabulary tail).
@@ -59,8 +51,8 @@ void expect_same_tokens(const std::vector<float>& logits, int64_t V,
   const std::vector<int32_t> got = d_out.download();
   for (int64_t r = 0; r < R; ++r) {
     const ops::SampleRow& p = rows[static_cast<size_t>(r)];
-    SamplingParams sp = params(p.temperature, p.top_k, p.top_p, p.min_p, p.seed);
-    const int32_t want = sample_token({logits.data() + r * V, static_cast<size_t>(V)}, sp, p.index);
+    const int32_t want =
+        sample_token({logits.data() + r * V, static_cast<size_t>(V)}, ops::sampling_of(p), p.index);
     ASSERT_EQ(got[static_cast<size_t>(r)], want)
         << "row " << r << " V " << V << " T " << p.temperature << " top_k " << p.top_k << " top_p "
         << p.top_p << " min_p " << p.min_p << " index " << p.index;
@@ -69,20 +61,20 @@ void expect_same_tokens(const std::vector<float>& logits, int64_t V,
 
 TEST_F(CudaTest, SampleRowsEqualsTheHostSamplerOnEveryFilter) {
   std::mt19937 rng(42);
-  const std::vector<SamplingParams> sets = {params(0.0f),
-                                            params(1.0f),
-                                            params(0.7f),
-                                            params(2.5f),
-                                            params(0.05f),
-                                            params(1.0f, 1),
-                                            params(0.8f, 40),
-                                            params(1.0f, 0, 0.9f),
-                                            params(0.7f, 0, 0.5f),
-                                            params(1.2f, 50, 0.95f, 0.02f),
-                                            params(1.0f, 0, 1.0f, 0.1f),
-                                            params(1.5f, 0, 0.999f),
-                                            params(1.0f, 0, 1e-6f),
-                                            params(1.0f, 0, 1.0f, 1.0f)};
+  const std::vector<SamplingParams> sets = {sampling(0.0f),
+                                            sampling(1.0f),
+                                            sampling(0.7f),
+                                            sampling(2.5f),
+                                            sampling(0.05f),
+                                            sampling(1.0f, 1),
+                                            sampling(0.8f, 40),
+                                            sampling(1.0f, 0, 0.9f),
+                                            sampling(0.7f, 0, 0.5f),
+                                            sampling(1.2f, 50, 0.95f, 0.02f),
+                                            sampling(1.0f, 0, 1.0f, 0.1f),
+                                            sampling(1.5f, 0, 0.999f),
+                                            sampling(1.0f, 0, 1e-6f),
+                                            sampling(1.0f, 0, 1.0f, 1.0f)};
   for (const int64_t V : {int64_t{1}, int64_t{7}, int64_t{1000}, int64_t{4099}, int64_t{248320}}) {
     for (const float scale : {0.3f, 3.0f}) {
       std::vector<float> logits;
@@ -110,7 +102,7 @@ TEST_F(CudaTest, SampleRowsFollowsTheHostOverManyKeys) {
   const int64_t V = 32000;
   const std::vector<float> one = model_like_logits(V, rng, 1.0f);
   for (const SamplingParams& p :
-       {params(1.0f), params(1.0f, 100, 0.9f), params(3.0f, 0, 1, 0.01f)}) {
+       {sampling(1.0f), sampling(1.0f, 100, 0.9f), sampling(3.0f, 0, 1, 0.01f)}) {
     std::vector<float> logits;
     std::vector<ops::SampleRow> rows;
     for (uint64_t i = 0; i < 512; ++i) {
@@ -128,7 +120,7 @@ TEST_F(CudaTest, SampleRowsTiesGoToTheLowestIds) {
   std::vector<float> logits;
   std::vector<ops::SampleRow> rows;
   for (const SamplingParams& p :
-       {params(1.0f), params(1.0f, 777), params(1.0f, 0, 0.3f), params(1.0f, 3000, 0.5f)}) {
+       {sampling(1.0f), sampling(1.0f, 777), sampling(1.0f, 0, 0.3f), sampling(1.0f, 3000, 0.5f)}) {
     for (uint64_t i = 0; i < 64; ++i) {
       logits.insert(logits.end(), static_cast<size_t>(V), -1.25f);
       rows.push_back(ops::sample_row(p, i * 31));
@@ -143,8 +135,8 @@ TEST_F(CudaTest, SampleRowsMarksBadRowsAndBadParams) {
   logits[17] = std::numeric_limits<float>::quiet_NaN();                            // row 0
   logits[static_cast<size_t>(V) + 3] = kInf;                                       // row 1
   for (int64_t i = 0; i < V; ++i) logits[static_cast<size_t>(2 * V + i)] = -kInf;  // row 2
-  std::vector<ops::SampleRow> rows(4, ops::sample_row(params(1.0f), 0));
-  rows.push_back(ops::sample_row(params(1.0f, 0, 0.0f), 0));  // row 4: top_p outside (0, 1]
+  std::vector<ops::SampleRow> rows(4, ops::sample_row(sampling(1.0f), 0));
+  rows.push_back(ops::sample_row(sampling(1.0f, 0, 0.0f), 0));  // row 4: top_p outside (0, 1]
   logits.insert(logits.end(), static_cast<size_t>(V), 0.0f);
   DeviceBuffer<float> d_logits(logits);
   DeviceBuffer<ops::SampleRow> d_rows(rows);

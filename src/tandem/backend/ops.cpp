@@ -257,6 +257,16 @@ SampleRow sample_row(const SamplingParams& p, uint64_t index) {
   return {p.temperature, p.top_k, p.top_p, p.min_p, p.seed, index};
 }
 
+SamplingParams sampling_of(const SampleRow& r) {
+  SamplingParams p;
+  p.temperature = r.temperature;
+  p.top_k = r.top_k;
+  p.top_p = r.top_p;
+  p.min_p = r.min_p;
+  p.seed = r.seed;
+  return p;
+}
+
 void sample_rows(const float* logits, int64_t rows, int64_t V, const SampleRow* params,
                  int32_t* out) {
 #ifdef TANDEM_HAVE_CUDA

@@ -131,6 +131,7 @@ struct SampleRow {
   uint64_t index = 0;
 };
 SampleRow sample_row(const SamplingParams& p, uint64_t index);
+SamplingParams sampling_of(const SampleRow& r);  // the parameters back (without the index)
 // out[r] = sample_token(logits row r, params[r], params[r].index) (core/sampler.h): the same
 // token on every backend, bit for bit (integer weights, core/sample_weights.h); temperature 0
 // gives argmax_rows' token. logits, params and out are backend memory. -1 where a row holds NaN

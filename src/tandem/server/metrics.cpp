@@ -106,6 +106,10 @@ std::string ServerMetrics::render(const EngineCounters& e, const std::string& dr
   scalar("tandem_pipelined_rounds_total", "counter",
          "Rounds run as plain steps queued ahead of the host (no drafter or a retired one).",
          static_cast<double>(e.pipelined_rounds));
+  scalar("tandem_queued_draft_rounds_total", "counter",
+         "Speculative rounds whose verify read the drafter's proposals in device memory (one host "
+         "wait per round).",
+         static_cast<double>(e.queued_draft_rounds));
   series(&out, "tandem_round_phase_seconds_total", "counter",
          "Host time in the phases of speculative rounds (draft, verify, accept, commit).");
   const std::pair<const char*, double> phases[] = {{"draft", e.draft_seconds},

@@ -19,15 +19,9 @@ void sample_rows(const float* logits, int64_t rows, int64_t V, const ops::Sample
   parallel_for(rows, [&](int64_t r0, int64_t r1) {
     std::vector<TokenWeight> scratch;
     for (int64_t r = r0; r < r1; ++r) {
-      const ops::SampleRow& p = params[r];
-      SamplingParams sp;
-      sp.temperature = p.temperature;
-      sp.top_k = p.top_k;
-      sp.top_p = p.top_p;
-      sp.min_p = p.min_p;
-      sp.seed = p.seed;
       try {
-        out[r] = sample_token({logits + r * V, static_cast<size_t>(V)}, sp, p.index, &scratch);
+        out[r] = sample_token({logits + r * V, static_cast<size_t>(V)}, ops::sampling_of(params[r]),
+                              params[r].index, &scratch);
       } catch (const Error&) {
         out[r] = -1;  // bad logits or parameters: the caller names the row
       }
