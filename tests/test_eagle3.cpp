@@ -700,6 +700,50 @@ TEST(Eagle3Rows, SampledDraftsAreKeyedAndGiveDistributionsOverTargetIds) {
   for (int32_t t : out[0].tokens) EXPECT_NE(std::find(d2t.begin(), d2t.end(), t), d2t.end());
 }
 
+// A sampled row that wants no distribution draws on the device (the map keeps id order, as the
+// fixture's sorted draft vocabulary does): the same proposals as the host's draw over the draft
+// logits spread on the target vocabulary.
+TEST(Eagle3Rows, DeviceDrawsEqualHostDraws) {
+  const std::vector<int32_t>& d2t = head().block().weights().draft_to_target;
+  ASSERT_TRUE(std::is_sorted(d2t.begin(), d2t.end()) &&
+              std::adjacent_find(d2t.begin(), d2t.end()) == d2t.end());
+  const int64_t W = 3 * 384;
+  const std::vector<int32_t> ids = random_ids(13, 92);
+  const std::vector<float> taps = random_taps(12, W, 93);
+  auto draw = [&](bool want_distribution) {
+    auto rows = open_rows(head());
+    rows->append(std::vector<spec::CheckpointPtr>{nullptr, nullptr, nullptr});
+    std::vector<spec::RowPrefill> pre;
+    for (int r = 0; r < 3; ++r) pre.push_back({r, std::span(ids).first(12), taps.data(), 0});
+    rows->prefill(pre);
+    std::vector<int32_t> all;
+    for (uint64_t round = 0; round < 4; ++round) {
+      std::vector<spec::RowDraft> in(3);
+      for (int r = 0; r < 3; ++r) {
+        in[r] = {ids[12], 3 - r, {}, 40 + 8 * round, want_distribution};
+        in[r].sampling.temperature = 1.5f;
+        in[r].sampling.top_p = 0.95f;
+        in[r].sampling.seed = 11 + static_cast<uint64_t>(r);
+      }
+      std::vector<spec::DraftProposal> out;
+      rows->draft(in, &out);
+      std::vector<spec::VerifyRow> verified(3);
+      std::vector<std::vector<int32_t>> windows(3);
+      for (int r = 0; r < 3; ++r) {
+        all.insert(all.end(), out[r].tokens.begin(), out[r].tokens.end());
+        windows[r] = {ids[12]};
+        windows[r].insert(windows[r].end(), out[r].tokens.begin(), out[r].tokens.end());
+        verified[r] = {windows[r], taps.data(), 0, ids[12]};
+      }
+      rows->commit(verified);
+    }
+    return all;
+  };
+  const std::vector<int32_t> device = draw(false), host = draw(true);
+  ASSERT_EQ(device.size(), 24u);
+  EXPECT_EQ(device, host);
+}
+
 // --- Lossless speculation on the demo ------------------------------------------------------------
 
 struct Case {

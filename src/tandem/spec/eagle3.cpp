@@ -72,6 +72,9 @@ Eagle3Rows::Eagle3Rows(std::shared_ptr<const Eagle3Block> block, const TargetVie
   V_ = c.vocab_size;
   Vd_ = c.draft_vocab_size;
   W_ = static_cast<int64_t>(tap_layers_.size()) * c.target_hidden_size;
+  const std::vector<int32_t>& d2t = block_->weights().draft_to_target;
+  d2t_increasing_ = std::adjacent_find(d2t.begin(), d2t.end(),
+                                       [](int32_t a, int32_t b) { return a >= b; }) == d2t.end();
 }
 
 void Eagle3Rows::embed(int64_t T) {
@@ -284,17 +287,30 @@ void Eagle3Rows::draft(std::span<const RowDraft> rows, std::vector<DraftProposal
     Buffer<float>& logits = step_logits_[static_cast<size_t>(j)];
     logits.grow_to(A * Vd_);
     block_->logits(out_.data(), A, ws_, logits.data());
-    // Greedy rows that need no distribution take the argmax where the logits are: A ids cross
-    // to the host instead of A x Vd logits.
-    bool greedy = true;
+    // Rows that need no distribution draw where the logits are (the argmax, or ops::sample_rows
+    // where the map keeps id order): A ids cross to the host instead of A x Vd logits.
+    bool greedy = true, on_device = true;
     for (int b : active) {
       const RowDraft& in = rows[static_cast<size_t>(b)];
       greedy = greedy && in.sampling.greedy() && !in.want_distribution;
+      on_device = on_device && !in.want_distribution && (in.sampling.greedy() || d2t_increasing_);
     }
     std::vector<int32_t> picked(static_cast<size_t>(A));
-    if (greedy) {
+    if (on_device) {
       argmax_dev_.grow_to(A);
-      ops::argmax_rows(logits.data(), A, Vd_, argmax_dev_.data());
+      if (greedy) {
+        ops::argmax_rows(logits.data(), A, Vd_, argmax_dev_.data());
+      } else {
+        draws_.clear();
+        for (int b : active) {
+          const RowDraft& in = rows[static_cast<size_t>(b)];
+          draws_.push_back(ops::sample_row(in.sampling, in.first_index + static_cast<uint64_t>(j)));
+        }
+        draws_dev_.grow_to(A);
+        ops::copy_from_host(draws_dev_.data(), draws_.data(),
+                            sizeof(ops::SampleRow) * draws_.size());
+        ops::sample_rows(logits.data(), A, Vd_, draws_dev_.data(), argmax_dev_.data());
+      }
       ops::copy_to_host(picked.data(), argmax_dev_.data(), sizeof(int32_t) * picked.size());
     } else {
       logits_host.resize(static_cast<size_t>(A * Vd_));
@@ -304,7 +320,7 @@ void Eagle3Rows::draft(std::span<const RowDraft> rows, std::vector<DraftProposal
       const int b = active[static_cast<size_t>(a)];
       const RowDraft& in = rows[static_cast<size_t>(b)];
       int32_t d = 0;
-      if (greedy) {
+      if (on_device) {
         if (picked[static_cast<size_t>(a)] < 0)
           fail("eagle3 draft: logits of row ", b, " hold NaN or +inf, or only -inf");
         d = d2t[static_cast<size_t>(picked[static_cast<size_t>(a)])];

@@ -103,6 +103,11 @@ class Eagle3Rows : public DraftRows {
   std::string ns_;
   std::vector<int> tap_layers_;
   int64_t H_ = 0, V_ = 0, Vd_ = 0, W_ = 0;  // hidden, target vocab, draft vocab, taps per token
+  // The draft-to-target map keeps id order (d2t strictly increasing, as the published heads'
+  // sorted vocabularies have it): a draw over the draft logits then maps to the token the host's
+  // draw over them spread on the target vocabulary gives (same weights, same canonical order),
+  // so sampled rows can draw on the device.
+  bool d2t_increasing_ = false;
   std::vector<Row> rows_;
   int64_t outstanding_appends_ = 0;  // rows of prepared, not yet committed appends
   DraftKvPool kv_;
@@ -111,6 +116,8 @@ class Eagle3Rows : public DraftRows {
   Eagle3Block::Workspace ws_;
   Buffer<float> taps_dev_, proj_, emb_, hid_, out_;
   Buffer<int32_t> ids_dev_, argmax_dev_;
+  Buffer<ops::SampleRow> draws_dev_;  // a step's draws (ops::sample_rows)
+  std::vector<ops::SampleRow> draws_;
   std::vector<int32_t> ids_;
   std::vector<float> full_;  // [V] draft logits spread over the target vocabulary
   std::vector<TokenWeight> dist_;
