@@ -32,4 +32,14 @@ void check_tap_layers(std::span<const int> tap_layers, int64_t layers) {
            "): a tap is the input of one of the model's decoder layers");
 }
 
+void check_sample_rows(const ForwardRequest& req, int64_t tokens) {
+  if (req.sample_rows.empty()) return;
+  if (!req.want_argmax) fail("forward: sample_rows without want_argmax");
+  if (req.prompt)
+    fail("forward: sample_rows in a prompt forward (its tokens are drawn on the host)");
+  const size_t logits_rows = req.all_logits ? static_cast<size_t>(tokens) : req.rows.size();
+  if (req.sample_rows.size() != logits_rows)
+    fail("forward: ", req.sample_rows.size(), " sample_rows for ", logits_rows, " logits rows");
+}
+
 }  // namespace tandem

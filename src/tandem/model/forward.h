@@ -97,6 +97,10 @@ struct ForwardOutput {
 int64_t check_forward_rows(std::span<const RowInput> rows, const std::function<bool(int)>& is_open,
                            const std::function<std::string(int)>& open_window);
 
+// Throws Error unless req.sample_rows is empty or has one entry per logits row of a forward of
+// `tokens` tokens that wants its argmax and is not a prompt forward.
+void check_sample_rows(const ForwardRequest& req, int64_t tokens);
+
 // Throws Error naming the entry unless every tap layer is in [0, layers).
 void check_tap_layers(std::span<const int> tap_layers, int64_t layers);
 

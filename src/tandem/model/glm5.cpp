@@ -74,16 +74,6 @@ void Glm5Model::forward(Glm5State& st, const ForwardRequest& req, ForwardOutput*
          "defer_argmax are not supported)");
   if (!req.draft_from.empty())
     fail("forward: GLM-5 takes its tokens from the host (draft_from is not supported)");
-  if (!req.sample_rows.empty()) {
-    if (!req.want_argmax) fail("forward: sample_rows without want_argmax");
-    if (req.prompt)
-      fail("forward: sample_rows in a prompt forward (its tokens are drawn on the host)");
-    int64_t tokens = 0;
-    for (const RowInput& r : req.rows) tokens += r.n_tokens;
-    const size_t logits_rows = req.all_logits ? static_cast<size_t>(tokens) : req.rows.size();
-    if (req.sample_rows.size() != logits_rows)
-      fail("forward: ", req.sample_rows.size(), " sample_rows for ", logits_rows, " logits rows");
-  }
   Glm5Tokens b;
   b.prompt = req.prompt;
   check_forward_rows(
@@ -100,6 +90,7 @@ void Glm5Model::forward(Glm5State& st, const ForwardRequest& req, ForwardOutput*
   if (b.T != static_cast<int64_t>(req.tokens.size()))
     fail("forward: rows cover ", b.T, " tokens but ", req.tokens.size(), " were given");
   check_tap_layers(req.tap_layers, static_cast<int64_t>(layers_.size()));
+  check_sample_rows(req, b.T);
   for (const Glm5Tokens::Row& r : b.rows)
     for (int64_t j = 0; j < r.n; ++j) b.pos.push_back(r.start + j);
   const int64_t T = b.T, H = cfg_.hidden_size, V = cfg_.vocab_size;

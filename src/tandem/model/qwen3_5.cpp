@@ -319,14 +319,7 @@ int64_t Qwen35Model::prepare_forward(Qwen35State& st, const ForwardRequest& req)
       fail("forward: ", req.draft_from.size(), " draft_from entries for ", T, " tokens");
     if (req.draft_ids == nullptr) fail("forward: draft_from without draft_ids");
   }
-  if (!req.sample_rows.empty()) {
-    if (!req.want_argmax) fail("forward: sample_rows without want_argmax");
-    if (req.prompt)
-      fail("forward: sample_rows in a prompt forward (its tokens are drawn on the host)");
-    const size_t logits_rows = req.all_logits ? static_cast<size_t>(T) : req.rows.size();
-    if (req.sample_rows.size() != logits_rows)
-      fail("forward: ", req.sample_rows.size(), " sample_rows for ", logits_rows, " logits rows");
-  }
+  check_sample_rows(req, T);
   if (req.want_index_selection)
     fail("forward: want_index_selection on a model without a DSA indexer (qwen3_5)");
   check_tap_layers(req.tap_layers, static_cast<int64_t>(layers_.size()));
