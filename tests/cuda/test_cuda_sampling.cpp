@@ -113,6 +113,36 @@ TEST_F(CudaTest, SampleRowsFollowsTheHostOverManyKeys) {
   }
 }
 
+TEST_F(CudaTest, SampleRowsSpreadsOneRowOverManyBlocks) {
+  // One row per launch: a 248k vocabulary is split over the most blocks, which meet at every
+  // phase's barrier. Boundaries come from sorted lists of one bin's tokens, except where a bin
+  // holds more than a list takes (scale 0: every token alike), which takes every descent level.
+  std::mt19937 rng(11);
+  const int64_t V = 248320;
+  for (const float scale : {0.3f, 3.0f, 0.0f}) {
+    const std::vector<float> logits = scale > 0 ? model_like_logits(V, rng, scale)
+                                                : std::vector<float>(static_cast<size_t>(V), 0.75f);
+    for (const SamplingParams& p : {sampling(1.0f), sampling(0.7f, 0, 0.9f), sampling(1.0f, 5000),
+                                    sampling(1.3f, 20000, 0.95f, 0.001f)}) {
+      for (uint64_t i = 0; i < 6; ++i) expect_same_tokens(logits, V, {ops::sample_row(p, i * 7)});
+    }
+  }
+}
+
+TEST_F(CudaTest, SampleRowsTakesMoreRowsThanOneLaunch) {
+  // More rows than the GPU holds blocks at once (and than one launch takes): they go in turns.
+  std::mt19937 rng(5);
+  const int64_t V = 3000, R = 1500;
+  std::vector<float> logits;
+  std::vector<ops::SampleRow> rows;
+  for (int64_t r = 0; r < R; ++r) {
+    const std::vector<float> l = model_like_logits(V, rng, 1.0f);
+    logits.insert(logits.end(), l.begin(), l.end());
+    rows.push_back(ops::sample_row(sampling(r % 3 == 0 ? 0.0f : 0.9f, r % 5 == 0 ? 50 : 0), r));
+  }
+  expect_same_tokens(logits, V, rows);
+}
+
 TEST_F(CudaTest, SampleRowsTiesGoToTheLowestIds) {
   // A flat row: every token weighs 2^40, so the draw and top-k and top-p boundaries all land in
   // ties that only the id order separates.

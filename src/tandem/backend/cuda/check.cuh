@@ -104,6 +104,31 @@ void launch(const char* op, void (*kernel)(Params...), dim3 grid, dim3 block, si
   launch_clustered(op, 1, kernel, grid, block, smem, std::forward<Args>(args)...);
 }
 
+// Launches kernel<<<grid, block, smem, op_stream()>>>(args...) as a cooperative grid: the runtime
+// makes all of its blocks resident at once or refuses the launch, so blocks may wait for each
+// other (grid at most resident_blocks()). Without PDL: it starts once the kernel before it has
+// completed, whose blocks could otherwise hold the multiprocessors it needs.
+template <class... Params, class... Args>
+void launch_cooperative(const char* op, void (*kernel)(Params...), dim3 grid, dim3 block,
+                        size_t smem, Args&&... args) {
+#if TANDEM_CUDA_TRACE
+  trace_register_dump();
+#endif
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeCooperative;
+  attr[0].val.cooperative = 1;
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = op_stream();
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  const cudaError_t err = cudaLaunchKernelEx(&cfg, kernel, static_cast<Params>(args)...);
+  if (err != cudaSuccess) fail("CUDA launch failed in ", op, ": ", cudaGetErrorString(err));
+  check_launch(op);
+}
+
 // Lets `kernel` take `bytes` of dynamic shared memory (above the default 48 KiB: the staged
 // input rows of a decode-sized linear, the stages of the many-row products). The limit is an
 // attribute of the kernel on the device, shared by every context and thread, so it is raised

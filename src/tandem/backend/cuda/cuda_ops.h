@@ -235,7 +235,8 @@ void copy_rows(float* dst, int64_t dst_stride, const float* src, int64_t src_str
 // out[r] = the lowest index of the maximum of logits[r, :V] ignoring -inf; -1 when the row holds a
 // NaN or +inf or only -inf (the caller reports it).
 void argmax_rows(const float* logits, int64_t rows, int64_t V, int32_t* out);
-// ops::sample_rows: one block per row, the host sampler's token bit for bit (sampling.cu).
+// ops::sample_rows: each row spread over up to 64 blocks, the host sampler's token bit for bit
+// (sampling.cu).
 void sample_rows(const float* logits, int64_t rows, int64_t V, const ops::SampleRow* params,
                  int32_t* out);
 

@@ -118,33 +118,117 @@ __global__ void __launch_bounds__(kArgmaxThreads)
 }
 
 // --- sample_rows -------------------------------------------------------------------------------
-// One block per logits row computes what core/sampler.cpp's sample_token computes: the same
-// integer weights (sample_weights.h), the same filters and the same canonical-order inverse CDF,
-// so every token equals the host's. The host walks a sorted list; the block instead finds each
-// boundary of the canonical order (top-k's k-th logit, top-p's prefix end, the drawn token) by a
-// radix descent: per level, a histogram of the next 11 bits of the key, weighted by what the
-// boundary counts (1 per token for top-k, the weight W for top-p and the draw), a scan of the
-// bins from the top to find the one the target falls in, and the next level inside that bin.
-// Integer sums make every histogram exact in any order. Tokens that share the boundary key are
-// ordered by id with one more pass. Each pass reads the row again (the logits sit in L2 after
-// the first) and recomputes W: cheaper than storing 8 bytes per token.
+// Each logits row is sampled to what core/sampler.cpp's sample_token gives: the same integer
+// weights (sample_weights.h), the same filters and the same canonical-order inverse CDF, so every
+// token equals the host's. The host walks a sorted list; the device finds each boundary of the
+// canonical order (top-k's k-th token, top-p's prefix end, the drawn token) by a radix descent
+// over the tokens' keys (the logit's order key for top-k, the weight W for top-p and the draw):
+// per level, a histogram of the next 11 bits of the key holding each bin's measure (1 per token
+// for top-k, W otherwise) and token count, and a scan of the bins from the top to the one the
+// target falls in. Integer sums make every histogram exact in any order. As soon as the chosen
+// bin holds at most kListCap tokens, they are listed and sorted in one block, and the walk over
+// the sorted list ends the search; a model's peaked rows get there at the first level, flat rows
+// (random weights) at the second. Only a bin of one key shared by more tokens than a list takes
+// falls to a pass that orders those ties by id.
+//
+// A row is spread over `slices` blocks (grid (slices, rows)), each owning a contiguous id range:
+// a 248k vocabulary is read, and its weights computed, by ~60 multiprocessors instead of one.
+// The blocks of a row meet at row barriers (a counter per row) between the phases: the scan
+// (maximum, live tokens, bad values), top-k's boundary, the totals (whose pass also builds the
+// first level of the weight descents), top-p's boundary, the draw's. Every block of a row takes
+// the same branches (they depend only on row-wide sums, which every block reduces alike), so all
+// meet at every barrier. The launch is cooperative: the blocks are resident together, so a
+// barrier cannot wait on a block that has not started.
 
-constexpr int kSampleThreads = 1024;
+constexpr int kSampleThreads = 256;
 constexpr int kSampleWarps = kSampleThreads / 32;
 constexpr int kDigitBits = 11;
 constexpr int kBins = 1 << kDigitBits;
 constexpr int kBinsPerThread = kBins / kSampleThreads;
-static_assert(kBinsPerThread == 2, "the bin scan gives each thread two bins");
+constexpr int64_t kSampleSliceMin = 4096;              // ids per block at least
+constexpr int kMaxSampleSlices = 64;                   // blocks per row at most (<= kSampleThreads)
+constexpr int kWeightKeyBits = kSampleWeightBits + 1;  // W <= 2^40
+constexpr int kHistograms = 4;   // per row: the weights' first level, then three in rotation
+constexpr int kListCap = kBins;  // tokens a boundary's list takes (the sort reuses the bins)
+constexpr int kStages = 3;       // top-k, top-p, the draw: one list each
+constexpr uint64_t kIdMask = (uint64_t{1} << 23) - 1;  // ids < kMaxSampleVocab = 2^23
+static_assert(kBins % kSampleThreads == 0 && kMaxSampleSlices <= kSampleThreads);
+
+// One slice's part of the row-wide sums, [row][kMaxSampleSlices]. Each field is written by the
+// slice's block before a barrier and read by the row's blocks after it.
+struct SliceSums {
+  float max;
+  int max_id;
+  int bad;
+  int first;
+  unsigned long long live, total, kept, ties;
+};
+
+// One level of a descent for one row: each bin's measure and token count.
+struct LevelHistogram {
+  unsigned long long measure[kBins];
+  unsigned count[kBins];
+};
+
+// Per row, zero between launches: the barrier's arrivals, the blocks that left (the last one
+// out returns the counters to zero), top-k's last admitted id, and the tokens each stage's list
+// received.
+struct RowControl {
+  unsigned arrived;
+  unsigned exited;
+  int k_id;
+  unsigned listed[kStages];
+};
+
+struct SampleScratch {
+  DeviceScratch sums, hist, lists, control;
+};
 
 struct SampleShared {
-  unsigned long long bins[kBins];
+  unsigned long long bins[kBins];  // a level's measures; a list's sort
+  unsigned counts[kBins];
   unsigned long long warp_u64[kSampleWarps];
   float warp_v[kSampleWarps];
   int warp_i[kSampleWarps];
-  unsigned long long pick_excl;  // a descent level's chosen bin: weight above it
+  unsigned long long pick_excl;  // a level's chosen bin: measure above it; a list's: through it
+  unsigned long long pick_key;
+  unsigned pick_count;
   int pick_bin;
   int pick_id;
 };
+
+// Where a block stands: its row and slice, its ids [lo, hi), the row's scratch, and what it has
+// passed (barrier arrivals expected so far, histogram levels built).
+struct SampleBlock {
+  int slice, slices;
+  int64_t lo, hi;
+  SliceSums* sums;            // the row's [kMaxSampleSlices]
+  LevelHistogram* hist;       // the row's [kHistograms]
+  unsigned long long* lists;  // the row's [kStages][kListCap]
+  RowControl* control;        // the row's
+  unsigned epoch;
+  int level;
+};
+
+__device__ inline unsigned load_acquire(const unsigned* p) {
+  unsigned v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+// All blocks of the row wait here until each has arrived; what any of them wrote before is then
+// visible to all (read it with __ldcg: L1 may hold stale lines of another block's data).
+__device__ void row_barrier(SampleBlock& b) {
+  __syncthreads();
+  b.epoch += static_cast<unsigned>(b.slices);
+  if (threadIdx.x == 0) {
+    __threadfence();
+    atomicAdd(&b.control->arrived, 1u);
+    while (load_acquire(&b.control->arrived) < b.epoch) __nanosleep(20);
+    __threadfence();
+  }
+  __syncthreads();
+}
 
 // Sum of v over the block, returned to every thread. Uses sh.warp_u64.
 __device__ unsigned long long block_sum(unsigned long long v, SampleShared& sh) {
@@ -169,6 +253,22 @@ __device__ int block_min(int v, SampleShared& sh) {
   return m;
 }
 
+// The best candidate (value, id) of the block by better()'s order, returned to every thread.
+// Uses sh.warp_v / sh.warp_i.
+__device__ void block_best_candidate(float& v, int& i, SampleShared& sh) {
+  for (int o = 16; o > 0; o /= 2)
+    better(v, i, __shfl_xor_sync(0xffffffffu, v, o), __shfl_xor_sync(0xffffffffu, i, o));
+  __syncthreads();
+  if (threadIdx.x % 32 == 0) {
+    sh.warp_v[threadIdx.x / 32] = v;
+    sh.warp_i[threadIdx.x / 32] = i;
+  }
+  __syncthreads();
+  v = -INFINITY;
+  i = -1;
+  for (int w = 0; w < kSampleWarps; ++w) better(v, i, sh.warp_v[w], sh.warp_i[w]);
+}
+
 // Exclusive prefix sum of v over the threads in thread order. Uses sh.warp_u64.
 __device__ unsigned long long block_exclusive_scan(unsigned long long v, SampleShared& sh) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -185,11 +285,20 @@ __device__ unsigned long long block_exclusive_scan(unsigned long long v, SampleS
   return before + inc - v;
 }
 
+// Sum over the row's slices of one SliceSums field; every block gets the same value. `below`:
+// only the slices before this block's.
+template <class T>
+__device__ unsigned long long slices_sum(const SampleBlock& b, T SliceSums::*field, bool below,
+                                         SampleShared& sh) {
+  const int n = below ? b.slice : b.slices;
+  const int j = static_cast<int>(threadIdx.x);
+  return block_sum(j < n ? static_cast<unsigned long long>(__ldcg(&(b.sums[j].*field))) : 0, sh);
+}
+
 // What a token is to the boundary searches: its logit key, its weight, and whether it is in the
 // set being searched.
 struct RowTokens {
   const float* logits;
-  int64_t V;
   float max;
   double inv_t;
   // The top-k set: key > k_key, or key == k_key and id <= k_id (everything when k_key == 0 and
@@ -203,71 +312,141 @@ struct RowTokens {
     return key > k_key || (key == k_key && id <= k_id);
   }
   __device__ uint64_t weight(float l) const { return sample_weight(l, max, inv_t); }
+  // Kept for top-p and the draw: live, in the top-k set and not cut by min-p (*w: its weight).
+  __device__ bool kept(float l, int i, uint64_t* w) const {
+    if (!live(l) || !in_top_k(logit_order_key(l), i)) return false;
+    *w = weight(l);
+    return *w >= min_weight;
+  }
 };
 
-// A radix descent: the largest key K (of `bits` bits) such that the tokens of the set with key
-// >= K weigh at least `target` (the set must weigh at least that), and the weight of those with
-// key > K. key_of(l, i, &key, &w) says whether token i (logit l) is in the set and gives its key
-// and weight.
-template <class KeyOf>
-__device__ void descend(const RowTokens& t, int bits, unsigned long long target, KeyOf key_of,
-                        SampleShared& sh, uint64_t* key_out, unsigned long long* above_out) {
-  uint64_t prefix = 0, prefix_mask = 0;
-  unsigned long long above = 0;
-  for (int hi = bits; hi > 0;) {
-    const int shift = hi > kDigitBits ? hi - kDigitBits : 0;
-    const uint64_t digit_mask = (uint64_t{1} << (hi - shift)) - 1;
-    for (int b = threadIdx.x; b < kBins; b += kSampleThreads) sh.bins[b] = 0;
-    __syncthreads();
-    // A thread's tokens often share a bin (most of a flat row's weights sit in the lowest one):
-    // it adds runs of one bin in registers and flushes when the bin changes.
-    int run_bin = -1;
-    unsigned long long run = 0;
-    for (int64_t i = threadIdx.x; i < t.V; i += kSampleThreads) {
-      uint64_t key, w;
-      if (!key_of(t.logits[i], static_cast<int>(i), &key, &w)) continue;
-      if ((key & prefix_mask) != prefix) continue;
-      const int bin = static_cast<int>((key >> shift) & digit_mask);
-      if (bin != run_bin) {
-        if (run_bin >= 0 && run > 0) atomicAdd(&sh.bins[run_bin], run);
-        run_bin = bin;
-        run = 0;
-      }
-      run += w;
-    }
-    if (run_bin >= 0 && run > 0) atomicAdd(&sh.bins[run_bin], run);
-    __syncthreads();
-    // Bins from the highest digit down: thread j holds the (2j)th and (2j+1)th from the top.
-    const int b0 = kBins - 1 - kBinsPerThread * static_cast<int>(threadIdx.x), b1 = b0 - 1;
-    const unsigned long long w0 = sh.bins[b0], w1 = sh.bins[b1];
-    const unsigned long long excl = block_exclusive_scan(w0 + w1, sh);
-    const unsigned long long rem = target - above;
-    if (excl < rem && excl + w0 + w1 >= rem) {
-      const bool first = excl + w0 >= rem;
-      sh.pick_bin = first ? b0 : b1;
-      sh.pick_excl = first ? excl : excl + w0;
-    }
-    __syncthreads();
-    prefix |= static_cast<uint64_t>(sh.pick_bin) << shift;
-    prefix_mask |= digit_mask << shift;
-    above += sh.pick_excl;
-    __syncthreads();  // pick_* are rewritten by the next level
-    hi = shift;
+// Adds w (<= 2^40) to bins[bin] and one to counts[bin] for each lane of the warp with bin >= 0,
+// with one shared-memory atomic per distinct bin: a 64-bit add to shared memory is a
+// compare-and-swap loop, and the lanes of a flat row mostly share a bin, so unaggregated adds
+// would retry each other in turn. Each group of lanes sums its weights as two 20-bit halves (32
+// of them fit 32 bits). All 32 lanes call it together.
+__device__ void warp_add_to_bins(SampleShared& sh, int bin, unsigned long long w) {
+  const unsigned peers = __match_any_sync(0xffffffffu, bin);
+  const unsigned lo = __reduce_add_sync(peers, static_cast<unsigned>(w & 0xfffffu));
+  const unsigned hi = __reduce_add_sync(peers, static_cast<unsigned>(w >> 20));
+  if (bin >= 0 && static_cast<int>(threadIdx.x % 32) == __ffs(peers) - 1) {
+    atomicAdd(&sh.bins[bin], (static_cast<unsigned long long>(hi) << 20) + lo);
+    atomicAdd(&sh.counts[bin], static_cast<unsigned>(__popc(peers)));
   }
-  *key_out = prefix;
-  *above_out = above;
 }
 
-// The id of the m-th token (1-based, in id order) for which in_set(l, i) holds; the set has at
-// least m tokens. Thread j scans ids [j * chunk, (j + 1) * chunk).
+__device__ void clear_bins(SampleShared& sh) {
+  for (int i = threadIdx.x; i < kBins; i += kSampleThreads) {
+    sh.bins[i] = 0;
+    sh.counts[i] = 0;
+  }
+}
+
+// Adds the block's shared histogram to the row's (after a barrier of the block).
+__device__ void flush_bins(const SampleShared& sh, LevelHistogram* h) {
+  for (int i = threadIdx.x; i < kBins; i += kSampleThreads) {
+    if (sh.counts[i] == 0) continue;
+    atomicAdd(&h->measure[i], sh.bins[i]);
+    atomicAdd(&h->count[i], sh.counts[i]);
+  }
+}
+
+// Zeroes this block's share of a row histogram (the row's blocks together clear all of it).
+__device__ void clear_share(const SampleBlock& b, LevelHistogram* h) {
+  const int lo = b.slice * kBins / b.slices, hi = (b.slice + 1) * kBins / b.slices;
+  for (int i = lo + static_cast<int>(threadIdx.x); i < hi; i += kSampleThreads) {
+    h->measure[i] = 0;
+    h->count[i] = 0;
+  }
+}
+
+// Warps walk the block's slice 32 consecutive ids at a time (thread j takes ids lo + j,
+// lo + j + kSampleThreads, ...); visit(i) runs for every id, all lanes together, with i >= hi
+// on the lanes past the slice's end.
+template <class Visit>
+__device__ void walk_slice(const SampleBlock& b, Visit visit) {
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  for (int64_t base = b.lo + (threadIdx.x - lane); base < b.hi; base += kSampleThreads)
+    visit(base + lane);
+}
+
+// The bin of row histogram h where the cumulative measure, from the highest bin down, reaches
+// rem (h's total is at least rem), the measure of the bins above it, and its token count. Every
+// thread gets all three.
+__device__ void pick_bin(const LevelHistogram* h, unsigned long long rem, SampleShared& sh,
+                         int* bin, unsigned long long* above, unsigned* count) {
+  // Thread j holds the kBinsPerThread bins from kBins - 1 - kBinsPerThread * j downwards.
+  const int top = kBins - 1 - kBinsPerThread * static_cast<int>(threadIdx.x);
+  unsigned long long w[kBinsPerThread], sum = 0;
+#pragma unroll
+  for (int j = 0; j < kBinsPerThread; ++j) {
+    w[j] = __ldcg(&h->measure[top - j]);
+    sum += w[j];
+  }
+  const unsigned long long excl = block_exclusive_scan(sum, sh);
+  if (excl < rem && excl + sum >= rem) {
+    unsigned long long cum = excl;
+    for (int j = 0; j < kBinsPerThread; ++j) {
+      if (cum + w[j] >= rem) {
+        sh.pick_bin = top - j;
+        sh.pick_excl = cum;
+        sh.pick_count = __ldcg(&h->count[top - j]);
+        break;
+      }
+      cum += w[j];
+    }
+  }
+  __syncthreads();
+  *bin = sh.pick_bin;
+  *above = sh.pick_excl;
+  *count = sh.pick_count;
+  __syncthreads();  // pick_* are rewritten by the next pick
+}
+
+// One level of a descent: the row's histogram of digit (key >> shift) & digit_mask over the
+// set's tokens whose key matches prefix under prefix_mask, complete once returned (the row met).
+// key_of(l, i, &key, &w) says whether token i (logit l) is in the set and gives its key and
+// measure. It takes rotating buffer (level % 3) and clears the next one, last read two barriers
+// ago.
+template <class KeyOf>
+__device__ const LevelHistogram* build_level(SampleBlock& b, const RowTokens& t, uint64_t prefix,
+                                             uint64_t prefix_mask, int shift, uint64_t digit_mask,
+                                             KeyOf key_of, SampleShared& sh) {
+  LevelHistogram* g = b.hist + 1 + b.level % 3;
+  clear_share(b, b.hist + 1 + (b.level + 1) % 3);
+  ++b.level;
+  clear_bins(sh);
+  __syncthreads();
+  walk_slice(b, [&](int64_t i) {
+    int bin = -1;
+    uint64_t key = 0, w = 0;
+    if (i < b.hi && key_of(t.logits[i], static_cast<int>(i), &key, &w) &&
+        (key & prefix_mask) == prefix)
+      bin = static_cast<int>((key >> shift) & digit_mask);
+    warp_add_to_bins(sh, bin, bin >= 0 ? w : 0);
+  });
+  __syncthreads();
+  flush_bins(sh, g);
+  row_barrier(b);
+  return g;
+}
+
+// The m-th token (1-based, in id order) of the row for which in_set(l, i) holds; the set has at
+// least m tokens. Returns its id in the block whose slice holds it, -1 in the others. Thread j
+// scans a contiguous chunk of the slice, so thread order is id order.
 template <class InSet>
-__device__ int nth_in_id_order(const RowTokens& t, unsigned long long m, InSet in_set,
-                               SampleShared& sh) {
-  const int64_t chunk = (t.V + kSampleThreads - 1) / kSampleThreads;
-  const int64_t lo = threadIdx.x * chunk, hi = min(t.V, lo + chunk);
+__device__ int nth_in_id_order(SampleBlock& b, const RowTokens& t, unsigned long long m,
+                               InSet in_set, SampleShared& sh) {
+  const int64_t chunk = (b.hi - b.lo + kSampleThreads - 1) / kSampleThreads;
+  const int64_t lo = b.lo + threadIdx.x * chunk, hi = min(b.hi, lo + chunk);
   unsigned long long n = 0;
   for (int64_t i = lo; i < hi; ++i) n += in_set(t.logits[i], static_cast<int>(i)) ? 1 : 0;
-  const unsigned long long excl = block_exclusive_scan(n, sh);
+  const unsigned long long in_slice = block_sum(n, sh);
+  if (threadIdx.x == 0) b.sums[b.slice].ties = in_slice;
+  row_barrier(b);
+  const unsigned long long before = slices_sum(b, &SliceSums::ties, true, sh);
+  if (!(before < m && before + in_slice >= m)) return -1;
+  const unsigned long long excl = before + block_exclusive_scan(n, sh);
   if (excl < m && excl + n >= m) {
     unsigned long long seen = excl;
     for (int64_t i = lo; i < hi; ++i)
@@ -277,93 +456,202 @@ __device__ int nth_in_id_order(const RowTokens& t, unsigned long long m, InSet i
       }
   }
   __syncthreads();
-  const int id = sh.pick_id;
-  __syncthreads();
-  return id;
+  return sh.pick_id;
 }
 
-// The first token of the canonical order (weight descending, id ascending) among those kept
-// (live, in the top-k set, weight >= min_weight) whose cumulative weight reaches `target`
-// (<= the kept weight); *cum_out: the cumulative weight through it.
-__device__ int canonical_boundary(const RowTokens& t, unsigned long long target, SampleShared& sh,
-                                  unsigned long long* cum_out) {
-  auto kept = [&](float l, int i, uint64_t* key, uint64_t* w) {
-    if (!t.live(l) || !t.in_top_k(logit_order_key(l), i)) return false;
-    *w = t.weight(l);
-    *key = *w;
-    return *w >= t.min_weight;
+// A boundary of the canonical order: the token (-1 in blocks that do not know it), its key, and
+// the measure of the order through it (in every block).
+struct Boundary {
+  int id;
+  uint64_t key;
+  unsigned long long cum;
+};
+
+// The tokens of the set whose key matches prefix under prefix_mask (at most kListCap, `above`
+// measured before them), listed by the row (list `stage`), sorted and walked in every block or
+// (every_block false) in the row's first only: the first of them in canonical order whose
+// cumulative measure reaches target.
+template <class KeyOf>
+__device__ Boundary list_boundary(SampleBlock& b, const RowTokens& t, uint64_t prefix,
+                                  uint64_t prefix_mask, unsigned long long above,
+                                  unsigned long long target, KeyOf key_of, bool unit, int stage,
+                                  bool every_block, SampleShared& sh) {
+  // Each token as (key << 23 | (kIdMask - id)): sorting these descending gives the canonical
+  // order (keys have at most 41 bits). Warps append their tokens with one atomic each.
+  unsigned long long* list = b.lists + stage * kListCap;
+  unsigned* listed = &b.control->listed[stage];
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  walk_slice(b, [&](int64_t i) {
+    uint64_t key = 0, w = 0;
+    const bool in = i < b.hi && key_of(t.logits[i], static_cast<int>(i), &key, &w) &&
+                    (key & prefix_mask) == prefix;
+    const unsigned ballot = __ballot_sync(0xffffffffu, in);
+    if (ballot == 0) return;
+    unsigned first_slot = 0;
+    if (lane == 0) first_slot = atomicAdd(listed, static_cast<unsigned>(__popc(ballot)));
+    first_slot = __shfl_sync(0xffffffffu, first_slot, 0);
+    if (in) {
+      const unsigned slot = first_slot + __popc(ballot & ((1u << lane) - 1u));
+      if (slot < kListCap) list[slot] = (key << 23) | (kIdMask - static_cast<uint64_t>(i));
+    }
+  });
+  row_barrier(b);
+  Boundary r{-1, 0, 0};
+  if (!every_block && b.slice != 0) return r;
+  const int n = static_cast<int>(min(__ldcg(listed), static_cast<unsigned>(kListCap)));
+  // A bitonic network over the next power of two, descending; the padding (0) sorts last and
+  // measures nothing.
+  unsigned long long* e = sh.bins;
+  for (int j = threadIdx.x; j < kListCap; j += kSampleThreads) e[j] = j < n ? __ldcg(&list[j]) : 0;
+  __syncthreads();
+  int width = 1;
+  while (width < n) width *= 2;
+  for (int k = 2; k <= width; k *= 2) {
+    for (int j = k / 2; j > 0; j /= 2) {
+      for (int i = threadIdx.x; i < width; i += kSampleThreads) {
+        const int partner = i ^ j;
+        if (partner > i) {
+          const unsigned long long x = e[i], y = e[partner];
+          if ((i & k) == 0 ? x < y : x > y) {
+            e[i] = y;
+            e[partner] = x;
+          }
+        }
+      }
+      __syncthreads();
+    }
+  }
+  constexpr int kPerThread = kListCap / kSampleThreads;
+  const int first = kPerThread * static_cast<int>(threadIdx.x);
+  auto measure = [&](unsigned long long c) -> unsigned long long {
+    return c == 0 ? 0 : unit ? 1 : c >> 23;
   };
-  uint64_t theta;
-  unsigned long long above;
-  descend(t, kSampleWeightBits + 1, target, kept, sh, &theta, &above);
-  // Tokens weighing exactly theta follow in id order; the m-th reaches the target.
-  const unsigned long long m = (target - above + theta - 1) / theta;
-  *cum_out = above + m * theta;
-  return nth_in_id_order(
-      t, m,
+  unsigned long long sum = 0;
+  for (int j = 0; j < kPerThread; ++j) sum += measure(e[first + j]);
+  const unsigned long long excl = block_exclusive_scan(sum, sh);
+  const unsigned long long rem = target - above;
+  if (excl < rem && excl + sum >= rem) {
+    unsigned long long cum = excl;
+    for (int j = 0; j < kPerThread; ++j) {
+      const unsigned long long c = e[first + j];
+      cum += measure(c);
+      if (cum >= rem) {
+        sh.pick_id = static_cast<int>(kIdMask - (c & kIdMask));
+        sh.pick_key = c >> 23;
+        sh.pick_excl = above + cum;
+        break;
+      }
+    }
+  }
+  __syncthreads();
+  r = Boundary{sh.pick_id, sh.pick_key, sh.pick_excl};
+  __syncthreads();
+  return r;
+}
+
+// Which blocks must know a boundary's token: none (only its cumulative measure counts), the one
+// that finds it, or all of them.
+enum class TokenTo { Nobody, Finder, Everyone };
+
+// The first token of the set's canonical order (key descending, id ascending; keys of `bits`
+// bits, each token measuring its weight, or 1 where `unit`) whose cumulative measure reaches
+// `target` (at most the set's): descent levels until the chosen bin holds at most kListCap
+// tokens, then that bin's sorted list (list `stage`, sorted in every block or, for TokenTo::Finder,
+// in the row's first). top_level: the set's first level, already complete, or null. A bin of one
+// key with more tokens than a list takes is ordered by id.
+template <class KeyOf>
+__device__ Boundary find_boundary(SampleBlock& b, const RowTokens& t, int bits,
+                                  unsigned long long target, KeyOf key_of, bool unit,
+                                  const LevelHistogram* top_level, int stage, TokenTo token_to,
+                                  SampleShared& sh) {
+  uint64_t prefix = 0, prefix_mask = 0;
+  unsigned long long above = 0;
+  for (int hi = bits; hi > 0;) {
+    const int shift = hi > kDigitBits ? hi - kDigitBits : 0;
+    const uint64_t digit_mask = (uint64_t{1} << (hi - shift)) - 1;
+    const LevelHistogram* h =
+        hi == bits && top_level != nullptr
+            ? top_level
+            : build_level(b, t, prefix, prefix_mask, shift, digit_mask, key_of, sh);
+    int bin;
+    unsigned long long excl;
+    unsigned count;
+    pick_bin(h, target - above, sh, &bin, &excl, &count);
+    prefix |= static_cast<uint64_t>(bin) << shift;
+    prefix_mask |= digit_mask << shift;
+    above += excl;
+    if (count <= kListCap)
+      return list_boundary(b, t, prefix, prefix_mask, above, target, key_of, unit, stage,
+                           token_to != TokenTo::Finder, sh);
+    hi = shift;
+  }
+  // One key, more tokens than a list takes: they follow in id order, each measuring `per`.
+  const unsigned long long per = unit ? 1 : prefix;
+  const unsigned long long m = (target - above + per - 1) / per;
+  Boundary r{-1, prefix, above + m * per};
+  if (token_to == TokenTo::Nobody) return r;
+  r.id = nth_in_id_order(
+      b, t, m,
       [&](float l, int i) {
         uint64_t key, w;
-        return kept(l, i, &key, &w) && w == theta;
+        return key_of(l, i, &key, &w) && key == prefix;
       },
       sh);
+  if (token_to == TokenTo::Everyone) {
+    if (r.id >= 0 && threadIdx.x == 0) b.control->k_id = r.id;
+    row_barrier(b);
+    r.id = __ldcg(&b.control->k_id);
+  }
+  return r;
 }
 
-__global__ void __launch_bounds__(kSampleThreads)
-    sample_kernel(const float* __restrict__ logits, int64_t V, const ops::SampleRow* params,
-                  int32_t* out) {
-  pdl_wait();
-  pdl_release();
-  __shared__ SampleShared sh;
-  const int64_t row = blockIdx.x;
-  const ops::SampleRow p = params[row];
-  RowTokens t{logits + row * V, V, 0.0f, 0.0, 0u, INT_MAX, 0};
+// Grid (slices, rows). out[row] is written by one block of the row.
+__device__ void sample_row_blocks(SampleBlock& b, const float* logits, const ops::SampleRow& p,
+                                  int32_t* out, SampleShared& sh) {
+  RowTokens t{logits, 0.0f, 0.0, 0u, INT_MAX, 0};
+  const bool lead = b.slice == 0 && threadIdx.x == 0;  // writes the row's result where all agree
 
-  // The scan: maximum (lowest id on ties), live tokens, NaN or +inf anywhere.
+  // The scan: maximum (lowest id on ties), live tokens, NaN or +inf anywhere. The weights' first
+  // histogram and the first rotating one are cleared for the phases after it.
   float best = -INFINITY;
   int best_i = -1;
-  unsigned long long live = 0, bad = 0;
-  for (int64_t i = threadIdx.x; i < V; i += kSampleThreads) {
+  unsigned long long live = 0;
+  int bad = 0;
+  for (int64_t i = b.lo + threadIdx.x; i < b.hi; i += kSampleThreads) {
     const float x = t.logits[i];
     bad |= isnan(x) || x == INFINITY;
     if (x == -INFINITY) continue;
     ++live;
-    if (best_i < 0 || x > best) {  // ascending ids within a thread: the first maximum is kept
-      best = x;
-      best_i = static_cast<int>(i);
-    }
+    better(best, best_i, x, static_cast<int>(i));
   }
-  for (int o = 16; o > 0; o /= 2) {
-    const float v2 = __shfl_xor_sync(0xffffffffu, best, o);
-    const int i2 = __shfl_xor_sync(0xffffffffu, best_i, o);
-    if (i2 >= 0 && (best_i < 0 || v2 > best || (v2 == best && i2 < best_i))) {
-      best = v2;
-      best_i = i2;
-    }
-  }
-  if (threadIdx.x % 32 == 0) {
-    sh.warp_v[threadIdx.x / 32] = best;
-    sh.warp_i[threadIdx.x / 32] = best_i;
-  }
+  clear_share(b, b.hist);
+  clear_share(b, b.hist + 1);
+  block_best_candidate(best, best_i, sh);
   live = block_sum(live, sh);
-  bad = block_sum(bad, sh);  // (its barriers also publish warp_v / warp_i)
+  bad = static_cast<int>(block_sum(static_cast<unsigned long long>(bad), sh));
+  if (threadIdx.x == 0) {
+    b.sums[b.slice].max = best;
+    b.sums[b.slice].max_id = best_i;
+    b.sums[b.slice].live = live;
+    b.sums[b.slice].bad = bad;
+  }
+  row_barrier(b);
   best = -INFINITY;
   best_i = -1;
-  for (int w = 0; w < kSampleWarps; ++w) {
-    const float v2 = sh.warp_v[w];
-    const int i2 = sh.warp_i[w];
-    if (i2 >= 0 && (best_i < 0 || v2 > best || (v2 == best && i2 < best_i))) {
-      best = v2;
-      best_i = i2;
-    }
-  }
+  if (static_cast<int>(threadIdx.x) < b.slices)
+    better(best, best_i, __ldcg(&b.sums[threadIdx.x].max), __ldcg(&b.sums[threadIdx.x].max_id));
+  block_best_candidate(best, best_i, sh);
+  live = slices_sum(b, &SliceSums::live, false, sh);
+  const bool any_bad = slices_sum(b, &SliceSums::bad, false, sh) != 0;
+
   const bool valid_params = isfinite(p.temperature) && p.temperature >= 0.0f && p.top_k >= 0 &&
                             p.top_p > 0.0f && p.top_p <= 1.0f && p.min_p >= 0.0f && p.min_p <= 1.0f;
-  if (bad || live == 0 || !valid_params) {
-    if (threadIdx.x == 0) out[row] = -1;
+  if (any_bad || live == 0 || !valid_params) {
+    if (lead) *out = -1;
     return;
   }
   if (p.temperature == 0.0f) {
-    if (threadIdx.x == 0) out[row] = best_i;
+    if (lead) *out = best_i;
     return;
   }
   t.max = best;
@@ -371,54 +659,79 @@ __global__ void __launch_bounds__(kSampleThreads)
   const uint64_t min_p_w = min_p_weight(p.min_p);
   t.min_weight = min_p_w > 0 ? min_p_w : 1;
 
-  // top-k: the k-th largest logit key, then the ties of that key that fit, lowest ids first.
+  // top-k: the k-th token of the order by logit (descending, lowest ids first on ties).
   if (p.top_k > 0 && static_cast<unsigned long long>(p.top_k) < live) {
-    uint64_t k_key;
-    unsigned long long above;
-    descend(
-        t, 32, static_cast<unsigned long long>(p.top_k),
+    const Boundary kth = find_boundary(
+        b, t, 32, static_cast<unsigned long long>(p.top_k),
         [&](float l, int, uint64_t* key, uint64_t* w) {
           if (!t.live(l)) return false;
           *key = logit_order_key(l);
           *w = 1;
           return true;
         },
-        sh, &k_key, &above);
-    const uint32_t kk = static_cast<uint32_t>(k_key);
-    t.k_id = nth_in_id_order(
-        t, static_cast<unsigned long long>(p.top_k) - above,
-        [&](float l, int) { return t.live(l) && logit_order_key(l) == kk; }, sh);
-    t.k_key = kk;
+        true, nullptr, 0, TokenTo::Everyone, sh);
+    t.k_key = static_cast<uint32_t>(kth.key);
+    t.k_id = kth.id;
   }
 
-  // The weight of the top-k set (top-p's total) and of what min-p keeps of it, and the first
-  // token of the canonical order: the lowest id of those weighing 2^40, the most any token can
-  // (the maximum does; min-p keeps them all).
-  unsigned long long total = 0, kept_total = 0;
-  int first = INT_MAX;
-  for (int64_t i = threadIdx.x; i < V; i += kSampleThreads) {
-    const float l = t.logits[i];
-    if (!t.live(l) || !t.in_top_k(logit_order_key(l), static_cast<int>(i))) continue;
-    const uint64_t w = t.weight(l);
-    total += w;
-    if (w >= t.min_weight) kept_total += w;
-    if (w == kSampleWeightOne) first = min(first, static_cast<int>(i));
+  // The weight of the top-k set (top-p's total) and of what min-p keeps of it, the first token
+  // of the canonical order (the lowest id of those weighing 2^40, the most any token can: the
+  // maximum does, and min-p keeps them all), and the first level of the weight descents.
+  {
+    clear_bins(sh);
+    __syncthreads();
+    constexpr int kShift = kWeightKeyBits - kDigitBits;
+    unsigned long long total = 0, kept_total = 0;
+    int first = INT_MAX;
+    walk_slice(b, [&](int64_t i) {
+      int bin = -1;
+      uint64_t w = 0;
+      if (i < b.hi) {
+        const float l = t.logits[i];
+        if (t.live(l) && t.in_top_k(logit_order_key(l), static_cast<int>(i))) {
+          w = t.weight(l);
+          total += w;
+          if (w >= t.min_weight) {
+            kept_total += w;
+            bin = static_cast<int>(w >> kShift);
+            if (w == kSampleWeightOne) first = min(first, static_cast<int>(i));
+          }
+        }
+      }
+      warp_add_to_bins(sh, bin, bin >= 0 ? w : 0);
+    });
+    total = block_sum(total, sh);  // (its barriers also complete the bins)
+    kept_total = block_sum(kept_total, sh);
+    first = block_min(first, sh);
+    flush_bins(sh, b.hist);
+    if (threadIdx.x == 0) {
+      b.sums[b.slice].total = total;
+      b.sums[b.slice].kept = kept_total;
+      b.sums[b.slice].first = first;
+    }
+    row_barrier(b);
   }
-  total = block_sum(total, sh);
-  kept_total = block_sum(kept_total, sh);
-  first = block_min(first, sh);
+  const unsigned long long total = slices_sum(b, &SliceSums::total, false, sh);
+  unsigned long long kept_total = slices_sum(b, &SliceSums::kept, false, sh);
+  const int first = block_min(
+      static_cast<int>(threadIdx.x) < b.slices ? __ldcg(&b.sums[threadIdx.x].first) : INT_MAX, sh);
+  auto kept_key = [&](float l, int i, uint64_t* key, uint64_t* w) {
+    if (!t.kept(l, i, w)) return false;
+    *key = *w;
+    return true;
+  };
 
   // top-p: the kept set shrinks to the shortest canonical prefix reaching ceil(top_p * total).
   // The draw below then stays inside it by itself: its target is at most the prefix's weight.
-  // A prefix target of at most 2^40 ends at `first` (peaked rows skip the descents).
+  // A prefix target of at most 2^40 ends at `first` (peaked rows skip the search).
   if (p.top_p < 1.0f) {
     const unsigned long long target = top_p_weight(p.top_p, total);
-    if (kept_total >= target) {
-      if (target <= kSampleWeightOne)
-        kept_total = kSampleWeightOne;
-      else
-        canonical_boundary(t, target, sh, &kept_total);
-    }
+    if (kept_total >= target)
+      kept_total = target <= kSampleWeightOne
+                       ? kSampleWeightOne
+                       : find_boundary(b, t, kWeightKeyBits, target, kept_key, false, b.hist, 1,
+                                       TokenTo::Nobody, sh)
+                             .cum;
   }
 
   // The draw: Philox at (seed, index, stream 0), as core/rng.cpp maps it.
@@ -430,9 +743,43 @@ __global__ void __launch_bounds__(kSampleThreads)
   const auto bits = cipher(ctr, key);
   const double u = uniform_from_words(bits.v[0], bits.v[1]);
   const unsigned long long target = draw_weight(u, kept_total);
-  unsigned long long cum;
-  const int token = target <= kSampleWeightOne ? first : canonical_boundary(t, target, sh, &cum);
-  if (threadIdx.x == 0) out[row] = token;
+  if (target <= kSampleWeightOne) {
+    if (lead) *out = first;
+    return;
+  }
+  const Boundary drawn =
+      find_boundary(b, t, kWeightKeyBits, target, kept_key, false, b.hist, 2, TokenTo::Finder, sh);
+  if (drawn.id >= 0 && threadIdx.x == 0) *out = drawn.id;
+}
+
+__global__ void __launch_bounds__(kSampleThreads, 3)
+    sample_kernel(const float* __restrict__ logits, int64_t V, const ops::SampleRow* params,
+                  int32_t* out, SliceSums* sums, LevelHistogram* hist, unsigned long long* lists,
+                  RowControl* control) {
+  pdl_wait();
+  pdl_release();
+  __shared__ SampleShared sh;
+  const int64_t row = blockIdx.y;
+  const int64_t slice = (V + gridDim.x - 1) / gridDim.x;
+  SampleBlock b{static_cast<int>(blockIdx.x),
+                static_cast<int>(gridDim.x),
+                min(V, blockIdx.x * slice),
+                min(V, (blockIdx.x + 1) * slice),
+                sums + row * kMaxSampleSlices,
+                hist + row * kHistograms,
+                lists + row * kStages * kListCap,
+                control + row,
+                0u,
+                0};
+  sample_row_blocks(b, logits + row * V, params[row], out + row, sh);
+  // The last block of the row to leave returns its counters to zero for the next launch: every
+  // other block has passed its last barrier by then.
+  __syncthreads();
+  if (threadIdx.x == 0 && atomicAdd(&b.control->exited, 1u) == gridDim.x - 1) {
+    b.control->arrived = 0;
+    b.control->exited = 0;
+    for (int s = 0; s < kStages; ++s) b.control->listed[s] = 0;
+  }
 }
 
 }  // namespace
@@ -460,11 +807,24 @@ void sample_rows(const float* logits, int64_t rows, int64_t V, const ops::Sample
   if (rows == 0) return;
   if (V <= 0 || V > kMaxSampleVocab)
     fail("sample_rows: vocabulary of ", V, " is outside the sampler's 1..", kMaxSampleVocab);
-  constexpr int64_t kMaxGrid = 0x7fffffff;
-  for (int64_t r0 = 0; r0 < rows; r0 += kMaxGrid) {
-    const int64_t n = std::min(kMaxGrid, rows - r0);
-    launch("sample_rows", sample_kernel, dim3(static_cast<unsigned>(n)), kSampleThreads, 0,
-           logits + r0 * V, V, params + r0, out + r0);
+  // Rows per launch: all blocks must be resident at once (the row barriers), so a launch takes
+  // at most what the GPU holds, and spreads each row over as many blocks as fit.
+  constexpr int64_t kMaxRows = 256;
+  const int64_t resident = resident_blocks(sample_kernel, kSampleThreads, 0);
+  const int64_t most_slices =
+      std::clamp<int64_t>(ceil_div(V, kSampleSliceMin), 1, kMaxSampleSlices);
+  const int64_t chunk = std::min({rows, resident, kMaxRows});
+  const int64_t slices = std::clamp<int64_t>(resident / chunk, 1, most_slices);
+  SampleScratch& sc = current().unit<SampleScratch>();
+  SliceSums* sums = sc.sums.get<SliceSums>(chunk * kMaxSampleSlices);
+  LevelHistogram* hist = sc.hist.get<LevelHistogram>(chunk * kHistograms);
+  unsigned long long* lists = sc.lists.get<unsigned long long>(chunk * kStages * kListCap);
+  RowControl* control = sc.control.get_zeroed<RowControl>(chunk);
+  for (int64_t r0 = 0; r0 < rows; r0 += chunk) {
+    const int64_t n = std::min(chunk, rows - r0);
+    launch_cooperative(
+        "sample_rows", sample_kernel, dim3(static_cast<unsigned>(slices), static_cast<unsigned>(n)),
+        kSampleThreads, 0, logits + r0 * V, V, params + r0, out + r0, sums, hist, lists, control);
   }
 }
 
