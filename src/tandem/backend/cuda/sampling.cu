@@ -185,7 +185,11 @@ struct SampleScratch {
 };
 
 struct SampleShared {
-  unsigned long long bins[kBins];  // a level's measures; a list's sort
+  // A level's measures, its running chunk's (low 20 bits and the rest: native 32-bit atomics,
+  // where a 64-bit add to shared memory is a compare-and-swap loop), its counts; bins is also a
+  // list's sort.
+  unsigned long long bins[kBins];
+  unsigned chunk_lo[kBins], chunk_hi[kBins];
   unsigned counts[kBins];
   unsigned long long warp_u64[kSampleWarps];
   float warp_v[kSampleWarps];
@@ -320,24 +324,47 @@ struct RowTokens {
   }
 };
 
-// Adds w (<= 2^40) to bins[bin] and one to counts[bin] for each lane of the warp with bin >= 0,
-// with one shared-memory atomic per distinct bin: a 64-bit add to shared memory is a
-// compare-and-swap loop, and the lanes of a flat row mostly share a bin, so unaggregated adds
-// would retry each other in turn. Each group of lanes sums its weights as two 20-bit halves (32
-// of them fit 32 bits). All 32 lanes call it together.
-__device__ void warp_add_to_bins(SampleShared& sh, int bin, unsigned long long w) {
-  const unsigned peers = __match_any_sync(0xffffffffu, bin);
-  const unsigned lo = __reduce_add_sync(peers, static_cast<unsigned>(w & 0xfffffu));
-  const unsigned hi = __reduce_add_sync(peers, static_cast<unsigned>(w >> 20));
-  if (bin >= 0 && static_cast<int>(threadIdx.x % 32) == __ffs(peers) - 1) {
-    atomicAdd(&sh.bins[bin], (static_cast<unsigned long long>(hi) << 20) + lo);
-    atomicAdd(&sh.counts[bin], static_cast<unsigned>(__popc(peers)));
+// Histogram chunks: 8 walk steps of kSampleThreads tokens, so that no 32-bit half of a chunk's
+// bin (each token adds under 2^20 to each) can overflow before the chunk is added into `bins`.
+constexpr int kChunkSteps = 8;
+static_assert(kChunkSteps * kSampleThreads < 4096);
+
+// Adds w (<= 2^40) and one token to the running chunk's bin `bin` for each lane of the warp with
+// bin >= 0. A warp whose lanes all share a bin (flat rows) adds once. All 32 lanes call it.
+__device__ void add_to_bin(SampleShared& sh, int bin, unsigned long long w) {
+  const unsigned lo = static_cast<unsigned>(w & 0xfffffu), hi = static_cast<unsigned>(w >> 20);
+  const int bin0 = __shfl_sync(0xffffffffu, bin, 0);
+  if (__all_sync(0xffffffffu, bin == bin0)) {
+    if (bin0 < 0) return;
+    const unsigned sum_lo = __reduce_add_sync(0xffffffffu, lo);
+    const unsigned sum_hi = __reduce_add_sync(0xffffffffu, hi);
+    if (threadIdx.x % 32 == 0) {
+      atomicAdd(&sh.chunk_lo[bin0], sum_lo);
+      atomicAdd(&sh.chunk_hi[bin0], sum_hi);
+      atomicAdd(&sh.counts[bin0], 32u);
+    }
+    return;
+  }
+  if (bin < 0) return;
+  atomicAdd(&sh.chunk_lo[bin], lo);
+  atomicAdd(&sh.chunk_hi[bin], hi);
+  atomicAdd(&sh.counts[bin], 1u);
+}
+
+// Adds the running chunk into the measures and starts a new one (between block barriers).
+__device__ void fold_chunk(SampleShared& sh) {
+  for (int i = threadIdx.x; i < kBins; i += kSampleThreads) {
+    sh.bins[i] += (static_cast<unsigned long long>(sh.chunk_hi[i]) << 20) + sh.chunk_lo[i];
+    sh.chunk_lo[i] = 0;
+    sh.chunk_hi[i] = 0;
   }
 }
 
 __device__ void clear_bins(SampleShared& sh) {
   for (int i = threadIdx.x; i < kBins; i += kSampleThreads) {
     sh.bins[i] = 0;
+    sh.chunk_lo[i] = 0;
+    sh.chunk_hi[i] = 0;
     sh.counts[i] = 0;
   }
 }
@@ -351,6 +378,28 @@ __device__ void flush_bins(const SampleShared& sh, LevelHistogram* h) {
   }
 }
 
+// The block walks its slice kSampleThreads consecutive ids a step (thread j takes ids lo + j,
+// lo + j + kSampleThreads, ...), every thread the same number of steps: visit(i) runs for every
+// id, with i >= hi past the slice's end. With `chunks`, the block meets after every
+// kChunkSteps steps and at the end to fold the histogram's chunk.
+template <class Visit>
+__device__ void walk_slice(const SampleBlock& b, Visit visit, SampleShared* chunks = nullptr) {
+  const int64_t steps = (b.hi - b.lo + kSampleThreads - 1) / kSampleThreads;
+  for (int64_t k = 0; k < steps; ++k) {
+    visit(b.lo + k * kSampleThreads + threadIdx.x);
+    if (chunks != nullptr && (k + 1) % kChunkSteps == 0 && k + 1 < steps) {
+      __syncthreads();
+      fold_chunk(*chunks);
+      __syncthreads();
+    }
+  }
+  if (chunks != nullptr) {
+    __syncthreads();
+    fold_chunk(*chunks);
+    __syncthreads();
+  }
+}
+
 // Zeroes this block's share of a row histogram (the row's blocks together clear all of it).
 __device__ void clear_share(const SampleBlock& b, LevelHistogram* h) {
   const int lo = b.slice * kBins / b.slices, hi = (b.slice + 1) * kBins / b.slices;
@@ -358,16 +407,6 @@ __device__ void clear_share(const SampleBlock& b, LevelHistogram* h) {
     h->measure[i] = 0;
     h->count[i] = 0;
   }
-}
-
-// Warps walk the block's slice 32 consecutive ids at a time (thread j takes ids lo + j,
-// lo + j + kSampleThreads, ...); visit(i) runs for every id, all lanes together, with i >= hi
-// on the lanes past the slice's end.
-template <class Visit>
-__device__ void walk_slice(const SampleBlock& b, Visit visit) {
-  const int lane = static_cast<int>(threadIdx.x % 32);
-  for (int64_t base = b.lo + (threadIdx.x - lane); base < b.hi; base += kSampleThreads)
-    visit(base + lane);
 }
 
 // The bin of row histogram h where the cumulative measure, from the highest bin down, reaches
@@ -417,15 +456,17 @@ __device__ const LevelHistogram* build_level(SampleBlock& b, const RowTokens& t,
   ++b.level;
   clear_bins(sh);
   __syncthreads();
-  walk_slice(b, [&](int64_t i) {
-    int bin = -1;
-    uint64_t key = 0, w = 0;
-    if (i < b.hi && key_of(t.logits[i], static_cast<int>(i), &key, &w) &&
-        (key & prefix_mask) == prefix)
-      bin = static_cast<int>((key >> shift) & digit_mask);
-    warp_add_to_bins(sh, bin, bin >= 0 ? w : 0);
-  });
-  __syncthreads();
+  walk_slice(
+      b,
+      [&](int64_t i) {
+        int bin = -1;
+        uint64_t key = 0, w = 0;
+        if (i < b.hi && key_of(t.logits[i], static_cast<int>(i), &key, &w) &&
+            (key & prefix_mask) == prefix)
+          bin = static_cast<int>((key >> shift) & digit_mask);
+        add_to_bin(sh, bin, bin >= 0 ? w : 0);
+      },
+      &sh);
   flush_bins(sh, g);
   row_barrier(b);
   return g;
@@ -683,24 +724,27 @@ __device__ void sample_row_blocks(SampleBlock& b, const float* logits, const ops
     constexpr int kShift = kWeightKeyBits - kDigitBits;
     unsigned long long total = 0, kept_total = 0;
     int first = INT_MAX;
-    walk_slice(b, [&](int64_t i) {
-      int bin = -1;
-      uint64_t w = 0;
-      if (i < b.hi) {
-        const float l = t.logits[i];
-        if (t.live(l) && t.in_top_k(logit_order_key(l), static_cast<int>(i))) {
-          w = t.weight(l);
-          total += w;
-          if (w >= t.min_weight) {
-            kept_total += w;
-            bin = static_cast<int>(w >> kShift);
-            if (w == kSampleWeightOne) first = min(first, static_cast<int>(i));
+    walk_slice(
+        b,
+        [&](int64_t i) {
+          int bin = -1;
+          uint64_t w = 0;
+          if (i < b.hi) {
+            const float l = t.logits[i];
+            if (t.live(l) && t.in_top_k(logit_order_key(l), static_cast<int>(i))) {
+              w = t.weight(l);
+              total += w;
+              if (w >= t.min_weight) {
+                kept_total += w;
+                bin = static_cast<int>(w >> kShift);
+                if (w == kSampleWeightOne) first = min(first, static_cast<int>(i));
+              }
+            }
           }
-        }
-      }
-      warp_add_to_bins(sh, bin, bin >= 0 ? w : 0);
-    });
-    total = block_sum(total, sh);  // (its barriers also complete the bins)
+          add_to_bin(sh, bin, bin >= 0 ? w : 0);
+        },
+        &sh);
+    total = block_sum(total, sh);
     kept_total = block_sum(kept_total, sh);
     first = block_min(first, sh);
     flush_bins(sh, b.hist);
