@@ -68,17 +68,34 @@ __device__ __forceinline__ void pdl_release() {
 #endif
 }
 
-// Launches kernel<<<grid, block, smem, op_stream()>>>(args...) with PDL allowed when
-// pdl_enabled(), except in prompt prefill, whose kernels alternate with cuBLAS GEMMs that do not
-// take part; `op` names the op in a launch error. cluster > 1: consecutive groups of `cluster`
-// blocks along x form a thread block cluster (sm_90; grid.x a multiple of it), whose blocks are
-// co-scheduled and read each other's shared memory.
+// Launches kernel<<<grid, block, smem, op_stream()>>>(args...) with the launch attributes
+// attrs[0, n); `op` names the op in a launch error.
 template <class... Params, class... Args>
-void launch_clustered(const char* op, unsigned cluster, void (*kernel)(Params...), dim3 grid,
-                      dim3 block, size_t smem, Args&&... args) {
+void launch_with(const char* op, const cudaLaunchAttribute* attrs, unsigned n,
+                 void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, Args&&... args) {
 #if TANDEM_CUDA_TRACE
   trace_register_dump();
 #endif
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = op_stream();
+  cfg.attrs = const_cast<cudaLaunchAttribute*>(attrs);
+  cfg.numAttrs = n;
+  const cudaError_t err = cudaLaunchKernelEx(&cfg, kernel, static_cast<Params>(args)...);
+  if (err != cudaSuccess) fail("CUDA launch failed in ", op, ": ", cudaGetErrorString(err));
+  check_launch(op);
+}
+
+// Launches kernel<<<grid, block, smem, op_stream()>>>(args...) with PDL allowed when
+// pdl_enabled(), except in prompt prefill, whose kernels alternate with cuBLAS GEMMs that do not
+// take part. cluster > 1: consecutive groups of `cluster` blocks along x form a thread block
+// cluster (sm_90; grid.x a multiple of it), whose blocks are co-scheduled and read each other's
+// shared memory.
+template <class... Params, class... Args>
+void launch_clustered(const char* op, unsigned cluster, void (*kernel)(Params...), dim3 grid,
+                      dim3 block, size_t smem, Args&&... args) {
   cudaLaunchAttribute attr[2];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = pdl_enabled() && !prefill_mode() ? 1 : 0;
@@ -86,16 +103,8 @@ void launch_clustered(const char* op, unsigned cluster, void (*kernel)(Params...
   attr[1].val.clusterDim.x = cluster;
   attr[1].val.clusterDim.y = 1;
   attr[1].val.clusterDim.z = 1;
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = grid;
-  cfg.blockDim = block;
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = op_stream();
-  cfg.attrs = attr;
-  cfg.numAttrs = cluster > 1 ? 2 : 1;
-  const cudaError_t err = cudaLaunchKernelEx(&cfg, kernel, static_cast<Params>(args)...);
-  if (err != cudaSuccess) fail("CUDA launch failed in ", op, ": ", cudaGetErrorString(err));
-  check_launch(op);
+  launch_with(op, attr, cluster > 1 ? 2 : 1, kernel, grid, block, smem,
+              std::forward<Args>(args)...);
 }
 
 template <class... Params, class... Args>
@@ -111,22 +120,10 @@ void launch(const char* op, void (*kernel)(Params...), dim3 grid, dim3 block, si
 template <class... Params, class... Args>
 void launch_cooperative(const char* op, void (*kernel)(Params...), dim3 grid, dim3 block,
                         size_t smem, Args&&... args) {
-#if TANDEM_CUDA_TRACE
-  trace_register_dump();
-#endif
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeCooperative;
   attr[0].val.cooperative = 1;
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = grid;
-  cfg.blockDim = block;
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = op_stream();
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  const cudaError_t err = cudaLaunchKernelEx(&cfg, kernel, static_cast<Params>(args)...);
-  if (err != cudaSuccess) fail("CUDA launch failed in ", op, ": ", cudaGetErrorString(err));
-  check_launch(op);
+  launch_with(op, attr, 1, kernel, grid, block, smem, std::forward<Args>(args)...);
 }
 
 // Lets `kernel` take `bytes` of dynamic shared memory (above the default 48 KiB: the staged
