@@ -148,6 +148,118 @@ TEST(Ops, EmbedRowsSelectedTakesDraftedIdsFromTheirSource) {
   for (int64_t c = 0; c < d; ++c) EXPECT_TRUE(std::isnan(out[static_cast<size_t>(4 * d + c)]));
 }
 
+TEST(Ops, AcceptWindowsWalksEachRowsProposals) {
+  // Rows: [5 | 1 2 3] accepts 2 (3 is not 8), [9] alone, [4 | 6 7] accepts all, [2 | 3] none.
+  // Row 0's second proposal and row 2's first are still in the drafter's source (from).
+  const std::vector<int32_t> ids = {5, 1, 0, 3, 9, 4, 0, 7, 2, 3};
+  const std::vector<int32_t> source = {6, 2};
+  const std::vector<int32_t> from = {-1, -1, 1, -1, -1, -1, 0, -1, -1, -1};
+  const std::vector<int32_t> verified = {1, 2, 8, 0, 11, 6, 7, 12, 4, 5};
+  const std::vector<int32_t> bounds = {0, 4, 5, 8, 10};
+  std::vector<int32_t> accepted(4, -9), next(4, -9);
+  ops::accept_windows(verified.data(), ids.data(), source.data(), from.data(), bounds.data(), 4,
+                      accepted.data(), next.data());
+  EXPECT_EQ(accepted, (std::vector<int32_t>{2, 0, 2, 0}));
+  EXPECT_EQ(next, (std::vector<int32_t>{8, 11, 12, 4}));
+  // Without the drafter's source, the placeholders are the window: row 0 stops at its first.
+  ops::accept_windows(verified.data(), ids.data(), nullptr, nullptr, bounds.data(), 4,
+                      accepted.data(), next.data());
+  EXPECT_EQ(accepted, (std::vector<int32_t>{1, 0, 0, 0}));
+  EXPECT_EQ(next, (std::vector<int32_t>{2, 11, 6, 4}));
+}
+
+TEST(Ops, SettleWindowsAddsKeptTokensPerSlot) {
+  const std::vector<int32_t> accepted = {3, 0, 1};
+  // Forward rows 2 and 0 are committed, in slots 4 and 1; row 1 is not.
+  const std::vector<ops::SettledRow> rows = {{4, 2}, {1, 0}};
+  std::vector<int64_t> shift = {0, 10, 0, 0, 5};
+  std::vector<ops::RecurrentRow> replay(2 * rows.size());
+  for (auto& d : replay) d.n = 77;
+  ops::settle_windows(accepted.data(), rows.data(), 2, shift.data(), replay.data(), 2);
+  EXPECT_EQ(shift, (std::vector<int64_t>{0, 13, 0, 0, 6}));
+  for (int l = 0; l < 2; ++l) {
+    EXPECT_EQ(replay[static_cast<size_t>(2 * l)].n, 1);
+    EXPECT_EQ(replay[static_cast<size_t>(2 * l + 1)].n, 3);
+  }
+  ops::settle_windows(accepted.data(), rows.data(), 2, shift.data(), nullptr, 0);
+  EXPECT_EQ(shift, (std::vector<int64_t>{0, 16, 0, 0, 7}));
+}
+
+TEST(Ops, ShiftPositionsMovesRowsByWhatTheHostDidNotCount) {
+  // Two rows of 3 and 2 tokens in slots 2 and 0; slot 2 holds 5 uncounted tokens, slot 0 none.
+  // Blocks of 4 positions; row 0's table [7, 3, 9, 1], row 1's [5, 6, ...].
+  const std::vector<int64_t> shift = {2, 0, 9};
+  const std::vector<int32_t> row_slot = {2, 0};
+  const std::vector<int64_t> known = {4, 2};
+  const std::vector<int64_t> token_row = {0, 0, 0, 1, 1};
+  const std::vector<int32_t> tables = {7, 3, 9, 1, 5, 6, 0, 0};
+  std::vector<int64_t> pos = {2, 3, 4, 6, 7};
+  std::vector<int64_t> slots(5, -1);
+  std::vector<ops::SampleRow> draws(5);
+  for (size_t t = 0; t < draws.size(); ++t) draws[t].index = 100 + t;
+  ops::PositionShift s;
+  s.shift = shift.data();
+  s.row_slot = row_slot.data();
+  s.known = known.data();
+  s.token_row = token_row.data();
+  s.tokens = 5;
+  s.rows = 2;
+  s.tables = tables.data();
+  s.table_stride = 4;
+  s.block_size = 4;
+  s.sample = draws.data();
+  ops::shift_positions(s, pos.data(), slots.data());
+  EXPECT_EQ(pos, (std::vector<int64_t>{7, 8, 9, 6, 7}));
+  // Row 0 moved: positions 7, 8, 9 sit in blocks 1 and 2 of its table. Row 1 stayed (unchanged).
+  EXPECT_EQ(slots, (std::vector<int64_t>{3 * 4 + 3, 9 * 4 + 0, 9 * 4 + 1, -1, -1}));
+  std::vector<uint64_t> index;
+  for (const auto& d : draws) index.push_back(d.index);
+  EXPECT_EQ(index, (std::vector<uint64_t>{105, 106, 107, 103, 104}));
+  // One draw per row: logits row k follows row k.
+  s.sample_per_token = false;
+  ops::shift_positions(s, pos.data(), nullptr);
+  EXPECT_EQ(pos, (std::vector<int64_t>{12, 13, 14, 6, 7}));
+  EXPECT_EQ(draws[0].index, 110u);
+  EXPECT_EQ(draws[1].index, 106u);
+  EXPECT_EQ(draws[2].index, 107u);
+}
+
+TEST(Ops, ShiftPositionsParksRowsThatDidNotAcceptEverything) {
+  // One token per row at position 10; row 0 accepted all 3 proposals, row 1 only 1.
+  const std::vector<int64_t> shift = {4, 6};
+  const std::vector<int32_t> row_slot = {0, 1};
+  const std::vector<int64_t> known = {1, 6};
+  const std::vector<int64_t> token_row = {0, 1};
+  const std::vector<int32_t> accepted = {3, 1};
+  std::vector<int64_t> pos = {10, 10};
+  ops::PositionShift s;
+  s.shift = shift.data();
+  s.row_slot = row_slot.data();
+  s.known = known.data();
+  s.token_row = token_row.data();
+  s.tokens = 2;
+  s.rows = 2;
+  s.park_unless = accepted.data();
+  s.park_depth = 3;
+  ops::shift_positions(s, pos.data(), nullptr);
+  EXPECT_EQ(pos, (std::vector<int64_t>{13, 14}));  // row 1: no shift, parked 3 + 1 further
+}
+
+TEST(Ops, GatherWindowRowsTakesEachWindowsChosenToken) {
+  // Three windows of 3 tokens, rows of 2 floats: token t holds {t, -t}.
+  std::vector<float> src(18);
+  for (int t = 0; t < 9; ++t) {
+    src[static_cast<size_t>(2 * t)] = static_cast<float>(t);
+    src[static_cast<size_t>(2 * t + 1)] = static_cast<float>(-t);
+  }
+  const std::vector<int32_t> accepted = {2, 0, 1};
+  std::vector<float> out(6);
+  ops::gather_window_rows(src.data(), 2, 3, 0, accepted.data(), 3, out.data());
+  EXPECT_EQ(out, (std::vector<float>{2, -2, 3, -3, 7, -7}));
+  ops::gather_window_rows(src.data(), 2, 3, 1, nullptr, 3, out.data());
+  EXPECT_EQ(out, (std::vector<float>{1, -1, 4, -4, 7, -7}));
+}
+
 TEST(Ops, RmsNormZeroCentredAndPlain) {
   std::mt19937 rng(1);
   const int64_t m = 3, d = 37;

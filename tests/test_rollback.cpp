@@ -9,7 +9,10 @@
 #include <string>
 #include <vector>
 
+#include "settled_rounds.h"
+#include "tandem/backend/buffer.h"
 #include "tandem/core/error.h"
+#include "tandem/core/sampler.h"
 #include "tandem/model/qwen3_5.h"
 #include "tandem/model/qwen3_5_random.h"
 #include "test_util.h"
@@ -314,6 +317,85 @@ TEST_P(Rollback, ClosingARowDiscardsItsWindow) {
   Qwen35State ref = make_state();
   const int b = ref.open_row();
   EXPECT_EQ(feed(s, again, tokens(5, 3)), feed(ref, b, tokens(5, 3)));
+}
+
+// --- Commits settled on the device (Qwen35Model::accept_windows / settle_windows) -------------
+// A round whose accept walk and commit stay where the tokens are: the next rounds' forwards are
+// queued before the host learns what was kept, and must compute exactly what they would after a
+// host commit (logits, drawn tokens, and the state once resolved).
+
+TEST_P(Rollback, SettledCommitsEqualHostCommits) {
+  if (GetParam() != RecurrentRollback::Replay) {
+    // Per-position states cannot pick the kept state on the device: refused by name.
+    Qwen35State s = make_state();
+    const int a = s.open_row();
+    feed(s, a, tokens(4, 1));
+    const auto w = tokens(3, 2);
+    const RowInput in{a, 3, true};
+    ForwardRequest req{w, {&in, 1}, true, false};
+    req.want_argmax = true;
+    ForwardOutput o;
+    model_->forward(s, req, &o);
+    Buffer<int32_t> accepted(1), next(1);
+    model_->accept_windows(accepted.data(), next.data());
+    const ops::SettledRow row{a, 0};
+    expect_error([&] { model_->settle_windows(s, {&row, 1}, accepted.data()); }, "Replay");
+    EXPECT_TRUE(s.window_open(a));
+    return;
+  }
+  std::vector<std::vector<int32_t>> prompts;
+  for (int r = 0; r < 3; ++r) prompts.push_back(tokens(5 + 4 * r, 40 + r));
+  for (bool sampled : {false, true})
+    for (int lag : {1, 2, 3})
+      test::settled_rounds(*model_, GetParam(), {sampled, lag}, prompts, expect_same_state);
+}
+
+TEST_P(Rollback, SettledCommitMisuseIsRefused) {
+  Qwen35State s = make_state();
+  const int a = s.open_row(), c = s.open_row();
+  feed(s, a, tokens(4, 1));
+  feed(s, c, tokens(3, 2));
+  Buffer<int32_t> accepted(2), next(2);
+  // The last forward was not a verify with its tokens on the device.
+  expect_error([&] { model_->accept_windows(accepted.data(), next.data()); },
+               "not a verify forward");
+  expect_error([&] { s.resolve_settled(a, 1); }, "no commit settled on the device");
+  if (GetParam() != RecurrentRollback::Replay) return;
+  const auto w = tokens(5, 3);
+  const RowInput rows[] = {{a, 3, true}, {c, 2, true}};
+  ForwardRequest req{w, rows, true, false};
+  req.want_argmax = true;
+  ForwardOutput o;
+  model_->forward(s, req, &o);
+  model_->accept_windows(accepted.data(), next.data());
+  const ops::SettledRow beyond{a, 2};
+  expect_error(
+      [&] {
+        model_->settle_windows(s, {&beyond, 1}, accepted.data());
+      },
+      "accepted entry 2 of 2");
+  const ops::SettledRow twice[] = {{a, 0}, {a, 0}};
+  expect_error([&] { model_->settle_windows(s, twice, accepted.data()); }, "listed twice");
+  EXPECT_TRUE(s.window_open(a));
+  const ops::SettledRow both[] = {{a, 0}, {c, 1}};
+  model_->settle_windows(s, both, accepted.data());
+  EXPECT_EQ(s.length(a), 5);
+  EXPECT_EQ(s.unresolved_tokens(a), 2);
+  expect_error([&] { model_->settle_windows(s, both, accepted.data()); }, "no speculative window");
+  // Unresolved rows take decode forwards, not prompt forwards.
+  const RowInput one{a, 1, false};
+  ForwardRequest prompt{{w.data(), 1}, {&one, 1}, false, false};
+  prompt.prompt = true;
+  expect_error([&] { model_->forward(s, prompt, &o); }, "settled on the device");
+  for (int64_t bad : {int64_t{0}, int64_t{4}})
+    expect_error([&] { s.resolve_settled(a, bad); }, "must be 1..3");
+  s.resolve_settled(a, 3);
+  EXPECT_EQ(s.length(a), 7);
+  EXPECT_EQ(s.unresolved_commits(a), 0);
+  expect_error([&] { s.resolve_settled(a, 1); }, "no commit settled on the device");
+  // Closing a row drops what it had not resolved.
+  s.close_row(c);
+  EXPECT_EQ(s.unresolved_commits(s.open_row()), 0);
 }
 
 INSTANTIATE_TEST_SUITE_P(Strategies, Rollback,

@@ -17,6 +17,7 @@
 #include "cuda/cuda_test_util.h"
 #include "demo_model.h"
 #include "mtp_rounds.h"
+#include "settled_rounds.h"
 #include "tandem/backend/buffer.h"
 #include "tandem/backend/cuda/cuda_ops.h"
 #include "tandem/backend/ops.h"
@@ -421,6 +422,27 @@ TEST_F(CudaModelTest, CommittedWindowsEqualDecodingTheKeptTokens) {
           << what << ": DeltaNet state";
     }
   }
+}
+
+// Rounds accepted and committed on the device, the next ones queued before the host reads the
+// counts (settled_rounds.h), on the demo model: the same logits, draws and states as host commits.
+TEST_F(CudaModelTest, SettledCommitsEqualHostCommits) {
+  ScopedBackend cuda(ops::Backend::Cuda);
+  Demo& d = cuda_demo();
+  const std::vector<std::vector<int32_t>> prompts = {
+      d.tok->encode(kPrompts[0]), d.tok->encode(kPrompts[1]), d.tok->encode(kPrompts[2])};
+  auto same_state = [](Qwen35State& a, int sa, Qwen35State& b, int sb, const std::string& what) {
+    EXPECT_EQ(a.length(sa), b.length(sb)) << what;
+    std::vector<float> x(static_cast<size_t>(a.linear_state_floats())), y(x.size());
+    ops::copy_to_host(x.data(), a.linear_state(sa), sizeof(float) * x.size());
+    ops::copy_to_host(y.data(), b.linear_state(sb), sizeof(float) * y.size());
+    EXPECT_TRUE(same_bits(x.data(), y.data(), static_cast<int64_t>(x.size())))
+        << what << ": DeltaNet state";
+  };
+  for (bool sampled : {false, true})
+    for (int lag : {1, 2, 3})
+      test::settled_rounds(*d.model, RecurrentRollback::Replay, {sampled, lag}, prompts,
+                           same_state);
 }
 
 // A token's logits next to 1, 7, 31 and 255 other rows: decoded one step at a time with every

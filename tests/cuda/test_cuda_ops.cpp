@@ -743,6 +743,140 @@ TEST_F(CudaOps, EmbedRowsSelectedMatchesCpu) {
   EXPECT_TRUE(bitwise_equal(out.download(), want));
 }
 
+// The verify-window ops (a round settled on the device) against the CPU's, on many rows.
+TEST_F(CudaOps, WindowOpsMatchCpu) {
+  std::mt19937 rng(33);
+  const int64_t R = 300, vocab = 50;
+  std::vector<int32_t> bounds = {0}, ids, from, verified, source;
+  std::vector<int64_t> token_row;
+  for (int64_t r = 0; r < R; ++r) {
+    const int n = std::uniform_int_distribution<int>(1, 6)(rng);
+    for (int j = 0; j < n; ++j) {
+      token_row.push_back(r);
+      verified.push_back(std::uniform_int_distribution<int32_t>(0, 3)(rng));
+      // Proposals mostly right so that walks run long; some still in the drafter's source.
+      int32_t t = j > 0 && rng() % 4 != 0 ? verified[verified.size() - 2]
+                                          : std::uniform_int_distribution<int32_t>(0, 3)(rng);
+      if (j > 0 && rng() % 3 == 0) {
+        from.push_back(static_cast<int32_t>(source.size()));
+        source.push_back(t);
+        t = static_cast<int32_t>(vocab - 1);  // a placeholder
+      } else {
+        from.push_back(-1);
+      }
+      ids.push_back(t);
+    }
+    bounds.push_back(static_cast<int32_t>(ids.size()));
+  }
+  const int64_t T = static_cast<int64_t>(ids.size());
+  std::vector<int32_t> acc_want(sz(R)), next_want(sz(R));
+  cpu::accept_windows(verified.data(), ids.data(), source.data(), from.data(), bounds.data(), R,
+                      acc_want.data(), next_want.data());
+  DeviceBuffer<int32_t> dver(verified), dids(ids), dsource(source), dfrom(from), dbounds(bounds);
+  DeviceBuffer<int32_t> dacc(sz(R)), dnext(sz(R));
+  cuda::accept_windows(dver.get(), dids.get(), dsource.get(), dfrom.get(), dbounds.get(), R,
+                       dacc.get(), dnext.get());
+  EXPECT_EQ(dacc.download(), acc_want);
+  EXPECT_EQ(dnext.download(), next_want);
+  int64_t walked = 0;
+  for (int32_t a : acc_want) walked += a;
+  EXPECT_GT(walked, R / 2);  // the walks are not all empty
+
+  // Settle every other row into slots in reverse order, with 3 layers of descriptors.
+  std::vector<ops::SettledRow> rows;
+  for (int64_t r = 0; r < R; r += 2)
+    rows.push_back({static_cast<int32_t>(R - 1 - r), static_cast<int32_t>(r)});
+  const int64_t n = static_cast<int64_t>(rows.size()), layers = 3;
+  std::vector<int64_t> shift(sz(R));
+  for (auto& v : shift) v = std::uniform_int_distribution<int64_t>(0, 9)(rng);
+  std::vector<ops::RecurrentRow> replay(sz(n * layers));
+  std::vector<int64_t> shift_want = shift;
+  std::vector<ops::RecurrentRow> replay_want = replay;
+  cpu::settle_windows(acc_want.data(), rows.data(), n, shift_want.data(), replay_want.data(),
+                      layers);
+  DeviceBuffer<ops::SettledRow> drows(rows);
+  DeviceBuffer<int64_t> dshift(shift);
+  DeviceBuffer<ops::RecurrentRow> dreplay(replay);
+  cuda::settle_windows(dacc.get(), drows.get(), n, dshift.get(), dreplay.get(), layers);
+  EXPECT_EQ(dshift.download(), shift_want);
+  const auto got = dreplay.download();
+  for (size_t i = 0; i < got.size(); ++i) EXPECT_EQ(got[i].n, replay_want[i].n) << i;
+
+  // The next forward's positions: every row at some length, tables of 16-position blocks.
+  const int64_t stride = 8, block = 16;
+  std::vector<int32_t> slot_of(sz(R)), tables(sz(R * stride));
+  std::vector<int64_t> known(sz(R)), pos(sz(T)), kv(sz(T), -1);
+  for (auto& b : tables) b = std::uniform_int_distribution<int32_t>(0, 999)(rng);
+  for (int64_t r = 0; r < R; ++r) {
+    slot_of[sz(r)] = static_cast<int32_t>((r * 7) % R);
+    known[sz(r)] =
+        shift_want[sz(slot_of[sz(r)])] - std::uniform_int_distribution<int64_t>(0, 4)(rng);
+  }
+  for (int64_t t = 0; t < T; ++t) pos[sz(t)] = 20 + t - bounds[sz(token_row[sz(t)])];
+  std::vector<ops::SampleRow> draws(sz(T));
+  for (int64_t t = 0; t < T; ++t) draws[sz(t)].index = static_cast<uint64_t>(t);
+  std::vector<int64_t> pos_want = pos, kv_want = kv;
+  std::vector<ops::SampleRow> draws_want = draws;
+  ops::PositionShift s;
+  s.shift = shift_want.data();
+  s.row_slot = slot_of.data();
+  s.known = known.data();
+  s.token_row = token_row.data();
+  s.tokens = T;
+  s.rows = R;
+  s.tables = tables.data();
+  s.table_stride = stride;
+  s.block_size = block;
+  s.sample = draws_want.data();
+  cpu::shift_positions(s, pos_want.data(), kv_want.data());
+  DeviceBuffer<int64_t> dshift2(shift_want), dknown(known), dtoken_row(token_row), dpos(pos),
+      dkv(kv);
+  DeviceBuffer<int32_t> dslot_of(slot_of), dtables(tables);
+  DeviceBuffer<ops::SampleRow> ddraws(draws);
+  ops::PositionShift ds = s;
+  ds.shift = dshift2.get();
+  ds.row_slot = dslot_of.get();
+  ds.known = dknown.get();
+  ds.token_row = dtoken_row.get();
+  ds.tables = dtables.get();
+  ds.sample = ddraws.get();
+  cuda::shift_positions(ds, dpos.get(), dkv.get());
+  EXPECT_EQ(dpos.download(), pos_want);
+  EXPECT_EQ(dkv.download(), kv_want);
+  const auto got_draws = ddraws.download();
+  for (size_t t = 0; t < got_draws.size(); ++t)
+    EXPECT_EQ(got_draws[t].index, draws_want[t].index) << t;
+  EXPECT_NE(pos_want, pos);  // some rows moved
+
+  // Parked rows (an MTP commit's completion rows), and the gather of each window's last
+  // accepted token's hidden row.
+  std::vector<int32_t> accepted_rows(sz(R));
+  for (auto& a : accepted_rows) a = std::uniform_int_distribution<int32_t>(0, 3)(rng);
+  std::vector<int64_t> pos_park = pos, kv_park = kv;
+  ops::PositionShift p = s;
+  p.sample = nullptr;
+  p.park_unless = accepted_rows.data();
+  p.park_depth = 3;
+  cpu::shift_positions(p, pos_park.data(), kv_park.data());
+  DeviceBuffer<int32_t> daccepted(accepted_rows);
+  DeviceBuffer<int64_t> dpos2(pos), dkv2(kv);
+  ops::PositionShift dp = ds;
+  dp.sample = nullptr;
+  dp.park_unless = daccepted.get();
+  dp.park_depth = 3;
+  cuda::shift_positions(dp, dpos2.get(), dkv2.get());
+  EXPECT_EQ(dpos2.download(), pos_park);
+  EXPECT_EQ(dkv2.download(), kv_park);
+  const int64_t width = 37, windows = 50, window = 4;
+  const std::vector<float> rows_src = randn(sz(windows * window * width), rng);
+  std::vector<float> gathered(sz(windows * width));
+  cpu::gather_window_rows(rows_src.data(), width, window, 0, accepted_rows.data(), windows,
+                          gathered.data());
+  DeviceBuffer<float> dsrc(rows_src), dgathered(sz(windows * width));
+  cuda::gather_window_rows(dsrc.get(), width, window, 0, daccepted.get(), windows, dgathered.get());
+  EXPECT_TRUE(bitwise_equal(dgathered.download(), gathered));
+}
+
 // ---------------------------------------------------------------------------------------------
 // rms_norm, gated_rms_norm
 // ---------------------------------------------------------------------------------------------

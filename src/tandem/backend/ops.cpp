@@ -275,6 +275,36 @@ void sample_rows(const float* logits, int64_t rows, int64_t V, const SampleRow* 
   cpu::sample_rows(logits, rows, V, params, out);
 }
 
+void accept_windows(const int32_t* verified, const int32_t* ids, const int32_t* source,
+                    const int32_t* from, const int32_t* bounds, int64_t n_rows, int32_t* accepted,
+                    int32_t* next) {
+  if (n_rows < 0) fail("accept_windows: negative row count ", n_rows);
+  TANDEM_DISPATCH(accept_windows(verified, ids, source, from, bounds, n_rows, accepted, next));
+}
+
+void settle_windows(const int32_t* accepted, const SettledRow* rows, int64_t n_rows, int64_t* shift,
+                    RecurrentRow* replay, int64_t layers) {
+  if (n_rows < 0 || layers < 0)
+    fail("settle_windows: negative row or layer count (", n_rows, ", ", layers, ")");
+  TANDEM_DISPATCH(settle_windows(accepted, rows, n_rows, shift, replay, layers));
+}
+
+void shift_positions(const PositionShift& s, int64_t* positions, int64_t* kv_slots) {
+  if (s.tokens < 0 || s.rows < 0)
+    fail("shift_positions: negative token or row count (", s.tokens, ", ", s.rows, ")");
+  if (kv_slots && (s.tables == nullptr || s.block_size <= 0 || s.table_stride <= 0))
+    fail("shift_positions: KV slots need block tables, a stride and a block size");
+  TANDEM_DISPATCH(shift_positions(s, positions, kv_slots));
+}
+
+void gather_window_rows(const float* src, int64_t width, int64_t row_stride, int64_t at,
+                        const int32_t* offsets, int64_t n, float* dst) {
+  if (n < 0 || width < 0 || at < 0 || row_stride < 0)
+    fail("gather_window_rows: negative size (", n, " rows of ", width, " at ", at, ", stride ",
+         row_stride, ")");
+  TANDEM_DISPATCH(gather_window_rows(src, width, row_stride, at, offsets, n, dst));
+}
+
 double memory_bandwidth() {
 #ifdef TANDEM_HAVE_CUDA
   if (g_backend == Backend::Cuda) return cuda::copy_bandwidth();

@@ -139,6 +139,62 @@ SamplingParams sampling_of(const SampleRow& r);  // the parameters back (without
 // Throws Error for V outside 1..kMaxSampleVocab.
 void sample_rows(const float* logits, int64_t rows, int64_t V, const SampleRow* params,
                  int32_t* out);
+
+// --- Verify windows settled where the tokens are (a round without a host round trip) ---------
+// The accept walk of match verification over every row of a verify forward. Row r's window is
+// tokens bounds[r] .. bounds[r+1]-1 of the forward: token t is source[from[t]] where from is
+// given and from[t] >= 0, else ids[t] (ForwardRequest::draft_from); verified[t] is the target's
+// token after window position t (its argmax or draw). accepted[r] = the longest j such that
+// window token i+1 equals verified[first + i] for every i < j; next[r] = verified[first +
+// accepted[r]], the correction or bonus token. A one-token row accepts 0. All arrays are backend
+// memory; bounds has n_rows + 1 entries.
+void accept_windows(const int32_t* verified, const int32_t* ids, const int32_t* source,
+                    const int32_t* from, const int32_t* bounds, int64_t n_rows, int32_t* accepted,
+                    int32_t* next);
+struct RecurrentRow;  // below, with the recurrences
+// One row of a commit settled on the device: its state slot and its row in the forward (the
+// index of its accept_windows result).
+struct SettledRow {
+  int32_t slot = 0;
+  int32_t row = 0;
+};
+// The commit of windows whose kept counts are on the device: row i keeps 1 + a tokens of its
+// window, a = accepted[rows[i].row]. shift[rows[i].slot] += a (per slot, the tokens its settled
+// commits kept past their windows' first), and where replay is given, replay[l·n_rows + i].n = a
+// for every l < layers (the Replay rollback's descriptors: the kept tokens after the first).
+// All arrays are backend memory.
+void settle_windows(const int32_t* accepted, const SettledRow* rows, int64_t n_rows, int64_t* shift,
+                    RecurrentRow* replay, int64_t layers);
+// A forward queued before the host learned what settled commits kept: the host laid its
+// positions out without those tokens, so each token of row r moves d_r = shift[row_slot[r]] −
+// known[r] places on (known: the part of the slot's shift the host counted). All arrays are
+// backend memory.
+struct PositionShift {
+  const int64_t* shift = nullptr;      // [slots] settle_windows' per-slot totals
+  const int32_t* row_slot = nullptr;   // [rows] each row's slot
+  const int64_t* known = nullptr;      // [rows]
+  const int64_t* token_row = nullptr;  // [tokens] each token's row; tokens of rows < 0 stay
+  int64_t tokens = 0, rows = 0;
+  // Given: kv_slots[t] becomes the physical slot of the new position in row r's block table
+  // (tables + r · table_stride, blocks of block_size positions), as the forward lays it out.
+  const int32_t* tables = nullptr;
+  int64_t table_stride = 0, block_size = 0;
+  // Given: each logits row's draw index moves on with its row (sample_row's output index):
+  // logits row k belongs to token k's row when sample_per_token, else to row k.
+  SampleRow* sample = nullptr;
+  bool sample_per_token = true;
+  // Given: a row whose accepted[r] < park_depth moves park_depth + 1 places further, past every
+  // position its next draft chain writes (an MTP commit's completion row where not every
+  // proposal was accepted: computed where nothing reads it, then overwritten).
+  const int32_t* park_unless = nullptr;
+  int64_t park_depth = 0;
+};
+void shift_positions(const PositionShift& s, int64_t* positions, int64_t* kv_slots);
+// dst[i] = src[i · row_stride + at + (offsets ? offsets[i] : 0)], rows of `width` floats: a
+// token of each of n equal verify windows (at + accepted[i]: the last accepted one). All arrays
+// are backend memory.
+void gather_window_rows(const float* src, int64_t width, int64_t row_stride, int64_t at,
+                        const int32_t* offsets, int64_t n, float* dst);
 // The memory roofline's denominator on the active backend, bytes/s: the CPU's measured read
 // bandwidth (all threads), or the GPU's device-to-device copy bandwidth (bytes read + written).
 double memory_bandwidth();

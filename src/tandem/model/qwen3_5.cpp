@@ -334,8 +334,21 @@ int64_t Qwen35Model::prepare_forward(Qwen35State& st, const ForwardRequest& req)
   const bool recording = st.rollback() == RecurrentRollback::Replay && st.linear_layers() > 0 &&
                          std::any_of(req.rows.begin(), req.rows.end(),
                                      [](const RowInput& r) { return r.speculative; });
+  // Rows with commits settled on the device sit up to unresolved_tokens() past their lengths:
+  // their KV reserves that much more, and the body moves their positions on first.
+  bool shifted = false;
+  for (const RowInput& r : req.rows)
+    if (st.unresolved_commits(r.slot) > 0) {
+      if (req.prompt)
+        fail("forward: row slot ", r.slot, " has ", st.unresolved_commits(r.slot),
+             " commit(s) settled on the device and not resolved; a prompt forward needs its "
+             "length");
+      shifted = true;
+    }
+  ws_->verified = {};
   if (recording) st.begin_recording(T);
-  for (const RowInput& r : req.rows) st.reserve(r.slot, st.length(r.slot) + r.n_tokens);
+  for (const RowInput& r : req.rows)
+    st.reserve(r.slot, st.length(r.slot) + st.unresolved_tokens(r.slot) + r.n_tokens);
   {
     int64_t first = 0;
     for (const RowInput& r : req.rows) {
@@ -346,6 +359,7 @@ int64_t Qwen35Model::prepare_forward(Qwen35State& st, const ForwardRequest& req)
 
   Workspace& w = *ws_;
   w.recording = recording;
+  w.shifted = shifted;
   const int64_t R = static_cast<int64_t>(req.rows.size());
   reserve_workspace(T, req.all_logits ? T : R, req.all_logits);
   grow_to(w.taps, T * static_cast<int64_t>(req.tap_layers.size()) * c.hidden_size);
@@ -424,11 +438,18 @@ int64_t Qwen35Model::prepare_forward(Qwen35State& st, const ForwardRequest& req)
     const size_t desc_bytes = sizeof(ops::RecurrentRow) * desc.size();
     const size_t sample_bytes = sizeof(ops::SampleRow) * req.sample_rows.size();
     const size_t from_bytes = sizeof(int32_t) * req.draft_from.size();
+    const size_t slots_bytes = sizeof(int32_t) * static_cast<size_t>(R);
+    const size_t known_bytes = sizeof(int64_t) * static_cast<size_t>(R);
+    const size_t bounds_bytes = sizeof(int32_t) * static_cast<size_t>(R + 1);
     const size_t o_pos = upload_part_bytes(ids_bytes);
     const size_t o_tables = o_pos + upload_part_bytes(pos_bytes);
     const size_t o_desc = o_tables + upload_part_bytes(tables_bytes);
     const size_t o_sample = o_desc + upload_part_bytes(desc_bytes);
-    const size_t o_from = o_sample + upload_part_bytes(sample_bytes), total = o_from + from_bytes;
+    const size_t o_from = o_sample + upload_part_bytes(sample_bytes);
+    const size_t o_slots = o_from + upload_part_bytes(from_bytes);
+    const size_t o_known = o_slots + upload_part_bytes(slots_bytes);
+    const size_t o_bounds = o_known + upload_part_bytes(known_bytes);
+    const size_t total = o_bounds + bounds_bytes;
     w.meta.grow_to(static_cast<int64_t>(total));
     uint8_t* base = w.meta.data();
     w.ids = reinterpret_cast<int32_t*>(base);
@@ -438,6 +459,9 @@ int64_t Qwen35Model::prepare_forward(Qwen35State& st, const ForwardRequest& req)
     w.sample_rows =
         req.sample_rows.empty() ? nullptr : reinterpret_cast<ops::SampleRow*>(base + o_sample);
     w.draft_from = req.draft_from.empty() ? nullptr : reinterpret_cast<int32_t*>(base + o_from);
+    w.row_slots = reinterpret_cast<int32_t*>(base + o_slots);
+    w.row_known = reinterpret_cast<int64_t*>(base + o_known);
+    w.row_bounds = reinterpret_cast<int32_t*>(base + o_bounds);
     uint8_t* h = w.meta_upload.host(total);
     if (!req.tokens_from_argmax) std::memcpy(h, req.tokens.data(), ids_bytes);
     std::memcpy(h + o_pos, w.pos_host.data(), pos_bytes);
@@ -445,6 +469,16 @@ int64_t Qwen35Model::prepare_forward(Qwen35State& st, const ForwardRequest& req)
     std::memcpy(h + o_desc, desc.data(), desc_bytes);
     if (sample_bytes > 0) std::memcpy(h + o_sample, req.sample_rows.data(), sample_bytes);
     if (from_bytes > 0) std::memcpy(h + o_from, req.draft_from.data(), from_bytes);
+    auto* slots = reinterpret_cast<int32_t*>(h + o_slots);
+    auto* known = reinterpret_cast<int64_t*>(h + o_known);
+    auto* row_bounds = reinterpret_cast<int32_t*>(h + o_bounds);
+    row_bounds[0] = 0;
+    for (int64_t i = 0; i < R; ++i) {
+      const RowInput& r = req.rows[static_cast<size_t>(i)];
+      slots[i] = r.slot;
+      known[i] = st.known_shift(r.slot);
+      row_bounds[i + 1] = row_bounds[i] + static_cast<int32_t>(r.n_tokens);
+    }
     w.meta_upload.start(base, total);
   }
   w.segments.clear();
@@ -503,9 +537,12 @@ void Qwen35Model::forward(Qwen35State& st, const ForwardRequest& req, ForwardOut
     key.add(w.ids).add(w.pos).add(w.argmax.data()).add(w.recurrent_rows).add(w.sample_rows);
     key.add(w.draft_from).add(w.draft_from ? req.draft_ids : nullptr);
     key.add(w.max_row_tokens);
+    key.add(w.shifted).add(w.shifted ? st.settled_shift() : nullptr).add(w.row_slots);
     graphs_.run(key, [&] { forward_body(st, req, T); });
   }
   finish_forward(st, req, T, out, true);
+  if (!req.prompt && !req.tokens_from_argmax && req.all_logits && req.want_argmax)
+    w.verified = {true, R, w.draft_from ? req.draft_ids : nullptr};
 }
 
 void Qwen35Model::finish_forward(Qwen35State& st, const ForwardRequest& req, int64_t T,
@@ -605,6 +642,22 @@ void Qwen35Model::reserve_workspace(int64_t T, int64_t R, bool all_logits) const
 }
 
 void Qwen35Model::forward_body(Qwen35State& st, const ForwardRequest& req, int64_t T) const {
+  Workspace& w = *ws_;
+  if (w.shifted) {
+    ops::PositionShift s;
+    s.shift = st.settled_shift();
+    s.row_slot = w.row_slots;
+    s.known = w.row_known;
+    s.token_row = w.pos + 2 * T;
+    s.tokens = T;
+    s.rows = static_cast<int64_t>(req.rows.size());
+    s.tables = w.tables;
+    s.table_stride = w.table_stride;
+    s.block_size = Qwen35State::kBlockSize;
+    s.sample = w.sample_rows;
+    s.sample_per_token = req.all_logits;
+    ops::shift_positions(s, w.pos, st.attention_layers() > 0 ? w.pos + T : nullptr);
+  }
   body_embed(req, T);
   body_layers(st, req, T, 0, layers_.size());
   body_head(req, T);
@@ -870,22 +923,62 @@ ops::DeltaHeads Qwen35Model::delta_heads() const {
   return h;
 }
 
-void Qwen35Model::commit_windows(Qwen35State& st, std::span<const RowKeep> rows) const {
-  const ops::ContextScope scope(*context_);
-  // Validate every row before touching any state: a commit is all-or-nothing.
+namespace {
+// A commit's checks, before any state changes (all-or-nothing): every row open, with a window,
+// 1 <= kept <= its size, listed once. `who` names the call in the error.
+void check_commit_rows(const Qwen35State& st, std::span<const RowKeep> rows, const char* who) {
   for (size_t i = 0; i < rows.size(); ++i) {
     const RowKeep& r = rows[i];
-    if (!st.row_open(r.slot)) fail("commit_windows: row slot ", r.slot, " is not open");
+    if (!st.row_open(r.slot)) fail(who, ": row slot ", r.slot, " is not open");
     if (!st.window_open(r.slot))
-      fail("commit_windows: row slot ", r.slot,
+      fail(who, ": row slot ", r.slot,
            " has no speculative window to commit (forward it with RowInput::speculative first)");
     const int64_t n = st.window_size(r.slot);
     if (r.kept < 1 || r.kept > n)
-      fail("commit_windows: row slot ", r.slot, " keeps ", r.kept, " tokens of a ", n,
+      fail(who, ": row slot ", r.slot, " keeps ", r.kept, " tokens of a ", n,
            "-token window (must be 1..", n, ")");
     for (size_t j = 0; j < i; ++j)
-      if (rows[j].slot == r.slot) fail("commit_windows: row slot ", r.slot, " is listed twice");
+      if (rows[j].slot == r.slot) fail(who, ": row slot ", r.slot, " is listed twice");
   }
+}
+}  // namespace
+
+void Qwen35Model::accept_windows(int32_t* accepted, int32_t* next) const {
+  const ops::ContextScope scope(*context_);
+  const Workspace& w = *ws_;
+  if (!w.verified.ready)
+    fail(
+        "accept_windows: the last forward of this model was not a verify forward with "
+        "all_logits and want_argmax (or another forward ran since)");
+  ops::accept_windows(w.argmax.data(), w.ids, w.verified.draft_ids, w.draft_from, w.row_bounds,
+                      w.verified.rows, accepted, next);
+}
+
+void Qwen35Model::settle_windows(Qwen35State& st, std::span<const ops::SettledRow> rows,
+                                 const int32_t* accepted) const {
+  const ops::ContextScope scope(*context_);
+  // The host's bound for each row: its whole window.
+  std::vector<RowKeep> bound;
+  for (const ops::SettledRow& r : rows) {
+    if (r.row < 0 || r.row >= ws_->verified.rows)
+      fail("settle_windows: row slot ", r.slot, " reads accepted entry ", r.row, " of ",
+           ws_->verified.rows, " (the last verify forward's rows)");
+    bound.push_back(
+        {r.slot, st.row_open(r.slot) && st.window_open(r.slot) ? st.window_size(r.slot) : 1});
+  }
+  check_commit_rows(st, bound, "settle_windows");
+  if (rows.empty()) return;
+  if (st.linear_layers() > 0 && st.rollback() != RecurrentRollback::Replay)
+    fail(
+        "settle_windows: commits settled on the device need the Replay rollback; this state "
+        "keeps per-position states");
+  replay_windows(st, bound, rows, accepted);
+  for (const ops::SettledRow& r : rows) st.settle_window(r.slot);
+}
+
+void Qwen35Model::commit_windows(Qwen35State& st, std::span<const RowKeep> rows) const {
+  const ops::ContextScope scope(*context_);
+  check_commit_rows(st, rows, "commit_windows");
 
   if (st.rollback() == RecurrentRollback::Replay) {
     replay_windows(st, rows);
@@ -908,10 +1001,12 @@ void Qwen35Model::commit_windows(Qwen35State& st, std::span<const RowKeep> rows)
   for (const RowKeep& r : rows) st.end_window(r.slot, r.kept);
 }
 
-void Qwen35Model::replay_windows(Qwen35State& st, std::span<const RowKeep> rows) const {
+void Qwen35Model::replay_windows(Qwen35State& st, std::span<const RowKeep> rows,
+                                 std::span<const ops::SettledRow> settled,
+                                 const int32_t* accepted) const {
   const Qwen35Config& c = cfg_;
   const int64_t nl = st.linear_layers(), R = static_cast<int64_t>(rows.size());
-  if (nl == 0 || R == 0) return;
+  if (R == 0 || (nl == 0 && accepted == nullptr)) return;
   Workspace& w = *ws_;
   std::vector<ops::RecurrentRow>& desc = w.replay_host;
   desc.assign(static_cast<size_t>(nl * R), ops::RecurrentRow{});
@@ -928,12 +1023,21 @@ void Qwen35Model::replay_windows(Qwen35State& st, std::span<const RowKeep> rows)
       d.state = st.recurrent_state(r.slot, l);
       max_n = std::max(max_n, d.n);
     }
-  if (max_n == 0) return;  // every row kept its first token only: nothing to replay
+  // Every row kept its first token only: nothing to replay (known on the host only).
+  if (max_n == 0 && accepted == nullptr) return;
+  // Settled: the descriptors, then the rows ops::settle_windows reads, in one upload.
   const size_t bytes = sizeof(ops::RecurrentRow) * desc.size();
-  w.replay_meta.grow_to(static_cast<int64_t>(bytes));
-  std::memcpy(w.replay_upload.host(bytes), desc.data(), bytes);
-  w.replay_upload.start(w.replay_meta.data(), bytes);
-  const auto* dev = reinterpret_cast<const ops::RecurrentRow*>(w.replay_meta.data());
+  const size_t o_settled = upload_part_bytes(bytes);
+  const size_t settled_bytes = sizeof(ops::SettledRow) * settled.size();
+  const size_t total = accepted ? o_settled + settled_bytes : bytes;
+  w.replay_meta.grow_to(static_cast<int64_t>(total));
+  uint8_t* h = w.replay_upload.host(total);
+  std::memcpy(h, desc.data(), bytes);
+  if (accepted) std::memcpy(h + o_settled, settled.data(), settled_bytes);
+  w.replay_upload.start(w.replay_meta.data(), total);
+  auto* dev = reinterpret_cast<ops::RecurrentRow*>(w.replay_meta.data());
+  const auto* settled_dev =
+      reinterpret_cast<const ops::SettledRow*>(w.replay_meta.data() + o_settled);
 
   // Scratch over the recorded forward's token places: the replayed tokens land where that
   // forward's would.
@@ -943,6 +1047,9 @@ void Qwen35Model::replay_windows(Qwen35State& st, std::span<const RowKeep> rows)
   grow_to(w.a5, T * c.linear_value_dim());
   float *conv = w.a1.data(), *core = w.a5.data();
   auto body = [&] {
+    if (accepted)
+      ops::settle_windows(accepted, settled_dev, R, st.settled_shift(), nl > 0 ? dev : nullptr, nl);
+    if (max_n == 0) return;
     for (const Layer& L : layers_) {
       if (L.kind != LayerKind::LinearAttention) continue;
       const int li = L.index_in_kind;
@@ -958,7 +1065,8 @@ void Qwen35Model::replay_windows(Qwen35State& st, std::span<const RowKeep> rows)
   // word tells it from the forwards' keys).
   GraphKey key;
   key.add(uint64_t{0x7265706c6179}).add(&st).add(R).add(max_n).add(T);
-  key.add(st.recorded_conv_input(0)).add(w.replay_meta.data()).add(conv).add(core);
+  key.add(nl > 0 ? st.recorded_conv_input(0) : nullptr).add(w.replay_meta.data()).add(conv);
+  key.add(core).add(accepted).add(accepted ? st.settled_shift() : nullptr);
   graphs_.run(key, body);
 }
 

@@ -121,6 +121,20 @@ class Qwen35Model {
   // for all the listed rows.
   void commit_windows(Qwen35State& state, std::span<const RowKeep> rows) const;
 
+  // A round without a host read between its verify and the next round's forwards (issue 19):
+  // accept_windows walks the last forward's windows where its tokens are (ops::accept_windows:
+  // accepted[r] proposals and the next pending token next[r] of each of its rows, backend memory,
+  // one entry per row). That forward must have had all_logits and want_argmax (its tokens, greedy
+  // or drawn, are the verified ones) and no other forward may have run since; Error otherwise.
+  void accept_windows(int32_t* accepted, int32_t* next) const;
+  // commit_windows with the kept counts in backend memory: rows[i] keeps 1 + accepted[rows[i].row]
+  // tokens of its window, `row` indexing accepted_windows' rows. Queued, the host's lengths lag
+  // behind until Qwen35State::resolve_settled (its "Commits settled on the device"); later
+  // forwards of the rows may be queued before that. Checks as commit_windows (all-or-nothing);
+  // a state with DeltaNet layers must use the Replay rollback.
+  void settle_windows(Qwen35State& state, std::span<const ops::SettledRow> rows,
+                      const int32_t* accepted) const;
+
   // out[n, H] = embedding rows of ids (host ids, must be in range; out in backend memory).
   // Drafters embed through the target.
   void embed(std::span<const int32_t> ids, float* out) const;
@@ -197,6 +211,18 @@ class Qwen35Model {
     ops::RecurrentRow* recurrent_rows = nullptr;  // [linear layers][rows] state descriptors
     ops::SampleRow* sample_rows = nullptr;        // [logits rows] ForwardRequest::sample_rows
     int32_t* draft_from = nullptr;                // [T] ForwardRequest::draft_from
+    // Per row: its slot, the part of its settled shift the positions count, its tokens' bounds
+    // ([rows + 1]: row r is tokens bounds[r] .. bounds[r+1]-1).
+    int32_t* row_slots = nullptr;
+    int64_t* row_known = nullptr;
+    int32_t* row_bounds = nullptr;
+    bool shifted = false;  // a row has unresolved settled commits: ops::shift_positions first
+    // What accept_windows reads of the last forward (set by forward(); cleared by the next).
+    struct Verified {
+      bool ready = false;
+      int64_t rows = 0;
+      const int32_t* draft_ids = nullptr;
+    } verified;
     StagedUpload meta_upload;
     int64_t max_row_tokens = 0;
     std::vector<int64_t> pos_host;
@@ -280,7 +306,11 @@ class Qwen35Model {
   // Replay rollback's commit: the listed rows' kept tokens through the batched conv and delta
   // rule calls the forward ran, from the recorded inputs, so the states reach the bits a forward
   // of the kept tokens alone would leave.
-  void replay_windows(Qwen35State& st, std::span<const RowKeep> rows) const;
+  // With `accepted` (settle_windows): each row's kept is its window's size, an upper bound, and
+  // ops::settle_windows writes the descriptors' counts from accepted before the replay.
+  void replay_windows(Qwen35State& st, std::span<const RowKeep> rows,
+                      std::span<const ops::SettledRow> settled = {},
+                      const int32_t* accepted = nullptr) const;
 };
 
 }  // namespace tandem

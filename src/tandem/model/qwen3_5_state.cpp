@@ -44,6 +44,7 @@ void Qwen35State::set_capacity(const Capacity& cap) {
     recording_capacity_ = cap.rows * cap.window_tokens;
     recording_.grow_to(n_linear_ * recording_capacity_ * recorded_token_floats());
   }
+  settled_shift_.grow_to(cap.rows);
   max_window_ = cap.window_tokens;
   fixed_ = true;
 }
@@ -92,8 +93,12 @@ int Qwen35State::open_row() {
   r.length = 0;
   r.blocks.clear();
   r.window_start = r.window_n = 0;
+  r.settling.clear();
+  r.known_shift = 0;
   linear_state_[slot].grow_to(n_linear_ * (conv_floats_ + rec_floats_));
   linear_state_[slot].zero();
+  settled_shift_.grow_to(static_cast<int64_t>(rows_.size()));
+  ops::fill_zero(settled_shift_.data() + slot, sizeof(int64_t));
   return slot;
 }
 
@@ -105,6 +110,8 @@ void Qwen35State::close_row(int slot) {
   r.open = false;
   r.length = 0;
   r.window_start = r.window_n = 0;  // an uncommitted window dies with its row
+  r.settling.clear();
+  r.known_shift = 0;
 }
 
 bool Qwen35State::row_open(int slot) const {
@@ -274,6 +281,34 @@ void Qwen35State::end_window(int slot, int64_t kept) {
   TANDEM_CHECK(r.window_n > 0 && kept >= 1 && kept <= r.window_n, "end_window: bad window/kept");
   r.length = r.window_start + kept;
   r.window_start = r.window_n = 0;
+}
+
+void Qwen35State::settle_window(int slot) {
+  Row& r = rows_.at(slot);
+  TANDEM_CHECK(r.window_n > 0, "settle_window: row slot ", slot, " has no open window");
+  r.settling.push_back(r.window_n);
+  r.length = r.window_start + 1;
+  r.window_start = r.window_n = 0;
+}
+
+void Qwen35State::resolve_settled(int slot, int64_t kept) {
+  if (!row_open(slot)) fail("resolve_settled: row slot ", slot, " is not open");
+  Row& r = rows_[slot];
+  if (r.settling.empty())
+    fail("resolve_settled: row slot ", slot, " has no commit settled on the device to resolve");
+  const int64_t n = r.settling.front();
+  if (kept < 1 || kept > n)
+    fail("resolve_settled: row slot ", slot, " keeps ", kept, " tokens of a ", n,
+         "-token window (must be 1..", n, ")");
+  r.settling.pop_front();
+  r.length += kept - 1;
+  r.known_shift += kept - 1;
+}
+
+int64_t Qwen35State::unresolved_tokens(int slot) const {
+  int64_t n = 0;
+  for (int64_t w : rows_.at(slot).settling) n += w - 1;
+  return n;
 }
 
 float* Qwen35State::window_layer(int slot, int linear_layer) {

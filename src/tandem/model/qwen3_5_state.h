@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <deque>
 #include <span>
 #include <string>
 #include <vector>
@@ -165,6 +166,28 @@ class Qwen35State {
   int64_t recorded_tokens() const { return recorded_tokens_; }
   int64_t window_first(int slot) const { return rows_.at(slot).window_first; }
 
+  // --- Commits settled on the device (Qwen35Model::settle_windows) ---
+  // A commit may be queued with its kept counts in backend memory, before the host reads them:
+  // the next round's forwards are queued behind it. Until resolve_settled tells the host what such
+  // a commit kept, length() counts the first token of its window only; the rest is in
+  // settled_shift()[slot] (backend memory): Σ over the row's settled commits of the tokens kept
+  // past their first, of which the host has counted known_shift(slot). A forward moves the row's
+  // positions on by the difference where the tokens are (ops::shift_positions). Commits resolve
+  // oldest first; a row holds at most unresolved_tokens() tokens past length().
+  //
+  // Closes the open window as a settled commit (kept: 1..n, on the device).
+  void settle_window(int slot);
+  // The row's oldest unresolved settled commit kept `kept` tokens. Throws Error, changing
+  // nothing, if the row has none or kept is outside 1..its window.
+  void resolve_settled(int slot, int64_t kept);
+  int unresolved_commits(int slot) const {
+    return static_cast<int>(rows_.at(slot).settling.size());
+  }
+  int64_t unresolved_tokens(int slot) const;
+  int64_t known_shift(int slot) const { return rows_.at(slot).known_shift; }
+  // [row_capacity()] per slot; zeroed (on the stream) when a row opens in the slot.
+  int64_t* settled_shift() { return settled_shift_.data(); }
+
   // Bytes held for KV + recurrent state (for reports).
   size_t bytes() const;
 
@@ -176,7 +199,10 @@ class Qwen35State {
     int64_t window_start = 0, window_n = 0;  // window_n == 0: no open window
     int64_t window_first = 0;                // Replay: the window's first token in the recording
     Buffer<float> window;                    // PerPositionStates: the states after each token
+    std::deque<int64_t> settling;  // window sizes of settled commits not resolved, oldest first
+    int64_t known_shift = 0;       // the part of settled_shift_[slot] that length counts
   };
+  Buffer<int64_t> settled_shift_;  // per slot, backend memory (see settle_window)
   RecurrentRollback rollback_;
   DType kv_dtype_;
   bool fixed_ = false;

@@ -239,6 +239,15 @@ void argmax_rows(const float* logits, int64_t rows, int64_t V, int32_t* out);
 // (sampling.cu).
 void sample_rows(const float* logits, int64_t rows, int64_t V, const ops::SampleRow* params,
                  int32_t* out);
+// ops' verify-window bookkeeping (windows.cu): one thread per row or token.
+void accept_windows(const int32_t* verified, const int32_t* ids, const int32_t* source,
+                    const int32_t* from, const int32_t* bounds, int64_t n_rows, int32_t* accepted,
+                    int32_t* next);
+void settle_windows(const int32_t* accepted, const ops::SettledRow* rows, int64_t n_rows,
+                    int64_t* shift, ops::RecurrentRow* replay, int64_t layers);
+void shift_positions(const ops::PositionShift& s, int64_t* positions, int64_t* kv_slots);
+void gather_window_rows(const float* src, int64_t width, int64_t row_stride, int64_t at,
+                        const int32_t* offsets, int64_t n, float* dst);
 
 #if TANDEM_CUDA_TRACE
 // --- Kernel timeline (diagnostic builds: cmake -DTANDEM_CUDA_TRACE=ON; backend/cuda/trace.cuh) ---
