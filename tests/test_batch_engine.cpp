@@ -532,6 +532,47 @@ TEST(BatchEngine, VerifyReadsQueuedDraftsInPlace) {
   EXPECT_GT(accepted, 0);
 }
 
+// Rounds settled on the device (SpecOptions::settled_rounds): each round's accept walk and
+// commits stay where the tokens are and the next round is queued before the host reads it, for
+// greedy and sampled rows joining, leaving and running into their max_tokens; every request
+// still gets its plain tokens, and most rounds are settled.
+TEST(BatchEngine, SettledRoundsEmitThePlainTokens) {
+  auto& d = demo();
+  const auto shared = [&] {
+    const ops::ContextScope scope(d.model->context());
+    return spec::QwenMtpProvider::from_target(*d.target);
+  }();
+  for (int depth : {1, 3}) {
+    EngineOptions o;
+    o.spec.depth = depth;
+    o.spec.settled_rounds = true;
+    o.max_rows = 3;
+    BatchEngine engine(*d.model, shared.get(), "demo-target", o);
+    std::vector<GenerateRequest> reqs;
+    for (size_t i = 0; i < 6; ++i)
+      reqs.push_back(request(d.tok->encode(test::kDemoPrompts[i % test::kDemoPrompts.size()]),
+                             i % 2 == 0 ? 0.0f : 0.8f, 7 + i, 12 + 7 * static_cast<int64_t>(i)));
+    std::vector<std::shared_ptr<Recorder>> sinks;
+    size_t next = 0;
+    for (int step = 0;; ++step) {
+      if (next < reqs.size() && step % 5 == 0) {
+        sinks.push_back(std::make_shared<Recorder>());
+        engine.submit({reqs[next], -1}, sinks.back());
+        ++next;
+      }
+      if (!engine.step() && next == reqs.size()) break;
+      ASSERT_LT(step, 3000);
+    }
+    for (size_t i = 0; i < reqs.size(); ++i)
+      EXPECT_EQ(sinks[i]->tokens, alone(reqs[i])) << "depth " << depth << ", request " << i;
+    const EngineCounters c = engine.counters();
+    EXPECT_GT(c.settled_rounds, (c.rounds - c.pipelined_rounds) / 2) << "depth " << depth;
+    int64_t accepted = 0;
+    for (int64_t a : c.accepted_by_position) accepted += a;
+    EXPECT_GT(accepted, 0);
+  }
+}
+
 // Log-probabilities ride along without changing tokens: the chosen token's logprob is the
 // largest of the top list for greedy rows.
 TEST(BatchEngine, LogprobsDoNotChangeTokens) {

@@ -224,27 +224,6 @@ TEST(Ops, ShiftPositionsMovesRowsByWhatTheHostDidNotCount) {
   EXPECT_EQ(draws[2].index, 107u);
 }
 
-TEST(Ops, ShiftPositionsParksRowsThatDidNotAcceptEverything) {
-  // One token per row at position 10; row 0 accepted all 3 proposals, row 1 only 1.
-  const std::vector<int64_t> shift = {4, 6};
-  const std::vector<int32_t> row_slot = {0, 1};
-  const std::vector<int64_t> known = {1, 6};
-  const std::vector<int64_t> token_row = {0, 1};
-  const std::vector<int32_t> accepted = {3, 1};
-  std::vector<int64_t> pos = {10, 10};
-  ops::PositionShift s;
-  s.shift = shift.data();
-  s.row_slot = row_slot.data();
-  s.known = known.data();
-  s.token_row = token_row.data();
-  s.tokens = 2;
-  s.rows = 2;
-  s.park_unless = accepted.data();
-  s.park_depth = 3;
-  ops::shift_positions(s, pos.data(), nullptr);
-  EXPECT_EQ(pos, (std::vector<int64_t>{13, 14}));  // row 1: no shift, parked 3 + 1 further
-}
-
 TEST(Ops, GatherWindowRowsTakesEachWindowsChosenToken) {
   // Three windows of 3 tokens, rows of 2 floats: token t holds {t, -t}.
   std::vector<float> src(18);

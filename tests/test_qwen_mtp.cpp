@@ -365,6 +365,35 @@ TEST(QwenMtp, SampledChainsOnTheDeviceEqualHostDraws) {
 // A block forward's rows for the attention of all rows at once: each token's position and KV
 // slot, its row, and every row's table at one stride (the largest bound, in blocks), so table
 // addresses hold still while rows grow below their bounds.
+// Rounds settled on the device (DraftRows::settle, the engine's overlapped rounds) leave the
+// drafter where host commits do: the same proposals every round and the same checkpoints, bit
+// for bit, greedy and sampled, resolved at once or a round later.
+TEST(QwenMtp, SettledRoundsEqualHostRounds) {
+  const std::vector<std::vector<int32_t>> prompts = {
+      ref_ids("tokens_0"), ref_ids("tokens_1"), {ref_ids("tokens_0").front()}};
+  const std::vector<int> depths = {3, 3, 1, 2, 3, 3, 1, 3};
+  const ops::ContextScope scope(demo().model->context());
+  const auto shared = QwenMtpProvider::from_target(*demo().target);
+  SamplingParams sampled;
+  sampled.temperature = 1.3f;
+  sampled.top_p = 0.95f;
+  sampled.seed = 99;
+  for (const SamplingParams& sp : {SamplingParams{}, sampled}) {
+    const auto host = test::settled_mtp_rounds(*shared, *demo().target, prompts, depths, 0, sp);
+    for (int lag : {1, 2}) {
+      const auto settled =
+          test::settled_mtp_rounds(*shared, *demo().target, prompts, depths, lag, sp);
+      EXPECT_EQ(settled, host) << "lag " << lag << (sp.greedy() ? ", greedy" : ", sampled");
+    }
+  }
+  // A drafter whose chains cannot run on the caller's stream does not settle.
+  std::vector<spec::RowDraft> in(1);
+  in[0].depth = 3;
+  auto rows = demo().mtp->open_rows(*demo().target);
+  rows->append(std::vector<spec::CheckpointPtr>(1));
+  EXPECT_FALSE(rows->can_settle(in));
+}
+
 TEST(DraftKvPool, BatchLaysOutPositionsSlotsAndTablesAtOneStride) {
   DraftKvPool pool(2, 8);
   std::vector<int32_t> a, b, c;

@@ -39,16 +39,18 @@ TEST_P(Lossless, SpeculativeEqualsPlainAloneAndBatched) {
   Fixture& f = demo();
   // "mtp_shared": the MTP block in the target's own backend context, as the CLI and the server
   // open it: its chains run whole and the verify reads their proposals in place (draft_queued).
+  // "mtp_settled": the same, its rounds settled on the device (SpecOptions::settled_rounds).
   static const auto shared = [&] {
     const ops::ContextScope scope(f.model->context());
     return spec::QwenMtpProvider::from_target(*f.target);
   }();
   const std::string name = c.drafter;
-  const spec::DraftProvider* drafter = name == "mtp"          ? f.mtp.get()
-                                       : name == "mtp_shared" ? shared.get()
-                                                              : f.ngram.get();
-  SpeculativeGenerator spec_gen(*f.model, drafter, "demo-target",
-                                {c.depth, spec::VerifyMode::Match});
+  const spec::DraftProvider* drafter = name == "mtp"     ? f.mtp.get()
+                                       : name == "ngram" ? f.ngram.get()
+                                                         : shared.get();
+  SpecOptions opts{c.depth, spec::VerifyMode::Match};
+  opts.settled_rounds = name == "mtp_settled";
+  SpeculativeGenerator spec_gen(*f.model, drafter, "demo-target", opts);
   std::vector<GenerateRequest> reqs;
   for (size_t p = 0; p < kPrompts.size(); ++p)
     for (uint64_t seed : {1u, 2u})
@@ -75,7 +77,7 @@ TEST_P(Lossless, SpeculativeEqualsPlainAloneAndBatched) {
 
 std::vector<Case> cases() {
   std::vector<Case> v;
-  for (const char* d : {"mtp", "mtp_shared", "ngram"})
+  for (const char* d : {"mtp", "mtp_shared", "mtp_settled", "ngram"})
     for (int depth : {1, 2, 3, 4})
       for (float t : {0.0f, 0.7f, 1.0f}) v.push_back({d, depth, t});
   return v;

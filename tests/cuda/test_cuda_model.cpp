@@ -445,6 +445,28 @@ TEST_F(CudaModelTest, SettledCommitsEqualHostCommits) {
                            same_state);
 }
 
+// MTP rounds settled on the device (DraftRows::settle) leave the drafter where host commits do:
+// the same proposals and checkpoints, bit for bit, greedy and sampled (mtp_rounds.h).
+TEST_F(CudaModelTest, MtpSettledRoundsEqualHostRounds) {
+  ScopedBackend cuda(ops::Backend::Cuda);
+  Demo& d = cuda_demo();
+  const std::vector<std::vector<int32_t>> prompts = {
+      d.tok->encode(kPrompts[0]), d.tok->encode(kPrompts[1]), d.tok->encode(kPrompts[2])};
+  const std::vector<int> depths = {3, 3, 1, 2, 3, 3, 1, 3};
+  const ops::ContextScope scope(d.model->context());
+  const auto shared = spec::QwenMtpProvider::from_target(*d.target);
+  SamplingParams sampled;
+  sampled.temperature = 1.3f;
+  sampled.top_p = 0.95f;
+  sampled.seed = 99;
+  for (const SamplingParams& sp : {SamplingParams{}, sampled}) {
+    const auto host = test::settled_mtp_rounds(*shared, *d.target, prompts, depths, 0, sp);
+    for (int lag : {1, 2})
+      EXPECT_EQ(test::settled_mtp_rounds(*shared, *d.target, prompts, depths, lag, sp), host)
+          << "lag " << lag << (sp.greedy() ? ", greedy" : ", sampled");
+  }
+}
+
 // A token's logits next to 1, 7, 31 and 255 other rows: decoded one step at a time with every
 // row taking one token, and in a verify window of 4 while the others take one token, they are
 // bitwise those of the token alone. Together the batches pass through every m-tile count of the
@@ -715,11 +737,13 @@ TEST_P(CudaLossless, SpeculativeEqualsPlainAloneAndBatched) {
     return spec::QwenMtpProvider::from_target(*d.target);
   }();
   const std::string name = c.drafter;
-  const spec::DraftProvider* drafter = name == "mtp"          ? d.mtp.get()
-                                       : name == "mtp_shared" ? shared.get()
-                                                              : d.ngram.get();
-  SpeculativeGenerator spec_gen(*d.model, drafter, "demo-target",
-                                {c.depth, spec::VerifyMode::Match});
+  // "mtp_settled": the same, its rounds settled on the device (SpecOptions::settled_rounds).
+  const spec::DraftProvider* drafter = name == "mtp"     ? d.mtp.get()
+                                       : name == "ngram" ? d.ngram.get()
+                                                         : shared.get();
+  SpecOptions opts{c.depth, spec::VerifyMode::Match};
+  opts.settled_rounds = name == "mtp_settled";
+  SpeculativeGenerator spec_gen(*d.model, drafter, "demo-target", opts);
   std::vector<GenerateRequest> reqs;
   for (size_t p = 0; p < kPrompts.size(); ++p)
     for (uint64_t seed : {1u, 2u}) {
@@ -749,7 +773,7 @@ TEST_P(CudaLossless, SpeculativeEqualsPlainAloneAndBatched) {
 
 std::vector<SpecCase> spec_cases() {
   std::vector<SpecCase> v;
-  for (const char* d : {"mtp", "mtp_shared", "ngram"})
+  for (const char* d : {"mtp", "mtp_shared", "mtp_settled", "ngram"})
     for (int depth : {1, 2, 3})
       for (float t : {0.0f, 0.8f}) v.push_back({d, depth, t});
   return v;

@@ -183,11 +183,6 @@ struct PositionShift {
   // logits row k belongs to token k's row when sample_per_token, else to row k.
   SampleRow* sample = nullptr;
   bool sample_per_token = true;
-  // Given: a row whose accepted[r] < park_depth moves park_depth + 1 places further, past every
-  // position its next draft chain writes (an MTP commit's completion row where not every
-  // proposal was accepted: computed where nothing reads it, then overwritten).
-  const int32_t* park_unless = nullptr;
-  int64_t park_depth = 0;
 };
 void shift_positions(const PositionShift& s, int64_t* positions, int64_t* kv_slots);
 // dst[i] = src[i · row_stride + at + (offsets ? offsets[i] : 0)], rows of `width` floats: a

@@ -37,9 +37,7 @@ constexpr void settle_row(const int32_t* accepted, const ops::SettledRow* rows, 
 
 // How far row r's tokens move (0 for a token of no row).
 constexpr int64_t row_shift(const ops::PositionShift& s, int64_t r) {
-  if (r < 0) return 0;
-  const int64_t d = s.shift[s.row_slot[r]] - s.known[r];
-  return s.park_unless != nullptr && s.park_unless[r] < s.park_depth ? d + s.park_depth + 1 : d;
+  return r < 0 ? 0 : s.shift[s.row_slot[r]] - s.known[r];
 }
 
 // Token t of shift_positions: its position, KV slot and (per token) draw index.

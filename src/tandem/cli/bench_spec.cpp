@@ -57,6 +57,7 @@ struct BenchSpecArgs {
   std::string kv_dtype = "bf16";
   bool json = false;
   bool round_split = false;
+  bool settled_rounds = false;
 };
 
 std::vector<std::string> split_list(const std::string& s) {
@@ -121,11 +122,12 @@ std::vector<double> round_split(const LoadedTarget& target, DType kv_dtype,
 // outputs: the last run's tokens per request.
 Measured measure(const LoadedTarget& target, DType kv_dtype, const spec::DraftProvider* drafter,
                  DepthArg depth, const std::vector<GenerateRequest>& reqs, int batch, int repeats,
-                 bool split, std::vector<std::vector<int32_t>>* outputs) {
+                 bool split, bool settled, std::vector<std::vector<int32_t>>* outputs) {
   // The probe stays off: this measures each drafter at the depth asked, whatever it accepts.
   SpecOptions opts{depth.depth, spec::VerifyMode::Match};
   opts.health_probe = false;
   opts.auto_depth = depth.automatic;
+  opts.settled_rounds = settled;
   SpeculativeGenerator gen(target.engine_target(kv_dtype), target.view->vocab_size(), drafter,
                            opts);
   Measured m;
@@ -276,15 +278,15 @@ void run_bench_spec(const BenchSpecArgs& a) {
   std::fprintf(stderr, "bench-spec: %zu prompts, batch %d, %lld tokens each, %d threads\n",
                reqs.size(), a.batch, static_cast<long long>(a.max_tokens), ops::thread_count());
   std::vector<std::vector<int32_t>> plain, got;
-  rows.push_back(
-      measure(target, kv_dtype, nullptr, DepthArg{}, reqs, a.batch, a.repeats, false, &plain));
+  rows.push_back(measure(target, kv_dtype, nullptr, DepthArg{}, reqs, a.batch, a.repeats, false,
+                         false, &plain));
   const double base = rows[0].tokens_per_second;
   const double decode_base = rows[0].decode_tokens_per_second;
   auto run_depths = [&](const spec::DraftProvider& drafter, const std::string& name, double p) {
     for (const std::string& ds : split_list(a.depths)) {
       const DepthArg depth = parse_depth(ds);
       rows.push_back(measure(target, kv_dtype, &drafter, depth, reqs, a.batch, a.repeats,
-                             a.round_split, &got));
+                             a.round_split, a.settled_rounds, &got));
       Measured& m = rows.back();
       m.draft = name;  // as listed: mtp and mtp-empty share a drafter id
       m.accept_p = p;
@@ -432,6 +434,9 @@ void add_bench_spec_command(CLI::App& app) {
   sub->add_option("--backend", a->backend, "cpu, cuda or auto (cuda when a GPU is present)")
       ->capture_default_str();
   sub->add_flag("--json", a->json, "Print JSON");
+  sub->add_flag("--settled-rounds", a->settled_rounds,
+                "MTP rounds accepted and committed on the device, each queued before the host "
+                "reads the one before (SpecOptions::settled_rounds)");
   sub->add_flag("--round-split", a->round_split,
                 "Also report where a round's time goes (draft, verify, accept, commit), from one "
                 "more run per setting that waits for the device at each phase's end");

@@ -212,6 +212,9 @@ void add_draft_options(CLI::App* sub, DraftArgs* a) {
   sub->add_flag("--no-drafter-probe", a->no_drafter_probe,
                 "Keep drafting when the drafter's first proposals stop being accepted (by default "
                 "a collapsed drafter is reported once and rounds propose nothing from then on)");
+  sub->add_flag("--settled-rounds", a->settled_rounds,
+                "--draft mtp: accept and commit each round on the device and queue the next round "
+                "before reading it (one host read per round, overlapped with the device's work)");
   sub->add_option("--mtp-hidden", a->mtp_hidden,
                   "Target hidden fed to the MTP drafter: final (after the final norm) or prenorm")
       ->capture_default_str();
@@ -243,6 +246,7 @@ SpecOptions spec_options(const DraftArgs& a) {
   o.verify = spec::parse_verify_mode(a.verify);
   o.prefill_chunk = a.prefill_chunk;
   o.health_probe = !a.no_drafter_probe;
+  o.settled_rounds = a.settled_rounds;
   return o;
 }
 

@@ -84,6 +84,7 @@ struct DraftArgs {
   int64_t draft_vocab = 0;  // --draft mtp (Qwen3.5): token ids a draft step scores; 0 = all
   int64_t prefill_chunk = kPrefillChunkTokens;
   bool no_drafter_probe = false;
+  bool settled_rounds = false;
 };
 void add_draft_options(CLI::App* sub, DraftArgs* a);
 // --depth: "auto" (adaptive, at most kAutoMaxDepth proposals a round) or a fixed 0..16.
@@ -93,7 +94,8 @@ struct DepthArg {
   bool automatic = false;
 };
 DepthArg parse_depth(const std::string& s);
-// The spec options --depth, --verify, --prefill-chunk and --no-drafter-probe give.
+// The spec options --depth, --verify, --prefill-chunk, --no-drafter-probe and --settled-rounds
+// give.
 SpecOptions spec_options(const DraftArgs& a);
 // The drafter the options name (null for --draft none); Error for bad combinations.
 std::unique_ptr<spec::DraftProvider> open_drafter(const DraftArgs& a,

@@ -163,7 +163,7 @@ BatchEngine::BatchEngine(std::unique_ptr<EngineTarget> target, const spec::Draft
 
 BatchEngine::~BatchEngine() {
   const ops::ContextScope scope(target_->context());
-  if (chained_) abandon_chain();
+  if (chained_ || !settled_.empty()) abandon_chain();
   if (cache_ && options_.prefix_cache_persist) {
     try {
       cache_->persist_all();
@@ -300,6 +300,19 @@ bool BatchEngine::emit(Row& row, int32_t id, const float* logits) {
 }
 
 void BatchEngine::retire() {
+  // Settled rounds still queued hold the rows: they are read before any row leaves.
+  if (!settled_.empty()) {
+    bool any = false;
+    for (const auto& r : decoding_) any = any || r->done;
+    if (any) {
+      try {
+        drain();
+      } catch (const std::exception& e) {
+        abandon_chain();
+        fail_rows(decoding_, std::string("decode round failed: ") + e.what());
+      }
+    }
+  }
   // A finished row of the forward in flight (only an error path gets here: cancellations
   // complete the forward first) would hand its slot back while the forward still writes it:
   // the forward stops, and its other rows, whose state it left part-advanced, fail.
@@ -689,6 +702,7 @@ void BatchEngine::retire_drafter() {
 }
 
 void BatchEngine::drain() {
+  while (!settled_.empty()) read_settled();
   if (!chained_) return;
   chained_ = false;
   target_->collect_argmax(&collected_);
@@ -764,6 +778,190 @@ void BatchEngine::pipelined_round() {
   counters_.decode_seconds += seconds_since(t0);
 }
 
+uint64_t BatchEngine::settled_index(const Row& row) const {
+  return row.result.tokens.size() + settled_.size();
+}
+
+bool BatchEngine::settles(int depth) {
+  if (!options_.spec.settled_rounds || depth <= 0 || !decode_drafts_ || cache_ ||
+      options_.spec.verify != spec::VerifyMode::Match || options_.spec.sync_phases ||
+      !target_->settles_windows() || !taps_.hidden || !taps_.layers.empty())
+    return false;
+  // The rows of the rounds in flight, in order, and room for this round's tokens after theirs:
+  // no queued round can outrun a row's max_tokens.
+  if (!settled_.empty()) {
+    const std::vector<uint64_t>& ids = settled_.back().ids;
+    if (ids.size() != decoding_.size()) return false;
+    for (size_t r = 0; r < ids.size(); ++r)
+      if (decoding_[r]->id != ids[r]) return false;
+  }
+  const int64_t ahead = static_cast<int64_t>(depth + 1) * static_cast<int64_t>(settled_.size() + 1);
+  for (const auto& row : decoding_)
+    if (row->done || row->needs_logits() ||
+        static_cast<int64_t>(row->result.tokens.size()) + ahead > row->req.gen.max_tokens)
+      return false;
+  const size_t R = decoding_.size();
+  drafts_.resize(R);
+  for (size_t r = 0; r < R; ++r) {
+    const Row& row = *decoding_[r];
+    // Where settled rounds are in flight, pending and first_index are what the host knows: each
+    // unread round emits its accepted tokens, which the drafter and target add where the tokens
+    // are, and one more (settled_index).
+    drafts_[r].pending = row.result.tokens.back();
+    drafts_[r].depth = depth;
+    drafts_[r].sampling = row.req.gen.sampling;
+    drafts_[r].first_index = settled_index(row);
+    drafts_[r].want_distribution = false;
+  }
+  return decode_drafts_->can_settle(drafts_);
+}
+
+void BatchEngine::settled_round(int depth) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const size_t R = decoding_.size();
+  const int64_t n = depth + 1;
+  // 1. Draft, left where the chain drew it (pending tokens too, after a settled round).
+  if (!decode_drafts_->draft_queued(drafts_, &queued_))
+    fail("drafter '", drafter_->id(), "' could not queue a draft it said it could settle");
+  const auto t_draft = std::chrono::steady_clock::now();
+  // 2. Verify every row's window where its tokens are; only the tokens come back, later.
+  tokens_.clear();
+  inputs_.clear();
+  sample_rows_.clear();
+  draft_from_.clear();
+  bool sampled = false;
+  for (size_t r = 0; r < R; ++r) {
+    const Row& row = *decoding_[r];
+    tokens_.insert(tokens_.end(), static_cast<size_t>(n), row.result.tokens.back());
+    draft_from_.push_back(queued_.pending_slots.empty() ? -1 : queued_.pending_slots[r]);
+    TANDEM_CHECK(static_cast<int64_t>(queued_.slots[r].size()) == depth, "row ", r, " drafted ",
+                 queued_.slots[r].size(), " of ", depth, " settled proposals");
+    draft_from_.insert(draft_from_.end(), queued_.slots[r].begin(), queued_.slots[r].end());
+    inputs_.push_back({row.slot, n, true});
+    for (int64_t j = 0; j < n; ++j)
+      sample_rows_.push_back(ops::sample_row(row.req.gen.sampling, settled_index(row) + j));
+    sampled = sampled || !row.req.gen.sampling.greedy();
+  }
+  ForwardRequest verify{tokens_, inputs_, true, false, false};
+  verify.want_logits = false;
+  verify.want_argmax = true;
+  verify.defer_argmax = true;
+  if (sampled) verify.sample_rows = sample_rows_;
+  verify.draft_ids = queued_.ids;
+  verify.draft_from = draft_from_;
+  target_->forward(verify, &out_);
+  const auto t_verify = std::chrono::steady_clock::now();
+  // 3. Accept and commit where the tokens are: the target's rows, then the drafter's.
+  accepted_dev_.grow_to(static_cast<int64_t>(R));
+  next_dev_.grow_to(static_cast<int64_t>(R));
+  target_->accept_windows(accepted_dev_.data(), next_dev_.data());
+  std::vector<ops::SettledRow> rows(R);
+  for (size_t r = 0; r < R; ++r) rows[r] = {decoding_[r]->slot, static_cast<int32_t>(r)};
+  target_->settle_windows(rows, accepted_dev_.data());
+  spec::SettledVerify v;
+  v.accepted = accepted_dev_.data();
+  v.next = next_dev_.data();
+  v.hidden = target_->device_hidden(*taps_.hidden == spec::HiddenTap::PreNorm);
+  v.depth = depth;
+  decode_drafts_->settle(v);
+  SettledRound round;
+  for (const auto& row : decoding_) round.ids.push_back(row->id);
+  round.depth = depth;
+  settled_.push_back(std::move(round));
+  const auto t_settle = std::chrono::steady_clock::now();
+  // 4. The round before this one, whose work the device has done or is finishing.
+  const bool reads = settled_.size() > 1;
+  if (reads) read_settled();
+  auto between = [](auto a, auto b) { return std::chrono::duration<double>(b - a).count(); };
+  const double seconds = seconds_since(t0);
+  // In steady state each call queues one round and reads one: its time is a round's (the
+  // acceptance is the read round's).
+  if (policy_ && reads && decode_drafts_)
+    policy_->record(static_cast<int64_t>(R), depth, seconds, drafted_pos_, accepted_pos_);
+  std::lock_guard lock(mu_);
+  ++counters_.settled_rounds;
+  counters_.decode_seconds += seconds;
+  counters_.draft_seconds += between(t0, t_draft);
+  counters_.verify_seconds += between(t_draft, t_verify);
+  counters_.commit_seconds += between(t_verify, t_settle);
+  counters_.accept_seconds += seconds_since(t_settle);
+}
+
+void BatchEngine::read_settled() {
+  const SettledRound round = std::move(settled_.front());
+  settled_.pop_front();
+  const size_t R = round.ids.size();
+  TANDEM_CHECK(R == decoding_.size(), "a settled round of ", R, " rows, ", decoding_.size(),
+               " decoding");
+  const int64_t n = round.depth + 1;
+  target_->collect_argmax(&collected_);
+  TANDEM_CHECK(static_cast<int64_t>(collected_.size()) == static_cast<int64_t>(R) * n, "collected ",
+               collected_.size(), " tokens for ", R, " windows of ", n);
+  decode_drafts_->settled_proposals(&proposals_);
+  const int64_t V = target_->vocab_size();
+  keeps_.clear();
+  std::vector<int> accepted(R);
+  drafted_pos_.assign(static_cast<size_t>(depth_), 0);
+  accepted_pos_.assign(static_cast<size_t>(depth_), 0);
+  for (size_t r = 0; r < R; ++r) {
+    Row& row = *decoding_[r];
+    TANDEM_CHECK(row.id == round.ids[r], "settled round row ", r, " is another request");
+    const auto& props = proposals_[r].tokens;
+    for (int32_t p : props)
+      if (p < 0 || p >= V) fail("drafter '", drafter_->id(), "' proposed token id ", p);
+    const std::span<const int32_t> verified(collected_.data() + r * n, static_cast<size_t>(n));
+    for (int32_t t : verified)
+      if (t < 0) fail("verify: a logits row of request row ", r, " holds NaN or +inf");
+    const spec::AcceptOutcome outcome = spec::accept_walk_match(verified, props);
+    accepted[r] = outcome.accepted;
+    keeps_.push_back({row.slot, 1 + outcome.accepted});
+    if (row.done) continue;  // ended by an earlier round's token: its later ones are dropped
+    SpecStats& st = row.stats;
+    ++st.rounds;
+    ++st.target_forwards;
+    st.drafted += n - 1;
+    st.accepted += outcome.accepted;
+    for (int j = 0; j < outcome.accepted; ++j) {
+      ++st.accepted_by_position[static_cast<size_t>(j)];
+      ++accepted_pos_[static_cast<size_t>(j)];
+    }
+    for (int64_t j = 0; j + 1 < n; ++j) {
+      ++st.drafted_by_position[static_cast<size_t>(j)];
+      ++drafted_pos_[static_cast<size_t>(j)];
+    }
+    for (int32_t t : outcome.emitted)
+      if (!emit(row, t, nullptr)) break;
+  }
+  target_->resolve_settled(keeps_);
+  decode_drafts_->resolve(accepted);
+  for (auto& row : decoding_) row->drafter_synced = row->processed();
+  {
+    std::lock_guard lock(mu_);
+    ++counters_.rounds;
+    counters_.drafter_first_acceptance = health_.acceptance();
+    for (int j = 0; j < depth_; ++j) {
+      counters_.drafted_by_position[static_cast<size_t>(j)] += drafted_pos_[static_cast<size_t>(j)];
+      counters_.accepted_by_position[static_cast<size_t>(j)] +=
+          accepted_pos_[static_cast<size_t>(j)];
+    }
+  }
+  // The health probe, as for host rounds: a collapsed drafter ends settled rounds (the one still
+  // queued is read first) and drafts no more.
+  if (options_.spec.health_probe && draft_depth_ > 0 && !drafted_pos_.empty() &&
+      health_.record(drafted_pos_[0], accepted_pos_[0])) {
+    draft_depth_ = 0;
+    while (!settled_.empty()) read_settled();
+    const std::string msg = spec::drafter_collapse_message(drafter_->id(), health_);
+    if (options_.on_warning)
+      options_.on_warning(msg);
+    else
+      std::fprintf(stderr, "tandem: warning: %s\n", msg.c_str());
+    retire_drafter();
+    std::lock_guard lock(mu_);
+    counters_.drafter_disabled = 1;
+  }
+}
+
 void BatchEngine::round() {
   size_t R = decoding_.size();
   if (R == 0) return;
@@ -774,6 +972,13 @@ void BatchEngine::round() {
   int round_depth = draft_depth_;
   if (policy_ && round_depth > 0)
     round_depth = std::min(round_depth, policy_->choose(static_cast<int64_t>(R)));
+  if (settles(round_depth)) return settled_round(round_depth);
+  if (!settled_.empty()) {  // this round cannot be settled: the host reads the queued ones first
+    drain();
+    retire();
+    R = decoding_.size();
+    if (R == 0) return;
+  }
   if (round_depth == 0 && draft_depth_ > 0 && depth_zero_pipelines()) {
     // What a steady depth-0 round costs: one step. A round that starts a chain waits for its
     // first step on a GPU, about one step too; on the CPU the step it queues ahead runs at once,
@@ -992,8 +1197,9 @@ void BatchEngine::round() {
 
 bool BatchEngine::step() {
   const ops::ContextScope scope(target_->context());
-  // A queued plain step is collected before anything changes the rows or takes a forward.
-  if (chained_) {
+  // A queued plain step or settled round is collected before anything changes the rows or takes
+  // a forward.
+  if (chained_ || !settled_.empty()) {
     bool change = !prefilling_.empty();
     for (const auto& r : decoding_) change = change || r->sink->cancelled();
     {
@@ -1043,7 +1249,7 @@ bool BatchEngine::step() {
   }
   retire();
   // Every row of the queued step stopped on its last token: nothing continues it.
-  if (chained_ && decoding_.empty()) {
+  if ((chained_ || !settled_.empty()) && decoding_.empty()) {
     try {
       drain();
     } catch (const std::exception&) {
@@ -1057,6 +1263,10 @@ bool BatchEngine::step() {
 
 void BatchEngine::abandon_chain() {
   chained_ = false;
+  if (!settled_.empty()) {
+    settled_.clear();
+    if (decode_drafts_) decode_drafts_->drop_settled();
+  }
   try {
     target_->drop_deferred_argmax();
   } catch (...) {  // the error being handled already says what went wrong
@@ -1078,7 +1288,7 @@ void BatchEngine::serve(const std::string& shutdown_reason) {
     }
     step();
   }
-  if (chained_) abandon_chain();
+  if (chained_ || !settled_.empty()) abandon_chain();
   target_->abandon_prompt();  // its rows are all cancelled below
   std::deque<Pending> left;
   {

@@ -91,6 +91,9 @@ struct EngineCounters {
   // Of the rounds, those whose verify forward read the drafter's proposals where its chain left
   // them (DraftRows::draft_queued: one host wait per round).
   int64_t queued_draft_rounds = 0;
+  // Of the rounds, those settled on the device and queued before the host read the round before
+  // (SpecOptions::settled_rounds).
+  int64_t settled_rounds = 0;
   int64_t prompt_tokens = 0, generated_tokens = 0;
   int64_t finished = 0, cancelled = 0, failed = 0;
   double prefill_seconds = 0, decode_seconds = 0;  // time in prefill forwards and in rounds
@@ -223,6 +226,25 @@ class BatchEngine {
   // a step is queued whose tokens were not collected yet; chain_ids_ are its rows (Row::id).
   bool chained_ = false;
   std::vector<uint64_t> chain_ids_;
+  // Rounds settled on the device (SpecOptions::settled_rounds): queued, their accept walks and
+  // commits where the tokens are, not read by the host yet; oldest first. At most two: a round is
+  // read once the next is queued. Their rows are decoding_'s (Row::id, in order): the rows
+  // change only once every settled round is read.
+  struct SettledRound {
+    std::vector<uint64_t> ids;
+    int depth = 0;
+  };
+  std::deque<SettledRound> settled_;
+  Buffer<int32_t> accepted_dev_, next_dev_;  // the last verify's accept_windows
+  // Whether this round (every row at `depth`) may be settled; fills drafts_ for it.
+  bool settles(int depth);
+  void settled_round(int depth);
+  // The output index of a row's next token as the host counts it while rounds are unread: its
+  // tokens, plus one for each unread round (the rest of their tokens are counted where the
+  // tokens are, ops::PositionShift).
+  uint64_t settled_index(const Row& row) const;
+  // Reads the oldest settled round: its tokens, proposals and acceptance; emits and resolves.
+  void read_settled();
   uint64_t next_row_id_ = 0;
 
   void validate(const EngineRequest& r) const;

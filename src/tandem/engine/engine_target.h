@@ -71,6 +71,18 @@ class EngineTarget {
   virtual void collect_argmax(std::vector<int32_t>* argmax);
   virtual void drop_deferred_argmax() {}
 
+  // Rounds settled on the device (Qwen35Model::accept_windows / settle_windows, and
+  // Qwen35State's resolve_settled): after a verify forward with all_logits and want_argmax, the
+  // accept walk and the commit stay where the tokens are, and later forwards of the rows may be
+  // queued before resolve_settled tells the host what was kept. Targets that cannot say no.
+  virtual bool settles_windows() const { return false; }
+  virtual void accept_windows(int32_t* accepted, int32_t* next);
+  virtual void settle_windows(std::span<const ops::SettledRow> rows, const int32_t* accepted);
+  virtual void resolve_settled(std::span<const RowKeep> rows);
+  // The last forward's hidden of every token in backend memory, final-normed (that forward had
+  // all_logits or want_hidden) or pre-norm; valid until the next forward.
+  virtual const float* device_hidden(bool prenorm) const;
+
   // Whether a prompt forward gives each token the bits decoding gives it (then a prompt's end
   // and a finished turn are boundaries a cold prefill reaches too; otherwise only the prefill
   // chunk grid is).

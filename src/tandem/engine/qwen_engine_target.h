@@ -56,6 +56,18 @@ class QwenEngineTarget final : public EngineTarget {
   void collect_argmax(std::vector<int32_t>* argmax) override { model_.collect_argmax(argmax); }
   void drop_deferred_argmax() override { model_.drop_deferred_argmax(); }
 
+  bool settles_windows() const override {
+    return state_.linear_layers() == 0 || state_.rollback() == RecurrentRollback::Replay;
+  }
+  void accept_windows(int32_t* accepted, int32_t* next) override {
+    model_.accept_windows(accepted, next);
+  }
+  void settle_windows(std::span<const ops::SettledRow> rows, const int32_t* accepted) override {
+    model_.settle_windows(state_, rows, accepted);
+  }
+  void resolve_settled(std::span<const RowKeep> rows) override;
+  const float* device_hidden(bool prenorm) const override { return model_.last_hidden(prenorm); }
+
   bool prompt_matches_decode() const override { return ops::prefill_matches_decode(); }
   std::unique_ptr<PrefixStore> open_prefix_cache(size_t max_bytes) override;
 

@@ -33,6 +33,12 @@ struct SpecOptions {
   // commit), so that the phase times (EngineCounters) hold the device work each phase queued.
   // Costs a sync per phase: for measuring where a round's time goes, not for serving.
   bool sync_phases = false;
+  // Rounds settled on the device (issue 19): with an MTP drafter and match verification, each
+  // round's accept walk and commits stay where the tokens are, and the next round is queued
+  // before the host reads this one (one host read per round, overlapped with the device's work).
+  // Where a round cannot be (a row near its max_tokens, log-probabilities, rows changing), it
+  // runs as before. Off by default until measured on a GPU.
+  bool settled_rounds = false;
 };
 
 // Per-request speculation counters.

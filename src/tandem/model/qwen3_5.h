@@ -134,6 +134,12 @@ class Qwen35Model {
   // a state with DeltaNet layers must use the Replay rollback.
   void settle_windows(Qwen35State& state, std::span<const ops::SettledRow> rows,
                       const int32_t* accepted) const;
+  // The last forward's hidden of every token, [T, H] in backend memory, valid until the next
+  // forward: final-normed where it had all_logits or want_hidden, or pre-norm (the residual
+  // stream after the last layer). What a drafter settling on the device reads.
+  const float* last_hidden(bool prenorm) const {
+    return prenorm ? own_ws_.x.data() : own_ws_.h.data();
+  }
 
   // out[n, H] = embedding rows of ids (host ids, must be in range; out in backend memory).
   // Drafters embed through the target.

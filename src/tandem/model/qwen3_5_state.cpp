@@ -305,6 +305,28 @@ void Qwen35State::resolve_settled(int slot, int64_t kept) {
   r.known_shift += kept - 1;
 }
 
+void Qwen35State::resolve_settled(std::span<const RowKeep> rows) {
+  // Dry run on copies of the rows' queues, then the real one (which cannot fail any more).
+  std::vector<std::pair<int, std::deque<int64_t>>> queues;
+  for (const RowKeep& k : rows) {
+    if (!row_open(k.slot)) fail("resolve_settled: row slot ", k.slot, " is not open");
+    auto it = std::find_if(queues.begin(), queues.end(),
+                           [&](const auto& q) { return q.first == k.slot; });
+    if (it == queues.end()) {
+      queues.emplace_back(k.slot, rows_[k.slot].settling);
+      it = queues.end() - 1;
+    }
+    if (it->second.empty())
+      fail("resolve_settled: row slot ", k.slot, " has no commit settled on the device to resolve");
+    const int64_t n = it->second.front();
+    if (k.kept < 1 || k.kept > n)
+      fail("resolve_settled: row slot ", k.slot, " keeps ", k.kept, " tokens of a ", n,
+           "-token window (must be 1..", n, ")");
+    it->second.pop_front();
+  }
+  for (const RowKeep& k : rows) resolve_settled(k.slot, k.kept);
+}
+
 int64_t Qwen35State::unresolved_tokens(int slot) const {
   int64_t n = 0;
   for (int64_t w : rows_.at(slot).settling) n += w - 1;

@@ -10,6 +10,7 @@
 
 #include "tandem/backend/buffer.h"
 #include "tandem/backend/ops.h"
+#include "tandem/model/forward.h"
 #include "tandem/model/qwen3_5_config.h"
 
 namespace tandem {
@@ -180,6 +181,9 @@ class Qwen35State {
   // The row's oldest unresolved settled commit kept `kept` tokens. Throws Error, changing
   // nothing, if the row has none or kept is outside 1..its window.
   void resolve_settled(int slot, int64_t kept);
+  // The same for several rows, all checked before any changes (a row listed twice resolves its
+  // two oldest commits).
+  void resolve_settled(std::span<const RowKeep> rows);
   int unresolved_commits(int slot) const {
     return static_cast<int>(rows_.at(slot).settling.size());
   }

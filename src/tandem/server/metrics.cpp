@@ -110,6 +110,10 @@ std::string ServerMetrics::render(const EngineCounters& e, const std::string& dr
          "Speculative rounds whose verify read the drafter's proposals in device memory (one host "
          "wait per round).",
          static_cast<double>(e.queued_draft_rounds));
+  scalar("tandem_settled_rounds_total", "counter",
+         "Speculative rounds accepted and committed on the device, queued before the host read "
+         "the round before them.",
+         static_cast<double>(e.settled_rounds));
   series(&out, "tandem_round_phase_seconds_total", "counter",
          "Host time in the phases of speculative rounds (draft, verify, accept, commit).");
   const std::pair<const char*, double> phases[] = {{"draft", e.draft_seconds},

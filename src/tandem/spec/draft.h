@@ -184,6 +184,18 @@ struct DraftProposal {
 struct QueuedDraft {
   const int32_t* ids = nullptr;
   std::vector<std::vector<int32_t>> slots;
+  // Where given (the last round settled on the device): row b's pending token is
+  // ids[pending_slots[b]], not RowDraft::pending, which the host does not know yet.
+  std::vector<int32_t> pending_slots;
+};
+
+// A verify whose acceptance stays where the tokens are (DraftRows::settle): every row verified
+// [pending, its `depth` proposals], rows in order.
+struct SettledVerify {
+  const int32_t* accepted = nullptr;  // [rows] proposals accepted (ops::accept_windows)
+  const int32_t* next = nullptr;      // [rows] the token now pending
+  const float* hidden = nullptr;      // [rows · (depth + 1), taps().width(H)] the verify's taps
+  int depth = 0;
 };
 
 // One row's verify outcome, handed to commit.
@@ -242,6 +254,38 @@ class DraftRows {
   }
   // rows.size() == row_count(); each row's window is the one its last draft proposed.
   virtual void commit(std::span<const VerifyRow> rows) = 0;
+
+  // --- Rounds settled on the device (the engine's overlapped rounds) ---
+  // After draft_queued, where every row drafted `depth` proposals and the target walked the
+  // verify where the tokens are: settle commits from the counts there (no host read), and the
+  // next draft_queued reads the pending tokens and hiddens there too, so the next round is queued
+  // before the host reads this one. Later, oldest round first, settled_proposals reads a round's
+  // proposals and resolve tells the drafter what the host found accepted. While a round is
+  // unresolved the rows take no other call but draft_queued and settle (Error).
+  //
+  // Whether a queued draft of `rows` may be settled (the drafter's work all on the caller's
+  // stream, every row the same depth > 0, no distributions wanted).
+  virtual bool can_settle(std::span<const RowDraft> rows) const {
+    (void)rows;
+    return false;
+  }
+  virtual void settle(const SettledVerify& v) {
+    (void)v;
+    fail("settle: this drafter cannot commit on the device");
+  }
+  // The oldest unresolved round's proposals (waits for their copy; Error on a failed draw).
+  virtual void settled_proposals(std::vector<DraftProposal>* out) {
+    (void)out;
+    fail("settled_proposals: this drafter settles nothing");
+  }
+  // The oldest unresolved round kept accepted[b] proposals of row b.
+  virtual void resolve(std::span<const int> accepted) {
+    (void)accepted;
+    fail("resolve: this drafter settles nothing");
+  }
+  virtual int unresolved_rounds() const { return 0; }
+  // Forgets unresolved rounds (an engine unwinding from an error drops every row next).
+  virtual void drop_settled() {}
 
   // The drafter's state of `row` after its last commit, restorable into a fresh row.
   virtual CheckpointPtr capture(int row) const = 0;

@@ -65,6 +65,7 @@ void MtpRows::run_block(const std::vector<int>& row_ids, const std::vector<int64
 }
 
 std::unique_ptr<PreparedChange> MtpRows::prepare_append(std::span<const CheckpointPtr> from) {
+  leave_device_rows();
   const int64_t n = static_cast<int64_t>(from.size());
   // Validate everything first: nothing is allocated for a refused batch.
   std::vector<int64_t> lengths;
@@ -114,6 +115,7 @@ std::unique_ptr<PreparedChange> MtpRows::prepare_append(std::span<const Checkpoi
       [this, built, n] {
         for (Row& r : *built) rows_.push_back(std::move(r));
         outstanding_appends_ -= n;
+        known_.resize(rows_.size(), 0);
       },
       [this, built, n] {
         for (Row& r : *built) release_history(*r.history);
@@ -122,15 +124,19 @@ std::unique_ptr<PreparedChange> MtpRows::prepare_append(std::span<const Checkpoi
 }
 
 void MtpRows::filter_rows(std::span<const int> keep) {
+  leave_device_rows();
   keep_hidden_rows(rows_, keep, outstanding_appends_, who_,
                    [&](Row& r) { release_history(*r.history); });
+  known_.assign(rows_.size(), 0);
 }
 
 void MtpRows::adopt_prefix(int row, std::span<const int32_t> tokens) {
+  leave_device_rows();
   adopt_hidden_row_prefix(rows_, row, tokens, who_);
 }
 
 void MtpRows::prefill(std::span<const RowPrefill> rows) {
+  leave_device_rows();
   check_hidden_row_prefills(rows_, rows, V_, who_,
                             "the target's " + std::string(hidden_tap_name(tap_)) + " hiddens");
   ids_.clear();
@@ -180,7 +186,8 @@ void MtpRows::draft(std::span<const RowDraft> rows, std::vector<DraftProposal>* 
     if (max_depth == 0) return;
     queue_device_chain(rows, max_depth);
     picks_.resize(static_cast<size_t>(max_depth * row_count()));
-    ops::copy_to_host(picks_.data(), picks_dev_.data(), sizeof(int32_t) * picks_.size());
+    ops::copy_to_host(picks_.data(), picks_dev_.data() + row_count(),
+                      sizeof(int32_t) * picks_.size());
     return take_picks(picks_.data(), max_depth, out);
   }
   draft_on_host(rows, max_depth, out);
@@ -193,19 +200,24 @@ bool MtpRows::draft_queued(std::span<const RowDraft> rows, QueuedDraft* queued) 
   queued_depth_ = max_depth;
   const int64_t R = row_count();
   queued->slots.assign(rows.size(), {});
+  queued->pending_slots.clear();
   if (max_depth == 0) {
     queued->ids = nullptr;
     return true;
   }
   queue_device_chain(rows, max_depth);
+  // picks_dev_: the pending tokens [R], then step j's proposals at (j + 1) · R.
   for (int j = 0; j < max_depth; ++j) {
     const std::vector<int>& active = step_rows_[static_cast<size_t>(j)];
     for (size_t a = 0; a < active.size(); ++a)
       queued->slots[static_cast<size_t>(active[a])].push_back(
-          static_cast<int32_t>(j * R + static_cast<int64_t>(a)));
+          static_cast<int32_t>((j + 1) * R + static_cast<int64_t>(a)));
   }
+  if (chain_device_inputs_)
+    for (int64_t b = 0; b < R; ++b) queued->pending_slots.push_back(static_cast<int32_t>(b));
   queued->ids = picks_dev_.data();
-  picks_readback_.start(picks_dev_.data(), sizeof(int32_t) * static_cast<size_t>(max_depth * R));
+  picks_reads_[picks_read_].start(picks_dev_.data() + R,
+                                  sizeof(int32_t) * static_cast<size_t>(max_depth * R));
   return true;
 }
 
@@ -216,7 +228,7 @@ void MtpRows::finish_queued(std::vector<DraftProposal>* out) {
   *out = std::move(queued_);
   queued_.clear();
   if (max_depth == 0) return;
-  take_picks(static_cast<const int32_t*>(picks_readback_.wait()), max_depth, out);
+  take_picks(static_cast<const int32_t*>(picks_reads_[picks_read_].wait()), max_depth, out);
 }
 
 int MtpRows::begin_draft(std::span<const RowDraft> rows, std::vector<DraftProposal>* out) {
@@ -256,6 +268,8 @@ int MtpRows::begin_draft(std::span<const RowDraft> rows, std::vector<DraftPropos
 
 void MtpRows::draft_on_host(std::span<const RowDraft> rows, int max_depth,
                             std::vector<DraftProposal>* out) {
+  check_resolved("draft");
+  sync_h_true();
   // Step j: every row still drafting adds MTP row round_start + j from (pending, h_true) at
   // j = 0, else (d_{j-1}, out_{j-1}); one block call and one head call for all of them.
   for (int j = 0; j < max_depth; ++j) {
@@ -322,7 +336,7 @@ void MtpRows::draft_on_host(std::span<const RowDraft> rows, int max_depth,
 
 void MtpRows::queue_device_chain(std::span<const RowDraft> rows, int max_depth) {
   const int64_t R = row_count();
-  picks_dev_.grow_to(max_depth * R);
+  picks_dev_.grow_to((max_depth + 1) * R);
   for (Buffer<float>& b : chain_dev_) b.grow_to(R * H_);
   emb_.grow_to(R * H_);
   hid_dev_.grow_to(R * H_);
@@ -334,24 +348,37 @@ void MtpRows::queue_device_chain(std::span<const RowDraft> rows, int max_depth) 
     step_logits_dev_[static_cast<size_t>(j)].grow_to(static_cast<int64_t>(active.size()) *
                                                      draft_vocab_);
   }
-  // Step 0's inputs, the drafting rows' pending ids and h_true, and the draws of sampled rows,
-  // in one upload.
+  // Step 0's inputs, the drafting rows' pending ids and h_true (where the last commit left them
+  // on the host), the draws of sampled rows, and a settling chain's per-row arrays, in one upload.
   const std::vector<int>& first = step_rows_[0];
   const int64_t A0 = static_cast<int64_t>(first.size());
   bool sampled = false;
   for (int b : first) sampled = sampled || !rows[static_cast<size_t>(b)].sampling.greedy();
-  const size_t ids_bytes = upload_part_bytes(sizeof(int32_t) * static_cast<size_t>(A0));
-  const size_t hidden_bytes = sizeof(float) * static_cast<size_t>(A0 * H_);
-  const size_t draws_at = ids_bytes + upload_part_bytes(hidden_bytes);
-  const size_t bytes = sampled
-                           ? draws_at + sizeof(ops::SampleRow) * static_cast<size_t>(max_depth * R)
-                           : ids_bytes + hidden_bytes;
+  const bool settling = can_settle(rows);
+  // After a settled round the pending tokens and h_true are where it left them; a chain whose
+  // rows do not all draft (no settling) takes the host's, which the engine knows once the rounds
+  // are read.
+  chain_device_inputs_ = pending_on_device_ && settling;
+  const bool host_inputs = !chain_device_inputs_;
+  const size_t ids_bytes = host_inputs ? sizeof(int32_t) * static_cast<size_t>(A0) : 0;
+  const size_t hidden_bytes = host_inputs ? sizeof(float) * static_cast<size_t>(A0 * H_) : 0;
+  const size_t draws_bytes =
+      sampled ? sizeof(ops::SampleRow) * static_cast<size_t>(max_depth * R) : 0;
+  const size_t hidden_at = upload_part_bytes(ids_bytes);
+  const size_t draws_at = hidden_at + upload_part_bytes(hidden_bytes);
+  const size_t slots_at = draws_at + upload_part_bytes(draws_bytes);
+  const size_t known_at = slots_at + upload_part_bytes(sizeof(int32_t) * R);
+  const size_t settled_at = known_at + upload_part_bytes(sizeof(int64_t) * R);
+  const size_t bytes = settling ? settled_at + sizeof(ops::SettledRow) * R : draws_at + draws_bytes;
   uint8_t* staged = chain_in_upload_.host(bytes);
-  for (int64_t a = 0; a < A0; ++a) {
-    const int b = first[static_cast<size_t>(a)];
-    reinterpret_cast<int32_t*>(staged)[a] = rows[static_cast<size_t>(b)].pending;
-    std::memcpy(staged + ids_bytes + sizeof(float) * static_cast<size_t>(a * H_),
-                rows_[static_cast<size_t>(b)].h_true.data(), sizeof(float) * H_);
+  if (host_inputs) {
+    if (h_true_stale_) sync_h_true();
+    for (int64_t a = 0; a < A0; ++a) {
+      const int b = first[static_cast<size_t>(a)];
+      reinterpret_cast<int32_t*>(staged)[a] = rows[static_cast<size_t>(b)].pending;
+      std::memcpy(staged + hidden_at + sizeof(float) * static_cast<size_t>(a * H_),
+                  rows_[static_cast<size_t>(b)].h_true.data(), sizeof(float) * H_);
+    }
   }
   if (sampled) {
     // Step j's a-th active row draws the token of output index first_index + j (the key the
@@ -366,14 +393,40 @@ void MtpRows::queue_device_chain(std::span<const RowDraft> rows, int max_depth) 
       }
     }
   }
+  if (settling) {
+    // Row b is slot b of shift_dev_ (settled rounds never change the rows).
+    auto* slots = reinterpret_cast<int32_t*>(staged + slots_at);
+    auto* known = reinterpret_cast<int64_t*>(staged + known_at);
+    auto* settled = reinterpret_cast<ops::SettledRow*>(staged + settled_at);
+    for (int64_t b = 0; b < R; ++b) {
+      slots[b] = static_cast<int32_t>(b);
+      known[b] = known_[static_cast<size_t>(b)];
+      settled[b] = {static_cast<int32_t>(b), static_cast<int32_t>(b)};
+    }
+  }
   chain_in_dev_.grow_to(static_cast<int64_t>(bytes));
   chain_in_upload_.start(chain_in_dev_.data(), bytes);
-  const auto* ids0 = reinterpret_cast<const int32_t*>(chain_in_dev_.data());
-  const auto* hidden0 = reinterpret_cast<const float*>(chain_in_dev_.data() + ids_bytes);
-  chain_draws_ =
-      sampled ? reinterpret_cast<const ops::SampleRow*>(chain_in_dev_.data() + draws_at) : nullptr;
-
-  if (!draft_chain_graph(rows, max_depth, ids0, hidden0)) queue_chain(ids0, hidden0, false);
+  uint8_t* in = chain_in_dev_.data();
+  const auto* ids0 = host_inputs ? reinterpret_cast<const int32_t*>(in) : picks_dev_.data();
+  const auto* hidden0 =
+      host_inputs ? reinterpret_cast<const float*>(in + hidden_at) : h_true_dev_.data();
+  chain_draws_ = sampled ? reinterpret_cast<ops::SampleRow*>(in + draws_at) : nullptr;
+  shift_rows_dev_ = settling ? reinterpret_cast<const int32_t*>(in + slots_at) : nullptr;
+  known_dev_ = settling ? reinterpret_cast<const int64_t*>(in + known_at) : nullptr;
+  settled_rows_dev_ = settling ? reinterpret_cast<ops::SettledRow*>(in + settled_at) : nullptr;
+  // Unresolved rounds: the chain's positions and draws move on by what the host has not counted.
+  chain_shifted_ = !settled_.empty();
+  reserve_extra_ = 0;
+  if (settling) {
+    for (const SettledRound& u : settled_) reserve_extra_ += u.depth;
+    reserve_extra_ += static_cast<int64_t>(max_depth) + 1;  // settle's completion rows
+  }
+  if (chain_shifted_ && !settling)
+    fail(who_, " draft: ", settled_.size(), " settled round(s) are unresolved");
+  if (!draft_chain_graph(rows, max_depth, ids0, hidden0)) {
+    if (chain_shifted_) fail(who_, " draft: a chain after unresolved rounds must run whole");
+    queue_chain(ids0, hidden0, false);
+  }
 }
 
 void MtpRows::take_picks(const int32_t* picks, int max_depth, std::vector<DraftProposal>* out) {
@@ -408,6 +461,7 @@ bool MtpRows::draft_chain_graph(std::span<const RowDraft> rows, int max_depth, c
   key.add(&target_).add(static_cast<uint64_t>(draft_vocab_)).add(ids0).add(hidden0);
   key.add(emb_.data()).add(hid_dev_.data()).add(ids_dev_.data()).add(picks_dev_.data());
   key.add(chain_dev_[0].data()).add(chain_dev_[1].data()).add(chain_draws_);
+  key.add(chain_shifted_).add(shift_rows_dev_).add(known_dev_).add(shift_dev_.data());
   for (int j = 0; j < max_depth; ++j) key.add(step_logits_dev_[static_cast<size_t>(j)].data());
   add_chain_key(key);
   chain_graphs_.run(key, [&] { queue_chain(ids0, hidden0, true); });
@@ -419,6 +473,22 @@ bool MtpRows::draft_chain_graph(std::span<const RowDraft> rows, int max_depth, c
 
 void MtpRows::queue_chain(const int32_t* ids, const float* hidden, bool prepared) {
   const int64_t R = row_count();
+  if (chain_shifted_) {
+    // Every row drafts each step (settled rounds): row b is step j's row b.
+    ops::PositionShift s;
+    s.shift = shift_dev_.data();
+    s.row_slot = shift_rows_dev_;
+    s.known = known_dev_;
+    shift_chain(s);
+    if (chain_draws_)
+      for (size_t j = 0; j < step_rows_.size() && !step_rows_[j].empty(); ++j) {
+        ops::PositionShift d = s;
+        d.rows = R;
+        d.sample = chain_draws_ + static_cast<int64_t>(j) * R;
+        d.sample_per_token = false;
+        ops::shift_positions(d, nullptr, nullptr);
+      }
+  }
   for (size_t j = 0; j < step_rows_.size(); ++j) {
     const std::vector<int>& active = step_rows_[j];
     const int64_t A = static_cast<int64_t>(active.size());
@@ -452,7 +522,7 @@ void MtpRows::queue_chain(const int32_t* ids, const float* hidden, bool prepared
       block_rows(active, std::vector<int64_t>(active.size(), 1), emb_.data(), hidden, block_out);
     float* logits = step_logits_dev_[j].data();
     draft_logits(block_out, A, logits);
-    int32_t* picked = picks_dev_.data() + static_cast<int64_t>(j) * R;
+    int32_t* picked = picks_dev_.data() + static_cast<int64_t>(j + 1) * R;
     if (chain_draws_)
       ops::sample_rows(logits, A, draft_vocab_, chain_draws_ + static_cast<int64_t>(j) * R, picked);
     else
@@ -463,8 +533,10 @@ void MtpRows::queue_chain(const int32_t* ids, const float* hidden, bool prepared
 }
 
 void MtpRows::commit(std::span<const VerifyRow> rows) {
+  check_resolved("commit");
   if (static_cast<int>(rows.size()) != row_count())
     fail(who_, " commit: ", rows.size(), " verify rows for ", row_count(), " rows");
+  sync_h_true();
   for (size_t b = 0; b < rows.size(); ++b) {
     const Row& r = rows_[b];
     const VerifyRow& v = rows[b];
@@ -510,6 +582,136 @@ void MtpRows::commit(std::span<const VerifyRow> rows) {
     r.drafted = false;
     r.proposals.clear();
   }
+  pending_on_device_ = false;  // the host holds every row's pending token and h_true again
+}
+
+bool MtpRows::can_settle(std::span<const RowDraft> rows) const {
+  if (!chains_share_context() || rows.empty() || static_cast<int>(rows.size()) != row_count())
+    return false;
+  for (const RowDraft& in : rows)
+    if (in.depth <= 0 || in.depth != rows[0].depth || in.want_distribution) return false;
+  return static_cast<int>(settled_.size()) < kPickReads - 1;
+}
+
+void MtpRows::settle(const SettledVerify& v) {
+  const int64_t R = row_count();
+  if (queued_depth_ < 0) fail(who_, " settle: no queued draft to settle");
+  if (settled_rows_dev_ == nullptr || v.depth != queued_depth_ || v.depth <= 0)
+    fail(who_, " settle: the queued draft (depth ", queued_depth_,
+         ") was not laid out for settling a verify of depth ", v.depth);
+  if (v.accepted == nullptr || v.next == nullptr || v.hidden == nullptr)
+    fail(who_, " settle: the verify's counts, pending tokens and hiddens are all needed");
+  const int D = v.depth;
+  h_true_dev_.grow_to(R * H_);
+  completion_hidden_dev_.grow_to(R * H_);
+  shift_dev_.grow_to(R);
+  known_.resize(static_cast<size_t>(R), 0);
+  // The next chain's inputs, where it reads them: the pending tokens (picks_dev_'s first row; the
+  // verify already read this round's) and h_true, the verify's hidden at the last accepted
+  // position of each window of D + 1.
+  ops::copy(picks_dev_.data(), v.next, sizeof(int32_t) * static_cast<size_t>(R));
+  ops::gather_window_rows(v.hidden, H_, D + 1, 0, v.accepted, R, h_true_dev_.data());
+  // Each row's completion row (the last proposal, from the hidden before it, as commit() adds it
+  // when all were accepted) at round_start + D. Where not all were, it lies past the row's MTP
+  // rows, where the next chain writes before anything reads (a step reads only the positions up
+  // to its own, each written by then).
+  ops::gather_window_rows(v.hidden, H_, D + 1, D - 1, nullptr, R, completion_hidden_dev_.data());
+  target_.embed_device(picks_dev_.data() + static_cast<int64_t>(D) * R, R, emb_.data());
+  std::vector<History*> histories;
+  std::vector<int64_t> starts;
+  for (Row& r : rows_) {
+    histories.push_back(r.history.get());
+    starts.push_back(r.round_start + D);
+  }
+  ops::PositionShift shift;
+  shift.shift = shift_dev_.data();
+  shift.row_slot = shift_rows_dev_;
+  shift.known = known_dev_;
+  out_.grow_to(R * H_);
+  block_shift_ = &shift;
+  try {
+    forward_block(emb_.data(), completion_hidden_dev_.data(), histories, starts,
+                  std::vector<int64_t>(static_cast<size_t>(R), 1), out_.data());
+  } catch (...) {
+    block_shift_ = nullptr;
+    throw;
+  }
+  block_shift_ = nullptr;
+  ops::settle_windows(v.accepted, settled_rows_dev_, R, shift_dev_.data(), nullptr, 0);
+  // The host counts each row's pending row only until resolve adds the accepted ones.
+  for (Row& r : rows_) {
+    r.length = r.round_start + 1;
+    r.drafted = false;
+    r.proposals.clear();
+  }
+  settled_.push_back({D, picks_read_});
+  picks_read_ = (picks_read_ + 1) % kPickReads;
+  queued_depth_ = -1;
+  queued_.clear();
+  pending_on_device_ = true;
+  h_true_stale_ = true;
+}
+
+void MtpRows::settled_proposals(std::vector<DraftProposal>* out) {
+  if (settled_.empty()) fail(who_, " settled_proposals: no settled round is unresolved");
+  const SettledRound& f = settled_.front();
+  const int64_t R = row_count();
+  const auto* picks = static_cast<const int32_t*>(picks_reads_[f.read].wait());
+  out->assign(static_cast<size_t>(R), DraftProposal{});
+  for (int j = 0; j < f.depth; ++j)
+    for (int64_t b = 0; b < R; ++b) {
+      const int32_t d = picks[static_cast<size_t>(j * R + b)];
+      if (d < 0) fail(who_, " draft: logits of row ", b, " hold NaN or +inf, or only -inf");
+      (*out)[static_cast<size_t>(b)].tokens.push_back(d);
+    }
+}
+
+void MtpRows::resolve(std::span<const int> accepted) {
+  if (settled_.empty()) fail(who_, " resolve: no settled round is unresolved");
+  const int D = settled_.front().depth;
+  if (static_cast<int>(accepted.size()) != row_count())
+    fail(who_, " resolve: ", accepted.size(), " counts for ", row_count(), " rows");
+  for (size_t b = 0; b < accepted.size(); ++b)
+    if (accepted[b] < 0 || accepted[b] > D)
+      fail(who_, " resolve: row ", b, " accepted ", accepted[b], " of ", D, " proposals");
+  if (picks_reads_[settled_.front().read].pending()) picks_reads_[settled_.front().read].wait();
+  for (size_t b = 0; b < accepted.size(); ++b) {
+    rows_[b].length += accepted[b];
+    known_[b] += accepted[b];
+  }
+  settled_.pop_front();
+}
+
+void MtpRows::drop_settled() {
+  for (Readback& r : picks_reads_)
+    if (r.pending()) r.wait();
+  settled_.clear();
+  queued_depth_ = -1;
+}
+
+void MtpRows::check_resolved(const char* what) const {
+  if (!settled_.empty())
+    fail(who_, " ", what, ": ", settled_.size(), " round(s) settled on the device are unresolved");
+}
+
+void MtpRows::sync_h_true() {
+  if (!h_true_stale_) return;
+  check_resolved("h_true");
+  const int64_t R = row_count();
+  std::vector<float> h(static_cast<size_t>(R * H_));
+  ops::copy_to_host(h.data(), h_true_dev_.data(), sizeof(float) * h.size());
+  for (int64_t b = 0; b < R; ++b)
+    rows_[static_cast<size_t>(b)].h_true.assign(h.begin() + b * H_, h.begin() + (b + 1) * H_);
+  h_true_stale_ = false;
+}
+
+void MtpRows::leave_device_rows() {
+  check_resolved("changing rows");
+  sync_h_true();
+  pending_on_device_ = false;
+  // Every round resolved: the device's shifts equal the host's counts; both start again at 0.
+  if (!shift_dev_.empty()) shift_dev_.zero();
+  known_.assign(known_.size(), 0);
 }
 
 CheckpointPtr MtpRows::capture(int row) const {
@@ -517,13 +719,18 @@ CheckpointPtr MtpRows::capture(int row) const {
   const Row& r = rows_[static_cast<size_t>(row)];
   if (!r.has_hidden) fail(who_, " capture: row ", row, " was never prefilled");
   if (r.drafted) fail(who_, " capture: row ", row, " has an uncommitted draft");
+  check_resolved("capture");
+  std::vector<float> h_true = r.h_true;
+  if (h_true_stale_)
+    ops::copy_to_host(h_true.data(), h_true_dev_.data() + static_cast<int64_t>(row) * H_,
+                      sizeof(float) * static_cast<size_t>(H_));
   auto c = std::make_shared<Checkpoint>();
   c->processed_tokens = r.base + r.length + 1;
   c->history_from = r.base;
   c->schema = schema_;
   c->ns = ns_;
   save_history(*r.history, r.length, *c);
-  c->tensors["h_true"] = CheckpointTensor{{H_}, r.h_true};
+  c->tensors["h_true"] = CheckpointTensor{{H_}, std::move(h_true)};
   return c;
 }
 

@@ -11,6 +11,7 @@
 #pragma once
 
 #include <cstdint>
+#include <deque>
 #include <memory>
 #include <span>
 #include <string>
@@ -54,6 +55,19 @@ class MtpRows : public DraftRows {
   // pending token's row when nothing was drafted.
   void commit(std::span<const VerifyRow> rows) override;
   CheckpointPtr capture(int row) const override;
+
+  // Settled rounds: the rows' pending tokens and h_true stay in backend memory, and each commit's
+  // last row (the last proposal's, from its true hidden, when every proposal was accepted) is
+  // computed for every row, where not all were accepted past its rows, where the next chain
+  // overwrites it before anything reads it. Until resolve, a row's MTP rows past `length` are
+  // counted on the device only (ops::PositionShift), as the target's are (Qwen35State's settled
+  // commits).
+  bool can_settle(std::span<const RowDraft> rows) const override;
+  void settle(const SettledVerify& v) override;
+  void settled_proposals(std::vector<DraftProposal>* out) override;
+  void resolve(std::span<const int> accepted) override;
+  int unresolved_rounds() const override { return static_cast<int>(settled_.size()); }
+  void drop_settled() override;
 
   // A reduced draft vocabulary (FR-Spec style): each draft step scores token ids
   // 0..tokens-1 only, reading that share of the target's head, and proposes among them
@@ -115,6 +129,16 @@ class MtpRows : public DraftRows {
   }
   // Adds what the prepared steps' launches bake in (buffer addresses, shapes) to a chain's key.
   virtual void add_chain_key(GraphKey& key) const { (void)key; }
+  // Settled rounds: moves the positions and KV slots of every prepared chain step by s (its
+  // shift, row_slot and known fields; the subclass fills in its batches' layout). Device
+  // work only, queued before the chain's first step.
+  virtual void shift_chain(const ops::PositionShift& s) { (void)s; }
+  // Set while a block forward must move its positions by it first (settle's completion rows);
+  // forward_block applies it (and keys its graph on it) when set.
+  const ops::PositionShift* block_shift_ = nullptr;
+  // Positions a row's KV must hold past what the host counts (settled rounds: the unresolved
+  // accepted tokens and settle's completion rows); reserve it too.
+  int64_t reserve_extra_ = 0;
   // Whether every launch of a draft chain goes to the caller's stream (the block shares the
   // caller's backend context): only then may a later launch there read the chain's proposals
   // without a host wait (draft_queued). The base class cannot tell: no.
@@ -142,6 +166,33 @@ class MtpRows : public DraftRows {
   std::string who_, schema_, ns_;
   HiddenTap tap_;
   std::vector<Row> rows_;
+
+  // Settled rounds, oldest first: their depth and which picks read holds their proposals.
+  struct SettledRound {
+    int depth = 0;
+    int read = 0;
+  };
+  std::deque<SettledRound> settled_;
+  // The last commit was settled: the rows' pending tokens are picks_dev_[0, rows) and their h_true
+  // h_true_dev_ (the host copies are stale until sync_h_true).
+  bool pending_on_device_ = false;
+  bool chain_device_inputs_ = false;  // the last chain read them there
+  bool h_true_stale_ = false;
+  Buffer<float> h_true_dev_, completion_hidden_dev_;  // [rows, H]
+  Buffer<int64_t> shift_dev_;                         // [rows] Σ accepted over settled commits
+  std::vector<int64_t> known_;                        // per row: the part of it lengths count
+  // The settled chain's per-row arrays in backend memory (row b's slot is b; known_), uploaded
+  // with the chain's inputs, and the shift built on them.
+  const int32_t* shift_rows_dev_ = nullptr;
+  const int64_t* known_dev_ = nullptr;
+  ops::SettledRow* settled_rows_dev_ = nullptr;
+  // Copies h_true_dev_ into the rows' host h_true where it is stale (a host path needs it).
+  void sync_h_true();
+  // Refuses (Error naming `what`) while a settled round is unresolved.
+  void check_resolved(const char* what) const;
+  // Before the rows change or a host path reads them: every settled round must be resolved; the
+  // pending tokens and h_true come back to the host and the shifts start again at 0.
+  void leave_device_rows();
   int64_t outstanding_appends_ = 0;  // rows of prepared, not yet committed appends
 
   // Scratch (grown, reused). Buffers are backend memory; vectors are host staging.
@@ -157,7 +208,10 @@ class MtpRows : public DraftRows {
   std::vector<int32_t> picks_;
   // draft_queued: the proposals' read, the rows' outputs so far, and the chain's depth until
   // finish_queued (-1: none pending).
-  Readback picks_readback_;
+  // A ring: a queued draft's read, and up to two settled rounds' reads still to be collected.
+  static constexpr int kPickReads = 3;
+  Readback picks_reads_[kPickReads];
+  int picks_read_ = 0;  // the read of the draft in flight
   std::vector<DraftProposal> queued_;
   int queued_depth_ = -1;
   // A chain's step-0 inputs (the drafting rows' pending ids, then their h_true, then for sampled
@@ -165,7 +219,8 @@ class MtpRows : public DraftRows {
   // path; the graphs of whole chains (draft_chain_graph). chain_draws_: where the draws sit in
   // chain_in_dev_ (null: every row greedy, each step takes the argmax).
   Buffer<uint8_t> chain_in_dev_;
-  const ops::SampleRow* chain_draws_ = nullptr;
+  ops::SampleRow* chain_draws_ = nullptr;
+  bool chain_shifted_ = false;  // the chain's positions and draws move on first (queue_chain)
   StagedUpload chain_in_upload_;
   GraphCache chain_graphs_;
   int64_t whole_chains_ = 0;

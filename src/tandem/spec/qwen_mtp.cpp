@@ -165,7 +165,7 @@ std::vector<const std::vector<int32_t>*> QwenMtpRows::reserve_tables(
   std::vector<const std::vector<int32_t>*> tables;
   for (size_t i = 0; i < rows.size(); ++i) {
     std::vector<int32_t>& blocks = static_cast<KvHistory&>(*rows[i]).blocks;
-    kv_.reserve(blocks, lengths[i] + added[i]);
+    kv_.reserve(blocks, lengths[i] + added[i] + reserve_extra_);
     tables.push_back(&blocks);
   }
   return tables;
@@ -187,15 +187,39 @@ void QwenMtpRows::forward_block(const float* embeds, const float* hidden,
   if (batch.tokens == 0) return;
   block_->reserve(ws_, batch.tokens);
   const ops::KVLayerView kv = kv_.view();
-  auto body = [&] { block_->forward(embeds, hidden, batch, kv, ws_, out); };
+  auto body = [&] {
+    if (block_shift_) shift_batch(*block_shift_, batch);
+    block_->forward(embeds, hidden, batch, kv, ws_, out);
+  };
   // Draft steps and commits (a token or a few per row) replay a graph: a step of this one-layer
   // block is some twenty small launches. Prompts come in every length and run directly.
   if (most > kGraphRowTokens) return body();
   GraphKey key;
   add_batch_key(batch, key);
   key.add(kv.pool).add(embeds).add(hidden).add(out);
+  if (block_shift_) {
+    const ops::PositionShift& s = *block_shift_;
+    key.add(s.shift).add(s.row_slot).add(s.known);
+  }
   ws_.add_to(key);
   graphs_.run(key, body);
+}
+
+void QwenMtpRows::shift_batch(const ops::PositionShift& shift, const AttentionBatch& b) {
+  ops::PositionShift s = shift;
+  s.token_row = b.rows.query_rows;
+  s.tokens = b.tokens;
+  s.rows = static_cast<int64_t>(b.segments.size());
+  s.tables = b.rows.tables;
+  s.table_stride = b.rows.table_stride;
+  s.block_size = kBlockSize;
+  // The batch's arrays are this pool's upload scratch (DraftKvPool::batch, chain), the
+  // forward's own to move.
+  ops::shift_positions(s, const_cast<int64_t*>(b.positions), const_cast<int64_t*>(b.kv_slots));
+}
+
+void QwenMtpRows::shift_chain(const ops::PositionShift& s) {
+  for (const AttentionBatch& b : chain_) shift_batch(s, b);
 }
 
 bool QwenMtpRows::chains_share_context() const {

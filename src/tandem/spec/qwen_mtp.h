@@ -113,6 +113,9 @@ class QwenMtpRows : public MtpRows {
                      std::span<const int> depths) override;
   void chain_step(int j, const float* embeds, const float* hidden, float* out) override;
   void add_chain_key(GraphKey& key) const override;
+  void shift_chain(const ops::PositionShift& s) override;
+  // Moves batch b's positions and KV slots by `shift` (its layout filled in from b).
+  static void shift_batch(const ops::PositionShift& shift, const AttentionBatch& b);
   bool chains_share_context() const override;
 };
 
