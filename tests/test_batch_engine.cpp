@@ -534,38 +534,52 @@ TEST(BatchEngine, VerifyReadsQueuedDraftsInPlace) {
 
 // Rounds settled on the device (SpecOptions::settled_rounds): each round's accept walk and
 // commits stay where the tokens are and the next round is queued before the host reads it, for
-// greedy and sampled rows joining, leaving and running into their max_tokens; every request
-// still gets its plain tokens, and most rounds are settled.
+// greedy and sampled rows joining, leaving and running into their max_tokens. Every request
+// still gets its plain tokens, most rounds are settled, and each request's speculation is what
+// host rounds give it (the drafter's proposals are the same, bit for bit).
 TEST(BatchEngine, SettledRoundsEmitThePlainTokens) {
   auto& d = demo();
   const auto shared = [&] {
     const ops::ContextScope scope(d.model->context());
     return spec::QwenMtpProvider::from_target(*d.target);
   }();
+  std::vector<GenerateRequest> reqs;
+  for (size_t i = 0; i < 6; ++i)
+    reqs.push_back(request(d.tok->encode(test::kDemoPrompts[i % test::kDemoPrompts.size()]),
+                           i % 2 == 0 ? 0.0f : 0.8f, 7 + i, 12 + 7 * static_cast<int64_t>(i)));
   for (int depth : {1, 3}) {
-    EngineOptions o;
-    o.spec.depth = depth;
-    o.spec.settled_rounds = true;
-    o.max_rows = 3;
-    BatchEngine engine(*d.model, shared.get(), "demo-target", o);
-    std::vector<GenerateRequest> reqs;
-    for (size_t i = 0; i < 6; ++i)
-      reqs.push_back(request(d.tok->encode(test::kDemoPrompts[i % test::kDemoPrompts.size()]),
-                             i % 2 == 0 ? 0.0f : 0.8f, 7 + i, 12 + 7 * static_cast<int64_t>(i)));
-    std::vector<std::shared_ptr<Recorder>> sinks;
-    size_t next = 0;
-    for (int step = 0;; ++step) {
-      if (next < reqs.size() && step % 5 == 0) {
-        sinks.push_back(std::make_shared<Recorder>());
-        engine.submit({reqs[next], -1}, sinks.back());
-        ++next;
+    std::vector<std::shared_ptr<Recorder>> sinks[2];
+    EngineCounters counters[2];
+    for (bool settled : {false, true}) {
+      EngineOptions o;
+      o.spec.depth = depth;
+      o.spec.settled_rounds = settled;
+      o.max_rows = 3;
+      BatchEngine engine(*d.model, shared.get(), "demo-target", o);
+      auto& mine = sinks[settled];
+      size_t next = 0;
+      for (int step = 0;; ++step) {
+        if (next < reqs.size() && step % 5 == 0) {
+          mine.push_back(std::make_shared<Recorder>());
+          engine.submit({reqs[next], -1}, mine.back());
+          ++next;
+        }
+        if (!engine.step() && next == reqs.size()) break;
+        ASSERT_LT(step, 3000);
       }
-      if (!engine.step() && next == reqs.size()) break;
-      ASSERT_LT(step, 3000);
+      counters[settled] = engine.counters();
     }
-    for (size_t i = 0; i < reqs.size(); ++i)
-      EXPECT_EQ(sinks[i]->tokens, alone(reqs[i])) << "depth " << depth << ", request " << i;
-    const EngineCounters c = engine.counters();
+    for (size_t i = 0; i < reqs.size(); ++i) {
+      const std::string what = "depth " + std::to_string(depth) + ", request " + std::to_string(i);
+      EXPECT_EQ(sinks[1][i]->tokens, alone(reqs[i])) << what;
+      ASSERT_TRUE(sinks[0][i]->outcome && sinks[1][i]->outcome) << what;
+      const SpecStats& host = sinks[0][i]->outcome->speculation;
+      const SpecStats& settled = sinks[1][i]->outcome->speculation;
+      EXPECT_EQ(settled.accepted_by_position, host.accepted_by_position) << what;
+      EXPECT_EQ(settled.rounds, host.rounds) << what;
+    }
+    const EngineCounters& c = counters[1];
+    EXPECT_EQ(counters[0].settled_rounds, 0);
     EXPECT_GT(c.settled_rounds, (c.rounds - c.pipelined_rounds) / 2) << "depth " << depth;
     int64_t accepted = 0;
     for (int64_t a : c.accepted_by_position) accepted += a;

@@ -14,6 +14,7 @@
 #include "tandem/engine/batch_engine.h"
 #include "tandem/engine/generator.h"
 #include "tandem/engine/prefix_cache.h"
+#include "tandem/spec/qwen_mtp.h"
 #include "test_util.h"
 
 namespace tandem {
@@ -51,7 +52,13 @@ GenerateRequest request(std::vector<int32_t> prompt, float temperature, uint64_t
 
 using Recorder = test::RecordingSink;
 
+// "mtp_settled": an MTP drafter in the target's context, its rounds settled on the device.
 const spec::DraftProvider* drafter_named(const std::string& name) {
+  static const auto shared = [] {
+    const ops::ContextScope scope(demo().model->context());
+    return spec::QwenMtpProvider::from_target(*demo().target);
+  }();
+  if (name == "mtp_settled") return shared.get();
   return name == "mtp" ? demo().mtp.get() : name == "ngram" ? demo().ngram.get() : nullptr;
 }
 
@@ -62,9 +69,10 @@ RequestOutcome serve(BatchEngine& engine, const GenerateRequest& r, std::vector<
   return o;
 }
 
-EngineOptions options(size_t cache_bytes) {
+EngineOptions options(size_t cache_bytes, bool settled = false) {
   EngineOptions o;
   o.spec.depth = 3;
+  o.spec.settled_rounds = settled;
   o.spec.prefill_chunk = 64;
   o.prefill_budget = 128;
   o.max_rows = 4;
@@ -371,8 +379,9 @@ class CachedPrefixes : public ::testing::TestWithParam<CacheCase> {};
 TEST_P(CachedPrefixes, HitEqualsColdEngineTokensAndAcceptance) {
   const CacheCase c = GetParam();
   const spec::DraftProvider* drafter = drafter_named(c.drafter);
+  const bool settled = std::string(c.drafter) == "mtp_settled";
   const auto text = sample_tokens(560);
-  BatchEngine cached(*demo().model, drafter, "demo-target", options(size_t{1} << 30));
+  BatchEngine cached(*demo().model, drafter, "demo-target", options(size_t{1} << 30, settled));
 
   const GenerateRequest first_turn = request(first(text, 300), c.temperature, 5, 12);
   std::vector<int32_t> answer;
@@ -394,7 +403,7 @@ TEST_P(CachedPrefixes, HitEqualsColdEngineTokensAndAcceptance) {
   for (size_t i = 0; i < later.size(); ++i) {
     std::vector<int32_t> hot, cold;
     const RequestOutcome oh = serve(cached, later[i], &hot);
-    BatchEngine fresh(*demo().model, drafter, "demo-target", options(0));
+    BatchEngine fresh(*demo().model, drafter, "demo-target", options(0, settled));
     const RequestOutcome oc = serve(fresh, later[i], &cold);
     EXPECT_EQ(oh.cached_tokens, reused[i]) << i;
     EXPECT_EQ(oc.cached_tokens, 0);
@@ -404,7 +413,7 @@ TEST_P(CachedPrefixes, HitEqualsColdEngineTokensAndAcceptance) {
     // MTP holds the rows it kept while decoding (computed from its own draft chain, not from the
     // target's hiddens a prefill feeds it): the state of the same conversation uninterrupted,
     // which may draft differently from a cold prefill of the same tokens.
-    if (i == 0 && std::string(c.drafter) == "mtp") continue;
+    if (i == 0 && std::string(c.drafter).starts_with("mtp")) continue;
     EXPECT_EQ(oh.speculation.accepted_by_position, oc.speculation.accepted_by_position) << i;
     EXPECT_EQ(oh.speculation.drafted_by_position, oc.speculation.drafted_by_position) << i;
     EXPECT_EQ(oh.speculation.rounds, oc.speculation.rounds) << i;
@@ -416,12 +425,15 @@ TEST_P(CachedPrefixes, HitEqualsColdEngineTokensAndAcceptance) {
   EXPECT_GT(k.prefix_bytes, 0);
   // Blocks are held by the cache only; the rows gave theirs back.
   EXPECT_EQ(k.kv_blocks_used, k.prefix_kv_blocks);
+  if (settled) EXPECT_GT(k.settled_rounds, 0);
 }
 
 INSTANTIATE_TEST_SUITE_P(Engine, CachedPrefixes,
                          ::testing::Values(CacheCase{"none", 0.0f}, CacheCase{"none", 0.9f},
                                            CacheCase{"mtp", 0.0f}, CacheCase{"mtp", 0.9f},
-                                           CacheCase{"ngram", 0.0f}, CacheCase{"ngram", 0.9f}),
+                                           CacheCase{"mtp_settled", 0.0f},
+                                           CacheCase{"mtp_settled", 0.9f}, CacheCase{"ngram", 0.0f},
+                                           CacheCase{"ngram", 0.9f}),
                          [](const auto& info) {
                            return std::string(info.param.drafter) +
                                   (info.param.temperature > 0 ? "_sampled" : "_greedy");

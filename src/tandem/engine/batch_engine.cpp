@@ -783,7 +783,7 @@ uint64_t BatchEngine::settled_index(const Row& row) const {
 }
 
 bool BatchEngine::settles(int depth) {
-  if (!options_.spec.settled_rounds || depth <= 0 || !decode_drafts_ || cache_ ||
+  if (!options_.spec.settled_rounds || depth <= 0 || !decode_drafts_ ||
       options_.spec.verify != spec::VerifyMode::Match || options_.spec.sync_phases ||
       !target_->settles_windows() || !taps_.hidden || !taps_.layers.empty())
     return false;
