@@ -425,7 +425,9 @@ TEST_P(CachedPrefixes, HitEqualsColdEngineTokensAndAcceptance) {
   EXPECT_GT(k.prefix_bytes, 0);
   // Blocks are held by the cache only; the rows gave theirs back.
   EXPECT_EQ(k.kv_blocks_used, k.prefix_kv_blocks);
-  if (settled) EXPECT_GT(k.settled_rounds, 0);
+  if (settled) {
+    EXPECT_GT(k.settled_rounds, 0);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Engine, CachedPrefixes,
