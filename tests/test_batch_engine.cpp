@@ -189,49 +189,62 @@ TEST(BatchEngine, PromptChunkingDoesNotChangeCpuLogits) {
 // alone; the other rows' tokens do not change.
 TEST(BatchEngine, CancelledFailedAndStoppedNeighboursDoNotDisturbOthers) {
   auto& d = demo();
-  EngineOptions o;
-  o.spec.depth = 2;
-  o.prefill_budget = 256;
-  o.max_rows = 8;
-  o.kv_blocks = 300;
-  BatchEngine engine(*d.model, d.mtp.get(), "demo-target", o);
-  const auto reqs = mixed_requests();
-  std::vector<std::shared_ptr<Recorder>> sinks;
-  for (size_t i = 0; i < reqs.size(); ++i) {
-    sinks.push_back(std::make_shared<Recorder>());
-    EngineRequest er;
-    er.gen = reqs[i];
-    er.gen.max_tokens = 30;
-    engine.submit(er, sinks.back());
+  // Host rounds, and rounds settled on the device (read a round late: the early ends land while
+  // the next round is in flight).
+  const auto shared = [&] {
+    const ops::ContextScope scope(d.model->context());
+    return spec::QwenMtpProvider::from_target(*d.target);
+  }();
+  for (bool settled : {false, true}) {
+    SCOPED_TRACE(settled ? "settled rounds" : "host rounds");
+    EngineOptions o;
+    o.spec.depth = 2;
+    o.spec.settled_rounds = settled;
+    o.prefill_budget = 256;
+    o.max_rows = 8;
+    o.kv_blocks = 300;
+    BatchEngine engine(*d.model, settled ? shared.get() : d.mtp.get(), "demo-target", o);
+    const auto reqs = mixed_requests();
+    std::vector<std::shared_ptr<Recorder>> sinks;
+    for (size_t i = 0; i < reqs.size(); ++i) {
+      sinks.push_back(std::make_shared<Recorder>());
+      EngineRequest er;
+      er.gen = reqs[i];
+      er.gen.max_tokens = 30;
+      engine.submit(er, sinks.back());
+    }
+    sinks[1]->cancel_after = 4;
+    sinks[3]->throw_at = 3;
+    sinks[4]->stop_at = 5;
+    engine.run_to_completion();
+    EXPECT_EQ(sinks[1]->outcome->end, RequestEnd::Cancelled);
+    EXPECT_EQ(sinks[3]->outcome->end, RequestEnd::Failed);
+    EXPECT_NE(sinks[3]->outcome->error.find("detokenization failed"), std::string::npos);
+    EXPECT_EQ(sinks[4]->outcome->end, RequestEnd::Finished);
+    EXPECT_EQ(sinks[4]->outcome->finish, FinishReason::Stop);
+    EXPECT_EQ(sinks[4]->tokens.size(), 5u);
+    for (size_t i : {0u, 2u, 5u}) {
+      auto r = reqs[i];
+      r.max_tokens = 30;
+      EXPECT_EQ(sinks[i]->tokens, alone(r)) << "request " << i;
+    }
+    // The early ends' prefixes are the plain tokens too.
+    for (size_t i : {1u, 3u, 4u}) {
+      auto r = reqs[i];
+      r.max_tokens = 30;
+      const auto want = alone(r);
+      ASSERT_LE(sinks[i]->tokens.size(), want.size());
+      EXPECT_TRUE(std::equal(sinks[i]->tokens.begin(), sinks[i]->tokens.end(), want.begin()));
+    }
+    const EngineCounters k = engine.counters();
+    EXPECT_EQ(k.cancelled, 1);
+    EXPECT_EQ(k.failed, 1);
+    EXPECT_EQ(k.finished, 4);
+    EXPECT_EQ(k.kv_blocks_used, 0);
+    if (settled) {
+      EXPECT_GT(k.settled_rounds, 0);
+    }
   }
-  sinks[1]->cancel_after = 4;
-  sinks[3]->throw_at = 3;
-  sinks[4]->stop_at = 5;
-  engine.run_to_completion();
-  EXPECT_EQ(sinks[1]->outcome->end, RequestEnd::Cancelled);
-  EXPECT_EQ(sinks[3]->outcome->end, RequestEnd::Failed);
-  EXPECT_NE(sinks[3]->outcome->error.find("detokenization failed"), std::string::npos);
-  EXPECT_EQ(sinks[4]->outcome->end, RequestEnd::Finished);
-  EXPECT_EQ(sinks[4]->outcome->finish, FinishReason::Stop);
-  EXPECT_EQ(sinks[4]->tokens.size(), 5u);
-  for (size_t i : {0u, 2u, 5u}) {
-    auto r = reqs[i];
-    r.max_tokens = 30;
-    EXPECT_EQ(sinks[i]->tokens, alone(r)) << "request " << i;
-  }
-  // The early ends' prefixes are the plain tokens too.
-  for (size_t i : {1u, 3u, 4u}) {
-    auto r = reqs[i];
-    r.max_tokens = 30;
-    const auto want = alone(r);
-    ASSERT_LE(sinks[i]->tokens.size(), want.size());
-    EXPECT_TRUE(std::equal(sinks[i]->tokens.begin(), sinks[i]->tokens.end(), want.begin()));
-  }
-  const EngineCounters k = engine.counters();
-  EXPECT_EQ(k.cancelled, 1);
-  EXPECT_EQ(k.failed, 1);
-  EXPECT_EQ(k.finished, 4);
-  EXPECT_EQ(k.kv_blocks_used, 0);
 }
 
 // Layer-sliced prefill: a row cancelled while its chunk's forward is halfway through the layers

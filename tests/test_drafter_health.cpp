@@ -86,12 +86,13 @@ struct Served {
 };
 
 // The demo prompts, `rows` of them at once, each decoding `tokens` tokens at temperature `t`.
-Served serve(const spec::DraftProvider* drafter, int rows, float t, bool probe,
-             int64_t tokens = 96) {
+Served serve(const spec::DraftProvider* drafter, int rows, float t, bool probe, int64_t tokens = 96,
+             bool settled = false) {
   auto& d = demo();
   EngineOptions o;
   o.spec.depth = 3;
   o.spec.health_probe = probe;
+  o.spec.settled_rounds = settled;
   o.max_rows = rows;
   Served s;
   o.on_warning = [&](const std::string& w) { s.warnings.push_back(w); };
@@ -148,6 +149,29 @@ TEST(DrafterHealthEngine, ACollapsedDrafterIsReportedOnceAndStopsDraftingLossles
       EXPECT_GT(plain.counters.pipelined_rounds, 0);
       EXPECT_EQ(unprobed.counters.pipelined_rounds, 0);
     }
+  }
+}
+
+// Rounds settled on the device are read a round late: the probe still sees every round, and on
+// a collapse the rounds in flight are read before the drafter is released.
+TEST(DrafterHealthEngine, ACollapseIsCaughtInSettledRoundsToo) {
+  auto& d = demo();
+  const auto broken = [&] {
+    const ops::ContextScope scope(d.model->context());
+    return spec::QwenMtpProvider::random(*d.target, 5);
+  }();
+  for (const float t : {0.0f, 0.8f}) {
+    SCOPED_TRACE("T " + std::to_string(t));
+    const Served plain = serve(nullptr, 4, t, true, 160);
+    const Served probed = serve(broken.get(), 4, t, true, 160, /*settled=*/true);
+    EXPECT_EQ(probed.tokens, plain.tokens);
+    ASSERT_EQ(probed.warnings.size(), 1u);
+    EXPECT_EQ(probed.counters.drafter_disabled, 1);
+    EXPECT_GT(probed.counters.settled_rounds, 0);
+    int64_t drafted = 0;
+    for (const SpecStats& st : probed.stats) drafted += st.drafted_by_position[0];
+    EXPECT_LE(drafted, 48 + 2 * 4);  // at most one more round was in flight
+    EXPECT_GT(probed.counters.pipelined_rounds, 100 - 48 / 4);
   }
 }
 
