@@ -183,6 +183,12 @@ struct PositionShift {
   // logits row k belongs to token k's row when sample_per_token, else to row k.
   SampleRow* sample = nullptr;
   bool sample_per_token = true;
+  // Given: each of the first park_tokens tokens whose row has park_unless[r] != park_full moves
+  // park_by places further (an MTP commit's completion row, laid out where it belongs when every
+  // proposal was accepted, parked past the positions its chain writes where not).
+  int64_t park_tokens = 0;
+  const int32_t* park_unless = nullptr;
+  int64_t park_full = 0, park_by = 0;
 };
 void shift_positions(const PositionShift& s, int64_t* positions, int64_t* kv_slots);
 // dst[i] = src[i · row_stride + at + (offsets ? offsets[i] : 0)], rows of `width` floats: a

@@ -43,7 +43,9 @@ constexpr int64_t row_shift(const ops::PositionShift& s, int64_t r) {
 // Token t of shift_positions: its position, KV slot and (per token) draw index.
 constexpr void shift_token(const ops::PositionShift& s, int64_t t, int64_t* positions,
                            int64_t* kv_slots) {
-  const int64_t r = s.token_row[t], d = row_shift(s, r);
+  const int64_t r = s.token_row[t];
+  int64_t d = row_shift(s, r);
+  if (t < s.park_tokens && r >= 0 && s.park_unless[r] != s.park_full) d += s.park_by;
   if (d == 0) return;
   const int64_t p = positions[t] + d;
   positions[t] = p;

@@ -81,10 +81,17 @@ AttentionBatch DraftKvPool::batch(std::span<const std::vector<int32_t>* const> t
 
 std::vector<AttentionBatch> DraftKvPool::chain(std::span<const std::vector<int32_t>* const> tables,
                                                std::span<const int64_t> lengths,
-                                               std::span<const int> depths) {
+                                               std::span<const int> depths,
+                                               std::span<const int64_t> completion) {
   int steps = 0;
   for (int d : depths) steps = std::max(steps, d);
   std::vector<StepRows> rows(static_cast<size_t>(steps));
+  if (steps > 0)
+    for (size_t i = 0; i < completion.size(); ++i) {
+      rows[0].rows.push_back(static_cast<int>(i));
+      rows[0].starts.push_back(completion[i]);
+      rows[0].counts.push_back(1);
+    }
   for (int j = 0; j < steps; ++j)
     for (size_t i = 0; i < tables.size(); ++i)
       if (depths[i] > j) {

@@ -50,8 +50,11 @@ class DraftKvPool {
   // lengths[i] + j to every row i with depths[i] > j. Tables are shared by all steps (each must
   // hold lengths[i] + depths[i] positions), so segment i of a step points at row i's table
   // wherever the rows that stopped drafting left it. Valid until the next batch or chain call.
+  // completion (optional, one position per row): step 0 first appends one row at completion[i]
+  // to every row i (an MTP commit's completion rows, DraftRows::settle), then the chain's.
   std::vector<AttentionBatch> chain(std::span<const std::vector<int32_t>* const> tables,
-                                    std::span<const int64_t> lengths, std::span<const int> depths);
+                                    std::span<const int64_t> lengths, std::span<const int> depths,
+                                    std::span<const int64_t> completion = {});
 
   // The rows a checkpoint's KV tensors kv_keys and kv_values [rows, kv_heads, head_dim] hold;
   // throws tandem::Error naming `who` unless both are there in this pool's shape.

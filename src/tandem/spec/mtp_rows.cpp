@@ -337,8 +337,9 @@ void MtpRows::draft_on_host(std::span<const RowDraft> rows, int max_depth,
 void MtpRows::queue_device_chain(std::span<const RowDraft> rows, int max_depth) {
   const int64_t R = row_count();
   picks_dev_.grow_to((max_depth + 1) * R);
-  for (Buffer<float>& b : chain_dev_) b.grow_to(R * H_);
-  emb_.grow_to(R * H_);
+  // Twice the rows: a settled round's completion rows may head step 0.
+  for (Buffer<float>& b : chain_dev_) b.grow_to(2 * R * H_);
+  emb_.grow_to(2 * R * H_);
   hid_dev_.grow_to(R * H_);
   ids_dev_.grow_to(R);
   for (int j = 0; j < max_depth; ++j) {
@@ -407,9 +408,14 @@ void MtpRows::queue_device_chain(std::span<const RowDraft> rows, int max_depth) 
   chain_in_dev_.grow_to(static_cast<int64_t>(bytes));
   chain_in_upload_.start(chain_in_dev_.data(), bytes);
   uint8_t* in = chain_in_dev_.data();
-  const auto* ids0 = host_inputs ? reinterpret_cast<const int32_t*>(in) : picks_dev_.data();
-  const auto* hidden0 =
-      host_inputs ? reinterpret_cast<const float*>(in + hidden_at) : h_true_dev_.data();
+  // Device inputs: the completion rows of the last settled round head step 0 (R of them, then
+  // the R pending rows), unless that round was flushed already.
+  chain_completion_ = chain_device_inputs_ && completion_pending_;
+  const int64_t lead = chain_completion_ ? 0 : R;
+  const auto* ids0 =
+      host_inputs ? reinterpret_cast<const int32_t*>(in) : step0_ids_dev_.data() + lead;
+  const auto* hidden0 = host_inputs ? reinterpret_cast<const float*>(in + hidden_at)
+                                    : step0_hidden_dev_.data() + lead * H_;
   chain_draws_ = sampled ? reinterpret_cast<ops::SampleRow*>(in + draws_at) : nullptr;
   shift_rows_dev_ = settling ? reinterpret_cast<const int32_t*>(in + slots_at) : nullptr;
   known_dev_ = settling ? reinterpret_cast<const int64_t*>(in + known_at) : nullptr;
@@ -427,6 +433,7 @@ void MtpRows::queue_device_chain(std::span<const RowDraft> rows, int max_depth) 
     if (chain_shifted_) fail(who_, " draft: a chain after unresolved rounds must run whole");
     queue_chain(ids0, hidden0, false);
   }
+  if (chain_completion_) completion_pending_ = false;  // the chain computed them
 }
 
 void MtpRows::take_picks(const int32_t* picks, int max_depth, std::vector<DraftProposal>* out) {
@@ -462,6 +469,8 @@ bool MtpRows::draft_chain_graph(std::span<const RowDraft> rows, int max_depth, c
   key.add(emb_.data()).add(hid_dev_.data()).add(ids_dev_.data()).add(picks_dev_.data());
   key.add(chain_dev_[0].data()).add(chain_dev_[1].data()).add(chain_draws_);
   key.add(chain_shifted_).add(shift_rows_dev_).add(known_dev_).add(shift_dev_.data());
+  key.add(chain_completion_).add(chain_completion_ ? completion_accepted_ : nullptr);
+  key.add(static_cast<uint64_t>(chain_completion_ ? completion_depth_ : 0));
   for (int j = 0; j < max_depth; ++j) key.add(step_logits_dev_[static_cast<size_t>(j)].data());
   add_chain_key(key);
   chain_graphs_.run(key, [&] { queue_chain(ids0, hidden0, true); });
@@ -473,12 +482,22 @@ bool MtpRows::draft_chain_graph(std::span<const RowDraft> rows, int max_depth, c
 
 void MtpRows::queue_chain(const int32_t* ids, const float* hidden, bool prepared) {
   const int64_t R = row_count();
+  int64_t depth = 0;
+  for (const std::vector<int>& s : step_rows_) depth += s.empty() ? 0 : 1;
   if (chain_shifted_) {
-    // Every row drafts each step (settled rounds): row b is step j's row b.
+    // Every row drafts each step (settled rounds): row b is step j's row b. Completion rows are
+    // laid out where they belong when their round accepted every proposal, parked past this
+    // chain's positions where not.
     ops::PositionShift s;
     s.shift = shift_dev_.data();
     s.row_slot = shift_rows_dev_;
     s.known = known_dev_;
+    if (chain_completion_) {
+      s.park_tokens = R;
+      s.park_unless = completion_accepted_;
+      s.park_full = completion_depth_;
+      s.park_by = depth + 1;
+    }
     shift_chain(s);
     if (chain_draws_)
       for (size_t j = 0; j < step_rows_.size() && !step_rows_[j].empty(); ++j) {
@@ -514,21 +533,24 @@ void MtpRows::queue_chain(const int32_t* ids, const float* hidden, bool prepared
         hidden = hid_dev_.data();
       }
     }
-    target_.embed_device(ids, A, emb_.data());
+    // Step 0 of a chain after a settled round: that round's completion rows first (no draft).
+    const int64_t lead = j == 0 && chain_completion_ ? A : 0;
+    target_.embed_device(ids, lead + A, emb_.data());
     float* block_out = chain_dev_[j % 2].data();
     if (prepared)
       chain_step(static_cast<int>(j), emb_.data(), hidden, block_out);
     else
       block_rows(active, std::vector<int64_t>(active.size(), 1), emb_.data(), hidden, block_out);
+    const float* drafted = block_out + lead * H_;
     float* logits = step_logits_dev_[j].data();
-    draft_logits(block_out, A, logits);
+    draft_logits(drafted, A, logits);
     int32_t* picked = picks_dev_.data() + static_cast<int64_t>(j + 1) * R;
     if (chain_draws_)
       ops::sample_rows(logits, A, draft_vocab_, chain_draws_ + static_cast<int64_t>(j) * R, picked);
     else
       ops::argmax_rows(logits, A, draft_vocab_, picked);
     ids = picked;
-    hidden = block_out;
+    hidden = drafted;
   }
 }
 
@@ -601,42 +623,28 @@ void MtpRows::settle(const SettledVerify& v) {
          ") was not laid out for settling a verify of depth ", v.depth);
   if (v.accepted == nullptr || v.next == nullptr || v.hidden == nullptr)
     fail(who_, " settle: the verify's counts, pending tokens and hiddens are all needed");
+  if (completion_pending_)
+    fail(who_, " settle: the last settled round's completion rows were never computed");
   const int D = v.depth;
-  h_true_dev_.grow_to(R * H_);
-  completion_hidden_dev_.grow_to(R * H_);
+  step0_ids_dev_.grow_to(2 * R);
+  step0_hidden_dev_.grow_to(2 * R * H_);
   shift_dev_.grow_to(R);
   known_.resize(static_cast<size_t>(R), 0);
-  // The next chain's inputs, where it reads them: the pending tokens (picks_dev_'s first row; the
-  // verify already read this round's) and h_true, the verify's hidden at the last accepted
-  // position of each window of D + 1.
-  ops::copy(picks_dev_.data(), v.next, sizeof(int32_t) * static_cast<size_t>(R));
-  ops::gather_window_rows(v.hidden, H_, D + 1, 0, v.accepted, R, h_true_dev_.data());
-  // Each row's completion row (the last proposal, from the hidden before it, as commit() adds it
-  // when all were accepted) at round_start + D. Where not all were, it lies past the row's MTP
-  // rows, where the next chain writes before anything reads (a step reads only the positions up
-  // to its own, each written by then).
-  ops::gather_window_rows(v.hidden, H_, D + 1, D - 1, nullptr, R, completion_hidden_dev_.data());
-  target_.embed_device(picks_dev_.data() + static_cast<int64_t>(D) * R, R, emb_.data());
-  std::vector<History*> histories;
-  std::vector<int64_t> starts;
-  for (Row& r : rows_) {
-    histories.push_back(r.history.get());
-    starts.push_back(r.round_start + D);
-  }
-  ops::PositionShift shift;
-  shift.shift = shift_dev_.data();
-  shift.row_slot = shift_rows_dev_;
-  shift.known = known_dev_;
-  out_.grow_to(R * H_);
-  block_shift_ = &shift;
-  try {
-    forward_block(emb_.data(), completion_hidden_dev_.data(), histories, starts,
-                  std::vector<int64_t>(static_cast<size_t>(R), 1), out_.data());
-  } catch (...) {
-    block_shift_ = nullptr;
-    throw;
-  }
-  block_shift_ = nullptr;
+  // The next round's inputs, where it reads them: the pending tokens (picks_dev_'s first row for
+  // the verify, which already read this round's; the second half of the chain's step-0 ids) and
+  // h_true, the verify's hidden at the last accepted position of each window of D + 1.
+  const size_t id_bytes = sizeof(int32_t) * static_cast<size_t>(R);
+  ops::copy(picks_dev_.data(), v.next, id_bytes);
+  ops::copy(step0_ids_dev_.data() + R, v.next, id_bytes);
+  ops::gather_window_rows(v.hidden, H_, D + 1, 0, v.accepted, R, step0_hidden_dev_.data() + R * H_);
+  // Each row's completion row, the last proposal from the hidden before it (what commit() adds
+  // when all were accepted), heads the next chain's step 0 (or is computed alone once the round is
+  // resolved and no chain took it: flush_completion).
+  ops::copy(step0_ids_dev_.data(), picks_dev_.data() + static_cast<int64_t>(D) * R, id_bytes);
+  ops::gather_window_rows(v.hidden, H_, D + 1, D - 1, nullptr, R, step0_hidden_dev_.data());
+  completion_pending_ = true;
+  completion_depth_ = D;
+  completion_accepted_ = v.accepted;
   ops::settle_windows(v.accepted, settled_rows_dev_, R, shift_dev_.data(), nullptr, 0);
   // The host counts each row's pending row only until resolve adds the accepted ones.
   for (Row& r : rows_) {
@@ -666,6 +674,27 @@ void MtpRows::settled_proposals(std::vector<DraftProposal>* out) {
     }
 }
 
+void MtpRows::flush_completion(std::span<const int> accepted) {
+  // Rows that accepted every proposal get their completion row at length - 1 (resolved: the
+  // host's lengths are exact); the others get it at their next position, which their next draft
+  // or commit writes before anything reads it.
+  const int64_t R = row_count();
+  std::vector<History*> histories;
+  std::vector<int64_t> starts;
+  for (int64_t b = 0; b < R; ++b) {
+    Row& r = rows_[static_cast<size_t>(b)];
+    histories.push_back(r.history.get());
+    starts.push_back(accepted[static_cast<size_t>(b)] == completion_depth_ ? r.length - 1
+                                                                           : r.length);
+  }
+  emb_.grow_to(R * H_);
+  out_.grow_to(R * H_);
+  target_.embed_device(step0_ids_dev_.data(), R, emb_.data());
+  forward_block(emb_.data(), step0_hidden_dev_.data(), histories, starts,
+                std::vector<int64_t>(static_cast<size_t>(R), 1), out_.data());
+  completion_pending_ = false;
+}
+
 void MtpRows::resolve(std::span<const int> accepted) {
   if (settled_.empty()) fail(who_, " resolve: no settled round is unresolved");
   const int D = settled_.front().depth;
@@ -680,6 +709,8 @@ void MtpRows::resolve(std::span<const int> accepted) {
     known_[b] += accepted[b];
   }
   settled_.pop_front();
+  // Every round is read: the host path may come next, which computes no completion rows.
+  if (settled_.empty() && completion_pending_) flush_completion(accepted);
 }
 
 void MtpRows::drop_settled() {
@@ -687,6 +718,7 @@ void MtpRows::drop_settled() {
     if (r.pending()) r.wait();
   settled_.clear();
   queued_depth_ = -1;
+  completion_pending_ = false;
 }
 
 void MtpRows::check_resolved(const char* what) const {
@@ -699,7 +731,7 @@ void MtpRows::sync_h_true() {
   check_resolved("h_true");
   const int64_t R = row_count();
   std::vector<float> h(static_cast<size_t>(R * H_));
-  ops::copy_to_host(h.data(), h_true_dev_.data(), sizeof(float) * h.size());
+  ops::copy_to_host(h.data(), step0_hidden_dev_.data() + R * H_, sizeof(float) * h.size());
   for (int64_t b = 0; b < R; ++b)
     rows_[static_cast<size_t>(b)].h_true.assign(h.begin() + b * H_, h.begin() + (b + 1) * H_);
   h_true_stale_ = false;
@@ -722,7 +754,8 @@ CheckpointPtr MtpRows::capture(int row) const {
   check_resolved("capture");
   std::vector<float> h_true = r.h_true;
   if (h_true_stale_)
-    ops::copy_to_host(h_true.data(), h_true_dev_.data() + static_cast<int64_t>(row) * H_,
+    ops::copy_to_host(h_true.data(),
+                      step0_hidden_dev_.data() + (row_count() + static_cast<int64_t>(row)) * H_,
                       sizeof(float) * static_cast<size_t>(H_));
   auto c = std::make_shared<Checkpoint>();
   c->processed_tokens = r.base + r.length + 1;

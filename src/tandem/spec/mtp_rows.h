@@ -130,15 +130,17 @@ class MtpRows : public DraftRows {
   // Adds what the prepared steps' launches bake in (buffer addresses, shapes) to a chain's key.
   virtual void add_chain_key(GraphKey& key) const { (void)key; }
   // Settled rounds: moves the positions and KV slots of every prepared chain step by s (its
-  // shift, row_slot and known fields; the subclass fills in its batches' layout). Device
-  // work only, queued before the chain's first step.
+  // shift, row_slot and known fields; its park fields for step 0's leading completion rows only;
+  // the subclass fills in its batches' layout). Device work only, queued before the chain's first
+  // step.
   virtual void shift_chain(const ops::PositionShift& s) { (void)s; }
-  // Set while a block forward must move its positions by it first (settle's completion rows);
-  // forward_block applies it (and keys its graph on it) when set.
-  const ops::PositionShift* block_shift_ = nullptr;
   // Positions a row's KV must hold past what the host counts (settled rounds: the unresolved
-  // accepted tokens and settle's completion rows); reserve it too.
+  // accepted tokens, and completion rows parked past a chain); reserve it too.
   int64_t reserve_extra_ = 0;
+  // The chain being prepared starts step 0 with one completion row per row (the last settled
+  // round's), at the row's length - 1 as the host counts it (prepare_chain lays it out there),
+  // then the chain's own rows; the block's output rows follow the same order.
+  bool chain_completion_ = false;
   // Whether every launch of a draft chain goes to the caller's stream (the block shares the
   // caller's backend context): only then may a later launch there read the chain's proposals
   // without a host wait (draft_queued). The base class cannot tell: no.
@@ -174,19 +176,32 @@ class MtpRows : public DraftRows {
   };
   std::deque<SettledRound> settled_;
   // The last commit was settled: the rows' pending tokens are picks_dev_[0, rows) and their h_true
-  // h_true_dev_ (the host copies are stale until sync_h_true).
+  // the second half of step0_hidden_dev_ (the host copies are stale until sync_h_true).
   bool pending_on_device_ = false;
   bool chain_device_inputs_ = false;  // the last chain read them there
   bool h_true_stale_ = false;
-  Buffer<float> h_true_dev_, completion_hidden_dev_;  // [rows, H]
-  Buffer<int64_t> shift_dev_;                         // [rows] Σ accepted over settled commits
-  std::vector<int64_t> known_;                        // per row: the part of it lengths count
+  // A settled chain's step-0 inputs: ids [2 · rows] (the last settled round's completion ids, then
+  // the pending tokens) and hiddens [2 · rows, H] (the hiddens before the last proposals, then
+  // h_true).
+  Buffer<int32_t> step0_ids_dev_;
+  Buffer<float> step0_hidden_dev_;
+  // The last settled round's completion rows are still to be computed (by the next chain's step
+  // 0, or flush_completion), with that round's depth and accepted counts (the caller's array,
+  // valid until the next chain is queued).
+  bool completion_pending_ = false;
+  int completion_depth_ = 0;
+  const int32_t* completion_accepted_ = nullptr;
+  // Computes the pending completion rows where the host now knows they belong (every round
+  // resolved, the last with `accepted`).
+  void flush_completion(std::span<const int> accepted);
+  Buffer<int64_t> shift_dev_;   // [rows] Σ accepted over settled commits
+  std::vector<int64_t> known_;  // per row: the part of it lengths count
   // The settled chain's per-row arrays in backend memory (row b's slot is b; known_), uploaded
   // with the chain's inputs, and the shift built on them.
   const int32_t* shift_rows_dev_ = nullptr;
   const int64_t* known_dev_ = nullptr;
   ops::SettledRow* settled_rows_dev_ = nullptr;
-  // Copies h_true_dev_ into the rows' host h_true where it is stale (a host path needs it).
+  // Copies the device h_true into the rows' host h_true where it is stale (a host path needs it).
   void sync_h_true();
   // Refuses (Error naming `what`) while a settled round is unresolved.
   void check_resolved(const char* what) const;

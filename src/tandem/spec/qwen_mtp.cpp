@@ -187,20 +187,13 @@ void QwenMtpRows::forward_block(const float* embeds, const float* hidden,
   if (batch.tokens == 0) return;
   block_->reserve(ws_, batch.tokens);
   const ops::KVLayerView kv = kv_.view();
-  auto body = [&] {
-    if (block_shift_) shift_batch(*block_shift_, batch);
-    block_->forward(embeds, hidden, batch, kv, ws_, out);
-  };
+  auto body = [&] { block_->forward(embeds, hidden, batch, kv, ws_, out); };
   // Draft steps and commits (a token or a few per row) replay a graph: a step of this one-layer
   // block is some twenty small launches. Prompts come in every length and run directly.
   if (most > kGraphRowTokens) return body();
   GraphKey key;
   add_batch_key(batch, key);
   key.add(kv.pool).add(embeds).add(hidden).add(out);
-  if (block_shift_) {
-    const ops::PositionShift& s = *block_shift_;
-    key.add(s.shift).add(s.row_slot).add(s.known);
-  }
   ws_.add_to(key);
   graphs_.run(key, body);
 }
@@ -219,7 +212,11 @@ void QwenMtpRows::shift_batch(const ops::PositionShift& shift, const AttentionBa
 }
 
 void QwenMtpRows::shift_chain(const ops::PositionShift& s) {
-  for (const AttentionBatch& b : chain_) shift_batch(s, b);
+  for (size_t j = 0; j < chain_.size(); ++j) {
+    ops::PositionShift step = s;
+    if (j > 0) step.park_tokens = 0;  // completion rows lead step 0 only
+    shift_batch(step, chain_[j]);
+  }
 }
 
 bool QwenMtpRows::chains_share_context() const {
@@ -230,7 +227,10 @@ bool QwenMtpRows::prepare_chain(std::span<History* const> rows, std::span<const 
                                 std::span<const int> depths) {
   if (!chains_share_context()) return false;
   const std::vector<int64_t> steps(depths.begin(), depths.end());
-  chain_ = kv_.chain(reserve_tables(rows, lengths, steps), lengths, depths);
+  std::vector<int64_t> completion;
+  if (chain_completion_)
+    for (int64_t l : lengths) completion.push_back(l - 1);
+  chain_ = kv_.chain(reserve_tables(rows, lengths, steps), lengths, depths, completion);
   int64_t most = 0;
   for (const AttentionBatch& b : chain_) most = std::max(most, b.tokens);
   block_->reserve(ws_, most);
