@@ -224,6 +224,30 @@ TEST(Ops, ShiftPositionsMovesRowsByWhatTheHostDidNotCount) {
   EXPECT_EQ(draws[2].index, 107u);
 }
 
+TEST(Ops, ShiftPositionsParksLeadingTokensOfRowsThatDidNotAcceptEverything) {
+  // Tokens 0 and 1 lead (completion rows of rows 0 and 1), tokens 2 and 3 follow. Row 0
+  // accepted all 3 proposals of its last round, row 1 only 1; both have 2 uncounted tokens.
+  const std::vector<int64_t> shift = {5, 7};
+  const std::vector<int32_t> row_slot = {0, 1};
+  const std::vector<int64_t> known = {3, 5};
+  const std::vector<int64_t> token_row = {0, 1, 0, 1};
+  const std::vector<int32_t> accepted = {3, 1};
+  std::vector<int64_t> pos = {9, 19, 10, 20};
+  ops::PositionShift s;
+  s.shift = shift.data();
+  s.row_slot = row_slot.data();
+  s.known = known.data();
+  s.token_row = token_row.data();
+  s.tokens = 4;
+  s.rows = 2;
+  s.park_tokens = 2;
+  s.park_unless = accepted.data();
+  s.park_full = 3;
+  s.park_by = 4;
+  ops::shift_positions(s, pos.data(), nullptr);
+  EXPECT_EQ(pos, (std::vector<int64_t>{11, 25, 12, 22}));
+}
+
 TEST(Ops, GatherWindowRowsTakesEachWindowsChosenToken) {
   // Three windows of 3 tokens, rows of 2 floats: token t holds {t, -t}.
   std::vector<float> src(18);

@@ -848,10 +848,29 @@ TEST_F(CudaOps, WindowOpsMatchCpu) {
     EXPECT_EQ(got_draws[t].index, draws_want[t].index) << t;
   EXPECT_NE(pos_want, pos);  // some rows moved
 
-  // The gather of each window's last accepted token's hidden row.
+  // Leading tokens parked (an MTP chain's completion rows), and the gather of each window's
+  // last accepted token's hidden row.
   std::vector<int32_t> accepted_rows(sz(R));
   for (auto& a : accepted_rows) a = std::uniform_int_distribution<int32_t>(0, 3)(rng);
   DeviceBuffer<int32_t> daccepted(accepted_rows);
+  std::vector<int64_t> pos_park = pos, kv_park = kv;
+  ops::PositionShift p = s;
+  p.sample = nullptr;
+  p.park_tokens = T / 2;
+  p.park_unless = accepted_rows.data();
+  p.park_full = 3;
+  p.park_by = 4;
+  cpu::shift_positions(p, pos_park.data(), kv_park.data());
+  DeviceBuffer<int64_t> dpos2(pos), dkv2(kv);
+  ops::PositionShift dp = ds;
+  dp.sample = nullptr;
+  dp.park_tokens = T / 2;
+  dp.park_unless = daccepted.get();
+  dp.park_full = 3;
+  dp.park_by = 4;
+  cuda::shift_positions(dp, dpos2.get(), dkv2.get());
+  EXPECT_EQ(dpos2.download(), pos_park);
+  EXPECT_EQ(dkv2.download(), kv_park);
   const int64_t width = 37, windows = 50, window = 4;
   const std::vector<float> rows_src = randn(sz(windows * window * width), rng);
   std::vector<float> gathered(sz(windows * width));
