@@ -855,9 +855,9 @@ void BatchEngine::settled_round(int depth) {
   accepted_dev_.grow_to(static_cast<int64_t>(R));
   next_dev_.grow_to(static_cast<int64_t>(R));
   target_->accept_windows(accepted_dev_.data(), next_dev_.data());
-  std::vector<ops::SettledRow> rows(R);
-  for (size_t r = 0; r < R; ++r) rows[r] = {decoding_[r]->slot, static_cast<int32_t>(r)};
-  target_->settle_windows(rows, accepted_dev_.data());
+  settled_rows_.resize(R);
+  for (size_t r = 0; r < R; ++r) settled_rows_[r] = {decoding_[r]->slot, static_cast<int32_t>(r)};
+  target_->settle_windows(settled_rows_, accepted_dev_.data());
   spec::SettledVerify v;
   v.accepted = accepted_dev_.data();
   v.next = next_dev_.data();
@@ -900,7 +900,8 @@ void BatchEngine::read_settled() {
   decode_drafts_->settled_proposals(&proposals_);
   const int64_t V = target_->vocab_size();
   keeps_.clear();
-  std::vector<int> accepted(R);
+  std::vector<int>& accepted = settled_accepted_;
+  accepted.resize(R);
   drafted_pos_.assign(static_cast<size_t>(depth_), 0);
   accepted_pos_.assign(static_cast<size_t>(depth_), 0);
   for (size_t r = 0; r < R; ++r) {

@@ -235,7 +235,9 @@ class BatchEngine {
     int depth = 0;
   };
   std::deque<SettledRound> settled_;
-  Buffer<int32_t> accepted_dev_, next_dev_;  // the last verify's accept_windows
+  Buffer<int32_t> accepted_dev_, next_dev_;    // the last verify's accept_windows
+  std::vector<ops::SettledRow> settled_rows_;  // scratch of settled_round and read_settled
+  std::vector<int> settled_accepted_;
   // Whether this round (every row at `depth`) may be settled; fills drafts_ for it.
   bool settles(int depth);
   void settled_round(int depth);
