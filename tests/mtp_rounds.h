@@ -14,6 +14,32 @@
 
 namespace tandem::test {
 
+// n rows of H made-up hidden values (a sine of the index), different for each salt.
+inline std::vector<float> synthetic_hiddens(int64_t H, size_t n, int salt) {
+  std::vector<float> h(n * static_cast<size_t>(H));
+  for (size_t i = 0; i < h.size(); ++i)
+    h[i] = std::sin(0.37f * static_cast<float>(i) + static_cast<float>(salt));
+  return h;
+}
+
+// The drafter's rows for `prompts`, opened cold and prefilled with synthetic hiddens (only
+// determinism is compared).
+inline std::unique_ptr<spec::DraftRows> open_prefilled(
+    const spec::DraftProvider& drafter, const spec::TargetView& target,
+    const std::vector<std::vector<int32_t>>& prompts) {
+  const int R = static_cast<int>(prompts.size());
+  std::unique_ptr<spec::DraftRows> rows = drafter.open_rows(target);
+  const std::vector<spec::CheckpointPtr> cold(static_cast<size_t>(R));
+  rows->prepare_append(cold)->commit();
+  std::vector<std::vector<float>> prompt_hidden;
+  std::vector<spec::RowPrefill> pre;
+  for (int r = 0; r < R; ++r)
+    prompt_hidden.push_back(synthetic_hiddens(target.hidden_size(), prompts[r].size(), r));
+  for (int r = 0; r < R; ++r) pre.push_back({r, prompts[r], prompt_hidden[r].data(), 0});
+  rows->prefill(pre);
+  return rows;
+}
+
 // Opens rows for `prompts` (prefilled with synthetic hiddens: only determinism is compared),
 // then runs `rounds` rounds in which the rows draft different depths (some stop early, so later
 // steps run fewer rows) and accept none, some or all of their proposals. Rows draft with
@@ -29,20 +55,8 @@ inline std::vector<int32_t> mtp_rounds(const spec::DraftProvider& drafter,
                                        bool want_distribution = false) {
   const int64_t H = target.hidden_size(), V = target.vocab_size();
   const int R = static_cast<int>(prompts.size());
-  auto hiddens = [&](size_t n, int salt) {
-    std::vector<float> h(n * static_cast<size_t>(H));
-    for (size_t i = 0; i < h.size(); ++i)
-      h[i] = std::sin(0.37f * static_cast<float>(i) + static_cast<float>(salt));
-    return h;
-  };
-  std::unique_ptr<spec::DraftRows> rows = drafter.open_rows(target);
-  const std::vector<spec::CheckpointPtr> cold(static_cast<size_t>(R));
-  rows->prepare_append(cold)->commit();
-  std::vector<std::vector<float>> prompt_hidden;
-  std::vector<spec::RowPrefill> pre;
-  for (int r = 0; r < R; ++r) prompt_hidden.push_back(hiddens(prompts[r].size(), r));
-  for (int r = 0; r < R; ++r) pre.push_back({r, prompts[r], prompt_hidden[r].data(), 0});
-  rows->prefill(pre);
+  auto hiddens = [&](size_t n, int salt) { return synthetic_hiddens(H, n, salt); };
+  std::unique_ptr<spec::DraftRows> rows = open_prefilled(drafter, target, prompts);
   const auto& mtp = dynamic_cast<const spec::MtpRows&>(*rows);
   std::vector<int32_t> trace;
   std::vector<float> logits;
@@ -98,20 +112,8 @@ inline std::vector<int32_t> settled_mtp_rounds(const spec::DraftProvider& drafte
                                                const SamplingParams& sampling = {}) {
   const int64_t H = target.hidden_size(), V = target.vocab_size();
   const int R = static_cast<int>(prompts.size());
-  auto hiddens = [&](size_t n, int salt) {
-    std::vector<float> h(n * static_cast<size_t>(H));
-    for (size_t i = 0; i < h.size(); ++i)
-      h[i] = std::sin(0.37f * static_cast<float>(i) + static_cast<float>(salt));
-    return h;
-  };
-  std::unique_ptr<spec::DraftRows> rows = drafter.open_rows(target);
-  const std::vector<spec::CheckpointPtr> cold(static_cast<size_t>(R));
-  rows->prepare_append(cold)->commit();
-  std::vector<std::vector<float>> prompt_hidden;
-  std::vector<spec::RowPrefill> pre;
-  for (int r = 0; r < R; ++r) prompt_hidden.push_back(hiddens(prompts[r].size(), r));
-  for (int r = 0; r < R; ++r) pre.push_back({r, prompts[r], prompt_hidden[r].data(), 0});
-  rows->prefill(pre);
+  auto hiddens = [&](size_t n, int salt) { return synthetic_hiddens(H, n, salt); };
+  std::unique_ptr<spec::DraftRows> rows = open_prefilled(drafter, target, prompts);
   // Per round: its depth, made-up outcome and (settled) the backend copies the device reads.
   struct Round {
     int depth = 0;

@@ -917,19 +917,7 @@ void BatchEngine::read_settled() {
     accepted[r] = outcome.accepted;
     keeps_.push_back({row.slot, 1 + outcome.accepted});
     if (row.done) continue;  // ended by an earlier round's token: its later ones are dropped
-    SpecStats& st = row.stats;
-    ++st.rounds;
-    ++st.target_forwards;
-    st.drafted += n - 1;
-    st.accepted += outcome.accepted;
-    for (int j = 0; j < outcome.accepted; ++j) {
-      ++st.accepted_by_position[static_cast<size_t>(j)];
-      ++accepted_pos_[static_cast<size_t>(j)];
-    }
-    for (int64_t j = 0; j + 1 < n; ++j) {
-      ++st.drafted_by_position[static_cast<size_t>(j)];
-      ++drafted_pos_[static_cast<size_t>(j)];
-    }
+    count_round(row, n - 1, outcome.accepted);
     for (int32_t t : outcome.emitted)
       if (!emit(row, t, nullptr)) break;
   }
@@ -948,19 +936,45 @@ void BatchEngine::read_settled() {
   }
   // The health probe, as for host rounds: a collapsed drafter ends settled rounds (the one still
   // queued is read first) and drafts no more.
-  if (options_.spec.health_probe && draft_depth_ > 0 && !drafted_pos_.empty() &&
-      health_.record(drafted_pos_[0], accepted_pos_[0])) {
-    draft_depth_ = 0;
+  if (probe_collapsed()) {
     while (!settled_.empty()) read_settled();
-    const std::string msg = spec::drafter_collapse_message(drafter_->id(), health_);
-    if (options_.on_warning)
-      options_.on_warning(msg);
-    else
-      std::fprintf(stderr, "tandem: warning: %s\n", msg.c_str());
-    retire_drafter();
-    std::lock_guard lock(mu_);
-    counters_.drafter_disabled = 1;
+    release_collapsed_drafter();
   }
+}
+
+void BatchEngine::count_round(Row& row, int64_t proposals, int accepted) {
+  SpecStats& st = row.stats;
+  ++st.rounds;
+  ++st.target_forwards;
+  st.drafted += proposals;
+  st.accepted += accepted;
+  for (int j = 0; j < accepted; ++j) {
+    ++st.accepted_by_position[static_cast<size_t>(j)];
+    ++accepted_pos_[static_cast<size_t>(j)];
+  }
+  for (int64_t j = 0; j < proposals; ++j) {
+    ++st.drafted_by_position[static_cast<size_t>(j)];
+    ++drafted_pos_[static_cast<size_t>(j)];
+  }
+}
+
+bool BatchEngine::probe_collapsed() {
+  if (!options_.spec.health_probe || draft_depth_ == 0 || drafted_pos_.empty() ||
+      !health_.record(drafted_pos_[0], accepted_pos_[0]))
+    return false;
+  draft_depth_ = 0;
+  return true;
+}
+
+void BatchEngine::release_collapsed_drafter() {
+  const std::string msg = spec::drafter_collapse_message(drafter_->id(), health_);
+  if (options_.on_warning)
+    options_.on_warning(msg);
+  else
+    std::fprintf(stderr, "tandem: warning: %s\n", msg.c_str());
+  retire_drafter();
+  std::lock_guard lock(mu_);
+  counters_.drafter_disabled = 1;
 }
 
 void BatchEngine::round() {
@@ -1126,19 +1140,7 @@ void BatchEngine::round() {
       t += static_cast<int64_t>(n);
       continue;
     }
-    SpecStats& s = row.stats;
-    ++s.rounds;
-    ++s.target_forwards;
-    s.drafted += static_cast<int64_t>(n - 1);
-    s.accepted += outcome.accepted;
-    for (int j = 0; j < outcome.accepted; ++j) {
-      ++s.accepted_by_position[static_cast<size_t>(j)];
-      ++accepted_pos_[static_cast<size_t>(j)];
-    }
-    for (size_t j = 0; j + 1 < n; ++j) {
-      ++s.drafted_by_position[j];
-      ++drafted_pos_[j];
-    }
+    count_round(row, static_cast<int64_t>(n - 1), outcome.accepted);
     for (size_t j = 0; j < outcome.emitted.size(); ++j) {
       const float* logits = need_logits ? out_.logits.data() + (t + j) * V : nullptr;
       if (!emit(row, outcome.emitted[j], logits)) break;
@@ -1150,18 +1152,7 @@ void BatchEngine::round() {
   }
   // The health probe: a drafter whose first proposals stopped being accepted drafts no more
   // (depth 0 keeps it aligned). Only what rounds propose changes, never what they emit.
-  if (options_.spec.health_probe && draft_depth_ > 0 && !drafted_pos_.empty() &&
-      health_.record(drafted_pos_[0], accepted_pos_[0])) {
-    draft_depth_ = 0;
-    const std::string msg = spec::drafter_collapse_message(drafter_->id(), health_);
-    if (options_.on_warning)
-      options_.on_warning(msg);
-    else
-      std::fprintf(stderr, "tandem: warning: %s\n", msg.c_str());
-    retire_drafter();
-    std::lock_guard lock(mu_);
-    counters_.drafter_disabled = 1;
-  }
+  if (probe_collapsed()) release_collapsed_drafter();
   const auto t_accept = phase_end();
   // 4. Commit: the target keeps pending + accepted proposals; the drafter follows.
   target_->commit_windows(keeps_);

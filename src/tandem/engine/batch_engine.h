@@ -247,6 +247,12 @@ class BatchEngine {
   uint64_t settled_index(const Row& row) const;
   // Reads the oldest settled round: its tokens, proposals and acceptance; emits and resolves.
   void read_settled();
+  // A verify round's counts for a row and this round's per-position totals.
+  void count_round(Row& row, int64_t proposals, int accepted);
+  // The health probe over this round's first proposals: true (drafting stops, draft_depth_ 0)
+  // when the drafter collapsed; then release_collapsed_drafter reports it and releases it.
+  bool probe_collapsed();
+  void release_collapsed_drafter();
   uint64_t next_row_id_ = 0;
 
   void validate(const EngineRequest& r) const;
