@@ -12,7 +12,7 @@
 #   Defaults: ./build/tandem and models/qwen35-demo; BACKEND defaults to cuda when nvidia-smi
 #   works, else cpu.
 # Environment: ROUNDS (alternations, default 2), BATCHES (default "1 8"), TEMPS (default
-#   "0 0.8"), DEPTHS (default "3,auto"), CONFIG (adds part 2).
+#   "0 0.8"; set empty to skip part 1), DEPTHS (default "3,auto"), CONFIG (adds part 2).
 # Prints one JSON document per run, each on its own line, prefixed by what it is.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -21,7 +21,7 @@ tandem=${1:-./build/tandem}
 model=${2:-models/qwen35-demo}
 rounds=${ROUNDS:-2}
 batches=${BATCHES:-"1 8"}
-temps=${TEMPS:-"0 0.8"}
+temps=${TEMPS-"0 0.8"}
 depths=${DEPTHS:-"3,auto"}
 if [ -z "${BACKEND:-}" ]; then
   if nvidia-smi > /dev/null 2>&1; then BACKEND=cuda; else BACKEND=cpu; fi
