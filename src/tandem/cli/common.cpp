@@ -253,6 +253,16 @@ SpecOptions spec_options(const DraftArgs& a) {
 std::unique_ptr<spec::DraftProvider> open_drafter(const DraftArgs& a,
                                                   const spec::TargetView& target) {
   if (a.draft_vocab != 0 && a.draft != "mtp") fail("--draft-vocab applies to --draft mtp only");
+  if (a.settled_rounds && a.draft != "mtp")
+    fail("--settled-rounds applies to --draft mtp only (got --draft ", a.draft, ")");
+  if (a.settled_rounds && a.verify != "match")
+    fail(
+        "--settled-rounds needs --verify match (rejection sampling reads the draft "
+        "distributions on the host)");
+  if (a.settled_rounds && target.qwen35_config() == nullptr)
+    fail(
+        "--settled-rounds: this target's MTP drafter commits on the host only (Qwen3.5 targets "
+        "settle rounds on the device)");
   if (a.draft == "none") {
     if (a.draft_model) fail("--draft-model needs --draft mtp or --draft eagle3");
     return nullptr;
