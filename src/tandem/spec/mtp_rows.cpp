@@ -633,15 +633,23 @@ void MtpRows::settle(const SettledVerify& v) {
   // The next round's inputs, where it reads them: the pending tokens (picks_dev_'s first row for
   // the verify, which already read this round's; the second half of the chain's step-0 ids) and
   // h_true, the verify's hidden at the last accepted position of each window of D + 1.
-  const size_t id_bytes = sizeof(int32_t) * static_cast<size_t>(R);
-  ops::copy(picks_dev_.data(), v.next, id_bytes);
-  ops::copy(step0_ids_dev_.data() + R, v.next, id_bytes);
-  ops::gather_window_rows(v.hidden, H_, D + 1, 0, v.accepted, R, step0_hidden_dev_.data() + R * H_);
   // Each row's completion row, the last proposal from the hidden before it (what commit() adds
   // when all were accepted), heads the next chain's step 0 (or is computed alone once the round is
-  // resolved and no chain took it: flush_completion).
-  ops::copy(step0_ids_dev_.data(), picks_dev_.data() + static_cast<int64_t>(D) * R, id_bytes);
-  ops::gather_window_rows(v.hidden, H_, D + 1, D - 1, nullptr, R, step0_hidden_dev_.data());
+  // resolved and no chain took it: flush_completion). Five small copies: one graph on CUDA.
+  auto inputs = [&] {
+    const size_t id_bytes = sizeof(int32_t) * static_cast<size_t>(R);
+    ops::copy(picks_dev_.data(), v.next, id_bytes);
+    ops::copy(step0_ids_dev_.data() + R, v.next, id_bytes);
+    ops::gather_window_rows(v.hidden, H_, D + 1, 0, v.accepted, R,
+                            step0_hidden_dev_.data() + R * H_);
+    ops::copy(step0_ids_dev_.data(), picks_dev_.data() + static_cast<int64_t>(D) * R, id_bytes);
+    ops::gather_window_rows(v.hidden, H_, D + 1, D - 1, nullptr, R, step0_hidden_dev_.data());
+  };
+  GraphKey key;
+  key.add(uint64_t{0x736574746c65}).add(R).add(static_cast<uint64_t>(D)).add(H_);
+  key.add(picks_dev_.data()).add(step0_ids_dev_.data()).add(step0_hidden_dev_.data());
+  key.add(v.next).add(v.accepted).add(v.hidden);
+  chain_graphs_.run(key, inputs);
   completion_pending_ = true;
   completion_depth_ = D;
   completion_accepted_ = v.accepted;

@@ -81,7 +81,7 @@ void settle_windows(const int32_t* accepted, const ops::SettledRow* rows, int64_
   if (n_rows == 0) return;
   launch("settle_windows", settle_windows_kernel, blocks_for(n_rows), kWindowThreads, 0, accepted,
          rows, n_rows, shift, replay, layers);
-  fence();  // the replay's kernels read their descriptors before pdl_wait
+  if (replay) fence();  // the replay's kernels read their descriptors before pdl_wait
 }
 
 void shift_positions(const ops::PositionShift& s, int64_t* positions, int64_t* kv_slots) {
