@@ -163,7 +163,7 @@ BatchEngine::BatchEngine(std::unique_ptr<EngineTarget> target, const spec::Draft
 
 BatchEngine::~BatchEngine() {
   const ops::ContextScope scope(target_->context());
-  if (chained_ || !settled_.empty()) abandon_chain();
+  if (work_queued()) abandon_chain();
   if (cache_ && options_.prefix_cache_persist) {
     try {
       cache_->persist_all();
@@ -926,13 +926,7 @@ void BatchEngine::read_settled() {
   for (auto& row : decoding_) row->drafter_synced = row->processed();
   {
     std::lock_guard lock(mu_);
-    ++counters_.rounds;
-    counters_.drafter_first_acceptance = health_.acceptance();
-    for (int j = 0; j < depth_; ++j) {
-      counters_.drafted_by_position[static_cast<size_t>(j)] += drafted_pos_[static_cast<size_t>(j)];
-      counters_.accepted_by_position[static_cast<size_t>(j)] +=
-          accepted_pos_[static_cast<size_t>(j)];
-    }
+    add_round_counters();
   }
   // The health probe, as for host rounds: a collapsed drafter ends settled rounds (the one still
   // queued is read first) and drafts no more.
@@ -955,6 +949,15 @@ void BatchEngine::count_round(Row& row, int64_t proposals, int accepted) {
   for (int64_t j = 0; j < proposals; ++j) {
     ++st.drafted_by_position[static_cast<size_t>(j)];
     ++drafted_pos_[static_cast<size_t>(j)];
+  }
+}
+
+void BatchEngine::add_round_counters() {
+  ++counters_.rounds;
+  counters_.drafter_first_acceptance = health_.acceptance();
+  for (int j = 0; j < depth_; ++j) {
+    counters_.drafted_by_position[static_cast<size_t>(j)] += drafted_pos_[static_cast<size_t>(j)];
+    counters_.accepted_by_position[static_cast<size_t>(j)] += accepted_pos_[static_cast<size_t>(j)];
   }
 }
 
@@ -1172,7 +1175,6 @@ void BatchEngine::round() {
   if (policy_)
     policy_->record(static_cast<int64_t>(R), round_depth, seconds, drafted_pos_, accepted_pos_);
   std::lock_guard lock(mu_);
-  ++counters_.rounds;
   if (queued) ++counters_.queued_draft_rounds;
   counters_.decode_seconds += seconds;
   auto between = [](auto a, auto b) { return std::chrono::duration<double>(b - a).count(); };
@@ -1180,18 +1182,14 @@ void BatchEngine::round() {
   counters_.verify_seconds += between(t_draft, t_verify);
   counters_.accept_seconds += between(t_verify, t_accept);
   counters_.commit_seconds += between(t_accept, t_commit);
-  counters_.drafter_first_acceptance = health_.acceptance();
-  for (int j = 0; j < depth_; ++j) {
-    counters_.drafted_by_position[static_cast<size_t>(j)] += drafted_pos_[static_cast<size_t>(j)];
-    counters_.accepted_by_position[static_cast<size_t>(j)] += accepted_pos_[static_cast<size_t>(j)];
-  }
+  add_round_counters();
 }
 
 bool BatchEngine::step() {
   const ops::ContextScope scope(target_->context());
   // A queued plain step or settled round is collected before anything changes the rows or takes
   // a forward.
-  if (chained_ || !settled_.empty()) {
+  if (work_queued()) {
     bool change = !prefilling_.empty();
     for (const auto& r : decoding_) change = change || r->sink->cancelled();
     {
@@ -1241,7 +1239,7 @@ bool BatchEngine::step() {
   }
   retire();
   // Every row of the queued step stopped on its last token: nothing continues it.
-  if ((chained_ || !settled_.empty()) && decoding_.empty()) {
+  if (work_queued() && decoding_.empty()) {
     try {
       drain();
     } catch (const std::exception&) {
@@ -1280,7 +1278,7 @@ void BatchEngine::serve(const std::string& shutdown_reason) {
     }
     step();
   }
-  if (chained_ || !settled_.empty()) abandon_chain();
+  if (work_queued()) abandon_chain();
   target_->abandon_prompt();  // its rows are all cancelled below
   std::deque<Pending> left;
   {

@@ -249,6 +249,10 @@ class BatchEngine {
   void read_settled();
   // A verify round's counts for a row and this round's per-position totals.
   void count_round(Row& row, int64_t proposals, int accepted);
+  // A verify round into the engine's counters (mu_ held): the round, the per-position totals.
+  void add_round_counters();
+  // A plain step or settled rounds are queued that the host has not read.
+  bool work_queued() const { return chained_ || !settled_.empty(); }
   // The health probe over this round's first proposals: true (drafting stops, draft_depth_ 0)
   // when the drafter collapsed; then release_collapsed_drafter reports it and releases it.
   bool probe_collapsed();

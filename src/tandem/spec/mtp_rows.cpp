@@ -630,12 +630,13 @@ void MtpRows::settle(const SettledVerify& v) {
   step0_hidden_dev_.grow_to(2 * R * H_);
   shift_dev_.grow_to(R);
   known_.resize(static_cast<size_t>(R), 0);
-  // The next round's inputs, where it reads them: the pending tokens (picks_dev_'s first row for
-  // the verify, which already read this round's; the second half of the chain's step-0 ids) and
-  // h_true, the verify's hidden at the last accepted position of each window of D + 1.
-  // Each row's completion row, the last proposal from the hidden before it (what commit() adds
-  // when all were accepted), heads the next chain's step 0 (or is computed alone once the round is
-  // resolved and no chain took it: flush_completion). Five small copies: one graph on CUDA.
+  // The next round's inputs, where it reads them, in one graph on CUDA:
+  // - the pending tokens: picks_dev_'s first row for the verify (which already read this round's)
+  //   and the second half of the chain's step-0 ids;
+  // - h_true: the verify's hidden at the last accepted position of each window of D + 1;
+  // - each row's completion row (the last proposal, from the hidden before it: what commit() adds
+  //   when all were accepted), which heads the next chain's step 0, or is computed alone once the
+  //   round is resolved and no chain took it (flush_completion).
   auto inputs = [&] {
     const size_t id_bytes = sizeof(int32_t) * static_cast<size_t>(R);
     ops::copy(picks_dev_.data(), v.next, id_bytes);
