@@ -454,6 +454,11 @@ void qk_norm_rope(const QkNormRope& s, const float* qg, const WeightRef& q_norm,
 // Whatever it is, attention computes in fp32 on the stored values, and kv_write rounds fp32
 // keys and values to nearest even on the way in; every reader of a stored row sees the same
 // values, so decoding, verify windows and a cache restore agree bitwise under either storage.
+// The physical KV slot (block · block_size + offset) of position p of a row whose block table is
+// `table` (ops::QkNormRope's kv_slots; constexpr: device code computes it too).
+constexpr int64_t kv_slot_of(const int32_t* table, int64_t block_size, int64_t p) {
+  return int64_t{table[p / block_size]} * block_size + p % block_size;
+}
 struct KVLayerView {
   void* pool = nullptr;  // [n_blocks, 2, block_size, n_kv_heads, head_dim] of `dtype`
   int64_t block_size = 0;

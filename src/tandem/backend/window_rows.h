@@ -50,8 +50,7 @@ constexpr void shift_token(const ops::PositionShift& s, int64_t t, int64_t* posi
   const int64_t p = positions[t] + d;
   positions[t] = p;
   if (kv_slots != nullptr)
-    kv_slots[t] =
-        int64_t{s.tables[r * s.table_stride + p / s.block_size]} * s.block_size + p % s.block_size;
+    kv_slots[t] = ops::kv_slot_of(s.tables + r * s.table_stride, s.block_size, p);
   if (s.sample != nullptr && s.sample_per_token) s.sample[t].index += static_cast<uint64_t>(d);
 }
 

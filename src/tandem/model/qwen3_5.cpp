@@ -385,9 +385,7 @@ int64_t Qwen35Model::prepare_forward(Qwen35State& st, const ForwardRequest& req)
         w.pos_host[t] = p;
         // A model without attention layers keeps no KV blocks (and writes no slot).
         w.pos_host[T + t] =
-            bt.empty() ? -1
-                       : int64_t{bt[p / Qwen35State::kBlockSize]} * Qwen35State::kBlockSize +
-                             p % Qwen35State::kBlockSize;
+            bt.empty() ? -1 : ops::kv_slot_of(bt.data(), Qwen35State::kBlockSize, p);
         w.pos_host[2 * T + t] = prompt_start ? -1 : static_cast<int64_t>(i);
       }
       const int64_t capacity = static_cast<int64_t>(bt.size()) * Qwen35State::kBlockSize;

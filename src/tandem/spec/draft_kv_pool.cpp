@@ -153,8 +153,7 @@ std::vector<AttentionBatch> DraftKvPool::upload(std::span<const std::vector<int3
       for (int64_t n = 0; n < s.counts[k]; ++n, ++t) {
         const int64_t p = s.starts[k] + n;
         pos[t] = p;
-        pos[T + t] =
-            int64_t{table[static_cast<size_t>(p / kBlockSize)]} * kBlockSize + p % kBlockSize;
+        pos[T + t] = ops::kv_slot_of(table.data(), kBlockSize, p);
         pos[2 * T + t] = i;
       }
     }
