@@ -364,7 +364,8 @@ TEST(CliSpeculative, DraftersGiveThePlainOutputAndReportStats) {
         " --draft ngram --ngram-max 4 --ngram-min 2 --depth 4",
         " --draft mtp --depth 2 --mtp-hidden final", " --draft mtp --depth 2 --mtp-hidden prenorm",
         " --draft mtp --depth 3 --draft-vocab 512", " --draft mtp --depth 3 --settled-rounds",
-        " --draft mtp --depth auto --settled-rounds"}) {
+        " --draft mtp --depth auto --settled-rounds", " --draft ngram --depth 3 --settled-rounds",
+        " --draft ngram --depth auto --settled-rounds"}) {
     const CliRun r = run(base + extra, false);
     ASSERT_EQ(r.code, 0) << extra << ": " << r.out;
     const auto j = nlohmann::json::parse(r.out);
@@ -426,8 +427,8 @@ TEST(CliSpeculative, BadSpeculationSettingsAreRefused) {
   expect_error(run(m + "--draft ngram --draft-vocab 512"), "--draft-vocab applies to --draft mtp");
   expect_error(run(m + "--draft mtp --draft-vocab 99999"), "--draft-vocab must be in 0..4096");
   expect_error(run(m + "--draft mtp --draft-vocab -3"), "--draft-vocab must be in 0..4096");
-  expect_error(run(m + "--draft ngram --settled-rounds"),
-               "--settled-rounds applies to --draft mtp");
+  expect_error(run(m + "--draft eagle3 --settled-rounds"),
+               "--settled-rounds applies to --draft mtp and --draft ngram only");
   expect_error(run(m + "--draft mtp --verify rejection --settled-rounds"), "--verify match");
   // A checkpoint without an MTP layer.
   expect_error(run("generate --model " + kFixtures + "/qwen35_gqa_f16 --token-ids 1,2 --draft mtp"),

@@ -2,9 +2,11 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <deque>
 #include <random>
 
 #include "fixture_model.h"
+#include "tandem/backend/ops.h"
 #include "tandem/core/error.h"
 #include "tandem/spec/ngram.h"
 
@@ -353,6 +355,139 @@ TEST(Ngram, FilterRowsKeepsListedOrder) {
   ASSERT_EQ(rows->row_count(), 2);
   EXPECT_EQ(rows->capture(0)->tokens, prompts[2]);
   EXPECT_EQ(rows->capture(1)->tokens, prompts[0]);
+}
+
+// The device lookup (ops::ngram_lookup, as settled rounds use it) proposes what the host lookup
+// does, for every history and option, padding its window with the pending token.
+TEST(Ngram, DeviceLookupEqualsHostLookup) {
+  std::mt19937 rng(41);
+  for (const NgramOptions o : {NgramOptions{1, 3}, NgramOptions{2, 2}, NgramOptions{1, 16}}) {
+    const int64_t R = 24, stride = 200;
+    const int depth = 5;
+    std::vector<int32_t> tokens(static_cast<size_t>(R * stride));
+    std::vector<int64_t> lengths(static_cast<size_t>(R));
+    std::vector<std::vector<int32_t>> h(static_cast<size_t>(R));
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t len = 1 + static_cast<int64_t>(rng() % 150);
+      for (int64_t i = 0; i < len; ++i) h[r].push_back(static_cast<int32_t>(rng() % (2 + r % 6)));
+      std::copy(h[r].begin(), h[r].end(), tokens.begin() + r * stride);
+      lengths[static_cast<size_t>(r)] = len;
+    }
+    std::vector<int32_t> ids(static_cast<size_t>(R + R * depth), -7), counts(R, -7);
+    ops::ngram_lookup({tokens.data(), lengths.data(), stride, R}, o.min_n, o.max_n, depth,
+                      ids.data(), counts.data());
+    for (int64_t r = 0; r < R; ++r) {
+      const std::vector<int32_t> want = reference(h[r], o, depth);
+      ASSERT_EQ(counts[r], static_cast<int32_t>(want.size())) << "row " << r;
+      EXPECT_EQ(ids[r], h[r].back());
+      for (int j = 0; j < depth; ++j)
+        EXPECT_EQ(ids[R + r * depth + j], j < counts[r] ? want[j] : h[r].back()) << r << "." << j;
+    }
+  }
+  EXPECT_THROW(ops::ngram_lookup({nullptr, nullptr, 0, 0}, 3, 2, 1, nullptr, nullptr), Error);
+}
+
+// Rounds settled on the device propose what host rounds propose, round after round, while the
+// host reads each at once or a round late; host rounds in between (the engine falls back to them)
+// drop the device copy and the next settled round copies the rows again. Checkpoints agree.
+TEST(Ngram, SettledRoundsEqualHostRounds) {
+  const NgramOptions o{1, 3};
+  const int rows_n = 4;
+  auto host = open(o, rows_n), dev = open(o, rows_n);
+  std::mt19937 rng(43);
+  std::vector<std::vector<int32_t>> prompts(rows_n);
+  std::vector<RowPrefill> pre(rows_n);
+  for (int b = 0; b < rows_n; ++b) {
+    for (int i = 0; i < 20 + 9 * b; ++i) prompts[b].push_back(static_cast<int32_t>(rng() % 6));
+    pre[b].row = b;
+    pre[b].tokens = prompts[b];
+  }
+  host->prefill(pre);
+  dev->prefill(pre);
+  std::vector<int32_t> pending(rows_n);
+  for (auto& p : pending) p = static_cast<int32_t>(rng() % 6);
+
+  struct Round {
+    std::vector<std::vector<int32_t>> proposals;
+    std::vector<int> accepted;
+  };
+  std::deque<Round> unread;
+  auto read_one = [&] {
+    std::vector<DraftProposal> got;
+    dev->settled_proposals(&got);
+    const Round& r = unread.front();
+    ASSERT_EQ(got.size(), static_cast<size_t>(rows_n));
+    for (int b = 0; b < rows_n; ++b) EXPECT_EQ(got[b].tokens, r.proposals[b]) << "row " << b;
+    dev->resolve(r.accepted);
+    unread.pop_front();
+  };
+  int settled = 0;
+  for (int round = 0; round < 90; ++round) {
+    const int depth = 1 + (round / 10) % 4;
+    const int lag = (round / 7) % 2;  // rounds left unread when the next is drafted (engine: 1)
+    const bool host_round = round % 23 == 22;
+    std::vector<RowDraft> in(rows_n);
+    for (int b = 0; b < rows_n; ++b) in[b] = draft_in(pending[b], depth);
+    std::vector<DraftProposal> want;
+    host->draft(in, &want);
+    Round r;
+    std::vector<VerifyRow> ver(rows_n);
+    std::vector<std::vector<int32_t>> windows(rows_n);
+    std::vector<int32_t> next(rows_n);
+    for (int b = 0; b < rows_n; ++b) {
+      r.proposals.push_back(want[b].tokens);
+      r.accepted.push_back(static_cast<int>(rng() % (want[b].tokens.size() + 1)));
+      next[b] = static_cast<int32_t>(rng() % 6);
+      windows[b] = {pending[b]};
+      windows[b].insert(windows[b].end(), want[b].tokens.begin(), want[b].tokens.end());
+      ver[b] = {windows[b], nullptr, r.accepted[b], next[b]};
+    }
+    host->commit(ver);
+    if (host_round) {
+      if (!unread.empty())  // rounds are unread: refused, nothing changed
+        EXPECT_THROW(dev->draft(in, &want), Error);
+      while (!unread.empty()) read_one();
+      std::vector<DraftProposal> got;
+      dev->draft(in, &got);
+      for (int b = 0; b < rows_n; ++b) EXPECT_EQ(got[b].tokens, want[b].tokens);
+      dev->commit(ver);
+    } else {
+      ASSERT_TRUE(dev->can_settle(in)) << "round " << round;
+      QueuedDraft q;
+      ASSERT_TRUE(dev->draft_settled(in, &q));
+      ASSERT_NE(q.counts, nullptr);
+      std::vector<int32_t> accepted(r.accepted.begin(), r.accepted.end());
+      for (int b = 0; b < rows_n; ++b) {
+        ASSERT_EQ(q.slots[b].size(), static_cast<size_t>(depth));
+        // On the CPU the queued ids are readable at once: the device proposes what the host does.
+        ASSERT_EQ(q.counts[b], static_cast<int32_t>(want[b].tokens.size())) << round;
+        for (size_t j = 0; j < want[b].tokens.size(); ++j)
+          EXPECT_EQ(q.ids[q.slots[b][j]], want[b].tokens[j]);
+        EXPECT_EQ(q.ids[q.pending_slots[b]], pending[b]);
+      }
+      SettledVerify v;
+      v.accepted = accepted.data();
+      v.next = next.data();
+      v.depth = depth;
+      dev->settle(v);  // reads accepted and next now (on the CPU)
+      unread.push_back(std::move(r));
+      ++settled;
+      while (static_cast<int>(unread.size()) > lag) read_one();
+    }
+    pending = next;
+    if (round % 30 == 29 || round % 30 == 8) {
+      if (!unread.empty()) EXPECT_THROW(dev->capture(0), Error);
+      while (!unread.empty()) read_one();
+      for (int b = 0; b < rows_n; ++b) EXPECT_EQ(dev->capture(b)->tokens, host->capture(b)->tokens);
+    }
+  }
+  EXPECT_GT(settled, 80);
+  // Depths that differ by row, or distributions, are not settled.
+  std::vector<RowDraft> mixed(rows_n);
+  for (int b = 0; b < rows_n; ++b) mixed[b] = draft_in(pending[b], 1 + b % 2);
+  EXPECT_FALSE(dev->can_settle(mixed));
+  for (int b = 0; b < rows_n; ++b) mixed[b] = draft_in(pending[b], 2, b == 1);
+  EXPECT_FALSE(dev->can_settle(mixed));
 }
 
 }  // namespace

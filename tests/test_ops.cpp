@@ -157,15 +157,34 @@ TEST(Ops, AcceptWindowsWalksEachRowsProposals) {
   const std::vector<int32_t> verified = {1, 2, 8, 0, 11, 6, 7, 12, 4, 5};
   const std::vector<int32_t> bounds = {0, 4, 5, 8, 10};
   std::vector<int32_t> accepted(4, -9), next(4, -9);
-  ops::accept_windows(verified.data(), ids.data(), source.data(), from.data(), bounds.data(), 4,
-                      accepted.data(), next.data());
+  ops::accept_windows(verified.data(), ids.data(), source.data(), from.data(), bounds.data(),
+                      nullptr, 4, accepted.data(), next.data());
   EXPECT_EQ(accepted, (std::vector<int32_t>{2, 0, 2, 0}));
   EXPECT_EQ(next, (std::vector<int32_t>{8, 11, 12, 4}));
   // Without the drafter's source, the placeholders are the window: row 0 stops at its first.
-  ops::accept_windows(verified.data(), ids.data(), nullptr, nullptr, bounds.data(), 4,
+  ops::accept_windows(verified.data(), ids.data(), nullptr, nullptr, bounds.data(), nullptr, 4,
                       accepted.data(), next.data());
   EXPECT_EQ(accepted, (std::vector<int32_t>{1, 0, 0, 0}));
   EXPECT_EQ(next, (std::vector<int32_t>{2, 11, 6, 4}));
+}
+
+// A window padded past its drafter's proposals (limits) is never accepted past them, even where
+// the padding equals the target's token.
+TEST(Ops, AcceptWindowsStopAtTheirLimits) {
+  // [5 | 1 2 5] with 2 proposals: the padding 5 equals the target's third token.
+  // [4 | 6 4 4] with 0 proposals. [2 | 3 3] with a limit past its window.
+  const std::vector<int32_t> ids = {5, 1, 2, 5, 4, 6, 4, 4, 2, 3, 3};
+  const std::vector<int32_t> verified = {1, 2, 5, 9, 6, 4, 4, 7, 3, 3, 8};
+  const std::vector<int32_t> bounds = {0, 4, 8, 11};
+  std::vector<int32_t> accepted(3, -9), next(3, -9);
+  ops::accept_windows(verified.data(), ids.data(), nullptr, nullptr, bounds.data(), nullptr, 3,
+                      accepted.data(), next.data());
+  EXPECT_EQ(accepted, (std::vector<int32_t>{3, 3, 2}));
+  const std::vector<int32_t> limits = {2, 0, 9};
+  ops::accept_windows(verified.data(), ids.data(), nullptr, nullptr, bounds.data(), limits.data(),
+                      3, accepted.data(), next.data());
+  EXPECT_EQ(accepted, (std::vector<int32_t>{2, 0, 2}));
+  EXPECT_EQ(next, (std::vector<int32_t>{5, 6, 8}));
 }
 
 TEST(Ops, SettleWindowsAddsKeptTokensPerSlot) {

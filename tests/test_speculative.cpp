@@ -39,17 +39,18 @@ TEST_P(Lossless, SpeculativeEqualsPlainAloneAndBatched) {
   Fixture& f = demo();
   // "mtp_shared": the MTP block in the target's own backend context, as the CLI and the server
   // open it: its chains run whole and the verify reads their proposals in place (draft_queued).
-  // "mtp_settled": the same, its rounds settled on the device (SpecOptions::settled_rounds).
+  // "mtp_settled": the same, its rounds settled on the device (SpecOptions::settled_rounds);
+  // "ngram_settled": the n-gram drafter's rounds settled there.
   static const auto shared = [&] {
     const ops::ContextScope scope(f.model->context());
     return spec::QwenMtpProvider::from_target(*f.target);
   }();
   const std::string name = c.drafter;
-  const spec::DraftProvider* drafter = name == "mtp"     ? f.mtp.get()
-                                       : name == "ngram" ? f.ngram.get()
-                                                         : shared.get();
+  const spec::DraftProvider* drafter = name == "mtp"               ? f.mtp.get()
+                                       : name.starts_with("ngram") ? f.ngram.get()
+                                                                   : shared.get();
   SpecOptions opts{c.depth, spec::VerifyMode::Match};
-  opts.settled_rounds = name == "mtp_settled";
+  opts.settled_rounds = name.ends_with("_settled");
   SpeculativeGenerator spec_gen(*f.model, drafter, "demo-target", opts);
   std::vector<GenerateRequest> reqs;
   for (size_t p = 0; p < kPrompts.size(); ++p)
@@ -77,7 +78,7 @@ TEST_P(Lossless, SpeculativeEqualsPlainAloneAndBatched) {
 
 std::vector<Case> cases() {
   std::vector<Case> v;
-  for (const char* d : {"mtp", "mtp_shared", "mtp_settled", "ngram"})
+  for (const char* d : {"mtp", "mtp_shared", "mtp_settled", "ngram", "ngram_settled"})
     for (int depth : {1, 2, 3, 4})
       for (float t : {0.0f, 0.7f, 1.0f}) v.push_back({d, depth, t});
   return v;

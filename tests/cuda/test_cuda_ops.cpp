@@ -770,14 +770,26 @@ TEST_F(CudaOps, WindowOpsMatchCpu) {
   }
   const int64_t T = static_cast<int64_t>(ids.size());
   std::vector<int32_t> acc_want(sz(R)), next_want(sz(R));
-  cpu::accept_windows(verified.data(), ids.data(), source.data(), from.data(), bounds.data(), R,
-                      acc_want.data(), next_want.data());
+  cpu::accept_windows(verified.data(), ids.data(), source.data(), from.data(), bounds.data(),
+                      nullptr, R, acc_want.data(), next_want.data());
   DeviceBuffer<int32_t> dver(verified), dids(ids), dsource(source), dfrom(from), dbounds(bounds);
   DeviceBuffer<int32_t> dacc(sz(R)), dnext(sz(R));
-  cuda::accept_windows(dver.get(), dids.get(), dsource.get(), dfrom.get(), dbounds.get(), R,
-                       dacc.get(), dnext.get());
+  cuda::accept_windows(dver.get(), dids.get(), dsource.get(), dfrom.get(), dbounds.get(), nullptr,
+                       R, dacc.get(), dnext.get());
   EXPECT_EQ(dacc.download(), acc_want);
   EXPECT_EQ(dnext.download(), next_want);
+  // With limits (a drafter that proposed fewer tokens than its window holds).
+  std::vector<int32_t> limits(sz(R));
+  for (auto& l : limits) l = std::uniform_int_distribution<int32_t>(0, 5)(rng);
+  std::vector<int32_t> acc_lim(sz(R)), next_lim(sz(R));
+  cpu::accept_windows(verified.data(), ids.data(), source.data(), from.data(), bounds.data(),
+                      limits.data(), R, acc_lim.data(), next_lim.data());
+  DeviceBuffer<int32_t> dlimits(limits), dacc_lim(sz(R)), dnext_lim(sz(R));
+  cuda::accept_windows(dver.get(), dids.get(), dsource.get(), dfrom.get(), dbounds.get(),
+                       dlimits.get(), R, dacc_lim.get(), dnext_lim.get());
+  EXPECT_EQ(dacc_lim.download(), acc_lim);
+  EXPECT_EQ(dnext_lim.download(), next_lim);
+  EXPECT_NE(acc_lim, acc_want);  // some limit cut a walk
   int64_t walked = 0;
   for (int32_t a : acc_want) walked += a;
   EXPECT_GT(walked, R / 2);  // the walks are not all empty
@@ -879,6 +891,56 @@ TEST_F(CudaOps, WindowOpsMatchCpu) {
   DeviceBuffer<float> dsrc(rows_src), dgathered(sz(windows * width));
   cuda::gather_window_rows(dsrc.get(), width, window, 0, daccepted.get(), windows, dgathered.get());
   EXPECT_TRUE(bitwise_equal(dgathered.download(), gathered));
+}
+
+// The n-gram drafter's device lookup and append (settled n-gram rounds) against the CPU's: rows
+// of many lengths over a small vocabulary (matches at every n), some longer than a block's
+// threads, one row of a single token; then each row appends what a verify kept.
+TEST_F(CudaOps, NgramLookupAndAppendMatchCpu) {
+  std::mt19937 rng(35);
+  const int64_t R = 40, stride = 1200;
+  const int depth = 4;
+  std::vector<int32_t> tokens(sz(R * stride), 0);
+  std::vector<int64_t> lengths(sz(R));
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t len = r == 0 ? 1 : std::uniform_int_distribution<int64_t>(2, 1100)(rng);
+    const int32_t vocab = static_cast<int32_t>(2 + r % 9);
+    for (int64_t i = 0; i < len; ++i)
+      tokens[sz(r * stride + i)] = std::uniform_int_distribution<int32_t>(0, vocab)(rng);
+    lengths[sz(r)] = len;
+  }
+  for (int min_n : {1, 2}) {
+    for (int max_n : {min_n, 3, 6}) {
+      ops::TokenHistories h{tokens.data(), lengths.data(), stride, R};
+      std::vector<int32_t> ids_want(sz(R + R * depth)), counts_want(sz(R));
+      cpu::ngram_lookup(h, min_n, max_n, depth, ids_want.data(), counts_want.data());
+      DeviceBuffer<int32_t> dtokens(tokens), dids(sz(R + R * depth)), dcounts(sz(R));
+      DeviceBuffer<int64_t> dlengths(lengths);
+      ops::TokenHistories dh{dtokens.get(), dlengths.get(), stride, R};
+      cuda::ngram_lookup(dh, min_n, max_n, depth, dids.get(), dcounts.get());
+      EXPECT_EQ(dids.download(), ids_want) << min_n << ".." << max_n;
+      EXPECT_EQ(dcounts.download(), counts_want) << min_n << ".." << max_n;
+      int64_t found = 0;
+      for (int32_t c : counts_want) found += c;
+      EXPECT_GT(found, R);  // most rows found a match
+      if (min_n != 1 || max_n != 3) continue;
+      // Append: accepted counts of 0..depth, next tokens of any id.
+      std::vector<int32_t> accepted(sz(R)), next(sz(R));
+      for (int64_t r = 0; r < R; ++r) {
+        accepted[sz(r)] = std::uniform_int_distribution<int32_t>(0, depth)(rng);
+        next[sz(r)] = std::uniform_int_distribution<int32_t>(0, 99)(rng);
+      }
+      std::vector<int32_t> tokens_want = tokens;
+      std::vector<int64_t> lengths_want = lengths;
+      cpu::history_append({tokens_want.data(), lengths_want.data(), stride, R}, ids_want.data(),
+                          depth, accepted.data(), next.data());
+      DeviceBuffer<int32_t> daccepted(accepted), dnext(next);
+      cuda::history_append(dh, dids.get(), depth, daccepted.get(), dnext.get());
+      EXPECT_EQ(dtokens.download(), tokens_want);
+      EXPECT_EQ(dlengths.download(), lengths_want);
+      EXPECT_NE(lengths_want, lengths);
+    }
+  }
 }
 
 // ---------------------------------------------------------------------------------------------

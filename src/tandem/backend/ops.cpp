@@ -276,10 +276,11 @@ void sample_rows(const float* logits, int64_t rows, int64_t V, const SampleRow* 
 }
 
 void accept_windows(const int32_t* verified, const int32_t* ids, const int32_t* source,
-                    const int32_t* from, const int32_t* bounds, int64_t n_rows, int32_t* accepted,
-                    int32_t* next) {
+                    const int32_t* from, const int32_t* bounds, const int32_t* limits,
+                    int64_t n_rows, int32_t* accepted, int32_t* next) {
   if (n_rows < 0) fail("accept_windows: negative row count ", n_rows);
-  TANDEM_DISPATCH(accept_windows(verified, ids, source, from, bounds, n_rows, accepted, next));
+  TANDEM_DISPATCH(
+      accept_windows(verified, ids, source, from, bounds, limits, n_rows, accepted, next));
 }
 
 void settle_windows(const int32_t* accepted, const SettledRow* rows, int64_t n_rows, int64_t* shift,
@@ -303,6 +304,31 @@ void gather_window_rows(const float* src, int64_t width, int64_t row_stride, int
     fail("gather_window_rows: negative size (", n, " rows of ", width, " at ", at, ", stride ",
          row_stride, ")");
   TANDEM_DISPATCH(gather_window_rows(src, width, row_stride, at, offsets, n, dst));
+}
+
+namespace {
+void check_histories(const TokenHistories& h, const char* op) {
+  if (h.rows < 0 || h.stride < 0)
+    fail(op, ": negative history shape (", h.rows, " rows, stride ", h.stride, ")");
+  if (h.rows > 0 && (h.tokens == nullptr || h.lengths == nullptr))
+    fail(op, ": histories without tokens or lengths");
+}
+}  // namespace
+
+void ngram_lookup(const TokenHistories& h, int min_n, int max_n, int depth, int32_t* ids,
+                  int32_t* counts) {
+  check_histories(h, "ngram_lookup");
+  if (min_n < 1 || max_n < min_n || depth < 0)
+    fail("ngram_lookup: n from ", min_n, " to ", max_n, " at depth ", depth,
+         " (need 1 <= min_n <= max_n, depth >= 0)");
+  TANDEM_DISPATCH(ngram_lookup(h, min_n, max_n, depth, ids, counts));
+}
+
+void history_append(const TokenHistories& h, const int32_t* ids, int depth, const int32_t* accepted,
+                    const int32_t* next) {
+  check_histories(h, "history_append");
+  if (depth < 0) fail("history_append: depth ", depth, " < 0");
+  TANDEM_DISPATCH(history_append(h, ids, depth, accepted, next));
 }
 
 double memory_bandwidth() {

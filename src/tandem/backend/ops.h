@@ -146,11 +146,12 @@ void sample_rows(const float* logits, int64_t rows, int64_t V, const SampleRow* 
 // given and from[t] >= 0, else ids[t] (ForwardRequest::draft_from); verified[t] is the target's
 // token after window position t (its argmax or draw). accepted[r] = the longest j such that
 // window token i+1 equals verified[first + i] for every i < j; next[r] = verified[first +
-// accepted[r]], the correction or bonus token. A one-token row accepts 0. All arrays are backend
-// memory; bounds has n_rows + 1 entries.
+// accepted[r]], the correction or bonus token. A one-token row accepts 0. Where limits is given,
+// row r accepts at most limits[r] proposals (a drafter that found fewer than its window holds
+// pads the rest). All arrays are backend memory; bounds has n_rows + 1 entries.
 void accept_windows(const int32_t* verified, const int32_t* ids, const int32_t* source,
-                    const int32_t* from, const int32_t* bounds, int64_t n_rows, int32_t* accepted,
-                    int32_t* next);
+                    const int32_t* from, const int32_t* bounds, const int32_t* limits,
+                    int64_t n_rows, int32_t* accepted, int32_t* next);
 struct RecurrentRow;  // below, with the recurrences
 // One row of a commit settled on the device: its state slot and its row in the forward (the
 // index of its accept_windows result).
@@ -196,6 +197,29 @@ void shift_positions(const PositionShift& s, int64_t* positions, int64_t* kv_slo
 // are backend memory.
 void gather_window_rows(const float* src, int64_t width, int64_t row_stride, int64_t at,
                         const int32_t* offsets, int64_t n, float* dst);
+
+// --- Token histories where the tokens are (the n-gram drafter's settled rounds) --------------
+// Row r's history is tokens[r · stride, r · stride + lengths[r]): the tokens the target processed,
+// then the pending one (spec/token_rows.h). Both arrays are backend memory.
+struct TokenHistories {
+  int32_t* tokens = nullptr;   // [rows, stride]
+  int64_t* lengths = nullptr;  // [rows]
+  int64_t stride = 0, rows = 0;
+};
+// The n-gram drafter's lookup (spec/ngram.h) for every row: for n = max_n down to min_n with
+// n < length, the earliest start s < length − n whose n tokens equal the trailing n; the first n
+// that has one proposes tokens s + n .. min(s + n + depth, length) − 1. Writes ids[r] = the row's
+// pending token (its last), ids[rows + r · depth + j] = proposal j, past counts[r] the pending
+// token again (a window's padding is a valid id, never accepted: accept_windows' limits), and
+// counts[r] = the proposals found (0 with no match). ids and counts are backend memory.
+void ngram_lookup(const TokenHistories& h, int min_n, int max_n, int depth, int32_t* ids,
+                  int32_t* counts);
+// Each row appends its accepted proposals and then the token now pending: ids[rows + r · depth
+// + j] for j < accepted[r], then next[r] (ngram_lookup's layout and accept_windows' results);
+// lengths[r] += accepted[r] + 1. The caller keeps length + depth + 1 <= stride; a row without
+// that room is left as it was.
+void history_append(const TokenHistories& h, const int32_t* ids, int depth, const int32_t* accepted,
+                    const int32_t* next);
 // The memory roofline's denominator on the active backend, bytes/s: the CPU's measured read
 // bandwidth (all threads), or the GPU's device-to-device copy bandwidth (bytes read + written).
 double memory_bandwidth();

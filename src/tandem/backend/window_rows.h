@@ -17,9 +17,11 @@ constexpr int32_t token_at(const int32_t* ids, const int32_t* source, const int3
 
 // Row r's match walk: its accepted proposals and the token now pending.
 constexpr void accept_row(const int32_t* verified, const int32_t* ids, const int32_t* source,
-                          const int32_t* from, const int32_t* bounds, int64_t r, int32_t* accepted,
-                          int32_t* next) {
-  const int64_t first = bounds[r], n = bounds[r + 1] - first;
+                          const int32_t* from, const int32_t* bounds, const int32_t* limits,
+                          int64_t r, int32_t* accepted, int32_t* next) {
+  const int64_t first = bounds[r];
+  int64_t n = bounds[r + 1] - first;
+  if (limits != nullptr && limits[r] + 1 < n) n = limits[r] + 1;
   int32_t a = 0;
   while (a + 1 < n && token_at(ids, source, from, first + a + 1) == verified[first + a]) ++a;
   accepted[r] = a;

@@ -213,8 +213,9 @@ void add_draft_options(CLI::App* sub, DraftArgs* a) {
                 "Keep drafting when the drafter's first proposals stop being accepted (by default "
                 "a collapsed drafter is reported once and rounds propose nothing from then on)");
   sub->add_flag("--settled-rounds", a->settled_rounds,
-                "--draft mtp: accept and commit each round on the device and queue the next round "
-                "before reading it (one host read per round, overlapped with the device's work)");
+                "--draft mtp or ngram: draft, accept and commit each round on the device and queue "
+                "the next round before reading it (one host read per round, overlapped with the "
+                "device's work)");
   sub->add_option("--mtp-hidden", a->mtp_hidden,
                   "Target hidden fed to the MTP drafter: final (after the final norm) or prenorm")
       ->capture_default_str();
@@ -253,15 +254,16 @@ SpecOptions spec_options(const DraftArgs& a) {
 std::unique_ptr<spec::DraftProvider> open_drafter(const DraftArgs& a,
                                                   const spec::TargetView& target) {
   if (a.draft_vocab != 0 && a.draft != "mtp") fail("--draft-vocab applies to --draft mtp only");
-  if (a.settled_rounds && a.draft != "mtp")
-    fail("--settled-rounds applies to --draft mtp only (got --draft ", a.draft, ")");
+  if (a.settled_rounds && a.draft != "mtp" && a.draft != "ngram")
+    fail("--settled-rounds applies to --draft mtp and --draft ngram only (got --draft ", a.draft,
+         ")");
   if (a.settled_rounds && a.verify != "match")
     fail(
         "--settled-rounds needs --verify match (rejection sampling reads the draft "
         "distributions on the host)");
   if (a.settled_rounds && target.qwen35_config() == nullptr)
     fail(
-        "--settled-rounds: this target's MTP drafter commits on the host only (Qwen3.5 targets "
+        "--settled-rounds: this target commits its rounds on the host only (Qwen3.5 targets "
         "settle rounds on the device)");
   if (a.draft == "none") {
     if (a.draft_model) fail("--draft-model needs --draft mtp or --draft eagle3");

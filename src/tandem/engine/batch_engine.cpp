@@ -785,7 +785,7 @@ uint64_t BatchEngine::settled_index(const Row& row) const {
 bool BatchEngine::settles(int depth) {
   if (!options_.spec.settled_rounds || depth <= 0 || !decode_drafts_ ||
       options_.spec.verify != spec::VerifyMode::Match || options_.spec.sync_phases ||
-      !target_->settles_windows() || !taps_.hidden || !taps_.layers.empty())
+      !target_->settles_windows() || !taps_.layers.empty() || chained_)
     return false;
   // The rows of the rounds in flight, in order, and room for this round's tokens after theirs:
   // no queued round can outrun a row's max_tokens.
@@ -796,8 +796,9 @@ bool BatchEngine::settles(int depth) {
       if (decoding_[r]->id != ids[r]) return false;
   }
   const int64_t ahead = static_cast<int64_t>(depth + 1) * static_cast<int64_t>(settled_.size() + 1);
+  // A token drafter behind the target (plain steps ran at depth 0) catches up in a host round.
   for (const auto& row : decoding_)
-    if (row->done || row->needs_logits() ||
+    if (row->done || row->needs_logits() || row->drafter_synced < row->processed() ||
         static_cast<int64_t>(row->result.tokens.size()) + ahead > row->req.gen.max_tokens)
       return false;
   const size_t R = decoding_.size();
@@ -821,7 +822,7 @@ void BatchEngine::settled_round(int depth) {
   const size_t R = decoding_.size();
   const int64_t n = depth + 1;
   // 1. Draft, left where the chain drew it (pending tokens too, after a settled round).
-  if (!decode_drafts_->draft_queued(drafts_, &queued_))
+  if (!decode_drafts_->draft_settled(drafts_, &queued_))
     fail("drafter '", drafter_->id(), "' could not queue a draft it said it could settle");
   const auto t_draft = std::chrono::steady_clock::now();
   // 2. Verify every row's window where its tokens are; only the tokens come back, later.
@@ -854,14 +855,14 @@ void BatchEngine::settled_round(int depth) {
   // 3. Accept and commit where the tokens are: the target's rows, then the drafter's.
   accepted_dev_.grow_to(static_cast<int64_t>(R));
   next_dev_.grow_to(static_cast<int64_t>(R));
-  target_->accept_windows(accepted_dev_.data(), next_dev_.data());
+  target_->accept_windows(accepted_dev_.data(), next_dev_.data(), queued_.counts);
   settled_rows_.resize(R);
   for (size_t r = 0; r < R; ++r) settled_rows_[r] = {decoding_[r]->slot, static_cast<int32_t>(r)};
   target_->settle_windows(settled_rows_, accepted_dev_.data());
   spec::SettledVerify v;
   v.accepted = accepted_dev_.data();
   v.next = next_dev_.data();
-  v.hidden = target_->device_hidden(*taps_.hidden == spec::HiddenTap::PreNorm);
+  if (taps_.hidden) v.hidden = target_->device_hidden(*taps_.hidden == spec::HiddenTap::PreNorm);
   v.depth = depth;
   decode_drafts_->settle(v);
   SettledRound round;
@@ -910,14 +911,18 @@ void BatchEngine::read_settled() {
     const auto& props = proposals_[r].tokens;
     for (int32_t p : props)
       if (p < 0 || p >= V) fail("drafter '", drafter_->id(), "' proposed token id ", p);
-    const std::span<const int32_t> verified(collected_.data() + r * n, static_cast<size_t>(n));
+    if (static_cast<int64_t>(props.size()) >= n)
+      fail("drafter '", drafter_->id(), "' settled ", props.size(), " proposals in a window of ",
+           n);
+    // A window holds pending, the proposals, then padding the walk never reaches.
+    const std::span<const int32_t> verified(collected_.data() + r * n, props.size() + 1);
     for (int32_t t : verified)
       if (t < 0) fail("verify: a logits row of request row ", r, " holds NaN or +inf");
     const spec::AcceptOutcome outcome = spec::accept_walk_match(verified, props);
     accepted[r] = outcome.accepted;
     keeps_.push_back({row.slot, 1 + outcome.accepted});
     if (row.done) continue;  // ended by an earlier round's token: its later ones are dropped
-    count_round(row, n - 1, outcome.accepted);
+    count_round(row, static_cast<int64_t>(props.size()), outcome.accepted);
     for (int32_t t : outcome.emitted)
       if (!emit(row, t, nullptr)) break;
   }

@@ -12,7 +12,7 @@ void EngineTarget::collect_argmax(std::vector<int32_t>*) {
   fail("this target does not queue decode steps ahead of the host");
 }
 
-void EngineTarget::accept_windows(int32_t*, int32_t*) {
+void EngineTarget::accept_windows(int32_t*, int32_t*, const int32_t*) {
   fail("this target does not settle verify windows on the device");
 }
 

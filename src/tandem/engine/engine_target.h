@@ -76,7 +76,7 @@ class EngineTarget {
   // accept walk and the commit stay where the tokens are, and later forwards of the rows may be
   // queued before resolve_settled tells the host what was kept. Targets that cannot say no.
   virtual bool settles_windows() const { return false; }
-  virtual void accept_windows(int32_t* accepted, int32_t* next);
+  virtual void accept_windows(int32_t* accepted, int32_t* next, const int32_t* limits);
   virtual void settle_windows(std::span<const ops::SettledRow> rows, const int32_t* accepted);
   virtual void resolve_settled(std::span<const RowKeep> rows);
   // The last forward's hidden of every token in backend memory, final-normed (that forward had

@@ -59,8 +59,8 @@ class QwenEngineTarget final : public EngineTarget {
   bool settles_windows() const override {
     return state_.linear_layers() == 0 || state_.rollback() == RecurrentRollback::Replay;
   }
-  void accept_windows(int32_t* accepted, int32_t* next) override {
-    model_.accept_windows(accepted, next);
+  void accept_windows(int32_t* accepted, int32_t* next, const int32_t* limits) override {
+    model_.accept_windows(accepted, next, limits);
   }
   void settle_windows(std::span<const ops::SettledRow> rows, const int32_t* accepted) override {
     model_.settle_windows(state_, rows, accepted);

@@ -941,7 +941,7 @@ void check_commit_rows(const Qwen35State& st, std::span<const RowKeep> rows, con
 }
 }  // namespace
 
-void Qwen35Model::accept_windows(int32_t* accepted, int32_t* next) const {
+void Qwen35Model::accept_windows(int32_t* accepted, int32_t* next, const int32_t* limits) const {
   const ops::ContextScope scope(*context_);
   const Workspace& w = *ws_;
   if (!w.verified.ready)
@@ -949,7 +949,7 @@ void Qwen35Model::accept_windows(int32_t* accepted, int32_t* next) const {
         "accept_windows: the last forward of this model was not a verify forward with "
         "all_logits and want_argmax (or another forward ran since)");
   ops::accept_windows(w.argmax.data(), w.ids, w.verified.draft_ids, w.draft_from, w.row_bounds,
-                      w.verified.rows, accepted, next);
+                      limits, w.verified.rows, accepted, next);
 }
 
 void Qwen35Model::settle_windows(Qwen35State& st, std::span<const ops::SettledRow> rows,

@@ -126,7 +126,8 @@ class Qwen35Model {
   // accepted[r] proposals and the next pending token next[r] of each of its rows, backend memory,
   // one entry per row). That forward must have had all_logits and want_argmax (its tokens, greedy
   // or drawn, are the verified ones) and no other forward may have run since; Error otherwise.
-  void accept_windows(int32_t* accepted, int32_t* next) const;
+  // limits (backend memory, [rows], or null): row r accepts at most limits[r] proposals.
+  void accept_windows(int32_t* accepted, int32_t* next, const int32_t* limits = nullptr) const;
   // commit_windows with the kept counts in backend memory: rows[i] keeps 1 + accepted[rows[i].row]
   // tokens of its window, `row` indexing accepted_windows' rows. Queued, the host's lengths lag
   // behind until Qwen35State::resolve_settled (its "Commits settled on the device"); later

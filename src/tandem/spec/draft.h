@@ -187,6 +187,10 @@ struct QueuedDraft {
   // Where given (the last round settled on the device): row b's pending token is
   // ids[pending_slots[b]], not RowDraft::pending, which the host does not know yet.
   std::vector<int32_t> pending_slots;
+  // Where given (a draft for a settled round, DraftRows::draft_settled): backend memory, [rows];
+  // row b proposed counts[b] tokens, its slots past them pad the window (valid ids, never to be
+  // accepted: ops::accept_windows' limits).
+  const int32_t* counts = nullptr;
 };
 
 // A verify whose acceptance stays where the tokens are (DraftRows::settle): every row verified
@@ -194,7 +198,8 @@ struct QueuedDraft {
 struct SettledVerify {
   const int32_t* accepted = nullptr;  // [rows] proposals accepted (ops::accept_windows)
   const int32_t* next = nullptr;      // [rows] the token now pending
-  const float* hidden = nullptr;      // [rows · (depth + 1), taps().width(H)] the verify's taps
+  // [rows · (depth + 1), taps().width(H)] the verify's taps; null for a drafter without taps.
+  const float* hidden = nullptr;
   int depth = 0;
 };
 
@@ -256,18 +261,23 @@ class DraftRows {
   virtual void commit(std::span<const VerifyRow> rows) = 0;
 
   // --- Rounds settled on the device (the engine's overlapped rounds) ---
-  // After draft_queued, where every row drafted `depth` proposals and the target walked the
+  // After draft_settled, where every row's window held `depth` slots and the target walked the
   // verify where the tokens are: settle commits from the counts there (no host read), and the
-  // next draft_queued reads the pending tokens and hiddens there too, so the next round is queued
-  // before the host reads this one. Later, oldest round first, settled_proposals reads a round's
-  // proposals and resolve tells the drafter what the host found accepted. While a round is
-  // unresolved the rows take no other call but draft_queued and settle (Error).
+  // next draft_settled reads the pending tokens (and hiddens) there too, so the next round is
+  // queued before the host reads this one. Later, oldest round first, settled_proposals reads a
+  // round's proposals and resolve tells the drafter what the host found accepted. While a round
+  // is unresolved the rows take no other call but draft_settled and settle (Error).
   //
   // Whether a queued draft of `rows` may be settled (the drafter's work all on the caller's
   // stream, every row the same depth > 0, no distributions wanted).
   virtual bool can_settle(std::span<const RowDraft> rows) const {
     (void)rows;
     return false;
+  }
+  // The draft of a round to be settled (can_settle said yes): draft_queued, except that a row may
+  // propose fewer tokens than its depth, the rest of its slots padding (QueuedDraft::counts).
+  virtual bool draft_settled(std::span<const RowDraft> rows, QueuedDraft* queued) {
+    return draft_queued(rows, queued);
   }
   virtual void settle(const SettledVerify& v) {
     (void)v;

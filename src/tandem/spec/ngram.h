@@ -11,6 +11,10 @@
 // An index per n (n-gram → earliest start) grows with the history, so a draft costs O(max_n²)
 // hashing, not a scan.
 //
+// Rounds settled on the device (DraftRows::draft_settled, SpecOptions::settled_rounds) run the
+// same lookup there (ops::ngram_lookup) on a copy of the histories, which ops::history_append
+// extends with what each verify kept; a row's window is padded past its proposals.
+//
 // Checkpoints ("ngram-history-v1") hold exactly the processed tokens (token_rows.h).
 #pragma once
 

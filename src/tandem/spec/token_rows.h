@@ -180,6 +180,8 @@ class TokenRows : public DraftRows {
   // Up to `depth` (>= 1) proposals for the token after the row's history, which ends with the
   // pending token.
   virtual std::vector<int32_t> propose(Row& row, int depth) = 0;
+  Row& row_at(int b) { return *rows_[static_cast<size_t>(b)]; }
+  const std::string& who() const { return who_; }
 
  private:
   std::string who_, schema_, ns_;

@@ -19,13 +19,17 @@ void swiglu(const float* gate, const float* up, int64_t n, float* out);
 void sample_rows(const float* logits, int64_t rows, int64_t V, const ops::SampleRow* params,
                  int32_t* out);
 void accept_windows(const int32_t* verified, const int32_t* ids, const int32_t* source,
-                    const int32_t* from, const int32_t* bounds, int64_t n_rows, int32_t* accepted,
-                    int32_t* next);
+                    const int32_t* from, const int32_t* bounds, const int32_t* limits,
+                    int64_t n_rows, int32_t* accepted, int32_t* next);
 void settle_windows(const int32_t* accepted, const ops::SettledRow* rows, int64_t n_rows,
                     int64_t* shift, ops::RecurrentRow* replay, int64_t layers);
 void shift_positions(const ops::PositionShift& s, int64_t* positions, int64_t* kv_slots);
 void gather_window_rows(const float* src, int64_t width, int64_t row_stride, int64_t at,
                         const int32_t* offsets, int64_t n, float* dst);
+void ngram_lookup(const ops::TokenHistories& h, int min_n, int max_n, int depth, int32_t* ids,
+                  int32_t* counts);
+void history_append(const ops::TokenHistories& h, const int32_t* ids, int depth,
+                    const int32_t* accepted, const int32_t* next);
 void route_top_k(const float* logits, int64_t E, int64_t k, bool renormalise, int32_t* ids,
                  float* weights);
 void mla_attention(const float* q_nope, const float* q_pe, int64_t n, int64_t H, int64_t dn,

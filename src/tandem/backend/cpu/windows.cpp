@@ -8,10 +8,10 @@
 namespace tandem::cpu {
 
 void accept_windows(const int32_t* verified, const int32_t* ids, const int32_t* source,
-                    const int32_t* from, const int32_t* bounds, int64_t n_rows, int32_t* accepted,
-                    int32_t* next) {
+                    const int32_t* from, const int32_t* bounds, const int32_t* limits,
+                    int64_t n_rows, int32_t* accepted, int32_t* next) {
   for (int64_t r = 0; r < n_rows; ++r)
-    window_rows::accept_row(verified, ids, source, from, bounds, r, accepted, next);
+    window_rows::accept_row(verified, ids, source, from, bounds, limits, r, accepted, next);
 }
 
 void settle_windows(const int32_t* accepted, const ops::SettledRow* rows, int64_t n_rows,

@@ -241,13 +241,17 @@ void sample_rows(const float* logits, int64_t rows, int64_t V, const ops::Sample
                  int32_t* out);
 // ops' verify-window bookkeeping (windows.cu): one thread per row or token.
 void accept_windows(const int32_t* verified, const int32_t* ids, const int32_t* source,
-                    const int32_t* from, const int32_t* bounds, int64_t n_rows, int32_t* accepted,
-                    int32_t* next);
+                    const int32_t* from, const int32_t* bounds, const int32_t* limits,
+                    int64_t n_rows, int32_t* accepted, int32_t* next);
 void settle_windows(const int32_t* accepted, const ops::SettledRow* rows, int64_t n_rows,
                     int64_t* shift, ops::RecurrentRow* replay, int64_t layers);
 void shift_positions(const ops::PositionShift& s, int64_t* positions, int64_t* kv_slots);
 void gather_window_rows(const float* src, int64_t width, int64_t row_stride, int64_t at,
                         const int32_t* offsets, int64_t n, float* dst);
+void ngram_lookup(const ops::TokenHistories& h, int min_n, int max_n, int depth, int32_t* ids,
+                  int32_t* counts);
+void history_append(const ops::TokenHistories& h, const int32_t* ids, int depth,
+                    const int32_t* accepted, const int32_t* next);
 
 #if TANDEM_CUDA_TRACE
 // --- Kernel timeline (diagnostic builds: cmake -DTANDEM_CUDA_TRACE=ON; backend/cuda/trace.cuh) ---

@@ -26,12 +26,13 @@ void fence() {
 
 __global__ void accept_windows_kernel(const int32_t* verified, const int32_t* ids,
                                       const int32_t* source, const int32_t* from,
-                                      const int32_t* bounds, int64_t n_rows, int32_t* accepted,
-                                      int32_t* next) {
+                                      const int32_t* bounds, const int32_t* limits, int64_t n_rows,
+                                      int32_t* accepted, int32_t* next) {
   pdl_wait();
   pdl_release();
   const int64_t r = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
-  if (r < n_rows) window_rows::accept_row(verified, ids, source, from, bounds, r, accepted, next);
+  if (r < n_rows)
+    window_rows::accept_row(verified, ids, source, from, bounds, limits, r, accepted, next);
 }
 
 __global__ void settle_windows_kernel(const int32_t* accepted, const ops::SettledRow* rows,
@@ -69,11 +70,11 @@ unsigned blocks_for(int64_t n) {
 }  // namespace
 
 void accept_windows(const int32_t* verified, const int32_t* ids, const int32_t* source,
-                    const int32_t* from, const int32_t* bounds, int64_t n_rows, int32_t* accepted,
-                    int32_t* next) {
+                    const int32_t* from, const int32_t* bounds, const int32_t* limits,
+                    int64_t n_rows, int32_t* accepted, int32_t* next) {
   if (n_rows == 0) return;
   launch("accept_windows", accept_windows_kernel, blocks_for(n_rows), kWindowThreads, 0, verified,
-         ids, source, from, bounds, n_rows, accepted, next);
+         ids, source, from, bounds, limits, n_rows, accepted, next);
 }
 
 void settle_windows(const int32_t* accepted, const ops::SettledRow* rows, int64_t n_rows,
