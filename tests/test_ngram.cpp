@@ -444,8 +444,9 @@ TEST(Ngram, SettledRoundsEqualHostRounds) {
     }
     host->commit(ver);
     if (host_round) {
-      if (!unread.empty())  // rounds are unread: refused, nothing changed
+      if (!unread.empty()) {  // rounds are unread: refused, nothing changed
         EXPECT_THROW(dev->draft(in, &want), Error);
+      }
       while (!unread.empty()) read_one();
       std::vector<DraftProposal> got;
       dev->draft(in, &got);
@@ -476,7 +477,9 @@ TEST(Ngram, SettledRoundsEqualHostRounds) {
     }
     pending = next;
     if (round % 30 == 29 || round % 30 == 8) {
-      if (!unread.empty()) EXPECT_THROW(dev->capture(0), Error);
+      if (!unread.empty()) {
+        EXPECT_THROW(dev->capture(0), Error);
+      }
       while (!unread.empty()) read_one();
       for (int b = 0; b < rows_n; ++b) EXPECT_EQ(dev->capture(b)->tokens, host->capture(b)->tokens);
     }
