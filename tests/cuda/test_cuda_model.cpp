@@ -737,12 +737,13 @@ TEST_P(CudaLossless, SpeculativeEqualsPlainAloneAndBatched) {
     return spec::QwenMtpProvider::from_target(*d.target);
   }();
   const std::string name = c.drafter;
-  // "mtp_settled": the same, its rounds settled on the device (SpecOptions::settled_rounds).
-  const spec::DraftProvider* drafter = name == "mtp"     ? d.mtp.get()
-                                       : name == "ngram" ? d.ngram.get()
-                                                         : shared.get();
+  // "mtp_settled": the same, its rounds settled on the device (SpecOptions::settled_rounds);
+  // "ngram_settled": the n-gram drafter's rounds settled there (its lookup on the device).
+  const spec::DraftProvider* drafter = name == "mtp" ? d.mtp.get()
+                                       : name.starts_with("ngram") ? d.ngram.get()
+                                                                   : shared.get();
   SpecOptions opts{c.depth, spec::VerifyMode::Match};
-  opts.settled_rounds = name == "mtp_settled";
+  opts.settled_rounds = name.ends_with("_settled");
   SpeculativeGenerator spec_gen(*d.model, drafter, "demo-target", opts);
   std::vector<GenerateRequest> reqs;
   for (size_t p = 0; p < kPrompts.size(); ++p)
@@ -773,7 +774,7 @@ TEST_P(CudaLossless, SpeculativeEqualsPlainAloneAndBatched) {
 
 std::vector<SpecCase> spec_cases() {
   std::vector<SpecCase> v;
-  for (const char* d : {"mtp", "mtp_shared", "mtp_settled", "ngram"})
+  for (const char* d : {"mtp", "mtp_shared", "mtp_settled", "ngram", "ngram_settled"})
     for (int depth : {1, 2, 3})
       for (float t : {0.0f, 0.8f}) v.push_back({d, depth, t});
   return v;
