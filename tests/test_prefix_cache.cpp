@@ -52,14 +52,16 @@ GenerateRequest request(std::vector<int32_t> prompt, float temperature, uint64_t
 
 using Recorder = test::RecordingSink;
 
-// "mtp_settled": an MTP drafter in the target's context, its rounds settled on the device.
+// "mtp_settled": an MTP drafter in the target's context, its rounds settled on the device;
+// "ngram_settled": the n-gram drafter, its rounds settled there.
 const spec::DraftProvider* drafter_named(const std::string& name) {
   static const auto shared = [] {
     const ops::ContextScope scope(demo().model->context());
     return spec::QwenMtpProvider::from_target(*demo().target);
   }();
   if (name == "mtp_settled") return shared.get();
-  return name == "mtp" ? demo().mtp.get() : name == "ngram" ? demo().ngram.get() : nullptr;
+  if (name == "ngram" || name == "ngram_settled") return demo().ngram.get();
+  return name == "mtp" ? demo().mtp.get() : nullptr;
 }
 
 // Runs one request to completion on `engine` (alone in it, after the earlier ones finished).
@@ -379,7 +381,7 @@ class CachedPrefixes : public ::testing::TestWithParam<CacheCase> {};
 TEST_P(CachedPrefixes, HitEqualsColdEngineTokensAndAcceptance) {
   const CacheCase c = GetParam();
   const spec::DraftProvider* drafter = drafter_named(c.drafter);
-  const bool settled = std::string(c.drafter) == "mtp_settled";
+  const bool settled = std::string(c.drafter).ends_with("_settled");
   const auto text = sample_tokens(560);
   BatchEngine cached(*demo().model, drafter, "demo-target", options(size_t{1} << 30, settled));
 
@@ -435,7 +437,9 @@ INSTANTIATE_TEST_SUITE_P(Engine, CachedPrefixes,
                                            CacheCase{"mtp", 0.0f}, CacheCase{"mtp", 0.9f},
                                            CacheCase{"mtp_settled", 0.0f},
                                            CacheCase{"mtp_settled", 0.9f}, CacheCase{"ngram", 0.0f},
-                                           CacheCase{"ngram", 0.9f}),
+                                           CacheCase{"ngram", 0.9f},
+                                           CacheCase{"ngram_settled", 0.0f},
+                                           CacheCase{"ngram_settled", 0.9f}),
                          [](const auto& info) {
                            return std::string(info.param.drafter) +
                                   (info.param.temperature > 0 ? "_sampled" : "_greedy");

@@ -739,7 +739,7 @@ TEST_P(CudaLossless, SpeculativeEqualsPlainAloneAndBatched) {
   const std::string name = c.drafter;
   // "mtp_settled": the same, its rounds settled on the device (SpecOptions::settled_rounds);
   // "ngram_settled": the n-gram drafter's rounds settled there (its lookup on the device).
-  const spec::DraftProvider* drafter = name == "mtp" ? d.mtp.get()
+  const spec::DraftProvider* drafter = name == "mtp"               ? d.mtp.get()
                                        : name.starts_with("ngram") ? d.ngram.get()
                                                                    : shared.get();
   SpecOptions opts{c.depth, spec::VerifyMode::Match};
