@@ -82,6 +82,10 @@ struct Measured {
   // --round-split: ms per round in each phase, from one more run that waits for the device at
   // each phase's end; empty without it.
   std::vector<double> phase_ms;  // draft, verify, accept, commit
+  // The same phases' host time per round in the measured runs, where nothing waits at a phase's
+  // end: what the host spends queueing each phase, and where it waits for the device (a host
+  // round waits in verify, a settled round in accept, when it reads the round before).
+  std::vector<double> host_ms;
 };
 
 // The requests in batches of `batch`, in order (the last may be smaller).
@@ -140,8 +144,8 @@ Measured measure(const LoadedTarget& target, DType kv_dtype, const spec::DraftPr
     SpecStats sum;
     sum.accepted_by_position.assign(static_cast<size_t>(m.depth), 0);
     sum.drafted_by_position.assign(static_cast<size_t>(m.depth), 0);
-    int64_t tokens = 0, decode_tokens = 0;
-    double decode_seconds = 0;
+    int64_t tokens = 0, decode_tokens = 0, rounds = 0;
+    double decode_seconds = 0, phases[4] = {0, 0, 0, 0};
     const auto t0 = std::chrono::steady_clock::now();
     size_t first = 0;  // of the group's requests
     for (const std::vector<GenerateRequest>& group : groups_of(reqs, batch)) {
@@ -150,6 +154,11 @@ Measured measure(const LoadedTarget& target, DType kv_dtype, const spec::DraftPr
       const auto res = gen.run(group, {}, &gs, &st);
       decode_tokens += gs.decode_tokens;
       decode_seconds += gs.decode_seconds;
+      phases[0] += gs.draft_seconds;
+      phases[1] += gs.verify_seconds;
+      phases[2] += gs.accept_seconds;
+      phases[3] += gs.commit_seconds;
+      rounds += gs.decode_steps;
       for (size_t i = 0; i < res.size(); ++i) {
         (*outputs)[first + i] = res[i].tokens;
         tokens += static_cast<int64_t>(res[i].tokens.size());
@@ -171,6 +180,9 @@ Measured measure(const LoadedTarget& target, DType kv_dtype, const spec::DraftPr
     decode_rates.push_back(decode_seconds > 0 ? static_cast<double>(decode_tokens) / decode_seconds
                                               : 0.0);
     m.total = sum;
+    m.host_ms.clear();
+    for (double ph : phases)
+      m.host_ms.push_back(rounds > 0 ? 1e3 * ph / static_cast<double>(rounds) : 0.0);
   }
   std::sort(rates.begin(), rates.end());
   std::sort(decode_rates.begin(), decode_rates.end());
@@ -367,6 +379,12 @@ void run_bench_spec(const BenchSpecArgs& a) {
                                                                   {"verify", m.phase_ms[1]},
                                                                   {"accept", m.phase_ms[2]},
                                                                   {"commit", m.phase_ms[3]}}},
+           {"round_host_ms", m.draft == "none" || m.host_ms.size() != 4
+                                 ? nlohmann::json()
+                                 : nlohmann::json{{"draft", m.host_ms[0]},
+                                                  {"verify", m.host_ms[1]},
+                                                  {"accept", m.host_ms[2]},
+                                                  {"commit", m.host_ms[3]}}},
            {"batch", a.batch}});
       continue;
     }
