@@ -206,14 +206,10 @@ bool NgramRows::can_settle(std::span<const RowDraft> rows) const {
 
 void NgramRows::upload(std::span<const RowDraft> rows, int depth) {
   const int R = row_count();
+  see_pending(rows);
   int64_t longest = 0;
-  for (int b = 0; b < R; ++b) {
-    Row& r = row_at(b);
-    TANDEM_CHECK(!r.pending_known() || r.history().back() == rows[static_cast<size_t>(b)].pending,
-                 "row ", b, ": pending token differs from the one already seen");
-    if (!r.pending_known()) r.push(rows[static_cast<size_t>(b)].pending);
-    longest = std::max<int64_t>(longest, static_cast<int64_t>(r.history().size()));
-  }
+  for (int b = 0; b < R; ++b)
+    longest = std::max<int64_t>(longest, static_cast<int64_t>(row_at(b).history().size()));
   stride_ = (longest + kHistoryHeadroom + depth + 1 + 63) / 64 * 64;
   std::vector<int32_t> tokens(static_cast<size_t>(R * stride_), 0);
   device_length_.assign(static_cast<size_t>(R), 0);
@@ -308,10 +304,8 @@ void NgramRows::resolve(std::span<const int> accepted) {
       fail(who(), " resolve: row ", b, " accepted ", accepted[b], " of ", round.proposals[b].size(),
            " proposals");
   for (size_t b = 0; b < accepted.size(); ++b) {
-    Row& r = row_at(static_cast<int>(b));
-    for (int j = 0; j < accepted[b]; ++j) r.push(round.proposals[b][static_cast<size_t>(j)]);
-    r.push(round.next[b]);
-    r.add_processed(1 + accepted[b]);
+    keep(row_at(static_cast<int>(b)),
+         std::span(round.proposals[b]).first(static_cast<size_t>(accepted[b])), round.next[b]);
     device_length_[b] += 1 + accepted[b];
   }
   settled_.pop_front();

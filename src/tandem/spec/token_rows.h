@@ -123,17 +123,11 @@ class TokenRows : public DraftRows {
 
   // Proposals never depend on sampling; the q asked for in rejection mode is one-hot.
   void draft(std::span<const RowDraft> rows, std::vector<DraftProposal>* out) override {
-    TANDEM_CHECK(static_cast<int>(rows.size()) == row_count());
-    for (size_t b = 0; b < rows.size(); ++b) {
-      const Row& r = *rows_[b];
-      TANDEM_CHECK(rows[b].depth >= 0);
-      TANDEM_CHECK(!r.pending_known() || r.history().back() == rows[b].pending, "row ", b,
-                   ": pending token differs from the one already seen");
-    }
+    for (const RowDraft& in : rows) TANDEM_CHECK(in.depth >= 0);
+    see_pending(rows);
     out->resize(rows.size());
     for (size_t b = 0; b < rows.size(); ++b) {
       Row& r = *rows_[b];
-      if (!r.pending_known()) r.push(rows[b].pending);
       DraftProposal& p = (*out)[b];
       p.tokens = rows[b].depth > 0 ? propose(r, rows[b].depth) : std::vector<int32_t>{};
       TANDEM_CHECK(static_cast<int>(p.tokens.size()) <= rows[b].depth);
@@ -155,11 +149,8 @@ class TokenRows : public DraftRows {
                    ": accepted ", v.accepted, " of a window of ", v.window.size());
     }
     for (size_t b = 0; b < rows.size(); ++b) {
-      Row& r = *rows_[b];
       const VerifyRow& v = rows[b];
-      for (int j = 1; j <= v.accepted; ++j) r.push(v.window[static_cast<size_t>(j)]);
-      r.push(v.next_pending);
-      r.add_processed(1 + v.accepted);
+      keep(*rows_[b], v.window.subspan(1, static_cast<size_t>(v.accepted)), v.next_pending);
     }
   }
 
@@ -182,6 +173,26 @@ class TokenRows : public DraftRows {
   virtual std::vector<int32_t> propose(Row& row, int depth) = 0;
   Row& row_at(int b) { return *rows_[static_cast<size_t>(b)]; }
   const std::string& who() const { return who_; }
+
+  // Every row's pending token (rows.size() == row_count()): checked against the one a row already
+  // holds, all rows first (a bad call changes nothing), then appended where the row has none.
+  void see_pending(std::span<const RowDraft> rows) {
+    TANDEM_CHECK(static_cast<int>(rows.size()) == row_count());
+    for (size_t b = 0; b < rows.size(); ++b) {
+      const Row& r = *rows_[b];
+      TANDEM_CHECK(!r.pending_known() || r.history().back() == rows[b].pending, "row ", b,
+                   ": pending token differs from the one already seen");
+    }
+    for (size_t b = 0; b < rows.size(); ++b)
+      if (!rows_[b]->pending_known()) rows_[b]->push(rows[b].pending);
+  }
+  // A verified round into a row that held its pending token: the target processed it and the
+  // accepted proposals, and `next` is pending now.
+  static void keep(Row& r, std::span<const int32_t> accepted, int32_t next) {
+    for (int32_t t : accepted) r.push(t);
+    r.push(next);
+    r.add_processed(1 + static_cast<int64_t>(accepted.size()));
+  }
 
  private:
   std::string who_, schema_, ns_;
