@@ -356,6 +356,45 @@ TEST(Ops, AddRmsNormIsAddThenNorm) {
   EXPECT_EQ(x, x0) << "a rejected call changed x";
 }
 
+// A drafter's fc input: rms_norm_pair gives each half the bits of rms_norm with that half's
+// weight, and refuses an output that aliases an input.
+TEST(Ops, RmsNormPairIsTwoNormsSideBySide) {
+  std::mt19937 rng(4);
+  const int64_t m = 5, d = 37;
+  StoredWeight wa = make_weight(DType::BF16, 1, d, rng, 0.3f);
+  StoredWeight wb = make_weight(DType::F32, 1, d, rng, 0.3f);
+  const auto a = random_vec(static_cast<size_t>(m * d), rng);
+  const auto b = random_vec(static_cast<size_t>(m * d), rng, 4.0f);
+  for (bool zc : {true, false}) {
+    std::vector<float> na(a.size()), nb(b.size()), y(static_cast<size_t>(2 * m * d), -1.0f);
+    ops::rms_norm(a.data(), m, d, wa.ref, zc, 1e-6f, na.data());
+    ops::rms_norm(b.data(), m, d, wb.ref, zc, 1e-6f, nb.data());
+    ops::rms_norm_pair(a.data(), b.data(), m, d, wa.ref, wb.ref, zc, 1e-6f, y.data());
+    for (int64_t r = 0; r < m; ++r) {
+      EXPECT_EQ(0, std::memcmp(y.data() + 2 * r * d, na.data() + r * d, sizeof(float) * d))
+          << "row " << r << " first half";
+      EXPECT_EQ(0, std::memcmp(y.data() + 2 * r * d + d, nb.data() + r * d, sizeof(float) * d))
+          << "row " << r << " second half";
+    }
+  }
+  std::vector<float> ab = a;
+  ab.resize(static_cast<size_t>(2 * m * d));
+  try {
+    ops::rms_norm_pair(ab.data(), b.data(), m, d, wa.ref, wb.ref, false, 1e-6f, ab.data());
+    ADD_FAILURE() << "rms_norm_pair accepted y == a";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("alias"), std::string::npos) << e.what();
+  }
+  StoredWeight short_w = make_weight(DType::F32, 1, d - 1, rng);
+  std::vector<float> y(static_cast<size_t>(2 * m * d));
+  try {
+    ops::rms_norm_pair(a.data(), b.data(), m, d, wa.ref, short_w.ref, false, 1e-6f, y.data());
+    ADD_FAILURE() << "rms_norm_pair accepted a weight of the wrong size";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("36 elements"), std::string::npos) << e.what();
+  }
+}
+
 // gate_up_swiglu on a weight in the pair layout (8 gate rows, the same 8 up rows, ...) gives the
 // bits of the two projections followed by swiglu.
 TEST(Ops, GateUpSwigluIsTheTwoProjectionsThenSwiglu) {

@@ -983,6 +983,40 @@ TEST_F(CudaOps, RmsNormMatchesCpuPlainAndZeroCentred) {
   }
 }
 
+// rms_norm_pair's halves carry cuda::rms_norm's bits in every norm order (so a drafter's numbers
+// do not change with the fusion), near the CPU's pair.
+TEST_F(CudaOps, RmsNormPairIsTwoNormsSideBySide) {
+  std::mt19937 rng(45);
+  const float eps = 1e-6f;
+  for (int64_t d : {384, 4096, 12288, 37}) {
+    for (bool zc : {false, true}) {
+      const F32Weight wa = f32_weight(randn(sz(d), rng, 0.1f, zc ? 0.0f : 1.0f), 1, d);
+      const F32Weight wb = f32_weight(randn(sz(d), rng, 0.1f, zc ? 0.0f : 1.0f), 1, d);
+      for (int64_t m : {1, 3, 17}) {
+        const auto a = norm_input(m, d, rng), b = norm_input(m, d, rng);
+        DeviceBuffer<float> da(a), db(b), na = nan_buffer(a.size()), nb = nan_buffer(b.size());
+        DeviceBuffer<float> y = nan_buffer(2 * a.size());
+        cuda::rms_norm(da.get(), m, d, wa.dev_ref(), zc, eps, na.get());
+        cuda::rms_norm(db.get(), m, d, wb.dev_ref(), zc, eps, nb.get());
+        cuda::rms_norm_pair(da.get(), db.get(), m, d, wa.dev_ref(), wb.dev_ref(), zc, eps,
+                            y.get());
+        const auto got = y.download(), ga = na.download(), gb = nb.download();
+        std::vector<float> first, second;
+        for (int64_t r = 0; r < m; ++r) {
+          first.insert(first.end(), got.begin() + 2 * r * d, got.begin() + 2 * r * d + d);
+          second.insert(second.end(), got.begin() + 2 * r * d + d, got.begin() + 2 * (r + 1) * d);
+        }
+        EXPECT_TRUE(bitwise_equal(first, ga)) << "first half, d " << d << " m " << m;
+        EXPECT_TRUE(bitwise_equal(second, gb)) << "second half, d " << d << " m " << m;
+        std::vector<float> want(got.size());
+        cpu::rms_norm_pair(a.data(), b.data(), m, d, wa.host_ref(), wb.host_ref(), zc, eps,
+                           want.data());
+        EXPECT_TRUE(near_blocks(got, want, sz(d), kNormRel)) << "vs CPU, d " << d << " m " << m;
+      }
+    }
+  }
+}
+
 // rms_norm_bf16 writes rms_norm's values rounded to bf16 (nearest even), for each norm order.
 TEST_F(CudaOps, RmsNormBf16IsRmsNormRounded) {
   std::mt19937 rng(44);

@@ -543,6 +543,11 @@ void rms_norm(const float* x, int64_t m, int64_t d, const WeightRef& w, bool zer
               float eps, float* y) {
   TANDEM_DISPATCH(rms_norm(x, m, d, w, zero_centred, eps, y));
 }
+void rms_norm_pair(const float* a, const float* b, int64_t m, int64_t d, const WeightRef& wa,
+                   const WeightRef& wb, bool zero_centred, float eps, float* y) {
+  if (m > 0 && d > 0 && (y == a || y == b)) fail("rms_norm_pair: the output must not alias an input");
+  TANDEM_DISPATCH(rms_norm_pair(a, b, m, d, wa, wb, zero_centred, eps, y));
+}
 void add_rms_norm(float* x, const float* r, int64_t m, int64_t d, const WeightRef& w,
                   bool zero_centred, float eps, float* y) {
   if (y == x) fail("add_rms_norm: the output must not alias the residual stream x");

@@ -408,6 +408,12 @@ void embed_rows_selected(const WeightRef& table, const int32_t* ids, const int32
 void rms_norm(const float* x, int64_t m, int64_t d, const WeightRef& w, bool zero_centred,
               float eps, float* y);
 
+// The input rows of a drafter's fc (MTP, EAGLE-3): y[t] = [rms_norm(a[t]) | rms_norm(b[t])], a and
+// b normalised with wa and wb (a, b: [m, d]; y: [m, 2d], aliasing neither). Each half carries
+// rms_norm's bits; one pass instead of two norms and two copies.
+void rms_norm_pair(const float* a, const float* b, int64_t m, int64_t d, const WeightRef& wa,
+                   const WeightRef& wb, bool zero_centred, float eps, float* y);
+
 // The residual add and the next RMSNorm in one pass: x[m, d] += r[m, d], then
 // y = rms_norm(x) with rms_norm's arithmetic. y may alias r (not x). Bitwise add_inplace followed
 // by rms_norm.

@@ -18,13 +18,9 @@ int64_t upload_segment_positions(std::span<const AttentionSegment> segs,
 
 void concat_normed_pair(const float* embeds, const float* hidden, int64_t T, int64_t H,
                         const ops::WeightRef& norm_e, const ops::WeightRef& norm_h,
-                        bool zero_centred, float eps, Buffer<float>& cat, Buffer<float>& h) {
+                        bool zero_centred, float eps, Buffer<float>& cat) {
   grow_to(cat, T * 2 * H);
-  grow_to(h, T * H);
-  ops::rms_norm(embeds, T, H, norm_e, zero_centred, eps, h.data());
-  ops::copy_rows(cat.data(), 2 * H, h.data(), H, T, H);
-  ops::rms_norm(hidden, T, H, norm_h, zero_centred, eps, h.data());
-  ops::copy_rows(cat.data() + H, 2 * H, h.data(), H, T, H);
+  ops::rms_norm_pair(embeds, hidden, T, H, norm_e, norm_h, zero_centred, eps, cat.data());
 }
 
 }  // namespace tandem::spec

@@ -1,5 +1,6 @@
-// Steps the drafters' own decoder blocks (spec/qwen_mtp_block.h, spec/eagle3_block.h) share:
-// both read one (token embedding, hidden) pair per row and run it at the row's rotary position.
+// Steps the drafters' own decoder blocks (spec/qwen_mtp_block.h, spec/eagle3_block.h,
+// spec/glm_mtp_block.h) share: each reads one (token embedding, hidden) pair per row and runs it
+// at the row's rotary position.
 #pragma once
 
 #include <cstdint>
@@ -18,9 +19,9 @@ int64_t upload_segment_positions(std::span<const AttentionSegment> segs,
                                  std::vector<int64_t>& pos_host, Buffer<int64_t>& pos);
 
 // cat [T, 2H] = [norm_e(embeds) | norm_h(hidden)] per row, embedding first (RMS norms, zero
-// centred or not). h [T, H] is scratch. All arrays are backend memory.
+// centred or not; one launch). All arrays are backend memory.
 void concat_normed_pair(const float* embeds, const float* hidden, int64_t T, int64_t H,
                         const ops::WeightRef& norm_e, const ops::WeightRef& norm_h,
-                        bool zero_centred, float eps, Buffer<float>& cat, Buffer<float>& h);
+                        bool zero_centred, float eps, Buffer<float>& cat);
 
 }  // namespace tandem::spec

@@ -48,8 +48,8 @@ void Eagle3Block::forward(const float* embeds, const float* hidden,
   if (T == 0) return;
 
   // a = [input_layernorm(embedding) | hidden_norm(g)], embedding first.
-  concat_normed_pair(embeds, hidden, T, H, w_.input_layernorm, w_.hidden_norm, false, eps, ws.cat,
-                     ws.h);
+  concat_normed_pair(embeds, hidden, T, H, w_.input_layernorm, w_.hidden_norm, false, eps, ws.cat);
+  grow_to(ws.h, T * H);
 
   // Attention over each row's own KV: keys and values written first, so a row attends to
   // itself and every earlier row of its history.

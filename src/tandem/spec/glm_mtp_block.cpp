@@ -2,6 +2,7 @@
 
 #include "tandem/core/error.h"
 #include "tandem/model/gated_attention.h"
+#include "tandem/spec/draft_block.h"
 
 namespace tandem::spec {
 
@@ -32,12 +33,8 @@ void GlmMtpBlock::forward(const float* embeds, const float* hidden, const Glm5To
   const ops::ContextScope scope(*context_);
   const int64_t T = tokens.T, H = cfg_.hidden_size;
   const float eps = static_cast<float>(cfg_.rms_norm_eps);
-  for (Buffer<float>* b : {&e_, &h_, &x_}) b->grow_to(T * H);
-  cat_.grow_to(T * 2 * H);
-  ops::rms_norm(embeds, T, H, enorm_, false, eps, e_.data());
-  ops::rms_norm(hidden, T, H, hnorm_, false, eps, h_.data());
-  ops::copy_rows(cat_.data(), 2 * H, e_.data(), H, T, H);
-  ops::copy_rows(cat_.data() + H, 2 * H, h_.data(), H, T, H);
+  x_.grow_to(T * H);
+  concat_normed_pair(embeds, hidden, T, H, enorm_, hnorm_, false, eps, cat_);
   ops::linear(cat_.data(), T, eh_proj_, x_.data());
   scratch_.prepare(cfg_, tokens);
   glm5_layer_forward(cfg_, layer_, inv_freq_.data(), tokens, caches, scratch_, x_.data(), nullptr,

@@ -50,7 +50,7 @@ class GlmMtpBlock {
   Buffer<float> inv_freq_;
   // A call's activations (backend memory), reused across calls.
   mutable Glm5Scratch scratch_;
-  mutable Buffer<float> cat_, e_, h_, x_;
+  mutable Buffer<float> cat_, x_;
 };
 
 }  // namespace tandem::spec

@@ -87,7 +87,7 @@ void QwenMtpBlock::forward(const float* embeds, const float* hidden, const Atten
 
   // fc input: [norm_e(embed) | norm_h(h)] per token.
   concat_normed_pair(embeds, hidden, T, H, w_.pre_fc_norm_embedding, w_.pre_fc_norm_hidden, zc, eps,
-                     ws.cat, ws.h);
+                     ws.cat);
   w_.fc.apply(ws.cat.data(), T, ws.x.data());
 
   // Gated full attention (the Qwen3.5 decoder layer's mixer).

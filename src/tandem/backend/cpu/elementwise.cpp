@@ -53,19 +53,45 @@ void embed_rows_selected(const WeightRef& table, const int32_t* ids, const int32
   }
 }
 
+namespace {
+// One row: y[i] = (x[i] · s) · scale, scale = 1 + w (zero-centred) or w.
+void norm_row(const float* x, int64_t d, const WeightRef& w, bool zero_centred, float eps,
+              float* y) {
+  const float s = inv_rms(x, d, eps);
+  for (int64_t i = 0; i < d; ++i) {
+    const float wi = weight_element(w, i);
+    y[i] = (x[i] * s) * (zero_centred ? 1.0f + wi : wi);
+  }
+}
+
+void check_norm_weight(const WeightRef& w, int64_t d, const char* op) {
+  check_float_weight(w, op);
+  if (w.rows * w.cols != d)
+    fail(op, ": weight has ", w.rows * w.cols, " elements for rows of ", d);
+}
+}  // namespace
+
 void rms_norm(const float* x, int64_t m, int64_t d, const WeightRef& w, bool zero_centred,
               float eps, float* y) {
-  check_float_weight(w, "rms_norm");
-  TANDEM_CHECK(w.rows * w.cols == d, "rms_norm weight size");
+  check_norm_weight(w, d, "rms_norm");
+  parallel_for(
+      m,
+      [&](int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; ++r) norm_row(x + r * d, d, w, zero_centred, eps, y + r * d);
+      },
+      m > 8);
+}
+
+void rms_norm_pair(const float* a, const float* b, int64_t m, int64_t d, const WeightRef& wa,
+                   const WeightRef& wb, bool zero_centred, float eps, float* y) {
+  check_norm_weight(wa, d, "rms_norm_pair");
+  check_norm_weight(wb, d, "rms_norm_pair");
   parallel_for(
       m,
       [&](int64_t r0, int64_t r1) {
         for (int64_t r = r0; r < r1; ++r) {
-          const float s = inv_rms(x + r * d, d, eps);
-          for (int64_t i = 0; i < d; ++i) {
-            const float wi = weight_element(w, i);
-            y[r * d + i] = (x[r * d + i] * s) * (zero_centred ? 1.0f + wi : wi);
-          }
+          norm_row(a + r * d, d, wa, zero_centred, eps, y + r * 2 * d);
+          norm_row(b + r * d, d, wb, zero_centred, eps, y + r * 2 * d + d);
         }
       },
       m > 8);

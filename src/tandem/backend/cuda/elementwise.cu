@@ -29,8 +29,20 @@ __device__ inline float row_inv_rms(const float* x, int64_t d, float eps, double
   return inv_rms_from_sum(block_sum<Threads>(ss, s_warp), d, eps);
 }
 
-// Grid: one block per row of x[m, d]. y may alias x: every x[i] a thread rewrites was read by the
-// reduction before its barrier, and after it each thread touches only its own i.
+// One row of rms_norm in the Narrow or Wide order (Threads threads): xr[d] into yr[d]. yr may
+// alias xr: every xr[i] a thread rewrites was read by the reduction before its barrier, and after
+// it each thread touches only its own i.
+template <int Threads, class Out>
+__device__ inline void norm_row(const float* xr, int64_t d, const float* w, bool zero_centred,
+                                float eps, Out* yr, double* s_warp) {
+  const float s = row_inv_rms<Threads>(xr, d, eps, s_warp);
+  for (int64_t i = threadIdx.x; i < d; i += Threads) {
+    const float wi = w[i];
+    yr[i] = Out(normed(xr[i], s, wi, zero_centred));
+  }
+}
+
+// Grid: one block per row of x[m, d]; y may alias x (norm_row).
 // Out: float, or __nv_bfloat16 for rms_norm_bf16 (each value rounded to nearest even).
 template <int Threads, class Out = float>
 __global__ void __launch_bounds__(Threads)
@@ -39,13 +51,7 @@ __global__ void __launch_bounds__(Threads)
   pdl_wait();
   pdl_release();
   __shared__ double s_warp[Threads / 32];
-  const float* xr = x + blockIdx.x * d;
-  Out* yr = y + blockIdx.x * d;
-  const float s = row_inv_rms<Threads>(xr, d, eps, s_warp);
-  for (int64_t i = threadIdx.x; i < d; i += Threads) {
-    const float wi = w[i];
-    yr[i] = Out(normed(xr[i], s, wi, zero_centred));
-  }
+  norm_row<Threads>(x + blockIdx.x * d, d, w, zero_centred, eps, y + blockIdx.x * d, s_warp);
 }
 
 // Hidden-size rows (kWideNormMinDim <= d <= kRowNormMaxDim), the norm at the start of every
@@ -93,29 +99,23 @@ __device__ __forceinline__ void store_chunk(float* p, int64_t i, int64_t d, bool
   }
 }
 
-template <bool Add, class Out = float>
-__global__ void __launch_bounds__(kWideNormThreads)
-    row_norm_kernel(const float* x, const float* r, float* x_sum, int64_t d, const float* w,
-                    bool zero_centred, float eps, bool vec, Out* y) {
-  pdl_wait();
-  pdl_release();
+template <bool Add, class Out>
+__device__ inline void chunked_norm_row(const float* x, const float* r, float* x_sum, int64_t d,
+                                        const float* w, bool zero_centred, float eps, bool vec,
+                                        Out* y, double* s_warp) {
   constexpr int Threads = kWideNormThreads;
-  __shared__ double s_warp[Threads / 32];
-  const int64_t off = blockIdx.x * d;
   float v[kRowVec][4];
 #pragma unroll
-  for (int j = 0; j < kRowVec; ++j)
-    load_chunk(x + off, 4 * (threadIdx.x + j * Threads), d, vec, v[j]);
+  for (int j = 0; j < kRowVec; ++j) load_chunk(x, 4 * (threadIdx.x + j * Threads), d, vec, v[j]);
   if constexpr (Add) {
     float a[kRowVec][4];
 #pragma unroll
-    for (int j = 0; j < kRowVec; ++j)
-      load_chunk(r + off, 4 * (threadIdx.x + j * Threads), d, vec, a[j]);
+    for (int j = 0; j < kRowVec; ++j) load_chunk(r, 4 * (threadIdx.x + j * Threads), d, vec, a[j]);
 #pragma unroll
     for (int j = 0; j < kRowVec; ++j) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) v[j][e] += a[j][e];
-      store_chunk(x_sum + off, 4 * (threadIdx.x + j * Threads), d, vec, v[j]);
+      store_chunk(x_sum, 4 * (threadIdx.x + j * Threads), d, vec, v[j]);
     }
   }
   double ss = 0.0;
@@ -134,8 +134,41 @@ __global__ void __launch_bounds__(kWideNormThreads)
       const float wi = i + e < d ? w[i + e] : 0.0f;
       o[e] = normed(v[j][e], s, wi, zero_centred);
     }
-    store_chunk(y + off, i, d, vec, o);
+    store_chunk(y, i, d, vec, o);
   }
+}
+
+// Grid: one block per row (chunked_norm_row).
+template <bool Add, class Out = float>
+__global__ void __launch_bounds__(kWideNormThreads)
+    row_norm_kernel(const float* x, const float* r, float* x_sum, int64_t d, const float* w,
+                    bool zero_centred, float eps, bool vec, Out* y) {
+  pdl_wait();
+  pdl_release();
+  __shared__ double s_warp[kWideNormThreads / 32];
+  const int64_t off = blockIdx.x * d;
+  chunked_norm_row<Add>(x + off, Add ? r + off : nullptr, Add ? x_sum + off : nullptr, d, w,
+                        zero_centred, eps, vec, y + off, s_warp);
+}
+
+// rms_norm_pair. Grid (rows, 2): block (t, 0) normalises a[t] into y[t, :d], block (t, 1) b[t]
+// into y[t, d:], each with rms_norm's kernel body for d (Chunked: chunked_norm_row, else
+// norm_row<Threads>), so both halves carry rms_norm's bits.
+template <int Threads, bool Chunked>
+__global__ void __launch_bounds__(Threads)
+    rms_norm_pair_kernel(const float* a, const float* b, int64_t d, const float* wa,
+                         const float* wb, bool zero_centred, float eps, bool vec, float* y) {
+  pdl_wait();
+  pdl_release();
+  __shared__ double s_warp[Threads / 32];
+  const bool second = blockIdx.y == 1;
+  const float* x = (second ? b : a) + blockIdx.x * d;
+  const float* w = second ? wb : wa;
+  float* yr = y + blockIdx.x * 2 * d + (second ? d : 0);
+  if constexpr (Chunked)
+    chunked_norm_row<false>(x, nullptr, nullptr, d, w, zero_centred, eps, vec, yr, s_warp);
+  else
+    norm_row<Threads>(x, d, w, zero_centred, eps, yr, s_warp);
 }
 
 bool aligned16(const void* p) {
@@ -471,6 +504,27 @@ void rms_norm_bf16(const float* x, int64_t m, int64_t d, const ops::WeightRef& w
                    float eps, uint16_t* y) {
   launch_rms_norm("rms_norm_bf16", x, m, d, w, zero_centred, eps,
                   reinterpret_cast<__nv_bfloat16*>(y));
+}
+
+void rms_norm_pair(const float* a, const float* b, int64_t m, int64_t d, const ops::WeightRef& wa,
+                   const ops::WeightRef& wb, bool zero_centred, float eps, float* y) {
+  check_f32_vector(wa, d, "rms_norm_pair", "first weight");
+  check_f32_vector(wb, d, "rms_norm_pair", "second weight");
+  if (m < 0 || d < 0) fail("rms_norm_pair: negative shape ", m, " x ", d);
+  if (m == 0 || d == 0) return;
+  const auto *pa = static_cast<const float*>(wa.data), *pb = static_cast<const float*>(wb.data);
+  const dim3 grid(grid_blocks(m, "rms_norm_pair"), 2);
+  const NormOrder order = norm_order(d);
+  if (order == NormOrder::Chunked)
+    launch("rms_norm_pair", rms_norm_pair_kernel<kWideNormThreads, true>, grid, kWideNormThreads,
+           0, a, b, d, pa, pb, zero_centred, eps,
+           d % 4 == 0 && aligned16(a) && aligned16(b) && aligned16(y), y);
+  else if (order == NormOrder::Wide)
+    launch("rms_norm_pair", rms_norm_pair_kernel<kWideNormThreads, false>, grid, kWideNormThreads,
+           0, a, b, d, pa, pb, zero_centred, eps, false, y);
+  else
+    launch("rms_norm_pair", rms_norm_pair_kernel<kNormThreads, false>, grid, kNormThreads, 0, a, b,
+           d, pa, pb, zero_centred, eps, false, y);
 }
 
 void add_rms_norm(float* x, const float* r, int64_t m, int64_t d, const ops::WeightRef& w,
