@@ -984,6 +984,85 @@ TEST(Ops, RecurrentRowsEqualSingleRowCalls) {
   EXPECT_EQ(state[0], before);
 }
 
+// recurrent_layers_rows runs each layer's rows as the two per-layer calls do, q, k, v read from
+// the layer's conv output; a conv whose channels are not the recurrence's q | k | v rows, and a
+// row longer than max_n, are refused before any state changes.
+TEST(Ops, LayeredRecurrentRowsEqualPerLayerCalls) {
+  const auto z = [](int64_t v) { return static_cast<size_t>(v); };
+  ops::DeltaHeads h{1, 2, 4, 3};
+  const int64_t C = 2 * 4 + 2 * 3, K = 3, nl = 2, R = 3, S = 2 * 4 * 3;
+  h.qkv_token_stride = C;
+  const std::vector<int64_t> n = {2, 0, 3}, first = {3, 0, 0};
+  const int64_t T = 5, max_n = 3;
+  std::mt19937 rng(11);
+  std::vector<StoredWeight> conv_w, A_log, dt;
+  std::vector<std::vector<float>> x, a, b;
+  for (int64_t l = 0; l < nl; ++l) {
+    conv_w.push_back(make_weight(DType::F32, C, K, rng, 0.5f));
+    A_log.push_back(make_weight(DType::F32, 1, 2, rng, 0.5f));
+    dt.push_back(make_weight(DType::F32, 1, 2, rng, 0.5f));
+    x.push_back(random_vec(z(T * C), rng));
+    a.push_back(random_vec(z(T * 2), rng, 2.0f));
+    b.push_back(random_vec(z(T * 2), rng, 2.0f));
+  }
+  std::vector<std::vector<float>> conv0, state0;
+  for (int64_t i = 0; i < nl * R; ++i) {
+    conv0.push_back(random_vec(z(C * (K - 1)), rng));
+    state0.push_back(random_vec(z(S), rng, 0.1f));
+  }
+  auto run = [&](bool layered, std::vector<std::vector<float>>& conv,
+                 std::vector<std::vector<float>>& state, std::vector<std::vector<float>>& outs,
+                 int64_t call_max_n) {
+    conv = conv0;
+    state = state0;
+    std::vector<std::vector<float>> conv_out(z(nl), std::vector<float>(z(T * C), NAN));
+    outs.assign(z(nl), std::vector<float>(z(T * 6), NAN));
+    std::vector<ops::RecurrentRow> desc(z(nl * R));
+    std::vector<ops::RecurrentLayer> table(z(nl));
+    for (int64_t l = 0; l < nl; ++l) {
+      for (int64_t r = 0; r < R; ++r)
+        desc[z(l * R + r)] = {.first_token = first[z(r)],
+                              .n = n[z(r)],
+                              .conv_state = conv[z(l * R + r)].data(),
+                              .state = state[z(l * R + r)].data()};
+      table[z(l)] = {x[z(l)].data(),       conv_w[z(l)].ref,    a[z(l)].data(),
+                     b[z(l)].data(),       A_log[z(l)].ref,     dt[z(l)].ref,
+                     conv_out[z(l)].data(), outs[z(l)].data()};
+    }
+    if (layered) {
+      ops::recurrent_layers_rows({table.data(), table.data(), nl}, C, K, desc.data(), R,
+                                 call_max_n, h);
+      return;
+    }
+    for (int64_t l = 0; l < nl; ++l) {
+      const ops::RecurrentRow* d = desc.data() + l * R;
+      float* co = conv_out[z(l)].data();
+      ops::causal_conv_silu_rows(x[z(l)].data(), C, K, conv_w[z(l)].ref, d, R, max_n, co);
+      ops::gated_delta_rule_rows(co, co + 4, co + 8, a[z(l)].data(), b[z(l)].data(),
+                                 A_log[z(l)].ref, dt[z(l)].ref, d, R, max_n, h, outs[z(l)].data());
+    }
+  };
+  std::vector<std::vector<float>> conv, state, out, want_conv, want_state, want_out;
+  run(false, want_conv, want_state, want_out, max_n);
+  run(true, conv, state, out, max_n);
+  EXPECT_EQ(conv, want_conv);
+  EXPECT_EQ(state, want_state);
+  for (int64_t l = 0; l < nl; ++l)
+    EXPECT_EQ(0, std::memcmp(out[z(l)].data(), want_out[z(l)].data(), sizeof(float) * T * 6))
+        << "layer " << l;
+  EXPECT_NE(state[1 * R + 2], state0[1 * R + 2]) << "the last layer's row never ran";
+
+  EXPECT_THROW(run(true, conv, state, out, max_n - 1), Error);
+  EXPECT_EQ(state, state0) << "a refused call changed a state";
+  h.qkv_token_stride = 0;
+  try {
+    run(true, conv, state, out, max_n);
+    ADD_FAILURE() << "a conv whose channels are not q | k | v rows was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("q | k | v"), std::string::npos) << e.what();
+  }
+}
+
 // The prefill GEMM tile an engine derives from its chunk: the chunk rounded up to whole 16-row
 // m-tiles, never past the largest tile; a tile outside that set is refused, not used.
 TEST(Ops, PrefillGemmRowsFollowTheChunk) {

@@ -998,8 +998,7 @@ TEST_F(CudaOps, RmsNormPairIsTwoNormsSideBySide) {
         DeviceBuffer<float> y = nan_buffer(2 * a.size());
         cuda::rms_norm(da.get(), m, d, wa.dev_ref(), zc, eps, na.get());
         cuda::rms_norm(db.get(), m, d, wb.dev_ref(), zc, eps, nb.get());
-        cuda::rms_norm_pair(da.get(), db.get(), m, d, wa.dev_ref(), wb.dev_ref(), zc, eps,
-                            y.get());
+        cuda::rms_norm_pair(da.get(), db.get(), m, d, wa.dev_ref(), wb.dev_ref(), zc, eps, y.get());
         const auto got = y.download(), ga = na.download(), gb = nb.download();
         std::vector<float> first, second;
         for (int64_t r = 0; r < m; ++r) {
@@ -2895,6 +2894,145 @@ TEST_F(CudaBatchInvariance, ShortRowsEqualSingleRowCalls) {
           expect_rows_equal_single_calls(B, at);  // the single-row ops in the same mode
           cuda::set_prefill(false);
           expect_rows_near_cpu(B, at);
+        }
+      }
+    }
+  }
+}
+
+// ops::recurrent_layers_rows, the Replay commit of every linear layer at once: each layer's rows
+// (their own weights, inputs and states; rows that settle part of their tokens, idle rows) end
+// bitwise as the two per-layer calls leave them, near the CPU's. Short rows go in one launch per
+// op on the shapes the short-row kernel takes (the demo's and the 9B's); dk 8, and rows past 8
+// tokens, run layer by layer.
+TEST_F(CudaBatchInvariance, LayeredRowsEqualPerLayerCalls) {
+  const int64_t nl = 3, K = kConvKernel, hist = K - 1;
+  RowsLayout short_rows =
+      rows_layout({3, 1, 0, 4, 2}, {false, false, false, false, false}, {4, 0, 1, 3, 2});
+  short_rows.settled = {-1, 0, -1, 2, -1};
+  const RowsLayout layouts[] = {
+      short_rows, rows_layout({12, 1, 3}, {false, false, false}, {2, 0, 1})};
+  const RecurrentShape shapes[] = {
+      {1024, {4, 8, 64, 64}}, {8192, {16, 32, 128, 128}}, {64, {2, 4, 8, 8}}};
+  for (const RecurrentShape& shape : shapes) {
+    ops::DeltaHeads h = shape.h;
+    h.qkv_token_stride = shape.channels;
+    const int64_t C = shape.channels, nv = h.n_v_heads, kd = h.n_k_heads * h.dk;
+    const int64_t vr = nv * h.dv, S = nv * h.dk * h.dv;
+    for (size_t li = 0; li < std::size(layouts); ++li) {
+      const RowsLayout& L = layouts[li];
+      const int64_t R = L.rows(), T = L.tokens;
+      const std::string what = shape_name(shape) + ", layout " + std::to_string(li);
+      std::mt19937 rng(static_cast<uint32_t>(401 + C + li));
+      std::vector<F32Weight> conv_w, A_log, dt_bias;
+      std::vector<DeviceBuffer<float>> input, a, b, conv_out, out, ref_conv_out, ref_out;
+      std::vector<std::vector<float>> host_input, host_a, host_b;
+      for (int64_t l = 0; l < nl; ++l) {
+        conv_w.push_back(f32_weight(randn(sz(C * K), rng, 0.5f), C, K));
+        A_log.push_back(f32_weight(randn(sz(nv), rng, 0.5f), 1, nv));
+        dt_bias.push_back(f32_weight(randn(sz(nv), rng, 0.5f), 1, nv));
+        host_input.push_back(randn(sz(T * C), rng));
+        host_a.push_back(randn(sz(T * nv), rng, 2.0f));
+        host_b.push_back(randn(sz(T * nv), rng, 2.0f));
+        input.emplace_back(host_input.back());
+        a.emplace_back(host_a.back());
+        b.emplace_back(host_b.back());
+        for (auto* v : {&conv_out, &ref_conv_out}) v->push_back(nan_buffer(sz(T * C)));
+        for (auto* v : {&out, &ref_out}) v->push_back(nan_buffer(sz(T * vr)));
+      }
+      // States per (layer, row): the layered call's, the per-layer calls', the CPU's.
+      std::vector<std::vector<float>> conv0, state0;
+      std::vector<DeviceBuffer<float>> conv, state, ref_conv, ref_state;
+      for (int64_t i = 0; i < nl * R; ++i) {
+        conv0.push_back(randn(sz(C * hist), rng));
+        state0.push_back(randn(sz(S), rng, 0.1f));
+        conv.emplace_back(conv0.back());
+        ref_conv.emplace_back(conv0.back());
+        state.emplace_back(state0.back());
+        ref_state.emplace_back(state0.back());
+      }
+      auto descriptors = [&](std::vector<DeviceBuffer<float>>& cs,
+                             std::vector<DeviceBuffer<float>>& ss) {
+        std::vector<ops::RecurrentRow> d(sz(nl * R));
+        for (int64_t l = 0; l < nl; ++l)
+          for (int64_t r = 0; r < R; ++r) {
+            ops::RecurrentRow& e = d[sz(l * R + r)];
+            e.first_token = L.first[sz(r)];
+            e.n = L.n[sz(r)];
+            e.settled = L.settled[sz(r)];
+            e.conv_state = cs[sz(l * R + r)].get();
+            e.state = ss[sz(l * R + r)].get();
+          }
+        return d;
+      };
+      std::vector<ops::RecurrentLayer> table(sz(nl));
+      for (int64_t l = 0; l < nl; ++l) {
+        ops::RecurrentLayer& e = table[sz(l)];
+        e.conv_input = input[sz(l)].get();
+        e.conv_weight = conv_w[sz(l)].dev_ref();
+        e.a = a[sz(l)].get();
+        e.b = b[sz(l)].get();
+        e.A_log = A_log[sz(l)].dev_ref();
+        e.dt_bias = dt_bias[sz(l)].dev_ref();
+        e.conv_out = conv_out[sz(l)].get();
+        e.out = out[sz(l)].get();
+      }
+      DeviceBuffer<ops::RecurrentLayer> table_dev(table);
+      DeviceBuffer<ops::RecurrentRow> desc(descriptors(conv, state));
+      cuda::recurrent_layers_rows({table.data(), table_dev.get(), nl}, C, K, desc.get(), R,
+                                  L.max_n, h);
+      DeviceBuffer<ops::RecurrentRow> ref_desc(descriptors(ref_conv, ref_state));
+      for (int64_t l = 0; l < nl; ++l) {
+        const ops::RecurrentRow* d = ref_desc.get() + l * R;
+        float* co = ref_conv_out[sz(l)].get();
+        cuda::causal_conv_silu_rows(input[sz(l)].get(), C, K, conv_w[sz(l)].dev_ref(), d, R,
+                                    L.max_n, co);
+        cuda::gated_delta_rule_rows(co, co + kd, co + 2 * kd, a[sz(l)].get(), b[sz(l)].get(),
+                                    A_log[sz(l)].dev_ref(), dt_bias[sz(l)].dev_ref(), d, R,
+                                    L.max_n, h, ref_out[sz(l)].get());
+      }
+      // The CPU's layered call on host copies.
+      std::vector<std::vector<float>> cpu_conv = conv0, cpu_state = state0;
+      std::vector<std::vector<float>> cpu_conv_out(sz(nl), std::vector<float>(sz(T * C), NAN));
+      std::vector<std::vector<float>> cpu_out(sz(nl), std::vector<float>(sz(T * vr), NAN));
+      std::vector<ops::RecurrentRow> cpu_desc(sz(nl * R));
+      std::vector<ops::RecurrentLayer> cpu_table(sz(nl));
+      for (int64_t l = 0; l < nl; ++l) {
+        for (int64_t r = 0; r < R; ++r) {
+          ops::RecurrentRow& e = cpu_desc[sz(l * R + r)];
+          e.first_token = L.first[sz(r)];
+          e.n = L.n[sz(r)];
+          e.settled = L.settled[sz(r)];
+          e.conv_state = cpu_conv[sz(l * R + r)].data();
+          e.state = cpu_state[sz(l * R + r)].data();
+        }
+        cpu_table[sz(l)] = {host_input[sz(l)].data(), conv_w[sz(l)].host_ref(),
+                            host_a[sz(l)].data(),     host_b[sz(l)].data(),
+                            A_log[sz(l)].host_ref(),  dt_bias[sz(l)].host_ref(),
+                            cpu_conv_out[sz(l)].data(), cpu_out[sz(l)].data()};
+      }
+      cpu::recurrent_layers_rows({cpu_table.data(), cpu_table.data(), nl}, C, K, cpu_desc.data(),
+                                 R, L.max_n, h);
+      for (int64_t l = 0; l < nl; ++l) {
+        const std::string at = what + ", layer " + std::to_string(l);
+        const auto got_out = out[sz(l)].download();
+        EXPECT_TRUE(bitwise_equal(conv_out[sz(l)].download(), ref_conv_out[sz(l)].download()))
+            << at << ": conv out";
+        EXPECT_TRUE(bitwise_equal(got_out, ref_out[sz(l)].download())) << at << ": delta out";
+        for (int64_t r = 0; r < R; ++r) {
+          const size_t i = sz(l * R + r);
+          EXPECT_TRUE(bitwise_equal(conv[i].download(), ref_conv[i].download()))
+              << at << ", row " << r << ": conv state";
+          EXPECT_TRUE(bitwise_equal(state[i].download(), ref_state[i].download()))
+              << at << ", row " << r << ": state";
+          EXPECT_TRUE(near_blocks(state[i].download(), cpu_state[i], sz(h.dk * h.dv), kDeltaRel,
+                                  kDeltaRel * max_abs(cpu_state[i])))
+              << at << ", row " << r << ": state vs CPU";
+          const int64_t t0 = L.first[sz(r)], n = L.n[sz(r)];
+          EXPECT_TRUE(near_blocks(slice(got_out, sz(t0 * vr), sz(n * vr)),
+                                  slice(cpu_out[sz(l)], sz(t0 * vr), sz(n * vr)), sz(h.dv),
+                                  kDeltaRel, kDeltaRel * max_abs(cpu_out[sz(l)])))
+              << at << ", row " << r << ": delta out vs CPU";
         }
       }
     }

@@ -545,7 +545,8 @@ void rms_norm(const float* x, int64_t m, int64_t d, const WeightRef& w, bool zer
 }
 void rms_norm_pair(const float* a, const float* b, int64_t m, int64_t d, const WeightRef& wa,
                    const WeightRef& wb, bool zero_centred, float eps, float* y) {
-  if (m > 0 && d > 0 && (y == a || y == b)) fail("rms_norm_pair: the output must not alias an input");
+  if (m > 0 && d > 0 && (y == a || y == b))
+    fail("rms_norm_pair: the output must not alias an input");
   TANDEM_DISPATCH(rms_norm_pair(a, b, m, d, wa, wb, zero_centred, eps, y));
 }
 void add_rms_norm(float* x, const float* r, int64_t m, int64_t d, const WeightRef& w,
@@ -676,6 +677,18 @@ void gated_delta_rule_rows(const float* q, const float* k, const float* v, const
                            const DeltaHeads& h, float* out) {
   TANDEM_DISPATCH(
       gated_delta_rule_rows(q, k, v, a, b, A_log, dt_bias, rows, n_rows, max_n, h, out));
+}
+void recurrent_layers_rows(const RecurrentLayers& layers, int64_t channels, int64_t kernel,
+                           const RecurrentRow* rows, int64_t n_rows, int64_t max_n,
+                           const DeltaHeads& h) {
+  if (layers.count < 0) fail("recurrent_layers_rows: negative layer count ", layers.count);
+  if (layers.count > 0 && (layers.host == nullptr || layers.device == nullptr))
+    fail("recurrent_layers_rows: ", layers.count, " layers but no layer table");
+  if (h.qkv_token_stride != channels || channels != 2 * h.n_k_heads * h.dk + h.n_v_heads * h.dv)
+    fail("recurrent_layers_rows: the conv's ", channels,
+         " channels are not the recurrence's q | k | v rows (", h.n_k_heads, " key heads of ", h.dk,
+         ", ", h.n_v_heads, " value heads of ", h.dv, ", token stride ", h.qkv_token_stride, ")");
+  TANDEM_DISPATCH(recurrent_layers_rows(layers, channels, kernel, rows, n_rows, max_n, h));
 }
 void linear_quantized(const float* x, int64_t m, const QuantWeightRef& w, float* y) {
   // The CUDA backend dequantizes drafter weights to bf16 when it places them (WeightArena), so

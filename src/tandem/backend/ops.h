@@ -631,6 +631,35 @@ void gated_delta_rule_rows(const float* q, const float* k, const float* v, const
                            const RecurrentRow* rows, int64_t n_rows, int64_t max_n,
                            const DeltaHeads& h, float* out);
 
+// One linear-attention layer of recurrent_layers_rows: its recorded inputs, its weights and where
+// its outputs go (T tokens, the call's token-major arrays as above).
+struct RecurrentLayer {
+  const float* conv_input = nullptr;  // [T, channels]
+  WeightRef conv_weight;              // [channels, kernel]
+  const float* a = nullptr;           // [T, n_v_heads]
+  const float* b = nullptr;           // [T, n_v_heads]
+  WeightRef A_log, dt_bias;           // [n_v_heads]
+  float* conv_out = nullptr;          // [T, channels]: the recurrence's q | k | v rows
+  float* out = nullptr;               // [T, n_v_heads, dv]
+};
+// The same layer entries twice: `host` in host memory (checks; CUDA's per-layer fallback) and
+// `device` in backend memory (what CUDA's kernels read, so a captured graph replays with them; the
+// CPU reads `host`).
+struct RecurrentLayers {
+  const RecurrentLayer* host = nullptr;
+  const RecurrentLayer* device = nullptr;
+  int64_t count = 0;
+};
+// causal_conv_silu_rows, then gated_delta_rule_rows, of several layers in one call (one launch
+// each on CUDA where the rows are short, at most 8 tokens): layer l runs on the descriptors
+// rows[l·n_rows .. (l+1)·n_rows), its conv from conv_input into conv_out, its recurrence reading
+// q, k, v from conv_out ([q | k | v] rows: h.qkv_token_stride == channels). Each layer's states
+// and outputs are bitwise those of the two per-layer calls. The Replay rollback's commit: every
+// layer's kept tokens replayed at once.
+void recurrent_layers_rows(const RecurrentLayers& layers, int64_t channels, int64_t kernel,
+                           const RecurrentRow* rows, int64_t n_rows, int64_t max_n,
+                           const DeltaHeads& h);
+
 // A Linear weight in MLX's affine quantized layout ([rows, cols] logical):
 //  - packed: uint32 [rows, cols * bits / 32]; each row is a little-endian bit stream in which
 //    element c occupies bits [c·bits, (c+1)·bits), first element in the lowest bits of the first

@@ -999,6 +999,12 @@ void Qwen35Model::commit_windows(Qwen35State& st, std::span<const RowKeep> rows)
   for (const RowKeep& r : rows) st.end_window(r.slot, r.kept);
 }
 
+namespace {
+// A replay's scratch bound in floats: layers replay in groups whose conv and recurrence outputs fit
+// it (all of a small model's layers at once; the 9B shape's 32 × 4 windows ten layers at a time).
+constexpr int64_t kReplayScratchFloats = int64_t{16} << 20;
+}  // namespace
+
 void Qwen35Model::replay_windows(Qwen35State& st, std::span<const RowKeep> rows,
                                  std::span<const ops::SettledRow> settled,
                                  const int32_t* accepted) const {
@@ -1023,48 +1029,75 @@ void Qwen35Model::replay_windows(Qwen35State& st, std::span<const RowKeep> rows,
     }
   // Every row kept its first token only: nothing to replay (known on the host only).
   if (max_n == 0 && accepted == nullptr) return;
-  // Settled: the descriptors, then the rows ops::settle_windows reads, in one upload.
+
+  // Each linear layer replays into scratch of its own over the recorded forward's token places
+  // (the replayed tokens land where that forward's would), so that a group of layers goes in one
+  // conv and one recurrence launch. Groups are as many layers as kReplayScratchFloats holds.
+  const int64_t T = st.recorded_tokens();
+  const int64_t conv_dim = c.linear_conv_dim(), value_dim = c.linear_value_dim();
+  const int64_t per_layer = std::max<int64_t>(1, T * (conv_dim + value_dim));
+  const int64_t group =
+      std::clamp<int64_t>(kReplayScratchFloats / per_layer, 1, std::max<int64_t>(nl, 1));
+  grow_to(w.a1, group * T * conv_dim);
+  grow_to(w.a5, group * T * value_dim);
+  float *conv = w.a1.data(), *core = w.a5.data();
+  std::vector<ops::RecurrentLayer>& table = w.replay_layers;
+  table.clear();
+  for (const Layer& L : layers_) {
+    if (L.kind != LayerKind::LinearAttention) continue;
+    const int li = L.index_in_kind;
+    const int64_t slot = static_cast<int64_t>(table.size()) % group;
+    ops::RecurrentLayer e;
+    e.conv_input = st.recorded_conv_input(li);
+    e.conv_weight = L.delta.conv1d;
+    e.a = st.recorded_a(li);
+    e.b = st.recorded_b(li);
+    e.A_log = L.delta.A_log;
+    e.dt_bias = L.delta.dt_bias;
+    e.conv_out = conv + slot * T * conv_dim;
+    e.out = core + slot * T * value_dim;
+    table.push_back(e);
+  }
+  TANDEM_CHECK(static_cast<int64_t>(table.size()) == nl, "replay_windows: linear layer count");
+
+  // One upload: the descriptors, the layer table, then (settled) the rows ops::settle_windows
+  // reads.
   const size_t bytes = sizeof(ops::RecurrentRow) * desc.size();
-  const size_t o_settled = upload_part_bytes(bytes);
+  const size_t o_layers = upload_part_bytes(bytes);
+  const size_t layer_bytes = sizeof(ops::RecurrentLayer) * table.size();
+  const size_t o_settled = o_layers + upload_part_bytes(layer_bytes);
   const size_t settled_bytes = sizeof(ops::SettledRow) * settled.size();
-  const size_t total = accepted ? o_settled + settled_bytes : bytes;
+  const size_t total = accepted ? o_settled + settled_bytes : o_layers + layer_bytes;
   w.replay_meta.grow_to(static_cast<int64_t>(total));
   uint8_t* h = w.replay_upload.host(total);
   std::memcpy(h, desc.data(), bytes);
+  if (!table.empty()) std::memcpy(h + o_layers, table.data(), layer_bytes);
   if (accepted) std::memcpy(h + o_settled, settled.data(), settled_bytes);
   w.replay_upload.start(w.replay_meta.data(), total);
   auto* dev = reinterpret_cast<ops::RecurrentRow*>(w.replay_meta.data());
+  const auto* layers_dev =
+      reinterpret_cast<const ops::RecurrentLayer*>(w.replay_meta.data() + o_layers);
   const auto* settled_dev =
       reinterpret_cast<const ops::SettledRow*>(w.replay_meta.data() + o_settled);
 
-  // Scratch over the recorded forward's token places: the replayed tokens land where that
-  // forward's would.
-  const int64_t T = st.recorded_tokens();
-  const int64_t conv_dim = c.linear_conv_dim(), kd = c.linear_key_dim();
-  grow_to(w.a1, T * conv_dim);
-  grow_to(w.a5, T * c.linear_value_dim());
-  float *conv = w.a1.data(), *core = w.a5.data();
   auto body = [&] {
     if (accepted)
       ops::settle_windows(accepted, settled_dev, R, st.settled_shift(), nl > 0 ? dev : nullptr, nl);
     if (max_n == 0) return;
-    for (const Layer& L : layers_) {
-      if (L.kind != LayerKind::LinearAttention) continue;
-      const int li = L.index_in_kind;
-      ops::causal_conv_silu_rows(st.recorded_conv_input(li), conv_dim, c.linear_conv_kernel_dim,
-                                 L.delta.conv1d, dev + li * R, R, max_n, conv);
-      ops::gated_delta_rule_rows(conv, conv + kd, conv + 2 * kd, st.recorded_a(li),
-                                 st.recorded_b(li), L.delta.A_log, L.delta.dt_bias, dev + li * R, R,
-                                 max_n, delta_heads(), core);
+    for (int64_t l0 = 0; l0 < nl; l0 += group) {
+      const ops::RecurrentLayers layers{table.data() + l0, layers_dev + l0,
+                                        std::min(group, nl - l0)};
+      ops::recurrent_layers_rows(layers, conv_dim, c.linear_conv_kernel_dim, dev + l0 * R, R, max_n,
+                                 delta_heads());
     }
   };
-  // Two launches per linear layer, as a graph: the rows' states, first tokens and kept counts are
-  // the uploaded descriptors, so only the shape and the buffers' addresses name it (the first
-  // word tells it from the forwards' keys).
+  // Two launches per group of linear layers, as a graph: the rows' states, first tokens and kept
+  // counts are the uploaded descriptors, so only the shape and the buffers' addresses name it (the
+  // first word tells it from the forwards' keys).
   GraphKey key;
   key.add(uint64_t{0x7265706c6179}).add(&st).add(R).add(max_n).add(T);
   key.add(nl > 0 ? st.recorded_conv_input(0) : nullptr).add(w.replay_meta.data()).add(conv);
-  key.add(core).add(accepted).add(accepted ? st.settled_shift() : nullptr);
+  key.add(core).add(accepted).add(accepted ? st.settled_shift() : nullptr).add(group);
   graphs_.run(key, body);
 }
 

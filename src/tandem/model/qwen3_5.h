@@ -242,6 +242,7 @@ class Qwen35Model {
     Buffer<uint8_t> replay_meta;
     StagedUpload replay_upload;
     std::vector<ops::RecurrentRow> replay_host;
+    std::vector<ops::RecurrentLayer> replay_layers;  // host copy of the uploaded layer table
     std::vector<AttentionSegment> segments;
     GatedAttentionScratch attn;
   };

@@ -23,6 +23,9 @@ void sample_rows(const float* logits, int64_t rows, int64_t V, const ops::Sample
 void accept_windows(const int32_t* verified, const int32_t* ids, const int32_t* source,
                     const int32_t* from, const int32_t* bounds, const int32_t* limits,
                     int64_t n_rows, int32_t* accepted, int32_t* next);
+void recurrent_layers_rows(const ops::RecurrentLayers& layers, int64_t channels, int64_t kernel,
+                           const ops::RecurrentRow* rows, int64_t n_rows, int64_t max_n,
+                           const ops::DeltaHeads& h);
 void settle_windows(const int32_t* accepted, const ops::SettledRow* rows, int64_t n_rows,
                     int64_t* shift, ops::RecurrentRow* replay, int64_t layers);
 void shift_positions(const ops::PositionShift& s, int64_t* positions, int64_t* kv_slots);

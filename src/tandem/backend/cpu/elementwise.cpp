@@ -66,8 +66,7 @@ void norm_row(const float* x, int64_t d, const WeightRef& w, bool zero_centred, 
 
 void check_norm_weight(const WeightRef& w, int64_t d, const char* op) {
   check_float_weight(w, op);
-  if (w.rows * w.cols != d)
-    fail(op, ": weight has ", w.rows * w.cols, " elements for rows of ", d);
+  if (w.rows * w.cols != d) fail(op, ": weight has ", w.rows * w.cols, " elements for rows of ", d);
 }
 }  // namespace
 

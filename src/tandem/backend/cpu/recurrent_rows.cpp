@@ -78,4 +78,23 @@ void gated_delta_rule_rows(const float* q, const float* k, const float* v, const
   }
 }
 
+void recurrent_layers_rows(const ops::RecurrentLayers& layers, int64_t channels, int64_t kernel,
+                           const ops::RecurrentRow* rows, int64_t n_rows, int64_t max_n,
+                           const ops::DeltaHeads& h) {
+  // Every layer's descriptors first: a bad call changes no layer's state.
+  for (int64_t l = 0; l < layers.count; ++l) {
+    check_rows(rows + l * n_rows, n_rows, max_n, "recurrent_layers_rows (conv)", true);
+    check_rows(rows + l * n_rows, n_rows, max_n, "recurrent_layers_rows (recurrence)", false);
+  }
+  const int64_t kd = h.n_k_heads * h.dk;
+  for (int64_t l = 0; l < layers.count; ++l) {
+    const ops::RecurrentLayer& L = layers.host[l];
+    const ops::RecurrentRow* lr = rows + l * n_rows;
+    cpu::causal_conv_silu_rows(L.conv_input, channels, kernel, L.conv_weight, lr, n_rows, max_n,
+                               L.conv_out);
+    cpu::gated_delta_rule_rows(L.conv_out, L.conv_out + kd, L.conv_out + 2 * kd, L.a, L.b, L.A_log,
+                               L.dt_bias, lr, n_rows, max_n, h, L.out);
+  }
+}
+
 }  // namespace tandem::cpu

@@ -223,6 +223,9 @@ void gated_delta_rule(const float* q, const float* k, const float* v, const floa
 void causal_conv_silu_rows(const float* x, int64_t channels, int64_t kernel,
                            const ops::WeightRef& w, const ops::RecurrentRow* rows, int64_t n_rows,
                            int64_t max_n, float* out);
+void recurrent_layers_rows(const ops::RecurrentLayers& layers, int64_t channels, int64_t kernel,
+                           const ops::RecurrentRow* rows, int64_t n_rows, int64_t max_n,
+                           const ops::DeltaHeads& h);
 void gated_delta_rule_rows(const float* q, const float* k, const float* v, const float* a,
                            const float* b, const ops::WeightRef& A_log,
                            const ops::WeightRef& dt_bias, const ops::RecurrentRow* rows,

@@ -516,8 +516,8 @@ void rms_norm_pair(const float* a, const float* b, int64_t m, int64_t d, const o
   const dim3 grid(grid_blocks(m, "rms_norm_pair"), 2);
   const NormOrder order = norm_order(d);
   if (order == NormOrder::Chunked)
-    launch("rms_norm_pair", rms_norm_pair_kernel<kWideNormThreads, true>, grid, kWideNormThreads,
-           0, a, b, d, pa, pb, zero_centred, eps,
+    launch("rms_norm_pair", rms_norm_pair_kernel<kWideNormThreads, true>, grid, kWideNormThreads, 0,
+           a, b, d, pa, pb, zero_centred, eps,
            d % 4 == 0 && aligned16(a) && aligned16(b) && aligned16(y), y);
   else if (order == NormOrder::Wide)
     launch("rms_norm_pair", rms_norm_pair_kernel<kWideNormThreads, false>, grid, kWideNormThreads,

@@ -140,14 +140,23 @@ __global__ void __launch_bounds__(kConvThreads)
 // block reads and writes the conv state (the final window from x when other blocks ran the tail),
 // so no block reads a state word another writes. The descriptor, uploaded before the forward's
 // first kernel, is read before the wait too.
-template <int K>
+// Layered (ops::recurrent_layers_rows): row blockIdx.y is row blockIdx.y % layer_rows of layer
+// blockIdx.y / layer_rows, whose entry replaces x, w and out.
+template <int K, bool Layered = false>
 __global__ void __launch_bounds__(kConvThreads)
     causal_conv_silu_rows_kernel(const float* x, int64_t channels, const float* __restrict__ w,
                                  const ops::RecurrentRow* __restrict__ rows, int64_t chunk,
-                                 float* out) {
+                                 float* out, const ops::RecurrentLayer* __restrict__ layers,
+                                 int64_t layer_rows) {
   // w and rows are only read here (the descriptors never alias a state); saying so keeps the
   // row's pointers in registers instead of a spill at the larger tap counts. x is not restrict:
   // out may alias it when the rows are not split into chunks.
+  if constexpr (Layered) {
+    const ops::RecurrentLayer& layer = layers[blockIdx.y / layer_rows];
+    x = layer.conv_input;
+    w = static_cast<const float*>(layer.conv_weight.data);
+    out = layer.conv_out;
+  }
   const int64_t c = blockIdx.x * int64_t(kConvThreads) + threadIdx.x;
   const ops::RecurrentRow row = rows[blockIdx.y];
   const int64_t begin = chunk * blockIdx.z;
@@ -945,8 +954,8 @@ struct ShortRowTokens {
 // row keeps one) per token from the lanes, and the state after the row's settled tokens (none,
 // some or all: ops::RecurrentRow::settled) through the tile while the rest of them run on.
 template <int DK, int TILES>
-__global__ void __launch_bounds__(kDeltaThreads, kShortRowBlocks)
-    gated_delta_rule_short_kernel(const DeltaArgs g, const ops::RecurrentRow* __restrict__ rows) {
+__device__ __forceinline__ void short_rows_block(const DeltaArgs& g,
+                                                 const ops::RecurrentRow* __restrict__ rows) {
   constexpr int L = kDeltaDecodeLanes;
   constexpr int ROWS = DK / L;                                     // of the column, per lane
   constexpr int COLS = kDeltaThreads / L;                          // columns per tile
@@ -1077,6 +1086,34 @@ __global__ void __launch_bounds__(kDeltaThreads, kShortRowBlocks)
   }
 }
 
+template <int DK, int TILES>
+__global__ void __launch_bounds__(kDeltaThreads, kShortRowBlocks)
+    gated_delta_rule_short_kernel(const DeltaArgs g, const ops::RecurrentRow* __restrict__ rows) {
+  short_rows_block<DK, TILES>(g, rows);
+}
+
+// ops::recurrent_layers_rows: block z runs row z % layer_rows of layer z / layer_rows, its q, k, v
+// read from that layer's conv output ([q | k | v] rows), its a, b, weights and output its own.
+template <int DK, int TILES>
+__global__ void __launch_bounds__(kDeltaThreads, kShortRowBlocks)
+    gated_delta_rule_short_layers_kernel(const DeltaArgs call,
+                                         const ops::RecurrentRow* __restrict__ rows,
+                                         const ops::RecurrentLayer* __restrict__ layers,
+                                         int64_t layer_rows) {
+  const ops::RecurrentLayer& layer = layers[blockIdx.z / layer_rows];
+  DeltaArgs g = call;
+  const int64_t kd = g.n_k_heads * g.dk;
+  g.q = layer.conv_out;
+  g.k = layer.conv_out + kd;
+  g.v = layer.conv_out + 2 * kd;
+  g.a = layer.a;
+  g.b = layer.b;
+  g.A_log = static_cast<const float*>(layer.A_log.data);
+  g.dt_bias = static_cast<const float*>(layer.dt_bias.data);
+  g.out = layer.out;
+  short_rows_block<DK, TILES>(g, rows);
+}
+
 // The shape and weight checks both delta entries make.
 void check_delta_shape(const ops::DeltaHeads& h, const ops::WeightRef& A_log,
                        const ops::WeightRef& dt_bias, const char* op) {
@@ -1158,8 +1195,11 @@ int& short_delta_tiles() {
   return tiles;
 }
 
+// layers (device memory) given: the n_rows descriptors are layer-major, layer_rows per layer
+// (gated_delta_rule_short_layers_kernel).
 template <int DK>
-void launch_short_rows(const DeltaArgs& g, const ops::RecurrentRow* rows, int64_t n_rows) {
+void launch_short_rows(const DeltaArgs& g, const ops::RecurrentRow* rows, int64_t n_rows,
+                       const ops::RecurrentLayer* layers = nullptr, int64_t layer_rows = 1) {
   const int forced = short_delta_tiles();
   const int64_t col_tiles = g.dv / 16;
   auto with_tiles = [&](auto tiles, bool run) {
@@ -1168,10 +1208,13 @@ void launch_short_rows(const DeltaArgs& g, const ops::RecurrentRow* rows, int64_
     const size_t smem = sizeof(float) * T * DK * 16 + sizeof(ShortRowTokens<DK, T>);
     const int64_t blocks = col_tiles / T * g.n_v_heads * n_rows;
     if (!run) return col_tiles % T == 0 && blocks >= resident_blocks(kernel, kDeltaThreads, smem);
-    launch("gated_delta_rule_rows", kernel,
-           dim3(grid_blocks(col_tiles / T, "gated_delta_rule_rows"),
-                static_cast<unsigned>(g.n_v_heads), static_cast<unsigned>(n_rows)),
-           kDeltaThreads, smem, g, rows);
+    const dim3 grid(grid_blocks(col_tiles / T, "gated_delta_rule_rows"),
+                    static_cast<unsigned>(g.n_v_heads), static_cast<unsigned>(n_rows));
+    if (layers != nullptr)
+      launch("recurrent_layers_rows", gated_delta_rule_short_layers_kernel<DK, T>, grid,
+             kDeltaThreads, smem, g, rows, layers, layer_rows);
+    else
+      launch("gated_delta_rule_rows", kernel, grid, kDeltaThreads, smem, g, rows);
     return true;
   };
   using Four = std::integral_constant<int, 4>;
@@ -1240,7 +1283,7 @@ void causal_conv_silu_rows(const float* x, int64_t channels, int64_t kernel,
                   static_cast<unsigned>(n_rows), static_cast<unsigned>(chunks));
   with_conv_taps(kernel, "causal_conv_silu_rows", [&](auto taps) {
     launch("causal_conv_silu_rows", causal_conv_silu_rows_kernel<decltype(taps)::value>, grid,
-           kConvThreads, 0, x, channels, wd, rows, chunk, out);
+           kConvThreads, 0, x, channels, wd, rows, chunk, out, nullptr, int64_t{1});
   });
 }
 
@@ -1296,6 +1339,55 @@ void gated_delta_rule_rows(const float* q, const float* k, const float* v, const
            delta_grid(h, lanes, static_cast<unsigned>(n_rows), "gated_delta_rule_rows"),
            kDeltaThreads, 0, g, rows);
   });
+}
+
+// Layers of short rows go in one conv launch and one short-row delta launch (grid axis y, resp. z:
+// layer-major rows, at most 65535 in all); anything else runs layer by layer through the per-layer
+// ops, from the host table. Either way each layer runs the kernels' per-row code on its rows, so
+// the bits are the per-layer calls'.
+void recurrent_layers_rows(const ops::RecurrentLayers& layers, int64_t channels, int64_t kernel,
+                           const ops::RecurrentRow* rows, int64_t n_rows, int64_t max_n,
+                           const ops::DeltaHeads& h) {
+  const char* op = "recurrent_layers_rows";
+  if (channels < 0 || kernel < 1) fail(op, ": bad shape channels ", channels, ", kernel ", kernel);
+  for (int64_t l = 0; l < layers.count; ++l) {
+    check_conv_weight(layers.host[l].conv_weight, channels, kernel, op);
+    check_delta_shape(h, layers.host[l].A_log, layers.host[l].dt_bias, op);
+  }
+  if (n_rows < 0) fail(op, ": negative row count ", n_rows);
+  check_rows(rows, n_rows * layers.count, max_n, op);
+  if (layers.count == 0 || n_rows == 0 || max_n == 0 || channels == 0) return;
+  const int64_t kd = h.n_k_heads * h.dk;
+  auto layer_args = [&](const ops::RecurrentLayer& L) {
+    return delta_args(L.conv_out, L.conv_out + kd, L.conv_out + 2 * kd, L.a, L.b, L.A_log,
+                      L.dt_bias, h, L.out);
+  };
+  bool at_once = max_n <= kConvChunk && (h.dk == 64 || h.dk == 128);
+  for (int64_t l = 0; l < layers.count && at_once; ++l)
+    at_once = short_rows_take(layer_args(layers.host[l]), max_n);
+  if (!at_once) {
+    for (int64_t l = 0; l < layers.count; ++l) {
+      const ops::RecurrentLayer& L = layers.host[l];
+      const ops::RecurrentRow* lr = rows + l * n_rows;
+      causal_conv_silu_rows(L.conv_input, channels, kernel, L.conv_weight, lr, n_rows, max_n,
+                            L.conv_out);
+      gated_delta_rule_rows(L.conv_out, L.conv_out + kd, L.conv_out + 2 * kd, L.a, L.b, L.A_log,
+                            L.dt_bias, lr, n_rows, max_n, h, L.out);
+    }
+    return;
+  }
+  const int64_t all_rows = n_rows * layers.count;
+  const dim3 grid(grid_blocks(ceil_div(channels, kConvThreads), op),
+                  static_cast<unsigned>(all_rows), 1);
+  with_conv_taps(kernel, op, [&](auto taps) {
+    launch(op, causal_conv_silu_rows_kernel<decltype(taps)::value, true>, grid, kConvThreads, 0,
+           nullptr, channels, nullptr, rows, int64_t{0}, nullptr, layers.device, n_rows);
+  });
+  const DeltaArgs g = layer_args(layers.host[0]);
+  if (h.dk == 64)
+    launch_short_rows<64>(g, rows, all_rows, layers.device, n_rows);
+  else
+    launch_short_rows<128>(g, rows, all_rows, layers.device, n_rows);
 }
 
 TANDEM_CUDA_TRACE_UNIT(recurrent)
