@@ -1369,10 +1369,10 @@ void recurrent_layers_rows(const ops::RecurrentLayers& layers, int64_t channels,
     for (int64_t l = 0; l < layers.count; ++l) {
       const ops::RecurrentLayer& L = layers.host[l];
       const ops::RecurrentRow* lr = rows + l * n_rows;
-      causal_conv_silu_rows(L.conv_input, channels, kernel, L.conv_weight, lr, n_rows, max_n,
-                            L.conv_out);
-      gated_delta_rule_rows(L.conv_out, L.conv_out + kd, L.conv_out + 2 * kd, L.a, L.b, L.A_log,
-                            L.dt_bias, lr, n_rows, max_n, h, L.out);
+      cuda::causal_conv_silu_rows(L.conv_input, channels, kernel, L.conv_weight, lr, n_rows, max_n,
+                                  L.conv_out);
+      cuda::gated_delta_rule_rows(L.conv_out, L.conv_out + kd, L.conv_out + 2 * kd, L.a, L.b,
+                                  L.A_log, L.dt_bias, lr, n_rows, max_n, h, L.out);
     }
     return;
   }
