@@ -47,6 +47,10 @@ class Context {
 
   // Rows of every prompt-prefill GEMM tile (ops::set_prefill); 0: not in prefill mode.
   int64_t prefill_rows = 0;
+  // The next kernel launched in this context waits for everything before it instead of starting
+  // early under PDL (launch_clustered clears it): set after a kernel that writes metadata the
+  // kernels after it read before their pdl_wait (check.cuh's invariant).
+  bool serialize_next_launch = false;
   // check.cuh's caches: the dynamic shared memory limit set for each kernel (allow_dynamic_smem),
   // and its resident blocks per multiprocessor at (kernel, dynamic shared memory).
   std::unordered_map<const void*, size_t> smem_allowed;

@@ -2,7 +2,6 @@
 // round's accept walk, the commit it settles and the next forward's positions, all where the
 // tokens are, so no host read stands between a verify and the round after it.
 #include "tandem/backend/cuda/check.cuh"
-#include "tandem/backend/cuda/scratch.cuh"
 #include "tandem/backend/window_rows.h"
 
 namespace tandem::cuda {
@@ -11,17 +10,11 @@ namespace {
 
 constexpr int kWindowThreads = 128;
 
-// Two bytes copied within the context's own scratch after a kernel whose writes the next kernel
-// may read before its pdl_wait() (state descriptors, positions: metadata, which the PDL
-// invariant (check.cuh) lets kernels read early). A copy is not a kernel, so what follows it
-// starts only once everything before it has completed.
-struct WindowFence {
-  DeviceScratch bytes;
-};
-
+// After a kernel whose writes the next kernel may read before its pdl_wait() (state descriptors,
+// positions: metadata, which the PDL invariant (check.cuh) lets kernels read early): the next
+// kernel of this context starts only once everything before it has completed.
 void fence() {
-  auto* p = current().unit<WindowFence>().bytes.get_zeroed<uint8_t>(2);
-  TANDEM_CUDA_CHECK(cudaMemcpyAsync(p + 1, p, 1, cudaMemcpyDeviceToDevice, op_stream()));
+  current().serialize_next_launch = true;
 }
 
 __global__ void accept_windows_kernel(const int32_t* verified, const int32_t* ids,
