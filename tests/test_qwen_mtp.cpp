@@ -604,6 +604,98 @@ TEST(QwenMtpCommit, SpeculativeLoopKeepsAlignmentAndRestoresIdentically) {
   }
 }
 
+// A commit's completion rows (the last proposal's when a row accepted all, the pending token's
+// at depth 0) computed by the next chain's step 0 give what computing them at commit gives: the
+// same proposals, draft logits, row counts and checkpoints, over two rows whose completions are
+// due in some rounds and not in others (a row without one is parked past its chain) and rounds
+// of depth 0, where the drafter computes them before its host path.
+TEST(QwenMtpCommit, FoldedCompletionRowsEqualCommittedOnes) {
+  const auto tokens = ref_ids("tokens_1");
+  const int R = 2;
+  std::vector<std::vector<int32_t>> seq = {{tokens.begin(), tokens.begin() + 12},
+                                           {tokens.begin() + 3, tokens.begin() + 20}};
+  // Chains run whole (and fold) where the drafter shares its target's context.
+  const ops::ContextScope scope(demo().model->context());
+  const auto shared = QwenMtpProvider::from_target(*demo().target);
+  auto folded = open_rows(*shared, R), plain = open_rows(*shared, R);
+  plain->set_fold_completions(false);
+  auto target_greedy = [&](const std::vector<int32_t>& s) {
+    Qwen35State st(demo().model->config(), RecurrentRollback::PerPositionStates, DType::F32);
+    const RowInput row{st.open_row(), static_cast<int64_t>(s.size())};
+    ForwardOutput o;
+    demo().model->forward(st, {s, {&row, 1}, true, true}, &o);
+    return o;
+  };
+  std::vector<int32_t> pending(R);
+  for (int b = 0; b < R; ++b) {
+    const std::vector<float> h = target_hidden(seq[b]);
+    const RowPrefill pre{b, seq[b], h.data(), 0};
+    folded->prefill({&pre, 1});
+    plain->prefill({&pre, 1});
+    const ForwardOutput o = target_greedy(seq[b]);
+    pending[b] = argmax_of(std::span(o.logits).subspan((seq[b].size() - 1) * demo().V, demo().V));
+  }
+  int all_accepted = 0, some_rejected = 0;
+  for (int round = 0; round < 10; ++round) {
+    const int depth = round % 4;  // includes depth 0
+    std::vector<RowDraft> d;
+    for (int b = 0; b < R; ++b) d.push_back(greedy(pending[b], depth, seq[b].size()));
+    std::vector<DraftProposal> out, want;
+    folded->draft(d, &out);
+    plain->draft(d, &want);
+    std::vector<std::vector<int32_t>> windows(R);
+    std::vector<ForwardOutput> outs(R);
+    std::vector<VerifyRow> v;
+    for (int b = 0; b < R; ++b) {
+      ASSERT_EQ(out[b].tokens, want[b].tokens) << "round " << round << " row " << b;
+      for (int j = 0; j < depth; ++j) {
+        const auto x = folded->last_draft_logits(b, j), y = plain->last_draft_logits(b, j);
+        ASSERT_EQ(std::memcmp(x.data(), y.data(), sizeof(float) * demo().V), 0)
+            << "round " << round << " row " << b << " step " << j;
+      }
+      windows[b] = {pending[b]};
+      windows[b].insert(windows[b].end(), out[b].tokens.begin(), out[b].tokens.end());
+      std::vector<int32_t> all = seq[b];
+      all.insert(all.end(), windows[b].begin(), windows[b].end());
+      outs[b] = target_greedy(all);
+    }
+    for (int b = 0; b < R; ++b) {
+      const int64_t base = static_cast<int64_t>(seq[b].size());
+      int a = 0;
+      int32_t next = 0;
+      for (int j = 0; j <= depth; ++j) {
+        next = argmax_of(std::span(outs[b].logits).subspan((base + j) * demo().V, demo().V));
+        if (j < depth && next == windows[b][j + 1]) {
+          ++a;
+          continue;
+        }
+        break;
+      }
+      // Row 1 rejects its last proposal on purpose in odd rounds: a round that folds one row's
+      // completion and parks the other's.
+      if (b == 1 && round % 2 == 1 && depth > 0 && a == depth) {
+        --a;
+        next = windows[b][a + 1] == 0 ? 1 : 0;
+      }
+      if (depth > 0) (a == depth ? all_accepted : some_rejected)++;
+      v.push_back({windows[b], outs[b].hidden.data() + base * demo().H, a, next});
+      seq[b].insert(seq[b].end(), windows[b].begin(), windows[b].begin() + a + 1);
+      pending[b] = next;
+    }
+    folded->commit(v);
+    plain->commit(v);
+    for (int b = 0; b < R; ++b) {
+      EXPECT_EQ(folded->mtp_rows(b), plain->mtp_rows(b)) << "round " << round << " row " << b;
+      EXPECT_EQ(folded->mtp_rows(b), static_cast<int64_t>(seq[b].size()) - 1);
+    }
+  }
+  EXPECT_GT(all_accepted, 0);
+  EXPECT_GT(some_rejected, 0);
+  EXPECT_GT(folded->folded_chains(), 0) << "no chain computed a completion row";
+  EXPECT_EQ(plain->folded_chains(), 0);
+  for (int b = 0; b < R; ++b) expect_same_checkpoint(*folded->capture(b), *plain->capture(b));
+}
+
 // A restored row continues its prefill from the checkpoint: same state as one prefill.
 TEST(QwenMtpCommit, PrefillContinuesARestoredRow) {
   const auto tokens = ref_ids("tokens_1");

@@ -246,6 +246,7 @@ int MtpRows::begin_draft(std::span<const RowDraft> rows, std::vector<DraftPropos
     rows[b].sampling.validate();
     max_depth = std::max(max_depth, rows[b].depth);
   }
+  folding_ = take_completions(rows);
   out->assign(rows.size(), DraftProposal{});
   for (size_t b = 0; b < rows.size(); ++b) {
     Row& r = rows_[b];
@@ -361,8 +362,14 @@ void MtpRows::queue_device_chain(std::span<const RowDraft> rows, int max_depth) 
   // are read.
   chain_device_inputs_ = pending_on_device_ && settling;
   const bool host_inputs = !chain_device_inputs_;
-  const size_t ids_bytes = host_inputs ? sizeof(int32_t) * static_cast<size_t>(A0) : 0;
-  const size_t hidden_bytes = host_inputs ? sizeof(float) * static_cast<size_t>(A0 * H_) : 0;
+  TANDEM_CHECK(!folding_ || (host_inputs && A0 == R), who_, ": folded completion rows need every ",
+               "row's step 0 from the host");
+  // Folding the last commit's completion rows: they lead step 0 (R of them, then the A0 = R
+  // pending rows); a row without one repeats its pending input, parked past its chain.
+  const int64_t lead = folding_ ? R : 0;
+  const size_t ids_bytes = host_inputs ? sizeof(int32_t) * static_cast<size_t>(lead + A0) : 0;
+  const size_t hidden_bytes =
+      host_inputs ? sizeof(float) * static_cast<size_t>((lead + A0) * H_) : 0;
   const size_t draws_bytes =
       sampled ? sizeof(ops::SampleRow) * static_cast<size_t>(max_depth * R) : 0;
   const size_t hidden_at = upload_part_bytes(ids_bytes);
@@ -374,11 +381,22 @@ void MtpRows::queue_device_chain(std::span<const RowDraft> rows, int max_depth) 
   uint8_t* staged = chain_in_upload_.host(bytes);
   if (host_inputs) {
     if (h_true_stale_) sync_h_true();
+    auto stage = [&](int64_t at, int32_t id, const float* hidden) {
+      reinterpret_cast<int32_t*>(staged)[at] = id;
+      std::memcpy(staged + hidden_at + sizeof(float) * static_cast<size_t>(at * H_), hidden,
+                  sizeof(float) * H_);
+    };
+    for (int64_t b = 0; b < lead; ++b) {
+      Row& r = rows_[static_cast<size_t>(b)];
+      if (r.completion_id >= 0)
+        stage(b, r.completion_id, r.completion_h.data());
+      else
+        stage(b, rows[static_cast<size_t>(b)].pending, r.h_true.data());
+    }
     for (int64_t a = 0; a < A0; ++a) {
       const int b = first[static_cast<size_t>(a)];
-      reinterpret_cast<int32_t*>(staged)[a] = rows[static_cast<size_t>(b)].pending;
-      std::memcpy(staged + hidden_at + sizeof(float) * static_cast<size_t>(a * H_),
-                  rows_[static_cast<size_t>(b)].h_true.data(), sizeof(float) * H_);
+      stage(lead + a, rows[static_cast<size_t>(b)].pending,
+            rows_[static_cast<size_t>(b)].h_true.data());
     }
   }
   if (sampled) {
@@ -410,19 +428,19 @@ void MtpRows::queue_device_chain(std::span<const RowDraft> rows, int max_depth) 
   uint8_t* in = chain_in_dev_.data();
   // Device inputs: the completion rows of the last settled round head step 0 (R of them, then
   // the R pending rows), unless that round was flushed already.
-  chain_completion_ = chain_device_inputs_ && completion_pending_;
-  const int64_t lead = chain_completion_ ? 0 : R;
+  chain_completion_ = (chain_device_inputs_ && completion_pending_) || folding_;
+  const int64_t skip = chain_device_inputs_ && !completion_pending_ ? R : 0;
   const auto* ids0 =
-      host_inputs ? reinterpret_cast<const int32_t*>(in) : step0_ids_dev_.data() + lead;
+      host_inputs ? reinterpret_cast<const int32_t*>(in) : step0_ids_dev_.data() + skip;
   const auto* hidden0 = host_inputs ? reinterpret_cast<const float*>(in + hidden_at)
-                                    : step0_hidden_dev_.data() + lead * H_;
+                                    : step0_hidden_dev_.data() + skip * H_;
   chain_draws_ = sampled ? reinterpret_cast<ops::SampleRow*>(in + draws_at) : nullptr;
   shift_rows_dev_ = settling ? reinterpret_cast<const int32_t*>(in + slots_at) : nullptr;
   known_dev_ = settling ? reinterpret_cast<const int64_t*>(in + known_at) : nullptr;
   settled_rows_dev_ = settling ? reinterpret_cast<ops::SettledRow*>(in + settled_at) : nullptr;
   // Unresolved rounds: the chain's positions and draws move on by what the host has not counted.
   chain_shifted_ = !settled_.empty();
-  reserve_extra_ = 0;
+  reserve_extra_ = folding_ ? 1 : 0;  // a parked completion row, one past the chain
   if (settling) {
     for (const SettledRound& u : settled_) reserve_extra_ += u.depth;
     reserve_extra_ += static_cast<int64_t>(max_depth) + 1;  // settle's completion rows
@@ -434,6 +452,13 @@ void MtpRows::queue_device_chain(std::span<const RowDraft> rows, int max_depth) 
     queue_chain(ids0, hidden0, false);
   }
   if (chain_completion_) completion_pending_ = false;  // the chain computed them
+  if (folding_) {
+    ++folded_chains_;
+    for (Row& r : rows_) r.completion_id = -1;
+    host_completions_ = false;
+    folding_ = false;
+    completion_parked_.clear();
+  }
 }
 
 void MtpRows::take_picks(const int32_t* picks, int max_depth, std::vector<DraftProposal>* out) {
@@ -574,10 +599,23 @@ void MtpRows::commit(std::span<const VerifyRow> rows) {
       fail(who_, " commit: row ", b, " accepted ", v.accepted, " of ", k, " proposals");
     if (v.hidden == nullptr) fail(who_, " commit: row ", b, " has no verify hiddens");
   }
-  // Afterwards rows = target processed - 1.
+  // Afterwards rows = target processed - 1, counting each row's completion row (the pending
+  // token's, or the last proposal's when all were accepted), which is computed now or, folded,
+  // by the next chain (Row::completion_id).
   ids_.clear();
   hid_.clear();
   std::vector<int> row_ids;
+  auto complete = [&](size_t b, int32_t id, const float* hidden) {
+    Row& r = rows_[b];
+    if (fold_completions_) {
+      r.completion_id = id;
+      r.completion_h.assign(hidden, hidden + H_);
+      host_completions_ = true;
+      return;
+    }
+    gather(id, hidden);
+    row_ids.push_back(static_cast<int>(b));
+  };
   for (size_t b = 0; b < rows.size(); ++b) {
     Row& r = rows_[b];
     const VerifyRow& v = rows[b];
@@ -585,14 +623,10 @@ void MtpRows::commit(std::span<const VerifyRow> rows) {
     const int64_t a = v.accepted;
     if (k == 0) {
       r.length = r.round_start;
-      gather(r.pending, r.h_true.data());
-      row_ids.push_back(static_cast<int>(b));
+      complete(b, r.pending, r.h_true.data());
     } else {
       r.length = r.round_start + std::min(a + 1, k);
-      if (a == k) {
-        gather(r.proposals.back(), v.hidden + (k - 1) * H_);
-        row_ids.push_back(static_cast<int>(b));
-      }
+      if (a == k) complete(b, r.proposals.back(), v.hidden + (k - 1) * H_);
     }
     truncate_history(*r.history, r.length);
   }
@@ -704,6 +738,42 @@ void MtpRows::flush_completion(std::span<const int> accepted) {
   completion_pending_ = false;
 }
 
+void MtpRows::flush_host_completions() {
+  if (!host_completions_) return;
+  host_completions_ = false;
+  ids_.clear();
+  hid_.clear();
+  std::vector<int> row_ids;
+  for (size_t b = 0; b < rows_.size(); ++b) {
+    Row& r = rows_[b];
+    if (r.completion_id < 0) continue;
+    gather(r.completion_id, r.completion_h.data());
+    row_ids.push_back(static_cast<int>(b));
+    r.completion_id = -1;
+  }
+  if (!row_ids.empty()) run_block(row_ids, std::vector<int64_t>(row_ids.size(), 1));
+}
+
+bool MtpRows::take_completions(std::span<const RowDraft> rows) {
+  if (!host_completions_) return false;
+  // Step 0 must hold every row and run whole on the device from the host's inputs.
+  bool fold = chains_share_context() && draws_on_device(rows) && settled_.empty() &&
+              !pending_on_device_ && static_cast<int>(rows.size()) == row_count();
+  for (const RowDraft& in : rows) fold = fold && in.depth > 0;
+  if (!fold) {
+    flush_host_completions();
+    return false;
+  }
+  completion_parked_.assign(rows_.size(), 1);
+  for (size_t b = 0; b < rows_.size(); ++b) {
+    Row& r = rows_[b];
+    if (r.completion_id < 0) continue;
+    ++r.length;  // the chain's step 0 writes it at length - 1
+    completion_parked_[b] = 0;
+  }
+  return true;
+}
+
 void MtpRows::resolve(std::span<const int> accepted) {
   if (settled_.empty()) fail(who_, " resolve: no settled round is unresolved");
   const int D = settled_.front().depth;
@@ -748,6 +818,7 @@ void MtpRows::sync_h_true() {
 
 void MtpRows::leave_device_rows() {
   check_resolved("changing rows");
+  flush_host_completions();
   sync_h_true();
   pending_on_device_ = false;
   // Every round resolved: the device's shifts equal the host's counts; both start again at 0.
@@ -761,6 +832,9 @@ CheckpointPtr MtpRows::capture(int row) const {
   if (!r.has_hidden) fail(who_, " capture: row ", row, " was never prefilled");
   if (r.drafted) fail(who_, " capture: row ", row, " has an uncommitted draft");
   check_resolved("capture");
+  // A completion row the last commit left to the next chain belongs to this state: computing it
+  // now changes no value the rows would hold (logically const).
+  const_cast<MtpRows*>(this)->flush_host_completions();
   std::vector<float> h_true = r.h_true;
   if (h_true_stale_)
     ops::copy_to_host(h_true.data(),

@@ -80,10 +80,15 @@ class MtpRows : public DraftRows {
 
   // Diagnostics (tests, tools): the MTP rows a row holds, and the logits its last draft call
   // computed for proposal `step` ([draft_vocabulary()], valid until the next draft call).
-  int64_t mtp_rows(int row) const { return rows_.at(static_cast<size_t>(row)).length; }
+  int64_t mtp_rows(int row) const {
+    const Row& r = rows_.at(static_cast<size_t>(row));
+    return r.length + (r.completion_id >= 0 ? 1 : 0);  // a folded completion row counts
+  }
   std::span<const float> last_draft_logits(int row, int step) const;
   // Greedy draft chains run whole (prepare_chain; on CUDA one graph each) since the rows opened.
   int64_t whole_chains() const { return whole_chains_; }
+  // Of those, the chains whose step 0 also computed the last commit's completion rows.
+  int64_t folded_chains() const { return folded_chains_; }
 
  protected:
   // A row's cache of its MTP rows, kept by the subclass's block (paged KV, a latent cache). The
@@ -138,9 +143,16 @@ class MtpRows : public DraftRows {
   // accepted tokens, and completion rows parked past a chain); reserve it too.
   int64_t reserve_extra_ = 0;
   // The chain being prepared starts step 0 with one completion row per row (the last settled
-  // round's), at the row's length - 1 as the host counts it (prepare_chain lays it out there),
-  // then the chain's own rows; the block's output rows follow the same order.
+  // round's, or the last commit's), at completion_position (prepare_chain lays it out there), then
+  // the chain's own rows; the block's output rows follow the same order.
   bool chain_completion_ = false;
+  // Where row i's completion row goes, the row's chain starting at `length`: length - 1, or past
+  // the chain (length + depth) for a row whose last commit left none, whose row step 0 runs only
+  // to keep one completion row per row (nothing reads what it writes there before a later round
+  // writes it again).
+  int64_t completion_position(size_t i, int64_t length, int depth) const {
+    return i < completion_parked_.size() && completion_parked_[i] ? length + depth : length - 1;
+  }
   // Whether every launch of a draft chain goes to the caller's stream (the block shares the
   // caller's backend context): only then may a later launch there read the chain's proposals
   // without a host wait (draft_queued). The base class cannot tell: no.
@@ -163,6 +175,11 @@ class MtpRows : public DraftRows {
     int32_t pending = 0;
     std::vector<int32_t> proposals;
     int64_t round_start = 0;  // length when the round's draft began
+    // The last commit's completion row, still to be computed at position `length`: token
+    // completion_id with the hidden before it (-1: none). The next chain's step 0 computes it
+    // ahead of its own rows, or flush_host_completions does.
+    int32_t completion_id = -1;
+    std::vector<float> completion_h;  // [H]
   };
 
   std::string who_, schema_, ns_;
@@ -208,6 +225,26 @@ class MtpRows : public DraftRows {
   // Before the rows change or a host path reads them: every settled round must be resolved; the
   // pending tokens and h_true come back to the host and the shifts start again at 0.
   void leave_device_rows();
+  // The host-known completion rows of the last commit (Row::completion_id) are computed by the
+  // next chain's step 0 where it runs whole on the device for every row (a block call fewer a
+  // round), else by flush_host_completions first. set_fold_completions(false) computes them at
+  // commit, as the host path did before (tests compare both).
+ public:
+  void set_fold_completions(bool on) {
+    flush_host_completions();
+    fold_completions_ = on;
+  }
+
+ private:
+  bool fold_completions_ = true;
+  int64_t folded_chains_ = 0;
+  bool host_completions_ = false;  // some row's completion_id is set
+  bool folding_ = false;           // the chain being queued computes them (take_completions)
+  std::vector<uint8_t> completion_parked_;
+  void flush_host_completions();
+  // At a draft: whether its chain computes the pending completion rows (then each row's length
+  // counts its own); otherwise they are computed now.
+  bool take_completions(std::span<const RowDraft> rows);
   int64_t outstanding_appends_ = 0;  // rows of prepared, not yet committed appends
 
   // Scratch (grown, reused). Buffers are backend memory; vectors are host staging.

@@ -229,7 +229,8 @@ bool QwenMtpRows::prepare_chain(std::span<History* const> rows, std::span<const 
   const std::vector<int64_t> steps(depths.begin(), depths.end());
   std::vector<int64_t> completion;
   if (chain_completion_)
-    for (int64_t l : lengths) completion.push_back(l - 1);
+    for (size_t i = 0; i < lengths.size(); ++i)
+      completion.push_back(completion_position(i, lengths[i], depths[i]));
   chain_ = kv_.chain(reserve_tables(rows, lengths, steps), lengths, depths, completion);
   int64_t most = 0;
   for (const AttentionBatch& b : chain_) most = std::max(most, b.tokens);
