@@ -46,13 +46,14 @@ inline std::unique_ptr<spec::DraftRows> open_prefilled(
 // `sampling` (row r's seed is sampling.seed + r; greedy by default) and ask for their
 // distributions when `want_distribution` (which keeps the draws on the host). Returns every
 // proposal, then the bits of every draft step's logits. *whole_chains: the chains MtpRows ran
-// whole.
+// whole; *folded_chains: those whose first step also added the last commit's completion rows.
 inline std::vector<int32_t> mtp_rounds(const spec::DraftProvider& drafter,
                                        const spec::TargetView& target,
                                        const std::vector<std::vector<int32_t>>& prompts, int rounds,
                                        int64_t* whole_chains = nullptr,
                                        const SamplingParams& sampling = {},
-                                       bool want_distribution = false) {
+                                       bool want_distribution = false,
+                                       int64_t* folded_chains = nullptr) {
   const int64_t H = target.hidden_size(), V = target.vocab_size();
   const int R = static_cast<int>(prompts.size());
   auto hiddens = [&](size_t n, int salt) { return synthetic_hiddens(H, n, salt); };
@@ -96,6 +97,7 @@ inline std::vector<int32_t> mtp_rounds(const spec::DraftProvider& drafter,
   const auto* bits = reinterpret_cast<const int32_t*>(logits.data());
   trace.insert(trace.end(), bits, bits + logits.size());
   if (whole_chains) *whole_chains = mtp.whole_chains();
+  if (folded_chains) *folded_chains = mtp.folded_chains();
   return trace;
 }
 

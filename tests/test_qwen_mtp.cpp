@@ -330,8 +330,11 @@ TEST(QwenMtp, WholeChainsEqualStepByStep) {
   EXPECT_EQ(whole, 0);
   const ops::ContextScope scope(demo().model->context());
   const auto shared = QwenMtpProvider::from_target(*demo().target);
-  const auto together = test::mtp_rounds(*shared, *demo().target, prompts, 5, &whole);
+  int64_t folded = 0;
+  const auto together =
+      test::mtp_rounds(*shared, *demo().target, prompts, 5, &whole, {}, false, &folded);
   EXPECT_EQ(whole, 5);
+  EXPECT_GT(folded, 0) << "no whole chain added a commit's completion rows";
   ASSERT_GT(apart.size(), 15u);
   EXPECT_EQ(together, apart);
 }

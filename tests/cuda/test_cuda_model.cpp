@@ -659,8 +659,10 @@ TEST_F(CudaModelTest, OverlappedLaunchesAndGraphsChangeNoBits) {
 
 // The MTP block's forwards replay CUDA graphs: as draft steps and commits of a block in its own
 // context, and as whole draft chains where it shares the caller's (the engine's and the CLI's
-// case). Rounds of three rows that draft different depths and accept different counts give the
-// same proposals and draft logits, bit for bit, with graphs on and off and either way.
+// case; their first step also adds the rows the last commit owes, which step-by-step drafting
+// computes at the next draft). Rounds of three rows that draft different depths and accept
+// different counts give the same proposals and draft logits, bit for bit, with graphs on and off
+// and either way.
 TEST_F(CudaModelTest, MtpBlockGraphsChangeNoBits) {
   ScopedBackend cuda(ops::Backend::Cuda);
   Demo& d = cuda_demo();
@@ -675,8 +677,10 @@ TEST_F(CudaModelTest, MtpBlockGraphsChangeNoBits) {
   {
     const ops::ContextScope scope(d.model->context());
     const auto mtp = spec::QwenMtpProvider::from_target(*d.target);
-    shared = test::mtp_rounds(*mtp, *d.target, prompts, 6, &whole);
+    int64_t folded = 0;
+    shared = test::mtp_rounds(*mtp, *d.target, prompts, 6, &whole, {}, false, &folded);
     EXPECT_EQ(whole, 6);
+    EXPECT_GT(folded, 0) << "no chain added a commit's completion rows";
     ops::set_graphs_enabled(false);
     shared_direct = test::mtp_rounds(*mtp, *d.target, prompts, 6);
   }
