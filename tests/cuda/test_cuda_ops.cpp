@@ -983,6 +983,45 @@ TEST_F(CudaOps, RmsNormMatchesCpuPlainAndZeroCentred) {
   }
 }
 
+// argmax_rows keeps its contract on every path (one block for a draft step's vocabulary, slices
+// and a last block for the target's): the lowest index among the maxima, -inf ignored, -1 for a
+// row holding NaN or +inf or only -inf.
+TEST_F(CudaOps, ArgmaxRowsKeepTheContract) {
+  std::mt19937 rng(47);
+  for (int64_t V : {1, 37, 4096, 4097, 70000, 248320}) {
+    const int64_t rows = 6;
+    std::vector<float> l = randn(sz(rows * V), rng);
+    auto row = [&](int64_t r) { return l.data() + r * V; };
+    // Row 1: the maximum three times, in the first and the last slice (lowest index wins).
+    for (int64_t j : {V - 1, V / 2, int64_t{0}}) row(1)[j] = 50.0f;
+    std::fill(row(2), row(2) + V, -INFINITY);  // only -inf
+    row(3)[V / 3] = NAN;
+    row(4)[V - 1] = INFINITY;
+    // Row 5: -inf everywhere but one token.
+    std::fill(row(5), row(5) + V, -INFINITY);
+    row(5)[(V * 2) / 3] = -3.0f;
+    std::vector<int32_t> want(sz(rows));
+    for (int64_t r = 0; r < rows; ++r) {
+      int32_t best = -1;
+      for (int64_t j = 0; j < V; ++j) {
+        const float x = row(r)[j];
+        if (std::isnan(x) || x == INFINITY) {
+          best = -1;
+          break;
+        }
+        if (x != -INFINITY && (best < 0 || x > row(r)[best])) best = static_cast<int32_t>(j);
+      }
+      want[sz(r)] = best;
+    }
+    DeviceBuffer<float> dl(l);
+    DeviceBuffer<int32_t> out(sz(rows));
+    for (int rep = 0; rep < 2; ++rep) {  // the slice counts reset for the next launch
+      cuda::argmax_rows(dl.get(), rows, V, out.get());
+      EXPECT_EQ(out.download(), want) << "V " << V << " launch " << rep;
+    }
+  }
+}
+
 // rms_norm_pair's halves carry cuda::rms_norm's bits in every norm order (so a drafter's numbers
 // do not change with the fusion), near the CPU's pair.
 TEST_F(CudaOps, RmsNormPairIsTwoNormsSideBySide) {
@@ -2910,8 +2949,8 @@ TEST_F(CudaBatchInvariance, LayeredRowsEqualPerLayerCalls) {
   RowsLayout short_rows =
       rows_layout({3, 1, 0, 4, 2}, {false, false, false, false, false}, {4, 0, 1, 3, 2});
   short_rows.settled = {-1, 0, -1, 2, -1};
-  const RowsLayout layouts[] = {
-      short_rows, rows_layout({12, 1, 3}, {false, false, false}, {2, 0, 1})};
+  const RowsLayout layouts[] = {short_rows,
+                                rows_layout({12, 1, 3}, {false, false, false}, {2, 0, 1})};
   const RecurrentShape shapes[] = {
       {1024, {4, 8, 64, 64}}, {8192, {16, 32, 128, 128}}, {64, {2, 4, 8, 8}}};
   for (const RecurrentShape& shape : shapes) {
@@ -2979,8 +3018,8 @@ TEST_F(CudaBatchInvariance, LayeredRowsEqualPerLayerCalls) {
       }
       DeviceBuffer<ops::RecurrentLayer> table_dev(table);
       DeviceBuffer<ops::RecurrentRow> desc(descriptors(conv, state));
-      cuda::recurrent_layers_rows({table.data(), table_dev.get(), nl}, C, K, desc.get(), R,
-                                  L.max_n, h);
+      cuda::recurrent_layers_rows({table.data(), table_dev.get(), nl}, C, K, desc.get(), R, L.max_n,
+                                  h);
       DeviceBuffer<ops::RecurrentRow> ref_desc(descriptors(ref_conv, ref_state));
       for (int64_t l = 0; l < nl; ++l) {
         const ops::RecurrentRow* d = ref_desc.get() + l * R;
@@ -2988,8 +3027,8 @@ TEST_F(CudaBatchInvariance, LayeredRowsEqualPerLayerCalls) {
         cuda::causal_conv_silu_rows(input[sz(l)].get(), C, K, conv_w[sz(l)].dev_ref(), d, R,
                                     L.max_n, co);
         cuda::gated_delta_rule_rows(co, co + kd, co + 2 * kd, a[sz(l)].get(), b[sz(l)].get(),
-                                    A_log[sz(l)].dev_ref(), dt_bias[sz(l)].dev_ref(), d, R,
-                                    L.max_n, h, ref_out[sz(l)].get());
+                                    A_log[sz(l)].dev_ref(), dt_bias[sz(l)].dev_ref(), d, R, L.max_n,
+                                    h, ref_out[sz(l)].get());
       }
       // The CPU's layered call on host copies.
       std::vector<std::vector<float>> cpu_conv = conv0, cpu_state = state0;
@@ -3006,13 +3045,13 @@ TEST_F(CudaBatchInvariance, LayeredRowsEqualPerLayerCalls) {
           e.conv_state = cpu_conv[sz(l * R + r)].data();
           e.state = cpu_state[sz(l * R + r)].data();
         }
-        cpu_table[sz(l)] = {host_input[sz(l)].data(), conv_w[sz(l)].host_ref(),
-                            host_a[sz(l)].data(),     host_b[sz(l)].data(),
-                            A_log[sz(l)].host_ref(),  dt_bias[sz(l)].host_ref(),
+        cpu_table[sz(l)] = {host_input[sz(l)].data(),   conv_w[sz(l)].host_ref(),
+                            host_a[sz(l)].data(),       host_b[sz(l)].data(),
+                            A_log[sz(l)].host_ref(),    dt_bias[sz(l)].host_ref(),
                             cpu_conv_out[sz(l)].data(), cpu_out[sz(l)].data()};
       }
-      cpu::recurrent_layers_rows({cpu_table.data(), cpu_table.data(), nl}, C, K, cpu_desc.data(),
-                                 R, L.max_n, h);
+      cpu::recurrent_layers_rows({cpu_table.data(), cpu_table.data(), nl}, C, K, cpu_desc.data(), R,
+                                 L.max_n, h);
       for (int64_t l = 0; l < nl; ++l) {
         const std::string at = what + ", layer " + std::to_string(l);
         const auto got_out = out[sz(l)].download();
@@ -3029,6 +3068,7 @@ TEST_F(CudaBatchInvariance, LayeredRowsEqualPerLayerCalls) {
                                   kDeltaRel * max_abs(cpu_state[i])))
               << at << ", row " << r << ": state vs CPU";
           const int64_t t0 = L.first[sz(r)], n = L.n[sz(r)];
+          if (n == 0) continue;  // an idle row has no outputs
           EXPECT_TRUE(near_blocks(slice(got_out, sz(t0 * vr), sz(n * vr)),
                                   slice(cpu_out[sz(l)], sz(t0 * vr), sz(n * vr)), sz(h.dv),
                                   kDeltaRel, kDeltaRel * max_abs(cpu_out[sz(l)])))

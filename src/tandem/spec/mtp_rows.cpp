@@ -1,13 +1,23 @@
 #include "tandem/spec/mtp_rows.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
+#include <string_view>
 
 #include "tandem/backend/ops.h"
 #include "tandem/core/error.h"
 #include "tandem/spec/hidden_rows.h"
 
 namespace tandem::spec {
+
+bool MtpRows::fold_completions_default() {
+  static const bool on = [] {
+    const char* v = std::getenv("TANDEM_MTP_FOLD");
+    return !(v && std::string_view(v) == "0");
+  }();
+  return on;
+}
 
 MtpRows::MtpRows(const TargetView& target, std::string who, std::string schema, std::string ns,
                  HiddenTap tap, int64_t hidden_size, int64_t vocab_size)

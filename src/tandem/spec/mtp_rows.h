@@ -236,7 +236,9 @@ class MtpRows : public DraftRows {
   }
 
  private:
-  bool fold_completions_ = true;
+  // On unless TANDEM_MTP_FOLD=0 (A/B timing; the bits are the same either way).
+  bool fold_completions_ = fold_completions_default();
+  static bool fold_completions_default();
   int64_t folded_chains_ = 0;
   bool host_completions_ = false;  // some row's completion_id is set
   bool folding_ = false;           // the chain being queued computes them (take_completions)

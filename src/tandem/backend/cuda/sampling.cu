@@ -47,34 +47,51 @@ __device__ inline void better(float& v, int& i, float v2, int i2) {
   }
 }
 
-// The best of the block's kArgmaxThreads candidates (sv, si; the bad flags ORed), left in slot 0
-// by a halving tree with a barrier per level. Every thread calls it once its candidate is stored.
-__device__ inline void block_best(float* sv, int* si, int* sbad) {
-  for (int width = kArgmaxThreads / 2; width > 0; width /= 2) {
-    if (threadIdx.x < width) {
-      float a = sv[threadIdx.x];
-      int ai = si[threadIdx.x];
-      better(a, ai, sv[threadIdx.x + width], si[threadIdx.x + width]);
-      sv[threadIdx.x] = a;
-      si[threadIdx.x] = ai;
-      sbad[threadIdx.x] |= sbad[threadIdx.x + width];
-    }
-    __syncthreads();
+// The best of the 32 lanes' candidates (the bad flags ORed), in every lane: a butterfly of `better`
+// (a total order, so every lane ends with the same winner whatever the pairing).
+__device__ inline void warp_best(float& v, int& i, int& bad) {
+  for (int offset = 16; offset > 0; offset /= 2) {
+    const float v2 = __shfl_xor_sync(0xffffffffu, v, offset);
+    const int i2 = __shfl_xor_sync(0xffffffffu, i, offset);
+    bad |= __shfl_xor_sync(0xffffffffu, bad, offset);
+    better(v, i, v2, i2);
+  }
+}
+
+constexpr int kArgmaxWarps = kArgmaxThreads / 32;
+
+// The best of the block's candidates (v, i, bad per thread), returned to thread 0: each warp's
+// winner through sv/si/sbad (kArgmaxWarps slots), then warp 0 over those. Every thread calls it.
+__device__ inline void block_best(float& v, int& i, int& bad, float* sv, int* si, int* sbad) {
+  warp_best(v, i, bad);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane == 0) {
+    sv[warp] = v;
+    si[warp] = i;
+    sbad[warp] = bad;
+  }
+  __syncthreads();
+  if (warp == 0) {
+    v = lane < kArgmaxWarps ? sv[lane] : -INFINITY;
+    i = lane < kArgmaxWarps ? si[lane] : -1;
+    bad = lane < kArgmaxWarps ? sbad[lane] : 0;
+    warp_best(v, i, bad);
   }
 }
 
 // Grid (slices, rows): block (s, r) finds the winner of slice s of row r; the last block of a row
 // to finish (an atomic count) picks the row's winner from the slice winners. `bad` flags a NaN or
 // +inf anywhere in the row. The greedy token of a 248k vocabulary is thus read by ~60 blocks at
-// once instead of one.
+// once instead of one; a row of one slice (a small vocabulary: a draft step's) is decided by its
+// block alone.
 __global__ void __launch_bounds__(kArgmaxThreads)
     argmax_kernel(const float* __restrict__ logits, int64_t V, int64_t slice, int32_t* out,
                   SliceWinners g) {
   pdl_wait();
   pdl_release();
-  __shared__ float sv[kArgmaxThreads];
-  __shared__ int si[kArgmaxThreads];
-  __shared__ int sbad[kArgmaxThreads];
+  __shared__ float sv[kArgmaxWarps];
+  __shared__ int si[kArgmaxWarps];
+  __shared__ int sbad[kArgmaxWarps];
   __shared__ bool last;
   const int64_t row = blockIdx.y;
   const float* l = logits + row * V;
@@ -87,32 +104,32 @@ __global__ void __launch_bounds__(kArgmaxThreads)
     bad |= isnan(x) || x == INFINITY;
     if (x != -INFINITY) better(v, idx, x, static_cast<int>(j));
   }
-  sv[threadIdx.x] = v;
-  si[threadIdx.x] = idx;
-  sbad[threadIdx.x] = bad;
-  __syncthreads();
-  block_best(sv, si, sbad);
+  block_best(v, idx, bad, sv, si, sbad);
+  if (gridDim.x == 1) {
+    if (threadIdx.x == 0) out[row] = bad ? -1 : idx;
+    return;
+  }
   const int slot = static_cast<int>(row * gridDim.x + blockIdx.x);
   if (threadIdx.x == 0) {
-    g.best_v[slot] = sv[0];
-    g.best_i[slot] = si[0];
-    g.bad[slot] = sbad[0];
+    g.best_v[slot] = v;
+    g.best_i[slot] = idx;
+    g.bad[slot] = bad;
     __threadfence();  // the slice's winner is visible before the count says so
     last = atomicAdd(&g.slices_done[row], 1u) == gridDim.x - 1;
   }
   __syncthreads();
   if (!last) return;
-  // The row's last block: thread s loads slice s's winner (all at once), then the same tree.
+  // The row's last block: thread s loads slice s's winner (all at once), then the same reduction.
   __threadfence();
   const int q = static_cast<int>(row * gridDim.x + threadIdx.x);
   const bool have = threadIdx.x < gridDim.x;
-  sv[threadIdx.x] = have ? __ldcg(&g.best_v[q]) : -INFINITY;
-  si[threadIdx.x] = have ? __ldcg(&g.best_i[q]) : -1;
-  sbad[threadIdx.x] = have ? __ldcg(&g.bad[q]) : 0;
-  __syncthreads();
-  block_best(sv, si, sbad);
+  v = have ? __ldcg(&g.best_v[q]) : -INFINITY;
+  idx = have ? __ldcg(&g.best_i[q]) : -1;
+  bad = have ? __ldcg(&g.bad[q]) : 0;
+  __syncthreads();  // every warp read its slots of the first reduction: they are reused
+  block_best(v, idx, bad, sv, si, sbad);
   if (threadIdx.x == 0) {
-    out[row] = sbad[0] ? -1 : si[0];
+    out[row] = bad ? -1 : idx;
     g.slices_done[row] = 0;
   }
 }
