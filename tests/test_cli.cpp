@@ -365,7 +365,8 @@ TEST(CliSpeculative, DraftersGiveThePlainOutputAndReportStats) {
         " --draft mtp --depth 2 --mtp-hidden final", " --draft mtp --depth 2 --mtp-hidden prenorm",
         " --draft mtp --depth 3 --draft-vocab 512", " --draft mtp --depth 3 --settled-rounds",
         " --draft mtp --depth auto --settled-rounds", " --draft ngram --depth 3 --settled-rounds",
-        " --draft ngram --depth auto --settled-rounds"}) {
+        " --draft ngram --depth auto --settled-rounds", " --draft ngram --depth auto:6",
+        " --draft mtp --depth auto:2"}) {
     const CliRun r = run(base + extra, false);
     ASSERT_EQ(r.code, 0) << extra << ": " << r.out;
     const auto j = nlohmann::json::parse(r.out);
@@ -381,6 +382,22 @@ TEST(CliSpeculative, DraftersGiveThePlainOutputAndReportStats) {
   const CliRun rej = run(base + " --draft mtp --depth 3 --verify rejection", false);
   ASSERT_EQ(rej.code, 0) << rej.out;
   EXPECT_EQ(nlohmann::json::parse(rej.out)["tokens"].size(), 24u);
+}
+
+// --depth auto goes up to 4 proposals a round with a model drafter and up to 8 with the n-gram
+// drafter (whose proposals cost only their place in the window); auto:K sets the most.
+TEST(CliSpeculative, AdaptiveDepthsReachTheDraftersDefaultOrTheGivenMost) {
+  const std::string base = "generate --model " + kDemoModel +
+                           " --prompt 'def add(a, b):\n' --max-tokens 16 --ignore-eos --json";
+  for (const auto& [extra, most] :
+       std::vector<std::pair<std::string, size_t>>{{" --draft mtp --depth auto", 4},
+                                                   {" --draft ngram --depth auto", 8},
+                                                   {" --draft ngram --depth auto:3", 3},
+                                                   {" --draft mtp --depth auto:6", 6}}) {
+    const CliRun r = run(base + extra, false);
+    ASSERT_EQ(r.code, 0) << extra << ": " << r.out;
+    EXPECT_EQ(nlohmann::json::parse(r.out)["stats"]["accepted_by_position"].size(), most) << extra;
+  }
 }
 
 TEST(CliSpeculative, PromptsFileRunsEveryRequestAsOneBatch) {
@@ -418,7 +435,9 @@ TEST(CliSpeculative, BadSpeculationSettingsAreRefused) {
   const std::string m = "generate --model " + kDemoModel + " --token-ids 5,6 ";
   expect_error(run(m + "--draft eagle"), "--draft");
   expect_error(run(m + "--draft mtp --depth 99"), "--depth");
-  expect_error(run(m + "--draft mtp --depth deep"), "auto or a whole number");
+  expect_error(run(m + "--draft mtp --depth deep"), "or a whole number in 0..16");
+  for (const char* bad : {"auto:0", "auto:17", "auto:", "auto:x", "auto:3x"})
+    expect_error(run(m + "--draft mtp --depth " + bad), "auto:K (K in 1..16)");
   expect_error(run(m + "--draft mtp --verify maybe"), "--verify");
   expect_error(run(m + "--draft ngram --ngram-min 3 --ngram-max 2"), "--ngram");
   expect_error(run(m + "--draft mtp --draft-model /nonexistent/drafter"), "/nonexistent/drafter");

@@ -128,6 +128,7 @@ Measured measure(const LoadedTarget& target, DType kv_dtype, const spec::DraftPr
                  DepthArg depth, const std::vector<GenerateRequest>& reqs, int batch, int repeats,
                  bool split, bool settled, std::vector<std::vector<int32_t>>* outputs) {
   // The probe stays off: this measures each drafter at the depth asked, whatever it accepts.
+  if (drafter && depth.automatic) depth.depth = auto_max_depth(depth, drafter->id());
   SpecOptions opts{depth.depth, spec::VerifyMode::Match};
   opts.health_probe = false;
   opts.auto_depth = depth.automatic;
@@ -441,7 +442,8 @@ void add_bench_spec_command(CLI::App& app) {
                   "--drafts mtp on Qwen3.5: draft vocabularies to compare, a list of token counts "
                   "(each draft step scores token ids below it; 0 = the whole vocabulary)")
       ->capture_default_str();
-  sub->add_option("--depths", a->depths, "Depths to compare (numbers, or auto for adaptive rounds)")
+  sub->add_option("--depths", a->depths,
+                  "Depths to compare (numbers, auto or auto:K for adaptive rounds)")
       ->capture_default_str();
   sub->add_option("--batch", a->batch, "Requests per batch")->capture_default_str();
   sub->add_option("--max-tokens", a->max_tokens, "Tokens per request")->capture_default_str();

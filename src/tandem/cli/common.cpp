@@ -197,8 +197,9 @@ void add_draft_options(CLI::App* sub, DraftArgs* a) {
                   "--draft mtp: a companion MTP drafter directory (default: the model's own mtp.* "
                   "layer); --draft eagle3: the EAGLE-3 head directory (required)");
   sub->add_option("--depth", a->depth,
-                  "Proposals per round: a fixed 0..16, or auto (each round picks 0..4 from the "
-                  "running acceptance and measured round times)")
+                  "Proposals per round: a fixed 0..16, or auto (each round picks 0..4, 0..8 for "
+                  "ngram, from the running acceptance and measured round times), or auto:K "
+                  "(0..K)")
       ->capture_default_str();
   sub->add_option("--verify", a->verify, "match (lossless bytes) or rejection")
       ->capture_default_str();
@@ -226,23 +227,30 @@ void add_draft_options(CLI::App* sub, DraftArgs* a) {
 }
 
 DepthArg parse_depth(const std::string& s) {
-  if (s == "auto") return {kAutoMaxDepth, true};
+  if (s == "auto") return {kAutoMaxDepth, true, false};
+  const bool automatic = s.rfind("auto:", 0) == 0;
+  const std::string number = automatic ? s.substr(5) : s;
   size_t used = 0;
   int depth = -1;
   try {
-    depth = std::stoi(s, &used);
+    depth = std::stoi(number, &used);
   } catch (const std::exception&) {
     used = 0;
   }
-  if (used != s.size() || depth < 0 || depth > 16)
-    fail("--depth must be auto or a whole number in 0..16, got '", s, "'");
-  return {depth, false};
+  if (used == 0 || used != number.size() || depth < (automatic ? 1 : 0) || depth > 16)
+    fail("--depth must be auto, auto:K (K in 1..16) or a whole number in 0..16, got '", s, "'");
+  return {depth, automatic, automatic};
+}
+
+int auto_max_depth(const DepthArg& d, std::string_view draft) {
+  if (d.max_given) return d.depth;
+  return draft == "ngram" ? kAutoMaxDepthTokens : kAutoMaxDepth;
 }
 
 SpecOptions spec_options(const DraftArgs& a) {
   const DepthArg d = parse_depth(a.depth);
   SpecOptions o;
-  o.depth = d.depth;
+  o.depth = d.automatic ? auto_max_depth(d, a.draft) : d.depth;
   o.auto_depth = d.automatic;
   o.verify = spec::parse_verify_mode(a.verify);
   o.prefill_chunk = a.prefill_chunk;

@@ -4,6 +4,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "tandem/backend/context.h"
@@ -87,12 +88,19 @@ struct DraftArgs {
   bool settled_rounds = false;
 };
 void add_draft_options(CLI::App* sub, DraftArgs* a);
-// --depth: "auto" (adaptive, at most kAutoMaxDepth proposals a round) or a fixed 0..16.
-inline constexpr int kAutoMaxDepth = 4;
+// --depth: "auto" (adaptive, at most auto_max_depth proposals a round), "auto:K" (adaptive, at
+// most K in 1..16) or a fixed 0..16.
+inline constexpr int kAutoMaxDepth = 4;  // model drafters: every proposal costs a draft step
+// Drafters of tokens alone (n-gram): a proposal costs only its place in the verify window, which
+// on a GPU is nearly free, so adaptive rounds may go deeper.
+inline constexpr int kAutoMaxDepthTokens = 8;
 struct DepthArg {
   int depth = 0;  // fixed depth, or the most an adaptive round proposes
   bool automatic = false;
+  bool max_given = false;  // auto:K
 };
+// The most an adaptive round of drafter `draft` ("ngram", "mtp", ...) proposes.
+int auto_max_depth(const DepthArg& d, std::string_view draft);
 DepthArg parse_depth(const std::string& s);
 // The spec options --depth, --verify, --prefill-chunk, --no-drafter-probe and --settled-rounds
 // give.
