@@ -544,6 +544,16 @@ TEST(QwenMtpCommit, AcceptAllAppendsTheMissingRowFromTheTrueHidden) {
   expect_same_checkpoint(*all->capture(0), *other->capture(0));
 }
 
+// The target's logits and hiddens for every position of s, computed from scratch (the reference
+// a speculative loop's acceptance and verify hiddens come from).
+ForwardOutput greedy_forward(const std::vector<int32_t>& s) {
+  Qwen35State st(demo().model->config(), RecurrentRollback::PerPositionStates, DType::F32);
+  const RowInput row{st.open_row(), static_cast<int64_t>(s.size())};
+  ForwardOutput o;
+  demo().model->forward(st, {s, {&row, 1}, true, true}, &o);
+  return o;
+}
+
 // A drafter that went through rounds continues like a fresh drafter restored from its checkpoint.
 TEST(QwenMtpCommit, SpeculativeLoopKeepsAlignmentAndRestoresIdentically) {
   const auto tokens = ref_ids("tokens_1");
@@ -553,14 +563,7 @@ TEST(QwenMtpCommit, SpeculativeLoopKeepsAlignmentAndRestoresIdentically) {
   const RowPrefill pre{0, seq, h.data(), 0};
   rows->prefill({&pre, 1});
   // Greedy target continuation decides acceptance; the hiddens come from full recomputes.
-  auto target_greedy = [&](const std::vector<int32_t>& s) {
-    Qwen35State st(demo().model->config(), RecurrentRollback::PerPositionStates, DType::F32);
-    const RowInput row{st.open_row(), static_cast<int64_t>(s.size())};
-    ForwardOutput o;
-    demo().model->forward(st, {s, {&row, 1}, true, true}, &o);
-    return o;
-  };
-  const ForwardOutput first = target_greedy(seq);
+  const ForwardOutput first = greedy_forward(seq);
   int32_t pending =
       argmax_of(std::span(first.logits).subspan((seq.size() - 1) * demo().V, demo().V));
   int accepted_total = 0, drafted_total = 0;
@@ -573,7 +576,7 @@ TEST(QwenMtpCommit, SpeculativeLoopKeepsAlignmentAndRestoresIdentically) {
     window.insert(window.end(), out[0].tokens.begin(), out[0].tokens.end());
     std::vector<int32_t> all = seq;
     all.insert(all.end(), window.begin(), window.end());
-    const ForwardOutput o = target_greedy(all);
+    const ForwardOutput o = greedy_forward(all);
     const int64_t base = static_cast<int64_t>(seq.size());
     int a = 0;
     int32_t next = 0;
@@ -622,20 +625,13 @@ TEST(QwenMtpCommit, FoldedCompletionRowsEqualCommittedOnes) {
   const auto shared = QwenMtpProvider::from_target(*demo().target);
   auto folded = open_rows(*shared, R), plain = open_rows(*shared, R);
   plain->set_fold_completions(false);
-  auto target_greedy = [&](const std::vector<int32_t>& s) {
-    Qwen35State st(demo().model->config(), RecurrentRollback::PerPositionStates, DType::F32);
-    const RowInput row{st.open_row(), static_cast<int64_t>(s.size())};
-    ForwardOutput o;
-    demo().model->forward(st, {s, {&row, 1}, true, true}, &o);
-    return o;
-  };
   std::vector<int32_t> pending(R);
   for (int b = 0; b < R; ++b) {
     const std::vector<float> h = target_hidden(seq[b]);
     const RowPrefill pre{b, seq[b], h.data(), 0};
     folded->prefill({&pre, 1});
     plain->prefill({&pre, 1});
-    const ForwardOutput o = target_greedy(seq[b]);
+    const ForwardOutput o = greedy_forward(seq[b]);
     pending[b] = argmax_of(std::span(o.logits).subspan((seq[b].size() - 1) * demo().V, demo().V));
   }
   int all_accepted = 0, some_rejected = 0;
@@ -660,7 +656,7 @@ TEST(QwenMtpCommit, FoldedCompletionRowsEqualCommittedOnes) {
       windows[b].insert(windows[b].end(), out[b].tokens.begin(), out[b].tokens.end());
       std::vector<int32_t> all = seq[b];
       all.insert(all.end(), windows[b].begin(), windows[b].end());
-      outs[b] = target_greedy(all);
+      outs[b] = greedy_forward(all);
     }
     for (int b = 0; b < R; ++b) {
       const int64_t base = static_cast<int64_t>(seq[b].size());

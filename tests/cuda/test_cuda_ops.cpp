@@ -2990,8 +2990,14 @@ TEST_F(CudaBatchInvariance, LayeredRowsEqualPerLayerCalls) {
         state.emplace_back(state0.back());
         ref_state.emplace_back(state0.back());
       }
-      auto descriptors = [&](std::vector<DeviceBuffer<float>>& cs,
-                             std::vector<DeviceBuffer<float>>& ss) {
+      // Layer-major descriptors over per-(layer, row) states: device buffers or host vectors.
+      auto base = [](auto& b) -> float* {
+        if constexpr (requires { b.get(); })
+          return b.get();
+        else
+          return b.data();
+      };
+      auto descriptors = [&](auto& cs, auto& ss) {
         std::vector<ops::RecurrentRow> d(sz(nl * R));
         for (int64_t l = 0; l < nl; ++l)
           for (int64_t r = 0; r < R; ++r) {
@@ -2999,8 +3005,8 @@ TEST_F(CudaBatchInvariance, LayeredRowsEqualPerLayerCalls) {
             e.first_token = L.first[sz(r)];
             e.n = L.n[sz(r)];
             e.settled = L.settled[sz(r)];
-            e.conv_state = cs[sz(l * R + r)].get();
-            e.state = ss[sz(l * R + r)].get();
+            e.conv_state = base(cs[sz(l * R + r)]);
+            e.state = base(ss[sz(l * R + r)]);
           }
         return d;
       };
@@ -3034,17 +3040,9 @@ TEST_F(CudaBatchInvariance, LayeredRowsEqualPerLayerCalls) {
       std::vector<std::vector<float>> cpu_conv = conv0, cpu_state = state0;
       std::vector<std::vector<float>> cpu_conv_out(sz(nl), std::vector<float>(sz(T * C), NAN));
       std::vector<std::vector<float>> cpu_out(sz(nl), std::vector<float>(sz(T * vr), NAN));
-      std::vector<ops::RecurrentRow> cpu_desc(sz(nl * R));
+      std::vector<ops::RecurrentRow> cpu_desc = descriptors(cpu_conv, cpu_state);
       std::vector<ops::RecurrentLayer> cpu_table(sz(nl));
       for (int64_t l = 0; l < nl; ++l) {
-        for (int64_t r = 0; r < R; ++r) {
-          ops::RecurrentRow& e = cpu_desc[sz(l * R + r)];
-          e.first_token = L.first[sz(r)];
-          e.n = L.n[sz(r)];
-          e.settled = L.settled[sz(r)];
-          e.conv_state = cpu_conv[sz(l * R + r)].data();
-          e.state = cpu_state[sz(l * R + r)].data();
-        }
         cpu_table[sz(l)] = {host_input[sz(l)].data(),   conv_w[sz(l)].host_ref(),
                             host_a[sz(l)].data(),       host_b[sz(l)].data(),
                             A_log[sz(l)].host_ref(),    dt_bias[sz(l)].host_ref(),
