@@ -1025,13 +1025,12 @@ TEST(Ops, LayeredRecurrentRowsEqualPerLayerCalls) {
                               .n = n[z(r)],
                               .conv_state = conv[z(l * R + r)].data(),
                               .state = state[z(l * R + r)].data()};
-      table[z(l)] = {x[z(l)].data(),       conv_w[z(l)].ref,    a[z(l)].data(),
-                     b[z(l)].data(),       A_log[z(l)].ref,     dt[z(l)].ref,
-                     conv_out[z(l)].data(), outs[z(l)].data()};
+      table[z(l)] = {x[z(l)].data(),  conv_w[z(l)].ref, a[z(l)].data(),        b[z(l)].data(),
+                     A_log[z(l)].ref, dt[z(l)].ref,     conv_out[z(l)].data(), outs[z(l)].data()};
     }
     if (layered) {
-      ops::recurrent_layers_rows({table.data(), table.data(), nl}, C, K, desc.data(), R,
-                                 call_max_n, h);
+      ops::recurrent_layers_rows({table.data(), table.data(), nl}, C, K, desc.data(), R, call_max_n,
+                                 h);
       return;
     }
     for (int64_t l = 0; l < nl; ++l) {

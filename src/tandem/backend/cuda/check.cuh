@@ -91,9 +91,9 @@ void launch_with(const char* op, const cudaLaunchAttribute* attrs, unsigned n,
 // Launches kernel<<<grid, block, smem, op_stream()>>>(args...) with PDL allowed when
 // pdl_enabled(), except in prompt prefill, whose kernels alternate with cuBLAS GEMMs that do not
 // take part, and right after a kernel that asked for the next one to wait
-// (Context::serialize_next_launch). cluster > 1: consecutive groups of `cluster` blocks along x form a thread block
-// cluster (sm_90; grid.x a multiple of it), whose blocks are co-scheduled and read each other's
-// shared memory.
+// (Context::serialize_next_launch). cluster > 1: consecutive groups of `cluster` blocks along x
+// form a thread block cluster (sm_90; grid.x a multiple of it), whose blocks are co-scheduled and
+// read each other's shared memory.
 template <class... Params, class... Args>
 void launch_clustered(const char* op, unsigned cluster, void (*kernel)(Params...), dim3 grid,
                       dim3 block, size_t smem, Args&&... args) {
