@@ -89,6 +89,11 @@ class MtpRows : public DraftRows {
   int64_t whole_chains() const { return whole_chains_; }
   // Of those, the chains whose step 0 also computed the last commit's completion rows.
   int64_t folded_chains() const { return folded_chains_; }
+  // false: each commit computes its completion rows itself, as before folding (tests compare).
+  void set_fold_completions(bool on) {
+    flush_host_completions();
+    fold_completions_ = on;
+  }
 
  protected:
   // A row's cache of its MTP rows, kept by the subclass's block (paged KV, a latent cache). The
@@ -146,10 +151,10 @@ class MtpRows : public DraftRows {
   // round's, or the last commit's), at completion_position (prepare_chain lays it out there), then
   // the chain's own rows; the block's output rows follow the same order.
   bool chain_completion_ = false;
-  // Where row i's completion row goes, the row's chain starting at `length`: length - 1, or past
-  // the chain (length + depth) for a row whose last commit left none, whose row step 0 runs only
-  // to keep one completion row per row (nothing reads what it writes there before a later round
-  // writes it again).
+  // Where row i's completion row goes, the row's chain starting at `length`: length - 1, or, for
+  // a row whose last commit left none, past its chain (length + depth). Step 0 then computes a
+  // row for it only to keep one completion row per row; nothing reads what it writes there
+  // before a later round writes that position again.
   int64_t completion_position(size_t i, int64_t length, int depth) const {
     return i < completion_parked_.size() && completion_parked_[i] ? length + depth : length - 1;
   }
@@ -227,15 +232,7 @@ class MtpRows : public DraftRows {
   void leave_device_rows();
   // The host-known completion rows of the last commit (Row::completion_id) are computed by the
   // next chain's step 0 where it runs whole on the device for every row (a block call fewer a
-  // round), else by flush_host_completions first. set_fold_completions(false) computes them at
-  // commit, as the host path did before (tests compare both).
- public:
-  void set_fold_completions(bool on) {
-    flush_host_completions();
-    fold_completions_ = on;
-  }
-
- private:
+  // round), else by flush_host_completions first.
   // On unless TANDEM_MTP_FOLD=0 (A/B timing; the bits are the same either way).
   bool fold_completions_ = fold_completions_default();
   static bool fold_completions_default();
