@@ -465,9 +465,7 @@ void MtpRows::queue_device_chain(std::span<const RowDraft> rows, int max_depth) 
   if (folding_) {
     ++folded_chains_;
     for (Row& r : rows_) r.completion_id = -1;
-    host_completions_ = false;
     folding_ = false;
-    completion_parked_.clear();
   }
 }
 
@@ -620,7 +618,6 @@ void MtpRows::commit(std::span<const VerifyRow> rows) {
     if (fold_completions_) {
       r.completion_id = id;
       r.completion_h.assign(hidden, hidden + H_);
-      host_completions_ = true;
       return;
     }
     gather(id, hidden);
@@ -748,9 +745,14 @@ void MtpRows::flush_completion(std::span<const int> accepted) {
   completion_pending_ = false;
 }
 
+bool MtpRows::owes_completions() const {
+  for (const Row& r : rows_)
+    if (r.completion_id >= 0) return true;
+  return false;
+}
+
 void MtpRows::flush_host_completions() {
-  if (!host_completions_) return;
-  host_completions_ = false;
+  if (!owes_completions()) return;
   ids_.clear();
   hid_.clear();
   std::vector<int> row_ids;
@@ -765,7 +767,7 @@ void MtpRows::flush_host_completions() {
 }
 
 bool MtpRows::take_completions(std::span<const RowDraft> rows) {
-  if (!host_completions_) return false;
+  if (!owes_completions()) return false;
   // Step 0 must hold every row and run whole on the device from the host's inputs.
   bool fold = chains_share_context() && draws_on_device(rows) && settled_.empty() &&
               !pending_on_device_ && static_cast<int>(rows.size()) == row_count();
@@ -774,13 +776,8 @@ bool MtpRows::take_completions(std::span<const RowDraft> rows) {
     flush_host_completions();
     return false;
   }
-  completion_parked_.assign(rows_.size(), 1);
-  for (size_t b = 0; b < rows_.size(); ++b) {
-    Row& r = rows_[b];
-    if (r.completion_id < 0) continue;
-    ++r.length;  // the chain's step 0 writes it at length - 1
-    completion_parked_[b] = 0;
-  }
+  for (Row& r : rows_)
+    if (r.completion_id >= 0) ++r.length;  // the chain's step 0 writes it at length - 1
   return true;
 }
 

@@ -156,7 +156,7 @@ class MtpRows : public DraftRows {
   // row for it only to keep one completion row per row; nothing reads what it writes there
   // before a later round writes that position again.
   int64_t completion_position(size_t i, int64_t length, int depth) const {
-    return i < completion_parked_.size() && completion_parked_[i] ? length + depth : length - 1;
+    return folding_ && rows_[i].completion_id < 0 ? length + depth : length - 1;
   }
   // Whether every launch of a draft chain goes to the caller's stream (the block shares the
   // caller's backend context): only then may a later launch there read the chain's proposals
@@ -237,9 +237,8 @@ class MtpRows : public DraftRows {
   bool fold_completions_ = fold_completions_default();
   static bool fold_completions_default();
   int64_t folded_chains_ = 0;
-  bool host_completions_ = false;  // some row's completion_id is set
-  bool folding_ = false;           // the chain being queued computes them (take_completions)
-  std::vector<uint8_t> completion_parked_;
+  bool folding_ = false;          // the chain being queued computes them (take_completions)
+  bool owes_completions() const;  // some row's completion_id is set
   void flush_host_completions();
   // At a draft: whether its chain computes the pending completion rows (then each row's length
   // counts its own); otherwise they are computed now.

@@ -1362,7 +1362,7 @@ void recurrent_layers_rows(const ops::RecurrentLayers& layers, int64_t channels,
     return delta_args(L.conv_out, L.conv_out + kd, L.conv_out + 2 * kd, L.a, L.b, L.A_log,
                       L.dt_bias, h, L.out);
   };
-  bool at_once = max_n <= kConvChunk && (h.dk == 64 || h.dk == 128);
+  bool at_once = max_n <= kConvChunk;  // the conv's rows run whole; short_rows_take checks dk
   for (int64_t l = 0; l < layers.count && at_once; ++l)
     at_once = short_rows_take(layer_args(layers.host[l]), max_n);
   if (!at_once) {
