@@ -137,6 +137,43 @@ TEST(LosslessFp32Kv, SpeculativeEqualsPlainWithFp32Kv) {
   }
 }
 
+// Runs of one generator share its engine (SpeculativeGenerator::set_keep_engine): the rows, KV
+// blocks and drafter rows a run leaves behind change nothing a later run emits or counts. Each
+// run's figures are its own, equal to what a fresh engine reports for the same requests.
+TEST(LosslessKeptEngine, RunsOnOneEngineEqualRunsOnFreshEngines) {
+  Fixture& f = demo();
+  std::vector<GenerateRequest> reqs;
+  for (size_t p = 0; p < kPrompts.size(); ++p)
+    reqs.push_back(test::demo_request(demo(), kPrompts[p], p % 2 ? 0.7f : 0.0f, 5 + p, 14 + 3 * p));
+  const auto want = test::plain_tokens(*f.model, reqs);
+  for (const spec::DraftProvider* drafter : {f.mtp.get(), f.ngram.get()}) {
+    SpeculativeGenerator kept(*f.model, drafter, "demo-target", {3, spec::VerifyMode::Match});
+    SpeculativeGenerator fresh(*f.model, drafter, "demo-target", {3, spec::VerifyMode::Match});
+    fresh.set_keep_engine(false);
+    // A batch, its rows alone, then the batch again: the later runs find the earlier runs'
+    // freed blocks and drafter rows in the kept engine.
+    std::vector<std::vector<GenerateRequest>> runs = {reqs};
+    for (const GenerateRequest& r : reqs) runs.push_back({r});
+    runs.push_back(reqs);
+    for (size_t k = 0; k < runs.size(); ++k) {
+      GenerateStats ks, fs;
+      std::vector<SpecStats> kst, fst;
+      const auto got = kept.run(runs[k], {}, &ks, &kst);
+      const auto ref = fresh.run(runs[k], {}, &fs, &fst);
+      for (size_t i = 0; i < got.size(); ++i) {
+        const size_t w = runs[k].size() == 1 ? k - 1 : i;
+        EXPECT_EQ(got[i].tokens, want[w]) << drafter->id() << " run " << k << " request " << i;
+        EXPECT_EQ(got[i].tokens, ref[i].tokens) << drafter->id() << " run " << k;
+        EXPECT_EQ(kst[i].rounds, fst[i].rounds) << drafter->id() << " run " << k;
+        EXPECT_EQ(kst[i].accepted, fst[i].accepted) << drafter->id() << " run " << k;
+      }
+      EXPECT_EQ(ks.decode_steps, fs.decode_steps) << drafter->id() << " run " << k;
+      EXPECT_EQ(ks.decode_tokens, fs.decode_tokens) << drafter->id() << " run " << k;
+      EXPECT_GT(ks.decode_seconds, 0.0) << drafter->id() << " run " << k;
+    }
+  }
+}
+
 // Rows that stop on EOS mid-window: a model whose generation_config makes a frequent token EOS.
 TEST(LosslessEos, RowsStoppingOnEosMidWindowMatchPlainDecoding) {
   testing::ScratchDir dir("spec-eos");

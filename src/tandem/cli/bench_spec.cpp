@@ -58,6 +58,7 @@ struct BenchSpecArgs {
   bool json = false;
   bool round_split = false;
   bool settled_rounds = false;
+  bool fresh_engines = false;  // a new engine for every group (a cold start each)
 };
 
 std::vector<std::string> split_list(const std::string& s) {
@@ -86,6 +87,10 @@ struct Measured {
   // end: what the host spends queueing each phase, and where it waits for the device (a host
   // round waits in verify, a settled round in accept, when it reads the round before).
   std::vector<double> host_ms;
+  // Where a group's wall time goes, ms per group of the last measured run: the prompts' prefill
+  // forwards, the decode rounds, and the rest (engine set-up, the drafter's prompt pass, the
+  // rows' moves between groups, teardown).
+  double group_wall_ms = 0, group_prefill_ms = 0, group_decode_ms = 0;
 };
 
 // The requests in batches of `batch`, in order (the last may be smaller).
@@ -126,7 +131,8 @@ std::vector<double> round_split(const LoadedTarget& target, DType kv_dtype,
 // outputs: the last run's tokens per request.
 Measured measure(const LoadedTarget& target, DType kv_dtype, const spec::DraftProvider* drafter,
                  DepthArg depth, const std::vector<GenerateRequest>& reqs, int batch, int repeats,
-                 bool split, bool settled, std::vector<std::vector<int32_t>>* outputs) {
+                 bool split, bool settled, bool fresh_engines,
+                 std::vector<std::vector<int32_t>>* outputs) {
   // The probe stays off: this measures each drafter at the depth asked, whatever it accepts.
   if (drafter && depth.automatic) depth.depth = auto_max_depth(depth, drafter->id());
   SpecOptions opts{depth.depth, spec::VerifyMode::Match};
@@ -135,6 +141,7 @@ Measured measure(const LoadedTarget& target, DType kv_dtype, const spec::DraftPr
   opts.settled_rounds = settled;
   SpeculativeGenerator gen(target.engine_target(kv_dtype), target.view->vocab_size(), drafter,
                            opts);
+  gen.set_keep_engine(!fresh_engines);
   Measured m;
   m.draft = drafter ? drafter->id() : "none";
   m.depth = drafter ? depth.depth : 0;
@@ -146,7 +153,8 @@ Measured measure(const LoadedTarget& target, DType kv_dtype, const spec::DraftPr
     sum.accepted_by_position.assign(static_cast<size_t>(m.depth), 0);
     sum.drafted_by_position.assign(static_cast<size_t>(m.depth), 0);
     int64_t tokens = 0, decode_tokens = 0, rounds = 0;
-    double decode_seconds = 0, phases[4] = {0, 0, 0, 0};
+    double decode_seconds = 0, prefill_seconds = 0, phases[4] = {0, 0, 0, 0};
+    int64_t groups = 0;
     const auto t0 = std::chrono::steady_clock::now();
     size_t first = 0;  // of the group's requests
     for (const std::vector<GenerateRequest>& group : groups_of(reqs, batch)) {
@@ -155,6 +163,8 @@ Measured measure(const LoadedTarget& target, DType kv_dtype, const spec::DraftPr
       const auto res = gen.run(group, {}, &gs, &st);
       decode_tokens += gs.decode_tokens;
       decode_seconds += gs.decode_seconds;
+      prefill_seconds += gs.prefill_seconds;
+      ++groups;
       phases[0] += gs.draft_seconds;
       phases[1] += gs.verify_seconds;
       phases[2] += gs.accept_seconds;
@@ -181,6 +191,9 @@ Measured measure(const LoadedTarget& target, DType kv_dtype, const spec::DraftPr
     decode_rates.push_back(decode_seconds > 0 ? static_cast<double>(decode_tokens) / decode_seconds
                                               : 0.0);
     m.total = sum;
+    m.group_wall_ms = 1e3 * s / static_cast<double>(groups);
+    m.group_prefill_ms = 1e3 * prefill_seconds / static_cast<double>(groups);
+    m.group_decode_ms = 1e3 * decode_seconds / static_cast<double>(groups);
     m.host_ms.clear();
     for (double ph : phases)
       m.host_ms.push_back(rounds > 0 ? 1e3 * ph / static_cast<double>(rounds) : 0.0);
@@ -292,14 +305,14 @@ void run_bench_spec(const BenchSpecArgs& a) {
                reqs.size(), a.batch, static_cast<long long>(a.max_tokens), ops::thread_count());
   std::vector<std::vector<int32_t>> plain, got;
   rows.push_back(measure(target, kv_dtype, nullptr, DepthArg{}, reqs, a.batch, a.repeats, false,
-                         false, &plain));
+                         false, a.fresh_engines, &plain));
   const double base = rows[0].tokens_per_second;
   const double decode_base = rows[0].decode_tokens_per_second;
   auto run_depths = [&](const spec::DraftProvider& drafter, const std::string& name, double p) {
     for (const std::string& ds : split_list(a.depths)) {
       const DepthArg depth = parse_depth(ds);
       rows.push_back(measure(target, kv_dtype, &drafter, depth, reqs, a.batch, a.repeats,
-                             a.round_split, a.settled_rounds, &got));
+                             a.round_split, a.settled_rounds, a.fresh_engines, &got));
       Measured& m = rows.back();
       m.draft = name;  // as listed: mtp and mtp-empty share a drafter id
       m.accept_p = p;
@@ -386,6 +399,11 @@ void run_bench_spec(const BenchSpecArgs& a) {
                                                   {"verify", m.host_ms[1]},
                                                   {"accept", m.host_ms[2]},
                                                   {"commit", m.host_ms[3]}}},
+           {"group_ms",
+            {{"wall", m.group_wall_ms},
+             {"prefill", m.group_prefill_ms},
+             {"decode", m.group_decode_ms},
+             {"other", m.group_wall_ms - m.group_prefill_ms - m.group_decode_ms}}},
            {"batch", a.batch}});
       continue;
     }
@@ -457,6 +475,10 @@ void add_bench_spec_command(CLI::App& app) {
   sub->add_flag("--settled-rounds", a->settled_rounds,
                 "MTP rounds accepted and committed on the device, each queued before the host "
                 "reads the one before (SpecOptions::settled_rounds)");
+  sub->add_flag("--fresh-engines", a->fresh_engines,
+                "Open a new engine (target state, drafter rows, their CUDA graphs) for every "
+                "group, as a cold start does; by default the groups share one, as a server's "
+                "requests do");
   sub->add_flag("--round-split", a->round_split,
                 "Also report where a round's time goes (draft, verify, accept, commit), from one "
                 "more run per setting that waits for the device at each phase's end");

@@ -44,6 +44,13 @@ SpeculativeGenerator::SpeculativeGenerator(EngineTargetFactory make_target, int6
         std::make_shared<spec::DepthPolicy>(spec::DepthPolicyOptions{.max_depth = options_.depth});
 }
 
+SpeculativeGenerator::~SpeculativeGenerator() = default;
+
+void SpeculativeGenerator::set_keep_engine(bool keep) {
+  keep_engine_ = keep;
+  if (!keep) engine_.reset();
+}
+
 std::vector<GenerateResult> SpeculativeGenerator::run(const std::vector<GenerateRequest>& requests,
                                                       const TokenCallback& on_token,
                                                       GenerateStats* stats,
@@ -55,10 +62,18 @@ std::vector<GenerateResult> SpeculativeGenerator::run(const std::vector<Generate
   std::vector<std::string> errors(B);
   // One closed batch through the serving engine: every request admitted at once, every prompt
   // chunk prefilled before the first round (no budget), the pool grown on demand.
-  EngineOptions eo;
-  eo.spec = options_;
-  eo.depth_policy = policy_;
-  BatchEngine engine(make_target_(), drafter_, eo);
+  // An engine whose health probe released the drafter runs without it from then on; each run
+  // gets the drafter back and probes it anew, as it did with an engine of its own.
+  if (engine_ && engine_->counters().drafter_disabled) engine_.reset();
+  if (!engine_ || !keep_engine_) {
+    engine_.reset();
+    EngineOptions eo;
+    eo.spec = options_;
+    eo.depth_policy = policy_;
+    engine_ = std::make_unique<BatchEngine>(make_target_(), drafter_, eo);
+  }
+  BatchEngine& engine = *engine_;
+  const EngineCounters before = engine.counters();
 
   class Collect : public RequestSink {
    public:
@@ -82,25 +97,32 @@ std::vector<GenerateResult> SpeculativeGenerator::run(const std::vector<Generate
     std::string* error_;
     const TokenCallback& cb_;
   };
-  for (size_t i = 0; i < B; ++i) {
-    EngineRequest er;
-    er.gen = requests[i];
-    engine.submit(std::move(er),
-                  std::make_shared<Collect>(i, &results[i], &sstats[i], &errors[i], on_token));
+  try {
+    for (size_t i = 0; i < B; ++i) {
+      EngineRequest er;
+      er.gen = requests[i];
+      engine.submit(std::move(er),
+                    std::make_shared<Collect>(i, &results[i], &sstats[i], &errors[i], on_token));
+    }
+    engine.run_to_completion();
+  } catch (...) {
+    engine_.reset();
+    throw;
   }
-  engine.run_to_completion();
+  const EngineCounters after = engine.counters();
+  if (!keep_engine_) engine_.reset();
   for (size_t i = 0; i < B; ++i)
     if (!errors[i].empty()) fail("request ", i, ": ", errors[i]);
 
-  const EngineCounters c = engine.counters();
+  const EngineCounters& c = after;  // this run's share: after - before
   GenerateStats st;
-  st.prefill_seconds = c.prefill_seconds;
-  st.decode_seconds = c.decode_seconds;
-  st.decode_steps = c.rounds;
-  st.draft_seconds = c.draft_seconds;
-  st.verify_seconds = c.verify_seconds;
-  st.accept_seconds = c.accept_seconds;
-  st.commit_seconds = c.commit_seconds;
+  st.prefill_seconds = c.prefill_seconds - before.prefill_seconds;
+  st.decode_seconds = c.decode_seconds - before.decode_seconds;
+  st.decode_steps = c.rounds - before.rounds;
+  st.draft_seconds = c.draft_seconds - before.draft_seconds;
+  st.verify_seconds = c.verify_seconds - before.verify_seconds;
+  st.accept_seconds = c.accept_seconds - before.accept_seconds;
+  st.commit_seconds = c.commit_seconds - before.commit_seconds;
   for (size_t i = 0; i < B; ++i) {
     st.prompt_tokens += static_cast<int64_t>(requests[i].prompt.size());
     st.generated_tokens += static_cast<int64_t>(results[i].tokens.size());

@@ -18,6 +18,8 @@
 
 namespace tandem {
 
+class BatchEngine;
+
 struct SpecOptions {
   int depth = 3;  // proposals per round (0 = plain decoding through the round machinery)
   spec::VerifyMode verify = spec::VerifyMode::Match;
@@ -69,12 +71,21 @@ class SpeculativeGenerator {
   // Any target; vocab_size: the target's, which requests are checked against.
   SpeculativeGenerator(EngineTargetFactory make_target, int64_t vocab_size,
                        const spec::DraftProvider* drafter, SpecOptions options);
+  ~SpeculativeGenerator();
+  SpeculativeGenerator(const SpeculativeGenerator&) = delete;
+  SpeculativeGenerator& operator=(const SpeculativeGenerator&) = delete;
 
   // Same contract as Generator::run; `spec_stats` (optional) receives one entry per request.
   std::vector<GenerateResult> run(const std::vector<GenerateRequest>& requests,
                                   const TokenCallback& on_token = {},
                                   GenerateStats* stats = nullptr,
                                   std::vector<SpecStats>* spec_stats = nullptr);
+
+  // Runs share one engine by default, as requests to a server do: its state pools, the
+  // drafter's rows and the CUDA graphs captured for their buffers carry over, so a run pays for
+  // its prompts and rounds, not for opening a target. false: every run opens a fresh engine
+  // (what a cold start costs; bench-spec --fresh-engines).
+  void set_keep_engine(bool keep);
 
  private:
   EngineTargetFactory make_target_;
@@ -84,6 +95,10 @@ class SpeculativeGenerator {
   // With auto_depth: one policy for all runs, so each run starts from what the ones before
   // learnt (a run of a few short requests is over before a fresh policy settles).
   std::shared_ptr<spec::DepthPolicy> policy_;
+  bool keep_engine_ = true;
+  // The engine of the last run while keep_engine_; dropped when a run fails midway, so that no
+  // request of a failed run stays queued in it.
+  std::unique_ptr<BatchEngine> engine_;
 };
 
 }  // namespace tandem
