@@ -16,7 +16,7 @@ void Readback::start(const void* src, size_t bytes) {
   pending_ = true;
 #ifdef TANDEM_HAVE_CUDA
   if (buffer_.where() == ops::Backend::Cuda) {
-    cuda::copy_to_host_async(host, src, bytes);
+    cuda::copy_to_pinned_async(host, src, bytes);
     buffer_.queued();
     return;
   }

@@ -45,6 +45,10 @@ void fill_zero(void* p, size_t bytes);                          // async
 void* alloc_pinned(size_t bytes);
 void free_pinned(void* p);
 void copy_to_host_async(void* dst_pinned, const void* src, size_t bytes);
+// The same into memory from alloc_pinned (mapped): up to kKernelReadbackBytes a kernel stores the
+// bytes there (no copy-engine transfer between kernels), larger reads as copy_to_host_async.
+constexpr size_t kKernelReadbackBytes = size_t{256} << 10;
+void copy_to_pinned_async(void* dst_pinned, const void* src, size_t bytes);
 void* create_event();  // a cudaEvent_t without timing
 void destroy_event(void* event);
 void record_event(void* event);  // on the stream, after the work queued so far

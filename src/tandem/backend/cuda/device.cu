@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <exception>
 #include <string_view>
 #include <vector>
@@ -157,15 +158,48 @@ void copy_to_device(void* dst, const void* src, size_t bytes) {
   TANDEM_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, op_stream()));
 }
 
+namespace {
+
+// On unless TANDEM_CUDA_KERNEL_READBACK=0, which sends every readback through the copy engine
+// (for comparing the two).
+bool kernel_readback_enabled() {
+  static const bool on = [] {
+    const char* v = std::getenv("TANDEM_CUDA_KERNEL_READBACK");
+    return !(v && std::string_view(v) == "0");
+  }();
+  return on;
+}
+
+// This thread's pinned staging for small synchronous readbacks (copy_to_host), allocated on first
+// use; freed at thread exit, where free_pinned tolerates a runtime that is already unloading.
+struct SyncReadStaging {
+  void* p = nullptr;
+  ~SyncReadStaging() { free_pinned(p); }
+};
+
+}  // namespace
+
 void copy_to_host(void* dst, const void* src, size_t bytes) {
   if (bytes == 0) return;
+  // A read a host round waits for (a verify's tokens): stored by a kernel into pinned memory, then
+  // copied out, instead of a copy-engine transfer into pageable memory behind the kernels.
+  if (bytes <= kKernelReadbackBytes && kernel_readback_enabled()) {
+    thread_local SyncReadStaging staging;
+    if (staging.p == nullptr) staging.p = alloc_pinned(kKernelReadbackBytes);
+    copy_to_pinned_async(staging.p, src, bytes);
+    TANDEM_CUDA_CHECK(cudaStreamSynchronize(op_stream()));
+    std::memcpy(dst, staging.p, bytes);
+    return;
+  }
   copy_to_host_async(dst, src, bytes);
   TANDEM_CUDA_CHECK(cudaStreamSynchronize(op_stream()));
 }
 
 void* alloc_pinned(size_t bytes) {
   void* p = nullptr;
-  const cudaError_t err = cudaHostAlloc(&p, bytes, cudaHostAllocDefault);
+  // Mapped: kernels write small readbacks into it directly (copy_to_pinned_async). With unified
+  // addressing, which every device tandem runs on has, the device sees it at the same address.
+  const cudaError_t err = cudaHostAlloc(&p, bytes, cudaHostAllocMapped | cudaHostAllocPortable);
   if (err != cudaSuccess)
     fail("CUDA: cannot pin ", bytes, " bytes of host memory: ", cudaGetErrorString(err));
   return p;
@@ -180,6 +214,41 @@ void free_pinned(void* p) {
 void copy_to_host_async(void* dst_pinned, const void* src, size_t bytes) {
   if (bytes == 0) return;
   TANDEM_CUDA_CHECK(cudaMemcpyAsync(dst_pinned, src, bytes, cudaMemcpyDeviceToHost, op_stream()));
+}
+
+namespace {
+
+// Each thread stores 16 bytes (or, where src, dst or bytes are not 16-byte aligned, one byte) into
+// mapped host memory: posted PCIe writes, which land before the kernel counts as complete.
+__global__ void copy_to_mapped_kernel(const uint8_t* __restrict__ src, uint8_t* __restrict__ dst,
+                                      size_t bytes, bool wide) {
+  const size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (wide) {
+    if (i < bytes / 16) reinterpret_cast<uint4*>(dst)[i] = reinterpret_cast<const uint4*>(src)[i];
+  } else if (i < bytes) {
+    dst[i] = src[i];
+  }
+  __threadfence_system();  // the host reads them once the event after this kernel completes
+}
+
+}  // namespace
+
+void copy_to_pinned_async(void* dst_pinned, const void* src, size_t bytes) {
+  if (bytes == 0) return;
+  if (!kernel_readback_enabled()) return copy_to_host_async(dst_pinned, src, bytes);
+  // A copy-engine transfer behind kernels costs ~9 µs on an H100 however small it is; a kernel
+  // storing the bytes into the mapped buffer ~3 µs. Large reads (a 9B model's logits) stay with
+  // the copy engine, which moves them at full PCIe bandwidth.
+  if (bytes > kKernelReadbackBytes) return copy_to_host_async(dst_pinned, src, bytes);
+  const bool wide =
+      (reinterpret_cast<uintptr_t>(src) | reinterpret_cast<uintptr_t>(dst_pinned) | bytes) % 16 ==
+      0;
+  const size_t items = wide ? bytes / 16 : bytes;
+  constexpr unsigned kThreads = 256;
+  const unsigned blocks = static_cast<unsigned>((items + kThreads - 1) / kThreads);
+  copy_to_mapped_kernel<<<blocks, kThreads, 0, op_stream()>>>(
+      static_cast<const uint8_t*>(src), static_cast<uint8_t*>(dst_pinned), bytes, wide);
+  TANDEM_CUDA_CHECK(cudaGetLastError());
 }
 
 void* create_event() {

@@ -1,0 +1,81 @@
+// Readbacks on the GPU (backend/readback.h): small ones are stored into the mapped pinned buffer
+// by a kernel, large ones go through the copy engine; either way wait() returns exactly the
+// device bytes as they were when start() was queued, at any size and alignment.
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <numeric>
+#include <vector>
+
+#include "cuda/cuda_test_util.h"
+#include "tandem/backend/cuda/cuda_ops.h"
+#include "tandem/backend/ops.h"
+#include "tandem/backend/readback.h"
+
+namespace tandem {
+namespace {
+
+using testing::CudaTest;
+using testing::DeviceBuffer;
+using testing::ScopedBackend;
+
+class CudaReadback : public CudaTest {};
+
+TEST_F(CudaReadback, ReturnsTheDeviceBytesAtEverySizeAndAlignment) {
+  ScopedBackend cuda(ops::Backend::Cuda);
+  const size_t most = cuda::kKernelReadbackBytes + 4096;
+  std::vector<uint8_t> host(most + 64);
+  for (size_t i = 0; i < host.size(); ++i) host[i] = static_cast<uint8_t>((i * 131 + 7) % 251);
+  DeviceBuffer<uint8_t> dev(host);
+  Readback rb;
+  // Byte and 16-byte paths (offsets and sizes off and on the 16-byte grid), the largest kernel
+  // read and the first read past it (the copy engine).
+  for (const size_t offset : {size_t{0}, size_t{1}, size_t{16}, size_t{17}})
+    for (const size_t bytes :
+         {size_t{1}, size_t{4}, size_t{15}, size_t{16}, size_t{48}, size_t{4100}, size_t{65536},
+          cuda::kKernelReadbackBytes, cuda::kKernelReadbackBytes + 16}) {
+      rb.start(dev.get() + offset, bytes);
+      const auto* got = static_cast<const uint8_t*>(rb.wait());
+      for (size_t i = 0; i < bytes; ++i)
+        ASSERT_EQ(got[i], host[offset + i])
+            << "offset " << offset << " bytes " << bytes << " at " << i;
+    }
+}
+
+TEST_F(CudaReadback, SeesTheWritesOfKernelsQueuedBeforeIt) {
+  ScopedBackend cuda(ops::Backend::Cuda);
+  std::vector<float> x(1000);
+  std::iota(x.begin(), x.end(), 1.0f);
+  DeviceBuffer<float> a(x);
+  Readback rb;
+  for (int round = 1; round <= 50; ++round) {
+    // a *= 2, queued right before the readback: the read must see it (exact in fp32).
+    ops::scale(a.get(), static_cast<int64_t>(x.size()), 2.0f);
+    rb.start(a.get(), sizeof(float) * x.size());
+    const auto* got = static_cast<const float*>(rb.wait());
+    for (float& v : x) v *= 2.0f;
+    for (size_t i = 0; i < x.size(); ++i) ASSERT_EQ(got[i], x[i]) << "round " << round;
+  }
+}
+
+// ops::copy_to_host: a small read is stored by a kernel into this thread's pinned staging and
+// copied out; a large one is a copy-engine transfer. Same bytes, into unaligned pageable memory.
+TEST_F(CudaReadback, SynchronousReadsReturnTheDeviceBytes) {
+  ScopedBackend cuda(ops::Backend::Cuda);
+  const size_t most = cuda::kKernelReadbackBytes + 4096;
+  std::vector<uint8_t> host(most + 64);
+  for (size_t i = 0; i < host.size(); ++i) host[i] = static_cast<uint8_t>((i * 37 + 11) % 253);
+  DeviceBuffer<uint8_t> dev(host);
+  for (const size_t offset : {size_t{0}, size_t{3}})
+    for (const size_t bytes : {size_t{1}, size_t{4}, size_t{17}, size_t{4096},
+                               cuda::kKernelReadbackBytes, cuda::kKernelReadbackBytes + 16}) {
+      std::vector<uint8_t> got(bytes + 1, 0);
+      ops::copy_to_host(got.data() + 1, dev.get() + offset, bytes);
+      for (size_t i = 0; i < bytes; ++i)
+        ASSERT_EQ(got[1 + i], host[offset + i]) << "offset " << offset << " bytes " << bytes;
+      EXPECT_EQ(got[0], 0) << "wrote before the destination";
+    }
+}
+
+}  // namespace
+}  // namespace tandem
