@@ -88,9 +88,11 @@ struct Measured {
   // round waits in verify, a settled round in accept, when it reads the round before).
   std::vector<double> host_ms;
   // Where a group's wall time goes, ms per group of the last measured run: the prompts' prefill
-  // forwards, the decode rounds, and the rest (engine set-up, the drafter's prompt pass, the
-  // rows' moves between groups, teardown).
+  // forwards, the decode rounds, the drafter's prompt pass (and the rows' move into the decoding
+  // group), the engine's other step work (row changes: admissions, reads of queued work, rows
+  // leaving), and the rest (submitting, engine set-up with --fresh-engines).
   double group_wall_ms = 0, group_prefill_ms = 0, group_decode_ms = 0;
+  double group_drafter_prefill_ms = 0, group_row_change_ms = 0;
 };
 
 // The requests in batches of `batch`, in order (the last may be smaller).
@@ -154,6 +156,7 @@ Measured measure(const LoadedTarget& target, DType kv_dtype, const spec::DraftPr
     sum.drafted_by_position.assign(static_cast<size_t>(m.depth), 0);
     int64_t tokens = 0, decode_tokens = 0, rounds = 0;
     double decode_seconds = 0, prefill_seconds = 0, phases[4] = {0, 0, 0, 0};
+    double drafter_prefill_seconds = 0, row_change_seconds = 0;
     int64_t groups = 0;
     const auto t0 = std::chrono::steady_clock::now();
     size_t first = 0;  // of the group's requests
@@ -164,6 +167,8 @@ Measured measure(const LoadedTarget& target, DType kv_dtype, const spec::DraftPr
       decode_tokens += gs.decode_tokens;
       decode_seconds += gs.decode_seconds;
       prefill_seconds += gs.prefill_seconds;
+      drafter_prefill_seconds += gs.drafter_prefill_seconds;
+      row_change_seconds += gs.row_change_seconds;
       ++groups;
       phases[0] += gs.draft_seconds;
       phases[1] += gs.verify_seconds;
@@ -194,6 +199,8 @@ Measured measure(const LoadedTarget& target, DType kv_dtype, const spec::DraftPr
     m.group_wall_ms = 1e3 * s / static_cast<double>(groups);
     m.group_prefill_ms = 1e3 * prefill_seconds / static_cast<double>(groups);
     m.group_decode_ms = 1e3 * decode_seconds / static_cast<double>(groups);
+    m.group_drafter_prefill_ms = 1e3 * drafter_prefill_seconds / static_cast<double>(groups);
+    m.group_row_change_ms = 1e3 * row_change_seconds / static_cast<double>(groups);
     m.host_ms.clear();
     for (double ph : phases)
       m.host_ms.push_back(rounds > 0 ? 1e3 * ph / static_cast<double>(rounds) : 0.0);
@@ -403,7 +410,10 @@ void run_bench_spec(const BenchSpecArgs& a) {
             {{"wall", m.group_wall_ms},
              {"prefill", m.group_prefill_ms},
              {"decode", m.group_decode_ms},
-             {"other", m.group_wall_ms - m.group_prefill_ms - m.group_decode_ms}}},
+             {"drafter_prefill", m.group_drafter_prefill_ms},
+             {"row_changes", m.group_row_change_ms},
+             {"other", m.group_wall_ms - m.group_prefill_ms - m.group_decode_ms -
+                           m.group_drafter_prefill_ms - m.group_row_change_ms}}},
            {"batch", a.batch}});
       continue;
     }

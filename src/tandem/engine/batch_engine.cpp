@@ -526,6 +526,16 @@ void BatchEngine::finish_prefill() {
   }
   const std::span<const RowInput> rows = target_->prompt_rows();  // [k].n_tokens: row k's chunk
   const bool need_logits = inflight_logits_;
+  // Counted on every way out (rows that failed or finished return early).
+  struct CountDrafter {
+    BatchEngine& e;
+    std::chrono::steady_clock::time_point t0 = std::chrono::steady_clock::now();
+    ~CountDrafter() {
+      if (!e.drafter_) return;
+      std::lock_guard lock(e.mu_);
+      e.counters_.drafter_prefill_seconds += seconds_since(t0);
+    }
+  } count_drafter{*this};
   if (prefill_drafts_) {
     const float* hidden = tapped_rows();
     const int64_t width = taps_.width(H);
@@ -1192,6 +1202,13 @@ void BatchEngine::round() {
 
 bool BatchEngine::step() {
   const ops::ContextScope scope(target_->context());
+  const auto t_step = std::chrono::steady_clock::now();
+  double counted_before = 0;
+  {
+    std::lock_guard lock(mu_);
+    counted_before =
+        counters_.prefill_seconds + counters_.drafter_prefill_seconds + counters_.decode_seconds;
+  }
   // A queued plain step or settled round is collected before anything changes the rows or takes
   // a forward.
   if (work_queued()) {
@@ -1253,6 +1270,9 @@ bool BatchEngine::step() {
   }
   publish_counters();
   std::lock_guard lock(mu_);
+  const double counted =
+      counters_.prefill_seconds + counters_.drafter_prefill_seconds + counters_.decode_seconds;
+  counters_.row_change_seconds += seconds_since(t_step) - (counted - counted_before);
   return !prefilling_.empty() || !decoding_.empty() || !queue_.empty();
 }
 

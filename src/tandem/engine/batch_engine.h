@@ -97,6 +97,10 @@ struct EngineCounters {
   int64_t prompt_tokens = 0, generated_tokens = 0;
   int64_t finished = 0, cancelled = 0, failed = 0;
   double prefill_seconds = 0, decode_seconds = 0;  // time in prefill forwards and in rounds
+  // The drafter's pass over finished prompt chunks and the rows' move into the decoding group;
+  // and the rest of the engine's steps: admissions, reads of queued work when rows change,
+  // rows leaving, requests finishing.
+  double drafter_prefill_seconds = 0, row_change_seconds = 0;
   // Of decode_seconds, the speculative rounds' phases: drafting, the verify forward, the accept
   // walk (and emitting), the commit of target and drafter. Host wall time: without
   // SpecOptions::sync_phases, device work a phase queues may be waited for in a later one.

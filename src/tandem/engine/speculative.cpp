@@ -118,6 +118,8 @@ std::vector<GenerateResult> SpeculativeGenerator::run(const std::vector<Generate
   GenerateStats st;
   st.prefill_seconds = c.prefill_seconds - before.prefill_seconds;
   st.decode_seconds = c.decode_seconds - before.decode_seconds;
+  st.drafter_prefill_seconds = c.drafter_prefill_seconds - before.drafter_prefill_seconds;
+  st.row_change_seconds = c.row_change_seconds - before.row_change_seconds;
   st.decode_steps = c.rounds - before.rounds;
   st.draft_seconds = c.draft_seconds - before.draft_seconds;
   st.verify_seconds = c.verify_seconds - before.verify_seconds;

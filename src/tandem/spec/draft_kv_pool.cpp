@@ -179,15 +179,23 @@ void DraftKvPool::save(const std::vector<int32_t>& blocks, int64_t length, Check
   CheckpointTensor& values = c.tensors["kv_values"];
   const int64_t kvf = kv_heads_ * head_dim_;
   keys.shape = values.shape = {length, kv_heads_, head_dim_};
-  keys.data.resize(static_cast<size_t>(length * kvf));
-  values.data.resize(static_cast<size_t>(length * kvf));
+  const int64_t n = length * kvf;
+  keys.data.resize(static_cast<size_t>(n));
+  values.data.resize(static_cast<size_t>(n));
+  if (length == 0) return;
+  // The blocks' keys, then their values, gathered where they are (queued copies), then read
+  // back in two reads: a row's move between engine groups waits twice, not twice per block.
+  staging_.grow_to(2 * n);
   const ops::KVLayerView kv = view();
   for (int64_t p = 0; p < length; p += kBlockSize) {  // a block's keys (values) are contiguous
     const int32_t b = blocks[static_cast<size_t>(p / kBlockSize)];
     const size_t bytes = sizeof(float) * kvf * std::min(kBlockSize, length - p);
-    ops::copy_to_host(keys.data.data() + p * kvf, kv.key(b, 0), bytes);
-    ops::copy_to_host(values.data.data() + p * kvf, kv.value(b, 0), bytes);
+    ops::copy(staging_.data() + p * kvf, kv.key(b, 0), bytes);
+    ops::copy(staging_.data() + n + p * kvf, kv.value(b, 0), bytes);
   }
+  ops::copy_to_host(keys.data.data(), staging_.data(), sizeof(float) * static_cast<size_t>(n));
+  ops::copy_to_host(values.data.data(), staging_.data() + n,
+                    sizeof(float) * static_cast<size_t>(n));
 }
 
 std::vector<int32_t> DraftKvPool::restore(const Checkpoint& c, int64_t length) {
@@ -195,12 +203,20 @@ std::vector<int32_t> DraftKvPool::restore(const Checkpoint& c, int64_t length) {
   const CheckpointTensor& values = c.tensors.at("kv_values");
   const int64_t kvf = kv_heads_ * head_dim_;
   std::vector<int32_t> blocks = take((length + kBlockSize - 1) / kBlockSize);
+  if (length == 0) return blocks;
+  // Two uploads, then the blocks filled where the rows are (queued copies, stream-ordered after
+  // the uploads and before any later use of the staging).
+  const int64_t n = length * kvf;
+  staging_.grow_to(2 * n);
+  ops::copy_from_host(staging_.data(), keys.data.data(), sizeof(float) * static_cast<size_t>(n));
+  ops::copy_from_host(staging_.data() + n, values.data.data(),
+                      sizeof(float) * static_cast<size_t>(n));
   const ops::KVLayerView kv = view();
   for (int64_t p = 0; p < length; p += kBlockSize) {
     const int32_t b = blocks[static_cast<size_t>(p / kBlockSize)];
     const size_t bytes = sizeof(float) * kvf * std::min(kBlockSize, length - p);
-    ops::copy_from_host(kv.key(b, 0), keys.data.data() + p * kvf, bytes);
-    ops::copy_from_host(kv.value(b, 0), values.data.data() + p * kvf, bytes);
+    ops::copy(kv.key(b, 0), staging_.data() + p * kvf, bytes);
+    ops::copy(kv.value(b, 0), staging_.data() + n + p * kvf, bytes);
   }
   return blocks;
 }

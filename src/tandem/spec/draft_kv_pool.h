@@ -75,6 +75,9 @@ class DraftKvPool {
   std::vector<int32_t> free_;
   Buffer<int32_t> tables_dev_;
   std::vector<int32_t> tables_host_;
+  // save() and restore(): a checkpoint's keys then values [2, length, kv_heads, head_dim],
+  // gathered from (or scattered to) the blocks by queued copies.
+  mutable Buffer<float> staging_;
   // batch() and chain(): the rows' tables at one stride, then per batch positions, KV slots and
   // query rows [tokens] each.
   Buffer<uint8_t> batch_dev_;
