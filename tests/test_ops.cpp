@@ -358,6 +358,25 @@ TEST(Ops, AddRmsNormIsAddThenNorm) {
 
 // A drafter's fc input: rms_norm_pair gives each half the bits of rms_norm with that half's
 // weight, and refuses an output that aliases an input.
+// copy_blocks moves whole blocks by the ids it is given, in any order, and leaves every other
+// block as it was.
+TEST(Ops, CopyBlocksMovesTheNamedBlocksOnly) {
+  const int64_t bf = 7, blocks = 6;
+  std::vector<float> src(static_cast<size_t>(blocks * bf)), dst(src.size(), -1.0f);
+  std::iota(src.begin(), src.end(), 0.0f);
+  const std::vector<int32_t> moves = {4, 0, 5, /* to */ 1, 5, 2};
+  ops::copy_blocks(dst.data(), src.data(), moves.data(), 3, bf);
+  for (int64_t b = 0; b < blocks; ++b)
+    for (int64_t c = 0; c < bf; ++c) {
+      float want = -1.0f;
+      for (int i = 0; i < 3; ++i)
+        if (moves[static_cast<size_t>(3 + i)] == b) want = static_cast<float>(moves[i] * bf + c);
+      EXPECT_EQ(dst[static_cast<size_t>(b * bf + c)], want) << "block " << b << " float " << c;
+    }
+  EXPECT_THROW(ops::copy_blocks(dst.data(), src.data(), moves.data(), -1, bf), Error);
+  ops::copy_blocks(dst.data(), src.data(), nullptr, 0, bf);  // nothing to move
+}
+
 TEST(Ops, RmsNormPairIsTwoNormsSideBySide) {
   std::mt19937 rng(4);
   const int64_t m = 5, d = 37;

@@ -1024,6 +1024,30 @@ TEST_F(CudaOps, ArgmaxRowsKeepTheContract) {
 
 // rms_norm_pair's halves carry cuda::rms_norm's bits in every norm order (so a drafter's numbers
 // do not change with the fusion), near the CPU's pair.
+// copy_blocks on the GPU moves exactly the named blocks, as the CPU's copies do: a drafter row's
+// KV blocks (2 x 16 positions x 2 heads x 64 floats) and an odd block length, in shuffled order.
+TEST_F(CudaOps, CopyBlocksMatchesCpu) {
+  std::mt19937 rng(46);
+  for (const int64_t bf : {int64_t{4096}, int64_t{37}}) {
+    const int64_t blocks = 40, n = 13;  // blocks order[0..n) move to order[n..2n)
+    const auto src = randn(sz(blocks * bf), rng, 1.0f);
+    const auto before = randn(sz(blocks * bf), rng, 1.0f);
+    std::vector<int32_t> order(blocks);
+    std::iota(order.begin(), order.end(), 0);
+    std::shuffle(order.begin(), order.end(), rng);
+    const std::vector<int32_t> moves(order.begin(), order.begin() + 2 * n);
+    std::vector<float> want = before;
+    {
+      const testing::ScopedBackend cpu(ops::Backend::Cpu);
+      ops::copy_blocks(want.data(), src.data(), moves.data(), n, bf);
+    }
+    DeviceBuffer<float> dsrc(src), ddst(before);
+    DeviceBuffer<int32_t> dmoves(moves);
+    cuda::copy_blocks(ddst.get(), dsrc.get(), dmoves.get(), n, bf);
+    EXPECT_TRUE(bitwise_equal(ddst.download(), want)) << "blocks of " << bf << " floats";
+  }
+}
+
 TEST_F(CudaOps, RmsNormPairIsTwoNormsSideBySide) {
   std::mt19937 rng(45);
   const float eps = 1e-6f;

@@ -212,6 +212,20 @@ void copy_rows(float* dst, int64_t dst_stride, const float* src, int64_t src_str
     std::memcpy(dst + r * dst_stride, src + r * src_stride, sizeof(float) * cols);
 }
 
+void copy_blocks(float* dst, const float* src, const int32_t* moves, int64_t n,
+                 int64_t block_floats) {
+  if (n < 0 || block_floats < 0)
+    fail("copy_blocks: negative shape (", n, " blocks of ", block_floats, " floats)");
+  if (n == 0 || block_floats == 0) return;
+#ifdef TANDEM_HAVE_CUDA
+  if (g_backend == Backend::Cuda) return cuda::copy_blocks(dst, src, moves, n, block_floats);
+#endif
+  for (int64_t i = 0; i < n; ++i)
+    std::memcpy(dst + static_cast<int64_t>(moves[n + i]) * block_floats,
+                src + static_cast<int64_t>(moves[i]) * block_floats,
+                sizeof(float) * static_cast<size_t>(block_floats));
+}
+
 void synchronize() {
 #ifdef TANDEM_HAVE_CUDA
   if (g_backend == Backend::Cuda) cuda::synchronize();

@@ -111,6 +111,12 @@ void fill_zero(void* dst, size_t bytes);
 // dst[r * dst_stride + c] = src[r * src_stride + c] for r < rows, c < cols (floats).
 void copy_rows(float* dst, int64_t dst_stride, const float* src, int64_t src_stride, int64_t rows,
                int64_t cols);
+// Block moves in one launch: for i < n, block moves[n + i] of dst (floats from
+// moves[n + i] · block_floats on) becomes block moves[i] of src. moves [2n]: the source blocks,
+// then the destination blocks, backend memory. The blocks one call writes must not overlap the
+// blocks it reads.
+void copy_blocks(float* dst, const float* src, const int32_t* moves, int64_t n,
+                 int64_t block_floats);
 void synchronize();  // waits for queued work (no-op on CPU)
 // CUDA graph replay of repeated forwards (GraphCache). On by default; TANDEM_CUDA_GRAPHS=0 in the
 // environment turns it off (for A/B timing and debugging).

@@ -92,7 +92,7 @@ struct Measured {
   // group), the engine's other step work (row changes: admissions, reads of queued work, rows
   // leaving), and the rest (submitting, engine set-up with --fresh-engines).
   double group_wall_ms = 0, group_prefill_ms = 0, group_decode_ms = 0;
-  double group_drafter_prefill_ms = 0, group_row_change_ms = 0;
+  double group_drafter_prefill_ms = 0, group_row_change_ms = 0, group_drafter_move_ms = 0;
 };
 
 // The requests in batches of `batch`, in order (the last may be smaller).
@@ -156,7 +156,7 @@ Measured measure(const LoadedTarget& target, DType kv_dtype, const spec::DraftPr
     sum.drafted_by_position.assign(static_cast<size_t>(m.depth), 0);
     int64_t tokens = 0, decode_tokens = 0, rounds = 0;
     double decode_seconds = 0, prefill_seconds = 0, phases[4] = {0, 0, 0, 0};
-    double drafter_prefill_seconds = 0, row_change_seconds = 0;
+    double drafter_prefill_seconds = 0, row_change_seconds = 0, drafter_move_seconds = 0;
     int64_t groups = 0;
     const auto t0 = std::chrono::steady_clock::now();
     size_t first = 0;  // of the group's requests
@@ -169,6 +169,7 @@ Measured measure(const LoadedTarget& target, DType kv_dtype, const spec::DraftPr
       prefill_seconds += gs.prefill_seconds;
       drafter_prefill_seconds += gs.drafter_prefill_seconds;
       row_change_seconds += gs.row_change_seconds;
+      drafter_move_seconds += gs.drafter_move_seconds;
       ++groups;
       phases[0] += gs.draft_seconds;
       phases[1] += gs.verify_seconds;
@@ -201,6 +202,7 @@ Measured measure(const LoadedTarget& target, DType kv_dtype, const spec::DraftPr
     m.group_decode_ms = 1e3 * decode_seconds / static_cast<double>(groups);
     m.group_drafter_prefill_ms = 1e3 * drafter_prefill_seconds / static_cast<double>(groups);
     m.group_row_change_ms = 1e3 * row_change_seconds / static_cast<double>(groups);
+    m.group_drafter_move_ms = 1e3 * drafter_move_seconds / static_cast<double>(groups);
     m.host_ms.clear();
     for (double ph : phases)
       m.host_ms.push_back(rounds > 0 ? 1e3 * ph / static_cast<double>(rounds) : 0.0);
@@ -411,6 +413,7 @@ void run_bench_spec(const BenchSpecArgs& a) {
              {"prefill", m.group_prefill_ms},
              {"decode", m.group_decode_ms},
              {"drafter_prefill", m.group_drafter_prefill_ms},
+             {"drafter_move", m.group_drafter_move_ms},  // of drafter_prefill
              {"row_changes", m.group_row_change_ms},
              {"other", m.group_wall_ms - m.group_prefill_ms - m.group_decode_ms -
                            m.group_drafter_prefill_ms - m.group_row_change_ms}}},

@@ -586,9 +586,12 @@ void BatchEngine::finish_prefill() {
   // only when that append commits does the row leave the prefill group.
   try {
     if (decode_drafts_) {
+      const auto t_move = std::chrono::steady_clock::now();
       std::vector<spec::CheckpointPtr> ckpts;
       for (size_t r : ready) ckpts.push_back(prefill_drafts_->capture(static_cast<int>(r)));
       decode_drafts_->append(ckpts);
+      std::lock_guard lock(mu_);
+      counters_.drafter_move_seconds += seconds_since(t_move);
     }
   } catch (const std::exception& e) {
     for (size_t r : ready)

@@ -34,6 +34,7 @@ struct GenerateStats {
   double prefill_seconds = 0, decode_seconds = 0;
   // Speculative runs (EngineCounters): the drafter's prompt pass and the engine's other work.
   double drafter_prefill_seconds = 0, row_change_seconds = 0;
+  double drafter_move_seconds = 0;  // of drafter_prefill_seconds: the rows' move
   int64_t prompt_tokens = 0, generated_tokens = 0;
   int64_t decode_steps = 0;   // forwards after the prefill
   int64_t decode_tokens = 0;  // tokens those forwards produced (all rows)

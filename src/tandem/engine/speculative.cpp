@@ -120,6 +120,7 @@ std::vector<GenerateResult> SpeculativeGenerator::run(const std::vector<Generate
   st.decode_seconds = c.decode_seconds - before.decode_seconds;
   st.drafter_prefill_seconds = c.drafter_prefill_seconds - before.drafter_prefill_seconds;
   st.row_change_seconds = c.row_change_seconds - before.row_change_seconds;
+  st.drafter_move_seconds = c.drafter_move_seconds - before.drafter_move_seconds;
   st.decode_steps = c.rounds - before.rounds;
   st.draft_seconds = c.draft_seconds - before.draft_seconds;
   st.verify_seconds = c.verify_seconds - before.verify_seconds;

@@ -1,6 +1,7 @@
 #include "tandem/spec/draft_kv_pool.h"
 
 #include <algorithm>
+#include <cstring>
 
 #include "tandem/core/error.h"
 
@@ -179,23 +180,27 @@ void DraftKvPool::save(const std::vector<int32_t>& blocks, int64_t length, Check
   CheckpointTensor& values = c.tensors["kv_values"];
   const int64_t kvf = kv_heads_ * head_dim_;
   keys.shape = values.shape = {length, kv_heads_, head_dim_};
-  const int64_t n = length * kvf;
-  keys.data.resize(static_cast<size_t>(n));
-  values.data.resize(static_cast<size_t>(n));
+  keys.data.resize(static_cast<size_t>(length * kvf));
+  values.data.resize(static_cast<size_t>(length * kvf));
   if (length == 0) return;
-  // The blocks' keys, then their values, gathered where they are (queued copies), then read
-  // back in two reads: a row's move between engine groups waits twice, not twice per block.
-  staging_.grow_to(2 * n);
-  const ops::KVLayerView kv = view();
-  for (int64_t p = 0; p < length; p += kBlockSize) {  // a block's keys (values) are contiguous
-    const int32_t b = blocks[static_cast<size_t>(p / kBlockSize)];
-    const size_t bytes = sizeof(float) * kvf * std::min(kBlockSize, length - p);
-    ops::copy(staging_.data() + p * kvf, kv.key(b, 0), bytes);
-    ops::copy(staging_.data() + n + p * kvf, kv.value(b, 0), bytes);
+  // The row's blocks gathered into staging by one launch and read back once: a row's move
+  // between engine groups costs one wait, not a copy-engine transfer per block.
+  const int64_t nb = (length + kBlockSize - 1) / kBlockSize;
+  std::vector<int32_t> moves(blocks.begin(), blocks.begin() + nb);
+  for (int64_t i = 0; i < nb; ++i) moves.push_back(static_cast<int32_t>(i));
+  float* data = stage(nb, moves);
+  ops::copy_blocks(data, pool_.data(), reinterpret_cast<const int32_t*>(staging_.data()), nb,
+                   floats_per_block());
+  std::vector<float>& host = staging_host_;
+  host.resize(static_cast<size_t>(nb * floats_per_block()));
+  ops::copy_to_host(host.data(), data, sizeof(float) * host.size());
+  // A staged block: kBlockSize keys, then kBlockSize values (the pool's layout).
+  for (int64_t p = 0; p < length; p += kBlockSize) {
+    const float* block = host.data() + (p / kBlockSize) * floats_per_block();
+    const size_t n = static_cast<size_t>(kvf * std::min(kBlockSize, length - p));
+    std::copy_n(block, n, keys.data.data() + p * kvf);
+    std::copy_n(block + kBlockSize * kvf, n, values.data.data() + p * kvf);
   }
-  ops::copy_to_host(keys.data.data(), staging_.data(), sizeof(float) * static_cast<size_t>(n));
-  ops::copy_to_host(values.data.data(), staging_.data() + n,
-                    sizeof(float) * static_cast<size_t>(n));
 }
 
 std::vector<int32_t> DraftKvPool::restore(const Checkpoint& c, int64_t length) {
@@ -204,21 +209,36 @@ std::vector<int32_t> DraftKvPool::restore(const Checkpoint& c, int64_t length) {
   const int64_t kvf = kv_heads_ * head_dim_;
   std::vector<int32_t> blocks = take((length + kBlockSize - 1) / kBlockSize);
   if (length == 0) return blocks;
-  // Two uploads, then the blocks filled where the rows are (queued copies, stream-ordered after
-  // the uploads and before any later use of the staging).
-  const int64_t n = length * kvf;
-  staging_.grow_to(2 * n);
-  ops::copy_from_host(staging_.data(), keys.data.data(), sizeof(float) * static_cast<size_t>(n));
-  ops::copy_from_host(staging_.data() + n, values.data.data(),
-                      sizeof(float) * static_cast<size_t>(n));
-  const ops::KVLayerView kv = view();
+  // The blocks laid out on the host as the pool holds them, uploaded with their moves in one
+  // copy and placed by one launch (stream-ordered before any later use of the staging).
+  const int64_t nb = static_cast<int64_t>(blocks.size());
+  std::vector<int32_t> moves;
+  for (int64_t i = 0; i < nb; ++i) moves.push_back(static_cast<int32_t>(i));
+  moves.insert(moves.end(), blocks.begin(), blocks.end());
+  std::vector<float>& host = staging_host_;
+  host.assign(static_cast<size_t>(nb * floats_per_block()), 0.0f);
   for (int64_t p = 0; p < length; p += kBlockSize) {
-    const int32_t b = blocks[static_cast<size_t>(p / kBlockSize)];
-    const size_t bytes = sizeof(float) * kvf * std::min(kBlockSize, length - p);
-    ops::copy(kv.key(b, 0), staging_.data() + p * kvf, bytes);
-    ops::copy(kv.value(b, 0), staging_.data() + n + p * kvf, bytes);
+    float* block = host.data() + (p / kBlockSize) * floats_per_block();
+    const size_t n = static_cast<size_t>(kvf * std::min(kBlockSize, length - p));
+    std::copy_n(keys.data.data() + p * kvf, n, block);
+    std::copy_n(values.data.data() + p * kvf, n, block + kBlockSize * kvf);
   }
+  float* data = stage(nb, moves, &host);
+  ops::copy_blocks(pool_.data(), data, reinterpret_cast<const int32_t*>(staging_.data()), nb,
+                   floats_per_block());
   return blocks;
+}
+
+float* DraftKvPool::stage(int64_t blocks, const std::vector<int32_t>& moves,
+                          const std::vector<float>* data) const {
+  const size_t moves_bytes = upload_part_bytes(sizeof(int32_t) * moves.size());
+  const size_t data_bytes = sizeof(float) * static_cast<size_t>(blocks * floats_per_block());
+  staging_.grow_to(static_cast<int64_t>(moves_bytes + data_bytes));
+  uint8_t* host = staging_upload_.host(moves_bytes + (data ? data_bytes : 0));
+  std::memcpy(host, moves.data(), sizeof(int32_t) * moves.size());
+  if (data) std::memcpy(host + moves_bytes, data->data(), data_bytes);
+  staging_upload_.start(staging_.data(), moves_bytes + (data ? data_bytes : 0));
+  return reinterpret_cast<float*>(staging_.data() + moves_bytes);
 }
 
 }  // namespace tandem::spec

@@ -75,9 +75,14 @@ class DraftKvPool {
   std::vector<int32_t> free_;
   Buffer<int32_t> tables_dev_;
   std::vector<int32_t> tables_host_;
-  // save() and restore(): a checkpoint's keys then values [2, length, kv_heads, head_dim],
-  // gathered from (or scattered to) the blocks by queued copies.
-  mutable Buffer<float> staging_;
+  // save() and restore(): the block moves [2 · blocks] (ops::copy_blocks), then the row's
+  // blocks as the pool lays them out; the host side of both, and its pinned upload.
+  mutable Buffer<uint8_t> staging_;
+  mutable std::vector<float> staging_host_;
+  mutable StagedUpload staging_upload_;
+  // Uploads `moves` (and `data`, when given) into staging_; returns where the blocks go.
+  float* stage(int64_t blocks, const std::vector<int32_t>& moves,
+               const std::vector<float>* data = nullptr) const;
   // batch() and chain(): the rows' tables at one stride, then per batch positions, KV slots and
   // query rows [tokens] each.
   Buffer<uint8_t> batch_dev_;

@@ -241,6 +241,9 @@ void set_short_delta_tiles(int tiles);
 // Strided copy of `rows` rows of `cols` floats: dst[r*dst_stride + c] = src[r*src_stride + c].
 void copy_rows(float* dst, int64_t dst_stride, const float* src, int64_t src_stride, int64_t rows,
                int64_t cols);
+// ops::copy_blocks (n, block_floats > 0).
+void copy_blocks(float* dst, const float* src, const int32_t* moves, int64_t n,
+                 int64_t block_floats);
 // out[r] = the lowest index of the maximum of logits[r, :V] ignoring -inf; -1 when the row holds a
 // NaN or +inf or only -inf (the caller reports it).
 void argmax_rows(const float* logits, int64_t rows, int64_t V, int32_t* out);

@@ -96,6 +96,21 @@ __global__ void copy_rows_kernel(float* dst, int64_t dst_stride, const float* sr
       dst[r * dst_stride + c] = src[r * src_stride + c];
 }
 
+// Block i = blockIdx.y of moves (ops::copy_blocks); x-threads walk its floats. The moves are
+// written by copies queued before, so they are read after pdl_wait().
+__global__ void copy_blocks_kernel(float* dst, const float* src, const int32_t* moves, int64_t n,
+                                   int64_t block_floats) {
+  pdl_wait();
+  pdl_release();
+  for (int64_t i = blockIdx.y; i < n; i += gridDim.y) {
+    const float* from = src + static_cast<int64_t>(moves[i]) * block_floats;
+    float* to = dst + static_cast<int64_t>(moves[n + i]) * block_floats;
+    for (int64_t c = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; c < block_floats;
+         c += int64_t(gridDim.x) * blockDim.x)
+      to[c] = from[c];
+  }
+}
+
 }  // namespace
 
 // --- Device and stream ---------------------------------------------------------------------------
@@ -287,6 +302,13 @@ void copy_rows(float* dst, int64_t dst_stride, const float* src, int64_t src_str
                   static_cast<unsigned>(std::min<int64_t>(rows, 65535)));
   launch("copy_rows", copy_rows_kernel, grid, kThreads, 0, dst, dst_stride, src, src_stride, rows,
          cols);
+}
+
+void copy_blocks(float* dst, const float* src, const int32_t* moves, int64_t n,
+                 int64_t block_floats) {
+  const dim3 grid(grid_stride_blocks(block_floats, kThreads),
+                  static_cast<unsigned>(std::min<int64_t>(n, 65535)));
+  launch("copy_blocks", copy_blocks_kernel, grid, kThreads, 0, dst, src, moves, n, block_floats);
 }
 
 // --- Weights -------------------------------------------------------------------------------------
