@@ -104,17 +104,46 @@ int main() {
     check(cudaEventElapsedTime(&ms, start, stop), "elapsed");
     std::printf("%-58s %7.2f us\n", name, 1000.0f * ms / kIterations);
   };
-  run("graph of 20 kernels", [&] { b.launch(g20); }, false);
-  run("two graphs of 10 (one boundary more)", [&] { b.launch(g10); b.launch(g10); }, false);
-  run("graph of 60 kernels", [&] { b.launch(g60); }, false);
-  run("upload 256 B + graph of 20", [&] { b.upload(); b.launch(g20); }, false);
-  run("upload + graph of 20 + copy-engine readback 16 B",
-      [&] { b.upload(); b.launch(g20); b.readback(); }, false);
-  run("graph of 20 with a copy-in and a store-out kernel", [&] { b.launch(g20_io); }, false);
-  run("host waits: graph of 20", [&] { b.launch(g20); }, true);
-  run("host waits: upload + graph of 20 + copy-engine readback",
-      [&] { b.upload(); b.launch(g20); b.readback(); }, true);
-  run("host waits: graph of 20 with copy-in and store-out kernels", [&] { b.launch(g20_io); },
+  run(
+      "graph of 20 kernels", [&] { b.launch(g20); }, false);
+  run(
+      "two graphs of 10 (one boundary more)",
+      [&] {
+        b.launch(g10);
+        b.launch(g10);
+      },
+      false);
+  run(
+      "graph of 60 kernels", [&] { b.launch(g60); }, false);
+  run(
+      "upload 256 B + graph of 20",
+      [&] {
+        b.upload();
+        b.launch(g20);
+      },
+      false);
+  run(
+      "upload + graph of 20 + copy-engine readback 16 B",
+      [&] {
+        b.upload();
+        b.launch(g20);
+        b.readback();
+      },
+      false);
+  run(
+      "graph of 20 with a copy-in and a store-out kernel", [&] { b.launch(g20_io); }, false);
+  run(
+      "host waits: graph of 20", [&] { b.launch(g20); }, true);
+  run(
+      "host waits: upload + graph of 20 + copy-engine readback",
+      [&] {
+        b.upload();
+        b.launch(g20);
+        b.readback();
+      },
+      true);
+  run(
+      "host waits: graph of 20 with copy-in and store-out kernels", [&] { b.launch(g20_io); },
       true);
   return 0;
 }

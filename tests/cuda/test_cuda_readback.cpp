@@ -21,11 +21,16 @@ using testing::ScopedBackend;
 
 class CudaReadback : public CudaTest {};
 
+// Bytes past the largest kernel read (and 64 more for offsets), each a function of its index.
+std::vector<uint8_t> patterned_bytes(size_t mul, size_t add, size_t mod) {
+  std::vector<uint8_t> host(cuda::kKernelReadbackBytes + 4096 + 64);
+  for (size_t i = 0; i < host.size(); ++i) host[i] = static_cast<uint8_t>((i * mul + add) % mod);
+  return host;
+}
+
 TEST_F(CudaReadback, ReturnsTheDeviceBytesAtEverySizeAndAlignment) {
   ScopedBackend cuda(ops::Backend::Cuda);
-  const size_t most = cuda::kKernelReadbackBytes + 4096;
-  std::vector<uint8_t> host(most + 64);
-  for (size_t i = 0; i < host.size(); ++i) host[i] = static_cast<uint8_t>((i * 131 + 7) % 251);
+  const std::vector<uint8_t> host = patterned_bytes(131, 7, 251);
   DeviceBuffer<uint8_t> dev(host);
   Readback rb;
   // Byte and 16-byte paths (offsets and sizes off and on the 16-byte grid), the largest kernel
@@ -62,9 +67,7 @@ TEST_F(CudaReadback, SeesTheWritesOfKernelsQueuedBeforeIt) {
 // copied out; a large one is a copy-engine transfer. Same bytes, into unaligned pageable memory.
 TEST_F(CudaReadback, SynchronousReadsReturnTheDeviceBytes) {
   ScopedBackend cuda(ops::Backend::Cuda);
-  const size_t most = cuda::kKernelReadbackBytes + 4096;
-  std::vector<uint8_t> host(most + 64);
-  for (size_t i = 0; i < host.size(); ++i) host[i] = static_cast<uint8_t>((i * 37 + 11) % 253);
+  const std::vector<uint8_t> host = patterned_bytes(37, 11, 253);
   DeviceBuffer<uint8_t> dev(host);
   for (const size_t offset : {size_t{0}, size_t{3}})
     for (const size_t bytes : {size_t{1}, size_t{4}, size_t{17}, size_t{4096},
