@@ -1,7 +1,6 @@
 #include "tandem/spec/draft_kv_pool.h"
 
 #include <algorithm>
-#include <cstring>
 
 #include "tandem/core/error.h"
 
@@ -186,14 +185,16 @@ void DraftKvPool::save(const std::vector<int32_t>& blocks, int64_t length, Check
   // The row's blocks gathered into staging by one launch and read back once: a row's move
   // between engine groups costs one wait, not a copy-engine transfer per block.
   const int64_t nb = (length + kBlockSize - 1) / kBlockSize;
-  std::vector<int32_t> moves(blocks.begin(), blocks.begin() + nb);
-  for (int64_t i = 0; i < nb; ++i) moves.push_back(static_cast<int32_t>(i));
-  float* data = stage(nb, moves);
-  ops::copy_blocks(data, pool_.data(), reinterpret_cast<const int32_t*>(staging_.data()), nb,
-                   floats_per_block());
-  std::vector<float>& host = staging_host_;
+  const Staging st = stage(nb, false);
+  for (int64_t i = 0; i < nb; ++i) {
+    st.moves[i] = blocks[static_cast<size_t>(i)];
+    st.moves[nb + i] = static_cast<int32_t>(i);
+  }
+  const Staged dev = start_staging(st);
+  ops::copy_blocks(dev.blocks, pool_.data(), dev.moves, nb, floats_per_block());
+  std::vector<float>& host = saved_blocks_;
   host.resize(static_cast<size_t>(nb * floats_per_block()));
-  ops::copy_to_host(host.data(), data, sizeof(float) * host.size());
+  ops::copy_to_host(host.data(), dev.blocks, sizeof(float) * host.size());
   // A staged block: kBlockSize keys, then kBlockSize values (the pool's layout).
   for (int64_t p = 0; p < length; p += kBlockSize) {
     const float* block = host.data() + (p / kBlockSize) * floats_per_block();
@@ -209,36 +210,41 @@ std::vector<int32_t> DraftKvPool::restore(const Checkpoint& c, int64_t length) {
   const int64_t kvf = kv_heads_ * head_dim_;
   std::vector<int32_t> blocks = take((length + kBlockSize - 1) / kBlockSize);
   if (length == 0) return blocks;
-  // The blocks laid out on the host as the pool holds them, uploaded with their moves in one
-  // copy and placed by one launch (stream-ordered before any later use of the staging).
+  // The blocks laid out in the pinned upload as the pool holds them, uploaded with their moves
+  // in one copy and placed by one launch (stream-ordered before any later use of the staging).
   const int64_t nb = static_cast<int64_t>(blocks.size());
-  std::vector<int32_t> moves;
-  for (int64_t i = 0; i < nb; ++i) moves.push_back(static_cast<int32_t>(i));
-  moves.insert(moves.end(), blocks.begin(), blocks.end());
-  std::vector<float>& host = staging_host_;
-  host.assign(static_cast<size_t>(nb * floats_per_block()), 0.0f);
+  const Staging st = stage(nb, true);
+  for (int64_t i = 0; i < nb; ++i) {
+    st.moves[i] = static_cast<int32_t>(i);
+    st.moves[nb + i] = blocks[static_cast<size_t>(i)];
+  }
   for (int64_t p = 0; p < length; p += kBlockSize) {
-    float* block = host.data() + (p / kBlockSize) * floats_per_block();
+    float* block = st.blocks + (p / kBlockSize) * floats_per_block();
     const size_t n = static_cast<size_t>(kvf * std::min(kBlockSize, length - p));
     std::copy_n(keys.data.data() + p * kvf, n, block);
     std::copy_n(values.data.data() + p * kvf, n, block + kBlockSize * kvf);
   }
-  float* data = stage(nb, moves, &host);
-  ops::copy_blocks(pool_.data(), data, reinterpret_cast<const int32_t*>(staging_.data()), nb,
-                   floats_per_block());
+  const Staged dev = start_staging(st);
+  ops::copy_blocks(pool_.data(), dev.blocks, dev.moves, nb, floats_per_block());
   return blocks;
 }
 
-float* DraftKvPool::stage(int64_t blocks, const std::vector<int32_t>& moves,
-                          const std::vector<float>* data) const {
-  const size_t moves_bytes = upload_part_bytes(sizeof(int32_t) * moves.size());
-  const size_t data_bytes = sizeof(float) * static_cast<size_t>(blocks * floats_per_block());
-  staging_.grow_to(static_cast<int64_t>(moves_bytes + data_bytes));
-  uint8_t* host = staging_upload_.host(moves_bytes + (data ? data_bytes : 0));
-  std::memcpy(host, moves.data(), sizeof(int32_t) * moves.size());
-  if (data) std::memcpy(host + moves_bytes, data->data(), data_bytes);
-  staging_upload_.start(staging_.data(), moves_bytes + (data ? data_bytes : 0));
-  return reinterpret_cast<float*>(staging_.data() + moves_bytes);
+DraftKvPool::Staging DraftKvPool::stage(int64_t blocks, bool upload_blocks) const {
+  Staging st;
+  st.moves_bytes = upload_part_bytes(sizeof(int32_t) * static_cast<size_t>(2 * blocks));
+  const size_t block_bytes = sizeof(float) * static_cast<size_t>(blocks * floats_per_block());
+  st.upload_bytes = st.moves_bytes + (upload_blocks ? block_bytes : 0);
+  staging_.grow_to(static_cast<int64_t>(st.moves_bytes + block_bytes));
+  uint8_t* host = staging_upload_.host(st.upload_bytes);
+  st.moves = reinterpret_cast<int32_t*>(host);
+  st.blocks = upload_blocks ? reinterpret_cast<float*>(host + st.moves_bytes) : nullptr;
+  return st;
+}
+
+DraftKvPool::Staged DraftKvPool::start_staging(const Staging& st) const {
+  staging_upload_.start(staging_.data(), st.upload_bytes);
+  return {reinterpret_cast<const int32_t*>(staging_.data()),
+          reinterpret_cast<float*>(staging_.data() + st.moves_bytes)};
 }
 
 }  // namespace tandem::spec

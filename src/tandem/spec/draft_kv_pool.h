@@ -75,14 +75,23 @@ class DraftKvPool {
   std::vector<int32_t> free_;
   Buffer<int32_t> tables_dev_;
   std::vector<int32_t> tables_host_;
-  // save() and restore(): the block moves [2 · blocks] (ops::copy_blocks), then the row's
-  // blocks as the pool lays them out; the host side of both, and its pinned upload.
+  // save() and restore(): the block moves [2 · blocks] (ops::copy_blocks), then the row's blocks
+  // as the pool lays them out, in backend memory (staging_) and in its pinned upload. Only
+  // restore uploads the blocks; save reads them back into saved_blocks_.
   mutable Buffer<uint8_t> staging_;
-  mutable std::vector<float> staging_host_;
   mutable StagedUpload staging_upload_;
-  // Uploads `moves` (and `data`, when given) into staging_; returns where the blocks go.
-  float* stage(int64_t blocks, const std::vector<int32_t>& moves,
-               const std::vector<float>* data = nullptr) const;
+  mutable std::vector<float> saved_blocks_;
+  struct Staging {  // the pinned side, filled by the caller before start_staging
+    int32_t* moves = nullptr;
+    float* blocks = nullptr;  // upload_blocks only
+    size_t moves_bytes = 0, upload_bytes = 0;
+  };
+  struct Staged {  // the backend side
+    const int32_t* moves;
+    float* blocks;
+  };
+  Staging stage(int64_t blocks, bool upload_blocks) const;
+  Staged start_staging(const Staging& st) const;
   // batch() and chain(): the rows' tables at one stride, then per batch positions, KV slots and
   // query rows [tokens] each.
   Buffer<uint8_t> batch_dev_;
