@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 
 #include "mtp_rounds.h"
+#include "tandem/backend/buffer.h"
 #include "tandem/core/error.h"
 #include "tandem/io/safetensors.h"
 #include "tandem/model/qwen3_5.h"
@@ -857,6 +858,102 @@ TEST(QwenMtpCheckpoint, NamespaceDependsOnTheTap) {
   EXPECT_EQ(pre->tap(), HiddenTap::PreNorm);
   EXPECT_EQ(pre->open_rows(*demo().target)->taps().hidden, HiddenTap::PreNorm);
   EXPECT_GT(demo().mtp->weights_bytes(), 3000000u);  // 1.72M parameters in bf16
+}
+
+// A prefill given the target's hiddens in backend memory (RowPrefill::hidden_device, the
+// engine's prompt forwards) leaves the states a prefill from host copies does: cold rows,
+// a row continuing in a second chunk, and a row too short to hold an MTP row yet.
+TEST(QwenMtpCheckpoint, PrefillFromBackendHiddensEqualsHostHiddens) {
+  const auto tokens = ref_ids("tokens_0");
+  const auto h = target_hidden(tokens);
+  const int64_t H = demo().H;
+  Buffer<float> dev(static_cast<int64_t>(h.size()));
+  ops::copy_from_host(dev.data(), h.data(), sizeof(float) * h.size());
+  auto host = open_rows(*demo().mtp, 3), device = open_rows(*demo().mtp, 3);
+  // Calls of the rows' chunks: [0, 12) | [0, 1) | [0, 20), then [12, 30) | [1, 9).
+  auto chunk = [&](int row, size_t from, size_t n, bool on_device) {
+    RowPrefill p{row, std::span(tokens).subspan(from, n), nullptr, static_cast<int64_t>(from)};
+    if (on_device)
+      p.hidden_device = dev.data() + static_cast<int64_t>(from) * H;
+    else
+      p.hidden = h.data() + from * static_cast<size_t>(H);
+    return p;
+  };
+  for (bool on_device : {false, true}) {
+    QwenMtpRows& rows = on_device ? *device : *host;
+    const RowPrefill first[] = {chunk(0, 0, 12, on_device), chunk(1, 0, 1, on_device),
+                                chunk(2, 0, 20, on_device)};
+    rows.prefill(first);
+    const RowPrefill second[] = {chunk(0, 12, 18, on_device), chunk(1, 1, 8, on_device)};
+    rows.prefill(second);
+  }
+  for (int b = 0; b < 3; ++b) expect_same_checkpoint(*device->capture(b), *host->capture(b));
+  EXPECT_EQ(device->mtp_rows(0), 29);
+  EXPECT_EQ(device->mtp_rows(1), 8);
+
+  // Every row's hiddens in one place: one row on the device only and one on the host only is
+  // refused before anything changes.
+  auto mixed = open_rows(*demo().mtp, 2);
+  const RowPrefill both[] = {chunk(0, 0, 10, true), chunk(1, 0, 10, false)};
+  EXPECT_NE(error_of([&] { mixed->prefill(both); }).find("backend memory only"), std::string::npos);
+  EXPECT_EQ(mixed->mtp_rows(0), 0);
+}
+
+// Rows copied from one group of the drafter into another (an engine's prefill group into its
+// decoding group) hold what a checkpoint carries, copied where the KV lives: the same state, the
+// same drafts, independent of the source afterwards; a refused copy changes nothing.
+TEST(QwenMtpCheckpoint, CopiedRowsEqualCheckpointedRows) {
+  const auto tokens = ref_ids("tokens_0");
+  const auto h = target_hidden(tokens);
+  auto source = open_rows(*demo().mtp, 3);
+  std::vector<RowPrefill> pre;
+  const size_t lengths[] = {9, 17, 26};  // MTP rows 8, 16, 25: within, at and across KV blocks
+  for (int b = 0; b < 3; ++b) pre.push_back({b, std::span(tokens).first(lengths[b]), h.data(), 0});
+  source->prefill(pre);
+  const CheckpointPtr c0 = source->capture(0), c2 = source->capture(2);
+  auto target = open_rows(*demo().mtp, 1);  // a row already there keeps its place
+  const RowPrefill first{0, std::span(tokens).first(5), h.data(), 0};
+  target->prefill({&first, 1});
+  const CheckpointPtr t0 = target->capture(0);
+
+  const int bad[] = {2, 3};
+  EXPECT_NE(error_of([&] { target->copy_rows(*source, bad); }).find("row 3 does not exist"),
+            std::string::npos);
+  auto prenorm = QwenMtpProvider::from_target(*demo().target, HiddenTap::PreNorm);
+  auto other = prenorm->open_rows(*demo().target);
+  const int none[] = {0};
+  EXPECT_NE(error_of([&] { other->copy_rows(*source, none); }).find("namespace"),
+            std::string::npos);
+  EXPECT_EQ(target->row_count(), 1) << "a refused copy must change nothing";
+  EXPECT_EQ(other->row_count(), 0);
+
+  const int rows[] = {2, 0};
+  target->copy_rows(*source, rows);
+  ASSERT_EQ(target->row_count(), 3);
+  EXPECT_EQ(target->rows_copied_in_place(), 2) << "rows of one drafter copy in backend memory";
+  expect_same_checkpoint(*target->capture(0), *t0);
+  expect_same_checkpoint(*target->capture(1), *c2);
+  expect_same_checkpoint(*target->capture(2), *c0);
+  expect_same_checkpoint(*source->capture(0), *c0);
+
+  // The source's rows go and their blocks are written by a new row: the copies keep their own.
+  const int keep[] = {1};
+  source->filter_rows(keep);
+  apply_changes({[&] { return source->prepare_append(std::vector<CheckpointPtr>(1)); }});
+  const RowPrefill refill{1, std::span(tokens).subspan(3, 28), h.data() + 3 * demo().H, 0};
+  source->prefill({&refill, 1});
+  expect_same_checkpoint(*target->capture(1), *c2);
+
+  auto restored = restore(*demo().mtp, c2);
+  const RowDraft drafts[] = {greedy(tokens[5], 3), greedy(tokens[26], 3), greedy(tokens[9], 3)};
+  std::vector<DraftProposal> copied, alone;
+  target->draft(drafts, &copied);
+  restored->draft({&drafts[1], 1}, &alone);
+  EXPECT_EQ(copied[1].tokens, alone[0].tokens);
+  for (int j = 0; j < 3; ++j) {
+    const auto a = target->last_draft_logits(1, j), b = restored->last_draft_logits(0, j);
+    EXPECT_TRUE(std::equal(a.begin(), a.end(), b.begin(), b.end())) << "step " << j;
+  }
 }
 
 TEST(QwenMtp, CheckpointWithoutMtpLayerIsRefused) {

@@ -133,6 +133,10 @@ BatchEngine::BatchEngine(std::unique_ptr<EngineTarget> target, const spec::Draft
     taps_ = prefill_drafts_->taps();
     want_final_ = taps_.hidden == spec::HiddenTap::FinalNormed;
     want_prenorm_ = taps_.hidden == spec::HiddenTap::PreNorm;
+    // The prompt's hiddens stay where the target computed them when the drafter reads them
+    // there: no copy of every prompt token's hidden to the host and back.
+    prompt_hidden_on_device_ =
+        taps_.hidden && prefill_drafts_->prefills_from_device() && target_->keeps_prompt_hidden();
   }
   if (options_.kv_blocks > 0) {
     if (options_.max_rows == 0) fail("a fixed KV pool needs a row limit");
@@ -480,6 +484,7 @@ void BatchEngine::begin_prefill() {
   fwd.tap_layers = taps_.layers;
   fwd.prompt = true;
   fwd.prompt_gemm_rows = ops::prefill_gemm_rows(options_.spec.prefill_chunk);
+  fwd.hidden_on_device = prompt_hidden_on_device_;
   fwd.want_logits = inflight_logits_;
   fwd.want_argmax = !inflight_logits_;
   target_->begin_prompt(fwd);
@@ -537,7 +542,9 @@ void BatchEngine::finish_prefill() {
     }
   } count_drafter{*this};
   if (prefill_drafts_) {
-    const float* hidden = tapped_rows();
+    const float* hidden = prompt_hidden_on_device_ ? nullptr : tapped_rows();
+    const float* hidden_device =
+        prompt_hidden_on_device_ ? target_->prompt_hidden(want_prenorm_) : nullptr;
     const int64_t width = taps_.width(H);
     std::vector<spec::RowPrefill> pre(picked.size());
     int64_t off = 0;
@@ -548,6 +555,7 @@ void BatchEngine::finish_prefill() {
           std::span(row.req.gen.prompt)
               .subspan(static_cast<size_t>(row.prefilled), static_cast<size_t>(rows[k].n_tokens));
       pre[k].hidden = hidden ? hidden + off * width : nullptr;
+      pre[k].hidden_device = hidden_device ? hidden_device + off * width : nullptr;
       pre[k].processed_before = row.prefilled;
       off += rows[k].n_tokens;
     }
@@ -582,14 +590,14 @@ void BatchEngine::finish_prefill() {
     if (emit(row, tok, logits)) ready.push_back(picked[k]);
   }
   if (ready.empty()) return;
-  // The move: each row's drafter state travels as its own checkpoint into the decoding group;
-  // only when that append commits does the row leave the prefill group.
+  // The move: each row's drafter state is copied into the decoding group (where the drafter
+  // can, in backend memory; else through a checkpoint); only when that append commits does the
+  // row leave the prefill group.
   try {
     if (decode_drafts_) {
       const auto t_move = std::chrono::steady_clock::now();
-      std::vector<spec::CheckpointPtr> ckpts;
-      for (size_t r : ready) ckpts.push_back(prefill_drafts_->capture(static_cast<int>(r)));
-      decode_drafts_->append(ckpts);
+      const std::vector<int> rows(ready.begin(), ready.end());
+      decode_drafts_->copy_rows(*prefill_drafts_, rows);
       std::lock_guard lock(mu_);
       counters_.drafter_move_seconds += seconds_since(t_move);
     }
@@ -709,7 +717,7 @@ bool BatchEngine::plain_pipelines() const {
 void BatchEngine::retire_drafter() {
   prefill_drafts_.reset();
   decode_drafts_.reset();
-  want_final_ = want_prenorm_ = false;
+  want_final_ = want_prenorm_ = prompt_hidden_on_device_ = false;
   taps_ = {};
   policy_.reset();
 }

@@ -180,6 +180,7 @@ class BatchEngine {
   // What the drafter reads of the target's forwards (spec::HiddenTaps), and where the last
   // forward's output holds it: [tokens, taps_.width(H)], or null without taps.
   bool want_final_ = false, want_prenorm_ = false;
+  bool prompt_hidden_on_device_ = false;  // prefill forwards leave the drafter's hiddens there
   spec::HiddenTaps taps_;
   const float* tapped_rows() const;
   // Whether a round the depth policy runs at depth 0 can be a pipelined plain step: a drafter of

@@ -82,6 +82,14 @@ class EngineTarget {
   // The last forward's hidden of every token in backend memory, final-normed (that forward had
   // all_logits or want_hidden) or pre-norm; valid until the next forward.
   virtual const float* device_hidden(bool prenorm) const;
+  // Whether a prompt forward with ForwardRequest::hidden_on_device leaves its hiddens in backend
+  // memory, and where: the last finished prompt forward's, [T, H], final-normed or pre-norm as
+  // it asked; valid until the next prompt forward. Targets that cannot: false, null.
+  virtual bool keeps_prompt_hidden() const { return false; }
+  virtual const float* prompt_hidden(bool prenorm) const {
+    (void)prenorm;
+    return nullptr;
+  }
 
   // Whether a prompt forward gives each token the bits decoding gives it (then a prompt's end
   // and a finished turn are boundaries a cold prefill reaches too; otherwise only the prefill

@@ -67,6 +67,10 @@ class QwenEngineTarget final : public EngineTarget {
   }
   void resolve_settled(std::span<const RowKeep> rows) override;
   const float* device_hidden(bool prenorm) const override { return model_.last_hidden(prenorm); }
+  bool keeps_prompt_hidden() const override { return true; }
+  const float* prompt_hidden(bool prenorm) const override {
+    return model_.prompt_hidden(inflight_, prenorm);
+  }
 
   bool prompt_matches_decode() const override { return ops::prefill_matches_decode(); }
   std::unique_ptr<PrefixStore> open_prefix_cache(size_t max_bytes) override;

@@ -33,7 +33,11 @@ struct ForwardRequest {
   bool all_logits = false;           // false: only each row's last token gets logits
   bool want_hidden = false;          // final-normed hidden of every token
   bool want_prenorm_hidden = false;  // the last layer's output before the final norm, every token
-  bool want_logits = true;           // copy the logits to the host
+  // With want_hidden or want_prenorm_hidden: leave them in backend memory (where the target
+  // offers them, e.g. Qwen35Model::prompt_hidden) instead of copying them to the host; the
+  // output's vectors stay empty. Targets that cannot keep them copy them as usual.
+  bool hidden_on_device = false;
+  bool want_logits = true;   // copy the logits to the host
   bool want_argmax = false;  // greedy token of every logits row, computed where the logits are
   // Prompt tokens: the CUDA backend takes its prefill GEMM path (see Qwen35Model::forward).
   // Engines set it for the forward that processes prompts, in plain and speculative decoding

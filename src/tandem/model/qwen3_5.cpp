@@ -555,11 +555,11 @@ void Qwen35Model::finish_forward(Qwen35State& st, const ForwardRequest& req, int
     dst.resize(static_cast<size_t>(n));
     ops::copy_to_host(dst.data(), src, sizeof(float) * static_cast<size_t>(n));
   };
-  if (req.want_prenorm_hidden)
+  if (req.want_prenorm_hidden && !req.hidden_on_device)
     to_host(out->prenorm_hidden, w.x.data(), T * H);
   else
     out->prenorm_hidden.clear();
-  if (req.want_hidden)
+  if (req.want_hidden && !req.hidden_on_device)
     to_host(out->hidden, w.h.data(), T * H);
   else
     out->hidden.clear();
@@ -811,6 +811,11 @@ bool Qwen35Model::continue_prompt(Qwen35State& st, PromptForward& pf, int max_la
   // The argmax stays in the slice workspace: nothing may chain tokens_from_argmax off it.
   finish_forward(st, pf.req_, pf.tokens_total_, out, false);
   return true;
+}
+
+const float* Qwen35Model::prompt_hidden(const PromptForward& pf, bool prenorm) const {
+  if (!pf.ws_) return nullptr;
+  return prenorm ? pf.ws_->ws.x.data() : pf.ws_->ws.h.data();
 }
 
 Qwen35Model::SublayerInput Qwen35Model::sublayer_input(const ops::WeightRef& norm, int64_t T,

@@ -98,6 +98,10 @@ class Qwen35Model {
   // then inactive); otherwise returns false and *out is untouched.
   bool continue_prompt(Qwen35State& state, PromptForward& pf, int max_layers,
                        ForwardOutput* out) const;
+  // The last finished prompt forward of pf: every token's hidden, [T, H] in backend memory,
+  // final-normed (it had want_hidden) or pre-norm (the residual stream after the last layer);
+  // valid until pf's next begin_prompt. Null before any.
+  const float* prompt_hidden(const PromptForward& pf, bool prenorm) const;
   int layer_count() const { return static_cast<int>(layers_.size()); }
   // The argmax of the oldest forward run with defer_argmax whose tokens were not collected yet
   // (blocks until they are on the host). Throws if none is pending, or naming the logits row

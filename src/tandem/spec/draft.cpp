@@ -24,4 +24,15 @@ void check_target_taps(const TargetView& target, const HiddenTaps& taps, const s
            "); this target ", target.can_tap_layer(0) ? "taps any of them" : "taps no layer", ")");
 }
 
+std::unique_ptr<PreparedChange> DraftRows::prepare_copy_rows(const DraftRows& from,
+                                                             std::span<const int> rows) {
+  if (from.ns() != ns())
+    fail("copy_rows: the rows come from drafter namespace '", from.ns(), "', these are '", ns(),
+         "'");
+  std::vector<CheckpointPtr> ckpts;
+  ckpts.reserve(rows.size());
+  for (int r : rows) ckpts.push_back(from.capture(r));
+  return prepare_append(ckpts);
+}
+
 }  // namespace tandem::spec

@@ -162,6 +162,10 @@ struct RowPrefill {
   std::span<const int32_t> tokens;  // positions processed_before .. processed_before + n - 1
   const float* hidden = nullptr;    // [tokens.size(), taps().width(H)]
   int64_t processed_before = 0;     // tokens the row already covered (0 for a cold prompt)
+  // The same hiddens in backend memory, where the target left them (a drafter whose
+  // prefills_from_device() is true may be given these alone, `hidden` null); valid during the
+  // call.
+  const float* hidden_device = nullptr;
 };
 
 // Per-row inputs of a draft call.
@@ -226,6 +230,16 @@ class DraftRows {
   void append(std::span<const CheckpointPtr> from) {
     apply_changes({[&] { return prepare_append(from); }});
   }
+  // Appends copies of rows `rows` of `from` (rows the same provider opened for the same
+  // target, e.g. an engine's prefill group), in order: the states capture() + prepare_append
+  // would carry over, all or nothing; `from` is left as it was. The default goes through those
+  // checkpoints (host memory); a drafter that can copy a row where its state lives overrides it.
+  virtual std::unique_ptr<PreparedChange> prepare_copy_rows(const DraftRows& from,
+                                                            std::span<const int> rows);
+  // prepare_copy_rows + commit.
+  void copy_rows(const DraftRows& from, std::span<const int> rows) {
+    apply_changes({[&] { return prepare_copy_rows(from, rows); }});
+  }
   // Keeps the listed rows, in the listed order; the others are released.
   virtual void filter_rows(std::span<const int> keep) = 0;
 
@@ -239,6 +253,9 @@ class DraftRows {
   virtual bool adopts_exactly() const = 0;
 
   virtual void prefill(std::span<const RowPrefill> rows) = 0;
+  // Whether prefill takes the target's hiddens in backend memory (RowPrefill::hidden_device)
+  // in place of host copies.
+  virtual bool prefills_from_device() const { return false; }
   // rows.size() == row_count(); out[b] receives row b's proposals.
   virtual void draft(std::span<const RowDraft> rows, std::vector<DraftProposal>* out) = 0;
   // draft() with the host's read of the proposals put off: the drafting is queued on the caller's

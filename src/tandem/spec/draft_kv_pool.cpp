@@ -185,7 +185,7 @@ void DraftKvPool::save(const std::vector<int32_t>& blocks, int64_t length, Check
   // The row's blocks gathered into staging by one launch and read back once: a row's move
   // between engine groups costs one wait, not a copy-engine transfer per block.
   const int64_t nb = (length + kBlockSize - 1) / kBlockSize;
-  const Staging st = stage(nb, false);
+  const Staging st = stage(nb, StagedBlocks::Device);
   for (int64_t i = 0; i < nb; ++i) {
     st.moves[i] = blocks[static_cast<size_t>(i)];
     st.moves[nb + i] = static_cast<int32_t>(i);
@@ -213,7 +213,7 @@ std::vector<int32_t> DraftKvPool::restore(const Checkpoint& c, int64_t length) {
   // The blocks laid out in the pinned upload as the pool holds them, uploaded with their moves
   // in one copy and placed by one launch (stream-ordered before any later use of the staging).
   const int64_t nb = static_cast<int64_t>(blocks.size());
-  const Staging st = stage(nb, true);
+  const Staging st = stage(nb, StagedBlocks::Uploaded);
   for (int64_t i = 0; i < nb; ++i) {
     st.moves[i] = static_cast<int32_t>(i);
     st.moves[nb + i] = blocks[static_cast<size_t>(i)];
@@ -229,10 +229,54 @@ std::vector<int32_t> DraftKvPool::restore(const Checkpoint& c, int64_t length) {
   return blocks;
 }
 
-DraftKvPool::Staging DraftKvPool::stage(int64_t blocks, bool upload_blocks) const {
+std::vector<std::vector<int32_t>> DraftKvPool::copy_from(
+    const DraftKvPool& src, std::span<const std::vector<int32_t>* const> tables,
+    std::span<const int64_t> lengths) {
+  TANDEM_CHECK(tables.size() == lengths.size(), tables.size(), " tables, ", lengths.size(),
+               " lengths");
+  if (src.kv_heads_ != kv_heads_ || src.head_dim_ != head_dim_)
+    fail("draft KV copy: the source pool holds [", src.kv_heads_, ", ", src.head_dim_,
+         "] per position, this one [", kv_heads_, ", ", head_dim_, "]");
+  int64_t total = 0;
+  for (size_t i = 0; i < tables.size(); ++i) {
+    const int64_t nb = (lengths[i] + kBlockSize - 1) / kBlockSize;
+    if (lengths[i] < 0 || nb > static_cast<int64_t>(tables[i]->size()))
+      fail("draft KV copy: row ", i, " has ", tables[i]->size() * kBlockSize,
+           " positions, asked to copy ", lengths[i]);
+    total += nb;
+  }
+  // Every block is taken at once, then the tables split them in row order; a throw after that
+  // gives them back, so a refusal leaves the pool as it was.
+  std::vector<int32_t> taken = take(total);
+  std::vector<std::vector<int32_t>> out(tables.size());
+  if (total == 0) return out;
+  try {
+    const Staging st = stage(total, StagedBlocks::None);
+    int64_t k = 0;
+    for (size_t i = 0; i < tables.size(); ++i) {
+      const int64_t nb = (lengths[i] + kBlockSize - 1) / kBlockSize;
+      for (int64_t b = 0; b < nb; ++b, ++k) {
+        st.moves[k] = (*tables[i])[static_cast<size_t>(b)];
+        st.moves[total + k] = taken[static_cast<size_t>(k)];
+      }
+      out[i].assign(taken.begin() + (k - nb), taken.begin() + k);
+    }
+    const Staged dev = start_staging(st);
+    ops::copy_blocks(pool_.data(), src.pool_.data(), dev.moves, total, floats_per_block());
+  } catch (...) {
+    release(taken);
+    throw;
+  }
+  return out;
+}
+
+DraftKvPool::Staging DraftKvPool::stage(int64_t blocks, StagedBlocks staged) const {
   Staging st;
   st.moves_bytes = upload_part_bytes(sizeof(int32_t) * static_cast<size_t>(2 * blocks));
-  const size_t block_bytes = sizeof(float) * static_cast<size_t>(blocks * floats_per_block());
+  const size_t block_bytes = staged == StagedBlocks::None
+                                 ? 0
+                                 : sizeof(float) * static_cast<size_t>(blocks * floats_per_block());
+  const bool upload_blocks = staged == StagedBlocks::Uploaded;
   st.upload_bytes = st.moves_bytes + (upload_blocks ? block_bytes : 0);
   staging_.grow_to(static_cast<int64_t>(st.moves_bytes + block_bytes));
   uint8_t* host = staging_upload_.host(st.upload_bytes);

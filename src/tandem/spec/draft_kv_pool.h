@@ -65,6 +65,13 @@ class DraftKvPool {
   // checkpoint_rows).
   std::vector<int32_t> restore(const Checkpoint& c, int64_t length);
 
+  // Fresh tables holding copies of the first lengths[i] positions of tables[i] of `src` (a pool
+  // of this shape in the same backend memory), in order: one launch for all rows, no host copy.
+  // On a throw nothing was taken from this pool.
+  std::vector<std::vector<int32_t>> copy_from(const DraftKvPool& src,
+                                              std::span<const std::vector<int32_t>* const> tables,
+                                              std::span<const int64_t> lengths);
+
   int64_t kv_heads() const { return kv_heads_; }
   int64_t head_dim() const { return head_dim_; }
 
@@ -75,9 +82,10 @@ class DraftKvPool {
   std::vector<int32_t> free_;
   Buffer<int32_t> tables_dev_;
   std::vector<int32_t> tables_host_;
-  // save() and restore(): the block moves [2 · blocks] (ops::copy_blocks), then the row's blocks
-  // as the pool lays them out, in backend memory (staging_) and in its pinned upload. Only
-  // restore uploads the blocks; save reads them back into saved_blocks_.
+  // save(), restore() and copy_from(): the block moves [2 · blocks] (ops::copy_blocks), then the
+  // row's blocks as the pool lays them out, in backend memory (staging_) and in its pinned upload.
+  // Only restore uploads the blocks; save reads them back into saved_blocks_; copy_from stages
+  // only the moves.
   mutable Buffer<uint8_t> staging_;
   mutable StagedUpload staging_upload_;
   mutable std::vector<float> saved_blocks_;
@@ -90,7 +98,10 @@ class DraftKvPool {
     const int32_t* moves;
     float* blocks;
   };
-  Staging stage(int64_t blocks, bool upload_blocks) const;
+  // What the staging holds past the moves: no blocks (copy_from), the blocks in backend memory
+  // only (save), or also in the pinned upload (restore).
+  enum class StagedBlocks { None, Device, Uploaded };
+  Staging stage(int64_t blocks, StagedBlocks staged) const;
   Staged start_staging(const Staging& st) const;
   // batch() and chain(): the rows' tables at one stride, then per batch positions, KV slots and
   // query rows [tokens] each.

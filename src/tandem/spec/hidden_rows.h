@@ -51,11 +51,12 @@ void adopt_hidden_row_prefix(std::vector<Row>& rows, int row, std::span<const in
 
 // The checks of a prefill call before anything changes: rows exist and are listed once, carry no
 // round in flight, bring tokens in [0, vocab) and the target's hiddens (missing_hidden says what
-// is needed: "the target's ... hiddens"), and continue exactly where each row stands.
+// is needed: "the target's ... hiddens"; with device_hidden, RowPrefill::hidden_device does),
+// and continue exactly where each row stands.
 template <class Row>
 void check_hidden_row_prefills(const std::vector<Row>& rows, std::span<const RowPrefill> prefills,
-                               int64_t vocab, std::string_view who,
-                               std::string_view missing_hidden) {
+                               int64_t vocab, std::string_view who, std::string_view missing_hidden,
+                               bool device_hidden = false) {
   std::vector<bool> seen(rows.size(), false);
   for (const RowPrefill& p : prefills) {
     if (p.row < 0 || p.row >= static_cast<int>(rows.size()))
@@ -65,7 +66,8 @@ void check_hidden_row_prefills(const std::vector<Row>& rows, std::span<const Row
     const Row& r = rows[static_cast<size_t>(p.row)];
     if (r.drafted) fail(who, " prefill: row ", p.row, " has an uncommitted draft");
     if (p.tokens.empty()) fail(who, " prefill: row ", p.row, " has no tokens");
-    if (p.hidden == nullptr) fail(who, " prefill: row ", p.row, " needs ", missing_hidden);
+    if (p.hidden == nullptr && !(device_hidden && p.hidden_device != nullptr))
+      fail(who, " prefill: row ", p.row, " needs ", missing_hidden);
     for (int32_t id : p.tokens)
       if (id < 0 || id >= vocab)
         fail(who, " prefill: token id ", id, " is out of range [0, ", vocab, ")");

@@ -113,6 +113,70 @@ std::unique_ptr<PreparedChange> MtpRows::prepare_append(std::span<const Checkpoi
       }
       built->push_back(std::move(row));
     }
+  } catch (...) {
+    for (Row& r : *built) release_history(*r.history);
+    throw;
+  }
+  return stage_appended(std::move(built));
+}
+
+std::unique_ptr<PreparedChange> MtpRows::prepare_copy_rows(const DraftRows& from,
+                                                           std::span<const int> rows) {
+  const auto* source = dynamic_cast<const MtpRows*>(&from);
+  // Device-side state of the source (an unflushed completion row, h_true still on the device)
+  // is what capture() resolves: such rows take the checkpoint path.
+  bool in_place = source != nullptr && source != this && source->ns_ == ns_ &&
+                  source->settled_.empty() && !source->h_true_stale_;
+  for (int b : rows) {
+    if (b < 0 || b >= from.row_count())
+      fail(who_, " copy_rows: row ", b, " does not exist (", from.row_count(), " rows)");
+    if (in_place) {
+      const Row& r = source->rows_[static_cast<size_t>(b)];
+      if (!r.has_hidden) fail(who_, " copy_rows: row ", b, " was never prefilled");
+      if (r.drafted) fail(who_, " copy_rows: row ", b, " has an uncommitted draft");
+      in_place = r.completion_id < 0;
+    }
+  }
+  if (!in_place) return DraftRows::prepare_copy_rows(from, rows);
+  std::vector<const History*> histories;
+  std::vector<int64_t> lengths;
+  for (int b : rows) {
+    const Row& r = source->rows_[static_cast<size_t>(b)];
+    histories.push_back(r.history.get());
+    lengths.push_back(r.length);
+  }
+  leave_device_rows();
+  std::vector<std::unique_ptr<History>> copied = copy_histories(*source, histories, lengths);
+  if (copied.empty() && !rows.empty()) return DraftRows::prepare_copy_rows(from, rows);
+  TANDEM_CHECK(copied.size() == rows.size(), who_, " copied ", copied.size(), " histories of ",
+               rows.size());
+  auto built = std::make_shared<std::vector<Row>>();
+  built->reserve(rows.size());
+  try {
+    for (size_t i = 0; i < rows.size(); ++i) {
+      const Row& r = source->rows_[static_cast<size_t>(rows[i])];
+      Row row;
+      row.history = std::move(copied[i]);
+      row.length = r.length;
+      row.base = r.base;
+      row.h_true = r.h_true;
+      row.has_hidden = true;
+      built->push_back(std::move(row));
+    }
+  } catch (...) {
+    for (Row& r : *built) release_history(*r.history);
+    for (auto& h : copied)
+      if (h) release_history(*h);
+    throw;
+  }
+  auto change = stage_appended(std::move(built));
+  rows_copied_in_place_ += static_cast<int64_t>(rows.size());
+  return change;
+}
+
+std::unique_ptr<PreparedChange> MtpRows::stage_appended(std::shared_ptr<std::vector<Row>> built) {
+  const int64_t n = static_cast<int64_t>(built->size());
+  try {
     rows_.reserve(rows_.size() + static_cast<size_t>(outstanding_appends_ + n));
   } catch (...) {
     for (Row& r : *built) release_history(*r.history);
@@ -148,9 +212,25 @@ void MtpRows::adopt_prefix(int row, std::span<const int32_t> tokens) {
 void MtpRows::prefill(std::span<const RowPrefill> rows) {
   leave_device_rows();
   check_hidden_row_prefills(rows_, rows, V_, who_,
-                            "the target's " + std::string(hidden_tap_name(tap_)) + " hiddens");
+                            "the target's " + std::string(hidden_tap_name(tap_)) + " hiddens",
+                            true);
+  // From backend memory when every row's hiddens are there, else from the host copies.
+  bool device = true;
+  for (const RowPrefill& p : rows) device = device && p.hidden_device != nullptr;
+  for (const RowPrefill& p : rows)
+    if (!device && p.hidden == nullptr)
+      fail(who_, " prefill: row ", p.row,
+           " gives its hiddens in backend memory only, another row on the host only");
   ids_.clear();
   hid_.clear();
+  // Device rows: the block's hidden input in order, each piece `rows` hiddens from `from` (host
+  // memory for a continuing row's h_true, else the target's backend memory).
+  struct Piece {
+    const float* from;
+    bool host;
+    int64_t rows;
+  };
+  std::vector<Piece> pieces;
   std::vector<int> row_ids;
   std::vector<int64_t> counts;
   for (const RowPrefill& p : rows) {
@@ -160,26 +240,71 @@ void MtpRows::prefill(std::span<const RowPrefill> rows) {
       r.base = p.processed_before + n - 1;
       continue;
     }
-    int64_t count = 0;
-    // A continuing row first pairs its first new token with the hidden before it.
-    if (r.has_hidden) {
-      gather(p.tokens[0], r.h_true.data());
-      ++count;
-    }
-    for (int64_t j = 0; j + 1 < n; ++j) {
-      gather(p.tokens[static_cast<size_t>(j + 1)], p.hidden + j * H_);
-      ++count;
+    // A continuing row first pairs its first new token with the hidden before it; then row
+    // p.processed_before + j pairs token j + 1 with hidden j.
+    const int64_t count = (r.has_hidden ? 1 : 0) + n - 1;
+    if (device) {
+      if (r.has_hidden) {
+        ids_.push_back(p.tokens[0]);
+        pieces.push_back({r.h_true.data(), true, 1});
+      }
+      ids_.insert(ids_.end(), p.tokens.begin() + 1, p.tokens.end());
+      if (n > 1) pieces.push_back({p.hidden_device, false, n - 1});
+    } else {
+      if (r.has_hidden) gather(p.tokens[0], r.h_true.data());
+      for (int64_t j = 0; j + 1 < n; ++j)
+        gather(p.tokens[static_cast<size_t>(j + 1)], p.hidden + j * H_);
     }
     // An adopted row given a single token has no (token, hidden) pair yet.
     if (count == 0) continue;
     row_ids.push_back(p.row);
     counts.push_back(count);
   }
-  if (!row_ids.empty()) run_block(row_ids, counts);
-  for (const RowPrefill& p : rows) {
-    Row& r = rows_[static_cast<size_t>(p.row)];
-    const float* last = p.hidden + (static_cast<int64_t>(p.tokens.size()) - 1) * H_;
-    r.h_true.assign(last, last + H_);
+  // Each row's new h_true, the hidden of its last token.
+  const int64_t R = static_cast<int64_t>(rows.size());
+  const size_t row_bytes = sizeof(float) * static_cast<size_t>(H_);
+  std::vector<const float*> last(rows.size());
+  if (device && R > 0) {
+    // Gathered and read back before the block is queued: the host then waits for the copies
+    // alone, not for the block.
+    last_dev_.grow_to(R * H_);
+    for (int64_t i = 0; i < R; ++i) {
+      const RowPrefill& p = rows[static_cast<size_t>(i)];
+      ops::copy(last_dev_.data() + i * H_,
+                p.hidden_device + (static_cast<int64_t>(p.tokens.size()) - 1) * H_, row_bytes);
+    }
+    last_host_.resize(static_cast<size_t>(R * H_));
+    ops::copy_to_host(last_host_.data(), last_dev_.data(), row_bytes * static_cast<size_t>(R));
+    for (int64_t i = 0; i < R; ++i) last[static_cast<size_t>(i)] = last_host_.data() + i * H_;
+  } else {
+    for (size_t i = 0; i < rows.size(); ++i)
+      last[i] = rows[i].hidden + (static_cast<int64_t>(rows[i].tokens.size()) - 1) * H_;
+  }
+  if (!row_ids.empty()) {
+    if (device) {
+      const int64_t T = static_cast<int64_t>(ids_.size());
+      emb_.grow_to(T * H_);
+      out_.grow_to(T * H_);
+      hid_dev_.grow_to(T * H_);
+      int64_t at = 0;
+      for (const Piece& piece : pieces) {
+        const size_t bytes = row_bytes * static_cast<size_t>(piece.rows);
+        if (piece.host)
+          ops::copy_from_host(hid_dev_.data() + at * H_, piece.from, bytes);
+        else
+          ops::copy(hid_dev_.data() + at * H_, piece.from, bytes);
+        at += piece.rows;
+      }
+      TANDEM_CHECK(at == T, "prefill pieces hold ", at, " hiddens for ", T, " rows");
+      target_.embed(ids_, emb_.data());
+      block_rows(row_ids, counts, emb_.data(), hid_dev_.data(), out_.data());
+    } else {
+      run_block(row_ids, counts);
+    }
+  }
+  for (size_t i = 0; i < rows.size(); ++i) {
+    Row& r = rows_[static_cast<size_t>(rows[i].row)];
+    r.h_true.assign(last[i], last[i] + H_);
     r.has_hidden = true;
   }
 }

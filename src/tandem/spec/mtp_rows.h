@@ -33,6 +33,12 @@ class MtpRows : public DraftRows {
   int row_count() const override { return static_cast<int>(rows_.size()); }
 
   std::unique_ptr<PreparedChange> prepare_append(std::span<const CheckpointPtr> from) override;
+  // From rows of the same subclass and weights whose caches it copies where they live
+  // (copy_histories): the caches copied in backend memory, lengths and h_true on the host, no
+  // checkpoint and no wait for the device. Other sources, or rows with device-side state still
+  // to settle, go through checkpoints (DraftRows' default).
+  std::unique_ptr<PreparedChange> prepare_copy_rows(const DraftRows& from,
+                                                    std::span<const int> rows) override;
   void filter_rows(std::span<const int> keep) override;
   // The row's history starts at the boundary (its MTP rows before it would need the target's
   // hiddens there, which the prefix cache does not keep): rotary positions count from the
@@ -45,6 +51,9 @@ class MtpRows : public DraftRows {
   // yet runs no block: its history starts at the prefill's last token, as adopt_prefix starts it
   // at a boundary (the seeds' convention for GLM's NextN layer).
   void prefill(std::span<const RowPrefill> rows) override;
+  // Given the hiddens in backend memory, the block's input rows are copied there, and only each
+  // row's last hidden (its h_true) comes to the host.
+  bool prefills_from_device() const override { return true; }
   void draft(std::span<const RowDraft> rows, std::vector<DraftProposal>* out) override;
   // Where chains_share_context() and no drafting row wants its distribution: the device chain
   // (queue_device_chain), its proposals read back after the caller's next work.
@@ -89,6 +98,8 @@ class MtpRows : public DraftRows {
   int64_t whole_chains() const { return whole_chains_; }
   // Of those, the chains whose step 0 also computed the last commit's completion rows.
   int64_t folded_chains() const { return folded_chains_; }
+  // Rows appended by prepare_copy_rows as copies in backend memory (not through checkpoints).
+  int64_t rows_copied_in_place() const { return rows_copied_in_place_; }
   // false: each commit computes its completion rows itself, as before folding (tests compare).
   void set_fold_completions(bool on) {
     flush_host_completions();
@@ -117,6 +128,15 @@ class MtpRows : public DraftRows {
   virtual std::unique_ptr<History> restore_history(const Checkpoint& c, int64_t length) = 0;
   // Adds the cache tensors (and any metadata) of the first `length` rows to a checkpoint.
   virtual void save_history(const History& h, int64_t length, Checkpoint& c) const = 0;
+  // Copies of the first lengths[i] rows of histories `from`, which belong to `source`, in order,
+  // where this subclass can copy them in place (same subclass, same block); empty where not (the
+  // caller then uses checkpoints). All or nothing: after a throw nothing stays allocated.
+  virtual std::vector<std::unique_ptr<History>> copy_histories(const MtpRows& source,
+                                                               std::span<const History* const> from,
+                                                               std::span<const int64_t> lengths) {
+    (void)source, (void)from, (void)lengths;
+    return {};
+  }
   // Runs the block over T = Σ counts new rows: rows[i] (holding lengths[i] rows) gets counts[i]
   // rows appended to its history. embeds, hidden, out: [T, H] in backend memory, rows in order.
   virtual void forward_block(const float* embeds, const float* hidden,
@@ -190,6 +210,9 @@ class MtpRows : public DraftRows {
   std::string who_, schema_, ns_;
   HiddenTap tap_;
   std::vector<Row> rows_;
+  // The change that appends `built` (fully built rows) on commit and releases their histories
+  // on dispose.
+  std::unique_ptr<PreparedChange> stage_appended(std::shared_ptr<std::vector<Row>> built);
 
   // Settled rounds, oldest first: their depth and which picks read holds their proposals.
   struct SettledRound {
@@ -244,11 +267,16 @@ class MtpRows : public DraftRows {
   // counts its own); otherwise they are computed now.
   bool take_completions(std::span<const RowDraft> rows);
   int64_t outstanding_appends_ = 0;  // rows of prepared, not yet committed appends
+  int64_t rows_copied_in_place_ = 0;
 
   // Scratch (grown, reused). Buffers are backend memory; vectors are host staging.
   Buffer<float> emb_, hid_dev_, out_;
   Buffer<int32_t> argmax_dev_;
   std::vector<float> hid_, out_host_;
+  // A prefill from the target's hiddens in backend memory: each row's last one gathered
+  // ([rows, H]) and read back in one copy, as the rows' h_true.
+  Buffer<float> last_dev_;
+  std::vector<float> last_host_;
   std::vector<int32_t> ids_;
   std::vector<float> chain_;  // [rows, H] each row's last step output (host)
   // The greedy chain on the device (queue_device_chain): two block outputs used in turn, every

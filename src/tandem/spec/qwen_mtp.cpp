@@ -259,6 +259,28 @@ std::unique_ptr<MtpRows::History> QwenMtpRows::restore_history(const Checkpoint&
   return h;
 }
 
+std::vector<std::unique_ptr<MtpRows::History>> QwenMtpRows::copy_histories(
+    const MtpRows& source, std::span<const History* const> from, std::span<const int64_t> lengths) {
+  const auto* src = dynamic_cast<const QwenMtpRows*>(&source);
+  if (!src || src->block_ != block_) return {};
+  std::vector<const std::vector<int32_t>*> tables;
+  for (const History* h : from) tables.push_back(&static_cast<const KvHistory&>(*h).blocks);
+  std::vector<std::vector<int32_t>> blocks = kv_.copy_from(src->kv_, tables, lengths);
+  std::vector<std::unique_ptr<History>> out;
+  try {
+    for (std::vector<int32_t>& b : blocks) {
+      auto h = std::make_unique<KvHistory>();
+      h->blocks = std::move(b);
+      out.push_back(std::move(h));
+    }
+  } catch (...) {
+    for (auto& h : out) release_history(*h);
+    for (std::vector<int32_t>& b : blocks) kv_.release(b);
+    throw;
+  }
+  return out;
+}
+
 void QwenMtpRows::save_history(const History& h, int64_t length, Checkpoint& c) const {
   c.metadata =
       json{{"hidden_size", H_}, {"kv_heads", kv_.kv_heads()}, {"head_dim", kv_.head_dim()}};

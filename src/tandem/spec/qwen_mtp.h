@@ -105,6 +105,10 @@ class QwenMtpRows : public MtpRows {
   int64_t check_history(const Checkpoint& c) const override;
   std::unique_ptr<History> restore_history(const Checkpoint& c, int64_t length) override;
   void save_history(const History& h, int64_t length, Checkpoint& c) const override;
+  // Rows of another QwenMtpRows of the same block: their KV blocks copied pool to pool.
+  std::vector<std::unique_ptr<History>> copy_histories(const MtpRows& source,
+                                                       std::span<const History* const> from,
+                                                       std::span<const int64_t> lengths) override;
   void forward_block(const float* embeds, const float* hidden, std::span<History* const> rows,
                      std::span<const int64_t> lengths, std::span<const int64_t> counts,
                      float* out) override;
