@@ -3,11 +3,13 @@
 
 #include <algorithm>
 #include <deque>
+#include <map>
 #include <random>
 
 #include "fixture_model.h"
 #include "tandem/backend/ops.h"
 #include "tandem/core/error.h"
+#include "tandem/spec/gram_index.h"
 #include "tandem/spec/ngram.h"
 
 namespace tandem::spec {
@@ -213,6 +215,33 @@ void run_random(const NgramOptions& o, uint32_t seed) {
   }
 }
 
+// The index keeps every distinct n-gram's first start, through the table's growth, and knows no
+// n-gram it was not given.
+TEST(GramIndex, KeepsTheFirstOccurrenceOfEveryNgram) {
+  std::mt19937 rng(7);
+  for (int n : {1, 2, 3, 16}) {
+    std::vector<int32_t> history;
+    GramIndex index(n);
+    std::map<std::vector<int32_t>, int32_t> first;  // the reference
+    for (int len = 1; len <= 3000; ++len) {
+      history.push_back(static_cast<int32_t>(rng() % (n == 16 ? 2 : 5)));
+      if (len < n) continue;
+      const int32_t start = len - n;
+      index.insert(history, start);
+      first.try_emplace(std::vector<int32_t>(history.begin() + start, history.end()), start);
+    }
+    EXPECT_EQ(index.size(), first.size()) << "n = " << n;
+    for (int32_t start = 0; start + n <= static_cast<int32_t>(history.size()); ++start) {
+      const std::vector<int32_t> gram(history.begin() + start, history.begin() + start + n);
+      ASSERT_EQ(index.first(history, start), first.at(gram)) << "n = " << n << " at " << start;
+    }
+    // An n-gram never inserted: a token outside the alphabet.
+    history.push_back(99);
+    EXPECT_EQ(index.first(history, static_cast<int32_t>(history.size()) - n), -1);
+  }
+  EXPECT_EQ(GramIndex(3).first(std::vector<int32_t>{1, 2, 3}, 0), -1);
+}
+
 TEST(Ngram, IncrementalMatchesBruteForce) {
   run_random({1, 3}, 1);
   run_random({1, 1}, 2);
@@ -355,6 +384,55 @@ TEST(Ngram, FilterRowsKeepsListedOrder) {
   ASSERT_EQ(rows->row_count(), 2);
   EXPECT_EQ(rows->capture(0)->tokens, prompts[2]);
   EXPECT_EQ(rows->capture(1)->tokens, prompts[0]);
+}
+
+// Rows copied from a prefill group into a decoding group (the engine's move) are the rows
+// themselves: they capture and draft as rows restored from checkpoints do, the source stays as
+// it was, and a refused copy changes nothing.
+TEST(Ngram, CopiedRowsEqualRestoredRows) {
+  const NgramOptions o{1, 3};
+  std::mt19937 rng(5);
+  auto source = open(o, 3);
+  std::vector<std::vector<int32_t>> prompts(3);
+  std::vector<RowPrefill> pre(3);
+  for (int b = 0; b < 3; ++b) {
+    for (int i = 0; i < 40 + 30 * b; ++i) prompts[b].push_back(static_cast<int32_t>(rng() % 6));
+    pre[b] = {b, prompts[b], nullptr, 0};
+  }
+  source->prefill(pre);
+  auto copied = open(o, 0), restored = open(o, 0);
+  const int bad[] = {0, 3};
+  EXPECT_THROW(copied->copy_rows(*source, bad), Error);
+  EXPECT_EQ(copied->row_count(), 0) << "a refused copy must change nothing";
+  const int rows[] = {2, 0};
+  copied->copy_rows(*source, rows);
+  const CheckpointPtr c[] = {source->capture(2), source->capture(0)};
+  restored->append(c);
+  ASSERT_EQ(copied->row_count(), 2);
+  for (int b = 0; b < 2; ++b) EXPECT_EQ(copied->capture(b)->tokens, c[b]->tokens);
+  EXPECT_EQ(source->capture(0)->tokens, prompts[0]);
+  EXPECT_EQ(source->row_count(), 3);
+  // Rounds on both: the same proposals, from histories that keep growing.
+  int32_t pending[] = {1, 2};
+  for (int round = 0; round < 20; ++round) {
+    std::vector<RowDraft> in;
+    for (int b = 0; b < 2; ++b) in.push_back(draft_in(pending[b], 1 + static_cast<int>(rng() % 5)));
+    std::vector<DraftProposal> a, r;
+    copied->draft(in, &a);
+    restored->draft(in, &r);
+    std::vector<std::vector<int32_t>> windows(2);
+    std::vector<VerifyRow> ver(2);
+    for (int b = 0; b < 2; ++b) {
+      ASSERT_EQ(a[b].tokens, r[b].tokens) << "round " << round << " row " << b;
+      windows[b] = {in[b].pending};
+      windows[b].insert(windows[b].end(), a[b].tokens.begin(), a[b].tokens.end());
+      pending[b] = static_cast<int32_t>(rng() % 6);
+      ver[b] = {windows[b], nullptr, static_cast<int>(rng() % (a[b].tokens.size() + 1)),
+                pending[b]};
+    }
+    copied->commit(ver);
+    restored->commit(ver);
+  }
 }
 
 // The device lookup (ops::ngram_lookup, as settled rounds use it) proposes what the host lookup

@@ -1,16 +1,14 @@
 #include "tandem/spec/ngram.h"
 
-#include <xxhash.h>
-
 #include <algorithm>
 #include <deque>
-#include <unordered_set>
 #include <vector>
 
 #include "tandem/backend/buffer.h"
 #include "tandem/backend/ops.h"
 #include "tandem/backend/readback.h"
 #include "tandem/core/error.h"
+#include "tandem/spec/gram_index.h"
 #include "tandem/spec/token_rows.h"
 
 namespace tandem::spec {
@@ -19,49 +17,19 @@ namespace {
 constexpr const char* kWho = "ngram drafter";
 constexpr int kMaxN = 16;
 
-// An index entry is the start of an n-gram inside the row's history; hashing and equality read
-// the n tokens there. The set keeps the first entry of each distinct n-gram, and starts are
-// inserted in increasing order, so the entry found for any n-gram is its earliest occurrence.
-struct GramHash {
-  const std::vector<int32_t>* history;
-  int n;
-  size_t operator()(int32_t start) const {
-    return static_cast<size_t>(
-        XXH3_64bits(history->data() + start, static_cast<size_t>(n) * sizeof(int32_t)));
-  }
-};
-
-struct GramEq {
-  const std::vector<int32_t>* history;
-  int n;
-  bool operator()(int32_t a, int32_t b) const {
-    if (a == b) return true;
-    const int32_t* h = history->data();
-    return std::equal(h + a, h + a + n, h + b);
-  }
-};
-
-using GramIndex = std::unordered_set<int32_t, GramHash, GramEq>;
-
-// One row's state. Its indexes point at its own history, so a Row never moves (rows are held by
-// unique_ptr).
+// One row's state: its history and, for each n, the first occurrence of every n-gram in it.
 class Row : public TokenHistory {
  public:
   explicit Row(const NgramOptions& o) : min_n_(o.min_n) {
-    for (int n = o.min_n; n <= o.max_n; ++n)
-      index_.emplace_back(16, GramHash{&history(), n}, GramEq{&history(), n});
+    for (int n = o.min_n; n <= o.max_n; ++n) index_.emplace_back(n);
   }
-  Row(const Row&) = delete;
-  Row& operator=(const Row&) = delete;
 
   // Appends a token and indexes every n-gram that now ends at it.
   void push(int32_t token) {
     TokenHistory::push(token);
     const int64_t len = static_cast<int64_t>(history().size());
-    for (size_t i = 0; i < index_.size(); ++i) {
-      const int n = min_n_ + static_cast<int>(i);
-      if (len >= n) index_[i].insert(static_cast<int32_t>(len - n));
-    }
+    for (GramIndex& index : index_)
+      if (len >= index.n()) index.insert(history(), static_cast<int32_t>(len - index.n()));
   }
 
   std::vector<int32_t> lookup(int depth) const {
@@ -73,10 +41,10 @@ class Row : public TokenHistory {
       const int n = min_n_ + i;
       if (n >= len) continue;  // the trailing n-gram is the whole history: nothing earlier
       const int32_t tail = static_cast<int32_t>(len - n);
-      const auto it = index_[i].find(tail);
-      TANDEM_CHECK(it != index_[i].end(), "trailing n-gram not indexed");
-      if (*it == tail) continue;  // its first occurrence is itself
-      const int64_t from = *it + n;
+      const int32_t first = index_[static_cast<size_t>(i)].first(h, tail);
+      TANDEM_CHECK(first >= 0, "trailing n-gram not indexed");
+      if (first == tail) continue;  // its first occurrence is itself
+      const int64_t from = first + n;
       const int64_t to = std::min<int64_t>(from + depth, len);
       out.assign(h.begin() + from, h.begin() + to);
       return out;
@@ -103,6 +71,11 @@ class NgramRows final : public TokenRows<Row> {
   std::unique_ptr<PreparedChange> prepare_append(std::span<const CheckpointPtr> from) override {
     leave_device("append");
     return TokenRows::prepare_append(from);
+  }
+  std::unique_ptr<PreparedChange> prepare_copy_rows(const DraftRows& from,
+                                                    std::span<const int> rows) override {
+    leave_device("append");
+    return TokenRows::prepare_copy_rows(from, rows);
   }
   void filter_rows(std::span<const int> keep) override {
     leave_device("filter_rows");

@@ -81,6 +81,32 @@ class TokenRows : public DraftRows {
         [built] { built->clear(); });
   }
 
+  // Rows of another TokenRows of this row type and namespace that have not seen their pending
+  // token (a prefill group's): the rows themselves copied, history and index, instead of rebuilt
+  // token by token from a checkpoint. Others go through checkpoints (DraftRows' default).
+  std::unique_ptr<PreparedChange> prepare_copy_rows(const DraftRows& from,
+                                                    std::span<const int> rows) override {
+    const auto* source = dynamic_cast<const TokenRows*>(&from);
+    bool in_place = source != nullptr && source != this && source->ns_ == ns_ &&
+                    source->unresolved_rounds() == 0;
+    for (int b : rows) {
+      if (b < 0 || b >= from.row_count())
+        fail(who_, " copy_rows: row ", b, " does not exist (", from.row_count(), " rows)");
+      in_place = in_place && !source->rows_[static_cast<size_t>(b)]->pending_known();
+    }
+    if (!in_place) return DraftRows::prepare_copy_rows(from, rows);
+    auto built = std::make_shared<std::vector<std::unique_ptr<Row>>>();
+    built->reserve(rows.size());
+    for (int b : rows)
+      built->push_back(std::make_unique<Row>(*source->rows_[static_cast<size_t>(b)]));
+    rows_.reserve(rows_.size() + built->size());
+    return std::make_unique<CallbackChange>(
+        [this, built] {
+          for (auto& r : *built) rows_.push_back(std::move(r));
+        },
+        [built] { built->clear(); });
+  }
+
   void filter_rows(std::span<const int> keep) override {
     std::vector<bool> seen(rows_.size(), false);
     for (int k : keep) {

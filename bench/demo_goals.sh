@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Issue 19's demo figures, for one binary or several alternated (an A/B in one sitting): speed-up
+# end to end and decode only against plain decoding of the same run, and where each batch's time
+# goes (bench-spec --json group_ms, ms per batch):
+#   - MTP (the demo's own layer) on its held-out prompts, depth 3, at batch 1 and at 8 rows;
+#   - n-gram lookup on the code-edit prompts, depth 6, batch 1.
+# Every run checks its tokens against plain decoding (identical_to_plain).
+#
+# Usage: bench/demo_goals.sh TANDEM [TANDEM ...]
+#   Defaults: ./build/tandem. BACKEND defaults to cuda when nvidia-smi works, else cpu.
+# Environment: ROUNDS (alternations, default 2), MODEL (default models/qwen35-demo),
+#   REPEATS (bench-spec --repeats, default 3).
+# Prints one line per run: the binary, the setting, then the figures as JSON.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+[ $# -gt 0 ] || set -- ./build/tandem
+rounds=${ROUNDS:-2}
+model=${MODEL:-models/qwen35-demo}
+repeats=${REPEATS:-3}
+if [ -z "${BACKEND:-}" ]; then
+  if nvidia-smi > /dev/null 2>&1; then BACKEND=cuda; else BACKEND=cpu; fi
+fi
+for t in "$@"; do
+  [ -x "$t" ] || { echo "demo_goals: no tandem binary at $t" >&2; exit 2; }
+done
+[ -d "$model" ] || { echo "demo_goals: no model directory $model" >&2; exit 2; }
+
+summary='import json,sys
+for r in json.load(sys.stdin):
+    if r.get("draft") == "none":
+        continue
+    g = {k: round(v, 3) for k, v in (r.get("group_ms") or {}).items()}
+    print(json.dumps({"speedup": round(r["speedup"], 3), "decode_speedup":
+        round(r["decode_speedup"], 3), "identical": r.get("identical_to_plain"), "group_ms": g}))'
+
+# setting: drafter, prompts, depth, batch
+settings=("mtp $model/prompts.jsonl 3 1" "mtp $model/prompts.jsonl 3 8"
+          "ngram bench/prompts/code-edit.jsonl 6 1")
+for round in $(seq 1 "$rounds"); do
+  for setting in "${settings[@]}"; do
+    read -r draft prompts depth batch <<< "$setting"
+    for t in "$@"; do
+      printf '%s round %s %s depth %s batch %s: ' "$t" "$round" "$draft" "$depth" "$batch"
+      "$t" bench-spec --backend "$BACKEND" --model "$model" --prompts-file "$prompts" \
+        --drafts "$draft" --depths "$depth" --batch "$batch" --max-tokens 64 \
+        --repeats "$repeats" --json | python3 -c "$summary"
+    done
+  done
+done
