@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "tandem/backend/ops.h"
+#include "tandem/core/env_switch.h"
 #include "tandem/core/error.h"
 #include "tandem/core/sampler.h"
 
@@ -92,6 +93,23 @@ INSTANTIATE_TEST_SUITE_P(Shapes, LinearTest,
                                            std::make_tuple(DType::BF16, 5, 100),
                                            std::make_tuple(DType::F16, 9, 48),
                                            std::make_tuple(DType::F16, 4, 15)));
+
+// The A/B switches (TANDEM_CUDA_GRAPHS=0 and the like): on unless set to exactly their off value.
+TEST(EnvSwitch, OnUnlessSetToItsOffValue) {
+  const char* name = "TANDEM_TEST_ENV_SWITCH";
+  unsetenv(name);
+  EXPECT_TRUE(env_switch_on(name));
+  for (const char* on : {"", "1", "00", "off", "bf16"}) {
+    setenv(name, on, 1);
+    EXPECT_TRUE(env_switch_on(name)) << "'" << on << "'";
+  }
+  setenv(name, "0", 1);
+  EXPECT_FALSE(env_switch_on(name));
+  EXPECT_TRUE(env_switch_on(name, "bf16"));
+  setenv(name, "bf16", 1);
+  EXPECT_FALSE(env_switch_on(name, "bf16"));
+  unsetenv(name);
+}
 
 TEST(Ops, SampleRowsIsTheSamplerOfEachRow) {
   // Rows of different logits, parameters and keys, in parallel: each row's token is the one

@@ -12,6 +12,7 @@
 
 #include "tandem/backend/cpu/cpu_ops.h"
 #include "tandem/backend/cpu/memory_bandwidth.h"
+#include "tandem/core/env_switch.h"
 #include "tandem/core/error.h"
 #include "tandem/core/sampler.h"
 #ifdef TANDEM_HAVE_CUDA
@@ -233,11 +234,7 @@ void synchronize() {
 }
 
 namespace {
-bool graphs_default() {
-  const char* v = std::getenv("TANDEM_CUDA_GRAPHS");
-  return !(v && std::string_view(v) == "0");
-}
-bool g_graphs = graphs_default();
+bool g_graphs = env_switch_on("TANDEM_CUDA_GRAPHS");
 }  // namespace
 
 bool graphs_enabled() {

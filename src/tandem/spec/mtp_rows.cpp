@@ -6,16 +6,14 @@
 #include <string_view>
 
 #include "tandem/backend/ops.h"
+#include "tandem/core/env_switch.h"
 #include "tandem/core/error.h"
 #include "tandem/spec/hidden_rows.h"
 
 namespace tandem::spec {
 
 bool MtpRows::fold_completions_default() {
-  static const bool on = [] {
-    const char* v = std::getenv("TANDEM_MTP_FOLD");
-    return !(v && std::string_view(v) == "0");
-  }();
+  static const bool on = env_switch_on("TANDEM_MTP_FOLD");
   return on;
 }
 

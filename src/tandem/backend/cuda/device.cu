@@ -15,6 +15,7 @@
 #include "tandem/backend/cuda/check.cuh"
 #include "tandem/backend/cuda/cuda_ops.h"
 #include "tandem/core/dtype.h"
+#include "tandem/core/env_switch.h"
 #include "tandem/core/error.h"
 
 namespace tandem::cuda {
@@ -24,11 +25,7 @@ namespace {
 // (BENCHMARKS.md, 2026-11-30 fifth session) it speeds a batch-1 decode step up from 4.77 to
 // 4.60 ms; a 4-token verify window, whose projections are separated by norm kernels, gains less
 // (5.16 to 5.09 ms with the gated norm releasing first), and stays at 1.11x a step.
-bool pdl_default() {
-  const char* v = std::getenv("TANDEM_CUDA_PDL");
-  return !(v && std::string_view(v) == "0");
-}
-bool g_pdl = pdl_default();
+bool g_pdl = env_switch_on("TANDEM_CUDA_PDL");
 }  // namespace
 
 bool pdl_enabled() {
@@ -178,10 +175,7 @@ namespace {
 // On unless TANDEM_CUDA_KERNEL_READBACK=0, which sends every readback through the copy engine
 // (for comparing the two).
 bool kernel_readback_enabled() {
-  static const bool on = [] {
-    const char* v = std::getenv("TANDEM_CUDA_KERNEL_READBACK");
-    return !(v && std::string_view(v) == "0");
-  }();
+  static const bool on = env_switch_on("TANDEM_CUDA_KERNEL_READBACK");
   return on;
 }
 

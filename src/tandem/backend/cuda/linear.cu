@@ -64,6 +64,7 @@
 #include "tandem/backend/cuda/lt.cuh"
 #include "tandem/backend/cuda/row_norm.cuh"
 #include "tandem/backend/cuda/scratch.cuh"
+#include "tandem/core/env_switch.h"
 #include "tandem/core/error.h"
 
 namespace tandem::cuda {
@@ -857,10 +858,7 @@ void check_weight(int64_t m, const ops::WeightRef& w, InputNorm norm) {
 // 0.4-0.9% slower (BENCHMARKS.md). TANDEM_CUDA_L2_PREFETCH=0 in the environment turns it off
 // (A/B timing). A hint: w is only read, by the L2, never by the kernel.
 L2Prefetch l2_prefetch(const ops::WeightRef* w, int64_t m) {
-  static const bool enabled = [] {
-    const char* v = std::getenv("TANDEM_CUDA_L2_PREFETCH");
-    return !(v && std::string_view(v) == "0");
-  }();
+  static const bool enabled = env_switch_on("TANDEM_CUDA_L2_PREFETCH");
   if (!enabled || !w || !w->data || m > kTileRows) return {};
   const auto begin = reinterpret_cast<uintptr_t>(w->data);
   const uintptr_t end = begin + static_cast<uintptr_t>(w->rows * w->cols) * dtype_size(w->dtype);

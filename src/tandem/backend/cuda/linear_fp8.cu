@@ -36,6 +36,7 @@
 #include "tandem/backend/cuda/cuda_ops.h"
 #include "tandem/backend/cuda/lt.cuh"
 #include "tandem/backend/cuda/scratch.cuh"
+#include "tandem/core/env_switch.h"
 
 namespace tandem::cuda {
 
@@ -336,10 +337,7 @@ ops::WeightRef dequantised_bf16(const ops::WeightRef& w) {
 // --- Prompt prefill on the FP8 tensor cores ----------------------------------------------------
 
 bool fp8_prefill_wanted() {
-  static const bool on = [] {
-    const char* v = std::getenv("TANDEM_CUDA_FP8_PREFILL");
-    return !(v && std::string_view(v) == "bf16");
-  }();
+  static const bool on = env_switch_on("TANDEM_CUDA_FP8_PREFILL", "bf16");
   return on;
 }
 

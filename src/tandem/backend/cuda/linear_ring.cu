@@ -37,6 +37,7 @@
 
 #include "tandem/backend/cuda/check.cuh"
 #include "tandem/backend/cuda/linear_mma.cuh"
+#include "tandem/core/env_switch.h"
 #include "tandem/core/error.h"
 
 namespace tandem::cuda {
@@ -252,10 +253,7 @@ void launch_ring(const uint16_t* xs, int m, const uint16_t* w, int N, int K, con
 
 bool ring_takes(int m) {
   // TANDEM_CUDA_RING=0 keeps these rows on the register kernel (A/B timing).
-  static const bool enabled = [] {
-    const char* v = std::getenv("TANDEM_CUDA_RING");
-    return !(v && std::string_view(v) == "0");
-  }();
+  static const bool enabled = env_switch_on("TANDEM_CUDA_RING");
   return enabled && m > kTileRows && m <= 2 * kTileRows;
 }
 

@@ -38,6 +38,7 @@
 #include "tandem/backend/cuda/async_copy.cuh"
 #include "tandem/backend/cuda/check.cuh"
 #include "tandem/backend/cuda/linear_mma.cuh"
+#include "tandem/core/env_switch.h"
 #include "tandem/core/error.h"
 
 namespace tandem::cuda {
@@ -504,8 +505,7 @@ void launch_tiles(const uint16_t* xs, int m, const uint16_t* w, int N, int K, co
 bool wgmma_tiles() {
 #if defined(TANDEM_CUDA_WGMMA)
   static const bool enabled = [] {
-    const char* v = std::getenv("TANDEM_CUDA_WGMMA");
-    if (v && std::string_view(v) == "0") return false;
+    if (!env_switch_on("TANDEM_CUDA_WGMMA")) return false;
     int device = 0, major = 0, minor = 0;
     return cudaGetDevice(&device) == cudaSuccess &&
            cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) ==
@@ -552,10 +552,7 @@ void linear_tiles_classes(const uint16_t* xs, int m, const uint16_t* w, int N, i
 }  // namespace
 
 bool tiles_enabled() {
-  static const bool enabled = [] {
-    const char* v = std::getenv("TANDEM_CUDA_TILES");
-    return !(v && std::string_view(v) == "0");
-  }();
+  static const bool enabled = env_switch_on("TANDEM_CUDA_TILES");
   return enabled;
 }
 

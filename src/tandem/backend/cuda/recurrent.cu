@@ -19,6 +19,7 @@
 #include "tandem/backend/cuda/async_copy.cuh"
 #include "tandem/backend/cuda/check.cuh"
 #include "tandem/backend/cuda/cuda_ops.h"
+#include "tandem/core/env_switch.h"
 #include "tandem/core/error.h"
 
 namespace tandem::cuda {
@@ -1178,10 +1179,7 @@ void with_delta_layout(int64_t dk, WithKernel&& with_kernel) {
 // least one full wave of blocks (8 rows and more of the 9B shape), else one, so small batches
 // keep every SM busy and large ones keep more state in flight per block.
 bool short_rows_take(const DeltaArgs& g, int64_t max_n) {
-  static const bool enabled = [] {
-    const char* v = std::getenv("TANDEM_CUDA_DELTA_SHORT");
-    return !(v && std::string_view(v) == "0");
-  }();
+  static const bool enabled = env_switch_on("TANDEM_CUDA_DELTA_SHORT");
   return enabled && max_n <= kShortRowTokens && !prefill_mode() && g.copy16 &&
          (g.dk == 64 || g.dk == 128) && g.dv % 16 == 0;
 }
