@@ -467,6 +467,91 @@ TEST_F(CudaModelTest, MtpSettledRoundsEqualHostRounds) {
   }
 }
 
+// The MTP rows' way into an engine's decoding group on the GPU: prefilled from the target's
+// hiddens where they are (RowPrefill::hidden_device) and copied between groups pool to pool
+// (DraftRows::copy_rows), the rows hold bit for bit what host hiddens and checkpoints give them,
+// and draft the same.
+TEST_F(CudaModelTest, MtpRowsFromDeviceHiddensAndCopiesEqualHostPaths) {
+  ScopedBackend cuda(ops::Backend::Cuda);
+  Demo& d = cuda_demo();
+  const ops::ContextScope scope(d.model->context());
+  const int64_t H = d.model->config().hidden_size;
+  std::vector<std::vector<int32_t>> prompts;
+  std::vector<std::vector<float>> hidden;
+  std::vector<Buffer<float>> hidden_dev;
+  for (int b = 0; b < 3; ++b) {
+    prompts.push_back(d.tok->encode(kPrompts[static_cast<size_t>(b)]));
+    Qwen35State st(d.model->config());
+    const RowInput row{st.open_row(), static_cast<int64_t>(prompts.back().size())};
+    ForwardOutput out;
+    d.model->forward(st, {prompts.back(), {&row, 1}, false, true}, &out);
+    hidden.push_back(out.hidden);
+    hidden_dev.emplace_back(static_cast<int64_t>(out.hidden.size()));
+    ops::copy_from_host(hidden_dev.back().data(), out.hidden.data(),
+                        sizeof(float) * out.hidden.size());
+  }
+  auto open = [&](int cold) {
+    std::unique_ptr<spec::DraftRows> rows = d.mtp->open_rows(*d.target);
+    rows->append(std::vector<spec::CheckpointPtr>(static_cast<size_t>(cold)));
+    return rows;
+  };
+  auto host = open(3), device = open(3);
+  for (bool on_device : {false, true}) {
+    std::vector<spec::RowPrefill> pre;
+    for (int b = 0; b < 3; ++b) {
+      spec::RowPrefill p{b, prompts[static_cast<size_t>(b)], nullptr, 0};
+      if (on_device)
+        p.hidden_device = hidden_dev[static_cast<size_t>(b)].data();
+      else
+        p.hidden = hidden[static_cast<size_t>(b)].data();
+      pre.push_back(p);
+    }
+    (on_device ? device : host)->prefill(pre);
+  }
+  auto same = [](const spec::Checkpoint& a, const spec::Checkpoint& b) {
+    if (a.processed_tokens != b.processed_tokens || a.tensors.size() != b.tensors.size())
+      return false;
+    for (const auto& [name, t] : a.tensors) {
+      const auto it = b.tensors.find(name);
+      if (it == b.tensors.end() || it->second.shape != t.shape ||
+          std::memcmp(it->second.data.data(), t.data.data(), sizeof(float) * t.data.size()) != 0)
+        return false;
+    }
+    return true;
+  };
+  for (int b = 0; b < 3; ++b)
+    EXPECT_TRUE(same(*device->capture(b), *host->capture(b))) << "row " << b;
+
+  auto copied = open(1), restored = open(1);
+  const int rows[] = {2, 0};
+  copied->copy_rows(*device, rows);
+  const spec::CheckpointPtr ckpts[] = {device->capture(2), device->capture(0)};
+  restored->append(ckpts);
+  const auto* qwen = dynamic_cast<const spec::MtpRows*>(copied.get());
+  ASSERT_NE(qwen, nullptr);
+  EXPECT_EQ(qwen->rows_copied_in_place(), 2);
+  for (int b = 1; b < 3; ++b)
+    EXPECT_TRUE(same(*copied->capture(b), *restored->capture(b))) << "row " << b;
+  const int32_t pending[] = {11, prompts[2].back(), prompts[0].back()};
+  std::vector<spec::RowDraft> drafts(3);
+  for (int b = 0; b < 3; ++b) {
+    drafts[static_cast<size_t>(b)].pending = pending[b];
+    drafts[static_cast<size_t>(b)].depth = 3;
+  }
+  // The cold first row has nothing to draft from; give both groups the same.
+  const std::vector<int32_t> one = {pending[0]};
+  const std::vector<float> h0(static_cast<size_t>(H), 0.5f);
+  const spec::RowPrefill cold{0, one, h0.data(), 0};
+  copied->prefill({&cold, 1});
+  restored->prefill({&cold, 1});
+  drafts[0].pending = 12;
+  std::vector<spec::DraftProposal> a, r;
+  copied->draft(drafts, &a);
+  restored->draft(drafts, &r);
+  for (int b = 0; b < 3; ++b)
+    EXPECT_EQ(a[static_cast<size_t>(b)].tokens, r[static_cast<size_t>(b)].tokens) << "row " << b;
+}
+
 // A token's logits next to 1, 7, 31 and 255 other rows: decoded one step at a time with every
 // row taking one token, and in a verify window of 4 while the others take one token, they are
 // bitwise those of the token alone. Together the batches pass through every m-tile count of the

@@ -98,7 +98,8 @@ class MtpRows : public DraftRows {
   int64_t whole_chains() const { return whole_chains_; }
   // Of those, the chains whose step 0 also computed the last commit's completion rows.
   int64_t folded_chains() const { return folded_chains_; }
-  // Rows appended by prepare_copy_rows as copies in backend memory (not through checkpoints).
+  // Rows prepare_copy_rows copied in backend memory rather than through checkpoints (counted
+  // when prepared, whether or not the change then committed).
   int64_t rows_copied_in_place() const { return rows_copied_in_place_; }
   // false: each commit computes its completion rows itself, as before folding (tests compare).
   void set_fold_completions(bool on) {
