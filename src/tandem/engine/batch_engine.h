@@ -101,7 +101,7 @@ struct EngineCounters {
   // and the rest of the engine's steps: admissions, reads of queued work when rows change,
   // rows leaving, requests finishing.
   double drafter_prefill_seconds = 0, row_change_seconds = 0;
-  double drafter_move_seconds = 0;  // of drafter_prefill_seconds: the rows' move (checkpoints)
+  double drafter_move_seconds = 0;  // of drafter_prefill_seconds: the rows' move
   // Of decode_seconds, the speculative rounds' phases: drafting, the verify forward, the accept
   // walk (and emitting), the commit of target and drafter. Host wall time: without
   // SpecOptions::sync_phases, device work a phase queues may be waited for in a later one.

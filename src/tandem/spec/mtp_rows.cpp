@@ -64,10 +64,16 @@ void MtpRows::draft_logits(const float* hidden, int64_t n, float* out) const {
 void MtpRows::run_block(const std::vector<int>& row_ids, const std::vector<int64_t>& counts) {
   const int64_t T = static_cast<int64_t>(ids_.size());
   TANDEM_CHECK(static_cast<int64_t>(hid_.size()) == T * H_);
-  emb_.grow_to(T * H_);
-  out_.grow_to(T * H_);
   hid_dev_.grow_to(T * H_);
   ops::copy_from_host(hid_dev_.data(), hid_.data(), sizeof(float) * static_cast<size_t>(T * H_));
+  run_block_on_device(row_ids, counts);
+}
+
+void MtpRows::run_block_on_device(const std::vector<int>& row_ids,
+                                  const std::vector<int64_t>& counts) {
+  const int64_t T = static_cast<int64_t>(ids_.size());
+  emb_.grow_to(T * H_);
+  out_.grow_to(T * H_);
   target_.embed(ids_, emb_.data());
   block_rows(row_ids, counts, emb_.data(), hid_dev_.data(), out_.data());
 }
@@ -281,8 +287,6 @@ void MtpRows::prefill(std::span<const RowPrefill> rows) {
   if (!row_ids.empty()) {
     if (device) {
       const int64_t T = static_cast<int64_t>(ids_.size());
-      emb_.grow_to(T * H_);
-      out_.grow_to(T * H_);
       hid_dev_.grow_to(T * H_);
       int64_t at = 0;
       for (const Piece& piece : pieces) {
@@ -294,8 +298,7 @@ void MtpRows::prefill(std::span<const RowPrefill> rows) {
         at += piece.rows;
       }
       TANDEM_CHECK(at == T, "prefill pieces hold ", at, " hiddens for ", T, " rows");
-      target_.embed(ids_, emb_.data());
-      block_rows(row_ids, counts, emb_.data(), hid_dev_.data(), out_.data());
+      run_block_on_device(row_ids, counts);
     } else {
       run_block(row_ids, counts);
     }

@@ -319,6 +319,8 @@ class MtpRows : public DraftRows {
   // Runs the block over the pairs gathered in ids_ / hid_ (rows in `row_ids` order, counts[i]
   // pairs for row_ids[i]), appending them to each row's history; out_ receives [Σ counts, H].
   void run_block(const std::vector<int>& row_ids, const std::vector<int64_t>& counts);
+  // The same with the pairs' hiddens already in hid_dev_ ([ids_.size(), H], backend memory).
+  void run_block_on_device(const std::vector<int>& row_ids, const std::vector<int64_t>& counts);
   // Runs the block over embeds / hidden ([Σ counts, H], backend memory) for rows `row_ids`,
   // appending counts[i] rows to row_ids[i]'s history; out receives [Σ counts, H].
   void block_rows(const std::vector<int>& row_ids, const std::vector<int64_t>& counts,

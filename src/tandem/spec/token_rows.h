@@ -72,13 +72,7 @@ class TokenRows : public DraftRows {
       }
       built->push_back(std::move(row));
     }
-    // Reserved now so that commit, which must not throw, never allocates.
-    rows_.reserve(rows_.size() + built->size());
-    return std::make_unique<CallbackChange>(
-        [this, built] {
-          for (auto& r : *built) rows_.push_back(std::move(r));
-        },
-        [built] { built->clear(); });
+    return stage_appended(std::move(built));
   }
 
   // Rows of another TokenRows of this row type and namespace that have not seen their pending
@@ -99,12 +93,7 @@ class TokenRows : public DraftRows {
     built->reserve(rows.size());
     for (int b : rows)
       built->push_back(std::make_unique<Row>(*source->rows_[static_cast<size_t>(b)]));
-    rows_.reserve(rows_.size() + built->size());
-    return std::make_unique<CallbackChange>(
-        [this, built] {
-          for (auto& r : *built) rows_.push_back(std::move(r));
-        },
-        [built] { built->clear(); });
+    return stage_appended(std::move(built));
   }
 
   void filter_rows(std::span<const int> keep) override {
@@ -223,6 +212,18 @@ class TokenRows : public DraftRows {
  private:
   std::string who_, schema_, ns_;
   std::vector<std::unique_ptr<Row>> rows_;
+
+  // The change that appends `built` (fully built rows) on commit; disposing drops them.
+  std::unique_ptr<PreparedChange> stage_appended(
+      std::shared_ptr<std::vector<std::unique_ptr<Row>>> built) {
+    // Reserved now so that commit, which must not throw, never allocates.
+    rows_.reserve(rows_.size() + built->size());
+    return std::make_unique<CallbackChange>(
+        [this, built] {
+          for (auto& r : *built) rows_.push_back(std::move(r));
+        },
+        [built] { built->clear(); });
+  }
 };
 
 }  // namespace tandem::spec
