@@ -13,6 +13,11 @@ share of every kernel in it, and per kernel kind (unit and launch shape) the cou
   TANDEM_CUDA_TRACE_OUT=/tmp/marks.txt ./build-trace/tandem bench --backend cuda \\
       --random-weights bench/configs/qwen35-9b.json --gen-tokens 64 --repeats 1
   tools/kernel_timeline.py /tmp/marks.txt [--end-unit sampling] [--positions]
+
+With --gaps US it lists instead the runs of kernels that follow each other with less than US
+between their marks (a graph, or launches the host queued back to back), each with its span, its
+units and the gap after it: where the device waited for the host. The runs repeat per round, so
+the most common run sequences are summarised by their medians.
 """
 import argparse
 import collections
@@ -38,9 +43,13 @@ def main():
     ap.add_argument("marks", help="file written through TANDEM_CUDA_TRACE_OUT")
     ap.add_argument("--end-unit", default="sampling", help="unit whose kernel ends a step")
     ap.add_argument("--positions", action="store_true", help="also list every kernel of the step")
+    ap.add_argument("--gaps", type=float, metavar="US",
+                    help="list runs of kernels separated by more than US microseconds instead")
     args = ap.parse_args()
 
     marks = read_marks(args.marks)
+    if args.gaps is not None:
+        return print_runs(marks, args.gaps)
     ends = [i for i, (_, kind) in enumerate(marks) if kind.startswith(args.end_unit + ":")]
     if len(ends) < 2:
         sys.exit(f"fewer than two '{args.end_unit}' kernels among {len(marks)} marks: no step")
@@ -69,6 +78,53 @@ def main():
     print(f"{'kernel (unit:grid/block)':<45} {'count':>5} {'total us':>9} {'mean us':>8}")
     for kind, v in sorted(kinds.items(), key=lambda kv: -sum(kv[1])):
         print(f"{kind:<45} {len(v):5d} {sum(v):9.1f} {sum(v) / len(v):8.2f}")
+
+
+def print_runs(marks, gap_us):
+    runs = [[marks[0]]]
+    for prev, mark in zip(marks, marks[1:]):
+        if (mark[0] - prev[0]) / 1e3 > gap_us:
+            runs.append([])
+        runs[-1].append(mark)
+    # A run's label: its kernel count and its units in order of first appearance.
+    def label(run):
+        units = list(dict.fromkeys(kind.split(":")[0] for _, kind in run))
+        return f"{len(run)} kernels: {' '.join(units[:6])}{' ...' if len(units) > 6 else ''}"
+    rows = []
+    for i, run in enumerate(runs):
+        span = (run[-1][0] - run[0][0]) / 1e3
+        after = (runs[i + 1][0][0] - run[-1][0]) / 1e3 if i + 1 < len(runs) else 0.0
+        rows.append((label(run), span, after))
+    print(f"{len(marks)} marks in {len(runs)} runs separated by more than {gap_us} us")
+    by_label = collections.defaultdict(list)
+    for lab, span, after in rows:
+        by_label[lab].append((span, after))
+    print(f"{'run':<70} {'count':>5} {'span us':>8} {'gap after':>9}")
+    for lab, v in sorted(by_label.items(), key=lambda kv: -len(kv[1])):
+        print(f"{lab:<70} {len(v):5d} {statistics.median(s for s, _ in v):8.1f} "
+              f"{statistics.median(a for _, a in v):9.1f}")
+    # The cycle of runs that covers most of the timeline without overlapping itself (a round);
+    # the shortest wins a tie, so two rounds never pass for one.
+    labels = [lab for lab, _, _ in rows]
+    best = (0, ())
+    for length in range(1, 13):
+        seen = collections.Counter(tuple(labels[i:i + length])
+                                   for i in range(len(labels) - length + 1))
+        for cycle, _ in seen.most_common(8):
+            i, count = 0, 0
+            while i + length <= len(labels):
+                if tuple(labels[i:i + length]) == cycle:
+                    count, i = count + 1, i + length
+                else:
+                    i += 1
+            if count * length > best[0]:
+                best = (count * length, cycle, count)
+    _, cycle, count = best
+    print(f"most common cycle ({count} times):")
+    for lab in cycle:
+        v = by_label[lab]
+        print(f"  {lab:<68} span {statistics.median(s for s, _ in v):7.1f} us, "
+              f"gap after {statistics.median(a for _, a in v):6.1f} us")
 
 
 if __name__ == "__main__":

@@ -80,5 +80,57 @@ TEST_F(CudaReadback, SynchronousReadsReturnTheDeviceBytes) {
     }
 }
 
+// ops::copy_to_host of several reads, one wait: reads of every size and alignment side by side,
+// more small reads than the staging holds (the rest through the copy engine), a read of zero
+// bytes, each into its own unaligned pageable destination; every read sees the kernel queued
+// before it.
+TEST_F(CudaReadback, SeveralReadsInOneWaitReturnEachReadsBytes) {
+  ScopedBackend cuda(ops::Backend::Cuda);
+  const std::vector<uint8_t> host = patterned_bytes(53, 5, 241);
+  DeviceBuffer<uint8_t> dev(host);
+  struct Case {
+    size_t offset, bytes;
+  };
+  const std::vector<std::vector<Case>> calls = {
+      {{0, 4}, {3, 17}, {16, 4096}, {1, 1}},
+      {{0, 0}, {5, 48}},
+      {{0, cuda::kKernelReadbackBytes / 2},
+       {7, cuda::kKernelReadbackBytes / 2},
+       {9, cuda::kKernelReadbackBytes / 2 + 3},
+       {2, 33}},
+      {{0, cuda::kKernelReadbackBytes + 16}, {1, 100}},
+  };
+  for (size_t c = 0; c < calls.size(); ++c) {
+    std::vector<std::vector<uint8_t>> got;
+    std::vector<ops::HostRead> reads;
+    for (const Case& k : calls[c]) got.emplace_back(k.bytes + 2, uint8_t{0});
+    for (size_t i = 0; i < calls[c].size(); ++i)
+      reads.push_back({got[i].data() + 1, dev.get() + calls[c][i].offset, calls[c][i].bytes});
+    ops::copy_to_host(reads.data(), reads.size());
+    for (size_t i = 0; i < calls[c].size(); ++i) {
+      const Case& k = calls[c][i];
+      for (size_t b = 0; b < k.bytes; ++b)
+        ASSERT_EQ(got[i][1 + b], host[k.offset + b])
+            << "call " << c << " read " << i << " at " << b;
+      EXPECT_EQ(got[i][0], 0) << "call " << c << " read " << i << " wrote before its destination";
+      EXPECT_EQ(got[i][k.bytes + 1], 0) << "call " << c << " read " << i << " wrote past its end";
+    }
+  }
+  // Each read of a call sees what the kernels queued before the call wrote.
+  std::vector<float> x(300);
+  std::iota(x.begin(), x.end(), 1.0f);
+  DeviceBuffer<float> a(x);
+  for (int round = 1; round <= 20; ++round) {
+    ops::scale(a.get(), static_cast<int64_t>(x.size()), 2.0f);
+    for (float& v : x) v *= 2.0f;
+    std::vector<float> head(100), tail(200);
+    const ops::HostRead reads[] = {{head.data(), a.get(), sizeof(float) * 100},
+                                   {tail.data(), a.get() + 100, sizeof(float) * 200}};
+    ops::copy_to_host(reads, 2);
+    for (size_t i = 0; i < 100; ++i) ASSERT_EQ(head[i], x[i]) << "round " << round;
+    for (size_t i = 0; i < 200; ++i) ASSERT_EQ(tail[i], x[100 + i]) << "round " << round;
+  }
+}
+
 }  // namespace
 }  // namespace tandem

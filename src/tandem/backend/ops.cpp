@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <span>
 #include <thread>
 #include <vector>
 
@@ -193,6 +194,23 @@ void copy_to_host(void* dst_host, const void* src, size_t bytes) {
   if (g_backend == Backend::Cuda) return cuda::copy_to_host(dst_host, src, bytes);
 #endif
   std::memcpy(dst_host, src, bytes);
+}
+
+void copy_to_host(const HostRead* reads, size_t n) {
+  const std::span<const HostRead> all(reads, n);
+#ifdef TANDEM_HAVE_CUDA
+  if (g_backend == Backend::Cuda) {
+    bool any = false;  // no read, no wait: a forward whose tokens stay queued must not block
+    for (const HostRead& r : all) {
+      cuda::queue_host_read(r.dst_host, r.src, r.bytes);
+      any = any || r.bytes > 0;
+    }
+    if (any) cuda::finish_host_reads();
+    return;
+  }
+#endif
+  for (const HostRead& r : all)
+    if (r.bytes > 0) std::memcpy(r.dst_host, r.src, r.bytes);
 }
 
 void fill_zero(void* dst, size_t bytes) {

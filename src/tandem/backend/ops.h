@@ -107,6 +107,15 @@ void mem_free(Backend where, void* p);
 void copy(void* dst, const void* src, size_t bytes);  // same backend
 void copy_from_host(void* dst, const void* src_host, size_t bytes);
 void copy_to_host(void* dst_host, const void* src, size_t bytes);
+// Several reads that the host waits for once: a forward's tokens and hiddens together. On CUDA one
+// copy_to_host each would block once each, and every block costs a wake-up after the device's
+// last kernel. Reads of zero bytes are skipped.
+struct HostRead {
+  void* dst_host;
+  const void* src;
+  size_t bytes;
+};
+void copy_to_host(const HostRead* reads, size_t n);  // (a pointer: CUDA sources are C++17)
 void fill_zero(void* dst, size_t bytes);
 // dst[r * dst_stride + c] = src[r * src_stride + c] for r < rows, c < cols (floats).
 void copy_rows(float* dst, int64_t dst_stride, const float* src, int64_t src_stride, int64_t rows,

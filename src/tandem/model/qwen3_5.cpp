@@ -551,9 +551,12 @@ void Qwen35Model::finish_forward(Qwen35State& st, const ForwardRequest& req, int
   Workspace& w = *ws_;
   for (const RowInput& r : req.rows) st.set_length(r.slot, st.length(r.slot) + r.n_tokens);
 
-  auto to_host = [](std::vector<float>& dst, const float* src, int64_t n) {
+  // Every host copy of the forward's outputs waits once, together with its greedy tokens.
+  std::vector<ops::HostRead>& reads = host_reads_;
+  reads.clear();
+  auto to_host = [&reads](std::vector<float>& dst, const float* src, int64_t n) {
     dst.resize(static_cast<size_t>(n));
-    ops::copy_to_host(dst.data(), src, sizeof(float) * static_cast<size_t>(n));
+    reads.push_back({dst.data(), src, sizeof(float) * static_cast<size_t>(n)});
   };
   if (req.want_prenorm_hidden && !req.hidden_on_device)
     to_host(out->prenorm_hidden, w.x.data(), T * H);
@@ -587,7 +590,10 @@ void Qwen35Model::finish_forward(Qwen35State& st, const ForwardRequest& req, int
     ++deferred_count_;
   } else if (req.want_argmax) {
     out->argmax.resize(static_cast<size_t>(out->logits_rows));
-    ops::copy_to_host(out->argmax.data(), w.argmax.data(), sizeof(int32_t) * out->argmax.size());
+    reads.push_back({out->argmax.data(), w.argmax.data(), sizeof(int32_t) * out->argmax.size()});
+  }
+  ops::copy_to_host(reads.data(), reads.size());
+  if (req.want_argmax && !req.defer_argmax) {
     for (size_t r = 0; r < out->argmax.size(); ++r)
       if (out->argmax[r] < 0)
         fail("forward: logits row ", r, " holds NaN or +inf, or only -inf",

@@ -264,6 +264,7 @@ class Qwen35Model {
   mutable int deferred_first_ = 0, deferred_count_ = 0;
   // Row slots whose argmax ws_.argmax holds (the last forward's, when it had one logits row per
   // row and want_argmax), in row order: what tokens_from_argmax may read.
+  mutable std::vector<ops::HostRead> host_reads_;  // finish_forward's, kept for their capacity
   mutable std::vector<int> argmax_slots_;
   mutable const Qwen35State* argmax_state_ = nullptr;  // the state those rows belong to
 

@@ -37,6 +37,11 @@ void* alloc(size_t bytes);  // cudaMalloc; throws Error("CUDA out of memory ..."
 void free(void* p);         // null is fine; never throws (destructors call it at exit)
 void copy_to_device(void* dst, const void* src, size_t bytes);  // host → device, ordered on stream
 void copy_to_host(void* dst, const void* src, size_t bytes);    // device → host, waits for it
+// Reads the host waits for once (ops::copy_to_host of several): queue_host_read queues each,
+// finish_host_reads blocks until all have landed in their destinations. The queued reads belong
+// to the calling thread; nothing else may read back between the two.
+void queue_host_read(void* dst, const void* src, size_t bytes);
+void finish_host_reads();
 void copy_on_device(void* dst, const void* src, size_t bytes);  // device → device, async
 void fill_zero(void* p, size_t bytes);                          // async
 // Pinned host memory (cudaHostAlloc), what an asynchronous device → host copy lands in without

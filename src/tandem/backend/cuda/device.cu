@@ -184,7 +184,23 @@ bool kernel_readback_enabled() {
 struct SyncReadStaging {
   void* p = nullptr;
   ~SyncReadStaging() { free_pinned(p); }
+  uint8_t* get() {
+    if (p == nullptr) p = alloc_pinned(kKernelReadbackBytes);
+    return static_cast<uint8_t*>(p);
+  }
 };
+thread_local SyncReadStaging sync_staging;
+
+// Reads queued by queue_host_read that land in sync_staging (at `offset`, 16-byte aligned) and
+// are copied out once finish_host_reads has waited; reads that did not fit went to their
+// destination directly.
+struct StagedRead {
+  void* dst;
+  size_t offset;
+  size_t bytes;
+};
+thread_local std::vector<StagedRead> staged_reads;
+thread_local size_t staged_bytes = 0;
 
 }  // namespace
 
@@ -192,16 +208,30 @@ void copy_to_host(void* dst, const void* src, size_t bytes) {
   if (bytes == 0) return;
   // A read a host round waits for (a verify's tokens): stored by a kernel into pinned memory, then
   // copied out, instead of a copy-engine transfer into pageable memory behind the kernels.
-  if (bytes <= kKernelReadbackBytes && kernel_readback_enabled()) {
-    thread_local SyncReadStaging staging;
-    if (staging.p == nullptr) staging.p = alloc_pinned(kKernelReadbackBytes);
-    copy_to_pinned_async(staging.p, src, bytes);
-    TANDEM_CUDA_CHECK(cudaStreamSynchronize(op_stream()));
-    std::memcpy(dst, staging.p, bytes);
+  queue_host_read(dst, src, bytes);
+  finish_host_reads();
+}
+
+void queue_host_read(void* dst, const void* src, size_t bytes) {
+  if (bytes == 0) return;
+  if (staged_reads.empty()) staged_bytes = 0;
+  if (kernel_readback_enabled() && staged_bytes + bytes <= kKernelReadbackBytes) {
+    copy_to_pinned_async(sync_staging.get() + staged_bytes, src, bytes);
+    staged_reads.push_back({dst, staged_bytes, bytes});
+    staged_bytes = (staged_bytes + bytes + 15) / 16 * 16;
     return;
   }
   copy_to_host_async(dst, src, bytes);
+}
+
+void finish_host_reads() {
+  // Cleared before the wait can throw: a failed wait leaves no reads for the next caller.
+  std::vector<StagedRead> reads;
+  reads.swap(staged_reads);
   TANDEM_CUDA_CHECK(cudaStreamSynchronize(op_stream()));
+  for (const StagedRead& r : reads) std::memcpy(r.dst, sync_staging.get() + r.offset, r.bytes);
+  reads.clear();
+  if (staged_reads.empty()) staged_reads.swap(reads);  // keep the capacity
 }
 
 void* alloc_pinned(size_t bytes) {
