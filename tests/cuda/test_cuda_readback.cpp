@@ -3,6 +3,7 @@
 // device bytes as they were when start() was queued, at any size and alignment.
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cstdint>
 #include <numeric>
 #include <vector>
@@ -130,6 +131,33 @@ TEST_F(CudaReadback, SeveralReadsInOneWaitReturnEachReadsBytes) {
     for (size_t i = 0; i < 100; ++i) ASSERT_EQ(head[i], x[i]) << "round " << round;
     for (size_t i = 0; i < 200; ++i) ASSERT_EQ(tail[i], x[100 + i]) << "round " << round;
   }
+}
+
+// ops::device_wait_seconds counts the time the thread spends blocked on the device: a wait for
+// queued work adds about its span, work merely queued adds nothing.
+TEST_F(CudaReadback, TimeBlockedOnTheDeviceIsCounted) {
+  ScopedBackend cuda(ops::Backend::Cuda);
+  std::vector<float> x(size_t{1} << 24, 1.0f);
+  DeviceBuffer<float> a(x);
+  ops::synchronize();
+  auto queue_work = [&] {
+    for (int i = 0; i < 200; ++i) ops::scale(a.get(), static_cast<int64_t>(x.size()), 1.0f);
+  };
+  const double w0 = ops::device_wait_seconds();
+  queue_work();
+  const double w1 = ops::device_wait_seconds();
+  EXPECT_EQ(w1, w0) << "queueing work counted as waiting";
+  const auto t0 = std::chrono::steady_clock::now();
+  ops::synchronize();
+  const double span = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const double w2 = ops::device_wait_seconds();
+  EXPECT_GT(w2 - w1, 0.5 * span) << "the wait for 200 kernels was not counted";
+  EXPECT_LE(w2 - w1, span + 1e-3);
+  queue_work();
+  float head = 0.0f;
+  ops::copy_to_host(&head, a.get(), sizeof(float));
+  EXPECT_GT(ops::device_wait_seconds(), w2) << "a synchronous read's wait was not counted";
+  EXPECT_EQ(head, 1.0f);
 }
 
 }  // namespace

@@ -251,6 +251,14 @@ void synchronize() {
 #endif
 }
 
+double device_wait_seconds() {
+#ifdef TANDEM_HAVE_CUDA
+  return cuda::wait_seconds();
+#else
+  return 0.0;
+#endif
+}
+
 namespace {
 bool g_graphs = env_switch_on("TANDEM_CUDA_GRAPHS");
 }  // namespace

@@ -127,6 +127,10 @@ void copy_rows(float* dst, int64_t dst_stride, const float* src, int64_t src_str
 void copy_blocks(float* dst, const float* src, const int32_t* moves, int64_t n,
                  int64_t block_floats);
 void synchronize();  // waits for queued work (no-op on CPU)
+// Seconds the calling thread has spent blocked on the device so far (stream and event waits,
+// synchronous reads; 0 on the CPU, where nothing is queued). A loop's time minus its growth is
+// what the host itself spent: where that exceeds the device's work, the device waited for it.
+double device_wait_seconds();
 // CUDA graph replay of repeated forwards (GraphCache). On by default; TANDEM_CUDA_GRAPHS=0 in the
 // environment turns it off (for A/B timing and debugging).
 bool graphs_enabled();

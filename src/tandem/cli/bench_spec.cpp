@@ -93,6 +93,9 @@ struct Measured {
   // leaving), and the rest (submitting, engine set-up with --fresh-engines).
   double group_wall_ms = 0, group_prefill_ms = 0, group_decode_ms = 0;
   double group_drafter_prefill_ms = 0, group_row_change_ms = 0, group_drafter_move_ms = 0;
+  // Of the decode rounds, the time the host was blocked on the device; the rest of decode is the
+  // host's own work, and where the device waited for it, the round was host-bound.
+  double group_decode_wait_ms = 0;
 };
 
 // The requests in batches of `batch`, in order (the last may be smaller).
@@ -157,6 +160,7 @@ Measured measure(const LoadedTarget& target, DType kv_dtype, const spec::DraftPr
     int64_t tokens = 0, decode_tokens = 0, rounds = 0;
     double decode_seconds = 0, prefill_seconds = 0, phases[4] = {0, 0, 0, 0};
     double drafter_prefill_seconds = 0, row_change_seconds = 0, drafter_move_seconds = 0;
+    double decode_wait_seconds = 0;
     int64_t groups = 0;
     const auto t0 = std::chrono::steady_clock::now();
     size_t first = 0;  // of the group's requests
@@ -170,6 +174,7 @@ Measured measure(const LoadedTarget& target, DType kv_dtype, const spec::DraftPr
       drafter_prefill_seconds += gs.drafter_prefill_seconds;
       row_change_seconds += gs.row_change_seconds;
       drafter_move_seconds += gs.drafter_move_seconds;
+      decode_wait_seconds += gs.decode_wait_seconds;
       ++groups;
       phases[0] += gs.draft_seconds;
       phases[1] += gs.verify_seconds;
@@ -203,6 +208,7 @@ Measured measure(const LoadedTarget& target, DType kv_dtype, const spec::DraftPr
     m.group_drafter_prefill_ms = 1e3 * drafter_prefill_seconds / static_cast<double>(groups);
     m.group_row_change_ms = 1e3 * row_change_seconds / static_cast<double>(groups);
     m.group_drafter_move_ms = 1e3 * drafter_move_seconds / static_cast<double>(groups);
+    m.group_decode_wait_ms = 1e3 * decode_wait_seconds / static_cast<double>(groups);
     m.host_ms.clear();
     for (double ph : phases)
       m.host_ms.push_back(rounds > 0 ? 1e3 * ph / static_cast<double>(rounds) : 0.0);
@@ -412,6 +418,7 @@ void run_bench_spec(const BenchSpecArgs& a) {
             {{"wall", m.group_wall_ms},
              {"prefill", m.group_prefill_ms},
              {"decode", m.group_decode_ms},
+             {"decode_wait", m.group_decode_wait_ms},  // of decode: blocked on the device
              {"drafter_prefill", m.group_drafter_prefill_ms},
              {"drafter_move", m.group_drafter_move_ms},  // of drafter_prefill
              {"row_changes", m.group_row_change_ms},

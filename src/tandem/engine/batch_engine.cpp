@@ -745,6 +745,7 @@ void BatchEngine::drain() {
 
 void BatchEngine::pipelined_round() {
   const auto t0 = std::chrono::steady_clock::now();
+  const double wait0 = ops::device_wait_seconds();
   // A queued step continues only with exactly its rows; otherwise it is collected first.
   bool same = chained_ && chain_ids_.size() == decoding_.size();
   for (size_t r = 0; same && r < decoding_.size(); ++r) same = decoding_[r]->id == chain_ids_[r];
@@ -797,6 +798,7 @@ void BatchEngine::pipelined_round() {
   chained_ = chain;
   std::lock_guard lock(mu_);
   counters_.decode_seconds += seconds_since(t0);
+  counters_.decode_wait_seconds += ops::device_wait_seconds() - wait0;
 }
 
 uint64_t BatchEngine::settled_index(const Row& row) const {
@@ -840,6 +842,7 @@ bool BatchEngine::settles(int depth) {
 
 void BatchEngine::settled_round(int depth) {
   const auto t0 = std::chrono::steady_clock::now();
+  const double wait0 = ops::device_wait_seconds();
   const size_t R = decoding_.size();
   const int64_t n = depth + 1;
   // 1. Draft, left where the chain drew it (pending tokens too, after a settled round).
@@ -903,6 +906,7 @@ void BatchEngine::settled_round(int depth) {
   std::lock_guard lock(mu_);
   ++counters_.settled_rounds;
   counters_.decode_seconds += seconds;
+  counters_.decode_wait_seconds += ops::device_wait_seconds() - wait0;
   counters_.draft_seconds += between(t0, t_draft);
   counters_.verify_seconds += between(t_draft, t_verify);
   counters_.commit_seconds += between(t_verify, t_settle);
@@ -1043,6 +1047,7 @@ void BatchEngine::round() {
   if (decode_drafts_ && decode_drafts_->taps().empty()) catch_up_drafter();
   const int64_t V = target_->vocab_size(), H = target_->hidden_size();
   const auto t0 = std::chrono::steady_clock::now();
+  const double wait0 = ops::device_wait_seconds();
   const bool rejection = options_.spec.verify == spec::VerifyMode::Rejection;
   // The end of each phase; with sync_phases after the device finished the phase's work.
   auto phase_end = [&] {
@@ -1203,6 +1208,7 @@ void BatchEngine::round() {
   std::lock_guard lock(mu_);
   if (queued) ++counters_.queued_draft_rounds;
   counters_.decode_seconds += seconds;
+  counters_.decode_wait_seconds += ops::device_wait_seconds() - wait0;
   auto between = [](auto a, auto b) { return std::chrono::duration<double>(b - a).count(); };
   counters_.draft_seconds += between(t0, t_draft);
   counters_.verify_seconds += between(t_draft, t_verify);

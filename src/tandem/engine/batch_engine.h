@@ -97,6 +97,10 @@ struct EngineCounters {
   int64_t prompt_tokens = 0, generated_tokens = 0;
   int64_t finished = 0, cancelled = 0, failed = 0;
   double prefill_seconds = 0, decode_seconds = 0;  // time in prefill forwards and in rounds
+  // Of decode_seconds, the time the engine's thread was blocked on the device
+  // (ops::device_wait_seconds); the rest is host work, which the device waits for unless it is
+  // queued ahead of it.
+  double decode_wait_seconds = 0;
   // The drafter's pass over finished prompt chunks and the rows' move into the decoding group;
   // and the rest of the engine's steps: admissions, reads of queued work when rows change,
   // rows leaving, requests finishing.

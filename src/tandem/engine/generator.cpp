@@ -217,6 +217,7 @@ std::vector<GenerateResult> Generator::run(const std::vector<GenerateRequest>& r
   st.prefill_seconds = seconds_since(t0);
 
   t0 = std::chrono::steady_clock::now();
+  const double wait0 = ops::device_wait_seconds();
   if (greedy) {
     decode_greedy(requests, state, slots, live, emit, results, st);
   } else {
@@ -234,6 +235,7 @@ std::vector<GenerateResult> Generator::run(const std::vector<GenerateRequest>& r
     }
   }
   st.decode_seconds = seconds_since(t0);
+  st.decode_wait_seconds = ops::device_wait_seconds() - wait0;
   for (const auto& r : results) st.generated_tokens += static_cast<int64_t>(r.tokens.size());
   if (stats) *stats = st;
   return results;

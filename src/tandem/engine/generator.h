@@ -32,6 +32,7 @@ const char* finish_reason_name(FinishReason r);  // OpenAI names: "length", "sto
 
 struct GenerateStats {
   double prefill_seconds = 0, decode_seconds = 0;
+  double decode_wait_seconds = 0;  // of decode_seconds, blocked on the device
   // Speculative runs (EngineCounters): the drafter's prompt pass and the engine's other work.
   double drafter_prefill_seconds = 0, row_change_seconds = 0;
   double drafter_move_seconds = 0;  // of drafter_prefill_seconds: the rows' move

@@ -118,6 +118,7 @@ std::vector<GenerateResult> SpeculativeGenerator::run(const std::vector<Generate
   GenerateStats st;
   st.prefill_seconds = c.prefill_seconds - before.prefill_seconds;
   st.decode_seconds = c.decode_seconds - before.decode_seconds;
+  st.decode_wait_seconds = c.decode_wait_seconds - before.decode_wait_seconds;
   st.drafter_prefill_seconds = c.drafter_prefill_seconds - before.drafter_prefill_seconds;
   st.row_change_seconds = c.row_change_seconds - before.row_change_seconds;
   st.drafter_move_seconds = c.drafter_move_seconds - before.drafter_move_seconds;

@@ -59,6 +59,7 @@ void destroy_event(void* event);
 void record_event(void* event);  // on the stream, after the work queued so far
 void wait_event(void* event);    // blocks the host; throws with the first kernel error
 void synchronize();              // waits for the stream; throws with the first kernel error
+double wait_seconds();           // this thread's time blocked in stream and event waits so far
 void* stream();                  // the current context's cudaStream_t, which every op uses
 
 // Contexts (backend/context.h; context.cuh): ops::Context creates and destroys them and its

@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -26,6 +27,16 @@ namespace {
 // 4.60 ms; a 4-token verify window, whose projections are separated by norm kernels, gains less
 // (5.16 to 5.09 ms with the gated norm releasing first), and stays at 1.11x a step.
 bool g_pdl = env_switch_on("TANDEM_CUDA_PDL");
+
+// The calling thread's time blocked on the device (wait_seconds): each wait adds its own span.
+thread_local double thread_wait_seconds = 0.0;
+struct WaitClock {
+  std::chrono::steady_clock::time_point t0 = std::chrono::steady_clock::now();
+  ~WaitClock() {
+    thread_wait_seconds +=
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
+};
 }  // namespace
 
 bool pdl_enabled() {
@@ -131,7 +142,12 @@ std::string device_name() {
 }
 
 void synchronize() {
+  const WaitClock clock;
   TANDEM_CUDA_CHECK(cudaStreamSynchronize(op_stream()));
+}
+
+double wait_seconds() {
+  return thread_wait_seconds;
 }
 
 // --- Memory --------------------------------------------------------------------------------------
@@ -221,6 +237,7 @@ void queue_host_read(void* dst, const void* src, size_t bytes) {
     staged_bytes = (staged_bytes + bytes + 15) / 16 * 16;
     return;
   }
+  const WaitClock clock;  // into pageable memory: the call returns once the bytes have landed
   copy_to_host_async(dst, src, bytes);
 }
 
@@ -228,7 +245,10 @@ void finish_host_reads() {
   // Cleared before the wait can throw: a failed wait leaves no reads for the next caller.
   std::vector<StagedRead> reads;
   reads.swap(staged_reads);
-  TANDEM_CUDA_CHECK(cudaStreamSynchronize(op_stream()));
+  {
+    const WaitClock clock;
+    TANDEM_CUDA_CHECK(cudaStreamSynchronize(op_stream()));
+  }
   for (const StagedRead& r : reads) std::memcpy(r.dst, sync_staging.get() + r.offset, r.bytes);
   reads.clear();
   if (staged_reads.empty()) staged_reads.swap(reads);  // keep the capacity
@@ -305,6 +325,7 @@ void record_event(void* event) {
 }
 
 void wait_event(void* event) {
+  const WaitClock clock;
   TANDEM_CUDA_CHECK(cudaEventSynchronize(static_cast<cudaEvent_t>(event)));
 }
 
