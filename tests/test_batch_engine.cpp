@@ -545,6 +545,77 @@ TEST(BatchEngine, VerifyReadsQueuedDraftsInPlace) {
   EXPECT_GT(accepted, 0);
 }
 
+// A host round queues the next round's draft right after its commit where the rows cannot change
+// before it (SpecOptions::draft_ahead). With rows joining, leaving by length, a cancellation and
+// an auto depth, every request gets its plain tokens and the same proposals and acceptance as
+// without drafting ahead, most rounds of a steady batch are drafted ahead, and none is while a
+// request waits for its turn.
+TEST(BatchEngine, DraftsQueuedAheadChangeNoTokenOrProposal) {
+  auto& d = demo();
+  const auto shared = [&] {
+    const ops::ContextScope scope(d.model->context());
+    return spec::QwenMtpProvider::from_target(*d.target);
+  }();
+  std::vector<GenerateRequest> reqs;
+  for (size_t i = 0; i < 5; ++i)
+    reqs.push_back(request(d.tok->encode(test::kDemoPrompts[i % test::kDemoPrompts.size()]),
+                           i % 2 == 0 ? 0.0f : 0.8f, 11 + i, 10 + 6 * static_cast<int64_t>(i)));
+  for (bool automatic : {false, true}) {
+    std::vector<std::shared_ptr<Recorder>> sinks[2];
+    EngineCounters counters[2];
+    for (bool ahead : {false, true}) {
+      EngineOptions o;
+      o.spec.depth = 3;
+      o.spec.auto_depth = automatic;
+      o.spec.draft_ahead = ahead;
+      o.max_rows = 3;
+      BatchEngine engine(*d.model, shared.get(), "demo-target", o);
+      auto& mine = sinks[ahead];
+      size_t next = 0;
+      for (int step = 0;; ++step) {
+        if (next < reqs.size() && step % 6 == 0) {
+          mine.push_back(std::make_shared<Recorder>());
+          if (next == 2) mine.back()->cancel_after = 9;
+          engine.submit({reqs[next], -1}, mine.back());
+          ++next;
+        }
+        if (!engine.step() && next == reqs.size()) break;
+        ASSERT_LT(step, 3000);
+      }
+      counters[ahead] = engine.counters();
+    }
+    for (size_t i = 0; i < reqs.size(); ++i) {
+      const std::string what = std::string(automatic ? "auto" : "fixed") + " depth, request " +
+                               std::to_string(i);
+      ASSERT_TRUE(sinks[0][i]->outcome && sinks[1][i]->outcome) << what;
+      const std::vector<int32_t> want = alone(reqs[i]);
+      if (i == 2) {  // cancelled: a prefix of its plain tokens, at least the 9 it asked for
+        EXPECT_EQ(sinks[1][i]->outcome->end, RequestEnd::Cancelled) << what;
+        ASSERT_GE(sinks[1][i]->tokens.size(), 9u) << what;
+        ASSERT_LE(sinks[1][i]->tokens.size(), want.size()) << what;
+        EXPECT_TRUE(std::equal(sinks[1][i]->tokens.begin(), sinks[1][i]->tokens.end(),
+                               want.begin()))
+            << what;
+        continue;
+      }
+      EXPECT_EQ(sinks[1][i]->tokens, want) << what;
+      EXPECT_EQ(sinks[0][i]->tokens, want) << what;
+      if (automatic) continue;  // the policy's explorations follow the batch's timing
+      const SpecStats& plain = sinks[0][i]->outcome->speculation;
+      const SpecStats& ahead = sinks[1][i]->outcome->speculation;
+      EXPECT_EQ(ahead.rounds, plain.rounds) << what;
+      EXPECT_EQ(ahead.drafted_by_position, plain.drafted_by_position) << what;
+      EXPECT_EQ(ahead.accepted_by_position, plain.accepted_by_position) << what;
+    }
+    EXPECT_EQ(counters[0].drafted_ahead_rounds, 0);
+    const EngineCounters& c = counters[1];
+    EXPECT_GT(c.drafted_ahead_rounds, (c.rounds - c.pipelined_rounds) / 3)
+        << (automatic ? "auto" : "fixed") << " depth";
+    EXPECT_LE(c.drafted_ahead_rounds, c.queued_draft_rounds);
+    EXPECT_EQ(c.kv_blocks_used, 0);
+  }
+}
+
 // Rounds settled on the device (SpecOptions::settled_rounds): each round's accept walk and
 // commits stay where the tokens are and the next round is queued before the host reads it, for
 // greedy and sampled rows joining, leaving and running into their max_tokens. Every request

@@ -1013,21 +1013,32 @@ void BatchEngine::release_collapsed_drafter() {
 void BatchEngine::round() {
   size_t R = decoding_.size();
   if (R == 0) return;
-  if (plain_pipelines()) return pipelined_round();
-  // With adaptive depth the policy picks this round's depth (never above what the probe allows).
-  // A token drafter needs no forward's hiddens, so a round at depth 0 runs as a pipelined plain
-  // step and the drafter takes in the tokens it missed before it next drafts.
-  int round_depth = draft_depth_;
-  if (policy_ && round_depth > 0)
-    round_depth = std::min(round_depth, policy_->choose(static_cast<int64_t>(R)));
-  if (settles(round_depth)) return settled_round(round_depth);
-  if (!settled_.empty()) {  // this round cannot be settled: the host reads the queued ones first
+  // A draft queued ahead (queue_draft_ahead): its round runs now, with the rows it drafted for.
+  const bool ahead = draft_ahead_;
+  draft_ahead_ = false;
+  if (ahead)
+    TANDEM_CHECK(drafts_.size() == R, "a draft queued ahead for ", drafts_.size(), " rows, ", R,
+                 " decoding");
+  int round_depth = ahead ? ahead_depth_ : draft_depth_;
+  const int chosen = chosen_rows_ == R ? chosen_depth_ : -1;
+  chosen_depth_ = -1;
+  if (!ahead) {
+    if (plain_pipelines()) return pipelined_round();
+    // With adaptive depth the policy picks this round's depth (never above what the probe
+    // allows). A token drafter needs no forward's hiddens, so a round at depth 0 runs as a
+    // pipelined plain step and the drafter takes in the tokens it missed before it next drafts.
+    if (policy_ && round_depth > 0)
+      round_depth = std::min(round_depth,
+                             chosen >= 0 ? chosen : policy_->choose(static_cast<int64_t>(R)));
+    if (settles(round_depth)) return settled_round(round_depth);
+  }
+  if (!ahead && !settled_.empty()) {  // not settled: the host reads the queued rounds first
     drain();
     retire();
     R = decoding_.size();
     if (R == 0) return;
   }
-  if (round_depth == 0 && draft_depth_ > 0 && depth_zero_pipelines()) {
+  if (!ahead && round_depth == 0 && draft_depth_ > 0 && depth_zero_pipelines()) {
     // What a steady depth-0 round costs: one step. A round that starts a chain waits for its
     // first step on a GPU, about one step too; on the CPU the step it queues ahead runs at once,
     // so it took two. (Were starts left out, a depth 0 chosen only now and then would never be
@@ -1039,12 +1050,14 @@ void BatchEngine::round() {
     policy_->record(static_cast<int64_t>(R), 0, seconds_since(t) / steps, {}, {});
     return;
   }
-  drain();
-  // Plain steps collected just now may have ended rows (EOS, a stop string).
-  retire();
-  R = decoding_.size();
-  if (R == 0) return;
-  if (decode_drafts_ && decode_drafts_->taps().empty()) catch_up_drafter();
+  if (!ahead) {
+    drain();
+    // Plain steps collected just now may have ended rows (EOS, a stop string).
+    retire();
+    R = decoding_.size();
+    if (R == 0) return;
+    if (decode_drafts_ && decode_drafts_->taps().empty()) catch_up_drafter();
+  }
   const int64_t V = target_->vocab_size(), H = target_->hidden_size();
   const auto t0 = std::chrono::steady_clock::now();
   const double wait0 = ops::device_wait_seconds();
@@ -1059,20 +1072,9 @@ void BatchEngine::round() {
   // that can leaves its proposals in backend memory: the verify forward reads them there, and the
   // host reads them with the verify's tokens (one wait per round instead of two).
   proposals_.assign(R, {});
-  bool queued = false;
-  if (decode_drafts_) {
-    drafts_.resize(R);
-    for (size_t r = 0; r < R; ++r) {
-      const Row& row = *decoding_[r];
-      const int64_t room = row.req.gen.max_tokens - static_cast<int64_t>(row.result.tokens.size());
-      drafts_[r].pending = row.result.tokens.back();
-      drafts_[r].depth = static_cast<int>(std::min<int64_t>(round_depth, room - 1));
-      drafts_[r].sampling = row.req.gen.sampling;
-      drafts_[r].first_index = row.result.tokens.size();
-      drafts_[r].want_distribution = rejection;
-    }
-    queued = target_->takes_draft_ids() && !options_.spec.sync_phases &&
-             decode_drafts_->draft_queued(drafts_, &queued_);
+  bool queued = ahead;
+  if (decode_drafts_ && !ahead) {
+    queued = queue_draft(round_depth);
     if (!queued) {
       decode_drafts_->draft(drafts_, &proposals_);
       TANDEM_CHECK(proposals_.size() == R, "drafter returned ", proposals_.size(), " rows");
@@ -1202,30 +1204,67 @@ void BatchEngine::round() {
     for (auto& row : decoding_) row->drafter_synced = row->processed();
   }
   const auto t_commit = phase_end();
+  // The next round's draft, queued now where nothing can change the rows before it: its time is
+  // this round's (the policy's cost of a round stays one draft, one verify and one commit).
+  queue_draft_ahead();
+  const auto t_ahead = std::chrono::steady_clock::now();
   const double seconds = seconds_since(t0);
   if (policy_)
     policy_->record(static_cast<int64_t>(R), round_depth, seconds, drafted_pos_, accepted_pos_);
   std::lock_guard lock(mu_);
   if (queued) ++counters_.queued_draft_rounds;
+  if (ahead) ++counters_.drafted_ahead_rounds;
   counters_.decode_seconds += seconds;
   counters_.decode_wait_seconds += ops::device_wait_seconds() - wait0;
   auto between = [](auto a, auto b) { return std::chrono::duration<double>(b - a).count(); };
-  counters_.draft_seconds += between(t0, t_draft);
+  counters_.draft_seconds += between(t0, t_draft) + between(t_commit, t_ahead);
   counters_.verify_seconds += between(t_draft, t_verify);
   counters_.accept_seconds += between(t_verify, t_accept);
   counters_.commit_seconds += between(t_accept, t_commit);
   add_round_counters();
 }
 
-bool BatchEngine::step() {
-  const ops::ContextScope scope(target_->context());
-  const auto t_step = std::chrono::steady_clock::now();
-  double counted_before = 0;
+bool BatchEngine::queue_draft(int depth) {
+  const size_t R = decoding_.size();
+  drafts_.resize(R);
+  for (size_t r = 0; r < R; ++r) {
+    const Row& row = *decoding_[r];
+    const int64_t room = row.req.gen.max_tokens - static_cast<int64_t>(row.result.tokens.size());
+    drafts_[r].pending = row.result.tokens.back();
+    drafts_[r].depth = static_cast<int>(std::min<int64_t>(depth, room - 1));
+    drafts_[r].sampling = row.req.gen.sampling;
+    drafts_[r].first_index = row.result.tokens.size();
+    drafts_[r].want_distribution = options_.spec.verify == spec::VerifyMode::Rejection;
+  }
+  return target_->takes_draft_ids() && !options_.spec.sync_phases &&
+         decode_drafts_->draft_queued(drafts_, &queued_);
+}
+
+void BatchEngine::queue_draft_ahead() {
+  // Settled rounds and depth-0 pipelining take their own paths; a round at depth 0 drafts nothing.
+  if (!options_.spec.draft_ahead || !decode_drafts_ || draft_depth_ == 0 ||
+      options_.spec.settled_rounds || options_.spec.sync_phases || !target_->takes_draft_ids() ||
+      work_queued() || !prefilling_.empty() || target_->prompt_active() || decoding_.empty())
+    return;
+  for (const auto& row : decoding_)
+    if (row->done || row->sink->cancelled()) return;
   {
     std::lock_guard lock(mu_);
-    counted_before =
-        counters_.prefill_seconds + counters_.drafter_prefill_seconds + counters_.decode_seconds;
+    if (!queue_.empty()) return;
   }
+  const size_t R = decoding_.size();
+  int depth = draft_depth_;
+  if (policy_) depth = std::min(depth, policy_->choose(static_cast<int64_t>(R)));
+  if (depth == 0 || !queue_draft(depth)) {  // the next round takes this choice as it is
+    chosen_depth_ = policy_ ? depth : -1;
+    chosen_rows_ = R;
+    return;
+  }
+  draft_ahead_ = true;
+  ahead_depth_ = depth;
+}
+
+void BatchEngine::step_rows() {
   // A queued plain step or settled round is collected before anything changes the rows or takes
   // a forward.
   if (work_queued()) {
@@ -1277,6 +1316,30 @@ bool BatchEngine::step() {
     fail_rows(decoding_, std::string("decode round failed: ") + e.what());
   }
   retire();
+}
+
+bool BatchEngine::step() {
+  const ops::ContextScope scope(target_->context());
+  const auto t_step = std::chrono::steady_clock::now();
+  double counted_before = 0;
+  {
+    std::lock_guard lock(mu_);
+    counted_before =
+        counters_.prefill_seconds + counters_.drafter_prefill_seconds + counters_.decode_seconds;
+  }
+  if (draft_ahead_) {
+    // A round whose draft is already queued runs first, with exactly its rows; requests waiting,
+    // cancelled or finished are taken care of in the next step (that round queued nothing ahead).
+    try {
+      round();
+    } catch (const std::exception& e) {
+      abandon_chain();
+      fail_rows(decoding_, std::string("decode round failed: ") + e.what());
+    }
+    retire();
+  } else {
+    step_rows();
+  }
   // Every row of the queued step stopped on its last token: nothing continues it.
   if (work_queued() && decoding_.empty()) {
     try {
@@ -1295,6 +1358,14 @@ bool BatchEngine::step() {
 
 void BatchEngine::abandon_chain() {
   chained_ = false;
+  if (draft_ahead_) {
+    draft_ahead_ = false;
+    try {
+      std::vector<spec::DraftProposal> dropped;
+      decode_drafts_->finish_queued(&dropped);
+    } catch (...) {  // the error being handled already says what went wrong
+    }
+  }
   if (!settled_.empty()) {
     settled_.clear();
     if (decode_drafts_) decode_drafts_->drop_settled();

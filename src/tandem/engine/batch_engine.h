@@ -91,6 +91,9 @@ struct EngineCounters {
   // Of the rounds, those whose verify forward read the drafter's proposals where its chain left
   // them (DraftRows::draft_queued: one host wait per round).
   int64_t queued_draft_rounds = 0;
+  // Of those, the rounds whose draft was queued at the end of the round before (the rows could not
+  // change in between), so the device ran it while the host finished that step.
+  int64_t drafted_ahead_rounds = 0;
   // Of the rounds, those settled on the device and queued before the host read the round before
   // (SpecOptions::settled_rounds).
   int64_t settled_rounds = 0;
@@ -236,6 +239,22 @@ class BatchEngine {
   // a step is queued whose tokens were not collected yet; chain_ids_ are its rows (Row::id).
   bool chained_ = false;
   std::vector<uint64_t> chain_ids_;
+  // A host round's next draft, queued right after its commit (queue_draft_ahead): the device
+  // runs the chain while the host finishes the step, instead of waiting for the next round to
+  // queue it. Only when the rows cannot change before that round, which the next step runs
+  // before anything else (no request waits, none is prefilling, cancelled or finished).
+  // `ahead_depth_`: its round's depth; drafts_ and queued_ hold its inputs and slots.
+  bool draft_ahead_ = false;
+  int ahead_depth_ = 0;
+  // The depth the policy chose for the next round of `chosen_rows_` rows where queue_draft_ahead
+  // queued nothing (depth 0): that round takes it instead of choosing twice. -1: none.
+  int chosen_depth_ = -1;
+  size_t chosen_rows_ = 0;
+  // Queues the next round's draft (depth chosen as round() would) if nothing can change the
+  // rows before it; sets draft_ahead_.
+  void queue_draft_ahead();
+  // Fills drafts_ for a round at `depth` and queues it where the drafter can (draft_queued).
+  bool queue_draft(int depth);
   // Rounds settled on the device (SpecOptions::settled_rounds): queued, their accept walks and
   // commits where the tokens are, not read by the host yet; oldest first. At most two: a round is
   // read once the next is queued. Their rows are decoding_'s (Row::id, in order): the rows
@@ -293,6 +312,9 @@ class BatchEngine {
   void save_state(std::span<const int32_t> tokens, int slot, spec::DraftRows* drafts,
                   size_t draft_row);
   void round();
+  // A step's usual work around its round: reads of queued work when rows change, cancellations,
+  // admissions, the prefill forward, the round, rows leaving.
+  void step_rows();
   // The health probe found the drafter collapsed: its rows are released (no more drafting,
   // committing or hidden taps) and the engine runs as without a drafter from then on, in
   // pipelined plain rounds, so a collapsed drafter costs no more than none.

@@ -3,11 +3,17 @@
 #include <algorithm>
 #include <chrono>
 
+#include "tandem/core/env_switch.h"
 #include "tandem/core/error.h"
 #include "tandem/engine/batch_engine.h"
 #include "tandem/engine/qwen_engine_target.h"
 
 namespace tandem {
+
+bool SpecOptions::draft_ahead_default() {
+  static const bool on = env_switch_on("TANDEM_DRAFT_AHEAD");
+  return on;
+}
 
 double SpecStats::mean_accepted_length() const {
   return rounds > 0 ? static_cast<double>(accepted + rounds) / static_cast<double>(rounds) : 0.0;

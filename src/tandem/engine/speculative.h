@@ -41,6 +41,12 @@ struct SpecOptions {
   // Where a round cannot be (a row near its max_tokens, log-probabilities, rows changing), it
   // runs as before. Off by default until measured on a GPU.
   bool settled_rounds = false;
+  // A host round queues the next round's draft right after its commit, where nothing can change
+  // the rows before that round (BatchEngine::queue_draft_ahead): the device runs the draft chain
+  // while the host finishes the step. Same tokens and proposals; TANDEM_DRAFT_AHEAD=0 turns it
+  // off (for A/B measurements).
+  bool draft_ahead = draft_ahead_default();
+  static bool draft_ahead_default();
 };
 
 // Per-request speculation counters.

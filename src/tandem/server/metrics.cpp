@@ -110,6 +110,10 @@ std::string ServerMetrics::render(const EngineCounters& e, const std::string& dr
          "Speculative rounds whose verify read the drafter's proposals in device memory (one host "
          "wait per round).",
          static_cast<double>(e.queued_draft_rounds));
+  scalar("tandem_drafted_ahead_rounds_total", "counter",
+         "Speculative rounds whose draft was queued at the end of the round before, while the "
+         "rows could not change (the device drafted while the host finished that step).",
+         static_cast<double>(e.drafted_ahead_rounds));
   scalar("tandem_settled_rounds_total", "counter",
          "Speculative rounds accepted and committed on the device, queued before the host read "
          "the round before them.",
