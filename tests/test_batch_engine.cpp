@@ -585,16 +585,16 @@ TEST(BatchEngine, DraftsQueuedAheadChangeNoTokenOrProposal) {
       counters[ahead] = engine.counters();
     }
     for (size_t i = 0; i < reqs.size(); ++i) {
-      const std::string what = std::string(automatic ? "auto" : "fixed") + " depth, request " +
-                               std::to_string(i);
+      const std::string what =
+          std::string(automatic ? "auto" : "fixed") + " depth, request " + std::to_string(i);
       ASSERT_TRUE(sinks[0][i]->outcome && sinks[1][i]->outcome) << what;
       const std::vector<int32_t> want = alone(reqs[i]);
       if (i == 2) {  // cancelled: a prefix of its plain tokens, at least the 9 it asked for
         EXPECT_EQ(sinks[1][i]->outcome->end, RequestEnd::Cancelled) << what;
         ASSERT_GE(sinks[1][i]->tokens.size(), 9u) << what;
         ASSERT_LE(sinks[1][i]->tokens.size(), want.size()) << what;
-        EXPECT_TRUE(std::equal(sinks[1][i]->tokens.begin(), sinks[1][i]->tokens.end(),
-                               want.begin()))
+        EXPECT_TRUE(
+            std::equal(sinks[1][i]->tokens.begin(), sinks[1][i]->tokens.end(), want.begin()))
             << what;
         continue;
       }

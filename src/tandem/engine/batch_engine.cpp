@@ -1028,8 +1028,8 @@ void BatchEngine::round() {
     // allows). A token drafter needs no forward's hiddens, so a round at depth 0 runs as a
     // pipelined plain step and the drafter takes in the tokens it missed before it next drafts.
     if (policy_ && round_depth > 0)
-      round_depth = std::min(round_depth,
-                             chosen >= 0 ? chosen : policy_->choose(static_cast<int64_t>(R)));
+      round_depth =
+          std::min(round_depth, chosen >= 0 ? chosen : policy_->choose(static_cast<int64_t>(R)));
     if (settles(round_depth)) return settled_round(round_depth);
   }
   if (!ahead && !settled_.empty()) {  // not settled: the host reads the queued rounds first
