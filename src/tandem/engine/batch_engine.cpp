@@ -1309,13 +1309,17 @@ void BatchEngine::step_rows() {
     fail_rows(prefilling_, std::string("prefill failed: ") + e.what());
   }
   retire();
+  round_or_fail();
+  retire();
+}
+
+void BatchEngine::round_or_fail() {
   try {
     round();
   } catch (const std::exception& e) {
     abandon_chain();
     fail_rows(decoding_, std::string("decode round failed: ") + e.what());
   }
-  retire();
 }
 
 bool BatchEngine::step() {
@@ -1330,12 +1334,7 @@ bool BatchEngine::step() {
   if (draft_ahead_) {
     // A round whose draft is already queued runs first, with exactly its rows; requests waiting,
     // cancelled or finished are taken care of in the next step (that round queued nothing ahead).
-    try {
-      round();
-    } catch (const std::exception& e) {
-      abandon_chain();
-      fail_rows(decoding_, std::string("decode round failed: ") + e.what());
-    }
+    round_or_fail();
     retire();
   } else {
     step_rows();

@@ -315,6 +315,8 @@ class BatchEngine {
   // A step's usual work around its round: reads of queued work when rows change, cancellations,
   // admissions, the prefill forward, the round, rows leaving.
   void step_rows();
+  // round(); a round that throws fails every decoding row (its work is abandoned).
+  void round_or_fail();
   // The health probe found the drafter collapsed: its rows are released (no more drafting,
   // committing or hidden taps) and the engine runs as without a drafter from then on, in
   // pipelined plain rounds, so a collapsed drafter costs no more than none.
