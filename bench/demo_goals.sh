@@ -9,7 +9,8 @@
 # Usage: bench/demo_goals.sh TANDEM [TANDEM ...]
 #   Defaults: ./build/tandem. BACKEND defaults to cuda when nvidia-smi works, else cpu.
 # Environment: ROUNDS (alternations, default 2), MODEL (default models/qwen35-demo),
-#   REPEATS (bench-spec --repeats, default 3).
+#   REPEATS (bench-spec --repeats, default 3), WARMUP (untimed runs per binary first, default 1:
+#   an idle GPU starts at a low clock, which made one run's prefill twice another's).
 # Prints one line per run: the binary, the setting, then the figures as JSON.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -33,6 +34,14 @@ for r in json.load(sys.stdin):
     g = {k: round(v, 3) for k, v in (r.get("group_ms") or {}).items()}
     print(json.dumps({"speedup": round(r["speedup"], 3), "decode_speedup":
         round(r["decode_speedup"], 3), "identical": r.get("identical_to_plain"), "group_ms": g}))'
+
+for t in "$@"; do
+  for _ in $(seq 1 "${WARMUP:-1}"); do
+    "$t" bench-spec --backend "$BACKEND" --model "$model" --prompts-file "$model/prompts.jsonl" \
+      --drafts mtp --depths 3 --batch 1 --max-tokens 64 --repeats "$repeats" > /dev/null 2>&1 ||
+      { echo "demo_goals: warm-up run of $t failed" >&2; exit 1; }
+  done
+done
 
 # setting: drafter, prompts, depth, batch
 settings=("mtp $model/prompts.jsonl 3 1" "mtp $model/prompts.jsonl 3 8"
