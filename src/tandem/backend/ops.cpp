@@ -7,7 +7,6 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
-#include <span>
 #include <thread>
 #include <vector>
 
@@ -197,20 +196,19 @@ void copy_to_host(void* dst_host, const void* src, size_t bytes) {
 }
 
 void copy_to_host(const HostRead* reads, size_t n) {
-  const std::span<const HostRead> all(reads, n);
 #ifdef TANDEM_HAVE_CUDA
   if (g_backend == Backend::Cuda) {
     bool any = false;  // no read, no wait: a forward whose tokens stay queued must not block
-    for (const HostRead& r : all) {
-      cuda::queue_host_read(r.dst_host, r.src, r.bytes);
-      any = any || r.bytes > 0;
+    for (size_t i = 0; i < n; ++i) {
+      cuda::queue_host_read(reads[i].dst_host, reads[i].src, reads[i].bytes);
+      any = any || reads[i].bytes > 0;
     }
     if (any) cuda::finish_host_reads();
     return;
   }
 #endif
-  for (const HostRead& r : all)
-    if (r.bytes > 0) std::memcpy(r.dst_host, r.src, r.bytes);
+  for (size_t i = 0; i < n; ++i)
+    if (reads[i].bytes > 0) std::memcpy(reads[i].dst_host, reads[i].src, reads[i].bytes);
 }
 
 void fill_zero(void* dst, size_t bytes) {

@@ -1031,26 +1031,24 @@ void BatchEngine::round() {
       round_depth =
           std::min(round_depth, chosen >= 0 ? chosen : policy_->choose(static_cast<int64_t>(R)));
     if (settles(round_depth)) return settled_round(round_depth);
-  }
-  if (!ahead && !settled_.empty()) {  // not settled: the host reads the queued rounds first
-    drain();
-    retire();
-    R = decoding_.size();
-    if (R == 0) return;
-  }
-  if (!ahead && round_depth == 0 && draft_depth_ > 0 && depth_zero_pipelines()) {
-    // What a steady depth-0 round costs: one step. A round that starts a chain waits for its
-    // first step on a GPU, about one step too; on the CPU the step it queues ahead runs at once,
-    // so it took two. (Were starts left out, a depth 0 chosen only now and then would never be
-    // measured, and its cost would stay an extrapolation from the drafted depths.)
-    const bool starts = !chained_;
-    const auto t = std::chrono::steady_clock::now();
-    pipelined_round();
-    const double steps = starts && chained_ && ops::backend() == ops::Backend::Cpu ? 2.0 : 1.0;
-    policy_->record(static_cast<int64_t>(R), 0, seconds_since(t) / steps, {}, {});
-    return;
-  }
-  if (!ahead) {
+    if (!settled_.empty()) {  // not settled: the host reads the queued rounds first
+      drain();
+      retire();
+      R = decoding_.size();
+      if (R == 0) return;
+    }
+    if (round_depth == 0 && draft_depth_ > 0 && depth_zero_pipelines()) {
+      // What a steady depth-0 round costs: one step. A round that starts a chain waits for its
+      // first step on a GPU, about one step too; on the CPU the step it queues ahead runs at
+      // once, so it took two. (Were starts left out, a depth 0 chosen only now and then would
+      // never be measured, and its cost would stay an extrapolation from the drafted depths.)
+      const bool starts = !chained_;
+      const auto t = std::chrono::steady_clock::now();
+      pipelined_round();
+      const double steps = starts && chained_ && ops::backend() == ops::Backend::Cpu ? 2.0 : 1.0;
+      policy_->record(static_cast<int64_t>(R), 0, seconds_since(t) / steps, {}, {});
+      return;
+    }
     drain();
     // Plain steps collected just now may have ended rows (EOS, a stop string).
     retire();

@@ -207,16 +207,15 @@ struct SyncReadStaging {
 };
 thread_local SyncReadStaging sync_staging;
 
-// Reads queued by queue_host_read that land in sync_staging (at `offset`, 16-byte aligned) and
-// are copied out once finish_host_reads has waited; reads that did not fit went to their
-// destination directly.
+// Reads queued by queue_host_read that land in sync_staging (at `offset`, 16-byte aligned, in
+// order) and are copied out once finish_host_reads has waited; reads that did not fit went to
+// their destination directly.
 struct StagedRead {
   void* dst;
   size_t offset;
   size_t bytes;
 };
 thread_local std::vector<StagedRead> staged_reads;
-thread_local size_t staged_bytes = 0;
 
 }  // namespace
 
@@ -230,11 +229,12 @@ void copy_to_host(void* dst, const void* src, size_t bytes) {
 
 void queue_host_read(void* dst, const void* src, size_t bytes) {
   if (bytes == 0) return;
-  if (staged_reads.empty()) staged_bytes = 0;
-  if (kernel_readback_enabled() && staged_bytes + bytes <= kKernelReadbackBytes) {
-    copy_to_pinned_async(sync_staging.get() + staged_bytes, src, bytes);
-    staged_reads.push_back({dst, staged_bytes, bytes});
-    staged_bytes = (staged_bytes + bytes + 15) / 16 * 16;
+  const size_t at = staged_reads.empty()
+                        ? 0
+                        : (staged_reads.back().offset + staged_reads.back().bytes + 15) / 16 * 16;
+  if (kernel_readback_enabled() && at + bytes <= kKernelReadbackBytes) {
+    copy_to_pinned_async(sync_staging.get() + at, src, bytes);
+    staged_reads.push_back({dst, at, bytes});
     return;
   }
   const WaitClock clock;  // into pageable memory: the call returns once the bytes have landed
@@ -242,16 +242,16 @@ void queue_host_read(void* dst, const void* src, size_t bytes) {
 }
 
 void finish_host_reads() {
-  // Cleared before the wait can throw: a failed wait leaves no reads for the next caller.
-  std::vector<StagedRead> reads;
-  reads.swap(staged_reads);
-  {
+  try {
     const WaitClock clock;
     TANDEM_CUDA_CHECK(cudaStreamSynchronize(op_stream()));
+  } catch (...) {
+    staged_reads.clear();  // a failed wait leaves no reads for the next caller
+    throw;
   }
-  for (const StagedRead& r : reads) std::memcpy(r.dst, sync_staging.get() + r.offset, r.bytes);
-  reads.clear();
-  if (staged_reads.empty()) staged_reads.swap(reads);  // keep the capacity
+  for (const StagedRead& r : staged_reads)
+    std::memcpy(r.dst, sync_staging.get() + r.offset, r.bytes);
+  staged_reads.clear();
 }
 
 void* alloc_pinned(size_t bytes) {
