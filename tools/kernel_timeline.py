@@ -26,16 +26,32 @@ import sys
 
 
 def read_marks(path):
-    marks = []
+    """Kernel marks [(ns, kind)] and graph launch marks [(device ns, host ns)], in time order."""
+    marks, launches = [], []
     with open(path) as f:
         for n, line in enumerate(f, 1):
             parts = line.split()
             if len(parts) != 6:
                 sys.exit(f"{path}:{n}: expected 'unit ns gx gy gz block', got {line.strip()!r}")
             unit, ns, gx, gy, gz, block = parts
-            marks.append((int(ns), f"{unit}:{gx}x{gy}x{gz}/{block}"))
+            if unit == "launch":  # "launch device_ns host_ns 0 0 0"
+                launches.append((int(ns), int(gx)))
+            else:
+                marks.append((int(ns), f"{unit}:{gx}x{gy}x{gz}/{block}"))
     marks.sort()
-    return marks
+    launches.sort()
+    return marks, launches
+
+
+def read_waits(path):
+    """The host's waits [(start ns, end ns, stack id)] from a TANDEM_CUDA_WAIT_OUT file."""
+    waits = []
+    with open(path) as f:
+        for line in f:
+            parts = line.split()
+            if parts and parts[0] == "wait":
+                waits.append((int(parts[1]), int(parts[2]), int(parts[3])))
+    return sorted(waits)
 
 
 def main():
@@ -45,11 +61,17 @@ def main():
     ap.add_argument("--positions", action="store_true", help="also list every kernel of the step")
     ap.add_argument("--gaps", type=float, metavar="US",
                     help="list runs of kernels separated by more than US microseconds instead")
+    ap.add_argument("--waits", metavar="FILE",
+                    help="with --gaps: the host's waits (TANDEM_CUDA_WAIT_OUT) for --detail")
+    ap.add_argument("--detail", type=int, default=0, metavar="N",
+                    help="with --gaps: list the last N runs in time order, with the graph launches' "
+                         "slack and the host's waits placed on the device's clock")
     args = ap.parse_args()
 
-    marks = read_marks(args.marks)
+    marks, launches = read_marks(args.marks)
     if args.gaps is not None:
-        return print_runs(marks, args.gaps)
+        waits = read_waits(args.waits) if args.waits else []
+        return print_runs(marks, launches, waits, args.gaps, args.detail)
     ends = [i for i, (_, kind) in enumerate(marks) if kind.startswith(args.end_unit + ":")]
     if len(ends) < 2:
         sys.exit(f"fewer than two '{args.end_unit}' kernels among {len(marks)} marks: no step")
@@ -80,7 +102,13 @@ def main():
         print(f"{kind:<45} {len(v):5d} {sum(v):9.1f} {sum(v) / len(v):8.2f}")
 
 
-def print_runs(marks, gap_us):
+def print_runs(marks, launches, waits, gap_us, detail):
+    # Host steady clock to device clock: a launch's device mark minus its host time is the launch
+    # latency plus the time the launch sat queued behind earlier work (its slack). The least of
+    # them is taken as the latency alone, so a launch with ~0 slack found the device idle: the
+    # device waited for the host there.
+    offset = min(d - h for d, h in launches) if launches else None
+    slack_at = {d: (d - h - offset) / 1e3 for d, h in launches}
     runs = [[marks[0]]]
     for prev, mark in zip(marks, marks[1:]):
         if (mark[0] - prev[0]) / 1e3 > gap_us:
@@ -95,6 +123,8 @@ def print_runs(marks, gap_us):
         span = (run[-1][0] - run[0][0]) / 1e3
         after = (runs[i + 1][0][0] - run[-1][0]) / 1e3 if i + 1 < len(runs) else 0.0
         rows.append((label(run), span, after))
+    if detail:
+        print_detail(runs, launches, slack_at, waits, offset, detail)
     print(f"{len(marks)} marks in {len(runs)} runs separated by more than {gap_us} us")
     by_label = collections.defaultdict(list)
     for lab, span, after in rows:
@@ -125,6 +155,29 @@ def print_runs(marks, gap_us):
         v = by_label[lab]
         print(f"  {lab:<68} span {statistics.median(s for s, _ in v):7.1f} us, "
               f"gap after {statistics.median(a for _, a in v):6.1f} us")
+
+
+def print_detail(runs, launches, slack_at, waits, offset, count):
+    """The last `count` runs on the device's clock, each graph launch with its slack (how long the
+    launch was queued before the device reached it; ~0: the device waited for the host), and the
+    host's waits moved onto the device's clock with the launches' least offset."""
+    first = runs[-count][0][0]
+    events = []
+    for run in runs[-count:]:
+        units = list(dict.fromkeys(kind.split(":")[0] for _, kind in run))
+        events.append((run[0][0], f"run of {len(run):3d} kernels, {(run[-1][0] - run[0][0]) / 1e3:7.1f} us:"
+                                   f" {' '.join(units[:5])}"))
+    for d, _ in launches:
+        if d >= first:
+            events.append((d, f"  graph launch, slack {slack_at[d]:6.1f} us"))
+    if offset is not None:
+        for start, end, stack in waits:
+            if end + offset >= first:
+                events.append((start + offset, f"  host waits {(end - start) / 1e3:6.1f} us "
+                                               f"(stack {stack}), until {(end + offset - first) / 1e3:.1f}"))
+    print(f"last {count} runs (us from the first):")
+    for t, text in sorted(events):
+        print(f"{(t - first) / 1e3:9.1f}  {text}")
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -12,6 +13,14 @@
 #include <exception>
 #include <string_view>
 #include <vector>
+
+#if TANDEM_CUDA_TRACE
+#include <dlfcn.h>
+#include <execinfo.h>
+
+#include <map>
+#include <mutex>
+#endif
 
 #include "tandem/backend/cuda/check.cuh"
 #include "tandem/backend/cuda/cuda_ops.h"
@@ -28,13 +37,21 @@ namespace {
 // (5.16 to 5.09 ms with the gated norm releasing first), and stays at 1.11x a step.
 bool g_pdl = env_switch_on("TANDEM_CUDA_PDL");
 
+#if TANDEM_CUDA_TRACE
+void record_wait(std::chrono::steady_clock::time_point t0,
+                 std::chrono::steady_clock::time_point t1);
+#endif
+
 // The calling thread's time blocked on the device (wait_seconds): each wait adds its own span.
 thread_local double thread_wait_seconds = 0.0;
 struct WaitClock {
   std::chrono::steady_clock::time_point t0 = std::chrono::steady_clock::now();
   ~WaitClock() {
-    thread_wait_seconds +=
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const auto t1 = std::chrono::steady_clock::now();
+    thread_wait_seconds += std::chrono::duration<double>(t1 - t0).count();
+#if TANDEM_CUDA_TRACE
+    record_wait(t0, t1);
+#endif
   }
 };
 }  // namespace
@@ -448,7 +465,7 @@ TANDEM_CUDA_TRACE_UNIT(device)
 // unit missing from the list would simply be absent from the timeline.
 // clang-format off
 #define TANDEM_CUDA_TRACE_UNITS(X) \
-  X(attention) X(attention_prompt) X(device) X(dsa) X(elementwise) X(linear) X(linear_fp8) \
+  X(attention) X(attention_prompt) X(device) X(dsa) X(elementwise) X(graph) X(linear) X(linear_fp8) \
   X(linear_ring) X(linear_tiles) X(mla) X(moe) X(recurrent) X(sampling)
 // clang-format on
 #define TANDEM_DECLARE_UNIT(name)                                 \
@@ -484,8 +501,12 @@ void dump_marks_at_exit() {
       return;
     }
     for (const KernelMark& m : marks)
-      std::fprintf(f, "%s %llu %u %u %u %u\n", m.unit, static_cast<unsigned long long>(m.ns),
-                   m.grid[0], m.grid[1], m.grid[2], m.block);
+      if (m.host_ns != 0)  // a graph launch: "launch ns host_ns 0 0 0"
+        std::fprintf(f, "launch %llu %llu 0 0 0\n", static_cast<unsigned long long>(m.ns),
+                     static_cast<unsigned long long>(m.host_ns));
+      else
+        std::fprintf(f, "%s %llu %u %u %u %u\n", m.unit, static_cast<unsigned long long>(m.ns),
+                     m.grid[0], m.grid[1], m.grid[2], m.block);
     std::fclose(f);
     std::fprintf(stderr, "tandem: %zu kernel marks written to %s", marks.size(), path);
     if (dropped > 0)
@@ -495,6 +516,78 @@ void dump_marks_at_exit() {
   } catch (const std::exception& e) {
     std::fprintf(stderr, "tandem: kernel timeline: %s\n", e.what());
   }
+}
+
+}  // namespace
+
+namespace {
+
+// Where the host blocked on the device: with $TANDEM_CUDA_WAIT_OUT set, every wait's interval on
+// the host's steady clock (the clock of the graph launch marks) and its call stack, as offsets
+// into the executable, written at exit for tools/wait_sites.py to name:
+//   stack ID OFFSET...        (return addresses minus one: the call instructions)
+//   wait START_NS END_NS ID
+struct WaitLog {
+  std::mutex mu;
+  std::map<std::vector<uintptr_t>, uint32_t> ids;
+  std::vector<const std::vector<uintptr_t>*> stacks;  // by id, pointing into `ids`
+  std::vector<std::array<int64_t, 3>> waits;          // start, end, stack id
+};
+
+WaitLog& wait_log() {
+  static WaitLog* log = new WaitLog;  // never destroyed: waits may come during exit
+  return *log;
+}
+
+int64_t steady_ns(std::chrono::steady_clock::time_point t) {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(t.time_since_epoch()).count();
+}
+
+void dump_waits_at_exit() {
+  const char* path = std::getenv("TANDEM_CUDA_WAIT_OUT");
+  WaitLog& log = wait_log();
+  std::lock_guard lock(log.mu);
+  std::FILE* f = std::fopen(path, "w");
+  if (f == nullptr) {
+    std::fprintf(stderr, "tandem: cannot write the host's waits to %s\n", path);
+    return;
+  }
+  for (size_t id = 0; id < log.stacks.size(); ++id) {
+    std::fprintf(f, "stack %zu", id);
+    for (uintptr_t off : *log.stacks[id]) std::fprintf(f, " 0x%zx", static_cast<size_t>(off));
+    std::fprintf(f, "\n");
+  }
+  for (const auto& w : log.waits)
+    std::fprintf(f, "wait %lld %lld %lld\n", static_cast<long long>(w[0]),
+                 static_cast<long long>(w[1]), static_cast<long long>(w[2]));
+  std::fclose(f);
+  std::fprintf(stderr, "tandem: %zu waits written to %s\n", log.waits.size(), path);
+}
+
+void record_wait(std::chrono::steady_clock::time_point t0,
+                 std::chrono::steady_clock::time_point t1) {
+  static const bool on = [] {
+    if (std::getenv("TANDEM_CUDA_WAIT_OUT") == nullptr) return false;
+    std::atexit(dump_waits_at_exit);
+    return true;
+  }();
+  if (!on) return;
+  void* frames[24];
+  const int n = backtrace(frames, 24);
+  Dl_info self{};
+  dladdr(reinterpret_cast<void*>(&record_wait), &self);
+  std::vector<uintptr_t> stack;
+  for (int i = 2; i < n; ++i) {  // past record_wait and ~WaitClock
+    Dl_info info{};
+    if (dladdr(frames[i], &info) == 0 || info.dli_fbase != self.dli_fbase) continue;
+    stack.push_back(reinterpret_cast<uintptr_t>(frames[i]) -
+                    reinterpret_cast<uintptr_t>(info.dli_fbase) - 1);
+  }
+  WaitLog& log = wait_log();
+  std::lock_guard lock(log.mu);
+  const auto [it, added] = log.ids.try_emplace(std::move(stack), log.stacks.size());
+  if (added) log.stacks.push_back(&it->first);
+  log.waits.push_back({steady_ns(t0), steady_ns(t1), static_cast<int64_t>(it->second)});
 }
 
 }  // namespace

@@ -2,6 +2,8 @@
 // (backend/graph_cache.h).
 #include <cuda_runtime.h>
 
+#include <chrono>
+
 #include "tandem/backend/cuda/check.cuh"
 #include "tandem/backend/cuda/cuda_ops.h"
 
@@ -30,12 +32,29 @@ void* graph_capture(const std::function<void()>& body) {
   return exec;
 }
 
+#if TANDEM_CUDA_TRACE
+namespace {
+__global__ void launch_mark_kernel(unsigned long long host_ns) {
+  trace_launch_mark(host_ns);
+}
+}  // namespace
+#endif
+
 void graph_launch(void* exec) {
+#if TANDEM_CUDA_TRACE
+  const auto host_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                           std::chrono::steady_clock::now().time_since_epoch())
+                           .count();
+  launch_mark_kernel<<<1, 1, 0, op_stream()>>>(static_cast<unsigned long long>(host_ns));
+  TANDEM_CUDA_CHECK(cudaGetLastError());
+#endif
   TANDEM_CUDA_CHECK(cudaGraphLaunch(static_cast<cudaGraphExec_t>(exec), op_stream()));
 }
 
 void graph_destroy(void* exec) {
   cudaGraphExecDestroy(static_cast<cudaGraphExec_t>(exec));
 }
+
+TANDEM_CUDA_TRACE_UNIT(graph)
 
 }  // namespace tandem::cuda

@@ -43,30 +43,53 @@ __device__ __forceinline__ void trace_mark() {
   }
 }
 
+// A graph launch's mark (graph.cu): the host's clock (steady_clock ns) when it queued the launch,
+// recorded by a one-thread kernel queued just before the graph. Device time minus host time is
+// the launch's slack plus a constant; where the slack is least, the device was idle waiting for the
+// host (tools/kernel_timeline.py --gaps). The z field tells these marks from kernels' shapes.
+constexpr unsigned kLaunchMark = 0xffffffffu;
+__device__ __forceinline__ void trace_launch_mark(unsigned long long host_ns) {
+  unsigned long long ns;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));
+  const unsigned i = atomicAdd(&g_trace_count, 1u);
+  if (i < kTraceCapacity) {
+    g_trace_ns[i] = ns;
+    g_trace_shape[i] = make_uint4(static_cast<unsigned>(host_ns),
+                                  static_cast<unsigned>(host_ns >> 32), kLaunchMark, 0);
+  }
+}
+
 // Registers the exit-time dump to $TANDEM_CUDA_TRACE_OUT (device.cu); launch() calls it, so the
 // handler is registered after the CUDA runtime's own and runs before the runtime shuts down.
 void trace_register_dump();
 
 // Appends this unit's marks to `out` (the count of marks it had to drop goes to `dropped`).
-#define TANDEM_CUDA_TRACE_UNIT(name)                                                        \
-  void trace_collect_##name(std::vector<KernelMark>& out, uint64_t& dropped) {              \
-    unsigned n = 0;                                                                         \
-    TANDEM_CUDA_CHECK(cudaMemcpyFromSymbol(&n, g_trace_count, sizeof n));                   \
-    const unsigned kept = n < kTraceCapacity ? n : kTraceCapacity;                          \
-    dropped += n - kept;                                                                    \
-    std::vector<unsigned long long> ns(kept);                                               \
-    std::vector<uint4> shape(kept);                                                         \
-    if (kept > 0) {                                                                         \
-      TANDEM_CUDA_CHECK(cudaMemcpyFromSymbol(ns.data(), g_trace_ns, kept * sizeof(ns[0]))); \
-      TANDEM_CUDA_CHECK(                                                                    \
-          cudaMemcpyFromSymbol(shape.data(), g_trace_shape, kept * sizeof(shape[0])));      \
-    }                                                                                       \
-    for (unsigned i = 0; i < kept; ++i)                                                     \
-      out.push_back({#name, ns[i], {shape[i].x, shape[i].y, shape[i].z}, shape[i].w});      \
-  }                                                                                         \
-  void trace_clear_##name() {                                                               \
-    const unsigned zero = 0;                                                                \
-    TANDEM_CUDA_CHECK(cudaMemcpyToSymbol(g_trace_count, &zero, sizeof zero));               \
+#define TANDEM_CUDA_TRACE_UNIT(name)                                                            \
+  void trace_collect_##name(std::vector<KernelMark>& out, uint64_t& dropped) {                  \
+    unsigned n = 0;                                                                             \
+    TANDEM_CUDA_CHECK(cudaMemcpyFromSymbol(&n, g_trace_count, sizeof n));                       \
+    const unsigned kept = n < kTraceCapacity ? n : kTraceCapacity;                              \
+    dropped += n - kept;                                                                        \
+    std::vector<unsigned long long> ns(kept);                                                   \
+    std::vector<uint4> shape(kept);                                                             \
+    if (kept > 0) {                                                                             \
+      TANDEM_CUDA_CHECK(cudaMemcpyFromSymbol(ns.data(), g_trace_ns, kept * sizeof(ns[0])));     \
+      TANDEM_CUDA_CHECK(                                                                        \
+          cudaMemcpyFromSymbol(shape.data(), g_trace_shape, kept * sizeof(shape[0])));          \
+    }                                                                                           \
+    for (unsigned i = 0; i < kept; ++i)                                                         \
+      out.push_back(                                                                            \
+          shape[i].z == kLaunchMark                                                             \
+              ? KernelMark{"launch",                                                            \
+                           ns[i],                                                               \
+                           {0, 0, 0},                                                           \
+                           0,                                                                   \
+                           shape[i].x | static_cast<uint64_t>(shape[i].y) << 32}                \
+              : KernelMark{#name, ns[i], {shape[i].x, shape[i].y, shape[i].z}, shape[i].w, 0}); \
+  }                                                                                             \
+  void trace_clear_##name() {                                                                   \
+    const unsigned zero = 0;                                                                    \
+    TANDEM_CUDA_CHECK(cudaMemcpyToSymbol(g_trace_count, &zero, sizeof zero));                   \
   }
 
 }  // namespace tandem::cuda
