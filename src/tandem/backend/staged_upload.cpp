@@ -21,7 +21,7 @@ void StagedUpload::start(void* dst, size_t bytes) {
   next_ ^= 1;
 #ifdef TANDEM_HAVE_CUDA
   if (s.where() == ops::Backend::Cuda) {
-    cuda::copy_to_device(dst, s.data(), bytes);
+    cuda::copy_from_pinned_async(dst, s.data(), bytes);
     s.queued();
     return;
   }

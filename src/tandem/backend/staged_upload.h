@@ -2,9 +2,10 @@
 // start() queues the copy to backend memory behind the work queued so far. On CUDA the staging is
 // pinned memory, so the copy neither blocks the host nor waits for the device to go idle (a
 // pageable copy may do both), and a decode step queued while the previous one runs keeps the
-// device busy. Two staging buffers alternate: host() hands out the one not used last, after
-// waiting for the copy that last read it, so the host can fill the next upload while the
-// previous one is still queued. On the CPU start() copies at once.
+// device busy; an upload of up to cuda::kKernelUploadBytes is a kernel reading the mapped staging,
+// which leaves no copy-engine pause between kernels. Two staging buffers alternate: host() hands
+// out the one not used last, after waiting for the copy that last read it, so the host can fill the
+// next upload while the previous one is still queued. On the CPU start() copies at once.
 #pragma once
 
 #include <cstddef>

@@ -54,6 +54,11 @@ void copy_to_host_async(void* dst_pinned, const void* src, size_t bytes);
 // bytes there (no copy-engine transfer between kernels), larger reads as copy_to_host_async.
 constexpr size_t kKernelReadbackBytes = size_t{256} << 10;
 void copy_to_pinned_async(void* dst_pinned, const void* src, size_t bytes);
+// Host → device from memory from alloc_pinned (mapped; StagedUpload), ordered on the stream: up
+// to kKernelUploadBytes a kernel loads the bytes from there, larger uploads as copy_to_device.
+// The host must not touch src_pinned until an event recorded after the call has completed.
+constexpr size_t kKernelUploadBytes = size_t{64} << 10;
+void copy_from_pinned_async(void* dst, const void* src_pinned, size_t bytes);
 void* create_event();  // a cudaEvent_t without timing
 void destroy_event(void* event);
 void record_event(void* event);  // on the stream, after the work queued so far
