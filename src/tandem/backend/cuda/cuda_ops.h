@@ -42,8 +42,11 @@ void copy_to_host(void* dst, const void* src, size_t bytes);    // device → ho
 // to the calling thread; nothing else may read back between the two.
 void queue_host_read(void* dst, const void* src, size_t bytes);
 void finish_host_reads();
-void copy_on_device(void* dst, const void* src, size_t bytes);  // device → device, async
-void fill_zero(void* p, size_t bytes);                          // async
+// Device → device, async. Up to kKernelDeviceCopyBytes (and not overlapping) a kernel copies,
+// larger copies go through the copy engine; TANDEM_CUDA_KERNEL_COPY=0 sends all there.
+constexpr size_t kKernelDeviceCopyBytes = size_t{1} << 20;
+void copy_on_device(void* dst, const void* src, size_t bytes);
+void fill_zero(void* p, size_t bytes);  // async
 // Pinned host memory (cudaHostAlloc), what an asynchronous device → host copy lands in without
 // blocking the host; free_pinned never throws. copy_to_host_async queues such a copy on the
 // stream; an event recorded after it tells the host when it has landed.
@@ -55,7 +58,8 @@ void copy_to_host_async(void* dst_pinned, const void* src, size_t bytes);
 constexpr size_t kKernelReadbackBytes = size_t{256} << 10;
 void copy_to_pinned_async(void* dst_pinned, const void* src, size_t bytes);
 // Host → device from memory from alloc_pinned (mapped; StagedUpload), ordered on the stream: up
-// to kKernelUploadBytes a kernel loads the bytes from there, larger uploads as copy_to_device.
+// to kKernelUploadBytes a kernel loads the bytes from there (unless TANDEM_CUDA_KERNEL_COPY=0),
+// larger uploads as copy_to_device.
 // The host must not touch src_pinned until an event recorded after the call has completed.
 constexpr size_t kKernelUploadBytes = size_t{64} << 10;
 void copy_from_pinned_async(void* dst, const void* src_pinned, size_t bytes);

@@ -329,18 +329,18 @@ void copy_to_pinned_async(void* dst_pinned, const void* src, size_t bytes) {
 
 namespace {
 
-// On unless TANDEM_CUDA_KERNEL_UPLOAD=0, which sends every staged upload through the copy engine
-// (for comparing the two).
-bool kernel_upload_enabled() {
-  static const bool on = env_switch_on("TANDEM_CUDA_KERNEL_UPLOAD");
+// On unless TANDEM_CUDA_KERNEL_COPY=0, which sends every staged upload and device copy through the
+// copy engine (for comparing the two).
+bool kernel_copy_enabled() {
+  static const bool on = env_switch_on("TANDEM_CUDA_KERNEL_COPY");
   return on;
 }
 
-// copy_to_mapped_kernel's mirror: each thread loads 16 bytes (or one byte) of mapped host memory,
-// which the host wrote before the launch, and stores them at dst once the kernel before it is done
-// (it may still read dst: the last forward's metadata).
-__global__ void copy_from_mapped_kernel(const uint8_t* __restrict__ src, uint8_t* __restrict__ dst,
-                                        size_t bytes, bool wide) {
+// copy_to_mapped_kernel's counterpart for copies into device memory, from device memory or from
+// mapped host memory the host wrote before the launch: each thread moves 16 bytes (or one byte).
+// It stores once the kernel before it is done, which may still read dst.
+__global__ void copy_bytes_kernel(const uint8_t* __restrict__ src, uint8_t* __restrict__ dst,
+                                  size_t bytes, bool wide) {
   pdl_wait();
   const size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (wide) {
@@ -350,26 +350,30 @@ __global__ void copy_from_mapped_kernel(const uint8_t* __restrict__ src, uint8_t
   }
 }
 
+// A copy-engine transfer between kernels leaves the device idle for several microseconds however
+// small it is; a kernel does not, and under PDL it is even scheduled while the kernel before it
+// drains.
+void queue_copy_kernel(const char* op, void* dst, const void* src, size_t bytes) {
+  const bool wide =
+      (reinterpret_cast<uintptr_t>(src) | reinterpret_cast<uintptr_t>(dst) | bytes) % 16 == 0;
+  const size_t items = wide ? bytes / 16 : bytes;
+  constexpr unsigned kThreads = 256;
+  const unsigned blocks = static_cast<unsigned>((items + kThreads - 1) / kThreads);
+  launch(op, copy_bytes_kernel, dim3(blocks), dim3(kThreads), 0, static_cast<const uint8_t*>(src),
+         static_cast<uint8_t*>(dst), bytes, wide);
+  // A copy's destination may be read by the next kernels before their pdl_wait (uploaded
+  // metadata, a recurrent state: check.cuh), as after a copy-engine transfer: the next launch
+  // must not start before it has completed.
+  current().serialize_next_launch = true;
+}
+
 }  // namespace
 
 void copy_from_pinned_async(void* dst, const void* src_pinned, size_t bytes) {
   if (bytes == 0) return;
-  // As for readbacks: a copy-engine transfer between kernels leaves the device idle for several
-  // microseconds however small it is; a kernel reading the mapped staging does not, and under PDL
-  // it is even scheduled while the kernel before it drains.
-  if (!kernel_upload_enabled() || bytes > kKernelUploadBytes)
+  if (!kernel_copy_enabled() || bytes > kKernelUploadBytes)
     return copy_to_device(dst, src_pinned, bytes);
-  const bool wide =
-      (reinterpret_cast<uintptr_t>(src_pinned) | reinterpret_cast<uintptr_t>(dst) | bytes) % 16 ==
-      0;
-  const size_t items = wide ? bytes / 16 : bytes;
-  constexpr unsigned kThreads = 256;
-  const unsigned blocks = static_cast<unsigned>((items + kThreads - 1) / kThreads);
-  launch("copy_from_pinned", copy_from_mapped_kernel, dim3(blocks), dim3(kThreads), 0,
-         static_cast<const uint8_t*>(src_pinned), static_cast<uint8_t*>(dst), bytes, wide);
-  // What it uploads is read by the next kernels before their pdl_wait (metadata: check.cuh), so
-  // the next launch must not start before it has completed.
-  current().serialize_next_launch = true;
+  queue_copy_kernel("copy_from_pinned", dst, src_pinned, bytes);
 }
 
 void* create_event() {
@@ -393,6 +397,10 @@ void wait_event(void* event) {
 
 void copy_on_device(void* dst, const void* src, size_t bytes) {
   if (bytes == 0) return;
+  const auto d = reinterpret_cast<uintptr_t>(dst), s = reinterpret_cast<uintptr_t>(src);
+  const bool overlap = d < s + bytes && s < d + bytes;  // left to the copy engine, as before
+  if (kernel_copy_enabled() && bytes <= kKernelDeviceCopyBytes && !overlap)
+    return queue_copy_kernel("copy_on_device", dst, src, bytes);
   TANDEM_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, op_stream()));
 }
 
