@@ -605,9 +605,17 @@ void dump_waits_at_exit() {
     std::fprintf(stderr, "tandem: cannot write the host's waits to %s\n", path);
     return;
   }
+  Dl_info self{};
+  dladdr(reinterpret_cast<void*>(&dump_waits_at_exit), &self);
   for (size_t id = 0; id < log.stacks.size(); ++id) {
     std::fprintf(f, "stack %zu", id);
-    for (uintptr_t off : *log.stacks[id]) std::fprintf(f, " 0x%zx", static_cast<size_t>(off));
+    for (uintptr_t pc : *log.stacks[id]) {
+      Dl_info info{};  // frames outside the executable (libc, the driver) are left out
+      if (dladdr(reinterpret_cast<void*>(pc), &info) == 0 || info.dli_fbase != self.dli_fbase)
+        continue;
+      std::fprintf(f, " 0x%zx",
+                   static_cast<size_t>(pc - reinterpret_cast<uintptr_t>(info.dli_fbase) - 1));
+    }
     std::fprintf(f, "\n");
   }
   for (const auto& w : log.waits)
@@ -625,17 +633,13 @@ void record_wait(std::chrono::steady_clock::time_point t0,
     return true;
   }();
   if (!on) return;
-  void* frames[24];
-  const int n = backtrace(frames, 24);
-  Dl_info self{};
-  dladdr(reinterpret_cast<void*>(&record_wait), &self);
+  // Raw return addresses here (the unwinding alone slows the host: keep it short); they become
+  // offsets at exit.
+  void* frames[14];
+  const int n = backtrace(frames, 14);
   std::vector<uintptr_t> stack;
-  for (int i = 2; i < n; ++i) {  // past record_wait and ~WaitClock
-    Dl_info info{};
-    if (dladdr(frames[i], &info) == 0 || info.dli_fbase != self.dli_fbase) continue;
-    stack.push_back(reinterpret_cast<uintptr_t>(frames[i]) -
-                    reinterpret_cast<uintptr_t>(info.dli_fbase) - 1);
-  }
+  for (int i = 2; i < n; ++i)  // past record_wait and ~WaitClock
+    stack.push_back(reinterpret_cast<uintptr_t>(frames[i]));
   WaitLog& log = wait_log();
   std::lock_guard lock(log.mu);
   const auto [it, added] = log.ids.try_emplace(std::move(stack), log.stacks.size());
