@@ -120,17 +120,7 @@ constexpr int kWideRows = 8192;  // weights with at least this many rows: 4 warp
 constexpr int kMaxTiles = 4;     // m-tiles per pass
 constexpr int64_t kTilesFromRows = 32;  // more rows than this: linear_tiles.cu
 constexpr int64_t kNarrowRows = 4;      // up to this many rows: bf16 inputs staged per block (F32X)
-// Up to this many rows an input norm is folded into staging: 1 unless TANDEM_CUDA_FOLD_NORM_ROWS
-// says 2..kNarrowRows (an experiment: verify windows of small models, whose norm kernels cost as
-// much as their projections). Either way the bits are rms_norm's.
-int64_t folded_norm_rows() {
-  static const int64_t rows = [] {
-    const char* v = std::getenv("TANDEM_CUDA_FOLD_NORM_ROWS");
-    const int64_t n = v ? std::atoll(v) : 1;
-    return n >= 1 && n <= kNarrowRows ? n : int64_t{1};
-  }();
-  return rows;
-}
+constexpr int64_t kFoldedNormRows = 1;  // up to this many rows: an input norm folded into staging
 // Shared memory for the bf16 input rows of the in-register path at most; wider inputs take the
 // scratch path (the same arithmetic).
 constexpr size_t kNarrowSmemMax = size_t(128) << 10;
@@ -276,7 +266,7 @@ __device__ __forceinline__ void load_norm_chunks(const RowNormArgs& norm, int K,
 }
 
 // Rows normalised from registers, one after another by the block's first kNormGroup threads
-// (the norm is folded for folded_norm_rows() rows at most; the other threads go straight to
+// (the norm is folded for a single row only, kFoldedNormRows; the other threads go straight to
 // the closing barrier): one round of loads of the row's chunks, chunked_square_partials, a group
 // barrier, and the normalised chunks (with the preloaded weight chunks wv) go straight to shared
 // memory.
@@ -929,7 +919,7 @@ void linear_prefill(const float* x, int64_t m, const ops::WeightRef& w, const Sp
 // row. A gated norm never is: every block would redo all heads' reductions (four shuffle trees
 // per head), which measured slower than the norm kernel it saves (203.5 vs 208-210 tok/s).
 bool norm_folds(InputNorm norm, int64_t m) {
-  return norm.row && m <= folded_norm_rows() &&
+  return norm.row && m <= kFoldedNormRows &&
          reinterpret_cast<uintptr_t>(norm.row->w.data) % 16 == 0;
 }
 
