@@ -228,6 +228,21 @@ TEST(DepthPolicy, ExplorationsThatChangeNothingComeLessOften) {
   EXPECT_GE(drafted_rounds, 512 / 128 - 1);
 }
 
+// A round recorded with no time (the engine's rounds that ran a CUDA graph cold) teaches the
+// acceptance but not the cost: neither a first measurement nor a blend with an earlier one.
+TEST(DepthPolicy, UntimedRoundsCountTheirProposalsButNotTheirTime) {
+  DepthPolicy policy(DepthPolicyOptions{2});
+  const std::vector<int64_t> drafted{8, 8}, accepted{8, 0};
+  policy.record(8, 2, 0.0, drafted, accepted);
+  EXPECT_FALSE(policy.cost(8, 2).has_value());
+  EXPECT_GT(policy.acceptance(0), 0.8);  // 8 of 8 against a prior worth 2 at 0.6
+  EXPECT_LT(policy.acceptance(1), 0.2);
+  policy.record(8, 2, 1e-3, drafted, accepted);
+  policy.record(8, 2, 0.0, drafted, accepted);
+  ASSERT_TRUE(policy.cost(8, 2).has_value());
+  EXPECT_DOUBLE_EQ(*policy.cost(8, 2), 1e-3);
+}
+
 TEST(DepthPolicy, RowBucketsKeepTheirOwnCosts) {
   // One row: verify windows are nearly free; 64 rows: each token of depth costs a whole round.
   DepthPolicy policy(DepthPolicyOptions{3});

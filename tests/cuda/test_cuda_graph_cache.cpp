@@ -54,5 +54,25 @@ TEST_F(CudaGraphCache, EveryKeyRunsItsOwnWorkAndTheLeastRecentGoesFirst) {
   EXPECT_EQ(x.download()[0], 33.0f + 1.0f + 1.0f + 10.0f);
 }
 
+// The depth policy leaves rounds that ran a graph cold untimed (GraphCache::cold_runs): a key's
+// first run and its capture count, replays do not, whichever cache ran them.
+TEST_F(CudaGraphCache, ColdRunsCountFirstRunsAndCapturesOnly) {
+  ScopedBackend cuda(ops::Backend::Cuda);
+  DeviceBuffer<float> x(std::vector<float>{0.0f});
+  const DeviceBuffer<float> one(std::vector<float>{1.0f});
+  GraphCache first, second;
+  const GraphKey a = GraphKey().add(uint64_t{41});
+  const int64_t cold = GraphCache::cold_runs();
+  first.run(a, [&] { add_to(x.get(), one.get()); });  // eager
+  EXPECT_EQ(GraphCache::cold_runs(), cold + 1);
+  first.run(a, [&] { add_to(x.get(), one.get()); });  // captured
+  EXPECT_EQ(GraphCache::cold_runs(), cold + 2);
+  for (int i = 0; i < 5; ++i) first.run(a, [&] { add_to(x.get(), one.get()); });
+  EXPECT_EQ(GraphCache::cold_runs(), cold + 2);        // replays
+  second.run(a, [&] { add_to(x.get(), one.get()); });  // the same key, another cache: cold
+  EXPECT_EQ(GraphCache::cold_runs(), cold + 3);
+  EXPECT_EQ(x.download()[0], 8.0f);
+}
+
 }  // namespace
 }  // namespace tandem

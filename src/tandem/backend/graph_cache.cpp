@@ -18,6 +18,14 @@ size_t GraphKey::hash() const {
   return static_cast<size_t>(h);
 }
 
+namespace {
+thread_local int64_t t_cold_runs = 0;
+}  // namespace
+
+int64_t GraphCache::cold_runs() {
+  return t_cold_runs;
+}
+
 GraphCache::~GraphCache() {
   clear();
 }
@@ -59,6 +67,7 @@ void GraphCache::run(const GraphKey& key, const std::function<void()>& body) {
     Entry& e = it->second;
     e.last_run = ++clock_;
     if (e.exec) return cuda::graph_launch(e.exec);
+    ++t_cold_runs;
     if (++e.seen < 2) return body();
     e.exec = cuda::graph_capture(body);
     ++captures_;

@@ -47,7 +47,11 @@ class GraphCache {
   void run(const GraphKey& key, const std::function<void()>& body);
   void clear();
   size_t size() const { return graphs_.size(); }
-  int64_t captures() const { return captures_; }    // graphs captured since construction
+  int64_t captures() const { return captures_; }  // graphs captured since construction
+  // Runs on the calling thread, by any cache, that were not replays of a captured graph: a key's
+  // first run (eager) and its second (the capture). Both cost far more host time than a replay,
+  // so a timing that spans one (a round the depth policy learns its cost from) is not typical.
+  static int64_t cold_runs();
   int64_t evictions() const { return evictions_; }  // graphs dropped to make room
 
   // Distinct forwards kept at once (batch sizes × window shapes × position-bound steps); past it

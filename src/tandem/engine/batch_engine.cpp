@@ -5,6 +5,7 @@
 #include <cstdio>
 
 #include "tandem/backend/context.h"
+#include "tandem/backend/graph_cache.h"
 #include "tandem/backend/ops.h"
 #include "tandem/core/error.h"
 #include "tandem/engine/qwen_engine_target.h"
@@ -21,6 +22,14 @@ std::vector<int> all_but_last(int n) {
 
 double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// A round's time for the depth policy, or 0 (not timed: only its acceptance counts) where the
+// round ran a CUDA graph cold since `cold_runs` (GraphCache::cold_runs): the first rounds of each
+// shape cost several times a warm one, and a depth whose one measurement is such a round would
+// look too dear to be tried again.
+double timed(double seconds, int64_t cold_runs) {
+  return GraphCache::cold_runs() == cold_runs ? seconds : 0.0;
 }
 
 // A joining row's target state: its slot and, under a fixed pool, every KV block the request can
@@ -843,6 +852,7 @@ bool BatchEngine::settles(int depth) {
 void BatchEngine::settled_round(int depth) {
   const auto t0 = std::chrono::steady_clock::now();
   const double wait0 = ops::device_wait_seconds();
+  const int64_t cold0 = GraphCache::cold_runs();
   const size_t R = decoding_.size();
   const int64_t n = depth + 1;
   // 1. Draft, left where the chain drew it (pending tokens too, after a settled round).
@@ -902,7 +912,8 @@ void BatchEngine::settled_round(int depth) {
   // In steady state each call queues one round and reads one: its time is a round's (the
   // acceptance is the read round's).
   if (policy_ && reads && decode_drafts_)
-    policy_->record(static_cast<int64_t>(R), depth, seconds, drafted_pos_, accepted_pos_);
+    policy_->record(static_cast<int64_t>(R), depth, timed(seconds, cold0), drafted_pos_,
+                    accepted_pos_);
   std::lock_guard lock(mu_);
   ++counters_.settled_rounds;
   counters_.decode_seconds += seconds;
@@ -1044,9 +1055,10 @@ void BatchEngine::round() {
       // never be measured, and its cost would stay an extrapolation from the drafted depths.)
       const bool starts = !chained_;
       const auto t = std::chrono::steady_clock::now();
+      const int64_t cold = GraphCache::cold_runs();
       pipelined_round();
       const double steps = starts && chained_ && ops::backend() == ops::Backend::Cpu ? 2.0 : 1.0;
-      policy_->record(static_cast<int64_t>(R), 0, seconds_since(t) / steps, {}, {});
+      policy_->record(static_cast<int64_t>(R), 0, timed(seconds_since(t) / steps, cold), {}, {});
       return;
     }
     drain();
@@ -1059,6 +1071,7 @@ void BatchEngine::round() {
   const int64_t V = target_->vocab_size(), H = target_->hidden_size();
   const auto t0 = std::chrono::steady_clock::now();
   const double wait0 = ops::device_wait_seconds();
+  const int64_t cold0 = GraphCache::cold_runs();
   const bool rejection = options_.spec.verify == spec::VerifyMode::Rejection;
   // The end of each phase; with sync_phases after the device finished the phase's work.
   auto phase_end = [&] {
@@ -1208,7 +1221,8 @@ void BatchEngine::round() {
   const auto t_ahead = std::chrono::steady_clock::now();
   const double seconds = seconds_since(t0);
   if (policy_)
-    policy_->record(static_cast<int64_t>(R), round_depth, seconds, drafted_pos_, accepted_pos_);
+    policy_->record(static_cast<int64_t>(R), round_depth, timed(seconds, cold0), drafted_pos_,
+                    accepted_pos_);
   std::lock_guard lock(mu_);
   if (queued) ++counters_.queued_draft_rounds;
   if (ahead) ++counters_.drafted_ahead_rounds;

@@ -48,8 +48,9 @@ class DepthPolicy {
 
   // The depth for the next round of `rows` rows (0..max_depth).
   int choose(int64_t rows);
-  // What a round of `rows` rows at `depth` did: its wall time and, per window position j <
-  // depth, how many proposals were drafted and accepted.
+  // What a round of `rows` rows at `depth` did: its wall time (0: not timed, where the time is
+  // not typical of the depth; only the counts are taken) and, per window position j < depth, how
+  // many proposals were drafted and accepted.
   void record(int64_t rows, int depth, double seconds, std::span<const int64_t> drafted,
               std::span<const int64_t> accepted);
 
