@@ -235,6 +235,7 @@ TEST(DepthPolicy, UntimedRoundsCountTheirProposalsButNotTheirTime) {
   const std::vector<int64_t> drafted{8, 8}, accepted{8, 0};
   policy.record(8, 2, 0.0, drafted, accepted);
   EXPECT_FALSE(policy.cost(8, 2).has_value());
+  EXPECT_EQ(policy.best(8), 1);          // nothing timed: the starting depth, (max + 1) / 2, not 0
   EXPECT_GT(policy.acceptance(0), 0.8);  // 8 of 8 against a prior worth 2 at 0.6
   EXPECT_LT(policy.acceptance(1), 0.2);
   policy.record(8, 2, 1e-3, drafted, accepted);

@@ -102,21 +102,22 @@ std::optional<double> DepthPolicy::cost(int64_t rows, int depth) const {
 
 int DepthPolicy::best(int64_t rows) const {
   const auto it = buckets_.find(bucket_of(rows));
-  // Nothing measured for this many rows: start in the middle, where both neighbours get measured
-  // soon.
-  if (it == buckets_.end()) return (options_.max_depth + 1) / 2;
-  int best = 0;
+  // Nothing timed for this many rows yet (no round, or only untimed ones): start in the middle,
+  // where both neighbours get measured soon.
+  const int start = (options_.max_depth + 1) / 2;
+  if (it == buckets_.end()) return start;
+  int best = -1;
   double best_rate = 0.0;
   for (int k = 0; k <= options_.max_depth; ++k) {
     const std::optional<double> c = estimate(it->second, k);
     if (!c || *c <= 0.0) continue;
     const double rate = expected_tokens(k) / *c;
-    if (rate > best_rate * (1.0 + 1e-9)) {  // ties keep the shallower depth
+    if (best < 0 || rate > best_rate * (1.0 + 1e-9)) {  // ties keep the shallower depth
       best = k;
       best_rate = rate;
     }
   }
-  return best;
+  return best < 0 ? start : best;
 }
 
 DepthPolicy::Bucket& DepthPolicy::bucket(int64_t rows) {
