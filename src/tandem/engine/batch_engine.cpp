@@ -319,7 +319,7 @@ void BatchEngine::retire() {
     for (const auto& r : decoding_) any = any || r->done;
     if (any) {
       try {
-        drain();
+        drain_timed();
       } catch (const std::exception& e) {
         abandon_chain();
         fail_rows(decoding_, std::string("decode round failed: ") + e.what());
@@ -731,6 +731,16 @@ void BatchEngine::retire_drafter() {
   policy_.reset();
 }
 
+void BatchEngine::drain_timed() {
+  if (!chained_ && settled_.empty()) return;
+  const auto t0 = std::chrono::steady_clock::now();
+  const double wait0 = ops::device_wait_seconds();
+  drain();
+  std::lock_guard lock(mu_);
+  counters_.decode_seconds += seconds_since(t0);
+  counters_.decode_wait_seconds += ops::device_wait_seconds() - wait0;
+}
+
 void BatchEngine::drain() {
   while (!settled_.empty()) read_settled();
   if (!chained_) return;
@@ -1043,7 +1053,7 @@ void BatchEngine::round() {
           std::min(round_depth, chosen >= 0 ? chosen : policy_->choose(static_cast<int64_t>(R)));
     if (settles(round_depth)) return settled_round(round_depth);
     if (!settled_.empty()) {  // not settled: the host reads the queued rounds first
-      drain();
+      drain_timed();
       retire();
       R = decoding_.size();
       if (R == 0) return;
@@ -1061,7 +1071,7 @@ void BatchEngine::round() {
       policy_->record(static_cast<int64_t>(R), 0, timed(seconds_since(t) / steps, cold), {}, {});
       return;
     }
-    drain();
+    drain_timed();
     // Plain steps collected just now may have ended rows (EOS, a stop string).
     retire();
     R = decoding_.size();
@@ -1288,7 +1298,7 @@ void BatchEngine::step_rows() {
     }
     if (change) {
       try {
-        drain();
+        drain_timed();
       } catch (const std::exception& e) {
         abandon_chain();
         fail_rows(decoding_, std::string("decode round failed: ") + e.what());
@@ -1354,7 +1364,7 @@ bool BatchEngine::step() {
   // Every row of the queued step stopped on its last token: nothing continues it.
   if (work_queued() && decoding_.empty()) {
     try {
-      drain();
+      drain_timed();
     } catch (const std::exception&) {
       abandon_chain();
     }

@@ -325,6 +325,9 @@ class BatchEngine {
   void pipelined_round();
   // Collects the queued step's tokens and emits them to its rows that are still live.
   void drain();
+  // drain() outside a timed round: the wait for the queued steps' or settled rounds' device work
+  // counts as decode time (EngineCounters::decode_seconds), not as the row change that forced it.
+  void drain_timed();
   // After an error: forgets the queued step and its pending copies.
   void abandon_chain();
   // Emits a token to a row's sink; returns whether the row goes on.
