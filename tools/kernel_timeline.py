@@ -124,7 +124,7 @@ def print_runs(marks, launches, waits, gap_us, detail):
         after = (runs[i + 1][0][0] - run[-1][0]) / 1e3 if i + 1 < len(runs) else 0.0
         rows.append((label(run), span, after))
     if detail:
-        print_detail(runs, launches, slack_at, waits, offset, detail)
+        print_detail(runs, slack_at, waits, offset, detail)
     print(f"{len(marks)} marks in {len(runs)} runs separated by more than {gap_us} us")
     by_label = collections.defaultdict(list)
     for lab, span, after in rows:
@@ -157,7 +157,7 @@ def print_runs(marks, launches, waits, gap_us, detail):
               f"gap after {statistics.median(a for _, a in v):6.1f} us")
 
 
-def print_detail(runs, launches, slack_at, waits, offset, count):
+def print_detail(runs, slack_at, waits, offset, count):
     """The last `count` runs on the device's clock, each graph launch with its slack (how long the
     launch was queued before the device reached it; ~0: the device waited for the host), and the
     host's waits moved onto the device's clock with the launches' least offset."""
@@ -167,9 +167,9 @@ def print_detail(runs, launches, slack_at, waits, offset, count):
         units = list(dict.fromkeys(kind.split(":")[0] for _, kind in run))
         events.append((run[0][0], f"run of {len(run):3d} kernels, {(run[-1][0] - run[0][0]) / 1e3:7.1f} us:"
                                    f" {' '.join(units[:5])}"))
-    for d, _ in launches:
+    for d, slack in slack_at.items():
         if d >= first:
-            events.append((d, f"  graph launch, slack {slack_at[d]:6.1f} us"))
+            events.append((d, f"  graph launch, slack {slack:6.1f} us"))
     if offset is not None:
         for start, end, stack in waits:
             if end + offset >= first:

@@ -288,8 +288,8 @@ struct KernelMark {
   uint64_t ns;       // global timer
   unsigned grid[3];
   unsigned block;
-  uint64_t
-      host_ns;  // unit "launch" (a graph launch, no kernel): the host's steady_clock when queued
+  // Unit "launch" (a graph launch, no kernel): the host's steady_clock when it was queued; else 0.
+  uint64_t host_ns;
 };
 // Every mark since the last clear, in time order; synchronizes. Throws if any unit's buffer
 // overflowed, naming how many marks were dropped.

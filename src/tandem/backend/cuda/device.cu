@@ -294,16 +294,37 @@ void copy_to_host_async(void* dst_pinned, const void* src, size_t bytes) {
 
 namespace {
 
-// Each thread stores 16 bytes (or, where src, dst or bytes are not 16-byte aligned, one byte) into
-// mapped host memory: posted PCIe writes, which land before the kernel counts as complete.
-__global__ void copy_to_mapped_kernel(const uint8_t* __restrict__ src, uint8_t* __restrict__ dst,
-                                      size_t bytes, bool wide) {
+// The byte copies done by kernels (readbacks into mapped host memory, uploads from it, small
+// device copies): each thread moves 16 bytes, or one byte where src, dst or bytes are not 16-byte
+// aligned (`wide` false).
+struct ByteCopyShape {
+  bool wide;
+  unsigned blocks;
+  static constexpr unsigned kThreads = 256;
+};
+
+ByteCopyShape byte_copy_shape(const void* dst, const void* src, size_t bytes) {
+  const bool wide =
+      (reinterpret_cast<uintptr_t>(src) | reinterpret_cast<uintptr_t>(dst) | bytes) % 16 == 0;
+  const size_t items = wide ? bytes / 16 : bytes;
+  return {wide,
+          static_cast<unsigned>((items + ByteCopyShape::kThreads - 1) / ByteCopyShape::kThreads)};
+}
+
+__device__ __forceinline__ void move_bytes(const uint8_t* __restrict__ src,
+                                           uint8_t* __restrict__ dst, size_t bytes, bool wide) {
   const size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (wide) {
     if (i < bytes / 16) reinterpret_cast<uint4*>(dst)[i] = reinterpret_cast<const uint4*>(src)[i];
   } else if (i < bytes) {
     dst[i] = src[i];
   }
+}
+
+// Into mapped host memory: posted PCIe writes, which land before the kernel counts as complete.
+__global__ void copy_to_mapped_kernel(const uint8_t* __restrict__ src, uint8_t* __restrict__ dst,
+                                      size_t bytes, bool wide) {
+  move_bytes(src, dst, bytes, wide);
   __threadfence_system();  // the host reads them once the event after this kernel completes
 }
 
@@ -316,14 +337,9 @@ void copy_to_pinned_async(void* dst_pinned, const void* src, size_t bytes) {
   // storing the bytes into the mapped buffer ~3 µs. Large reads (a 9B model's logits) stay with
   // the copy engine, which moves them at full PCIe bandwidth.
   if (bytes > kKernelReadbackBytes) return copy_to_host_async(dst_pinned, src, bytes);
-  const bool wide =
-      (reinterpret_cast<uintptr_t>(src) | reinterpret_cast<uintptr_t>(dst_pinned) | bytes) % 16 ==
-      0;
-  const size_t items = wide ? bytes / 16 : bytes;
-  constexpr unsigned kThreads = 256;
-  const unsigned blocks = static_cast<unsigned>((items + kThreads - 1) / kThreads);
-  copy_to_mapped_kernel<<<blocks, kThreads, 0, op_stream()>>>(
-      static_cast<const uint8_t*>(src), static_cast<uint8_t*>(dst_pinned), bytes, wide);
+  const ByteCopyShape shape = byte_copy_shape(dst_pinned, src, bytes);
+  copy_to_mapped_kernel<<<shape.blocks, ByteCopyShape::kThreads, 0, op_stream()>>>(
+      static_cast<const uint8_t*>(src), static_cast<uint8_t*>(dst_pinned), bytes, shape.wide);
   TANDEM_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -336,31 +352,21 @@ bool kernel_copy_enabled() {
   return on;
 }
 
-// copy_to_mapped_kernel's counterpart for copies into device memory, from device memory or from
-// mapped host memory the host wrote before the launch: each thread moves 16 bytes (or one byte).
-// It stores once the kernel before it is done, which may still read dst.
+// Into device memory, from device memory or from mapped host memory the host wrote before the
+// launch. It stores once the kernel before it is done, which may still read dst.
 __global__ void copy_bytes_kernel(const uint8_t* __restrict__ src, uint8_t* __restrict__ dst,
                                   size_t bytes, bool wide) {
   pdl_wait();
-  const size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (wide) {
-    if (i < bytes / 16) reinterpret_cast<uint4*>(dst)[i] = reinterpret_cast<const uint4*>(src)[i];
-  } else if (i < bytes) {
-    dst[i] = src[i];
-  }
+  move_bytes(src, dst, bytes, wide);
 }
 
 // A copy-engine transfer between kernels leaves the device idle for several microseconds however
 // small it is; a kernel does not, and under PDL it is even scheduled while the kernel before it
 // drains.
 void queue_copy_kernel(const char* op, void* dst, const void* src, size_t bytes) {
-  const bool wide =
-      (reinterpret_cast<uintptr_t>(src) | reinterpret_cast<uintptr_t>(dst) | bytes) % 16 == 0;
-  const size_t items = wide ? bytes / 16 : bytes;
-  constexpr unsigned kThreads = 256;
-  const unsigned blocks = static_cast<unsigned>((items + kThreads - 1) / kThreads);
-  launch(op, copy_bytes_kernel, dim3(blocks), dim3(kThreads), 0, static_cast<const uint8_t*>(src),
-         static_cast<uint8_t*>(dst), bytes, wide);
+  const ByteCopyShape shape = byte_copy_shape(dst, src, bytes);
+  launch(op, copy_bytes_kernel, dim3(shape.blocks), dim3(ByteCopyShape::kThreads), 0,
+         static_cast<const uint8_t*>(src), static_cast<uint8_t*>(dst), bytes, shape.wide);
   // A copy's destination may be read by the next kernels before their pdl_wait (uploaded
   // metadata, a recurrent state: check.cuh), as after a copy-engine transfer: the next launch
   // must not start before it has completed.
