@@ -218,6 +218,14 @@ TEST(Continuation, AutoDepthZeroRoundsArePipelinedAndLossless) {
     // and then), so the drafter catches up after plain steps.
     EXPECT_GT(c.pipelined_rounds, p == 0.0 ? c.rounds / 2 : 0) << c.rounds;
     EXPECT_LT(c.pipelined_rounds, c.rounds) << "every round pipelined: nothing was drafted";
+    // Every round is counted at the depth it ran: plain steps at 0, the explorations at 1.
+    ASSERT_EQ(c.rounds_by_depth.size(), 5u);
+    int64_t counted = 0;
+    for (int64_t n : c.rounds_by_depth) counted += n;
+    EXPECT_EQ(counted, c.rounds);
+    EXPECT_GE(c.rounds_by_depth[0], c.pipelined_rounds);
+    EXPECT_GT(c.rounds_by_depth[1], 0);
+    EXPECT_EQ(c.rounds_by_depth[2] + c.rounds_by_depth[3] + c.rounds_by_depth[4], 0);
   }
 }
 

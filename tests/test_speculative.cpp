@@ -168,6 +168,10 @@ TEST(LosslessKeptEngine, RunsOnOneEngineEqualRunsOnFreshEngines) {
         EXPECT_EQ(kst[i].accepted, fst[i].accepted) << drafter->id() << " run " << k;
       }
       EXPECT_EQ(ks.decode_steps, fs.decode_steps) << drafter->id() << " run " << k;
+      // Each run counts its own rounds by depth: all at the fixed depth 3.
+      EXPECT_EQ(ks.rounds_by_depth, fs.rounds_by_depth) << drafter->id() << " run " << k;
+      ASSERT_EQ(ks.rounds_by_depth.size(), 4u) << drafter->id() << " run " << k;
+      EXPECT_EQ(ks.rounds_by_depth[3], ks.decode_steps) << drafter->id() << " run " << k;
       EXPECT_EQ(ks.decode_tokens, fs.decode_tokens) << drafter->id() << " run " << k;
       EXPECT_GT(ks.decode_seconds, 0.0) << drafter->id() << " run " << k;
     }

@@ -24,6 +24,7 @@
 #include "tandem/io/artifact_identity.h"
 #include "tandem/io/json_file.h"
 #include "tandem/spec/continuation.h"
+#include "tandem/spec/depth_policy.h"
 #include "tandem/spec/eagle3.h"
 #include "tandem/spec/glm_mtp.h"
 #include "tandem/spec/ngram.h"
@@ -96,6 +97,11 @@ struct Measured {
   // Of the decode rounds, the time the host was blocked on the device; the rest of decode is the
   // host's own work, and where the device waited for it, the round was host-bound.
   double group_decode_wait_ms = 0;
+  // Rounds per group by the depth they ran at ([0..depth]), in the last measured run; and, with
+  // an adaptive depth, the policy's round-cost estimate in ms at the end (per row count 1, 2, 4,
+  // ... up to the batch: [0..depth], null where nothing is known yet).
+  std::vector<double> group_rounds_by_depth;
+  std::vector<std::pair<int64_t, std::vector<std::optional<double>>>> depth_cost_ms;
 };
 
 // The requests in batches of `batch`, in order (the last may be smaller).
@@ -158,6 +164,7 @@ Measured measure(const LoadedTarget& target, DType kv_dtype, const spec::DraftPr
     sum.accepted_by_position.assign(static_cast<size_t>(m.depth), 0);
     sum.drafted_by_position.assign(static_cast<size_t>(m.depth), 0);
     int64_t tokens = 0, decode_tokens = 0, rounds = 0;
+    std::vector<int64_t> rounds_by_depth(static_cast<size_t>(m.depth) + 1, 0);
     double decode_seconds = 0, prefill_seconds = 0, phases[4] = {0, 0, 0, 0};
     double drafter_prefill_seconds = 0, row_change_seconds = 0, drafter_move_seconds = 0;
     double decode_wait_seconds = 0;
@@ -181,6 +188,8 @@ Measured measure(const LoadedTarget& target, DType kv_dtype, const spec::DraftPr
       phases[2] += gs.accept_seconds;
       phases[3] += gs.commit_seconds;
       rounds += gs.decode_steps;
+      for (size_t d = 0; d < gs.rounds_by_depth.size() && d < rounds_by_depth.size(); ++d)
+        rounds_by_depth[d] += gs.rounds_by_depth[d];
       for (size_t i = 0; i < res.size(); ++i) {
         (*outputs)[first + i] = res[i].tokens;
         tokens += static_cast<int64_t>(res[i].tokens.size());
@@ -209,6 +218,9 @@ Measured measure(const LoadedTarget& target, DType kv_dtype, const spec::DraftPr
     m.group_row_change_ms = 1e3 * row_change_seconds / static_cast<double>(groups);
     m.group_drafter_move_ms = 1e3 * drafter_move_seconds / static_cast<double>(groups);
     m.group_decode_wait_ms = 1e3 * decode_wait_seconds / static_cast<double>(groups);
+    m.group_rounds_by_depth.clear();
+    for (int64_t n : rounds_by_depth)
+      m.group_rounds_by_depth.push_back(static_cast<double>(n) / static_cast<double>(groups));
     m.host_ms.clear();
     for (double ph : phases)
       m.host_ms.push_back(rounds > 0 ? 1e3 * ph / static_cast<double>(rounds) : 0.0);
@@ -217,8 +229,32 @@ Measured measure(const LoadedTarget& target, DType kv_dtype, const spec::DraftPr
   std::sort(decode_rates.begin(), decode_rates.end());
   m.tokens_per_second = rates[rates.size() / 2];
   m.decode_tokens_per_second = decode_rates[decode_rates.size() / 2];
+  if (const spec::DepthPolicy* policy = gen.depth_policy())
+    for (int64_t rows = 1;; rows *= 2) {
+      std::vector<std::optional<double>> costs;
+      for (int d = 0; d <= m.depth; ++d) {
+        const std::optional<double> c = policy->cost(rows, d);
+        costs.push_back(c ? std::optional<double>(1e3 * *c) : std::nullopt);
+      }
+      m.depth_cost_ms.emplace_back(rows, std::move(costs));
+      if (rows >= batch) break;
+    }
   if (split && drafter) m.phase_ms = round_split(target, kv_dtype, drafter, opts, reqs, batch);
   return m;
+}
+
+// {"rows": [ms at depth 0, 1, ...]} with null for a depth with no estimate; null without a policy.
+nlohmann::json depth_costs_json(
+    const std::vector<std::pair<int64_t, std::vector<std::optional<double>>>>& costs) {
+  if (costs.empty()) return nullptr;
+  nlohmann::json out = nlohmann::json::object();
+  for (const auto& [rows, by_depth] : costs) {
+    nlohmann::json list = nlohmann::json::array();
+    for (const std::optional<double>& c : by_depth)
+      list.push_back(c ? nlohmann::json(*c) : nullptr);
+    out[std::to_string(rows)] = std::move(list);
+  }
+  return out;
 }
 
 // --accept-p: each p in [0, 1].
@@ -424,6 +460,8 @@ void run_bench_spec(const BenchSpecArgs& a) {
              {"row_changes", m.group_row_change_ms},
              {"other", m.group_wall_ms - m.group_prefill_ms - m.group_decode_ms -
                            m.group_drafter_prefill_ms - m.group_row_change_ms}}},
+           {"rounds_by_depth", m.group_rounds_by_depth},
+           {"depth_cost_ms", depth_costs_json(m.depth_cost_ms)},
            {"batch", a.batch}});
       continue;
     }

@@ -171,6 +171,7 @@ BatchEngine::BatchEngine(std::unique_ptr<EngineTarget> target, const spec::Draft
   counters_.kv_blocks_total = options_.kv_blocks;
   counters_.prefix_max_bytes = static_cast<int64_t>(options_.prefix_cache_bytes);
   counters_.drafted_by_position.assign(static_cast<size_t>(depth_), 0);
+  counters_.rounds_by_depth.assign(static_cast<size_t>(depth_) + 1, 0);
   counters_.accepted_by_position.assign(static_cast<size_t>(depth_), 0);
 }
 
@@ -752,6 +753,7 @@ void BatchEngine::drain() {
     std::lock_guard lock(mu_);
     ++counters_.rounds;
     ++counters_.pipelined_rounds;
+    ++counters_.rounds_by_depth[0];
   }
   for (size_t k = 0; k < chain_ids_.size(); ++k)
     for (auto& row : decoding_)
@@ -977,7 +979,7 @@ void BatchEngine::read_settled() {
   for (auto& row : decoding_) row->drafter_synced = row->processed();
   {
     std::lock_guard lock(mu_);
-    add_round_counters();
+    add_round_counters(round.depth);
   }
   // The health probe, as for host rounds: a collapsed drafter ends settled rounds (the one still
   // queued is read first) and drafts no more.
@@ -1003,8 +1005,9 @@ void BatchEngine::count_round(Row& row, int64_t proposals, int accepted) {
   }
 }
 
-void BatchEngine::add_round_counters() {
+void BatchEngine::add_round_counters(int depth) {
   ++counters_.rounds;
+  ++counters_.rounds_by_depth[static_cast<size_t>(depth)];
   counters_.drafter_first_acceptance = health_.acceptance();
   for (int j = 0; j < depth_; ++j) {
     counters_.drafted_by_position[static_cast<size_t>(j)] += drafted_pos_[static_cast<size_t>(j)];
@@ -1243,7 +1246,7 @@ void BatchEngine::round() {
   counters_.verify_seconds += between(t_draft, t_verify);
   counters_.accept_seconds += between(t_verify, t_accept);
   counters_.commit_seconds += between(t_accept, t_commit);
-  add_round_counters();
+  add_round_counters(round_depth);
 }
 
 bool BatchEngine::queue_draft(int depth) {

@@ -114,6 +114,9 @@ struct EngineCounters {
   // SpecOptions::sync_phases, device work a phase queues may be waited for in a later one.
   double draft_seconds = 0, verify_seconds = 0, accept_seconds = 0, commit_seconds = 0;
   std::vector<int64_t> drafted_by_position, accepted_by_position;  // [depth]
+  // Rounds by the depth they ran at ([0..depth]; pipelined plain steps at 0): what an adaptive
+  // depth chose.
+  std::vector<int64_t> rounds_by_depth;
   // Prefix cache: admissions that reused a saved prefix or found none (none counted when the
   // cache is off), prompt tokens not prefilled thanks to it, and its contents.
   int64_t prefix_hits = 0, prefix_misses = 0, prefix_tokens_reused = 0;
@@ -279,7 +282,7 @@ class BatchEngine {
   // A verify round's counts for a row and this round's per-position totals.
   void count_round(Row& row, int64_t proposals, int accepted);
   // A verify round into the engine's counters (mu_ held): the round, the per-position totals.
-  void add_round_counters();
+  void add_round_counters(int depth);  // a round at `depth` ended
   // A plain step or settled rounds are queued that the host has not read.
   bool work_queued() const { return chained_ || !settled_.empty(); }
   // The health probe over this round's first proposals: true (drafting stops, draft_depth_ 0)

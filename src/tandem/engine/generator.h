@@ -41,6 +41,8 @@ struct GenerateStats {
   int64_t decode_tokens = 0;  // tokens those forwards produced (all rows)
   // Speculative rounds only (EngineCounters): time drafting, verifying, walking, committing.
   double draft_seconds = 0, verify_seconds = 0, accept_seconds = 0, commit_seconds = 0;
+  // Speculative runs: rounds by the depth they ran at ([0..depth], EngineCounters).
+  std::vector<int64_t> rounds_by_depth;
   double prefill_tokens_per_second() const;
   double decode_tokens_per_second() const;  // decode_tokens / decode_seconds
 };

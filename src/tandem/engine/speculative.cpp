@@ -133,6 +133,9 @@ std::vector<GenerateResult> SpeculativeGenerator::run(const std::vector<Generate
   st.verify_seconds = c.verify_seconds - before.verify_seconds;
   st.accept_seconds = c.accept_seconds - before.accept_seconds;
   st.commit_seconds = c.commit_seconds - before.commit_seconds;
+  st.rounds_by_depth = c.rounds_by_depth;
+  for (size_t d = 0; d < st.rounds_by_depth.size() && d < before.rounds_by_depth.size(); ++d)
+    st.rounds_by_depth[d] -= before.rounds_by_depth[d];
   for (size_t i = 0; i < B; ++i) {
     st.prompt_tokens += static_cast<int64_t>(requests[i].prompt.size());
     st.generated_tokens += static_cast<int64_t>(results[i].tokens.size());

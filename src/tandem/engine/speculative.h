@@ -92,6 +92,8 @@ class SpeculativeGenerator {
   // its prompts and rounds, not for opening a target. false: every run opens a fresh engine
   // (what a cold start costs; bench-spec --fresh-engines).
   void set_keep_engine(bool keep);
+  // With SpecOptions::auto_depth: the depth policy the runs learn in (shared by them); else null.
+  const spec::DepthPolicy* depth_policy() const { return policy_.get(); }
 
  private:
   EngineTargetFactory make_target_;
