@@ -84,6 +84,38 @@ TEST_F(CudaCopies, AnUploadKeepsItsPlaceBetweenTheKernelsAroundIt) {
   }
 }
 
+// Streams run in order, so once the host has waited for a read, every read queued before it has
+// landed too: waiting for one of those costs no device call (no time in cuda::wait_seconds()),
+// and it still hands out the bytes of its own point in the stream.
+TEST_F(CudaCopies, AReadQueuedBeforeOneWaitedForNeedsNoWait) {
+  ScopedBackend cuda(ops::Backend::Cuda);
+  const size_t n = size_t{1} << 22;  // 16 MiB: each scale keeps the device busy a while
+  std::vector<float> x(n);
+  for (size_t i = 0; i < n; ++i) x[i] = static_cast<float>(i % 1000);
+  DeviceBuffer<float> a(x);
+  const size_t head = 64;
+  Readback early, late;
+  for (int round = 0; round < 5; ++round) {
+    ops::scale(a.get(), static_cast<int64_t>(n), 2.0f);
+    early.start(a.get(), head * sizeof(float));
+    for (int i = 0; i < 8; ++i) ops::scale(a.get(), static_cast<int64_t>(n), 1.5f);
+    late.start(a.get(), head * sizeof(float));
+    const double before_late = cuda::wait_seconds();
+    const auto* got_late = static_cast<const float*>(late.wait());
+    const double after_late = cuda::wait_seconds();
+    EXPECT_GT(after_late, before_late) << "round " << round << ": the late read was not waited for";
+    const auto* got_early = static_cast<const float*>(early.wait());
+    EXPECT_EQ(cuda::wait_seconds(), after_late)
+        << "round " << round << ": the early read waited although the late one had landed";
+    for (size_t i = 0; i < head; ++i) {
+      x[i] *= 2.0f;  // the host's mirror of the first `head` values, one scale at a time
+      ASSERT_EQ(got_early[i], x[i]) << "round " << round << " at " << i;
+      for (int k = 0; k < 8; ++k) x[i] *= 1.5f;
+      ASSERT_EQ(got_late[i], x[i]) << "round " << round << " at " << i;
+    }
+  }
+}
+
 TEST_F(CudaCopies, DeviceCopiesLandTheSourceBytesAtEverySizeAndAlignment) {
   ScopedBackend cuda(ops::Backend::Cuda);
   const size_t span = cuda::kKernelDeviceCopyBytes + 4096;

@@ -54,7 +54,9 @@ void PinnedBuffer::queued() {
 #ifdef TANDEM_HAVE_CUDA
   if (where_ == ops::Backend::Cuda) {
     if (!event_) event_ = cuda::create_event();
-    cuda::record_event(event_);
+    const cuda::StreamPoint at = cuda::record_event(event_);
+    point_context_ = at.context;
+    point_seq_ = at.seq;
     in_flight_ = true;
   }
 #endif
@@ -64,7 +66,7 @@ void PinnedBuffer::wait() {
   if (!in_flight_) return;
 #ifdef TANDEM_HAVE_CUDA
   in_flight_ = false;
-  cuda::wait_event(event_);
+  cuda::wait_event(event_, {point_context_, point_seq_});
 #endif
 }
 

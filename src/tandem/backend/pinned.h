@@ -33,6 +33,10 @@ class PinnedBuffer {
   uint8_t* data_ = nullptr;
   size_t capacity_ = 0;
   void* event_ = nullptr;  // CUDA: recorded after the last queued copy
+  // CUDA: where event_ was recorded (cuda::StreamPoint's fields, kept here so this header needs
+  // no CUDA one): a wait for a point the host already waited past costs no device call.
+  const void* point_context_ = nullptr;
+  uint64_t point_seq_ = 0;
   bool in_flight_ = false;
   ops::Backend where_ = ops::Backend::Cpu;
 };

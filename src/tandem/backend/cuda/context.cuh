@@ -51,6 +51,11 @@ class Context {
   // early under PDL (launch_clustered clears it): set after a kernel that writes metadata the
   // kernels after it read before their pdl_wait (check.cuh's invariant).
   bool serialize_next_launch = false;
+  // Points of stream(): record_event numbers each event it records on the stream (1, 2, ...);
+  // every point up to points_reached is known to have completed, because the host waited for it
+  // or for a later one (streams run in order), so waiting for it again needs no device call.
+  uint64_t points_recorded = 0;
+  uint64_t points_reached = 0;
   // check.cuh's caches: the dynamic shared memory limit set for each kernel (allow_dynamic_smem),
   // and its resident blocks per multiprocessor at (kernel, dynamic shared memory).
   std::unordered_map<const void*, size_t> smem_allowed;

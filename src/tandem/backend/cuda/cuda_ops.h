@@ -65,11 +65,20 @@ constexpr size_t kKernelUploadBytes = size_t{64} << 10;
 void copy_from_pinned_async(void* dst, const void* src_pinned, size_t bytes);
 void* create_event();  // a cudaEvent_t without timing
 void destroy_event(void* event);
-void record_event(void* event);  // on the stream, after the work queued so far
-void wait_event(void* event);    // blocks the host; throws with the first kernel error
-void synchronize();              // waits for the stream; throws with the first kernel error
-double wait_seconds();           // this thread's time blocked in stream and event waits so far
-void* stream();                  // the current context's cudaStream_t, which every op uses
+// The point of the current context's stream an event marks (record_event): the work queued
+// before it. wait_event skips the device call for a point the host already waited past.
+struct StreamPoint {
+  const void* context = nullptr;
+  uint64_t seq = 0;
+};
+StreamPoint record_event(void* event);  // on the stream, after the work queued so far
+// Blocks the host until `event`, recorded at `point`, has completed; throws with the first kernel
+// error. Returns at once when the host already waited for that point or a later one of the same
+// stream (an event wait, synchronize() or finish_host_reads()).
+void wait_event(void* event, StreamPoint point);
+void synchronize();     // waits for the stream; throws with the first kernel error
+double wait_seconds();  // this thread's time blocked in stream and event waits so far
+void* stream();         // the current context's cudaStream_t, which every op uses
 
 // Contexts (backend/context.h; context.cuh): ops::Context creates and destroys them and its
 // scopes enter and leave them. context_enter makes `context` the thread's current one and

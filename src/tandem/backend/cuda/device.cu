@@ -159,8 +159,12 @@ std::string device_name() {
 }
 
 void synchronize() {
-  const WaitClock clock;
-  TANDEM_CUDA_CHECK(cudaStreamSynchronize(op_stream()));
+  Context& c = current();
+  {
+    const WaitClock clock;
+    TANDEM_CUDA_CHECK(cudaStreamSynchronize(c.stream()));
+  }
+  c.points_reached = c.points_recorded;
 }
 
 double wait_seconds() {
@@ -262,6 +266,7 @@ void finish_host_reads() {
   try {
     const WaitClock clock;
     TANDEM_CUDA_CHECK(cudaStreamSynchronize(op_stream()));
+    current().points_reached = current().points_recorded;
   } catch (...) {
     staged_reads.clear();  // a failed wait leaves no reads for the next caller
     throw;
@@ -392,13 +397,21 @@ void destroy_event(void* event) {
   if (event && cudaEventDestroy(static_cast<cudaEvent_t>(event)) != cudaSuccess) cudaGetLastError();
 }
 
-void record_event(void* event) {
-  TANDEM_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(event), op_stream()));
+StreamPoint record_event(void* event) {
+  Context& c = current();
+  TANDEM_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(event), c.stream()));
+  return {&c, ++c.points_recorded};
 }
 
-void wait_event(void* event) {
-  const WaitClock clock;
-  TANDEM_CUDA_CHECK(cudaEventSynchronize(static_cast<cudaEvent_t>(event)));
+void wait_event(void* event, StreamPoint point) {
+  Context& c = current();
+  const bool ours = point.context == &c;
+  if (ours && point.seq <= c.points_reached) return;
+  {
+    const WaitClock clock;
+    TANDEM_CUDA_CHECK(cudaEventSynchronize(static_cast<cudaEvent_t>(event)));
+  }
+  if (ours && point.seq > c.points_reached) c.points_reached = point.seq;
 }
 
 void copy_on_device(void* dst, const void* src, size_t bytes) {
