@@ -228,6 +228,39 @@ TEST(DepthPolicy, ExplorationsThatChangeNothingComeLessOften) {
   EXPECT_GE(drafted_rounds, 512 / 128 - 1);
 }
 
+// Explorations run at the most rows the bucket has seen (8 of 5..8, the batch before rows finish):
+// once 8 rows came, rounds of 7 rows keep the best depth for a long while (up to explore_every ·
+// explore_backoff rounds past the exploration due), the next round of 8 explores, and a bucket that
+// only ever sees 7 rows explores as usual.
+TEST(DepthPolicy, ExplorationsWaitForTheMostRowsTheBucketSaw) {
+  const DepthPolicyOptions o{.max_depth = 4};
+  auto round = [](DepthPolicy& policy, int64_t rows) {  // whether the round explored
+    const int best = policy.best(rows);
+    const int k = policy.choose(rows);
+    const std::vector<int64_t> drafted(static_cast<size_t>(k), rows),
+        accepted(static_cast<size_t>(k), rows * 8 / 10);
+    policy.record(rows, k, 1e-3 * (1.0 + 0.1 * k), drafted, accepted);
+    return k != best;
+  };
+  auto first_exploration = [&](DepthPolicy& policy, int64_t rows) {
+    for (int r = 0; r < 400; ++r)
+      if (round(policy, rows)) return r;
+    return -1;
+  };
+  const int64_t most = int64_t{o.explore_every} * o.explore_backoff;
+  DepthPolicy seven(o);
+  EXPECT_LE(first_exploration(seven, 7), 8) << "7 rows alone";
+  DepthPolicy mixed(o);
+  ASSERT_FALSE(round(mixed, 8));
+  const int deferred = first_exploration(mixed, 7);
+  EXPECT_GE(deferred, most - 8) << "an exploration at 7 rows came early";
+  EXPECT_LE(deferred, most + 8) << "an exploration at 7 rows never came";
+  DepthPolicy back(o);
+  ASSERT_FALSE(round(back, 8));
+  for (int r = 0; r < 10; ++r) EXPECT_FALSE(round(back, 7)) << "round " << r << " of 7 rows";
+  EXPECT_TRUE(round(back, 8)) << "the exploration due did not run at 8 rows";
+}
+
 // A round recorded with no time (the engine's rounds that ran a CUDA graph cold) teaches the
 // acceptance but not the cost: neither a first measurement nor a blend with an earlier one.
 TEST(DepthPolicy, UntimedRoundsCountTheirProposalsButNotTheirTime) {

@@ -134,6 +134,7 @@ int DepthPolicy::choose(int64_t rows) {
   TANDEM_CHECK(rows >= 1, "depth policy: a round of ", rows, " rows");
   const int k = best(rows);
   Bucket& b = bucket(rows);
+  b.most_rows = std::max(b.most_rows, rows);
   auto unmeasured = [&](int d) {
     return d >= 0 && d <= options_.max_depth && !b.cost[static_cast<size_t>(d)];
   };
@@ -142,6 +143,14 @@ int DepthPolicy::choose(int64_t rows) {
   if (unmeasured(k - 1) || unmeasured(k + 1))
     b.next_explore = std::min(b.next_explore, b.last_explore + kFirstExplore);
   if (++b.rounds < b.next_explore) return k;
+  // An exploration due waits for a round of the most rows the bucket has seen (a full batch, as
+  // rows that finish one after another leave fewer), up to explore_every · explore_backoff
+  // rounds: each row count runs CUDA graphs of its own, so explorations at whatever row count
+  // comes capture a graph for each (a millisecond of host time apiece, while the device idles:
+  // more than a short run's explorations gain), where one row count's graphs are captured once
+  // and replayed by its later explorations.
+  const int64_t most_deferred = int64_t{options_.explore_every} * options_.explore_backoff;
+  if (rows < b.most_rows && b.rounds < b.next_explore + most_deferred) return k;
   b.last_explore = b.rounds;
   // Explore a neighbour: alternately the deeper and the shallower one. The interval doubles while
   // the best depth stays where the last exploration found it.

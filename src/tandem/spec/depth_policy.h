@@ -16,7 +16,9 @@
 // leaning on a prior drawn from the position before it (so depths rarely run are judged by the ones
 // that are). Every `explore_every` rounds a bucket runs a neighbour of its best depth once, so both
 // estimates stay current as contexts grow and acceptance drifts; while explorations change
-// nothing, they come less and less often (explore_backoff). A neighbour never measured goes first
+// nothing, they come less and less often (explore_backoff); one that is due waits (for a while) for
+// a round of the most rows the bucket has seen, whose CUDA graphs later explorations replay. A
+// neighbour never measured goes first
 // (the shallower before the deeper), every few rounds until both are: round costs are concave in
 // the depth (the first proposal brings the draft, the window and the commit), so the line through
 // drafted depths overprices plain rounds, which only their own measurement clears.
@@ -76,6 +78,7 @@ class DepthPolicy {
     int64_t interval = 0;      // rounds from one exploration to the next
     int last_best = -1;        // the best depth when the bucket last explored
     int64_t explorations = 0;
+    int64_t most_rows = 0;  // the most rows a round of this bucket had
   };
   std::map<int, Bucket> buckets_;
   static int bucket_of(int64_t rows);
