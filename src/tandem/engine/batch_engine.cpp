@@ -1092,9 +1092,9 @@ void BatchEngine::round() {
     return std::chrono::steady_clock::now();
   };
 
-  // 1. Draft. A row never drafts past its max_tokens: a round emits at most depth + 1. A drafter
-  // that can leaves its proposals in backend memory: the verify forward reads them there, and the
-  // host reads them with the verify's tokens (one wait per round instead of two).
+  // 1. Draft (every row at the round's depth, queue_draft). A drafter that can leaves its proposals
+  // in backend memory: the verify forward reads them there, and the host reads them with the
+  // verify's tokens (one wait per round instead of two).
   proposals_.assign(R, {});
   bool queued = ahead;
   if (decode_drafts_ && !ahead) {
@@ -1201,13 +1201,17 @@ void BatchEngine::round() {
       continue;
     }
     count_round(row, static_cast<int64_t>(n - 1), outcome.accepted);
-    for (size_t j = 0; j < outcome.emitted.size(); ++j) {
-      const float* logits = need_logits ? out_.logits.data() + (t + j) * V : nullptr;
-      if (!emit(row, outcome.emitted[j], logits)) break;
+    size_t emitted = 0;
+    while (emitted < outcome.emitted.size()) {
+      const float* logits = need_logits ? out_.logits.data() + (t + emitted) * V : nullptr;
+      if (!emit(row, outcome.emitted[emitted++], logits)) break;
     }
-    if (n > 1) keeps_.push_back({row.slot, 1 + outcome.accepted});
-    verified_[r].accepted = outcome.accepted;
-    verified_[r].next_pending = outcome.emitted.back();
+    // A row that ended mid-window (EOS, max_tokens, a stop) keeps only what it emitted, so its
+    // state holds exactly its tokens (a finished turn the prefix cache saves).
+    const int kept = static_cast<int>(emitted);
+    if (n > 1) keeps_.push_back({row.slot, kept});
+    verified_[r].accepted = kept - 1;
+    verified_[r].next_pending = outcome.emitted[emitted - 1];
     t += static_cast<int64_t>(n);
   }
   // The health probe: a drafter whose first proposals stopped being accepted drafts no more
@@ -1252,11 +1256,15 @@ void BatchEngine::round() {
 bool BatchEngine::queue_draft(int depth) {
   const size_t R = decoding_.size();
   drafts_.resize(R);
+  // Every row drafts `depth`, also one a few tokens short of its max_tokens: its window may reach
+  // past them (its state holds depth + 1 positions more, tokens_needed) and the walk emits nothing
+  // past them. A round's windows then have one shape per (rows, depth), whose CUDA graphs later
+  // rounds replay; windows cut to each row's room made every run's end a new mix of shapes, each
+  // an eager run and a capture (milliseconds of host time) that no round replayed.
   for (size_t r = 0; r < R; ++r) {
     const Row& row = *decoding_[r];
-    const int64_t room = row.req.gen.max_tokens - static_cast<int64_t>(row.result.tokens.size());
     drafts_[r].pending = row.result.tokens.back();
-    drafts_[r].depth = static_cast<int>(std::min<int64_t>(depth, room - 1));
+    drafts_[r].depth = depth;
     drafts_[r].sampling = row.req.gen.sampling;
     drafts_[r].first_index = row.result.tokens.size();
     drafts_[r].want_distribution = options_.spec.verify == spec::VerifyMode::Rejection;
