@@ -261,6 +261,34 @@ TEST(DepthPolicy, ExplorationsWaitForTheMostRowsTheBucketSaw) {
   EXPECT_TRUE(round(back, 8)) << "the exploration due did not run at 8 rows";
 }
 
+// The depth a bucket runs changes only for a rate 3% better: a depth 2% better leaves depth 1 in
+// use (a change costs CUDA graphs of new shapes), one 6% better takes over; a bucket that has not
+// chosen yet takes the best rate as it is.
+TEST(DepthPolicy, TheDepthInUseChangesOnlyForAClearlyBetterRate) {
+  const std::vector<int64_t> one{8}, two{8, 8};
+  auto teach = [&](DepthPolicy& p, int depth, double seconds) {
+    for (int i = 0; i < 60; ++i)
+      p.record(8, depth, seconds, depth == 1 ? one : two, depth == 1 ? one : two);
+  };
+  auto setup = [&](DepthPolicy& p) {
+    teach(p, 0, 0.9e-3);
+    teach(p, 1, 1.0e-3);
+    teach(p, 2, 10e-3);
+  };
+  DepthPolicy policy(DepthPolicyOptions{.max_depth = 2});
+  setup(policy);
+  ASSERT_EQ(policy.choose(8), 1);
+  const double rate1 = policy.expected_tokens(1) / 1.0e-3;
+  teach(policy, 2, policy.expected_tokens(2) / (1.02 * rate1));
+  EXPECT_EQ(policy.best(8), 1) << "a 2% better depth took over";
+  DepthPolicy fresh(DepthPolicyOptions{.max_depth = 2});
+  setup(fresh);
+  teach(fresh, 2, fresh.expected_tokens(2) / (1.02 * rate1));
+  EXPECT_EQ(fresh.best(8), 2) << "nothing in use: the best rate";
+  teach(policy, 2, policy.expected_tokens(2) / (1.06 * rate1));
+  EXPECT_EQ(policy.best(8), 2) << "a 6% better depth did not take over";
+}
+
 // A round recorded with no time (the engine's rounds that ran a CUDA graph cold) teaches the
 // acceptance but not the cost: neither a first measurement nor a blend with an earlier one.
 TEST(DepthPolicy, UntimedRoundsCountTheirProposalsButNotTheirTime) {

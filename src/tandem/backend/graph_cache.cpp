@@ -1,5 +1,8 @@
 #include "tandem/backend/graph_cache.h"
 
+#include <cstdio>
+#include <cstdlib>
+
 #include "tandem/backend/context.h"
 #include "tandem/backend/ops.h"
 #ifdef TANDEM_HAVE_CUDA
@@ -20,6 +23,19 @@ size_t GraphKey::hash() const {
 
 namespace {
 thread_local int64_t t_cold_runs = 0;
+
+#ifdef TANDEM_HAVE_CUDA
+// TANDEM_GRAPH_COLD_OUT=FILE: one line per cold run, "cache seen words...", to find which key
+// keeps changing where graphs should replay (compare the lines of one cache). Opened once; the
+// process's exit flushes it.
+std::FILE* cold_log() {
+  static std::FILE* f = [] {
+    const char* path = std::getenv("TANDEM_GRAPH_COLD_OUT");
+    return path && *path ? std::fopen(path, "w") : nullptr;
+  }();
+  return f;
+}
+#endif
 }  // namespace
 
 int64_t GraphCache::cold_runs() {
@@ -68,6 +84,12 @@ void GraphCache::run(const GraphKey& key, const std::function<void()>& body) {
     e.last_run = ++clock_;
     if (e.exec) return cuda::graph_launch(e.exec);
     ++t_cold_runs;
+    if (std::FILE* f = cold_log()) {
+      std::fprintf(f, "%p %d", static_cast<const void*>(this), e.seen);
+      for (const uint64_t w : it->first.words())
+        std::fprintf(f, " %llx", static_cast<unsigned long long>(w));
+      std::fputc('\n', f);
+    }
     if (++e.seen < 2) return body();
     e.exec = cuda::graph_capture(body);
     ++captures_;

@@ -27,6 +27,7 @@ class GraphKey {
   }
   GraphKey& add(const void* p) { return add(reinterpret_cast<uintptr_t>(p)); }
   bool operator==(const GraphKey& o) const { return words_ == o.words_; }
+  const std::vector<uint64_t>& words() const { return words_; }
   size_t hash() const;
 
  private:

@@ -27,6 +27,11 @@ constexpr double kPriorDecay = 0.85;
 constexpr double kPriorSlope = 0.10;
 // Rounds between explorations while the best depth has a neighbour never measured.
 constexpr int64_t kFirstExplore = 4;
+// The depth a bucket runs changes only for one whose rate beats it by this share: estimates
+// wobble by a few percent from round to round, and each change of depth runs CUDA graphs of new
+// shapes (an eager run and a capture each, for every row count the bucket passes through), which
+// costs far more than running within 3% of the best rate.
+constexpr double kSwitchMargin = 0.03;
 
 }  // namespace
 
@@ -117,7 +122,14 @@ int DepthPolicy::best(int64_t rows) const {
       best_rate = rate;
     }
   }
-  return best < 0 ? start : best;
+  if (best < 0) return start;
+  const int in_use = it->second.in_use;
+  if (in_use >= 0 && in_use != best) {
+    const std::optional<double> c = estimate(it->second, in_use);
+    if (c && *c > 0.0 && best_rate <= expected_tokens(in_use) / *c * (1.0 + kSwitchMargin))
+      return in_use;
+  }
+  return best;
 }
 
 DepthPolicy::Bucket& DepthPolicy::bucket(int64_t rows) {
@@ -134,6 +146,7 @@ int DepthPolicy::choose(int64_t rows) {
   TANDEM_CHECK(rows >= 1, "depth policy: a round of ", rows, " rows");
   const int k = best(rows);
   Bucket& b = bucket(rows);
+  b.in_use = k;
   b.most_rows = std::max(b.most_rows, rows);
   auto unmeasured = [&](int d) {
     return d >= 0 && d <= options_.max_depth && !b.cost[static_cast<size_t>(d)];

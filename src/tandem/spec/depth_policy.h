@@ -21,7 +21,8 @@
 // neighbour never measured goes first
 // (the shallower before the deeper), every few rounds until both are: round costs are concave in
 // the depth (the first proposal brings the draft, the window and the commit), so the line through
-// drafted depths overprices plain rounds, which only their own measurement clears.
+// drafted depths overprices plain rounds, which only their own measurement clears. The depth in use
+// changes only for one whose rate is 3% better (every new depth runs CUDA graphs of new shapes).
 #pragma once
 
 #include <cstdint>
@@ -60,7 +61,8 @@ class DepthPolicy {
   double expected_tokens(int depth) const;  // E_k per row and round
   // The estimated round time at (rows, depth); nullopt before any round of that row bucket.
   std::optional<double> cost(int64_t rows, int depth) const;
-  // The depth choose() would pick now, without exploring.
+  // The depth choose() would pick now, without exploring: the best rate, except that the depth
+  // in use stays until another beats its rate by 3% (a change of depth costs new CUDA graphs).
   int best(int64_t rows) const;
   int max_depth() const { return options_.max_depth; }
 
@@ -79,6 +81,7 @@ class DepthPolicy {
     int last_best = -1;        // the best depth when the bucket last explored
     int64_t explorations = 0;
     int64_t most_rows = 0;  // the most rows a round of this bucket had
+    int in_use = -1;        // the depth its rounds run when not exploring (best's hysteresis)
   };
   std::map<int, Bucket> buckets_;
   static int bucket_of(int64_t rows);
