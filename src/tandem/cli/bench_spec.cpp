@@ -102,7 +102,8 @@ struct Measured {
   // ... up to the batch: [0..depth], null where nothing is known yet).
   std::vector<double> group_rounds_by_depth;
   double group_cold_graph_runs = 0;  // CUDA graphs run cold per group (GenerateStats)
-  std::vector<std::pair<int64_t, std::vector<std::optional<double>>>> depth_cost_ms;
+  // {"rows": [ms at depth 0, 1, ...]}, null for a depth with no estimate; null without a policy.
+  nlohmann::json depth_cost_ms;
 };
 
 // The requests in batches of `batch`, in order (the last may be smaller).
@@ -235,30 +236,16 @@ Measured measure(const LoadedTarget& target, DType kv_dtype, const spec::DraftPr
   m.decode_tokens_per_second = decode_rates[decode_rates.size() / 2];
   if (const spec::DepthPolicy* policy = gen.depth_policy())
     for (int64_t rows = 1;; rows *= 2) {
-      std::vector<std::optional<double>> costs;
+      nlohmann::json costs = nlohmann::json::array();
       for (int d = 0; d <= m.depth; ++d) {
         const std::optional<double> c = policy->cost(rows, d);
-        costs.push_back(c ? std::optional<double>(1e3 * *c) : std::nullopt);
+        costs.push_back(c ? nlohmann::json(1e3 * *c) : nlohmann::json());
       }
-      m.depth_cost_ms.emplace_back(rows, std::move(costs));
+      m.depth_cost_ms[std::to_string(rows)] = std::move(costs);
       if (rows >= batch) break;
     }
   if (split && drafter) m.phase_ms = round_split(target, kv_dtype, drafter, opts, reqs, batch);
   return m;
-}
-
-// {"rows": [ms at depth 0, 1, ...]} with null for a depth with no estimate; null without a policy.
-nlohmann::json depth_costs_json(
-    const std::vector<std::pair<int64_t, std::vector<std::optional<double>>>>& costs) {
-  if (costs.empty()) return nullptr;
-  nlohmann::json out = nlohmann::json::object();
-  for (const auto& [rows, by_depth] : costs) {
-    nlohmann::json list = nlohmann::json::array();
-    for (const std::optional<double>& c : by_depth)
-      list.push_back(c ? nlohmann::json(*c) : nullptr);
-    out[std::to_string(rows)] = std::move(list);
-  }
-  return out;
 }
 
 // --accept-p: each p in [0, 1].
@@ -466,7 +453,7 @@ void run_bench_spec(const BenchSpecArgs& a) {
                            m.group_drafter_prefill_ms - m.group_row_change_ms}}},
            {"rounds_by_depth", m.group_rounds_by_depth},
            {"cold_graph_runs", m.group_cold_graph_runs},
-           {"depth_cost_ms", depth_costs_json(m.depth_cost_ms)},
+           {"depth_cost_ms", m.depth_cost_ms},
            {"batch", a.batch}});
       continue;
     }

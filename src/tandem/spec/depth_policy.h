@@ -18,11 +18,11 @@
 // estimates stay current as contexts grow and acceptance drifts; while explorations change
 // nothing, they come less and less often (explore_backoff); one that is due waits (for a while) for
 // a round of the most rows the bucket has seen, whose CUDA graphs later explorations replay. A
-// neighbour never measured goes first
-// (the shallower before the deeper), every few rounds until both are: round costs are concave in
-// the depth (the first proposal brings the draft, the window and the commit), so the line through
-// drafted depths overprices plain rounds, which only their own measurement clears. The depth in use
-// changes only for one whose rate is 3% better (every new depth runs CUDA graphs of new shapes).
+// neighbour never measured goes first (the shallower before the deeper), every few rounds until
+// both are: round costs are concave in the depth (the first proposal brings the draft, the window
+// and the commit), so the line through drafted depths overprices plain rounds, which only their
+// own measurement clears. The depth in use changes only for one whose rate is 3% better (every new
+// depth runs CUDA graphs of new shapes).
 #pragma once
 
 #include <cstdint>

@@ -264,9 +264,10 @@ void queue_host_read(void* dst, const void* src, size_t bytes) {
 
 void finish_host_reads() {
   try {
+    Context& c = current();
     const WaitClock clock;
-    TANDEM_CUDA_CHECK(cudaStreamSynchronize(op_stream()));
-    current().points_reached = current().points_recorded;
+    TANDEM_CUDA_CHECK(cudaStreamSynchronize(c.stream()));
+    c.points_reached = c.points_recorded;
   } catch (...) {
     staged_reads.clear();  // a failed wait leaves no reads for the next caller
     throw;
@@ -411,7 +412,7 @@ void wait_event(void* event, StreamPoint point) {
     const WaitClock clock;
     TANDEM_CUDA_CHECK(cudaEventSynchronize(static_cast<cudaEvent_t>(event)));
   }
-  if (ours && point.seq > c.points_reached) c.points_reached = point.seq;
+  if (ours) c.points_reached = point.seq;
 }
 
 void copy_on_device(void* dst, const void* src, size_t bytes) {
