@@ -677,6 +677,84 @@ TEST(BatchEngine, SettledRoundsEmitThePlainTokens) {
     }
 }
 
+// A host round's commit run on the device behind the verify's reads (SpecOptions::device_commit):
+// the device walks the windows where their tokens are and commits them while the host walks the
+// same tokens, then the host only resolves the lengths. For greedy and sampled rows joining,
+// leaving, cancelled and ending mid-window at their max_tokens, every request gets its plain
+// tokens and the same speculation as with the host's commit; an engine with a prefix cache keeps
+// the host's commit (a cached turn's state must hold exactly its tokens).
+TEST(BatchEngine, DeviceCommitEmitsThePlainTokens) {
+  auto& d = demo();
+  const auto shared = [&] {
+    const ops::ContextScope scope(d.model->context());
+    return spec::QwenMtpProvider::from_target(*d.target);
+  }();
+  std::vector<GenerateRequest> reqs;
+  for (size_t i = 0; i < 6; ++i)
+    reqs.push_back(request(d.tok->encode(test::kDemoPrompts[i % test::kDemoPrompts.size()]),
+                           i % 2 == 0 ? 0.0f : 0.8f, 5 + i, 9 + 7 * static_cast<int64_t>(i)));
+  const std::vector<const spec::DraftProvider*> drafters = {shared.get(), d.ngram.get()};
+  for (const spec::DraftProvider* drafter : drafters) {
+    std::vector<std::shared_ptr<Recorder>> sinks[2];
+    EngineCounters counters[2];
+    for (bool on_device : {false, true}) {
+      EngineOptions o;
+      o.spec.depth = 3;
+      o.spec.device_commit = on_device;
+      o.max_rows = 3;
+      BatchEngine engine(*d.model, drafter, "demo-target", o);
+      auto& mine = sinks[on_device];
+      size_t next = 0;
+      for (int step = 0;; ++step) {
+        if (next < reqs.size() && step % 4 == 0) {
+          mine.push_back(std::make_shared<Recorder>());
+          if (next == 3) mine.back()->cancel_after = 5;
+          engine.submit({reqs[next], -1}, mine.back());
+          ++next;
+        }
+        if (!engine.step() && next == reqs.size()) break;
+        ASSERT_LT(step, 3000);
+      }
+      counters[on_device] = engine.counters();
+    }
+    for (size_t i = 0; i < reqs.size(); ++i) {
+      const std::string what = drafter->id() + ", request " + std::to_string(i);
+      ASSERT_TRUE(sinks[0][i]->outcome && sinks[1][i]->outcome) << what;
+      if (i == 3) {  // cancelled: a prefix of its plain tokens, at least the 5 it asked for
+        const std::vector<int32_t> want = alone(reqs[i]);
+        const std::vector<int32_t>& got = sinks[1][i]->tokens;
+        EXPECT_EQ(sinks[1][i]->outcome->end, RequestEnd::Cancelled) << what;
+        ASSERT_GE(got.size(), 5u) << what;
+        ASSERT_LE(got.size(), want.size()) << what;
+        EXPECT_TRUE(std::equal(got.begin(), got.end(), want.begin())) << what;
+        continue;
+      }
+      EXPECT_EQ(sinks[1][i]->tokens, alone(reqs[i])) << what;
+      EXPECT_EQ(sinks[0][i]->tokens, sinks[1][i]->tokens) << what;
+      const SpecStats& host = sinks[0][i]->outcome->speculation;
+      const SpecStats& device = sinks[1][i]->outcome->speculation;
+      EXPECT_EQ(device.drafted_by_position, host.drafted_by_position) << what;
+      EXPECT_EQ(device.accepted_by_position, host.accepted_by_position) << what;
+    }
+    EXPECT_EQ(counters[0].device_commit_rounds, 0) << drafter->id();
+    const EngineCounters& c = counters[1];
+    EXPECT_GT(c.device_commit_rounds, (c.rounds - c.pipelined_rounds) / 2) << drafter->id();
+    EXPECT_LE(c.device_commit_rounds, c.rounds - c.pipelined_rounds) << drafter->id();
+    EXPECT_EQ(c.kv_blocks_used, 0) << drafter->id();
+  }
+  // With a prefix cache the host commits: a turn ending mid-window keeps exactly its tokens.
+  EngineOptions o;
+  o.spec.depth = 3;
+  o.prefix_cache_bytes = size_t{64} << 20;
+  BatchEngine cached(*d.model, shared.get(), "demo-target", o);
+  auto sink = std::make_shared<Recorder>();
+  cached.submit({reqs[0], -1}, sink);
+  cached.run_to_completion();
+  EXPECT_EQ(sink->tokens, alone(reqs[0]));
+  EXPECT_GT(cached.counters().rounds, 0);
+  EXPECT_EQ(cached.counters().device_commit_rounds, 0);
+}
+
 // Log-probabilities ride along without changing tokens: the chosen token's logprob is the
 // largest of the top list for greedy rows.
 TEST(BatchEngine, LogprobsDoNotChangeTokens) {

@@ -46,5 +46,29 @@ TEST(StagedUpload, AlternatesBuffersAndCopiesWhatWasStaged) {
   EXPECT_EQ(up.host(16), first);
 }
 
+// start_together: each upload's staged bytes land in its destination and each moves on to its
+// other buffer; a part that asks for more than was staged, or an upload given twice, is refused
+// before anything is copied.
+TEST(StagedUpload, StartsSeveralUploadsTogether) {
+  StagedUpload a, b;
+  std::vector<uint8_t> da(32, 0), db(48, 0);
+  uint8_t* a1 = a.host(32);
+  std::memset(a1, 3, 32);
+  uint8_t* b1 = b.host(48);
+  std::memset(b1, 4, 48);
+  const StagedUpload::Part too_big[] = {{&a, da.data(), 32}, {&b, db.data(), 49}};
+  EXPECT_THROW(StagedUpload::start_together(too_big), Error);
+  const StagedUpload::Part twice[] = {{&a, da.data(), 16}, {&a, da.data() + 16, 16}};
+  EXPECT_THROW(StagedUpload::start_together(twice), Error);
+  EXPECT_EQ(da[0], 0);  // nothing copied by the refused calls
+  EXPECT_EQ(db[0], 0);
+  const StagedUpload::Part both[] = {{&a, da.data(), 32}, {&b, db.data(), 48}};
+  StagedUpload::start_together(both);
+  EXPECT_EQ(da, std::vector<uint8_t>(32, 3));
+  EXPECT_EQ(db, std::vector<uint8_t>(48, 4));
+  EXPECT_NE(a.host(8), a1);  // each went on to its other buffer
+  EXPECT_NE(b.host(8), b1);
+}
+
 }  // namespace
 }  // namespace tandem

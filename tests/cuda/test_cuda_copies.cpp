@@ -84,6 +84,41 @@ TEST_F(CudaCopies, AnUploadKeepsItsPlaceBetweenTheKernelsAroundIt) {
   }
 }
 
+// StagedUpload::start_together (cuda::copy_from_pinned_parts): up to a launch's parts in one
+// kernel, the rest in the next, a part past the kernel bound through the copy engine; each lands
+// exactly its staged bytes at its own size and alignment, and nothing around it changes.
+TEST_F(CudaCopies, UploadsStartedTogetherLandEachPartsBytes) {
+  ScopedBackend cuda(ops::Backend::Cuda);
+  struct Case {
+    size_t offset, bytes;
+  };
+  const std::vector<Case> cases = {
+      {0, 16}, {1, 5}, {16, 4100}, {3, 48}, {32, 1}, {17, 333}, {0, cuda::kKernelUploadBytes + 16}};
+  const size_t span = cuda::kKernelUploadBytes + 4096;
+  const std::vector<uint8_t> fence(span, 0xab);
+  std::vector<DeviceBuffer<uint8_t>> devs;
+  std::vector<StagedUpload> ups(cases.size());
+  std::vector<StagedUpload::Part> parts;
+  for (size_t p = 0; p < cases.size(); ++p) {
+    devs.emplace_back(fence);
+    uint8_t* h = ups[p].host(cases[p].bytes);
+    for (size_t i = 0; i < cases[p].bytes; ++i) h[i] = static_cast<uint8_t>((i * 7 + p * 31) % 253);
+    parts.push_back({&ups[p], devs[p].get() + cases[p].offset, cases[p].bytes});
+  }
+  StagedUpload::start_together(parts);
+  for (size_t p = 0; p < cases.size(); ++p) {
+    std::vector<uint8_t> got(cases[p].offset + cases[p].bytes + 64);
+    ops::copy_to_host(got.data(), devs[p].get(), got.size());
+    for (size_t i = 0; i < got.size(); ++i) {
+      const bool inside = i >= cases[p].offset && i < cases[p].offset + cases[p].bytes;
+      const uint8_t want =
+          inside ? static_cast<uint8_t>(((i - cases[p].offset) * 7 + p * 31) % 253) : uint8_t{0xab};
+      ASSERT_EQ(got[i], want) << "part " << p << " at " << i
+                              << (inside ? " (uploaded)" : " (outside the upload)");
+    }
+  }
+}
+
 // Streams run in order, so once the host has waited for a read, every read queued before it has
 // landed too: waiting for one of those costs no device call (no time in cuda::wait_seconds()),
 // and it still hands out the bytes of its own point in the stream.

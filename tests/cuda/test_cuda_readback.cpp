@@ -133,6 +133,42 @@ TEST_F(CudaReadback, SeveralReadsInOneWaitReturnEachReadsBytes) {
   }
 }
 
+// ops::copy_to_host with `then`: more reads than one gather launch takes (each its own bytes), and
+// the work `then` queues runs behind the reads: they hold the values from before it, and it has
+// run once the stream is synchronised.
+TEST_F(CudaReadback, WorkQueuedAfterTheReadsDoesNotChangeThem) {
+  ScopedBackend cuda(ops::Backend::Cuda);
+  std::vector<float> x(1200);
+  std::iota(x.begin(), x.end(), 1.0f);
+  DeviceBuffer<float> a(x);
+  for (int round = 1; round <= 10; ++round) {
+    std::vector<std::vector<float>> got(12);
+    std::vector<ops::HostRead> reads;
+    for (size_t i = 0; i < got.size(); ++i) {
+      got[i].assign(100, 0.0f);
+      reads.push_back({got[i].data(), a.get() + 100 * i, sizeof(float) * 100});
+    }
+    bool ran = false;
+    ops::copy_to_host(reads.data(), reads.size(), [&] {
+      ran = true;
+      ops::scale(a.get(), static_cast<int64_t>(x.size()), 2.0f);
+    });
+    ASSERT_TRUE(ran);
+    for (size_t i = 0; i < got.size(); ++i)
+      for (size_t j = 0; j < 100; ++j)
+        ASSERT_EQ(got[i][j], x[100 * i + j]) << "round " << round << " read " << i;
+    for (float& v : x) v *= 2.0f;
+    ops::synchronize();
+    std::vector<float> now(x.size());
+    ops::copy_to_host(now.data(), a.get(), sizeof(float) * now.size());
+    ASSERT_EQ(now, x) << "round " << round << ": the work queued after the reads did not run";
+  }
+  // No read: `then` still runs, and nothing waits.
+  bool ran = false;
+  ops::copy_to_host(nullptr, 0, [&] { ran = true; });
+  EXPECT_TRUE(ran);
+}
+
 // ops::device_wait_seconds counts the time the thread spends blocked on the device: a wait for
 // queued work adds about its span, work merely queued adds nothing.
 TEST_F(CudaReadback, TimeBlockedOnTheDeviceIsCounted) {

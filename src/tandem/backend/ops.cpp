@@ -196,19 +196,22 @@ void copy_to_host(void* dst_host, const void* src, size_t bytes) {
 }
 
 void copy_to_host(const HostRead* reads, size_t n) {
+  copy_to_host(reads, n, {});
+}
+
+void copy_to_host(const HostRead* reads, size_t n, const std::function<void()>& then) {
+  bool any = false;  // no read, no wait: a forward whose tokens stay queued must not block
+  for (size_t i = 0; i < n; ++i) any = any || reads[i].bytes > 0;
 #ifdef TANDEM_HAVE_CUDA
   if (g_backend == Backend::Cuda) {
-    bool any = false;  // no read, no wait: a forward whose tokens stay queued must not block
-    for (size_t i = 0; i < n; ++i) {
-      cuda::queue_host_read(reads[i].dst_host, reads[i].src, reads[i].bytes);
-      any = any || reads[i].bytes > 0;
-    }
-    if (any) cuda::finish_host_reads();
+    if (any) return cuda::copy_reads_to_host(reads, n, then);
+    if (then) then();
     return;
   }
 #endif
   for (size_t i = 0; i < n; ++i)
     if (reads[i].bytes > 0) std::memcpy(reads[i].dst_host, reads[i].src, reads[i].bytes);
+  if (then) then();
 }
 
 void fill_zero(void* dst, size_t bytes) {

@@ -17,6 +17,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -116,6 +117,9 @@ struct HostRead {
   size_t bytes;
 };
 void copy_to_host(const HostRead* reads, size_t n);  // (a pointer: CUDA sources are C++17)
+// The same, and `then` queues more work behind the reads before the host waits for them alone
+// (on the CPU it runs after the copies): a verify's commit the device runs while the host walks.
+void copy_to_host(const HostRead* reads, size_t n, const std::function<void()>& then);
 void fill_zero(void* dst, size_t bytes);
 // dst[r * dst_stride + c] = src[r * src_stride + c] for r < rows, c < cols (floats).
 void copy_rows(float* dst, int64_t dst_stride, const float* src, int64_t src_stride, int64_t rows,

@@ -10,6 +10,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <span>
 
 #include "tandem/backend/pinned.h"
 
@@ -27,6 +28,14 @@ class StagedUpload {
   uint8_t* host(size_t bytes);
   // Queues the copy of the first `bytes` of the buffer host() returned to `dst`.
   void start(void* dst, size_t bytes);
+  // start() of several uploads (each filled through its own host(), each upload at most once) in
+  // one launch: the inputs of one CUDA graph cost one copy kernel on the device, not one each.
+  struct Part {
+    StagedUpload* upload = nullptr;
+    void* dst = nullptr;
+    size_t bytes = 0;
+  };
+  static void start_together(std::span<const Part> parts);
 
  private:
   PinnedBuffer slots_[2];

@@ -1150,6 +1150,24 @@ void BatchEngine::round() {
     verify.draft_ids = queued_.ids;
     verify.draft_from = draft_from_;
   }
+  // The commit on the device (SpecOptions::device_commit): queued behind the verify's reads, so
+  // the device walks and commits the windows while the host waits for the tokens and walks them.
+  settled_rows_.clear();
+  for (size_t r = 0; r < R; ++r)
+    if (inputs_[r].speculative)
+      settled_rows_.push_back({decoding_[r]->slot, static_cast<int32_t>(r)});
+  const bool device_commit = options_.spec.device_commit && !need_logits && !cache_ &&
+                             options_.spec.verify == spec::VerifyMode::Match &&
+                             !options_.spec.sync_phases && target_->settles_windows() &&
+                             !settled_rows_.empty();
+  if (device_commit) {
+    accepted_dev_.grow_to(static_cast<int64_t>(R));
+    next_dev_.grow_to(static_cast<int64_t>(R));
+    verify.after_reads = [this] {
+      target_->accept_windows(accepted_dev_.data(), next_dev_.data(), nullptr);
+      target_->settle_windows(settled_rows_, accepted_dev_.data());
+    };
+  }
   try {
     target_->forward(verify, &out_);
   } catch (const std::exception&) {
@@ -1173,6 +1191,7 @@ void BatchEngine::round() {
   // 3. Accept walk per row, emitting as it goes (EOS, max tokens and stop strings end a request
   // mid-window). A row that fails here ends alone; its window is discarded with its slot.
   keeps_.clear();
+  settled_keeps_.clear();
   verified_.assign(R, {});
   int64_t t = 0;
   drafted_pos_.assign(static_cast<size_t>(depth_), 0);
@@ -1197,9 +1216,14 @@ void BatchEngine::round() {
       }
     } catch (const std::exception& e) {
       finish(row, RequestEnd::Failed, e.what());
+      // Whatever the device kept of a failed row's window, the row leaves with its slot.
+      if (device_commit && n > 1) settled_keeps_.push_back({row.slot, 1});
       t += static_cast<int64_t>(n);
       continue;
     }
+    // The device's walk is this walk: it kept every accepted proposal, also where the row ends
+    // mid-window (its state is then discarded with the row: no prefix cache to save it).
+    if (device_commit && n > 1) settled_keeps_.push_back({row.slot, 1 + outcome.accepted});
     count_round(row, static_cast<int64_t>(n - 1), outcome.accepted);
     size_t emitted = 0;
     while (emitted < outcome.emitted.size()) {
@@ -1218,8 +1242,12 @@ void BatchEngine::round() {
   // (depth 0 keeps it aligned). Only what rounds propose changes, never what they emit.
   if (probe_collapsed()) release_collapsed_drafter();
   const auto t_accept = phase_end();
-  // 4. Commit: the target keeps pending + accepted proposals; the drafter follows.
-  target_->commit_windows(keeps_);
+  // 4. Commit: the target keeps pending + accepted proposals (queued on the device already, or
+  // now); the drafter follows.
+  if (device_commit)
+    target_->resolve_settled(settled_keeps_);
+  else
+    target_->commit_windows(keeps_);
   if (decode_drafts_) {
     const float* hidden = tapped_rows();
     const int64_t width = taps_.width(H);
@@ -1243,6 +1271,7 @@ void BatchEngine::round() {
   std::lock_guard lock(mu_);
   if (queued) ++counters_.queued_draft_rounds;
   if (ahead) ++counters_.drafted_ahead_rounds;
+  if (device_commit) ++counters_.device_commit_rounds;
   counters_.decode_seconds += seconds;
   counters_.decode_wait_seconds += ops::device_wait_seconds() - wait0;
   auto between = [](auto a, auto b) { return std::chrono::duration<double>(b - a).count(); };

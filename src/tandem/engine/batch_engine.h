@@ -97,6 +97,9 @@ struct EngineCounters {
   // Of the rounds, those settled on the device and queued before the host read the round before
   // (SpecOptions::settled_rounds).
   int64_t settled_rounds = 0;
+  // Of the host rounds, those whose target commit the device ran behind the verify's reads
+  // (SpecOptions::device_commit).
+  int64_t device_commit_rounds = 0;
   int64_t prompt_tokens = 0, generated_tokens = 0;
   int64_t finished = 0, cancelled = 0, failed = 0;
   double prefill_seconds = 0, decode_seconds = 0;  // time in prefill forwards and in rounds
@@ -271,7 +274,8 @@ class BatchEngine {
   };
   std::deque<SettledRound> settled_;
   Buffer<int32_t> accepted_dev_, next_dev_;    // the last verify's accept_windows
-  std::vector<ops::SettledRow> settled_rows_;  // scratch of settled_round and read_settled
+  std::vector<ops::SettledRow> settled_rows_;  // scratch of settled_round, read_settled, round
+  std::vector<RowKeep> settled_keeps_;         // round: what its device commit kept
   std::vector<int> settled_accepted_;
   // Whether this round (every row at `depth`) may be settled; fills drafts_ for it.
   bool settles(int depth);

@@ -15,6 +15,11 @@ bool SpecOptions::draft_ahead_default() {
   return on;
 }
 
+bool SpecOptions::device_commit_default() {
+  static const bool on = env_switch_on("TANDEM_DEVICE_COMMIT");
+  return on;
+}
+
 double SpecStats::mean_accepted_length() const {
   return rounds > 0 ? static_cast<double>(accepted + rounds) / static_cast<double>(rounds) : 0.0;
 }

@@ -47,6 +47,14 @@ struct SpecOptions {
   // off (for A/B measurements).
   bool draft_ahead = draft_ahead_default();
   static bool draft_ahead_default();
+  // A host round's commit queued on the device behind the verify's reads (BatchEngine): the
+  // device walks the windows where their tokens are (ops::accept_windows) and commits the target's
+  // state, while the host waits for the tokens and walks them too; the host then only resolves
+  // the lengths. Taken with match verification, a target that settles windows and no prefix cache
+  // (a row ending mid-window keeps its whole accepted window in its state, which a cached turn
+  // must not). Same tokens; TANDEM_DEVICE_COMMIT=0 turns it off (for A/B measurements).
+  bool device_commit = device_commit_default();
+  static bool device_commit_default();
 };
 
 // Per-request speculation counters.

@@ -76,6 +76,11 @@ struct ForwardRequest {
   // entry `layer`; entry 0 is the embedding output), what projected-context drafters read. The
   // viewed array must outlive the forward (a layer-sliced prompt forward copies it).
   std::span<const int> tap_layers = {};
+  // Work queued behind the forward's reads to the host, before the host waits for them (the reads
+  // alone): a host round's accept walk and commit where the tokens are, which the device runs
+  // while the host walks the same tokens (BatchEngine). Not for prompt forwards, nor with
+  // defer_argmax; targets that cannot queue work there refuse it.
+  std::function<void()> after_reads = {};
 };
 
 struct ForwardOutput {

@@ -74,6 +74,8 @@ void Glm5Model::forward(Glm5State& st, const ForwardRequest& req, ForwardOutput*
          "defer_argmax are not supported)");
   if (!req.draft_from.empty())
     fail("forward: GLM-5 takes its tokens from the host (draft_from is not supported)");
+  if (req.after_reads)
+    fail("forward: GLM-5 commits its windows from the host (after_reads is not supported)");
   Glm5Tokens b;
   b.prompt = req.prompt;
   check_forward_rows(

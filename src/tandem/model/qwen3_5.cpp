@@ -312,6 +312,8 @@ int64_t Qwen35Model::prepare_forward(Qwen35State& st, const ForwardRequest& req)
     fail("forward: rows cover ", T, " tokens but ", req.tokens.size(), " were given");
   }
   if (req.defer_argmax && !req.want_argmax) fail("forward: defer_argmax without want_argmax");
+  if (req.after_reads && (req.prompt || req.defer_argmax))
+    fail("forward: after_reads in a prompt forward or with defer_argmax");
   if (!req.draft_from.empty()) {
     if (req.tokens_from_argmax || req.prompt)
       fail("forward: draft_from with tokens_from_argmax or in a prompt forward");
@@ -538,9 +540,10 @@ void Qwen35Model::forward(Qwen35State& st, const ForwardRequest& req, ForwardOut
     key.add(w.shifted).add(w.shifted ? st.settled_shift() : nullptr).add(w.row_slots);
     graphs_.run(key, [&] { forward_body(st, req, T); });
   }
-  finish_forward(st, req, T, out, true);
+  // What accept_windows reads: set before finish_forward, whose after_reads may walk it.
   if (!req.prompt && !req.tokens_from_argmax && req.all_logits && req.want_argmax)
     w.verified = {true, R, w.draft_from ? req.draft_ids : nullptr};
+  finish_forward(st, req, T, out, true);
 }
 
 void Qwen35Model::finish_forward(Qwen35State& st, const ForwardRequest& req, int64_t T,
@@ -592,7 +595,7 @@ void Qwen35Model::finish_forward(Qwen35State& st, const ForwardRequest& req, int
     out->argmax.resize(static_cast<size_t>(out->logits_rows));
     reads.push_back({out->argmax.data(), w.argmax.data(), sizeof(int32_t) * out->argmax.size()});
   }
-  ops::copy_to_host(reads.data(), reads.size());
+  ops::copy_to_host(reads.data(), reads.size(), req.after_reads);
   if (req.want_argmax && !req.defer_argmax) {
     for (size_t r = 0; r < out->argmax.size(); ++r)
       if (out->argmax[r] < 0)

@@ -118,6 +118,10 @@ std::string ServerMetrics::render(const EngineCounters& e, const std::string& dr
          "Speculative rounds accepted and committed on the device, queued before the host read "
          "the round before them.",
          static_cast<double>(e.settled_rounds));
+  scalar("tandem_device_commit_rounds_total", "counter",
+         "Host rounds whose target commit the device ran behind the verify's reads, while the "
+         "host walked the same tokens.",
+         static_cast<double>(e.device_commit_rounds));
   series(&out, "tandem_round_phase_seconds_total", "counter",
          "Host time in the phases of speculative rounds (draft, verify, accept, commit).");
   const std::pair<const char*, double> phases[] = {{"draft", e.draft_seconds},

@@ -82,7 +82,8 @@ AttentionBatch DraftKvPool::batch(std::span<const std::vector<int32_t>* const> t
 std::vector<AttentionBatch> DraftKvPool::chain(std::span<const std::vector<int32_t>* const> tables,
                                                std::span<const int64_t> lengths,
                                                std::span<const int> depths,
-                                               std::span<const int64_t> completion) {
+                                               std::span<const int64_t> completion,
+                                               StagedUpload::Part* hold) {
   int steps = 0;
   for (int d : depths) steps = std::max(steps, d);
   std::vector<StepRows> rows(static_cast<size_t>(steps));
@@ -99,11 +100,12 @@ std::vector<AttentionBatch> DraftKvPool::chain(std::span<const std::vector<int32
         rows[static_cast<size_t>(j)].starts.push_back(lengths[i] + j);
         rows[static_cast<size_t>(j)].counts.push_back(1);
       }
-  return upload(tables, rows);
+  return upload(tables, rows, hold);
 }
 
 std::vector<AttentionBatch> DraftKvPool::upload(std::span<const std::vector<int32_t>* const> tables,
-                                                std::span<const StepRows> steps) {
+                                                std::span<const StepRows> steps,
+                                                StagedUpload::Part* hold) {
   // Every table's bound: it sizes the attention's grid, and the largest sets the stride.
   std::vector<int64_t> bounds;
   int64_t stride = 1;
@@ -161,7 +163,10 @@ std::vector<AttentionBatch> DraftKvPool::upload(std::span<const std::vector<int3
     b.kv_slots = b.positions + T;
     b.rows = AttentionRows{dev_tables, stride, b.positions + 2 * T};
   }
-  batch_upload_.start(dev, bytes);
+  if (hold)
+    *hold = {&batch_upload_, dev, bytes};
+  else
+    batch_upload_.start(dev, bytes);
   return out;
 }
 

@@ -52,9 +52,12 @@ class DraftKvPool {
   // wherever the rows that stopped drafting left it. Valid until the next batch or chain call.
   // completion (optional, one position per row): step 0 first appends one row at completion[i]
   // to every row i (an MTP commit's completion rows, DraftRows::settle), then the chain's.
+  // hold (optional): the copy is not started but described there, for the caller to start with
+  // the chain's other inputs (StagedUpload::start_together) before anything reads the batches.
   std::vector<AttentionBatch> chain(std::span<const std::vector<int32_t>* const> tables,
                                     std::span<const int64_t> lengths, std::span<const int> depths,
-                                    std::span<const int64_t> completion = {});
+                                    std::span<const int64_t> completion = {},
+                                    StagedUpload::Part* hold = nullptr);
 
   // The rows a checkpoint's KV tensors kv_keys and kv_values [rows, kv_heads, head_dim] hold;
   // throws tandem::Error naming `who` unless both are there in this pool's shape.
@@ -115,9 +118,10 @@ class DraftKvPool {
     std::vector<int64_t> counts;  // new positions per row
   };
   // Checks every table holds its rows' new positions, then uploads the tables at one stride and
-  // each step's arrays in one copy.
+  // each step's arrays in one copy (or describes it in *hold, as chain()).
   std::vector<AttentionBatch> upload(std::span<const std::vector<int32_t>* const> tables,
-                                     std::span<const StepRows> steps);
+                                     std::span<const StepRows> steps,
+                                     StagedUpload::Part* hold = nullptr);
 
   int64_t floats_per_block() const { return 2 * kBlockSize * kv_heads_ * head_dim_; }
   std::vector<int32_t> take(int64_t n);

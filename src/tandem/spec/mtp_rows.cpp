@@ -560,7 +560,7 @@ void MtpRows::queue_device_chain(std::span<const RowDraft> rows, int max_depth) 
     }
   }
   chain_in_dev_.grow_to(static_cast<int64_t>(bytes));
-  chain_in_upload_.start(chain_in_dev_.data(), bytes);
+  const StagedUpload::Part inputs{&chain_in_upload_, chain_in_dev_.data(), bytes};
   uint8_t* in = chain_in_dev_.data();
   // Device inputs: the completion rows of the last settled round head step 0 (R of them, then
   // the R pending rows), unless that round was flushed already.
@@ -583,8 +583,9 @@ void MtpRows::queue_device_chain(std::span<const RowDraft> rows, int max_depth) 
   }
   if (chain_shifted_ && !settling)
     fail(who_, " draft: ", settled_.size(), " settled round(s) are unresolved");
-  if (!draft_chain_graph(rows, max_depth, ids0, hidden0)) {
+  if (!draft_chain_graph(rows, max_depth, ids0, hidden0, inputs)) {
     if (chain_shifted_) fail(who_, " draft: a chain after unresolved rounds must run whole");
+    chain_in_upload_.start(inputs.dst, inputs.bytes);
     queue_chain(ids0, hidden0, false);
   }
   if (chain_completion_) completion_pending_ = false;  // the chain computed them
@@ -610,7 +611,7 @@ void MtpRows::take_picks(const int32_t* picks, int max_depth, std::vector<DraftP
 }
 
 bool MtpRows::draft_chain_graph(std::span<const RowDraft> rows, int max_depth, const int32_t* ids0,
-                                const float* hidden0) {
+                                const float* hidden0, const StagedUpload::Part& inputs) {
   std::vector<History*> histories;
   std::vector<int64_t> lengths;
   std::vector<int> depths;
@@ -619,7 +620,15 @@ bool MtpRows::draft_chain_graph(std::span<const RowDraft> rows, int max_depth, c
     lengths.push_back(rows_[b].length);
     depths.push_back(rows[b].depth);
   }
-  if (!prepare_chain(histories, lengths, depths)) return false;
+  StagedUpload::Part tables;
+  if (!prepare_chain(histories, lengths, depths, &tables)) return false;
+  // One copy kernel for the graph's inputs: the rows' step-0 inputs and the chain's tables.
+  if (tables.upload) {
+    const StagedUpload::Part both[] = {inputs, tables};
+    StagedUpload::start_together(both);
+  } else {
+    inputs.upload->start(inputs.dst, inputs.bytes);
+  }
   // Everything the chain's launches bake in: which rows draft how far, and every address.
   GraphKey key;
   key.add(static_cast<uint64_t>(rows.size())).add(static_cast<uint64_t>(max_depth));

@@ -148,9 +148,12 @@ class MtpRows : public DraftRows {
   // out every step's block forward before the chain, then queues them with no host work. Rows
   // `rows` (holding lengths[i] MTP rows) draft depths[i] steps. Returns false where it cannot
   // (the chain then runs step by step through forward_block); the base class never can.
+  // tables_upload: where the subclass describes the upload of the chain's tables and positions
+  // instead of starting it (or leaves it empty); the caller starts it together with the chain's
+  // inputs (one copy kernel for the graph's inputs).
   virtual bool prepare_chain(std::span<History* const> rows, std::span<const int64_t> lengths,
-                             std::span<const int> depths) {
-    (void)rows, (void)lengths, (void)depths;
+                             std::span<const int> depths, StagedUpload::Part* tables_upload) {
+    (void)rows, (void)lengths, (void)depths, (void)tables_upload;
     return false;
   }
   // Queues step j's block forward as prepare_chain laid it out: [A_j, H] in and out, A_j the rows
@@ -344,8 +347,10 @@ class MtpRows : public DraftRows {
                      std::vector<DraftProposal>* out);
   // queue_device_chain's chain as one graph where the subclass prepares it (prepare_chain); false,
   // with none of the chain queued, when it does not. ids0, hidden0: step 0's inputs.
+  // inputs: the chain's step-0 inputs, filled and not yet started (started here, with the
+  // chain's tables where prepare_chain held theirs back; left unstarted when it returns false).
   bool draft_chain_graph(std::span<const RowDraft> rows, int max_depth, const int32_t* ids0,
-                         const float* hidden0);
+                         const float* hidden0, const StagedUpload::Part& inputs);
   // Queues the chain of step_rows_ from step 0's ids [A_0] and hiddens [A_0, H] (backend
   // memory): per step the embedding, the block (prepared by prepare_chain, or through
   // block_rows), the draft head and the draw (argmax or chain_draws_) into picks_dev_. Device work

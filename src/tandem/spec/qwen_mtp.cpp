@@ -224,14 +224,15 @@ bool QwenMtpRows::chains_share_context() const {
 }
 
 bool QwenMtpRows::prepare_chain(std::span<History* const> rows, std::span<const int64_t> lengths,
-                                std::span<const int> depths) {
+                                std::span<const int> depths, StagedUpload::Part* tables_upload) {
   if (!chains_share_context()) return false;
   const std::vector<int64_t> steps(depths.begin(), depths.end());
   std::vector<int64_t> completion;
   if (chain_completion_)
     for (size_t i = 0; i < lengths.size(); ++i)
       completion.push_back(completion_position(i, lengths[i], depths[i]));
-  chain_ = kv_.chain(reserve_tables(rows, lengths, steps), lengths, depths, completion);
+  chain_ =
+      kv_.chain(reserve_tables(rows, lengths, steps), lengths, depths, completion, tables_upload);
   int64_t most = 0;
   for (const AttentionBatch& b : chain_) most = std::max(most, b.tokens);
   block_->reserve(ws_, most);

@@ -114,7 +114,7 @@ class QwenMtpRows : public MtpRows {
                      float* out) override;
   // Whole chains run where the block shares the caller's context (a graph captures one stream).
   bool prepare_chain(std::span<History* const> rows, std::span<const int64_t> lengths,
-                     std::span<const int> depths) override;
+                     std::span<const int> depths, StagedUpload::Part* tables_upload) override;
   void chain_step(int j, const float* embeds, const float* hidden, float* out) override;
   void add_chain_key(GraphKey& key) const override;
   void shift_chain(const ops::PositionShift& s) override;

@@ -42,6 +42,11 @@ void copy_to_host(void* dst, const void* src, size_t bytes);    // device → ho
 // to the calling thread; nothing else may read back between the two.
 void queue_host_read(void* dst, const void* src, size_t bytes);
 void finish_host_reads();
+// A forward's reads together: those that fit the thread's staging land there through one kernel
+// (one launch for tokens and hiddens instead of one each), larger ones by copy-engine transfers.
+// Then `then` (may be empty) queues more work behind them, and the host waits for the reads
+// alone, not for that work: a host round's commit runs on the device while the host walks.
+void copy_reads_to_host(const ops::HostRead* reads, size_t n, const std::function<void()>& then);
 // Device → device, async. Up to kKernelDeviceCopyBytes (and not overlapping) a kernel copies,
 // larger copies go through the copy engine; TANDEM_CUDA_KERNEL_COPY=0 sends all there.
 constexpr size_t kKernelDeviceCopyBytes = size_t{1} << 20;
@@ -63,6 +68,14 @@ void copy_to_pinned_async(void* dst_pinned, const void* src, size_t bytes);
 // The host must not touch src_pinned until an event recorded after the call has completed.
 constexpr size_t kKernelUploadBytes = size_t{64} << 10;
 void copy_from_pinned_async(void* dst, const void* src_pinned, size_t bytes);
+// Several such uploads in one kernel (the ones within kKernelUploadBytes; larger ones, or all
+// under TANDEM_CUDA_KERNEL_COPY=0, as copy_to_device each): the inputs of one graph together.
+struct PinnedCopy {
+  void* dst;
+  const void* src_pinned;
+  size_t bytes;
+};
+void copy_from_pinned_parts(const PinnedCopy* parts, size_t n);
 void* create_event();  // a cudaEvent_t without timing
 void destroy_event(void* event);
 // The point of the current context's stream an event marks (record_event): the work queued

@@ -388,6 +388,151 @@ void copy_from_pinned_async(void* dst, const void* src_pinned, size_t bytes) {
   queue_copy_kernel("copy_from_pinned", dst, src_pinned, bytes);
 }
 
+namespace {
+
+// Up to kGatherParts reads into the mapped staging in one launch: part p takes blocks
+// first_block[p] .. first_block[p + 1] - 1 (each thread 16 bytes where the part is `wide`, else
+// one byte, as move_bytes).
+constexpr int kGatherParts = 8;
+struct MappedGather {
+  const uint8_t* src[kGatherParts];
+  uint8_t* dst[kGatherParts];
+  size_t bytes[kGatherParts];
+  unsigned first_block[kGatherParts + 1];
+  bool wide[kGatherParts];
+  int parts;
+};
+
+__global__ void gather_to_mapped_kernel(MappedGather g) {
+  int p = 0;
+  while (p + 1 < g.parts && blockIdx.x >= g.first_block[p + 1]) ++p;
+  const size_t i = static_cast<size_t>(blockIdx.x - g.first_block[p]) * blockDim.x + threadIdx.x;
+  if (g.wide[p]) {
+    if (i < g.bytes[p] / 16)
+      reinterpret_cast<uint4*>(g.dst[p])[i] = reinterpret_cast<const uint4*>(g.src[p])[i];
+  } else if (i < g.bytes[p]) {
+    g.dst[p][i] = g.src[p][i];
+  }
+  __threadfence_system();  // the host reads them once the event after this kernel completes
+}
+
+void launch_gather(MappedGather& g) {
+  if (g.parts == 0) return;
+  gather_to_mapped_kernel<<<g.first_block[g.parts], ByteCopyShape::kThreads, 0, op_stream()>>>(g);
+  TANDEM_CUDA_CHECK(cudaGetLastError());
+  g.parts = 0;
+  g.first_block[0] = 0;
+}
+
+// Recorded after a forward's reads (copy_reads_to_host), so the host waits for them alone.
+struct ReadsDoneEvent {
+  void* e = nullptr;
+  ~ReadsDoneEvent() { destroy_event(e); }
+  void* get() {
+    if (e == nullptr) e = create_event();
+    return e;
+  }
+};
+thread_local ReadsDoneEvent reads_done;
+
+}  // namespace
+
+void copy_reads_to_host(const ops::HostRead* reads, size_t n, const std::function<void()>& then) {
+  TANDEM_CHECK(staged_reads.empty(), "copy_reads_to_host: reads of another call are pending");
+  MappedGather g{};
+  size_t at = 0;
+  try {
+    for (size_t i = 0; i < n; ++i) {
+      const ops::HostRead& r = reads[i];
+      if (r.bytes == 0) continue;
+      if (!kernel_readback_enabled() || at + r.bytes > kKernelReadbackBytes) {
+        const WaitClock clock;  // into pageable memory: returns once the bytes have landed
+        copy_to_host_async(r.dst_host, r.src, r.bytes);
+        continue;
+      }
+      if (g.parts == kGatherParts) launch_gather(g);
+      const ByteCopyShape shape = byte_copy_shape(sync_staging.get() + at, r.src, r.bytes);
+      g.src[g.parts] = static_cast<const uint8_t*>(r.src);
+      g.dst[g.parts] = sync_staging.get() + at;
+      g.bytes[g.parts] = r.bytes;
+      g.wide[g.parts] = shape.wide;
+      g.first_block[g.parts + 1] = g.first_block[g.parts] + shape.blocks;
+      ++g.parts;
+      staged_reads.push_back({r.dst_host, at, r.bytes});
+      at = (at + r.bytes + 15) / 16 * 16;
+    }
+    launch_gather(g);
+    const StreamPoint point = record_event(reads_done.get());
+    if (then) then();
+    wait_event(reads_done.get(), point);
+  } catch (...) {
+    staged_reads.clear();  // a failed call leaves no reads for the next caller
+    throw;
+  }
+  for (const StagedRead& r : staged_reads)
+    std::memcpy(r.dst, sync_staging.get() + r.offset, r.bytes);
+  staged_reads.clear();
+}
+
+namespace {
+
+// Up to kUploadParts uploads in one launch, laid out as MappedGather's parts.
+constexpr int kUploadParts = 4;
+struct UploadParts {
+  const uint8_t* src[kUploadParts];
+  uint8_t* dst[kUploadParts];
+  size_t bytes[kUploadParts];
+  unsigned first_block[kUploadParts + 1];
+  bool wide[kUploadParts];
+  int parts;
+};
+
+__global__ void copy_parts_kernel(UploadParts u) {
+  pdl_wait();
+  int p = 0;
+  while (p + 1 < u.parts && blockIdx.x >= u.first_block[p + 1]) ++p;
+  const size_t i = static_cast<size_t>(blockIdx.x - u.first_block[p]) * blockDim.x + threadIdx.x;
+  if (u.wide[p]) {
+    if (i < u.bytes[p] / 16)
+      reinterpret_cast<uint4*>(u.dst[p])[i] = reinterpret_cast<const uint4*>(u.src[p])[i];
+  } else if (i < u.bytes[p]) {
+    u.dst[p][i] = u.src[p][i];
+  }
+}
+
+void launch_parts(UploadParts& u) {
+  if (u.parts == 0) return;
+  launch("copy_from_pinned", copy_parts_kernel, dim3(u.first_block[u.parts]),
+         dim3(ByteCopyShape::kThreads), 0, u);
+  // As queue_copy_kernel: the next launch must not start before the copies completed.
+  current().serialize_next_launch = true;
+  u.parts = 0;
+  u.first_block[0] = 0;
+}
+
+}  // namespace
+
+void copy_from_pinned_parts(const PinnedCopy* parts, size_t n) {
+  UploadParts u{};
+  for (size_t i = 0; i < n; ++i) {
+    const PinnedCopy& c = parts[i];
+    if (c.bytes == 0) continue;
+    if (!kernel_copy_enabled() || c.bytes > kKernelUploadBytes) {
+      copy_to_device(c.dst, c.src_pinned, c.bytes);
+      continue;
+    }
+    if (u.parts == kUploadParts) launch_parts(u);
+    const ByteCopyShape shape = byte_copy_shape(c.dst, c.src_pinned, c.bytes);
+    u.src[u.parts] = static_cast<const uint8_t*>(c.src_pinned);
+    u.dst[u.parts] = static_cast<uint8_t*>(c.dst);
+    u.bytes[u.parts] = c.bytes;
+    u.wide[u.parts] = shape.wide;
+    u.first_block[u.parts + 1] = u.first_block[u.parts] + shape.blocks;
+    ++u.parts;
+  }
+  launch_parts(u);
+}
+
 void* create_event() {
   cudaEvent_t e = nullptr;
   TANDEM_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
