@@ -19,6 +19,7 @@ namespace {
 
 constexpr int kArgmaxThreads = 256;
 constexpr int64_t kSliceMin = 4096;  // logits per block at least (a slice)
+constexpr int kArgmaxLoads = 16;     // a slice of up to this many logits per thread loads at once
 constexpr int kMaxSlices = 64;       // blocks per row at most (<= kArgmaxThreads: one per thread)
 constexpr int64_t kMaxRowsPerLaunch = 1024;
 
@@ -98,11 +99,26 @@ __global__ void __launch_bounds__(kArgmaxThreads)
   const int64_t lo = blockIdx.x * slice, hi = min(V, lo + slice);
   float v = -INFINITY;
   int idx = -1, bad = 0;
-#pragma unroll 4
-  for (int64_t j = lo + threadIdx.x; j < hi; j += kArgmaxThreads) {
-    const float x = l[j];
+  auto take = [&](float x, int64_t j) {
     bad |= isnan(x) || x == INFINITY;
     if (x != -INFINITY) better(v, idx, x, static_cast<int>(j));
+  };
+  if (hi - lo <= kArgmaxLoads * kArgmaxThreads) {
+    // Every slice of up to kSliceMin logits (a draft step's whole row, a 248k vocabulary's
+    // slices): all of the thread's loads in flight at once, one round trip to L2 instead of one
+    // per few. `better` is a total order, so the winner is the loop's.
+    float xs[kArgmaxLoads];
+#pragma unroll
+    for (int k = 0; k < kArgmaxLoads; ++k) {
+      const int64_t j = lo + threadIdx.x + static_cast<int64_t>(k) * kArgmaxThreads;
+      xs[k] = j < hi ? l[j] : -INFINITY;
+    }
+#pragma unroll
+    for (int k = 0; k < kArgmaxLoads; ++k)
+      take(xs[k], lo + threadIdx.x + static_cast<int64_t>(k) * kArgmaxThreads);
+  } else {
+#pragma unroll 4
+    for (int64_t j = lo + threadIdx.x; j < hi; j += kArgmaxThreads) take(l[j], j);
   }
   block_best(v, idx, bad, sv, si, sbad);
   if (gridDim.x == 1) {
