@@ -432,6 +432,31 @@ TEST(Ops, RmsNormPairIsTwoNormsSideBySide) {
   }
 }
 
+// rms_norm_pair_embedded: rms_norm_pair of the embedding rows of ids, bit for bit, with NaN rows
+// for ids out of range (as embed_rows); an output aliasing b is refused.
+TEST(Ops, RmsNormPairEmbeddedIsEmbedThenPair) {
+  std::mt19937 rng(5);
+  const int64_t vocab = 11, m = 4, d = 24;
+  StoredWeight table = make_weight(DType::BF16, vocab, d, rng, 1.0f);
+  StoredWeight wa = make_weight(DType::F32, 1, d, rng, 0.3f);
+  StoredWeight wb = make_weight(DType::F32, 1, d, rng, 0.3f);
+  const std::vector<int32_t> ids = {3, 10, -1, 3};
+  const auto b = random_vec(static_cast<size_t>(m * d), rng, 2.0f);
+  std::vector<float> emb(static_cast<size_t>(m * d)), want(static_cast<size_t>(2 * m * d)),
+      got(want.size(), -1.0f);
+  ops::embed_rows(table.ref, ids.data(), m, emb.data());
+  ops::rms_norm_pair(emb.data(), b.data(), m, d, wa.ref, wb.ref, true, 1e-6f, want.data());
+  ops::rms_norm_pair_embedded(table.ref, ids.data(), b.data(), m, wa.ref, wb.ref, true, 1e-6f,
+                              got.data());
+  EXPECT_EQ(0, std::memcmp(got.data(), want.data(), sizeof(float) * want.size()));
+  EXPECT_TRUE(std::isnan(got[static_cast<size_t>(2 * 2 * d)])) << "the row of id -1";
+  std::vector<float> bb = b;
+  bb.resize(want.size());
+  EXPECT_THROW(ops::rms_norm_pair_embedded(table.ref, ids.data(), bb.data(), m, wa.ref, wb.ref,
+                                           true, 1e-6f, bb.data()),
+               Error);
+}
+
 // gate_up_swiglu on a weight in the pair layout (8 gate rows, the same 8 up rows, ...) gives the
 // bits of the two projections followed by swiglu.
 TEST(Ops, GateUpSwigluIsTheTwoProjectionsThenSwiglu) {

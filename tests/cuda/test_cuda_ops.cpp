@@ -1079,6 +1079,42 @@ TEST_F(CudaOps, RmsNormPairIsTwoNormsSideBySide) {
   }
 }
 
+// rms_norm_pair_embedded is embed_rows then rms_norm_pair, bit for bit, in every norm order: the
+// draft step's fused input changes no drafted token. An id out of range gives the NaN row
+// embed_rows gives it (normed: NaN), a repeated id the same row twice.
+TEST_F(CudaOps, RmsNormPairEmbeddedIsEmbedThenPair) {
+  std::mt19937 rng(47);
+  const float eps = 1e-6f;
+  const int64_t vocab = 300;
+  for (int64_t d : {384, 4096, 12288, 36}) {
+    const Bf16Matrix table = bf16_matrix(vocab, d, rng);
+    for (bool zc : {false, true}) {
+      const F32Weight wa = f32_weight(randn(sz(d), rng, 0.1f, zc ? 0.0f : 1.0f), 1, d);
+      const F32Weight wb = f32_weight(randn(sz(d), rng, 0.1f, zc ? 0.0f : 1.0f), 1, d);
+      for (int64_t m : {1, 3, 9}) {
+        std::vector<int32_t> ids(sz(m));
+        std::uniform_int_distribution<int32_t> id(0, static_cast<int32_t>(vocab - 1));
+        for (auto& i : ids) i = id(rng);
+        if (m > 2) {
+          ids[1] = -1;  // a draw that failed on NaN logits
+          ids[2] = ids[0];
+        }
+        const auto b = norm_input(m, d, rng);
+        DeviceBuffer<int32_t> dids(ids);
+        DeviceBuffer<float> db(b), emb = nan_buffer(sz(m * d));
+        DeviceBuffer<float> want = nan_buffer(sz(2 * m * d)), got = nan_buffer(sz(2 * m * d));
+        cuda::embed_rows(table.dev_ref(), dids.get(), m, emb.get());
+        cuda::rms_norm_pair(emb.get(), db.get(), m, d, wa.dev_ref(), wb.dev_ref(), zc, eps,
+                            want.get());
+        cuda::rms_norm_pair_embedded(table.dev_ref(), dids.get(), db.get(), m, wa.dev_ref(),
+                                     wb.dev_ref(), zc, eps, got.get());
+        EXPECT_TRUE(bitwise_equal(got.download(), want.download()))
+            << "d " << d << " m " << m << " zc " << zc;
+      }
+    }
+  }
+}
+
 // rms_norm_bf16 writes rms_norm's values rounded to bf16 (nearest even), for each norm order.
 TEST_F(CudaOps, RmsNormBf16IsRmsNormRounded) {
   std::mt19937 rng(44);

@@ -436,6 +436,11 @@ void rms_norm(const float* x, int64_t m, int64_t d, const WeightRef& w, bool zer
 // rms_norm's bits; one pass instead of two norms and two copies.
 void rms_norm_pair(const float* a, const float* b, int64_t m, int64_t d, const WeightRef& wa,
                    const WeightRef& wb, bool zero_centred, float eps, float* y);
+// rms_norm_pair of a = embed_rows(table, ids, m) (d = table.cols), bit for bit, without the
+// embedded rows in between: a draft step's input in one launch.
+void rms_norm_pair_embedded(const WeightRef& table, const int32_t* ids, const float* b, int64_t m,
+                            const WeightRef& wa, const WeightRef& wb, bool zero_centred, float eps,
+                            float* y);
 
 // The residual add and the next RMSNorm in one pass: x[m, d] += r[m, d], then
 // y = rms_norm(x) with rms_norm's arithmetic. y may alias r (not x). Bitwise add_inplace followed

@@ -1161,11 +1161,11 @@ void BatchEngine::round() {
                              !options_.spec.sync_phases && target_->settles_windows() &&
                              !settled_rows_.empty();
   if (device_commit) {
-    accepted_dev_.grow_to(static_cast<int64_t>(R));
-    next_dev_.grow_to(static_cast<int64_t>(R));
+    commit_accepted_dev_.grow_to(static_cast<int64_t>(R));
+    commit_next_dev_.grow_to(static_cast<int64_t>(R));
     verify.after_reads = [this] {
-      target_->accept_windows(accepted_dev_.data(), next_dev_.data(), nullptr);
-      target_->settle_windows(settled_rows_, accepted_dev_.data());
+      target_->accept_windows(commit_accepted_dev_.data(), commit_next_dev_.data(), nullptr);
+      target_->settle_windows(settled_rows_, commit_accepted_dev_.data());
     };
   }
   try {

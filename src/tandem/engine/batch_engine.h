@@ -273,7 +273,10 @@ class BatchEngine {
     int depth = 0;
   };
   std::deque<SettledRound> settled_;
-  Buffer<int32_t> accepted_dev_, next_dev_;    // the last verify's accept_windows
+  Buffer<int32_t> accepted_dev_, next_dev_;  // the last settled verify's accept_windows
+  // A host round's device commit (SpecOptions::device_commit): its own, so no settled round's
+  // counts that a drafter still reads are overwritten.
+  Buffer<int32_t> commit_accepted_dev_, commit_next_dev_;
   std::vector<ops::SettledRow> settled_rows_;  // scratch of settled_round, read_settled, round
   std::vector<RowKeep> settled_keeps_;         // round: what its device commit kept
   std::vector<int> settled_accepted_;

@@ -151,6 +151,7 @@ class Qwen35Model {
   void embed(std::span<const int32_t> ids, float* out) const;
   // ids in backend memory; an id out of range embeds as a row of NaN (ops::embed_rows).
   void embed_device(const int32_t* ids, int64_t n, float* out) const;
+  const ops::WeightRef* embedding_table() const { return &embed_; }  // what embed_device reads
   // out[n, V] = the head applied to hidden[n, H] (no norm applied here; backend memory).
   // rows > 0: only the head's first `rows` rows (token ids 0..rows-1, a drafter's reduced
   // vocabulary), out[n, rows], as a weight of that shape. Throws if rows > V.

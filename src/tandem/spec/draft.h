@@ -79,6 +79,10 @@ class TargetView {
   // The same for ids already in the backend's memory (a draft step's argmax); an id out of range
   // gives a row of NaN instead of an error, since the host has not seen it.
   virtual void embed_device(const int32_t* ids, int64_t n, float* out) const = 0;
+  // The embedding table embed_device reads ([V, H], backend memory), for a drafter that reads its
+  // rows inside its first kernel (ops::rms_norm_pair_embedded); null where the target keeps none
+  // a drafter may read.
+  virtual const ops::WeightRef* embedding_table() const { return nullptr; }
   // out[n, V] = the target's head applied to already-normed hidden[n, H] (backend memory).
   virtual void logits(const float* hidden, int64_t n, float* out) const = 0;
   // out[n, rows] = the logits of token ids 0..rows-1 only (a drafter's reduced vocabulary,
@@ -121,6 +125,12 @@ class ModelTargetView : public TargetView {
   void embed(std::span<const int32_t> ids, float* out) const override { model_.embed(ids, out); }
   void embed_device(const int32_t* ids, int64_t n, float* out) const override {
     model_.embed_device(ids, n, out);
+  }
+  const ops::WeightRef* embedding_table() const override {
+    if constexpr (requires { model_.embedding_table(); })
+      return model_.embedding_table();
+    else
+      return nullptr;
   }
   void logits(const float* hidden, int64_t n, float* out) const override {
     model_.head(hidden, n, out);

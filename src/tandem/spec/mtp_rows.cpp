@@ -703,12 +703,14 @@ void MtpRows::queue_chain(const int32_t* ids, const float* hidden, bool prepared
     }
     // Step 0 of a chain after a settled round: that round's completion rows first (no draft).
     const int64_t lead = j == 0 && chain_completion_ ? A : 0;
-    target_.embed_device(ids, lead + A, emb_.data());
     float* block_out = chain_dev_[j % 2].data();
-    if (prepared)
-      chain_step(static_cast<int>(j), emb_.data(), hidden, block_out);
-    else
-      block_rows(active, std::vector<int64_t>(active.size(), 1), emb_.data(), hidden, block_out);
+    if (!prepared || !chain_step_embedded(static_cast<int>(j), ids, hidden, block_out)) {
+      target_.embed_device(ids, lead + A, emb_.data());
+      if (prepared)
+        chain_step(static_cast<int>(j), emb_.data(), hidden, block_out);
+      else
+        block_rows(active, std::vector<int64_t>(active.size(), 1), emb_.data(), hidden, block_out);
+    }
     const float* drafted = block_out + lead * H_;
     float* logits = step_logits_dev_[j].data();
     draft_logits(drafted, A, logits);

@@ -161,6 +161,13 @@ class MtpRows : public DraftRows {
   virtual void chain_step(int j, const float* embeds, const float* hidden, float* out) {
     (void)j, (void)embeds, (void)hidden, (void)out;
   }
+  // chain_step from the step's token ids [A_j] (backend memory) instead of their embeddings,
+  // where the block reads the target's embedding rows itself (one launch fewer a step); false
+  // where it cannot (the caller embeds them and calls chain_step).
+  virtual bool chain_step_embedded(int j, const int32_t* ids, const float* hidden, float* out) {
+    (void)j, (void)ids, (void)hidden, (void)out;
+    return false;
+  }
   // Adds what the prepared steps' launches bake in (buffer addresses, shapes) to a chain's key.
   virtual void add_chain_key(GraphKey& key) const { (void)key; }
   // Settled rounds: moves the positions and KV slots of every prepared chain step by s (its

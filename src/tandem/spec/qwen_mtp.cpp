@@ -243,6 +243,14 @@ void QwenMtpRows::chain_step(int j, const float* embeds, const float* hidden, fl
   block_->forward(embeds, hidden, chain_.at(static_cast<size_t>(j)), kv_.view(), ws_, out);
 }
 
+bool QwenMtpRows::chain_step_embedded(int j, const int32_t* ids, const float* hidden, float* out) {
+  const ops::WeightRef* table = target_.embedding_table();
+  if (table == nullptr) return false;
+  block_->forward_embedded(*table, ids, hidden, chain_.at(static_cast<size_t>(j)), kv_.view(), ws_,
+                           out);
+  return true;
+}
+
 void QwenMtpRows::add_chain_key(GraphKey& key) const {
   key.add(kv_.view().pool);
   for (const AttentionBatch& b : chain_) add_batch_key(b, key);

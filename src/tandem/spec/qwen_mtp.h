@@ -116,6 +116,7 @@ class QwenMtpRows : public MtpRows {
   bool prepare_chain(std::span<History* const> rows, std::span<const int64_t> lengths,
                      std::span<const int> depths, StagedUpload::Part* tables_upload) override;
   void chain_step(int j, const float* embeds, const float* hidden, float* out) override;
+  bool chain_step_embedded(int j, const int32_t* ids, const float* hidden, float* out) override;
   void add_chain_key(GraphKey& key) const override;
   void shift_chain(const ops::PositionShift& s) override;
   // Moves batch b's positions and KV slots by `shift` (its layout filled in from b).

@@ -78,16 +78,40 @@ void QwenMtpBlock::forward(const float* embeds, const float* hidden, const Atten
                            const ops::KVLayerView& kv, Workspace& ws, float* out) const {
   const ops::ContextScope scope(*context_);
   const QwenMtpConfig& c = w_.cfg;
+  const int64_t T = rows.tokens;
+  if (T == 0) return;
+  reserve(ws, T);
+  // fc input: [norm_e(embed) | norm_h(h)] per token.
+  concat_normed_pair(embeds, hidden, T, c.hidden_size, w_.pre_fc_norm_embedding,
+                     w_.pre_fc_norm_hidden, c.norms_zero_centred,
+                     static_cast<float>(c.rms_norm_eps), ws.cat);
+  forward_from_input(rows, kv, ws, out);
+}
+
+void QwenMtpBlock::forward_embedded(const ops::WeightRef& table, const int32_t* ids,
+                                    const float* hidden, const AttentionBatch& rows,
+                                    const ops::KVLayerView& kv, Workspace& ws, float* out) const {
+  const ops::ContextScope scope(*context_);
+  const QwenMtpConfig& c = w_.cfg;
+  const int64_t T = rows.tokens;
+  if (T == 0) return;
+  if (table.cols != c.hidden_size)
+    fail("qwen-mtp block: an embedding table of ", table.cols, " columns for hidden size ",
+         c.hidden_size);
+  reserve(ws, T);
+  ops::rms_norm_pair_embedded(table, ids, hidden, T, w_.pre_fc_norm_embedding,
+                              w_.pre_fc_norm_hidden, c.norms_zero_centred,
+                              static_cast<float>(c.rms_norm_eps), ws.cat.data());
+  forward_from_input(rows, kv, ws, out);
+}
+
+void QwenMtpBlock::forward_from_input(const AttentionBatch& rows, const ops::KVLayerView& kv,
+                                      Workspace& ws, float* out) const {
+  const QwenMtpConfig& c = w_.cfg;
   const int64_t H = c.hidden_size;
   const bool zc = c.norms_zero_centred;
   const float eps = static_cast<float>(c.rms_norm_eps);
   const int64_t T = rows.tokens;
-  if (T == 0) return;
-  reserve(ws, T);
-
-  // fc input: [norm_e(embed) | norm_h(h)] per token.
-  concat_normed_pair(embeds, hidden, T, H, w_.pre_fc_norm_embedding, w_.pre_fc_norm_hidden, zc, eps,
-                     ws.cat);
   w_.fc.apply(ws.cat.data(), T, ws.x.data());
 
   // Gated full attention (the Qwen3.5 decoder layer's mixer).

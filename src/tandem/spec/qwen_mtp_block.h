@@ -51,12 +51,21 @@ class QwenMtpBlock {
   // only (no copies from the host), so it can be captured.
   void forward(const float* embeds, const float* hidden, const AttentionBatch& rows,
                const ops::KVLayerView& kv, Workspace& ws, float* out) const;
+  // forward() with the embedding rows of ids [T] (backend memory) read where they lie in `table`
+  // (the target's, [V, H]) by the first norm (ops::rms_norm_pair_embedded): the same bits, one
+  // launch fewer. An id out of range gives NaN rows, as embed_device.
+  void forward_embedded(const ops::WeightRef& table, const int32_t* ids, const float* hidden,
+                        const AttentionBatch& rows, const ops::KVLayerView& kv, Workspace& ws,
+                        float* out) const;
 
   // The backend context its work runs on (a caller capturing a graph around forward enters it).
   ops::Context& context() const { return *context_; }
 
  private:
   GatedAttentionShape attention_shape() const;
+  // Everything after the fc input (ws.cat, [T, 2H]): fc, attention, MLP, the final norm.
+  void forward_from_input(const AttentionBatch& rows, const ops::KVLayerView& kv, Workspace& ws,
+                          float* out) const;
   // ws.x += the MLP (or the experts) of ws.h, the post-attention-normed stream; unfused.
   void mlp_add(Workspace& ws, int64_t T) const;
 

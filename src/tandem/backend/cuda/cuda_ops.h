@@ -222,6 +222,9 @@ void rms_norm_bf16(const float* x, int64_t m, int64_t d, const ops::WeightRef& w
                    float eps, uint16_t* y);
 void rms_norm_pair(const float* a, const float* b, int64_t m, int64_t d, const ops::WeightRef& wa,
                    const ops::WeightRef& wb, bool zero_centred, float eps, float* y);
+void rms_norm_pair_embedded(const ops::WeightRef& table, const int32_t* ids, const float* b,
+                            int64_t m, const ops::WeightRef& wa, const ops::WeightRef& wb,
+                            bool zero_centred, float eps, float* y);
 void add_rms_norm(float* x, const float* r, int64_t m, int64_t d, const ops::WeightRef& w,
                   bool zero_centred, float eps, float* y);
 // gated_rms_norm's values rounded to bf16 (y: [m, d] bf16).

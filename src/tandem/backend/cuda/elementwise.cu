@@ -22,23 +22,42 @@ constexpr int kEmbedThreads = 1024;
 // 1 / sqrt(mean(x²) + eps) of row x[d], as cpu::inv_rms: squares summed in double (each
 // product exact), thread t taking i = t, t + Threads, ... in order, then block_sum. The block
 // size is a function of d alone (rms_norm's dispatch), so the order never depends on m.
-template <int Threads>
-__device__ inline float row_inv_rms(const float* x, int64_t d, float eps, double* s_warp) {
+// A row as the norms read it: fp32 values, or (EmbeddedRow) a bf16 table row widened exactly to
+// fp32 as embed_rows widens it, NaN throughout where its id was out of range (what embed_rows
+// writes then). The same values either way, so a norm of an embedded row has embed_rows +
+// rms_norm's bits.
+struct EmbeddedRow {
+  const uint16_t* p;
+  bool valid;
+};
+__device__ __forceinline__ float element(const float* x, int64_t i) {
+  return x[i];
+}
+__device__ __forceinline__ float element(const EmbeddedRow& x, int64_t i) {
+  return x.valid ? __uint_as_float(static_cast<uint32_t>(x.p[i]) << 16)
+                 : __int_as_float(0x7fc00000);
+}
+
+template <int Threads, class X>
+__device__ inline float row_inv_rms(const X& x, int64_t d, float eps, double* s_warp) {
   double ss = 0.0;
-  for (int64_t i = threadIdx.x; i < d; i += Threads) ss += static_cast<double>(x[i]) * x[i];
+  for (int64_t i = threadIdx.x; i < d; i += Threads) {
+    const float v = element(x, i);
+    ss += static_cast<double>(v) * v;
+  }
   return inv_rms_from_sum(block_sum<Threads>(ss, s_warp), d, eps);
 }
 
 // One row of rms_norm in the Narrow or Wide order (Threads threads): xr[d] into yr[d]. yr may
 // alias xr: every xr[i] a thread rewrites was read by the reduction before its barrier, and after
 // it each thread touches only its own i.
-template <int Threads, class Out>
-__device__ inline void norm_row(const float* xr, int64_t d, const float* w, bool zero_centred,
+template <int Threads, class Out, class X>
+__device__ inline void norm_row(const X& xr, int64_t d, const float* w, bool zero_centred,
                                 float eps, Out* yr, double* s_warp) {
   const float s = row_inv_rms<Threads>(xr, d, eps, s_warp);
   for (int64_t i = threadIdx.x; i < d; i += Threads) {
     const float wi = w[i];
-    yr[i] = Out(normed(xr[i], s, wi, zero_centred));
+    yr[i] = Out(normed(element(xr, i), s, wi, zero_centred));
   }
 }
 
@@ -73,6 +92,19 @@ __device__ __forceinline__ void load_chunk(const float* p, int64_t i, int64_t d,
   }
 }
 
+// An embedded row's chunk: 4 bf16 values at once where vec (8-byte aligned), else one by one.
+__device__ __forceinline__ void load_chunk(const EmbeddedRow& x, int64_t i, int64_t d, bool vec,
+                                           float (&v)[4]) {
+  if (x.valid && vec && i + 4 <= d) {
+    const uint2 u = *reinterpret_cast<const uint2*>(x.p + i);
+    v[0] = __uint_as_float(u.x << 16), v[1] = __uint_as_float(u.x & 0xffff0000u);
+    v[2] = __uint_as_float(u.y << 16), v[3] = __uint_as_float(u.y & 0xffff0000u);
+  } else {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) v[e] = i + e < d ? element(x, i + e) : 0.0f;
+  }
+}
+
 // bf16: 4 values rounded to nearest even (8-byte aligned when vec).
 __device__ __forceinline__ void store_chunk(__nv_bfloat16* p, int64_t i, int64_t d, bool vec,
                                             const float (&v)[4]) {
@@ -99,8 +131,8 @@ __device__ __forceinline__ void store_chunk(float* p, int64_t i, int64_t d, bool
   }
 }
 
-template <bool Add, class Out>
-__device__ inline void chunked_norm_row(const float* x, const float* r, float* x_sum, int64_t d,
+template <bool Add, class Out, class X>
+__device__ inline void chunked_norm_row(const X& x, const float* r, float* x_sum, int64_t d,
                                         const float* w, bool zero_centred, float eps, bool vec,
                                         Out* y, double* s_warp) {
   constexpr int Threads = kWideNormThreads;
@@ -169,6 +201,35 @@ __global__ void __launch_bounds__(Threads)
     chunked_norm_row<false>(x, nullptr, nullptr, d, w, zero_centred, eps, vec, yr, s_warp);
   else
     norm_row<Threads>(x, d, w, zero_centred, eps, yr, s_warp);
+}
+
+// rms_norm_pair_embedded: rms_norm_pair_kernel with block (t, 0) reading the embedding row of
+// ids[t] where it lies in the bf16 table (EmbeddedRow: embed_rows' values), so a draft step's
+// embedding needs no launch of its own. vec: 16-byte loads of b and 8-byte loads of the table.
+template <int Threads, bool Chunked>
+__global__ void __launch_bounds__(Threads)
+    rms_norm_pair_embedded_kernel(const uint16_t* table, int64_t vocab, const int32_t* ids,
+                                  const float* b, int64_t d, const float* wa, const float* wb,
+                                  bool zero_centred, float eps, bool vec, float* y) {
+  pdl_wait();
+  pdl_release();
+  __shared__ double s_warp[Threads / 32];
+  float* yr = y + blockIdx.x * 2 * d;
+  if (blockIdx.y == 1) {
+    const float* x = b + blockIdx.x * d;
+    if constexpr (Chunked)
+      chunked_norm_row<false>(x, nullptr, nullptr, d, wb, zero_centred, eps, vec, yr + d, s_warp);
+    else
+      norm_row<Threads>(x, d, wb, zero_centred, eps, yr + d, s_warp);
+    return;
+  }
+  const int32_t id = ids[blockIdx.x];
+  const bool valid = id >= 0 && id < vocab;
+  const EmbeddedRow x{table + (valid ? static_cast<int64_t>(id) * d : 0), valid};
+  if constexpr (Chunked)
+    chunked_norm_row<false>(x, nullptr, nullptr, d, wa, zero_centred, eps, vec, yr, s_warp);
+  else
+    norm_row<Threads>(x, d, wa, zero_centred, eps, yr, s_warp);
 }
 
 bool aligned16(const void* p) {
@@ -525,6 +586,34 @@ void rms_norm_pair(const float* a, const float* b, int64_t m, int64_t d, const o
   else
     launch("rms_norm_pair", rms_norm_pair_kernel<kNormThreads, false>, grid, kNormThreads, 0, a, b,
            d, pa, pb, zero_centred, eps, false, y);
+}
+
+void rms_norm_pair_embedded(const ops::WeightRef& table, const int32_t* ids, const float* b,
+                            int64_t m, const ops::WeightRef& wa, const ops::WeightRef& wb,
+                            bool zero_centred, float eps, float* y) {
+  if (table.dtype != DType::BF16)
+    fail("rms_norm_pair_embedded: the table must be BF16 on the CUDA backend, got ",
+         dtype_name(table.dtype));
+  const int64_t d = table.cols;
+  check_f32_vector(wa, d, "rms_norm_pair_embedded", "first weight");
+  check_f32_vector(wb, d, "rms_norm_pair_embedded", "second weight");
+  if (m < 0) fail("rms_norm_pair_embedded: negative row count ", m);
+  if (m == 0 || d == 0) return;
+  const auto *pa = static_cast<const float*>(wa.data), *pb = static_cast<const float*>(wb.data);
+  const auto* tp = static_cast<const uint16_t*>(table.data);
+  const dim3 grid(grid_blocks(m, "rms_norm_pair_embedded"), 2);
+  const NormOrder order = norm_order(d);
+  if (order == NormOrder::Chunked)
+    launch("rms_norm_pair_embedded", rms_norm_pair_embedded_kernel<kWideNormThreads, true>, grid,
+           kWideNormThreads, 0, tp, table.rows, ids, b, d, pa, pb, zero_centred, eps,
+           d % 4 == 0 && aligned16(b) && aligned16(y) && reinterpret_cast<uintptr_t>(tp) % 8 == 0,
+           y);
+  else if (order == NormOrder::Wide)
+    launch("rms_norm_pair_embedded", rms_norm_pair_embedded_kernel<kWideNormThreads, false>, grid,
+           kWideNormThreads, 0, tp, table.rows, ids, b, d, pa, pb, zero_centred, eps, false, y);
+  else
+    launch("rms_norm_pair_embedded", rms_norm_pair_embedded_kernel<kNormThreads, false>, grid,
+           kNormThreads, 0, tp, table.rows, ids, b, d, pa, pb, zero_centred, eps, false, y);
 }
 
 void add_rms_norm(float* x, const float* r, int64_t m, int64_t d, const ops::WeightRef& w,
