@@ -119,6 +119,43 @@ TEST_F(CudaCopies, UploadsStartedTogetherLandEachPartsBytes) {
   }
 }
 
+// An upload whose destination's readers have completed (StagedUpload::consumed) runs beside the
+// work queued since, on a second stream: a kernel queued after it still reads its bytes, kernels
+// queued before it on other buffers are untouched, and an upload whose readers may still run
+// keeps its place behind them.
+TEST_F(CudaCopies, AnUploadAfterItsReadersCompletedLandsBeforeTheNextKernel) {
+  ScopedBackend cuda(ops::Backend::Cuda);
+  const size_t n = 2048;
+  DeviceBuffer<float> meta(n), busy(size_t{1} << 22);
+  StagedUpload up;
+  Readback read;
+  for (int round = 1; round <= 30; ++round) {
+    const float base = static_cast<float>(round) * 1000.0f;
+    auto* h = reinterpret_cast<float*>(up.host(n * sizeof(float)));
+    for (size_t i = 0; i < n; ++i) h[i] = base + static_cast<float>(i);
+    // Work on another buffer queued before the upload (what the draft chain is to a verify).
+    for (int k = 0; k < 20; ++k) ops::scale(busy.get(), int64_t{1} << 22, 1.0f);
+    up.start(meta.get(), n * sizeof(float));
+    ops::scale(meta.get(), static_cast<int64_t>(n), 2.0f);  // the reader
+    up.consumed();
+    read.start(meta.get(), n * sizeof(float));
+    const auto* got = static_cast<const float*>(read.wait());
+    for (size_t i = 0; i < n; ++i)
+      ASSERT_EQ(got[i], 2.0f * (base + static_cast<float>(i))) << "round " << round << " at " << i;
+    if (round % 3 == 0) {
+      // Readers still queued (no wait since): the next upload must land after them.
+      for (int k = 0; k < 20; ++k) ops::scale(meta.get(), static_cast<int64_t>(n), 2.0f);
+      up.consumed();
+      auto* h2 = reinterpret_cast<float*>(up.host(n * sizeof(float)));
+      for (size_t i = 0; i < n; ++i) h2[i] = -1.0f;
+      up.start(meta.get(), n * sizeof(float));
+      read.start(meta.get(), n * sizeof(float));
+      const auto* after = static_cast<const float*>(read.wait());
+      for (size_t i = 0; i < n; ++i) ASSERT_EQ(after[i], -1.0f) << "round " << round;
+    }
+  }
+}
+
 // Streams run in order, so once the host has waited for a read, every read queued before it has
 // landed too: waiting for one of those costs no device call (no time in cuda::wait_seconds()),
 // and it still hands out the bytes of its own point in the stream.

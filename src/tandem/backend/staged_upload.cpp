@@ -46,6 +46,23 @@ void StagedUpload::start_together(std::span<const Part> parts) {
   for (const Part& p : parts) p.upload->start(p.dst, p.bytes);
 }
 
+StagedUpload::~StagedUpload() {
+#ifdef TANDEM_HAVE_CUDA
+  if (consumed_event_) cuda::destroy_event(consumed_event_);
+#endif
+}
+
+void StagedUpload::consumed() {
+#ifdef TANDEM_HAVE_CUDA
+  if (ops::backend() != ops::Backend::Cuda) return;
+  if (!consumed_event_) consumed_event_ = cuda::create_event();
+  const cuda::StreamPoint at = cuda::record_event(consumed_event_);
+  consumed_context_ = at.context;
+  consumed_seq_ = at.seq;
+  consumed_ = true;
+#endif
+}
+
 void StagedUpload::start(void* dst, size_t bytes) {
   PinnedBuffer& s = slots_[next_];
   if (s.data() == nullptr || bytes > s.capacity())
@@ -53,7 +70,14 @@ void StagedUpload::start(void* dst, size_t bytes) {
   next_ ^= 1;
 #ifdef TANDEM_HAVE_CUDA
   if (s.where() == ops::Backend::Cuda) {
-    cuda::copy_from_pinned_async(dst, s.data(), bytes);
+    // The last upload's readers done: nothing queued still touches dst.
+    const bool ahead =
+        consumed_ && cuda::event_completed(consumed_event_, {consumed_context_, consumed_seq_});
+    consumed_ = false;
+    if (ahead)
+      cuda::copy_from_pinned_ahead(dst, s.data(), bytes);
+    else
+      cuda::copy_from_pinned_async(dst, s.data(), bytes);
     s.queued();
     return;
   }

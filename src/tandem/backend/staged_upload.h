@@ -24,6 +24,11 @@ constexpr size_t upload_part_bytes(size_t bytes) {
 
 class StagedUpload {
  public:
+  StagedUpload() = default;
+  ~StagedUpload();
+  StagedUpload(const StagedUpload&) = delete;
+  StagedUpload& operator=(const StagedUpload&) = delete;
+
   // A staging buffer of at least `bytes` (contents unspecified), valid until start().
   uint8_t* host(size_t bytes);
   // Queues the copy of the first `bytes` of the buffer host() returned to `dst`.
@@ -36,10 +41,20 @@ class StagedUpload {
     size_t bytes = 0;
   };
   static void start_together(std::span<const Part> parts);
+  // Everything that reads the last upload's destination is queued (call it after the last such
+  // work, every time). Where that work has completed by the next start(), that copy runs beside
+  // the work queued since instead of behind it (CUDA: cuda::copy_from_pinned_ahead): a verify's
+  // metadata lands while the draft chain before it runs. Without it, start() copies in order.
+  void consumed();
 
  private:
   PinnedBuffer slots_[2];
   int next_ = 0;  // the slot host() hands out
+  // CUDA: recorded by consumed() (cuda::StreamPoint's fields, as PinnedBuffer keeps them).
+  void* consumed_event_ = nullptr;
+  const void* consumed_context_ = nullptr;
+  uint64_t consumed_seq_ = 0;
+  bool consumed_ = false;  // consumed() since the last start()
 };
 
 }  // namespace tandem

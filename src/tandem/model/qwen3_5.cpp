@@ -544,6 +544,7 @@ void Qwen35Model::forward(Qwen35State& st, const ForwardRequest& req, ForwardOut
   if (!req.prompt && !req.tokens_from_argmax && req.all_logits && req.want_argmax)
     w.verified = {true, R, w.draft_from ? req.draft_ids : nullptr};
   finish_forward(st, req, T, out, true);
+  w.meta_upload.consumed();  // every reader of w.meta is queued (after_reads' walk included)
 }
 
 void Qwen35Model::finish_forward(Qwen35State& st, const ForwardRequest& req, int64_t T,
@@ -964,6 +965,7 @@ void Qwen35Model::accept_windows(int32_t* accepted, int32_t* next, const int32_t
         "all_logits and want_argmax (or another forward ran since)");
   ops::accept_windows(w.argmax.data(), w.ids, w.verified.draft_ids, w.draft_from, w.row_bounds,
                       limits, w.verified.rows, accepted, next);
+  ws_->meta_upload.consumed();  // the walk read the forward's ids, sources and bounds
 }
 
 void Qwen35Model::settle_windows(Qwen35State& st, std::span<const ops::SettledRow> rows,

@@ -235,6 +235,8 @@ class Qwen35Model {
       int64_t rows = 0;
       const int32_t* draft_ids = nullptr;
     } verified;
+    // Whatever reads `meta` on the device calls meta_upload.consumed() once queued (forward,
+    // accept_windows): the next forward's upload then lands beside the work queued before it.
     StagedUpload meta_upload;
     int64_t max_row_tokens = 0;
     std::vector<int64_t> pos_host;

@@ -68,6 +68,10 @@ void copy_to_pinned_async(void* dst_pinned, const void* src, size_t bytes);
 // The host must not touch src_pinned until an event recorded after the call has completed.
 constexpr size_t kKernelUploadBytes = size_t{64} << 10;
 void copy_from_pinned_async(void* dst, const void* src_pinned, size_t bytes);
+// The same copy beside the work queued so far instead of behind it: on a second stream of the
+// context, which the context's stream waits for before anything queued after this call. The
+// caller guarantees that nothing queued before it reads or writes dst (StagedUpload::consumed).
+void copy_from_pinned_ahead(void* dst, const void* src_pinned, size_t bytes);
 // Several such uploads in one kernel (the ones within kKernelUploadBytes; larger ones, or all
 // under TANDEM_CUDA_KERNEL_COPY=0, as copy_to_device each): the inputs of one graph together.
 struct PinnedCopy {
@@ -89,6 +93,9 @@ StreamPoint record_event(void* event);  // on the stream, after the work queued 
 // error. Returns at once when the host already waited for that point or a later one of the same
 // stream (an event wait, synchronize() or finish_host_reads()).
 void wait_event(void* event, StreamPoint point);
+// Whether `event`, recorded at `point`, has completed, without waiting: at once for a point the
+// host already waited past, else by asking the device (an event of another context: the same).
+bool event_completed(void* event, StreamPoint point);
 void synchronize();     // waits for the stream; throws with the first kernel error
 double wait_seconds();  // this thread's time blocked in stream and event waits so far
 void* stream();         // the current context's cudaStream_t, which every op uses

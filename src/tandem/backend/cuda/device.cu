@@ -533,6 +533,47 @@ void copy_from_pinned_parts(const PinnedCopy* parts, size_t n) {
   launch_parts(u);
 }
 
+namespace {
+
+// A second stream of a context for uploads that overlap the work queued before them
+// (copy_from_pinned_ahead), and the event the context's stream waits on. Created on first use;
+// drained and destroyed with the context.
+struct AheadStream {
+  cudaStream_t stream = nullptr;
+  cudaEvent_t done = nullptr;
+  AheadStream() = default;
+  AheadStream(const AheadStream&) = delete;
+  AheadStream& operator=(const AheadStream&) = delete;
+  ~AheadStream() {
+    if (stream) {
+      cudaStreamSynchronize(stream);
+      cudaStreamDestroy(stream);
+    }
+    if (done) cudaEventDestroy(done);
+    cudaGetLastError();  // nothing to report from a destructor
+  }
+};
+
+}  // namespace
+
+void copy_from_pinned_ahead(void* dst, const void* src_pinned, size_t bytes) {
+  if (bytes == 0) return;
+  if (!kernel_copy_enabled() || bytes > kKernelUploadBytes)
+    return copy_from_pinned_async(dst, src_pinned, bytes);
+  Context& c = current();
+  AheadStream& a = c.unit<AheadStream>();
+  if (a.stream == nullptr) {
+    TANDEM_CUDA_CHECK(cudaStreamCreateWithFlags(&a.stream, cudaStreamNonBlocking));
+    TANDEM_CUDA_CHECK(cudaEventCreateWithFlags(&a.done, cudaEventDisableTiming));
+  }
+  const ByteCopyShape shape = byte_copy_shape(dst, src_pinned, bytes);
+  copy_bytes_kernel<<<shape.blocks, ByteCopyShape::kThreads, 0, a.stream>>>(
+      static_cast<const uint8_t*>(src_pinned), static_cast<uint8_t*>(dst), bytes, shape.wide);
+  TANDEM_CUDA_CHECK(cudaGetLastError());
+  TANDEM_CUDA_CHECK(cudaEventRecord(a.done, a.stream));
+  TANDEM_CUDA_CHECK(cudaStreamWaitEvent(c.stream(), a.done, 0));
+}
+
 void* create_event() {
   cudaEvent_t e = nullptr;
   TANDEM_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
@@ -558,6 +599,20 @@ void wait_event(void* event, StreamPoint point) {
     TANDEM_CUDA_CHECK(cudaEventSynchronize(static_cast<cudaEvent_t>(event)));
   }
   if (ours) c.points_reached = point.seq;
+}
+
+bool event_completed(void* event, StreamPoint point) {
+  Context& c = current();
+  const bool ours = point.context == &c;
+  if (ours && point.seq <= c.points_reached) return true;
+  const cudaError_t err = cudaEventQuery(static_cast<cudaEvent_t>(event));
+  if (err == cudaErrorNotReady) {
+    cudaGetLastError();  // not an error: clear it for the next check
+    return false;
+  }
+  TANDEM_CUDA_CHECK(err);
+  if (ours) c.points_reached = std::max(c.points_reached, point.seq);
+  return true;
 }
 
 void copy_on_device(void* dst, const void* src, size_t bytes) {
