@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <cstdint>
 #include <fstream>
 #include <sstream>
 
@@ -156,6 +157,50 @@ INSTANTIATE_TEST_SUITE_P(
 
 // CPU kernels are chunk-invariant outright: a prompt's logits are bitwise the same whether it
 // runs in one forward or in chunks (the fixed chunk boundaries are what the GPU relies on).
+// A drafter that shares the demo target's context (its MTP chain runs as one CUDA graph there).
+std::unique_ptr<spec::DraftProvider> shared_mtp() {
+  auto& d = demo();
+  const ops::ContextScope scope(d.model->context());
+  return spec::QwenMtpProvider::from_target(*d.target);
+}
+
+// n demo prompts, greedy and sampled (T = 0.8) in turn; request i has seed seed0 + i and
+// max_tokens tokens0 + i * step.
+std::vector<GenerateRequest> staggered_requests(size_t n, uint64_t seed0, int64_t tokens0,
+                                                int64_t step) {
+  auto& d = demo();
+  std::vector<GenerateRequest> reqs;
+  for (size_t i = 0; i < n; ++i)
+    reqs.push_back(request(d.tok->encode(test::kDemoPrompts[i % test::kDemoPrompts.size()]),
+                           i % 2 == 0 ? 0.0f : 0.8f, seed0 + i,
+                           tokens0 + step * static_cast<int64_t>(i)));
+  return reqs;
+}
+
+// Submits reqs[i] at step i * every (request `cancelled`, if any, cancels itself after
+// cancel_after tokens) and steps the engine until every request has ended. The sinks, in order.
+std::vector<std::shared_ptr<Recorder>> run_staggered(BatchEngine& engine,
+                                                     const std::vector<GenerateRequest>& reqs,
+                                                     int every, size_t cancelled = SIZE_MAX,
+                                                     int cancel_after = -1) {
+  std::vector<std::shared_ptr<Recorder>> sinks;
+  size_t next = 0;
+  for (int step = 0;; ++step) {
+    if (next < reqs.size() && step % every == 0) {
+      sinks.push_back(std::make_shared<Recorder>());
+      if (next == cancelled) sinks.back()->cancel_after = cancel_after;
+      engine.submit({reqs[next], -1}, sinks.back());
+      ++next;
+    }
+    if (!engine.step() && next == reqs.size()) break;
+    if (step >= 3000) {
+      ADD_FAILURE() << "the engine did not finish in 3000 steps";
+      break;
+    }
+  }
+  return sinks;
+}
+
 TEST(BatchEngine, PromptChunkingDoesNotChangeCpuLogits) {
   auto& d = demo();
   const auto prompt = long_prompt(600);
@@ -552,14 +597,8 @@ TEST(BatchEngine, VerifyReadsQueuedDraftsInPlace) {
 // request waits for its turn.
 TEST(BatchEngine, DraftsQueuedAheadChangeNoTokenOrProposal) {
   auto& d = demo();
-  const auto shared = [&] {
-    const ops::ContextScope scope(d.model->context());
-    return spec::QwenMtpProvider::from_target(*d.target);
-  }();
-  std::vector<GenerateRequest> reqs;
-  for (size_t i = 0; i < 5; ++i)
-    reqs.push_back(request(d.tok->encode(test::kDemoPrompts[i % test::kDemoPrompts.size()]),
-                           i % 2 == 0 ? 0.0f : 0.8f, 11 + i, 10 + 6 * static_cast<int64_t>(i)));
+  const auto shared = shared_mtp();
+  const std::vector<GenerateRequest> reqs = staggered_requests(5, 11, 10, 6);
   for (bool automatic : {false, true}) {
     std::vector<std::shared_ptr<Recorder>> sinks[2];
     EngineCounters counters[2];
@@ -570,18 +609,7 @@ TEST(BatchEngine, DraftsQueuedAheadChangeNoTokenOrProposal) {
       o.spec.draft_ahead = ahead;
       o.max_rows = 3;
       BatchEngine engine(*d.model, shared.get(), "demo-target", o);
-      auto& mine = sinks[ahead];
-      size_t next = 0;
-      for (int step = 0;; ++step) {
-        if (next < reqs.size() && step % 6 == 0) {
-          mine.push_back(std::make_shared<Recorder>());
-          if (next == 2) mine.back()->cancel_after = 9;
-          engine.submit({reqs[next], -1}, mine.back());
-          ++next;
-        }
-        if (!engine.step() && next == reqs.size()) break;
-        ASSERT_LT(step, 3000);
-      }
+      sinks[ahead] = run_staggered(engine, reqs, 6, 2, 9);
       counters[ahead] = engine.counters();
     }
     for (size_t i = 0; i < reqs.size(); ++i) {
@@ -623,14 +651,8 @@ TEST(BatchEngine, DraftsQueuedAheadChangeNoTokenOrProposal) {
 // host rounds give it (the drafter's proposals are the same, bit for bit).
 TEST(BatchEngine, SettledRoundsEmitThePlainTokens) {
   auto& d = demo();
-  const auto shared = [&] {
-    const ops::ContextScope scope(d.model->context());
-    return spec::QwenMtpProvider::from_target(*d.target);
-  }();
-  std::vector<GenerateRequest> reqs;
-  for (size_t i = 0; i < 6; ++i)
-    reqs.push_back(request(d.tok->encode(test::kDemoPrompts[i % test::kDemoPrompts.size()]),
-                           i % 2 == 0 ? 0.0f : 0.8f, 7 + i, 12 + 7 * static_cast<int64_t>(i)));
+  const auto shared = shared_mtp();
+  const std::vector<GenerateRequest> reqs = staggered_requests(6, 7, 12, 7);
   // The n-gram drafter's rounds settle too (its lookup and history where the tokens are), with
   // windows that pad what it did not find.
   const std::vector<const spec::DraftProvider*> drafters = {shared.get(), d.ngram.get()};
@@ -644,17 +666,7 @@ TEST(BatchEngine, SettledRoundsEmitThePlainTokens) {
         o.spec.settled_rounds = settled;
         o.max_rows = 3;
         BatchEngine engine(*d.model, drafter, "demo-target", o);
-        auto& mine = sinks[settled];
-        size_t next = 0;
-        for (int step = 0;; ++step) {
-          if (next < reqs.size() && step % 5 == 0) {
-            mine.push_back(std::make_shared<Recorder>());
-            engine.submit({reqs[next], -1}, mine.back());
-            ++next;
-          }
-          if (!engine.step() && next == reqs.size()) break;
-          ASSERT_LT(step, 3000);
-        }
+        sinks[settled] = run_staggered(engine, reqs, 5);
         counters[settled] = engine.counters();
       }
       for (size_t i = 0; i < reqs.size(); ++i) {
@@ -685,14 +697,8 @@ TEST(BatchEngine, SettledRoundsEmitThePlainTokens) {
 // the host's commit (a cached turn's state must hold exactly its tokens).
 TEST(BatchEngine, DeviceCommitEmitsThePlainTokens) {
   auto& d = demo();
-  const auto shared = [&] {
-    const ops::ContextScope scope(d.model->context());
-    return spec::QwenMtpProvider::from_target(*d.target);
-  }();
-  std::vector<GenerateRequest> reqs;
-  for (size_t i = 0; i < 6; ++i)
-    reqs.push_back(request(d.tok->encode(test::kDemoPrompts[i % test::kDemoPrompts.size()]),
-                           i % 2 == 0 ? 0.0f : 0.8f, 5 + i, 9 + 7 * static_cast<int64_t>(i)));
+  const auto shared = shared_mtp();
+  const std::vector<GenerateRequest> reqs = staggered_requests(6, 5, 9, 7);
   const std::vector<const spec::DraftProvider*> drafters = {shared.get(), d.ngram.get()};
   for (const spec::DraftProvider* drafter : drafters) {
     std::vector<std::shared_ptr<Recorder>> sinks[2];
@@ -703,18 +709,7 @@ TEST(BatchEngine, DeviceCommitEmitsThePlainTokens) {
       o.spec.device_commit = on_device;
       o.max_rows = 3;
       BatchEngine engine(*d.model, drafter, "demo-target", o);
-      auto& mine = sinks[on_device];
-      size_t next = 0;
-      for (int step = 0;; ++step) {
-        if (next < reqs.size() && step % 4 == 0) {
-          mine.push_back(std::make_shared<Recorder>());
-          if (next == 3) mine.back()->cancel_after = 5;
-          engine.submit({reqs[next], -1}, mine.back());
-          ++next;
-        }
-        if (!engine.step() && next == reqs.size()) break;
-        ASSERT_LT(step, 3000);
-      }
+      sinks[on_device] = run_staggered(engine, reqs, 4, 3, 5);
       counters[on_device] = engine.counters();
     }
     for (size_t i = 0; i < reqs.size(); ++i) {

@@ -390,38 +390,60 @@ void copy_from_pinned_async(void* dst, const void* src_pinned, size_t bytes) {
 
 namespace {
 
-// Up to kGatherParts reads into the mapped staging in one launch: part p takes blocks
-// first_block[p] .. first_block[p + 1] - 1 (each thread 16 bytes where the part is `wide`, else
-// one byte, as move_bytes).
-constexpr int kGatherParts = 8;
-struct MappedGather {
-  const uint8_t* src[kGatherParts];
-  uint8_t* dst[kGatherParts];
-  size_t bytes[kGatherParts];
-  unsigned first_block[kGatherParts + 1];
-  bool wide[kGatherParts];
+// Up to N byte copies in one launch: part p takes blocks first_block[p] .. first_block[p + 1] - 1,
+// each thread 16 bytes where the part is `wide`, else one byte (as move_bytes). Passed by value.
+template <int N>
+struct ByteCopyParts {
+  const uint8_t* src[N];
+  uint8_t* dst[N];
+  size_t bytes[N];
+  unsigned first_block[N + 1];
+  bool wide[N];
   int parts;
+
+  bool full() const { return parts == N; }
+  unsigned blocks() const { return first_block[parts]; }
+  void add(void* to, const void* from, size_t n) {
+    const ByteCopyShape shape = byte_copy_shape(to, from, n);
+    src[parts] = static_cast<const uint8_t*>(from);
+    dst[parts] = static_cast<uint8_t*>(to);
+    bytes[parts] = n;
+    wide[parts] = shape.wide;
+    first_block[parts + 1] = first_block[parts] + shape.blocks;
+    ++parts;
+  }
+  void clear() {
+    parts = 0;
+    first_block[0] = 0;
+  }
 };
 
-__global__ void gather_to_mapped_kernel(MappedGather g) {
+template <int N>
+__device__ __forceinline__ void move_part_bytes(const ByteCopyParts<N>& c) {
   int p = 0;
-  while (p + 1 < g.parts && blockIdx.x >= g.first_block[p + 1]) ++p;
-  const size_t i = static_cast<size_t>(blockIdx.x - g.first_block[p]) * blockDim.x + threadIdx.x;
-  if (g.wide[p]) {
-    if (i < g.bytes[p] / 16)
-      reinterpret_cast<uint4*>(g.dst[p])[i] = reinterpret_cast<const uint4*>(g.src[p])[i];
-  } else if (i < g.bytes[p]) {
-    g.dst[p][i] = g.src[p][i];
+  while (p + 1 < c.parts && blockIdx.x >= c.first_block[p + 1]) ++p;
+  const size_t i = static_cast<size_t>(blockIdx.x - c.first_block[p]) * blockDim.x + threadIdx.x;
+  if (c.wide[p]) {
+    if (i < c.bytes[p] / 16)
+      reinterpret_cast<uint4*>(c.dst[p])[i] = reinterpret_cast<const uint4*>(c.src[p])[i];
+  } else if (i < c.bytes[p]) {
+    c.dst[p][i] = c.src[p][i];
   }
+}
+
+// A forward's reads into the mapped staging, up to 8 a launch.
+using MappedGather = ByteCopyParts<8>;
+
+__global__ void gather_to_mapped_kernel(MappedGather g) {
+  move_part_bytes(g);
   __threadfence_system();  // the host reads them once the event after this kernel completes
 }
 
 void launch_gather(MappedGather& g) {
   if (g.parts == 0) return;
-  gather_to_mapped_kernel<<<g.first_block[g.parts], ByteCopyShape::kThreads, 0, op_stream()>>>(g);
+  gather_to_mapped_kernel<<<g.blocks(), ByteCopyShape::kThreads, 0, op_stream()>>>(g);
   TANDEM_CUDA_CHECK(cudaGetLastError());
-  g.parts = 0;
-  g.first_block[0] = 0;
+  g.clear();
 }
 
 // Recorded after a forward's reads (copy_reads_to_host), so the host waits for them alone.
@@ -450,14 +472,8 @@ void copy_reads_to_host(const ops::HostRead* reads, size_t n, const std::functio
         copy_to_host_async(r.dst_host, r.src, r.bytes);
         continue;
       }
-      if (g.parts == kGatherParts) launch_gather(g);
-      const ByteCopyShape shape = byte_copy_shape(sync_staging.get() + at, r.src, r.bytes);
-      g.src[g.parts] = static_cast<const uint8_t*>(r.src);
-      g.dst[g.parts] = sync_staging.get() + at;
-      g.bytes[g.parts] = r.bytes;
-      g.wide[g.parts] = shape.wide;
-      g.first_block[g.parts + 1] = g.first_block[g.parts] + shape.blocks;
-      ++g.parts;
+      if (g.full()) launch_gather(g);
+      g.add(sync_staging.get() + at, r.src, r.bytes);
       staged_reads.push_back({r.dst_host, at, r.bytes});
       at = (at + r.bytes + 15) / 16 * 16;
     }
@@ -476,38 +492,21 @@ void copy_reads_to_host(const ops::HostRead* reads, size_t n, const std::functio
 
 namespace {
 
-// Up to kUploadParts uploads in one launch, laid out as MappedGather's parts.
-constexpr int kUploadParts = 4;
-struct UploadParts {
-  const uint8_t* src[kUploadParts];
-  uint8_t* dst[kUploadParts];
-  size_t bytes[kUploadParts];
-  unsigned first_block[kUploadParts + 1];
-  bool wide[kUploadParts];
-  int parts;
-};
+// A graph's uploads from mapped pinned staging, up to 4 a launch.
+using UploadParts = ByteCopyParts<4>;
 
 __global__ void copy_parts_kernel(UploadParts u) {
   pdl_wait();
-  int p = 0;
-  while (p + 1 < u.parts && blockIdx.x >= u.first_block[p + 1]) ++p;
-  const size_t i = static_cast<size_t>(blockIdx.x - u.first_block[p]) * blockDim.x + threadIdx.x;
-  if (u.wide[p]) {
-    if (i < u.bytes[p] / 16)
-      reinterpret_cast<uint4*>(u.dst[p])[i] = reinterpret_cast<const uint4*>(u.src[p])[i];
-  } else if (i < u.bytes[p]) {
-    u.dst[p][i] = u.src[p][i];
-  }
+  move_part_bytes(u);
 }
 
 void launch_parts(UploadParts& u) {
   if (u.parts == 0) return;
-  launch("copy_from_pinned", copy_parts_kernel, dim3(u.first_block[u.parts]),
-         dim3(ByteCopyShape::kThreads), 0, u);
+  launch("copy_from_pinned", copy_parts_kernel, dim3(u.blocks()), dim3(ByteCopyShape::kThreads), 0,
+         u);
   // As queue_copy_kernel: the next launch must not start before the copies completed.
   current().serialize_next_launch = true;
-  u.parts = 0;
-  u.first_block[0] = 0;
+  u.clear();
 }
 
 }  // namespace
@@ -521,14 +520,8 @@ void copy_from_pinned_parts(const PinnedCopy* parts, size_t n) {
       copy_to_device(c.dst, c.src_pinned, c.bytes);
       continue;
     }
-    if (u.parts == kUploadParts) launch_parts(u);
-    const ByteCopyShape shape = byte_copy_shape(c.dst, c.src_pinned, c.bytes);
-    u.src[u.parts] = static_cast<const uint8_t*>(c.src_pinned);
-    u.dst[u.parts] = static_cast<uint8_t*>(c.dst);
-    u.bytes[u.parts] = c.bytes;
-    u.wide[u.parts] = shape.wide;
-    u.first_block[u.parts + 1] = u.first_block[u.parts] + shape.blocks;
-    ++u.parts;
+    if (u.full()) launch_parts(u);
+    u.add(c.dst, c.src_pinned, c.bytes);
   }
   launch_parts(u);
 }
