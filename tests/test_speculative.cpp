@@ -172,6 +172,14 @@ TEST(LosslessKeptEngine, RunsOnOneEngineEqualRunsOnFreshEngines) {
       EXPECT_EQ(ks.rounds_by_depth, fs.rounds_by_depth) << drafter->id() << " run " << k;
       ASSERT_EQ(ks.rounds_by_depth.size(), 4u) << drafter->id() << " run " << k;
       EXPECT_EQ(ks.rounds_by_depth[3], ks.decode_steps) << drafter->id() << " run " << k;
+      // No prefix cache: the commits ran on the device (SpecOptions::device_commit), every one
+      // of MTP's rounds (each row proposes 3); n-gram rounds where no row found a proposal have
+      // no window to commit.
+      if (drafter == f.mtp.get()) {
+        EXPECT_EQ(ks.device_commit_rounds, ks.decode_steps) << "run " << k;
+      }
+      EXPECT_GT(ks.device_commit_rounds, 0) << drafter->id() << " run " << k;
+      EXPECT_LE(ks.device_commit_rounds, ks.decode_steps) << drafter->id() << " run " << k;
       EXPECT_EQ(ks.decode_tokens, fs.decode_tokens) << drafter->id() << " run " << k;
       EXPECT_GT(ks.decode_seconds, 0.0) << drafter->id() << " run " << k;
     }

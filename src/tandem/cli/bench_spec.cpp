@@ -101,7 +101,8 @@ struct Measured {
   // an adaptive depth, the policy's round-cost estimate in ms at the end (per row count 1, 2, 4,
   // ... up to the batch: [0..depth], null where nothing is known yet).
   std::vector<double> group_rounds_by_depth;
-  double group_cold_graph_runs = 0;  // CUDA graphs run cold per group (GenerateStats)
+  double group_cold_graph_runs = 0;       // CUDA graphs run cold per group (GenerateStats)
+  double group_device_commit_rounds = 0;  // rounds committed on the device per group
   // {"rows": [ms at depth 0, 1, ...]}, null for a depth with no estimate; null without a policy.
   nlohmann::json depth_cost_ms;
 };
@@ -167,7 +168,7 @@ Measured measure(const LoadedTarget& target, DType kv_dtype, const spec::DraftPr
     sum.drafted_by_position.assign(static_cast<size_t>(m.depth), 0);
     int64_t tokens = 0, decode_tokens = 0, rounds = 0;
     std::vector<int64_t> rounds_by_depth(static_cast<size_t>(m.depth) + 1, 0);
-    int64_t cold_graph_runs = 0;
+    int64_t cold_graph_runs = 0, device_commit_rounds = 0;
     double decode_seconds = 0, prefill_seconds = 0, phases[4] = {0, 0, 0, 0};
     double drafter_prefill_seconds = 0, row_change_seconds = 0, drafter_move_seconds = 0;
     double decode_wait_seconds = 0;
@@ -192,6 +193,7 @@ Measured measure(const LoadedTarget& target, DType kv_dtype, const spec::DraftPr
       phases[3] += gs.commit_seconds;
       rounds += gs.decode_steps;
       cold_graph_runs += gs.cold_graph_runs;
+      device_commit_rounds += gs.device_commit_rounds;
       for (size_t d = 0; d < gs.rounds_by_depth.size() && d < rounds_by_depth.size(); ++d)
         rounds_by_depth[d] += gs.rounds_by_depth[d];
       for (size_t i = 0; i < res.size(); ++i) {
@@ -223,6 +225,8 @@ Measured measure(const LoadedTarget& target, DType kv_dtype, const spec::DraftPr
     m.group_drafter_move_ms = 1e3 * drafter_move_seconds / static_cast<double>(groups);
     m.group_decode_wait_ms = 1e3 * decode_wait_seconds / static_cast<double>(groups);
     m.group_cold_graph_runs = static_cast<double>(cold_graph_runs) / static_cast<double>(groups);
+    m.group_device_commit_rounds =
+        static_cast<double>(device_commit_rounds) / static_cast<double>(groups);
     m.group_rounds_by_depth.clear();
     for (int64_t n : rounds_by_depth)
       m.group_rounds_by_depth.push_back(static_cast<double>(n) / static_cast<double>(groups));
@@ -453,6 +457,7 @@ void run_bench_spec(const BenchSpecArgs& a) {
                            m.group_drafter_prefill_ms - m.group_row_change_ms}}},
            {"rounds_by_depth", m.group_rounds_by_depth},
            {"cold_graph_runs", m.group_cold_graph_runs},
+           {"device_commit_rounds", m.group_device_commit_rounds},
            {"depth_cost_ms", m.depth_cost_ms},
            {"batch", a.batch}});
       continue;

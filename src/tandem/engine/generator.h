@@ -43,7 +43,8 @@ struct GenerateStats {
   double draft_seconds = 0, verify_seconds = 0, accept_seconds = 0, commit_seconds = 0;
   // Speculative runs: rounds by the depth they ran at ([0..depth], EngineCounters).
   std::vector<int64_t> rounds_by_depth;
-  int64_t cold_graph_runs = 0;  // speculative runs: EngineCounters::cold_graph_runs
+  int64_t cold_graph_runs = 0;       // speculative runs: EngineCounters::cold_graph_runs
+  int64_t device_commit_rounds = 0;  // speculative runs: EngineCounters::device_commit_rounds
   double prefill_tokens_per_second() const;
   double decode_tokens_per_second() const;  // decode_tokens / decode_seconds
 };

@@ -140,6 +140,7 @@ std::vector<GenerateResult> SpeculativeGenerator::run(const std::vector<Generate
   st.commit_seconds = c.commit_seconds - before.commit_seconds;
   st.rounds_by_depth = c.rounds_by_depth;
   st.cold_graph_runs = c.cold_graph_runs - before.cold_graph_runs;
+  st.device_commit_rounds = c.device_commit_rounds - before.device_commit_rounds;
   for (size_t d = 0; d < st.rounds_by_depth.size() && d < before.rounds_by_depth.size(); ++d)
     st.rounds_by_depth[d] -= before.rounds_by_depth[d];
   for (size_t i = 0; i < B; ++i) {
