@@ -592,14 +592,7 @@ void rms_norm_pair_embedded(const WeightRef& table, const int32_t* ids, const fl
                             float* y) {
   if (m > 0 && table.cols > 0 && y == b)
     fail("rms_norm_pair_embedded: the output must not alias an input");
-#ifdef TANDEM_HAVE_CUDA
-  if (g_backend == Backend::Cuda)
-    return cuda::rms_norm_pair_embedded(table, ids, b, m, wa, wb, zero_centred, eps, y);
-#endif
-  // The CPU gathers the rows first: the same two passes, the same bits.
-  std::vector<float> a(static_cast<size_t>(std::max<int64_t>(0, m) * table.cols));
-  cpu::embed_rows(table, ids, m, a.data());
-  cpu::rms_norm_pair(a.data(), b, m, table.cols, wa, wb, zero_centred, eps, y);
+  TANDEM_DISPATCH(rms_norm_pair_embedded(table, ids, b, m, wa, wb, zero_centred, eps, y));
 }
 void add_rms_norm(float* x, const float* r, int64_t m, int64_t d, const WeightRef& w,
                   bool zero_centred, float eps, float* y) {

@@ -26,9 +26,6 @@ PinnedBuffer::~PinnedBuffer() {
     wait();        // a queued copy may still read or write the memory freed below
   } catch (...) {  // a device error; nothing to report from a destructor
   }
-#ifdef TANDEM_HAVE_CUDA
-  if (event_) cuda::destroy_event(event_);
-#endif
   release(where_, data_);
 }
 
@@ -51,23 +48,11 @@ uint8_t* PinnedBuffer::reserve(size_t bytes) {
 }
 
 void PinnedBuffer::queued() {
-#ifdef TANDEM_HAVE_CUDA
-  if (where_ == ops::Backend::Cuda) {
-    if (!event_) event_ = cuda::create_event();
-    const cuda::StreamPoint at = cuda::record_event(event_);
-    point_context_ = at.context;
-    point_seq_ = at.seq;
-    in_flight_ = true;
-  }
-#endif
+  if (where_ == ops::Backend::Cuda) last_copy_.record();
 }
 
 void PinnedBuffer::wait() {
-  if (!in_flight_) return;
-#ifdef TANDEM_HAVE_CUDA
-  in_flight_ = false;
-  cuda::wait_event(event_, {point_context_, point_seq_});
-#endif
+  last_copy_.wait();
 }
 
 }  // namespace tandem

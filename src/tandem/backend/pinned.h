@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "tandem/backend/ops.h"
+#include "tandem/backend/stream_mark.h"
 
 namespace tandem {
 
@@ -25,19 +26,14 @@ class PinnedBuffer {
   uint8_t* data() const { return data_; }
   size_t capacity() const { return capacity_; }
   ops::Backend where() const { return where_; }
-  // A copy from or into data() was just queued on the op stream (CUDA: records an event).
+  // A copy from or into data() was just queued on the op stream (CUDA: marks the stream there).
   void queued();
   void wait();  // until the last queued copy has completed; throws with a device error
 
  private:
   uint8_t* data_ = nullptr;
   size_t capacity_ = 0;
-  void* event_ = nullptr;  // CUDA: recorded after the last queued copy
-  // CUDA: where event_ was recorded (cuda::StreamPoint's fields, kept here so this header needs
-  // no CUDA one): a wait for a point the host already waited past costs no device call.
-  const void* point_context_ = nullptr;
-  uint64_t point_seq_ = 0;
-  bool in_flight_ = false;
+  StreamMark last_copy_;  // CUDA: after the last queued copy
   ops::Backend where_ = ops::Backend::Cpu;
 };
 

@@ -46,21 +46,8 @@ void StagedUpload::start_together(std::span<const Part> parts) {
   for (const Part& p : parts) p.upload->start(p.dst, p.bytes);
 }
 
-StagedUpload::~StagedUpload() {
-#ifdef TANDEM_HAVE_CUDA
-  if (consumed_event_) cuda::destroy_event(consumed_event_);
-#endif
-}
-
 void StagedUpload::consumed() {
-#ifdef TANDEM_HAVE_CUDA
-  if (ops::backend() != ops::Backend::Cuda) return;
-  if (!consumed_event_) consumed_event_ = cuda::create_event();
-  const cuda::StreamPoint at = cuda::record_event(consumed_event_);
-  consumed_context_ = at.context;
-  consumed_seq_ = at.seq;
-  consumed_ = true;
-#endif
+  if (ops::backend() == ops::Backend::Cuda) readers_done_.record();
 }
 
 void StagedUpload::start(void* dst, size_t bytes) {
@@ -71,9 +58,8 @@ void StagedUpload::start(void* dst, size_t bytes) {
 #ifdef TANDEM_HAVE_CUDA
   if (s.where() == ops::Backend::Cuda) {
     // The last upload's readers done: nothing queued still touches dst.
-    const bool ahead =
-        consumed_ && cuda::event_completed(consumed_event_, {consumed_context_, consumed_seq_});
-    consumed_ = false;
+    const bool ahead = readers_done_.recorded() && readers_done_.reached();
+    readers_done_.forget();
     if (ahead)
       cuda::copy_from_pinned_ahead(dst, s.data(), bytes);
     else

@@ -13,6 +13,7 @@
 #include <span>
 
 #include "tandem/backend/pinned.h"
+#include "tandem/backend/stream_mark.h"
 
 namespace tandem {
 
@@ -24,11 +25,6 @@ constexpr size_t upload_part_bytes(size_t bytes) {
 
 class StagedUpload {
  public:
-  StagedUpload() = default;
-  ~StagedUpload();
-  StagedUpload(const StagedUpload&) = delete;
-  StagedUpload& operator=(const StagedUpload&) = delete;
-
   // A staging buffer of at least `bytes` (contents unspecified), valid until start().
   uint8_t* host(size_t bytes);
   // Queues the copy of the first `bytes` of the buffer host() returned to `dst`.
@@ -49,12 +45,8 @@ class StagedUpload {
 
  private:
   PinnedBuffer slots_[2];
-  int next_ = 0;  // the slot host() hands out
-  // CUDA: recorded by consumed() (cuda::StreamPoint's fields, as PinnedBuffer keeps them).
-  void* consumed_event_ = nullptr;
-  const void* consumed_context_ = nullptr;
-  uint64_t consumed_seq_ = 0;
-  bool consumed_ = false;  // consumed() since the last start()
+  int next_ = 0;             // the slot host() hands out
+  StreamMark readers_done_;  // consumed() since the last start() (CUDA)
 };
 
 }  // namespace tandem

@@ -15,6 +15,9 @@ void rms_norm(const float* x, int64_t m, int64_t d, const ops::WeightRef& w, boo
               float eps, float* y);
 void rms_norm_pair(const float* a, const float* b, int64_t m, int64_t d, const ops::WeightRef& wa,
                    const ops::WeightRef& wb, bool zero_centred, float eps, float* y);
+void rms_norm_pair_embedded(const ops::WeightRef& table, const int32_t* ids, const float* b,
+                            int64_t m, const ops::WeightRef& wa, const ops::WeightRef& wb,
+                            bool zero_centred, float eps, float* y);
 void gated_rms_norm(const float* x, const float* z, int64_t m, int64_t d, const ops::WeightRef& w,
                     float eps, float* y);
 void swiglu(const float* gate, const float* up, int64_t n, float* out);

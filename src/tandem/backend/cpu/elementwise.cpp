@@ -2,6 +2,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <vector>
 
 #include "tandem/backend/cpu/cpu_ops.h"
 #include "tandem/backend/cpu/thread_pool.h"
@@ -94,6 +95,15 @@ void rms_norm_pair(const float* a, const float* b, int64_t m, int64_t d, const W
         }
       },
       m > 8);
+}
+
+void rms_norm_pair_embedded(const WeightRef& table, const int32_t* ids, const float* b, int64_t m,
+                            const WeightRef& wa, const WeightRef& wb, bool zero_centred, float eps,
+                            float* y) {
+  // The rows gathered first: embed_rows' values through rms_norm_pair's passes, the same bits.
+  std::vector<float> a(static_cast<size_t>(std::max<int64_t>(0, m) * table.cols));
+  cpu::embed_rows(table, ids, m, a.data());
+  cpu::rms_norm_pair(a.data(), b, m, table.cols, wa, wb, zero_centred, eps, y);
 }
 
 void gated_rms_norm(const float* x, const float* z, int64_t m, int64_t d, const WeightRef& w,

@@ -37,12 +37,8 @@ void* alloc(size_t bytes);  // cudaMalloc; throws Error("CUDA out of memory ..."
 void free(void* p);         // null is fine; never throws (destructors call it at exit)
 void copy_to_device(void* dst, const void* src, size_t bytes);  // host → device, ordered on stream
 void copy_to_host(void* dst, const void* src, size_t bytes);    // device → host, waits for it
-// Reads the host waits for once (ops::copy_to_host of several): queue_host_read queues each,
-// finish_host_reads blocks until all have landed in their destinations. The queued reads belong
-// to the calling thread; nothing else may read back between the two.
-void queue_host_read(void* dst, const void* src, size_t bytes);
-void finish_host_reads();
-// A forward's reads together: those that fit the thread's staging land there through one kernel
+// Reads the host waits for once (ops::copy_to_host of several, a forward's tokens and hiddens):
+// those that fit the calling thread's staging land there through one kernel
 // (one launch for tokens and hiddens instead of one each), larger ones by copy-engine transfers.
 // Then `then` (may be empty) queues more work behind them, and the host waits for the reads
 // alone, not for that work: a host round's commit runs on the device while the host walks.
@@ -91,7 +87,7 @@ struct StreamPoint {
 StreamPoint record_event(void* event);  // on the stream, after the work queued so far
 // Blocks the host until `event`, recorded at `point`, has completed; throws with the first kernel
 // error. Returns at once when the host already waited for that point or a later one of the same
-// stream (an event wait, synchronize() or finish_host_reads()).
+// stream (an event wait, synchronize() or copy_reads_to_host()).
 void wait_event(void* event, StreamPoint point);
 // Whether `event`, recorded at `point`, has completed, without waiting: at once for a point the
 // host already waited past, else by asking the device (an event of another context: the same).

@@ -228,9 +228,9 @@ struct SyncReadStaging {
 };
 thread_local SyncReadStaging sync_staging;
 
-// Reads queued by queue_host_read that land in sync_staging (at `offset`, 16-byte aligned, in
-// order) and are copied out once finish_host_reads has waited; reads that did not fit went to
-// their destination directly.
+// The reads of the running copy_reads_to_host that land in sync_staging (at `offset`, 16-byte
+// aligned, in order), copied out once the host has waited; reads that did not fit went to their
+// destination directly. Kept between calls so a forward's reads allocate nothing.
 struct StagedRead {
   void* dst;
   size_t offset;
@@ -244,37 +244,8 @@ void copy_to_host(void* dst, const void* src, size_t bytes) {
   if (bytes == 0) return;
   // A read a host round waits for (a verify's tokens): stored by a kernel into pinned memory, then
   // copied out, instead of a copy-engine transfer into pageable memory behind the kernels.
-  queue_host_read(dst, src, bytes);
-  finish_host_reads();
-}
-
-void queue_host_read(void* dst, const void* src, size_t bytes) {
-  if (bytes == 0) return;
-  const size_t at = staged_reads.empty()
-                        ? 0
-                        : (staged_reads.back().offset + staged_reads.back().bytes + 15) / 16 * 16;
-  if (kernel_readback_enabled() && at + bytes <= kKernelReadbackBytes) {
-    copy_to_pinned_async(sync_staging.get() + at, src, bytes);
-    staged_reads.push_back({dst, at, bytes});
-    return;
-  }
-  const WaitClock clock;  // into pageable memory: the call returns once the bytes have landed
-  copy_to_host_async(dst, src, bytes);
-}
-
-void finish_host_reads() {
-  try {
-    Context& c = current();
-    const WaitClock clock;
-    TANDEM_CUDA_CHECK(cudaStreamSynchronize(c.stream()));
-    c.points_reached = c.points_recorded;
-  } catch (...) {
-    staged_reads.clear();  // a failed wait leaves no reads for the next caller
-    throw;
-  }
-  for (const StagedRead& r : staged_reads)
-    std::memcpy(r.dst, sync_staging.get() + r.offset, r.bytes);
-  staged_reads.clear();
+  const ops::HostRead read{dst, src, bytes};
+  copy_reads_to_host(&read, 1, {});
 }
 
 void* alloc_pinned(size_t bytes) {
