@@ -20,6 +20,7 @@
 #include "settled_rounds.h"
 #include "tandem/backend/buffer.h"
 #include "tandem/backend/cuda/cuda_ops.h"
+#include "tandem/backend/graph_cache.h"
 #include "tandem/backend/ops.h"
 #include "tandem/backend/readback.h"
 #include "tandem/backend/staged_upload.h"
@@ -740,6 +741,60 @@ TEST_F(CudaModelTest, OverlappedLaunchesAndGraphsChangeNoBits) {
   EXPECT_TRUE(same_bits(overlapped.data(), serial.data(), n)) << "PDL on vs off (graphs)";
   EXPECT_TRUE(same_bits(overlapped.data(), no_graphs.data(), n)) << "graphs vs no graphs";
   EXPECT_TRUE(same_bits(overlapped.data(), pdl_no_graphs.data(), n)) << "PDL without graphs";
+}
+
+// A server's rows come and go, so a step's rows are any of the open slots, of any lengths. The
+// forward's CUDA graphs are named by the step's shape (rows, tokens a row, the longest position
+// bound), so verify windows, their commits and decode steps of other slots replay the graphs one
+// pair of rows captured, with the bits of running without graphs.
+TEST_F(CudaModelTest, ForwardGraphsReplayForOtherRowsOfTheSameShape) {
+  ScopedBackend cuda(ops::Backend::Cuda);
+  Demo& d = cuda_demo();
+  const Qwen35Model& m = *d.model;
+  const std::vector<std::vector<int32_t>> prompts = {
+      d.tok->encode(kPrompts[0]), d.tok->encode(kPrompts[1]), d.tok->encode(kPrompts[2]),
+      d.tok->encode(std::string(kPrompts[1]) + kPrompts[0])};
+  // Pairs of slots, each: a verify window of 3 tokens a row, a commit keeping 2 and 3 of them,
+  // then one decode step. The first pair runs twice: once directly, once captured.
+  const int pairs[][2] = {{0, 1}, {0, 1}, {2, 3}, {1, 2}, {3, 0}, {2, 1}};
+  auto run = [&](int64_t* cold_after_warm_up) {
+    Qwen35State st(m.config());
+    ForwardOutput out;
+    std::vector<int> slots;
+    for (const auto& p : prompts) slots.push_back(prefill_row(m, st, p, &out));
+    std::vector<float> all;
+    int32_t t = 100;
+    for (size_t k = 0; k < std::size(pairs); ++k) {
+      if (k == 2) *cold_after_warm_up = GraphCache::cold_runs();
+      const int a = slots[static_cast<size_t>(pairs[k][0])],
+                b = slots[static_cast<size_t>(pairs[k][1])];
+      std::vector<int32_t> window;
+      for (int j = 0; j < 6; ++j) window.push_back(t++);
+      const std::vector<RowInput> verify = {{a, 3, true}, {b, 3, true}};
+      m.forward(st, {window, verify, true, false}, &out);
+      all.insert(all.end(), out.logits.begin(), out.logits.end());
+      const std::vector<RowKeep> keeps = {{a, 2}, {b, 3}};
+      m.commit_windows(st, keeps);
+      const std::vector<int32_t> step = {t, t + 1};
+      t += 2;
+      const std::vector<RowInput> decode = {{a, 1}, {b, 1}};
+      m.forward(st, {step, decode, false, false}, &out);
+      all.insert(all.end(), out.logits.begin(), out.logits.end());
+    }
+    *cold_after_warm_up = GraphCache::cold_runs() - *cold_after_warm_up;
+    return all;
+  };
+  const bool graphs0 = ops::graphs_enabled();
+  ops::set_graphs_enabled(true);
+  int64_t cold = -1, cold_direct = -1;
+  const std::vector<float> graphs = run(&cold);
+  ops::set_graphs_enabled(false);
+  const std::vector<float> direct = run(&cold_direct);
+  ops::set_graphs_enabled(graphs0);
+  EXPECT_EQ(cold, 0) << "other rows of a captured shape ran a graph cold";
+  ASSERT_EQ(graphs.size(), direct.size());
+  EXPECT_TRUE(same_bits(graphs.data(), direct.data(), static_cast<int64_t>(graphs.size())))
+      << "graph replays for other rows differ from running without graphs";
 }
 
 // The MTP block's forwards replay CUDA graphs: as draft steps and commits of a block in its own

@@ -517,17 +517,19 @@ void Qwen35Model::forward(Qwen35State& st, const ForwardRequest& req, ForwardOut
     key.add(static_cast<uint64_t>(req.tap_layers.size())).add(w.taps.data());
     for (int l : req.tap_layers) key.add(l);
     key.add(static_cast<uint64_t>(st.rollback())).add(&st);
+    // Which slots the rows are, their block tables and their lengths reach the launches only
+    // through device memory (the uploaded positions, tables and recurrent descriptors), so rows
+    // that come and go reuse the graphs of their shape. The attention's grid is sized by the
+    // longest bound of all rows (gated_attention's batched call); the tables' stride follows it.
+    int64_t bound = 0;
     for (size_t i = 0; i < req.rows.size(); ++i) {
       const RowInput& r = req.rows[i];
-      key.add(r.slot).add(r.n_tokens).add(r.speculative);
-      key.add(w.segments[i].block_table).add(w.segments[i].position_bound);
+      key.add(r.n_tokens).add(r.speculative);
+      bound = std::max(bound, w.segments[i].position_bound);
     }
+    key.add(bound).add(w.tables).add(w.table_stride).add(w.row_known);
     for (int64_t l = 0; l < st.attention_layers(); ++l)
       key.add(st.kv_layer(static_cast<int>(l)).pool);
-    for (const RowInput& r : req.rows) {
-      if (st.linear_layers() > 0) key.add(st.conv_state(r.slot, 0));
-      if (r.speculative && st.linear_layers() > 0) key.add(st.window_conv_after(r.slot, 0));
-    }
     key.add(w.recording).add(w.recording ? st.recorded_conv_input(0) : nullptr);
     for (const float* p :
          {w.x.data(), w.h.data(), w.a0.data(), w.a1.data(), w.a2.data(), w.a3.data(), w.a5.data(),
