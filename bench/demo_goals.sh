@@ -11,7 +11,9 @@
 #   Defaults: ./build/tandem. BACKEND defaults to cuda when nvidia-smi works, else cpu.
 # Environment: ROUNDS (alternations, default 2), MODEL (default models/qwen35-demo),
 #   REPEATS (bench-spec --repeats, default 3), WARMUP (untimed runs per binary first, default 1:
-#   an idle GPU starts at a low clock, which made one run's prefill twice another's).
+#   an idle GPU starts at a low clock, which made one run's prefill twice another's), AUTO_WARMUP
+#   (bench-spec --warmup of the auto settings, default 40: auto's steady state, every (rows,
+#   depth) shape's CUDA graphs captured, as in a server that has run for a while).
 # Prints one line per run: the binary, the setting, then the figures as JSON.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -54,9 +56,11 @@ for round in $(seq 1 "$rounds"); do
     read -r draft prompts depth batch <<< "$setting"
     for t in "$@"; do
       printf '%s round %s %s depth %s batch %s: ' "$t" "$round" "$draft" "$depth" "$batch"
+      warmup=1
+      [ "$depth" = auto ] && warmup=${AUTO_WARMUP:-40}
       "$t" bench-spec --backend "$BACKEND" --model "$model" --prompts-file "$prompts" \
         --drafts "$draft" --depths "$depth" --batch "$batch" --max-tokens 64 \
-        --repeats "$repeats" --json | python3 -c "$summary"
+        --repeats "$repeats" --warmup "$warmup" --json | python3 -c "$summary"
     done
   done
 done

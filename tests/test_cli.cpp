@@ -467,11 +467,12 @@ TEST(CliSpeculative, BadSpeculationSettingsAreRefused) {
 
 // bench-spec on a random-weight model and random prompts: the continuation drafter accepts every
 // proposal at p = 1 and none at p = 0, every run's tokens are plain decoding's, and the JSON says
-// so, with each round's time split by phase; bad settings are refused by name.
+// so, with each round's time split by phase (no untimed run first); bad settings are refused by
+// name.
 TEST(CliSpeculative, BenchSpecMeasuresSpeedUpAgainstAcceptance) {
   const std::string base = "bench-spec --backend cpu --random-weights " + kBenchConfig +
                            " --random-prompts 3 --prompt-tokens 6 --max-tokens 10 --batch 2"
-                           " --repeats 1 ";
+                           " --repeats 1 --warmup 0 ";
   const CliRun r =
       run(base + "--drafts continuation,ngram --accept-p 1,0 --depths 3,auto --round-split --json",
           false);
@@ -506,6 +507,9 @@ TEST(CliSpeculative, BenchSpecMeasuresSpeedUpAgainstAcceptance) {
   expect_error(run(base + "--drafts continuation --accept-p 1.5"), "--accept-p");
   expect_error(run(base + "--drafts continuation --accept-p high"), "--accept-p");
   expect_error(run(base + "--drafts oracle"), "unknown drafter 'oracle'");
+  expect_error(run("bench-spec --backend cpu --random-weights " + kBenchConfig +
+                   " --random-prompts 1 --warmup -1"),
+               "--warmup >= 0");
   expect_error(run("bench-spec --backend cpu --random-prompts 2"),
                "exactly one of --model DIR or --random-weights");
   expect_error(run("bench-spec --backend cpu --random-weights " + kBenchConfig),

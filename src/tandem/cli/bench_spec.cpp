@@ -52,6 +52,10 @@ struct BenchSpecArgs {
   int batch = 1;
   int64_t max_tokens = 64;
   int repeats = 3;
+  // Untimed runs of each setting before the timed ones. One sizes buffers and captures the
+  // fixed-depth CUDA graphs; --depth auto visits (rows, depth) shapes over many runs, so its
+  // steady state, a server's, needs more.
+  int warmup = 1;
   int threads = 0;
   std::string backend = "auto";
   float temperature = 0.0f;
@@ -144,8 +148,8 @@ std::vector<double> round_split(const LoadedTarget& target, DType kv_dtype,
 
 // outputs: the last run's tokens per request.
 Measured measure(const LoadedTarget& target, DType kv_dtype, const spec::DraftProvider* drafter,
-                 DepthArg depth, const std::vector<GenerateRequest>& reqs, int batch, int repeats,
-                 bool split, bool settled, bool fresh_engines,
+                 DepthArg depth, const std::vector<GenerateRequest>& reqs, int batch, int warmup,
+                 int repeats, bool split, bool settled, bool fresh_engines,
                  std::vector<std::vector<int32_t>>* outputs) {
   // The probe stays off: this measures each drafter at the depth asked, whatever it accepts.
   if (drafter && depth.automatic) depth.depth = auto_max_depth(depth, drafter->id());
@@ -162,7 +166,7 @@ Measured measure(const LoadedTarget& target, DType kv_dtype, const spec::DraftPr
   m.automatic = drafter && depth.automatic;
   std::vector<double> rates, decode_rates;
   outputs->assign(reqs.size(), {});
-  for (int rep = 0; rep <= repeats; ++rep) {  // rep 0 warms up
+  for (int rep = 0; rep < warmup + repeats; ++rep) {
     SpecStats sum;
     sum.accepted_by_position.assign(static_cast<size_t>(m.depth), 0);
     sum.drafted_by_position.assign(static_cast<size_t>(m.depth), 0);
@@ -212,7 +216,7 @@ Measured measure(const LoadedTarget& target, DType kv_dtype, const spec::DraftPr
       first += group.size();
     }
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    if (rep == 0) continue;
+    if (rep < warmup) continue;
     rates.push_back(static_cast<double>(tokens) / s);
     decode_rates.push_back(decode_seconds > 0 ? static_cast<double>(decode_tokens) / decode_seconds
                                               : 0.0);
@@ -314,11 +318,11 @@ void run_bench_spec(const BenchSpecArgs& a) {
     fail("bench-spec: give exactly one of --model DIR or --random-weights CONFIG.json");
   if (a.prompts_file.empty() == (a.random_prompts == 0))
     fail("bench-spec: give exactly one of --prompts-file FILE or --random-prompts N");
-  if (a.batch < 1 || a.repeats < 1 || a.max_tokens < 1 || a.random_prompts < 0 ||
+  if (a.batch < 1 || a.repeats < 1 || a.warmup < 0 || a.max_tokens < 1 || a.random_prompts < 0 ||
       a.prompt_tokens < 1)
     fail(
-        "bench-spec: need --batch >= 1, --repeats >= 1, --max-tokens >= 1, --random-prompts >= 0, "
-        "--prompt-tokens >= 1");
+        "bench-spec: need --batch >= 1, --repeats >= 1, --warmup >= 0, --max-tokens >= 1, "
+        "--random-prompts >= 0, --prompt-tokens >= 1");
   const std::vector<std::string> drafts = split_list(a.drafts);
   const bool continuation = std::find(drafts.begin(), drafts.end(), "continuation") != drafts.end();
   const std::vector<double> accept_ps =
@@ -350,14 +354,14 @@ void run_bench_spec(const BenchSpecArgs& a) {
   std::fprintf(stderr, "bench-spec: %zu prompts, batch %d, %lld tokens each, %d threads\n",
                reqs.size(), a.batch, static_cast<long long>(a.max_tokens), ops::thread_count());
   std::vector<std::vector<int32_t>> plain, got;
-  rows.push_back(measure(target, kv_dtype, nullptr, DepthArg{}, reqs, a.batch, a.repeats, false,
-                         false, a.fresh_engines, &plain));
+  rows.push_back(measure(target, kv_dtype, nullptr, DepthArg{}, reqs, a.batch, a.warmup, a.repeats,
+                         false, false, a.fresh_engines, &plain));
   const double base = rows[0].tokens_per_second;
   const double decode_base = rows[0].decode_tokens_per_second;
   auto run_depths = [&](const spec::DraftProvider& drafter, const std::string& name, double p) {
     for (const std::string& ds : split_list(a.depths)) {
       const DepthArg depth = parse_depth(ds);
-      rows.push_back(measure(target, kv_dtype, &drafter, depth, reqs, a.batch, a.repeats,
+      rows.push_back(measure(target, kv_dtype, &drafter, depth, reqs, a.batch, a.warmup, a.repeats,
                              a.round_split, a.settled_rounds, a.fresh_engines, &got));
       Measured& m = rows.back();
       m.draft = name;  // as listed: mtp and mtp-empty share a drafter id
@@ -521,7 +525,11 @@ void add_bench_spec_command(CLI::App& app) {
   sub->add_option("--batch", a->batch, "Requests per batch")->capture_default_str();
   sub->add_option("--max-tokens", a->max_tokens, "Tokens per request")->capture_default_str();
   sub->add_option("--temperature", a->temperature, "Sampling temperature")->capture_default_str();
-  sub->add_option("--repeats", a->repeats, "Timed runs (after a warm-up)")->capture_default_str();
+  sub->add_option("--repeats", a->repeats, "Timed runs of each setting")->capture_default_str();
+  sub->add_option("--warmup", a->warmup,
+                  "Untimed runs of each setting first (--depths auto reaches a server's steady "
+                  "state, every shape's CUDA graphs captured, after tens of them)")
+      ->capture_default_str();
   sub->add_option("--threads", a->threads, "CPU threads (0 = all cores)");
   add_kv_dtype_option(sub, &a->kv_dtype);
   sub->add_option("--backend", a->backend, "cpu, cuda or auto (cuda when a GPU is present)")
