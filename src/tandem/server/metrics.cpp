@@ -122,6 +122,11 @@ std::string ServerMetrics::render(const EngineCounters& e, const std::string& dr
          "Host rounds whose target commit the device ran behind the verify's reads, while the "
          "host walked the same tokens.",
          static_cast<double>(e.device_commit_rounds));
+  scalar("tandem_cold_graph_runs_total", "counter",
+         "CUDA graphs the engine's steps ran cold (a step shape's first run or its capture, each "
+         "far dearer for the host than a replay); it should stop growing once the server has "
+         "seen its batch shapes. 0 on the CPU.",
+         static_cast<double>(e.cold_graph_runs));
   series(&out, "tandem_round_phase_seconds_total", "counter",
          "Host time in the phases of speculative rounds (draft, verify, accept, commit).");
   const std::pair<const char*, double> phases[] = {{"draft", e.draft_seconds},
