@@ -372,6 +372,12 @@ void run_bench_spec(const BenchSpecArgs& a) {
       std::fprintf(stderr, "bench-spec: %s%s depth %s: %.1f tok/s%s\n", name.c_str(), at,
                    ds.c_str(), m.tokens_per_second,
                    m.identical ? "" : " (OUTPUT DIFFERS FROM PLAIN)");
+      if (m.automatic && m.group_cold_graph_runs > 0)
+        std::fprintf(stderr,
+                     "bench-spec: depth %s ran %.0f CUDA graphs cold a batch in its last timed "
+                     "run (shapes the policy had not run yet): a start-up figure; --warmup 40 "
+                     "measures its steady state\n",
+                     ds.c_str(), m.group_cold_graph_runs);
     }
   };
   for (const std::string& d : drafts) {
