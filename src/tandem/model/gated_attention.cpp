@@ -59,10 +59,7 @@ void gated_attention(const GatedAttentionShape& s, const ops::WeightRef& q_norm,
   // With the keys already written, the segments that attend over the cache do it in one call.
   const bool batched = rows != nullptr && kv_slots != nullptr;
   if (batched) {
-    int64_t bound = 0;
-    for (const AttentionSegment& seg : segments)
-      if (seg.n > 0 && !served_by_prompt_attention(s.prompt, seg.start))
-        bound = std::max(bound, seg.position_bound);
+    const int64_t bound = batched_position_bound(segments, s.prompt);
     if (bound > 0)
       ops::attention_rows(kv, rows->tables, rows->table_stride, rows->query_rows, positions, T,
                           bound, q, nh, scale, o, gate);

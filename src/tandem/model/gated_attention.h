@@ -2,6 +2,7 @@
 // model's attention layers and the MTP drafter's decoder layer, so both compute it identically.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <span>
 #include <vector>
@@ -55,6 +56,17 @@ struct AttentionBatch {
 constexpr int64_t kPositionBoundStep = 1024;
 constexpr int64_t attention_position_bound(int64_t kv_capacity) {
   return (kv_capacity + kPositionBoundStep - 1) / kPositionBoundStep * kPositionBoundStep;
+}
+
+// The position bound that sizes the attention of all rows at once (gated_attention's batched
+// call): the largest of the segments that attend over the cache. It, not each row's bound, is
+// what a CUDA graph of that call bakes in. 0 when no segment does.
+inline int64_t batched_position_bound(std::span<const AttentionSegment> segments, bool prompt) {
+  int64_t bound = 0;
+  for (const AttentionSegment& seg : segments)
+    if (seg.n > 0 && !served_by_prompt_attention(prompt, seg.start))
+      bound = std::max(bound, seg.position_bound);
+  return bound;
 }
 
 struct GatedAttentionShape {

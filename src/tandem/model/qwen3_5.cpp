@@ -520,14 +520,10 @@ void Qwen35Model::forward(Qwen35State& st, const ForwardRequest& req, ForwardOut
     // Which slots the rows are, their block tables and their lengths reach the launches only
     // through device memory (the uploaded positions, tables and recurrent descriptors), so rows
     // that come and go reuse the graphs of their shape. The attention's grid is sized by the
-    // longest bound of all rows (gated_attention's batched call); the tables' stride follows it.
-    int64_t bound = 0;
-    for (size_t i = 0; i < req.rows.size(); ++i) {
-      const RowInput& r = req.rows[i];
-      key.add(r.n_tokens).add(r.speculative);
-      bound = std::max(bound, w.segments[i].position_bound);
-    }
-    key.add(bound).add(w.tables).add(w.table_stride).add(w.row_known);
+    // batched bound alone; the tables' stride follows it.
+    for (const RowInput& r : req.rows) key.add(r.n_tokens).add(r.speculative);
+    key.add(batched_position_bound(w.segments, false)).add(w.tables).add(w.table_stride);
+    key.add(w.row_known);
     for (int64_t l = 0; l < st.attention_layers(); ++l)
       key.add(st.kv_layer(static_cast<int>(l)).pool);
     key.add(w.recording).add(w.recording ? st.recorded_conv_input(0) : nullptr);

@@ -172,15 +172,11 @@ std::vector<const std::vector<int32_t>*> QwenMtpRows::reserve_tables(
 }
 
 void QwenMtpRows::add_batch_key(const AttentionBatch& b, GraphKey& key) {
-  // The rows' tables and lengths are device memory; only the longest bound sizes the
-  // attention's grid (gated_attention's batched call), so rows of other lengths replay the graph.
+  // The rows' tables and lengths are device memory; only the batched bound sizes the attention's
+  // grid, so rows of other lengths replay the graph.
   key.add(b.tokens).add(b.positions).add(b.rows.tables).add(b.rows.table_stride);
-  int64_t bound = 0;
-  for (const AttentionSegment& s : b.segments) {
-    key.add(s.n);
-    if (s.n > 0) bound = std::max(bound, s.position_bound);
-  }
-  key.add(bound);
+  for (const AttentionSegment& s : b.segments) key.add(s.n);
+  key.add(batched_position_bound(b.segments, false));
 }
 
 void QwenMtpRows::forward_block(const float* embeds, const float* hidden,
