@@ -261,6 +261,23 @@ TEST(DepthPolicy, ExplorationsWaitForTheMostRowsTheBucketSaw) {
   EXPECT_TRUE(round(back, 8)) << "the exploration due did not run at 8 rows";
 }
 
+// An exploration is for its time: one that falls due on a round whose time will not be recorded
+// (the engine's first round after a prefill, which also waits for the prefill) waits for the next
+// timed round instead of being spent.
+TEST(DepthPolicy, ExplorationsWaitForATimedRound) {
+  DepthPolicy policy(DepthPolicyOptions{.max_depth = 4});
+  const std::vector<int64_t> none;
+  policy.record(8, 0, 1e-3, none, none);  // one measured depth: its neighbours are due soon
+  const int best = policy.best(8);
+  for (int r = 0; r < 40; ++r) {
+    ASSERT_EQ(policy.choose(8, false), best) << "an untimed round explored, round " << r;
+    policy.record(8, best, 0.0, none, none);
+  }
+  EXPECT_NE(policy.choose(8, true), best) << "the exploration due did not run when timed";
+  EXPECT_EQ(policy.timed_rounds(), 1);
+  EXPECT_EQ(policy.untimed_rounds(), 40);
+}
+
 // The depth a bucket runs changes only for a rate 3% better: a depth 2% better leaves depth 1 in
 // use (a change costs CUDA graphs of new shapes), one 6% better takes over; a bucket that has not
 // chosen yet takes the best rate as it is.
@@ -365,6 +382,33 @@ std::vector<Recorder> serve(const spec::DraftProvider* drafter, bool automatic, 
   std::vector<Recorder> out;
   for (const auto& k : sinks) out.push_back(*k);
   return out;
+}
+
+// A prefill's device work is queued ahead of the next round, whose wait then includes it: the
+// policy learns nothing about a depth's cost from that round. Two requests one after the other
+// (one row at a time): each one's first round after its prompt is untimed, every later one timed.
+TEST(AutoDepth, TheRoundAfterAPrefillTeachesNoCost) {
+  auto& d = demo();
+  auto policy = std::make_shared<DepthPolicy>(DepthPolicyOptions{.max_depth = 4});
+  EngineOptions o;
+  o.spec.depth = 4;
+  o.spec.auto_depth = true;
+  o.max_rows = 1;
+  o.depth_policy = policy;
+  BatchEngine engine(*d.model, d.mtp.get(), "demo-target", o);
+  std::vector<std::shared_ptr<Recorder>> sinks;
+  for (int r = 0; r < 2; ++r) {
+    EngineRequest er;
+    er.gen.prompt = d.tok->encode(test::kDemoPrompts[static_cast<size_t>(r)]);
+    er.gen.max_tokens = 24;
+    er.gen.ignore_eos = true;
+    sinks.push_back(std::make_shared<Recorder>());
+    ASSERT_EQ(engine.submit(er, sinks.back()), BatchEngine::Submit::Queued);
+  }
+  engine.run_to_completion();
+  for (const auto& s : sinks) ASSERT_EQ(s->tokens.size(), 24u);
+  EXPECT_EQ(policy->untimed_rounds(), 2);
+  EXPECT_GT(policy->timed_rounds(), 2);
 }
 
 TEST(AutoDepth, IsLosslessWithEveryDrafterAndProposesVaryingDepths) {

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <utility>
 
 #include "tandem/backend/context.h"
 #include "tandem/backend/graph_cache.h"
@@ -25,11 +26,12 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
 }
 
 // A round's time for the depth policy, or 0 (not timed: only its acceptance counts) where the
-// round ran a CUDA graph cold since `cold_runs` (GraphCache::cold_runs): the first rounds of each
-// shape cost several times a warm one, and a depth whose one measurement is such a round would
-// look too dear to be tried again.
-double timed(double seconds, int64_t cold_runs) {
-  return GraphCache::cold_runs() == cold_runs ? seconds : 0.0;
+// round ran a CUDA graph cold since `cold_runs` (GraphCache::cold_runs), or waited for device work
+// queued before it (`other_work`: a prompt's prefill): the first rounds of each shape cost several
+// times a warm one, the first round after a prefill as much as the prefill's tail, and a depth
+// whose one measurement is such a round looks too dear to be tried again.
+double timed(double seconds, int64_t cold_runs, bool other_work) {
+  return GraphCache::cold_runs() == cold_runs && !other_work ? seconds : 0.0;
 }
 
 // A joining row's target state: its slot and, under a fixed pool, every KV block the request can
@@ -502,6 +504,7 @@ void BatchEngine::begin_prefill() {
 
 bool BatchEngine::advance_prefill(bool whole) {
   const auto t0 = std::chrono::steady_clock::now();
+  work_between_rounds_ = true;
   if (!target_->prompt_active()) begin_prefill();
   // While rows decode, a forward of a long prompt's chunk, or of short prompts while enough
   // rows decode, runs a slice of its layers per step (EngineOptions::prefill_slice_ratio).
@@ -865,6 +868,7 @@ void BatchEngine::settled_round(int depth) {
   const auto t0 = std::chrono::steady_clock::now();
   const double wait0 = ops::device_wait_seconds();
   const int64_t cold0 = GraphCache::cold_runs();
+  const bool other_work = std::exchange(work_between_rounds_, false);
   const size_t R = decoding_.size();
   const int64_t n = depth + 1;
   // 1. Draft, left where the chain drew it (pending tokens too, after a settled round).
@@ -924,7 +928,7 @@ void BatchEngine::settled_round(int depth) {
   // In steady state each call queues one round and reads one: its time is a round's (the
   // acceptance is the read round's).
   if (policy_ && reads && decode_drafts_)
-    policy_->record(static_cast<int64_t>(R), depth, timed(seconds, cold0), drafted_pos_,
+    policy_->record(static_cast<int64_t>(R), depth, timed(seconds, cold0, other_work), drafted_pos_,
                     accepted_pos_);
   std::lock_guard lock(mu_);
   ++counters_.settled_rounds;
@@ -1052,8 +1056,9 @@ void BatchEngine::round() {
     // allows). A token drafter needs no forward's hiddens, so a round at depth 0 runs as a
     // pipelined plain step and the drafter takes in the tokens it missed before it next drafts.
     if (policy_ && round_depth > 0)
-      round_depth =
-          std::min(round_depth, chosen >= 0 ? chosen : policy_->choose(static_cast<int64_t>(R)));
+      round_depth = std::min(
+          round_depth,
+          chosen >= 0 ? chosen : policy_->choose(static_cast<int64_t>(R), !work_between_rounds_));
     if (settles(round_depth)) return settled_round(round_depth);
     if (!settled_.empty()) {  // not settled: the host reads the queued rounds first
       drain_timed();
@@ -1069,9 +1074,11 @@ void BatchEngine::round() {
       const bool starts = !chained_;
       const auto t = std::chrono::steady_clock::now();
       const int64_t cold = GraphCache::cold_runs();
+      const bool other_work = std::exchange(work_between_rounds_, false);
       pipelined_round();
       const double steps = starts && chained_ && ops::backend() == ops::Backend::Cpu ? 2.0 : 1.0;
-      policy_->record(static_cast<int64_t>(R), 0, timed(seconds_since(t) / steps, cold), {}, {});
+      policy_->record(static_cast<int64_t>(R), 0, timed(seconds_since(t) / steps, cold, other_work),
+                      {}, {});
       return;
     }
     drain_timed();
@@ -1085,6 +1092,7 @@ void BatchEngine::round() {
   const auto t0 = std::chrono::steady_clock::now();
   const double wait0 = ops::device_wait_seconds();
   const int64_t cold0 = GraphCache::cold_runs();
+  const bool other_work = std::exchange(work_between_rounds_, false);
   const bool rejection = options_.spec.verify == spec::VerifyMode::Rejection;
   // The end of each phase; with sync_phases after the device finished the phase's work.
   auto phase_end = [&] {
@@ -1266,8 +1274,8 @@ void BatchEngine::round() {
   const auto t_ahead = std::chrono::steady_clock::now();
   const double seconds = seconds_since(t0);
   if (policy_)
-    policy_->record(static_cast<int64_t>(R), round_depth, timed(seconds, cold0), drafted_pos_,
-                    accepted_pos_);
+    policy_->record(static_cast<int64_t>(R), round_depth, timed(seconds, cold0, other_work),
+                    drafted_pos_, accepted_pos_);
   std::lock_guard lock(mu_);
   if (queued) ++counters_.queued_draft_rounds;
   if (ahead) ++counters_.drafted_ahead_rounds;

@@ -259,6 +259,10 @@ class BatchEngine {
   // queued nothing (depth 0): that round takes it instead of choosing twice. -1: none.
   int chosen_depth_ = -1;
   size_t chosen_rows_ = 0;
+  // Device work queued outside the rounds since the last round began (a prefill forward or a
+  // slice of one, drafter rows moved in): the next round's wait includes it, so its time says
+  // nothing about its depth. Taken (and cleared) where a round starts its clock.
+  bool work_between_rounds_ = false;
   // Queues the next round's draft (depth chosen as round() would) if nothing can change the
   // rows before it; sets draft_ahead_.
   void queue_draft_ahead();

@@ -142,7 +142,7 @@ DepthPolicy::Bucket& DepthPolicy::bucket(int64_t rows) {
   return b;
 }
 
-int DepthPolicy::choose(int64_t rows) {
+int DepthPolicy::choose(int64_t rows, bool timed) {
   TANDEM_CHECK(rows >= 1, "depth policy: a round of ", rows, " rows");
   const int k = best(rows);
   Bucket& b = bucket(rows);
@@ -155,7 +155,7 @@ int DepthPolicy::choose(int64_t rows) {
   // fresh bucket otherwise runs its starting guess for explore_every rounds.
   if (unmeasured(k - 1) || unmeasured(k + 1))
     b.next_explore = std::min(b.next_explore, b.last_explore + kFirstExplore);
-  if (++b.rounds < b.next_explore) return k;
+  if (++b.rounds < b.next_explore || !timed) return k;
   // An exploration due waits for a round of the most rows the bucket has seen (a full batch, as
   // rows that finish one after another leave fewer), up to explore_every · explore_backoff
   // rounds: each row count runs CUDA graphs of its own, so explorations at whatever row count
@@ -189,6 +189,7 @@ void DepthPolicy::record(int64_t rows, int depth, double seconds, std::span<cons
   TANDEM_CHECK(depth >= 0 && depth <= options_.max_depth, "depth policy: depth ", depth);
   TANDEM_CHECK(drafted.size() == accepted.size(), "depth policy: counts of different lengths");
   Bucket& b = bucket(rows);
+  ++(seconds > 0.0 ? timed_rounds_ : untimed_rounds_);
   if (seconds > 0.0) {
     std::optional<double>& c = b.cost[static_cast<size_t>(depth)];
     c = c ? (1.0 - options_.cost_smoothing) * *c + options_.cost_smoothing * seconds : seconds;

@@ -17,7 +17,8 @@
 // that are). Every `explore_every` rounds a bucket runs a neighbour of its best depth once, so both
 // estimates stay current as contexts grow and acceptance drifts; while explorations change
 // nothing, they come less and less often (explore_backoff); one that is due waits (for a while) for
-// a round of the most rows the bucket has seen, whose CUDA graphs later explorations replay. A
+// a round of the most rows the bucket has seen, whose CUDA graphs later explorations replay, and
+// for a round whose time is recorded (not the first after a prefill, which waits for it too). A
 // neighbour never measured goes first (the shallower before the deeper), every few rounds until
 // both are: round costs are concave in the depth (the first proposal brings the draft, the window
 // and the commit), so the line through drafted depths overprices plain rounds, which only their
@@ -49,8 +50,10 @@ class DepthPolicy {
  public:
   explicit DepthPolicy(DepthPolicyOptions options = {});
 
-  // The depth for the next round of `rows` rows (0..max_depth).
-  int choose(int64_t rows);
+  // The depth for the next round of `rows` rows (0..max_depth). `timed`: the round's time will
+  // be recorded (false where it will not be typical, e.g. it also waits for a prefill): an
+  // exploration due then waits for the next round, since what it explores is the depth's time.
+  int choose(int64_t rows, bool timed = true);
   // What a round of `rows` rows at `depth` did: its wall time (0: not timed, where the time is
   // not typical of the depth; only the counts are taken) and, per window position j < depth, how
   // many proposals were drafted and accepted.
@@ -65,6 +68,9 @@ class DepthPolicy {
   // in use stays until another beats its rate by 3% (a change of depth costs new CUDA graphs).
   int best(int64_t rows) const;
   int max_depth() const { return options_.max_depth; }
+  // Rounds recorded with a time, and without one (not typical of their depth).
+  int64_t timed_rounds() const { return timed_rounds_; }
+  int64_t untimed_rounds() const { return untimed_rounds_; }
 
  private:
   DepthPolicyOptions options_;
@@ -84,6 +90,7 @@ class DepthPolicy {
     int in_use = -1;        // the depth its rounds run when not exploring (best's hysteresis)
   };
   std::map<int, Bucket> buckets_;
+  int64_t timed_rounds_ = 0, untimed_rounds_ = 0;
   static int bucket_of(int64_t rows);
   Bucket& bucket(int64_t rows);  // the bucket of `rows`, made on first use
   std::optional<double> estimate(const Bucket& b, int depth) const;
