@@ -411,6 +411,34 @@ TEST(AutoDepth, TheRoundAfterAPrefillTeachesNoCost) {
   EXPECT_GT(policy->timed_rounds(), 2);
 }
 
+// A server whose prompts keep arriving queues a prefill before every round: the policy must not
+// be starved of timed rounds. 40 prompts admitted one per step (a prefill budget of one chunk),
+// each decoding while the next prefills: 40 rounds in a row follow a prefill, and the 33rd of
+// them is timed anyway (BatchEngine::kMostUntimedRounds).
+TEST(AutoDepth, PromptsBeforeEveryRoundStillLeaveTimedRounds) {
+  auto& d = demo();
+  auto policy = std::make_shared<DepthPolicy>(DepthPolicyOptions{.max_depth = 4});
+  EngineOptions o;
+  o.spec.depth = 4;
+  o.spec.auto_depth = true;
+  o.prefill_budget = 1;
+  o.depth_policy = policy;
+  BatchEngine engine(*d.model, d.mtp.get(), "demo-target", o);
+  std::vector<std::shared_ptr<Recorder>> sinks;
+  for (int r = 0; r < 40; ++r) {
+    EngineRequest er;
+    er.gen.prompt =
+        d.tok->encode(test::kDemoPrompts[static_cast<size_t>(r) % test::kDemoPrompts.size()]);
+    er.gen.max_tokens = 48;
+    er.gen.ignore_eos = true;
+    sinks.push_back(std::make_shared<Recorder>());
+    ASSERT_EQ(engine.submit(er, sinks.back()), BatchEngine::Submit::Queued);
+  }
+  engine.run_to_completion();
+  for (const auto& s : sinks) ASSERT_EQ(s->tokens.size(), 48u);
+  EXPECT_EQ(policy->untimed_rounds(), 39);
+}
+
 TEST(AutoDepth, IsLosslessWithEveryDrafterAndProposesVaryingDepths) {
   auto& d = demo();
   for (const spec::DraftProvider* drafter : {d.mtp.get(), d.ngram.get()}) {

@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
-#include <utility>
 
 #include "tandem/backend/context.h"
 #include "tandem/backend/graph_cache.h"
@@ -735,6 +734,13 @@ void BatchEngine::retire_drafter() {
   policy_.reset();
 }
 
+bool BatchEngine::start_round_clock() {
+  const bool untimed = next_round_untimed();
+  work_between_rounds_ = false;
+  untimed_rounds_ = untimed ? untimed_rounds_ + 1 : 0;
+  return untimed;
+}
+
 void BatchEngine::drain_timed() {
   if (!chained_ && settled_.empty()) return;
   const auto t0 = std::chrono::steady_clock::now();
@@ -868,7 +874,7 @@ void BatchEngine::settled_round(int depth) {
   const auto t0 = std::chrono::steady_clock::now();
   const double wait0 = ops::device_wait_seconds();
   const int64_t cold0 = GraphCache::cold_runs();
-  const bool other_work = std::exchange(work_between_rounds_, false);
+  const bool other_work = start_round_clock();
   const size_t R = decoding_.size();
   const int64_t n = depth + 1;
   // 1. Draft, left where the chain drew it (pending tokens too, after a settled round).
@@ -1058,7 +1064,7 @@ void BatchEngine::round() {
     if (policy_ && round_depth > 0)
       round_depth = std::min(
           round_depth,
-          chosen >= 0 ? chosen : policy_->choose(static_cast<int64_t>(R), !work_between_rounds_));
+          chosen >= 0 ? chosen : policy_->choose(static_cast<int64_t>(R), !next_round_untimed()));
     if (settles(round_depth)) return settled_round(round_depth);
     if (!settled_.empty()) {  // not settled: the host reads the queued rounds first
       drain_timed();
@@ -1074,7 +1080,7 @@ void BatchEngine::round() {
       const bool starts = !chained_;
       const auto t = std::chrono::steady_clock::now();
       const int64_t cold = GraphCache::cold_runs();
-      const bool other_work = std::exchange(work_between_rounds_, false);
+      const bool other_work = start_round_clock();
       pipelined_round();
       const double steps = starts && chained_ && ops::backend() == ops::Backend::Cpu ? 2.0 : 1.0;
       policy_->record(static_cast<int64_t>(R), 0, timed(seconds_since(t) / steps, cold, other_work),
@@ -1092,7 +1098,7 @@ void BatchEngine::round() {
   const auto t0 = std::chrono::steady_clock::now();
   const double wait0 = ops::device_wait_seconds();
   const int64_t cold0 = GraphCache::cold_runs();
-  const bool other_work = std::exchange(work_between_rounds_, false);
+  const bool other_work = start_round_clock();
   const bool rejection = options_.spec.verify == spec::VerifyMode::Rejection;
   // The end of each phase; with sync_phases after the device finished the phase's work.
   auto phase_end = [&] {

@@ -261,8 +261,18 @@ class BatchEngine {
   size_t chosen_rows_ = 0;
   // Device work queued outside the rounds since the last round began (a prefill forward or a
   // slice of one, drafter rows moved in): the next round's wait includes it, so its time says
-  // nothing about its depth. Taken (and cleared) where a round starts its clock.
+  // nothing about its depth, and the depth policy does not learn from it. A server whose prompts
+  // keep arriving queues a prefill before most rounds: after kMostUntimedRounds such rounds in a
+  // row one is timed anyway, so the policy keeps learning (a cost with some prefill in it beats
+  // none). untimed_rounds_: how many ran in a row.
+  static constexpr int kMostUntimedRounds = 32;
   bool work_between_rounds_ = false;
+  int untimed_rounds_ = 0;
+  bool next_round_untimed() const {
+    return work_between_rounds_ && untimed_rounds_ < kMostUntimedRounds;
+  }
+  // Whether the round starting now is not timed (next_round_untimed); clears the mark.
+  bool start_round_clock();
   // Queues the next round's draft (depth chosen as round() would) if nothing can change the
   // rows before it; sets draft_ahead_.
   void queue_draft_ahead();
