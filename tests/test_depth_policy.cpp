@@ -384,29 +384,40 @@ std::vector<Recorder> serve(const spec::DraftProvider* drafter, bool automatic, 
   return out;
 }
 
+// `requests` greedy MTP requests of `tokens` tokens each, submitted at once to an engine with
+// auto depth up to 4 (and EngineOptions' max_rows and prefill_budget); returns the policy it
+// learnt in. Every request must run to its end.
+std::shared_ptr<DepthPolicy> learnt_policy(int max_rows, int64_t prefill_budget, int requests,
+                                           int64_t tokens) {
+  auto& d = demo();
+  auto policy = std::make_shared<DepthPolicy>(DepthPolicyOptions{.max_depth = 4});
+  EngineOptions options;
+  options.max_rows = max_rows;
+  options.prefill_budget = prefill_budget;
+  options.spec.depth = 4;
+  options.spec.auto_depth = true;
+  options.depth_policy = policy;
+  BatchEngine engine(*d.model, d.mtp.get(), "demo-target", options);
+  std::vector<std::shared_ptr<Recorder>> sinks;
+  for (int r = 0; r < requests; ++r) {
+    EngineRequest er;
+    er.gen.prompt =
+        d.tok->encode(test::kDemoPrompts[static_cast<size_t>(r) % test::kDemoPrompts.size()]);
+    er.gen.max_tokens = tokens;
+    er.gen.ignore_eos = true;
+    sinks.push_back(std::make_shared<Recorder>());
+    EXPECT_EQ(engine.submit(er, sinks.back()), BatchEngine::Submit::Queued);
+  }
+  engine.run_to_completion();
+  for (const auto& s : sinks) EXPECT_EQ(static_cast<int64_t>(s->tokens.size()), tokens);
+  return policy;
+}
+
 // A prefill's device work is queued ahead of the next round, whose wait then includes it: the
 // policy learns nothing about a depth's cost from that round. Two requests one after the other
 // (one row at a time): each one's first round after its prompt is untimed, every later one timed.
 TEST(AutoDepth, TheRoundAfterAPrefillTeachesNoCost) {
-  auto& d = demo();
-  auto policy = std::make_shared<DepthPolicy>(DepthPolicyOptions{.max_depth = 4});
-  EngineOptions o;
-  o.spec.depth = 4;
-  o.spec.auto_depth = true;
-  o.max_rows = 1;
-  o.depth_policy = policy;
-  BatchEngine engine(*d.model, d.mtp.get(), "demo-target", o);
-  std::vector<std::shared_ptr<Recorder>> sinks;
-  for (int r = 0; r < 2; ++r) {
-    EngineRequest er;
-    er.gen.prompt = d.tok->encode(test::kDemoPrompts[static_cast<size_t>(r)]);
-    er.gen.max_tokens = 24;
-    er.gen.ignore_eos = true;
-    sinks.push_back(std::make_shared<Recorder>());
-    ASSERT_EQ(engine.submit(er, sinks.back()), BatchEngine::Submit::Queued);
-  }
-  engine.run_to_completion();
-  for (const auto& s : sinks) ASSERT_EQ(s->tokens.size(), 24u);
+  const auto policy = learnt_policy(1, 0, 2, 24);
   EXPECT_EQ(policy->untimed_rounds(), 2);
   EXPECT_GT(policy->timed_rounds(), 2);
 }
@@ -416,27 +427,7 @@ TEST(AutoDepth, TheRoundAfterAPrefillTeachesNoCost) {
 // each decoding while the next prefills: 40 rounds in a row follow a prefill, and the 33rd of
 // them is timed anyway (BatchEngine::kMostUntimedRounds).
 TEST(AutoDepth, PromptsBeforeEveryRoundStillLeaveTimedRounds) {
-  auto& d = demo();
-  auto policy = std::make_shared<DepthPolicy>(DepthPolicyOptions{.max_depth = 4});
-  EngineOptions o;
-  o.spec.depth = 4;
-  o.spec.auto_depth = true;
-  o.prefill_budget = 1;
-  o.depth_policy = policy;
-  BatchEngine engine(*d.model, d.mtp.get(), "demo-target", o);
-  std::vector<std::shared_ptr<Recorder>> sinks;
-  for (int r = 0; r < 40; ++r) {
-    EngineRequest er;
-    er.gen.prompt =
-        d.tok->encode(test::kDemoPrompts[static_cast<size_t>(r) % test::kDemoPrompts.size()]);
-    er.gen.max_tokens = 48;
-    er.gen.ignore_eos = true;
-    sinks.push_back(std::make_shared<Recorder>());
-    ASSERT_EQ(engine.submit(er, sinks.back()), BatchEngine::Submit::Queued);
-  }
-  engine.run_to_completion();
-  for (const auto& s : sinks) ASSERT_EQ(s->tokens.size(), 48u);
-  EXPECT_EQ(policy->untimed_rounds(), 39);
+  EXPECT_EQ(learnt_policy(0, 1, 40, 48)->untimed_rounds(), 39);
 }
 
 TEST(AutoDepth, IsLosslessWithEveryDrafterAndProposesVaryingDepths) {
