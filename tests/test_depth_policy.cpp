@@ -3,13 +3,16 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <fstream>
 #include <random>
+#include <sstream>
 #include <vector>
 
 #include "demo_model.h"
 #include "recording_sink.h"
 #include "tandem/core/error.h"
 #include "tandem/engine/batch_engine.h"
+#include "tandem/engine/round_log.h"
 #include "tandem/spec/depth_policy.h"
 
 namespace tandem {
@@ -388,7 +391,8 @@ std::vector<Recorder> serve(const spec::DraftProvider* drafter, bool automatic, 
 // auto depth up to 4 (and EngineOptions' max_rows and prefill_budget); returns the policy it
 // learnt in. Every request must run to its end.
 std::shared_ptr<DepthPolicy> learnt_policy(int max_rows, int64_t prefill_budget, int requests,
-                                           int64_t tokens) {
+                                           int64_t tokens,
+                                           std::shared_ptr<RoundLog> log = nullptr) {
   auto& d = demo();
   auto policy = std::make_shared<DepthPolicy>(DepthPolicyOptions{.max_depth = 4});
   EngineOptions options;
@@ -397,6 +401,7 @@ std::shared_ptr<DepthPolicy> learnt_policy(int max_rows, int64_t prefill_budget,
   options.spec.depth = 4;
   options.spec.auto_depth = true;
   options.depth_policy = policy;
+  options.round_log = std::move(log);
   BatchEngine engine(*d.model, d.mtp.get(), "demo-target", options);
   std::vector<std::shared_ptr<Recorder>> sinks;
   for (int r = 0; r < requests; ++r) {
@@ -420,6 +425,49 @@ TEST(AutoDepth, TheRoundAfterAPrefillTeachesNoCost) {
   const auto policy = learnt_policy(1, 0, 2, 24);
   EXPECT_EQ(policy->untimed_rounds(), 2);
   EXPECT_GT(policy->timed_rounds(), 2);
+}
+
+// TANDEM_ROUND_LOG's lines (EngineOptions::round_log): one per round the policy saw, in order,
+// each naming the depth before it; the first round after each prompt untimed and not drafted
+// ahead; no phase longer than its round. A file that cannot be written is refused by name.
+TEST(AutoDepth, TheRoundLogHasALinePerRound) {
+  const std::string path = testing::TempDir() + "tandem_round_log.txt";
+  const auto log = std::make_shared<RoundLog>(path);
+  const auto policy = learnt_policy(1, 0, 2, 24, log);
+  std::ifstream in(path);
+  std::string header;
+  ASSERT_TRUE(std::getline(in, header));
+  EXPECT_EQ(header.rfind("rows depth previous_depth drafted_ahead timed us", 0), 0u) << header;
+  int64_t lines = 0, untimed = 0;
+  int previous = -1;
+  for (std::string text; std::getline(in, text); ++lines) {
+    std::istringstream fields(text);
+    int64_t rows = 0, cold = 0;
+    int depth = 0, before = 0, ahead = 0, timed = 0;
+    double us = 0, phase[6] = {};
+    fields >> rows >> depth >> before >> ahead >> timed >> us;
+    for (double& p : phase) fields >> p;
+    fields >> cold;
+    ASSERT_FALSE(fields.fail()) << text;
+    EXPECT_EQ(rows, 1) << text;
+    EXPECT_TRUE(depth >= 0 && depth <= 4) << text;
+    EXPECT_EQ(before, previous) << text;
+    for (int k = 0; k < 5; ++k) EXPECT_LE(phase[k], us + 1.0) << text;
+    if (!timed) {
+      ++untimed;
+      EXPECT_EQ(ahead, 0) << "an untimed round after a prompt was drafted ahead: " << text;
+    }
+    previous = depth;
+  }
+  EXPECT_EQ(lines, policy->timed_rounds() + policy->untimed_rounds());
+  EXPECT_EQ(untimed, 2);
+  try {
+    RoundLog bad("/nonexistent-dir/rounds.txt");
+    FAIL() << "an unwritable round log was opened";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("/nonexistent-dir/rounds.txt"), std::string::npos)
+        << e.what();
+  }
 }
 
 // A server whose prompts keep arriving queues a prefill before every round: the policy must not

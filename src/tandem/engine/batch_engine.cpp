@@ -126,6 +126,7 @@ BatchEngine::BatchEngine(std::unique_ptr<EngineTarget> target, const spec::Draft
     fail("the prefill chunk must be at least 1 token, got ", options_.spec.prefill_chunk);
   depth_ = drafter_ ? options_.spec.depth : 0;
   draft_depth_ = depth_;
+  round_log_ = options_.round_log ? options_.round_log : RoundLog::from_env();
   health_ = spec::DrafterHealth(options_.spec.health);
   if (options_.spec.auto_depth && depth_ > 0) {
     policy_ = options_.depth_policy;
@@ -734,6 +735,12 @@ void BatchEngine::retire_drafter() {
   policy_.reset();
 }
 
+void BatchEngine::log_round(RoundRecord r) {
+  r.previous_depth = previous_depth_;
+  previous_depth_ = r.depth;
+  if (round_log_) round_log_->write(r);
+}
+
 bool BatchEngine::start_round_clock() {
   const bool untimed = next_round_untimed();
   work_between_rounds_ = false;
@@ -933,9 +940,21 @@ void BatchEngine::settled_round(int depth) {
   const double seconds = seconds_since(t0);
   // In steady state each call queues one round and reads one: its time is a round's (the
   // acceptance is the read round's).
+  const double round_time = timed(seconds, cold0, other_work);
   if (policy_ && reads && decode_drafts_)
-    policy_->record(static_cast<int64_t>(R), depth, timed(seconds, cold0, other_work), drafted_pos_,
-                    accepted_pos_);
+    policy_->record(static_cast<int64_t>(R), depth, round_time, drafted_pos_, accepted_pos_);
+  RoundRecord line;
+  line.rows = static_cast<int64_t>(R);
+  line.depth = depth;
+  line.timed = policy_ && reads && round_time > 0.0;
+  line.seconds = seconds;
+  line.draft = between(t0, t_draft);
+  line.verify = between(t_draft, t_verify);
+  line.accept = seconds_since(t_settle);
+  line.commit = between(t_verify, t_settle);
+  line.wait = ops::device_wait_seconds() - wait0;
+  line.cold_graph_runs = GraphCache::cold_runs() - cold0;
+  log_round(line);
   std::lock_guard lock(mu_);
   ++counters_.settled_rounds;
   counters_.decode_seconds += seconds;
@@ -1081,10 +1100,20 @@ void BatchEngine::round() {
       const auto t = std::chrono::steady_clock::now();
       const int64_t cold = GraphCache::cold_runs();
       const bool other_work = start_round_clock();
+      const double wait0 = ops::device_wait_seconds();
       pipelined_round();
       const double steps = starts && chained_ && ops::backend() == ops::Backend::Cpu ? 2.0 : 1.0;
-      policy_->record(static_cast<int64_t>(R), 0, timed(seconds_since(t) / steps, cold, other_work),
-                      {}, {});
+      const double seconds = seconds_since(t);
+      const double round_time = timed(seconds / steps, cold, other_work);
+      policy_->record(static_cast<int64_t>(R), 0, round_time, {}, {});
+      RoundRecord line;
+      line.rows = static_cast<int64_t>(R);
+      line.depth = 0;
+      line.timed = round_time > 0.0;
+      line.seconds = seconds;
+      line.wait = ops::device_wait_seconds() - wait0;
+      line.cold_graph_runs = GraphCache::cold_runs() - cold;
+      log_round(line);
       return;
     }
     drain_timed();
@@ -1279,16 +1308,30 @@ void BatchEngine::round() {
   queue_draft_ahead();
   const auto t_ahead = std::chrono::steady_clock::now();
   const double seconds = seconds_since(t0);
+  const double round_time = timed(seconds, cold0, other_work);
   if (policy_)
-    policy_->record(static_cast<int64_t>(R), round_depth, timed(seconds, cold0, other_work),
-                    drafted_pos_, accepted_pos_);
+    policy_->record(static_cast<int64_t>(R), round_depth, round_time, drafted_pos_, accepted_pos_);
+  auto between = [](auto a, auto b) { return std::chrono::duration<double>(b - a).count(); };
+  RoundRecord line;
+  line.rows = static_cast<int64_t>(R);
+  line.depth = round_depth;
+  line.drafted_ahead = ahead;
+  line.timed = policy_ && round_time > 0.0;
+  line.seconds = seconds;
+  line.draft = between(t0, t_draft);
+  line.verify = between(t_draft, t_verify);
+  line.accept = between(t_verify, t_accept);
+  line.commit = between(t_accept, t_commit);
+  line.next_draft = between(t_commit, t_ahead);
+  line.wait = ops::device_wait_seconds() - wait0;
+  line.cold_graph_runs = GraphCache::cold_runs() - cold0;
+  log_round(line);
   std::lock_guard lock(mu_);
   if (queued) ++counters_.queued_draft_rounds;
   if (ahead) ++counters_.drafted_ahead_rounds;
   if (device_commit) ++counters_.device_commit_rounds;
   counters_.decode_seconds += seconds;
   counters_.decode_wait_seconds += ops::device_wait_seconds() - wait0;
-  auto between = [](auto a, auto b) { return std::chrono::duration<double>(b - a).count(); };
   counters_.draft_seconds += between(t0, t_draft) + between(t_commit, t_ahead);
   counters_.verify_seconds += between(t_draft, t_verify);
   counters_.accept_seconds += between(t_verify, t_accept);

@@ -32,6 +32,7 @@
 #include "tandem/engine/engine_target.h"
 #include "tandem/engine/prefix_cache.h"
 #include "tandem/engine/request_sink.h"
+#include "tandem/engine/round_log.h"
 #include "tandem/engine/speculative.h"
 #include "tandem/model/qwen3_5.h"
 #include "tandem/spec/draft.h"
@@ -74,6 +75,8 @@ struct EngineOptions {
   // (round costs, acceptance) carries over instead of being relearnt within each short run. Its
   // max depth must be SpecOptions::depth. Null: the engine learns in its own.
   std::shared_ptr<spec::DepthPolicy> depth_policy;
+  // A line per decode round (round_log.h). Null: the process's TANDEM_ROUND_LOG, if set.
+  std::shared_ptr<RoundLog> round_log;
   bool prefix_cache_persist = false;
   SpecOptions spec;
   // Where the engine's warnings go (a collapsed drafter); null: standard error.
@@ -265,6 +268,9 @@ class BatchEngine {
   // keep arriving queues a prefill before most rounds: after kMostUntimedRounds such rounds in a
   // row one is timed anyway, so the policy keeps learning (a cost with some prefill in it beats
   // none). untimed_rounds_: how many ran in a row.
+  std::shared_ptr<RoundLog> round_log_;  // null: no log
+  int previous_depth_ = -1;              // the depth of the last round logged
+  void log_round(RoundRecord r);
   static constexpr int kMostUntimedRounds = 32;
   bool work_between_rounds_ = false;
   int untimed_rounds_ = 0;
