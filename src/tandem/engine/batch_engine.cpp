@@ -941,12 +941,13 @@ void BatchEngine::settled_round(int depth) {
   // In steady state each call queues one round and reads one: its time is a round's (the
   // acceptance is the read round's).
   const double round_time = timed(seconds, cold0, other_work);
-  if (policy_ && reads && decode_drafts_)
+  const bool learns = policy_ && reads && decode_drafts_;
+  if (learns)
     policy_->record(static_cast<int64_t>(R), depth, round_time, drafted_pos_, accepted_pos_);
   RoundRecord line;
   line.rows = static_cast<int64_t>(R);
   line.depth = depth;
-  line.timed = policy_ && reads && round_time > 0.0;
+  line.timed = learns && round_time > 0.0;
   line.seconds = seconds;
   line.draft = between(t0, t_draft);
   line.verify = between(t_draft, t_verify);
@@ -957,12 +958,12 @@ void BatchEngine::settled_round(int depth) {
   log_round(line);
   std::lock_guard lock(mu_);
   ++counters_.settled_rounds;
-  counters_.decode_seconds += seconds;
-  counters_.decode_wait_seconds += ops::device_wait_seconds() - wait0;
-  counters_.draft_seconds += between(t0, t_draft);
-  counters_.verify_seconds += between(t_draft, t_verify);
-  counters_.commit_seconds += between(t_verify, t_settle);
-  counters_.accept_seconds += seconds_since(t_settle);
+  counters_.decode_seconds += line.seconds;
+  counters_.decode_wait_seconds += line.wait;
+  counters_.draft_seconds += line.draft;
+  counters_.verify_seconds += line.verify;
+  counters_.commit_seconds += line.commit;
+  counters_.accept_seconds += line.accept;
 }
 
 void BatchEngine::read_settled() {
@@ -1330,12 +1331,12 @@ void BatchEngine::round() {
   if (queued) ++counters_.queued_draft_rounds;
   if (ahead) ++counters_.drafted_ahead_rounds;
   if (device_commit) ++counters_.device_commit_rounds;
-  counters_.decode_seconds += seconds;
-  counters_.decode_wait_seconds += ops::device_wait_seconds() - wait0;
-  counters_.draft_seconds += between(t0, t_draft) + between(t_commit, t_ahead);
-  counters_.verify_seconds += between(t_draft, t_verify);
-  counters_.accept_seconds += between(t_verify, t_accept);
-  counters_.commit_seconds += between(t_accept, t_commit);
+  counters_.decode_seconds += line.seconds;
+  counters_.decode_wait_seconds += line.wait;
+  counters_.draft_seconds += line.draft + line.next_draft;
+  counters_.verify_seconds += line.verify;
+  counters_.accept_seconds += line.accept;
+  counters_.commit_seconds += line.commit;
   add_round_counters(round_depth);
 }
 
