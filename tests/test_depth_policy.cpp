@@ -13,6 +13,7 @@
 #include "tandem/core/error.h"
 #include "tandem/engine/batch_engine.h"
 #include "tandem/engine/round_log.h"
+#include "tandem/engine/warmup.h"
 #include "tandem/spec/depth_policy.h"
 
 namespace tandem {
@@ -341,6 +342,36 @@ TEST(DepthPolicy, RowBucketsKeepTheirOwnCosts) {
   EXPECT_FALSE(policy.cost(1000, 0).has_value());  // a bucket never run
 }
 
+// A start-up warm-up walks each row count through every depth, two rounds apiece, and learns the
+// round costs alone: the acceptance keeps its prior, and afterwards the policy chooses as usual
+// from the measured costs.
+TEST(DepthPolicy, WarmupWalksEveryDepthAndLearnsCostsOnly) {
+  DepthPolicy p(DepthPolicyOptions{3});
+  const double prior = p.acceptance(0);
+  p.set_warmup(true);
+  const Sim sim{0.9, {1.0, 1.1, 1.2, 1.3}, 1};
+  for (const int64_t rows : {1, 2}) {
+    std::vector<int> depths;
+    for (int i = 0; i < 8; ++i) {
+      const int k = p.choose(rows);
+      depths.push_back(k);
+      const std::vector<int64_t> drafted(static_cast<size_t>(k), rows), accepted = drafted;
+      p.record(rows, k, sim.cost[static_cast<size_t>(k)], drafted, accepted);
+    }
+    EXPECT_EQ(depths, (std::vector<int>{0, 0, 1, 1, 2, 2, 3, 3})) << rows << " rows";
+  }
+  for (int k = 0; k <= 3; ++k) {
+    EXPECT_TRUE(p.measured(1, k)) << k;
+    EXPECT_TRUE(p.measured(2, k)) << k;
+    EXPECT_NEAR(*p.cost(1, k), sim.cost[static_cast<size_t>(k)], 1e-12) << k;
+  }
+  EXPECT_FALSE(p.measured(4, 0));
+  EXPECT_EQ(p.acceptance(0), prior);  // every proposal accepted, none of it learnt
+  p.set_warmup(false);
+  EXPECT_FALSE(p.warming_up());
+  EXPECT_EQ(p.choose(1), p.best(1));
+}
+
 TEST(DepthPolicy, BadOptionsAndRecordsAreRefused) {
   EXPECT_THROW(DepthPolicy(DepthPolicyOptions{0}), Error);
   EXPECT_THROW(DepthPolicy(DepthPolicyOptions{4, 0.0}), Error);
@@ -476,6 +507,60 @@ TEST(AutoDepth, TheRoundLogHasALinePerRound) {
 // them is timed anyway (BatchEngine::kMostUntimedRounds).
 TEST(AutoDepth, PromptsBeforeEveryRoundStillLeaveTimedRounds) {
   EXPECT_EQ(learnt_policy(0, 1, 40, 48)->untimed_rounds(), 39);
+}
+
+// tandem serve's start-up warm-up (engine/warmup.h) on an engine with auto depth: every depth of
+// every row count it ran is measured, the acceptance estimate and the drafter health probe learnt
+// nothing from its synthetic prompts, and the requests after it are plain decoding's tokens.
+TEST(AutoDepth, TheWarmupMeasuresEveryDepthAndChangesNoOutput) {
+  auto& d = demo();
+  EngineOptions o;
+  o.spec.depth = 4;
+  o.spec.auto_depth = true;
+  o.max_rows = 2;
+  BatchEngine engine(*d.model, d.mtp.get(), "demo-target", o);
+  WarmupOptions wo;
+  wo.max_rows = 2;
+  wo.vocab_size = static_cast<int32_t>(d.model->config().vocab_size);
+  std::vector<int> reported;
+  wo.on_rows = [&](int rows, double) { reported.push_back(rows); };
+  const WarmupReport w = warm_up(engine, wo);
+  EXPECT_EQ(reported, (std::vector<int>{1, 2}));
+  EXPECT_EQ(w.requests, 6);  // 1 + 2 rows, greedy and sampled
+  EXPECT_EQ(w.generated_tokens, 6 * (5 * 6 + 1));
+  EXPECT_GT(w.rounds, 0);
+  const DepthPolicy* policy = engine.depth_policy();
+  ASSERT_NE(policy, nullptr);
+  EXPECT_FALSE(policy->warming_up());
+  for (int k = 0; k <= 4; ++k) {
+    EXPECT_TRUE(policy->measured(1, k)) << "depth " << k;
+    EXPECT_TRUE(policy->measured(2, k)) << "depth " << k;
+  }
+  EXPECT_EQ(policy->acceptance(0), DepthPolicy(DepthPolicyOptions{4}).acceptance(0));
+  EXPECT_EQ(engine.counters().drafter_disabled, 0);
+  EXPECT_EQ(engine.counters().drafter_first_acceptance, 0.0);
+
+  const auto plain = serve(nullptr, false, 2, 0.0f);
+  std::vector<std::shared_ptr<Recorder>> sinks;
+  for (int r = 0; r < 2; ++r) {
+    EngineRequest er;
+    er.gen.prompt = d.tok->encode(test::kDemoPrompts[static_cast<size_t>(r)]);
+    er.gen.max_tokens = 96;
+    er.gen.ignore_eos = true;
+    er.gen.sampling.seed = 21 + static_cast<uint64_t>(r);
+    sinks.push_back(std::make_shared<Recorder>());
+    ASSERT_EQ(engine.submit(er, sinks.back()), BatchEngine::Submit::Queued);
+  }
+  engine.run_to_completion();
+  for (int r = 0; r < 2; ++r)
+    EXPECT_EQ(sinks[static_cast<size_t>(r)]->tokens, plain[static_cast<size_t>(r)].tokens) << r;
+
+  WarmupOptions bad = wo;
+  bad.max_rows = 0;
+  EXPECT_THROW(warm_up(engine, bad), Error);
+  bad = wo;
+  bad.vocab_size = 0;
+  EXPECT_THROW(warm_up(engine, bad), Error);
 }
 
 TEST(AutoDepth, IsLosslessWithEveryDrafterAndProposesVaryingDepths) {

@@ -1,6 +1,7 @@
 // tandem serve: the OpenAI-compatible server over the continuously batched speculative engine.
 #include <pthread.h>
 
+#include <algorithm>
 #include <csignal>
 #include <cstdio>
 #include <filesystem>
@@ -11,6 +12,7 @@
 #include "tandem/cli/common.h"
 #include "tandem/core/error.h"
 #include "tandem/engine/batch_engine.h"
+#include "tandem/engine/warmup.h"
 #include "tandem/io/artifact_identity.h"
 #include "tandem/io/chat_template.h"
 #include "tandem/server/http_server.h"
@@ -39,7 +41,13 @@ struct ServeArgs {
   int threads = 0;
   std::string backend = "auto";
   std::string kv_dtype = "bf16";
+  int warmup_rows = -1;  // < 0: min(max_batch, kDefaultWarmupRows) on CUDA, none on the CPU
 };
+
+// Row counts a CUDA server warms up by default: past 32 rows a round is long enough that a cold
+// graph's host time is a small share of it, and each row count adds a fraction of a second to
+// the start-up.
+constexpr int kDefaultWarmupRows = 32;
 
 // The KV pool in blocks: the budget less every row slot's recurrent state, in whole blocks, and
 // never more than max_batch rows at the full context could use.
@@ -77,6 +85,7 @@ void run_serve(const ServeArgs& a) {
   if (a.prefill_slice_ratio < 0)
     fail("--prefill-slice-ratio must not be negative, got ", a.prefill_slice_ratio);
   if (a.default_max_tokens < 1) fail("--default-max-tokens must be at least 1");
+  if (a.warmup_rows < -1) fail("--warmup-rows must not be negative, got ", a.warmup_rows);
   const SpecOptions spec = spec_options(a.d);
   const DType kv_dtype = parse_kv_dtype(a.kv_dtype);
   apply_threads(a.threads);
@@ -127,6 +136,29 @@ void run_serve(const ServeArgs& a) {
     fail("--prefix-cache-persist needs --prefix-cache-dir");
   }
   BatchEngine engine(target.engine_target(kv_dtype)(), drafter.get(), eo);
+  const int warmup_rows = a.warmup_rows >= 0 ? std::min(a.warmup_rows, a.max_batch)
+                          : ops::backend() == ops::Backend::Cuda
+                              ? std::min(a.max_batch, kDefaultWarmupRows)
+                              : 0;
+  if (warmup_rows > 0) {
+    std::fprintf(stderr, "tandem serve: warming up at 1..%d rows\n", warmup_rows);
+    WarmupOptions wo;
+    wo.max_rows = warmup_rows;
+    wo.vocab_size = static_cast<int32_t>(target.view->vocab_size());
+    double last = 0;
+    wo.on_rows = [&](int rows, double seconds) {
+      if (seconds - last < 5.0 || rows == warmup_rows) return;
+      last = seconds;
+      std::fprintf(stderr, "tandem serve: warm-up at %d of %d rows, %.1f s\n", rows, warmup_rows,
+                   seconds);
+    };
+    const WarmupReport w = warm_up(engine, wo);
+    std::fprintf(stderr,
+                 "tandem serve: warm-up done in %.2f s (%lld requests, %lld rounds, %lld CUDA "
+                 "graphs run cold)\n",
+                 w.seconds, static_cast<long long>(w.requests), static_cast<long long>(w.rounds),
+                 static_cast<long long>(w.cold_graph_runs));
+  }
 
   server::ServerOptions so;
   so.host = a.host;
@@ -196,6 +228,11 @@ void add_serve_command(CLI::App& app) {
   sub->add_option("--prefix-cache-dir", a->prefix_cache_dir,
                   "Folder for the prefix cache's disk tier: entries evicted from memory are "
                   "written there (one file each) and read back by this or a restarted server");
+  sub->add_option("--warmup-rows", a->warmup_rows,
+                  "Before listening, run synthetic requests at 1..N rows (greedy and sampled) so "
+                  "that every round shape's CUDA graphs are captured and --depth auto starts from "
+                  "measured round costs (default: min(--max-batch, 32) on CUDA, 0 on the CPU; 0 = "
+                  "none)");
   sub->add_flag("--prefix-cache-persist", a->prefix_cache_persist,
                 "On shutdown, write every cached prefix to --prefix-cache-dir");
   sub->add_option("--max-queue", a->max_queue,

@@ -1045,8 +1045,13 @@ void BatchEngine::add_round_counters(int depth) {
   }
 }
 
+void BatchEngine::set_warmup(bool on) {
+  warmup_ = on;
+  if (policy_) policy_->set_warmup(on);
+}
+
 bool BatchEngine::probe_collapsed() {
-  if (!options_.spec.health_probe || draft_depth_ == 0 || drafted_pos_.empty() ||
+  if (!options_.spec.health_probe || warmup_ || draft_depth_ == 0 || drafted_pos_.empty() ||
       !health_.record(drafted_pos_[0], accepted_pos_[0]))
     return false;
   draft_depth_ = 0;

@@ -180,6 +180,12 @@ class BatchEngine {
   int64_t capacity_tokens() const;  // the fixed pool's tokens; 0 when it grows on demand
   int depth() const { return depth_; }
   const spec::DraftProvider* drafter() const { return drafter_; }
+  // Start-up warm-up (engine/warmup.h), on the engine's thread between steps: while on, the depth
+  // policy walks every depth and learns round costs only, and the drafter health probe ignores
+  // the rounds (warm-up prompts are not the traffic the drafter is judged on).
+  void set_warmup(bool on);
+  // The depth policy rounds consult (SpecOptions::auto_depth with a drafter), else null.
+  const spec::DepthPolicy* depth_policy() const { return policy_.get(); }
 
  private:
   struct Row;
@@ -194,6 +200,7 @@ class BatchEngine {
   int depth_ = 0;        // configured proposals per round (reservations, stats)
   int draft_depth_ = 0;  // proposals rounds ask for: depth_, or 0 once the drafter collapsed
   spec::DrafterHealth health_;
+  bool warmup_ = false;  // set_warmup
   // With SpecOptions::auto_depth and a drafter: EngineOptions::depth_policy, or the engine's own.
   std::shared_ptr<spec::DepthPolicy> policy_;
   // What the drafter reads of the target's forwards (spec::HiddenTaps), and where the last

@@ -142,8 +142,22 @@ DepthPolicy::Bucket& DepthPolicy::bucket(int64_t rows) {
   return b;
 }
 
+bool DepthPolicy::measured(int64_t rows, int depth) const {
+  TANDEM_CHECK(depth >= 0 && depth <= options_.max_depth, "depth ", depth);
+  const auto it = buckets_.find(bucket_of(rows));
+  return it != buckets_.end() && it->second.cost[static_cast<size_t>(depth)].has_value();
+}
+
 int DepthPolicy::choose(int64_t rows, bool timed) {
   TANDEM_CHECK(rows >= 1, "depth policy: a round of ", rows, " rows");
+  if (warmup_) {
+    // Depths 0, 0, 1, 1, ... per exact row count (each row count runs CUDA graphs of its own);
+    // the exploration schedule and the most rows seen are left as they were (the warm-up's row
+    // counts are not the traffic's).
+    bucket(rows);
+    const int64_t n = warmup_rounds_[rows]++;
+    return static_cast<int>((n / 2) % (options_.max_depth + 1));
+  }
   const int k = best(rows);
   Bucket& b = bucket(rows);
   b.in_use = k;
@@ -194,6 +208,7 @@ void DepthPolicy::record(int64_t rows, int depth, double seconds, std::span<cons
     std::optional<double>& c = b.cost[static_cast<size_t>(depth)];
     c = c ? (1.0 - options_.cost_smoothing) * *c + options_.cost_smoothing * seconds : seconds;
   }
+  if (warmup_) return;
   const double window = static_cast<double>(options_.acceptance_window);
   for (size_t j = 0; j < drafted.size() && j < positions_.size(); ++j) {
     if (drafted[j] <= 0) continue;

@@ -71,6 +71,16 @@ class DepthPolicy {
   // Rounds recorded with a time, and without one (not typical of their depth).
   int64_t timed_rounds() const { return timed_rounds_; }
   int64_t untimed_rounds() const { return untimed_rounds_; }
+  // Whether a round of (rows, depth) has been timed: cost() is then a measurement, not an
+  // estimate from the bucket's other depths.
+  bool measured(int64_t rows, int depth) const;
+
+  // Start-up warm-up (engine/warmup.h): while on, choose() walks each row count through every
+  // depth, two rounds apiece (a shape's first round runs its CUDA graphs cold and goes untimed,
+  // the second measures it), and record() learns round costs only: warm-up prompts say nothing
+  // of the acceptance real traffic will see, so the estimates keep their priors.
+  void set_warmup(bool on) { warmup_ = on; }
+  bool warming_up() const { return warmup_; }
 
  private:
   DepthPolicyOptions options_;
@@ -91,6 +101,8 @@ class DepthPolicy {
   };
   std::map<int, Bucket> buckets_;
   int64_t timed_rounds_ = 0, untimed_rounds_ = 0;
+  bool warmup_ = false;
+  std::map<int64_t, int64_t> warmup_rounds_;  // rows -> warm-up rounds chosen for that many
   static int bucket_of(int64_t rows);
   Bucket& bucket(int64_t rows);  // the bucket of `rows`, made on first use
   std::optional<double> estimate(const Bucket& b, int depth) const;
