@@ -152,12 +152,18 @@ void run_serve(const ServeArgs& a) {
       std::fprintf(stderr, "tandem serve: warm-up at %d of %d rows, %.1f s\n", rows, warmup_rows,
                    seconds);
     };
-    const WarmupReport w = warm_up(engine, wo);
-    std::fprintf(stderr,
-                 "tandem serve: warm-up done in %.2f s (%lld requests, %lld rounds, %lld CUDA "
-                 "graphs run cold)\n",
-                 w.seconds, static_cast<long long>(w.requests), static_cast<long long>(w.rounds),
-                 static_cast<long long>(w.cold_graph_runs));
+    // A failed warm-up costs the first clients some speed, not the server: it still serves.
+    try {
+      const WarmupReport w = warm_up(engine, wo);
+      std::fprintf(stderr,
+                   "tandem serve: warm-up done in %.2f s (%lld requests, %lld rounds, %lld CUDA "
+                   "graphs run cold)\n",
+                   w.seconds, static_cast<long long>(w.requests), static_cast<long long>(w.rounds),
+                   static_cast<long long>(w.cold_graph_runs));
+    } catch (const Error& e) {
+      std::fprintf(stderr, "tandem serve: warning: the warm-up failed (%s); serving without it\n",
+                   e.what());
+    }
   }
 
   server::ServerOptions so;

@@ -67,9 +67,14 @@ WarmupReport warm_up(BatchEngine& engine, const WarmupOptions& options) {
           req.gen.sampling.seed = static_cast<uint64_t>(r + 1);
         }
         auto sink = std::make_shared<WarmupSink>();
-        // A queue shorter than the batch: admit what waits, then try again.
-        while (engine.submit(req, sink) == BatchEngine::Submit::QueueFull)
-          if (!engine.step()) fail("warm-up: the engine's queue refuses requests while idle");
+        try {
+          // A queue shorter than the batch: admit what waits, then try again.
+          while (engine.submit(req, sink) == BatchEngine::Submit::QueueFull)
+            if (!engine.step()) fail("warm-up: the engine's queue refuses requests while idle");
+        } catch (...) {
+          engine.run_to_completion();  // no warm-up request outlives the warm-up
+          throw;
+        }
         sinks.push_back(std::move(sink));
       }
       engine.run_to_completion();
