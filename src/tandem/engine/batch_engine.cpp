@@ -24,6 +24,22 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
+double between(std::chrono::steady_clock::time_point a, std::chrono::steady_clock::time_point b) {
+  return std::chrono::duration<double>(b - a).count();
+}
+
+// A round's log line as far as every kind of round has it: its rows and depth, its host time, and
+// the device wait and cold graph runs since `wait0` and `cold0` were read at its start.
+RoundRecord round_record(size_t rows, int depth, double seconds, double wait0, int64_t cold0) {
+  RoundRecord r;
+  r.rows = static_cast<int64_t>(rows);
+  r.depth = depth;
+  r.seconds = seconds;
+  r.wait = ops::device_wait_seconds() - wait0;
+  r.cold_graph_runs = GraphCache::cold_runs() - cold0;
+  return r;
+}
+
 // A round's time for the depth policy, or 0 (not timed: only its acceptance counts) where the
 // round ran a CUDA graph cold since `cold_runs` (GraphCache::cold_runs), or waited for device work
 // queued before it (`other_work`: a prompt's prefill): the first rounds of each shape cost several
@@ -936,7 +952,6 @@ void BatchEngine::settled_round(int depth) {
   // 4. The round before this one, whose work the device has done or is finishing.
   const bool reads = settled_.size() > 1;
   if (reads) read_settled();
-  auto between = [](auto a, auto b) { return std::chrono::duration<double>(b - a).count(); };
   const double seconds = seconds_since(t0);
   // In steady state each call queues one round and reads one: its time is a round's (the
   // acceptance is the read round's).
@@ -944,17 +959,12 @@ void BatchEngine::settled_round(int depth) {
   const bool learns = policy_ && reads && decode_drafts_;
   if (learns)
     policy_->record(static_cast<int64_t>(R), depth, round_time, drafted_pos_, accepted_pos_);
-  RoundRecord line;
-  line.rows = static_cast<int64_t>(R);
-  line.depth = depth;
+  RoundRecord line = round_record(R, depth, seconds, wait0, cold0);
   line.timed = learns && round_time > 0.0;
-  line.seconds = seconds;
   line.draft = between(t0, t_draft);
   line.verify = between(t_draft, t_verify);
   line.accept = seconds_since(t_settle);
   line.commit = between(t_verify, t_settle);
-  line.wait = ops::device_wait_seconds() - wait0;
-  line.cold_graph_runs = GraphCache::cold_runs() - cold0;
   log_round(line);
   std::lock_guard lock(mu_);
   ++counters_.settled_rounds;
@@ -1112,13 +1122,8 @@ void BatchEngine::round() {
       const double seconds = seconds_since(t);
       const double round_time = timed(seconds / steps, cold, other_work);
       policy_->record(static_cast<int64_t>(R), 0, round_time, {}, {});
-      RoundRecord line;
-      line.rows = static_cast<int64_t>(R);
-      line.depth = 0;
+      RoundRecord line = round_record(R, 0, seconds, wait0, cold);
       line.timed = round_time > 0.0;
-      line.seconds = seconds;
-      line.wait = ops::device_wait_seconds() - wait0;
-      line.cold_graph_runs = GraphCache::cold_runs() - cold;
       log_round(line);
       return;
     }
@@ -1317,20 +1322,14 @@ void BatchEngine::round() {
   const double round_time = timed(seconds, cold0, other_work);
   if (policy_)
     policy_->record(static_cast<int64_t>(R), round_depth, round_time, drafted_pos_, accepted_pos_);
-  auto between = [](auto a, auto b) { return std::chrono::duration<double>(b - a).count(); };
-  RoundRecord line;
-  line.rows = static_cast<int64_t>(R);
-  line.depth = round_depth;
+  RoundRecord line = round_record(R, round_depth, seconds, wait0, cold0);
   line.drafted_ahead = ahead;
   line.timed = policy_ && round_time > 0.0;
-  line.seconds = seconds;
   line.draft = between(t0, t_draft);
   line.verify = between(t_draft, t_verify);
   line.accept = between(t_verify, t_accept);
   line.commit = between(t_accept, t_commit);
   line.next_draft = between(t_commit, t_ahead);
-  line.wait = ops::device_wait_seconds() - wait0;
-  line.cold_graph_runs = GraphCache::cold_runs() - cold0;
   log_round(line);
   std::lock_guard lock(mu_);
   if (queued) ++counters_.queued_draft_rounds;

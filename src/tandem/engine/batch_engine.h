@@ -269,15 +269,15 @@ class BatchEngine {
   // queued nothing (depth 0): that round takes it instead of choosing twice. -1: none.
   int chosen_depth_ = -1;
   size_t chosen_rows_ = 0;
+  std::shared_ptr<RoundLog> round_log_;  // null: no log
+  int previous_depth_ = -1;              // the depth of the last round logged
+  void log_round(RoundRecord r);         // fills in previous_depth
   // Device work queued outside the rounds since the last round began (a prefill forward or a
   // slice of one, drafter rows moved in): the next round's wait includes it, so its time says
   // nothing about its depth, and the depth policy does not learn from it. A server whose prompts
   // keep arriving queues a prefill before most rounds: after kMostUntimedRounds such rounds in a
   // row one is timed anyway, so the policy keeps learning (a cost with some prefill in it beats
   // none). untimed_rounds_: how many ran in a row.
-  std::shared_ptr<RoundLog> round_log_;  // null: no log
-  int previous_depth_ = -1;              // the depth of the last round logged
-  void log_round(RoundRecord r);
   static constexpr int kMostUntimedRounds = 32;
   bool work_between_rounds_ = false;
   int untimed_rounds_ = 0;

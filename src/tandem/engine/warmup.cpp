@@ -43,6 +43,9 @@ WarmupReport warm_up(BatchEngine& engine, const WarmupOptions& options) {
   if (options.prompt_tokens < 1) fail("warm-up: prompts of at least one token");
   if (options.vocab_size < 1) fail("warm-up: a vocabulary of ", options.vocab_size, " ids");
   const auto t0 = std::chrono::steady_clock::now();
+  auto elapsed = [&] {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  };
   const EngineCounters before = engine.counters();
   const WarmupMode mode(engine);
   // Enough tokens for a row to run every depth twice even when each proposal is accepted (a
@@ -85,14 +88,12 @@ WarmupReport warm_up(BatchEngine& engine, const WarmupOptions& options) {
       }
       report.requests += rows;
     }
-    if (options.on_rows)
-      options.on_rows(rows,
-                      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    if (options.on_rows) options.on_rows(rows, elapsed());
   }
   const EngineCounters after = engine.counters();
   report.rounds = after.rounds - before.rounds;
   report.cold_graph_runs = after.cold_graph_runs - before.cold_graph_runs;
-  report.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  report.seconds = elapsed();
   return report;
 }
 

@@ -154,7 +154,6 @@ int DepthPolicy::choose(int64_t rows, bool timed) {
     // Depths 0, 0, 1, 1, ... per exact row count (each row count runs CUDA graphs of its own);
     // the exploration schedule and the most rows seen are left as they were (the warm-up's row
     // counts are not the traffic's).
-    bucket(rows);
     const int64_t n = warmup_rounds_[rows]++;
     return static_cast<int>((n / 2) % (options_.max_depth + 1));
   }
