@@ -529,6 +529,8 @@ TEST(AutoDepth, TheWarmupMeasuresEveryDepthAndChangesNoOutput) {
   EXPECT_EQ(w.requests, 6);  // 1 + 2 rows, greedy and sampled
   EXPECT_EQ(w.generated_tokens, 6 * (5 * 6 + 1));
   EXPECT_GT(w.rounds, 0);
+  EXPECT_EQ(w.cold_graph_runs, 0);  // the CPU captures no graphs, so it evicts none either
+  EXPECT_EQ(w.graph_evictions, 0);
   const DepthPolicy* policy = engine.depth_policy();
   ASSERT_NE(policy, nullptr);
   EXPECT_FALSE(policy->warming_up());

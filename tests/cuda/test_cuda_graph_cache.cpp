@@ -43,8 +43,10 @@ TEST_F(CudaGraphCache, EveryKeyRunsItsOwnWorkAndTheLeastRecentGoesFirst) {
   for (uint64_t k = 0; cache.size() < GraphCache::kMaxGraphs; ++k)
     cache.run(GraphKey().add(uint64_t{1000} + k), [] {});
   EXPECT_EQ(cache.evictions(), 0);
+  const int64_t evicted = GraphCache::evicted_graphs();  // by any cache on this thread
   cache.run(GraphKey().add(uint64_t{5000}), [] {});
   EXPECT_EQ(cache.evictions(), 1);
+  EXPECT_EQ(GraphCache::evicted_graphs(), evicted + 1);
   EXPECT_EQ(cache.size(), GraphCache::kMaxGraphs);
   const int64_t captured = cache.captures();
   cache.run(a, [&] { add_to(x.get(), one.get()); });  // still captured: a replay

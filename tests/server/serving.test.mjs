@@ -67,6 +67,7 @@ test('exactness under load: 36 staggered concurrent clients equal tandem generat
     assert.equal(m['tandem_kv_blocks_used'], m['tandem_prefix_cache_kv_blocks'], 'only the prefix cache holds blocks');
     assert.equal(m['tandem_running_rows{phase="decode"}'], 0);
     assert.equal(m['tandem_cold_graph_runs_total'], 0, 'the CPU runs no CUDA graphs');
+    assert.equal(m['tandem_graph_evictions_total'], 0, 'nor evicts any');
     const generated = results.reduce((a, r) => a + r.ids.length, 0);
     assert.equal(m['tandem_generation_tokens_total'], generated);
     assert.equal(m['tandem_time_to_first_token_seconds_count'], 36);

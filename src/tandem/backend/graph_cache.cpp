@@ -23,6 +23,7 @@ size_t GraphKey::hash() const {
 
 namespace {
 thread_local int64_t t_cold_runs = 0;
+thread_local int64_t t_evicted = 0;
 
 #ifdef TANDEM_HAVE_CUDA
 // TANDEM_GRAPH_COLD_OUT=FILE: one line per cold run, "cache seen words...", to find which key
@@ -40,6 +41,10 @@ std::FILE* cold_log() {
 
 int64_t GraphCache::cold_runs() {
   return t_cold_runs;
+}
+
+int64_t GraphCache::evicted_graphs() {
+  return t_evicted;
 }
 
 GraphCache::~GraphCache() {
@@ -64,6 +69,7 @@ void GraphCache::evict_least_recent() {
 #endif
   graphs_.erase(victim);
   ++evictions_;
+  ++t_evicted;
 }
 
 void GraphCache::run(const GraphKey& key, const std::function<void()>& body) {

@@ -54,6 +54,9 @@ class GraphCache {
   // so a timing that spans one (a round the depth policy learns its cost from) is not typical.
   static int64_t cold_runs();
   int64_t evictions() const { return evictions_; }  // graphs dropped to make room
+  // Graphs dropped to make room by any cache on the calling thread: shapes that are run cold
+  // again when they recur (a server's step shapes outnumbering kMaxGraphs churn the table).
+  static int64_t evicted_graphs();
 
   // Distinct forwards kept at once (batch sizes × window shapes × position-bound steps); past it
   // the least recently run graph is dropped, never the whole table, so a server whose ragged

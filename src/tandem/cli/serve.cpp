@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <memory>
 
+#include "tandem/backend/graph_cache.h"
 #include "tandem/backend/memory_info.h"
 #include "tandem/cli/commands.h"
 #include "tandem/cli/common.h"
@@ -160,6 +161,12 @@ void run_serve(const ServeArgs& a) {
                    "graphs run cold)\n",
                    w.seconds, static_cast<long long>(w.requests), static_cast<long long>(w.rounds),
                    static_cast<long long>(w.cold_graph_runs));
+      if (w.graph_evictions > 0)
+        std::fprintf(stderr,
+                     "tandem serve: note: the warm-up's step shapes outnumber the CUDA graph "
+                     "cache (%zu graphs a model): %lld were dropped and are captured again when "
+                     "a client needs them; a smaller --warmup-rows keeps every one it captures\n",
+                     GraphCache::kMaxGraphs, static_cast<long long>(w.graph_evictions));
     } catch (const Error& e) {
       std::fprintf(stderr, "tandem serve: warning: the warm-up failed (%s); serving without it\n",
                    e.what());

@@ -1450,6 +1450,7 @@ bool BatchEngine::step() {
   const ops::ContextScope scope(target_->context());
   const auto t_step = std::chrono::steady_clock::now();
   const int64_t cold_before = GraphCache::cold_runs();
+  const int64_t evicted_before = GraphCache::evicted_graphs();
   double counted_before = 0;
   {
     std::lock_guard lock(mu_);
@@ -1478,6 +1479,7 @@ bool BatchEngine::step() {
       counters_.prefill_seconds + counters_.drafter_prefill_seconds + counters_.decode_seconds;
   counters_.row_change_seconds += seconds_since(t_step) - (counted - counted_before);
   counters_.cold_graph_runs += GraphCache::cold_runs() - cold_before;
+  counters_.graph_evictions += GraphCache::evicted_graphs() - evicted_before;
   return !prefilling_.empty() || !decoding_.empty() || !queue_.empty();
 }
 

@@ -126,6 +126,9 @@ struct EngineCounters {
   // CUDA graphs run cold in the engine's steps (GraphCache::cold_runs: a shape's first run or its
   // capture; each costs the host far more than a replay). 0 on the CPU.
   int64_t cold_graph_runs = 0;
+  // CUDA graphs the engine's steps dropped from a full graph cache (GraphCache::evicted_graphs):
+  // shapes that run cold again when they recur. 0 on the CPU.
+  int64_t graph_evictions = 0;
   // Prefix cache: admissions that reused a saved prefix or found none (none counted when the
   // cache is off), prompt tokens not prefilled thanks to it, and its contents.
   int64_t prefix_hits = 0, prefix_misses = 0, prefix_tokens_reused = 0;

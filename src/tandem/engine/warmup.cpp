@@ -93,6 +93,7 @@ WarmupReport warm_up(BatchEngine& engine, const WarmupOptions& options) {
   const EngineCounters after = engine.counters();
   report.rounds = after.rounds - before.rounds;
   report.cold_graph_runs = after.cold_graph_runs - before.cold_graph_runs;
+  report.graph_evictions = after.graph_evictions - before.graph_evictions;
   report.seconds = elapsed();
   return report;
 }

@@ -26,7 +26,9 @@ struct WarmupOptions {
 
 struct WarmupReport {
   int64_t requests = 0, generated_tokens = 0;
-  int64_t rounds = 0, cold_graph_runs = 0;  // the engine's counters over the warm-up
+  // The engine's counters over the warm-up. Evictions: the warm-up's shapes outnumbered the
+  // graph cache, so the first of them are no longer captured when it ends.
+  int64_t rounds = 0, cold_graph_runs = 0, graph_evictions = 0;
   double seconds = 0;
 };
 

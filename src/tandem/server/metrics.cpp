@@ -127,6 +127,11 @@ std::string ServerMetrics::render(const EngineCounters& e, const std::string& dr
          "far dearer for the host than a replay); it should stop growing once the server has "
          "seen its batch shapes. 0 on the CPU.",
          static_cast<double>(e.cold_graph_runs));
+  scalar("tandem_graph_evictions_total", "counter",
+         "CUDA graphs the engine's steps dropped from a full graph cache; a growing count means "
+         "the server's step shapes outnumber the cache and keep being captured again. 0 on the "
+         "CPU.",
+         static_cast<double>(e.graph_evictions));
   series(&out, "tandem_round_phase_seconds_total", "counter",
          "Host time in the phases of speculative rounds (draft, verify, accept, commit).");
   const std::pair<const char*, double> phases[] = {{"draft", e.draft_seconds},
