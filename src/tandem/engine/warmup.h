@@ -26,8 +26,8 @@ struct WarmupOptions {
 
 struct WarmupReport {
   int64_t requests = 0, generated_tokens = 0;
-  // The engine's counters over the warm-up. Evictions: the warm-up's shapes outnumbered the
-  // graph cache, so the first of them are no longer captured when it ends.
+  // The engine's counters over the warm-up. Evictions: its shapes outnumbered the graph cache,
+  // so the least recently run of them are no longer captured when it ends.
   int64_t rounds = 0, cold_graph_runs = 0, graph_evictions = 0;
   double seconds = 0;
 };
