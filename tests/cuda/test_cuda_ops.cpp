@@ -1159,9 +1159,11 @@ TEST_F(CudaOps, AddRmsNormIsBitwiseAddThenNorm) {
 }
 
 // A projection with an input norm gives the bits of rms_norm into a temporary followed by the
-// projection on every path: decode shapes normalising while they stage their rows (m <= 4; each
-// of the three norm orders: K = 384, 4096, 12288; 4 and 8 warps), batches and prompt prefill
-// (rms_norm first), and K not a multiple of 16 (the warp kernel). x is left as it was.
+// projection on every path: decode shapes normalising while they stage their rows (m = 1; each
+// of the three norm orders: K = 384, 4096, 12288; 4 and 8 warps), the norm blocks of the register
+// kernel (2..16 rows) and of the ring kernel (17..32), batches and prompt prefill (rms_norm
+// first), and K not a multiple of 16 (the warp kernel). Consecutive calls share the norm
+// blocks' counters, so a launch that left them non-zero breaks the next. x is left as it was.
 TEST_F(CudaLinearModes, InputNormIsBitwiseRmsNormThenProduct) {
   std::mt19937 rng(23);
   for (const LinearShape c : {LinearShape{96, 384}, LinearShape{8208, 4096}, LinearShape{64, 4096},
@@ -1171,7 +1173,7 @@ TEST_F(CudaLinearModes, InputNormIsBitwiseRmsNormThenProduct) {
       const F32Weight nw = f32_weight(randn(sz(c.k), rng, 0.1f, zc ? 0.0f : 1.0f), 1, c.k);
       const ops::RowNorm norm{nw.dev_ref(), zc, 1e-6f};
       for (bool prefill : {false, true}) {
-        for (int64_t m : {1, 2, 4, 5, 40}) {
+        for (int64_t m : {1, 2, 4, 5, 8, 16, 17, 32, 40}) {
           const auto x = norm_input(m, c.k, rng);
           const DeviceBuffer<float> dx(x);
           DeviceBuffer<float> h = nan_buffer(x.size());
@@ -1240,8 +1242,9 @@ TEST_F(CudaLinearModes, LinearAddIsBitwiseLinearThenAdd) {
 }
 
 // linear_add with a gated norm gives the bits of gated_rms_norm into a temporary followed by
-// linear_add on every path: the bf16 norm kernel first (decode, windows, batches; heads of 128,
-// 64 and 48), prefill, and the warp kernel (K not a multiple of 16). x is left as it was.
+// linear_add on every path: the product's norm blocks (decode and windows up to 32 rows, on the
+// register and ring kernels; heads of 128, 64 and 48), the bf16 norm kernel first (batches),
+// prefill, and the warp kernel (K not a multiple of 16). x is left as it was.
 TEST_F(CudaLinearModes, LinearAddWithGatedNormIsNormThenLinearAdd) {
   std::mt19937 rng(26);
   struct GatedShape {
@@ -1252,7 +1255,7 @@ TEST_F(CudaLinearModes, LinearAddWithGatedNormIsNormThenLinearAdd) {
     const Bf16Matrix w = bf16_matrix(c.n, c.k, rng);
     const F32Weight nw = f32_weight(randn(sz(c.hd), rng, 0.1f, 1.0f), 1, c.hd);
     for (bool prefill : {false, true}) {
-      for (int64_t m : {1, 2, 4, 5, 40}) {
+      for (int64_t m : {1, 2, 4, 5, 8, 16, 17, 32, 40}) {
         const auto x = norm_input(m, c.k, rng);
         const auto y0 = randn(sz(m * c.n), rng, 2.0f);
         const DeviceBuffer<float> dx(x), z(randn(x.size(), rng, 2.0f));
