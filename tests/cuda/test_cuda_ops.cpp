@@ -1160,10 +1160,9 @@ TEST_F(CudaOps, AddRmsNormIsBitwiseAddThenNorm) {
 
 // A projection with an input norm gives the bits of rms_norm into a temporary followed by the
 // projection on every path: decode shapes normalising while they stage their rows (m = 1; each
-// of the three norm orders: K = 384, 4096, 12288; 4 and 8 warps), the norm blocks of the register
-// kernel (2..16 rows) and of the ring kernel (17..32), batches and prompt prefill (rms_norm
-// first), and K not a multiple of 16 (the warp kernel). Consecutive calls share the norm
-// blocks' counters, so a launch that left them non-zero breaks the next. x is left as it was.
+// of the three norm orders: K = 384, 4096, 12288; 4 and 8 warps), rms_norm_bf16 first on the
+// register kernel (2..16 rows), the ring kernel (17..32) and beyond, prompt prefill (rms_norm
+// first), and K not a multiple of 16 (the warp kernel). x is left as it was.
 TEST_F(CudaLinearModes, InputNormIsBitwiseRmsNormThenProduct) {
   std::mt19937 rng(23);
   for (const LinearShape c : {LinearShape{96, 384}, LinearShape{8208, 4096}, LinearShape{64, 4096},
@@ -1242,9 +1241,9 @@ TEST_F(CudaLinearModes, LinearAddIsBitwiseLinearThenAdd) {
 }
 
 // linear_add with a gated norm gives the bits of gated_rms_norm into a temporary followed by
-// linear_add on every path: the product's norm blocks (decode and windows up to 32 rows, on the
-// register and ring kernels; heads of 128, 64 and 48), the bf16 norm kernel first (batches),
-// prefill, and the warp kernel (K not a multiple of 16). x is left as it was.
+// linear_add on every path: the bf16 norm kernel first (decode, windows on the register and
+// ring kernels, batches; heads of 128, 64 and 48), prefill, and the warp kernel (K not a
+// multiple of 16). x is left as it was.
 TEST_F(CudaLinearModes, LinearAddWithGatedNormIsNormThenLinearAdd) {
   std::mt19937 rng(26);
   struct GatedShape {

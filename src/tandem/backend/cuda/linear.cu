@@ -23,13 +23,11 @@
 //
 // The sublayer seams of the model live here too, each bitwise its unfused parts:
 //  - an input norm (RowNorm): a single row is normalised by each block as it stages the row,
-//    with rms_norm's reduction order (row_norm.cuh); from two rows to 32, the product's first
-//    blocks write the rows once in bf16 with rms_norm_bf16's arithmetic while the others wait
-//    (norm_blocks.cuh), and the product reads them unstaged; more rows: rms_norm_bf16 first
-//    (prefill: rms_norm, then cuBLAS);
+//    with rms_norm's reduction order (row_norm.cuh); from two rows on, rms_norm_bf16 writes the
+//    rows once and the product reads them unstaged (prefill: rms_norm, then cuBLAS);
 //  - linear_add: the residual add in the epilogue (each output has one writer); its optional
-//    gated norm (the DeltaNet output's) is written in bf16 by the product's first blocks up to
-//    32 rows, by a kernel of its own beyond, and the product reads the rows as they are;
+//    gated norm (the DeltaNet output's) runs as a kernel writing the rows in bf16, which the
+//    product reads as they are;
 //  - swiglu_mlp_add: gate_up_swiglu's epilogue writes its activations in bf16, which the down
 //    projection reads as its already-rounded input rows (no staging, half the bytes).
 //
@@ -64,7 +62,6 @@
 #include "tandem/backend/cuda/cuda_ops.h"
 #include "tandem/backend/cuda/linear_mma.cuh"
 #include "tandem/backend/cuda/lt.cuh"
-#include "tandem/backend/cuda/norm_blocks.cuh"
 #include "tandem/backend/cuda/row_norm.cuh"
 #include "tandem/backend/cuda/scratch.cuh"
 #include "tandem/core/env_switch.h"
@@ -90,7 +87,6 @@ struct LinearUnit {
   DeviceScratch swiglu_full;      // gate_up_swiglu's [m, 2I] where it is not fused
   DeviceScratch swiglu_act;       // swiglu_mlp_add's fp32 activations (unfused path)
   DeviceScratch swiglu_act_bf16;  // swiglu_mlp_add's bf16 activations (tensor-core path)
-  DeviceScratch norm_sync;        // the norm blocks' two counters (norm_blocks.cuh)
 };
 
 LinearUnit& linear_unit() {
@@ -395,17 +391,14 @@ __device__ __forceinline__ uint2 load_x4(const void* xin, const uint16_t* x_smem
 // Grouped: see GroupRows; m is then the largest group's row count, which sized the staging, and
 // every group's rows are one call's rows to the arithmetic above. (A template flag, so that the
 // plain products compile exactly as they would without it.)
-// FoldNorm (bf16 inputs, one m-tile): the grid's first blocks write the input rows into xin
-// first (norm_blocks.cuh: nb, with K floats of dynamic shared memory for an RMSNorm's row).
 template <int Warps, int Tiles, int NT, bool F32X = false, bool SwiGLU = false,
-          bool Grouped = false, bool FoldNorm = false>
+          bool Grouped = false>
 __global__ void __launch_bounds__(Warps * 32, Tiles == 2              ? 1
                                               : Grouped && Tiles == 1 ? 16 / Warps
                                                                       : 0)
     linear_mma_wide_kernel(const void* __restrict__ xin, int m, const uint16_t* __restrict__ w,
                            int N, int K, const SplitOut y, const RowNormArgs norm,
-                           const L2Prefetch pf, const GroupRows gr, const NormBlocks nb) {
-  static_assert(!FoldNorm || (!F32X && !Grouped && Tiles == 1), "norm blocks: bf16 rows, one tile");
+                           const L2Prefetch pf, const GroupRows gr) {
   static_assert(!SwiGLU || NT % 2 == 0, "SwiGLU pairs need an even number of n-tiles");
   constexpr int U = NT >= 4 ? 1 : 4 / NT;  // chunks per step: weights stay at 8·NT·U registers
   constexpr bool kPipelined = Tiles == 1;
@@ -470,9 +463,6 @@ __global__ void __launch_bounds__(Warps * 32, Tiles == 2              ? 1
     if (norm_chunked(norm, K)) load_norm_chunks(norm, K, norm_w);
   pdl_wait();
   pdl_release();
-  extern __shared__ __align__(16) uint2 x_smem_raw[];
-  if constexpr (FoldNorm)
-    run_norm_blocks<Warps * 32, 0>(nb, K, reinterpret_cast<float*>(x_smem_raw));
   int row_base = 0;
   const int32_t* src_rows = nullptr;
   if constexpr (Grouped) {  // uniform across the block
@@ -500,6 +490,7 @@ __global__ void __launch_bounds__(Warps * 32, Tiles == 2              ? 1
       have_cur = true;
     }
   }
+  extern __shared__ uint2 x_smem_raw[];
   const uint16_t* x_smem = reinterpret_cast<const uint16_t*>(x_smem_raw);
   if constexpr (F32X)
     stage_rows<Warps * 32>(static_cast<const float*>(xin), m, K, norm, norm_w, x_smem_raw,
@@ -941,64 +932,6 @@ uint16_t* bf16_rows(int64_t n) {
   return linear_unit().bf16_rows.get<uint16_t>(n);
 }
 
-// The input norm of a product of m rows done by the product's first blocks (norm_blocks.cuh),
-// where the product's kernel can take it: from two rows on for an RMSNorm (a single row is
-// normalised while staged), at any row count for a gated norm; up to one m-tile on the register
-// kernel, 17..32 rows on the ring kernel. units == 0: it cannot (the norm kernel runs first).
-// The grid's share of norm blocks is set at launch. TANDEM_CUDA_NORM_BLOCKS=0: never (A/B
-// timing; the same bits either way).
-constexpr int64_t kNormStageMax = int64_t(48) << 10;  // bytes of an RMSNorm row's staging
-NormBlocks norm_blocks(const float* x, int64_t m, int64_t K, InputNorm norm, uint16_t* xs) {
-  static const bool enabled = env_switch_on("TANDEM_CUDA_NORM_BLOCKS");
-  NormBlocks nb;
-  if (!enabled || !norm || m > 2 * kTileRows || (m > kTileRows && !ring_takes(static_cast<int>(m))))
-    return nb;
-  if (norm.row) {
-    const ops::RowNorm& r = *norm.row;
-    if (K % 4 != 0 || !aligned16(x) || !aligned16(r.w.data) ||
-        K * int64_t(sizeof(float)) > kNormStageMax)
-      return nb;
-    nb.w = static_cast<const float*>(r.w.data);
-    nb.eps = r.eps;
-    nb.zero_centred = r.zero_centred;
-    nb.units = static_cast<int>(m);
-  } else {
-    const ops::GatedNorm& g = *norm.gated;
-    nb.z = g.z;
-    nb.w = static_cast<const float*>(g.w.data);
-    nb.head_dim = static_cast<int>(g.head_dim());
-    nb.eps = g.eps;
-    nb.units = static_cast<int>(m * (K / g.head_dim()));
-  }
-  nb.x = x;
-  nb.out = xs;
-  nb.sync = linear_unit().norm_sync.get_zeroed<unsigned>(2);
-  return nb;
-}
-
-// The product of m <= 32 rows with its norm blocks; false (nothing launched) where the norm's
-// staging would cost the kernel resident blocks.
-template <int Warps, bool SwiGLU>
-bool linear_mma_norm_blocks(int64_t m, const ops::WeightRef& w, const SplitOut& y,
-                            const L2Prefetch& pf, NormBlocks nb) {
-  constexpr int kThreads = Warps * 32;
-  const int N = static_cast<int>(w.rows), K = static_cast<int>(w.cols), M = static_cast<int>(m);
-  const auto* wp = static_cast<const uint16_t*>(w.data);
-  if (m > kTileRows) return linear_ring(nb.out, M, wp, N, K, Warps, SwiGLU, y, &nb);
-  constexpr int NT = Warps == 4 ? 4 : 2;  // linear_mma_bf16_rows' column groups
-  const auto kernel = linear_mma_wide_kernel<Warps, 1, NT, false, SwiGLU, false, true>;
-  const auto plain = linear_mma_wide_kernel<Warps, 1, NT, false, SwiGLU>;
-  const size_t smem = nb.z ? 0 : sizeof(float) * static_cast<size_t>(K);
-  if (smem > 0) allow_dynamic_smem(kernel, smem, "cuda linear: the norm blocks' row");
-  if (resident_blocks(kernel, kThreads, smem) < resident_blocks(plain, kThreads, 0)) return false;
-  const unsigned grid = balanced_grid(kernel, kThreads, (N + 8 * NT - 1) / (8 * NT), smem);
-  nb.blocks = static_cast<int>(
-      std::min<int64_t>(grid, nb.z ? ceil_div(nb.units, kThreads / kGatedUnitThreads) : nb.units));
-  launch("linear (norm blocks)", kernel, grid, kThreads, smem, nb.out, M, wp, N, K, y,
-         RowNormArgs{nullptr, 0.0f, false}, pf, GroupRows{}, nb);
-  return true;
-}
-
 // The tensor-core path (decode and verify shapes, K a multiple of 16). SwiGLU: y has N / 2
 // columns (gate_up_swiglu). Warps per block follow the weight's row count alone (see the header).
 // norm (optional): normalised while staging (m <= kNarrowRows), else by rms_norm first.
@@ -1008,15 +941,11 @@ void linear_mma_warps(const float* x, int64_t m, const ops::WeightRef& w, const 
   constexpr int kThreads = Warps * 32;
   const int N = static_cast<int>(w.rows), K = static_cast<int>(w.cols), M = static_cast<int>(m);
   const auto* wp = static_cast<const uint16_t*>(w.data);
-  // The norm is folded into the staging for a single row (decode) only: every block normalises
-  // all its rows, one after another. From two rows on (a gated norm from one), the rows are
-  // written once in bf16, ready for the product (no staging, no conversion launch): by the
-  // product's own first blocks where it can take them (norm_blocks.cuh), which saves the
-  // boundary between two dependent kernels, else by a norm kernel first.
+  // The norm is folded into the staging for a single row (decode) only: a block normalises its
+  // rows one after another, and from two rows on, a norm kernel first is cheaper. That kernel
+  // writes the rows in bf16, ready for the product (no staging, no conversion launch).
   if (norm && !norm_folds(norm, m)) {
     uint16_t* xs = bf16_rows(m * K);
-    const NormBlocks nb = norm_blocks(x, m, K, norm, xs);
-    if (nb.units > 0 && linear_mma_norm_blocks<Warps, SwiGLU>(m, w, y, pf, nb)) return;
     normalised_rows_bf16(x, m, K, norm, xs);
     return linear_mma_bf16_rows<Warps, SwiGLU>(xs, m, w, y, pf);
   }
@@ -1030,7 +959,7 @@ void linear_mma_warps(const float* x, int64_t m, const ops::WeightRef& w, const 
       row_norm = {static_cast<const float*>(norm.row->w.data), norm.row->eps,
                   norm.row->zero_centred};
     launch("linear", kernel, balanced_grid(kernel, kThreads, (N + 15) / 16, staged), kThreads,
-           staged, x, M, wp, N, K, y, row_norm, pf, GroupRows{}, NormBlocks{});
+           staged, x, M, wp, N, K, y, row_norm, pf, GroupRows{});
     return;
   }
   // Batches: a bf16 copy of the inputs first.
@@ -1051,17 +980,14 @@ void linear_mma_bf16_rows(const uint16_t* xs, int64_t m, const ops::WeightRef& w
   auto launch_wide = [&](auto kernel, int cols_per_block) {
     launch("linear", kernel,
            balanced_grid(kernel, kThreads, (N + cols_per_block - 1) / cols_per_block), kThreads, 0,
-           xs, M, wp, N, K, y, RowNormArgs{nullptr, 0.0f, false}, pf, GroupRows{}, NormBlocks{});
+           xs, M, wp, N, K, y, RowNormArgs{nullptr, 0.0f, false}, pf, GroupRows{});
   };
   // More than two m-tiles (verify windows of many rows): the staged kernel of linear_tiles.cu,
   // the same bits. Up to 32 rows this kernel measured faster (BENCHMARKS.md).
   if (m > kTilesFromRows && tiles_enabled()) return linear_tiles(xs, M, wp, N, K, Warps, SwiGLU, y);
   // Two m-tiles (a 32-row decode step, a 4-token window of 8 rows): the weights through a ring
   // that a producer warp keeps full (linear_ring.cu), the same bits.
-  if (ring_takes(M)) {
-    linear_ring(xs, M, wp, N, K, Warps, SwiGLU, y);
-    return;
-  }
+  if (ring_takes(M)) return linear_ring(xs, M, wp, N, K, Warps, SwiGLU, y);
   // Wide weights (4 warps) take 4 n-tiles per warp, narrow ones 2 (to keep more blocks).
   constexpr int NT = Warps == 4 ? 4 : 2;
   if (m <= kTileRows)
@@ -1138,7 +1064,7 @@ void linear_grouped_warps(const float* x, int64_t rows, int64_t max_rows,
     const auto kernel = linear_mma_wide_kernel<Warps, 1, 2, true, SwiGLU, true>;
     allow_dynamic_smem(kernel, staged, "cuda linear: the input rows");
     launch("linear_grouped", kernel, grid(kernel, 16, staged, true), kThreads, staged, x, M, wp, N,
-           K, y, RowNormArgs{nullptr, 0.0f, false}, L2Prefetch{}, gr, NormBlocks{});
+           K, y, RowNormArgs{nullptr, 0.0f, false}, L2Prefetch{}, gr);
     return;
   }
   uint16_t* xs = bf16_rows(rows * K);
@@ -1156,7 +1082,7 @@ void linear_grouped_warps(const float* x, int64_t rows, int64_t max_rows,
   auto go = [&](auto kernel, int n_tiles, bool one_wave) {
     launch("linear_grouped", kernel, grid(kernel, 8 * n_tiles, 0, one_wave), kThreads, 0, xs, M, wp,
            N, K, y, RowNormArgs{nullptr, 0.0f, false}, L2Prefetch{},
-           GroupRows{gr.expert, gr.start, nullptr, gr.extra, gr.extra_id}, NormBlocks{});
+           GroupRows{gr.expert, gr.start, nullptr, gr.extra, gr.extra_id});
   };
   // One m-tile with at most one chunk of K per warp (the experts' down, K = I): at two n-tiles
   // the second chunk of a step (U = 2) is empty, so each step loads half a warp's budget and a

@@ -155,14 +155,10 @@ __device__ __forceinline__ void finish_group(float (&partial)[Warps][Tiles][NT][
 void linear_tiles(const uint16_t* xs, int m, const uint16_t* w, int N, int K, int classes,
                   bool swiglu, const SplitOut& y);
 
-struct NormBlocks;  // norm_blocks.cuh
-
 // The product of 17..32 bf16 rows with the register kernel's bits, its weights streamed through a
 // shared-memory ring by a producer warp (linear_ring.cu); same arguments as linear_tiles.
-// nb (optional): the kernel's first blocks write the rows xs first (norm_blocks.cuh); returns
-// false, launching nothing, where their staging would cost the kernel resident blocks.
-bool linear_ring(const uint16_t* xs, int m, const uint16_t* w, int N, int K, int classes,
-                 bool swiglu, const SplitOut& y, const NormBlocks* nb = nullptr);
+void linear_ring(const uint16_t* xs, int m, const uint16_t* w, int N, int K, int classes,
+                 bool swiglu, const SplitOut& y);
 
 // Whether linear_ring takes a product of m rows: 17..32 rows, unless TANDEM_CUDA_RING=0 in the
 // environment keeps them on the register kernel (A/B timing).

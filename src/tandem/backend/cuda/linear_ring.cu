@@ -32,13 +32,11 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
-#include <algorithm>
 #include <cstdlib>
 #include <string_view>
 
 #include "tandem/backend/cuda/check.cuh"
 #include "tandem/backend/cuda/linear_mma.cuh"
-#include "tandem/backend/cuda/norm_blocks.cuh"
 #include "tandem/core/env_switch.h"
 #include "tandem/core/error.h"
 
@@ -92,10 +90,6 @@ __device__ __forceinline__ uint64_t evict_first_policy() {
   return policy;
 }
 
-// Floats of a block's `partial` array, which an RMSNorm's row may use before the first group.
-template <int Warps, int Tiles, int NT>
-constexpr int kRingPartialFloats = Warps* Tiles* NT * 32 * 4;
-
 template <int Warps, int NT>
 struct RingShape {
   static constexpr int kRows = 8 * NT;                  // weight rows of a column group
@@ -107,17 +101,15 @@ struct RingShape {
 // Warps k-split warps and one producer warp (the last). Blocks walk column groups blockIdx.x,
 // blockIdx.x + gridDim.x, ...; the producer's stage sequence runs on across groups, so the ring
 // stays full while the mma warps finish a group.
-// FoldNorm: the first blocks' mma warps write the input rows x first (norm_blocks.cuh: nb); an
-// RMSNorm's row is staged in `partial` where it fits, else past the ring's stages.
-template <int Warps, int Tiles, int NT, int Stages, bool SwiGLU, bool FoldNorm = false>
+template <int Warps, int Tiles, int NT, int Stages, bool SwiGLU>
 __global__ void __launch_bounds__((Warps + 1) * 32)
     linear_ring_kernel(const uint16_t* __restrict__ x, int m, const uint16_t* __restrict__ w, int N,
-                       int K, const SplitOut y, const NormBlocks nb) {
+                       int K, const SplitOut y) {
   using S = RingShape<Warps, NT>;
   static_assert(!SwiGLU || NT % 2 == 0, "SwiGLU pairs need an even number of n-tiles");
   extern __shared__ __align__(128) unsigned char ring[];
   __shared__ __align__(8) uint64_t full[Stages], empty[Stages];
-  __shared__ __align__(16) float partial[Warps][Tiles][NT][32][4];  // (FoldNorm: 16-byte copies)
+  __shared__ float partial[Warps][Tiles][NT][32][4];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int groups = (N + S::kRows - 1) / S::kRows;
   const int chunks = (K + kChunk - 1) / kChunk;
@@ -160,12 +152,6 @@ __global__ void __launch_bounds__((Warps + 1) * 32)
 
   pdl_wait();
   pdl_release();
-  if constexpr (FoldNorm) {
-    float* stage = K <= kRingPartialFloats<Warps, Tiles, NT>
-                       ? &partial[0][0][0][0][0]
-                       : reinterpret_cast<float*>(ring + Stages * S::kStageBytes);
-    run_norm_blocks<Warps * 32, 1>(nb, K, stage);
-  }
   const int g = lane / 4, t = lane % 4;
   // This lane's inputs at k (rows r, k .. k + 15: two 16-byte loads), requested before the
   // stage's wait, so their latency overlaps its arrival. m <= 16·Tiles: one pass per group.
@@ -245,41 +231,22 @@ __global__ void __launch_bounds__((Warps + 1) * 32)
 // DRAM's latency. Wide weights (4 warps, 32-row groups) run three blocks per SM with two stages
 // (13% faster at 32 rows than four stages); narrow ones (8 warps) are held to two blocks per SM
 // by their registers, and two to four stages measured the same.
-// nb (optional): the norm blocks; false, launching nothing, where their row staging would cost
-// resident blocks.
 template <int Warps, bool SwiGLU>
-bool launch_ring(const uint16_t* xs, int m, const uint16_t* w, int N, int K, const SplitOut& y,
-                 const NormBlocks* nb) {
+void launch_ring(const uint16_t* xs, int m, const uint16_t* w, int N, int K, const SplitOut& y) {
   constexpr int NT = Warps == 4 ? 4 : 2;  // the register kernel's column groups
   constexpr int kStages = Warps == 4 ? 2 : 3;
   using S = RingShape<Warps, NT>;
-  constexpr auto plain = linear_ring_kernel<Warps, 2, NT, kStages, SwiGLU>;
-  constexpr auto folded = linear_ring_kernel<Warps, 2, NT, kStages, SwiGLU, true>;
+  constexpr auto kernel = linear_ring_kernel<Warps, 2, NT, kStages, SwiGLU>;
   constexpr int kThreads = (Warps + 1) * 32;
-  constexpr size_t stages = size_t(kStages) * S::kStageBytes;
-  allow_dynamic_smem(plain, stages, "cuda linear (ring): the weight stages");
+  constexpr size_t smem = size_t(kStages) * S::kStageBytes;
+  allow_dynamic_smem(kernel, smem, "cuda linear (ring): the weight stages");
   // One block per column group up to the blocks that fit at once; beyond that, resident blocks
   // walk several groups (the producer streams on across them). Whole rounds of fewer blocks
   // (balanced_grid's rule) left SMs with one block where two fit, and measured 0.5% slower.
-  // All blocks are resident, which the norm blocks' wait does not need but does not mind.
-  const int resident = resident_blocks(plain, kThreads, stages);
+  const int resident = resident_blocks(kernel, kThreads, smem);
   const int groups = (N + S::kRows - 1) / S::kRows;
   const unsigned grid = static_cast<unsigned>(groups < resident ? groups : resident);
-  if (!nb) {
-    launch("linear (ring)", plain, dim3(grid), dim3(kThreads), stages, xs, m, w, N, K, y,
-           NormBlocks{});
-    return true;
-  }
-  const bool own_stage = nb->z == nullptr && K > kRingPartialFloats<Warps, 2, NT>;
-  const size_t smem = stages + (own_stage ? sizeof(float) * static_cast<size_t>(K) : 0);
-  allow_dynamic_smem(folded, smem, "cuda linear (ring): the weight stages and the norm's row");
-  if (resident_blocks(folded, kThreads, smem) < resident) return false;
-  NormBlocks a = *nb;
-  const int per_block = nb->z ? Warps * 32 / kGatedUnitThreads : 1;
-  a.blocks = std::min<int>(static_cast<int>(grid), (a.units + per_block - 1) / per_block);
-  launch("linear (ring, norm blocks)", folded, dim3(grid), dim3(kThreads), smem, xs, m, w, N, K, y,
-         a);
-  return true;
+  launch("linear (ring)", kernel, dim3(grid), dim3(kThreads), smem, xs, m, w, N, K, y);
 }
 
 }  // namespace
@@ -290,17 +257,16 @@ bool ring_takes(int m) {
   return enabled && m > kTileRows && m <= 2 * kTileRows;
 }
 
-bool linear_ring(const uint16_t* xs, int m, const uint16_t* w, int N, int K, int classes,
-                 bool swiglu, const SplitOut& y, const NormBlocks* nb) {
+void linear_ring(const uint16_t* xs, int m, const uint16_t* w, int N, int K, int classes,
+                 bool swiglu, const SplitOut& y) {
   if (K % 16 != 0) fail("cuda linear (ring): K = ", K, " is not a multiple of 16");
   if (m < 1 || m > 2 * kTileRows) fail("cuda linear (ring): ", m, " rows (1..32 supported)");
   if (classes == 4)
-    return swiglu ? launch_ring<4, true>(xs, m, w, N, K, y, nb)
-                  : launch_ring<4, false>(xs, m, w, N, K, y, nb);
-  if (classes == 8)
-    return swiglu ? launch_ring<8, true>(xs, m, w, N, K, y, nb)
-                  : launch_ring<8, false>(xs, m, w, N, K, y, nb);
-  fail("cuda linear (ring): ", classes, " k-classes (4 or 8 supported)");
+    swiglu ? launch_ring<4, true>(xs, m, w, N, K, y) : launch_ring<4, false>(xs, m, w, N, K, y);
+  else if (classes == 8)
+    swiglu ? launch_ring<8, true>(xs, m, w, N, K, y) : launch_ring<8, false>(xs, m, w, N, K, y);
+  else
+    fail("cuda linear (ring): ", classes, " k-classes (4 or 8 supported)");
 }
 
 TANDEM_CUDA_TRACE_UNIT(linear_ring)
