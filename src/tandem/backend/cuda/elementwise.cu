@@ -131,10 +131,25 @@ __device__ __forceinline__ void store_chunk(float* p, int64_t i, int64_t d, bool
   }
 }
 
+// The weight elements chunked_norm_row scales thread threadIdx.x's chunks by (0 past d). A norm
+// weight is a model parameter no kernel writes, so a kernel loads it before its pdl_wait: the
+// weight's round trip overlaps the previous kernel instead of lengthening the norm's chain.
+using NormWeightChunks = float[kRowVec][4];
+
+__device__ __forceinline__ void load_weight_chunks(const float* w, int64_t d,
+                                                   NormWeightChunks& wv) {
+#pragma unroll
+  for (int j = 0; j < kRowVec; ++j) {
+    const int64_t i = 4 * (threadIdx.x + j * kWideNormThreads);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) wv[j][e] = i + e < d ? w[i + e] : 0.0f;
+  }
+}
+
 template <bool Add, class Out, class X>
 __device__ inline void chunked_norm_row(const X& x, const float* r, float* x_sum, int64_t d,
-                                        const float* w, bool zero_centred, float eps, bool vec,
-                                        Out* y, double* s_warp) {
+                                        const NormWeightChunks& wv, bool zero_centred, float eps,
+                                        bool vec, Out* y, double* s_warp) {
   constexpr int Threads = kWideNormThreads;
   float v[kRowVec][4];
 #pragma unroll
@@ -162,10 +177,7 @@ __device__ inline void chunked_norm_row(const X& x, const float* r, float* x_sum
     if (i >= d) break;
     float o[4];
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const float wi = i + e < d ? w[i + e] : 0.0f;
-      o[e] = normed(v[j][e], s, wi, zero_centred);
-    }
+    for (int e = 0; e < 4; ++e) o[e] = normed(v[j][e], s, wv[j][e], zero_centred);
     store_chunk(y, i, d, vec, o);
   }
 }
@@ -175,11 +187,13 @@ template <bool Add, class Out = float>
 __global__ void __launch_bounds__(kWideNormThreads)
     row_norm_kernel(const float* x, const float* r, float* x_sum, int64_t d, const float* w,
                     bool zero_centred, float eps, bool vec, Out* y) {
+  NormWeightChunks wv;
+  load_weight_chunks(w, d, wv);
   pdl_wait();
   pdl_release();
   __shared__ double s_warp[kWideNormThreads / 32];
   const int64_t off = blockIdx.x * d;
-  chunked_norm_row<Add>(x + off, Add ? r + off : nullptr, Add ? x_sum + off : nullptr, d, w,
+  chunked_norm_row<Add>(x + off, Add ? r + off : nullptr, Add ? x_sum + off : nullptr, d, wv,
                         zero_centred, eps, vec, y + off, s_warp);
 }
 
@@ -190,15 +204,17 @@ template <int Threads, bool Chunked>
 __global__ void __launch_bounds__(Threads)
     rms_norm_pair_kernel(const float* a, const float* b, int64_t d, const float* wa,
                          const float* wb, bool zero_centred, float eps, bool vec, float* y) {
+  const bool second = blockIdx.y == 1;
+  const float* w = second ? wb : wa;
+  NormWeightChunks wv;
+  if constexpr (Chunked) load_weight_chunks(w, d, wv);
   pdl_wait();
   pdl_release();
   __shared__ double s_warp[Threads / 32];
-  const bool second = blockIdx.y == 1;
   const float* x = (second ? b : a) + blockIdx.x * d;
-  const float* w = second ? wb : wa;
   float* yr = y + blockIdx.x * 2 * d + (second ? d : 0);
   if constexpr (Chunked)
-    chunked_norm_row<false>(x, nullptr, nullptr, d, w, zero_centred, eps, vec, yr, s_warp);
+    chunked_norm_row<false>(x, nullptr, nullptr, d, wv, zero_centred, eps, vec, yr, s_warp);
   else
     norm_row<Threads>(x, d, w, zero_centred, eps, yr, s_warp);
 }
@@ -211,6 +227,8 @@ __global__ void __launch_bounds__(Threads)
     rms_norm_pair_embedded_kernel(const uint16_t* table, int64_t vocab, const int32_t* ids,
                                   const float* b, int64_t d, const float* wa, const float* wb,
                                   bool zero_centred, float eps, bool vec, float* y) {
+  NormWeightChunks wv;
+  if constexpr (Chunked) load_weight_chunks(blockIdx.y == 1 ? wb : wa, d, wv);
   pdl_wait();
   pdl_release();
   __shared__ double s_warp[Threads / 32];
@@ -218,7 +236,7 @@ __global__ void __launch_bounds__(Threads)
   if (blockIdx.y == 1) {
     const float* x = b + blockIdx.x * d;
     if constexpr (Chunked)
-      chunked_norm_row<false>(x, nullptr, nullptr, d, wb, zero_centred, eps, vec, yr + d, s_warp);
+      chunked_norm_row<false>(x, nullptr, nullptr, d, wv, zero_centred, eps, vec, yr + d, s_warp);
     else
       norm_row<Threads>(x, d, wb, zero_centred, eps, yr + d, s_warp);
     return;
@@ -227,7 +245,7 @@ __global__ void __launch_bounds__(Threads)
   const bool valid = id >= 0 && id < vocab;
   const EmbeddedRow x{table + (valid ? static_cast<int64_t>(id) * d : 0), valid};
   if constexpr (Chunked)
-    chunked_norm_row<false>(x, nullptr, nullptr, d, wa, zero_centred, eps, vec, yr, s_warp);
+    chunked_norm_row<false>(x, nullptr, nullptr, d, wv, zero_centred, eps, vec, yr, s_warp);
   else
     norm_row<Threads>(x, d, wa, zero_centred, eps, yr, s_warp);
 }
