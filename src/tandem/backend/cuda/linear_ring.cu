@@ -1,5 +1,5 @@
 // The decode product of 17-32 bf16 rows (a decode step of 32 rows, a 4-token verify window of 8
-// rows): y[m, N] = x[m, K] · Wᵀ with the register kernel's column groups and mma sequence
+// rows): y[m, N] = x[m, K] · Wᵀ with the register kernel's k-split and mma sequence
 // (linear.cu), bitwise, but with the weights fed to the mma warps by a producer warp.
 //
 // Why: the register kernel keeps each warp's accumulators and its weights in registers. With two
@@ -226,15 +226,20 @@ __global__ void __launch_bounds__((Warps + 1) * 32)
   }
 }
 
-// Stages per class, measured (BENCHMARKS.md, issue 18): the mma warps read their input fragments
-// through L1, so shared memory is worth more as L1 than as a deeper ring once the ring covers
-// DRAM's latency. Wide weights (4 warps, 32-row groups) run three blocks per SM with two stages
-// (13% faster at 32 rows than four stages); narrow ones (8 warps) are held to two blocks per SM
-// by their registers, and two to four stages measured the same.
+// Column groups and stages per class, measured (BENCHMARKS.md, issue 18). The group's width is
+// free (no output's arithmetic depends on it), and every block reads all m input rows once per
+// group, from L2: 32-row groups for both classes, so a narrow weight of 12,288 columns (the MLP's
+// down projection) reads its 32 input rows as often as its weight bytes rather than twice
+// (16-row groups: 0.7% slower 32-row steps on an H100; 64-row groups of the wide weights took
+// 190 registers and 38% longer steps). The mma warps read their input fragments through L1, so
+// shared memory is worth more as L1 than as a deeper ring once the ring covers DRAM's latency:
+// wide weights (4 warps) run three blocks per SM with two stages (13% faster at 32 rows than
+// four stages); narrow ones (8 warps, 126 registers) run one block per SM, two stages measuring
+// 0.2-0.6% faster than three.
 template <int Warps, bool SwiGLU>
 void launch_ring(const uint16_t* xs, int m, const uint16_t* w, int N, int K, const SplitOut& y) {
-  constexpr int NT = Warps == 4 ? 4 : 2;  // the register kernel's column groups
-  constexpr int kStages = Warps == 4 ? 2 : 3;
+  constexpr int NT = 4;
+  constexpr int kStages = 2;
   using S = RingShape<Warps, NT>;
   constexpr auto kernel = linear_ring_kernel<Warps, 2, NT, kStages, SwiGLU>;
   constexpr int kThreads = (Warps + 1) * 32;
