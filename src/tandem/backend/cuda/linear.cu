@@ -14,8 +14,9 @@
 // Calls of more than two m-tiles (verify windows of many rows) go to linear_tiles.cu,
 // which stages weights and inputs in shared memory and runs the same mma sequence per output
 // with the k-splits as the blocks of a cluster: the same bits (TANDEM_CUDA_TILES=0: this kernel).
-// Calls of exactly two m-tiles (17..32 rows) go to linear_ring.cu, these column groups and warps
-// with the weights streamed by a producer warp: the same bits (TANDEM_CUDA_RING=0: this kernel).
+// Calls of exactly two m-tiles (17..32 rows) go to linear_ring.cu, these warps (wider column
+// groups for the narrow weights) with the weights streamed by a producer warp: the same bits
+// (TANDEM_CUDA_RING=0: this kernel).
 // Weights are streamed once per pass with 16-byte loads (the memory roofline at m = 1). Up to
 // kNarrowRows rows, each block rounds the fp32 inputs to bf16 into its shared memory; larger
 // batches round them once into a bf16 scratch copy first. Either way the same bf16 values enter
