@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <sstream>
 
 #include "tandem/backend/ops.h"
 #include "tandem/io/safetensors.h"
@@ -28,8 +29,8 @@ struct CliRun {
   std::string out;  // stdout (and stderr when merged)
 };
 
-CliRun run(const std::string& args, bool merge_stderr = true) {
-  const std::string cmd = kBin + " " + args + (merge_stderr ? " 2>&1" : " 2>/dev/null");
+// A shell command line as popen runs it.
+CliRun run_command(const std::string& cmd) {
   CliRun r;
   FILE* p = popen(cmd.c_str(), "r");
   if (!p) return r;
@@ -39,6 +40,15 @@ CliRun run(const std::string& args, bool merge_stderr = true) {
   const int status = pclose(p);
   r.code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
   return r;
+}
+
+CliRun run(const std::string& args, bool merge_stderr = true) {
+  return run_command(kBin + " " + args + (merge_stderr ? " 2>&1" : " 2>/dev/null"));
+}
+
+// A shell command line other than the tandem binary, stderr merged.
+CliRun run_shell(const std::string& cmd) {
+  return run_command(cmd + " 2>&1");
 }
 
 void expect_error(const CliRun& r, const std::string& needle) {
@@ -232,6 +242,62 @@ TEST(Cli, BenchWindowRollback) {
   }
   expect_error(run("bench --random-weights " + kBenchConfig + kQuickBench + " --rollback snapshot"),
                "--rollback must be replay or per-position");
+}
+
+// bench/decode_ab.sh, the A/B of BENCHMARKS' batched-decode figures: every binary (or binary
+// under an environment) at every batch size in each round before the next round, one line per run
+// as it finishes, each run's report and figures kept, then a table row per binary and batch over
+// the rounds.
+// Bad arguments stop it before any run with exit code 2.
+TEST(Cli, DecodeAbAlternatesBinariesAndTabulatesTheRounds) {
+  ScratchDir dir("decode-ab");
+  const std::string script = std::string(TANDEM_SOURCE_DIR) + "/bench/decode_ab.sh";
+  const std::string env = "CONFIG=" + kBenchConfig +
+                          " BATCHES='1 2' ROUNDS=2 PROMPT=4 GEN=2 STEP_REPEATS=1 WINDOWS=2 "
+                          "BACKEND=cpu OUT=" +
+                          dir.str() + " ";
+  const std::string other = kBin + "@TANDEM_THREADS=1";
+  const CliRun r = run_shell(env + script + " " + kBin + " " + other);
+  ASSERT_EQ(r.code, 0) << r.out;
+  std::vector<std::string> runs;  // "round R batch B spec", in the order they ran
+  std::istringstream lines(r.out);
+  for (std::string line; std::getline(lines, line);) {
+    std::istringstream f(line);
+    std::string word, round, batch, spec;
+    if (f >> word && word == "round" && f >> round >> word >> batch >> spec)
+      runs.push_back(round + " " + batch + " " + spec);
+  }
+  const std::vector<std::string> want = {"1 1 " + kBin,  "1 1 " + other, "1 2 " + kBin,
+                                         "1 2 " + other, "2 1 " + kBin,  "2 1 " + other,
+                                         "2 2 " + kBin,  "2 2 " + other};
+  EXPECT_EQ(runs, want) << r.out;
+  // results.tsv: run, round, batch, binary, decode tok/s, roofline %, step ms, windows.
+  std::ifstream results(dir.file("results.tsv"));
+  int rows = 0;
+  for (std::string line; std::getline(results, line); ++rows) {
+    std::istringstream f(line);
+    std::string run_no, round, batch, spec, decode, roofline, step;
+    ASSERT_TRUE(std::getline(f, run_no, '\t') && std::getline(f, round, '\t') &&
+                std::getline(f, batch, '\t') && std::getline(f, spec, '\t') &&
+                std::getline(f, decode, '\t') && std::getline(f, roofline, '\t') &&
+                std::getline(f, step, '\t'))
+        << line;
+    EXPECT_EQ(round + " " + batch + " " + spec, want[static_cast<size_t>(rows)]) << line;
+    EXPECT_GT(std::stod(decode), 0.0) << line;
+    EXPECT_GT(std::stod(step), 0.0) << line;
+    EXPECT_TRUE(std::ifstream(dir.file("run" + run_no + ".txt")).good()) << line;
+  }
+  EXPECT_EQ(rows, 8);
+  for (const std::string& row : {"| " + kBin + " | 1 | ", "| " + other + " | 1 | ",
+                                 "| " + kBin + " | 2 | ", "| " + other + " | 2 | "})
+    EXPECT_NE(r.out.find(row), std::string::npos) << "no table row '" << row << "' in: " << r.out;
+
+  const CliRun bad = run_shell(env + script + " " + kBin + "@THREADS");
+  EXPECT_EQ(bad.code, 2) << bad.out;
+  EXPECT_NE(bad.out.find("is not VAR=VALUE"), std::string::npos) << bad.out;
+  const CliRun missing = run_shell(env + script + " " + dir.file("no-such-tandem"));
+  EXPECT_EQ(missing.code, 2) << missing.out;
+  EXPECT_NE(missing.out.find("no tandem binary"), std::string::npos) << missing.out;
 }
 
 // bench on a GLM-5 checkpoint: plain runs through the engine, decode steps, verify windows, the
