@@ -139,11 +139,8 @@ using NormWeightChunks = float[kRowVec][4];
 __device__ __forceinline__ void load_weight_chunks(const float* w, int64_t d,
                                                    NormWeightChunks& wv) {
 #pragma unroll
-  for (int j = 0; j < kRowVec; ++j) {
-    const int64_t i = 4 * (threadIdx.x + j * kWideNormThreads);
-#pragma unroll
-    for (int e = 0; e < 4; ++e) wv[j][e] = i + e < d ? w[i + e] : 0.0f;
-  }
+  for (int j = 0; j < kRowVec; ++j)
+    load_chunk(w, 4 * (threadIdx.x + j * kWideNormThreads), d, false, wv[j]);
 }
 
 template <bool Add, class Out, class X>
