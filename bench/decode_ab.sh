@@ -108,13 +108,9 @@ awk -F'\t' '
       widen(k SUBSEP "w" tw[1], tw[2])
     }
   }
-  END {
-    for (i = 1; i <= n; ++i) rank[i] = i
-    for (i = 1; i <= n; ++i)  # stable order by batch, then as first run
-      for (j = i + 1; j <= n; ++j)
-        if (batch[order[rank[j]]] + 0 < batch[order[rank[i]]] + 0) { t = rank[i]; rank[i] = rank[j]; rank[j] = t }
+  END {  # in the order of the first round: batches as BATCHES lists them, binaries as named
     for (i = 1; i <= n; ++i) {
-      k = order[rank[i]]
+      k = order[i]
       w = ""
       m = split(wlist[k], toks, " ")
       for (j = 1; j <= m; ++j)
