@@ -62,10 +62,11 @@ int main(int argc, char** argv) {
                                      {4096, 12288, false}, {4096, 4096, false},
                                      {24576, 4096, true},  {248320, 4096, false}};
   for (auto [N, K, swiglu] : shapes) {
-    Dev w(sizeof(uint16_t) * N * K), x(sizeof(float) * 64 * K), y(sizeof(float) * 64 * N);
+    Dev w(sizeof(uint16_t) * N * K), x(sizeof(float) * 128 * K), y(sizeof(float) * 128 * N);
     cuda::fill_random_bf16(static_cast<uint16_t*>(w.p), N * K, 1, 0.02f);
     ops::WeightRef ref{DType::BF16, w.p, N, K, {}};
-    for (int64_t m : {1, 4, 8, 16, 32}) {
+    // Decode rows, and the many-row products of verify windows (32 rows x 2 or 4 tokens).
+    for (int64_t m : {1, 4, 8, 16, 32, 64, 128}) {
       const double us = median_us(
           [&] {
             if (swiglu)
@@ -74,7 +75,7 @@ int main(int argc, char** argv) {
               cuda::linear(x.f(), m, ref, y.f());
           },
           repeats);
-      std::printf("  N %6lld K %5lld m %2lld%s: %8.1f us  %6.0f GB/s weights\n", (long long)N,
+      std::printf("  N %6lld K %5lld m %3lld%s: %8.1f us  %6.0f GB/s weights\n", (long long)N,
                   (long long)K, (long long)m, swiglu ? " swiglu" : "", us, 2.0 * N * K / us / 1e3);
     }
   }
@@ -170,6 +171,56 @@ int main(int argc, char** argv) {
         median_us([&] { cuda::attention(kv, bt, pos, ctx, ctx, q.f(), nh, 0.0625f, o.f()); },
                   std::max(1, repeats / 10));
     std::printf("  prefill %lld queries: %8.1f us\n", (long long)ctx, us);
+  }
+
+  std::printf(
+      "\nattention of many rows (attention_rows; bf16 KV, context 512, the 9B's heads): a step "
+      "of R rows x k queries, each row's k queries sharing a block (window hint k) or not (1)\n");
+  {
+    const int64_t ctx = 512, bs = 16, kvh = 4, hd = 256, nh = 16, max_rows = 32, max_k = 8;
+    const int64_t per_row = (ctx + max_k) / bs + 1;  // blocks of one row's table
+    const int64_t blocks = max_rows * per_row;
+    Dev pool(sizeof(uint16_t) * blocks * 2 * bs * kvh * hd),
+        q(sizeof(float) * max_rows * max_k * nh * hd),
+        o(sizeof(float) * max_rows * max_k * nh * hd), tab(sizeof(int32_t) * blocks);
+    cuda::fill_random_f32(q.f(), max_rows * max_k * nh * hd, 3, 0, 1);
+    // The rows' blocks interleaved through the pool, as rows that grew together hold them.
+    std::vector<int32_t> t(blocks);
+    for (int64_t r = 0; r < max_rows; ++r)
+      for (int64_t b = 0; b < per_row; ++b)
+        t[r * per_row + b] = static_cast<int32_t>(b * max_rows + r);
+    cuda::copy_to_device(tab.p, t.data(), sizeof(int32_t) * blocks);
+    ops::KVLayerView kv{pool.p, bs, kvh, hd};
+    kv.dtype = DType::BF16;
+    const auto* tables = static_cast<const int32_t*>(tab.p);
+    Dev pos_buf(sizeof(int64_t) * max_rows * max_k), rows_buf(sizeof(int64_t) * max_rows * max_k);
+    for (int64_t rows : {8, 32})
+      for (int64_t k : {1, 4, 8}) {
+        std::vector<int64_t> pos, row_of;
+        for (int64_t r = 0; r < rows; ++r)
+          for (int64_t j = 0; j < k; ++j) {
+            pos.push_back(ctx + j);
+            row_of.push_back(r);
+          }
+        cuda::copy_to_device(pos_buf.p, pos.data(), sizeof(int64_t) * pos.size());
+        cuda::copy_to_device(rows_buf.p, row_of.data(), sizeof(int64_t) * row_of.size());
+        const auto* dpos = static_cast<const int64_t*>(pos_buf.p);
+        const auto* drows = static_cast<const int64_t*>(rows_buf.p);
+        const int64_t n = rows * k;
+        std::printf("  %2lld rows x %lld queries:", (long long)rows, (long long)k);
+        for (int64_t hint : {int64_t{1}, k}) {
+          if (hint == 1 && k == 1 && hint != k) continue;
+          const double us = median_us(
+              [&] {
+                cuda::attention_rows(kv, tables, per_row, drows, dpos, n, 1024, hint, q.f(), nh,
+                                     0.0625f, o.f(), nullptr);
+              },
+              repeats);
+          std::printf("  hint %lld %8.1f us", (long long)hint, us);
+          if (k == 1) break;
+        }
+        std::printf("\n");
+      }
   }
 
   std::printf("\ngated delta rule (16 key heads, 32 value heads, dk = dv = 128)\n");

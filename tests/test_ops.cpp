@@ -764,7 +764,8 @@ TEST(Ops, PagedAttentionMatchesDenseCausalAttention) {
 }
 
 // attention_rows: rows with their own block tables in one call; each query's bits are those of
-// its row's attention() call, and a skipped query's output is untouched.
+// its row's attention() call under any window hint, and a skipped query's output is untouched;
+// a window below 1 is refused.
 TEST(Ops, AttentionRowsEqualsEachRowsAttention) {
   const int64_t bs = 4, nkv = 2, hd = 8, nh = 4, stride = 3;
   std::mt19937 rng(9);
@@ -777,18 +778,23 @@ TEST(Ops, AttentionRowsEqualsEachRowsAttention) {
   const auto q = random_vec(static_cast<size_t>(T * qf), rng);
   const auto gate = random_vec(q.size(), rng, 3.0f);
   const float scale = 0.35f;
-  for (const bool gated : {false, true}) {
-    std::vector<float> got(q.size(), -7.0f);
-    ops::attention_rows(kv, tables.data(), stride, rows.data(), pos.data(), T, 12, q.data(), nh,
-                        scale, got.data(), gated ? gate.data() : nullptr);
-    std::vector<float> want(q.size(), -7.0f);
-    ops::attention(kv, tables.data(), pos.data(), 2, 12, q.data(), nh, scale, want.data(),
-                   gated ? gate.data() : nullptr);
-    ops::attention(kv, tables.data() + stride, pos.data() + 4, 3, 12, q.data() + 4 * qf, nh, scale,
-                   want.data() + 4 * qf, gated ? gate.data() + 4 * qf : nullptr);
-    EXPECT_EQ(0, std::memcmp(got.data(), want.data(), got.size() * sizeof(float)))
-        << (gated ? "gated" : "ungated");
-  }
+  for (const bool gated : {false, true})
+    for (const int64_t window : {1, 2, 3}) {
+      std::vector<float> got(q.size(), -7.0f);
+      ops::attention_rows(kv, tables.data(), stride, rows.data(), pos.data(), T, 12, window,
+                          q.data(), nh, scale, got.data(), gated ? gate.data() : nullptr);
+      std::vector<float> want(q.size(), -7.0f);
+      ops::attention(kv, tables.data(), pos.data(), 2, 12, q.data(), nh, scale, want.data(),
+                     gated ? gate.data() : nullptr);
+      ops::attention(kv, tables.data() + stride, pos.data() + 4, 3, 12, q.data() + 4 * qf, nh,
+                     scale, want.data() + 4 * qf, gated ? gate.data() + 4 * qf : nullptr);
+      EXPECT_EQ(0, std::memcmp(got.data(), want.data(), got.size() * sizeof(float)))
+          << (gated ? "gated" : "ungated") << " window " << window;
+    }
+  std::vector<float> out(q.size());
+  EXPECT_THROW(ops::attention_rows(kv, tables.data(), stride, rows.data(), pos.data(), T, 12, 0,
+                                   q.data(), nh, scale, out.data()),
+               Error);
 }
 
 // bf16 KV storage: kv_write rounds each key and value to nearest even, kv_write_stored copies

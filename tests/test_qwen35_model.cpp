@@ -235,6 +235,26 @@ TEST_F(RandomModel, OutOfRangeTokenIsRefusedBeforeStateChanges) {
   EXPECT_EQ(s.length(r.slot), 0);
 }
 
+// The window hint of the batched attention call: the length the attending segments share when
+// each starts at a multiple of it; 1 for ragged or misaligned segments. A prompt's first chunk
+// (served by attention_prompt) takes query indices but attends in no group.
+TEST(GatedAttention, BatchedWindowIsTheAlignedLengthTheSegmentsShare) {
+  auto window = [](std::vector<std::pair<int64_t, int64_t>> start_n, bool prompt) {
+    std::vector<AttentionSegment> segs;
+    for (const auto& [start, n] : start_n) segs.push_back({nullptr, start, n, 1024});
+    return batched_window(segs, prompt);
+  };
+  EXPECT_EQ(window({{10, 4}, {20, 4}, {7, 4}}, false), 4);
+  EXPECT_EQ(window({{10, 1}, {20, 1}}, false), 1);
+  EXPECT_EQ(window({{10, 8}, {3, 8}}, false), 8);
+  EXPECT_EQ(window({{10, 4}, {20, 3}}, false), 1);          // ragged
+  EXPECT_EQ(window({{10, 4}, {20, 0}, {5, 4}}, false), 4);  // an empty segment takes no queries
+  EXPECT_EQ(window({{0, 8}, {20, 4}, {9, 4}}, true), 4);    // a prompt of 8, then windows of 4
+  EXPECT_EQ(window({{0, 6}, {20, 4}}, true), 1);            // the window starts at query 6
+  EXPECT_EQ(window({{0, 6}}, true), 1);                     // nothing attends over the cache
+  EXPECT_EQ(window({}, false), 1);
+}
+
 TEST(Qwen35Load, MissingAndMisshapenTensorsAreNamed) {
   ScratchDir dir("qwen35-bad");
   write_text(dir.file("c.json"), kConfig);

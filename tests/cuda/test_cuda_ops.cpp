@@ -1739,6 +1739,15 @@ TEST_F(CudaOps, QkNormRopeWritesTheKVOfKvWrite) {
   }
 }
 
+// Fixes how many of a row's queries an attention block serves (cuda::set_attention_runs) for a
+// scope; back to the grid's choice after it.
+struct AttentionRuns {
+  explicit AttentionRuns(int most) { cuda::set_attention_runs(most); }
+  ~AttentionRuns() { cuda::set_attention_runs(0); }
+  AttentionRuns(const AttentionRuns&) = delete;
+  AttentionRuns& operator=(const AttentionRuns&) = delete;
+};
+
 // cuda::attention of queries q [pos.size(), n_heads, head_dim] at positions `pos`.
 template <class T>
 std::vector<float> cuda_attention(const PagedKV<T>& kv, const std::vector<int64_t>& pos,
@@ -2165,6 +2174,9 @@ using CudaBatchInvariance = CudaTest;
 // attention_rows: the queries of several rows (different lengths, windows, block tables; one
 // row skipped) in one launch give bitwise what each row's attention() call gives alone, with and
 // without the output gate, and match the CPU op; a skipped query's output is left untouched.
+// So under every window hint and with blocks serving 1, 2 or 4 queries (or as many as the grid
+// takes), for ragged windows (a group of queries then spans rows) and equal ones (a block serves
+// one row's window).
 // The many-row products (17..32 rows: linear_ring.cu; more: linear_tiles.cu) against one row at
 // a time (the register kernel of linear.cu): a row's outputs are the same bits in a call of 1 row
 // and of 17..200, for narrow weights (K split 8 ways) and wide ones (4 ways), K with a partial
@@ -2214,11 +2226,10 @@ TEST_F(CudaBatchInvariance, ManyRowProductsEqualSingleRowCalls) {
   }
 }
 
-TEST_F(CudaBatchInvariance, AttentionRowsEqualsEachRowAlone) {
+void attention_rows_equal_each_row_alone(const std::vector<int64_t>& lens,
+                                         const std::vector<int64_t>& wins) {
   std::mt19937 rng(404);
   const int64_t nh = 16, nkv = 4, hd = 256, row = nkv * hd, qrow = nh * hd;
-  const std::vector<int64_t> lens = {1, 17, 300, 1000, 40, 16, 5};
-  const std::vector<int64_t> wins = {1, 4, 1, 2, 8, 2, 3};
   const int64_t skipped = 5;  // a prompt's first chunk in the model: attention_prompt serves it
   const int64_t R = static_cast<int64_t>(lens.size());
   int64_t stride = 0, blocks = 0;
@@ -2251,40 +2262,54 @@ TEST_F(CudaBatchInvariance, AttentionRowsEqualsEachRowAlone) {
   const DeviceBuffer<float> dq(q), dgate(gate);
   const DeviceBuffer<int64_t> dpos(pos), drows(query_rows);
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-  for (const bool gated : {false, true}) {
-    DeviceBuffer<float> out = nan_buffer(q.size());
-    cuda::attention_rows(dev_view, dtables.get(), stride, drows.get(), dpos.get(), T, bound,
-                         dq.get(), nh, scale, out.get(), gated ? dgate.get() : nullptr);
-    const auto got = out.download();
-    int64_t t0 = 0;
-    for (int64_t r = 0; r < R; ++r) {
-      const int64_t n = wins[sz(r)];
-      const std::string what = "row " + std::to_string(r) + (gated ? " gated" : "");
-      const auto mine = slice(got, sz(t0 * qrow), sz(n * qrow));
-      if (r == skipped) {
-        EXPECT_TRUE(std::all_of(mine.begin(), mine.end(), [](float x) { return std::isnan(x); }))
-            << what << ": a skipped query was written";
-      } else {
-        // Alone, under the row's own bound, with its own table.
-        const DeviceBuffer<int32_t> table(
-            std::vector<int32_t>(tables.begin() + r * stride, tables.begin() + (r + 1) * stride));
-        const DeviceBuffer<int64_t> rpos(slice(pos, sz(t0), sz(n)));
-        const DeviceBuffer<float> rq(slice(q, sz(t0 * qrow), sz(n * qrow)));
-        const DeviceBuffer<float> rg(slice(gate, sz(t0 * qrow), sz(n * qrow)));
-        DeviceBuffer<float> alone = nan_buffer(sz(n * qrow));
-        cuda::attention(dev_view, table.get(), rpos.get(), n, lens[sz(r)], rq.get(), nh, scale,
-                        alone.get(), gated ? rg.get() : nullptr);
-        EXPECT_TRUE(bitwise_equal(mine, alone.download())) << what << ": batched vs alone";
-        if (!gated) {
-          std::vector<float> want(sz(n * qrow));
-          cpu::attention(host_view, tables.data() + r * stride, pos.data() + t0, n, bound,
-                         q.data() + t0 * qrow, nh, scale, want.data());
-          EXPECT_TRUE(near_blocks(mine, want, sz(hd), kAttnRel)) << what << ": vs the CPU op";
+  for (const bool gated : {false, true})
+    for (const int64_t window : {1, 2, 3, 4, 8})
+      for (const int most : {0, 2, 4}) {
+        DeviceBuffer<float> out = nan_buffer(q.size());
+        {
+          const AttentionRuns runs(most);
+          cuda::attention_rows(dev_view, dtables.get(), stride, drows.get(), dpos.get(), T, bound,
+                               window, dq.get(), nh, scale, out.get(),
+                               gated ? dgate.get() : nullptr);
+        }
+        const auto got = out.download();
+        int64_t t0 = 0;
+        for (int64_t r = 0; r < R; ++r) {
+          const int64_t n = wins[sz(r)];
+          const std::string what = "row " + std::to_string(r) + (gated ? " gated" : "") +
+                                   " window " + std::to_string(window) + " runs of " +
+                                   std::to_string(most);
+          const auto mine = slice(got, sz(t0 * qrow), sz(n * qrow));
+          if (r == skipped) {
+            EXPECT_TRUE(
+                std::all_of(mine.begin(), mine.end(), [](float x) { return std::isnan(x); }))
+                << what << ": a skipped query was written";
+          } else {
+            // Alone, under the row's own bound, with its own table.
+            const DeviceBuffer<int32_t> table(std::vector<int32_t>(
+                tables.begin() + r * stride, tables.begin() + (r + 1) * stride));
+            const DeviceBuffer<int64_t> rpos(slice(pos, sz(t0), sz(n)));
+            const DeviceBuffer<float> rq(slice(q, sz(t0 * qrow), sz(n * qrow)));
+            const DeviceBuffer<float> rg(slice(gate, sz(t0 * qrow), sz(n * qrow)));
+            DeviceBuffer<float> alone = nan_buffer(sz(n * qrow));
+            cuda::attention(dev_view, table.get(), rpos.get(), n, lens[sz(r)], rq.get(), nh, scale,
+                            alone.get(), gated ? rg.get() : nullptr);
+            EXPECT_TRUE(bitwise_equal(mine, alone.download())) << what << ": batched vs alone";
+            if (!gated) {
+              std::vector<float> want(sz(n * qrow));
+              cpu::attention(host_view, tables.data() + r * stride, pos.data() + t0, n, bound,
+                             q.data() + t0 * qrow, nh, scale, want.data());
+              EXPECT_TRUE(near_blocks(mine, want, sz(hd), kAttnRel)) << what << ": vs the CPU op";
+            }
+          }
+          t0 += n;
         }
       }
-      t0 += n;
-    }
-  }
+}
+
+TEST_F(CudaBatchInvariance, AttentionRowsEqualsEachRowAlone) {
+  attention_rows_equal_each_row_alone({1, 17, 300, 1000, 40, 16, 5}, {1, 4, 1, 2, 8, 2, 3});
+  attention_rows_equal_each_row_alone({4, 17, 300, 1000, 40, 16, 5}, {4, 4, 4, 4, 4, 4, 4});
 }
 
 TEST_F(CudaBatchInvariance, AttentionQueriesAreBitwiseIndependentOfTheWindowAndBound) {
@@ -2318,32 +2343,41 @@ TEST_F(CudaBatchInvariance, AttentionQueriesAreBitwiseIndependentOfTheWindowAndB
     for (int64_t t = 0; t < n; ++t)
       EXPECT_TRUE(bitwise_equal(run(t, 1, c.start + t + 1), slice(all, sz(t * qrow), sz(qrow))))
           << what << ": query " << t << " alone vs in the window";
-    auto split = run(0, 3, len);
-    const auto rest = run(3, 5, len);
-    split.insert(split.end(), rest.begin(), rest.end());
-    EXPECT_TRUE(bitwise_equal(split, all)) << what << ": windows 3 + 5 vs 8";
-    // Bounds: the next multiple of 1024 (what the model passes), one far past it (more grid
-    // partitions and a larger partition-size tier than any query here uses), and a decode query
-    // replayed under a bound it shares with the whole window.
-    for (const int64_t bound : {(len + 1023) / 1024 * 1024, int64_t{150000}})
-      EXPECT_TRUE(bitwise_equal(run(0, n, bound), all)) << what << ": bound " << bound;
-    EXPECT_TRUE(bitwise_equal(run(n - 1, 1, 150000), slice(all, sz((n - 1) * qrow), sz(qrow))))
-        << what << ": last query alone under bound 150000";
-    // Shuffled: query j of the call is window query order[j].
-    std::vector<int64_t> order(sz(n));
-    std::iota(order.begin(), order.end(), int64_t{0});
-    std::shuffle(order.begin(), order.end(), rng);
-    std::vector<int64_t> pos_shuffled;
-    std::vector<float> q_shuffled;
-    for (const int64_t t : order) {
-      pos_shuffled.push_back(pos[sz(t)]);
-      q_shuffled.insert(q_shuffled.end(), q.begin() + t * qrow, q.begin() + (t + 1) * qrow);
+    // Blocks serving 1, 2 or 4 of the queries (each of them a run, or split where the partition
+    // size changes: start 509); then by the grid, as above.
+    for (const int most : {1, 2, 4, 0}) {
+      const AttentionRuns runs(most);
+      const std::string what_runs = what + ", runs of " + std::to_string(most);
+      EXPECT_TRUE(bitwise_equal(run(0, n, len), all)) << what_runs;
+      EXPECT_TRUE(bitwise_equal(run(1, n - 1, len), slice(all, sz(qrow), sz((n - 1) * qrow))))
+          << what_runs << ": queries 1..7";
+      auto split = run(0, 3, len);
+      const auto rest = run(3, 5, len);
+      split.insert(split.end(), rest.begin(), rest.end());
+      EXPECT_TRUE(bitwise_equal(split, all)) << what_runs << ": windows 3 + 5 vs 8";
+      // Bounds: the next multiple of 1024 (what the model passes), one far past it (more grid
+      // partitions and a larger partition-size tier than any query here uses), and a decode query
+      // replayed under a bound it shares with the whole window.
+      for (const int64_t bound : {(len + 1023) / 1024 * 1024, int64_t{150000}})
+        EXPECT_TRUE(bitwise_equal(run(0, n, bound), all)) << what_runs << ": bound " << bound;
+      EXPECT_TRUE(bitwise_equal(run(n - 1, 1, 150000), slice(all, sz((n - 1) * qrow), sz(qrow))))
+          << what_runs << ": last query alone under bound 150000";
+      // Shuffled: query j of the call is window query order[j].
+      std::vector<int64_t> order(sz(n));
+      std::iota(order.begin(), order.end(), int64_t{0});
+      std::shuffle(order.begin(), order.end(), rng);
+      std::vector<int64_t> pos_shuffled;
+      std::vector<float> q_shuffled;
+      for (const int64_t t : order) {
+        pos_shuffled.push_back(pos[sz(t)]);
+        q_shuffled.insert(q_shuffled.end(), q.begin() + t * qrow, q.begin() + (t + 1) * qrow);
+      }
+      const auto shuffled = cuda_attention(kv, pos_shuffled, len, q_shuffled, c.n_heads, scale);
+      for (int64_t j = 0; j < n; ++j)
+        EXPECT_TRUE(bitwise_equal(slice(shuffled, sz(j * qrow), sz(qrow)),
+                                  slice(all, sz(order[sz(j)] * qrow), sz(qrow))))
+            << what_runs << ": query " << order[sz(j)] << " at slot " << j << " of a shuffled call";
     }
-    const auto shuffled = cuda_attention(kv, pos_shuffled, len, q_shuffled, c.n_heads, scale);
-    for (int64_t j = 0; j < n; ++j)
-      EXPECT_TRUE(bitwise_equal(slice(shuffled, sz(j * qrow), sz(qrow)),
-                                slice(all, sz(order[sz(j)] * qrow), sz(qrow))))
-          << what << ": query " << order[sz(j)] << " at slot " << j << " of a shuffled call";
   }
 }
 

@@ -674,13 +674,14 @@ void attention(const KVLayerView& kv, const int32_t* block_table, const int64_t*
 }
 void attention_rows(const KVLayerView& kv, const int32_t* tables, int64_t table_stride,
                     const int64_t* query_rows, const int64_t* positions, int64_t n,
-                    int64_t position_bound, const float* q, int64_t n_heads, float scale,
-                    float* out, const float* gate) {
+                    int64_t position_bound, int64_t window, const float* q, int64_t n_heads,
+                    float scale, float* out, const float* gate) {
 #ifdef TANDEM_HAVE_CUDA
   if (g_backend == Backend::Cuda)
     return cuda::attention_rows(kv, tables, table_stride, query_rows, positions, n, position_bound,
-                                q, n_heads, scale, out, gate);
+                                window, q, n_heads, scale, out, gate);
 #endif
+  if (window < 1) fail("attention_rows: window ", window, " is not a query count >= 1");
   // Runs of consecutive queries of one row, each one attention() call.
   const int64_t qf = n_heads * kv.head_dim;
   for (int64_t t0 = 0; t0 < n;) {

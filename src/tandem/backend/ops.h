@@ -570,11 +570,15 @@ void attention(const KVLayerView& kv, const int32_t* block_table, const int64_t*
 // query_rows[t] = -1 skips the query (its output is left untouched). tables, query_rows and
 // positions [n] are backend memory. position_bound bounds every query's position. Each query's
 // output is bitwise the one attention() gives for it with its row's table: a query's arithmetic
-// depends on its own position alone, never on the other rows of the call.
+// depends on its own position alone, never on the other rows of the call. window (>= 1), like
+// position_bound, sizes the work and never the arithmetic: the length every row's queries share
+// when each row's run of consecutive queries starts at a multiple of it (a step of verify
+// windows), which lets CUDA load a row's keys and values once for several of its queries; 1
+// when rows differ.
 void attention_rows(const KVLayerView& kv, const int32_t* tables, int64_t table_stride,
                     const int64_t* query_rows, const int64_t* positions, int64_t n,
-                    int64_t position_bound, const float* q, int64_t n_heads, float scale,
-                    float* out, const float* gate = nullptr);
+                    int64_t position_bound, int64_t window, const float* q, int64_t n_heads,
+                    float scale, float* out, const float* gate = nullptr);
 
 // Attention of one row's prompt: n tokens at positions 0..n-1 whose keys/values k, v
 // ([n, n_kv_heads, head_dim], contiguous) were just written to the row's KV with kv_write.

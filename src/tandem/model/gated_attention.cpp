@@ -62,7 +62,7 @@ void gated_attention(const GatedAttentionShape& s, const ops::WeightRef& q_norm,
     const int64_t bound = batched_position_bound(segments, s.prompt);
     if (bound > 0)
       ops::attention_rows(kv, rows->tables, rows->table_stride, rows->query_rows, positions, T,
-                          bound, q, nh, scale, o, gate);
+                          bound, batched_window(segments, s.prompt), q, nh, scale, o, gate);
   }
   int64_t t0 = 0;
   for (const AttentionSegment& seg : segments) {

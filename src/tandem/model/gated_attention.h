@@ -69,6 +69,22 @@ inline int64_t batched_position_bound(std::span<const AttentionSegment> segments
   return bound;
 }
 
+// The window hint of the batched call (ops::attention_rows): the length the attending segments
+// share when each starts at a multiple of it in the call's queries (a step of equal verify
+// windows, or of single tokens), else 1. Like the bound it sizes the work only, and follows from
+// the segments' lengths, which every graph of the call is keyed on.
+inline int64_t batched_window(std::span<const AttentionSegment> segments, bool prompt) {
+  int64_t window = 0, t0 = 0;
+  for (const AttentionSegment& seg : segments) {
+    if (seg.n > 0 && !served_by_prompt_attention(prompt, seg.start)) {
+      if (window == 0) window = seg.n;
+      if (seg.n != window || t0 % window != 0) return 1;
+    }
+    t0 += seg.n;
+  }
+  return window > 0 ? window : 1;
+}
+
 struct GatedAttentionShape {
   int64_t n_heads = 0, n_kv_heads = 0, head_dim = 0, rotary_dim = 0;
   float eps = 1e-6f;

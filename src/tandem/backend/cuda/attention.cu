@@ -15,9 +15,12 @@
 // how the grid is cut, so a token's output is bitwise the same alone, in a verify window, in a
 // prefill, or replayed from a graph captured under another bound.
 //
-// Work split. One block per (partition, query, head chunk): a head chunk is G query heads that
-// share one kv head, so each key/value row is read once for all G heads. The block that finishes
-// a query's last partition (an atomic counter per (query, chunk)) merges the partitions, so there
+// Work split. One block per (partition, group of queries, head chunk): a head chunk is G query
+// heads that share one kv head, so each key/value row is read once for all G heads; a group is up
+// to 4 consecutive queries, and those of one row cut alike (a verify window's) share the block's
+// loads of each key/value row as well. Which queries share a block is a matter of the work, not
+// the arithmetic: each query keeps its own rows, rounds and state. The block that finishes a
+// query's last partition (an atomic counter per (query, chunk)) merges the partitions, so there
 // is one launch per call and no second kernel; which block that is changes no number, because
 // the merge reads every partition's result from memory in partition order.
 //
@@ -28,6 +31,8 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <type_traits>
 
 #include "tandem/backend/cuda/activation.cuh"
 #include "tandem/backend/cuda/check.cuh"
@@ -48,6 +53,8 @@ constexpr int64_t kMinPartition = kRoundRows;      // a partition is whole round
 constexpr int64_t kMaxPartitions = 256;            // per query; bounds the merge's shared memory
 constexpr int kMaxChunkHeads = 4;                  // G: query heads per block
 constexpr int kMergeBatch = 16;                    // partitions whose partials load together
+constexpr int kMaxRun = 4;        // queries a block serves (W: their rows in shared memory)
+constexpr int64_t kRunWaves = 3;  // waves of resident blocks a grid keeps when runs form
 // Blocks per SM the kernel is compiled for: 2 caps it at 128 registers (no spills), so a second
 // block's loads hide the first's latency when the grid holds more than one block per SM (verify
 // windows, long contexts).
@@ -177,279 +184,378 @@ constexpr int log2_int(int v) {
   return v <= 1 ? 0 : 1 + log2_int(v / 2);
 }
 
-// One block per (partition s, query t, head chunk c); grid = (max partitions, queries, chunks).
-// KV4 = float4s per lane in a row (head_dim <= 128 · KV4), G = query heads of the chunk, all
-// reading kv head (c · G) / group. Lane l holds dims 4f..4f+3 of every row, f = l + 32k.
-// Scores are kept in base 2: score = (q · k) · scale · log2(e), weights exp2(score - max).
+// One block per (partition s, group of `run` consecutive queries, head chunk c); grid = (max
+// partitions, groups, chunks). KV4 = float4s per lane in a row (head_dim <= 128 · KV4), G =
+// query heads of the chunk, all reading kv head (c · G) / group, W >= run the most queries whose
+// rows a block holds. Lane l holds dims 4f..4f+3 of every row, f = l + 32k. Scores are kept in
+// base 2: score = (q · k) · scale · log2(e), weights exp2(score - max).
+//
+// Runs. The group's queries of one block table whose prefixes are cut alike (the same partition
+// size: a verify window's queries, short of a tier boundary) read the same rows in partition s,
+// each up to its own end. The block serves such a run's queries one after another, each through
+// exactly the steps below as it would run alone (so its bits do not depend on the run); the
+// first reads the keys and values from L2 or memory, the others find them in L1. What a run
+// saves is the blocks: their start, their block-table and query reads, their merges.
 //
 //  1. Rows. Round r covers rows r·32 .. r·32+31 of the partition; warp w takes rows w·4 .. w·4+3
 //     of each round (R = 4 rows, G·R scores). Per round: the lane-ordered fmaf dot products of
-//     the lane's dims for all G·R scores, one transposed warp sum (lane l then owns score
-//     (g, u) = divmod(l >> (5 - log2(G·R)), R)), the round max per head (butterfly over the
-//     owners of the head's rows), and online softmax: a running max m, sum of weights l and
-//     weighted value sums per head, rescaled by exp2(m - m') when the max grows, then the rows
-//     added in row order. A row past the partition scores -inf (weight exactly 0).
+//     the lane's dims for all G·R scores, one transposed warp sum (lane l
+//     then owns score (g, u) = divmod(l >> (5 - log2(G·R)), R)), the round max per head
+//     (butterfly over the owners of the head's rows), and online softmax: a running max m, sum of
+//     weights l and weighted value sums per head, rescaled by exp2(m - m') when the max grows,
+//     then the rows added in row order. A row past the partition scores -inf (weight exactly 0).
 //  2. The warps' (m, l, sums) are merged in warp order into the partition's result, which goes
 //     to the partial results.
 //  3. The last block of (t, c) merges the query's partitions in partition order:
 //     M = max m_s, w_s = exp2(m_s - M), out = (Σ_s w_s · acc_s) / (Σ_s w_s · l_s).
 // Every order above is fixed by the query's position alone.
-template <int KV4, int G, class T>
+template <int KV4, int G, int W, class T>
 __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
     attention_kernel(PagedKV<T> kv, const int32_t* tables, int64_t table_stride,
                      const int64_t* query_rows, const int64_t* positions, int64_t position_bound,
-                     int64_t first_query, int64_t n_heads, int64_t group, int64_t head_dim,
-                     const float* q, float score_scale, int64_t slots, int64_t m_offset,
-                     int64_t l_offset, float* out, const float* gate, PartialResults partials) {
+                     int64_t first_query, int64_t queries, int run, int64_t n_heads, int64_t group,
+                     int64_t head_dim, const float* q, float score_scale, int64_t slots,
+                     int64_t m_offset, int64_t l_offset, float* out, const float* gate,
+                     PartialResults partials) {
   constexpr int R = kRowsPerWarp;
-  constexpr int N = G * R;                      // scores per warp and round
-  constexpr int kOwners = 32 / N;               // lanes owning one score
-  constexpr int kOwnerShift = 5 - log2_int(N);  // score of lane l: l >> kOwnerShift
-  constexpr int kDims = 128 * KV4;              // dims a warp covers (>= head_dim)
-  // Per-warp sums of weight · value during 1 and 2; reused for the merge of 3 (see the
-  // static_assert).
-  __shared__ float4 s_acc4[kWarps * G * kDims / 4];
-  __shared__ float4 s_q4[G * kDims / 4];  // the chunk's query rows, zero past head_dim
+  constexpr int N = G * R;                        // scores per warp, round and query
+  constexpr int kOwners = 32 / N;                 // lanes owning one score
+  constexpr int kOwnerShift = 5 - log2_int(N);    // score of lane l: l >> kOwnerShift
+  constexpr int kDims = 128 * KV4;                // dims a warp covers (>= head_dim)
+  constexpr int kSums4 = kWarps * G * kDims / 4;  // float4s of one query's per-warp sums
+  constexpr int kQuery4 = G * kDims / 4;          // float4s of one query's rows, zero past head_dim
+  // Dynamic: [kSums4] per-warp sums of weight · value during 1 and 2 of one query (reused for
+  // the merges of 3), then [W][kQuery4] the queries' rows.
+  extern __shared__ float4 s_dynamic[];
+  float4* s_sums4 = s_dynamic;
+  float4* s_query4 = s_dynamic + kSums4;
   __shared__ float s_m[kWarps][G], s_l[kWarps][G], s_w[kWarps][G];
-  __shared__ bool s_last;
-  static_assert(kWarps * G * kDims >= 3 * kMaxPartitions * G, "merge buffers fit in s_acc4");
-  static_assert(G * kDims / 4 <= kThreads, "one float4 of the query rows per thread");
-  float* s_acc = reinterpret_cast<float*>(s_acc4);
+  __shared__ float s_max[G];
+  __shared__ bool s_last[W];
+  static_assert(kSums4 * 4 >= 3 * kMaxPartitions * G, "merge buffers fit in one query's sums");
+  static_assert(kQuery4 <= kThreads, "one float4 of the query rows per thread");
 
   const int lane = threadIdx.x % 32;
   const int warp = threadIdx.x / 32;
-  const int64_t qi = blockIdx.y;  // query within the launch
-  const int64_t t = first_query + qi;
+  const int64_t first = static_cast<int64_t>(blockIdx.y) * run;  // within the launch
+  const int members = static_cast<int>(min(static_cast<int64_t>(run), queries - first));
   const int64_t chunk = blockIdx.z;
   const int64_t n_chunks = gridDim.z;
   const int64_t h0 = chunk * G;  // the chunk's first query head
   const int64_t kv_off = (h0 / group) * head_dim;
-  const int64_t out_base = (t * n_heads + h0) * head_dim;  // [G, head_dim] of out and q
-  const int64_t vec = head_dim / 4;                        // float4s per head
+  const int64_t vec = head_dim / 4;  // float4s per head
+  const int64_t s = blockIdx.x;
+  // Query i of the group's [G, head_dim] of out and q.
+  auto out_base = [&](int i) { return ((first_query + first + i) * n_heads + h0) * head_dim; };
 
-  // The row, the position, the partition and the first round's block-table reads come before
-  // the wait: rows, positions and block tables are uploaded before the forward's first kernel
-  // (check.cuh), so only the query rows (the kernel before this one writes them) wait for it.
-  if (query_rows) {  // attention_rows: the query's own row's table
-    const int64_t row = query_rows[t];
-    if (row < 0) return;  // a skipped query (whole block, before any barrier)
-    kv.block_table = tables + row * table_stride;
+  // The members' rows, prefixes and partition sizes, before the wait: rows, positions and block
+  // tables are uploaded before the forward's first kernel (check.cuh), so only the query rows
+  // (the kernel before this one writes them) wait for it. A skipped query (row -1) is in no run;
+  // one whose position breaks the caller's bound neither. Shared: the row loop keeps none of it
+  // in registers.
+  __shared__ int64_t s_row[W], s_len[W], s_part[W];
+  if (threadIdx.x < W) {
+    const int i = threadIdx.x;
+    int64_t row = -1, len = 0;  // len 0: in no run; -1: a position outside the bound
+    if (i < members) {
+      const int64_t t = first_query + first + i;
+      row = query_rows ? query_rows[t] : 0;
+      if (row >= 0) {
+        const int64_t pos = positions[t];
+        len = pos < 0 || pos >= position_bound ? -1 : pos + 1;
+      }
+    }
+    s_row[i] = row;
+    s_len[i] = len;
+    s_part[i] = len > 0 ? partition_size(len) : 0;
   }
-  const int64_t pos = positions[t];
-  if (pos < 0 || pos >= position_bound) {
+  __syncthreads();
+  unsigned ok = 0, bad = 0, starts = 0;  // a run starts at every query that cannot join the last
+#pragma unroll
+  for (int i = 0; i < W; ++i) {
+    if (s_len[i] < 0) bad |= 1u << i;
+    if (s_len[i] <= 0) continue;
+    ok |= 1u << i;
+    if (i == 0 || !(ok >> (i - 1) & 1u) || s_row[i] != s_row[i - 1] || s_part[i] != s_part[i - 1])
+      starts |= 1u << i;
+  }
+  if (bad != 0) {
     // The caller broke its bound: NaN marks the output, and no counter moves.
     pdl_wait();
     pdl_release();
     if (blockIdx.x == 0)
-      for (int64_t i = threadIdx.x; i < G * head_dim; i += kThreads) out[out_base + i] = NAN;
-    return;
+      for (int i = 0; i < W; ++i)
+        if (bad >> i & 1u)
+          for (int64_t j = threadIdx.x; j < G * head_dim; j += kThreads) out[out_base(i) + j] = NAN;
   }
-  const int64_t len = pos + 1;
-  const int64_t part = partition_size(len);
-  const int64_t n_parts = (len + part - 1) / part;
-  const int64_t s = blockIdx.x;
-  if (s >= n_parts) return;  // past this query's prefix (whole block, before any barrier)
-  const int64_t p0 = s * part;
-  const int64_t plen = min(part, len - p0);
 
-  // 1. This warp's rows, round by round. The lane's own score (g, u):
+  // The lane's own score (g, u), the same for every query:
   const int own = lane >> kOwnerShift;
   const int own_g = own / R, own_u = own % R;
-  float m = -INFINITY, l = 0.0f;  // of head own_g (the same in all of its owner lanes)
-  // The weighted value sums live in the warp's slice of s_acc4 rather than in 32 registers
-  // (which would push the row loop past 128): each lane reads and writes only its own float4s,
-  // so no barrier is needed until step 2.
-  float4* acc = s_acc4 + warp * G * (kDims / 4) + lane;  // acc[(g · kDims/4 + 32k)]
-#pragma unroll
-  for (int g = 0; g < G; ++g)
-#pragma unroll
-    for (int k = 0; k < KV4; ++k)
-      acc[g * (kDims / 4) + 32 * k] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
   bool live[KV4];
 #pragma unroll
   for (int k = 0; k < KV4; ++k) live[k] = lane + 32 * k < vec;
   const int64_t value_shift = static_cast<int64_t>(kv.block_size) * kv.row;
-  // Key offsets of the warp's rows of round r; a row past plen re-reads the last row (always
-  // in the row's blocks) and scores -inf.
-  int64_t off[R];
-  auto row_offsets = [&](int64_t r0) {
+
+  unsigned merge = 0;  // the queries whose last partition this block finished
+  for (unsigned todo = starts; todo != 0;) {
+    // The run: from its first query up to the next start or the first query not in a run (~ok
+    // holds every bit from W up, so there is one).
+    const int a = __ffs(todo) - 1;
+    todo &= todo - 1;
+    const int b = __ffs((todo | ~ok) & ~((2u << a) - 1u)) - 1;
+    const unsigned in_run = ((1u << b) - 1u) & ~((1u << a) - 1u);
+    // Partition arithmetic in 32 bits (positions are below 2^31, checked on the host): fewer
+    // registers held through the row loop.
+    const int psize = static_cast<int>(s_part[a]);
+    unsigned served = 0;  // the queries whose prefix reaches partition s
 #pragma unroll
-    for (int u = 0; u < R; ++u) {
-      const int64_t j = min(r0 + warp * R + u, plen - 1);
-      off[u] = kv.key_offset(static_cast<uint32_t>(p0 + j)) + kv_off;
-    }
-  };
-  row_offsets(0);
-  pdl_wait();
-  pdl_release();
-  if (threadIdx.x < G * kDims / 4) {
-    const int64_t g = threadIdx.x / (kDims / 4), f = threadIdx.x % (kDims / 4);
-    s_q4[threadIdx.x] =
-        f < vec ? ldg4(q + out_base + g * head_dim + 4 * f) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-  }
-  __syncthreads();  // s_q4 complete
-  for (int64_t r0 = 0; r0 < plen; r0 += kRoundRows) {
-    const int64_t j0 = r0 + warp * R;
-    if (j0 >= plen) break;  // warp-uniform; later rounds start further still
+    for (int i = 0; i < W; ++i)
+      if ((in_run >> i & 1u) && s * psize < s_len[i]) served |= 1u << i;
+    if (served == 0) continue;                   // the whole block alike
+    const int p0 = static_cast<int>(s * psize);  // below a served query's length
+    if (query_rows) kv.block_table = tables + s_row[a] * table_stride;
+
+    // Key offsets of the warp's rows of round r of a partition of plen rows; a row past the
+    // partition re-reads its last row (always in the row's blocks) and scores -inf.
+    int64_t off[R];
+    auto row_offsets = [&](int r0, int plen) {
+#pragma unroll
+      for (int u = 0; u < R; ++u) {
+        const int j = min(r0 + warp * R + u, plen - 1);
+        off[u] = kv.key_offset(static_cast<uint32_t>(p0 + j)) + kv_off;
+      }
+    };
+    auto plen_of = [&](int i) {
+      return static_cast<int>(min(static_cast<int64_t>(psize), s_len[i] - p0));
+    };
+    // A round's keys and values of the warp's rows (at off) into registers.
     float4 kr[R][KV4], vr[R][KV4];
+    auto load_round = [&] {
 #pragma unroll
-    for (int u = 0; u < R; ++u)
+      for (int u = 0; u < R; ++u)
 #pragma unroll
-      for (int k = 0; k < KV4; ++k) {
-        const T* kp = kv.pool + off[u] + 4 * (lane + 32 * k);
-        kr[u][k] = live[k] ? load_kv4(kp) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        vr[u][k] = live[k] ? load_kv4(kp + value_shift) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        for (int k = 0; k < KV4; ++k) {
+          const T* kp = kv.pool + off[u] + 4 * (lane + 32 * k);
+          kr[u][k] = live[k] ? load_kv4(kp) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+          vr[u][k] = live[k] ? load_kv4(kp + value_shift) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        }
+    };
+    const int lead = __ffs(served) - 1;  // the first query served, whose first round goes first
+    row_offsets(0, plen_of(lead));
+    pdl_wait();
+    pdl_release();
+    // The first query's first round and every served query's rows, all in flight at once (the
+    // kernel before this one writes the window's own keys and values and the query rows).
+    load_round();
+    for (int i = 0; i < W; ++i)
+      if ((served >> i & 1u) && threadIdx.x < kQuery4) {
+        const int64_t g = threadIdx.x / (kDims / 4), f = threadIdx.x % (kDims / 4);
+        s_query4[i * kQuery4 + threadIdx.x] = f < vec ? ldg4(q + out_base(i) + g * head_dim + 4 * f)
+                                                      : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
       }
-    // The next round's block-table reads go out with this round's rows.
-    if (r0 + kRoundRows < plen) row_offsets(r0 + kRoundRows);
+    __syncthreads();  // the query rows complete
 
-    float x[N];  // this lane's share of every score
-#pragma unroll
-    for (int g = 0; g < G; ++g) {
-      float4 qg[KV4];
-#pragma unroll
-      for (int k = 0; k < KV4; ++k) qg[k] = s_q4[g * (kDims / 4) + lane + 32 * k];
-#pragma unroll
-      for (int u = 0; u < R; ++u) {
-        float d = 0.0f;
-#pragma unroll
-        for (int k = 0; k < KV4; ++k) d = dot4(qg[k], kr[u][k], d);
-        x[g * R + u] = d;
+    // The queries of the run one after another, each through 1 and 2 exactly as it runs alone;
+    // the keys and values the first one loaded are still in L1 for the others.
+#pragma unroll 1
+    for (int i = lead; i < b; ++i) {
+      if (!(served >> i & 1u)) continue;  // the whole block alike
+      const int plen = plen_of(i);
+      if (i != lead) {
+        row_offsets(0, plen);
+        load_round();
       }
-    }
-    // All lanes reduce (the shuffles need the whole warp); then a row past plen drops out.
-    const float dot = warp_sum_transposed<N>(x, lane);
-    const float score = j0 + own_u < plen ? dot * score_scale : -INFINITY;
-    // The head's round max and weight sum over the owners of its R rows (lane bits
-    // kOwnerShift .. kOwnerShift + log2 R - 1).
-    float mx = score;
-#pragma unroll
-    for (int o = kOwners; o < kOwners * R; o *= 2)
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-    mx = fmaxf(m, mx);                 // finite: row j0 is in the partition
-    const float corr = exp2f(m - mx);  // 0 on the first round (m = -inf)
-    const float e = exp2f(score - mx);
-    float esum = e;
-#pragma unroll
-    for (int o = kOwners; o < kOwners * R; o *= 2) esum += __shfl_xor_sync(0xffffffffu, esum, o);
-    l = fmaf(l, corr, esum);
-    m = mx;
-    // Every lane adds every row's weighted values to its dims, in row order.
-#pragma unroll
-    for (int g = 0; g < G; ++g) {
-      const float c = __shfl_sync(0xffffffffu, corr, g * R * kOwners);
-      float4 a[KV4];
-#pragma unroll
-      for (int k = 0; k < KV4; ++k) a[k] = scale4(c, acc[g * (kDims / 4) + 32 * k]);
-#pragma unroll
-      for (int u = 0; u < R; ++u) {
-        const float w = __shfl_sync(0xffffffffu, e, (g * R + u) * kOwners);
-#pragma unroll
-        for (int k = 0; k < KV4; ++k) a[k] = fma4(w, vr[u][k], a[k]);
-      }
-#pragma unroll
-      for (int k = 0; k < KV4; ++k) acc[g * (kDims / 4) + 32 * k] = a[k];
-    }
-  }
-  // A warp without rows keeps m = -inf, l = 0, sums 0: weight 0 below.
-  if (lane % (R * kOwners) == 0) {
-    s_m[warp][own_g] = m;
-    s_l[warp][own_g] = l;
-  }
-  __syncthreads();  // every warp's m, l and sums
+      const float4* query4 = s_query4 + i * kQuery4;
 
-  // 2. The partition's result: warps merged in warp order (warp 0 always has rows, so the
-  // max is finite).
-  const int64_t slot = (qi * n_chunks + chunk) * slots + s;  // this partition's slot
-  if (threadIdx.x < G) {
-    const int g = threadIdx.x;
-    float mp = s_m[0][g];
-    for (int w = 1; w < kWarps; ++w) mp = fmaxf(mp, s_m[w][g]);
-    float sum = 0.0f;
-    for (int w = 0; w < kWarps; ++w) {
-      const float wt = exp2f(s_m[w][g] - mp);
-      s_w[w][g] = wt;
-      sum = fmaf(wt, s_l[w][g], sum);
+      // 1. This warp's rows, round by round. m, l: of head own_g (the same in all of its owner
+      // lanes). The weighted value sums live in shared memory rather than in 32 registers
+      // (which would push the row loop past 128): each lane reads and writes only its own
+      // float4s, so no barrier is needed until step 2.
+      float m = -INFINITY, l = 0.0f;
+      float4* acc = s_sums4 + warp * G * (kDims / 4) + lane;  // acc[(g · kDims/4 + 32k)]
+#pragma unroll
+      for (int g = 0; g < G; ++g)
+#pragma unroll
+        for (int k = 0; k < KV4; ++k)
+          acc[g * (kDims / 4) + 32 * k] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      for (int r0 = 0; r0 < plen; r0 += kRoundRows) {
+        const int j0 = r0 + warp * R;
+        if (j0 >= plen) break;  // warp-uniform; later rounds start further still
+        if (r0 > 0) load_round();
+        // The next round's block-table reads go out with this round's rows.
+        if (r0 + kRoundRows < plen) row_offsets(r0 + kRoundRows, plen);
+
+        float x[N];  // this lane's share of every score
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+          float4 qg[KV4];
+#pragma unroll
+          for (int k = 0; k < KV4; ++k) qg[k] = query4[g * (kDims / 4) + lane + 32 * k];
+#pragma unroll
+          for (int u = 0; u < R; ++u) {
+            float d = 0.0f;
+#pragma unroll
+            for (int k = 0; k < KV4; ++k) d = dot4(qg[k], kr[u][k], d);
+            x[g * R + u] = d;
+          }
+        }
+        // All lanes reduce (the shuffles need the whole warp); then a row past plen drops out.
+        const float dot = warp_sum_transposed<N>(x, lane);
+        const float score = j0 + own_u < plen ? dot * score_scale : -INFINITY;
+        // The head's round max and weight sum over the owners of its R rows (lane bits
+        // kOwnerShift .. kOwnerShift + log2 R - 1).
+        float mx = score;
+#pragma unroll
+        for (int o = kOwners; o < kOwners * R; o *= 2)
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+        mx = fmaxf(m, mx);                 // finite: row j0 is in the partition
+        const float corr = exp2f(m - mx);  // 0 on the first round (m = -inf)
+        const float e = exp2f(score - mx);
+        float esum = e;
+#pragma unroll
+        for (int o = kOwners; o < kOwners * R; o *= 2)
+          esum += __shfl_xor_sync(0xffffffffu, esum, o);
+        l = fmaf(l, corr, esum);
+        m = mx;
+        // Every lane adds every row's weighted values to its dims, in row order.
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+          const float c = __shfl_sync(0xffffffffu, corr, g * R * kOwners);
+          float4 a4[KV4];
+#pragma unroll
+          for (int k = 0; k < KV4; ++k) a4[k] = scale4(c, acc[g * (kDims / 4) + 32 * k]);
+#pragma unroll
+          for (int u = 0; u < R; ++u) {
+            const float w = __shfl_sync(0xffffffffu, e, (g * R + u) * kOwners);
+#pragma unroll
+            for (int k = 0; k < KV4; ++k) a4[k] = fma4(w, vr[u][k], a4[k]);
+          }
+#pragma unroll
+          for (int k = 0; k < KV4; ++k) acc[g * (kDims / 4) + 32 * k] = a4[k];
+        }
+      }
+      // A warp without rows keeps m = -inf, l = 0, sums 0: weight 0 below.
+      if (lane % (R * kOwners) == 0) {
+        s_m[warp][own_g] = m;
+        s_l[warp][own_g] = l;
+      }
+      __syncthreads();  // every warp's m, l and sums
+
+      // 2. The partition's result: warps merged in warp order (warp 0 always has rows, so the
+      // max is finite).
+      const int64_t slot = ((first + i) * n_chunks + chunk) * slots + s;
+      if (threadIdx.x < G) {
+        const int g = threadIdx.x;
+        float mp = s_m[0][g];
+        for (int w = 1; w < kWarps; ++w) mp = fmaxf(mp, s_m[w][g]);
+        float sum = 0.0f;
+        for (int w = 0; w < kWarps; ++w) {
+          const float wt = exp2f(s_m[w][g] - mp);
+          s_w[w][g] = wt;
+          sum = fmaf(wt, s_l[w][g], sum);
+        }
+        partials.sums[m_offset + slot * G + g] = mp;
+        partials.sums[l_offset + slot * G + g] = sum;
+      }
+      __syncthreads();  // s_w complete
+      // One float4 of [G, head_dim] per thread (G · 256 / 4 <= kThreads).
+      const int64_t o4 = threadIdx.x;
+      if (o4 < G * vec) {
+        const int og = static_cast<int>(o4 / vec);  // its head within the chunk
+        const int64_t oi = 4 * (o4 % vec);          // its first dim
+        float4 o = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        for (int w = 0; w < kWarps; ++w)
+          o = fma4(s_w[w][og], s_sums4[(w * G + og) * (kDims / 4) + oi / 4], o);
+        *reinterpret_cast<float4*>(partials.sums + (slot * G + og) * head_dim + oi) = o;
+      }
+      __syncthreads();  // the sums and s_w are free for the next query
     }
-    partials.sums[m_offset + slot * G + g] = mp;
-    partials.sums[l_offset + slot * G + g] = sum;
+
+    // Publish, and elect each query's last finished partition to merge it.
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x < W) {
+      const int i = threadIdx.x;
+      bool last = false;
+      if (served >> i & 1u) {
+        const int64_t n_parts = (s_len[i] + psize - 1) / psize;
+        unsigned* done = partials.done + (first + i) * n_chunks + chunk;
+        last = atomicAdd(done, 1u) == static_cast<unsigned>(n_parts - 1);
+        if (last) atomicExch(done, 0u);  // every partition has counted: ready for the next launch
+        __threadfence();
+      }
+      s_last[i] = last;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < W; ++i)
+      if (s_last[i]) merge |= 1u << i;
   }
-  __syncthreads();  // s_w complete
-  // One float4 of [G, head_dim] per thread (G · 256 / 4 <= kThreads).
+
+  // 3. Merge the partitions of each query this block finished last (after the runs, whose
+  // registers are then free). The first batch of partial sums is requested before the weights
+  // are computed, so those loads overlap the max and exp2 below.
   const int64_t o4 = threadIdx.x;
   const bool has_out = o4 < G * vec;
-  const int og = static_cast<int>(o4 / vec);  // its head within the chunk
-  const int64_t oi = 4 * (o4 % vec);          // its first dim
-  if (has_out) {
-    float4 o = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    for (int w = 0; w < kWarps; ++w)
-      o = fma4(s_w[w][og], s_acc4[(w * G + og) * (kDims / 4) + oi / 4], o);
-    *reinterpret_cast<float4*>(partials.sums + (slot * G + og) * head_dim + oi) = o;
-  }
-
-  // Publish, and elect the query's last finished partition to merge.
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    unsigned* done = partials.done + qi * n_chunks + chunk;
-    const bool last = atomicAdd(done, 1u) == static_cast<unsigned>(n_parts - 1);
-    if (last) atomicExch(done, 0u);  // every partition has counted: ready for the next launch
-    __threadfence();
-    s_last = last;
-  }
-  __syncthreads();
-  if (!s_last) return;
-
-  // 3. Merge the query's partitions. The first batch of partial sums is requested before the
-  // weights are computed, so those loads overlap the max and exp2 below.
-  const int64_t first_slot = (qi * n_chunks + chunk) * slots;
-  const float* part_acc = partials.sums + first_slot * G * head_dim + og * head_dim + oi;
-  float4 a[kMergeBatch];
+  const int og = static_cast<int>(o4 / vec);
+  const int64_t oi = 4 * (o4 % vec);
+#pragma unroll 1
+  for (int i = 0; i < W; ++i) {
+    if (!(merge >> i & 1u)) continue;  // the whole block alike
+    const int64_t n_parts = (s_len[i] + s_part[i] - 1) / s_part[i];
+    const int64_t first_slot = ((first + i) * n_chunks + chunk) * slots;
+    const float* part_acc = partials.sums + first_slot * G * head_dim + og * head_dim + oi;
+    float4 a[kMergeBatch];
 #pragma unroll
-  for (int b = 0; b < kMergeBatch; ++b)
-    if (has_out && b < n_parts) a[b] = ldcg4(part_acc + b * G * head_dim);
-  float* s_pm = s_acc;                           // [n_parts][G] maxima
-  float* s_pl = s_acc + kMaxPartitions * G;      // [n_parts][G] sums of weights
-  float* s_pw = s_acc + 2 * kMaxPartitions * G;  // [n_parts][G] partition weights
-  __shared__ float s_max[G];
-  for (int64_t i = threadIdx.x; i < n_parts * G; i += kThreads) {
-    s_pm[i] = __ldcg(partials.sums + m_offset + first_slot * G + i);
-    s_pl[i] = __ldcg(partials.sums + l_offset + first_slot * G + i);
-  }
-  __syncthreads();
-  if (threadIdx.x < G) {
-    float mx = s_pm[threadIdx.x];
-    for (int64_t p = 1; p < n_parts; ++p) mx = fmaxf(mx, s_pm[p * G + threadIdx.x]);
-    s_max[threadIdx.x] = mx;
-  }
-  __syncthreads();
-  for (int64_t i = threadIdx.x; i < n_parts * G; i += kThreads)
-    s_pw[i] = exp2f(s_pm[i] - s_max[i % G]);
-  __syncthreads();
-  if (!has_out) return;
-  float4 o = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-  float total = 0.0f;
-  for (int64_t pb = 0; pb < n_parts; pb += kMergeBatch) {
-    if (pb > 0) {
-#pragma unroll
-      for (int b = 0; b < kMergeBatch; ++b)
-        if (pb + b < n_parts) a[b] = ldcg4(part_acc + (pb + b) * G * head_dim);
+    for (int bt = 0; bt < kMergeBatch; ++bt)
+      if (has_out && bt < n_parts) a[bt] = ldcg4(part_acc + bt * G * head_dim);
+    float* s_pm = reinterpret_cast<float*>(s_sums4);  // [n_parts][G] maxima
+    float* s_pl = s_pm + kMaxPartitions * G;          // [n_parts][G] sums of weights
+    float* s_pw = s_pm + 2 * kMaxPartitions * G;      // [n_parts][G] partition weights
+    for (int64_t j = threadIdx.x; j < n_parts * G; j += kThreads) {
+      s_pm[j] = __ldcg(partials.sums + m_offset + first_slot * G + j);
+      s_pl[j] = __ldcg(partials.sums + l_offset + first_slot * G + j);
     }
+    __syncthreads();
+    if (threadIdx.x < G) {
+      float mx = s_pm[threadIdx.x];
+      for (int64_t p = 1; p < n_parts; ++p) mx = fmaxf(mx, s_pm[p * G + threadIdx.x]);
+      s_max[threadIdx.x] = mx;
+    }
+    __syncthreads();
+    for (int64_t j = threadIdx.x; j < n_parts * G; j += kThreads)
+      s_pw[j] = exp2f(s_pm[j] - s_max[j % G]);
+    __syncthreads();
+    if (has_out) {
+      float4 o = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      float total = 0.0f;
+      for (int64_t pb = 0; pb < n_parts; pb += kMergeBatch) {
+        if (pb > 0) {
 #pragma unroll
-    for (int b = 0; b < kMergeBatch; ++b) {
-      if (pb + b < n_parts) {
-        const float wt = s_pw[(pb + b) * G + og];
-        total = fmaf(wt, s_pl[(pb + b) * G + og], total);
-        o = fma4(wt, a[b], o);
+          for (int bt = 0; bt < kMergeBatch; ++bt)
+            if (pb + bt < n_parts) a[bt] = ldcg4(part_acc + (pb + bt) * G * head_dim);
+        }
+#pragma unroll
+        for (int bt = 0; bt < kMergeBatch; ++bt) {
+          if (pb + bt < n_parts) {
+            const float wt = s_pw[(pb + bt) * G + og];
+            total = fmaf(wt, s_pl[(pb + bt) * G + og], total);
+            o = fma4(wt, a[bt], o);
+          }
+        }
       }
+      float4 r = make_float4(o.x / total, o.y / total, o.z / total, o.w / total);
+      const int64_t base = out_base(i) + og * head_dim + oi;
+      if (gate) {  // sigmoid_gate's product, on the value it would read back
+        const float4 g = ldg4(gate + base);
+        r = make_float4(r.x * sigmoid(g.x), r.y * sigmoid(g.y), r.z * sigmoid(g.z),
+                        r.w * sigmoid(g.w));
+      }
+      *reinterpret_cast<float4*>(out + base) = r;
     }
+    __syncthreads();  // the merge buffers are free again
   }
-  float4 r = make_float4(o.x / total, o.y / total, o.z / total, o.w / total);
-  if (gate) {  // sigmoid_gate's product, on the value it would read back
-    const float4 g = ldg4(gate + out_base + og * head_dim + oi);
-    r = make_float4(r.x * sigmoid(g.x), r.y * sigmoid(g.y), r.z * sigmoid(g.z), r.w * sigmoid(g.w));
-  }
-  *reinterpret_cast<float4*>(out + out_base + og * head_dim + oi) = r;
 }
 
 // Position p's key row in a pool of rows of `row` elements: its block from the table, then its
@@ -538,10 +644,36 @@ namespace {
 
 // attention() and attention_rows(): query t reads block_table, or with query_rows its row's
 // table at tables + query_rows[t] * table_stride.
+// The most queries a block serves, fixed: 0 lets the grid decide (the default), 1, 2 or 4 fix
+// it whatever the grid (TANDEM_CUDA_ATTENTION_RUN at start-up, set_attention_runs; A/B timing
+// and tests: no output bit changes).
+int& attention_runs() {
+  static int most = [] {
+    const char* v = std::getenv("TANDEM_CUDA_ATTENTION_RUN");
+    const int n = v ? std::atoi(v) : 0;
+    return n == 1 || n == 2 || n == 4 ? n : 0;
+  }();
+  return most;
+}
+
+template <class T, int W>
+auto attention_kernel_for(int chunk_heads, bool wide) {
+  return chunk_heads == 4   ? (wide ? attention_kernel<2, 4, W, T> : attention_kernel<1, 4, W, T>)
+         : chunk_heads == 2 ? (wide ? attention_kernel<2, 2, W, T> : attention_kernel<1, 2, W, T>)
+                            : (wide ? attention_kernel<2, 1, W, T> : attention_kernel<1, 1, W, T>);
+}
+
+// attention() and attention_rows(): query t reads block_table, or with query_rows its row's
+// table at tables + query_rows[t] * table_stride. Blocks serve groups of consecutive queries, a
+// performance choice only: up to kMaxRun (or attention_runs()), a divisor of `window` (the queries
+// of each row start at multiples of it; 0: one table, any group), and only while the grid keeps
+// kRunWaves waves of blocks. A block serves its queries one after another, so in a grid of
+// fewer waves than that it is the blocks' parallelism that a run would take away (a single
+// row's window: 64-256 blocks; measured on the H100, BENCHMARKS.md).
 void launch_attention(const char* op, const ops::KVLayerView& kv, const int32_t* block_table,
                       const int32_t* tables, int64_t table_stride, const int64_t* query_rows,
-                      const int64_t* positions, int64_t n, int64_t position_bound, const float* q,
-                      int64_t n_heads, float scale, float* out, const float* gate) {
+                      const int64_t* positions, int64_t n, int64_t position_bound, int64_t window,
+                      const float* q, int64_t n_heads, float scale, float* out, const float* gate) {
   if (n < 0) fail(op, ": bad query count ", n);
   if (n == 0) return;
   check_kv_view(kv, op);
@@ -575,35 +707,52 @@ void launch_attention(const char* op, const ops::KVLayerView& kv, const int32_t*
   // Softmax in base 2: exp(x · scale) = exp2(x · scale · log2(e)).
   const float score_scale = scale * 1.44269504088896340736f;
   const bool wide = head_dim > 128;
-  auto run = [&](auto element) {
+  int64_t run = 1;  // queries per block
+  auto launch_with_state_for = [&](auto element, auto most) {
     using T = decltype(element);
-    using Kernel = void (*)(PagedKV<T>, const int32_t*, int64_t, const int64_t*, const int64_t*,
-                            int64_t, int64_t, int64_t, int64_t, int64_t, const float*, float,
-                            int64_t, int64_t, int64_t, float*, const float*, PartialResults);
-    const Kernel kernel =
-        chunk_heads == 4   ? (wide ? attention_kernel<2, 4, T> : attention_kernel<1, 4, T>)
-        : chunk_heads == 2 ? (wide ? attention_kernel<2, 2, T> : attention_kernel<1, 2, T>)
-                           : (wide ? attention_kernel<2, 1, T> : attention_kernel<1, 1, T>);
+    constexpr int W = decltype(most)::value;
+    const auto kernel = attention_kernel_for<T, W>(chunk_heads, wide);
+    // One query's per-warp sums and the rows of W queries (attention_kernel's dynamic memory).
+    const size_t smem = sizeof(float4) * (kWarps + W) * chunk_heads * 32 * (wide ? 2 : 1);
+    allow_dynamic_smem(kernel, smem, "attention (per-query sums)");
     const PagedKV<T> paged{static_cast<const T*>(kv.pool), block_table,
                            static_cast<uint32_t>(kv.block_size), kv.row_elements()};
-    // Launches of equal size: a remainder of a few queries would be a launch of its own whose
-    // blocks' latency chain costs as much as a full one.
-    const int64_t per = ceil_div(n, ceil_div(n, per_launch));
+    // Launches of equal size, of whole groups: a remainder of a few queries would be a launch
+    // of its own whose blocks' latency chain costs as much as a full one.
+    const int64_t per_most = per_launch / run * run;
+    const int64_t per = ceil_div(ceil_div(n, ceil_div(n, per_most)), run) * run;
     for (int64_t first = 0; first < n; first += per) {
       const int64_t queries = std::min(per, n - first);
       const int64_t m_offset = queries * n_chunks * slots * chunk_heads * head_dim;
       const int64_t l_offset = m_offset + queries * n_chunks * slots * chunk_heads;
-      const dim3 grid(static_cast<unsigned>(slots), static_cast<unsigned>(queries),
+      const dim3 grid(static_cast<unsigned>(slots), static_cast<unsigned>(ceil_div(queries, run)),
                       static_cast<unsigned>(n_chunks));
-      launch(op, kernel, grid, kThreads, 0, paged, tables, table_stride, query_rows, positions,
-             position_bound, first, n_heads, group, head_dim, q, score_scale, slots, m_offset,
-             l_offset, out, gate, partials);
+      launch(op, kernel, grid, kThreads, smem, paged, tables, table_stride, query_rows, positions,
+             position_bound, first, queries, static_cast<int>(run), n_heads, group, head_dim, q,
+             score_scale, slots, m_offset, l_offset, out, gate, partials);
     }
   };
+  auto launch_for = [&](auto element) {
+    using T = decltype(element);
+    const size_t smem1 = sizeof(float4) * (kWarps + 1) * chunk_heads * 32 * (wide ? 2 : 1);
+    const int64_t resident =
+        resident_blocks(attention_kernel_for<T, 1>(chunk_heads, wide), kThreads, smem1);
+    const int fixed = attention_runs();
+    for (run = std::min<int64_t>({fixed > 0 ? fixed : kMaxRun, per_launch, n}); run > 1; --run)
+      if ((window == 0 || window % run == 0) &&
+          (fixed > 0 || slots * ceil_div(n, run) * n_chunks >= kRunWaves * resident))
+        break;
+    if (run == 1)
+      launch_with_state_for(element, std::integral_constant<int, 1>{});
+    else if (run == 2)
+      launch_with_state_for(element, std::integral_constant<int, 2>{});
+    else
+      launch_with_state_for(element, std::integral_constant<int, kMaxRun>{});
+  };
   if (kv.dtype == DType::BF16)
-    run(uint16_t{});
+    launch_for(uint16_t{});
   else
-    run(float{});
+    launch_for(float{});
 }
 
 }  // namespace
@@ -611,18 +760,26 @@ void launch_attention(const char* op, const ops::KVLayerView& kv, const int32_t*
 void attention(const ops::KVLayerView& kv, const int32_t* block_table, const int64_t* positions,
                int64_t n, int64_t position_bound, const float* q, int64_t n_heads, float scale,
                float* out, const float* gate) {
+  // One block table: any consecutive queries may share a block.
   launch_attention("attention", kv, block_table, nullptr, 0, nullptr, positions, n, position_bound,
-                   q, n_heads, scale, out, gate);
+                   0, q, n_heads, scale, out, gate);
 }
 
 void attention_rows(const ops::KVLayerView& kv, const int32_t* tables, int64_t table_stride,
                     const int64_t* query_rows, const int64_t* positions, int64_t n,
-                    int64_t position_bound, const float* q, int64_t n_heads, float scale,
-                    float* out, const float* gate) {
+                    int64_t position_bound, int64_t window, const float* q, int64_t n_heads,
+                    float scale, float* out, const float* gate) {
   if (tables == nullptr || query_rows == nullptr || table_stride < 0)
     fail("attention_rows: tables and query_rows are required, table_stride >= 0");
+  if (window < 1) fail("attention_rows: window ", window, " is not a query count >= 1");
   launch_attention("attention_rows", kv, nullptr, tables, table_stride, query_rows, positions, n,
-                   position_bound, q, n_heads, scale, out, gate);
+                   position_bound, window, q, n_heads, scale, out, gate);
+}
+
+void set_attention_runs(int most) {
+  if (most != 0 && most != 1 && most != 2 && most != kMaxRun)
+    fail("set_attention_runs: ", most, " queries per block (0, 1, 2 or 4)");
+  attention_runs() = most;
 }
 
 TANDEM_CUDA_TRACE_UNIT(attention)

@@ -257,8 +257,12 @@ void attention(const ops::KVLayerView& kv, const int32_t* block_table, const int
                float* out, const float* gate = nullptr);
 void attention_rows(const ops::KVLayerView& kv, const int32_t* tables, int64_t table_stride,
                     const int64_t* query_rows, const int64_t* positions, int64_t n,
-                    int64_t position_bound, const float* q, int64_t n_heads, float scale,
-                    float* out, const float* gate);
+                    int64_t position_bound, int64_t window, const float* q, int64_t n_heads,
+                    float scale, float* out, const float* gate);
+// The most consecutive queries of one row an attention block serves: 0 decides by the grid (the
+// default, or TANDEM_CUDA_ATTENTION_RUN=1|2|4 at start-up); 1, 2 or 4 fixes it whatever the grid.
+// No value changes a bit (tests and A/B timing).
+void set_attention_runs(int most);
 void causal_conv_silu(const float* x, int64_t n, int64_t channels, int64_t kernel,
                       const ops::WeightRef& w, float* state, float* out, float* state_after);
 void gated_delta_rule(const float* q, const float* k, const float* v, const float* a,
