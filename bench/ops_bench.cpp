@@ -62,11 +62,11 @@ int main(int argc, char** argv) {
                                      {4096, 12288, false}, {4096, 4096, false},
                                      {24576, 4096, true},  {248320, 4096, false}};
   for (auto [N, K, swiglu] : shapes) {
-    Dev w(sizeof(uint16_t) * N * K), x(sizeof(float) * 128 * K), y(sizeof(float) * 128 * N);
+    Dev w(sizeof(uint16_t) * N * K), x(sizeof(float) * 256 * K), y(sizeof(float) * 256 * N);
     cuda::fill_random_bf16(static_cast<uint16_t*>(w.p), N * K, 1, 0.02f);
     ops::WeightRef ref{DType::BF16, w.p, N, K, {}};
-    // Decode rows, and the many-row products of verify windows (32 rows x 2 or 4 tokens).
-    for (int64_t m : {1, 4, 8, 16, 32, 64, 128}) {
+    // Decode rows, and the many-row products of verify windows (32 rows x 2, 4 or 8 tokens).
+    for (int64_t m : {1, 4, 8, 16, 32, 64, 128, 256}) {
       const double us = median_us(
           [&] {
             if (swiglu)
