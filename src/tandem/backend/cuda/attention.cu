@@ -31,7 +31,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <type_traits>
 
 #include "tandem/backend/cuda/activation.cuh"
@@ -39,6 +38,7 @@
 #include "tandem/backend/cuda/cuda_ops.h"
 #include "tandem/backend/cuda/kv_element.cuh"
 #include "tandem/backend/cuda/scratch.cuh"
+#include "tandem/core/env_switch.h"
 #include "tandem/core/error.h"
 
 namespace tandem::cuda {
@@ -642,17 +642,11 @@ void kv_write_stored(const ops::KVLayerView& kv, const int32_t* block_table,
 
 namespace {
 
-// attention() and attention_rows(): query t reads block_table, or with query_rows its row's
-// table at tables + query_rows[t] * table_stride.
 // The most queries a block serves, fixed: 0 lets the grid decide (the default), 1, 2 or 4 fix
 // it whatever the grid (TANDEM_CUDA_ATTENTION_RUN at start-up, set_attention_runs; A/B timing
 // and tests: no output bit changes).
 int& attention_runs() {
-  static int most = [] {
-    const char* v = std::getenv("TANDEM_CUDA_ATTENTION_RUN");
-    const int n = v ? std::atoi(v) : 0;
-    return n == 1 || n == 2 || n == 4 ? n : 0;
-  }();
+  static int most = env_choice("TANDEM_CUDA_ATTENTION_RUN", {1, 2, kMaxRun});
   return most;
 }
 

@@ -1185,11 +1185,7 @@ bool short_rows_take(const DeltaArgs& g, int64_t max_n) {
 }
 
 int& short_delta_tiles() {
-  static int tiles = [] {
-    const char* v = std::getenv("TANDEM_CUDA_DELTA_TILES");
-    const int n = v ? std::atoi(v) : 0;
-    return n == 1 || n == 2 || n == 4 ? n : 0;
-  }();
+  static int tiles = env_choice("TANDEM_CUDA_DELTA_TILES", {1, 2, 4});
   return tiles;
 }
 
