@@ -16,7 +16,7 @@
 #   directory).
 # Prints a line per run as it finishes, then one table row per binary and batch size: decode
 # tok/s and the decode step over the rounds (min-max), the roofline fraction and each window's
-# cost in decode steps.
+# cost in decode steps and in milliseconds (the steps carry the step's own spread as well).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -48,13 +48,14 @@ for spec in "$@"; do
 done
 echo "decode_ab: $config on $BACKEND, batches $batches, $rounds rounds; runs in $out" >&2
 
-# One run's figures from bench's report: decode tok/s, roofline %, step ms, "tokens:steps" windows.
+# One run's figures from bench's report: decode tok/s, roofline %, step ms, and the windows as
+# "tokens:steps:ms".
 figures() {
   awk '$1 == "decode" && $3 == "tok/s" { d = $2 }
        $1 == "roofline" { r = $5; sub(/%/, "", r) }
        $1 == "decode" && $2 == "step" { s = $3 }
        $1 == "verify" { for (i = 1; i < NF; ++i) if ($i == "=") { x = $(i + 1); sub(/x$/, "", x) }
-                        w = w (w == "" ? "" : " ") $2 ":" x }
+                        w = w (w == "" ? "" : " ") $2 ":" x ":" $4 }
        END { if (d == "" || s == "") exit 1; print d "\t" r "\t" s "\t" w }' "$1"
 }
 
@@ -82,14 +83,14 @@ for round in $(seq 1 "$rounds"); do
       printf '%s\t%s\t%s\t%s\t%s\n' "$run" "$round" "$b" "$spec" "$fig" >> "$results"
       IFS=$'\t' read -r dec roof step wins <<< "$fig"
       printf 'round %s  batch %3s  %-40s decode %9s tok/s (%s%%)  step %s ms  windows %s\n' \
-        "$round" "$b" "$spec" "$dec" "$roof" "$step" "$wins"
+        "$round" "$b" "$spec" "$dec" "$roof" "$step" "$(sed -E 's/([0-9]+):([^: ]+):([^ ]+)/\1:\2 (\3 ms)/g' <<< "$wins")"
     done
   done
 done
 
 # The table: one row per (batch, binary), min-max over the rounds.
 echo
-echo "| binary | batch | decode tok/s | roofline | step ms | windows (tokens: steps) |"
+echo "| binary | batch | decode tok/s | roofline | step ms | windows (tokens: steps, ms) |"
 echo "|---|---|---|---|---|---|"
 awk -F'\t' '
   function span(lo, hi) { return lo == hi ? lo : lo "-" hi }
@@ -105,7 +106,7 @@ awk -F'\t' '
     for (i = 1; i <= m; ++i) {
       split(ws[i], tw, ":")
       if (!((k, tw[1]) in wseen)) { wseen[k, tw[1]] = 1; wlist[k] = wlist[k] " " tw[1] }
-      widen(k SUBSEP "w" tw[1], tw[2])
+      widen(k SUBSEP "w" tw[1], tw[2]); widen(k SUBSEP "m" tw[1], tw[3])
     }
   }
   END {  # in the order of the first round: batches as BATCHES lists them, binaries as named
@@ -114,7 +115,8 @@ awk -F'\t' '
       w = ""
       m = split(wlist[k], toks, " ")
       for (j = 1; j <= m; ++j)
-        w = w (j > 1 ? ", " : "") toks[j] ": " span(lo[k SUBSEP "w" toks[j]], hi[k SUBSEP "w" toks[j]])
+        w = w (j > 1 ? "; " : "") toks[j] ": " span(lo[k SUBSEP "w" toks[j]], hi[k SUBSEP "w" toks[j]]) \
+          ", " span(lo[k SUBSEP "m" toks[j]], hi[k SUBSEP "m" toks[j]]) " ms"
       printf "| %s | %s | %s | %s%% | %s | %s |\n", spec[k], batch[k],
         span(lo[k SUBSEP "d"], hi[k SUBSEP "d"]), span(lo[k SUBSEP "r"], hi[k SUBSEP "r"]),
         span(lo[k SUBSEP "s"], hi[k SUBSEP "s"]), w

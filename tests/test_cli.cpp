@@ -271,26 +271,37 @@ TEST(Cli, DecodeAbAlternatesBinariesAndTabulatesTheRounds) {
                                          "1 2 " + other, "2 1 " + kBin,  "2 1 " + other,
                                          "2 2 " + kBin,  "2 2 " + other};
   EXPECT_EQ(runs, want) << r.out;
-  // results.tsv: run, round, batch, binary, decode tok/s, roofline %, step ms, windows.
+  // results.tsv: run, round, batch, binary, decode tok/s, roofline %, step ms, windows as
+  // "tokens:steps:ms".
   std::ifstream results(dir.file("results.tsv"));
   int rows = 0;
   for (std::string line; std::getline(results, line); ++rows) {
     std::istringstream f(line);
-    std::string run_no, round, batch, spec, decode, roofline, step;
+    std::string run_no, round, batch, spec, decode, roofline, step, windows;
     ASSERT_TRUE(std::getline(f, run_no, '\t') && std::getline(f, round, '\t') &&
                 std::getline(f, batch, '\t') && std::getline(f, spec, '\t') &&
                 std::getline(f, decode, '\t') && std::getline(f, roofline, '\t') &&
-                std::getline(f, step, '\t'))
+                std::getline(f, step, '\t') && std::getline(f, windows, '\t'))
         << line;
     EXPECT_EQ(round + " " + batch + " " + spec, want[static_cast<size_t>(rows)]) << line;
     EXPECT_GT(std::stod(decode), 0.0) << line;
     EXPECT_GT(std::stod(step), 0.0) << line;
+    // The one window (2 tokens): its cost in steps and in ms agree with the step.
+    std::istringstream w(windows);
+    std::string tokens, steps, ms;
+    ASSERT_TRUE(std::getline(w, tokens, ':') && std::getline(w, steps, ':') &&
+                std::getline(w, ms, ':'))
+        << line;
+    EXPECT_EQ(tokens, "2") << line;
+    EXPECT_NEAR(std::stod(ms), std::stod(steps) * std::stod(step), 0.02 * std::stod(ms) + 0.01)
+        << line;
     EXPECT_TRUE(std::ifstream(dir.file("run" + run_no + ".txt")).good()) << line;
   }
   EXPECT_EQ(rows, 8);
   for (const std::string& row : {"| " + kBin + " | 1 | ", "| " + other + " | 1 | ",
                                  "| " + kBin + " | 2 | ", "| " + other + " | 2 | "})
     EXPECT_NE(r.out.find(row), std::string::npos) << "no table row '" << row << "' in: " << r.out;
+  EXPECT_NE(r.out.find(" ms |"), std::string::npos) << "no window milliseconds in: " << r.out;
 
   const CliRun bad = run_shell(env + script + " " + kBin + "@THREADS");
   EXPECT_EQ(bad.code, 2) << bad.out;
