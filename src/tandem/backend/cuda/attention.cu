@@ -199,11 +199,11 @@ constexpr int log2_int(int v) {
 //
 //  1. Rows. Round r covers rows r·32 .. r·32+31 of the partition; warp w takes rows w·4 .. w·4+3
 //     of each round (R = 4 rows, G·R scores). Per round: the lane-ordered fmaf dot products of
-//     the lane's dims for all G·R scores, one transposed warp sum (lane l
-//     then owns score (g, u) = divmod(l >> (5 - log2(G·R)), R)), the round max per head
-//     (butterfly over the owners of the head's rows), and online softmax: a running max m, sum of
-//     weights l and weighted value sums per head, rescaled by exp2(m - m') when the max grows,
-//     then the rows added in row order. A row past the partition scores -inf (weight exactly 0).
+//     the lane's dims for all G·R scores, one transposed warp sum (lane l then owns score
+//     (g, u) = divmod(l >> (5 - log2(G·R)), R)), the round max per head (butterfly over the
+//     owners of the head's rows), and online softmax: a running max m, sum of weights l and
+//     weighted value sums per head, rescaled by exp2(m - m') when the max grows, then the rows
+//     added in row order. A row past the partition scores -inf (weight exactly 0).
 //  2. The warps' (m, l, sums) are merged in warp order into the partition's result, which goes
 //     to the partial results.
 //  3. The last block of (t, c) merges the query's partitions in partition order:
