@@ -573,8 +573,8 @@ void attention(const KVLayerView& kv, const int32_t* block_table, const int64_t*
 // depends on its own position alone, never on the other rows of the call. window (>= 1), like
 // position_bound, sizes the work and never the arithmetic: the length every row's queries share
 // when each row's run of consecutive queries starts at a multiple of it (a step of verify
-// windows), which lets CUDA load a row's keys and values once for several of its queries; 1
-// when rows differ.
+// windows), which lets CUDA serve several of a row's queries from one block; 1 when rows
+// differ.
 void attention_rows(const KVLayerView& kv, const int32_t* tables, int64_t table_stride,
                     const int64_t* query_rows, const int64_t* positions, int64_t n,
                     int64_t position_bound, int64_t window, const float* q, int64_t n_heads,

@@ -17,12 +17,13 @@
 //
 // Work split. One block per (partition, group of queries, head chunk): a head chunk is G query
 // heads that share one kv head, so each key/value row is read once for all G heads; a group is up
-// to 4 consecutive queries, and those of one row cut alike (a verify window's) share the block's
-// loads of each key/value row as well. Which queries share a block is a matter of the work, not
-// the arithmetic: each query keeps its own rows, rounds and state. The block that finishes a
-// query's last partition (an atomic counter per (query, chunk)) merges the partitions, so there
-// is one launch per call and no second kernel; which block that is changes no number, because
-// the merge reads every partition's result from memory in partition order.
+// to 4 consecutive queries, and those of one row cut alike (a verify window's) run in the same
+// block, one after another, the later ones reading the rows from L1. Which queries share a block
+// is a matter of the work, not the arithmetic: each query keeps its own rows, rounds and state.
+// The block that finishes a query's last partition (an atomic counter per (query, chunk)) merges
+// the partitions, so there is one launch per call and no second kernel; which block that is
+// changes no number, because the merge reads every partition's result from memory in partition
+// order.
 //
 // Partials live in a fixed buffer of the context (PartialResults), allocated once, so its address
 // never changes under a captured graph; a call that needs more is cut into launches over
@@ -650,6 +651,12 @@ int& attention_runs() {
   return most;
 }
 
+// attention_kernel's dynamic shared memory: one query's per-warp sums and the rows of W queries,
+// each [chunk_heads, 128 · KV4] floats (KV4 = 2 for head_dim above 128).
+size_t attention_smem(int W, int chunk_heads, bool wide) {
+  return sizeof(float4) * (kWarps + W) * chunk_heads * 32 * (wide ? 2 : 1);
+}
+
 template <class T, int W>
 auto attention_kernel_for(int chunk_heads, bool wide) {
   return chunk_heads == 4   ? (wide ? attention_kernel<2, 4, W, T> : attention_kernel<1, 4, W, T>)
@@ -706,8 +713,7 @@ void launch_attention(const char* op, const ops::KVLayerView& kv, const int32_t*
     using T = decltype(element);
     constexpr int W = decltype(most)::value;
     const auto kernel = attention_kernel_for<T, W>(chunk_heads, wide);
-    // One query's per-warp sums and the rows of W queries (attention_kernel's dynamic memory).
-    const size_t smem = sizeof(float4) * (kWarps + W) * chunk_heads * 32 * (wide ? 2 : 1);
+    const size_t smem = attention_smem(W, chunk_heads, wide);
     allow_dynamic_smem(kernel, smem, "attention (per-query sums)");
     const PagedKV<T> paged{static_cast<const T*>(kv.pool), block_table,
                            static_cast<uint32_t>(kv.block_size), kv.row_elements()};
@@ -728,9 +734,8 @@ void launch_attention(const char* op, const ops::KVLayerView& kv, const int32_t*
   };
   auto launch_for = [&](auto element) {
     using T = decltype(element);
-    const size_t smem1 = sizeof(float4) * (kWarps + 1) * chunk_heads * 32 * (wide ? 2 : 1);
-    const int64_t resident =
-        resident_blocks(attention_kernel_for<T, 1>(chunk_heads, wide), kThreads, smem1);
+    const int64_t resident = resident_blocks(attention_kernel_for<T, 1>(chunk_heads, wide),
+                                             kThreads, attention_smem(1, chunk_heads, wide));
     const int fixed = attention_runs();
     for (run = std::min<int64_t>({fixed > 0 ? fixed : kMaxRun, per_launch, n}); run > 1; --run)
       if ((window == 0 || window % run == 0) &&
