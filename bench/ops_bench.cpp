@@ -1,11 +1,15 @@
 // CUDA op timings at the shapes that decide Qwen3.5-9B decode and prefill speed: each op alone,
 // median of repeated launches, with the bytes it must move and the bandwidth that implies.
-// Usage: tandem_bench_ops [repeats]. Results are recorded in BENCHMARKS.md.
+// Usage: tandem_bench_ops [repeats [NxK[s],...]]. Results are recorded in BENCHMARKS.md.
+// With a list of weight shapes (N rows of K; a trailing `s`: gate_up_swiglu), only the linear
+// section runs, over those shapes at 32 to 256 rows (one product under a profiler, or the same
+// arithmetic at other tile counts).
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -45,8 +49,41 @@ struct Dev {
 
 }  // namespace
 
+struct Shape {
+  int64_t N, K;
+  bool swiglu;  // gate_up_swiglu on the pair layout instead of a plain linear
+};
+
+// "NxK[s],..." as shapes; exits with a message on anything else.
+std::vector<Shape> parse_shapes(const std::string& list) {
+  std::vector<Shape> shapes;
+  size_t at = 0;
+  while (at <= list.size()) {
+    const size_t end = std::min(list.find(',', at), list.size());
+    const std::string item = list.substr(at, end - at);
+    long long n = 0, k = 0;
+    char tail[4] = {0};
+    const int got = std::sscanf(item.c_str(), "%lldx%lld%3s", &n, &k, tail);
+    const bool swiglu = got == 3 && std::string(tail) == "s";
+    if (got < 2 || (got == 3 && !swiglu) || n < 1 || k < 16 || k % 16 != 0) {
+      std::fprintf(stderr,
+                   "tandem_bench_ops: '%s' is not a weight shape NxK[s] (K a multiple of 16)\n",
+                   item.c_str());
+      std::exit(2);
+    }
+    shapes.push_back({n, k, swiglu});
+    at = end + 1;
+  }
+  return shapes;
+}
+
 int main(int argc, char** argv) {
   const int repeats = argc > 1 ? std::atoi(argv[1]) : 50;
+  if (repeats < 1) {
+    std::fprintf(stderr, "tandem_bench_ops: repeats must be a positive count\n");
+    return 2;
+  }
+  const bool only_linear = argc > 2;
   std::printf("device %s\n", cuda::device_name().c_str());
   const double bw = cuda::copy_bandwidth();
   std::printf("copy bandwidth %.0f GB/s\n\n", bw / 1e9);
@@ -54,19 +91,20 @@ int main(int argc, char** argv) {
   std::printf("linear (bf16 weights; per call, %d calls back to back)\n", kBackToBack);
   // The 9B decode matrices: delta in_proj, attention in_proj, down_proj, out/o_proj, gate_up
   // (with its SwiGLU epilogue), the head.
-  struct Shape {
-    int64_t N, K;
-    bool swiglu;  // gate_up_swiglu on the pair layout instead of a plain linear
-  };
-  const std::vector<Shape> shapes = {{12352, 4096, false}, {10240, 4096, false},
-                                     {4096, 12288, false}, {4096, 4096, false},
-                                     {24576, 4096, true},  {248320, 4096, false}};
+  const std::vector<Shape> shapes =
+      only_linear
+          ? parse_shapes(argv[2])
+          : std::vector<Shape>{{12352, 4096, false}, {10240, 4096, false}, {4096, 12288, false},
+                               {4096, 4096, false},  {24576, 4096, true},  {248320, 4096, false}};
+  const std::vector<int64_t> rows = only_linear
+                                        ? std::vector<int64_t>{32, 64, 128, 256}
+                                        : std::vector<int64_t>{1, 4, 8, 16, 32, 64, 128, 256};
   for (auto [N, K, swiglu] : shapes) {
     Dev w(sizeof(uint16_t) * N * K), x(sizeof(float) * 256 * K), y(sizeof(float) * 256 * N);
     cuda::fill_random_bf16(static_cast<uint16_t*>(w.p), N * K, 1, 0.02f);
     ops::WeightRef ref{DType::BF16, w.p, N, K, {}};
     // Decode rows, and the many-row products of verify windows (32 rows x 2, 4 or 8 tokens).
-    for (int64_t m : {1, 4, 8, 16, 32, 64, 128, 256}) {
+    for (int64_t m : rows) {
       const double us = median_us(
           [&] {
             if (swiglu)
@@ -79,6 +117,8 @@ int main(int argc, char** argv) {
                   (long long)K, (long long)m, swiglu ? " swiglu" : "", us, 2.0 * N * K / us / 1e3);
     }
   }
+
+  if (only_linear) return 0;
 
   // A sublayer's first projection with its input norm folded in (normalised while the rows are
   // staged) against a norm kernel followed by the projection.
