@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <exception>
 #include <functional>
 #include <string>
 #include <utility>
@@ -47,8 +48,6 @@ struct Dev {
   float* f() { return static_cast<float*>(p); }
 };
 
-}  // namespace
-
 struct Shape {
   int64_t N, K;
   bool swiglu;  // gate_up_swiglu on the pair layout instead of a plain linear
@@ -77,25 +76,41 @@ std::vector<Shape> parse_shapes(const std::string& list) {
   return shapes;
 }
 
+int run(int argc, char** argv);
+
+}  // namespace
+
+// Errors of the ops (a shape they refuse, no device) as a message, not an uncaught exception.
 int main(int argc, char** argv) {
+  try {
+    return run(argc, argv);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "tandem_bench_ops: %s\n", e.what());
+    return 1;
+  }
+}
+
+namespace {
+
+int run(int argc, char** argv) {
   const int repeats = argc > 1 ? std::atoi(argv[1]) : 50;
   if (repeats < 1) {
     std::fprintf(stderr, "tandem_bench_ops: repeats must be a positive count\n");
     return 2;
   }
   const bool only_linear = argc > 2;
-  std::printf("device %s\n", cuda::device_name().c_str());
-  const double bw = cuda::copy_bandwidth();
-  std::printf("copy bandwidth %.0f GB/s\n\n", bw / 1e9);
-
-  std::printf("linear (bf16 weights; per call, %d calls back to back)\n", kBackToBack);
   // The 9B decode matrices: delta in_proj, attention in_proj, down_proj, out/o_proj, gate_up
-  // (with its SwiGLU epilogue), the head.
+  // (with its SwiGLU epilogue), the head; or the shapes asked for (checked before the device).
   const std::vector<Shape> shapes =
       only_linear
           ? parse_shapes(argv[2])
           : std::vector<Shape>{{12352, 4096, false}, {10240, 4096, false}, {4096, 12288, false},
                                {4096, 4096, false},  {24576, 4096, true},  {248320, 4096, false}};
+  std::printf("device %s\n", cuda::device_name().c_str());
+  const double bw = cuda::copy_bandwidth();
+  std::printf("copy bandwidth %.0f GB/s\n\n", bw / 1e9);
+
+  std::printf("linear (bf16 weights; per call, %d calls back to back)\n", kBackToBack);
   const std::vector<int64_t> rows = only_linear
                                         ? std::vector<int64_t>{32, 64, 128, 256}
                                         : std::vector<int64_t>{1, 4, 8, 16, 32, 64, 128, 256};
@@ -328,3 +343,5 @@ int main(int argc, char** argv) {
   }
   return 0;
 }
+
+}  // namespace
