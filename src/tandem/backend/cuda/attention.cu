@@ -708,8 +708,8 @@ void launch_attention(const char* op, const ops::KVLayerView& kv, const int32_t*
   // Softmax in base 2: exp(x · scale) = exp2(x · scale · log2(e)).
   const float score_scale = scale * 1.44269504088896340736f;
   const bool wide = head_dim > 128;
-  int64_t run = 1;  // queries per block
-  auto launch_with_state_for = [&](auto element, auto most) {
+  // The launches with blocks of `run` queries (run <= W, the rows a block holds).
+  auto launch_groups = [&](auto element, auto most, int64_t run) {
     using T = decltype(element);
     constexpr int W = decltype(most)::value;
     const auto kernel = attention_kernel_for<T, W>(chunk_heads, wide);
@@ -732,26 +732,28 @@ void launch_attention(const char* op, const ops::KVLayerView& kv, const int32_t*
              score_scale, slots, m_offset, l_offset, out, gate, partials);
     }
   };
-  auto launch_for = [&](auto element) {
+  // The group size (see above), then the kernel whose blocks hold that many queries' rows.
+  auto choose_and_launch = [&](auto element) {
     using T = decltype(element);
     const int64_t resident = resident_blocks(attention_kernel_for<T, 1>(chunk_heads, wide),
                                              kThreads, attention_smem(1, chunk_heads, wide));
     const int fixed = attention_runs();
-    for (run = std::min<int64_t>({fixed > 0 ? fixed : kMaxRun, per_launch, n}); run > 1; --run)
+    int64_t run = std::min<int64_t>({fixed > 0 ? fixed : kMaxRun, per_launch, n});
+    for (; run > 1; --run)
       if ((window == 0 || window % run == 0) &&
           (fixed > 0 || slots * ceil_div(n, run) * n_chunks >= kRunWaves * resident))
         break;
     if (run == 1)
-      launch_with_state_for(element, std::integral_constant<int, 1>{});
+      launch_groups(element, std::integral_constant<int, 1>{}, run);
     else if (run == 2)
-      launch_with_state_for(element, std::integral_constant<int, 2>{});
+      launch_groups(element, std::integral_constant<int, 2>{}, run);
     else
-      launch_with_state_for(element, std::integral_constant<int, kMaxRun>{});
+      launch_groups(element, std::integral_constant<int, kMaxRun>{}, run);
   };
   if (kv.dtype == DType::BF16)
-    launch_for(uint16_t{});
+    choose_and_launch(uint16_t{});
   else
-    launch_for(float{});
+    choose_and_launch(float{});
 }
 
 }  // namespace
