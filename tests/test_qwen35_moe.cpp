@@ -272,6 +272,26 @@ TEST_P(MoeOp, MatchesAPlainReferenceAndReportsItsRouting) {
   bad.down.pop_back();
   EXPECT_THROW(ops::moe_mlp_add(x.data(), T, bad, y.data()), Error);
   EXPECT_THROW(ops::moe_mlp_add(y.data(), T, w, y.data()), Error);
+
+  // The input norm inside the op: the raw residual rows in, updated in place, equal to the norm
+  // first and the op on its output; the normalised rows left in the caller's buffer.
+  const auto norm_w = values(H);
+  const ops::MoeInputNorm bad_norm{{ref(norm_w, 1, H - 1), true, 1e-6f}, nullptr};
+  std::vector<float> stream = residual, normed(static_cast<size_t>(T * H));
+  ops::MoeInputNorm norm{{ref(norm_w, 1, H), true, 1e-6f}, normed.data()};
+  std::vector<float> want_normed(normed.size()), want = residual;
+  ops::rms_norm(residual.data(), T, H, norm.norm.w, true, 1e-6f, want_normed.data());
+  std::vector<int32_t> want_ids, got_ids;
+  ops::moe_mlp_add(want_normed.data(), T, w, want.data(), &want_ids);
+  ops::moe_mlp_add(stream.data(), T, w, stream.data(), &got_ids, nullptr, &norm);
+  EXPECT_EQ(got_ids, want_ids);
+  EXPECT_EQ(normed, want_normed);
+  EXPECT_EQ(stream, want);
+  EXPECT_THROW(ops::moe_mlp_add(stream.data(), T, w, stream.data(), nullptr, nullptr, &bad_norm),
+               Error);
+  norm.normed = stream.data();
+  EXPECT_THROW(ops::moe_mlp_add(stream.data(), T, w, stream.data(), nullptr, nullptr, &norm),
+               Error);
 }
 
 INSTANTIATE_TEST_SUITE_P(SharedExpert, MoeOp, ::testing::Values(true, false),

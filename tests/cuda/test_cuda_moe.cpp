@@ -422,6 +422,45 @@ TEST_F(CudaMoe, StackedSharedExpertMatchesTheCpuAndTheSeparateProducts) {
   }
 }
 
+// The post-attention norm inside the op (ops::MoeInputNorm, the residual stream updated in
+// place): the router folds it for one token of a hidden size it normalises in registers (2,048),
+// else a norm kernel runs first; either way the normalised rows, the routing and the output are
+// bitwise the norm kernel followed by the op.
+TEST_F(CudaMoe, InputNormInsideTheMixtureIsBitwiseTheNormFirst) {
+  ScopedBackend cuda(ops::Backend::Cuda);
+  for (const int64_t H : {64, 2048}) {
+    SCOPED_TRACE("hidden size " + std::to_string(H));
+    std::mt19937 rng(21);
+    TestMixture mix(8, 3, H, 32, 32, rng);
+    WeightArena arena;
+    const ops::MoeWeights stacked = mix.stacked(arena);
+    ASSERT_TRUE(stacked.shared_in_groups);
+    std::normal_distribution<float> d(0.0f, 1.0f);
+    std::vector<float> norm_w(static_cast<size_t>(H));
+    for (float& v : norm_w) v = 0.1f * d(rng);
+    DeviceBuffer<float> weight(norm_w);
+    const ops::RowNorm row_norm{TestMixture::ref(weight.get(), DType::F32, 1, H), true, 1e-6f};
+    for (const int64_t T : {1, 2, 5}) {
+      SCOPED_TRACE("T " + std::to_string(T));
+      std::vector<float> x(static_cast<size_t>(T * H));
+      for (float& v : x) v = 3.0f * d(rng);
+      DeviceBuffer<float> stream(x), normed(x.size()), want_stream(x), want_normed(x.size());
+      std::vector<int32_t> ids, want_ids;
+      ops::rms_norm(want_stream.get(), T, H, row_norm.w, true, row_norm.eps, want_normed.get());
+      ops::moe_mlp_add(want_normed.get(), T, stacked, want_stream.get(), &want_ids);
+      const ops::MoeInputNorm norm{row_norm, normed.get()};
+      ops::moe_mlp_add(stream.get(), T, stacked, stream.get(), &ids, nullptr, &norm);
+      EXPECT_EQ(ids, want_ids);
+      const auto got_n = normed.download(), want_n = want_normed.download();
+      EXPECT_EQ(0, std::memcmp(got_n.data(), want_n.data(), sizeof(float) * got_n.size()))
+          << "the normalised rows differ from rms_norm's";
+      const auto got = stream.download(), want = want_stream.download();
+      EXPECT_EQ(0, std::memcmp(got.data(), want.data(), sizeof(float) * got.size()))
+          << "the mixture's output differs from the norm-first op's";
+    }
+  }
+}
+
 // A model config for the model tests: experts whose inner size is a multiple of 16 (the
 // tensor-core products), a shared expert and a native MTP layer.
 const char* kModelConfig = R"({

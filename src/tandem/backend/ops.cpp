@@ -528,7 +528,8 @@ void route_noaux_tc(const float* logits, const float* bias, int64_t E, int64_t k
   cpu::route_noaux_tc(logits, bias, E, k, n_group, topk_group, renormalise, scale, ids, weights);
 }
 void moe_mlp_add(const float* x, int64_t T, const MoeWeights& w, float* y,
-                 std::vector<int32_t>* routed_ids, std::vector<float>* routed_weights) {
+                 std::vector<int32_t>* routed_ids, std::vector<float>* routed_weights,
+                 const MoeInputNorm* norm) {
   const int64_t E = w.router.rows, H = w.router.cols;
   if (E < 1 || w.top_k < 1 || w.top_k > E || static_cast<int64_t>(w.gate.size()) != E ||
       static_cast<int64_t>(w.up.size()) != E || static_cast<int64_t>(w.down.size()) != E)
@@ -555,7 +556,12 @@ void moe_mlp_add(const float* x, int64_t T, const MoeWeights& w, float* y,
     if (w.n_group < 1 || E % w.n_group != 0 || w.topk_group < 1 || w.topk_group > w.n_group)
       fail("moe_mlp_add: ", E, " experts in ", w.n_group, " groups, top ", w.topk_group);
   }
-  if (x == y) fail("moe_mlp_add: y must not alias x");
+  if (norm && norm->norm.w.rows * norm->norm.w.cols != H)
+    fail("moe_mlp_add: the input norm has ", norm->norm.w.rows * norm->norm.w.cols,
+         " weights for hidden size ", H);
+  if (norm && (!norm->normed || norm->normed == x || norm->normed == y))
+    fail("moe_mlp_add: the normalised rows need their own buffer");
+  if (x == y && !norm) fail("moe_mlp_add: y must not alias x");
 #ifdef TANDEM_HAVE_CUDA
   if (g_backend == Backend::Cuda) {
     const int64_t I = w.gate.front().rows;
@@ -564,9 +570,14 @@ void moe_mlp_add(const float* x, int64_t T, const MoeWeights& w, float* y,
       fail("moe_mlp_add: the CUDA backend needs the experts stacked (stack_moe_experts): gate/up [",
            w.experts_gate_up.rows, " x ", w.experts_gate_up.cols, "], down [", w.experts_down.rows,
            " x ", w.experts_down.cols, "] for ", E, " experts of [", I, " x ", H, "]");
-    return cuda::moe_mlp_add(x, T, w, y, routed_ids, routed_weights);
+    return cuda::moe_mlp_add(x, T, w, y, routed_ids, routed_weights, norm);
   }
 #endif
+  if (norm) {
+    const RowNorm& n = norm->norm;
+    rms_norm(x, T, H, n.w, n.zero_centred, n.eps, norm->normed);
+    x = norm->normed;
+  }
   cpu::moe_mlp_add(x, T, w, y, routed_ids, routed_weights);
 }
 void embed_rows(const WeightRef& table, const int32_t* ids, int64_t n, float* out) {

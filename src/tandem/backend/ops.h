@@ -387,9 +387,17 @@ void route_noaux_tc(const float* logits, const float* bias, int64_t E, int64_t k
 // experts are summed in a fixed order. routing (optional): [T, top_k] ids and weights as
 // route_top_k gives them (on CUDA: copied to the host, a synchronisation; tests and --json
 // routing only). CUDA needs experts_gate_up / experts_down (stack_moe_experts).
+// norm (optional): x is the raw residual stream, the mixture's input is rms_norm(x) with
+// norm->norm, written to norm->normed [T, H] (not aliasing x or y) for the experts to read; y may
+// then alias x, which only the norm reads. On CUDA the router normalises a single token as it
+// stages it, saving the norm's launch.
+struct MoeInputNorm {
+  RowNorm norm;
+  float* normed = nullptr;
+};
 void moe_mlp_add(const float* x, int64_t T, const MoeWeights& w, float* y,
                  std::vector<int32_t>* routed_ids = nullptr,
-                 std::vector<float>* routed_weights = nullptr);
+                 std::vector<float>* routed_weights = nullptr, const MoeInputNorm* norm = nullptr);
 
 // GLM-5's DSA indexer choice (transformers' GlmMoeDsaIndexer) for n queries: q [n, heads, D]
 // (rotated), w [n, heads] (the head weights, weights_proj · heads^-1/2), keys [ctx, D] (the

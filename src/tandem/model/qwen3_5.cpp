@@ -842,9 +842,11 @@ void Qwen35Model::mlp(const Layer& L, int64_t T, const ops::WeightRef& next) con
   const Qwen35Config& c = cfg_;
   Workspace& w = *ws_;
   if (c.moe()) {
-    const SublayerInput in = sublayer_input(L.post_norm, T, false);
+    // The post-attention norm inside the mixture: its router folds it at one token.
+    const ops::MoeInputNorm norm{{L.post_norm, true, static_cast<float>(c.rms_norm_eps)},
+                                 w.h.data()};
     std::vector<int32_t> ids;
-    ops::moe_mlp_add(in.x, T, L.moe, w.x.data(), w.routing ? &ids : nullptr);
+    ops::moe_mlp_add(w.x.data(), T, L.moe, w.x.data(), w.routing ? &ids : nullptr, nullptr, &norm);
     if (w.routing) w.routing->insert(w.routing->end(), ids.begin(), ids.end());
     return;
   }

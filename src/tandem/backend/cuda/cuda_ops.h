@@ -142,6 +142,13 @@ void set_prefill(bool on, int64_t gemm_rows = ops::kDefaultPrefillGemmRows);
 bool prefill_mode();
 int64_t prefill_rows();  // the prefill GEMM tile; 0 outside prefill mode
 
+// linear_split of norm(x) that also writes the normalised rows, rms_norm's output, to normed
+// [m, K] for later kernels (a mixture's router and its experts): at one row the product's first
+// block writes them as it folds the norm, else an rms_norm kernel first. Same values either way.
+void linear_split_keeping_norm(const float* x, int64_t m, const ops::WeightRef& w,
+                               const ops::OutputSlice* slices, int n_slices,
+                               const ops::RowNorm& norm, float* normed,
+                               const ops::WeightRef* prefetch = nullptr);
 void linear(const float* x, int64_t m, const ops::WeightRef& w, float* y);
 // linear for fp8 e4m3 weights with block scales (linear_fp8.cu); linear() and linear_add() route
 // fp8 here. Decode and verify: weights decoded exactly and scaled as the CPU does, fp32
@@ -213,7 +220,8 @@ void linear_grouped_fp8(const float* x, int64_t rows, int64_t max_rows,
                         const GroupedOptions& opt);
 // ops::moe_mlp_add on the device (moe.cu); w.experts_gate_up / experts_down must be set.
 void moe_mlp_add(const float* x, int64_t T, const ops::MoeWeights& w, float* y,
-                 std::vector<int32_t>* routed_ids, std::vector<float>* routed_weights);
+                 std::vector<int32_t>* routed_ids, std::vector<float>* routed_weights,
+                 const ops::MoeInputNorm* norm);
 void embed_rows(const ops::WeightRef& table, const int32_t* ids, int64_t n, float* out);
 void embed_rows_selected(const ops::WeightRef& table, const int32_t* ids, const int32_t* source,
                          const int32_t* from, int64_t n, float* out);

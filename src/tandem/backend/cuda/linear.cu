@@ -127,11 +127,14 @@ constexpr int64_t kFoldedNormRows = 1;  // up to this many rows: an input norm f
 constexpr size_t kNarrowSmemMax = size_t(128) << 10;
 
 // The RMSNorm a decode-shaped linear applies to its input rows while staging them (rms_norm's
-// weight, flag and epsilon); w == nullptr: none.
+// weight, flag and epsilon); w == nullptr: none. out (optional, the hidden-size rows folded in
+// registers only: stage_normed_rows): the grid's first block also writes the normalised fp32
+// rows there, rms_norm's output, for later kernels that read them.
 struct RowNormArgs {
   const float* w;
   float eps;
   bool zero_centred;
+  float* out = nullptr;
 };
 
 // Bytes of a weight that a later kernel reads, which a projection's blocks ask L2 to fetch once
@@ -281,6 +284,7 @@ __device__ __forceinline__ void stage_normed_rows(const float* x, int m, int K,
   const int t = threadIdx.x;
   const int per_row = K / 4, stride = staged_row_stride(K) / 4;
   const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
+  float4* out = blockIdx.x == 0 && blockIdx.y == 0 ? reinterpret_cast<float4*>(norm.out) : nullptr;
   for (int r = 0; t < kNormGroup && r < m; ++r) {  // whole warps
     const float4* x4 = reinterpret_cast<const float4*>(x + static_cast<size_t>(r) * K);
     float4 xv[NC];
@@ -297,10 +301,11 @@ __device__ __forceinline__ void stage_normed_rows(const float* x, int m, int K,
       const int c = t + kNormGroup * k;
       if (c >= per_row) break;
       const float4 v = xv[k], w = wv[k];
-      x_smem[r * stride + c] = make_uint2(
-          pack_bf16(normed(v.x, s, w.x, norm.zero_centred), normed(v.y, s, w.y, norm.zero_centred)),
-          pack_bf16(normed(v.z, s, w.z, norm.zero_centred),
-                    normed(v.w, s, w.w, norm.zero_centred)));
+      const float4 n = make_float4(
+          normed(v.x, s, w.x, norm.zero_centred), normed(v.y, s, w.y, norm.zero_centred),
+          normed(v.z, s, w.z, norm.zero_centred), normed(v.w, s, w.w, norm.zero_centred));
+      x_smem[r * stride + c] = make_uint2(pack_bf16(n.x, n.y), pack_bf16(n.z, n.w));
+      if (out) out[static_cast<size_t>(r) * per_row + c] = n;
     }
   }
   __syncthreads();
@@ -816,6 +821,8 @@ namespace {
 struct InputNorm {
   const ops::RowNorm* row = nullptr;
   const ops::GatedNorm* gated = nullptr;
+  // With row, folded into the staging (norm_folds_writing): the normalised rows written here too.
+  float* row_out = nullptr;
   explicit operator bool() const { return row || gated; }
 };
 
@@ -924,6 +931,17 @@ bool norm_folds(InputNorm norm, int64_t m) {
          reinterpret_cast<uintptr_t>(norm.row->w.data) % 16 == 0;
 }
 
+// Whether a folded norm can also write the normalised rows (InputNorm::row_out): where the rows
+// are normalised from registers (hidden-size rows, norm_chunked) on the tensor-core path.
+bool norm_folds_writing(const float* x, int64_t m, const ops::WeightRef& w, InputNorm norm) {
+  return !prefill_mode() && norm_folds(norm, m) && w.dtype == DType::BF16 && w.cols % 16 == 0 &&
+         reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
+         reinterpret_cast<uintptr_t>(w.data) % 16 == 0 &&
+         norm_order(w.cols) == NormOrder::Chunked && w.cols <= kNormChunks * 4 * kNormGroup &&
+         sizeof(uint16_t) * static_cast<size_t>(m * staged_row_stride(static_cast<int>(w.cols))) <=
+             kNarrowSmemMax;
+}
+
 template <int Warps, bool SwiGLU>
 void linear_mma_bf16_rows(const uint16_t* xs, int64_t m, const ops::WeightRef& w, const SplitOut& y,
                           const L2Prefetch& pf);
@@ -958,7 +976,7 @@ void linear_mma_warps(const float* x, int64_t m, const ops::WeightRef& w, const 
     RowNormArgs row_norm{nullptr, 0.0f, false};
     if (norm.row)
       row_norm = {static_cast<const float*>(norm.row->w.data), norm.row->eps,
-                  norm.row->zero_centred};
+                  norm.row->zero_centred, norm.row_out};
     launch("linear", kernel, balanced_grid(kernel, kThreads, (N + 15) / 16, staged), kThreads,
            staged, x, M, wp, N, K, y, row_norm, pf, GroupRows{});
     return;
@@ -1120,6 +1138,20 @@ void linear_split(const float* x, int64_t m, const ops::WeightRef& w,
   if (m == 0 || w.rows == 0) return;
   check_weight(m, w, {norm, nullptr});
   linear_any(x, m, w, y, {norm, nullptr}, l2_prefetch(prefetch, m));
+}
+
+void linear_split_keeping_norm(const float* x, int64_t m, const ops::WeightRef& w,
+                               const ops::OutputSlice* slices, int n_slices,
+                               const ops::RowNorm& norm, float* normed,
+                               const ops::WeightRef* prefetch) {
+  const SplitOut y = split_out(slices, n_slices, w.rows);
+  if (m == 0 || w.rows == 0) return;
+  check_weight(m, w, {&norm, nullptr});
+  const InputNorm folded{&norm, nullptr, normed};
+  if (norm_folds_writing(x, m, w, folded))
+    return linear_mma<false>(x, m, w, y, folded, l2_prefetch(prefetch, m));
+  cuda::rms_norm(x, m, w.cols, norm.w, norm.zero_centred, norm.eps, normed);
+  linear_any(normed, m, w, y, {}, l2_prefetch(prefetch, m));
 }
 
 void linear_prefill_bf16(const float* x, int64_t m, const ops::WeightRef& w, float* y,

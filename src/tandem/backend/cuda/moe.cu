@@ -3,7 +3,10 @@
 // step with MoE layers is captured into a CUDA graph like any other).
 //
 //   1. router logits [T, E] = x · routerᵀ (cuda::linear); with the shared expert's gate stacked
-//      as the router's last row (stack_moe_experts), [T, E + 1], the gate logits in column E;
+//      as the router's last row (stack_moe_experts), [T, E + 1], the gate logits in column E.
+//      Given the input norm (ops::MoeInputNorm), the router normalises a single token as it
+//      stages it and writes the normalised row for the experts (linear_split_keeping_norm), else
+//      rms_norm runs first;
 //   2. moe_route_kernel: one warp per token, softmax in fp32, the top k by probability (the
 //      lower expert id on equal probabilities), renormalised — route_top_k's rule (TopKRule); or,
 //      for GLM-5's mixtures, route_noaux_tc's rule (NoauxRule);
@@ -40,6 +43,7 @@
 #include "tandem/backend/cuda/check.cuh"
 #include "tandem/backend/cuda/cuda_ops.h"
 #include "tandem/backend/cuda/scratch.cuh"
+#include "tandem/core/env_switch.h"
 #include "tandem/core/error.h"
 
 namespace tandem::cuda {
@@ -540,7 +544,8 @@ struct MoeScratch {
 }  // namespace
 
 void moe_mlp_add(const float* x, int64_t T, const ops::MoeWeights& w, float* y,
-                 std::vector<int32_t>* routed_ids, std::vector<float>* routed_weights) {
+                 std::vector<int32_t>* routed_ids, std::vector<float>* routed_weights,
+                 const ops::MoeInputNorm* norm) {
   if (T <= 0) return;
   const int64_t E = w.router.rows, H = w.router.cols, k = w.top_k;
   const int64_t I = w.experts_down.cols, Is = w.shared_gate_proj.rows;
@@ -579,7 +584,23 @@ void moe_mlp_add(const float* x, int64_t T, const ops::MoeWeights& w, float* y,
   float* act = s[7].get<float>((P + S) * I);
   float* out = s[8].get<float>((P + S) * H);
   const SharedGroup sh{static_cast<int>(S), static_cast<int>(E)};
-  cuda::linear(x, T, gate_row ? w.router_shared_gate : w.router, logits);
+  // With a norm, x is the raw residual: the router normalises it (folded into its staging at one
+  // token, one launch fewer) and writes the normalised rows the experts read.
+  const ops::WeightRef& router = gate_row ? w.router_shared_gate : w.router;
+  static const bool fold_norm = env_switch_on("TANDEM_CUDA_MOE_FOLD_NORM");
+  bool router_done = false;  // the router's product is launched
+  if (norm) {
+    const ops::RowNorm& n = norm->norm;
+    if (router.dtype == DType::BF16 && fold_norm) {
+      const ops::OutputSlice all{logits, router.rows};
+      cuda::linear_split_keeping_norm(x, T, router, &all, 1, n, norm->normed);
+      router_done = true;
+    } else {
+      cuda::rms_norm(x, T, H, n.w, n.zero_centred, n.eps, norm->normed);
+    }
+    x = norm->normed;
+  }
+  if (!router_done) cuda::linear(x, T, router, logits);
   // Runs of at least 32 pairs, one per warp, as many as the per-run counts fit in kGroupSmem.
   const int64_t chunks = std::max<int64_t>(
       1, std::min({int64_t{kGroupThreads / 32}, kGroupSmem / (4 * E), ceil_div(P, 32)}));
