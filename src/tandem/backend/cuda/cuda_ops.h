@@ -147,8 +147,7 @@ int64_t prefill_rows();  // the prefill GEMM tile; 0 outside prefill mode
 // block writes them as it folds the norm, else an rms_norm kernel first. Same values either way.
 void linear_split_keeping_norm(const float* x, int64_t m, const ops::WeightRef& w,
                                const ops::OutputSlice* slices, int n_slices,
-                               const ops::RowNorm& norm, float* normed,
-                               const ops::WeightRef* prefetch = nullptr);
+                               const ops::RowNorm& norm, float* normed);
 void linear(const float* x, int64_t m, const ops::WeightRef& w, float* y);
 // linear for fp8 e4m3 weights with block scales (linear_fp8.cu); linear() and linear_add() route
 // fp8 here. Decode and verify: weights decoded exactly and scaled as the CPU does, fp32

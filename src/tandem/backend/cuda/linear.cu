@@ -1142,16 +1142,14 @@ void linear_split(const float* x, int64_t m, const ops::WeightRef& w,
 
 void linear_split_keeping_norm(const float* x, int64_t m, const ops::WeightRef& w,
                                const ops::OutputSlice* slices, int n_slices,
-                               const ops::RowNorm& norm, float* normed,
-                               const ops::WeightRef* prefetch) {
+                               const ops::RowNorm& norm, float* normed) {
   const SplitOut y = split_out(slices, n_slices, w.rows);
   if (m == 0 || w.rows == 0) return;
   check_weight(m, w, {&norm, nullptr});
   const InputNorm folded{&norm, nullptr, normed};
-  if (norm_folds_writing(x, m, w, folded))
-    return linear_mma<false>(x, m, w, y, folded, l2_prefetch(prefetch, m));
+  if (norm_folds_writing(x, m, w, folded)) return linear_mma<false>(x, m, w, y, folded);
   cuda::rms_norm(x, m, w.cols, norm.w, norm.zero_centred, norm.eps, normed);
-  linear_any(normed, m, w, y, {}, l2_prefetch(prefetch, m));
+  linear_any(normed, m, w, y, {});
 }
 
 void linear_prefill_bf16(const float* x, int64_t m, const ops::WeightRef& w, float* y,
