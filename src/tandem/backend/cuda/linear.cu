@@ -248,9 +248,14 @@ __device__ __forceinline__ void norm_group_barrier() {
 // t + kNormGroup·k, k < NC (NC = 4 or 8, the fewest that cover K).
 constexpr int kNormChunks = 8;
 
+// Rows of K normalised from registers where a norm is folded (the host asks too:
+// norm_folds_writing).
+__host__ __device__ inline bool rows_normed_in_registers(int64_t K) {
+  return norm_order(K) == NormOrder::Chunked && K <= kNormChunks * 4 * kNormGroup;
+}
+
 __device__ __forceinline__ bool norm_chunked(const RowNormArgs& norm, int K) {
-  return norm.w != nullptr && norm_order(K) == NormOrder::Chunked &&
-         K <= kNormChunks * 4 * kNormGroup;
+  return norm.w != nullptr && rows_normed_in_registers(K);
 }
 
 // The norm weight's chunks of this thread (zeros past the row and for threads outside the
@@ -931,15 +936,11 @@ bool norm_folds(InputNorm norm, int64_t m) {
          reinterpret_cast<uintptr_t>(norm.row->w.data) % 16 == 0;
 }
 
-// Whether a folded norm can also write the normalised rows (InputNorm::row_out): where the rows
-// are normalised from registers (hidden-size rows, norm_chunked) on the tensor-core path.
+// Whether a folded norm can also write the normalised rows (InputNorm::row_out): the path
+// linear_any takes to the tensor-core kernel, with rows normalised from registers (norm_chunked).
 bool norm_folds_writing(const float* x, int64_t m, const ops::WeightRef& w, InputNorm norm) {
-  return !prefill_mode() && norm_folds(norm, m) && w.dtype == DType::BF16 && w.cols % 16 == 0 &&
-         reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
-         reinterpret_cast<uintptr_t>(w.data) % 16 == 0 &&
-         norm_order(w.cols) == NormOrder::Chunked && w.cols <= kNormChunks * 4 * kNormGroup &&
-         sizeof(uint16_t) * static_cast<size_t>(m * staged_row_stride(static_cast<int>(w.cols))) <=
-             kNarrowSmemMax;
+  return !prefill_mode() && w.dtype == DType::BF16 && mma_path(x, w) && norm_folds(norm, m) &&
+         rows_normed_in_registers(w.cols);
 }
 
 template <int Warps, bool SwiGLU>

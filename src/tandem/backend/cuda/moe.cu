@@ -588,19 +588,15 @@ void moe_mlp_add(const float* x, int64_t T, const ops::MoeWeights& w, float* y,
   // token, one launch fewer) and writes the normalised rows the experts read.
   const ops::WeightRef& router = gate_row ? w.router_shared_gate : w.router;
   static const bool fold_norm = env_switch_on("TANDEM_CUDA_MOE_FOLD_NORM");
-  bool router_done = false;  // the router's product is launched
-  if (norm) {
-    const ops::RowNorm& n = norm->norm;
-    if (router.dtype == DType::BF16 && fold_norm) {
-      const ops::OutputSlice all{logits, router.rows};
-      cuda::linear_split_keeping_norm(x, T, router, &all, 1, n, norm->normed);
-      router_done = true;
-    } else {
-      cuda::rms_norm(x, T, H, n.w, n.zero_centred, n.eps, norm->normed);
-    }
-    x = norm->normed;
+  if (norm && fold_norm && router.dtype == DType::BF16) {
+    const ops::OutputSlice all{logits, router.rows};
+    cuda::linear_split_keeping_norm(x, T, router, &all, 1, norm->norm, norm->normed);
+  } else {
+    if (norm)
+      cuda::rms_norm(x, T, H, norm->norm.w, norm->norm.zero_centred, norm->norm.eps, norm->normed);
+    cuda::linear(norm ? norm->normed : x, T, router, logits);
   }
-  if (!router_done) cuda::linear(x, T, router, logits);
+  if (norm) x = norm->normed;
   // Runs of at least 32 pairs, one per warp, as many as the per-run counts fit in kGroupSmem.
   const int64_t chunks = std::max<int64_t>(
       1, std::min({int64_t{kGroupThreads / 32}, kGroupSmem / (4 * E), ceil_div(P, 32)}));
