@@ -1162,11 +1162,13 @@ TEST_F(CudaOps, AddRmsNormIsBitwiseAddThenNorm) {
 // projection on every path: decode shapes normalising while they stage their rows (m = 1; each
 // of the three norm orders: K = 384, 4096, 12288; 4 and 8 warps), rms_norm_bf16 first on the
 // register kernel (2..16 rows), the ring kernel (17..32) and beyond, prompt prefill (rms_norm
-// first), and K not a multiple of 16 (the warp kernel). x is left as it was.
+// first), a row too long to stage (K = 65,552: rms_norm_bf16 first at one row too), and K not a
+// multiple of 16 (the warp kernel). x is left as it was.
 TEST_F(CudaLinearModes, InputNormIsBitwiseRmsNormThenProduct) {
   std::mt19937 rng(23);
-  for (const LinearShape c : {LinearShape{96, 384}, LinearShape{8208, 4096}, LinearShape{64, 4096},
-                              LinearShape{48, 12288}, LinearShape{32, 100}}) {
+  for (const LinearShape c :
+       {LinearShape{96, 384}, LinearShape{8208, 4096}, LinearShape{64, 4096},
+        LinearShape{48, 12288}, LinearShape{16, 65552}, LinearShape{32, 100}}) {
     const Bf16Matrix w = bf16_matrix(c.n, c.k, rng);  // also read as gate/up pairs (n % 16 == 0)
     for (bool zc : {true, false}) {
       const F32Weight nw = f32_weight(randn(sz(c.k), rng, 0.1f, zc ? 0.0f : 1.0f), 1, c.k);

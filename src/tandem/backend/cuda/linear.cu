@@ -961,16 +961,20 @@ void linear_mma_warps(const float* x, int64_t m, const ops::WeightRef& w, const 
   constexpr int kThreads = Warps * 32;
   const int N = static_cast<int>(w.rows), K = static_cast<int>(w.cols), M = static_cast<int>(m);
   const auto* wp = static_cast<const uint16_t*>(w.data);
+  const size_t staged = sizeof(uint16_t) * static_cast<size_t>(m * staged_row_stride(K));
+  const bool stages = m <= kNarrowRows && staged <= kNarrowSmemMax;
   // The norm is folded into the staging for a single row (decode) only: a block normalises its
   // rows one after another, and from two rows on, a norm kernel first is cheaper. That kernel
-  // writes the rows in bf16, ready for the product (no staging, no conversion launch).
-  if (norm && !norm_folds(norm, m)) {
+  // writes the rows in bf16, ready for the product (no staging, no conversion launch). So does a
+  // row too long to stage (K > 65,528), whose folded norm would otherwise be skipped.
+  if (norm && (!norm_folds(norm, m) || !stages)) {
+    if (norm.row_out)
+      fail("cuda linear: the normalised row of ", K, " inputs cannot be kept (not staged)");
     uint16_t* xs = bf16_rows(m * K);
     normalised_rows_bf16(x, m, K, norm, xs);
     return linear_mma_bf16_rows<Warps, SwiGLU>(xs, m, w, y, pf);
   }
-  const size_t staged = sizeof(uint16_t) * static_cast<size_t>(m * staged_row_stride(K));
-  if (m <= kNarrowRows && staged <= kNarrowSmemMax) {
+  if (stages) {
     // Two n-tiles per warp halve the activation reads (every block reads all of x).
     const auto kernel = linear_mma_wide_kernel<Warps, 1, 2, true, SwiGLU>;
     allow_dynamic_smem(kernel, staged, "cuda linear: the input rows");
