@@ -4,6 +4,7 @@
 // and lossless speculation (n-gram and the MoE MTP layer). Run on a GPU machine: `ctest -L cuda`.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -179,6 +180,21 @@ double relative_error(const std::vector<float>& got, const std::vector<float>& w
   return worst / scale;
 }
 
+// y0 + moe(x) on the device for the T rows of x, checked against the CPU op: the same routing,
+// the output within bf16 tolerance. ids (optional): the device's routing.
+std::vector<float> cuda_moe_checked(const ops::MoeWeights& on_gpu, const ops::MoeWeights& on_cpu,
+                                    const std::vector<float>& x, const std::vector<float>& y0,
+                                    int64_t T, std::vector<int32_t>* ids = nullptr) {
+  std::vector<int32_t> got_ids, want_ids;
+  const auto got = cuda_moe(on_gpu, x, y0, T, &got_ids);
+  std::vector<float> want = y0;
+  cpu::moe_mlp_add(x.data(), T, on_cpu, want.data(), &want_ids, nullptr);
+  EXPECT_EQ(got_ids, want_ids);
+  EXPECT_LT(relative_error(got, want, y0), 2e-2);
+  if (ids) *ids = got_ids;
+  return got;
+}
+
 // linear_grouped with its mixture options (rows gathered from the tokens' rows, SwiGLU over
 // transformers' gate-then-up halves) against the unfused ops: each
 // pair row bitwise cuda::linear of its expert's gate and up rows for that token alone, then
@@ -267,6 +283,60 @@ TEST_F(CudaMoe, OpMatchesTheCpuOpAndEachTokenIsBitwiseItsOwn) {
         EXPECT_EQ(0, std::memcmp(alone.data(), got.data() + t * mix.H, sizeof(float) * mix.H))
             << "token " << t << " of " << T << " differs from the token alone";
       }
+    }
+  }
+}
+
+// One token's routing and gate/up products run as one kernel whose producer warp streams the
+// chosen experts' rows (moe_token_gate_up_kernel), and its down products and combination as one
+// whose blocks own output columns of every chosen expert (moe_token_down_kernel), at a model's
+// shapes: each token alone is bitwise the same token among others (the routing kernel, the
+// grouped products and the combining kernel), its routing the same experts and weights, with the
+// shared expert as a group, as its own products, or absent; gate/up rings of 4 stages (H =
+// 2,048) and 2 (H = 4,096); more shared-expert items than blocks (I = 1,024); 257..512 experts
+// (16 a routing lane); down blocks of 16 columns (I = 512), of 8 (I = 1,024: 16 would not fit
+// shared memory) and the grouped down fallback (I = 2,048, whose groups the gate/up kernel
+// writes); against the CPU op within bf16 tolerance.
+TEST_F(CudaMoe, OneTokenKernelsAreBitwiseTheGroupedPath) {
+  ScopedBackend cuda(ops::Backend::Cuda);
+  std::mt19937 rng(31);
+  struct Shape {
+    int64_t E, k, H, I, Is;
+  };
+  for (const Shape sh :
+       {Shape{16, 8, 2048, 512, 512}, Shape{16, 8, 2048, 512, 0}, Shape{16, 8, 2048, 512, 256},
+        Shape{12, 8, 1024, 1024, 1024}, Shape{8, 8, 512, 2048, 2048}, Shape{40, 32, 256, 64, 64},
+        Shape{24, 10, 4096, 256, 256}, Shape{300, 8, 256, 64, 64}}) {
+    SCOPED_TRACE("E " + std::to_string(sh.E) + " k " + std::to_string(sh.k) + " H " +
+                 std::to_string(sh.H) + " I " + std::to_string(sh.I) + " shared " +
+                 std::to_string(sh.Is));
+    TestMixture mix(sh.E, sh.k, sh.H, sh.I, sh.Is, rng);
+    WeightArena arena;
+    const ops::MoeWeights on_gpu = mix.stacked(arena);
+    const ops::MoeWeights on_cpu = mix.weights(false);
+    ASSERT_EQ(on_gpu.shared_in_groups, sh.Is == sh.I && sh.Is > 0);
+    const int64_t T = 3;
+    const auto x = bf16_rows(T * mix.H, rng);
+    const auto y0 = bf16_rows(T * mix.H, rng);
+    std::vector<int32_t> ids;
+    const auto together = cuda_moe_checked(on_gpu, on_cpu, x, y0, T, &ids);
+    std::vector<int32_t> ids_again;
+    std::vector<float> wts;
+    cuda_moe(on_gpu, x, y0, T, &ids_again, &wts);
+    ASSERT_EQ(ids_again, ids);
+    for (int64_t t = 0; t < T; ++t) {
+      const std::vector<float> xt(x.begin() + t * mix.H, x.begin() + (t + 1) * mix.H);
+      const std::vector<float> yt(y0.begin() + t * mix.H, y0.begin() + (t + 1) * mix.H);
+      std::vector<int32_t> alone_ids;
+      const auto alone = cuda_moe_checked(on_gpu, on_cpu, xt, yt, 1, &alone_ids);
+      EXPECT_TRUE(std::equal(alone_ids.begin(), alone_ids.end(), ids.begin() + t * mix.k));
+      std::vector<int32_t> ids_alone_again;
+      std::vector<float> alone_wts;
+      cuda_moe(on_gpu, xt, yt, 1, &ids_alone_again, &alone_wts);
+      EXPECT_EQ(0, std::memcmp(alone_wts.data(), wts.data() + t * mix.k, sizeof(float) * mix.k))
+          << "token " << t << "'s routing weights alone differ from the token's among " << T;
+      EXPECT_EQ(0, std::memcmp(alone.data(), together.data() + t * mix.H, sizeof(float) * mix.H))
+          << "token " << t << " alone differs from the token among " << T;
     }
   }
 }
@@ -404,12 +474,7 @@ TEST_F(CudaMoe, StackedSharedExpertMatchesTheCpuAndTheSeparateProducts) {
       SCOPED_TRACE("T " + std::to_string(T));
       const auto x = bf16_rows(T * mix.H, rng);
       const auto y0 = bf16_rows(T * mix.H, rng);
-      std::vector<int32_t> ids, want_ids;
-      const auto got = cuda_moe(stacked, x, y0, T, &ids);
-      std::vector<float> want = y0;
-      cpu::moe_mlp_add(x.data(), T, on_cpu, want.data(), &want_ids, nullptr);
-      EXPECT_EQ(ids, want_ids);
-      EXPECT_LT(relative_error(got, want, y0), 2e-2);
+      const auto got = cuda_moe_checked(stacked, on_cpu, x, y0, T);
       const auto apart = cuda_moe(separate, x, y0, T);
       EXPECT_EQ(0, std::memcmp(got.data(), apart.data(), sizeof(float) * got.size()))
           << "the stacked products differ from the separate ones";

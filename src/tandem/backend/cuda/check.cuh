@@ -43,8 +43,11 @@ inline cudaStream_t op_stream() {
 // kernel calls pdl_wait() before it reads anything an earlier kernel wrote or writes anything an
 // earlier kernel reads. Only data no kernel of the running forward writes may be touched before
 // it: weights, the metadata uploaded before the forward's first kernel (positions, block tables,
-// state descriptors; a copy that is not a kernel fully serializes what follows it), and state a
-// kernel itself last wrote one forward earlier (the delta rule's recurrent state).
+// state descriptors; a copy that is not a kernel fully serializes what follows it), state a
+// kernel itself last wrote one forward earlier (the delta rule's recurrent state), and what a
+// kernel at least two launches back wrote where the kernel just before releases only after its
+// own wait (moe_token_down_kernel routes from the router's logits so: see below why that kernel
+// has completed).
 // pdl_wait() returns once the kernel before it has completed and its writes are visible; that
 // kernel waited on its own predecessor before completing, so every earlier kernel has.
 // pdl_release() lets the next kernel be scheduled. Kernels call it right after pdl_wait(), so at

@@ -117,8 +117,7 @@ cublasLtMatmulDesc_t transposed_weight_desc() {
 
 namespace {
 
-constexpr int kWideRows = 8192;  // weights with at least this many rows: 4 warps per block, else 8
-constexpr int kMaxTiles = 4;     // m-tiles per pass
+constexpr int kMaxTiles = 4;            // m-tiles per pass
 constexpr int64_t kTilesFromRows = 32;  // more rows than this: linear_tiles.cu
 constexpr int64_t kNarrowRows = 4;      // up to this many rows: bf16 inputs staged per block (F32X)
 constexpr int64_t kFoldedNormRows = 1;  // up to this many rows: an input norm folded into staging
@@ -975,15 +974,26 @@ void linear_mma_warps(const float* x, int64_t m, const ops::WeightRef& w, const 
     return linear_mma_bf16_rows<Warps, SwiGLU>(xs, m, w, y, pf);
   }
   if (stages) {
-    // Two n-tiles per warp halve the activation reads (every block reads all of x).
-    const auto kernel = linear_mma_wide_kernel<Warps, 1, 2, true, SwiGLU>;
-    allow_dynamic_smem(kernel, staged, "cuda linear: the input rows");
     RowNormArgs row_norm{nullptr, 0.0f, false};
     if (norm.row)
       row_norm = {static_cast<const float*>(norm.row->w.data), norm.row->eps,
                   norm.row->zero_centred, norm.row_out};
-    launch("linear", kernel, balanced_grid(kernel, kThreads, (N + 15) / 16, staged), kThreads,
-           staged, x, M, wp, N, K, y, row_norm, pf, GroupRows{});
+    auto go = [&](auto kernel, int cols_per_block) {
+      allow_dynamic_smem(kernel, staged, "cuda linear: the input rows");
+      launch("linear", kernel,
+             balanced_grid(kernel, kThreads, (N + cols_per_block - 1) / cols_per_block, staged),
+             kThreads, staged, x, M, wp, N, K, y, row_norm, pf, GroupRows{});
+    };
+    // Two n-tiles per warp halve the activation reads (every block reads all of x). A weight of
+    // so few rows that its 16-column groups leave most SMs idle (a mixture's router: 257 rows,
+    // 17 blocks of 64 KiB each, every one a chain of DRAM round trips) takes one n-tile per warp:
+    // twice the blocks, each half the bytes (0.6-0.7% off a 35B-A3B step at 1 and 8 rows on an
+    // H100, BENCHMARKS.md). The same arithmetic per output.
+    if constexpr (!SwiGLU) {
+      const auto narrow = linear_mma_wide_kernel<Warps, 1, 1, true, false>;
+      if ((N + 15) / 16 < resident_blocks(narrow, kThreads, staged) / 4) return go(narrow, 8);
+    }
+    go(linear_mma_wide_kernel<Warps, 1, 2, true, SwiGLU>, 16);
     return;
   }
   // Batches: a bf16 copy of the inputs first.
@@ -1026,7 +1036,7 @@ void linear_mma_bf16_rows(const uint16_t* xs, int64_t m, const ops::WeightRef& w
 // of its shape alone (see the header), the one rule every tensor-core launch follows.
 template <class F>
 void with_warps(const ops::WeightRef& w, F&& f) {
-  if (w.rows >= kWideRows)
+  if (k_split_warps(w.rows) == 4)
     f(std::integral_constant<int, 4>{});
   else
     f(std::integral_constant<int, 8>{});

@@ -13,8 +13,15 @@
 
 namespace tandem::cuda {
 
-constexpr int kChunk = 64;     // k per warp chunk: 4 lanes x 16
-constexpr int kTileRows = 16;  // rows of one m-tile (the mma's m)
+constexpr int kChunk = 64;       // k per warp chunk: 4 lanes x 16
+constexpr int kTileRows = 16;    // rows of one m-tile (the mma's m)
+constexpr int kWideRows = 8192;  // weights with at least this many rows: 4 warps per block, else 8
+
+// The k-split warps of a weight of `rows` rows (a function of the weight's shape alone, part of
+// every output's reduction order): the decode kernels' warps per block.
+__host__ __device__ constexpr int k_split_warps(int64_t rows) {
+  return rows >= kWideRows ? 4 : 8;
+}
 
 // A shared-memory pointer as the 32-bit shared::cta address that cp.async and mbarriers take.
 __device__ __forceinline__ uint32_t shared_address(const void* p) {

@@ -35,6 +35,7 @@
 #include <cstdlib>
 #include <string_view>
 
+#include "tandem/backend/cuda/bulk_copy.cuh"
 #include "tandem/backend/cuda/check.cuh"
 #include "tandem/backend/cuda/linear_mma.cuh"
 #include "tandem/core/env_switch.h"
@@ -43,52 +44,6 @@
 namespace tandem::cuda {
 
 namespace {
-
-// The mbarrier and bulk-copy primitives (sm_90), on shared::cta addresses (shared_address).
-__device__ __forceinline__ void mbar_init(uint32_t bar, unsigned count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
-}
-
-__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
-}
-
-// One arrival that also expects `bytes` of bulk copies to complete on the barrier.
-__device__ __forceinline__ void mbar_arrive_expect(uint32_t bar, unsigned bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
-               : "memory");
-}
-
-// Returns once the barrier's phase of parity `parity` has completed.
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  uint32_t done;
-  do {
-    asm volatile(
-        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-        " selp.u32 %0, 1, 0, p;\n}"
-        : "=r"(done)
-        : "r"(bar), "r"(parity)
-        : "memory");
-  } while (!done);
-}
-
-// `bytes` (a multiple of 16, both addresses 16-byte aligned) from global src to shared dst,
-// completing on mbarrier bar; the weights are read once per step, so they are marked to leave
-// L2 first (the inputs, read by every block, stay).
-__device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, unsigned bytes,
-                                          uint32_t bar, uint64_t policy) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
-      " [%0], [%1], %2, [%3], %4;" ::"r"(dst),
-      "l"(src), "r"(bytes), "r"(bar), "l"(policy)
-      : "memory");
-}
-
-__device__ __forceinline__ uint64_t evict_first_policy() {
-  uint64_t policy;
-  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-  return policy;
-}
 
 template <int Warps, int NT>
 struct RingShape {

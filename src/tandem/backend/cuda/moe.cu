@@ -24,6 +24,11 @@
 //   6. moe_combine_kernel: per token and 256 columns, its experts' outputs weighted and summed in
 //      ascending expert id, then + sigmoid(gate) · shared (+ shared where it has no gate: GLM-5),
 //      added to y (cpu::moe_mlp_add's order).
+//   At one token (decode at batch 1) steps 2-4's routing and gate/up product are one kernel
+//   (moe_token_gate_up_kernel: every block routes the token itself, a producer warp streams the
+//   chosen experts' rows), and step 4's down product and step 6 another (moe_token_down_kernel:
+//   its blocks own output columns of every expert the token chose, with the weights streamed into
+//   shared memory before the gate/up product has finished).
 //
 // Batch invariance: a pair row's products are the ones cuda::linear of its expert computes for
 // that row alone (linear_grouped), whichever other rows share the expert; the routing's
@@ -37,11 +42,14 @@
 #include <algorithm>
 #include <climits>
 #include <cmath>
+#include <cstdint>
 #include <type_traits>
 
 #include "tandem/backend/cuda/activation.cuh"
+#include "tandem/backend/cuda/bulk_copy.cuh"
 #include "tandem/backend/cuda/check.cuh"
 #include "tandem/backend/cuda/cuda_ops.h"
+#include "tandem/backend/cuda/linear_mma.cuh"
 #include "tandem/backend/cuda/scratch.cuh"
 #include "tandem/core/env_switch.h"
 #include "tandem/core/error.h"
@@ -103,15 +111,17 @@ __device__ __forceinline__ Candidate warp_best_reduced(Candidate c) {
 // their sum in the order chosen, as route_top_k sums them.
 // A NaN probability counts as -1, below every probability, so k distinct experts are always
 // chosen (the grouping relies on it: no expert gets more rows than there are tokens).
-// route_top_k for token t, by one whole warp.
+// route_top_k for token t, by one whole warp. Returns lane j's choice j (j < k), else INT_MAX.
+// Writes ids and weights unless ids is null (the one-token kernels' blocks other than the first
+// route only to know the experts). The logits are read through L2 (__ldcg): a kernel that routes
+// before its wait (moe_token_down_kernel) must never see a stale L1 line of the previous layer's.
 struct TopKRule {
   bool renormalise;
 };
 template <int PerLane>
-__device__ __forceinline__ void route_token(const TopKRule& rule, const float* __restrict__ logits,
-                                            int64_t ld, int t, int E, int k,
-                                            int32_t* __restrict__ ids,
-                                            float* __restrict__ weights) {
+__device__ __forceinline__ int route_token(const TopKRule& rule, const float* __restrict__ logits,
+                                           int64_t ld, int t, int E, int k,
+                                           int32_t* __restrict__ ids, float* __restrict__ weights) {
   // Below every probability and below a NaN's -1: experts past E, and the ones already chosen.
   constexpr float kOut = -2.0f;
   const bool renormalise = rule.renormalise;
@@ -122,7 +132,7 @@ __device__ __forceinline__ void route_token(const TopKRule& rule, const float* _
 #pragma unroll
   for (int j = 0; j < PerLane; ++j) {
     const int e = lane + 32 * j;
-    p[j] = e < E ? l[e] : -INFINITY;
+    p[j] = e < E ? __ldcg(l + e) : -INFINITY;
     mx = fmaxf(mx, p[j]);
   }
   for (int offset = 16; offset > 0; offset /= 2)
@@ -159,10 +169,11 @@ __device__ __forceinline__ void route_token(const TopKRule& rule, const float* _
       my_e = c.e;
     }
   }
-  if (lane < k) {
+  if (lane < k && ids) {
     ids[static_cast<size_t>(t) * k + lane] = my_e;
     weights[static_cast<size_t>(t) * k + lane] = renormalise ? my_p / top : my_p;
   }
+  return lane < k ? my_e : INT_MAX;
 }
 
 // GLM-5 / DeepSeek-V3's noaux_tc routing (route_noaux_tc's rule), one warp per token as above:
@@ -178,10 +189,9 @@ struct NoauxRule {
   const float* bias;
 };
 template <int PerLane>
-__device__ __forceinline__ void route_token(const NoauxRule& rule, const float* __restrict__ logits,
-                                            int64_t ld, int t, int E, int k,
-                                            int32_t* __restrict__ ids,
-                                            float* __restrict__ weights) {
+__device__ __forceinline__ int route_token(const NoauxRule& rule, const float* __restrict__ logits,
+                                           int64_t ld, int t, int E, int k,
+                                           int32_t* __restrict__ ids, float* __restrict__ weights) {
   const int n_group = rule.n_group, topk_group = rule.topk_group;
   const bool renormalise = rule.renormalise;
   const float scale = rule.scale;
@@ -193,7 +203,7 @@ __device__ __forceinline__ void route_token(const NoauxRule& rule, const float* 
 #pragma unroll
   for (int j = 0; j < PerLane; ++j) {
     const int e = lane + 32 * j;
-    score[j] = e < E ? 1.0f / (1.0f + expf(-l[e])) : 0.0f;
+    score[j] = e < E ? 1.0f / (1.0f + expf(-__ldcg(l + e))) : 0.0f;
     choice[j] = e < E ? score[j] + bias[e] : -INFINITY;
   }
   // The best of the candidates `in` accepts (experts outside it count as -inf, past E as well).
@@ -247,11 +257,12 @@ __device__ __forceinline__ void route_token(const NoauxRule& rule, const float* 
       my_e = c.e;
     }
   }
-  if (lane < k) {
+  if (lane < k && ids) {
     const float w = renormalise ? my_s / (top + 1e-20f) : my_s;
     ids[static_cast<size_t>(t) * k + lane] = my_e;
     weights[static_cast<size_t>(t) * k + lane] = w * scale;
   }
+  return lane < k ? my_e : INT_MAX;
 }
 
 // Grid: ceil(T / kRouteWarps) blocks of kRouteWarps warps; warp w of block b routes token
@@ -472,13 +483,34 @@ __device__ __forceinline__ void group_pairs_warp(const int32_t* ids, int pairs, 
   close_groups(used, pairs, groups, sh, lane, 32, expert, start, token_of);
 }
 
+// group_pairs_warp for one token, from the routing warp's registers (lane j < k holds choice j,
+// its expert e_j, distinct): pair j's row and group are both the number of its choices with a
+// lower id. The same results without the ids' round trip through memory and the pair loops.
+__device__ __forceinline__ void group_one_token(int e, int k, int groups, SharedGroup sh,
+                                                int32_t* __restrict__ expert,
+                                                int32_t* __restrict__ start,
+                                                int32_t* __restrict__ row_of,
+                                                int32_t* __restrict__ token_of) {
+  const int lane = threadIdx.x % 32;
+  int row = 0;
+  for (int q = 0; q < k; ++q) row += __shfl_sync(0xffffffffu, e, q) < e;
+  if (lane < k) {
+    row_of[lane] = row;
+    token_of[row] = 0;
+    expert[row] = e;
+    start[row] = row;
+  }
+  close_groups(k, k, groups, sh, lane, 32, expert, start, token_of);
+}
+
 // Routing and grouping in one block, for calls of at most kGroupThreads / 32 tokens (decode and
 // short windows, where each launch is a few microseconds of a step's latency): warp t routes
 // token t as moe_route_kernel does, then the block groups the pairs as moe_group_kernel does
 // (the ids it reads were written by the block before the barrier). The same values as the two
 // kernels.
 // PairsPerLane > 0: T·k <= 32·PairsPerLane pairs, a block of T warps whose warp 0 then groups
-// them (group_pairs_warp); 0: the block groups them (group_pairs).
+// them (group_pairs_warp; one token: group_one_token, from the routing warp's registers); 0: the
+// block groups them (group_pairs).
 template <int PerLane, class Rule, int PairsPerLane>
 __global__ void __launch_bounds__(kGroupThreads)
     moe_route_group_kernel(Rule rule, const float* __restrict__ logits, int64_t ld, int T, int E,
@@ -489,7 +521,13 @@ __global__ void __launch_bounds__(kGroupThreads)
   pdl_wait();
   pdl_release();
   const int t = threadIdx.x / 32;
-  if (t < T) route_token<PerLane>(rule, logits, ld, t, E, k, ids, weights);
+  const int chosen = t < T ? route_token<PerLane>(rule, logits, ld, t, E, k, ids, weights) : 0;
+  if constexpr (PairsPerLane > 0) {
+    if (T == 1) {  // the block is one warp
+      group_one_token(chosen, k, groups, sh, expert, start, row_of, token_of);
+      return;
+    }
+  }
   __syncthreads();
   if constexpr (PairsPerLane > 0) {
     if (t == 0)
@@ -497,6 +535,19 @@ __global__ void __launch_bounds__(kGroupThreads)
   } else {
     group_pairs(ids, T * k, k, E, groups, chunks, sh, expert, start, row_of, token_of);
   }
+}
+
+// y += acc + sigmoid(*gate) · shared, or + shared without a gate (GLM-5: the shared experts'
+// output added as it is), or acc alone without a shared expert: the last step of a token's
+// combination, one rounding order for both combining kernels.
+__device__ __forceinline__ void combine_into(float& y, float acc, bool has_shared, float shared,
+                                             const float* gate) {
+  if (!has_shared)
+    y += acc;
+  else if (gate)
+    y += fmaf(sigmoid(*gate), shared, acc);
+  else
+    y += acc + shared;
 }
 
 // Grid (T, ceil(H / kCombineThreads)): block (t, b) adds to y[t] its columns b·kCombineThreads
@@ -526,14 +577,342 @@ __global__ void __launch_bounds__(kCombineThreads)
   const int64_t i = static_cast<int64_t>(blockIdx.y) * kCombineThreads + threadIdx.x;
   if (i >= H) return;
   float acc = 0.0f;
-  for (int j = 0; j < k; ++j) acc += s_w[j] * out[static_cast<int64_t>(s_row[j]) * H + i];
-  float& yt = y[t * H + i];
-  if (!shared)
-    yt += acc;
-  else if (gate)
-    yt += acc + sigmoid(gate[t * gate_ld]) * shared[t * H + i];
-  else  // GLM-5: the shared experts' output added as it is
-    yt += acc + shared[t * H + i];
+  for (int j = 0; j < k; ++j) acc = fmaf(s_w[j], out[static_cast<int64_t>(s_row[j]) * H + i], acc);
+  combine_into(y[t * H + i], acc, shared != nullptr, shared ? shared[t * H + i] : 0.0f,
+               gate ? gate + t * gate_ld : nullptr);
+}
+
+// --- One token's routing and gate/up products (decode at batch 1) ----------------------------
+//
+// At one token the routing kernel (one warp: a launch and a dependent chain of its own between
+// the router and the experts) and the grouped gate/up product (blocks walking two or three column
+// groups of their expert, each a DRAM round trip) become one kernel. Its work is cut into items
+// of kItemCols activation columns of one term (the token's k experts in ascending id, then the
+// shared expert where it runs as a group, the "extra" term): the term's gate rows c .. c + 3 and
+// up rows I + c .. I + c + 3 (gate_up_proj's stacking), 8 weight rows, one m16n8 n-tile. Block b
+// takes items b, b + gridDim.x, ...; the extra term's items are numbered first, so most blocks'
+// first item needs no routing.
+// A producer warp (the last) streams its block's items into a ring of shared-memory stages with
+// bulk copies: the extra term's before the wait on the previous kernel (weights), then, after
+// it, routes the token itself from the router's logits (route_token: every block reaches the
+// same choices; block 0 also writes the routing and the one-token grouping, which the down
+// products and the combination read after their own waits) and streams the routed items. The
+// Warps k-split warps stage the token's normalised row as bf16, as the grouped product stages it,
+// and multiply item by item.
+// Bits: an activation is linear_grouped's for that row — chunks of 64 k ascending in each of the
+// k_split_warps(2I) warps with the same four mmas per chunk and lane-to-k mapping, the partials
+// summed in warp order and silu(gate) · up as finish_group computes them. A column's place in the
+// mma's n-tile is free (no output's arithmetic depends on it). So a token decoded alone is
+// bitwise the same token in a verify window (GPU tests).
+constexpr int kTokenWarps = 8;    // k-split warps of the one-token kernels (2I, H < kWideRows)
+constexpr int kItemCols = 4;      // activation columns of a gate/up item: one 8-row n-tile
+constexpr int kGateUpStages = 4;  // ring depth: 128 KiB of a 2,048-wide model's rows in flight
+constexpr size_t kTokenSmemMax = size_t(200) << 10;  // dynamic shared memory, at most
+
+// The routing outputs block 0 of moe_token_gate_up_kernel writes (moe_route_group_kernel's).
+struct RoutingOut {
+  int32_t* ids;
+  float* weights;
+  int groups;
+  SharedGroup sh;
+  int32_t* expert;
+  int32_t* start;
+  int32_t* row_of;
+  int32_t* token_of;
+};
+
+// Dynamic shared memory: `stages` items of 8 weight rows, each padded by 16 bytes (consecutive
+// rows start 4 banks apart), then the token's row in bf16.
+__host__ __device__ constexpr size_t token_gate_up_smem(int stages, int H) {
+  return static_cast<size_t>(stages) * 2 * kItemCols * (2 * H + 16) + (2 * H + 16);
+}
+
+template <int PerLane, class Rule>
+__global__ void __launch_bounds__((kTokenWarps + 1) * 32, 1)
+    moe_token_gate_up_kernel(Rule rule, const float* __restrict__ logits, int64_t ld, int E, int k,
+                             const float* __restrict__ x, const uint16_t* __restrict__ gate_up,
+                             const uint16_t* __restrict__ extra, int H, int I, int stages,
+                             float* __restrict__ act, RoutingOut out) {
+  constexpr int W = kTokenWarps;
+  constexpr int kRows = 2 * kItemCols;  // weight rows of an item
+  extern __shared__ __align__(128) unsigned char smem[];
+  __shared__ __align__(8) uint64_t full[kGateUpStages], empty[kGateUpStages];
+  __shared__ float partial[2][W][4][2];   // lanes 0..3's accumulators, double-buffered by item
+  __shared__ int32_t s_expert[kMaxTopK];  // the token's experts in ascending id
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int row_stride = 2 * H + 16;  // bytes
+  const int stage_bytes = kRows * row_stride;
+  const int per_term = I / kItemCols;
+  const int extra_items = extra ? per_term : 0;
+  const int items = extra_items + k * per_term;
+  const uint16_t* x_smem = reinterpret_cast<const uint16_t*>(smem + stages * stage_bytes);
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < stages; ++s) {
+      mbar_init(shared_address(&full[s]), 1);
+      mbar_init(shared_address(&empty[s]), W);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+
+  if (warp == W) {
+    const uint64_t policy = evict_first_policy();
+    const unsigned row_bytes = static_cast<unsigned>(2 * H);
+    int q = 0;  // items issued
+    // Item rows 0..3: gate rows c..c+3 of the expert's [2I, H]; rows 4..7: its up rows.
+    auto issue = [&](const uint16_t* w, int c) {
+      const int slot = q % stages;
+      if (q >= stages) mbar_wait(shared_address(&empty[slot]), ((q / stages) - 1) & 1);
+      const uint32_t bar = shared_address(&full[slot]);
+      if (lane == 0) mbar_arrive_expect(bar, row_bytes * kRows);
+      __syncwarp();
+      if (lane < kRows) {
+        const int row = lane < kItemCols ? c + lane : I + c + lane - kItemCols;
+        bulk_copy(shared_address(smem + slot * stage_bytes + lane * row_stride),
+                  w + static_cast<size_t>(row) * H, row_bytes, bar, policy);
+      }
+      ++q;
+    };
+    int i = blockIdx.x;
+    for (; i < extra_items; i += gridDim.x) issue(extra, i * kItemCols);
+    pdl_wait();
+    const bool first = blockIdx.x == 0;
+    const int e = route_token<PerLane>(rule, logits, ld, 0, E, k, first ? out.ids : nullptr,
+                                       first ? out.weights : nullptr);
+    int place = 0;
+    for (int j = 0; j < k; ++j) place += __shfl_sync(0xffffffffu, e, j) < e;
+    if (lane < k) s_expert[place] = e;
+    __syncwarp();
+    if (first)
+      group_one_token(e, k, out.groups, out.sh, out.expert, out.start, out.row_of, out.token_of);
+    const size_t per_expert = static_cast<size_t>(2) * I * H;
+    for (; i < items; i += gridDim.x) {
+      const int j = i - extra_items;
+      issue(gate_up + static_cast<size_t>(s_expert[j / per_term]) * per_expert,
+            (j % per_term) * kItemCols);
+    }
+    return;
+  }
+
+  pdl_wait();
+  pdl_release();
+  // The normalised row in bf16, rounded as the grouped product stages it.
+  for (int c = threadIdx.x; c < H / 4; c += W * 32) {
+    const float4 v = reinterpret_cast<const float4*>(x)[c];
+    *reinterpret_cast<uint2*>(smem + stages * stage_bytes + 8 * c) =
+        make_uint2(pack_bf16(v.x, v.y), pack_bf16(v.z, v.w));
+  }
+  group_barrier<W * 32>();  // the mma warps only
+
+  const int g = lane / 4, t = lane % 4;
+  const int chunks = (H + kChunk - 1) / kChunk;
+  int q = 0;
+  for (int i = blockIdx.x; i < items; i += gridDim.x, ++q) {
+    const int slot = q % stages;
+    const unsigned char* stage = smem + slot * stage_bytes;
+    float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    mbar_wait(shared_address(&full[slot]), (q / stages) & 1);
+    for (int ch = warp; ch < chunks; ch += W) {
+      const int k0 = ch * kChunk + 16 * t;
+      const bool k_ok = k0 < H;
+      uint4 wv[2] = {make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0)};
+      if (k_ok) {
+        const uint4* p = reinterpret_cast<const uint4*>(stage + g * row_stride + 2 * k0);
+        wv[0] = p[0];
+        wv[1] = p[1];
+      }
+      const uint32_t* wb = reinterpret_cast<const uint32_t*>(&wv[0]);
+      // Tile row g is input row g: only row 0 exists (lanes g = 0); rows 8.. are zeros.
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        uint2 lo = make_uint2(0, 0);
+        if (k_ok && g == 0) lo = *reinterpret_cast<const uint2*>(x_smem + k0 + 4 * j);
+        mma_bf16_16816(c, lo.x, 0u, lo.y, 0u, wb[2 * j], wb[2 * j + 1]);
+      }
+    }
+    __syncwarp();
+    if (lane == 0) mbar_arrive(shared_address(&empty[slot]));
+    if (lane < 4) {  // row 0's columns 2·lane, 2·lane + 1 of the n-tile
+      partial[q & 1][warp][lane][0] = c[0];
+      partial[q & 1][warp][lane][1] = c[1];
+    }
+    group_barrier<W * 32>();        // the mma warps only
+    if (threadIdx.x < kItemCols) {  // activation column j: n-tile columns j (gate) and 4 + j (up)
+      const int j = threadIdx.x;
+      float gs = partial[q & 1][0][j / 2][j % 2];
+      float us = partial[q & 1][0][2 + j / 2][j % 2];
+#pragma unroll
+      for (int w = 1; w < W; ++w) {
+        gs += partial[q & 1][w][j / 2][j % 2];
+        us += partial[q & 1][w][2 + j / 2][j % 2];
+      }
+      const int term = i < extra_items ? k : (i - extra_items) / per_term;
+      const int col = (i < extra_items ? i : (i - extra_items) % per_term) * kItemCols + j;
+      act[static_cast<size_t>(term) * I + col] = silu(gs) * us;
+    }
+  }
+}
+
+// --- One token's down products and their combination (decode at batch 1) ----------------------
+//
+// At one token the grouped down product (a block row per chosen expert, blocks over its columns)
+// and moe_combine_kernel become one kernel whose blocks own output columns instead: block b takes
+// columns 8·NT·b .. 8·NT·(b + 1) - 1 of every term (the token's k experts in ascending id, then
+// the shared expert where it runs as a group, the "extra" term) and adds their combination to y.
+// A producer warp (the last) copies every term's weight rows of the block into shared memory with
+// bulk copies, all at once, before the wait on the previous kernel: it routes the token itself
+// from the router's logits (route_token, the same choices as every other routing of the token),
+// and the router ran at least two launches back (then the gate/up product), while a kernel starts
+// only once every block of the one before it has passed its own wait — so the router had
+// completed and its logits were visible (read through L2, never a stale L1 line). The weights
+// then stream while the gate/up product drains, and no column group waits on its own loads.
+// The Warps k-split warps wait for the gate/up product, stage the token's activation rows as bf16
+// (the grouped product's staging) and multiply term by term.
+// Bits: a term's value is linear_grouped's for that row — the k-split of the weight's shape
+// (k_split_warps), each warp's chunks ascending with the same mma sequence and fragments, the
+// partials summed in warp order as finish_group sums them — and the terms are combined with
+// moe_combine_kernel's arithmetic in its order (combine_into). So a token decoded alone is
+// bitwise the same token in a verify window (GPU test
+// OneTokenKernelsAreBitwiseTheGroupedPath).
+
+// Dynamic shared memory of a block: every term's weight rows (each padded by 16 bytes so that
+// consecutive rows start 4 banks apart) and its activation row in bf16 (padded alike).
+__host__ __device__ constexpr size_t token_down_smem(int terms, int rows, int I) {
+  return static_cast<size_t>(terms) * (static_cast<size_t>(rows) * (2 * I + 16) + (2 * I + 16));
+}
+
+template <int Warps, int NT, int PerLane, class Rule>
+__global__ void __launch_bounds__((Warps + 1) * 32, 1)
+    moe_token_down_kernel(Rule rule, const float* __restrict__ logits, int64_t ld, int E,
+                          const float* __restrict__ act, const int32_t* __restrict__ ids,
+                          const float* __restrict__ wts, const int32_t* __restrict__ row_of, int k,
+                          const uint16_t* __restrict__ down, const uint16_t* __restrict__ extra,
+                          int extra_row, const float* __restrict__ shared,
+                          const float* __restrict__ gate, int H, int I, float* __restrict__ y) {
+  constexpr int kRows = 8 * NT;  // output columns of a block: weight rows of each term
+  extern __shared__ __align__(128) unsigned char smem[];
+  __shared__ __align__(8) uint64_t full[kMaxTopK + 1];  // term s's weights have landed
+  __shared__ float s_w[kMaxTopK];
+  __shared__ int32_t s_row[kMaxTopK + 1];
+  __shared__ float partial[2][Warps][NT][4][2];  // row 0's partial sums, double-buffered by term
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int terms = k + (extra ? 1 : 0);
+  const int row_stride = 2 * I + 16;  // bytes
+  const int n_base = blockIdx.x * kRows;
+  const int rows = min(kRows, H - n_base);
+  unsigned char* w_smem = smem;  // [terms][kRows][row_stride]
+  const uint16_t* x_smem = reinterpret_cast<const uint16_t*>(smem + terms * kRows * row_stride);
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < terms; ++s) mbar_init(shared_address(&full[s]), 1);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+
+  if (warp == Warps) {
+    // Lane j < k holds choice j; its place among the choices in ascending id is its term.
+    const int e = route_token<PerLane>(rule, logits, ld, 0, E, k, nullptr, nullptr);
+    int place = 0;
+    for (int q = 0; q < k; ++q) place += __shfl_sync(0xffffffffu, e, q) < e;
+    const uint64_t policy = evict_first_policy();
+    const unsigned bytes = static_cast<unsigned>(2 * I);
+    for (int s = 0; s < terms; ++s) {  // uniform across the warp
+      const unsigned owner = __ballot_sync(0xffffffffu, lane < k && place == s);
+      const uint16_t* src =
+          s < k ? down + (static_cast<size_t>(__shfl_sync(0xffffffffu, e, __ffs(owner) - 1)) * H +
+                          n_base) *
+                             I
+                : extra + static_cast<size_t>(n_base) * I;
+      const uint32_t bar = shared_address(&full[s]);
+      if (lane == 0) mbar_arrive_expect(bar, bytes * rows);
+      __syncwarp();
+      const uint32_t base = shared_address(w_smem + s * kRows * row_stride);
+      for (int r = lane; r < rows; r += 32)
+        bulk_copy(base + r * row_stride, src + static_cast<size_t>(r) * I, bytes, bar, policy);
+    }
+    return;
+  }
+
+  pdl_wait();
+  pdl_release();
+  if (threadIdx.x < k) {  // moe_combine_kernel's places
+    const int j = threadIdx.x, e = ids[j];
+    int place = 0;
+    for (int q = 0; q < k; ++q) place += ids[q] < e;
+    s_w[place] = wts[j];
+    s_row[place] = row_of[j];
+  }
+  if (threadIdx.x == 0 && extra) s_row[k] = extra_row;
+  group_barrier<Warps * 32>();  // the mma warps only
+  // The terms' activation rows in bf16, rounded as the grouped product stages them.
+  const int q4 = I / 4;
+  for (int i = threadIdx.x; i < terms * q4; i += Warps * 32) {
+    const int s = i / q4, c = i % q4;
+    const float4 v = reinterpret_cast<const float4*>(act + static_cast<size_t>(s_row[s]) * I)[c];
+    *reinterpret_cast<uint2*>(smem + terms * kRows * row_stride + s * row_stride + 8 * c) =
+        make_uint2(pack_bf16(v.x, v.y), pack_bf16(v.z, v.w));
+  }
+  group_barrier<Warps * 32>();  // the mma warps only
+
+  const int g = lane / 4, t = lane % 4;
+  const int chunks = (I + kChunk - 1) / kChunk;
+  float acc = 0.0f, extra_value = 0.0f;  // threads < kRows: their column's
+  for (int s = 0; s < terms; ++s) {
+    float c[NT][4];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) c[nt][0] = c[nt][1] = c[nt][2] = c[nt][3] = 0.0f;
+    const unsigned char* wt = w_smem + s * kRows * row_stride;
+    const uint16_t* xr = x_smem + s * (row_stride / 2);
+    mbar_wait(shared_address(&full[s]), 0);
+    for (int ch = warp; ch < chunks; ch += Warps) {
+      const int k0 = ch * kChunk + 16 * t;
+      const bool k_ok = k0 < I;
+      uint4 wv[NT][2];
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        if (k_ok && nt * 8 + g < rows) {
+          const uint4* p = reinterpret_cast<const uint4*>(wt + (nt * 8 + g) * row_stride + 2 * k0);
+          wv[nt][0] = p[0];
+          wv[nt][1] = p[1];
+        } else {
+          wv[nt][0] = wv[nt][1] = make_uint4(0, 0, 0, 0);
+        }
+      }
+      // Tile row g is input row g: only row 0 exists (lanes g = 0); rows 8.. are zeros.
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        uint2 lo = make_uint2(0, 0);
+        if (k_ok && g == 0) lo = *reinterpret_cast<const uint2*>(xr + k0 + 4 * j);
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          const uint32_t* wb = reinterpret_cast<const uint32_t*>(&wv[nt][0]);
+          mma_bf16_16816(c[nt], lo.x, 0u, lo.y, 0u, wb[2 * j], wb[2 * j + 1]);
+        }
+      }
+    }
+    if (lane < 4)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        partial[s & 1][warp][nt][lane][0] = c[nt][0];
+        partial[s & 1][warp][nt][lane][1] = c[nt][1];
+      }
+    group_barrier<Warps * 32>();  // the mma warps only
+    if (threadIdx.x < kRows) {    // column nt·8 + 2t' + e of the block: finish_group's sum
+      const int col = threadIdx.x, nt = col / 8, tt = (col % 8) / 2, e = col % 2;
+      float v = partial[s & 1][0][nt][tt][e];
+#pragma unroll
+      for (int w = 1; w < Warps; ++w) v += partial[s & 1][w][nt][tt][e];
+      if (s < k)
+        acc = fmaf(s_w[s], v, acc);
+      else
+        extra_value = v;
+    }
+  }
+  if (threadIdx.x < rows) {
+    const int i = n_base + threadIdx.x;
+    combine_into(y[i], acc, extra || shared, extra ? extra_value : shared ? shared[i] : 0.0f, gate);
+  }
 }
 
 // The mixture's intermediates in a context (moe_mlp_add).
@@ -627,6 +1006,7 @@ void moe_mlp_add(const float* x, int64_t T, const ops::MoeWeights& w, float* y,
              static_cast<int>(chunks), sh, expert, start, row_of, token_of);
     });
   };
+  // The routing rule, checked once; with_rule(f) calls f(rule).
   if (w.routing == ops::MoeRouting::NoauxTc) {
     const int64_t per = w.n_group > 0 ? E / w.n_group : 0;
     if (w.n_group < 1 || w.n_group > 32 || E % w.n_group != 0 || (w.n_group > 1 && per < 2) ||
@@ -635,11 +1015,27 @@ void moe_mlp_add(const float* x, int64_t T, const ops::MoeWeights& w, float* y,
            " groups keeping ", w.topk_group, " (CUDA: at most 32 groups of at least 2)");
     if (w.score_bias.dtype != DType::F32 || w.score_bias.rows * w.score_bias.cols != E)
       fail("moe_mlp_add: noaux_tc needs an F32 score bias of ", E, " values");
-    route_and_group(NoauxRule{static_cast<int>(w.n_group), static_cast<int>(w.topk_group),
-                              w.renormalise, w.routed_scale,
-                              static_cast<const float*>(w.score_bias.data)});
-  } else {
-    route_and_group(TopKRule{w.renormalise});
+  }
+  auto with_rule = [&](auto&& f) {
+    if (w.routing == ops::MoeRouting::NoauxTc)
+      f(NoauxRule{static_cast<int>(w.n_group), static_cast<int>(w.topk_group), w.renormalise,
+                  w.routed_scale, static_cast<const float*>(w.score_bias.data)});
+    else
+      f(TopKRule{w.renormalise});
+  };
+  // One token: the routing and the gate/up products in one kernel (moe_token_gate_up_kernel),
+  // for bf16 experts whose k-split is kTokenWarps and whose rows fit its ring at least twice (the
+  // token's row 16-byte aligned, read as float4s).
+  // TANDEM_CUDA_MOE_TOKEN_GATE_UP=0 keeps the routing kernel and the grouped product (A/B timing).
+  static const bool token_gate_up_on = env_switch_on("TANDEM_CUDA_MOE_TOKEN_GATE_UP");
+  int token_stages = 0;  // the ring's depth; 0: the routing kernel and the grouped product
+  if (token_gate_up_on && T == 1 && w.experts_gate_up.dtype == DType::BF16 &&
+      w.experts_gate_up.rows == E * 2 * I && w.experts_gate_up.cols == H && H % 16 == 0 &&
+      I % kItemCols == 0 && k_split_warps(2 * I) == kTokenWarps &&
+      reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
+      (!shared_grouped || w.shared_gate_up.dtype == DType::BF16)) {
+    for (int st = kGateUpStages; st >= 2 && token_stages == 0; --st)
+      if (token_gate_up_smem(st, static_cast<int>(H)) <= kTokenSmemMax) token_stages = st;
   }
   // A token picks an expert once, so no group has more rows than there are tokens.
   GroupedOptions gate_up, down;
@@ -649,8 +1045,56 @@ void moe_mlp_add(const float* x, int64_t T, const ops::MoeWeights& w, float* y,
     gate_up.extra_expert = &w.shared_gate_up;
     down.extra_expert = &w.shared_down_proj;
   }
-  linear_grouped(x, P + S, T, w.experts_gate_up, E, groups, expert, start, act, gate_up);
-  linear_grouped(act, P + S, T, w.experts_down, E, groups, expert, start, out, down);
+  if (token_stages > 0) {
+    if (shared_grouped && (w.shared_gate_up.rows != 2 * I || w.shared_gate_up.cols != H))
+      fail("moe_mlp_add: the shared expert's gate/up is [", w.shared_gate_up.rows, " x ",
+           w.shared_gate_up.cols, "], expected [", 2 * I, " x ", H, "]");
+    const auto* gu = static_cast<const uint16_t*>(w.experts_gate_up.data);
+    const auto* extra =
+        shared_grouped ? static_cast<const uint16_t*>(w.shared_gate_up.data) : nullptr;
+    RoutingOut routing{};
+    routing.ids = ids;
+    routing.weights = wts;
+    routing.groups = static_cast<int>(groups);
+    routing.sh = sh;
+    routing.expert = expert;
+    routing.start = start;
+    routing.row_of = row_of;
+    routing.token_of = token_of;
+    const size_t smem = token_gate_up_smem(token_stages, static_cast<int>(H));
+    const int items = static_cast<int>((k + (shared_grouped ? 1 : 0)) * (I / kItemCols));
+    with_rule([&](const auto& rule) {
+      with_per_lane(E, [&](auto per_lane) {
+        using Rule = std::decay_t<decltype(rule)>;
+        const auto kernel = moe_token_gate_up_kernel<decltype(per_lane)::value, Rule>;
+        constexpr int kThreads = (kTokenWarps + 1) * 32;
+        allow_dynamic_smem(kernel, smem, "moe_mlp_add: one token's gate/up weights");
+        const int resident = resident_blocks(kernel, kThreads, smem);
+        launch("moe_token_gate_up", kernel, static_cast<unsigned>(std::min(items, resident)),
+               kThreads, smem, rule, static_cast<const float*>(logits), ld, static_cast<int>(E),
+               static_cast<int>(k), x, gu, extra, static_cast<int>(H), static_cast<int>(I),
+               token_stages, act, routing);
+      });
+    });
+  } else {
+    with_rule(route_and_group);
+    linear_grouped(x, P + S, T, w.experts_gate_up, E, groups, expert, start, act, gate_up);
+  }
+  // One token: the down products and the combination in one kernel (moe_token_down_kernel), where
+  // its blocks' weights fit in shared memory. TANDEM_CUDA_MOE_TOKEN_DOWN=0 keeps the grouped
+  // product and the combining kernel (A/B timing).
+  static const bool token_down_on = env_switch_on("TANDEM_CUDA_MOE_TOKEN_DOWN");
+  const int terms = static_cast<int>(k) + (shared_grouped ? 1 : 0);
+  int token_down_nt = 0;  // n-tiles a block takes: 2, else 1 where the weights fit; 0: grouped
+  if (token_down_on && T == 1 && w.experts_down.dtype == DType::BF16 &&
+      w.experts_gate_up.dtype == DType::BF16 && I % 16 == 0 && k_split_warps(H) == kTokenWarps) {
+    for (const int nt : {2, 1})
+      if (token_down_nt == 0 &&
+          token_down_smem(terms, 8 * nt, static_cast<int>(I)) <= kTokenSmemMax)
+        token_down_nt = nt;
+  }
+  if (token_down_nt == 0)
+    linear_grouped(act, P + S, T, w.experts_down, E, groups, expert, start, out, down);
   const float* shared = nullptr;
   if (shared_grouped) {
     shared = out + P * H;
@@ -685,10 +1129,41 @@ void moe_mlp_add(const float* x, int64_t T, const ops::MoeWeights& w, float* y,
     cuda::linear(x, T, w.shared_gate, g);
     gate = g;
   }
-  launch("moe_combine", moe_combine_kernel,
-         dim3(grid_blocks(T, "moe_combine"), static_cast<unsigned>(ceil_div(H, kCombineThreads))),
-         kCombineThreads, 0, ids, wts, row_of, out, shared, gate, gate_ld, static_cast<int>(k), H,
-         y);
+  if (token_down_nt > 0) {
+    if (w.experts_down.rows != E * H || w.experts_down.cols != I)
+      fail("moe_mlp_add: the stacked down weights are [", w.experts_down.rows, " x ",
+           w.experts_down.cols, "], expected [", E * H, " x ", I, "]");
+    const auto* dn = static_cast<const uint16_t*>(w.experts_down.data);
+    if (shared_grouped && (w.shared_down_proj.dtype != DType::BF16 ||
+                           w.shared_down_proj.rows != H || w.shared_down_proj.cols != I))
+      fail("moe_mlp_add: the shared expert's down is ", dtype_name(w.shared_down_proj.dtype), " [",
+           w.shared_down_proj.rows, " x ", w.shared_down_proj.cols, "], expected BF16 [", H, " x ",
+           I, "]");
+    const auto* extra =
+        shared_grouped ? static_cast<const uint16_t*>(w.shared_down_proj.data) : nullptr;
+    const float* sh_row = shared_grouped ? nullptr : shared;
+    const int rows = 8 * token_down_nt;  // output columns of a block
+    const size_t smem = token_down_smem(terms, rows, static_cast<int>(I));
+    with_rule([&](const auto& rule) {
+      with_per_lane(E, [&](auto per_lane) {
+        using Rule = std::decay_t<decltype(rule)>;
+        constexpr int PL = decltype(per_lane)::value;
+        const auto kernel = token_down_nt == 2 ? moe_token_down_kernel<kTokenWarps, 2, PL, Rule>
+                                               : moe_token_down_kernel<kTokenWarps, 1, PL, Rule>;
+        allow_dynamic_smem(kernel, smem, "moe_mlp_add: one token's down weights");
+        launch("moe_token_down", kernel, static_cast<unsigned>(ceil_div(H, int64_t{rows})),
+               (kTokenWarps + 1) * 32, smem, rule, static_cast<const float*>(logits), ld,
+               static_cast<int>(E), static_cast<const float*>(act), ids, wts, row_of,
+               static_cast<int>(k), dn, extra, static_cast<int>(P), sh_row, gate,
+               static_cast<int>(H), static_cast<int>(I), y);
+      });
+    });
+  } else {
+    launch("moe_combine", moe_combine_kernel,
+           dim3(grid_blocks(T, "moe_combine"), static_cast<unsigned>(ceil_div(H, kCombineThreads))),
+           kCombineThreads, 0, ids, wts, row_of, out, shared, gate, gate_ld, static_cast<int>(k), H,
+           y);
+  }
   if (routed_ids) {
     routed_ids->resize(static_cast<size_t>(P));
     copy_to_host(routed_ids->data(), ids, sizeof(int32_t) * static_cast<size_t>(P));
