@@ -483,17 +483,25 @@ __device__ __forceinline__ void group_pairs_warp(const int32_t* ids, int pairs, 
   close_groups(used, pairs, groups, sh, lane, 32, expert, start, token_of);
 }
 
+// A choice's place among a token's k choices in ascending expert id, by the whole routing warp
+// (lane j < k holds choice j's expert e, as route_token returns it; the experts are distinct):
+// the number of its choices with a lower id.
+__device__ __forceinline__ int choice_place(int e, int k) {
+  int place = 0;
+  for (int q = 0; q < k; ++q) place += __shfl_sync(0xffffffffu, e, q) < e;
+  return place;
+}
+
 // group_pairs_warp for one token, from the routing warp's registers (lane j < k holds choice j,
-// its expert e_j, distinct): pair j's row and group are both the number of its choices with a
-// lower id. The same results without the ids' round trip through memory and the pair loops.
+// its expert e_j, distinct): pair j's row and group are both its choice_place. The same results
+// without the ids' round trip through memory and the pair loops.
 __device__ __forceinline__ void group_one_token(int e, int k, int groups, SharedGroup sh,
                                                 int32_t* __restrict__ expert,
                                                 int32_t* __restrict__ start,
                                                 int32_t* __restrict__ row_of,
                                                 int32_t* __restrict__ token_of) {
   const int lane = threadIdx.x % 32;
-  int row = 0;
-  for (int q = 0; q < k; ++q) row += __shfl_sync(0xffffffffu, e, q) < e;
+  const int row = choice_place(e, k);
   if (lane < k) {
     row_of[lane] = row;
     token_of[row] = 0;
@@ -580,6 +588,52 @@ __global__ void __launch_bounds__(kCombineThreads)
   for (int j = 0; j < k; ++j) acc = fmaf(s_w[j], out[static_cast<int64_t>(s_row[j]) * H + i], acc);
   combine_into(y[t * H + i], acc, shared != nullptr, shared ? shared[t * H + i] : 0.0f,
                gate ? gate + t * gate_ld : nullptr);
+}
+
+// --- One token's products from shared memory -----------------------------------------------------
+//
+// The one-token kernels below multiply the token's row x (bf16 in shared memory) by weight rows
+// staged in shared memory (bf16, `row_stride` bytes apart): warp `warp` of Warps accumulates
+// chunks warp, warp + Warps, ... of K into c[nt], n-tile nt holding rows 8·nt .. 8·nt + 7 (rows
+// from `rows` on read as zeros), with linear.cu's mma sequence and lane-to-k mapping (mma j takes
+// k + 4j .. k + 4j + 3 of the lane's 16). Tile row g is input row g: only row 0 exists (lanes
+// g = 0), so c[nt][0..1] of lanes 0..3 hold the token's columns 2·lane, 2·lane + 1. The caller
+// sums the warps' partials in warp order, as finish_group does.
+template <int Warps, int NT>
+__device__ __forceinline__ void one_row_product(float (&c)[NT][4], const unsigned char* w_rows,
+                                                int row_stride, int rows, const uint16_t* x_row,
+                                                int K) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, t = lane % 4;
+  const int chunks = (K + kChunk - 1) / kChunk;
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) c[nt][0] = c[nt][1] = c[nt][2] = c[nt][3] = 0.0f;
+  for (int ch = warp; ch < chunks; ch += Warps) {
+    const int k0 = ch * kChunk + 16 * t;
+    const bool k_ok = k0 < K;
+    uint4 wv[NT][2];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      if (k_ok && nt * 8 + g < rows) {
+        const uint4* p =
+            reinterpret_cast<const uint4*>(w_rows + (nt * 8 + g) * row_stride + 2 * k0);
+        wv[nt][0] = p[0];
+        wv[nt][1] = p[1];
+      } else {
+        wv[nt][0] = wv[nt][1] = make_uint4(0, 0, 0, 0);
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      uint2 lo = make_uint2(0, 0);
+      if (k_ok && g == 0) lo = *reinterpret_cast<const uint2*>(x_row + k0 + 4 * j);
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        const uint32_t* wb = reinterpret_cast<const uint32_t*>(&wv[nt][0]);
+        mma_bf16_16816(c[nt], lo.x, 0u, lo.y, 0u, wb[2 * j], wb[2 * j + 1]);
+      }
+    }
+  }
 }
 
 // --- One token's routing and gate/up products (decode at batch 1) ----------------------------
@@ -680,8 +734,7 @@ __global__ void __launch_bounds__((kTokenWarps + 1) * 32, 1)
     const bool first = blockIdx.x == 0;
     const int e = route_token<PerLane>(rule, logits, ld, 0, E, k, first ? out.ids : nullptr,
                                        first ? out.weights : nullptr);
-    int place = 0;
-    for (int j = 0; j < k; ++j) place += __shfl_sync(0xffffffffu, e, j) < e;
+    const int place = choice_place(e, k);
     if (lane < k) s_expert[place] = e;
     __syncwarp();
     if (first)
@@ -705,37 +758,17 @@ __global__ void __launch_bounds__((kTokenWarps + 1) * 32, 1)
   }
   group_barrier<W * 32>();  // the mma warps only
 
-  const int g = lane / 4, t = lane % 4;
-  const int chunks = (H + kChunk - 1) / kChunk;
   int q = 0;
   for (int i = blockIdx.x; i < items; i += gridDim.x, ++q) {
     const int slot = q % stages;
-    const unsigned char* stage = smem + slot * stage_bytes;
-    float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    float c[1][4];
     mbar_wait(shared_address(&full[slot]), (q / stages) & 1);
-    for (int ch = warp; ch < chunks; ch += W) {
-      const int k0 = ch * kChunk + 16 * t;
-      const bool k_ok = k0 < H;
-      uint4 wv[2] = {make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0)};
-      if (k_ok) {
-        const uint4* p = reinterpret_cast<const uint4*>(stage + g * row_stride + 2 * k0);
-        wv[0] = p[0];
-        wv[1] = p[1];
-      }
-      const uint32_t* wb = reinterpret_cast<const uint32_t*>(&wv[0]);
-      // Tile row g is input row g: only row 0 exists (lanes g = 0); rows 8.. are zeros.
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        uint2 lo = make_uint2(0, 0);
-        if (k_ok && g == 0) lo = *reinterpret_cast<const uint2*>(x_smem + k0 + 4 * j);
-        mma_bf16_16816(c, lo.x, 0u, lo.y, 0u, wb[2 * j], wb[2 * j + 1]);
-      }
-    }
+    one_row_product<W, 1>(c, smem + slot * stage_bytes, row_stride, kRows, x_smem, H);
     __syncwarp();
     if (lane == 0) mbar_arrive(shared_address(&empty[slot]));
     if (lane < 4) {  // row 0's columns 2·lane, 2·lane + 1 of the n-tile
-      partial[q & 1][warp][lane][0] = c[0];
-      partial[q & 1][warp][lane][1] = c[1];
+      partial[q & 1][warp][lane][0] = c[0][0];
+      partial[q & 1][warp][lane][1] = c[0][1];
     }
     group_barrier<W * 32>();        // the mma warps only
     if (threadIdx.x < kItemCols) {  // activation column j: n-tile columns j (gate) and 4 + j (up)
@@ -782,15 +815,16 @@ __host__ __device__ constexpr size_t token_down_smem(int terms, int rows, int I)
   return static_cast<size_t>(terms) * (static_cast<size_t>(rows) * (2 * I + 16) + (2 * I + 16));
 }
 
-template <int Warps, int NT, int PerLane, class Rule>
-__global__ void __launch_bounds__((Warps + 1) * 32, 1)
+template <int NT, int PerLane, class Rule>
+__global__ void __launch_bounds__((kTokenWarps + 1) * 32, 1)
     moe_token_down_kernel(Rule rule, const float* __restrict__ logits, int64_t ld, int E,
                           const float* __restrict__ act, const int32_t* __restrict__ ids,
                           const float* __restrict__ wts, const int32_t* __restrict__ row_of, int k,
                           const uint16_t* __restrict__ down, const uint16_t* __restrict__ extra,
                           int extra_row, const float* __restrict__ shared,
                           const float* __restrict__ gate, int H, int I, float* __restrict__ y) {
-  constexpr int kRows = 8 * NT;  // output columns of a block: weight rows of each term
+  constexpr int Warps = kTokenWarps;  // k_split_warps(H) (the host checks)
+  constexpr int kRows = 8 * NT;       // output columns of a block: weight rows of each term
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ __align__(8) uint64_t full[kMaxTopK + 1];  // term s's weights have landed
   __shared__ float s_w[kMaxTopK];
@@ -813,8 +847,7 @@ __global__ void __launch_bounds__((Warps + 1) * 32, 1)
   if (warp == Warps) {
     // Lane j < k holds choice j; its place among the choices in ascending id is its term.
     const int e = route_token<PerLane>(rule, logits, ld, 0, E, k, nullptr, nullptr);
-    int place = 0;
-    for (int q = 0; q < k; ++q) place += __shfl_sync(0xffffffffu, e, q) < e;
+    const int place = choice_place(e, k);
     const uint64_t policy = evict_first_policy();
     const unsigned bytes = static_cast<unsigned>(2 * I);
     for (int s = 0; s < terms; ++s) {  // uniform across the warp
@@ -855,42 +888,12 @@ __global__ void __launch_bounds__((Warps + 1) * 32, 1)
   }
   group_barrier<Warps * 32>();  // the mma warps only
 
-  const int g = lane / 4, t = lane % 4;
-  const int chunks = (I + kChunk - 1) / kChunk;
   float acc = 0.0f, extra_value = 0.0f;  // threads < kRows: their column's
   for (int s = 0; s < terms; ++s) {
     float c[NT][4];
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) c[nt][0] = c[nt][1] = c[nt][2] = c[nt][3] = 0.0f;
-    const unsigned char* wt = w_smem + s * kRows * row_stride;
-    const uint16_t* xr = x_smem + s * (row_stride / 2);
     mbar_wait(shared_address(&full[s]), 0);
-    for (int ch = warp; ch < chunks; ch += Warps) {
-      const int k0 = ch * kChunk + 16 * t;
-      const bool k_ok = k0 < I;
-      uint4 wv[NT][2];
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        if (k_ok && nt * 8 + g < rows) {
-          const uint4* p = reinterpret_cast<const uint4*>(wt + (nt * 8 + g) * row_stride + 2 * k0);
-          wv[nt][0] = p[0];
-          wv[nt][1] = p[1];
-        } else {
-          wv[nt][0] = wv[nt][1] = make_uint4(0, 0, 0, 0);
-        }
-      }
-      // Tile row g is input row g: only row 0 exists (lanes g = 0); rows 8.. are zeros.
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        uint2 lo = make_uint2(0, 0);
-        if (k_ok && g == 0) lo = *reinterpret_cast<const uint2*>(xr + k0 + 4 * j);
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-          const uint32_t* wb = reinterpret_cast<const uint32_t*>(&wv[nt][0]);
-          mma_bf16_16816(c[nt], lo.x, 0u, lo.y, 0u, wb[2 * j], wb[2 * j + 1]);
-        }
-      }
-    }
+    one_row_product<Warps, NT>(c, w_smem + s * kRows * row_stride, row_stride, rows,
+                               x_smem + s * (row_stride / 2), I);
     if (lane < 4)
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
@@ -1148,8 +1151,8 @@ void moe_mlp_add(const float* x, int64_t T, const ops::MoeWeights& w, float* y,
       with_per_lane(E, [&](auto per_lane) {
         using Rule = std::decay_t<decltype(rule)>;
         constexpr int PL = decltype(per_lane)::value;
-        const auto kernel = token_down_nt == 2 ? moe_token_down_kernel<kTokenWarps, 2, PL, Rule>
-                                               : moe_token_down_kernel<kTokenWarps, 1, PL, Rule>;
+        const auto kernel = token_down_nt == 2 ? moe_token_down_kernel<2, PL, Rule>
+                                               : moe_token_down_kernel<1, PL, Rule>;
         allow_dynamic_smem(kernel, smem, "moe_mlp_add: one token's down weights");
         launch("moe_token_down", kernel, static_cast<unsigned>(ceil_div(H, int64_t{rows})),
                (kTokenWarps + 1) * 32, smem, rule, static_cast<const float*>(logits), ld,
