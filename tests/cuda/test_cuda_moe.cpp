@@ -488,12 +488,13 @@ TEST_F(CudaMoe, StackedSharedExpertMatchesTheCpuAndTheSeparateProducts) {
 }
 
 // The post-attention norm inside the op (ops::MoeInputNorm, the residual stream updated in
-// place): the router folds it for one token of a hidden size it normalises in registers (2,048),
+// place): the router folds it for one token of a hidden size it normalises in registers (2,048
+// and 4,096: moe_token_router_kernel, whose blocks own 8 of the 9 stacked router rows, then 1),
 // else a norm kernel runs first; either way the normalised rows, the routing and the output are
 // bitwise the norm kernel followed by the op.
 TEST_F(CudaMoe, InputNormInsideTheMixtureIsBitwiseTheNormFirst) {
   ScopedBackend cuda(ops::Backend::Cuda);
-  for (const int64_t H : {64, 2048}) {
+  for (const int64_t H : {64, 2048, 4096}) {
     SCOPED_TRACE("hidden size " + std::to_string(H));
     std::mt19937 rng(21);
     TestMixture mix(8, 3, H, 32, 32, rng);

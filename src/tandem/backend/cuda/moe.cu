@@ -50,6 +50,7 @@
 #include "tandem/backend/cuda/check.cuh"
 #include "tandem/backend/cuda/cuda_ops.h"
 #include "tandem/backend/cuda/linear_mma.cuh"
+#include "tandem/backend/cuda/row_norm.cuh"
 #include "tandem/backend/cuda/scratch.cuh"
 #include "tandem/core/env_switch.h"
 #include "tandem/core/error.h"
@@ -787,6 +788,116 @@ __global__ void __launch_bounds__((kTokenWarps + 1) * 32, 1)
   }
 }
 
+// --- One token's router (decode at batch 1) -----------------------------------------------------
+//
+// At one token the router product (E + 1 rows of H: 1 MiB for the 35B-A3B shape) is a latency
+// chain, not bytes: the generic folded-norm product's 33 blocks wait on the previous kernel,
+// normalise the row, and only then fetch their rows from DRAM. Here each block owns one 8-row
+// n-tile, and a producer warp bulk-copies those rows into shared memory before the wait (weights),
+// so after it the block normalises the row and multiplies at once.
+// Bits: the folded-norm product's (linear.cu, one staged row with a chunked norm): the row's
+// squares summed in row_norm.cuh's Chunked order from registers, the bf16 roundings of normed(),
+// the kTokenWarps (= k_split_warps of the router's rows) warps' chunks ascending with the same
+// mma sequence and fragments, partials summed in warp order; block 0 writes the normalised fp32
+// row, as that product's first block does. NC: the norm's 4-float chunks per group thread (4 up
+// to H = 2,048, else 8).
+constexpr int kRouterRows = 8;     // router rows a block owns: one n-tile
+constexpr int kNormChunksMax = 8;  // a group thread's 4-float chunks of the row, at most
+
+__host__ __device__ constexpr size_t token_router_smem(int H) {
+  return static_cast<size_t>(kRouterRows + 1) * (2 * H + 16);
+}
+
+template <int NC>
+__global__ void __launch_bounds__((kTokenWarps + 1) * 32, 1)
+    moe_token_router_kernel(const float* __restrict__ x, const uint16_t* __restrict__ router, int N,
+                            int H, const float* __restrict__ norm_w, float eps, bool zero_centred,
+                            float* __restrict__ normed_row, float* __restrict__ logits) {
+  constexpr int W = kTokenWarps;
+  extern __shared__ __align__(128) unsigned char smem[];
+  __shared__ __align__(8) uint64_t full;
+  __shared__ double s_warp[kWideNormThreads / 32];
+  __shared__ float partial[W][4][2];  // lanes 0..3's accumulators (row 0)
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int row_stride = 2 * H + 16;  // bytes
+  const int n0 = blockIdx.x * kRouterRows;
+  const int rows = min(kRouterRows, N - n0);
+  unsigned char* x_bytes = smem + kRouterRows * row_stride;
+  const uint16_t* x_smem = reinterpret_cast<const uint16_t*>(x_bytes);
+
+  if (threadIdx.x == 0) {
+    mbar_init(shared_address(&full), 1);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+
+  if (warp == W) {  // the producer: weights, before the wait
+    const unsigned bytes = static_cast<unsigned>(2 * H);
+    const uint32_t bar = shared_address(&full);
+    if (lane == 0) mbar_arrive_expect(bar, bytes * rows);
+    __syncwarp();
+    if (lane < rows)
+      bulk_copy(shared_address(smem + lane * row_stride),
+                router + static_cast<size_t>(n0 + lane) * H, bytes, bar, evict_first_policy());
+    return;
+  }
+
+  const int t = threadIdx.x, per_row = H / 4;
+  const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
+  float4 wv[NC];  // the norm weight's chunks, before the wait (a weight)
+  const float4* w4 = reinterpret_cast<const float4*>(norm_w);
+#pragma unroll
+  for (int k = 0; k < NC; ++k) {
+    const int c = t + kNormGroup * k;
+    wv[k] = t < kNormGroup && c < per_row ? w4[c] : zero;
+  }
+  pdl_wait();
+  pdl_release();
+  if (t < kNormGroup) {  // whole warps: the row normalised from registers
+    const float4* x4 = reinterpret_cast<const float4*>(x);
+    float4 xv[NC];
+#pragma unroll
+    for (int k = 0; k < NC; ++k) {
+      const int c = t + kNormGroup * k;
+      xv[k] = c < per_row ? x4[c] : zero;
+    }
+    chunked_square_partials<NC>(xv, t, s_warp);
+    static_assert(kNormGroup == 128, "the barrier's thread count below");
+    asm volatile("bar.sync 2, 128;" ::: "memory");  // the norm group (barrier 1: the mma warps)
+    const float s = inv_rms_from_sum(row_square_total<kWideNormThreads>(s_warp), H, eps);
+    float4* out = blockIdx.x == 0 ? reinterpret_cast<float4*>(normed_row) : nullptr;
+#pragma unroll
+    for (int k = 0; k < NC; ++k) {
+      const int c = t + kNormGroup * k;
+      if (c >= per_row) break;
+      const float4 v = xv[k], w = wv[k];
+      const float4 n =
+          make_float4(normed(v.x, s, w.x, zero_centred), normed(v.y, s, w.y, zero_centred),
+                      normed(v.z, s, w.z, zero_centred), normed(v.w, s, w.w, zero_centred));
+      *reinterpret_cast<uint2*>(x_bytes + 8 * c) =
+          make_uint2(pack_bf16(n.x, n.y), pack_bf16(n.z, n.w));
+      if (out) out[c] = n;
+    }
+  }
+  group_barrier<W * 32>();  // the mma warps only: the row is staged
+
+  float c[1][4];
+  mbar_wait(shared_address(&full), 0);
+  one_row_product<W, 1>(c, smem, row_stride, rows, x_smem, H);
+  if (lane < 4) {  // row 0's columns 2·lane, 2·lane + 1 of the n-tile
+    partial[warp][lane][0] = c[0][0];
+    partial[warp][lane][1] = c[0][1];
+  }
+  group_barrier<W * 32>();
+  if (threadIdx.x < rows) {  // column j of the n-tile: finish_group's sum over the warps in order
+    const int j = threadIdx.x;
+    float v = partial[0][j / 2][j % 2];
+#pragma unroll
+    for (int w = 1; w < W; ++w) v += partial[w][j / 2][j % 2];
+    logits[n0 + j] = v;
+  }
+}
+
 // --- One token's down products and their combination (decode at batch 1) ----------------------
 //
 // At one token the grouped down product (a block row per chosen expert, blocks over its columns)
@@ -970,7 +1081,34 @@ void moe_mlp_add(const float* x, int64_t T, const ops::MoeWeights& w, float* y,
   // token, one launch fewer) and writes the normalised rows the experts read.
   const ops::WeightRef& router = gate_row ? w.router_shared_gate : w.router;
   static const bool fold_norm = env_switch_on("TANDEM_CUDA_MOE_FOLD_NORM");
-  if (norm && fold_norm && router.dtype == DType::BF16) {
+  // One token with its norm folded: the router's own kernel (moe_token_router_kernel), whose
+  // rows are fetched before its wait, where the row's norm runs from registers and the shapes are
+  // the kernel's. TANDEM_CUDA_MOE_TOKEN_ROUTER=0 keeps the generic folded-norm product.
+  static const bool token_router_on = env_switch_on("TANDEM_CUDA_MOE_TOKEN_ROUTER");
+  const auto aligned16 = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  const bool token_router =
+      token_router_on && T == 1 && norm && fold_norm && router.dtype == DType::BF16 &&
+      router.cols == H && H % 16 == 0 && norm_order(H) == NormOrder::Chunked &&
+      H <= kNormChunksMax * 4 * kNormGroup && k_split_warps(router.rows) == kTokenWarps &&
+      norm->norm.w.dtype == DType::F32 && norm->norm.w.rows * norm->norm.w.cols == H &&
+      aligned16(x) && aligned16(norm->normed) && aligned16(norm->norm.w.data) &&
+      aligned16(router.data) && token_router_smem(static_cast<int>(H)) <= kTokenSmemMax;
+  if (token_router) {
+    const size_t smem = token_router_smem(static_cast<int>(H));
+    auto go = [&](auto kernel) {
+      allow_dynamic_smem(kernel, smem, "moe_mlp_add: one token's router rows");
+      launch("moe_token_router", kernel,
+             static_cast<unsigned>(ceil_div(router.rows, int64_t{kRouterRows})),
+             (kTokenWarps + 1) * 32, smem, x, static_cast<const uint16_t*>(router.data),
+             static_cast<int>(router.rows), static_cast<int>(H),
+             static_cast<const float*>(norm->norm.w.data), norm->norm.eps, norm->norm.zero_centred,
+             norm->normed, logits);
+    };
+    if (H <= 4 * 4 * kNormGroup)
+      go(moe_token_router_kernel<4>);
+    else
+      go(moe_token_router_kernel<kNormChunksMax>);
+  } else if (norm && fold_norm && router.dtype == DType::BF16) {
     const ops::OutputSlice all{logits, router.rows};
     cuda::linear_split_keeping_norm(x, T, router, &all, 1, norm->norm, norm->normed);
   } else {
