@@ -558,6 +558,51 @@ TEST(Ops, LeadingRowsAndPrefetchHint) {
   EXPECT_EQ(0, std::memcmp(got.data(), want.data(), got.size() * sizeof(float)));
 }
 
+// linear_split with a DeltaNet's conv on its first slice is bitwise the product, then
+// causal_conv_silu_rows on that slice: outputs and conv states; a conv without an output is
+// refused before anything is written.
+TEST(Ops, LinearSplitConvIsTheProductThenTheConv) {
+  std::mt19937 rng(8);
+  const int64_t R = 3, C = 12, taps = 4, hist = taps - 1, k = 16, n = 20;
+  StoredWeight w = make_weight(DType::BF16, n, k, rng, 0.2f);
+  StoredWeight conv_w = make_weight(DType::F32, C, taps, rng, 0.5f);
+  const auto x = random_vec(static_cast<size_t>(R * k), rng, 1.0f);
+  const auto state0 = random_vec(static_cast<size_t>(R * C * hist), rng, 1.0f);
+  std::vector<float> qkv[2], rest[2], out[2], state[2];
+  for (int run = 0; run < 2; ++run) {
+    qkv[run].assign(static_cast<size_t>(R * C), NAN);
+    rest[run].assign(static_cast<size_t>(R * (n - C)), NAN);
+    out[run].assign(static_cast<size_t>(R * C), NAN);
+    state[run] = state0;
+    std::vector<ops::RecurrentRow> rows(static_cast<size_t>(R));
+    for (int64_t i = 0; i < R; ++i) {
+      rows[static_cast<size_t>(i)].first_token = i;
+      rows[static_cast<size_t>(i)].n = 1;
+      rows[static_cast<size_t>(i)].conv_state = state[run].data() + i * C * hist;
+    }
+    const ops::OutputSlice slices[] = {{qkv[run].data(), C}, {rest[run].data(), n - C}};
+    if (run == 0) {
+      ops::linear_split(x.data(), R, w.ref, slices, 2);
+      ops::causal_conv_silu_rows(qkv[run].data(), C, taps, conv_w.ref, rows.data(), R, 1,
+                                 out[run].data());
+    } else {
+      const ops::SliceConv conv{conv_w.ref, taps, rows.data(), R, 1, out[run].data()};
+      ops::linear_split(x.data(), R, w.ref, slices, 2, nullptr, nullptr, &conv);
+      ops::SliceConv no_out = conv;
+      no_out.out = nullptr;
+      std::vector<float> untouched = qkv[run];
+      EXPECT_THROW(ops::linear_split(x.data(), R, w.ref, slices, 2, nullptr, nullptr, &no_out),
+                   Error);
+      EXPECT_EQ(0, std::memcmp(untouched.data(), qkv[run].data(), untouched.size() * 4));
+    }
+  }
+  EXPECT_EQ(0, std::memcmp(qkv[0].data(), qkv[1].data(), qkv[0].size() * sizeof(float)));
+  EXPECT_EQ(0, std::memcmp(rest[0].data(), rest[1].data(), rest[0].size() * sizeof(float)));
+  EXPECT_EQ(0, std::memcmp(out[0].data(), out[1].data(), out[0].size() * sizeof(float)));
+  EXPECT_EQ(0, std::memcmp(state[0].data(), state[1].data(), state[0].size() * sizeof(float)));
+  EXPECT_NE(0, std::memcmp(state[1].data(), state0.data(), state0.size() * sizeof(float)));
+}
+
 // linear_add with the DeltaNet's gated norm is bitwise gated_rms_norm into a temporary, then
 // linear_add; x is unchanged, and a head size that does not tile the rows is refused.
 TEST(Ops, LinearAddWithGatedNormIsNormThenLinearAdd) {

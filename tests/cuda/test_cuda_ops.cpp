@@ -3248,6 +3248,102 @@ TEST_F(CudaTest, LinearSplitEqualsLinearColumns) {
   EXPECT_THROW(cuda::linear_split(nullptr, 1, ref, &short_slice, 1), Error);
 }
 
+// linear_split with a DeltaNet's conv on its first slice (the in-projection's q|k|v): every
+// output, conv state and per-token window is bitwise the product followed by
+// causal_conv_silu_rows, where decode steps (rows of one token each, up to one m-tile) run the
+// conv inside the product and other calls (windows, more rows, prefill) after it. Rows keep their
+// windows (conv_after) or not, settle their token or not; the weights take both warp counts and
+// the one-n-tile rule, and one row folds its input norm too.
+TEST_F(CudaTest, LinearSplitConvIsTheProductThenTheConv) {
+  std::mt19937 rng(79);
+  constexpr int64_t K = 256, kTaps = 4, H = kTaps - 1;
+  struct Shape {
+    std::vector<int64_t> cols;  // qkv | z | b | a
+  };
+  const std::vector<Shape> shapes = {{{512, 256, 16, 16}},   // 8 k-split warps
+                                     {{8192, 128, 16, 16}},  // 4 warps (>= 8,192 rows)
+                                     {{240, 16, 16}}};       // one n-tile a warp (few groups)
+  const F32Weight norm_w = f32_weight(randn(sz(K), rng, 0.1f), K, 1);
+  const ops::RowNorm norm{norm_w.dev_ref(), true, 1e-6f};
+  for (const Shape& shape : shapes) {
+    int64_t N = 0;
+    for (int64_t c : shape.cols) N += c;
+    const int64_t C = shape.cols[0];
+    const Bf16Matrix w = bf16_matrix(N, K, rng);
+    const F32Weight conv_w = f32_weight(randn(sz(C * kTaps), rng, 0.5f), C, kTaps);
+    for (bool prefill : {false, true}) {
+      cuda::set_prefill(prefill);
+      // (tokens per row, rows): decode steps of 1..16 rows (folded), more rows and windows.
+      for (const auto& [n, R] : std::vector<std::pair<int64_t, int64_t>>{
+               {1, 1}, {1, 2}, {1, 4}, {1, 5}, {1, 16}, {1, 17}, {2, 3}, {4, 4}}) {
+        const int64_t m = n * R;
+        const std::vector<float> xh = randn(sz(m * K), rng);
+        DeviceBuffer<float> x(xh);
+        std::vector<std::vector<float>> state0(sz(R));
+        for (auto& s0 : state0) s0 = randn(sz(C * H), rng);
+        // Two runs on fresh copies of the states: [0] the product then the conv, [1] one call.
+        struct Run {
+          std::vector<DeviceBuffer<float>> parts, states, after;
+          DeviceBuffer<float> out;
+          DeviceBuffer<ops::RecurrentRow> desc;
+        };
+        Run run[2];
+        for (Run& r : run) {
+          std::vector<ops::OutputSlice> slices;
+          for (int64_t c : shape.cols) {
+            r.parts.push_back(nan_buffer(sz(m * c)));
+            slices.push_back({r.parts.back().get(), c});
+          }
+          r.out = nan_buffer(sz(m * C));
+          std::vector<ops::RecurrentRow> desc(sz(R));
+          for (int64_t i = 0; i < R; ++i) {
+            r.states.emplace_back(state0[sz(i)]);
+            const bool keeps = i % 3 == 1;
+            r.after.push_back(nan_buffer(keeps ? sz(n * C * H) : 0));
+            ops::RecurrentRow& d = desc[sz(i)];
+            d.first_token = i * n;
+            d.n = n;
+            d.conv_state = r.states.back().get();
+            d.conv_after = r.after.back().get();
+            d.settled = i % 4 == 2 ? 0 : -1;
+          }
+          r.desc = DeviceBuffer<ops::RecurrentRow>(desc);
+          const ops::RowNorm* fold = m == 1 ? &norm : nullptr;
+          if (&r == &run[0]) {
+            cuda::linear_split(x.get(), m, w.dev_ref(), slices.data(),
+                               static_cast<int>(slices.size()), fold);
+            cuda::causal_conv_silu_rows(r.parts[0].get(), C, kTaps, conv_w.dev_ref(), r.desc.get(),
+                                        R, n, r.out.get());
+          } else {
+            const ops::SliceConv conv{conv_w.dev_ref(), kTaps, r.desc.get(), R, n, r.out.get()};
+            cuda::linear_split(x.get(), m, w.dev_ref(), slices.data(),
+                               static_cast<int>(slices.size()), fold, nullptr, &conv);
+          }
+        }
+        const std::string what = "qkv " + std::to_string(C) + ", " + std::to_string(R) +
+                                 " rows of " + std::to_string(n) + ", prefill " +
+                                 std::to_string(prefill);
+        EXPECT_TRUE(bitwise_equal(run[1].out.download(), run[0].out.download())) << what;
+        for (size_t p = 0; p < shape.cols.size(); ++p)
+          EXPECT_TRUE(bitwise_equal(run[1].parts[p].download(), run[0].parts[p].download()))
+              << what << ", slice " << p;
+        for (size_t i = 0; i < sz(R); ++i) {
+          EXPECT_TRUE(bitwise_equal(run[1].states[i].download(), run[0].states[i].download()))
+              << what << ", state of row " << i;
+          if (run[0].after[i].size() > 0) {
+            EXPECT_TRUE(bitwise_equal(run[1].after[i].download(), run[0].after[i].download()))
+                << what << ", windows of row " << i;
+          }
+        }
+        // The conv did run: row 0 settles its tokens, so its state moved on.
+        const std::vector<float> moved = run[1].states[0].download();
+        EXPECT_FALSE(bitwise_equal(moved, state0[0])) << what;
+      }
+    }
+  }
+  cuda::set_prefill(false);
+}
+
 // A prefetch hint (another weight for L2 to fetch as the projection's blocks finish) changes no
 // value and no byte of either weight, whatever its size or alignment, at every row count: the
 // decode and verify shapes that issue it and the batches and prefill that ignore it. The same

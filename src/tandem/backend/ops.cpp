@@ -423,7 +423,8 @@ const float* cpu_input_rows(const float* x, int64_t m, int64_t k, const RowNorm*
 }  // namespace
 
 void linear_split(const float* x, int64_t m, const WeightRef& w, const OutputSlice* slices,
-                  int n_slices, const RowNorm* norm, const WeightRef* prefetch) {
+                  int n_slices, const RowNorm* norm, const WeightRef* prefetch,
+                  const SliceConv* conv) {
   int64_t cols = 0;
   for (int i = 0; i < n_slices; ++i) cols += slices[i].cols;
   if (n_slices < 1 || n_slices > 4 || cols != w.rows)
@@ -432,9 +433,10 @@ void linear_split(const float* x, int64_t m, const WeightRef& w, const OutputSli
   if (norm && norm->w.rows * norm->w.cols != w.cols)
     fail("linear_split: the input norm has ", norm->w.rows * norm->w.cols, " weights for rows of ",
          w.cols);
+  if (conv && conv->out == nullptr) fail("linear_split: the conv has no output");
 #ifdef TANDEM_HAVE_CUDA
   if (g_backend == Backend::Cuda)
-    return cuda::linear_split(x, m, w, slices, n_slices, norm, prefetch);
+    return cuda::linear_split(x, m, w, slices, n_slices, norm, prefetch, conv);
 #endif
   std::vector<float> rows;
   (void)prefetch;  // the CPU's caches hold a small part of a projection's weight
@@ -446,6 +448,9 @@ void linear_split(const float* x, int64_t m, const WeightRef& w, const OutputSli
     copy_rows(slices[i].dst, slices[i].cols, y.data() + c0, w.rows, m, slices[i].cols);
     c0 += slices[i].cols;
   }
+  if (conv)
+    cpu::causal_conv_silu_rows(slices[0].dst, slices[0].cols, conv->kernel, conv->w, conv->rows,
+                               conv->n_rows, conv->max_n, conv->out);
 }
 WeightRef leading_rows(const WeightRef& w, double fraction) {
   WeightRef r = w;

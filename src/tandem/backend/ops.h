@@ -294,12 +294,26 @@ struct RowNorm {
 // behind ops that stream little memory (a DeltaNet's recurrence, an attention): on CUDA's decode
 // and verify shapes (up to 16 rows) the projection's blocks ask L2 to fetch it as they finish, so
 // those bytes stream from HBM while the latency-bound ops run. A hint: no value changes.
+// conv (optional): a DeltaNet's conv over the first slice's columns (its q|k|v), into conv->out:
+// every value is the one causal_conv_silu_rows on slices[0] after the product computes, and the
+// conv states change as that call changes them (on CUDA's decode steps, rows of one token each,
+// the projection's epilogue runs it: one launch fewer per layer).
 struct OutputSlice {
   float* dst = nullptr;
   int64_t cols = 0;
 };
+struct SliceConv {
+  WeightRef w;  // [channels, kernel], fp32, channels = the first slice's cols
+  int64_t kernel = 0;
+  // As causal_conv_silu_rows' rows, n_rows and max_n; the rows lay the tokens out in order (row
+  // r's first_token is the sum of the earlier rows' n), as a forward's descriptors do.
+  const RecurrentRow* rows = nullptr;
+  int64_t n_rows = 0, max_n = 0;
+  float* out = nullptr;  // [m, channels]
+};
 void linear_split(const float* x, int64_t m, const WeightRef& w, const OutputSlice* slices,
-                  int n_slices, const RowNorm* norm = nullptr, const WeightRef* prefetch = nullptr);
+                  int n_slices, const RowNorm* norm = nullptr, const WeightRef* prefetch = nullptr,
+                  const SliceConv* conv = nullptr);
 // The first `fraction` of w's rows (rounded down), as a weight of its own: a prefetch range.
 WeightRef leading_rows(const WeightRef& w, double fraction);
 

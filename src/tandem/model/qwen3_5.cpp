@@ -901,23 +901,25 @@ void Qwen35Model::delta_layer(const Layer& L, Qwen35State& st, const ForwardRequ
         *a = w.recording ? st.recorded_a(li) : w.a3.data() + T * nv, *core = w.a5.data();
   const bool stacked = L.delta.in_proj.data != nullptr;
   const SublayerInput in = sublayer_input(L.input_norm, T, stacked);
+  // All rows in one launch per op; each row's numbers equal the single-row ops' for it alone.
+  const int64_t R = static_cast<int64_t>(req.rows.size());
+  const ops::RecurrentRow* rows = w.recurrent_rows + li * R;
   if (stacked) {
-    // One stacked projection, its column slices written straight into the four buffers.
+    // One stacked projection, its column slices written straight into the four buffers, the
+    // q|k|v slice also through the conv (in the projection's epilogue on CUDA's decode steps).
     const ops::OutputSlice out[] = {{qkv, conv_dim}, {z, vd}, {b, nv}, {a, nv}};
     const ops::WeightRef next = ops::leading_rows(L.delta.out_proj, kOutputPrefetch);
-    ops::linear_split(in.x, T, L.delta.in_proj, out, 4, in.fold(), &next);
+    const ops::SliceConv qkv_conv{
+        L.delta.conv1d, c.linear_conv_kernel_dim, rows, R, w.max_row_tokens, conv};
+    ops::linear_split(in.x, T, L.delta.in_proj, out, 4, in.fold(), &next, &qkv_conv);
   } else {
     ops::linear(in.x, T, L.delta.in_proj_qkv, qkv);
     ops::linear(in.x, T, L.delta.in_proj_z, z);
     ops::linear(in.x, T, L.delta.in_proj_b, b);
     ops::linear(in.x, T, L.delta.in_proj_a, a);
+    ops::causal_conv_silu_rows(qkv, conv_dim, c.linear_conv_kernel_dim, L.delta.conv1d, rows, R,
+                               w.max_row_tokens, conv);
   }
-
-  // All rows in one launch per op; each row's numbers equal the single-row ops' for it alone.
-  const int64_t R = static_cast<int64_t>(req.rows.size());
-  const ops::RecurrentRow* rows = w.recurrent_rows + li * R;
-  ops::causal_conv_silu_rows(qkv, conv_dim, c.linear_conv_kernel_dim, L.delta.conv1d, rows, R,
-                             w.max_row_tokens, conv);
   // The conv output per token is [q (kd) | k (kd) | v (vd)]: the recurrence reads the three in
   // place, conv_dim floats apart from one token to the next.
   ops::gated_delta_rule_rows(conv, conv + kd, conv + 2 * kd, a, b, L.delta.A_log, L.delta.dt_bias,

@@ -175,9 +175,11 @@ void mla_attention(const float* q_nope, const float* q_pe, int64_t n, int64_t H,
                    int64_t topk, float scale, bool absorbed, float* out);
 // norm (optional): decode-shaped calls (m <= 4, K a multiple of 16) normalise the rows while
 // staging them, in rms_norm's order; every other call runs rms_norm into a scratch buffer first.
+// conv (optional): decode steps (as many rows as tokens, at most one token a row) run it in the
+// product's epilogue (conv_channel.cuh's ConvFold), other calls as causal_conv_silu_rows after it.
 void linear_split(const float* x, int64_t m, const ops::WeightRef& w,
                   const ops::OutputSlice* slices, int n_slices, const ops::RowNorm* norm = nullptr,
-                  const ops::WeightRef* prefetch = nullptr);
+                  const ops::WeightRef* prefetch = nullptr, const ops::SliceConv* conv = nullptr);
 // The accumulation happens in the epilogue (prompt prefill: cuBLAS, then add_inplace). norm:
 // gated_rms_norm_bf16 first, whose rows the product reads without staging them.
 void linear_add(const float* x, int64_t m, const ops::WeightRef& w, float* y,

@@ -392,6 +392,9 @@ __device__ __forceinline__ uint2 load_x4(const void* xin, const uint16_t* x_smem
 // the first group's first weights are loaded before the kernel waits on its inputs.
 // pf: a later kernel's weight bytes, whose L2 fetch each block issues once its groups are done
 // (prefetch_l2_share).
+// y.conv (one m-tile, neither grouped nor SwiGLU; the host passes it to no other kernel): after
+// its last column group each block runs a DeltaNet's conv on the first slice's columns it stored
+// (ConvFold), whose inputs it asked L1 for before the wait.
 // Registers: with two m-tiles (17..32 rows, e.g. a decode step of 32 rows) the kernel declares a
 // minimum of one block per SM, which lets ptxas give it ~124 registers instead of ~100: 32 rows
 // ran 14% faster on the H200 (BENCHMARKS.md). The other tile counts keep ptxas's default budget
@@ -466,6 +469,11 @@ __global__ void __launch_bounds__(Warps * 32, Tiles == 2              ? 1
       point_at(blockIdx.x);
       load_w(cur, warp);
     }
+  }
+  if constexpr (!Grouped && !SwiGLU && Tiles == 1) {
+    if (y.conv.out != nullptr)
+      for (int grp = blockIdx.x; grp < groups; grp += gridDim.x)
+        y.conv.prefetch(m, grp * 8 * NT, (grp + 1) * 8 * NT);
   }
   bool have_cur = false;       // kGroupWeights: cur already holds this warp's first chunk of grp
   float4 norm_w[kNormChunks];  // F32X with a chunked norm: its weight, loaded before the wait
@@ -578,6 +586,13 @@ __global__ void __launch_bounds__(Warps * 32, Tiles == 2              ? 1
 
       finish_group<Warps, Tiles, NT, SwiGLU>(partial, c, warp, lane, row0, m, n_base, N, row_base,
                                              y);
+    }
+  }
+  if constexpr (!Grouped && !SwiGLU && Tiles == 1) {
+    if (y.conv.out != nullptr) {  // uniform: a kernel argument
+      __syncthreads();            // the block's stored columns, visible to all its threads
+      for (int grp = blockIdx.x; grp < groups; grp += gridDim.x)
+        y.conv.run(m, grp * 8 * NT, (grp + 1) * 8 * NT);
     }
   }
   prefetch_l2_share(pf);
@@ -1146,13 +1161,40 @@ void linear_any(const float* x, int64_t m, const ops::WeightRef& w, const SplitO
 
 }  // namespace
 
+namespace {
+
+// Whether linear_split's conv runs inside the product (ConvFold): decode steps of up to one m-tile
+// (the register kernel's calls), whose descriptors (laid out in token order) then give row r
+// token r alone, at the tap count the fold is compiled for; never in prompt prefill.
+// TANDEM_CUDA_CONV_FOLD=0 keeps the conv kernel after the product (A/B timing).
+bool conv_folds(const float* x, const ops::WeightRef& w, const ops::SliceConv& conv, int64_t m) {
+  static const bool enabled = env_switch_on("TANDEM_CUDA_CONV_FOLD");
+  return enabled && !prefill_mode() && m <= kTileRows && mma_path(x, w) &&
+         conv.kernel == kFoldedConvTaps && conv.max_n == 1 && conv.n_rows == m;
+}
+
+}  // namespace
+
 void linear_split(const float* x, int64_t m, const ops::WeightRef& w,
                   const ops::OutputSlice* slices, int n_slices, const ops::RowNorm* norm,
-                  const ops::WeightRef* prefetch) {
-  const SplitOut y = split_out(slices, n_slices, w.rows);
+                  const ops::WeightRef* prefetch, const ops::SliceConv* conv) {
+  SplitOut y = split_out(slices, n_slices, w.rows);
   if (m == 0 || w.rows == 0) return;
   check_weight(m, w, {norm, nullptr});
+  const bool fold = conv != nullptr && conv_folds(x, w, *conv, m);
+  if (fold) {
+    const int64_t channels = slices[0].cols;
+    check_f32_vector(conv->w, channels * conv->kernel, "cuda linear", "conv weight");
+    if (conv->w.rows != channels || conv->w.cols != conv->kernel)
+      fail("cuda linear: the conv weight is [", conv->w.rows, ", ", conv->w.cols, "], expected [",
+           channels, ", ", conv->kernel, "]");
+    y.conv = {static_cast<const float*>(conv->w.data), conv->rows, slices[0].dst, conv->out,
+              static_cast<int>(channels)};
+  }
   linear_any(x, m, w, y, {norm, nullptr}, l2_prefetch(prefetch, m));
+  if (conv != nullptr && !fold)
+    cuda::causal_conv_silu_rows(slices[0].dst, slices[0].cols, conv->kernel, conv->w, conv->rows,
+                                conv->n_rows, conv->max_n, conv->out);
 }
 
 void linear_split_keeping_norm(const float* x, int64_t m, const ops::WeightRef& w,

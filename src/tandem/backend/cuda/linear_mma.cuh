@@ -10,6 +10,7 @@
 #include <cstdint>
 
 #include "tandem/backend/cuda/activation.cuh"
+#include "tandem/backend/cuda/conv_channel.cuh"
 
 namespace tandem::cuda {
 
@@ -47,6 +48,8 @@ __device__ __forceinline__ void mma_bf16_16816(float (&c)[4], uint32_t a0, uint3
 // slice): the value is added to what the destination holds, as add_inplace would add it.
 // bf16 (one slice): the destination is bf16 [m, width] and receives the value rounded to nearest
 // even, the rounding a consuming linear applies to its inputs (swiglu_mlp_add's activations).
+// conv: a DeltaNet's conv the register kernel (linear.cu) runs on the first slice after its
+// columns are stored (ConvFold; conv.out == nullptr: none).
 constexpr int kMaxSlices = 4;
 struct SplitOut {
   float* dst[kMaxSlices];
@@ -54,6 +57,7 @@ struct SplitOut {
   int parts;
   bool accumulate;
   bool bf16;
+  ConvFold conv;
   __device__ __forceinline__ void store(int r, int col, float v) const {
     if (bf16) {
       reinterpret_cast<__nv_bfloat16*>(dst[0])[static_cast<size_t>(r) * start[1] + col] =

@@ -18,6 +18,7 @@
 #include "tandem/backend/cuda/activation.cuh"
 #include "tandem/backend/cuda/async_copy.cuh"
 #include "tandem/backend/cuda/check.cuh"
+#include "tandem/backend/cuda/conv_channel.cuh"
 #include "tandem/backend/cuda/cuda_ops.h"
 #include "tandem/core/env_switch.h"
 #include "tandem/core/error.h"
@@ -36,85 +37,6 @@ constexpr int kConvThreads = 128;
 constexpr int kMaxConvKernel = 16;
 // Tokens per block when causal_conv_silu_rows splits long rows (prompts); >= kMaxConvKernel - 1.
 constexpr int64_t kConvChunk = 64;
-
-// Both launch paths below run one row's channel through conv_silu_channel; only where the row's
-// pointers and n come from differs (kernel arguments, or a device descriptor in the batched
-// kernel), so a row's bits cannot depend on which path ran it or on the other rows of a call.
-
-// One thread per channel (grid over channels); it walks the n tokens in order with the last
-// K-1 inputs in registers (win, oldest first), like cpu::causal_conv_silu's state. A thread
-// reads x[t, c] before writing out[t, c] and touches only channel c, so out may alias x.
-//   acc = Σ_{j<K-1} w[c, j] · win[j] + w[c, K-1] · x[t, c],  out = silu(acc)
-// load() takes the channel's taps and state; the kernels call it before they wait on the
-// previous kernel (check.cuh's rule: the weight never changes, and only this layer's conv writes
-// the state, one forward earlier), so only the inputs x are read after the wait. run() then
-// walks the tokens; x and out point at the row's first token, state and state_after are the
-// row's own.
-template <int K>
-struct ConvChannel {
-  static constexpr int H = K - 1;  // history length
-  float wc[K];
-  float win[H > 0 ? H : 1];
-
-  __device__ __forceinline__ void load(const float* w, const float* state, int64_t c) {
-#pragma unroll
-    for (int j = 0; j < K; ++j) wc[j] = w[c * K + j];
-#pragma unroll
-    for (int j = 0; j < H; ++j) win[j] = state[c * H + j];
-  }
-
-  // Moves the window to the K-1 inputs before token `begin` (begin >= K-1: all of them in x),
-  // for a block that starts a row's tokens part way (causal_conv_silu_rows' token chunks).
-  __device__ __forceinline__ void seek(const float* x, int64_t begin, int64_t channels, int64_t c) {
-#pragma unroll
-    for (int j = 0; j < H; ++j) win[j] = x[(begin - H + j) * channels + c];
-  }
-
-  // The window as it stands after token `settled` - 1 of run()'s tokens (registers), for a row
-  // whose state keeps fewer tokens than it runs; run() copies it without a store in its loop, so
-  // the later tokens' loads still issue early.
-  float settled_win[H > 0 ? H : 1];
-
-  // Tokens begin .. end-1 of the row; the window must hold the inputs before `begin`. With
-  // settled in (begin, end], settled_win gets the window after token settled - 1.
-  __device__ __forceinline__ void run(const float* x, int64_t begin, int64_t end, int64_t channels,
-                                      int64_t c, float* out, float* state_after,
-                                      int64_t settled = -1) {
-    // Unrolled so later tokens' x loads issue early; every copy runs the same fmaf sequence.
-#pragma unroll 4
-    for (int64_t t = begin; t < end; ++t) {
-      const float xt = x[t * channels + c];
-      float acc = 0.0f;
-#pragma unroll
-      for (int j = 0; j < H; ++j) acc = fmaf(wc[j], win[j], acc);
-      acc = fmaf(wc[H], xt, acc);
-      if constexpr (H > 0) {
-#pragma unroll
-        for (int j = 0; j + 1 < H; ++j) win[j] = win[j + 1];
-        win[H - 1] = xt;
-      }
-      out[t * channels + c] = silu(acc);
-      if (t + 1 == settled) {
-#pragma unroll
-        for (int j = 0; j < H; ++j) settled_win[j] = win[j];
-      }
-      if (state_after != nullptr) {
-        float* dst = state_after + (t * channels + c) * H;
-#pragma unroll
-        for (int j = 0; j < H; ++j) dst[j] = win[j];
-      }
-    }
-  }
-
-  __device__ __forceinline__ void store(float* state, int64_t c) const {
-#pragma unroll
-    for (int j = 0; j < H; ++j) state[c * H + j] = win[j];
-  }
-  __device__ __forceinline__ void store_settled(float* state, int64_t c) const {
-#pragma unroll
-    for (int j = 0; j < H; ++j) state[c * H + j] = settled_win[j];
-  }
-};
 
 // One row, from arguments: grid over channels.
 template <int K>
