@@ -559,8 +559,8 @@ TEST(Ops, LeadingRowsAndPrefetchHint) {
 }
 
 // linear_split with a DeltaNet's conv on its first slice is bitwise the product, then
-// causal_conv_silu_rows on that slice: outputs and conv states; a conv without an output is
-// refused before anything is written.
+// causal_conv_silu_rows on that slice: outputs and conv states; a conv without an output, with a
+// weight of the wrong shape or without descriptors is refused before anything is written.
 TEST(Ops, LinearSplitConvIsTheProductThenTheConv) {
   std::mt19937 rng(8);
   const int64_t R = 3, C = 12, taps = 4, hist = taps - 1, k = 16, n = 20;
@@ -588,12 +588,17 @@ TEST(Ops, LinearSplitConvIsTheProductThenTheConv) {
     } else {
       const ops::SliceConv conv{conv_w.ref, taps, rows.data(), R, 1, out[run].data()};
       ops::linear_split(x.data(), R, w.ref, slices, 2, nullptr, nullptr, &conv);
-      ops::SliceConv no_out = conv;
+      // Bad convs are refused before the product writes anything.
+      ops::SliceConv no_out = conv, narrow = conv, no_rows = conv;
       no_out.out = nullptr;
-      std::vector<float> untouched = qkv[run];
-      EXPECT_THROW(ops::linear_split(x.data(), R, w.ref, slices, 2, nullptr, nullptr, &no_out),
-                   Error);
+      narrow.w.rows = C - 1;
+      no_rows.rows = nullptr;
+      const std::vector<float> untouched = qkv[run], rest_before = rest[run];
+      for (const ops::SliceConv* bad : {&no_out, &narrow, &no_rows})
+        EXPECT_THROW(ops::linear_split(x.data(), R, w.ref, slices, 2, nullptr, nullptr, bad),
+                     Error);
       EXPECT_EQ(0, std::memcmp(untouched.data(), qkv[run].data(), untouched.size() * 4));
+      EXPECT_EQ(0, std::memcmp(rest_before.data(), rest[run].data(), rest_before.size() * 4));
     }
   }
   EXPECT_EQ(0, std::memcmp(qkv[0].data(), qkv[1].data(), qkv[0].size() * sizeof(float)));

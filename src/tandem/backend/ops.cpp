@@ -433,7 +433,18 @@ void linear_split(const float* x, int64_t m, const WeightRef& w, const OutputSli
   if (norm && norm->w.rows * norm->w.cols != w.cols)
     fail("linear_split: the input norm has ", norm->w.rows * norm->w.cols, " weights for rows of ",
          w.cols);
-  if (conv && conv->out == nullptr) fail("linear_split: the conv has no output");
+  if (conv) {  // checked before anything is written
+    if (conv->out == nullptr) fail("linear_split: the conv has no output");
+    const DType dt = conv->w.dtype;
+    if ((dt != DType::F32 && dt != DType::BF16 && dt != DType::F16) || conv->kernel < 1 ||
+        conv->kernel > 16 || conv->w.rows != slices[0].cols || conv->w.cols != conv->kernel)
+      fail("linear_split: the conv weight is ", dtype_name(dt), " [", conv->w.rows, ", ",
+           conv->w.cols, "], expected a float weight of [", slices[0].cols, ", ", conv->kernel,
+           "] with 1..16 taps");
+    if (conv->n_rows < 0 || conv->max_n < 0 || (conv->n_rows > 0 && conv->rows == nullptr))
+      fail("linear_split: the conv has ", conv->n_rows, " rows (max_n ", conv->max_n,
+           ") and descriptors ", conv->rows ? "given" : "missing");
+  }
 #ifdef TANDEM_HAVE_CUDA
   if (g_backend == Backend::Cuda)
     return cuda::linear_split(x, m, w, slices, n_slices, norm, prefetch, conv);

@@ -1181,16 +1181,17 @@ void linear_split(const float* x, int64_t m, const ops::WeightRef& w,
   SplitOut y = split_out(slices, n_slices, w.rows);
   if (m == 0 || w.rows == 0) return;
   check_weight(m, w, {norm, nullptr});
-  const bool fold = conv != nullptr && conv_folds(x, w, *conv, m);
-  if (fold) {
+  if (conv != nullptr) {  // checked before the product writes anything
     const int64_t channels = slices[0].cols;
     check_f32_vector(conv->w, channels * conv->kernel, "cuda linear", "conv weight");
     if (conv->w.rows != channels || conv->w.cols != conv->kernel)
       fail("cuda linear: the conv weight is [", conv->w.rows, ", ", conv->w.cols, "], expected [",
            channels, ", ", conv->kernel, "]");
-    y.conv = {static_cast<const float*>(conv->w.data), conv->rows, slices[0].dst, conv->out,
-              static_cast<int>(channels)};
   }
+  const bool fold = conv != nullptr && conv_folds(x, w, *conv, m);
+  if (fold)
+    y.conv = {static_cast<const float*>(conv->w.data), conv->rows, slices[0].dst, conv->out,
+              static_cast<int>(slices[0].cols)};
   linear_any(x, m, w, y, {norm, nullptr}, l2_prefetch(prefetch, m));
   if (conv != nullptr && !fold)
     cuda::causal_conv_silu_rows(slices[0].dst, slices[0].cols, conv->kernel, conv->w, conv->rows,
