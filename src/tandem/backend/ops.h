@@ -297,13 +297,14 @@ struct RowNorm {
 // conv (optional): a DeltaNet's conv over the first slice's columns (its q|k|v), into conv->out:
 // every value is the one causal_conv_silu_rows on slices[0] after the product computes, and the
 // conv states change as that call changes them (on CUDA's decode steps, rows of one token each,
-// the projection's epilogue runs it: one launch fewer per layer).
+// the projection's kernel runs it after its product: one launch fewer per layer). A bad conv is
+// refused before anything is written.
 struct OutputSlice {
   float* dst = nullptr;
   int64_t cols = 0;
 };
 struct SliceConv {
-  WeightRef w;  // [channels, kernel], fp32, channels = the first slice's cols
+  WeightRef w;  // [channels, kernel] (F32 on CUDA), channels = the first slice's cols, 1..16 taps
   int64_t kernel = 0;
   // As causal_conv_silu_rows' rows, n_rows and max_n; the rows lay the tokens out in order (row
   // r's first_token is the sum of the earlier rows' n), as a forward's descriptors do.
