@@ -11,6 +11,21 @@ __device__ __forceinline__ void mbar_init(uint32_t bar, unsigned count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
 }
 
+// A block's barriers, by its thread 0, then the whole block synchronised: full[0 .. n) complete on
+// one arrival (the producer's, which also expects its copies' bytes) and, where empty is given,
+// empty[0 .. n) on `consumers` arrivals (the warps that release a stage).
+__device__ __forceinline__ void init_barriers(uint64_t* full, uint64_t* empty, int n,
+                                              unsigned consumers) {
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < n; ++s) {
+      mbar_init(static_cast<uint32_t>(__cvta_generic_to_shared(&full[s])), 1);
+      if (empty) mbar_init(static_cast<uint32_t>(__cvta_generic_to_shared(&empty[s])), consumers);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+}
+
 __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
 }

@@ -235,13 +235,6 @@ __device__ __forceinline__ void stage_batches(const float* x, int m, int K, cons
   }
 }
 
-// Synchronises the block's first kNormGroup threads (named barrier 1, an immediate so the kernel
-// reserves no other; barrier 0 is __syncthreads').
-__device__ __forceinline__ void norm_group_barrier() {
-  static_assert(kNormGroup == 128, "the barrier's thread count below");
-  asm volatile("bar.sync 1, 128;" ::: "memory");
-}
-
 // The folded norm of hidden-size rows (norm_order Chunked, K <= kNormChunks · 4 · kNormGroup):
 // group thread t (t < kNormGroup) holds the row's and the norm weight's 4-float chunks
 // t + kNormGroup·k, k < NC (NC = 4 or 8, the fewest that cover K).
@@ -287,30 +280,14 @@ __device__ __forceinline__ void stage_normed_rows(const float* x, int m, int K,
   static_assert(NC <= kNormChunks, "the preloaded weight chunks cover the row");
   const int t = threadIdx.x;
   const int per_row = K / 4, stride = staged_row_stride(K) / 4;
-  const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
   float4* out = blockIdx.x == 0 && blockIdx.y == 0 ? reinterpret_cast<float4*>(norm.out) : nullptr;
-  for (int r = 0; t < kNormGroup && r < m; ++r) {  // whole warps
-    const float4* x4 = reinterpret_cast<const float4*>(x + static_cast<size_t>(r) * K);
-    float4 xv[NC];
-#pragma unroll
-    for (int k = 0; k < NC; ++k) {
-      const int c = t + kNormGroup * k;
-      xv[k] = c < per_row ? x4[c] : zero;
-    }
-    chunked_square_partials<NC>(xv, t, s_warp[r]);
-    norm_group_barrier();
-    const float s = inv_rms_from_sum(row_square_total<kWideNormThreads>(s_warp[r]), K, norm.eps);
-#pragma unroll
-    for (int k = 0; k < NC; ++k) {
-      const int c = t + kNormGroup * k;
-      if (c >= per_row) break;
-      const float4 v = xv[k], w = wv[k];
-      const float4 n = make_float4(
-          normed(v.x, s, w.x, norm.zero_centred), normed(v.y, s, w.y, norm.zero_centred),
-          normed(v.z, s, w.z, norm.zero_centred), normed(v.w, s, w.w, norm.zero_centred));
-      x_smem[r * stride + c] = make_uint2(pack_bf16(n.x, n.y), pack_bf16(n.z, n.w));
-      if (out) out[static_cast<size_t>(r) * per_row + c] = n;
-    }
+  for (int r = 0; t < kNormGroup && r < m; ++r) {  // whole warps; named barrier 1
+    normalise_chunked_row<NC, 1>(x + static_cast<size_t>(r) * K, K, wv, norm.eps, norm.zero_centred,
+                                 s_warp[r], [&](int c, float4 n) {
+                                   x_smem[r * stride + c] =
+                                       make_uint2(pack_bf16(n.x, n.y), pack_bf16(n.z, n.w));
+                                   if (out) out[static_cast<size_t>(r) * per_row + c] = n;
+                                 });
   }
   __syncthreads();
 }
@@ -1158,10 +1135,6 @@ void linear_any(const float* x, int64_t m, const ops::WeightRef& w, const SplitO
   launch("linear", linear_warp_kernel, static_cast<unsigned>((m * w.rows + 7) / 8), 256, 0, x, M,
          static_cast<const uint16_t*>(w.data), N, K, y);
 }
-
-}  // namespace
-
-namespace {
 
 // Whether linear_split's conv runs inside the product (ConvFold): decode steps of up to one m-tile
 // (the register kernel's calls), whose descriptors (laid out in token order) then give row r

@@ -70,14 +70,7 @@ __global__ void __launch_bounds__((Warps + 1) * 32)
   const int chunks = (K + kChunk - 1) / kChunk;
   const int per_group = (chunks + Warps - 1) / Warps;  // stages of one column group
 
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < Stages; ++s) {
-      mbar_init(shared_address(&full[s]), 1);
-      mbar_init(shared_address(&empty[s]), Warps);
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
-  __syncthreads();
+  init_barriers(full, empty, Stages, Warps);
 
   if (warp == Warps) {
     // The producer. Weights never change, so it starts before the previous kernel is done and

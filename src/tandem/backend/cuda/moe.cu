@@ -559,11 +559,24 @@ __device__ __forceinline__ void combine_into(float& y, float acc, bool has_share
     y += acc + shared;
 }
 
+// A token's choices in combining order, by threads 0..k-1 (thread j: choice j of ids, wts and
+// row_of, the token's k entries): s_w and s_row at the choice's place in ascending expert id,
+// the number of its choices with a lower id (a token's ids are distinct).
+__device__ __forceinline__ void order_choices(const int32_t* ids, const float* wts,
+                                              const int32_t* row_of, int k, float* s_w,
+                                              int32_t* s_row) {
+  if (threadIdx.x >= k) return;
+  const int j = threadIdx.x, e = ids[j];
+  int place = 0;
+  for (int q = 0; q < k; ++q) place += ids[q] < e;
+  s_w[place] = wts[j];
+  s_row[place] = row_of[j];
+}
+
 // Grid (T, ceil(H / kCombineThreads)): block (t, b) adds to y[t] its columns b·kCombineThreads
 // .. (b + 1)·kCombineThreads - 1, each Σ (the token's choices in ascending expert id) w · out[row]
 // and, with a shared expert, + sigmoid(gate logit) · shared[t], as one term (cpu::moe_mlp_add's
-// order). The gate logit of token t is gate[t · gate_ld]. A token's ids are distinct (routing),
-// so a choice's place in id order is the number of its choices with a lower id.
+// order, order_choices). The gate logit of token t is gate[t · gate_ld].
 __global__ void __launch_bounds__(kCombineThreads)
     moe_combine_kernel(const int32_t* __restrict__ ids, const float* __restrict__ wts,
                        const int32_t* __restrict__ row_of, const float* __restrict__ out,
@@ -574,14 +587,7 @@ __global__ void __launch_bounds__(kCombineThreads)
   __shared__ float s_w[kMaxTopK];
   __shared__ int32_t s_row[kMaxTopK];
   const int64_t t = blockIdx.x;
-  const int32_t* tid = ids + t * k;
-  if (threadIdx.x < k) {
-    const int j = threadIdx.x, e = tid[j];
-    int place = 0;
-    for (int q = 0; q < k; ++q) place += tid[q] < e;
-    s_w[place] = wts[t * k + j];
-    s_row[place] = row_of[t * k + j];
-  }
+  order_choices(ids + t * k, wts + t * k, row_of + t * k, k, s_w, s_row);
   __syncthreads();
   const int64_t i = static_cast<int64_t>(blockIdx.y) * kCombineThreads + threadIdx.x;
   if (i >= H) return;
@@ -702,14 +708,7 @@ __global__ void __launch_bounds__((kTokenWarps + 1) * 32, 1)
   const int items = extra_items + k * per_term;
   const uint16_t* x_smem = reinterpret_cast<const uint16_t*>(smem + stages * stage_bytes);
 
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < stages; ++s) {
-      mbar_init(shared_address(&full[s]), 1);
-      mbar_init(shared_address(&empty[s]), W);
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
-  __syncthreads();
+  init_barriers(full, empty, stages, W);
 
   if (warp == W) {
     const uint64_t policy = evict_first_policy();
@@ -825,11 +824,7 @@ __global__ void __launch_bounds__((kTokenWarps + 1) * 32, 1)
   unsigned char* x_bytes = smem + kRouterRows * row_stride;
   const uint16_t* x_smem = reinterpret_cast<const uint16_t*>(x_bytes);
 
-  if (threadIdx.x == 0) {
-    mbar_init(shared_address(&full), 1);
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
-  __syncthreads();
+  init_barriers(&full, nullptr, 1, 0);
 
   if (warp == W) {  // the producer: weights, before the wait
     const unsigned bytes = static_cast<unsigned>(2 * H);
@@ -853,31 +848,13 @@ __global__ void __launch_bounds__((kTokenWarps + 1) * 32, 1)
   }
   pdl_wait();
   pdl_release();
-  if (t < kNormGroup) {  // whole warps: the row normalised from registers
-    const float4* x4 = reinterpret_cast<const float4*>(x);
-    float4 xv[NC];
-#pragma unroll
-    for (int k = 0; k < NC; ++k) {
-      const int c = t + kNormGroup * k;
-      xv[k] = c < per_row ? x4[c] : zero;
-    }
-    chunked_square_partials<NC>(xv, t, s_warp);
-    static_assert(kNormGroup == 128, "the barrier's thread count below");
-    asm volatile("bar.sync 2, 128;" ::: "memory");  // the norm group (barrier 1: the mma warps)
-    const float s = inv_rms_from_sum(row_square_total<kWideNormThreads>(s_warp), H, eps);
+  if (t < kNormGroup) {  // whole warps; named barrier 2 (barrier 1: the mma warps)
     float4* out = blockIdx.x == 0 ? reinterpret_cast<float4*>(normed_row) : nullptr;
-#pragma unroll
-    for (int k = 0; k < NC; ++k) {
-      const int c = t + kNormGroup * k;
-      if (c >= per_row) break;
-      const float4 v = xv[k], w = wv[k];
-      const float4 n =
-          make_float4(normed(v.x, s, w.x, zero_centred), normed(v.y, s, w.y, zero_centred),
-                      normed(v.z, s, w.z, zero_centred), normed(v.w, s, w.w, zero_centred));
+    normalise_chunked_row<NC, 2>(x, H, wv, eps, zero_centred, s_warp, [&](int c, float4 n) {
       *reinterpret_cast<uint2*>(x_bytes + 8 * c) =
           make_uint2(pack_bf16(n.x, n.y), pack_bf16(n.z, n.w));
       if (out) out[c] = n;
-    }
+    });
   }
   group_barrier<W * 32>();  // the mma warps only: the row is staged
 
@@ -949,11 +926,7 @@ __global__ void __launch_bounds__((kTokenWarps + 1) * 32, 1)
   unsigned char* w_smem = smem;  // [terms][kRows][row_stride]
   const uint16_t* x_smem = reinterpret_cast<const uint16_t*>(smem + terms * kRows * row_stride);
 
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < terms; ++s) mbar_init(shared_address(&full[s]), 1);
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
-  __syncthreads();
+  init_barriers(full, nullptr, terms, 0);
 
   if (warp == Warps) {
     // Lane j < k holds choice j; its place among the choices in ascending id is its term.
@@ -980,13 +953,7 @@ __global__ void __launch_bounds__((kTokenWarps + 1) * 32, 1)
 
   pdl_wait();
   pdl_release();
-  if (threadIdx.x < k) {  // moe_combine_kernel's places
-    const int j = threadIdx.x, e = ids[j];
-    int place = 0;
-    for (int q = 0; q < k; ++q) place += ids[q] < e;
-    s_w[place] = wts[j];
-    s_row[place] = row_of[j];
-  }
+  order_choices(ids, wts, row_of, k, s_w, s_row);  // moe_combine_kernel's places
   if (threadIdx.x == 0 && extra) s_row[k] = extra_row;
   group_barrier<Warps * 32>();  // the mma warps only
   // The terms' activation rows in bf16, rounded as the grouped product stages them.

@@ -140,4 +140,36 @@ __device__ inline double row_square_total(const double* s_warp) {
   return total;
 }
 
+// One row normalised from registers by the block's first kNormGroup threads (the only ones that
+// may call it): each loads its NC chunks of x (t + kNormGroup·k, chunked_square_partials' order),
+// the group meets at named barrier `Barrier` for the row's sum, and emit(c, normed chunk c) takes
+// each of the thread's chunks inside the row, rms_norm's values. wv: the thread's chunks of the
+// norm weight, loaded before the kernel waits (zeros past the row).
+template <int NC, int Barrier, class Emit>
+__device__ __forceinline__ void normalise_chunked_row(const float* x, int K, const float4* wv,
+                                                      float eps, bool zero_centred, double* s_warp,
+                                                      Emit&& emit) {
+  const int t = threadIdx.x, per_row = K / 4;
+  const float4* x4 = reinterpret_cast<const float4*>(x);
+  const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
+  float4 xv[NC];
+#pragma unroll
+  for (int k = 0; k < NC; ++k) {
+    const int c = t + kNormGroup * k;
+    xv[k] = c < per_row ? x4[c] : zero;
+  }
+  chunked_square_partials<NC>(xv, t, s_warp);
+  static_assert(kNormGroup == 128, "the barrier's thread count below");
+  asm volatile("bar.sync %0, 128;" ::"n"(Barrier) : "memory");
+  const float s = inv_rms_from_sum(row_square_total<kWideNormThreads>(s_warp), K, eps);
+#pragma unroll
+  for (int k = 0; k < NC; ++k) {
+    const int c = t + kNormGroup * k;
+    if (c >= per_row) break;
+    const float4 v = xv[k], w = wv[k];
+    emit(c, make_float4(normed(v.x, s, w.x, zero_centred), normed(v.y, s, w.y, zero_centred),
+                        normed(v.z, s, w.z, zero_centred), normed(v.w, s, w.w, zero_centred)));
+  }
+}
+
 }  // namespace tandem::cuda
